@@ -1,0 +1,105 @@
+"""Per-request and per-batch state kept on the shard between steps; filter and concatenate as functions."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shard.detokenizer import DetokenizerState
+from shard.sampling import SamplingBatch, SamplingParams
+from shard.stopping import FinishReason, StopCriteria
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request as the router sends it in a Prefill."""
+
+    id: int
+    input_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stop_sequences: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    prefill_logprobs: bool = False
+    blocks: list[int] = field(default_factory=list)
+    cache_len: int = 0
+    skip_special_tokens: bool = True
+
+
+@dataclass(slots=True)
+class RequestState:
+    id: int
+    prompt_ids: list[int]
+    all_ids: list[int]  # prompt then generated ids
+    blocks: list[int]
+    stop: StopCriteria
+    detok: DetokenizerState
+    skip_special_tokens: bool
+    text: list[str] = field(default_factory=list)  # pieces streamed so far
+    finish_reason: FinishReason | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.all_ids[len(self.prompt_ids):]
+
+
+@dataclass(slots=True)
+class Batch:
+    """Requests decoding together; tensors are row-aligned with `requests`."""
+
+    id: int
+    requests: list[RequestState]
+    block_tables: torch.Tensor  # [B, max_blocks] long, rows padded with block 0
+    seq_lens: torch.Tensor  # [B] long: tokens with KV in the cache (= position of the next input)
+    next_input_ids: torch.Tensor  # [B] long: the last sampled token of each request
+    sampling: SamplingBatch
+
+    @property
+    def request_ids(self) -> list[int]:
+        return [r.id for r in self.requests]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(r.blocks) for r in self.requests)
+
+
+def block_table_tensor(blocks: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(b) for b in blocks), default=1) or 1
+    rows = [b + [0] * (width - len(b)) for b in blocks]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def filter_batch(batch: Batch, request_ids: list[int]) -> Batch:
+    """Keeps the listed requests in the listed order; raises KeyError for an id not in the batch."""
+    position = {rid: i for i, rid in enumerate(batch.request_ids)}
+    missing = [rid for rid in request_ids if rid not in position]
+    if missing:
+        raise KeyError(f"requests {missing} are not in batch {batch.id}")
+    rows = [position[rid] for rid in request_ids]
+    index = torch.tensor(rows, dtype=torch.long, device=batch.seq_lens.device)
+    requests = [batch.requests[i] for i in rows]
+    width = max(len(r.blocks) for r in requests)
+    return Batch(
+        id=batch.id, requests=requests,
+        block_tables=batch.block_tables.index_select(0, index)[:, :width].contiguous(),
+        seq_lens=batch.seq_lens.index_select(0, index),
+        next_input_ids=batch.next_input_ids.index_select(0, index),
+        sampling=batch.sampling.select(rows),
+    )
+
+
+def concatenate_batches(batches: list[Batch]) -> Batch:
+    """One batch holding every request of `batches` in order; it keeps the first batch's id."""
+    width = max(b.block_tables.shape[1] for b in batches)
+    tables = [torch.nn.functional.pad(b.block_tables, (0, width - b.block_tables.shape[1]))
+              for b in batches]
+    return Batch(
+        id=batches[0].id,
+        requests=[r for b in batches for r in b.requests],
+        block_tables=torch.cat(tables),
+        seq_lens=torch.cat([b.seq_lens for b in batches]),
+        next_input_ids=torch.cat([b.next_input_ids for b in batches]),
+        sampling=SamplingBatch.concatenate([b.sampling for b in batches]),
+    )

@@ -1,0 +1,45 @@
+"""Tensor-parallel process group: who this rank is, and the collectives the layers call."""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(slots=True)
+class ParallelContext:
+    rank: int = 0
+    world_size: int = 1
+    group: object | None = None
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.world_size > 1
+
+
+def init_parallel(*, rank: int, world_size: int, master_addr: str, master_port: int,
+                  device: torch.device) -> ParallelContext:
+    """Joins the process group; a world of one needs none and gets a context without collectives."""
+    if world_size == 1:
+        return ParallelContext()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
+                            rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    return ParallelContext(rank=rank, world_size=world_size, group=dist.group.WORLD)
+
+
+def all_reduce(tensor: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    if ctx.is_sharded:
+        dist.all_reduce(tensor, group=ctx.group)
+    return tensor
+
+
+def all_gather_last_dim(tensor: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    if not ctx.is_sharded:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, tensor.contiguous(), group=ctx.group)
+    return torch.cat(parts, dim=-1)

@@ -1,0 +1,68 @@
+"""Token embedding and LM head with the vocabulary split across ranks."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shard.distributed import ParallelContext, all_gather_last_dim, all_reduce
+from shard.weights import Weights
+
+
+def _vocab_slice(weights: Weights, name: str) -> tuple[torch.Tensor, int]:
+    """This rank's rows of a [vocab, hidden] tensor, zero-padded so every rank holds as many."""
+    ctx = weights.parallel
+    if not ctx.is_sharded:
+        return weights.get(name), 0
+    vocab = weights.shape(name)[0]
+    block = -(-vocab // ctx.world_size)
+    start = ctx.rank * block
+    part = weights.get_rows(name, start, min(start + block, vocab))
+    if part.shape[0] < block:
+        part = torch.cat([part, part.new_zeros(block - part.shape[0], part.shape[1])])
+    return part.contiguous(), start
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, weight: torch.Tensor, start: int, parallel: ParallelContext):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start = start
+        self.parallel = parallel
+
+    @classmethod
+    def load(cls, weights: Weights, name: str) -> "VocabParallelEmbedding":
+        weight, start = _vocab_slice(weights, name)
+        return cls(weight, start, weights.parallel)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.parallel.is_sharded:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return all_reduce(out, self.parallel)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits for the whole vocabulary on every rank (each computes its rows, then all-gather)."""
+
+    def __init__(self, weight: torch.Tensor, vocab_size: int, parallel: ParallelContext):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.vocab_size = vocab_size
+        self.parallel = parallel
+
+    @classmethod
+    def load(cls, weights: Weights, name: str, vocab_size: int) -> "ParallelLMHead":
+        weight, _ = _vocab_slice(weights, name)
+        return cls(weight, vocab_size, weights.parallel)
+
+    @classmethod
+    def tied(cls, embedding: VocabParallelEmbedding, vocab_size: int) -> "ParallelLMHead":
+        return cls(embedding.weight, vocab_size, embedding.parallel)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = all_gather_last_dim(F.linear(hidden, self.weight), self.parallel)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,59 @@
+"""Loads a model directory: config, weights for this rank, tokenizer and end-of-sequence ids."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from shard.distributed import ParallelContext
+from shard.models import load_model_class
+from shard.weights import Weights
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: torch.nn.Module
+    config: object
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+    special_token_ids: frozenset[int]
+
+
+def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
+               parallel: ParallelContext) -> LoadedModel:
+    model_dir = Path(model_dir)
+    raw_config = json.loads((model_dir / "config.json").read_text())
+    model_class, config = load_model_class(raw_config)
+    weights = Weights(model_dir, dtype=dtype, device=device, parallel=parallel)
+    model = model_class(config, weights).eval()
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    special = frozenset(i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special)
+    return LoadedModel(model, config, tokenizer, eos_token_ids(model_dir, raw_config, tokenizer),
+                       special)
+
+
+def eos_token_ids(model_dir: Path, config: dict, tokenizer: Tokenizer) -> frozenset[int]:
+    """End-of-sequence ids from config.json, generation_config.json and the tokenizer's eos token."""
+    ids: set[int] = set()
+
+    def add(value):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(config.get("eos_token_id"))
+    generation = model_dir / "generation_config.json"
+    if generation.exists():
+        add(json.loads(generation.read_text()).get("eos_token_id"))
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    if tokenizer_config.exists():
+        eos = json.loads(tokenizer_config.read_text()).get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
+            ids.add(tokenizer.token_to_id(eos))
+    return frozenset(ids)

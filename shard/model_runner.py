@@ -1,0 +1,138 @@
+"""Turns sequences to compute into the model's flat inputs and attention metadata, owns the KV cache.
+
+Data flow: the engine says, per sequence, which tokens to compute, where its context starts and which
+blocks hold it; the runner builds input_ids/positions/slot_mapping/masks, runs the model and returns
+logits for the rows asked for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shard.layers.attention import AttentionMetadata, LayerCache
+
+
+@dataclass(slots=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int  # on this rank
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[LayerCache]:
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [LayerCache(torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+                       torch.zeros(shape, dtype=spec.dtype, device=spec.device))
+            for _ in range(spec.num_layers)]
+
+
+@dataclass(slots=True)
+class PrefillSequence:
+    token_ids: list[int]  # the tokens to compute now
+    start: int  # tokens of this sequence already in the cache (position of token_ids[0])
+    blocks: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, spec: KVCacheSpec):
+        self.model = model
+        self.spec = spec
+        self.device = spec.device
+        self.cache: list[LayerCache] = []
+        self.num_blocks = 0
+
+    def allocate(self, num_blocks: int) -> None:
+        self.cache = []  # free the old pool before allocating the new one
+        self.cache = allocate_kv_cache(self.spec, num_blocks)
+        self.num_blocks = num_blocks
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[PrefillSequence], *, all_logits_rows: set[int] = frozenset()
+                ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Computes the sequences' tokens and returns (last-token logits [B, vocab], per sequence the
+        logits of every token [n, vocab] for the rows in `all_logits_rows`, else None)."""
+        device = self.device
+        query_lens = [len(s.token_ids) for s in seqs]
+        context_lens = [s.start + n for s, n in zip(seqs, query_lens)]
+        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long,
+                                 device=device)
+        positions = torch.cat([torch.arange(s.start, c, dtype=torch.long, device=device)
+                               for s, c in zip(seqs, context_lens)])
+        num_blocks = -(-max(context_lens) // self.spec.block_size)
+        block_tables = _pad_blocks([s.blocks[:num_blocks] for s in seqs], device)
+        meta = _metadata(block_tables, positions, query_lens, context_lens, self.spec.block_size)
+        ends = torch.tensor(query_lens, device=device).cumsum(0)
+        starts = ends - torch.tensor(query_lens, device=device)
+        rows = []
+        for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
+            rows.extend(range(start, end) if i in all_logits_rows else [end - 1])
+        logits = self.model(input_ids, positions, self.cache, meta,
+                            torch.tensor(rows, dtype=torch.long, device=device))
+        last, full, cursor = [], [], 0
+        for i, n in enumerate(query_lens):
+            width = n if i in all_logits_rows else 1
+            chunk = logits[cursor:cursor + width]
+            last.append(chunk[-1])
+            full.append(chunk if i in all_logits_rows else None)
+            cursor += width
+        return torch.stack(last), full
+
+    @torch.inference_mode()
+    def decode(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
+               block_tables: torch.Tensor) -> torch.Tensor:
+        """One token per sequence at position seq_lens -> logits [B, vocab]."""
+        block_size = self.spec.block_size
+        context_lens = seq_lens + 1
+        max_context = int(context_lens.max())
+        num_blocks = -(-max_context // block_size)
+        tables = block_tables[:, :num_blocks]
+        slot_mapping = tables.gather(1, (seq_lens // block_size).unsqueeze(1)).squeeze(1) \
+            * block_size + seq_lens % block_size
+        keys = torch.arange(max_context, device=self.device)
+        mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(-1, 1, 1, max_context)
+        meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=tables, attn_mask=mask,
+                                 query_index=None, output_index=None, max_context_len=max_context)
+        return self.model(input_ids, seq_lens, self.cache, meta)
+
+
+def _pad_blocks(blocks: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(b) for b in blocks)
+    return torch.tensor([b + [0] * (width - len(b)) for b in blocks], dtype=torch.long,
+                        device=device)
+
+
+def _metadata(block_tables: torch.Tensor, positions: torch.Tensor, query_lens: list[int],
+              context_lens: list[int], block_size: int) -> AttentionMetadata:
+    """Metadata for sequences with several new tokens each (prefill or chunked prefill)."""
+    device = positions.device
+    batch = len(query_lens)
+    max_query, max_context = max(query_lens), max(context_lens)
+    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device),
+                                           torch.tensor(query_lens, device=device))
+    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size \
+        + positions % block_size
+    q_len = torch.tensor(query_lens, device=device).unsqueeze(1)
+    q_start = torch.tensor([0] + query_lens[:-1], device=device).cumsum(0).unsqueeze(1)
+    offsets = torch.arange(max_query, device=device).unsqueeze(0)
+    query_index = q_start + offsets.minimum(q_len - 1)  # [B, max_query]
+    token_offset = torch.arange(positions.shape[0], device=device) - q_start.squeeze(1)[seq_of_token]
+    output_index = seq_of_token * max_query + token_offset
+    # query i of sequence b sits at position context_len - query_len + i and sees keys up to it;
+    # padded queries (i >= query_len) see key 0 only, so their softmax stays finite
+    first = (torch.tensor(context_lens, device=device).unsqueeze(1) - q_len)
+    query_pos = first + offsets  # [B, max_query]
+    keys = torch.arange(max_context, device=device)
+    mask = keys.view(1, 1, -1) <= query_pos.unsqueeze(-1)
+    mask = torch.where((offsets < q_len).unsqueeze(-1), mask, keys.view(1, 1, -1) == 0)
+    return AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables,
+                             attn_mask=mask.unsqueeze(1), query_index=query_index,
+                             output_index=output_index, max_context_len=max_context)

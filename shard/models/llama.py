@@ -1,0 +1,149 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM2): decoder layers over paged attention.
+
+Variants differ only in configuration: grouped-query attention, rope theta and scaling, biases on the
+attention projections, tied embeddings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shard.layers.attention import AttentionMetadata, LayerCache, paged_attention
+from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shard.layers.norm import RMSNorm
+from shard.layers.rotary import RotaryEmbedding
+from shard.weights import Weights
+
+
+@dataclass(slots=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_dict(cls, cfg: dict, *, qkv_bias_default: bool = False) -> "LlamaConfig":
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        attention_bias = cfg.get("attention_bias", qkv_bias_default)
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                              else None)
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=attention_bias,
+            o_bias=cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, weights: Weights, prefix: str, rotary: RotaryEmbedding):
+        super().__init__()
+        world = weights.parallel.world_size
+        self.num_heads = cfg.num_attention_heads // world
+        self.num_kv_heads = cfg.num_key_value_heads // world
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.rotary = rotary
+        self.qkv_proj = ColumnParallelLinear.load(
+            weights, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"], bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", bias=cfg.o_bias)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig, weights: Weights, prefix: str):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear.load(
+            weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear.load(weights, f"{prefix}.down_proj", bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, weights: Weights, prefix: str, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(weights.get(f"{prefix}.input_layernorm.weight"),
+                                       cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, weights, f"{prefix}.self_attn", rotary)
+        self.post_attention_layernorm = RMSNorm(
+            weights.get(f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg, weights, f"{prefix}.mlp")
+
+    def forward(self, hidden, positions, cache, meta):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig, weights: Weights):
+        super().__init__()
+        world = weights.parallel.world_size
+        for name, count in (("attention heads", cfg.num_attention_heads),
+                            ("key/value heads", cfg.num_key_value_heads)):
+            if count % world:
+                raise ValueError(f"the model has {count} {name}, which do not divide by "
+                                 f"{world} shards; choose a shard count that divides {count}")
+        self.config = cfg
+        self.num_kv_heads = cfg.num_key_value_heads // world
+        self.embed_tokens = VocabParallelEmbedding.load(weights, "model.embed_tokens.weight")
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                 cfg.rope_scaling, weights.dtype, weights.device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, weights, f"model.layers.{i}", rotary)
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(weights.get("model.norm.weight"), cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings or not weights.has("lm_head.weight"):
+            self.lm_head = ParallelLMHead.tied(self.embed_tokens, cfg.vocab_size)
+        else:
+            self.lm_head = ParallelLMHead.load(weights, "lm_head.weight", cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                meta: AttentionMetadata, logit_index: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids/positions [T] -> logits [len(logit_index) or T, vocab]."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, caches):
+            hidden = layer(hidden, positions, cache, meta)
+        if logit_index is not None:
+            hidden = hidden[logit_index]
+        return self.lm_head(self.norm(hidden)).float()

@@ -1,0 +1,229 @@
+"""Batched next-token choice: each request's parameters as rows of tensors, one pass over the batch.
+
+Steps, in order, on logits [B, vocab]:
+  1. repetition penalty (prompt and output tokens), frequency and presence penalties (output tokens);
+  2. for sampling rows only: temperature, top-k, top-p, typical-p, min-p;
+  3. greedy rows take the argmax; sampling rows draw from their own seeded generator;
+  4. the chosen token's log-probability (log-softmax of the scores it was chosen from) and the top-n.
+A step is skipped when no row needs it, so a greedy batch costs one argmax and one log-softmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    do_sample: bool = False
+    seed: int = 0
+    top_n_tokens: int = 0
+
+    @property
+    def has_penalty(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Row-aligned sampling state of a batch; filter and concatenate keep rows in batch order."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    temperature: torch.Tensor  # [B, 1]
+    top_k: torch.Tensor  # [B] long, 0 = off
+    top_p: torch.Tensor  # [B, 1]
+    typical_p: torch.Tensor  # [B, 1]
+    min_p: torch.Tensor  # [B, 1]
+    repetition_penalty: torch.Tensor  # [B, 1]
+    frequency_penalty: torch.Tensor  # [B, 1]
+    presence_penalty: torch.Tensor  # [B, 1]
+    do_sample: torch.Tensor  # [B] bool
+    flags: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device: torch.device,
+                    generators: list[torch.Generator | None] | None = None) -> "SamplingBatch":
+        if generators is None:
+            generators = [_generator(p, device) for p in params]
+
+        def column(name):
+            return torch.tensor([[getattr(p, name)] for p in params], dtype=torch.float32,
+                                device=device)
+
+        batch = cls(
+            params=list(params), generators=list(generators),
+            temperature=column("temperature"),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=column("top_p"), typical_p=column("typical_p"), min_p=column("min_p"),
+            repetition_penalty=column("repetition_penalty"),
+            frequency_penalty=column("frequency_penalty"),
+            presence_penalty=column("presence_penalty"),
+            do_sample=torch.tensor([p.do_sample for p in params], dtype=torch.bool, device=device),
+        )
+        batch.flags = _flags(params)
+        return batch
+
+    def select(self, rows: list[int]) -> "SamplingBatch":
+        params = [self.params[i] for i in rows]
+        generators = [self.generators[i] for i in rows]
+        return SamplingBatch.from_params(params, self.do_sample.device, generators)
+
+    @staticmethod
+    def concatenate(batches: list["SamplingBatch"]) -> "SamplingBatch":
+        params = [p for b in batches for p in b.params]
+        generators = [g for b in batches for g in b.generators]
+        return SamplingBatch.from_params(params, batches[0].do_sample.device, generators)
+
+
+def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if not params.do_sample:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(params.seed)
+    return generator
+
+
+def _flags(params: list[SamplingParams]) -> dict:
+    sampling = [p for p in params if p.do_sample]
+    return {
+        "any_sample": bool(sampling),
+        "all_sample": len(sampling) == len(params),
+        "penalty": any(p.has_penalty for p in params),
+        "temperature": any(p.temperature not in (0.0, 1.0) for p in sampling),
+        "top_k": any(p.top_k > 0 for p in sampling),
+        "top_p": any(0.0 < p.top_p < 1.0 for p in sampling),
+        "typical_p": any(0.0 < p.typical_p < 1.0 for p in sampling),
+        "min_p": any(p.min_p > 0.0 for p in sampling),
+        "max_top_n": max((p.top_n_tokens for p in params), default=0),
+    }
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    next_ids: torch.Tensor  # [B] long
+    logprobs: torch.Tensor  # [B] float
+    top_ids: torch.Tensor | None  # [B, max_top_n] long
+    top_logprobs: torch.Tensor | None  # [B, max_top_n] float
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           token_ids: list[tuple[list[int], list[int]]] | None = None) -> SampleOutput:
+    """Chooses one token per row of logits [B, vocab].
+
+    `token_ids` gives (prompt ids, output ids) per row and is needed only when a row has a penalty.
+    """
+    flags = batch.flags
+    scores = logits.float()
+    if flags["penalty"]:
+        scores = apply_penalties(scores, batch, token_ids)
+    if flags["any_sample"]:
+        scores = _warp(scores, batch, flags)
+    logprobs_all = torch.log_softmax(scores, dim=-1)
+    next_ids = scores.argmax(dim=-1)
+    if flags["any_sample"]:
+        next_ids = _draw(logprobs_all, next_ids, batch)
+    logprobs = logprobs_all.gather(1, next_ids.unsqueeze(1)).squeeze(1)
+    top_ids = top_logprobs = None
+    if flags["max_top_n"] > 0:
+        top_logprobs, top_ids = logprobs_all.topk(flags["max_top_n"], dim=-1)
+    return SampleOutput(next_ids, logprobs, top_ids, top_logprobs)
+
+
+def apply_penalties(scores: torch.Tensor, batch: SamplingBatch,
+                    token_ids: list[tuple[list[int], list[int]]] | None) -> torch.Tensor:
+    if token_ids is None:
+        raise ValueError("penalties need the prompt and output token ids of every row")
+    vocab = scores.shape[1]
+    device = scores.device
+    seen = torch.zeros_like(scores, dtype=torch.bool)
+    counts = torch.zeros_like(scores)
+    for row, (prompt, output) in enumerate(token_ids):
+        if not batch.params[row].has_penalty:
+            continue
+        if prompt or output:
+            seen[row, torch.tensor(prompt + output, dtype=torch.long, device=device)] = True
+        if output:
+            out = torch.tensor(output, dtype=torch.long, device=device).clamp_(0, vocab - 1)
+            counts[row].index_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
+    penalty = batch.repetition_penalty.where(batch.repetition_penalty > 0,
+                                             torch.ones_like(batch.repetition_penalty))
+    penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
+    scores = torch.where(seen, penalised, scores)
+    scores = scores - batch.frequency_penalty * counts
+    return scores - batch.presence_penalty * (counts > 0).to(scores.dtype)
+
+
+def _warp(scores: torch.Tensor, batch: SamplingBatch, flags: dict) -> torch.Tensor:
+    """Temperature, top-k, top-p, typical-p and min-p, on sampling rows only."""
+    sampling_rows = batch.do_sample.unsqueeze(1)
+    warped = scores
+    if flags["temperature"]:
+        temperature = batch.temperature.where(batch.temperature > 0,
+                                              torch.ones_like(batch.temperature))
+        warped = warped / temperature
+    if flags["top_k"]:
+        warped = _top_k(warped, batch.top_k)
+    if flags["top_p"]:
+        warped = _top_p(warped, batch.top_p)
+    if flags["typical_p"]:
+        warped = _typical_p(warped, batch.typical_p)
+    if flags["min_p"]:
+        probs = warped.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * batch.min_p
+        warped = warped.masked_fill(probs < threshold, float("-inf"))
+    if flags["all_sample"]:
+        return warped
+    return torch.where(sampling_rows, warped, scores)
+
+
+def _top_k(scores: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    vocab = scores.shape[1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    kth = scores.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    p = top_p.where((top_p > 0) & (top_p < 1), torch.ones_like(top_p))
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    # drop a token once the mass before it already reaches p; the most likely token always stays
+    drop = (cumulative - sorted_scores.softmax(dim=-1)) >= p
+    drop[:, 0] = False
+    return scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+
+
+def _typical_p(scores: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+    p = typical_p.where((typical_p > 0) & (typical_p < 1), torch.ones_like(typical_p))
+    logp = scores.log_softmax(dim=-1)
+    probs = logp.exp()
+    entropy = -(probs * logp).nan_to_num().sum(dim=-1, keepdim=True)
+    surprise_gap = (entropy + logp).abs()
+    sorted_gap, order = surprise_gap.sort(dim=-1)
+    cumulative = probs.gather(1, order).cumsum(dim=-1)
+    drop = (cumulative - probs.gather(1, order)) >= p
+    drop[:, 0] = False
+    return scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+
+
+def _draw(logprobs: torch.Tensor, greedy_ids: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Exponential-race sampling: argmax(p / E) with E ~ Exp(1) drawn from the row's generator."""
+    next_ids = greedy_ids.clone()
+    probs = logprobs.exp()
+    for row, generator in enumerate(batch.generators):
+        if generator is None:
+            continue
+        noise = torch.empty_like(probs[row]).exponential_(generator=generator)
+        next_ids[row] = (probs[row] / noise).argmax()
+    return next_ids

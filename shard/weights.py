@@ -1,0 +1,62 @@
+"""Reads checkpoint tensors from safetensors files, whole or as this rank's slice, in the model dtype."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shard.distributed import ParallelContext
+
+
+class Weights:
+    """An index of tensor name -> file over every *.safetensors file of a model directory."""
+
+    def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelContext):
+        self.dtype = dtype
+        self.device = device
+        self.parallel = parallel
+        self._files = {}
+        self._name_to_file: dict[str, Path] = {}
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
+        for path in files:
+            handle = safe_open(str(path), framework="pt")
+            self._files[path] = handle
+            for name in handle.keys():
+                self._name_to_file[name] = path
+
+    def has(self, name: str) -> bool:
+        return name in self._name_to_file
+
+    def _slice(self, name: str):
+        if name not in self._name_to_file:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint")
+        return self._files[self._name_to_file[name]].get_slice(name)
+
+    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._place(self._slice(name)[:])
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._slice(name).get_shape())
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._place(self._slice(name)[start:stop])
+
+    def get_sharded(self, name: str, dim: int) -> torch.Tensor:
+        """This rank's contiguous 1/world_size of `name` along `dim` (which must divide evenly)."""
+        ctx = self.parallel
+        view = self._slice(name)
+        size = view.get_shape()[dim]
+        if size % ctx.world_size:
+            raise ValueError(f"{name}: dimension {dim} of size {size} does not divide by "
+                             f"{ctx.world_size} shards")
+        block = size // ctx.world_size
+        start, stop = ctx.rank * block, (ctx.rank + 1) * block
+        tensor = view[start:stop] if dim == 0 else view[:, start:stop]
+        return self._place(tensor)

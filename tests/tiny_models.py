@@ -1,0 +1,68 @@
+"""Tiny random models and a small tokenizer, made on the fly with `transformers` and `tokenizers`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 320
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France, and Berlin is the capital of Germany.",
+    "Once upon a time there was a small model that wrote short stories.",
+    "café naïve façade — 日本語のテキスト and emoji 🙂 are multi-byte characters.",
+    "def add(a, b):\n    return a + b\n",
+] * 20
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    """A byte-level BPE tokenizer with <s>/</s> specials, written as tokenizer.json + config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(_CORPUS, trainer)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}",
+    }))
+
+
+def build_tiny_model(out_dir: Path, *, architecture: str = "llama", num_heads: int = 4,
+                     num_kv_heads: int = 2, seed: int = 0, with_tokenizer: bool = True,
+                     tie_word_embeddings: bool = False, attention_bias: bool = False) -> Path:
+    """Saves a random model of the Llama family with a 320-token vocabulary to `out_dir`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=3, num_attention_heads=num_heads,
+                  num_key_value_heads=num_kv_heads, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if architecture == "llama":
+        config = transformers.LlamaConfig(attention_bias=attention_bias,
+                                          rope_parameters={"rope_type": "default",
+                                                           "rope_theta": 10000.0}, **common)
+        model = transformers.LlamaForCausalLM(config)
+    elif architecture == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        raise ValueError(architecture)
+    # random init leaves biases at zero; make them count in the parity tests
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.5)
+    model.eval().save_pretrained(out_dir, safe_serialization=True)
+    if with_tokenizer:
+        build_tokenizer(out_dir)
+    return out_dir
