@@ -41,7 +41,9 @@ class LlamaConfig:
     def from_dict(cls, cfg: dict, *, qkv_bias_default: bool = False) -> "LlamaConfig":
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
-        attention_bias = cfg.get("attention_bias", qkv_bias_default)
+        attention_bias = cfg.get("attention_bias")
+        if attention_bias is None:
+            attention_bias = qkv_bias_default
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                               else None)
         return cls(
@@ -58,7 +60,7 @@ class LlamaConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=attention_bias,
-            o_bias=cfg.get("attention_bias", False),
+            o_bias=bool(cfg.get("attention_bias")),
             mlp_bias=cfg.get("mlp_bias", False),
         )
 

@@ -1,0 +1,95 @@
+"""`tgi-shard`: load one tensor-parallel rank of a model and serve it over gRPC on a unix socket."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+import torch
+
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from shard.config import ShardConfig, parse_args
+from shard.distributed import init_parallel
+from shard.engine import Engine
+from shard.loader import load_model
+from shard.model_runner import KVCacheSpec, ModelRunner
+from shard.server import ShardServicer
+
+log = logging.getLogger("tgi.shard")
+
+
+def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse]:
+    if config.device == "auto":
+        device = torch.device(f"cuda:{config.rank}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(f"cuda:{config.rank}" if config.device == "cuda" else config.device)
+    dtype = getattr(torch, config.dtype)
+    parallel = init_parallel(rank=config.rank, world_size=config.world_size,
+                             master_addr=config.master_addr, master_port=config.master_port,
+                             device=device)
+    loaded = load_model(Path(config.model_path), dtype=dtype, device=device, parallel=parallel)
+    cfg = loaded.config
+    spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads // config.world_size,
+                       cfg.head_dim, config.block_size, dtype, device)
+    runner = ModelRunner(loaded.model, spec)
+    engine = Engine(loaded, runner, memory_fraction=config.memory_fraction)
+    info = pb.InfoResponse(
+        requires_padding=False, dtype=config.dtype, device_type=device.type, speculate=0,
+        support_chunking=False, use_prefix_caching=False, attention_impl="paged-sdpa",
+        block_size=config.block_size, model_id=config.model_path, world_size=config.world_size,
+        eos_token_ids=sorted(loaded.eos_token_ids),
+        max_position_embeddings=cfg.max_position_embeddings)
+    return engine, info
+
+
+async def serve(config: ShardConfig) -> None:
+    engine, info = build_engine(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    def on_fatal_error(err: Exception) -> None:
+        log.error("device error, stopping the shard: %s", err)
+        stop.set()
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2**31 - 1),
+                                      ("grpc.max_send_message_length", 2**31 - 1)])
+    pb_grpc.add_TextGenerationServiceServicer_to_server(
+        ShardServicer(engine, config, info, on_fatal_error), server)
+    socket = config.socket_path
+    if os.path.exists(socket):
+        os.unlink(socket)
+    server.add_insecure_port(f"unix://{socket}")
+    await server.start()
+    log.info("shard %d/%d serving %s on unix://%s", config.rank, config.world_size,
+             config.model_path, socket)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace=1.0)
+        if os.path.exists(socket):
+            os.unlink(socket)
+        log.info("shard %d stopped", config.rank)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        config = parse_args(argv)
+    except ValueError as err:
+        print(f"tgi-shard: {err}", file=sys.stderr)
+        return 2
+    torch.set_grad_enabled(False)
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The shard process's settings (imported by the launcher too, so it must not import torch)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(slots=True)
+class ShardConfig:
+    model_path: str = field(metadata={"help": "Local model directory (config.json, *.safetensors, "
+                                              "tokenizer.json)."})
+    uds_path: str = field(default="/tmp/tgi-py-server", metadata={
+        "help": "Unix socket prefix; rank r listens on <uds_path>-<r>."})
+    dtype: str = field(default="float32", metadata={"help": f"Weights and KV dtype: {DTYPES}."})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda or auto (cuda when available)."})
+    block_size: int = field(default=16, metadata={"help": "Tokens per KV block."})
+    memory_fraction: float = field(default=1.0, metadata={
+        "help": "Share of the free memory the KV pool may use when the router does not fix its size."})
+    rank: int = field(default=0, metadata={"help": "Tensor-parallel rank (env RANK)."})
+    world_size: int = field(default=1, metadata={"help": "Tensor-parallel world size (env WORLD_SIZE)."})
+    master_addr: str = field(default="127.0.0.1", metadata={"help": "Rendezvous address (env MASTER_ADDR)."})
+    master_port: int = field(default=29500, metadata={"help": "Rendezvous port (env MASTER_PORT)."})
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {DTYPES}")
+        if self.block_size < 1:
+            raise ValueError(f"--block-size {self.block_size} must be at least 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+
+    @property
+    def socket_path(self) -> str:
+        return f"{self.uds_path}-{self.rank}"
+
+    def to_argv(self) -> list[str]:
+        argv = []
+        for f in fields(self):
+            if f.name in _ENV_FIELDS:
+                continue
+            argv += [f"--{f.name.replace('_', '-')}", str(getattr(self, f.name))]
+        return argv
+
+
+_ENV_FIELDS = {"rank": "RANK", "world_size": "WORLD_SIZE", "master_addr": "MASTER_ADDR",
+               "master_port": "MASTER_PORT"}
+
+
+def parse_args(argv: list[str] | None = None) -> ShardConfig:
+    parser = argparse.ArgumentParser(prog="tgi-shard", description="Serve one model shard over gRPC.")
+    for f in fields(ShardConfig):
+        flag = f"--{f.name.replace('_', '-')}"
+        default = os.environ.get(_ENV_FIELDS[f.name], f.default) if f.name in _ENV_FIELDS \
+            else f.default
+        required = default is dataclasses.MISSING
+        parser.add_argument(flag, type=_type(f), required=required,
+                            default=None if required else default, help=f.metadata.get("help"))
+    args = parser.parse_args(argv)
+    return ShardConfig(**vars(args))
+
+
+def _type(f):
+    return {"int": int, "float": float}.get(f.type, str)

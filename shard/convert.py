@@ -1,0 +1,71 @@
+"""Protobuf messages <-> the engine's dataclasses; with server.py, the only shard module that knows proto."""
+from __future__ import annotations
+
+from proto import generate_pb2 as pb
+from shard.batch import NewRequest
+from shard.outputs import CachedBatchInfo, Generation, StepResult, TokenRun
+from shard.sampling import SamplingParams
+
+
+def _or(value: float, default: float) -> float:
+    # proto3 cannot tell 0 from unset; for multiplicative parameters 0 means "off"
+    return value if value else default
+
+
+def sampling_params(p: pb.NextTokenChooserParameters, top_n_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=_or(p.temperature, 1.0), top_k=p.top_k, top_p=_or(p.top_p, 1.0),
+        typical_p=_or(p.typical_p, 1.0), min_p=p.min_p,
+        repetition_penalty=_or(p.repetition_penalty, 1.0),
+        frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+        do_sample=p.do_sample, seed=p.seed, top_n_tokens=top_n_tokens)
+
+
+def new_request(r: pb.Request) -> NewRequest:
+    if r.parameters.grammar_type != pb.GRAMMAR_TYPE_NONE or r.parameters.grammar:
+        raise ValueError("grammar-constrained generation is not supported by this shard")
+    if r.parameters.watermark:
+        raise ValueError("watermarking is not supported by this shard")
+    if r.HasField("adapter_id"):
+        raise ValueError("LoRA adapters are not supported by this shard")
+    stopping = r.stopping_parameters
+    return NewRequest(
+        id=r.id, input_ids=list(r.input_ids),
+        params=sampling_params(r.parameters, r.top_n_tokens),
+        max_new_tokens=stopping.max_new_tokens, stop_sequences=list(stopping.stop_sequences),
+        ignore_eos=stopping.ignore_eos_token, min_new_tokens=stopping.min_new_tokens,
+        stop_token_ids=list(stopping.stop_token_ids), prefill_logprobs=r.prefill_logprobs,
+        blocks=list(r.blocks), cache_len=r.cache_len, skip_special_tokens=r.skip_special_tokens)
+
+
+def tokens(run: TokenRun) -> pb.Tokens:
+    return pb.Tokens(ids=run.ids, logprobs=run.logprobs, texts=run.texts, is_special=run.is_special)
+
+
+def generation(g: Generation) -> pb.Generation:
+    message = pb.Generation(request_id=g.request_id, tokens=tokens(g.tokens),
+                            top_tokens=[tokens(t) for t in g.top_tokens])
+    if g.prefill_tokens is not None:
+        message.prefill_tokens.CopyFrom(tokens(g.prefill_tokens))
+    if g.generated_text is not None:
+        gt = g.generated_text
+        message.generated_text.CopyFrom(pb.GeneratedText(
+            text=gt.text, generated_tokens=gt.generated_tokens,
+            finish_reason=int(gt.finish_reason), seed=gt.seed))
+    return message
+
+
+def cached_batch(info: CachedBatchInfo) -> pb.CachedBatch:
+    return pb.CachedBatch(id=info.id, request_ids=info.request_ids, size=len(info.request_ids),
+                          max_tokens=info.max_tokens, current_tokens=info.current_tokens)
+
+
+def step_response(result: StepResult, message_class):
+    response = message_class(generations=[generation(g) for g in result.generations],
+                             forward_ns=result.forward_ns, decode_ns=result.decode_ns,
+                             total_ns=result.total_ns)
+    if result.batch is not None:
+        response.batch.CopyFrom(cached_batch(result.batch))
+    if result.concat_ns is not None:
+        response.concat_ns = result.concat_ns
+    return response

@@ -1,0 +1,217 @@
+"""The shard's batches and the step pipeline: inputs -> model -> sample -> stop -> detokenise -> Generations.
+
+The engine owns the cache of batches (id -> Batch) and the KV pool through the model runner; every
+method takes and returns plain dataclasses, so the gRPC servicer stays a thin converter.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from shard.batch import (Batch, NewRequest, RequestState, block_table_tensor, concatenate_batches,
+                         filter_batch)
+from shard.detokenizer import DetokenizerState, decode_next, flush
+from shard.loader import LoadedModel
+from shard.memory import kv_budget_bytes
+from shard.model_runner import ModelRunner, PrefillSequence
+from shard.outputs import (CachedBatchInfo, GeneratedText, Generation, StepResult, TokenRun,
+                           WarmupResult)
+from shard.sampling import SampleOutput, SamplingBatch, sample
+from shard.stopping import StopCriteria
+
+
+class BatchNotFound(KeyError):
+    pass
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, runner: ModelRunner, *, memory_fraction: float = 1.0):
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.runner = runner
+        self.block_size = runner.spec.block_size
+        self.memory_fraction = memory_fraction
+        self.batches: dict[int, Batch] = {}
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def warmup(self, requests: list[NewRequest], max_batch_total_tokens: int) -> WarmupResult:
+        """Runs the largest prefill once, then sizes the KV pool (tokens asked, or a memory budget)."""
+        block_size = self.block_size
+        next_block = 1
+        for request in requests:
+            count = math.ceil((len(request.input_ids) + 1) / block_size)
+            request.blocks = list(range(next_block, next_block + count))
+            next_block += count
+        self.runner.allocate(next_block)
+        self.clear()
+        if requests:
+            self._prefill_step(requests)
+        self.clear()
+        if max_batch_total_tokens:
+            num_blocks = math.ceil(max_batch_total_tokens / block_size) + 1
+        else:
+            self.runner.allocate(1)
+            budget = kv_budget_bytes(self.runner.device, self.memory_fraction)
+            num_blocks = budget // self.runner.spec.bytes_per_block
+        if num_blocks < 2:
+            raise RuntimeError("not enough memory for a single KV block; lower the dtype or "
+                               "the model size")
+        self.runner.allocate(num_blocks)
+        return WarmupResult(num_blocks=num_blocks, block_size=block_size)
+
+    def prefill(self, batch_id: int, requests: list[NewRequest]) -> StepResult:
+        start = time.perf_counter_ns()
+        for request in requests:
+            needed = len(request.input_ids) + request.max_new_tokens - 1
+            if needed > len(request.blocks) * self.block_size:
+                raise ValueError(f"request {request.id} needs {needed} KV slots but holds "
+                                 f"{len(request.blocks)} blocks of {self.block_size}")
+        batch, generations, forward_ns = self._prefill_step(requests, batch_id)
+        return self._finish_step(batch, generations, start, forward_ns)
+
+    def decode(self, batch_ids: list[int]) -> StepResult:
+        start = time.perf_counter_ns()
+        batches = [self._pop(i) for i in batch_ids]
+        concat_ns = None
+        if len(batches) > 1:
+            before = time.perf_counter_ns()
+            batch = concatenate_batches(batches)
+            concat_ns = time.perf_counter_ns() - before
+        else:
+            batch = batches[0]
+        before = time.perf_counter_ns()
+        logits = self.runner.decode(batch.next_input_ids, batch.seq_lens, batch.block_tables)
+        forward_ns = time.perf_counter_ns() - before
+        batch.seq_lens = batch.seq_lens + 1
+        output = sample(logits, batch.sampling, self._penalty_ids(batch))
+        batch.next_input_ids = output.next_ids
+        generations = self._generations(batch, output)
+        result = self._finish_step(batch, generations, start, forward_ns)
+        result.concat_ns = concat_ns
+        return result
+
+    def filter(self, batch_id: int, request_ids: list[int]) -> CachedBatchInfo:
+        if not request_ids:
+            raise ValueError("FilterBatch needs at least one request id; use ClearCache to drop a batch")
+        batch = filter_batch(self._pop(batch_id), request_ids)
+        self.batches[batch.id] = batch
+        return self._info(batch)
+
+    def clear(self, batch_id: int | None = None) -> None:
+        if batch_id is None:
+            self.batches.clear()
+        else:
+            self.batches.pop(batch_id, None)
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def _prefill_step(self, requests: list[NewRequest], batch_id: int = 0):
+        states = [self._state(r) for r in requests]
+        seqs = [PrefillSequence(r.input_ids[r.cache_len:], r.cache_len, r.blocks) for r in requests]
+        logits_rows = {i for i, r in enumerate(requests) if r.prefill_logprobs}
+        before = time.perf_counter_ns()
+        last_logits, all_logits = self.runner.prefill(seqs, all_logits_rows=logits_rows)
+        forward_ns = time.perf_counter_ns() - before
+        device = self.runner.device
+        batch = Batch(
+            id=batch_id, requests=states,
+            block_tables=block_table_tensor([r.blocks for r in requests], device),
+            seq_lens=torch.tensor([len(r.input_ids) for r in requests], dtype=torch.long,
+                                  device=device),
+            next_input_ids=torch.zeros(len(requests), dtype=torch.long, device=device),
+            sampling=SamplingBatch.from_params([r.params for r in requests], device),
+        )
+        output = sample(last_logits, batch.sampling, self._penalty_ids(batch))
+        batch.next_input_ids = output.next_ids
+        generations = self._generations(batch, output)
+        for i in logits_rows:
+            generations[i].prefill_tokens = self._prompt_tokens(requests[i], all_logits[i])
+        return batch, generations, forward_ns
+
+    def _finish_step(self, batch: Batch, generations: list[Generation], start: int,
+                     forward_ns: int) -> StepResult:
+        decode_ns = time.perf_counter_ns() - start - forward_ns
+        info = None
+        if any(r.finish_reason is None for r in batch.requests):
+            self.batches[batch.id] = batch
+            info = self._info(batch)
+        return StepResult(generations, info, forward_ns=forward_ns, decode_ns=decode_ns,
+                          total_ns=time.perf_counter_ns() - start)
+
+    def _generations(self, batch: Batch, output: SampleOutput) -> list[Generation]:
+        """Appends each row's token, detokenises it, checks stopping (a Python loop by nature)."""
+        ids = output.next_ids.tolist()
+        logprobs = output.logprobs.tolist()
+        top_ids = output.top_ids.tolist() if output.top_ids is not None else None
+        top_lps = output.top_logprobs.tolist() if output.top_logprobs is not None else None
+        special = self.loaded.special_token_ids
+        generations = []
+        for row, state in enumerate(batch.requests):
+            token = ids[row]
+            state.all_ids.append(token)
+            text = decode_next(self.tokenizer, state.all_ids, state.detok, state.skip_special_tokens)
+            reason = state.stop.check(token, text)
+            generated = None
+            if reason is not None:
+                text += flush(self.tokenizer, state.all_ids, state.detok, state.skip_special_tokens)
+                state.finish_reason = reason
+            state.text.append(text)
+            if reason is not None:
+                params = batch.sampling.params[row]
+                generated = GeneratedText("".join(state.text), state.stop.num_generated, reason,
+                                          params.seed if params.do_sample else None)
+            tokens = TokenRun([token], [logprobs[row]], [text], [token in special])
+            top = []
+            n = batch.sampling.params[row].top_n_tokens
+            if n and top_ids is not None:
+                alt = top_ids[row][:n]
+                top = [TokenRun(alt, top_lps[row][:n], [self.tokenizer.decode([t]) for t in alt],
+                                [t in special for t in alt])]
+            generations.append(Generation(state.id, tokens, generated_text=generated,
+                                          top_tokens=top))
+        return generations
+
+    def _prompt_tokens(self, request: NewRequest, logits: torch.Tensor) -> TokenRun:
+        """Prompt tokens with log p(token | earlier tokens); the first has none (NaN)."""
+        ids = request.input_ids
+        computed = ids[request.cache_len:]
+        logprobs = [math.nan] * (len(ids) - len(computed) + 1)
+        if len(computed) > 1:
+            scores = torch.log_softmax(logits[:-1].float(), dim=-1)
+            target = torch.tensor(computed[1:], device=scores.device).unsqueeze(1)
+            logprobs += scores.gather(1, target).squeeze(1).tolist()
+        special = self.loaded.special_token_ids
+        texts = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        return TokenRun(list(ids), logprobs[:len(ids)], texts, [t in special for t in ids])
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _state(self, request: NewRequest) -> RequestState:
+        stop = StopCriteria(
+            max_new_tokens=request.max_new_tokens,
+            eos_token_ids=self.loaded.eos_token_ids | frozenset(request.stop_token_ids),
+            stop_sequences=list(request.stop_sequences), ignore_eos=request.ignore_eos,
+            min_new_tokens=request.min_new_tokens)
+        return RequestState(id=request.id, prompt_ids=list(request.input_ids),
+                            all_ids=list(request.input_ids), blocks=list(request.blocks), stop=stop,
+                            detok=DetokenizerState.start(len(request.input_ids)),
+                            skip_special_tokens=request.skip_special_tokens)
+
+    def _penalty_ids(self, batch: Batch):
+        if not batch.sampling.flags["penalty"]:
+            return None
+        return [(r.prompt_ids, r.output_ids) for r in batch.requests]
+
+    def _pop(self, batch_id: int) -> Batch:
+        try:
+            return self.batches.pop(batch_id)
+        except KeyError:
+            raise BatchNotFound(f"batch {batch_id} is not in the shard's cache") from None
+
+    def _info(self, batch: Batch) -> CachedBatchInfo:
+        return CachedBatchInfo(id=batch.id, request_ids=batch.request_ids,
+                               max_tokens=batch.num_blocks * self.block_size,
+                               current_tokens=len(batch.requests))

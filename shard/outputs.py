@@ -1,0 +1,59 @@
+"""What a step returns to the router, as plain dataclasses (convert.py maps them to protobuf)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shard.stopping import FinishReason
+
+
+@dataclass(slots=True)
+class TokenRun:
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    is_special: list[bool] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class GeneratedText:
+    text: str
+    generated_tokens: int
+    finish_reason: FinishReason
+    seed: int | None
+
+
+@dataclass(slots=True)
+class Generation:
+    request_id: int
+    tokens: TokenRun
+    prefill_tokens: TokenRun | None = None
+    generated_text: GeneratedText | None = None
+    top_tokens: list[TokenRun] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CachedBatchInfo:
+    id: int
+    request_ids: list[int]
+    max_tokens: int
+    current_tokens: int
+
+
+@dataclass(slots=True)
+class StepResult:
+    generations: list[Generation]
+    batch: CachedBatchInfo | None
+    forward_ns: int = 0
+    decode_ns: int = 0
+    total_ns: int = 0
+    concat_ns: int | None = None
+
+
+@dataclass(slots=True)
+class WarmupResult:
+    num_blocks: int
+    block_size: int
+
+    @property
+    def max_supported_total_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size  # block 0 is the router's health probe

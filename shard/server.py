@@ -1,0 +1,89 @@
+"""The gRPC servicer: converts messages, runs the engine on one worker thread, maps errors to statuses."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from shard import convert
+from shard.config import ShardConfig
+from shard.engine import BatchNotFound, Engine
+
+log = logging.getLogger("tgi.shard")
+
+
+class ShardServicer(pb_grpc.TextGenerationServiceServicer):
+    def __init__(self, engine: Engine, config: ShardConfig, info: pb.InfoResponse,
+                 on_fatal_error):
+        self.engine = engine
+        self.config = config
+        self.info = info
+        self.on_fatal_error = on_fatal_error
+        # one thread: the engine is not re-entrant, and the event loop stays free for Health
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def _run(self, context: grpc.aio.ServicerContext, fn, *args):
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        except BatchNotFound as err:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
+        except (ValueError, KeyError) as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except Exception as err:  # a failed step fails its batch; a dead device stops the shard
+            log.exception("step failed")
+            if self.engine.runner.device.type == "cuda" and isinstance(err, RuntimeError):
+                self.on_fatal_error(err)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+
+    async def Info(self, request, context):
+        return self.info
+
+    async def Health(self, request, context):
+        if self.engine.runner.device.type == "cuda":
+            torch.zeros(1, device=self.engine.runner.device)
+        return pb.HealthResponse()
+
+    async def ServiceDiscovery(self, request, context):
+        urls = [f"unix://{self.config.uds_path}-{rank}" for rank in range(self.config.world_size)]
+        return pb.ServiceDiscoveryResponse(urls=urls)
+
+    async def ClearCache(self, request, context):
+        batch_id = request.id if request.HasField("id") else None
+        await self._run(context, self.engine.clear, batch_id)
+        return pb.ClearCacheResponse()
+
+    async def FilterBatch(self, request, context):
+        info = await self._run(context, self.engine.filter, request.batch_id,
+                               list(request.request_ids))
+        return pb.FilterBatchResponse(batch=convert.cached_batch(info))
+
+    async def Warmup(self, request, context):
+        requests = [convert.new_request(r) for r in request.batch.requests]
+        result = await self._run(context, self.engine.warmup, requests,
+                                 request.max_batch_total_tokens)
+        return pb.WarmupResponse(max_supported_total_tokens=result.max_supported_total_tokens,
+                                 max_input_tokens=request.max_input_tokens,
+                                 max_total_tokens=request.max_total_tokens,
+                                 num_blocks=result.num_blocks)
+
+    async def Prefill(self, request, context):
+        if request.HasField("cached_batch"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "this shard does not support chunked prefill (cached_batch)")
+        try:
+            requests = [convert.new_request(r) for r in request.batch.requests]
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        result = await self._run(context, self.engine.prefill, request.batch.id, requests)
+        return convert.step_response(result, pb.PrefillResponse)
+
+    async def Decode(self, request, context):
+        if not request.batches:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs at least one batch")
+        result = await self._run(context, self.engine.decode, [b.id for b in request.batches])
+        return convert.step_response(result, pb.DecodeResponse)

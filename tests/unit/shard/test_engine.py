@@ -1,0 +1,126 @@
+"""The engine's batch lifecycle: prefill, decode of merged batches, filter, and batch invariance."""
+import pytest
+
+from shard.engine import BatchNotFound
+from tests.engine_helpers import BlockPool, make_engine, request
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return make_engine(tiny_llama)
+
+
+def _prompts(engine):
+    texts = ["The quick brown fox", "Paris is the capital of", "Once upon a time there was a small",
+             "café", "def add(a, b):", "The lazy dog jumps over the quick brown fox again and",
+             "emoji 🙂 are", "Berlin"]
+    return [engine.tokenizer.encode(t).ids for t in texts]
+
+
+def _run_alone(engine, pool, rid, prompt, max_new):
+    blocks = pool.take(len(prompt) + max_new, 4)
+    out = engine.prefill(rid, [request(rid, prompt, blocks, max_new_tokens=max_new, ignore_eos=True)])
+    tokens = [out.generations[0].tokens.ids[0]]
+    while out.batch is not None:
+        out = engine.decode([out.batch.id])
+        tokens.append(out.generations[0].tokens.ids[0])
+    pool.give(blocks)
+    return tokens
+
+
+def test_greedy_tokens_same_alone_and_in_a_changing_batch(engine):
+    pool = BlockPool(512)
+    prompts = _prompts(engine)
+    max_new = [12, 5, 9, 16, 3, 7, 11, 6]
+    alone = [_run_alone(engine, pool, 100 + i, p, n) for i, (p, n) in enumerate(zip(prompts, max_new))]
+
+    # requests join two at a time every other step and finish at different steps
+    got = {i: [] for i in range(8)}
+    blocks = {}
+    running = None
+    pending = list(range(8))
+    step = 0
+    while pending or running is not None:
+        new_batch = None
+        if pending and step % 2 == 0:
+            joining, pending = pending[:2], pending[2:]
+            reqs = []
+            for i in joining:
+                blocks[i] = pool.take(len(prompts[i]) + max_new[i], 4)
+                reqs.append(request(i, prompts[i], blocks[i], max_new_tokens=max_new[i],
+                                    ignore_eos=True))
+            out = engine.prefill(1000 + step, reqs)
+            for g in out.generations:
+                got[g.request_id].append(g.tokens.ids[0])
+            new_batch = _filtered(engine, out, pool, blocks)
+        ids = [b.id for b in (running, new_batch) if b is not None]
+        running = None
+        if ids:
+            out = engine.decode(ids)
+            for g in out.generations:
+                got[g.request_id].append(g.tokens.ids[0])
+            running = _filtered(engine, out, pool, blocks)
+        step += 1
+    assert [got[i] for i in range(8)] == alone
+    assert sorted(pool.free) == list(range(1, 512)), "every block came back"
+    assert engine.batches == {}
+
+
+def _filtered(engine, out, pool, blocks):
+    finished = {g.request_id for g in out.generations if g.generated_text is not None}
+    for rid in finished:
+        pool.give(blocks.pop(rid))
+    if out.batch is None:
+        return None
+    alive = [r for r in out.batch.request_ids if r not in finished]
+    if not alive:
+        engine.clear(out.batch.id)
+        return None
+    return engine.filter(out.batch.id, alive)
+
+
+def test_stream_pieces_concatenate_to_final_text_and_logprobs_are_returned(engine):
+    prompt = engine.tokenizer.encode("café naïve").ids
+    out = engine.prefill(1, [request(1, prompt, list(range(1, 20)), max_new_tokens=20,
+                                     ignore_eos=True, prefill_logprobs=True, top_n_tokens=3)])
+    g = out.generations[0]
+    assert g.prefill_tokens.ids == prompt
+    assert len(g.prefill_tokens.logprobs) == len(prompt)
+    assert all(lp <= 0 for lp in g.prefill_tokens.logprobs[1:])
+    assert len(g.top_tokens[0].ids) == 3
+    pieces = [g.tokens.texts[0]]
+    while out.batch is not None:
+        out = engine.decode([out.batch.id])
+        g = out.generations[0]
+        assert g.tokens.logprobs[0] <= 0
+        pieces.append(g.tokens.texts[0])
+    assert g.generated_text.generated_tokens == 20
+    assert "".join(pieces) == g.generated_text.text
+
+
+def test_unknown_batch_and_too_few_blocks_are_errors(engine):
+    with pytest.raises(BatchNotFound):
+        engine.decode([424242])
+    with pytest.raises(ValueError, match="KV slots"):
+        engine.prefill(7, [request(7, [5, 6, 7], [1], max_new_tokens=10)])
+
+
+def test_same_seed_same_sample(engine):
+    prompt = engine.tokenizer.encode("Once upon a time").ids
+
+    def sampled(seed):
+        return _tokens(engine, request(3, prompt, list(range(1, 10)), max_new_tokens=10,
+                                       ignore_eos=True, do_sample=True, seed=seed,
+                                       temperature=1.5))
+
+    assert sampled(11) == sampled(11)
+    assert sampled(11) != sampled(12)
+
+
+def _tokens(engine, req):
+    out = engine.prefill(9, [req])
+    tokens = [out.generations[0].tokens.ids[0]]
+    while out.batch is not None:
+        out = engine.decode([out.batch.id])
+        tokens.append(out.generations[0].tokens.ids[0])
+    return tokens
