@@ -1,0 +1,48 @@
+"""`tgi-router`: the HTTP server in front of the shards."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from aiohttp import web
+
+from router.app import build_state, create_app
+from router.config import parse_args
+
+log = logging.getLogger("tgi.router")
+
+
+async def serve(argv: list[str] | None) -> int:
+    config = parse_args(argv)
+    state = await build_state(config)
+    app = create_app(state)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.hostname, config.port)
+    await site.start()
+    log.info("router listening on http://%s:%d", config.hostname, config.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("router stopping")
+    await runner.cleanup()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return asyncio.run(serve(argv))
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The aiohttp application: routes, error middleware, and start-up (connect, warm up, size the KV pool)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from proto import generate_pb2 as pb
+from router.api import tgi
+from router.batcher import Batcher, SchedulingLimits
+from router.block_allocator import BlockAllocator
+from router.config import RouterConfig, TokenLimits
+from router.errors import RouterError, tgi_error_body
+from router.infer import Infer
+from router.request_queue import RequestQueue
+from router.shard_client import ShardedClient
+from router.tokenizer import RouterTokenizer
+from router.validation import ValidationLimits
+
+log = logging.getLogger("tgi.router")
+VERSION = "0.1.0"
+
+
+@dataclass
+class RouterState:
+    config: RouterConfig
+    tokenizer: RouterTokenizer
+    client: ShardedClient
+    shard_info: pb.InfoResponse
+    limits: TokenLimits
+    validation_limits: ValidationLimits
+    allocator: BlockAllocator
+    batcher: Batcher
+    infer: Infer
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def info_json(self) -> dict:
+        config = self.config
+        return {
+            "model_id": config.model_id or Path(config.tokenizer_path).name,
+            "model_sha": None, "model_pipeline_tag": "text-generation",
+            "model_dtype": self.shard_info.dtype, "model_device_type": self.shard_info.device_type,
+            "max_concurrent_requests": config.max_concurrent_requests,
+            "max_best_of": config.max_best_of, "max_stop_sequences": config.max_stop_sequences,
+            "max_input_tokens": self.limits.max_input_tokens,
+            "max_total_tokens": self.limits.max_total_tokens,
+            "max_batch_prefill_tokens": self.limits.max_batch_prefill_tokens,
+            "max_batch_total_tokens": self.allocator.num_usable_blocks * self.allocator.block_size,
+            "waiting_served_ratio": config.waiting_served_ratio,
+            "max_waiting_tokens": config.max_waiting_tokens,
+            "max_batch_size": config.max_batch_size,
+            "validation_workers": config.validation_workers,
+            "max_client_batch_size": config.max_client_batch_size,
+            "router": "tgi-py-router", "version": VERSION, "sha": None, "docker_label": None,
+        }
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except RouterError as err:
+        return web.json_response(tgi_error_body(err), status=err.status)
+    except web.HTTPException as err:
+        if err.status < 400:
+            raise
+        return web.json_response({"error": err.reason, "error_type": "http"}, status=err.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.json_response({"error": "Internal server error", "error_type": "internal"},
+                                 status=500)
+
+
+def warmup_batch(limits: TokenLimits, max_batch_size: int | None) -> pb.Batch:
+    """Requests of max_input_tokens tokens until they fill the prefill budget, as TGI warms up."""
+    requests, remaining = [], limits.max_batch_prefill_tokens
+    while remaining > 0 and (max_batch_size is None or len(requests) < max_batch_size):
+        length = min(limits.max_input_tokens, remaining)
+        requests.append(pb.Request(
+            id=len(requests), input_ids=[1] * length,
+            parameters=pb.NextTokenChooserParameters(do_sample=True, temperature=0.9, top_k=10,
+                                                     top_p=0.9, typical_p=0.9,
+                                                     repetition_penalty=1.2, seed=0),
+            stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=2,
+                                                              ignore_eos_token=True),
+            top_n_tokens=5))
+        remaining -= length
+    return pb.Batch(id=0, requests=requests, size=len(requests))
+
+
+async def build_state(config: RouterConfig) -> RouterState:
+    tokenizer = RouterTokenizer(config.tokenizer_path, workers=config.validation_workers)
+    client = await ShardedClient.connect(config.master_shard_uds_path)
+    await client.clear_cache()
+    shard_info = await client.info()
+    limits = TokenLimits.resolve(config, shard_info.max_position_embeddings)
+    warm = await client.warmup(pb.WarmupRequest(
+        batch=warmup_batch(limits, config.max_batch_size), max_input_tokens=limits.max_input_tokens,
+        max_prefill_tokens=limits.max_batch_prefill_tokens, max_total_tokens=limits.max_total_tokens,
+        max_batch_total_tokens=config.max_batch_total_tokens or 0))
+    allocator = BlockAllocator(warm.num_blocks, shard_info.block_size)
+    capacity = allocator.num_usable_blocks * allocator.block_size
+    if limits.max_total_tokens > capacity:
+        raise ValueError(f"Not enough memory to handle max_total_tokens={limits.max_total_tokens}: the "
+                         f"KV pool holds {capacity} tokens; lower --max-total-tokens or raise "
+                         "--max-batch-total-tokens")
+    log.info("KV pool: %d blocks of %d tokens (%d tokens)", warm.num_blocks, allocator.block_size,
+             capacity)
+    scheduling = SchedulingLimits(
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_batch_total_tokens=capacity,
+        waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size)
+    batcher = Batcher(client, RequestQueue(allocator), allocator, scheduling)
+    infer = Infer(batcher, max_concurrent_requests=config.max_concurrent_requests)
+    validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
+                                         config.max_top_n_tokens)
+    return RouterState(config, tokenizer, client, shard_info, limits, validation_limits,
+                       allocator, batcher, infer)
+
+
+def create_app(state: RouterState) -> web.Application:
+    app = web.Application(middlewares=[error_middleware])
+    app["state"] = state
+    tgi.add_routes(app)
+
+    async def start_batcher(app):
+        state.tasks.append(asyncio.create_task(_supervise(state.batcher.run())))
+
+    async def stop_batcher(app):
+        for task in state.tasks:
+            task.cancel()
+        await asyncio.gather(*state.tasks, return_exceptions=True)
+        await state.client.close()
+
+    app.on_startup.append(start_batcher)
+    app.on_cleanup.append(stop_batcher)
+    return app
+
+
+async def _supervise(coro) -> None:
+    try:
+        await coro
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        # the loop must never die silently: without it every request would hang
+        log.exception("the batching loop crashed; stopping the router")
+        raise SystemExit(1)

@@ -1,0 +1,220 @@
+"""The continuous-batching task: prefill new requests, decode the running batch, filter what finished.
+
+It is the only module that drives the shards. Between two decode steps it asks the queue for more work;
+new requests are prefilled in their own batch and merged into the running one at the next decode.
+Delivery: each request's events go to its own asyncio.Queue (TokenEvent, then None or a RouterError).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from proto import generate_pb2 as pb
+from router.block_allocator import BlockAllocator
+from router.errors import GenerationError, RouterError
+from router.request_queue import BatchPlan, QueueEntry, RequestQueue
+from router.schemas import FinalInfo, FinishReason, GenerateRequest, Token, TokenEvent
+from router.shard_client import ShardError
+
+log = logging.getLogger("tgi.router.batcher")
+
+_FINISH = {pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+           pb.FINISH_REASON_EOS_TOKEN: FinishReason.EOS_TOKEN,
+           pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE}
+
+
+@dataclass(slots=True)
+class ActiveRequest:
+    """A request from submission to its last event; `events` is what the API layer reads."""
+
+    entry: QueueEntry
+    request: GenerateRequest
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    is_cancelled: bool = False
+    is_done: bool = False
+    batched_at: float = 0.0
+
+
+@dataclass(slots=True)
+class SchedulingLimits:
+    max_batch_prefill_tokens: int
+    max_batch_total_tokens: int
+    waiting_served_ratio: float
+    max_waiting_tokens: int
+    max_batch_size: int | None
+
+
+class Batcher:
+    def __init__(self, client, queue: RequestQueue, allocator: BlockAllocator,
+                 limits: SchedulingLimits):
+        self.client = client
+        self.queue = queue
+        self.allocator = allocator
+        self.limits = limits
+        self.active: dict[int, ActiveRequest] = {}  # request id -> request, from prefill to end
+        self._wake = asyncio.Event()
+
+    # ---- API side ---------------------------------------------------------------------------
+
+    def submit(self, item: ActiveRequest) -> None:
+        self.queue.append(item.entry)
+        self._wake.set()
+
+    def cancel(self, item: ActiveRequest) -> None:
+        """The client went away: a waiting request leaves now, a running one at the next step."""
+        item.is_cancelled = True
+        if self.queue.remove(item.entry):
+            item.is_done = True
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while (plan := self._next_plan(running_size=0, waiting_steps=0)) is not None:
+                running = await self._prefill(plan)
+                waiting_steps = 1
+                while running is not None:
+                    batches = [running]
+                    plan = self._next_plan(running_size=len(running.request_ids),
+                                           waiting_steps=waiting_steps)
+                    if plan is not None:
+                        new = await self._prefill(plan)
+                        if new is not None:
+                            batches.append(new)
+                        waiting_steps = 1
+                    running = await self._decode(batches)
+                    waiting_steps += 1
+
+    def _next_plan(self, *, running_size: int, waiting_steps: int) -> BatchPlan | None:
+        limits = self.limits
+        min_size = None
+        if running_size and waiting_steps < limits.max_waiting_tokens:
+            min_size = max(1, math.floor(running_size * limits.waiting_served_ratio))
+        max_size = None
+        if limits.max_batch_size is not None:
+            max_size = max(limits.max_batch_size - running_size, 0)
+        return self.queue.next_batch(min_size=min_size, max_size=max_size,
+                                     prefill_token_budget=limits.max_batch_prefill_tokens,
+                                     token_budget=limits.max_batch_total_tokens)
+
+    async def _prefill(self, plan: BatchPlan) -> pb.CachedBatch | None:
+        items = [e.payload for e in plan.entries]
+        now = time.monotonic()
+        for item in items:
+            item.batched_at = now
+            self.active[item.entry.id] = item
+        batch = pb.Batch(id=plan.batch_id, requests=[_request_proto(i) for i in items],
+                         size=len(items), max_tokens=plan.max_tokens,
+                         max_blocks=max(len(i.entry.allocation.block_ids) for i in items))
+        try:
+            reply = await self.client.prefill(batch)
+        except ShardError as err:
+            await self._fail(items, [plan.batch_id], err)
+            return None
+        return await self._after_step(reply)
+
+    async def _decode(self, batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
+        try:
+            reply = await self.client.decode(batches)
+        except ShardError as err:
+            ids = {rid for b in batches for rid in b.request_ids}
+            await self._fail([self.active[i] for i in ids if i in self.active],
+                             [b.id for b in batches], err)
+            return None
+        return await self._after_step(reply)
+
+    async def _after_step(self, reply) -> pb.CachedBatch | None:
+        for generation in reply.generations:
+            item = self.active.get(generation.request_id)
+            if item is not None and not item.is_done and not item.is_cancelled:
+                self._deliver(item, generation)
+        if not reply.HasField("batch"):
+            for generation in reply.generations:
+                self._release(generation.request_id)
+            return None
+        return await self._filter(reply.batch)
+
+    async def _filter(self, batch: pb.CachedBatch) -> pb.CachedBatch | None:
+        """Drops finished and cancelled requests from the shards' batch and frees their blocks."""
+        live = []
+        for rid in batch.request_ids:
+            item = self.active.get(rid)
+            if item is None or item.is_done or item.is_cancelled:
+                self._release(rid)
+            else:
+                live.append(rid)
+        try:
+            if not live:
+                await self.client.clear_cache(batch.id)
+                return None
+            if len(live) == len(batch.request_ids):
+                return batch
+            return await self.client.filter_batch(batch.id, live)
+        except ShardError as err:
+            await self._fail([self.active[r] for r in live], [batch.id], err)
+            return None
+
+    def _deliver(self, item: ActiveRequest, generation: pb.Generation) -> None:
+        tokens = generation.tokens
+        event = TokenEvent(token=Token(tokens.ids[0], tokens.texts[0], tokens.logprobs[0],
+                                       tokens.is_special[0]))
+        if generation.top_tokens:
+            event.top_tokens = _tokens(generation.top_tokens[0])
+        if generation.HasField("prefill_tokens"):
+            event.prefill = _tokens(generation.prefill_tokens)
+        if generation.HasField("generated_text"):
+            gt = generation.generated_text
+            event.final = FinalInfo(gt.text, gt.generated_tokens, _FINISH[gt.finish_reason],
+                                    gt.seed if gt.HasField("seed") else None)
+            item.is_done = True
+        item.events.put_nowait(event)
+
+    def _release(self, request_id: int) -> None:
+        item = self.active.pop(request_id, None)
+        if item is None:
+            return
+        item.is_done = True
+        if item.entry.allocation is not None:
+            self.allocator.free(item.entry.allocation)
+
+    async def _fail(self, items: list[ActiveRequest], batch_ids: list[int], err: Exception) -> None:
+        log.error("shard step failed for %d requests: %s", len(items), err)
+        error = err if isinstance(err, RouterError) else GenerationError(str(err))
+        for item in items:
+            if not item.is_done:
+                item.events.put_nowait(error)
+            self._release(item.entry.id)
+        for batch_id in batch_ids:
+            try:
+                await self.client.clear_cache(batch_id)
+            except ShardError as clear_err:
+                log.error("could not clear batch %d: %s", batch_id, clear_err)
+
+
+def _tokens(run: pb.Tokens) -> list[Token]:
+    special = list(run.is_special) or [False] * len(run.ids)
+    return [Token(i, t, None if math.isnan(lp) else lp, s)
+            for i, t, lp, s in zip(run.ids, run.texts, run.logprobs, special)]
+
+
+def _request_proto(item: ActiveRequest) -> pb.Request:
+    request = item.request
+    s, st = request.sampling, request.stopping
+    return pb.Request(
+        id=item.entry.id, inputs=request.inputs, input_ids=request.input_ids,
+        parameters=pb.NextTokenChooserParameters(
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
+            do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,
+            watermark=s.watermark, frequency_penalty=s.frequency_penalty, min_p=s.min_p,
+            presence_penalty=s.presence_penalty),
+        stopping_parameters=pb.StoppingCriteriaParameters(
+            max_new_tokens=st.max_new_tokens, stop_sequences=st.stop_sequences,
+            ignore_eos_token=st.ignore_eos, min_new_tokens=st.min_new_tokens,
+            stop_token_ids=st.stop_token_ids),
+        prefill_logprobs=request.prefill_logprobs, top_n_tokens=request.top_n_tokens,
+        blocks=item.entry.allocation.block_ids, skip_special_tokens=request.skip_special_tokens)

@@ -1,0 +1,67 @@
+"""Paged-KV block accounting: which blocks are free, and how many holders each used block has.
+
+Block 0 is never handed out: the shards keep it for health probes. Blocks are reference-counted so that
+a prefix, a beam or a fork can share them; a block returns to the free list when its last holder lets go.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class BlockAllocation:
+    block_ids: list[int]
+    num_tokens: int  # tokens reserved in these blocks
+    is_freed: bool = False
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 2:
+            raise ValueError(f"a KV pool needs at least 2 blocks (block 0 is reserved), got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # pop() from the end hands out low ids first, which keeps tests readable
+        self._free = list(range(num_blocks - 1, 0, -1))
+        self._refs = [0] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) <= len(self._free)
+
+    def allocate(self, num_tokens: int) -> BlockAllocation | None:
+        """Blocks for `num_tokens` tokens, or None when the pool cannot hold them now."""
+        count = self.blocks_needed(max(num_tokens, 1))
+        if count > len(self._free):
+            return None
+        block_ids = [self._free.pop() for _ in range(count)]
+        for block in block_ids:
+            self._refs[block] = 1
+        return BlockAllocation(block_ids, num_tokens)
+
+    def share(self, allocation: BlockAllocation) -> BlockAllocation:
+        """A second holder of the same blocks (for forks and prefix reuse)."""
+        for block in allocation.block_ids:
+            self._refs[block] += 1
+        return BlockAllocation(list(allocation.block_ids), allocation.num_tokens)
+
+    def free(self, allocation: BlockAllocation) -> None:
+        """Lets go of an allocation; freeing one twice is harmless."""
+        if allocation.is_freed:
+            return
+        allocation.is_freed = True
+        for block in allocation.block_ids:
+            self._refs[block] -= 1
+            assert self._refs[block] >= 0, f"block {block} freed more often than held"
+            if self._refs[block] == 0:
+                self._free.append(block)

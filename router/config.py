@@ -1,0 +1,79 @@
+"""The router process's settings, TGI's names and defaults; each field's help becomes its --help."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+
+def _opt(default, help_text: str):
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    tokenizer_path: str = _opt(None, "Model directory holding tokenizer.json (and config files).")
+    model_id: str = _opt("", "Model name reported by /info (defaults to the directory name).")
+    master_shard_uds_path: str = _opt("/tmp/tgi-py-server-0",
+                                      "Unix socket of shard rank 0; the others are discovered.")
+    hostname: str = _opt("0.0.0.0", "Address to listen on.")
+    port: int = _opt(8080, "HTTP port.")
+    max_concurrent_requests: int = _opt(128, "Requests in flight at once; more get 429.")
+    max_best_of: int = _opt(2, "Largest best_of a request may ask.")
+    max_stop_sequences: int = _opt(4, "Most stop sequences per request.")
+    max_top_n_tokens: int = _opt(5, "Largest top_n_tokens a request may ask.")
+    max_input_tokens: int = _opt(None, "Longest prompt in tokens (default: min(4095, context - 1)).")
+    max_total_tokens: int = _opt(None, "Longest prompt + output (default: min(4096, context)).")
+    max_batch_prefill_tokens: int = _opt(None, "Prompt tokens per prefill (default: max_input_tokens + 50).")
+    max_batch_total_tokens: int = _opt(None, "Tokens of KV cache in all; default: sized by the shards "
+                                             "from free memory.")
+    waiting_served_ratio: float = _opt(0.3, "Waiting/running ratio that interrupts decoding to prefill.")
+    max_waiting_tokens: int = _opt(20, "Decode steps a waiting request may wait before it forces a prefill.")
+    max_batch_size: int = _opt(None, "Most requests in a running batch (default: no limit).")
+    max_client_batch_size: int = _opt(4, "Most inputs in one client request.")
+    validation_workers: int = _opt(2, "Threads that tokenise and validate requests.")
+
+    def __post_init__(self):
+        if not self.tokenizer_path:
+            raise ValueError("--tokenizer-path is required: the model directory with tokenizer.json")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(f"--max-concurrent-requests {self.max_concurrent_requests} must be >= 1")
+        if self.waiting_served_ratio < 0:
+            raise ValueError(f"--waiting-served-ratio {self.waiting_served_ratio} must be >= 0")
+
+
+@dataclass(slots=True)
+class TokenLimits:
+    """Limits resolved at start from the flags and what the shards report."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+
+    @classmethod
+    def resolve(cls, config: RouterConfig, max_position_embeddings: int) -> "TokenLimits":
+        total = config.max_total_tokens or min(4096, max_position_embeddings)
+        max_input = config.max_input_tokens or min(4095, total - 1)
+        prefill = config.max_batch_prefill_tokens or max_input + 50
+        if max_input >= total:
+            raise ValueError(f"max_input_tokens ({max_input}) must be < max_total_tokens ({total})")
+        if prefill < max_input:
+            raise ValueError(f"max_batch_prefill_tokens ({prefill}) < max_input_tokens ({max_input}); "
+                             "raise the first")
+        if total > max_position_embeddings:
+            raise ValueError(f"max_total_tokens ({total}) exceeds the model's context "
+                             f"({max_position_embeddings})")
+        return cls(max_input, total, prefill)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(RouterConfig):
+        kind = {"int": int, "float": float}.get(f.type, str)
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default,
+                            help=f.metadata.get("help"))
+
+
+def parse_args(argv: list[str] | None = None) -> RouterConfig:
+    parser = argparse.ArgumentParser(prog="tgi-router", description="HTTP front of the shards.")
+    add_arguments(parser)
+    return RouterConfig(**vars(parser.parse_args(argv)))

@@ -1,0 +1,63 @@
+"""The router's error family: each error knows its HTTP status and TGI error_type; one function per API
+family turns it into that API's body."""
+from __future__ import annotations
+
+
+class RouterError(Exception):
+    status = 500
+    error_type = "internal"
+    prefix = ""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.prefix}{self.message}"
+
+
+class ValidationError(RouterError):
+    status = 422
+    error_type = "validation"
+    prefix = "Input validation error: "
+
+
+class OverloadedError(RouterError):
+    status = 429
+    error_type = "overloaded"
+
+    def __init__(self, message: str = "Model is overloaded"):
+        super().__init__(message)
+
+
+class GenerationError(RouterError):
+    status = 424
+    error_type = "generation"
+    prefix = "Request failed during generation: Server error: "
+
+
+class IncompleteGenerationError(RouterError):
+    status = 500
+    error_type = "incomplete_generation"
+
+    def __init__(self, message: str = "Incomplete generation"):
+        super().__init__(message)
+
+
+class UnhealthyError(RouterError):
+    status = 503
+    error_type = "healthcheck"
+
+    def __init__(self, message: str = "unhealthy"):
+        super().__init__(message)
+
+
+class BadRequestError(RouterError):
+    """Malformed bodies: invalid JSON or wrong field types; TGI's clients read them as validation."""
+
+    status = 422
+    error_type = "validation"
+
+
+def tgi_error_body(error: RouterError) -> dict:
+    return {"error": str(error), "error_type": error.error_type}

@@ -1,0 +1,96 @@
+"""Waiting requests and the choice of the next prefill batch under token budgets (pure, no I/O).
+
+First in, first served: the scan stops at the first request that does not fit, so a long prompt at the
+head is never overtaken forever by shorter ones behind it.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.block_allocator import BlockAllocation, BlockAllocator
+
+
+@dataclass(slots=True)
+class QueueEntry:
+    id: int
+    input_length: int
+    max_new_tokens: int
+    payload: Any = None  # the API layer's request and response channel; opaque here
+    queued_at: float = field(default_factory=time.monotonic)
+    allocation: BlockAllocation | None = None
+
+    @property
+    def kv_tokens(self) -> int:
+        # the last generated token is never fed back, so its keys and values are never stored
+        return self.input_length + self.max_new_tokens - 1
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    batch_id: int
+    entries: list[QueueEntry]
+    prefill_tokens: int
+    max_tokens: int
+
+
+class RequestQueue:
+    def __init__(self, allocator: BlockAllocator):
+        self.allocator = allocator
+        self._entries: deque[QueueEntry] = deque()
+        self._next_batch_id = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def append(self, entry: QueueEntry) -> None:
+        self._entries.append(entry)
+
+    def remove(self, entry: QueueEntry) -> bool:
+        """Takes out a waiting entry (its client went away); False if it already left the queue."""
+        try:
+            self._entries.remove(entry)
+        except ValueError:
+            return False
+        return True
+
+    def next_batch(self, *, min_size: int | None, max_size: int | None, prefill_token_budget: int,
+                   token_budget: int) -> BatchPlan | None:
+        """The longest FIFO run of entries that fits both budgets and the KV pool, or None.
+
+        Each chosen entry gets a block allocation for its prompt and all its new tokens. If fewer
+        than `min_size` fit, nothing is taken and every allocation made here is returned.
+        """
+        if not self._entries or prefill_token_budget <= 0 or token_budget <= 0 or max_size == 0:
+            return None
+        if min_size is not None and len(self._entries) < min_size:
+            return None
+        chosen: list[QueueEntry] = []
+        prefill_tokens = 0
+        max_tokens = 0
+        while self._entries:
+            entry = self._entries[0]
+            if prefill_tokens + entry.input_length > prefill_token_budget:
+                break
+            if max_tokens + entry.kv_tokens > token_budget:
+                break
+            allocation = self.allocator.allocate(entry.kv_tokens)
+            if allocation is None:
+                break
+            entry.allocation = allocation
+            chosen.append(self._entries.popleft())
+            prefill_tokens += entry.input_length
+            max_tokens += entry.kv_tokens
+            if max_size is not None and len(chosen) >= max_size:
+                break
+        if not chosen or (min_size is not None and len(chosen) < min_size):
+            for entry in reversed(chosen):
+                self.allocator.free(entry.allocation)
+                entry.allocation = None
+                self._entries.appendleft(entry)
+            return None
+        batch_id = self._next_batch_id
+        self._next_batch_id += 1
+        return BatchPlan(batch_id, chosen, prefill_tokens, max_tokens)

@@ -1,0 +1,85 @@
+"""The internal request and event types every API module converts to and from."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    do_sample: bool = False
+    seed: int = 0
+    watermark: bool = False
+
+
+@dataclass(slots=True)
+class StoppingParams:
+    max_new_tokens: int
+    stop_sequences: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """A validated request: tokenised prompt plus every parameter the shards need."""
+
+    inputs: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    top_n_tokens: int = 0
+    prefill_logprobs: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def input_length(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(slots=True)
+class Token:
+    id: int
+    text: str
+    logprob: float | None
+    special: bool = False
+
+
+@dataclass(slots=True)
+class FinalInfo:
+    text: str
+    generated_tokens: int
+    finish_reason: FinishReason
+    seed: int | None
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One generated token; the first also carries the prompt tokens, the last the final text."""
+
+    token: Token
+    top_tokens: list[Token] = field(default_factory=list)
+    prefill: list[Token] | None = None
+    final: FinalInfo | None = None
+
+
+@dataclass(slots=True)
+class Timings:
+    queued_at: float = 0.0
+    batched_at: float = 0.0
+    finished_at: float = 0.0

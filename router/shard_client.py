@@ -1,0 +1,84 @@
+"""gRPC clients of the shards: one per rank, fanned out so every rank runs every call in lock-step."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+
+
+class ShardError(Exception):
+    """A shard call failed; the message is the shard's own."""
+
+
+class ShardClient:
+    def __init__(self, socket_path: str):
+        self.socket_path = socket_path
+        self.channel = grpc.aio.insecure_channel(
+            f"unix://{socket_path}",
+            options=[("grpc.max_receive_message_length", 2**31 - 1),
+                     ("grpc.max_send_message_length", 2**31 - 1)])
+        self.stub = pb_grpc.TextGenerationServiceStub(self.channel)
+
+    async def call(self, method: str, message, timeout: float | None = None):
+        try:
+            return await getattr(self.stub, method)(message, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise ShardError(err.details() or err.code().name) from None
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class ShardedClient:
+    """Sends each call to every rank and answers with rank 0's reply (ranks compute the same)."""
+
+    def __init__(self, clients: list[ShardClient]):
+        self.clients = clients
+
+    @classmethod
+    async def connect(cls, master_socket: str, timeout: float = 30.0) -> "ShardedClient":
+        master = ShardClient(master_socket)
+        reply = await master.call("ServiceDiscovery", pb.ServiceDiscoveryRequest(), timeout=timeout)
+        await master.close()
+        paths = [url.removeprefix("unix://") for url in reply.urls]
+        return cls([ShardClient(p) for p in paths])
+
+    async def _all(self, method: str, message, timeout: float | None = None):
+        replies = await asyncio.gather(*(c.call(method, message, timeout) for c in self.clients),
+                                       return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply if isinstance(reply, ShardError) else ShardError(str(reply))
+        return replies[0]
+
+    async def info(self) -> pb.InfoResponse:
+        return await self._all("Info", pb.InfoRequest(), timeout=30)
+
+    async def health(self, timeout: float = 5.0) -> None:
+        await self._all("Health", pb.HealthRequest(), timeout=timeout)
+
+    async def clear_cache(self, batch_id: int | None = None) -> None:
+        request = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
+        await self._all("ClearCache", request)
+
+    async def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
+        replies = await asyncio.gather(*(c.call("Warmup", request) for c in self.clients))
+        # every rank must fit: take the smallest pool
+        return min(replies, key=lambda r: r.num_blocks)
+
+    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+        return await self._all("Prefill", pb.PrefillRequest(batch=batch))
+
+    async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
+        return await self._all("Decode", pb.DecodeRequest(batches=batches))
+
+    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
+        reply = await self._all("FilterBatch",
+                                pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids))
+        return reply.batch
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients))

@@ -1,0 +1,32 @@
+"""The router's tokenizer: encodes prompts for validation and for the shards, in worker threads."""
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+
+class RouterTokenizer:
+    def __init__(self, model_dir: str, *, workers: int = 2):
+        directory = Path(model_dir)
+        self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        config_path = directory / "tokenizer_config.json"
+        self.config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self._pool = ThreadPoolExecutor(max_workers=max(workers, 1),
+                                        thread_name_prefix="tokenizer")
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    async def encode_async(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if len(text) < 2048:  # short prompts cost less than a thread hop
+            return self.encode(text, add_special_tokens=add_special_tokens)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._pool, lambda: self.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
