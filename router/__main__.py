@@ -28,10 +28,12 @@ async def serve(argv: list[str] | None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    fatal = asyncio.create_task(state.fatal.wait())
+    await asyncio.wait([asyncio.create_task(stop.wait()), fatal],
+                       return_when=asyncio.FIRST_COMPLETED)
     log.info("router stopping")
     await runner.cleanup()
-    return 0
+    return 1 if state.fatal.is_set() else 0
 
 
 def main(argv: list[str] | None = None) -> int:

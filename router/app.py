@@ -36,6 +36,8 @@ class RouterState:
     batcher: Batcher
     infer: Infer
     tasks: list[asyncio.Task] = field(default_factory=list)
+    # set when the batching loop dies: the process must exit rather than leave requests hanging
+    fatal: asyncio.Event = field(default_factory=asyncio.Event)
 
     def info_json(self) -> dict:
         config = self.config
@@ -129,7 +131,7 @@ def create_app(state: RouterState) -> web.Application:
     tgi.add_routes(app)
 
     async def start_batcher(app):
-        state.tasks.append(asyncio.create_task(_supervise(state.batcher.run())))
+        state.tasks.append(asyncio.create_task(_supervise(state.batcher.run(), state.fatal)))
 
     async def stop_batcher(app):
         for task in state.tasks:
@@ -142,7 +144,7 @@ def create_app(state: RouterState) -> web.Application:
     return app
 
 
-async def _supervise(coro) -> None:
+async def _supervise(coro, fatal: asyncio.Event) -> None:
     try:
         await coro
     except asyncio.CancelledError:
@@ -150,4 +152,4 @@ async def _supervise(coro) -> None:
     except Exception:
         # the loop must never die silently: without it every request would hang
         log.exception("the batching loop crashed; stopping the router")
-        raise SystemExit(1)
+        fatal.set()

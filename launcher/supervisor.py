@@ -1,0 +1,163 @@
+"""Starts the shards and the router as child processes, waits until they serve, and stops them together.
+
+Any child that exits makes the launcher stop the others and exit non-zero naming it; SIGINT/SIGTERM stop
+the router first (it finishes in-flight requests), then the shards, each SIGKILLed after a grace period.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launcher.config import LauncherConfig
+from launcher.logs import relay
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    process: subprocess.Popen
+    tail: list[str] = field(default_factory=list)
+
+    def exited(self) -> int | None:
+        return self.process.poll()
+
+
+def check_shardable(model_dir: Path, num_shard: int) -> None:
+    """Fails before any process starts when the heads cannot be split over `num_shard` ranks."""
+    config = json.loads((model_dir / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if count % num_shard:
+            raise LaunchError(f"--num-shard {num_shard} does not divide the model's {count} {name}; "
+                              f"use a shard count that divides both {heads} and {kv_heads}")
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str]) -> Child:
+    # own session: a Ctrl-C in the terminal reaches only the launcher, which stops children in order
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    child = Child(name, process)
+    relay(process.stdout, name, tail=child.tail)
+    return child
+
+
+class Supervisor:
+    def __init__(self, config: LauncherConfig, model_dir: Path, model_name: str):
+        self.config = config
+        self.model_dir = model_dir
+        self.model_name = model_name
+        self.children: list[Child] = []
+        self.stop_requested = threading.Event()
+
+    def socket_path(self, rank: int) -> str:
+        return f"{self.config.shard_uds_path}-{rank}"
+
+    def run(self) -> int:
+        """Starts everything, supervises until a signal or a death; returns the exit code."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self.stop_requested.set())
+        try:
+            self._start_shards()
+            self._start_router()
+            print(f"tgi-launcher: serving {self.model_name} on "
+                  f"http://{self._router_host()}:{self.config.port}", file=sys.stderr, flush=True)
+            return self._watch()
+        except LaunchError as err:
+            print(f"tgi-launcher: {err}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            self.shutdown()
+
+    def _start_shards(self) -> None:
+        config = self.config
+        for rank in range(config.num_shard):
+            path = self.socket_path(rank)
+            if os.path.exists(path):
+                os.unlink(path)  # stale socket of an earlier run
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(config.num_shard),
+                   "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(config.master_port)}
+            argv = [sys.executable, "-m", "shard", "--model-path", str(self.model_dir),
+                    "--uds-path", config.shard_uds_path, "--dtype", config.dtype,
+                    "--device", config.device, "--block-size", str(config.block_size)]
+            self.children.append(_spawn(f"shard {rank}", argv, env))
+        self._wait_until("shards ready", lambda: all(
+            os.path.exists(self.socket_path(r)) for r in range(config.num_shard)))
+
+    def _start_router(self) -> None:
+        argv = [sys.executable, "-m", "router",
+                *self.config.router_argv(tokenizer_path=str(self.model_dir),
+                                         model_id=self.model_name)]
+        self.children.append(_spawn("router", argv, dict(os.environ)))
+        self._wait_until("router ready", self._router_healthy)
+
+    def _router_host(self) -> str:
+        host = self.config.router.get("hostname") or "0.0.0.0"
+        return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+
+    def _router_healthy(self) -> bool:
+        url = f"http://{self._router_host()}:{self.config.port}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _wait_until(self, what: str, ready, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            self._raise_if_dead()
+            if self.stop_requested.is_set():
+                raise LaunchError(f"stopped by a signal while waiting for: {what}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"timed out after {timeout:.0f}s waiting for: {what}")
+            time.sleep(0.1)
+
+    def _raise_if_dead(self) -> None:
+        for child in self.children:
+            code = child.exited()
+            if code is not None:
+                last = "\n  ".join(child.tail[-10:])
+                raise LaunchError(f"{child.name} exited with code {code}; its last lines:\n  {last}")
+
+    def _watch(self) -> int:
+        while not self.stop_requested.wait(0.1):
+            self._raise_if_dead()
+        print("tgi-launcher: stopping", file=sys.stderr, flush=True)
+        return 0
+
+    def shutdown(self) -> None:
+        """Router first, so it stops taking requests while the shards still answer; then shards."""
+        grace = self.config.graceful_termination_timeout
+        routers = [c for c in self.children if c.name == "router"]
+        shards = [c for c in self.children if c.name != "router"]
+        for group in (routers, shards):
+            for child in group:
+                if child.exited() is None:
+                    child.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for child in group:
+                try:
+                    child.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    print(f"tgi-launcher: {child.name} did not stop in {grace}s; killing it",
+                          file=sys.stderr, flush=True)
+                    child.process.kill()
+                    child.process.wait()
+        for rank in range(self.config.num_shard):
+            if os.path.exists(self.socket_path(rank)):
+                os.unlink(self.socket_path(rank))
+        self.children.clear()

@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Regenerates the Python stubs of proto/generate.proto (run from anywhere).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. proto/generate.proto

@@ -1,0 +1,96 @@
+"""The batching loop on a fake shard: joins, filters, cancellation, failures, no leaked blocks."""
+import asyncio
+
+import pytest
+
+from router.batcher import Batcher, SchedulingLimits
+from router.block_allocator import BlockAllocator
+from router.errors import GenerationError
+from router.infer import Infer
+from router.request_queue import RequestQueue
+from router.schemas import GenerateRequest, SamplingParams, StoppingParams
+from tests.fakes import FakeShardClient
+
+
+def _setup(client, *, num_blocks=200, max_batch_size=None, ratio=0.0):
+    allocator = BlockAllocator(num_blocks, 4)
+    limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
+                              waiting_served_ratio=ratio, max_waiting_tokens=20,
+                              max_batch_size=max_batch_size)
+    batcher = Batcher(client, RequestQueue(allocator), allocator, limits)
+    return batcher, Infer(batcher, max_concurrent_requests=64), allocator
+
+
+def _request(max_new_tokens, length=8):
+    return GenerateRequest(inputs="x", input_ids=[5] * length, sampling=SamplingParams(),
+                           stopping=StoppingParams(max_new_tokens=max_new_tokens))
+
+
+async def _with_loop(batcher, coro):
+    task = asyncio.create_task(batcher.run())
+    try:
+        return await asyncio.wait_for(coro, timeout=10)
+    finally:
+        task.cancel()
+
+
+async def test_requests_join_a_running_batch_and_all_finish():
+    client = FakeShardClient(step_delay=0.001)
+    batcher, infer, allocator = _setup(client)
+
+    async def late(i, delay):
+        await asyncio.sleep(delay)
+        return await infer.generate(_request(max_new_tokens=3 + i))
+
+    results = await _with_loop(batcher, asyncio.gather(*(late(i, 0.003 * i) for i in range(6))))
+    assert [r.final.generated_tokens for r in results] == [3, 4, 5, 6, 7, 8]
+    assert [r.final.text for r in results][0] == "t1 t2 t3 "
+    assert any(name == "decode" and len(ids) == 2 for name, ids in client.calls), \
+        "a new prefill was merged into the running batch"
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+    assert client.batches == {}
+
+
+async def test_cancelled_stream_leaves_at_next_step_and_frees_blocks():
+    client = FakeShardClient(step_delay=0.005)
+    batcher, infer, allocator = _setup(client)
+
+    async def drop_after_two():
+        stream = infer.stream(_request(max_new_tokens=50))
+        got = [await anext(stream), await anext(stream)]
+        await stream.aclose()
+        return got
+
+    async def scenario():
+        other = asyncio.create_task(infer.generate(_request(max_new_tokens=10)))
+        await drop_after_two()
+        await other
+        for _ in range(100):
+            if allocator.num_free_blocks == allocator.num_usable_blocks:
+                break
+            await asyncio.sleep(0.01)
+
+    await _with_loop(batcher, scenario())
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+    assert infer.in_flight == 0
+    assert any(name == "filter" for name, _ in client.calls)
+
+
+async def test_shard_failure_fails_the_requests_and_frees_blocks():
+    client = FakeShardClient()
+    client.fail_next = "prefill"
+    batcher, infer, allocator = _setup(client)
+    with pytest.raises(GenerationError, match="injected prefill failure"):
+        await _with_loop(batcher, infer.generate(_request(max_new_tokens=4)))
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+    result = await _with_loop(batcher, infer.generate(_request(max_new_tokens=4)))
+    assert result.final.generated_tokens == 4
+
+
+async def test_max_batch_size_bounds_the_running_batch():
+    client = FakeShardClient(step_delay=0.001)
+    batcher, infer, _ = _setup(client, max_batch_size=2)
+    results = await _with_loop(batcher, asyncio.gather(*(infer.generate(_request(5))
+                                                         for _ in range(5))))
+    assert all(r.final.generated_tokens == 5 for r in results)
+    assert max(client.decode_sizes) == 2

@@ -1,0 +1,102 @@
+"""Each warper and penalty on hand-made logits, greedy rows beside sampling rows, seeds."""
+import math
+
+import torch
+
+from shard.sampling import SamplingBatch, SamplingParams, sample
+
+CPU = torch.device("cpu")
+
+
+def _batch(*params):
+    return SamplingBatch.from_params(list(params), CPU)
+
+
+def _allowed(logits, params, draws=200):
+    """Tokens a sampling row can produce, seen over many seeds."""
+    seen = set()
+    for seed in range(draws):
+        p = SamplingParams(**{**params, "do_sample": True, "seed": seed})
+        seen.add(sample(logits, _batch(p)).next_ids.item())
+    return seen
+
+
+LOGITS = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+
+
+def test_greedy_takes_argmax_and_reports_its_logprob():
+    out = sample(LOGITS, _batch(SamplingParams()))
+    assert out.next_ids.tolist() == [0]
+    assert math.isclose(out.logprobs.item(), math.log(0.5), rel_tol=1e-5)
+
+
+def test_top_k_keeps_k_tokens():
+    assert _allowed(LOGITS, {"top_k": 2}) == {0, 1}
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    assert _allowed(LOGITS, {"top_p": 0.6}) == {0, 1}
+    assert _allowed(LOGITS, {"top_p": 0.4}) == {0}
+
+
+def test_typical_p_drops_the_least_typical_tokens():
+    allowed = _allowed(LOGITS, {"typical_p": 0.5})
+    assert allowed and allowed < {0, 1, 2, 3, 4}
+    assert 4 not in allowed
+
+
+def test_min_p_drops_tokens_far_below_the_top():
+    assert _allowed(LOGITS, {"min_p": 0.35}) == {0, 1}
+
+
+def test_temperature_sharpens():
+    cold = SamplingParams(do_sample=True, temperature=0.01, seed=3)
+    assert all(sample(LOGITS, _batch(SamplingParams(**{**_as_dict(cold), "seed": s}))).next_ids.item()
+               == 0 for s in range(50))
+
+
+def _as_dict(p):
+    return {k: getattr(p, k) for k in p.__slots__}
+
+
+def test_same_seed_same_draws_and_rows_are_independent():
+    logits = torch.zeros(2, 1000)
+    a = _batch(SamplingParams(do_sample=True, seed=7), SamplingParams())
+    b = _batch(SamplingParams(do_sample=True, seed=7), SamplingParams())
+    draws_a = [sample(logits, a).next_ids.tolist() for _ in range(5)]
+    draws_b = [sample(logits, b).next_ids.tolist() for _ in range(5)]
+    assert draws_a == draws_b
+    assert all(row[1] == 0 for row in draws_a), "the greedy row stays greedy"
+    assert len({row[0] for row in draws_a}) > 1, "the generator advances between steps"
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, -1.0, 1.5]])
+    out = sample(logits, _batch(SamplingParams(repetition_penalty=2.0)), [([0, 1], [])])
+    assert out.next_ids.item() == 2  # 2.0 / 2 = 1.0 < 1.5
+    scores = out.logprobs.item()
+    assert math.isclose(scores, torch.log_softmax(torch.tensor([1.0, -2.0, 1.5]), 0)[2].item(),
+                        rel_tol=1e-5)
+
+
+def test_frequency_and_presence_penalties_count_output_tokens():
+    logits = torch.tensor([[3.0, 2.5, 0.0]])
+    freq = sample(logits, _batch(SamplingParams(frequency_penalty=0.4)), [([], [0, 0])])
+    assert freq.next_ids.item() == 1  # 3.0 - 2 * 0.4 = 2.2 < 2.5
+    pres = sample(logits, _batch(SamplingParams(presence_penalty=0.4)), [([], [0, 0])])
+    assert pres.next_ids.item() == 0  # 3.0 - 0.4 = 2.6 > 2.5
+
+
+def test_top_n_tokens_are_the_most_likely():
+    out = sample(LOGITS, _batch(SamplingParams(top_n_tokens=3)))
+    assert out.top_ids.tolist() == [[0, 1, 2]]
+
+
+def test_select_and_concatenate_keep_rows_aligned():
+    batch = _batch(SamplingParams(top_k=1, do_sample=True, seed=1), SamplingParams(),
+                   SamplingParams(temperature=0.5, do_sample=True, seed=2))
+    picked = batch.select([2, 0])
+    assert picked.temperature.flatten().tolist() == [0.5, 1.0]
+    merged = SamplingBatch.concatenate([picked, _batch(SamplingParams())])
+    assert merged.do_sample.tolist() == [True, True, False]
+    assert merged.generators[1] is batch.generators[0]

@@ -1,0 +1,34 @@
+from shard.stopping import FinishReason, StopCriteria
+
+
+def test_length_comes_first_even_on_eos():
+    stop = StopCriteria(max_new_tokens=2, eos_token_ids=frozenset({9}))
+    assert stop.check(1, "a") is None
+    assert stop.check(9, "") is FinishReason.LENGTH
+
+
+def test_eos_stops_unless_ignored_or_too_early():
+    assert StopCriteria(10, frozenset({9})).check(9, "") is FinishReason.EOS_TOKEN
+    assert StopCriteria(10, frozenset({9}), ignore_eos=True).check(9, "") is None
+    early = StopCriteria(10, frozenset({9}), min_new_tokens=2)
+    assert early.check(9, "") is None
+    assert early.check(9, "") is FinishReason.EOS_TOKEN
+
+
+def test_stop_sequence_across_tokens():
+    stop = StopCriteria(100, frozenset(), stop_sequences=["\nUser:"])
+    pieces = ["Hello", " there", "\nUs", "er", ":"]
+    results = [stop.check(i, p) for i, p in enumerate(pieces)]
+    assert results == [None, None, None, None, FinishReason.STOP_SEQUENCE]
+
+
+def test_stop_sequence_inside_a_single_token_text():
+    stop = StopCriteria(100, frozenset(), stop_sequences=["END"])
+    assert stop.check(1, "xENDy") is FinishReason.STOP_SEQUENCE
+
+
+def test_tail_stays_bounded():
+    stop = StopCriteria(10_000, frozenset(), stop_sequences=["zz"])
+    for i in range(5000):
+        stop.check(i, "abc")
+    assert len(stop.tail) < 40
