@@ -47,3 +47,25 @@ def request(rid: int, input_ids: list[int], blocks: list[int], *, max_new_tokens
     return NewRequest(id=rid, input_ids=list(input_ids),
                       params=SamplingParams(top_n_tokens=top_n, **params),
                       max_new_tokens=max_new_tokens, blocks=blocks, **stopping)
+
+
+def run_to_completion(engine: Engine, requests: list[NewRequest], batch_id: int = 1
+                      ) -> dict[int, list[int]]:
+    """Prefills `requests` together, then decodes, filtering finished ones as the router does."""
+    out = engine.prefill(batch_id, requests)
+    tokens: dict[int, list[int]] = {r.id: [] for r in requests}
+    while True:
+        finished = set()
+        for generation in out.generations:
+            tokens[generation.request_id] += generation.tokens.ids
+            if generation.generated_text is not None:
+                finished.add(generation.request_id)
+        if out.batch is None:
+            return tokens
+        alive = [r for r in out.batch.request_ids if r not in finished]
+        if not alive:
+            engine.clear(out.batch.id)
+            return tokens
+        if len(alive) < len(out.batch.request_ids):
+            engine.filter(out.batch.id, alive)
+        out = engine.decode([out.batch.id])

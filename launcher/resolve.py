@@ -1,0 +1,66 @@
+"""Model id -> a local directory with config.json, *.safetensors and tokenizer.json."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+class ModelResolutionError(RuntimeError):
+    pass
+
+
+def cache_root() -> Path:
+    """Where prepared models and downloads live: TGI_PY_CACHE, else ~/.cache/tgi-py."""
+    return Path(os.environ.get("TGI_PY_CACHE") or Path.home() / ".cache" / "tgi-py")
+
+
+def _check_model_dir(path: Path) -> Path:
+    missing = [name for name, ok in (("config.json", (path / "config.json").exists()),
+                                     ("*.safetensors", any(path.glob("*.safetensors"))),
+                                     ("tokenizer.json", (path / "tokenizer.json").exists()))
+               if not ok]
+    if missing:
+        raise ModelResolutionError(f"model directory {path} lacks {', '.join(missing)}")
+    return path
+
+
+def _gguf_dir(gguf_path: Path, cache_dir: Path) -> Path:
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{stat.st_mtime_ns}:{stat.st_size}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_dir / "models" / f"{gguf_path.stem}-{digest}"
+
+
+def resolve_model(model_id: str | None, *, revision: str | None = None,
+                  cache_dir: Path | None = None) -> Path:
+    """A local model directory for `model_id`, preparing or downloading it when needed."""
+    from launcher.prepare import prepare_default_model, prepare_gguf
+
+    cache_dir = cache_dir or cache_root()
+    if model_id is None or model_id == DEFAULT_MODEL_ID:
+        return prepare_default_model(cache_dir)
+    path = Path(model_id).expanduser()
+    if path.is_dir():
+        return _check_model_dir(path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelResolutionError(f"GGUF file {path} does not exist")
+        return _check_model_dir(prepare_gguf(path, _gguf_dir(path, cache_dir)))
+    return _check_model_dir(_from_hub(model_id, revision))
+
+
+def _from_hub(model_id: str, revision: str | None) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(
+            model_id, revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+    except Exception as err:  # offline, unknown repo, no network: all end the same way for a user
+        raise ModelResolutionError(
+            f"{model_id!r} is neither a local model directory nor a .gguf file, and the Hub could "
+            f"not provide it ({type(err).__name__}: {err}). With HF_HUB_OFFLINE=1 only models "
+            "already in the Hugging Face cache can be used.") from None

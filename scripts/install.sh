@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv and installs tgi-py with its test tools; does nothing when pyproject.toml is unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=".venv/.tgi-py-installed"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  # torch is pinned to 2.13.0, the CPU build; install it first so nothing pulls a CUDA build
+  .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]'
+  echo "$want" > "$stamp"
+fi

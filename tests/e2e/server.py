@@ -1,0 +1,66 @@
+"""Starts `tgi-launcher` on loopback for a test and stops it, checking nothing is left behind."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LaunchedServer:
+    process: subprocess.Popen
+    url: str
+    uds_path: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def processes_left(self) -> list[str]:
+        found = subprocess.run(["pgrep", "-af", self.uds_path], capture_output=True, text=True)
+        return [line for line in found.stdout.splitlines() if "pgrep" not in line]
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+
+def launch(model_args: list[str], tmp_path: Path, *, extra: list[str] = (),
+           timeout: float = 300) -> LaunchedServer:
+    port = free_port()
+    uds_path = f"/tmp/tgi-py-test-{uuid.uuid4().hex[:8]}"
+    log_path = tmp_path / "launcher.log"
+    argv = [sys.executable, "-m", "launcher", *model_args, "--port", str(port), "--hostname",
+            "127.0.0.1", "--shard-uds-path", uds_path, "--master-port", str(free_port()),
+            *extra]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                   cwd=Path(__file__).resolve().parents[2], env=dict(os.environ))
+    server = LaunchedServer(process, f"http://127.0.0.1:{port}", uds_path, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"launcher exited with {process.returncode}:\n{server.log()}")
+        try:
+            if requests.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"launcher not ready in {timeout}s:\n{server.log()}")

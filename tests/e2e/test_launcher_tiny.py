@@ -1,0 +1,76 @@
+"""tgi-launcher end to end on a tiny random Llama: HTTP routes, streaming, clean stop."""
+import json
+import os
+
+import pytest
+import requests
+
+from tests.e2e.server import launch
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    launched = launch(["--model-id", str(tiny_llama)], tmp_path_factory.mktemp("launch"),
+                      extra=["--max-batch-total-tokens", "8192", "--block-size", "4"])
+    yield launched
+    code = launched.stop()
+    assert code == 0, launched.log()
+    assert launched.processes_left() == []
+    assert not os.path.exists(f"{launched.uds_path}-0")
+
+
+def _sse(response):
+    events = []
+    for line in response.iter_lines(decode_unicode=True):
+        if line.startswith("data:"):
+            events.append(json.loads(line[len("data:"):]))
+    return events
+
+
+def test_generate_and_stream_agree(server):
+    body = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 12, "details": True}}
+    reply = requests.post(f"{server.url}/generate", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    payload = reply.json()
+    assert payload["details"]["generated_tokens"] == 12
+    assert payload["details"]["finish_reason"] == "length"
+    with requests.post(f"{server.url}/generate_stream", json=body, stream=True, timeout=60) as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        events = _sse(stream)
+    assert [e["index"] for e in events] == list(range(1, 13))
+    assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"]
+    assert events[-1]["generated_text"] == payload["generated_text"]
+    assert [e["token"]["id"] for e in events] == [t["id"] for t in payload["details"]["tokens"]]
+
+
+def test_info_health_and_validation(server):
+    info = requests.get(f"{server.url}/info", timeout=10).json()
+    assert info["max_total_tokens"] > info["max_input_tokens"] > 0
+    assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+    reply = requests.post(f"{server.url}/generate", json={"inputs": "", "parameters": {}}, timeout=10)
+    assert reply.status_code == 422
+    assert reply.json() == {"error": "Input validation error: `inputs` cannot be empty",
+                            "error_type": "validation"}
+    too_long = {"inputs": "a " * 2000, "parameters": {"max_new_tokens": 5}}
+    reply = requests.post(f"{server.url}/generate", json=too_long, timeout=10)
+    assert reply.status_code == 422 and reply.json()["error_type"] == "validation"
+    reply = requests.post(f"{server.url}/generate", data=b"{not json", timeout=10)
+    assert reply.status_code == 422 and reply.json()["error_type"] == "validation"
+
+
+def test_concurrent_requests_are_batched_and_answer_like_alone(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [f"Once upon a time {i}" for i in range(8)]
+
+    def run(prompt):
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 6 + len(prompt) % 5}}
+        return requests.post(f"{server.url}/generate", json=body, timeout=120).json()
+
+    alone = [run(p) for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(run, prompts))
+    assert together == alone
