@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shard.layers.attention import AttentionMetadata, LayerCache
+from shard.layers.attention import AttentionMetadata, LayerCache, PrefillLayout
 
 
 @dataclass(slots=True)
@@ -99,8 +99,8 @@ class ModelRunner:
             * block_size + seq_lens % block_size
         keys = torch.arange(max_context, device=self.device)
         mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(-1, 1, 1, max_context)
-        meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=tables, attn_mask=mask,
-                                 query_index=None, output_index=None, max_context_len=max_context)
+        meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=tables,
+                                 max_context_len=max_context, decode_mask=mask)
         return self.model(input_ids, seq_lens, self.cache, meta)
 
 
@@ -114,25 +114,14 @@ def _metadata(block_tables: torch.Tensor, positions: torch.Tensor, query_lens: l
               context_lens: list[int], block_size: int) -> AttentionMetadata:
     """Metadata for sequences with several new tokens each (prefill or chunked prefill)."""
     device = positions.device
-    batch = len(query_lens)
-    max_query, max_context = max(query_lens), max(context_lens)
-    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device),
+    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=device),
                                            torch.tensor(query_lens, device=device))
     slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size \
         + positions % block_size
-    q_len = torch.tensor(query_lens, device=device).unsqueeze(1)
-    q_start = torch.tensor([0] + query_lens[:-1], device=device).cumsum(0).unsqueeze(1)
-    offsets = torch.arange(max_query, device=device).unsqueeze(0)
-    query_index = q_start + offsets.minimum(q_len - 1)  # [B, max_query]
-    token_offset = torch.arange(positions.shape[0], device=device) - q_start.squeeze(1)[seq_of_token]
-    output_index = seq_of_token * max_query + token_offset
-    # query i of sequence b sits at position context_len - query_len + i and sees keys up to it;
-    # padded queries (i >= query_len) see key 0 only, so their softmax stays finite
-    first = (torch.tensor(context_lens, device=device).unsqueeze(1) - q_len)
-    query_pos = first + offsets  # [B, max_query]
-    keys = torch.arange(max_context, device=device)
-    mask = keys.view(1, 1, -1) <= query_pos.unsqueeze(-1)
-    mask = torch.where((offsets < q_len).unsqueeze(-1), mask, keys.view(1, 1, -1) == 0)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    layout = PrefillLayout(query_starts=starts,
+                           cached_lens=[c - n for c, n in zip(context_lens, query_lens)])
     return AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables,
-                             attn_mask=mask.unsqueeze(1), query_index=query_index,
-                             output_index=output_index, max_context_len=max_context)
+                             max_context_len=max(context_lens), prefill=layout)

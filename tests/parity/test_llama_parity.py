@@ -61,3 +61,18 @@ def test_logits_match_transformers_through_paged_cache(tmp_path, variant):
                 assert (logits[row] - expected).abs().max().item() <= 1e-4
         seq_lens = seq_lens + 1
         next_ids = logits.argmax(-1)
+
+
+def test_prompt_continued_from_cache_matches_transformers(tmp_path):
+    """A prompt computed in two parts (later part reads the cached prefix) equals one full forward."""
+    model_dir = build_tiny_model(tmp_path / "model", num_heads=4, num_kv_heads=2)
+    runner, reference = _runner(model_dir), _reference(model_dir)
+    prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
+    blocks = [5, 2, 9]
+    runner.prefill([PrefillSequence(prompt[:6], 0, blocks)])
+    _, full = runner.prefill([PrefillSequence(prompt[6:], 6, blocks),
+                              PrefillSequence(prompt, 0, [1, 3, 4])], all_logits_rows={0, 1})
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+    assert (full[0] - expected[6:]).abs().max().item() <= 1e-4
+    assert (full[1] - expected).abs().max().item() <= 1e-4

@@ -1,0 +1,40 @@
+"""The README's serve command, end to end: no --model-id serves SmolLM2-135M-Instruct."""
+import json
+
+import pytest
+import requests
+
+from tests.e2e.server import launch
+
+pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+
+
+@pytest.fixture(scope="module")
+def server(real_model_dir, tmp_path_factory):
+    # the default model id; smaller limits only to keep the warm-up short in tests
+    launched = launch([], tmp_path_factory.mktemp("default"),
+                      extra=["--max-input-tokens", "500", "--max-total-tokens", "1024",
+                             "--max-batch-prefill-tokens", "512"])
+    yield launched
+    assert launched.stop() == 0
+    assert launched.processes_left() == []
+
+
+def test_generate_answers_like_the_model(server):
+    body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}}
+    reply = requests.post(f"{server.url}/generate", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["generated_text"].startswith(" Paris")
+
+
+def test_stream_of_a_chat_prompt_ends_on_eos(server):
+    prompt = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 64, "details": True}}
+    with requests.post(f"{server.url}/generate_stream", json=body, stream=True, timeout=120) as r:
+        events = [json.loads(line[5:]) for line in r.iter_lines(decode_unicode=True)
+                  if line.startswith("data:")]
+    final = events[-1]
+    assert final["details"]["finish_reason"] == "eos_token"
+    assert "4" in final["generated_text"]
+    assert "".join(e["token"]["text"] for e in events) == final["generated_text"]
+    assert events[-1]["token"]["special"] is True
