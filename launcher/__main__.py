@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from launcher.config import parse_args
-from launcher.resolve import ModelResolutionError, resolve_model
+from launcher.resolve import DEFAULT_MODEL_ID, ModelResolutionError, resolve_model
 from launcher.supervisor import LaunchError, Supervisor, check_shardable
 
 
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelResolutionError, LaunchError) as err:
         print(f"tgi-launcher: {err}", file=sys.stderr)
         return 1
-    model_name = config.model_id or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model_name = config.model_id or DEFAULT_MODEL_ID
     return Supervisor(config, model_dir, model_name).run()
 
 

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         kind = {"int": int, "float": float}.get(f.type, str)
         group.add_argument(f"--{f.name.replace('_', '-')}", type=kind, dest=f"router.{f.name}",
-                           default=_env_default(f.name, None),
+                           metavar=f.name.upper(), default=_env_default(f.name, None),
                            help=f"{f.metadata['help']} (default: {f.default})")
     return parser
 
