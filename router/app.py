@@ -15,6 +15,7 @@ from router.block_allocator import BlockAllocator
 from router.config import RouterConfig, TokenLimits
 from router.errors import RouterError, tgi_error_body
 from router.infer import Infer
+from router.metrics import Metrics
 from router.request_queue import RequestQueue
 from router.shard_client import ShardedClient
 from router.tokenizer import RouterTokenizer
@@ -35,9 +36,14 @@ class RouterState:
     allocator: BlockAllocator
     batcher: Batcher
     infer: Infer
+    metrics: Metrics
     tasks: list[asyncio.Task] = field(default_factory=list)
     # set when the batching loop dies: the process must exit rather than leave requests hanging
     fatal: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def compute_type(self) -> str:
+        return f"{self.shard_info.world_size}-{self.shard_info.device_type}"
 
     def info_json(self) -> dict:
         config = self.config
@@ -117,12 +123,14 @@ async def build_state(config: RouterConfig) -> RouterState:
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_batch_total_tokens=capacity,
         waiting_served_ratio=config.waiting_served_ratio,
         max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size)
-    batcher = Batcher(client, RequestQueue(allocator), allocator, scheduling)
-    infer = Infer(batcher, max_concurrent_requests=config.max_concurrent_requests)
+    metrics = Metrics(max_input_tokens=limits.max_input_tokens,
+                      max_total_tokens=limits.max_total_tokens)
+    batcher = Batcher(client, RequestQueue(allocator), allocator, scheduling, metrics)
+    infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens)
     return RouterState(config, tokenizer, client, shard_info, limits, validation_limits,
-                       allocator, batcher, infer)
+                       allocator, batcher, infer, metrics)
 
 
 def create_app(state: RouterState) -> web.Application:

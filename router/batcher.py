@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from proto import generate_pb2 as pb
 from router.block_allocator import BlockAllocator
 from router.errors import GenerationError, RouterError
+from router.metrics import Metrics
 from router.request_queue import BatchPlan, QueueEntry, RequestQueue
 from router.schemas import FinalInfo, FinishReason, GenerateRequest, Token, TokenEvent
 from router.shard_client import ShardError
@@ -49,11 +50,15 @@ class SchedulingLimits:
 
 class Batcher:
     def __init__(self, client, queue: RequestQueue, allocator: BlockAllocator,
-                 limits: SchedulingLimits):
+                 limits: SchedulingLimits, metrics: Metrics):
         self.client = client
         self.queue = queue
         self.allocator = allocator
         self.limits = limits
+        self.metrics = metrics
+        metrics.kv_total_blocks.set(allocator.num_usable_blocks)
+        metrics.kv_free_blocks.set(allocator.num_free_blocks)
+        metrics.batch_max_total_tokens.set(allocator.num_usable_blocks * allocator.block_size)
         self.active: dict[int, ActiveRequest] = {}  # request id -> request, from prefill to end
         self._wake = asyncio.Event()
 
@@ -61,6 +66,7 @@ class Batcher:
 
     def submit(self, item: ActiveRequest) -> None:
         self.queue.append(item.entry)
+        self.metrics.queue_size.set(len(self.queue))
         self._wake.set()
 
     def cancel(self, item: ActiveRequest) -> None:
@@ -68,6 +74,7 @@ class Batcher:
         item.is_cancelled = True
         if self.queue.remove(item.entry):
             item.is_done = True
+            self.metrics.queue_size.set(len(self.queue))
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -79,16 +86,23 @@ class Batcher:
                 running = await self._prefill(plan)
                 waiting_steps = 1
                 while running is not None:
+                    self.metrics.batch_current_size.set(len(running.request_ids))
+                    self.metrics.batch_current_max_tokens.set(running.max_tokens)
                     batches = [running]
                     plan = self._next_plan(running_size=len(running.request_ids),
                                            waiting_steps=waiting_steps)
                     if plan is not None:
+                        reason = ("wait_exceeded" if waiting_steps >= self.limits.max_waiting_tokens
+                                  else "backpressure")
+                        self.metrics.counters.inc("tgi_batch_concat", reason=reason)
                         new = await self._prefill(plan)
                         if new is not None:
                             batches.append(new)
                         waiting_steps = 1
                     running = await self._decode(batches)
                     waiting_steps += 1
+                self.metrics.batch_current_size.set(0)
+                self.metrics.batch_current_max_tokens.set(0)
 
     def _next_plan(self, *, running_size: int, waiting_steps: int) -> BatchPlan | None:
         limits = self.limits
@@ -98,9 +112,14 @@ class Batcher:
         max_size = None
         if limits.max_batch_size is not None:
             max_size = max(limits.max_batch_size - running_size, 0)
-        return self.queue.next_batch(min_size=min_size, max_size=max_size,
+        plan = self.queue.next_batch(min_size=min_size, max_size=max_size,
                                      prefill_token_budget=limits.max_batch_prefill_tokens,
                                      token_budget=limits.max_batch_total_tokens)
+        if plan is not None:
+            self.metrics.queue_size.set(len(self.queue))
+            self.metrics.batch_next_size.observe(len(plan.entries))
+            self.metrics.kv_free_blocks.set(self.allocator.num_free_blocks)
+        return plan
 
     async def _prefill(self, plan: BatchPlan) -> pb.CachedBatch | None:
         items = [e.payload for e in plan.entries]
@@ -111,24 +130,48 @@ class Batcher:
         batch = pb.Batch(id=plan.batch_id, requests=[_request_proto(i) for i in items],
                          size=len(items), max_tokens=plan.max_tokens,
                          max_blocks=max(len(i.entry.allocation.block_ids) for i in items))
-        try:
-            reply = await self.client.prefill(batch)
-        except ShardError as err:
-            await self._fail(items, [plan.batch_id], err)
+        reply = await self._call("prefill", self.client.prefill(batch))
+        if isinstance(reply, ShardError):
+            await self._fail(items, [plan.batch_id], reply)
             return None
-        return await self._after_step(reply)
+        return await self._after_step(reply, "prefill")
 
     async def _decode(self, batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
-        try:
-            reply = await self.client.decode(batches)
-        except ShardError as err:
+        reply = await self._call("decode", self.client.decode(batches))
+        if isinstance(reply, ShardError):
             ids = {rid for b in batches for rid in b.request_ids}
             await self._fail([self.active[i] for i in ids if i in self.active],
-                             [b.id for b in batches], err)
+                             [b.id for b in batches], reply)
             return None
-        return await self._after_step(reply)
+        return await self._after_step(reply, "decode")
 
-    async def _after_step(self, reply) -> pb.CachedBatch | None:
+    async def _call(self, method: str, call):
+        """Runs one shard step, recording TGI's batch metrics; a ShardError is returned, not raised."""
+        metrics = self.metrics
+        metrics.counters.inc("tgi_batch_inference_count", method=method)
+        started = time.monotonic()
+        try:
+            reply = await call
+        except ShardError as err:
+            metrics.counters.inc("tgi_batch_inference_failure", method=method)
+            return err
+        metrics.counters.inc("tgi_batch_inference_success", method=method)
+        metrics.batch_inference_duration.labels(method).observe(time.monotonic() - started)
+        metrics.batch_forward_duration.labels(method).observe(reply.forward_ns / 1e9)
+        metrics.batch_decode_duration.labels(method).observe(reply.decode_ns / 1e9)
+        if reply.HasField("concat_ns"):
+            metrics.batch_concat_duration.labels(method).observe(reply.concat_ns / 1e9)
+        return reply
+
+    async def _after_step(self, reply, method: str) -> pb.CachedBatch | None:
+        started = time.monotonic()
+        try:
+            return await self._deliver_and_filter(reply)
+        finally:
+            self.metrics.batch_filter_duration.labels(method).observe(time.monotonic() - started)
+            self.metrics.kv_free_blocks.set(self.allocator.num_free_blocks)
+
+    async def _deliver_and_filter(self, reply) -> pb.CachedBatch | None:
         for generation in reply.generations:
             item = self.active.get(generation.request_id)
             if item is not None and not item.is_done and not item.is_cancelled:

@@ -1,14 +1,19 @@
-"""Admission and the per-request event stream: 429 past the concurrency limit, cancellation on exit."""
+"""Admission and the per-request event stream: 429 past the concurrency limit, cancellation on exit,
+and the request-level metrics every API shares."""
 from __future__ import annotations
 
+import asyncio
 import itertools
+import random
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from router.batcher import ActiveRequest, Batcher
 from router.errors import IncompleteGenerationError, OverloadedError, RouterError, ValidationError
+from router.metrics import Metrics
 from router.request_queue import QueueEntry
-from router.schemas import FinalInfo, GenerateRequest, Token, TokenEvent
+from router.schemas import FinalInfo, GenerateRequest, Timings, Token, TokenEvent
 
 
 @dataclass(slots=True)
@@ -17,14 +22,28 @@ class GenerateResult:
     top_tokens: list[list[Token]] = field(default_factory=list)
     prefill: list[Token] = field(default_factory=list)
     final: FinalInfo | None = None
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def logprob_sum(self) -> float:
+        return sum(t.logprob or 0.0 for t in self.tokens)
+
+
+_FAILURE_LABELS = {"validation": "validation", "overloaded": "overloaded",
+                   "generation": "generation", "incomplete_generation": "incomplete"}
 
 
 class Infer:
-    def __init__(self, batcher: Batcher, *, max_concurrent_requests: int):
+    def __init__(self, batcher: Batcher, metrics: Metrics, *, max_concurrent_requests: int):
         self.batcher = batcher
+        self.metrics = metrics
         self.max_concurrent_requests = max_concurrent_requests
         self.in_flight = 0
         self._ids = itertools.count()
+
+    def record_failure(self, error: RouterError) -> None:
+        self.metrics.counters.inc("tgi_request_failure",
+                                  err=_FAILURE_LABELS.get(error.error_type, error.error_type))
 
     def _admit(self, request: GenerateRequest) -> ActiveRequest:
         if self.in_flight >= self.max_concurrent_requests:
@@ -39,27 +58,58 @@ class Infer:
         entry.payload = item
         return item
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def stream(self, request: GenerateRequest, timings: Timings | None = None
+                     ) -> AsyncIterator[TokenEvent]:
         """Events of one request; leaving the iteration early cancels it and frees what it held."""
-        item = self._admit(request)
+        timings = timings or Timings(started_at=time.monotonic())
+        try:
+            item = self._admit(request)
+        except RouterError as err:
+            self.record_failure(err)
+            raise
+        metrics = self.metrics
+        metrics.input_length.observe(request.input_length)
+        metrics.max_new_tokens.observe(request.stopping.max_new_tokens)
         self.in_flight += 1
+        timings.queued_at = time.monotonic()
+        metrics.validation_duration.observe(timings.queued_at - timings.started_at)
         try:
             self.batcher.submit(item)
             while True:
                 event = await item.events.get()
                 if isinstance(event, RouterError):
+                    self.record_failure(event)
                     raise event
+                if timings.batched_at == 0.0:
+                    timings.batched_at = item.batched_at
                 yield event
                 if event.final is not None:
+                    self._record_success(timings, event.final)
                     return
+        except (asyncio.CancelledError, GeneratorExit):
+            if not item.is_done:
+                metrics.counters.inc("tgi_request_failure", err="dropped")
+            raise
         finally:
             if not item.is_done:
                 self.batcher.cancel(item)
             self.in_flight -= 1
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        result = GenerateResult()
-        async for event in self.stream(request):
+    def _record_success(self, timings: Timings, final: FinalInfo) -> None:
+        timings.finished_at = time.monotonic()
+        metrics = self.metrics
+        metrics.counters.inc("tgi_request_success")
+        metrics.request_duration.observe(timings.finished_at - timings.started_at)
+        metrics.queue_duration.observe(timings.batched_at - timings.queued_at)
+        inference = timings.finished_at - timings.batched_at
+        metrics.inference_duration.observe(inference)
+        metrics.time_per_token.observe(inference / max(final.generated_tokens, 1))
+        metrics.generated_tokens.observe(final.generated_tokens)
+
+    async def generate(self, request: GenerateRequest, timings: Timings | None = None
+                       ) -> GenerateResult:
+        result = GenerateResult(timings=timings or Timings(started_at=time.monotonic()))
+        async for event in self.stream(request, result.timings):
             result.tokens.append(event.token)
             result.top_tokens.append(event.top_tokens)
             if event.prefill is not None:
@@ -67,5 +117,24 @@ class Infer:
             if event.final is not None:
                 result.final = event.final
         if result.final is None:
-            raise IncompleteGenerationError()
+            error = IncompleteGenerationError()
+            self.record_failure(error)
+            raise error
         return result
+
+    async def generate_best_of(self, request: GenerateRequest, best_of: int, timings: Timings
+                               ) -> tuple[GenerateResult, list[GenerateResult]]:
+        """`best_of` sampled sequences with their own seeds; the most likely (summed log-prob) wins."""
+        requests = [replace(request, sampling=replace(request.sampling,
+                                                      seed=random.getrandbits(64)))
+                    for _ in range(best_of)]
+        tasks = [asyncio.ensure_future(self.generate(r, replace(timings))) for r in requests]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # one failed or the client left: the others are not wanted either
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        ranked = sorted(results, key=lambda r: r.logprob_sum, reverse=True)
+        return ranked[0], ranked[1:]

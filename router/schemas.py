@@ -80,6 +80,9 @@ class TokenEvent:
 
 @dataclass(slots=True)
 class Timings:
+    """time.monotonic() marks of one request's life."""
+
+    started_at: float = 0.0
     queued_at: float = 0.0
     batched_at: float = 0.0
     finished_at: float = 0.0

@@ -1,4 +1,8 @@
-"""TGI generate parameters -> a validated GenerateRequest, with TGI's limits and messages."""
+"""TGI generate parameters -> a validated GenerateRequest, with TGI's rules, order and messages.
+
+Field types are checked first (a wrong type is a 422 like any other validation error), then the rules
+in the order TGI applies them, then the prompt is tokenised and its length checked.
+"""
 from __future__ import annotations
 
 import random
@@ -11,6 +15,17 @@ from router.tokenizer import RouterTokenizer
 
 DEFAULT_MAX_NEW_TOKENS = 100
 
+# GenerateParameters field -> JSON type; every field may also be null
+PARAMETER_TYPES = {
+    "adapter_id": "string", "best_of": "integer", "decoder_input_details": "boolean",
+    "details": "boolean", "do_sample": "boolean", "frequency_penalty": "number",
+    "grammar": "object", "max_new_tokens": "integer", "repetition_penalty": "number",
+    "return_full_text": "boolean", "seed": "integer", "stop": "array", "temperature": "number",
+    "top_k": "integer", "top_n_tokens": "integer", "top_p": "number", "truncate": "integer",
+    "typical_p": "number", "watermark": "boolean",
+}
+_UNSIGNED = {"best_of", "max_new_tokens", "seed", "top_n_tokens", "truncate"}
+
 
 @dataclass(slots=True)
 class ValidationLimits:
@@ -20,119 +35,172 @@ class ValidationLimits:
     max_top_n_tokens: int
 
 
-def _number(params: dict, name: str, kind=float):
-    value = params.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValidationError(f"`{name}` must be a number")
-    if kind is int and (not float(value).is_integer()):
-        raise ValidationError(f"`{name}` must be an integer")
-    return kind(value)
+@dataclass(slots=True)
+class ValidatedGenerate:
+    request: GenerateRequest
+    best_of: int
+    details: bool
+    return_full_text: bool | None  # None: the route's default
+    decoder_input_details: bool
+
+    def output_prefix(self, full_text_default: bool) -> str:
+        """What goes before the generated text: the prompt when full text is asked."""
+        full = self.return_full_text if self.return_full_text is not None else full_text_default
+        return self.request.inputs if full else ""
 
 
-def _flag(params: dict, name: str, default: bool) -> bool:
-    value = params.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ValidationError(f"`{name}` must be a boolean")
-    return value
+def _type_error(path: str, value, expected: str) -> ValidationError:
+    return ValidationError(f"Failed to deserialize the JSON body into the target type: {path}: "
+                           f"invalid type: {type(value).__name__} {value!r}, expected {expected}")
 
 
-def sampling_params(params: dict) -> SamplingParams:
-    """Sampling fields with TGI's rules; greedy unless do_sample, a random seed when sampling."""
-    temperature = _number(params, "temperature")
+def check_types(params: dict) -> dict:
+    """Returns the parameters with nulls removed; raises on a value of the wrong JSON type."""
+    checked = {}
+    for name, value in params.items():
+        kind = PARAMETER_TYPES.get(name)
+        if kind is None or value is None:
+            continue  # unknown fields are ignored, as TGI's parser does
+        path = f"parameters.{name}"
+        if kind == "boolean" and not isinstance(value, bool):
+            raise _type_error(path, value, "a boolean")
+        if kind == "number" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise _type_error(path, value, "a number")
+        if kind == "integer":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not float(value).is_integer():
+                raise _type_error(path, value, "an integer")
+            value = int(value)
+            if name in _UNSIGNED and value < 0:
+                raise ValidationError(f"Failed to deserialize the JSON body into the target type: "
+                                      f"{path}: invalid value: integer `{value}`, expected u32")
+        if kind == "string" and not isinstance(value, str):
+            raise _type_error(path, value, "a string")
+        if kind == "object" and not isinstance(value, dict):
+            raise _type_error(path, value, "an object")
+        if kind == "array" and (not isinstance(value, list)
+                                or not all(isinstance(s, str) for s in value)):
+            raise _type_error(path, value, "a list of strings")
+        checked[name] = value
+    return checked
+
+
+def _sampling(params: dict, limits: ValidationLimits, best_of: int) -> SamplingParams:
+    temperature = params.get("temperature")
+    top_k, top_p, typical_p = params.get("top_k"), params.get("top_p"), params.get("typical_p")
+    wants_sampling = params.get("do_sample", False) or any(
+        v is not None for v in (temperature, top_k, top_p, typical_p))
+    if best_of > 1 and not wants_sampling:
+        raise ValidationError("you must use sampling when `best_of` is > 1")
     if temperature is not None and temperature <= 0:
         raise ValidationError("`temperature` must be strictly positive")
-    repetition = _number(params, "repetition_penalty")
+    repetition = params.get("repetition_penalty")
     if repetition is not None and repetition <= 0:
         raise ValidationError("`repetition_penalty` must be strictly positive")
-    frequency = _number(params, "frequency_penalty")
+    frequency = params.get("frequency_penalty")
     if frequency is not None and not -2.0 <= frequency <= 2.0:
         raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
-    top_p = _number(params, "top_p")
     if top_p is not None and not 0.0 < top_p < 1.0:
         raise ValidationError("`top_p` must be > 0.0 and < 1.0")
-    typical_p = _number(params, "typical_p")
     if typical_p is not None and not 0.0 < typical_p < 1.0:
         raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
-    top_k = _number(params, "top_k", int)
     if top_k is not None and top_k <= 0:
         raise ValidationError("`top_k` must be strictly positive")
-    seed = _number(params, "seed", int)
-    if seed is not None and not 0 <= seed < 2**64:
-        raise ValidationError("`seed` must be between 0 and 2^64 - 1")
-    do_sample = _flag(params, "do_sample", False)
     return SamplingParams(
         temperature=temperature or 1.0, top_k=top_k or 0, top_p=top_p or 1.0,
         typical_p=typical_p or 1.0, repetition_penalty=repetition or 1.0,
-        frequency_penalty=frequency or 0.0, do_sample=do_sample,
-        seed=seed if seed is not None else random.getrandbits(63),
-        watermark=_flag(params, "watermark", False))
+        frequency_penalty=frequency or 0.0,
+        # greedy unless asked (the OpenAPI default); best_of > 1 is sampling by definition
+        do_sample=bool(params.get("do_sample", False)) or best_of > 1,
+        watermark=bool(params.get("watermark", False)))
 
 
-def stop_sequences(params: dict, limits: ValidationLimits) -> list[str]:
-    stop = params.get("stop") or []
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise ValidationError("`stop` must be a list of strings")
-    if len(stop) > limits.max_stop_sequences:
-        raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
-                              f"Given: {len(stop)}")
-    return [s for s in stop if s]
+def _best_of(params: dict, limits: ValidationLimits, stream: bool) -> int:
+    best_of = params.get("best_of")
+    if best_of is None:
+        return 1
+    if best_of != 1 and limits.max_best_of == 1:
+        raise ValidationError("`best_of` != 1 is not allowed for this endpoint")
+    if not 0 < best_of <= limits.max_best_of:
+        raise ValidationError(f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {best_of}")
+    if best_of > 1 and stream:
+        raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
+    return best_of
 
 
 async def validate_generate(body: dict, tokenizer: RouterTokenizer, limits: ValidationLimits,
-                            *, stream: bool = False) -> tuple[GenerateRequest, dict]:
-    """The TGI body {inputs, parameters} -> (request, the raw parameters for the response layer)."""
+                            *, stream: bool = False) -> ValidatedGenerate:
+    """The TGI body {inputs, parameters} -> a request the batcher can schedule."""
     inputs = body.get("inputs")
     if not isinstance(inputs, str):
-        raise ValidationError("`inputs` must be a string")
-    params = body.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise ValidationError("`parameters` must be an object")
-    for unsupported in ("grammar", "adapter_id"):
-        if params.get(unsupported) is not None:
-            raise ValidationError(f"`{unsupported}` is not supported yet by this server")
-    if _flag(params, "watermark", False):
-        raise ValidationError("`watermark` is not supported yet by this server")
-    best_of = _number(params, "best_of", int)
-    if best_of is not None and best_of != 1:
-        raise ValidationError("`best_of` != 1 is not supported yet by this server")
-    if stream and _flag(params, "decoder_input_details", False):
-        raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
-    sampling = sampling_params(params)
-    max_new_tokens = _number(params, "max_new_tokens", int)
+        raise _type_error("inputs", inputs, "a string") if "inputs" in body else \
+            ValidationError("Failed to deserialize the JSON body into the target type: missing "
+                            "field `inputs`")
+    raw = body.get("parameters") or {}
+    if not isinstance(raw, dict):
+        raise _type_error("parameters", raw, "an object")
+    params = check_types(raw)
+    if params.get("grammar") is not None:
+        raise ValidationError("grammar is not supported yet by this server")
+    if params.get("adapter_id") is not None:
+        raise ValidationError("`adapter_id` is not supported: this server loads no LoRA adapters")
+    best_of = _best_of(params, limits, stream)
+    decoder_input_details = params.get("decoder_input_details", False)
+    if stream and decoder_input_details:
+        raise ValidationError("`decoder_input_details` == true is not supported when streaming "
+                              "tokens")
+    sampling = _sampling(params, limits, best_of)
+    max_new_tokens = params.get("max_new_tokens")
     if max_new_tokens is not None and max_new_tokens <= 0:
         raise ValidationError("`max_new_tokens` must be strictly positive")
-    top_n = _number(params, "top_n_tokens", int) or 0
-    if not 0 <= top_n <= limits.max_top_n_tokens:
+    stop = params.get("stop") or []
+    if len(stop) > limits.max_stop_sequences:
+        raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
+                              f"Given: {len(stop)}")
+    seed = params.get("seed")
+    if seed is not None and best_of > 1:
+        raise ValidationError("`seed` must not be set when `best_of` > 1")
+    if seed is not None and seed >= 2**64:
+        raise ValidationError("`seed` must be less than 2^64")
+    sampling.seed = seed if seed is not None else random.getrandbits(64)
+    top_n = params.get("top_n_tokens") or 0
+    if top_n > limits.max_top_n_tokens:
         raise ValidationError(f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. "
                               f"Given: {top_n}")
-    stop = stop_sequences(params, limits)
     if not inputs:
         raise ValidationError("`inputs` cannot be empty")
-    token_limits = limits.tokens
-    truncate = _number(params, "truncate", int)
-    if truncate is not None and not 0 < truncate <= token_limits.max_input_tokens:
+    input_ids = await _tokenize(inputs, params.get("truncate"), tokenizer, limits.tokens)
+    max_new_tokens = _check_lengths(len(input_ids), max_new_tokens, limits.tokens)
+    request = GenerateRequest(
+        inputs=inputs, input_ids=input_ids, sampling=sampling,
+        stopping=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=[s for s in stop if s]),
+        top_n_tokens=top_n, prefill_logprobs=decoder_input_details)
+    return ValidatedGenerate(request, best_of, details=bool(params.get("details", False)),
+                             return_full_text=params.get("return_full_text"),
+                             decoder_input_details=decoder_input_details)
+
+
+async def _tokenize(inputs: str, truncate: int | None, tokenizer: RouterTokenizer,
+                    limits: TokenLimits) -> list[int]:
+    if truncate is not None and not 0 < truncate <= limits.max_input_tokens:
         raise ValidationError(f"`truncate` must be strictly positive and less than "
-                              f"{token_limits.max_input_tokens}. Given: {truncate}")
+                              f"{limits.max_input_tokens}. Given: {truncate}")
     input_ids = await tokenizer.encode_async(inputs)
     if truncate is not None:
         input_ids = input_ids[-truncate:]
     if not input_ids:
         raise ValidationError("`inputs` cannot be empty")
+    return input_ids
+
+
+def _check_lengths(input_length: int, max_new_tokens: int | None, limits: TokenLimits) -> int:
     if max_new_tokens is None:
-        max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, token_limits.max_total_tokens - len(input_ids))
-    if len(input_ids) + max_new_tokens > token_limits.max_total_tokens:
+        max_new_tokens = max(min(DEFAULT_MAX_NEW_TOKENS, limits.max_total_tokens - input_length), 1)
+    if input_length + max_new_tokens > limits.max_total_tokens:
         raise ValidationError(f"`inputs` tokens + `max_new_tokens` must be <= "
-                              f"{token_limits.max_total_tokens}. Given: {len(input_ids)} `inputs` "
-                              f"tokens and {max_new_tokens} `max_new_tokens`")
-    if len(input_ids) > token_limits.max_input_tokens:
-        raise ValidationError(f"`inputs` must have less than {token_limits.max_input_tokens} tokens. "
-                              f"Given: {len(input_ids)}")
-    request = GenerateRequest(
-        inputs=inputs, input_ids=input_ids, sampling=sampling,
-        stopping=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=stop),
-        top_n_tokens=top_n, prefill_logprobs=_flag(params, "decoder_input_details", False))
-    return request, params
+                              f"{limits.max_total_tokens}. Given: {input_length} `inputs` tokens "
+                              f"and {max_new_tokens} `max_new_tokens`")
+    if input_length > limits.max_input_tokens:
+        raise ValidationError(f"`inputs` must have less than {limits.max_input_tokens} tokens. "
+                              f"Given: {input_length}")
+    return max_new_tokens

@@ -12,5 +12,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch is pinned to 2.13.0, the CPU build; install it first so nothing pulls a CUDA build
   .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
   .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]'
+  # TGI's own Python client, for the compatibility tests. Its metadata asks for huggingface-hub<1.0,
+  # which transformers 5 cannot use; it only imports build_hf_headers, which hub 1.x still has.
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps text-generation==0.7.0
   echo "$want" > "$stamp"
 fi

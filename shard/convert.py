@@ -18,14 +18,12 @@ def sampling_params(p: pb.NextTokenChooserParameters, top_n_tokens: int) -> Samp
         typical_p=_or(p.typical_p, 1.0), min_p=p.min_p,
         repetition_penalty=_or(p.repetition_penalty, 1.0),
         frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
-        do_sample=p.do_sample, seed=p.seed, top_n_tokens=top_n_tokens)
+        do_sample=p.do_sample, seed=p.seed, top_n_tokens=top_n_tokens, watermark=p.watermark)
 
 
 def new_request(r: pb.Request) -> NewRequest:
     if r.parameters.grammar_type != pb.GRAMMAR_TYPE_NONE or r.parameters.grammar:
         raise ValueError("grammar-constrained generation is not supported by this shard")
-    if r.parameters.watermark:
-        raise ValueError("watermarking is not supported by this shard")
     if r.HasField("adapter_id"):
         raise ValueError("LoRA adapters are not supported by this shard")
     stopping = r.stopping_parameters

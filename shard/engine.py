@@ -18,7 +18,7 @@ from shard.memory import kv_budget_bytes
 from shard.model_runner import ModelRunner, PrefillSequence
 from shard.outputs import (CachedBatchInfo, GeneratedText, Generation, StepResult, TokenRun,
                            WarmupResult)
-from shard.sampling import SampleOutput, SamplingBatch, sample
+from shard.sampling import SampleOutput, SamplingBatch, needs_history, sample
 from shard.stopping import StopCriteria
 
 
@@ -201,7 +201,7 @@ class Engine:
                             skip_special_tokens=request.skip_special_tokens)
 
     def _penalty_ids(self, batch: Batch):
-        if not batch.sampling.flags["penalty"]:
+        if not needs_history(batch.sampling):
             return None
         return [(r.prompt_ids, r.output_ids) for r in batch.requests]
 

@@ -1,6 +1,7 @@
 """Batched next-token choice: each request's parameters as rows of tensors, one pass over the batch.
 
 Steps, in order, on logits [B, vocab]:
+  0. watermark (green-list bias, for the rows that ask);
   1. repetition penalty (prompt and output tokens), frequency and presence penalties (output tokens);
   2. for sampling rows only: temperature, top-k, top-p, typical-p, min-p;
   3. greedy rows take the argmax; sampling rows draw from their own seeded generator;
@@ -12,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from shard.watermark import apply_watermark
 
 
 @dataclass(slots=True)
@@ -27,6 +30,7 @@ class SamplingParams:
     do_sample: bool = False
     seed: int = 0
     top_n_tokens: int = 0
+    watermark: bool = False
 
     @property
     def has_penalty(self) -> bool:
@@ -100,6 +104,7 @@ def _flags(params: list[SamplingParams]) -> dict:
         "any_sample": bool(sampling),
         "all_sample": len(sampling) == len(params),
         "penalty": any(p.has_penalty for p in params),
+        "watermark": any(p.watermark for p in params),
         "temperature": any(p.temperature not in (0.0, 1.0) for p in sampling),
         "top_k": any(p.top_k > 0 for p in sampling),
         "top_p": any(0.0 < p.top_p < 1.0 for p in sampling),
@@ -107,6 +112,10 @@ def _flags(params: list[SamplingParams]) -> dict:
         "min_p": any(p.min_p > 0.0 for p in sampling),
         "max_top_n": max((p.top_n_tokens for p in params), default=0),
     }
+
+
+def needs_history(batch: SamplingBatch) -> bool:
+    return batch.flags["penalty"] or batch.flags["watermark"]
 
 
 @dataclass(slots=True)
@@ -121,10 +130,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
            token_ids: list[tuple[list[int], list[int]]] | None = None) -> SampleOutput:
     """Chooses one token per row of logits [B, vocab].
 
-    `token_ids` gives (prompt ids, output ids) per row and is needed only when a row has a penalty.
+    `token_ids` gives (prompt ids, output ids) per row; it is needed only when a row has a penalty
+    or a watermark (see `needs_history`).
     """
     flags = batch.flags
     scores = logits.float()
+    if flags["watermark"]:
+        rows = [i for i, p in enumerate(batch.params) if p.watermark]
+        scores = apply_watermark(scores, rows, [(token_ids[i][0] + token_ids[i][1])[-1] for i in rows])
     if flags["penalty"]:
         scores = apply_penalties(scores, batch, token_ids)
     if flags["any_sample"]:

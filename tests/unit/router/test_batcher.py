@@ -7,6 +7,7 @@ from router.batcher import Batcher, SchedulingLimits
 from router.block_allocator import BlockAllocator
 from router.errors import GenerationError
 from router.infer import Infer
+from router.metrics import Metrics
 from router.request_queue import RequestQueue
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from tests.fakes import FakeShardClient
@@ -17,8 +18,9 @@ def _setup(client, *, num_blocks=200, max_batch_size=None, ratio=0.0):
     limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
                               waiting_served_ratio=ratio, max_waiting_tokens=20,
                               max_batch_size=max_batch_size)
-    batcher = Batcher(client, RequestQueue(allocator), allocator, limits)
-    return batcher, Infer(batcher, max_concurrent_requests=64), allocator
+    metrics = Metrics(max_input_tokens=100, max_total_tokens=200)
+    batcher = Batcher(client, RequestQueue(allocator), allocator, limits, metrics)
+    return batcher, Infer(batcher, metrics, max_concurrent_requests=64), allocator
 
 
 def _request(max_new_tokens, length=8):

@@ -100,3 +100,21 @@ def test_select_and_concatenate_keep_rows_aligned():
     merged = SamplingBatch.concatenate([picked, _batch(SamplingParams())])
     assert merged.do_sample.tolist() == [True, True, False]
     assert merged.generators[1] is batch.generators[0]
+
+
+def test_watermark_is_detected_in_watermarked_text_only():
+    from shard.watermark import z_score
+
+    vocab = 1000
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, vocab, generator=generator) * 0.5
+
+    def generate(watermark):
+        history = [17]
+        batch = _batch(SamplingParams(do_sample=True, seed=5, watermark=watermark))
+        for _ in range(200):
+            history.append(sample(logits, batch, [(history[:1], history[1:])]).next_ids.item())
+        return history[1:]
+
+    assert z_score(generate(True), vocab, 17) > 4
+    assert abs(z_score(generate(False), vocab, 17)) < 3

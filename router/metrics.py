@@ -1,0 +1,103 @@
+"""Prometheus metrics under TGI's names and labels, in a registry of their own.
+
+TGI's exporter writes counters without the `_total` suffix that prometheus_client adds, so counters
+are kept here and exposed by a small collector; histograms and gauges use prometheus_client as is.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+
+# TGI's duration buckets: 35 geometric steps from 150 microseconds, x1.5 each
+DURATION_BUCKETS = tuple(0.00015 * 1.5 ** i for i in range(35))
+
+
+class _Counters:
+    """Counters by name and label values; collected with TGI's exact names."""
+
+    def __init__(self):
+        self._docs: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._values: dict[str, dict[tuple, float]] = defaultdict(lambda: defaultdict(float))
+
+    def declare(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> None:
+        self._docs[name] = (doc, labels)
+        if not labels:
+            self._values[name][()] += 0.0
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        _, names = self._docs[name]
+        self._values[name][tuple(labels[n] for n in names)] += amount
+
+    def value(self, name: str, **labels: str) -> float:
+        _, names = self._docs[name]
+        return self._values[name].get(tuple(labels[n] for n in names), 0.0)
+
+    def collect(self):
+        for name, (doc, label_names) in self._docs.items():
+            metric = Metric(name, doc, "counter")
+            for values, amount in self._values[name].items():
+                metric.add_sample(name, dict(zip(label_names, values)), amount)
+            yield metric
+
+
+class Metrics:
+    def __init__(self, *, max_input_tokens: int, max_total_tokens: int):
+        self.registry = CollectorRegistry()
+        self.counters = _Counters()
+        self.registry.register(self.counters)
+        c = self.counters
+        c.declare("tgi_request_count", "Requests received")
+        c.declare("tgi_request_success", "Requests that ended with a generation")
+        c.declare("tgi_request_failure", "Requests that failed, by cause", ("err",))
+        c.declare("tgi_batch_concat", "New batches merged into the running one", ("reason",))
+        for suffix, doc in (("count", "Shard calls"), ("success", "Shard calls that succeeded"),
+                            ("failure", "Shard calls that failed")):
+            c.declare(f"tgi_batch_inference_{suffix}", doc, ("method",))
+        c.declare("tgi_prefix_cache_hits", "Prompt tokens served from the prefix cache")
+        r = self.registry
+
+        def duration(name, doc, labels=()):
+            return Histogram(name, doc, labels, buckets=DURATION_BUCKETS, registry=r)
+
+        self.request_duration = duration("tgi_request_duration", "End-to-end request time (s)")
+        self.validation_duration = duration("tgi_request_validation_duration", "Validation time (s)")
+        self.queue_duration = duration("tgi_request_queue_duration", "Time in the queue (s)")
+        self.inference_duration = duration("tgi_request_inference_duration", "Time in batches (s)")
+        self.time_per_token = duration("tgi_request_mean_time_per_token_duration",
+                                       "Inference time per generated token (s)")
+        linear = lambda top: tuple(top * (i + 1) / 100 for i in range(100))  # noqa: E731
+        self.generated_tokens = Histogram("tgi_request_generated_tokens", "Tokens generated", [],
+                                          buckets=linear(max_total_tokens), registry=r)
+        self.input_length = Histogram("tgi_request_input_length", "Prompt tokens", [],
+                                      buckets=linear(max_input_tokens), registry=r)
+        self.max_new_tokens = Histogram("tgi_request_max_new_tokens", "Requested max_new_tokens", [],
+                                        buckets=linear(max_total_tokens), registry=r)
+        self.queue_size = Gauge("tgi_queue_size", "Requests waiting", registry=r)
+        self.batch_current_size = Gauge("tgi_batch_current_size", "Requests in the running batch",
+                                        registry=r)
+        self.batch_current_max_tokens = Gauge("tgi_batch_current_max_tokens",
+                                              "KV tokens held by the running batch", registry=r)
+        self.batch_max_total_tokens = Gauge("tgi_batch_max_total_tokens", "KV tokens in the pool",
+                                            registry=r)
+        self.kv_free_blocks = Gauge("tgi_kv_cache_free_blocks", "KV blocks free now", registry=r)
+        self.kv_total_blocks = Gauge("tgi_kv_cache_total_blocks", "KV blocks the router can hand out",
+                                     registry=r)
+        self.batch_next_size = Histogram("tgi_batch_next_size", "Requests in each new batch", [],
+                                         buckets=tuple(2 ** i for i in range(11)), registry=r)
+        self.batch_inference_duration = duration("tgi_batch_inference_duration",
+                                                 "Shard call time seen by the router (s)", ("method",))
+        self.batch_forward_duration = duration("tgi_batch_forward_duration",
+                                               "Model forward time on the shard (s)", ("method",))
+        self.batch_decode_duration = duration("tgi_batch_decode_duration",
+                                              "Sampling and detokenisation time on the shard (s)",
+                                              ("method",))
+        self.batch_filter_duration = duration("tgi_batch_filter_duration",
+                                              "Delivering tokens and filtering the batch (s)",
+                                              ("method",))
+        self.batch_concat_duration = duration("tgi_batch_concat_duration",
+                                              "Merging batches on the shard (s)", ("method",))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
