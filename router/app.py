@@ -9,20 +9,20 @@ from pathlib import Path
 from aiohttp import web
 
 from proto import generate_pb2 as pb
-from router.api import tgi
+from router.api import STATE, tgi
 from router.batcher import Batcher, SchedulingLimits
 from router.block_allocator import BlockAllocator
 from router.config import RouterConfig, TokenLimits
 from router.errors import RouterError, tgi_error_body
 from router.infer import Infer
 from router.metrics import Metrics
+from router.openapi import VERSION
 from router.request_queue import RequestQueue
 from router.shard_client import ShardedClient
 from router.tokenizer import RouterTokenizer
 from router.validation import ValidationLimits
 
 log = logging.getLogger("tgi.router")
-VERSION = "0.1.0"
 
 
 @dataclass
@@ -135,7 +135,7 @@ async def build_state(config: RouterConfig) -> RouterState:
 
 def create_app(state: RouterState) -> web.Application:
     app = web.Application(middlewares=[error_middleware])
-    app["state"] = state
+    app[STATE] = state
     tgi.add_routes(app)
 
     async def start_batcher(app):

@@ -1,14 +1,13 @@
 """Prometheus metrics under TGI's names and labels, in a registry of their own.
 
-TGI's exporter writes counters without the `_total` suffix that prometheus_client adds, so counters
-are kept here and exposed by a small collector; histograms and gauges use prometheus_client as is.
+TGI's exporter writes counters without the `_total` suffix that prometheus_client insists on, so
+counters are kept and written here; histograms and gauges use prometheus_client as is.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
 
 # TGI's duration buckets: 35 geometric steps from 150 microseconds, x1.5 each
 DURATION_BUCKETS = tuple(0.00015 * 1.5 ** i for i in range(35))
@@ -34,19 +33,20 @@ class _Counters:
         _, names = self._docs[name]
         return self._values[name].get(tuple(labels[n] for n in names), 0.0)
 
-    def collect(self):
+    def render(self) -> str:
+        lines = []
         for name, (doc, label_names) in self._docs.items():
-            metric = Metric(name, doc, "counter")
+            lines += [f"# HELP {name} {doc}", f"# TYPE {name} counter"]
             for values, amount in self._values[name].items():
-                metric.add_sample(name, dict(zip(label_names, values)), amount)
-            yield metric
+                labels = ",".join(f'{k}="{v}"' for k, v in zip(label_names, values))
+                lines.append(f"{name}{{{labels}}} {amount}" if labels else f"{name} {amount}")
+        return "\n".join(lines) + "\n"
 
 
 class Metrics:
     def __init__(self, *, max_input_tokens: int, max_total_tokens: int):
         self.registry = CollectorRegistry()
         self.counters = _Counters()
-        self.registry.register(self.counters)
         c = self.counters
         c.declare("tgi_request_count", "Requests received")
         c.declare("tgi_request_success", "Requests that ended with a generation")
@@ -100,4 +100,4 @@ class Metrics:
                                               "Merging batches on the shard (s)", ("method",))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self.counters.render().encode() + generate_latest(self.registry)

@@ -19,7 +19,7 @@ from shard.model_runner import ModelRunner, PrefillSequence
 from shard.outputs import (CachedBatchInfo, GeneratedText, Generation, StepResult, TokenRun,
                            WarmupResult)
 from shard.sampling import SampleOutput, SamplingBatch, needs_history, sample
-from shard.stopping import StopCriteria
+from shard.stopping import FinishReason, StopCriteria
 
 
 class BatchNotFound(KeyError):
@@ -155,8 +155,12 @@ class Engine:
             text = decode_next(self.tokenizer, state.all_ids, state.detok, state.skip_special_tokens)
             reason = state.stop.check(token, text)
             generated = None
-            if reason is not None:
+            if reason is FinishReason.STOP_SEQUENCE:
+                # TGI keeps the stop sequence in the output, and nothing after it
+                text = text[:len(text) - state.stop.excess_chars]
+            elif reason is not None:
                 text += flush(self.tokenizer, state.all_ids, state.detok, state.skip_special_tokens)
+            if reason is not None:
                 state.finish_reason = reason
             state.text.append(text)
             if reason is not None:

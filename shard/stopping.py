@@ -21,6 +21,8 @@ class StopCriteria:
     num_generated: int = 0
     # the output's tail, long enough to hold any stop sequence that ends with the latest token
     tail: str = ""
+    # when a stop sequence ends inside the latest text: how many of its characters come after it
+    excess_chars: int = 0
 
     def check(self, token_id: int, text: str) -> FinishReason | None:
         """Records one generated token (its id and the text it added) and says whether to stop."""
@@ -31,10 +33,21 @@ class StopCriteria:
                 and self.num_generated >= self.min_new_tokens):
             return FinishReason.EOS_TOKEN
         if self.stop_sequences and text:
-            self.tail += text
-            if any(self.tail.endswith(stop) or stop in self.tail[-(len(stop) + len(text)):]
-                   for stop in self.stop_sequences):
-                return FinishReason.STOP_SEQUENCE
-            keep = max(len(s) for s in self.stop_sequences) + 16
-            self.tail = self.tail[-keep:]
+            return self._check_stop_sequences(text)
+        return None
+
+    def _check_stop_sequences(self, text: str) -> FinishReason | None:
+        """A stop sequence that ends within `text` stops; the output is cut right after it."""
+        self.tail += text
+        first_end = None
+        for stop in self.stop_sequences:
+            # only occurrences that end inside the new text, which earlier checks could not see
+            index = self.tail.find(stop, max(len(self.tail) - len(text) - len(stop) + 1, 0))
+            if index >= 0 and (first_end is None or index + len(stop) < first_end):
+                first_end = index + len(stop)
+        if first_end is not None:
+            self.excess_chars = len(self.tail) - first_end
+            return FinishReason.STOP_SEQUENCE
+        keep = max(len(s) for s in self.stop_sequences) + 16
+        self.tail = self.tail[-keep:]
         return None

@@ -7,9 +7,11 @@ import time
 
 from aiohttp import web
 
+from router.api import STATE
 from router.errors import (BadRequestError, IncompleteGenerationError, RouterError, UnhealthyError,
                            tgi_error_body)
 from router.infer import GenerateResult
+from router.openapi import openapi_document
 from router.schemas import Timings, Token, TokenEvent
 from router.shard_client import ShardError
 from router.streaming import open_sse, sse_data
@@ -42,7 +44,7 @@ async def read_json(request: web.Request) -> dict:
 
 
 async def _validate(request: web.Request, body: dict, *, stream: bool) -> ValidatedGenerate:
-    state = request.app["state"]
+    state = request.app[STATE]
     state.metrics.counters.inc("tgi_request_count")
     try:
         return await validate_generate(body, state.tokenizer, state.validation_limits, stream=stream)
@@ -80,7 +82,7 @@ def _timing_headers(state, validated: ValidatedGenerate, timings: Timings, gener
 
 
 async def _generate_payload(request: web.Request, body: dict, *, full_text_default: bool):
-    state = request.app["state"]
+    state = request.app[STATE]
     timings = Timings(started_at=time.monotonic())
     validated = await _validate(request, body, stream=False)
     infer = state.infer
@@ -126,7 +128,7 @@ async def compat_generate(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, body: dict, *, full_text_default: bool
                   ) -> web.StreamResponse:
-    state = request.app["state"]
+    state = request.app[STATE]
     timings = Timings(started_at=time.monotonic())
     # validation and admission errors answer with their status before the stream opens
     validated = await _validate(request, body, stream=True)
@@ -172,7 +174,7 @@ def _stream_json(event: TokenEvent, index: int, validated: ValidatedGenerate, pr
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    state = request.app["state"]
+    state = request.app[STATE]
     body = await read_json(request)
     inputs = body.get("inputs")
     if not isinstance(inputs, str):
@@ -185,7 +187,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    state = request.app["state"]
+    state = request.app[STATE]
     try:
         await state.client.health()
     except ShardError as err:
@@ -195,12 +197,16 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def info(request: web.Request) -> web.Response:
-    return web.json_response(request.app["state"].info_json())
+    return web.json_response(request.app[STATE].info_json())
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app["state"].metrics.render()
+    body = request.app[STATE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
 
 
 def add_routes(app: web.Application) -> None:
@@ -211,3 +217,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/info", info)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/api-doc/openapi.json", openapi)

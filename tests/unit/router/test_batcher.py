@@ -96,3 +96,30 @@ async def test_max_batch_size_bounds_the_running_batch():
                                                          for _ in range(5))))
     assert all(r.final.generated_tokens == 5 for r in results)
     assert max(client.decode_sizes) == 2
+
+
+async def _decodes_before_late_prefill(ratio: float) -> int:
+    client = FakeShardClient(step_delay=0.01)
+    batcher, infer, _ = _setup(client, ratio=ratio)
+    batcher.limits.max_waiting_tokens = 6
+
+    async def scenario():
+        running = [asyncio.ensure_future(infer.generate(_request(30))) for _ in range(4)]
+        while not any(name == "decode" for name, _ in client.calls):
+            await asyncio.sleep(0.001)
+        client.calls.append(("late request submitted", None))
+        late = asyncio.ensure_future(infer.generate(_request(3)))
+        await asyncio.gather(late, *running)
+
+    await _with_loop(batcher, scenario())
+    marker = client.calls.index(("late request submitted", None))
+    second_prefill = next(i for i, (name, _) in enumerate(client.calls) if i > marker
+                          and name == "prefill")
+    return sum(1 for name, _ in client.calls[marker:second_prefill] if name == "decode")
+
+
+async def test_waiting_served_ratio_holds_a_lone_request_until_max_waiting_tokens():
+    # one waiting request is fewer than 4 running x 0.5: it waits for max_waiting_tokens steps
+    assert await _decodes_before_late_prefill(0.5) >= 3
+    # with no ratio it joins at the next step
+    assert await _decodes_before_late_prefill(0.0) <= 1

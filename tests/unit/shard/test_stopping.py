@@ -22,9 +22,17 @@ def test_stop_sequence_across_tokens():
     assert results == [None, None, None, None, FinishReason.STOP_SEQUENCE]
 
 
-def test_stop_sequence_inside_a_single_token_text():
-    stop = StopCriteria(100, frozenset(), stop_sequences=["END"])
-    assert stop.check(1, "xENDy") is FinishReason.STOP_SEQUENCE
+def test_stop_sequence_inside_a_single_token_text_cuts_what_follows():
+    stop = StopCriteria(100, frozenset(), stop_sequences=["END", "Dyz"])
+    assert stop.check(1, "xENDyz") is FinishReason.STOP_SEQUENCE
+    assert stop.excess_chars == 2, "the stop that ends first wins"
+
+
+def test_stop_sequence_spanning_tokens_with_text_after_it():
+    stop = StopCriteria(100, frozenset(), stop_sequences=["\n\n"])
+    assert stop.check(1, "Hi\n") is None
+    assert stop.check(2, "\nBye") is FinishReason.STOP_SEQUENCE
+    assert stop.excess_chars == 3
 
 
 def test_tail_stays_bounded():

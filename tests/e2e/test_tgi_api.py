@@ -1,0 +1,294 @@
+"""TGI's API end to end on a tiny model: every parameter, every validation rule, schemas, clients."""
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from tests.e2e.server import launch
+from tests.openapi_schemas import assert_matches
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    launched = launch(["--model-id", str(tiny_llama)], tmp_path_factory.mktemp("tgi-api"),
+                      extra=["--max-input-tokens", "64", "--max-total-tokens", "128",
+                             "--max-batch-prefill-tokens", "256", "--max-batch-total-tokens", "8192",
+                             "--block-size", "4"])
+    yield launched
+    assert launched.stop() == 0
+    assert launched.processes_left() == []
+
+
+def post(server, path, body, **kw):
+    return requests.post(f"{server.url}{path}", json=body, timeout=60, **kw)
+
+
+def sse(response):
+    return [json.loads(line[5:]) for line in response.iter_lines(decode_unicode=True)
+            if line.startswith("data:")]
+
+
+LONG = "The quick brown fox jumps over the lazy dog. " * 12  # 384 tokens
+MEDIUM = "The quick brown fox jumps over the lazy dog. " * 3  # 96 tokens: over 64, under 128
+
+RULES = [
+    ({"temperature": 0}, "`temperature` must be strictly positive"),
+    ({"temperature": -0.5}, "`temperature` must be strictly positive"),
+    ({"repetition_penalty": 0}, "`repetition_penalty` must be strictly positive"),
+    ({"frequency_penalty": 2.5}, "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+    ({"top_p": 1.0}, "`top_p` must be > 0.0 and < 1.0"),
+    ({"top_p": 0}, "`top_p` must be > 0.0 and < 1.0"),
+    ({"typical_p": 1.5}, "`typical_p` must be > 0.0 and < 1.0"),
+    ({"top_k": 0}, "`top_k` must be strictly positive"),
+    ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "`stop` supports up to 4 stop sequences. Given: 5"),
+    ({"best_of": 2, "do_sample": True, "seed": 3}, "`seed` must not be set when `best_of` > 1"),
+    ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
+    ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
+    ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
+    ({"truncate": 65}, "`truncate` must be strictly positive and less than 64. Given: 65"),
+    ({"max_new_tokens": 125}, "`inputs` tokens + `max_new_tokens` must be <= 128. Given: "),
+    ({"grammar": {"type": "json", "value": {}}}, "grammar is not supported yet by this server"),
+    ({"adapter_id": "my-lora"}, "`adapter_id` is not supported"),
+    ({"temperature": "hot"}, "Failed to deserialize the JSON body into the target type: "
+                             "parameters.temperature"),
+    ({"max_new_tokens": -1}, "parameters.max_new_tokens: invalid value"),
+]
+
+
+@pytest.mark.parametrize("params,message", RULES, ids=[m[:40] for _, m in RULES])
+def test_validation_rule(server, params, message):
+    reply = post(server, "/generate", {"inputs": "Hello there", "parameters": params})
+    assert reply.status_code == 422, reply.text
+    body = reply.json()
+    assert body["error_type"] == "validation"
+    assert body["error"].startswith("Input validation error: ")
+    assert message in body["error"]
+    assert_matches("ErrorResponse", body)
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"inputs": ""}, "`inputs` cannot be empty"),
+    ({"inputs": MEDIUM, "parameters": {"max_new_tokens": 5}},
+     "`inputs` must have less than 64 tokens. Given: 96"),
+    ({"parameters": {}}, "missing field `inputs`"),
+    ({"inputs": 5}, "inputs: invalid type"),
+])
+def test_input_rules(server, body, message):
+    reply = post(server, "/generate", body)
+    assert reply.status_code == 422 and message in reply.json()["error"]
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"best_of": 2, "do_sample": True}, "`best_of` != 1 is not supported when streaming tokens"),
+    ({"decoder_input_details": True}, "`decoder_input_details` == true is not supported when "
+                                      "streaming tokens"),
+])
+def test_streaming_rules_answer_before_the_stream(server, params, message):
+    reply = post(server, "/generate_stream", {"inputs": "Hi", "parameters": params})
+    assert reply.status_code == 422
+    assert message in reply.json()["error"]
+
+
+def test_generate_details_match_the_schema(server):
+    body = {"inputs": "Paris is the capital of", "parameters": {
+        "max_new_tokens": 6, "details": True, "decoder_input_details": True, "top_n_tokens": 3,
+        "return_full_text": True}}
+    reply = post(server, "/generate", body)
+    assert reply.status_code == 200
+    payload = reply.json()
+    assert_matches("GenerateResponse", payload)
+    details = payload["details"]
+    assert payload["generated_text"].startswith("Paris is the capital of")
+    assert details["prefill"][0]["logprob"] is None
+    assert all(p["logprob"] <= 0 for p in details["prefill"][1:])
+    assert len(details["top_tokens"]) == 6 and all(len(t) == 3 for t in details["top_tokens"])
+    assert [t["id"] for t in details["tokens"]] == [t[0]["id"] for t in details["top_tokens"]]
+    for header in ("x-compute-time", "x-total-time", "x-queue-time", "x-inference-time",
+                   "x-time-per-token", "x-validation-time"):
+        assert header in reply.headers
+    assert reply.headers["x-generated-tokens"] == "6"
+
+
+def test_stream_events_match_the_schema(server):
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 5, "details": True,
+                                                          "top_n_tokens": 2}}
+    with post(server, "/generate_stream", body, stream=True) as reply:
+        events = sse(reply)
+    for event in events:
+        assert_matches("StreamResponse", event)
+    assert events[-1]["details"]["generated_tokens"] == 5
+    assert events[-1]["details"]["input_length"] > 0
+
+
+def test_compat_route_picks_json_or_sse(server):
+    reply = post(server, "/", {"inputs": "Hello", "parameters": {"max_new_tokens": 3}})
+    assert reply.status_code == 200
+    body = reply.json()
+    assert isinstance(body, list) and body[0]["generated_text"].startswith("Hello")
+    with post(server, "/", {"inputs": "Hello", "parameters": {"max_new_tokens": 3},
+                            "stream": True}, stream=True) as reply:
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        assert len(sse(reply)) == 3
+
+
+def test_best_of_returns_the_most_likely_and_the_others(server):
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 6, "best_of": 2,
+                                                          "do_sample": True, "details": True}}
+    details = post(server, "/generate", body).json()["details"]
+    assert len(details["best_of_sequences"]) == 1
+    best = sum(t["logprob"] for t in details["tokens"])
+    other = details["best_of_sequences"][0]
+    assert best >= sum(t["logprob"] for t in other["tokens"])
+    assert details["seed"] is not None and other["seed"] is not None
+
+
+def test_seed_reproduces_and_stop_sequence_is_kept(server):
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 12, "do_sample": True,
+                                                          "seed": 42, "details": True}}
+    first, second = post(server, "/generate", body).json(), post(server, "/generate", body).json()
+    assert first == second and first["details"]["seed"] == 42
+    pieces = [t["text"] for t in first["details"]["tokens"]]
+    stop_at = next(i for i, p in enumerate(pieces) if i >= 3 and p.strip() and "\ufffd" not in p)
+    body["parameters"]["stop"] = [pieces[stop_at]]
+    stopped = post(server, "/generate", body).json()
+    assert stopped["details"]["finish_reason"] == "stop_sequence"
+    assert stopped["generated_text"] == "".join(pieces[:stop_at + 1])
+
+
+def test_truncate_keeps_the_last_tokens(server):
+    body = {"inputs": LONG, "parameters": {"max_new_tokens": 2, "truncate": 10, "details": True,
+                                            "decoder_input_details": True}}
+    details = post(server, "/generate", body).json()["details"]
+    assert len(details["prefill"]) == 10
+
+
+def test_watermark_is_detectable(server, tiny_llama):
+    from shard.watermark import z_score
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_llama / "tokenizer.json"))
+    prompt = "Once upon a time"
+    last_prompt_token = tokenizer.encode(prompt).ids[-1]
+
+    def tokens(watermark, seed):
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 100, "do_sample": True,
+                                                  "seed": seed, "watermark": watermark,
+                                                  "details": True}}
+        return [t["id"] for t in post(server, "/generate", body).json()["details"]["tokens"]]
+
+    assert z_score(tokens(True, 1), 320, last_prompt_token) > 4
+    assert abs(z_score(tokens(False, 1), 320, last_prompt_token)) < 3
+
+
+def test_tokenize_info_health_metrics(server):
+    tokens = post(server, "/tokenize", {"inputs": "Hello world"}).json()
+    assert "".join(t["text"] for t in tokens) == "Hello world"
+    assert_matches("TokenizeResponse", tokens)
+    info = requests.get(f"{server.url}/info", timeout=10).json()
+    assert_matches("Info", info)
+    assert info["max_input_tokens"] == 64 and info["max_total_tokens"] == 128
+    assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+    metrics = requests.get(f"{server.url}/metrics", timeout=10).text
+    assert "tgi_request_success" in metrics and "tgi_batch_current_size" in metrics
+
+
+def _free_and_total_blocks(server):
+    values = {}
+    for line in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        for name in ("tgi_kv_cache_free_blocks", "tgi_kv_cache_total_blocks"):
+            if line.startswith(name + " "):
+                values[name] = float(line.split()[1])
+    return values["tgi_kv_cache_free_blocks"], values["tgi_kv_cache_total_blocks"]
+
+
+def test_200_dropped_streams_free_every_block(server):
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 60}}
+    reference = post(server, "/generate", body).json()
+
+    def drop_mid_stream(_):
+        with requests.post(f"{server.url}/generate_stream", json=body, stream=True,
+                           timeout=60) as reply:
+            lines = reply.iter_lines()
+            for line in lines:
+                if line.startswith(b"data:"):
+                    break
+        # leaving the block closes the connection mid-generation
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(drop_mid_stream, range(200)))
+    deadline_free = None
+    for _ in range(100):
+        free, total = _free_and_total_blocks(server)
+        if free == total:
+            deadline_free = free
+            break
+        import time
+        time.sleep(0.1)
+    assert deadline_free == total, f"{total - free} blocks still held"
+    assert post(server, "/generate", body).json() == reference
+
+
+def test_text_generation_client(server):
+    from text_generation import AsyncClient, Client
+
+    client = Client(server.url, timeout=60)
+    response = client.generate("Once upon a time", max_new_tokens=5, decoder_input_details=True,
+                               top_n_tokens=2)
+    assert response.details.generated_tokens == 5 and response.details.prefill
+    streamed = [r for r in client.generate_stream("Once upon a time", max_new_tokens=5)]
+    assert "".join(r.token.text for r in streamed) == streamed[-1].generated_text
+    assert streamed[-1].generated_text == response.generated_text
+    best = client.generate("Once upon a time", max_new_tokens=4, best_of=2, do_sample=True)
+    assert len(best.details.best_of_sequences) == 1
+
+    async def run_async():
+        async_client = AsyncClient(server.url, timeout=60)
+        answer = await async_client.generate("Once upon a time", max_new_tokens=5)
+        pieces = [r async for r in async_client.generate_stream("Once upon a time",
+                                                                   max_new_tokens=5)]
+        return answer, pieces
+
+    answer, pieces = asyncio.run(run_async())
+    assert answer.generated_text == response.generated_text
+    assert pieces[-1].details.generated_tokens == 5
+
+
+def test_huggingface_hub_inference_client(server):
+    from huggingface_hub import InferenceClient
+
+    client = InferenceClient(server.url)
+    output = client.text_generation("Once upon a time", max_new_tokens=5, details=True)
+    assert output.details.generated_tokens == 5
+    chunks = list(client.text_generation("Once upon a time", max_new_tokens=5, details=True,
+                                         stream=True))
+    # it posts to the compatibility route, whose default (as in TGI) is the full text
+    assert "Once upon a time" + "".join(c.token.text for c in chunks) == output.generated_text
+    assert chunks[-1].generated_text == output.generated_text
+    assert chunks[-1].details.finish_reason == "length"
+
+
+def test_openapi_document_describes_every_route_we_serve(server):
+    import jsonschema
+
+    doc = requests.get(f"{server.url}/api-doc/openapi.json", timeout=10).json()
+    served = {"/", "/generate", "/generate_stream", "/tokenize", "/health", "/info", "/metrics",
+              "/api-doc/openapi.json"}
+    assert set(doc["paths"]) == served
+    for path in served - {"/api-doc/openapi.json"}:
+        method = "post" if "post" in doc["paths"][path] else "get"
+        reply = requests.request(method, f"{server.url}{path}", timeout=30,
+                                 json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
+        assert reply.status_code == 200, path
+    # our own schema of the response matches what we answer
+    from tests.openapi_schemas import _to_json_schema
+
+    root = {"components": _to_json_schema(doc["components"]),
+            "$ref": "#/components/schemas/GenerateResponse"}
+    body = post(server, "/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 2,
+                                                                     "details": True}}).json()
+    jsonschema.validate(body, root)

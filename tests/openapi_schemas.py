@@ -1,0 +1,41 @@
+"""Validates JSON bodies against the schemas of TGI's OpenAPI document (../shared/spec)."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+SPEC = Path(__file__).resolve().parents[2] / "shared" / "spec" / "tgi-openapi-2.2.1.json"
+
+
+def _to_json_schema(node):
+    """OpenAPI 3.0's `nullable` -> JSON Schema's null type, recursively."""
+    if isinstance(node, list):
+        return [_to_json_schema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _to_json_schema(v) for k, v in node.items() if k not in ("example", "default")}
+    if node.pop("nullable", False):
+        if isinstance(node.get("type"), str):
+            node["type"] = [node["type"], "null"]
+        else:
+            node = {"anyOf": [node, {"type": "null"}]}
+    return node
+
+
+def validator(schema_name: str):
+    if not SPEC.exists():
+        pytest.skip(f"{SPEC} is not beside the checkout")
+    import jsonschema
+
+    spec = json.loads(SPEC.read_text())
+    root = {"components": _to_json_schema(copy.deepcopy(spec["components"])),
+            "$ref": f"#/components/schemas/{schema_name}"}
+    return jsonschema.Draft202012Validator(root)
+
+
+def assert_matches(schema_name: str, body) -> None:
+    errors = sorted(validator(schema_name).iter_errors(body), key=str)
+    assert not errors, f"{schema_name}: {errors[0].message} at {list(errors[0].absolute_path)}"

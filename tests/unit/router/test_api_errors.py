@@ -1,0 +1,127 @@
+"""HTTP error shapes with the real app over a scripted shard: 424, SSE error events, 429, 500."""
+import asyncio
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from proto import generate_pb2 as pb
+from router.app import RouterState, create_app
+from router.batcher import Batcher, SchedulingLimits
+from router.block_allocator import BlockAllocator
+from router.config import RouterConfig, TokenLimits
+from router.infer import Infer
+from router.metrics import Metrics
+from router.request_queue import RequestQueue
+from router.tokenizer import RouterTokenizer
+from router.validation import ValidationLimits
+from tests.fakes import FakeShardClient
+
+
+class HealthyFake(FakeShardClient):
+    async def health(self):
+        return None
+
+    async def close(self):
+        return None
+
+
+async def _client(tiny_llama, fake, *, max_concurrent=8) -> TestClient:
+    config = RouterConfig(tokenizer_path=str(tiny_llama), max_concurrent_requests=max_concurrent)
+    limits = TokenLimits(max_input_tokens=64, max_total_tokens=128, max_batch_prefill_tokens=256)
+    allocator = BlockAllocator(200, 4)
+    metrics = Metrics(max_input_tokens=64, max_total_tokens=128)
+    batcher = Batcher(fake, RequestQueue(allocator), allocator,
+                      SchedulingLimits(256, 800, 0.3, 20, None), metrics)
+    state = RouterState(config, RouterTokenizer(str(tiny_llama)), fake,
+                        pb.InfoResponse(world_size=1, device_type="cpu", dtype="float32"), limits,
+                        ValidationLimits(limits, 2, 4, 5), allocator, batcher,
+                        Infer(batcher, metrics, max_concurrent_requests=max_concurrent), metrics)
+    client = TestClient(TestServer(create_app(state)))
+    await client.start_server()
+    return client
+
+
+def _body(max_new_tokens=3):
+    return {"inputs": "hello", "parameters": {"max_new_tokens": max_new_tokens}}
+
+
+async def test_generation_error_is_424_with_tgi_body(tiny_llama):
+    fake = HealthyFake()
+    fake.fail_next = "prefill"
+    client = await _client(tiny_llama, fake)
+    try:
+        reply = await client.post("/generate", json=_body())
+        assert reply.status == 424
+        assert await reply.json() == {
+            "error": "Request failed during generation: Server error: injected prefill failure",
+            "error_type": "generation"}
+        reply = await client.post("/generate", json=_body())
+        assert reply.status == 200, "the server recovers for the next request"
+    finally:
+        await client.close()
+
+
+async def test_error_after_the_stream_opened_is_an_sse_error_event(tiny_llama):
+    fake = HealthyFake(step_delay=0.01)
+    client = await _client(tiny_llama, fake)
+    try:
+        reply = await client.post("/generate_stream", json=_body(max_new_tokens=10))
+        assert reply.status == 200
+        first = await reply.content.readline()
+        assert first.startswith(b"data:{")
+        fake.fail_next = "decode"
+        text = (await reply.content.read()).decode()
+        events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+        assert events[-1] == {"error": "Request failed during generation: Server error: injected "
+                                       "decode failure", "error_type": "generation"}
+    finally:
+        await client.close()
+
+
+async def test_overload_is_429_and_validation_is_answered_before_the_stream(tiny_llama):
+    fake = HealthyFake(step_delay=0.05)
+    client = await _client(tiny_llama, fake, max_concurrent=1)
+    try:
+        slow = asyncio.ensure_future(client.post("/generate", json=_body(max_new_tokens=20)))
+        await asyncio.sleep(0.1)
+        reply = await client.post("/generate_stream", json=_body())
+        assert reply.status == 429
+        assert await reply.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+        reply = await client.post("/generate_stream", json={"inputs": "x",
+                                                            "parameters": {"top_k": 0}})
+        assert reply.status == 422
+        assert (await reply.json())["error_type"] == "validation"
+        assert (await slow).status == 200
+    finally:
+        await client.close()
+
+
+async def test_metrics_use_tgi_names(tiny_llama):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        assert (await client.post("/generate", json=_body())).status == 200
+        assert (await client.post("/generate", json={"inputs": ""})).status == 422
+        text = await (await client.get("/metrics")).text()
+        for line in ("tgi_request_count 2.0", "tgi_request_success 1.0",
+                     'tgi_request_failure{err="validation"} 1.0',
+                     'tgi_batch_inference_count{method="prefill"} 1.0',
+                     "# TYPE tgi_request_count counter", "tgi_request_duration_bucket",
+                     "tgi_request_queue_duration_count 1.0", "tgi_request_generated_tokens_sum 3.0",
+                     "tgi_batch_max_total_tokens 796.0", "tgi_queue_size 0.0"):
+            assert line in text, line
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/"])
+async def test_malformed_json_and_non_utf8_are_422_in_tgi_shape(tiny_llama, path):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        for data in (b"{not json", b"\xff\xfe{}", b"[1, 2]"):
+            reply = await client.post(path, data=data)
+            assert reply.status == 422
+            body = await reply.json()
+            assert body["error_type"] == "validation" and body["error"]
+    finally:
+        await client.close()
