@@ -29,6 +29,9 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse]:
     else:
         device = torch.device(f"cuda:{config.rank}" if config.device == "cuda" else config.device)
     dtype = getattr(torch, config.dtype)
+    if device.type == "cpu" and config.world_size > 1:
+        # ranks share the cores; more threads than cores makes every all-reduce wait on a straggler
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
     parallel = init_parallel(rank=config.rank, world_size=config.world_size,
                              master_addr=config.master_addr, master_port=config.master_port,
                              device=device)

@@ -44,6 +44,7 @@ def launch(model_args: list[str], tmp_path: Path, *, extra: list[str] = (),
            timeout: float = 300) -> LaunchedServer:
     port = free_port()
     uds_path = f"/tmp/tgi-py-test-{uuid.uuid4().hex[:8]}"
+    tmp_path.mkdir(parents=True, exist_ok=True)
     log_path = tmp_path / "launcher.log"
     argv = [sys.executable, "-m", "launcher", *model_args, "--port", str(port), "--hostname",
             "127.0.0.1", "--shard-uds-path", uds_path, "--master-port", str(free_port()),

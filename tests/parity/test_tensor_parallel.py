@@ -1,0 +1,84 @@
+"""Tensor parallelism on CPU (gloo): each rank's slices, and logits equal to one shard's."""
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from shard.distributed import ParallelContext
+from shard.weights import Weights
+from tests.tiny_models import build_tiny_model
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13]]
+BLOCKS = [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
+DECODE_STEPS = 6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_rank(rank: int, world: int, port: int, model_dir: str, results):
+    from shard.distributed import init_parallel
+    from shard.loader import load_model
+    from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence
+
+    torch.set_num_threads(1)
+    parallel = init_parallel(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
+                             device=torch.device("cpu"))
+    loaded = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"), parallel=parallel)
+    cfg = loaded.config
+    runner = ModelRunner(loaded.model, KVCacheSpec(cfg.num_hidden_layers,
+                                                   cfg.num_key_value_heads // world, cfg.head_dim,
+                                                   4, torch.float32, torch.device("cpu")))
+    runner.allocate(16)
+    last, _ = runner.prefill([PrefillSequence(p, 0, b) for p, b in zip(PROMPTS, BLOCKS)])
+    logits = [last]
+    next_ids = last.argmax(-1)
+    seq_lens = torch.tensor([len(p) for p in PROMPTS])
+    tables = torch.tensor([b + [0] * (5 - len(b)) for b in BLOCKS])
+    for _ in range(DECODE_STEPS):
+        step = runner.decode(next_ids, seq_lens, tables)
+        logits.append(step)
+        next_ids, seq_lens = step.argmax(-1), seq_lens + 1
+    results[rank] = torch.stack(logits)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def _logits(model_dir, world: int) -> list[torch.Tensor]:
+    results = mp.Manager().dict() if world > 1 else {}
+    if world == 1:
+        _run_rank(0, 1, 0, str(model_dir), results)
+    else:
+        mp.spawn(_run_rank, args=(world, _free_port(), str(model_dir), results), nprocs=world)
+    return [results[r] for r in range(world)]
+
+
+@pytest.mark.parametrize("world,heads,kv_heads", [(2, 4, 2), (2, 4, 4)])
+def test_sharded_logits_equal_one_shard(tmp_path, world, heads, kv_heads):
+    model_dir = build_tiny_model(tmp_path / "model", num_heads=heads, num_kv_heads=kv_heads)
+    (single,) = _logits(model_dir, 1)
+    for rank_logits in _logits(model_dir, world):
+        assert (rank_logits - single).abs().max().item() <= 1e-4
+
+
+def test_each_rank_reads_only_its_slices(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "model", num_heads=4, num_kv_heads=2)
+    cpu = torch.device("cpu")
+    full = Weights(model_dir, dtype=torch.float32, device=cpu, parallel=ParallelContext())
+    q = full.get("model.layers.0.self_attn.q_proj.weight")
+    o = full.get("model.layers.0.self_attn.o_proj.weight")
+    for rank in range(2):
+        part = Weights(model_dir, dtype=torch.float32, device=cpu,
+                       parallel=ParallelContext(rank=rank, world_size=2))
+        assert torch.equal(part.get_sharded("model.layers.0.self_attn.q_proj.weight", dim=0),
+                           q[rank * 32:(rank + 1) * 32])
+        assert torch.equal(part.get_sharded("model.layers.0.self_attn.o_proj.weight", dim=1),
+                           o[:, rank * 32:(rank + 1) * 32])
+    with pytest.raises(ValueError, match="does not divide by 3 shards"):
+        Weights(model_dir, dtype=torch.float32, device=cpu,
+                parallel=ParallelContext(rank=0, world_size=3)).get_sharded(
+            "model.layers.0.self_attn.k_proj.weight", dim=0)
