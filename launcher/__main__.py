@@ -4,7 +4,10 @@ from __future__ import annotations
 import sys
 
 from launcher.config import parse_args
-from launcher.resolve import DEFAULT_MODEL_ID, ModelResolutionError, resolve_model
+from launcher.environment import environment_report
+from launcher.logs import say
+from launcher.resolve import (DEFAULT_MODEL_ID, ModelResolutionError, check_remote_code,
+                              resolve_model)
 from launcher.supervisor import LaunchError, Supervisor, check_shardable
 
 
@@ -14,14 +17,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"tgi-launcher: {err}", file=sys.stderr)
         return 2
+    if config.env:
+        for line in environment_report():
+            say(line, json_output=config.json_output)
     try:
-        model_dir = resolve_model(config.model_id, revision=config.revision)
+        model_dir = resolve_model(config.model_id, revision=config.revision,
+                                  hub_cache=config.huggingface_hub_cache)
+        check_remote_code(model_dir, trust_remote_code=config.trust_remote_code)
         check_shardable(model_dir, config.num_shard)
     except (ModelResolutionError, LaunchError) as err:
-        print(f"tgi-launcher: {err}", file=sys.stderr)
+        say(str(err), json_output=config.json_output, level="ERROR")
         return 1
-    model_name = config.model_id or DEFAULT_MODEL_ID
-    return Supervisor(config, model_dir, model_name).run()
+    return Supervisor(config, model_dir, config.model_id or DEFAULT_MODEL_ID).run()
 
 
 if __name__ == "__main__":

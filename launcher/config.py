@@ -30,7 +30,15 @@ class LauncherConfig:
                                                      "(rank r listens on <path>-<r>).")
     master_addr: str = _opt("127.0.0.1", "torch.distributed rendezvous address.")
     master_port: int = _opt(29500, "torch.distributed rendezvous port.")
-    graceful_termination_timeout: int = _opt(20, "Seconds children get to exit before SIGKILL.")
+    graceful_termination_timeout: int = _opt(20, "Seconds children get to finish in-flight work and "
+                                                 "exit before SIGKILL.")
+    huggingface_hub_cache: str | None = _opt(None, "Hugging Face Hub cache directory for Hub ids "
+                                                   "(default: the hub's own, HF_HUB_CACHE).")
+    trust_remote_code: bool = _opt(False, "Serve checkpoints that ship their own modelling code "
+                                          "(auto_map). tgi-py never runs that code: it serves them "
+                                          "with its built-in implementation of the architecture.")
+    json_output: bool = _opt(False, "Log one JSON object per line (launcher and children).")
+    env: bool = _opt(False, "Print the runtime environment (for bug reports) before starting.")
     router: dict = field(default_factory=dict)  # RouterConfig fields given on the command line
 
     def __post_init__(self):
@@ -42,6 +50,15 @@ class LauncherConfig:
     @property
     def port(self) -> int:
         return self.router.get("port") or 8080
+
+    def shard_tracing_argv(self) -> list[str]:
+        """The router's OTLP settings, shared with the shards as TGI does."""
+        endpoint = self.router.get("otlp_endpoint")
+        if not endpoint:
+            return []
+        name = self.router.get("otlp_service_name")
+        return ["--otlp-endpoint", endpoint,
+                "--otlp-service-name", f"{name}.shard" if name else "tgi-py.shard"]
 
     def router_argv(self, *, tokenizer_path: str, model_id: str) -> list[str]:
         argv = ["--tokenizer-path", tokenizer_path, "--model-id", model_id,
@@ -65,9 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(LauncherConfig):
         if f.name == "router":
             continue
+        flag = f"--{f.name.replace('_', '-')}"
+        if f.type == "bool":
+            default = str(_env_default(f.name, "")).lower() in ("1", "true", "yes")
+            parser.add_argument(flag, action="store_true", default=default, help=f.metadata["help"])
+            continue
         kind = int if f.type == "int" else str
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind,
-                            default=_env_default(f.name, f.default), help=f.metadata["help"])
+        parser.add_argument(flag, type=kind, default=_env_default(f.name, f.default),
+                            help=f.metadata["help"])
     group = parser.add_argument_group("router", "Forwarded to the router.")
     for f in dataclasses.fields(RouterConfig):
         if f.name in _DERIVED_ROUTER_FIELDS:

@@ -1,24 +1,48 @@
-"""Relays a child's output line by line with a prefix naming the child."""
+"""Relays a child's output line by line, prefixed with the child's name or as JSON objects."""
 from __future__ import annotations
 
+import json
+import re
 import sys
 import threading
+import time
 from typing import IO
 
+# the level our children's log format puts after the timestamp
+_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 
-def relay(stream: IO[bytes], prefix: str, *, tail: list[str] | None = None) -> threading.Thread:
-    """Copies `stream` to our stderr as '[prefix] line'; keeps the last lines in `tail` if given."""
+
+def format_line(source: str, line: str, *, json_output: bool) -> str:
+    if not json_output:
+        return f"[{source}] {line}"
+    level = _LEVEL.search(line[:40])
+    return json.dumps({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()),
+                       "level": level.group(1) if level else "INFO", "source": source,
+                       "message": line}, ensure_ascii=False)
+
+
+def say(message: str, *, json_output: bool, level: str = "INFO") -> None:
+    """The launcher's own messages, in the same format as the relayed ones."""
+    line = f"{level} {message}" if json_output else message
+    out = format_line("launcher", line, json_output=True) if json_output else \
+        f"tgi-launcher: {message}"
+    print(out, file=sys.stderr, flush=True)
+
+
+def relay(stream: IO[bytes], source: str, *, json_output: bool = False,
+          tail: list[str] | None = None) -> threading.Thread:
+    """Copies `stream` to our stderr; keeps its last lines in `tail` if given."""
 
     def pump():
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
-            sys.stderr.write(f"[{prefix}] {line}\n")
+            sys.stderr.write(format_line(source, line, json_output=json_output) + "\n")
             sys.stderr.flush()
             if tail is not None:
                 tail.append(line)
                 del tail[:-50]
         stream.close()
 
-    thread = threading.Thread(target=pump, name=f"relay-{prefix}", daemon=True)
+    thread = threading.Thread(target=pump, name=f"relay-{source}", daemon=True)
     thread.start()
     return thread

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -34,8 +35,18 @@ def _gguf_dir(gguf_path: Path, cache_dir: Path) -> Path:
     return cache_dir / "models" / f"{gguf_path.stem}-{digest}"
 
 
+def check_remote_code(model_dir: Path, *, trust_remote_code: bool) -> None:
+    """A checkpoint that ships modelling code (auto_map) needs the user's explicit consent."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("auto_map") and not trust_remote_code:
+        raise ModelResolutionError(
+            f"{model_dir} ships its own modelling code (auto_map in config.json). tgi-py never runs "
+            "it, but serving it with the built-in implementation of its architecture may not match "
+            "that code: pass --trust-remote-code to accept.")
+
+
 def resolve_model(model_id: str | None, *, revision: str | None = None,
-                  cache_dir: Path | None = None) -> Path:
+                  cache_dir: Path | None = None, hub_cache: str | None = None) -> Path:
     """A local model directory for `model_id`, preparing or downloading it when needed."""
     from launcher.prepare import prepare_default_model, prepare_gguf
 
@@ -49,15 +60,15 @@ def resolve_model(model_id: str | None, *, revision: str | None = None,
         if not path.is_file():
             raise ModelResolutionError(f"GGUF file {path} does not exist")
         return _check_model_dir(prepare_gguf(path, _gguf_dir(path, cache_dir)))
-    return _check_model_dir(_from_hub(model_id, revision))
+    return _check_model_dir(_from_hub(model_id, revision, hub_cache))
 
 
-def _from_hub(model_id: str, revision: str | None) -> Path:
+def _from_hub(model_id: str, revision: str | None, hub_cache: str | None) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(
-            model_id, revision=revision,
+            model_id, revision=revision, cache_dir=hub_cache,
             allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
     except Exception as err:  # offline, unknown repo, no network: all end the same way for a user
         raise ModelResolutionError(

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.config import LauncherConfig
-from launcher.logs import relay
+from launcher.logs import relay, say
 
 
 class LaunchError(RuntimeError):
@@ -46,12 +46,12 @@ def check_shardable(model_dir: Path, num_shard: int) -> None:
                               f"use a shard count that divides both {heads} and {kv_heads}")
 
 
-def _spawn(name: str, argv: list[str], env: dict[str, str]) -> Child:
+def _spawn(name: str, argv: list[str], env: dict[str, str], json_output: bool) -> Child:
     # own session: a Ctrl-C in the terminal reaches only the launcher, which stops children in order
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                start_new_session=True)
     child = Child(name, process)
-    relay(process.stdout, name, tail=child.tail)
+    relay(process.stdout, name, json_output=json_output, tail=child.tail)
     return child
 
 
@@ -63,6 +63,9 @@ class Supervisor:
         self.children: list[Child] = []
         self.stop_requested = threading.Event()
 
+    def _say(self, message: str, level: str = "INFO") -> None:
+        say(message, json_output=self.config.json_output, level=level)
+
     def socket_path(self, rank: int) -> str:
         return f"{self.config.shard_uds_path}-{rank}"
 
@@ -73,11 +76,10 @@ class Supervisor:
         try:
             self._start_shards()
             self._start_router()
-            print(f"tgi-launcher: serving {self.model_name} on "
-                  f"http://{self._router_host()}:{self.config.port}", file=sys.stderr, flush=True)
+            self._say(f"serving {self.model_name} on http://{self._router_host()}:{self.config.port}")
             return self._watch()
         except LaunchError as err:
-            print(f"tgi-launcher: {err}", file=sys.stderr, flush=True)
+            self._say(str(err), level="ERROR")
             return 1
         finally:
             self.shutdown()
@@ -92,8 +94,9 @@ class Supervisor:
                    "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(config.master_port)}
             argv = [sys.executable, "-m", "shard", "--model-path", str(self.model_dir),
                     "--uds-path", config.shard_uds_path, "--dtype", config.dtype,
-                    "--device", config.device, "--block-size", str(config.block_size)]
-            self.children.append(_spawn(f"shard {rank}", argv, env))
+                    "--device", config.device, "--block-size", str(config.block_size),
+                    *config.shard_tracing_argv()]
+            self.children.append(_spawn(f"shard {rank}", argv, env, config.json_output))
         self._wait_until("shards ready", lambda: all(
             os.path.exists(self.socket_path(r)) for r in range(config.num_shard)))
 
@@ -101,7 +104,7 @@ class Supervisor:
         argv = [sys.executable, "-m", "router",
                 *self.config.router_argv(tokenizer_path=str(self.model_dir),
                                          model_id=self.model_name)]
-        self.children.append(_spawn("router", argv, dict(os.environ)))
+        self.children.append(_spawn("router", argv, dict(os.environ), self.config.json_output))
         self._wait_until("router ready", self._router_healthy)
 
     def _router_host(self) -> str:
@@ -136,7 +139,7 @@ class Supervisor:
     def _watch(self) -> int:
         while not self.stop_requested.wait(0.1):
             self._raise_if_dead()
-        print("tgi-launcher: stopping", file=sys.stderr, flush=True)
+        self._say("stopping")
         return 0
 
     def shutdown(self) -> None:
@@ -153,8 +156,7 @@ class Supervisor:
                 try:
                     child.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:
-                    print(f"tgi-launcher: {child.name} did not stop in {grace}s; killing it",
-                          file=sys.stderr, flush=True)
+                    self._say(f"{child.name} did not stop in {grace}s; killing it", level="WARNING")
                     child.process.kill()
                     child.process.wait()
         for rank in range(self.config.num_shard):

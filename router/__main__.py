@@ -9,6 +9,7 @@ import sys
 
 from aiohttp import web
 
+from proto.tracing import init_tracing, shutdown_tracing
 from router.app import build_state, create_app
 from router.config import parse_args
 
@@ -17,6 +18,7 @@ log = logging.getLogger("tgi.router")
 
 async def serve(argv: list[str] | None) -> int:
     config = parse_args(argv)
+    init_tracing(config.otlp_service_name, config.otlp_endpoint)
     state = await build_state(config)
     app = create_app(state)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -33,6 +35,7 @@ async def serve(argv: list[str] | None) -> int:
                        return_when=asyncio.FIRST_COMPLETED)
     log.info("router stopping")
     await runner.cleanup()
+    shutdown_tracing()
     return 1 if state.fatal.is_set() else 0
 
 

@@ -13,9 +13,9 @@ from router.api import STATE, tgi
 from router.batcher import Batcher, SchedulingLimits
 from router.block_allocator import BlockAllocator
 from router.config import RouterConfig, TokenLimits
-from router.errors import RouterError, tgi_error_body
 from router.infer import Infer
 from router.metrics import Metrics
+from router.middleware import api_key_middleware, cors_middleware, error_middleware
 from router.openapi import VERSION
 from router.request_queue import RequestQueue
 from router.shard_client import ShardedClient
@@ -64,24 +64,6 @@ class RouterState:
             "max_client_batch_size": config.max_client_batch_size,
             "router": "tgi-py-router", "version": VERSION, "sha": None, "docker_label": None,
         }
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except RouterError as err:
-        return web.json_response(tgi_error_body(err), status=err.status)
-    except web.HTTPException as err:
-        if err.status < 400:
-            raise
-        return web.json_response({"error": err.reason, "error_type": "http"}, status=err.status)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return web.json_response({"error": "Internal server error", "error_type": "internal"},
-                                 status=500)
 
 
 def warmup_batch(limits: TokenLimits, max_batch_size: int | None) -> pb.Batch:
@@ -134,7 +116,14 @@ async def build_state(config: RouterConfig) -> RouterState:
 
 
 def create_app(state: RouterState) -> web.Application:
-    app = web.Application(middlewares=[error_middleware])
+    config = state.config
+    middlewares = []
+    if config.cors_allow_origin:
+        middlewares.append(cors_middleware(config.cors_allow_origin))
+    middlewares.append(error_middleware)
+    if config.api_key:
+        middlewares.append(api_key_middleware(config.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=config.payload_limit)
     app[STATE] = state
     tgi.add_routes(app)
 

@@ -12,7 +12,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import Link, SpanContext, SpanKind
+
 from proto import generate_pb2 as pb
+from proto.tracing import tracer, tracing_enabled
 from router.block_allocator import BlockAllocator
 from router.errors import GenerationError, RouterError
 from router.metrics import Metrics
@@ -21,6 +24,7 @@ from router.schemas import FinalInfo, FinishReason, GenerateRequest, Token, Toke
 from router.shard_client import ShardError
 
 log = logging.getLogger("tgi.router.batcher")
+_TRACER = tracer("tgi.router")
 
 _FINISH = {pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
            pb.FINISH_REASON_EOS_TOKEN: FinishReason.EOS_TOKEN,
@@ -37,6 +41,7 @@ class ActiveRequest:
     is_cancelled: bool = False
     is_done: bool = False
     batched_at: float = 0.0
+    span_context: SpanContext | None = None  # the HTTP request's span, when tracing
 
 
 @dataclass(slots=True)
@@ -130,28 +135,37 @@ class Batcher:
         batch = pb.Batch(id=plan.batch_id, requests=[_request_proto(i) for i in items],
                          size=len(items), max_tokens=plan.max_tokens,
                          max_blocks=max(len(i.entry.allocation.block_ids) for i in items))
-        reply = await self._call("prefill", self.client.prefill(batch))
+        reply = await self._call("prefill", self.client.prefill(batch), lambda: items)
         if isinstance(reply, ShardError):
             await self._fail(items, [plan.batch_id], reply)
             return None
         return await self._after_step(reply, "prefill")
 
     async def _decode(self, batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
-        reply = await self._call("decode", self.client.decode(batches))
+        def items() -> list[ActiveRequest]:  # only on failure or when tracing: not per step
+            ids = (rid for b in batches for rid in b.request_ids)
+            return [self.active[i] for i in ids if i in self.active]
+
+        reply = await self._call("decode", self.client.decode(batches), items)
         if isinstance(reply, ShardError):
-            ids = {rid for b in batches for rid in b.request_ids}
-            await self._fail([self.active[i] for i in ids if i in self.active],
-                             [b.id for b in batches], reply)
+            await self._fail(items(), [b.id for b in batches], reply)
             return None
         return await self._after_step(reply, "decode")
 
-    async def _call(self, method: str, call):
+    async def _call(self, method: str, call, items):
         """Runs one shard step, recording TGI's batch metrics; a ShardError is returned, not raised."""
         metrics = self.metrics
         metrics.counters.inc("tgi_batch_inference_count", method=method)
         started = time.monotonic()
         try:
-            reply = await call
+            if tracing_enabled():
+                # one span per step, linked to every request riding in it; the shards' spans
+                # become its children through the gRPC metadata
+                links = [Link(i.span_context) for i in items() if i.span_context is not None]
+                with _TRACER.start_as_current_span(method, kind=SpanKind.CLIENT, links=links):
+                    reply = await call
+            else:
+                reply = await call
         except ShardError as err:
             metrics.counters.inc("tgi_batch_inference_failure", method=method)
             return err

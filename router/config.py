@@ -32,12 +32,21 @@ class RouterConfig:
     max_batch_size: int = _opt(None, "Most requests in a running batch (default: no limit).")
     max_client_batch_size: int = _opt(4, "Most inputs in one client request.")
     validation_workers: int = _opt(2, "Threads that tokenise and validate requests.")
+    api_key: str = _opt(None, "When set, every route but /health and /metrics needs "
+                              "'Authorization: Bearer <key>'.")
+    cors_allow_origin: str = _opt(None, "Comma-separated origins allowed by CORS ('*' for any); "
+                                        "unset sends no CORS headers.")
+    payload_limit: int = _opt(2_000_000, "Largest request body in bytes; larger ones get 413.")
+    otlp_endpoint: str = _opt(None, "OTLP gRPC endpoint (http://host:4317) to export trace spans to.")
+    otlp_service_name: str = _opt("tgi-py.router", "service.name of the exported spans.")
 
     def __post_init__(self):
         if not self.tokenizer_path:
             raise ValueError("--tokenizer-path is required: the model directory with tokenizer.json")
         if self.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests {self.max_concurrent_requests} must be >= 1")
+        if self.payload_limit < 1:
+            raise ValueError(f"--payload-limit {self.payload_limit} must be a positive byte count")
         if self.waiting_served_ratio < 0:
             raise ValueError(f"--waiting-served-ratio {self.waiting_served_ratio} must be >= 0")
 
@@ -68,9 +77,9 @@ class TokenLimits:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(RouterConfig):
+        flag = f"--{f.name.replace('_', '-')}"
         kind = {"int": int, "float": float}.get(f.type, str)
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default,
-                            help=f.metadata.get("help"))
+        parser.add_argument(flag, type=kind, default=f.default, help=f.metadata.get("help"))
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:

@@ -13,6 +13,7 @@ from router.batcher import ActiveRequest, Batcher
 from router.errors import IncompleteGenerationError, OverloadedError, RouterError, ValidationError
 from router.metrics import Metrics
 from router.request_queue import QueueEntry
+from router.request_trace import current_span_context
 from router.schemas import FinalInfo, GenerateRequest, Timings, Token, TokenEvent
 
 
@@ -54,7 +55,7 @@ class Infer:
         if allocator.blocks_needed(entry.kv_tokens) > allocator.num_usable_blocks:
             raise ValidationError(f"the request needs {entry.kv_tokens} tokens of KV cache but the "
                                   f"server holds {allocator.num_usable_blocks * allocator.block_size}")
-        item = ActiveRequest(entry=entry, request=request)
+        item = ActiveRequest(entry=entry, request=request, span_context=current_span_context())
         entry.payload = item
         return item
 

@@ -7,6 +7,7 @@ import grpc
 
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
+from proto.tracing import inject_metadata, tracing_enabled
 
 
 class ShardError(Exception):
@@ -22,9 +23,9 @@ class ShardClient:
                      ("grpc.max_send_message_length", 2**31 - 1)])
         self.stub = pb_grpc.TextGenerationServiceStub(self.channel)
 
-    async def call(self, method: str, message, timeout: float | None = None):
+    async def call(self, method: str, message, timeout: float | None = None, metadata=None):
         try:
-            return await getattr(self.stub, method)(message, timeout=timeout)
+            return await getattr(self.stub, method)(message, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as err:
             raise ShardError(err.details() or err.code().name) from None
 
@@ -47,8 +48,10 @@ class ShardedClient:
         return cls([ShardClient(p) for p in paths])
 
     async def _all(self, method: str, message, timeout: float | None = None):
-        replies = await asyncio.gather(*(c.call(method, message, timeout) for c in self.clients),
-                                       return_exceptions=True)
+        # the current span (if any) becomes the parent of the shards' spans
+        metadata = inject_metadata() if tracing_enabled() else None
+        replies = await asyncio.gather(*(c.call(method, message, timeout, metadata)
+                                         for c in self.clients), return_exceptions=True)
         for reply in replies:
             if isinstance(reply, BaseException):
                 raise reply if isinstance(reply, ShardError) else ShardError(str(reply))

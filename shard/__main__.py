@@ -13,6 +13,7 @@ import torch
 
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
+from proto.tracing import init_tracing, shutdown_tracing
 from shard.config import ShardConfig, parse_args
 from shard.distributed import init_parallel
 from shard.engine import Engine
@@ -51,6 +52,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse]:
 
 
 async def serve(config: ShardConfig) -> None:
+    init_tracing(config.otlp_service_name, config.otlp_endpoint)
     engine, info = build_engine(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -78,6 +80,7 @@ async def serve(config: ShardConfig) -> None:
         await server.stop(grace=1.0)
         if os.path.exists(socket):
             os.unlink(socket)
+        shutdown_tracing()
         log.info("shard %d stopped", config.rank)
 
 

@@ -20,6 +20,10 @@ class ShardConfig:
     block_size: int = field(default=16, metadata={"help": "Tokens per KV block."})
     memory_fraction: float = field(default=1.0, metadata={
         "help": "Share of the free memory the KV pool may use when the router does not fix its size."})
+    otlp_endpoint: str = field(default=None, metadata={
+        "help": "OTLP gRPC endpoint to export trace spans to (unset: no tracing)."})
+    otlp_service_name: str = field(default="tgi-py.shard", metadata={
+        "help": "service.name of the exported spans."})
     rank: int = field(default=0, metadata={"help": "Tensor-parallel rank (env RANK)."})
     world_size: int = field(default=1, metadata={"help": "Tensor-parallel world size (env WORLD_SIZE)."})
     master_addr: str = field(default="127.0.0.1", metadata={"help": "Rendezvous address (env MASTER_ADDR)."})

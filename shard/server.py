@@ -7,14 +7,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
+from opentelemetry.trace import SpanKind
 
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
+from proto.tracing import extract_metadata, tracer, tracing_enabled
 from shard import convert
 from shard.config import ShardConfig
 from shard.engine import BatchNotFound, Engine
 
 log = logging.getLogger("tgi.shard")
+_TRACER = tracer("tgi.shard")
 
 
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
@@ -27,7 +30,14 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         # one thread: the engine is not re-entrant, and the event loop stays free for Health
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
-    async def _run(self, context: grpc.aio.ServicerContext, fn, *args):
+    async def _run(self, context: grpc.aio.ServicerContext, fn, *args, span: str | None = None):
+        if span is not None and tracing_enabled():
+            parent = extract_metadata(context.invocation_metadata())
+            with _TRACER.start_as_current_span(span, context=parent, kind=SpanKind.SERVER):
+                return await self._call(context, fn, *args)
+        return await self._call(context, fn, *args)
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn, *args):
         try:
             return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
         except BatchNotFound as err:
@@ -79,11 +89,13 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             requests = [convert.new_request(r) for r in request.batch.requests]
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        result = await self._run(context, self.engine.prefill, request.batch.id, requests)
+        result = await self._run(context, self.engine.prefill, request.batch.id, requests,
+                                 span="prefill")
         return convert.step_response(result, pb.PrefillResponse)
 
     async def Decode(self, request, context):
         if not request.batches:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs at least one batch")
-        result = await self._run(context, self.engine.decode, [b.id for b in request.batches])
+        result = await self._run(context, self.engine.decode, [b.id for b in request.batches],
+                                 span="decode")
         return convert.step_response(result, pb.DecodeResponse)

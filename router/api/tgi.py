@@ -12,6 +12,7 @@ from router.errors import (BadRequestError, IncompleteGenerationError, RouterErr
                            tgi_error_body)
 from router.infer import GenerateResult
 from router.openapi import openapi_document
+from router.request_trace import phase_span, record_phases, request_span
 from router.schemas import Timings, Token, TokenEvent
 from router.shard_client import ShardError
 from router.streaming import open_sse, sse_data
@@ -47,7 +48,9 @@ async def _validate(request: web.Request, body: dict, *, stream: bool) -> Valida
     state = request.app[STATE]
     state.metrics.counters.inc("tgi_request_count")
     try:
-        return await validate_generate(body, state.tokenizer, state.validation_limits, stream=stream)
+        with phase_span("validation"):
+            return await validate_generate(body, state.tokenizer, state.validation_limits,
+                                           stream=stream)
     except RouterError as err:
         state.infer.record_failure(err)
         raise
@@ -99,18 +102,22 @@ async def _generate_payload(request: web.Request, body: dict, *, full_text_defau
                 {"generated_text": prefix + r.final.text,
                  **_sequence_details(r, with_prefill=True)} for r in others]
         payload["details"] = details
+    record_phases(best.timings)
     headers = _timing_headers(state, validated, best.timings, best.final.generated_tokens)
     return payload, headers
 
 
 async def generate(request: web.Request) -> web.Response:
-    payload, headers = await _generate_payload(request, await read_json(request),
-                                               full_text_default=False)
+    body = await read_json(request)
+    with request_span("generate", request.headers):
+        payload, headers = await _generate_payload(request, body, full_text_default=False)
     return web.json_response(payload, headers=headers)
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
-    return await _stream(request, await read_json(request), full_text_default=False)
+    body = await read_json(request)
+    with request_span("generate_stream", request.headers):
+        return await _stream(request, body, full_text_default=False)
 
 
 async def compat_generate(request: web.Request) -> web.StreamResponse:
@@ -120,9 +127,10 @@ async def compat_generate(request: web.Request) -> web.StreamResponse:
     if not isinstance(stream, bool):
         raise BadRequestError("Failed to deserialize the JSON body into the target type: stream: "
                               "expected a boolean")
-    if stream:
-        return await _stream(request, body, full_text_default=True)
-    payload, headers = await _generate_payload(request, body, full_text_default=True)
+    with request_span("compat_generate", request.headers):
+        if stream:
+            return await _stream(request, body, full_text_default=True)
+        payload, headers = await _generate_payload(request, body, full_text_default=True)
     return web.json_response([payload], headers=headers)
 
 
@@ -145,6 +153,7 @@ async def _stream(request: web.Request, body: dict, *, full_text_default: bool
                 index += 1
                 await response.write(sse_data(_stream_json(event, index, validated, prefix)))
                 if event.final is not None:
+                    record_phases(timings)
                     break
                 event = await anext(events, None)
             else:

@@ -26,8 +26,9 @@ class HealthyFake(FakeShardClient):
         return None
 
 
-async def _client(tiny_llama, fake, *, max_concurrent=8) -> TestClient:
-    config = RouterConfig(tokenizer_path=str(tiny_llama), max_concurrent_requests=max_concurrent)
+async def _client(tiny_llama, fake, *, max_concurrent=8, **options) -> TestClient:
+    config = RouterConfig(tokenizer_path=str(tiny_llama), max_concurrent_requests=max_concurrent,
+                          **options)
     limits = TokenLimits(max_input_tokens=64, max_total_tokens=128, max_batch_prefill_tokens=256)
     allocator = BlockAllocator(200, 4)
     metrics = Metrics(max_input_tokens=64, max_total_tokens=128)
@@ -123,5 +124,52 @@ async def test_malformed_json_and_non_utf8_are_422_in_tgi_shape(tiny_llama, path
             assert reply.status == 422
             body = await reply.json()
             assert body["error_type"] == "validation" and body["error"]
+    finally:
+        await client.close()
+
+
+async def test_api_key_guards_every_route_but_health_and_metrics(tiny_llama):
+    client = await _client(tiny_llama, HealthyFake(), api_key="s3cret")
+    try:
+        for method, path in (("POST", "/generate"), ("POST", "/generate_stream"), ("POST", "/"),
+                             ("POST", "/tokenize"), ("GET", "/info"),
+                             ("GET", "/api-doc/openapi.json")):
+            reply = await client.request(method, path, json=_body())
+            assert reply.status == 401, path
+            assert (await reply.json())["error_type"] == "authentication"
+            wrong = await client.request(method, path, json=_body(),
+                                         headers={"Authorization": "Bearer nope"})
+            assert wrong.status == 401
+        ok = await client.post("/generate", json=_body(), headers={"Authorization": "Bearer s3cret"})
+        assert ok.status == 200
+        assert (await client.get("/health")).status == 200
+        assert (await client.get("/metrics")).status == 200
+    finally:
+        await client.close()
+
+
+async def test_payload_over_the_limit_is_413_in_tgi_shape(tiny_llama):
+    client = await _client(tiny_llama, HealthyFake(), payload_limit=1000)
+    try:
+        reply = await client.post("/generate", json={"inputs": "x" * 2000})
+        assert reply.status == 413
+        body = await reply.json()
+        assert body["error_type"] == "payload_limit" and "Payload too large" in body["error"]
+        assert (await client.post("/generate", json=_body())).status == 200
+    finally:
+        await client.close()
+
+
+async def test_cors_allows_listed_origins_only(tiny_llama):
+    client = await _client(tiny_llama, HealthyFake(), cors_allow_origin="https://app.example")
+    try:
+        allowed = await client.options("/generate", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+        assert allowed.status == 204
+        assert allowed.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        reply = await client.post("/generate", json=_body(), headers={"Origin": "https://app.example"})
+        assert reply.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        other = await client.post("/generate", json=_body(), headers={"Origin": "https://evil.example"})
+        assert "Access-Control-Allow-Origin" not in other.headers
     finally:
         await client.close()

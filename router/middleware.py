@@ -1,0 +1,78 @@
+"""HTTP middlewares: errors in the {error, error_type} envelope, API key, CORS."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from aiohttp import web
+
+from router.errors import RouterError, tgi_error_body
+
+log = logging.getLogger("tgi.router")
+
+# open without a key, as in TGI: probes and scrapers carry no credentials
+_PUBLIC_PATHS = {"/health", "/metrics"}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except RouterError as err:
+        return web.json_response(tgi_error_body(err), status=err.status)
+    except web.HTTPRequestEntityTooLarge as err:
+        return web.json_response({"error": f"Payload too large: {err.text}",
+                                  "error_type": "payload_limit"}, status=413)
+    except web.HTTPException as err:
+        if err.status < 400:
+            raise
+        return web.json_response({"error": err.reason, "error_type": "http"}, status=err.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.json_response({"error": "Internal server error", "error_type": "internal"},
+                                 status=500)
+
+
+def api_key_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check_key(request: web.Request, handler):
+        if request.path in _PUBLIC_PATHS or request.method == "OPTIONS":
+            return await handler(request)
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return web.json_response({"error": "Unauthorized: a valid 'Authorization: Bearer <key>' "
+                                               "header is required", "error_type": "authentication"},
+                                     status=401)
+        return await handler(request)
+
+    return check_key
+
+
+def cors_middleware(allowed: str):
+    origins = {o.strip() for o in allowed.split(",") if o.strip()}
+
+    def allow(origin: str | None) -> str | None:
+        if origin is None:
+            return None
+        return origin if origin in origins or "*" in origins else None
+
+    @web.middleware
+    async def cors(request: web.Request, handler):
+        origin = allow(request.headers.get("Origin"))
+        if request.method == "OPTIONS" and origin:
+            response = web.Response(status=204)
+        else:
+            response = await handler(request)
+        if origin:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST"
+            response.headers["Access-Control-Allow-Headers"] = "content-type, authorization"
+            response.headers["Vary"] = "Origin"
+        return response
+
+    return cors
