@@ -1,0 +1,22 @@
+# tgi-py: CPU image by default; `--build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu126`
+# (or another CUDA index) builds the CUDA variant.
+FROM python:3.11-slim
+
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV PYTHONUNBUFFERED=1 \
+    TGI_PY_CACHE=/data \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+RUN pip install --no-cache-dir torch==2.13.0 --index-url "${TORCH_INDEX}"
+COPY pyproject.toml README.md ./
+COPY proto ./proto
+COPY router ./router
+COPY shard ./shard
+COPY launcher ./launcher
+RUN pip install --no-cache-dir .
+
+VOLUME /data
+EXPOSE 8080
+ENTRYPOINT ["tgi-launcher"]
+CMD ["--hostname", "0.0.0.0", "--port", "8080"]
