@@ -26,6 +26,7 @@ class NewRequest:
     blocks: list[int] = field(default_factory=list)
     cache_len: int = 0
     skip_special_tokens: bool = True
+    grammar: tuple[str, str] | None = None  # (kind, value) of a constrained request
 
 
 @dataclass(slots=True)

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 from proto import generate_pb2 as pb
 from shard.batch import NewRequest
+from shard.grammar import GRAMMAR_JSON, GRAMMAR_REGEX
 from shard.outputs import CachedBatchInfo, Generation, StepResult, TokenRun
 from shard.sampling import SamplingParams
+
+
+_GRAMMAR_KINDS = {pb.GRAMMAR_TYPE_JSON: GRAMMAR_JSON, pb.GRAMMAR_TYPE_REGEX: GRAMMAR_REGEX}
 
 
 def _or(value: float, default: float) -> float:
@@ -22,8 +26,9 @@ def sampling_params(p: pb.NextTokenChooserParameters, top_n_tokens: int) -> Samp
 
 
 def new_request(r: pb.Request) -> NewRequest:
-    if r.parameters.grammar_type != pb.GRAMMAR_TYPE_NONE or r.parameters.grammar:
-        raise ValueError("grammar-constrained generation is not supported by this shard")
+    grammar = None
+    if r.parameters.grammar_type != pb.GRAMMAR_TYPE_NONE:
+        grammar = (_GRAMMAR_KINDS[r.parameters.grammar_type], r.parameters.grammar)
     if r.HasField("adapter_id"):
         raise ValueError("LoRA adapters are not supported by this shard")
     stopping = r.stopping_parameters
@@ -33,7 +38,8 @@ def new_request(r: pb.Request) -> NewRequest:
         max_new_tokens=stopping.max_new_tokens, stop_sequences=list(stopping.stop_sequences),
         ignore_eos=stopping.ignore_eos_token, min_new_tokens=stopping.min_new_tokens,
         stop_token_ids=list(stopping.stop_token_ids), prefill_logprobs=r.prefill_logprobs,
-        blocks=list(r.blocks), cache_len=r.cache_len, skip_special_tokens=r.skip_special_tokens)
+        blocks=list(r.blocks), cache_len=r.cache_len, skip_special_tokens=r.skip_special_tokens,
+        grammar=grammar)
 
 
 def tokens(run: TokenRun) -> pb.Tokens:

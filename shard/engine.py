@@ -13,6 +13,7 @@ import torch
 from shard.batch import (Batch, NewRequest, RequestState, block_table_tensor, concatenate_batches,
                          filter_batch)
 from shard.detokenizer import DetokenizerState, decode_next, flush
+from shard.grammar import GrammarFactory, advance
 from shard.loader import LoadedModel
 from shard.memory import kv_budget_bytes
 from shard.model_runner import ModelRunner, PrefillSequence
@@ -29,6 +30,8 @@ class BatchNotFound(KeyError):
 class Engine:
     def __init__(self, loaded: LoadedModel, runner: ModelRunner, *, memory_fraction: float = 1.0):
         self.loaded = loaded
+        self.grammars = GrammarFactory(loaded.tokenizer.to_str(), loaded.config.vocab_size,
+                                       sorted(loaded.eos_token_ids))
         self.tokenizer = loaded.tokenizer
         self.runner = runner
         self.block_size = runner.spec.block_size
@@ -122,7 +125,9 @@ class Engine:
             seq_lens=torch.tensor([len(r.input_ids) for r in requests], dtype=torch.long,
                                   device=device),
             next_input_ids=torch.zeros(len(requests), dtype=torch.long, device=device),
-            sampling=SamplingBatch.from_params([r.params for r in requests], device),
+            sampling=SamplingBatch.from_params(
+                [r.params for r in requests], device,
+                grammars=[self._matcher(r) for r in requests]),
         )
         output = sample(last_logits, batch.sampling, self._penalty_ids(batch))
         batch.next_input_ids = output.next_ids
@@ -144,6 +149,8 @@ class Engine:
     def _generations(self, batch: Batch, output: SampleOutput) -> list[Generation]:
         """Appends each row's token, detokenises it, checks stopping (a Python loop by nature)."""
         ids = output.next_ids.tolist()
+        if batch.sampling.flags["grammar"]:
+            advance(batch.sampling.grammars, ids)
         logprobs = output.logprobs.tolist()
         top_ids = output.top_ids.tolist() if output.top_ids is not None else None
         top_lps = output.top_logprobs.tolist() if output.top_logprobs is not None else None
@@ -203,6 +210,9 @@ class Engine:
                             all_ids=list(request.input_ids), blocks=list(request.blocks), stop=stop,
                             detok=DetokenizerState.start(len(request.input_ids)),
                             skip_special_tokens=request.skip_special_tokens)
+
+    def _matcher(self, request: NewRequest):
+        return None if request.grammar is None else self.grammars.matcher(*request.grammar)
 
     def _penalty_ids(self, batch: Batch):
         if not needs_history(batch.sampling):

@@ -2,7 +2,8 @@
 
 Steps, in order, on logits [B, vocab]:
   0. watermark (green-list bias, for the rows that ask);
-  1. repetition penalty (prompt and output tokens), frequency and presence penalties (output tokens);
+  1. repetition penalty (prompt and output tokens), frequency and presence penalties (output tokens),
+     then each constrained row's grammar mask;
   2. for sampling rows only: temperature, top-k, top-p, typical-p, min-p;
   3. greedy rows take the argmax; sampling rows draw from their own seeded generator;
   4. the chosen token's log-probability (log-softmax of the scores it was chosen from) and the top-n.
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shard.grammar import mask_disallowed
 from shard.watermark import apply_watermark
 
 
@@ -44,6 +46,7 @@ class SamplingBatch:
 
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
+    grammars: list  # an llguidance matcher per constrained row, else None
     temperature: torch.Tensor  # [B, 1]
     top_k: torch.Tensor  # [B] long, 0 = off
     top_p: torch.Tensor  # [B, 1]
@@ -57,16 +60,19 @@ class SamplingBatch:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device,
-                    generators: list[torch.Generator | None] | None = None) -> "SamplingBatch":
+                    generators: list[torch.Generator | None] | None = None,
+                    grammars: list | None = None) -> "SamplingBatch":
         if generators is None:
             generators = [_generator(p, device) for p in params]
+        if grammars is None:
+            grammars = [None] * len(params)
 
         def column(name):
             return torch.tensor([[getattr(p, name)] for p in params], dtype=torch.float32,
                                 device=device)
 
         batch = cls(
-            params=list(params), generators=list(generators),
+            params=list(params), generators=list(generators), grammars=list(grammars),
             temperature=column("temperature"),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=column("top_p"), typical_p=column("typical_p"), min_p=column("min_p"),
@@ -76,18 +82,20 @@ class SamplingBatch:
             do_sample=torch.tensor([p.do_sample for p in params], dtype=torch.bool, device=device),
         )
         batch.flags = _flags(params)
+        batch.flags["grammar"] = any(g is not None for g in grammars)
         return batch
 
     def select(self, rows: list[int]) -> "SamplingBatch":
-        params = [self.params[i] for i in rows]
-        generators = [self.generators[i] for i in rows]
-        return SamplingBatch.from_params(params, self.do_sample.device, generators)
+        return SamplingBatch.from_params([self.params[i] for i in rows], self.do_sample.device,
+                                         [self.generators[i] for i in rows],
+                                         [self.grammars[i] for i in rows])
 
     @staticmethod
     def concatenate(batches: list["SamplingBatch"]) -> "SamplingBatch":
-        params = [p for b in batches for p in b.params]
-        generators = [g for b in batches for g in b.generators]
-        return SamplingBatch.from_params(params, batches[0].do_sample.device, generators)
+        return SamplingBatch.from_params([p for b in batches for p in b.params],
+                                         batches[0].do_sample.device,
+                                         [g for b in batches for g in b.generators],
+                                         [g for b in batches for g in b.grammars])
 
 
 def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -140,6 +148,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         scores = apply_watermark(scores, rows, [(token_ids[i][0] + token_ids[i][1])[-1] for i in rows])
     if flags["penalty"]:
         scores = apply_penalties(scores, batch, token_ids)
+    if flags["grammar"]:
+        scores = mask_disallowed(scores, batch.grammars)
     if flags["any_sample"]:
         scores = _warp(scores, batch, flags)
     logprobs_all = torch.log_softmax(scores, dim=-1)
