@@ -9,9 +9,10 @@ from pathlib import Path
 from aiohttp import web
 
 from proto import generate_pb2 as pb
-from router.api import STATE, tgi
+from router.api import STATE, openai, tgi
 from router.batcher import Batcher, SchedulingLimits
 from router.block_allocator import BlockAllocator
+from router.chat_template import ChatTemplate
 from router.config import RouterConfig, TokenLimits
 from router.infer import Infer
 from router.metrics import Metrics
@@ -37,9 +38,14 @@ class RouterState:
     batcher: Batcher
     infer: Infer
     metrics: Metrics
+    chat_template: ChatTemplate | None
     tasks: list[asyncio.Task] = field(default_factory=list)
     # set when the batching loop dies: the process must exit rather than leave requests hanging
     fatal: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_id or Path(self.config.tokenizer_path).name
 
     @property
     def compute_type(self) -> str:
@@ -48,7 +54,7 @@ class RouterState:
     def info_json(self) -> dict:
         config = self.config
         return {
-            "model_id": config.model_id or Path(config.tokenizer_path).name,
+            "model_id": self.model_name,
             "model_sha": None, "model_pipeline_tag": "text-generation",
             "model_dtype": self.shard_info.dtype, "model_device_type": self.shard_info.device_type,
             "max_concurrent_requests": config.max_concurrent_requests,
@@ -112,7 +118,8 @@ async def build_state(config: RouterConfig) -> RouterState:
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens)
     return RouterState(config, tokenizer, client, shard_info, limits, validation_limits,
-                       allocator, batcher, infer, metrics)
+                       allocator, batcher, infer, metrics,
+                       ChatTemplate.from_model_dir(config.tokenizer_path))
 
 
 def create_app(state: RouterState) -> web.Application:
@@ -126,6 +133,7 @@ def create_app(state: RouterState) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=config.payload_limit)
     app[STATE] = state
     tgi.add_routes(app)
+    openai.add_routes(app)
 
     async def start_batcher(app):
         state.tasks.append(asyncio.create_task(_supervise(state.batcher.run(), state.fatal)))

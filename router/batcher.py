@@ -26,6 +26,7 @@ from router.shard_client import ShardError
 log = logging.getLogger("tgi.router.batcher")
 _TRACER = tracer("tgi.router")
 
+_GRAMMAR_TYPES = {"json": pb.GRAMMAR_TYPE_JSON, "regex": pb.GRAMMAR_TYPE_REGEX}
 _FINISH = {pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
            pb.FINISH_REASON_EOS_TOKEN: FinishReason.EOS_TOKEN,
            pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE}
@@ -268,7 +269,10 @@ def _request_proto(item: ActiveRequest) -> pb.Request:
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
             do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,
             watermark=s.watermark, frequency_penalty=s.frequency_penalty, min_p=s.min_p,
-            presence_penalty=s.presence_penalty),
+            presence_penalty=s.presence_penalty,
+            grammar_type=_GRAMMAR_TYPES[request.grammar[0]] if request.grammar else
+            pb.GRAMMAR_TYPE_NONE,
+            grammar=request.grammar[1] if request.grammar else ""),
         stopping_parameters=pb.StoppingCriteriaParameters(
             max_new_tokens=st.max_new_tokens, stop_sequences=st.stop_sequences,
             ignore_eos_token=st.ignore_eos, min_new_tokens=st.min_new_tokens,

@@ -61,3 +61,9 @@ class BadRequestError(RouterError):
 
 def tgi_error_body(error: RouterError) -> dict:
     return {"error": str(error), "error_type": error.error_type}
+
+
+class TemplateError(RouterError):
+    status = 422
+    error_type = "template_error"
+    prefix = "Template error: "

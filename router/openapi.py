@@ -80,6 +80,45 @@ def _post(summary: str, request: str, response: dict, *, stream: bool = False) -
                                    **_errors(422, 424, 429, 500)}}}
 
 
+def _object(required: list[str], **properties) -> dict:
+    return {"type": "object", "required": required, "properties": properties}
+
+
+def _openai_schemas() -> dict:
+    string, integer = {"type": "string"}, {"type": "integer"}
+    envelope = dict(id=string, object=string, created=integer, model=string,
+                    system_fingerprint=string)
+    usage = _ref("Usage")
+    return {
+        "Usage": _object(["prompt_tokens", "completion_tokens", "total_tokens"],
+                         prompt_tokens=integer, completion_tokens=integer, total_tokens=integer),
+        "ChatRequest": _object(["messages"], model=string, messages={"type": "array", "items": {
+            "type": "object", "required": ["role"]}}, max_tokens=_nullable("integer"),
+            temperature=_nullable("number"), top_p=_nullable("number"), n=_nullable("integer"),
+            seed=_nullable("integer"), stream={"type": "boolean"}, tools=_nullable("array"),
+            tool_choice={}, response_format=_nullable("object"), logprobs=_nullable("boolean"),
+            top_logprobs=_nullable("integer")),
+        "ChatCompletion": _object(["id", "created", "model", "system_fingerprint", "choices",
+                                   "usage"], **envelope, usage=usage,
+                                  choices={"type": "array", "items": _object(
+                                      ["index", "message", "finish_reason"], index=integer,
+                                      message={"type": "object"}, finish_reason=string,
+                                      logprobs=_nullable("object"))}),
+        "CompletionRequest": _object(["prompt"], model=string, prompt={}, suffix=_nullable("string"),
+                                     echo=_nullable("boolean"), max_tokens=_nullable("integer"),
+                                     logprobs=_nullable("integer"), stream={"type": "boolean"}),
+        "CompletionFinal": _object(["id", "created", "model", "system_fingerprint", "choices",
+                                    "usage"], **envelope, usage=usage,
+                                   choices={"type": "array", "items": _object(
+                                       ["index", "text", "finish_reason"], index=integer,
+                                       text=string, finish_reason=string,
+                                       logprobs=_nullable("object"))}),
+        "ModelList": _object(["object", "data"], object=string, data={"type": "array", "items": (
+            _object(["id", "object", "created", "owned_by"], id=string, object=string,
+                    created=integer, owned_by=string))}),
+    }
+
+
 def openapi_document() -> dict:
     schemas = {
         "GenerateParameters": _parameters_schema(),
@@ -108,6 +147,7 @@ def openapi_document() -> dict:
         "Info": {"type": "object", "required": ["model_id", "max_input_tokens", "max_total_tokens",
                                                 "router", "version"]},
         "ErrorResponse": _error(),
+        **_openai_schemas(),
     }
     paths = {
         "/": _post("Generate, streamed (stream: true) or as a list of one response",
@@ -122,6 +162,12 @@ def openapi_document() -> dict:
             "200": {"description": "OK", **_json(_ref("Info"))}}}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
             "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/v1/chat/completions": _post("OpenAI chat completion (stream: true for chunks)",
+                                      "ChatRequest", _ref("ChatCompletion")),
+        "/v1/completions": _post("OpenAI text completion (stream: true for chunks)",
+                                 "CompletionRequest", _ref("CompletionFinal")),
+        "/v1/models": {"get": {"summary": "The model served", "responses": {
+            "200": {"description": "OK", **_json(_ref("ModelList"))}}}},
         "/api-doc/openapi.json": {"get": {"summary": "This document", "responses": {
             "200": {"description": "OK"}}}},
     }

@@ -46,6 +46,7 @@ class GenerateRequest:
     top_n_tokens: int = 0
     prefill_logprobs: bool = False
     skip_special_tokens: bool = True
+    grammar: tuple[str, str] | None = None  # ("json" | "regex", schema text or pattern)
 
     @property
     def input_length(self) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from router.config import TokenLimits
 from router.errors import ValidationError
+from router.grammar import from_tgi
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from router.tokenizer import RouterTokenizer
 
@@ -140,8 +141,7 @@ async def validate_generate(body: dict, tokenizer: RouterTokenizer, limits: Vali
     if not isinstance(raw, dict):
         raise _type_error("parameters", raw, "an object")
     params = check_types(raw)
-    if params.get("grammar") is not None:
-        raise ValidationError("grammar is not supported yet by this server")
+    grammar = from_tgi(params["grammar"]) if params.get("grammar") is not None else None
     if params.get("adapter_id") is not None:
         raise ValidationError("`adapter_id` is not supported: this server loads no LoRA adapters")
     best_of = _best_of(params, limits, stream)
@@ -169,18 +169,18 @@ async def validate_generate(body: dict, tokenizer: RouterTokenizer, limits: Vali
                               f"Given: {top_n}")
     if not inputs:
         raise ValidationError("`inputs` cannot be empty")
-    input_ids = await _tokenize(inputs, params.get("truncate"), tokenizer, limits.tokens)
-    max_new_tokens = _check_lengths(len(input_ids), max_new_tokens, limits.tokens)
+    input_ids = await tokenize_prompt(inputs, params.get("truncate"), tokenizer, limits.tokens)
+    max_new_tokens = check_lengths(len(input_ids), max_new_tokens, limits.tokens)
     request = GenerateRequest(
         inputs=inputs, input_ids=input_ids, sampling=sampling,
         stopping=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=[s for s in stop if s]),
-        top_n_tokens=top_n, prefill_logprobs=decoder_input_details)
+        top_n_tokens=top_n, prefill_logprobs=decoder_input_details, grammar=grammar)
     return ValidatedGenerate(request, best_of, details=bool(params.get("details", False)),
                              return_full_text=params.get("return_full_text"),
                              decoder_input_details=decoder_input_details)
 
 
-async def _tokenize(inputs: str, truncate: int | None, tokenizer: RouterTokenizer,
+async def tokenize_prompt(inputs: str, truncate: int | None, tokenizer: RouterTokenizer,
                     limits: TokenLimits) -> list[int]:
     if truncate is not None and not 0 < truncate <= limits.max_input_tokens:
         raise ValidationError(f"`truncate` must be strictly positive and less than "
@@ -193,7 +193,7 @@ async def _tokenize(inputs: str, truncate: int | None, tokenizer: RouterTokenize
     return input_ids
 
 
-def _check_lengths(input_length: int, max_new_tokens: int | None, limits: TokenLimits) -> int:
+def check_lengths(input_length: int, max_new_tokens: int | None, limits: TokenLimits) -> int:
     if max_new_tokens is None:
         max_new_tokens = max(min(DEFAULT_MAX_NEW_TOKENS, limits.max_total_tokens - input_length), 1)
     if input_length + max_new_tokens > limits.max_total_tokens:

@@ -28,15 +28,6 @@ def grammar_source(kind: str, value: str) -> str:
     raise ValueError(f"unknown grammar type {kind!r}")
 
 
-def grammar_error(kind: str, value: str) -> str | None:
-    """Why a grammar is invalid, or None; needs no tokenizer (the router checks with it)."""
-    try:
-        message = llguidance.LLMatcher.validate_grammar(grammar_source(kind, value))
-    except ValueError as err:
-        return str(err)
-    return message or None
-
-
 class GrammarFactory:
     """Compiles request grammars against the model's vocabulary (the tokenizer is built on first use)."""
 

@@ -52,7 +52,9 @@ RULES = [
     ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
     ({"truncate": 65}, "`truncate` must be strictly positive and less than 64. Given: 65"),
     ({"max_new_tokens": 125}, "`inputs` tokens + `max_new_tokens` must be <= 128. Given: "),
-    ({"grammar": {"type": "json", "value": {}}}, "grammar is not supported yet by this server"),
+    ({"grammar": {"type": "regex", "value": "[a-z"}}, "grammar is not valid: "),
+    ({"grammar": {"type": "json", "value": {"type": "nonsense"}}}, "grammar is not valid: "),
+    ({"grammar": {"type": "ebnf", "value": "x"}}, "grammar type 'ebnf' is not supported"),
     ({"adapter_id": "my-lora"}, "`adapter_id` is not supported"),
     ({"temperature": "hot"}, "Failed to deserialize the JSON body into the target type: "
                              "parameters.temperature"),
@@ -277,12 +279,13 @@ def test_openapi_document_describes_every_route_we_serve(server):
 
     doc = requests.get(f"{server.url}/api-doc/openapi.json", timeout=10).json()
     served = {"/", "/generate", "/generate_stream", "/tokenize", "/health", "/info", "/metrics",
-              "/api-doc/openapi.json"}
+              "/api-doc/openapi.json", "/v1/chat/completions", "/v1/completions", "/v1/models"}
     assert set(doc["paths"]) == served
     for path in served - {"/api-doc/openapi.json"}:
         method = "post" if "post" in doc["paths"][path] else "get"
-        reply = requests.request(method, f"{server.url}{path}", timeout=30,
-                                 json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
+        reply = requests.request(method, f"{server.url}{path}", timeout=30, json={
+            "inputs": "Hi", "parameters": {"max_new_tokens": 2}, "prompt": "Hi", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "Hi"}]})
         assert reply.status_code == 200, path
     # our own schema of the response matches what we answer
     from tests.openapi_schemas import _to_json_schema

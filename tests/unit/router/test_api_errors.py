@@ -9,6 +9,7 @@ from proto import generate_pb2 as pb
 from router.app import RouterState, create_app
 from router.batcher import Batcher, SchedulingLimits
 from router.block_allocator import BlockAllocator
+from router.chat_template import ChatTemplate
 from router.config import RouterConfig, TokenLimits
 from router.infer import Infer
 from router.metrics import Metrics
@@ -37,7 +38,8 @@ async def _client(tiny_llama, fake, *, max_concurrent=8, **options) -> TestClien
     state = RouterState(config, RouterTokenizer(str(tiny_llama)), fake,
                         pb.InfoResponse(world_size=1, device_type="cpu", dtype="float32"), limits,
                         ValidationLimits(limits, 2, 4, 5), allocator, batcher,
-                        Infer(batcher, metrics, max_concurrent_requests=max_concurrent), metrics)
+                        Infer(batcher, metrics, max_concurrent_requests=max_concurrent), metrics,
+                        ChatTemplate.from_model_dir(str(tiny_llama)))
     client = TestClient(TestServer(create_app(state)))
     await client.start_server()
     return client

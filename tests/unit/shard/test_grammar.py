@@ -5,7 +5,6 @@ import re
 import jsonschema
 import pytest
 
-from shard.grammar import grammar_error
 from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion
 
 
@@ -55,10 +54,3 @@ def test_unconstrained_neighbour_is_unaffected(engine):
     alone = run_to_completion(engine, [request(99, prompt, pool.take(len(prompt) + 20, 4),
                                                max_new_tokens=20)])
     assert with_neighbours == alone[99]
-
-
-def test_invalid_grammars_are_reported():
-    assert "unclosed" in grammar_error("regex", "[a-z")
-    assert grammar_error("json", json.dumps({"type": "nonsense"}))
-    assert grammar_error("json", "{not json")
-    assert grammar_error("regex", "[a-z]+") is None

@@ -1,0 +1,134 @@
+"""OpenAI's legacy /v1/completions: one prompt or several, echo, suffix (fill-in-the-middle), logprobs."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from aiohttp import web
+
+from router.api import STATE
+from router.api.openai import (FINGERPRINT, FINISH, counted, generate_all, merged_events, usage,
+                               without_stop)
+from router.api.tgi import read_json
+from router.errors import RouterError, ValidationError
+from router.infer import GenerateResult
+from router.openai_request import build_request, choice_count, with_seed
+from router.streaming import open_sse, openai_sse
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
+_FIM = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+
+
+def _prompts(body: dict, max_prompts: int) -> list[str]:
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValidationError("`prompt` must be a string or a non-empty list of strings")
+    if len(prompts) > max_prompts:
+        raise ValidationError(f"Number of prompts exceeds the maximum allowed batch size of "
+                              f"{max_prompts}")
+    return prompts
+
+
+def _with_suffix(prompt: str, suffix: str | None, tokenizer) -> str:
+    """Fill-in-the-middle when the tokenizer has its tokens; a clear 422 when it has not."""
+    if not suffix:
+        return prompt
+    if any(tokenizer.tokenizer.token_to_id(t) is None for t in _FIM):
+        raise ValidationError("`suffix` needs a model with fill-in-the-middle tokens "
+                              f"({', '.join(_FIM)}); this one has none")
+    return f"{_FIM[0]}{prompt}{_FIM[1]}{suffix}{_FIM[2]}"
+
+
+async def _validate(state, body: dict):
+    limits = state.validation_limits
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= limits.max_top_n_tokens):
+        raise ValidationError(f"`logprobs` must be an integer >= 0 and <= "
+                              f"{limits.max_top_n_tokens}. Given: {logprobs}")
+    echo = bool(body.get("echo", False))
+    n = choice_count(body, state.config.max_client_batch_size)
+    requests = []
+    for text in _prompts(body, state.config.max_client_batch_size):
+        prompt = _with_suffix(text, body.get("suffix"), state.tokenizer)
+        input_ids = await state.tokenizer.encode_async(prompt)
+        if not input_ids:
+            raise ValidationError("`prompt` cannot be empty")
+        base = build_request(prompt, input_ids, body, limits, default_max_tokens=DEFAULT_MAX_TOKENS,
+                             top_n_tokens=logprobs or 0,
+                             prefill_logprobs=echo and logprobs is not None)
+        requests += [with_seed(base, j) for j in range(n)]
+    return requests, echo, logprobs
+
+
+def _logprobs(result: GenerateResult, echo: bool, prompt_length: int) -> dict:
+    """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens = (result.prefill if echo else []) + result.tokens
+    tops = ([{} for _ in result.prefill] if echo else []) + [
+        {t.text: t.logprob for t in top} for top in result.top_tokens]
+    offsets, position = [], 0 if echo else prompt_length
+    for token in tokens:
+        offsets.append(position)
+        position += len(token.text)
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_json(request)
+    requests, echo, logprobs = await counted(state, _validate(state, body))
+    envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": state.model_name,
+                "system_fingerprint": FINGERPRINT}
+    prompt_tokens = sum(r.input_length for r in requests)
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return await _stream(request, state, requests, envelope, echo, prompt_tokens, include_usage)
+    results = await generate_all(state, requests)
+    choices = [{"index": i, "text": (r.inputs if echo else "") + without_stop(
+                    result.final.text, result.final, r.stopping.stop_sequences),
+                "finish_reason": FINISH[result.final.finish_reason],
+                "logprobs": _logprobs(result, echo, len(r.inputs)) if logprobs is not None else None}
+               for i, (r, result) in enumerate(zip(requests, results))]
+    completion_tokens = sum(r.final.generated_tokens for r in results)
+    return web.json_response({**envelope, "choices": choices,
+                              "usage": usage(prompt_tokens, completion_tokens)})
+
+
+async def _stream(request, state, requests, envelope, echo, prompt_tokens, include_usage):
+    events = merged_events(state, requests)
+    try:
+        first = await anext(events, None)
+        response = await open_sse(request)
+        if echo:
+            for i, r in enumerate(requests):
+                await response.write(openai_sse({**envelope, "choices": [
+                    {"index": i, "text": r.inputs, "logprobs": None, "finish_reason": ""}]}))
+        completion_tokens = 0
+        try:
+            item = first
+            while item is not None:
+                index, event = item
+                # "" until the end: TGI's Chunk schema has no null finish_reason
+                finish = FINISH[event.final.finish_reason] if event.final else ""
+                await response.write(openai_sse({**envelope, "choices": [
+                    {"index": index, "text": without_stop(
+                        event.token.text, event.final, requests[index].stopping.stop_sequences),
+                     "logprobs": None,
+                     "finish_reason": finish}]}))
+                if event.final is not None:
+                    completion_tokens += event.final.generated_tokens
+                item = await anext(events, None)
+            if include_usage:
+                await response.write(openai_sse({**envelope, "choices": [],
+                                               "usage": usage(prompt_tokens, completion_tokens)}))
+        except RouterError as err:
+            await response.write(openai_sse({"error": {"message": str(err), "type": err.error_type,
+                                                     "http_status_code": err.status}}))
+        await response.write(openai_sse("[DONE]"))
+        await response.write_eof()
+        return response
+    finally:
+        await events.aclose()

@@ -1,0 +1,250 @@
+"""OpenAI's routes: /v1/chat/completions, /v1/completions, /v1/models, in OpenAI's (and TGI's) shapes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from router import grammar
+from router.api import STATE
+from router.api.tgi import read_json
+from router.errors import RouterError, ValidationError
+from router.infer import GenerateResult
+from router.openai_request import (ChatOptions, build_request, choice_count, normalise_messages,
+                                   render_chat, tool_plan, with_seed)
+from router.openapi import VERSION
+from router.schemas import FinishReason, GenerateRequest, Token
+from router.streaming import open_sse, openai_sse
+
+FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop",
+           FinishReason.STOP_SEQUENCE: "stop"}
+FINGERPRINT = f"{VERSION}-tgi-py"
+
+
+def _token_logprob(token: Token) -> dict:
+    return {"token": token.text, "logprob": token.logprob,
+            "bytes": list(token.text.encode("utf-8"))}
+
+
+def _chat_logprobs(result: GenerateResult) -> dict:
+    return {"content": [{**_token_logprob(t), "top_logprobs": [_token_logprob(a) for a in top]}
+                        for t, top in zip(result.tokens, result.top_tokens)]}
+
+
+def _tool_message(text: str) -> tuple[dict, str]:
+    """The assistant message for a tool-call output, and its finish reason."""
+    call = json.loads(text)
+    if call["name"] == grammar.NO_TOOL:
+        return {"role": "assistant", "content": call["arguments"].get("content", "")}, "stop"
+    return {"role": "assistant", "content": None, "tool_calls": [{
+        "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        "function": {"name": call["name"],
+                     "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}]}, "tool_calls"
+
+
+def without_stop(text: str, final, stop_sequences: list[str]) -> str:
+    """OpenAI leaves the stop sequence out of the text (TGI's own routes keep it)."""
+    if final is not None and final.finish_reason is FinishReason.STOP_SEQUENCE:
+        for stop in stop_sequences:
+            if text.endswith(stop):
+                return text[:-len(stop)]
+    return text
+
+
+def _message(result: GenerateResult, expects_call: bool, stops: list[str]) -> tuple[dict, str]:
+    finish = FINISH[result.final.finish_reason]
+    if expects_call and result.final.finish_reason is not FinishReason.LENGTH:
+        try:
+            return _tool_message(result.final.text)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # not a complete call: answer with the text as it is
+    return {"role": "assistant",
+            "content": without_stop(result.final.text, result.final, stops)}, finish
+
+
+class _Chat:
+    """One chat request, validated: what to generate and how to answer."""
+
+    def __init__(self, request: GenerateRequest, options: ChatOptions, expects_call: bool):
+        self.request = request
+        self.options = options
+        self.expects_call = expects_call
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def envelope(self, state, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": state.model_name,
+                "system_fingerprint": FINGERPRINT}
+
+
+async def _validate_chat(state, body: dict) -> _Chat:
+    limits = state.validation_limits
+    messages = normalise_messages(body.get("messages"))
+    plan = tool_plan(body)
+    response_format = grammar.from_response_format(body.get("response_format"))
+    if plan.grammar and response_format:
+        raise ValidationError("`response_format` and `tools` cannot be used together")
+    prompt = render_chat(state.chat_template, messages, plan.functions, allow_text=plan.allow_text)
+    input_ids = await state.tokenizer.encode_async(prompt, add_special_tokens=False)
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise ValidationError("`logprobs` must be a boolean")
+    top_logprobs = body.get("top_logprobs") or 0
+    if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= limits.max_top_n_tokens:
+        raise ValidationError(f"`top_logprobs` must be >= 0 and <= {limits.max_top_n_tokens}. "
+                              f"Given: {top_logprobs}")
+    if top_logprobs and not logprobs:
+        raise ValidationError("`top_logprobs` needs `logprobs: true`")
+    request = build_request(prompt, input_ids, body, limits, default_max_tokens=None,
+                            top_n_tokens=top_logprobs, grammar_spec=plan.grammar or response_format)
+    stream_options = body.get("stream_options") or {}
+    options = ChatOptions(n=choice_count(body, state.config.max_client_batch_size),
+                          stream=bool(body.get("stream", False)),
+                          include_usage=bool(stream_options.get("include_usage", False)),
+                          logprobs=logprobs, top_logprobs=top_logprobs)
+    return _Chat(request, options, plan.expects_call)
+
+
+async def counted(state, coro):
+    """Counts the request and records validation failures as TGI does."""
+    state.metrics.counters.inc("tgi_request_count")
+    try:
+        return await coro
+    except RouterError as err:
+        state.infer.record_failure(err)
+        raise
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_json(request)
+    chat = await counted(state, _validate_chat(state, body))
+    requests = [with_seed(chat.request, i) for i in range(chat.options.n)]
+    if chat.options.stream:
+        return await _stream_chat(request, state, chat, requests)
+    results = await generate_all(state, requests)
+    choices = []
+    for index, result in enumerate(results):
+        message, finish = _message(result, chat.expects_call, chat.request.stopping.stop_sequences)
+        choices.append({"index": index, "message": message, "finish_reason": finish,
+                        "logprobs": _chat_logprobs(result) if chat.options.logprobs else None})
+    completion = sum(r.final.generated_tokens for r in results)
+    return web.json_response({**chat.envelope(state, "chat.completion"), "choices": choices,
+                              "usage": usage(chat.request.input_length, completion)})
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def generate_all(state, requests: list[GenerateRequest]) -> list[GenerateResult]:
+    tasks = [asyncio.ensure_future(state.infer.generate(r)) for r in requests]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def merged_events(state, requests: list[GenerateRequest]):
+    """(choice index, event) from n concurrent streams, as the events arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index, request):
+        try:
+            async for event in state.infer.stream(request):
+                await queue.put((index, event))
+        except RouterError as err:
+            await queue.put((index, err))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, RouterError):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _stream_chat(request, state, chat: _Chat, requests) -> web.StreamResponse:
+    events = merged_events(state, requests)
+    try:
+        first = await anext(events, None)  # errors before any token still get their status
+        response = await open_sse(request)
+        completion_tokens = 0
+        try:
+            item = first
+            while item is not None:
+                index, event = item
+                chunk = _chat_chunk(chat, index, event)
+                if chunk is not None:
+                    await response.write(openai_sse({**chat.envelope(state, "chat.completion.chunk"),
+                                                   "choices": [chunk]}))
+                if event.final is not None:
+                    completion_tokens += event.final.generated_tokens
+                item = await anext(events, None)
+            if chat.options.include_usage:
+                await response.write(openai_sse({**chat.envelope(state, "chat.completion.chunk"),
+                                               "choices": [],
+                                               "usage": usage(chat.request.input_length * len(requests),
+                                                               completion_tokens)}))
+        except RouterError as err:
+            await response.write(openai_sse({"error": {"message": str(err), "type": err.error_type,
+                                                     "http_status_code": err.status}}))
+        await response.write(openai_sse("[DONE]"))
+        await response.write_eof()
+        return response
+    finally:
+        await events.aclose()
+
+
+def _chat_chunk(chat: _Chat, index: int, event) -> dict | None:
+    logprobs = None
+    if chat.options.logprobs:
+        logprobs = {"content": [{**_token_logprob(event.token),
+                                 "top_logprobs": [_token_logprob(a) for a in event.top_tokens]}]}
+    if chat.expects_call:
+        # a call is only known once its JSON is complete: it goes out in one delta at the end
+        if event.final is None:
+            return None
+        result = GenerateResult(final=event.final)
+        message, finish = _message(result, True, [])
+        delta = {"role": "assistant", "content": message.get("content")}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": 0, **call} for call in message["tool_calls"]]
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    finish = FINISH[event.final.finish_reason] if event.final is not None else None
+    # the part of a stop sequence inside the last token is left out; earlier parts already went
+    text = without_stop(event.token.text, event.final, chat.request.stopping.stop_sequences)
+    return {"index": index, "delta": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish}
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [
+        {"id": state.model_name, "object": "model", "created": 0, "owned_by": "tgi-py"}]})
+
+
+def add_routes(app: web.Application) -> None:
+    from router.api.completions import completions
+
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)

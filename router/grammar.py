@@ -1,0 +1,88 @@
+"""Structured-output requests -> a grammar the shards enforce: (kind, value), checked before queueing.
+
+Sources: TGI's `grammar` parameter, OpenAI's `response_format`, and tool calling (a JSON schema that
+admits exactly one call of one of the offered functions).
+"""
+from __future__ import annotations
+
+import json
+
+import llguidance
+
+from router.errors import ValidationError
+
+JSON = "json"
+REGEX = "regex"
+NO_TOOL = "no_tool"  # the pseudo-function a model calls under tool_choice=auto to answer in text
+
+
+def checked(kind: str, value) -> tuple[str, str]:
+    """(kind, value as text) after llguidance accepted it; a 422 that names the problem if not."""
+    if kind == JSON:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValidationError(f"grammar is not valid: the JSON schema is not JSON: {err}") \
+                    from None
+        if not isinstance(value, (dict, bool)):
+            raise ValidationError("grammar is not valid: a JSON schema must be an object")
+        source = llguidance.LLMatcher.grammar_from_json_schema(
+            value, defaults={"whitespace_flexible": False})
+        text = json.dumps(value)
+    elif kind == REGEX:
+        if not isinstance(value, str):
+            raise ValidationError("grammar is not valid: a regex must be a string")
+        source, text = llguidance.LLMatcher.grammar_from_regex(value), value
+    else:
+        raise ValidationError(f"grammar type {kind!r} is not supported (json, regex)")
+    error = llguidance.LLMatcher.validate_grammar(source)
+    if error:
+        raise ValidationError(f"grammar is not valid: {error.strip()}")
+    return kind, text
+
+
+def from_tgi(grammar) -> tuple[str, str]:
+    """TGI's {"type": "json" | "regex", "value": ...}."""
+    if not isinstance(grammar, dict) or "type" not in grammar or "value" not in grammar:
+        raise ValidationError("grammar must be an object with `type` (json or regex) and `value`")
+    kind = {"json_schema": JSON}.get(grammar["type"], grammar["type"])
+    return checked(kind, grammar["value"])
+
+
+def from_response_format(response_format) -> tuple[str, str] | None:
+    """OpenAI's response_format (text, json_object, json_schema) and TGI's {type: json, value}."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise ValidationError("`response_format` must be an object")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return checked(JSON, {"type": "object"})
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValidationError("`response_format.json_schema` must hold a `schema`")
+        return checked(JSON, spec["schema"])
+    if kind in (JSON, REGEX):
+        return from_tgi(response_format)
+    raise ValidationError(f"`response_format.type` {kind!r} is not one of text, json_object, "
+                          "json_schema")
+
+
+def tool_call_schema(functions: list[dict], *, allow_text: bool) -> dict:
+    """One call of one of `functions`: {"name": <its name>, "arguments": <its parameters>}."""
+    options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                "properties": {"name": {"const": f["name"]},
+                               "arguments": f.get("parameters") or {"type": "object"}}}
+               for f in functions]
+    if allow_text:
+        options.append({"type": "object", "additionalProperties": False,
+                        "required": ["name", "arguments"], "properties": {
+                            "name": {"const": NO_TOOL},
+                            "arguments": {"type": "object", "required": ["content"],
+                                          "additionalProperties": False,
+                                          "properties": {"content": {"type": "string"}}}}})
+    return options[0] if len(options) == 1 else {"anyOf": options}

@@ -1,0 +1,203 @@
+"""OpenAI request bodies (chat and legacy completions) -> validated GenerateRequests and options."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, replace
+
+from router import grammar
+from router.chat_template import ChatTemplate
+from router.errors import TemplateError, ValidationError
+from router.schemas import GenerateRequest, SamplingParams, StoppingParams
+from router.validation import ValidationLimits, check_lengths
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+@dataclass(slots=True)
+class ChatOptions:
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+def _number(body: dict, name: str, low: float, high: float, *, integer: bool = False,
+            low_open: bool = False):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            integer and not float(value).is_integer()):
+        raise ValidationError(f"`{name}` must be {'an integer' if integer else 'a number'}")
+    if value < low or value > high or (low_open and value == low):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise ValidationError(f"`{name}` must be {bound} and <= {high}. Given: {value}")
+    return int(value) if integer else float(value)
+
+
+def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingParams, list[str]]:
+    """OpenAI's sampling fields: temperature 0 is greedy, penalties are additive, top_p 1 is off."""
+    temperature = _number(body, "temperature", 0, 2)
+    top_p = _number(body, "top_p", 0, 1, low_open=True)
+    seed = _number(body, "seed", 0, 2**64 - 1, integer=True)
+    sampling = SamplingParams(
+        temperature=temperature or 1.0, top_p=top_p or 1.0,
+        frequency_penalty=_number(body, "frequency_penalty", -2, 2) or 0.0,
+        presence_penalty=_number(body, "presence_penalty", -2, 2) or 0.0,
+        do_sample=temperature != 0,  # OpenAI samples unless the temperature is 0
+        seed=seed if seed is not None else random.getrandbits(64))
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ValidationError("`stop` must be a string or a list of strings")
+    if len(stop) > limits.max_stop_sequences:
+        raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
+                              f"Given: {len(stop)}")
+    return sampling, [s for s in stop if s]
+
+
+def choice_count(body: dict, max_choices: int) -> int:
+    n = _number(body, "n", 1, max_choices, integer=True)
+    return n or 1
+
+
+def with_seed(request: GenerateRequest, index: int) -> GenerateRequest:
+    """The index-th of n choices: its own seed, so sampled choices differ but stay reproducible."""
+    if index == 0:
+        return request
+    sampling = replace(request.sampling, seed=(request.sampling.seed + index) % 2**64)
+    return replace(request, sampling=sampling)
+
+
+def _message_text(message: dict, index: int) -> str:
+    content = message.get("content")
+    if content is None:
+        calls = message.get("tool_calls")
+        if calls:  # an assistant turn that called tools, written as the calls themselves
+            return json.dumps([c.get("function", c) for c in calls], ensure_ascii=False)
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
+                raise ValidationError(f"messages[{index}].content: each part must be "
+                                      "{\"type\": \"text\", \"text\": ...}")
+            if part["type"] == "image_url":
+                raise ValidationError("image inputs are not supported: this model reads text only")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise ValidationError(f"messages[{index}].content must be a string or a list of parts")
+
+
+def normalise_messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValidationError("`messages` must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            raise ValidationError(f"messages[{i}].role must be one of {sorted(_ROLES)}")
+        role = "system" if message["role"] == "developer" else message["role"]
+        out.append({**message, "role": role, "content": _message_text(message, i)})
+    return out
+
+
+def _functions(tools) -> list[dict]:
+    if not isinstance(tools, list) or not tools:
+        raise ValidationError("`tools` must be a non-empty list")
+    functions = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str):
+            raise ValidationError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                                  "{\"name\": ..., \"parameters\": ...}}")
+        functions.append(function)
+    return functions
+
+
+@dataclass(slots=True)
+class ToolPlan:
+    functions: list[dict] | None = None  # shown to the model
+    grammar: tuple[str, str] | None = None  # forces one call of one of them
+    allow_text: bool = False  # tool_choice=auto: the no_tool pseudo-call answers in words
+
+    @property
+    def expects_call(self) -> bool:
+        return self.grammar is not None
+
+
+def tool_plan(body: dict) -> ToolPlan:
+    """What tools and tool_choice ask for."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise ValidationError("`tool_choice` needs `tools`")
+        return ToolPlan()
+    functions = _functions(tools)
+    if choice == "none":
+        return ToolPlan()
+    if choice in (None, "auto", "required"):
+        allow_text = choice != "required"
+        schema = grammar.tool_call_schema(functions, allow_text=allow_text)
+        return ToolPlan(functions, grammar.checked(grammar.JSON, schema), allow_text)
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        chosen = [f for f in functions if f["name"] == name]
+        if not chosen:
+            raise ValidationError(f"`tool_choice` names {name!r}, which is not in `tools`")
+        schema = grammar.tool_call_schema(chosen, allow_text=False)
+        return ToolPlan(chosen, grammar.checked(grammar.JSON, schema))
+    raise ValidationError("`tool_choice` must be none, auto, required or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+
+
+def tool_prompt(functions: list[dict], *, allow_text: bool) -> str:
+    """Our words to a template that cannot show tools itself."""
+    listed = json.dumps([{k: f[k] for k in ("name", "description", "parameters") if k in f}
+                         for f in functions], ensure_ascii=False)
+    text_option = (" or, to answer in words, {\"name\": \"no_tool\", \"arguments\": "
+                   "{\"content\": <your answer>}}" if allow_text else "")
+    return ("You can call one of these functions. Reply with a single JSON object "
+            "{\"name\": <function name>, \"arguments\": <arguments object>}"
+            f"{text_option}.\nFunctions: {listed}")
+
+
+def render_chat(template: ChatTemplate | None, messages: list[dict],
+                functions: list[dict] | None, *, allow_text: bool = False) -> str:
+    if template is None:
+        raise TemplateError("this model has no chat template")
+    if functions and not template.knows_tools:
+        instruction = tool_prompt(functions, allow_text=allow_text)
+        if messages[0]["role"] == "system":
+            messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{instruction}"},
+                        *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": instruction}, *messages]
+    return template.render(messages, add_generation_prompt=True, tools=functions)
+
+
+def build_request(prompt: str, input_ids: list[int], body: dict, limits: ValidationLimits, *,
+                  default_max_tokens: int | None, top_n_tokens: int = 0,
+                  grammar_spec: tuple[str, str] | None = None,
+                  prefill_logprobs: bool = False) -> GenerateRequest:
+    sampling, stop = sampling_and_stops(body, limits)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", 1, 2**31, integer=True)
+    elif default_max_tokens is not None:
+        max_tokens = min(default_max_tokens, limits.tokens.max_total_tokens - len(input_ids))
+    else:
+        max_tokens = limits.tokens.max_total_tokens - len(input_ids)
+    max_tokens = check_lengths(len(input_ids), max(max_tokens, 1), limits.tokens)
+    return GenerateRequest(inputs=prompt, input_ids=input_ids, sampling=sampling,
+                           stopping=StoppingParams(max_new_tokens=max_tokens, stop_sequences=stop),
+                           top_n_tokens=top_n_tokens, prefill_logprobs=prefill_logprobs,
+                           grammar=grammar_spec)

@@ -1,0 +1,231 @@
+"""OpenAI's API on the real SmolLM2 with the real clients: chat (plain, streamed, tools, JSON schema),
+completions, models; every body and chunk checked against TGI's OpenAPI schemas."""
+import json
+
+import jsonschema
+import pytest
+import requests
+
+from tests.e2e.server import launch
+from tests.openapi_schemas import assert_matches
+
+pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def server(real_model_dir, tmp_path_factory):
+    launched = launch([], tmp_path_factory.mktemp("openai"),
+                      extra=["--max-input-tokens", "900", "--max-total-tokens", "1024",
+                             "--max-batch-prefill-tokens", "1024"])
+    yield launched
+    assert launched.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120)
+
+
+def _raw(server, path, body):
+    reply = requests.post(f"{server.url}{path}", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _chunks(server, path, body):
+    with requests.post(f"{server.url}{path}", json=body, stream=True, timeout=120) as reply:
+        assert reply.status_code == 200, reply.text
+        lines = [line[5:].strip() for line in reply.iter_lines(decode_unicode=True)
+                 if line.startswith("data:")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_chat_plain_and_streamed_agree(server, client):
+    reply = client.chat.completions.create(model="anything", messages=ASK, max_tokens=30,
+                                           temperature=0)
+    text = reply.choices[0].message.content
+    assert text and reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    stream = client.chat.completions.create(model="anything", messages=ASK, max_tokens=30,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    body = {"messages": ASK, "max_tokens": 10, "temperature": 0}
+    assert_matches("ChatCompletion", _raw(server, "/v1/chat/completions", body))
+    for chunk in _chunks(server, "/v1/chat/completions", {**body, "stream": True}):
+        assert_matches("ChatCompletionChunk", chunk)
+
+
+def test_chat_usage_counts_match_the_tokenizer(server, client, real_model_dir):
+    from tokenizers import Tokenizer
+
+    from router.chat_template import ChatTemplate
+
+    reply = client.chat.completions.create(model="m", messages=ASK, max_tokens=12, temperature=0)
+    prompt = ChatTemplate.from_model_dir(str(real_model_dir)).render(ASK)
+    tokenizer = Tokenizer.from_file(str(real_model_dir / "tokenizer.json"))
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False).ids)
+
+
+def test_chat_logprobs_n_seed_and_stop(client):
+    reply = client.chat.completions.create(model="m", messages=ASK, max_tokens=8, logprobs=True,
+                                           top_logprobs=3, n=2, seed=7, temperature=0.8)
+    assert len(reply.choices) == 2
+    assert sum(len(c.logprobs.content) for c in reply.choices) == reply.usage.completion_tokens
+    for choice in reply.choices:
+        assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in choice.logprobs.content)
+    again = client.chat.completions.create(model="m", messages=ASK, max_tokens=8, n=2, seed=7,
+                                           temperature=0.8)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+    free = client.chat.completions.create(model="m", messages=ASK, max_tokens=40, temperature=0)
+    words = free.choices[0].message.content.split()
+    stop = words[3]
+    stopped = client.chat.completions.create(model="m", messages=ASK, max_tokens=40, temperature=0,
+                                             stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop"
+    # as OpenAI does: the text ends where the stop sequence began, without it
+    content = stopped.choices[0].message.content
+    assert free.choices[0].message.content.startswith(content + stop)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
+                                                      "function": {"name": "get_weather"}}])
+def test_tool_calls_are_valid_against_the_function_schema(client, tool_choice):
+    reply = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME],
+                                           tool_choice=tool_choice, max_tokens=80, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    function = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]
+    jsonschema.validate(json.loads(call.function.arguments), function["parameters"])
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_weather"
+
+
+def test_tool_choice_auto_and_none(client):
+    auto = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], max_tokens=80,
+                                          temperature=0)
+    message = auto.choices[0].message
+    assert message.tool_calls or message.content
+    none = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER],
+                                          tool_choice="none", max_tokens=10, temperature=0)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+
+
+def test_streamed_tool_call(client):
+    stream = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER],
+                                            tool_choice="required", max_tokens=80, temperature=0,
+                                            stream=True)
+    calls = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments),
+                        WEATHER["function"]["parameters"])
+
+
+def test_response_format_json_schema_and_json_object(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0,
+                                                              "maximum": 100000000}},
+              "required": ["city", "population"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    reply = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
+        max_tokens=60, temperature=0, response_format={"type": "json_object"})
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_completions_and_models(server, client):
+    single = client.completions.create(model="m", prompt="The capital of France is", max_tokens=5,
+                                       temperature=0)
+    assert single.choices[0].text.startswith(" Paris")
+    several = client.completions.create(model="m", prompt=["One, two,", "A, B,"], max_tokens=4,
+                                        temperature=0, echo=True, logprobs=2)
+    assert [c.index for c in several.choices] == [0, 1]
+    assert several.choices[0].text.startswith("One, two,")
+    assert several.choices[0].logprobs.tokens
+    streamed = list(client.completions.create(model="m", prompt="The capital of France is",
+                                              max_tokens=5, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == single.choices[0].text
+    assert [m.id for m in client.models.list().data] == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    assert_matches("CompletionFinal", _raw(server, "/v1/completions", body))
+    for chunk in _chunks(server, "/v1/completions", {**body, "stream": True}):
+        assert_matches("Chunk", chunk)
+
+
+def test_huggingface_hub_chat_completion(server):
+    from huggingface_hub import InferenceClient
+
+    hub = InferenceClient(base_url=server.url)
+    reply = hub.chat_completion(messages=ASK, max_tokens=10, temperature=0)
+    text = reply.choices[0].message.content
+    pieces = [c.choices[0].delta.content or "" for c in
+              hub.chat_completion(messages=ASK, max_tokens=10, temperature=0, stream=True)
+              if c.choices]
+    assert "".join(pieces) == text
+    tools = hub.chat_completion(messages=ASK, tools=[WEATHER], tool_choice="required",
+                                max_tokens=80, temperature=0)
+    call = tools.choices[0].message.tool_calls[0]
+    arguments = call.function.arguments
+    jsonschema.validate(json.loads(arguments) if isinstance(arguments, str) else arguments,
+                        WEATHER["function"]["parameters"])
+
+
+def test_text_generation_client_grammar(server):
+    from text_generation import Client
+    from text_generation.types import Grammar, GrammarType
+
+    client = Client(server.url, timeout=120)
+    reply = client.generate("My phone number is ", max_new_tokens=20,
+                            grammar=Grammar(type=GrammarType.Regex, value=r"\d{3}-\d{4}"))
+    import re
+
+    assert re.fullmatch(r"\d{3}-\d{4}", reply.generated_text)
+
+
+@pytest.mark.parametrize("body,status,message", [
+    ({"messages": []}, 422, "`messages` must be a non-empty list"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 422, "role must be one of"),
+    ({"messages": ASK, "temperature": 3}, 422, "`temperature` must be"),
+    ({"messages": ASK, "top_logprobs": 3}, 422, "`top_logprobs` needs `logprobs: true`"),
+    ({"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function",
+                                                          "function": {"name": "nope"}}},
+     422, "'nope', which is not in `tools`"),
+    ({"messages": ASK, "response_format": {"type": "json_schema",
+                                           "json_schema": {"schema": {"type": "nonsense"}}}},
+     422, "grammar is not valid"),
+])
+def test_chat_validation_errors(server, body, status, message):
+    reply = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert reply.status_code == status
+    assert message in reply.json()["error"]
+
+
+def test_completion_suffix_needs_fim_tokens_or_works(server):
+    reply = requests.post(f"{server.url}/v1/completions", timeout=60,
+                          json={"prompt": "def add(a, b):\n", "suffix": "\n", "max_tokens": 5})
+    assert reply.status_code in (200, 422)
+    if reply.status_code == 422:
+        assert "fill-in-the-middle" in reply.json()["error"]
