@@ -27,6 +27,7 @@ def checked(kind: str, value) -> tuple[str, str]:
                     from None
         if not isinstance(value, (dict, bool)):
             raise ValidationError("grammar is not valid: a JSON schema must be an object")
+        value = close_objects(value)
         source = llguidance.LLMatcher.grammar_from_json_schema(
             value, defaults={"whitespace_flexible": False})
         text = json.dumps(value)
@@ -40,6 +41,24 @@ def checked(kind: str, value) -> tuple[str, str]:
     if error:
         raise ValidationError(f"grammar is not valid: {error.strip()}")
     return kind, text
+
+
+def close_objects(schema):
+    """Objects that list their properties admit no others unless the schema says so.
+
+    JSON Schema's default admits any extra property, and a small model given that freedom tends to
+    invent keys until it runs out of tokens. Every output of the closed schema is still valid
+    against the original one.
+    """
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {k: close_objects(v) for k, v in schema.items()}
+    if "properties" in closed and "additionalProperties" not in closed \
+            and "patternProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
 
 
 def from_tgi(grammar) -> tuple[str, str]:
