@@ -19,9 +19,13 @@ from shard.distributed import init_parallel
 from shard.engine import Engine
 from shard.loader import load_model
 from shard.model_runner import KVCacheSpec, ModelRunner
-from shard.server import ShardServicer
+from shard.server import ShardServicer, engine_thread
 
 log = logging.getLogger("tgi.shard")
+
+
+async def loop_run(worker, fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(worker, fn, *args)
 
 
 def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse]:
@@ -53,9 +57,10 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse]:
 
 async def serve(config: ShardConfig) -> None:
     init_tracing(config.otlp_service_name, config.otlp_endpoint)
-    engine, info = build_engine(config)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    worker = engine_thread()
+    engine, info = await loop_run(worker, build_engine, config)
+    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
@@ -66,7 +71,7 @@ async def serve(config: ShardConfig) -> None:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2**31 - 1),
                                       ("grpc.max_send_message_length", 2**31 - 1)])
     pb_grpc.add_TextGenerationServiceServicer_to_server(
-        ShardServicer(engine, config, info, on_fatal_error), server)
+        ShardServicer(engine, config, info, on_fatal_error, worker), server)
     socket = config.socket_path
     if os.path.exists(socket):
         os.unlink(socket)
@@ -92,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"tgi-shard: {err}", file=sys.stderr)
         return 2
-    torch.set_grad_enabled(False)
     asyncio.run(serve(config))
     return 0
 

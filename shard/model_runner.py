@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shard.layers.attention import AttentionMetadata, LayerCache, PrefillLayout
+from shard.layers.attention import AttentionMetadata, LayerCache, PrefillLayout, gather_index
 
 
 @dataclass(slots=True)
@@ -29,7 +29,7 @@ class KVCacheSpec:
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[LayerCache]:
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
     return [LayerCache(torch.zeros(shape, dtype=spec.dtype, device=spec.device),
                        torch.zeros(shape, dtype=spec.dtype, device=spec.device))
             for _ in range(spec.num_layers)]
@@ -90,17 +90,19 @@ class ModelRunner:
     def decode(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                block_tables: torch.Tensor) -> torch.Tensor:
         """One token per sequence at position seq_lens -> logits [B, vocab]."""
-        block_size = self.spec.block_size
+        spec = self.spec
         context_lens = seq_lens + 1
         max_context = int(context_lens.max())
-        num_blocks = -(-max_context // block_size)
+        num_blocks = -(-max_context // spec.block_size)
         tables = block_tables[:, :num_blocks]
-        slot_mapping = tables.gather(1, (seq_lens // block_size).unsqueeze(1)).squeeze(1) \
-            * block_size + seq_lens % block_size
-        keys = torch.arange(max_context, device=self.device)
-        mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(-1, 1, 1, max_context)
-        meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=tables,
-                                 max_context_len=max_context, decode_mask=mask)
+        slot_blocks = tables.gather(1, (seq_lens // spec.block_size).unsqueeze(1)).squeeze(1)
+        positions = torch.arange(num_blocks * spec.block_size, device=self.device)
+        mask = positions.unsqueeze(0) < context_lens.unsqueeze(1)
+        index = gather_index(tables, max_context,
+                             (None, spec.num_kv_heads, spec.block_size, spec.head_dim))
+        meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=seq_lens % spec.block_size,
+                                 block_tables=tables, max_context_len=max_context,
+                                 gather_index=index, decode_mask=mask)
         return self.model(input_ids, seq_lens, self.cache, meta)
 
 
@@ -116,12 +118,12 @@ def _metadata(block_tables: torch.Tensor, positions: torch.Tensor, query_lens: l
     device = positions.device
     seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=device),
                                            torch.tensor(query_lens, device=device))
-    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size \
-        + positions % block_size
+    slot_blocks = block_tables[seq_of_token, positions // block_size]
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
     layout = PrefillLayout(query_starts=starts,
                            cached_lens=[c - n for c, n in zip(context_lens, query_lens)])
-    return AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables,
-                             max_context_len=max(context_lens), prefill=layout)
+    return AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=positions % block_size,
+                             block_tables=block_tables, max_context_len=max(context_lens),
+                             prefill=layout)

@@ -20,15 +20,25 @@ log = logging.getLogger("tgi.shard")
 _TRACER = tracer("tgi.shard")
 
 
+def engine_thread() -> ThreadPoolExecutor:
+    """The one thread that does all torch work of the shard.
+
+    One: the engine is not re-entrant, and the event loop stays free for Health. The same one from
+    loading to serving: OpenMP keeps a team of spinning threads per calling thread, and two teams on
+    two cores slow every matmul by a third.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     def __init__(self, engine: Engine, config: ShardConfig, info: pb.InfoResponse,
-                 on_fatal_error):
+                 on_fatal_error, worker: ThreadPoolExecutor):
         self.engine = engine
         self.config = config
         self.info = info
         self.on_fatal_error = on_fatal_error
-        # one thread: the engine is not re-entrant, and the event loop stays free for Health
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # the thread that built the engine runs every step: see engine_thread()
+        self._worker = worker
 
     async def _run(self, context: grpc.aio.ServicerContext, fn, *args, span: str | None = None):
         if span is not None and tracing_enabled():

@@ -25,16 +25,22 @@ class PrefillLayout:
 class AttentionMetadata:
     """Where the tokens of one forward sit in the batch and in the KV cache."""
 
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    slot_blocks: torch.Tensor  # [T] block holding each new token's keys and values
+    slot_offsets: torch.Tensor  # [T] its position inside that block
     block_tables: torch.Tensor  # [B, max_blocks] block ids per sequence (padding repeats a valid id)
     max_context_len: int
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_context_len], decode only
+    # decode only: rows of the flattened [blocks * kv_heads] cache to gather, [B, kv_heads, blocks],
+    # and which gathered positions hold real tokens, [B, blocks * block_size]
+    gather_index: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
     prefill: PrefillLayout | None = None  # prefill only
 
 
 @dataclass(slots=True)
 class LayerCache:
-    key: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    # [num_blocks, kv_heads, block_size, head_dim]: a block's keys are contiguous per head, so the
+    # context of a sequence gathers into [kv_heads, tokens, head_dim] without a transpose copy
+    key: torch.Tensor
     value: torch.Tensor
 
 
@@ -43,19 +49,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     """q [T, heads, d], k/v [T, kv_heads, d] -> attention output [T, heads * d]."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    cache.key.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    cache.value.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    cache.key[meta.slot_blocks, :, meta.slot_offsets] = k
+    cache.value[meta.slot_blocks, :, meta.slot_offsets] = v
     gqa = num_heads != num_kv_heads
     if meta.prefill is not None:
         return _prefill_attention(q, k, v, cache, meta, scale, gqa)
-    batch = meta.block_tables.shape[0]
-    # context: [B, kv_heads, max_context_len, d]
-    keys = _gather_context(cache.key, meta.block_tables, meta.max_context_len)
-    values = _gather_context(cache.value, meta.block_tables, meta.max_context_len)
-    out = F.scaled_dot_product_attention(q.view(batch, 1, num_heads, head_dim).transpose(1, 2),
-                                         keys, values, attn_mask=meta.decode_mask, scale=scale,
-                                         enable_gqa=gqa)
-    return out.view(num_tokens, num_heads * head_dim)
+    return _decode_attention(q, cache, meta, scale)
+
+
+def _decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    """One query per sequence: two batched matmuls beat a flash kernel at this shape on CPU."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = cache.key.shape[1]
+    group = num_heads // num_kv_heads
+    keys = gather_blocks(cache.key, meta.gather_index)  # [B, kv, L, d]
+    values = gather_blocks(cache.value, meta.gather_index)
+    queries = q.view(batch, num_kv_heads, group, head_dim)  # heads of a KV group are adjacent
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [B, kv, group, L]
+    scores = scores.masked_fill(~meta.decode_mask.view(batch, 1, 1, -1), float("-inf"))
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).reshape(batch, num_heads * head_dim)
 
 
 def _prefill_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float,
@@ -73,9 +87,9 @@ def _prefill_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scal
                                                  enable_gqa=gqa)
         else:
             context = cached + end - start
-            table = meta.block_tables[b:b + 1]
-            keys = _gather_context(cache.key, table, context)
-            values = _gather_context(cache.value, table, context)
+            index = gather_index(meta.block_tables[b:b + 1], context, cache.key.shape)
+            keys = gather_blocks(cache.key, index)[:, :, :context]
+            values = gather_blocks(cache.value, index)[:, :, :context]
             # query i sits at position cached + i and sees keys 0..cached + i
             query_pos = torch.arange(cached, context, device=q.device).unsqueeze(1)
             mask = torch.arange(context, device=q.device).unsqueeze(0) <= query_pos
@@ -85,10 +99,19 @@ def _prefill_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scal
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
-def _gather_context(blocks: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    batch, max_blocks = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = blocks.shape
+def gather_index(block_tables: torch.Tensor, length: int, cache_shape) -> torch.Tensor:
+    """Rows of the flattened [blocks * kv_heads, block_size, d] cache holding `length` tokens of each
+    sequence, as [B, kv_heads, blocks]."""
+    _, num_kv_heads, block_size, _ = cache_shape
     needed = -(-length // block_size)
-    gathered = blocks[block_tables[:, :needed]].view(batch, needed * block_size, num_kv_heads,
-                                                     head_dim)
-    return gathered[:, :length].transpose(1, 2)
+    heads = torch.arange(num_kv_heads, device=block_tables.device).view(1, -1, 1)
+    return block_tables[:, None, :needed] * num_kv_heads + heads
+
+
+def gather_blocks(blocks: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[B, kv_heads, blocks * block_size, d]: each sequence's context, contiguous."""
+    _, _, block_size, head_dim = blocks.shape
+    batch, num_kv_heads, needed = index.shape
+    # index_select copies whole rows with a dedicated kernel, faster than advanced indexing here
+    rows = blocks.view(-1, block_size * head_dim).index_select(0, index.reshape(-1))
+    return rows.view(batch, num_kv_heads, needed * block_size, head_dim)

@@ -1,0 +1,186 @@
+"""Engine benchmark over gRPC, as TGI's benchmark tool does: a shard process driven directly.
+
+Prefill latency per batch size and prompt length; decode latency per step and tokens/s per batch
+size, after a warm-up, with percentiles. Prints tables; writes JSON with --json.
+
+    python benchmarks/engine_bench.py [--model-dir DIR] [--dtype bfloat16] [--batch-sizes 1,2,4,...]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from proto import generate_pb2 as pb  # noqa: E402
+from proto import generate_pb2_grpc as pb_grpc  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def summary(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "p50": percentile(values, 50),
+            "p90": percentile(values, 90), "p99": percentile(values, 99)}
+
+
+class ShardDriver:
+    """Allocates blocks itself (block 0 reserved) and speaks the proto to one shard."""
+
+    def __init__(self, stub, block_size: int, num_blocks: int):
+        self.stub = stub
+        self.block_size = block_size
+        self.free = list(range(num_blocks - 1, 0, -1))
+        self.next_id = 0
+
+    def batch(self, batch_size: int, prompt_length: int, new_tokens: int) -> tuple[pb.Batch, list]:
+        requests, held = [], []
+        for _ in range(batch_size):
+            count = -(-(prompt_length + new_tokens) // self.block_size)
+            blocks = [self.free.pop() for _ in range(count)]
+            held.append(blocks)
+            requests.append(pb.Request(
+                id=self.next_id, input_ids=[(7 * i + self.next_id) % 1000 + 10
+                                            for i in range(prompt_length)],
+                parameters=pb.NextTokenChooserParameters(),
+                stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=new_tokens,
+                                                                  ignore_eos_token=True),
+                blocks=blocks, skip_special_tokens=True))
+            self.next_id += 1
+        self.next_id += 1
+        return pb.Batch(id=self.next_id, requests=requests, size=batch_size), held
+
+    def release(self, held: list) -> None:
+        for blocks in held:
+            self.free.extend(blocks)
+
+
+async def run_prefill(driver: ShardDriver, batch_size: int, prompt_length: int, repeats: int):
+    latencies = []
+    for _ in range(repeats):
+        batch, held = driver.batch(batch_size, prompt_length, 2)
+        started = time.perf_counter()
+        reply = await driver.stub.Prefill(pb.PrefillRequest(batch=batch))
+        latencies.append(time.perf_counter() - started)
+        await driver.stub.ClearCache(pb.ClearCacheRequest(id=reply.batch.id))
+        driver.release(held)
+    return latencies
+
+
+async def run_decode(driver: ShardDriver, batch_size: int, prompt_length: int, steps: int,
+                     warmup: int):
+    batch, held = driver.batch(batch_size, prompt_length, steps + warmup + 1)
+    reply = await driver.stub.Prefill(pb.PrefillRequest(batch=batch))
+    cached = reply.batch
+    latencies = []
+    for step in range(steps + warmup):
+        started = time.perf_counter()
+        reply = await driver.stub.Decode(pb.DecodeRequest(batches=[cached]))
+        if step >= warmup:
+            latencies.append(time.perf_counter() - started)
+        cached = reply.batch
+    await driver.stub.ClearCache(pb.ClearCacheRequest(id=cached.id))
+    driver.release(held)
+    return latencies
+
+
+def start_shard(model_dir: Path, dtype: str, socket_prefix: str) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-m", "shard", "--model-path", str(model_dir),
+                                "--uds-path", socket_prefix, "--dtype", dtype],
+                               cwd=Path(__file__).resolve().parents[1],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not os.path.exists(f"{socket_prefix}-0"):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"shard did not start: {process.stderr.read().decode()[-2000:]}")
+        time.sleep(0.1)
+    return process
+
+
+async def bench(args) -> dict:
+    socket_prefix = os.path.join(tempfile.mkdtemp(), "bench")
+    shard = start_shard(args.model_dir, args.dtype, socket_prefix)
+    try:
+        channel = grpc.aio.insecure_channel(f"unix://{socket_prefix}-0")
+        stub = pb_grpc.TextGenerationServiceStub(channel)
+        info = await stub.Info(pb.InfoRequest())
+        tokens = max(args.batch_sizes) * (max(args.prompt_lengths) + args.steps + args.warmup + 64)
+        warm = await stub.Warmup(pb.WarmupRequest(batch=pb.Batch(id=0), max_input_tokens=1,
+                                                  max_prefill_tokens=1, max_total_tokens=2,
+                                                  max_batch_total_tokens=tokens))
+        driver = ShardDriver(stub, info.block_size, warm.num_blocks)
+        results = {"device": info.device_type, "dtype": info.dtype, "prefill": [], "decode": []}
+        await run_decode(driver, 1, 16, 4, 2)  # process warm-up
+        for prompt_length in args.prompt_lengths:
+            for batch_size in args.prefill_batch_sizes:
+                lat = await run_prefill(driver, batch_size, prompt_length, args.prefill_repeats)
+                results["prefill"].append({"batch": batch_size, "prompt": prompt_length,
+                                           "latency_s": summary(lat),
+                                           "tokens_per_s": batch_size * prompt_length /
+                                           statistics.median(lat)})
+        for batch_size in args.batch_sizes:
+            lat = await run_decode(driver, batch_size, args.decode_prompt, args.steps, args.warmup)
+            results["decode"].append({"batch": batch_size, "latency_s": summary(lat),
+                                      "tokens_per_s": batch_size / statistics.median(lat)})
+        await channel.close()
+        return results
+    finally:
+        shard.terminate()
+        shard.wait(timeout=30)
+
+
+def print_tables(results: dict) -> None:
+    print(f"device {results['device']}, dtype {results['dtype']}")
+    print(f"\n{'prefill':<8}{'batch':>6}{'prompt':>8}{'p50 ms':>10}{'p90 ms':>10}{'tok/s':>10}")
+    for row in results["prefill"]:
+        lat = row["latency_s"]
+        print(f"{'':<8}{row['batch']:>6}{row['prompt']:>8}{lat['p50'] * 1e3:>10.1f}"
+              f"{lat['p90'] * 1e3:>10.1f}{row['tokens_per_s']:>10.0f}")
+    print(f"\n{'decode':<8}{'batch':>6}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'tok/s':>10}")
+    for row in results["decode"]:
+        lat = row["latency_s"]
+        print(f"{'':<8}{row['batch']:>6}{lat['p50'] * 1e3:>10.1f}{lat['p90'] * 1e3:>10.1f}"
+              f"{lat['p99'] * 1e3:>10.1f}{row['tokens_per_s']:>10.1f}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--batch-sizes", type=_ints, default=_ints("1,2,4,8,16,32,64"))
+    parser.add_argument("--prefill-batch-sizes", type=_ints, default=_ints("1,4"))
+    parser.add_argument("--prompt-lengths", type=_ints, default=_ints("128,512"))
+    parser.add_argument("--decode-prompt", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--prefill-repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.model_dir is None:
+        from launcher.prepare import prepare_default_model
+
+        args.model_dir = prepare_default_model()
+    results = asyncio.run(bench(args))
+    print_tables(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
