@@ -18,6 +18,7 @@ from router.infer import Infer
 from router.metrics import Metrics
 from router.middleware import api_key_middleware, cors_middleware, error_middleware
 from router.openapi import VERSION
+from router.prefix_cache import PrefixCache
 from router.request_queue import RequestQueue
 from router.shard_client import ShardedClient
 from router.tokenizer import RouterTokenizer
@@ -66,6 +67,7 @@ class RouterState:
             "waiting_served_ratio": config.waiting_served_ratio,
             "max_waiting_tokens": config.max_waiting_tokens,
             "max_batch_size": config.max_batch_size,
+            "prefix_caching": self.batcher.queue.prefix_cache is not None,
             "validation_workers": config.validation_workers,
             "max_client_batch_size": config.max_client_batch_size,
             "router": "tgi-py-router", "version": VERSION, "sha": None, "docker_label": None,
@@ -113,7 +115,11 @@ async def build_state(config: RouterConfig) -> RouterState:
         max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size)
     metrics = Metrics(max_input_tokens=limits.max_input_tokens,
                       max_total_tokens=limits.max_total_tokens)
-    batcher = Batcher(client, RequestQueue(allocator), allocator, scheduling, metrics)
+    prefix_cache = None
+    if config.prefix_caching == "on" and shard_info.use_prefix_caching:
+        prefix_cache = PrefixCache(allocator)
+    batcher = Batcher(client, RequestQueue(allocator, prefix_cache), allocator, scheduling,
+                      metrics)
     infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens)

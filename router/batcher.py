@@ -124,8 +124,13 @@ class Batcher:
         if plan is not None:
             self.metrics.queue_size.set(len(self.queue))
             self.metrics.batch_next_size.observe(len(plan.entries))
-            self.metrics.kv_free_blocks.set(self.allocator.num_free_blocks)
+            self._kv_gauges()
         return plan
+
+    def _kv_gauges(self) -> None:
+        self.metrics.kv_free_blocks.set(self.allocator.num_free_blocks)
+        if self.queue.prefix_cache is not None:
+            self.metrics.kv_prefix_blocks.set(len(self.queue.prefix_cache))
 
     async def _prefill(self, plan: BatchPlan) -> pb.CachedBatch | None:
         items = [e.payload for e in plan.entries]
@@ -140,7 +145,19 @@ class Batcher:
         if isinstance(reply, ShardError):
             await self._fail(items, [plan.batch_id], reply)
             return None
+        self._remember_prompts(plan.entries)
         return await self._after_step(reply, "prefill")
+
+    def _remember_prompts(self, entries: list[QueueEntry]) -> None:
+        """Computed prompts' full blocks join the prefix cache (they never change afterwards)."""
+        cache = self.queue.prefix_cache
+        if cache is None:
+            return
+        for entry in entries:
+            if entry.prompt_ids is not None:
+                cache.insert(entry.prompt_ids, entry.allocation.block_ids)
+            if entry.cache_len:
+                self.metrics.counters.inc("tgi_prefix_cache_hits", entry.cache_len)
 
     async def _decode(self, batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
         def items() -> list[ActiveRequest]:  # only on failure or when tracing: not per step
@@ -184,7 +201,7 @@ class Batcher:
             return await self._deliver_and_filter(reply)
         finally:
             self.metrics.batch_filter_duration.labels(method).observe(time.monotonic() - started)
-            self.metrics.kv_free_blocks.set(self.allocator.num_free_blocks)
+            self._kv_gauges()
 
     async def _deliver_and_filter(self, reply) -> pb.CachedBatch | None:
         for generation in reply.generations:
@@ -278,4 +295,5 @@ def _request_proto(item: ActiveRequest) -> pb.Request:
             ignore_eos_token=st.ignore_eos, min_new_tokens=st.min_new_tokens,
             stop_token_ids=st.stop_token_ids),
         prefill_logprobs=request.prefill_logprobs, top_n_tokens=request.top_n_tokens,
-        blocks=item.entry.allocation.block_ids, skip_special_tokens=request.skip_special_tokens)
+        blocks=item.entry.allocation.block_ids, cache_len=item.entry.cache_len,
+        skip_special_tokens=request.skip_special_tokens)

@@ -5,6 +5,7 @@ a prefix, a beam or a fork can share them; a block returns to the free list when
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -24,6 +25,8 @@ class BlockAllocator:
         # pop() from the end hands out low ids first, which keeps tests readable
         self._free = list(range(num_blocks - 1, 0, -1))
         self._refs = [0] * num_blocks
+        # asked for blocks when the free list is short (the prefix cache evicts); returns how many
+        self.reclaim: Callable[[int], int] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -39,20 +42,39 @@ class BlockAllocator:
     def can_allocate(self, num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) <= len(self._free)
 
-    def allocate(self, num_tokens: int) -> BlockAllocation | None:
-        """Blocks for `num_tokens` tokens, or None when the pool cannot hold them now."""
-        count = self.blocks_needed(max(num_tokens, 1))
+    def allocate(self, num_tokens: int, *, shared: list[int] = ()) -> BlockAllocation | None:
+        """Blocks for `num_tokens` tokens, or None when the pool cannot hold them now.
+
+        `shared` are blocks the caller already holds a reference to (a cached prefix); they come
+        first and only the rest is taken from the free list.
+        """
+        count = self.blocks_needed(max(num_tokens, 1)) - len(shared)
+        if count > len(self._free) and self.reclaim is not None:
+            self.reclaim(count - len(self._free))
         if count > len(self._free):
             return None
-        block_ids = [self._free.pop() for _ in range(count)]
+        block_ids = [self._free.pop() for _ in range(max(count, 0))]
         for block in block_ids:
             self._refs[block] = 1
-        return BlockAllocation(block_ids, num_tokens)
+        return BlockAllocation(list(shared) + block_ids, num_tokens)
+
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
+
+    def incref(self, block_ids: list[int]) -> None:
+        for block in block_ids:
+            self._refs[block] += 1
+
+    def decref(self, block_ids: list[int]) -> None:
+        for block in block_ids:
+            self._refs[block] -= 1
+            assert self._refs[block] >= 0, f"block {block} freed more often than held"
+            if self._refs[block] == 0:
+                self._free.append(block)
 
     def share(self, allocation: BlockAllocation) -> BlockAllocation:
-        """A second holder of the same blocks (for forks and prefix reuse)."""
-        for block in allocation.block_ids:
-            self._refs[block] += 1
+        """A second holder of the same blocks (for forks and beams)."""
+        self.incref(allocation.block_ids)
         return BlockAllocation(list(allocation.block_ids), allocation.num_tokens)
 
     def free(self, allocation: BlockAllocation) -> None:
@@ -60,8 +82,4 @@ class BlockAllocator:
         if allocation.is_freed:
             return
         allocation.is_freed = True
-        for block in allocation.block_ids:
-            self._refs[block] -= 1
-            assert self._refs[block] >= 0, f"block {block} freed more often than held"
-            if self._refs[block] == 0:
-                self._free.append(block)
+        self.decref(allocation.block_ids)

@@ -32,6 +32,8 @@ class RouterConfig:
     max_batch_size: int = _opt(None, "Most requests in a running batch (default: no limit).")
     max_client_batch_size: int = _opt(4, "Most inputs in one client request.")
     validation_workers: int = _opt(2, "Threads that tokenise and validate requests.")
+    prefix_caching: str = _opt("on", "Reuse the KV blocks of prompt prefixes already computed "
+                                     "(on/off).")
     api_key: str = _opt(None, "When set, every route but /health and /metrics needs "
                               "'Authorization: Bearer <key>'.")
     cors_allow_origin: str = _opt(None, "Comma-separated origins allowed by CORS ('*' for any); "
@@ -45,6 +47,8 @@ class RouterConfig:
             raise ValueError("--tokenizer-path is required: the model directory with tokenizer.json")
         if self.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests {self.max_concurrent_requests} must be >= 1")
+        if self.prefix_caching not in ("on", "off"):
+            raise ValueError(f"--prefix-caching {self.prefix_caching!r} must be on or off")
         if self.payload_limit < 1:
             raise ValueError(f"--payload-limit {self.payload_limit} must be a positive byte count")
         if self.waiting_served_ratio < 0:

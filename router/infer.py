@@ -50,7 +50,9 @@ class Infer:
         if self.in_flight >= self.max_concurrent_requests:
             raise OverloadedError()
         entry = QueueEntry(id=next(self._ids), input_length=request.input_length,
-                           max_new_tokens=request.stopping.max_new_tokens)
+                           max_new_tokens=request.stopping.max_new_tokens,
+                           # prompt log-probabilities need every prompt token computed
+                           prompt_ids=None if request.prefill_logprobs else request.input_ids)
         allocator = self.batcher.allocator
         if allocator.blocks_needed(entry.kv_tokens) > allocator.num_usable_blocks:
             raise ValidationError(f"the request needs {entry.kv_tokens} tokens of KV cache but the "

@@ -82,6 +82,9 @@ class Metrics:
         self.batch_max_total_tokens = Gauge("tgi_batch_max_total_tokens", "KV tokens in the pool",
                                             registry=r)
         self.kv_free_blocks = Gauge("tgi_kv_cache_free_blocks", "KV blocks free now", registry=r)
+        self.kv_prefix_blocks = Gauge("tgi_kv_cache_prefix_blocks",
+                                      "KV blocks the prefix cache holds (evicted when needed)",
+                                      registry=r)
         self.kv_total_blocks = Gauge("tgi_kv_cache_total_blocks", "KV blocks the router can hand out",
                                      registry=r)
         self.batch_next_size = Histogram("tgi_batch_next_size", "Requests in each new batch", [],

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.block_allocator import BlockAllocation, BlockAllocator
+from router.prefix_cache import PrefixCache
 
 
 @dataclass(slots=True)
@@ -21,6 +22,8 @@ class QueueEntry:
     payload: Any = None  # the API layer's request and response channel; opaque here
     queued_at: float = field(default_factory=time.monotonic)
     allocation: BlockAllocation | None = None
+    prompt_ids: list[int] | None = None  # offered to the prefix cache (None: never cached)
+    cache_len: int = 0  # prompt tokens whose keys and values come from the prefix cache
 
     @property
     def kv_tokens(self) -> int:
@@ -37,8 +40,9 @@ class BatchPlan:
 
 
 class RequestQueue:
-    def __init__(self, allocator: BlockAllocator):
+    def __init__(self, allocator: BlockAllocator, prefix_cache: PrefixCache | None = None):
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self._entries: deque[QueueEntry] = deque()
         self._next_batch_id = 0
 
@@ -47,6 +51,16 @@ class RequestQueue:
 
     def append(self, entry: QueueEntry) -> None:
         self._entries.append(entry)
+
+    def _cached_prefix(self, entry: QueueEntry) -> list[int]:
+        """Cached blocks of the entry's prompt, leaving at least one prompt token to compute (its
+        logits choose the first new token)."""
+        if self.prefix_cache is None or entry.prompt_ids is None:
+            return []
+        shared = self.prefix_cache.match(entry.prompt_ids)
+        while shared and len(shared) * self.allocator.block_size >= entry.input_length:
+            self.allocator.decref([shared.pop()])
+        return shared
 
     def remove(self, entry: QueueEntry) -> bool:
         """Takes out a waiting entry (its client went away); False if it already left the queue."""
@@ -72,23 +86,26 @@ class RequestQueue:
         max_tokens = 0
         while self._entries:
             entry = self._entries[0]
-            if prefill_tokens + entry.input_length > prefill_token_budget:
-                break
             if max_tokens + entry.kv_tokens > token_budget:
                 break
-            allocation = self.allocator.allocate(entry.kv_tokens)
+            shared = self._cached_prefix(entry)
+            cached = len(shared) * self.allocator.block_size
+            allocation = None
+            if prefill_tokens + entry.input_length - cached <= prefill_token_budget:
+                allocation = self.allocator.allocate(entry.kv_tokens, shared=shared)
             if allocation is None:
+                self.allocator.decref(shared)
                 break
-            entry.allocation = allocation
+            entry.allocation, entry.cache_len = allocation, cached
             chosen.append(self._entries.popleft())
-            prefill_tokens += entry.input_length
+            prefill_tokens += entry.input_length - cached
             max_tokens += entry.kv_tokens
             if max_size is not None and len(chosen) >= max_size:
                 break
         if not chosen or (min_size is not None and len(chosen) < min_size):
             for entry in reversed(chosen):
                 self.allocator.free(entry.allocation)
-                entry.allocation = None
+                entry.allocation, entry.cache_len = None, 0
                 self._entries.appendleft(entry)
             return None
         batch_id = self._next_batch_id

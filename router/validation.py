@@ -24,6 +24,8 @@ PARAMETER_TYPES = {
     "return_full_text": "boolean", "seed": "integer", "stop": "array", "temperature": "number",
     "top_k": "integer", "top_n_tokens": "integer", "top_p": "number", "truncate": "integer",
     "typical_p": "number", "watermark": "boolean",
+    # extension (vLLM and SGLang have it): keep generating past EOS, for benchmarks
+    "ignore_eos": "boolean",
 }
 _UNSIGNED = {"best_of", "max_new_tokens", "seed", "top_n_tokens", "truncate"}
 
@@ -173,7 +175,8 @@ async def validate_generate(body: dict, tokenizer: RouterTokenizer, limits: Vali
     max_new_tokens = check_lengths(len(input_ids), max_new_tokens, limits.tokens)
     request = GenerateRequest(
         inputs=inputs, input_ids=input_ids, sampling=sampling,
-        stopping=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=[s for s in stop if s]),
+        stopping=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=[s for s in stop if s],
+                                ignore_eos=bool(params.get("ignore_eos", False))),
         top_n_tokens=top_n, prefill_logprobs=decoder_input_details, grammar=grammar)
     return ValidatedGenerate(request, best_of, details=bool(params.get("details", False)),
                              return_full_text=params.get("return_full_text"),

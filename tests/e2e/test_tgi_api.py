@@ -200,12 +200,15 @@ def test_tokenize_info_health_metrics(server):
 
 
 def _free_and_total_blocks(server):
+    """(free blocks + blocks only the prefix cache holds, all blocks): equal when none leaked."""
     values = {}
     for line in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        for name in ("tgi_kv_cache_free_blocks", "tgi_kv_cache_total_blocks"):
+        for name in ("tgi_kv_cache_free_blocks", "tgi_kv_cache_total_blocks",
+                     "tgi_kv_cache_prefix_blocks"):
             if line.startswith(name + " "):
                 values[name] = float(line.split()[1])
-    return values["tgi_kv_cache_free_blocks"], values["tgi_kv_cache_total_blocks"]
+    free = values["tgi_kv_cache_free_blocks"] + values.get("tgi_kv_cache_prefix_blocks", 0)
+    return free, values["tgi_kv_cache_total_blocks"]
 
 
 def test_200_dropped_streams_free_every_block(server):
