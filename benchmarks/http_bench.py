@@ -43,9 +43,12 @@ def prompt_text(tokenizer, length: int, variant: int) -> str:
     return tokenizer.decode(ids[:length])
 
 
-async def one_request(session, url: str, prompt: str, new_tokens: int, prompt_tokens: int):
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True,
-                                             "truncate": prompt_tokens}}
+async def one_request(session, url: str, prompt: str, new_tokens: int,
+                      prompt_tokens: int | None = None):
+    parameters = {"max_new_tokens": new_tokens, "ignore_eos": True}
+    if prompt_tokens is not None:
+        parameters["truncate"] = prompt_tokens
+    body = {"inputs": prompt, "parameters": parameters}
     started = time.perf_counter()
     stamps = []
     async with session.post(f"{url}/generate_stream", json=body) as reply:

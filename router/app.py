@@ -96,7 +96,8 @@ async def build_state(config: RouterConfig) -> RouterState:
     client = await ShardedClient.connect(config.master_shard_uds_path)
     await client.clear_cache()
     shard_info = await client.info()
-    limits = TokenLimits.resolve(config, shard_info.max_position_embeddings)
+    limits = TokenLimits.resolve(config, shard_info.max_position_embeddings,
+                                 chunking=shard_info.support_chunking)
     warm = await client.warmup(pb.WarmupRequest(
         batch=warmup_batch(limits, config.max_batch_size), max_input_tokens=limits.max_input_tokens,
         max_prefill_tokens=limits.max_batch_prefill_tokens, max_total_tokens=limits.max_total_tokens,
@@ -118,8 +119,8 @@ async def build_state(config: RouterConfig) -> RouterState:
     prefix_cache = None
     if config.prefix_caching == "on" and shard_info.use_prefix_caching:
         prefix_cache = PrefixCache(allocator)
-    batcher = Batcher(client, RequestQueue(allocator, prefix_cache), allocator, scheduling,
-                      metrics)
+    queue = RequestQueue(allocator, prefix_cache, chunking=shard_info.support_chunking)
+    batcher = Batcher(client, queue, allocator, scheduling, metrics)
     infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens)

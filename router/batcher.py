@@ -2,6 +2,8 @@
 
 It is the only module that drives the shards. Between two decode steps it asks the queue for more work;
 new requests are prefilled in their own batch and merged into the running one at the next decode.
+A prompt longer than the prefill budget (when the shards chunk) is computed one budget-sized chunk
+between two decode steps, so it never freezes the streams already running.
 Delivery: each request's events go to its own asyncio.Queue (TokenEvent, then None or a RouterError).
 """
 from __future__ import annotations
@@ -46,6 +48,12 @@ class ActiveRequest:
 
 
 @dataclass(slots=True)
+class ChunkedPrefill:
+    item: ActiveRequest
+    next_start: int  # prompt tokens already in the cache
+
+
+@dataclass(slots=True)
 class SchedulingLimits:
     max_batch_prefill_tokens: int
     max_batch_total_tokens: int
@@ -66,6 +74,7 @@ class Batcher:
         metrics.kv_free_blocks.set(allocator.num_free_blocks)
         metrics.batch_max_total_tokens.set(allocator.num_usable_blocks * allocator.block_size)
         self.active: dict[int, ActiveRequest] = {}  # request id -> request, from prefill to end
+        self.chunked: ChunkedPrefill | None = None  # the long prompt being prefilled in chunks
         self._wake = asyncio.Event()
 
     # ---- API side ---------------------------------------------------------------------------
@@ -88,27 +97,45 @@ class Batcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while (plan := self._next_plan(running_size=0, waiting_steps=0)) is not None:
-                running = await self._prefill(plan)
-                waiting_steps = 1
-                while running is not None:
-                    self.metrics.batch_current_size.set(len(running.request_ids))
-                    self.metrics.batch_current_max_tokens.set(running.max_tokens)
-                    batches = [running]
-                    plan = self._next_plan(running_size=len(running.request_ids),
-                                           waiting_steps=waiting_steps)
-                    if plan is not None:
-                        reason = ("wait_exceeded" if waiting_steps >= self.limits.max_waiting_tokens
-                                  else "backpressure")
-                        self.metrics.counters.inc("tgi_batch_concat", reason=reason)
-                        new = await self._prefill(plan)
-                        if new is not None:
-                            batches.append(new)
-                        waiting_steps = 1
-                    running = await self._decode(batches)
-                    waiting_steps += 1
-                self.metrics.batch_current_size.set(0)
-                self.metrics.batch_current_max_tokens.set(0)
+            running, waiting_steps = None, 0
+            while True:
+                size = len(running.request_ids) if running is not None else 0
+                did_prefill, new = await self._prefill_next(size, waiting_steps)
+                if did_prefill:
+                    waiting_steps = 0
+                batches = [b for b in (running, new) if b is not None]
+                if not batches:
+                    if did_prefill:
+                        continue  # a long prompt's chunks, with nothing decoding meanwhile
+                    break
+                self.metrics.batch_current_size.set(sum(len(b.request_ids) for b in batches))
+                self.metrics.batch_current_max_tokens.set(sum(b.max_tokens for b in batches))
+                running = await self._decode(batches)
+                waiting_steps += 1
+            self.metrics.batch_current_size.set(0)
+            self.metrics.batch_current_max_tokens.set(0)
+
+    async def _prefill_next(self, running_size: int, waiting_steps: int
+                            ) -> tuple[bool, pb.CachedBatch | None]:
+        """One prefill between two decode steps, if any is due: the next chunk of a long prompt,
+        else a new batch from the queue. Returns (whether a prefill ran, the batch it made)."""
+        if self.chunked is not None:
+            if running_size:
+                self.metrics.counters.inc("tgi_batch_concat", reason="chunking")
+            return True, await self._prefill_chunk()
+        plan = self._next_plan(running_size=running_size, waiting_steps=waiting_steps)
+        if plan is None:
+            return False, None
+        if running_size:
+            reason = ("wait_exceeded" if waiting_steps >= self.limits.max_waiting_tokens
+                      else "backpressure")
+            self.metrics.counters.inc("tgi_batch_concat", reason=reason)
+        if plan.chunk_len is not None:
+            (entry,) = plan.entries
+            self._activate([entry.payload])
+            self.chunked = ChunkedPrefill(entry.payload, next_start=entry.cache_len)
+            return True, await self._prefill_chunk()
+        return True, await self._prefill(plan)
 
     def _next_plan(self, *, running_size: int, waiting_steps: int) -> BatchPlan | None:
         limits = self.limits
@@ -132,12 +159,43 @@ class Batcher:
         if self.queue.prefix_cache is not None:
             self.metrics.kv_prefix_blocks.set(len(self.queue.prefix_cache))
 
-    async def _prefill(self, plan: BatchPlan) -> pb.CachedBatch | None:
-        items = [e.payload for e in plan.entries]
+    def _activate(self, items: list[ActiveRequest]) -> None:
         now = time.monotonic()
         for item in items:
             item.batched_at = now
             self.active[item.entry.id] = item
+
+    async def _prefill_chunk(self) -> pb.CachedBatch | None:
+        """The next chunk of the long prompt being prefilled; its last chunk makes a batch."""
+        chunk = self.chunked
+        item = chunk.item
+        if item.is_cancelled:
+            self.chunked = None
+            self._release(item.entry.id)
+            return None
+        start = chunk.next_start
+        size = min(self.limits.max_batch_prefill_tokens, item.entry.input_length - start)
+        is_last = start + size == item.entry.input_length
+        batch_id = self.queue.new_batch_id()
+        request = _request_proto(item, cache_len=start, chunk_len=None if is_last else size)
+        batch = pb.Batch(id=batch_id, requests=[request], size=1,
+                         max_tokens=item.entry.kv_tokens,
+                         max_blocks=len(item.entry.allocation.block_ids))
+        reply = await self._call("prefill", self.client.prefill(batch), lambda: [item])
+        if isinstance(reply, ShardError):
+            self.chunked = None
+            await self._fail([item], [batch_id], reply)
+            return None
+        if not is_last:
+            chunk.next_start = start + size
+            return None
+        self.chunked = None
+        self._remember_prompts([item.entry])
+        return await self._after_step(reply, "prefill")
+
+    async def _prefill(self, plan: BatchPlan) -> pb.CachedBatch | None:
+        items = [e.payload for e in plan.entries]
+        self._activate(items)
         batch = pb.Batch(id=plan.batch_id, requests=[_request_proto(i) for i in items],
                          size=len(items), max_tokens=plan.max_tokens,
                          max_blocks=max(len(i.entry.allocation.block_ids) for i in items))
@@ -277,7 +335,8 @@ def _tokens(run: pb.Tokens) -> list[Token]:
             for i, t, lp, s in zip(run.ids, run.texts, run.logprobs, special)]
 
 
-def _request_proto(item: ActiveRequest) -> pb.Request:
+def _request_proto(item: ActiveRequest, *, cache_len: int | None = None,
+                   chunk_len: int | None = None) -> pb.Request:
     request = item.request
     s, st = request.sampling, request.stopping
     return pb.Request(
@@ -295,5 +354,6 @@ def _request_proto(item: ActiveRequest) -> pb.Request:
             ignore_eos_token=st.ignore_eos, min_new_tokens=st.min_new_tokens,
             stop_token_ids=st.stop_token_ids),
         prefill_logprobs=request.prefill_logprobs, top_n_tokens=request.top_n_tokens,
-        blocks=item.entry.allocation.block_ids, cache_len=item.entry.cache_len,
+        blocks=item.entry.allocation.block_ids,
+        cache_len=item.entry.cache_len if cache_len is None else cache_len, chunk_len=chunk_len,
         skip_special_tokens=request.skip_special_tokens)

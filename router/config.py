@@ -24,7 +24,9 @@ class RouterConfig:
     max_top_n_tokens: int = _opt(5, "Largest top_n_tokens a request may ask.")
     max_input_tokens: int = _opt(None, "Longest prompt in tokens (default: min(4095, context - 1)).")
     max_total_tokens: int = _opt(None, "Longest prompt + output (default: min(4096, context)).")
-    max_batch_prefill_tokens: int = _opt(None, "Prompt tokens per prefill (default: max_input_tokens + 50).")
+    max_batch_prefill_tokens: int = _opt(None, "Prompt tokens per prefill (default: max_input_tokens "
+                                               "+ 50). A longer prompt is prefilled in chunks of "
+                                               "this size between decode steps.")
     max_batch_total_tokens: int = _opt(None, "Tokens of KV cache in all; default: sized by the shards "
                                              "from free memory.")
     waiting_served_ratio: float = _opt(0.3, "Waiting/running ratio that interrupts decoding to prefill.")
@@ -64,13 +66,14 @@ class TokenLimits:
     max_batch_prefill_tokens: int
 
     @classmethod
-    def resolve(cls, config: RouterConfig, max_position_embeddings: int) -> "TokenLimits":
+    def resolve(cls, config: RouterConfig, max_position_embeddings: int, *,
+                chunking: bool = False) -> "TokenLimits":
         total = config.max_total_tokens or min(4096, max_position_embeddings)
         max_input = config.max_input_tokens or min(4095, total - 1)
         prefill = config.max_batch_prefill_tokens or max_input + 50
         if max_input >= total:
             raise ValueError(f"max_input_tokens ({max_input}) must be < max_total_tokens ({total})")
-        if prefill < max_input:
+        if prefill < max_input and not chunking:
             raise ValueError(f"max_batch_prefill_tokens ({prefill}) < max_input_tokens ({max_input}); "
                              "raise the first")
         if total > max_position_embeddings:

@@ -37,12 +37,15 @@ class BatchPlan:
     entries: list[QueueEntry]
     prefill_tokens: int
     max_tokens: int
+    chunk_len: int | None = None  # set when the plan's one entry is prefilled in chunks
 
 
 class RequestQueue:
-    def __init__(self, allocator: BlockAllocator, prefix_cache: PrefixCache | None = None):
+    def __init__(self, allocator: BlockAllocator, prefix_cache: PrefixCache | None = None, *,
+                 chunking: bool = False):
         self.allocator = allocator
         self.prefix_cache = prefix_cache
+        self.chunking = chunking
         self._entries: deque[QueueEntry] = deque()
         self._next_batch_id = 0
 
@@ -84,22 +87,30 @@ class RequestQueue:
         chosen: list[QueueEntry] = []
         prefill_tokens = 0
         max_tokens = 0
+        chunk_len = None
         while self._entries:
             entry = self._entries[0]
             if max_tokens + entry.kv_tokens > token_budget:
                 break
             shared = self._cached_prefix(entry)
             cached = len(shared) * self.allocator.block_size
+            uncached = entry.input_length - cached
+            # a prompt over the whole budget goes alone: in chunks when it can, else at once
+            alone = not chosen and uncached > prefill_token_budget
             allocation = None
-            if prefill_tokens + entry.input_length - cached <= prefill_token_budget:
+            if prefill_tokens + uncached <= prefill_token_budget or alone:
                 allocation = self.allocator.allocate(entry.kv_tokens, shared=shared)
             if allocation is None:
                 self.allocator.decref(shared)
                 break
             entry.allocation, entry.cache_len = allocation, cached
             chosen.append(self._entries.popleft())
-            prefill_tokens += entry.input_length - cached
+            prefill_tokens += uncached
             max_tokens += entry.kv_tokens
+            if alone:
+                if self.chunking and entry.prompt_ids is not None:
+                    chunk_len = prefill_token_budget
+                break
             if max_size is not None and len(chosen) >= max_size:
                 break
         if not chosen or (min_size is not None and len(chosen) < min_size):
@@ -108,6 +119,9 @@ class RequestQueue:
                 entry.allocation, entry.cache_len = None, 0
                 self._entries.appendleft(entry)
             return None
+        return BatchPlan(self.new_batch_id(), chosen, prefill_tokens, max_tokens, chunk_len)
+
+    def new_batch_id(self) -> int:
         batch_id = self._next_batch_id
         self._next_batch_id += 1
-        return BatchPlan(batch_id, chosen, prefill_tokens, max_tokens)
+        return batch_id

@@ -48,7 +48,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse]:
     engine = Engine(loaded, runner, memory_fraction=config.memory_fraction)
     info = pb.InfoResponse(
         requires_padding=False, dtype=config.dtype, device_type=device.type, speculate=0,
-        support_chunking=False, use_prefix_caching=True, attention_impl="paged-sdpa",
+        support_chunking=True, use_prefix_caching=True, attention_impl="paged-sdpa",
         block_size=config.block_size, model_id=config.model_path, world_size=config.world_size,
         eos_token_ids=sorted(loaded.eos_token_ids),
         max_position_embeddings=cfg.max_position_embeddings)

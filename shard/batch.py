@@ -27,6 +27,11 @@ class NewRequest:
     cache_len: int = 0
     skip_special_tokens: bool = True
     grammar: tuple[str, str] | None = None  # (kind, value) of a constrained request
+    chunk_len: int | None = None  # prompt tokens to compute from cache_len; None: all the rest
+
+    @property
+    def is_partial_chunk(self) -> bool:
+        return self.chunk_len is not None and self.cache_len + self.chunk_len < len(self.input_ids)
 
 
 @dataclass(slots=True)

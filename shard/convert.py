@@ -39,7 +39,7 @@ def new_request(r: pb.Request) -> NewRequest:
         ignore_eos=stopping.ignore_eos_token, min_new_tokens=stopping.min_new_tokens,
         stop_token_ids=list(stopping.stop_token_ids), prefill_logprobs=r.prefill_logprobs,
         blocks=list(r.blocks), cache_len=r.cache_len, skip_special_tokens=r.skip_special_tokens,
-        grammar=grammar)
+        grammar=grammar, chunk_len=r.chunk_len if r.HasField("chunk_len") else None)
 
 
 def tokens(run: TokenRun) -> pb.Tokens:

@@ -72,6 +72,8 @@ class Engine:
             if needed > len(request.blocks) * self.block_size:
                 raise ValueError(f"request {request.id} needs {needed} KV slots but holds "
                                  f"{len(request.blocks)} blocks of {self.block_size}")
+        if any(r.is_partial_chunk for r in requests):
+            return self._prefill_chunk(requests, start)
         batch, generations, forward_ns = self._prefill_step(requests, batch_id)
         return self._finish_step(batch, generations, start, forward_ns)
 
@@ -111,9 +113,22 @@ class Engine:
 
     # ---- steps ------------------------------------------------------------------------------
 
+    def _prefill_chunk(self, requests: list[NewRequest], start: int) -> StepResult:
+        """Keys and values of one chunk of a long prompt; its token comes with the last chunk."""
+        if len(requests) != 1:
+            raise ValueError("a chunk that stops short of its prompt's end must be prefilled alone")
+        (request,) = requests
+        tokens = request.input_ids[request.cache_len:request.cache_len + request.chunk_len]
+        before = time.perf_counter_ns()
+        self.runner.prefill([PrefillSequence(tokens, request.cache_len, request.blocks)])
+        forward_ns = time.perf_counter_ns() - before
+        return StepResult([], None, forward_ns=forward_ns, decode_ns=0,
+                          total_ns=time.perf_counter_ns() - start)
+
     def _prefill_step(self, requests: list[NewRequest], batch_id: int = 0):
         states = [self._state(r) for r in requests]
         seqs = [PrefillSequence(r.input_ids[r.cache_len:], r.cache_len, r.blocks) for r in requests]
+        # the last chunk of a chunked prompt computes from its cache_len to the end, like the others
         logits_rows = {i for i, r in enumerate(requests) if r.prefill_logprobs}
         before = time.perf_counter_ns()
         last_logits, all_logits = self.runner.prefill(seqs, all_logits_rows=logits_rows)

@@ -52,6 +52,12 @@ class FakeShardClient:
         return reply
 
     async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+        first = batch.requests[0]
+        if first.HasField("chunk_len") and first.cache_len + first.chunk_len < len(first.input_ids):
+            assert len(batch.requests) == 1, "a partial chunk is prefilled alone"
+            self.calls.append(("chunk", (first.id, first.cache_len, first.chunk_len)))
+            await self._maybe_fail("prefill")
+            return pb.PrefillResponse()
         self.calls.append(("prefill", [r.id for r in batch.requests]))
         await self._maybe_fail("prefill")
         for request in batch.requests:

@@ -123,3 +123,31 @@ async def test_waiting_served_ratio_holds_a_lone_request_until_max_waiting_token
     assert await _decodes_before_late_prefill(0.5) >= 3
     # with no ratio it joins at the next step
     assert await _decodes_before_late_prefill(0.0) <= 1
+
+
+async def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
+    client = FakeShardClient(step_delay=0.002)
+    allocator = BlockAllocator(400, 4)
+    limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
+                              waiting_served_ratio=0.0, max_waiting_tokens=20, max_batch_size=None)
+    metrics = Metrics(max_input_tokens=1000, max_total_tokens=2000)
+    batcher = Batcher(client, RequestQueue(allocator, chunking=True), allocator, limits, metrics)
+    infer = Infer(batcher, metrics, max_concurrent_requests=64)
+
+    async def scenario():
+        running = [asyncio.ensure_future(infer.generate(_request(30))) for _ in range(3)]
+        while not any(name == "decode" for name, _ in client.calls):
+            await asyncio.sleep(0.001)
+        long = await infer.generate(_request(5, length=300))
+        await asyncio.gather(*running)
+        return long
+
+    long = await _with_loop(batcher, scenario())
+    assert long.final.generated_tokens == 5
+    chunks = [(i, c) for i, c in enumerate(client.calls) if c[0] == "chunk"]
+    assert [c[1][1:] for _, c in chunks] == [(0, 64), (64, 64), (128, 64), (192, 64)]
+    for (i, _), (j, _) in zip(chunks, chunks[1:]):
+        assert any(name == "decode" for name, _ in client.calls[i:j]), "decodes run between chunks"
+    final = next(i for i, c in enumerate(client.calls) if c[0] == "prefill" and i > chunks[-1][0])
+    assert final > chunks[-1][0]
+    assert allocator.num_free_blocks == allocator.num_usable_blocks

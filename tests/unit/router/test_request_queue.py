@@ -28,10 +28,20 @@ def test_prefill_budget_stops_the_scan():
 
 def test_head_of_line_is_not_overtaken():
     queue = _queue()
-    queue.append(_entry(0, input_length=200))
+    queue.append(_entry(0, input_length=60))
+    queue.append(_entry(1, input_length=50))
+    queue.append(_entry(2, input_length=5))
+    assert [e.id for e in _next(queue, prefill_token_budget=100).entries] == [0]
+    assert len(queue) == 2, "the short request behind the one that did not fit waits its turn"
+
+
+def test_a_prompt_over_the_whole_budget_goes_alone_in_chunks():
+    queue = RequestQueue(BlockAllocator(1000, 1), chunking=True)
+    queue.append(QueueEntry(id=0, input_length=300, max_new_tokens=5, prompt_ids=[1] * 300))
     queue.append(_entry(1, input_length=5))
-    assert _next(queue, prefill_token_budget=100) is None
-    assert len(queue) == 2
+    plan = _next(queue, prefill_token_budget=100)
+    assert [e.id for e in plan.entries] == [0] and plan.chunk_len == 100
+    assert [e.id for e in _next(queue, prefill_token_budget=100).entries] == [1]
 
 
 def test_kv_pool_limits_the_batch_and_allocations_are_made():

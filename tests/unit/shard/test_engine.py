@@ -124,3 +124,23 @@ def _tokens(engine, req):
         out = engine.decode([out.batch.id])
         tokens.append(out.generations[0].tokens.ids[0])
     return tokens
+
+
+def test_a_prompt_prefilled_in_chunks_answers_like_one_prefill(engine):
+    prompt = engine.tokenizer.encode("The lazy dog jumps over the quick brown fox again and "
+                                     "again until the sun goes down").ids
+    whole = _tokens(engine, request(1, prompt, list(range(1, 30)), max_new_tokens=8,
+                                    ignore_eos=True))
+    blocks = list(range(40, 70))
+    for start in range(0, len(prompt) - 5, 5):
+        chunk = request(2, prompt, blocks, max_new_tokens=8, ignore_eos=True)
+        chunk.cache_len, chunk.chunk_len = start, 5
+        out = engine.prefill(50 + start, [chunk])
+        assert out.generations == [] and out.batch is None, "a partial chunk yields nothing"
+    last = request(2, prompt, blocks, max_new_tokens=8, ignore_eos=True)
+    last.cache_len = start + 5
+    assert _tokens(engine, last) == whole
+    with pytest.raises(ValueError, match="alone"):
+        partial = request(3, prompt, blocks, max_new_tokens=8)
+        partial.chunk_len = 3
+        engine.prefill(99, [partial, request(4, prompt, list(range(80, 100)), max_new_tokens=2)])
