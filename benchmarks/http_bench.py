@@ -133,6 +133,8 @@ def start_server(dtype: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="a running server (default: start one)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="model to serve and compare with (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=64)
@@ -145,13 +147,16 @@ def main() -> None:
 
     from launcher.prepare import prepare_default_model
 
-    model_dir = prepare_default_model()
+    model_dir = args.model_dir or prepare_default_model()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     prompts = [prompt_text(tokenizer, args.prompt_tokens, i) for i in range(args.requests)]
     server = None
     url = args.url
     if url is None:
-        server, url = start_server(args.dtype, ["--max-batch-prefill-tokens", "4096"])
+        extra = ["--max-batch-prefill-tokens", "4096"]
+        if args.model_dir is not None:
+            extra += ["--model-id", str(args.model_dir)]
+        server, url = start_server(args.dtype, extra)
     try:
         results = {"server": asyncio.run(load(url, prompts, args.concurrency, args.new_tokens,
                                               args.prompt_tokens))}

@@ -82,3 +82,11 @@ def test_each_rank_reads_only_its_slices(tmp_path):
         Weights(model_dir, dtype=torch.float32, device=cpu,
                 parallel=ParallelContext(rank=0, world_size=3)).get_sharded(
             "model.layers.0.self_attn.k_proj.weight", dim=0)
+
+
+@pytest.mark.real_model
+def test_smollm2_logits_on_three_shards_equal_one_shard(real_model_dir):
+    """SmolLM2 has 9 attention heads and 3 KV heads: 3 shards of 3 and 1 each."""
+    (single,) = _logits(real_model_dir, 1)
+    for rank_logits in _logits(real_model_dir, 3):
+        assert (rank_logits - single).abs().max().item() <= 1e-4

@@ -1,0 +1,45 @@
+"""The benchmark tools run end to end (on a tiny model, with small sizes) and print their figures."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args: list[str], tmp_path) -> str:
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_engine_benchmark(tiny_llama, tmp_path):
+    out = _run(["benchmarks/engine_bench.py", "--model-dir", str(tiny_llama), "--dtype", "float32",
+                "--batch-sizes", "1,4", "--prefill-batch-sizes", "1", "--prompt-lengths", "16",
+                "--decode-prompt", "8", "--steps", "4", "--warmup", "1", "--prefill-repeats", "1",
+                "--json", str(tmp_path / "engine.json")], tmp_path)
+    assert "decode" in out and "tok/s" in out
+    figures = json.loads((tmp_path / "engine.json").read_text())
+    assert [row["batch"] for row in figures["decode"]] == [1, 4]
+    assert all(row["tokens_per_s"] > 0 for row in figures["decode"])
+
+
+def test_grammar_overhead_benchmark(tiny_llama, tmp_path):
+    out = _run(["benchmarks/grammar_overhead.py", "--model-dir", str(tiny_llama), "--dtype",
+                "float32", "--batch", "2", "--steps", "4", "--repeats", "1", "--json",
+                str(tmp_path / "g.json")], tmp_path)
+    assert "slowdown of the unconstrained requests" in out
+    assert "slowdown_percent" in json.loads((tmp_path / "g.json").read_text())
+
+
+@pytest.mark.e2e
+def test_http_benchmark(tiny_llama, tmp_path):
+    out = _run(["benchmarks/http_bench.py", "--model-dir", str(tiny_llama), "--dtype", "float32",
+                "--concurrency", "2", "--requests", "2", "--prompt-tokens", "8",
+                "--new-tokens", "4", "--json", str(tmp_path / "h.json")], tmp_path)
+    assert "output tokens/s" in out and "tgi-py / transformers" in out
+    figures = json.loads((tmp_path / "h.json").read_text())
+    assert figures["server"]["output_tokens"] == 2 * 4

@@ -1,0 +1,40 @@
+"""Chat templates render in a sandbox; their errors are 422 template errors."""
+import pytest
+
+from router.chat_template import ChatTemplate
+from router.errors import TemplateError
+from router.openai_request import normalise_messages, render_chat
+
+
+def test_renders_with_tokens_tools_and_generation_prompt():
+    template = ChatTemplate("{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+                            "{% endfor %}{% if tools %}T{{ tools | length }}{% endif %}"
+                            "{% if add_generation_prompt %}[assistant]{% endif %}",
+                            bos_token="<s>", eos_token="</s>")
+    text = template.render([{"role": "user", "content": "hé"}], tools=[{"name": "f"}])
+    assert text == "<s>[user]héT1[assistant]"
+
+
+def test_raise_exception_and_runtime_errors_are_template_errors():
+    template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('first must be "
+                            "user') }}{% endif %}{{ messages[5].content.upper() }}")
+    with pytest.raises(TemplateError, match="first must be user") as err:
+        template.render([{"role": "system", "content": "x"}])
+    assert err.value.status == 422 and err.value.error_type == "template_error"
+    with pytest.raises(TemplateError):
+        template.render([{"role": "user", "content": "x"}])
+
+
+def test_sandbox_blocks_unsafe_attribute_access():
+    template = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(TemplateError):
+        template.render([{"role": "user", "content": "x"}])
+
+
+def test_content_parts_are_joined_and_tools_explained_when_the_template_cannot():
+    template = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }}\n{% endfor %}")
+    messages = normalise_messages([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                 {"type": "text", "text": "b"}]}])
+    text = render_chat(template, messages, [{"name": "get_time", "parameters": {}}])
+    assert text.startswith("system:You can call one of these functions")
+    assert "get_time" in text and text.endswith("user:ab\n")
