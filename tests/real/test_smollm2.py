@@ -37,37 +37,3 @@ def test_greedy_generations_equal_transformers(real_model_dir):
                                       tokenizer.decode(generated))
     assert any(len(t) < NEW_TOKENS for t in ours.values()), "one prompt should stop on EOS"
     assert any(len(t) == NEW_TOKENS for t in ours.values())
-
-
-def test_prepared_directory_is_complete_and_reused(real_model_dir):
-    from launcher.prepare import prepare_default_model
-
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja", "generation_config.json"):
-        assert (real_model_dir / name).exists(), name
-    assert "<|im_start|>" in (real_model_dir / "chat_template.jinja").read_text()
-    before = (real_model_dir / "model.safetensors").stat().st_mtime_ns
-    assert prepare_default_model(real_model_dir.parent.parent) == real_model_dir
-    assert (real_model_dir / "model.safetensors").stat().st_mtime_ns == before
-
-
-def test_converted_weights_equal_transformers_gguf_loading(real_model_dir):
-    """Our dequantisation and rope un-permutation against transformers' own GGUF loader."""
-    import transformers
-    from safetensors.torch import load_file
-
-    from launcher.prepare import fetch_default_gguf
-
-    gguf_path = fetch_default_gguf(real_model_dir.parent.parent)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).state_dict()
-    ours = load_file(str(real_model_dir / "model.safetensors"))
-    for name, tensor in ours.items():
-        assert (tensor - reference[name]).abs().max().item() < 1e-5, name
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent),
-                                                          gguf_file=gguf_path.name)
-    from tokenizers import Tokenizer
-
-    ours_tok = Tokenizer.from_file(str(real_model_dir / "tokenizer.json"))
-    for text in ("Hello world", "café 日本 🙂", "<|im_start|>user\nhi<|im_end|>"):
-        assert ours_tok.encode(text).ids == tokenizer(text).input_ids
