@@ -12,20 +12,21 @@ from typing import IO
 _LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 
 
+def _json_line(source: str, level: str, message: str) -> str:
+    return json.dumps({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()),
+                       "level": level, "source": source, "message": message}, ensure_ascii=False)
+
+
 def format_line(source: str, line: str, *, json_output: bool) -> str:
     if not json_output:
         return f"[{source}] {line}"
     level = _LEVEL.search(line[:40])
-    return json.dumps({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()),
-                       "level": level.group(1) if level else "INFO", "source": source,
-                       "message": line}, ensure_ascii=False)
+    return _json_line(source, level.group(1) if level else "INFO", line)
 
 
 def say(message: str, *, json_output: bool, level: str = "INFO") -> None:
     """The launcher's own messages, in the same format as the relayed ones."""
-    line = f"{level} {message}" if json_output else message
-    out = format_line("launcher", line, json_output=True) if json_output else \
-        f"tgi-launcher: {message}"
+    out = _json_line("launcher", level, message) if json_output else f"tgi-launcher: {message}"
     print(out, file=sys.stderr, flush=True)
 
 

@@ -113,3 +113,15 @@ def test_shard_killed_under_load_answers_everyone_and_exits_non_zero(tiny_llama,
             assert body["error_type"] == "generation"
     assert any(status != 200 for status, _ in results)
     assert server.processes_left() == []
+
+
+def test_json_output_writes_one_object_per_line(tiny_llama):
+    import json
+
+    done = subprocess.run([os.sys.executable, "-m", "launcher", "--model-id", str(tiny_llama),
+                           "--num-shard", "3", "--json-output", "--env"],
+                          capture_output=True, text=True, timeout=60)
+    lines = [json.loads(line) for line in done.stderr.splitlines() if line.strip()]
+    assert lines and all({"timestamp", "level", "source", "message"} <= set(o) for o in lines)
+    assert any(o["message"].startswith("torch: ") for o in lines), "--env reports versions"
+    assert lines[-1]["level"] == "ERROR" and "does not divide" in lines[-1]["message"]
