@@ -38,3 +38,18 @@ def test_content_parts_are_joined_and_tools_explained_when_the_template_cannot()
     text = render_chat(template, messages, [{"name": "get_time", "parameters": {}}])
     assert text.startswith("system:You can call one of these functions")
     assert "get_time" in text and text.endswith("user:ab\n")
+
+
+def test_suffix_becomes_a_fill_in_the_middle_prompt_when_the_tokenizer_has_its_tokens():
+    from types import SimpleNamespace
+
+    from router.api.completions import _with_suffix
+    from router.errors import ValidationError
+
+    fim = {"<fim_prefix>": 1, "<fim_suffix>": 2, "<fim_middle>": 3}
+    with_fim = SimpleNamespace(tokenizer=SimpleNamespace(token_to_id=fim.get))
+    assert _with_suffix("def f(", ")\n", with_fim) == "<fim_prefix>def f(<fim_suffix>)\n<fim_middle>"
+    assert _with_suffix("x", None, with_fim) == "x"
+    without = SimpleNamespace(tokenizer=SimpleNamespace(token_to_id=lambda _: None))
+    with pytest.raises(ValidationError, match="fill-in-the-middle"):
+        _with_suffix("x", "y", without)
