@@ -37,5 +37,9 @@ def validator(schema_name: str):
 
 
 def assert_matches(schema_name: str, body) -> None:
+    """Checks `body` against TGI's schema when the spec is beside the checkout (as in CI); without
+    it only the calling test's own assertions run."""
+    if not SPEC.exists():
+        return
     errors = sorted(validator(schema_name).iter_errors(body), key=str)
     assert not errors, f"{schema_name}: {errors[0].message} at {list(errors[0].absolute_path)}"
