@@ -45,7 +45,8 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse]:
     spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads // config.world_size,
                        cfg.head_dim, config.block_size, dtype, device)
     runner = ModelRunner(loaded.model, spec)
-    engine = Engine(loaded, runner, memory_fraction=config.memory_fraction)
+    engine = Engine(loaded, runner, memory_fraction=config.memory_fraction,
+                    world_size=config.world_size)
     info = pb.InfoResponse(
         requires_padding=False, dtype=config.dtype, device_type=device.type, speculate=0,
         support_chunking=True, use_prefix_caching=True, attention_impl="paged-sdpa",

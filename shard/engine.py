@@ -28,8 +28,10 @@ class BatchNotFound(KeyError):
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, runner: ModelRunner, *, memory_fraction: float = 1.0):
+    def __init__(self, loaded: LoadedModel, runner: ModelRunner, *, memory_fraction: float = 1.0,
+                 world_size: int = 1):
         self.loaded = loaded
+        self.world_size = world_size
         self.grammars = GrammarFactory(loaded.tokenizer.to_str(), loaded.config.vocab_size,
                                        sorted(loaded.eos_token_ids))
         self.tokenizer = loaded.tokenizer
@@ -57,7 +59,7 @@ class Engine:
             num_blocks = math.ceil(max_batch_total_tokens / block_size) + 1
         else:
             self.runner.allocate(1)
-            budget = kv_budget_bytes(self.runner.device, self.memory_fraction)
+            budget = kv_budget_bytes(self.runner.device, self.memory_fraction, self.world_size)
             num_blocks = budget // self.runner.spec.bytes_per_block
         if num_blocks < 2:
             raise RuntimeError("not enough memory for a single KV block; lower the dtype or "

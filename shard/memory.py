@@ -16,8 +16,13 @@ def available_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def kv_budget_bytes(device: torch.device, memory_fraction: float) -> int:
-    # leave room for activations and for everything else on the machine: on the CPU the memory is
-    # shared with the router, other shards and the user's programs
-    share = 0.9 if device.type == "cuda" else 0.3
-    return int(available_bytes(device) * share * memory_fraction)
+def kv_budget_bytes(device: torch.device, memory_fraction: float, world_size: int = 1) -> int:
+    """Bytes this rank's KV pool may take.
+
+    Leaves room for activations and everything else: on the CPU the memory is shared with the
+    router, the user's programs and the other ranks, which size their pools at the same moment
+    from the same free memory, so each takes its 1/world_size of the share.
+    """
+    if device.type == "cuda":
+        return int(available_bytes(device) * 0.9 * memory_fraction)
+    return int(available_bytes(device) * 0.3 * memory_fraction / world_size)
