@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed import ParallelContext, all_gather_last_dim, all_reduce
-from shard.layers.linear import linear, prepack
+from shard.layers.linear import LinearWeight, linear
 from shard.weights import Weights
 
 
@@ -54,7 +54,7 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.vocab_size = vocab_size
         self.parallel = parallel
-        self.packed = prepack(weight)
+        self.prepared = LinearWeight.prepare(weight)
 
     @classmethod
     def load(cls, weights: Weights, name: str, vocab_size: int) -> "ParallelLMHead":
@@ -66,5 +66,5 @@ class ParallelLMHead(nn.Module):
         return cls(embedding.weight, vocab_size, embedding.parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(linear(hidden, self.weight, None, self.packed), self.parallel)
+        logits = all_gather_last_dim(linear(hidden, self.prepared), self.parallel)
         return logits[..., : self.vocab_size]

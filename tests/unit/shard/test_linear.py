@@ -1,23 +1,60 @@
-"""Prepacked bfloat16 weights give exactly what F.linear gives; float32 is left to F.linear."""
+"""A bf16 weight multiplies to what F.linear gives in every form the CPU may hold it in."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from shard.layers.linear import linear, prepack
+from shard.layers import linear as linear_module
+from shard.layers.arithmetic import compute_dtype, cpu_has_bf16_kernels
+from shard.layers.linear import LinearWeight, linear
 
 
-def test_prepacked_bf16_linear_equals_f_linear():
+def _weights():
     torch.manual_seed(0)
     weight = torch.randn(96, 64, dtype=torch.bfloat16)
     bias = torch.randn(96, dtype=torch.bfloat16)
-    packed = prepack(weight)
-    if packed is None:
+    return weight, bias
+
+
+def test_prepacked_bf16_linear_equals_f_linear():
+    if not cpu_has_bf16_kernels():
         pytest.skip("this CPU has no oneDNN bfloat16 matmul")
+    weight, bias = _weights()
+    with_bias, without = LinearWeight.prepare(weight, bias), LinearWeight.prepare(weight)
+    assert with_bias.packed is not None
     for rows in (1, 7, 32):
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
-        assert torch.equal(linear(x, weight, bias, packed), F.linear(x, weight, bias))
-        assert torch.equal(linear(x, weight, None, packed), F.linear(x, weight))
+        assert torch.equal(linear(x, with_bias), F.linear(x, weight, bias))
+        assert torch.equal(linear(x, without), F.linear(x, weight))
 
 
-def test_float32_is_not_prepacked():
-    assert prepack(torch.randn(8, 8)) is None
+@pytest.mark.parametrize("rows", [1, 3, 7, 32, 48, 49, 200])
+def test_bf16_without_bf16_kernels_computes_in_float32(monkeypatch, rows):
+    """The AVX2 path (forced here on any CPU): float16-packed weights for decode-size matmuls, a
+    float32 copy for prefill-size ones; both are float32 arithmetic on the bf16 values."""
+    monkeypatch.setattr(linear_module, "cpu_has_bf16_kernels", lambda: False)
+    weight, bias = _weights()
+    prepared = LinearWeight.prepare(weight, bias)
+    assert prepared.packed is None and prepared.widened.dtype == torch.float32
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    out = linear(x, prepared)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    # within one bf16 rounding of the float32 result (F.linear in bf16 gives the same bound)
+    torch.testing.assert_close(out.float(), expected, rtol=1 / 128, atol=1e-2)
+    torch.testing.assert_close(linear(x, LinearWeight.prepare(weight)).float(),
+                               F.linear(x.float(), weight.float()), rtol=1 / 128, atol=1e-2)
+
+
+def test_float32_weights_are_used_as_they_are():
+    weight = torch.randn(8, 8)
+    prepared = LinearWeight.prepare(weight)
+    assert prepared.packed is None and prepared.half is None and prepared.widened is None
+    x = torch.randn(3, 8)
+    assert torch.equal(linear(x, prepared), F.linear(x, weight))
+
+
+def test_compute_dtype_widens_bf16_only_where_the_cpu_lacks_kernels():
+    cpu = torch.device("cpu")
+    assert compute_dtype(torch.float32, cpu) == torch.float32
+    expected = torch.bfloat16 if cpu_has_bf16_kernels() else torch.float32
+    assert compute_dtype(torch.bfloat16, cpu) == expected
