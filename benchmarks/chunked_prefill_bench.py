@@ -1,8 +1,9 @@
 """Inter-token latency of running streams while a long prompt arrives, with and without chunking.
 
 16 streams decode; once they are streaming, one 2,048-token prompt is sent. With chunked prefill
-(--max-batch-prefill-tokens as the chunk) the streams keep their pace; with the whole prompt
-prefilled at once they all stall for its length. Same run, same machine.
+(--max-batch-prefill-tokens as the largest chunk; the router sizes each chunk to cost about one decode
+step) the streams keep their pace; with the whole prompt prefilled at once they all stall for its
+length. Same run, same machine.
 
     python benchmarks/chunked_prefill_bench.py [--streams 16] [--long-tokens 2048] [--chunk 128]
 """

@@ -2,8 +2,9 @@
 
 It is the only module that drives the shards. Between two decode steps it asks the queue for more work;
 new requests are prefilled in their own batch and merged into the running one at the next decode.
-A prompt longer than the prefill budget (when the shards chunk) is computed one budget-sized chunk
-between two decode steps, so it never freezes the streams already running.
+A prompt longer than the prefill budget (when the shards chunk) is computed one chunk between two
+decode steps, so it never freezes the streams already running; chunks are sized from the measured
+step costs (router.chunk_sizing) so that each stalls the streams by about one decode step.
 Delivery: each request's events go to its own asyncio.Queue (TokenEvent, then None or a RouterError).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind
 from proto import generate_pb2 as pb
 from proto.tracing import tracer, tracing_enabled
 from router.block_allocator import BlockAllocator
+from router.chunk_sizing import StepCosts, chunk_tokens
 from router.errors import GenerationError, RouterError
 from router.metrics import Metrics
 from router.request_queue import BatchPlan, QueueEntry, RequestQueue
@@ -75,6 +77,7 @@ class Batcher:
         metrics.batch_max_total_tokens.set(allocator.num_usable_blocks * allocator.block_size)
         self.active: dict[int, ActiveRequest] = {}  # request id -> request, from prefill to end
         self.chunked: ChunkedPrefill | None = None  # the long prompt being prefilled in chunks
+        self.step_costs = StepCosts()
         self._wake = asyncio.Event()
 
     # ---- API side ---------------------------------------------------------------------------
@@ -122,7 +125,7 @@ class Batcher:
         if self.chunked is not None:
             if running_size:
                 self.metrics.counters.inc("tgi_batch_concat", reason="chunking")
-            return True, await self._prefill_chunk()
+            return True, await self._prefill_chunk(running_size)
         plan = self._next_plan(running_size=running_size, waiting_steps=waiting_steps)
         if plan is None:
             return False, None
@@ -134,7 +137,7 @@ class Batcher:
             (entry,) = plan.entries
             self._activate([entry.payload])
             self.chunked = ChunkedPrefill(entry.payload, next_start=entry.cache_len)
-            return True, await self._prefill_chunk()
+            return True, await self._prefill_chunk(running_size)
         return True, await self._prefill(plan)
 
     def _next_plan(self, *, running_size: int, waiting_steps: int) -> BatchPlan | None:
@@ -165,7 +168,7 @@ class Batcher:
             item.batched_at = now
             self.active[item.entry.id] = item
 
-    async def _prefill_chunk(self) -> pb.CachedBatch | None:
+    async def _prefill_chunk(self, running_size: int) -> pb.CachedBatch | None:
         """The next chunk of the long prompt being prefilled; its last chunk makes a batch."""
         chunk = self.chunked
         item = chunk.item
@@ -174,14 +177,15 @@ class Batcher:
             self._release(item.entry.id)
             return None
         start = chunk.next_start
-        size = min(self.limits.max_batch_prefill_tokens, item.entry.input_length - start)
+        size = chunk_tokens(item.entry.input_length - start, self.limits.max_batch_prefill_tokens,
+                            decoding=running_size > 0, costs=self.step_costs)
         is_last = start + size == item.entry.input_length
         batch_id = self.queue.new_batch_id()
         request = _request_proto(item, cache_len=start, chunk_len=None if is_last else size)
         batch = pb.Batch(id=batch_id, requests=[request], size=1,
                          max_tokens=item.entry.kv_tokens,
                          max_blocks=len(item.entry.allocation.block_ids))
-        reply = await self._call("prefill", self.client.prefill(batch), lambda: [item])
+        reply = await self._call("prefill", self.client.prefill(batch), lambda: [item], size)
         if isinstance(reply, ShardError):
             self.chunked = None
             await self._fail([item], [batch_id], reply)
@@ -199,7 +203,8 @@ class Batcher:
         batch = pb.Batch(id=plan.batch_id, requests=[_request_proto(i) for i in items],
                          size=len(items), max_tokens=plan.max_tokens,
                          max_blocks=max(len(i.entry.allocation.block_ids) for i in items))
-        reply = await self._call("prefill", self.client.prefill(batch), lambda: items)
+        computed = sum(i.entry.input_length - i.entry.cache_len for i in items)
+        reply = await self._call("prefill", self.client.prefill(batch), lambda: items, computed)
         if isinstance(reply, ShardError):
             await self._fail(items, [plan.batch_id], reply)
             return None
@@ -228,8 +233,9 @@ class Batcher:
             return None
         return await self._after_step(reply, "decode")
 
-    async def _call(self, method: str, call, items):
-        """Runs one shard step, recording TGI's batch metrics; a ShardError is returned, not raised."""
+    async def _call(self, method: str, call, items, prefill_tokens: int = 0):
+        """Runs one shard step, recording TGI's batch metrics and its cost (for sizing chunks); a
+        ShardError is returned, not raised."""
         metrics = self.metrics
         metrics.counters.inc("tgi_batch_inference_count", method=method)
         started = time.monotonic()
@@ -246,7 +252,12 @@ class Batcher:
             metrics.counters.inc("tgi_batch_inference_failure", method=method)
             return err
         metrics.counters.inc("tgi_batch_inference_success", method=method)
-        metrics.batch_inference_duration.labels(method).observe(time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        if method == "decode":
+            self.step_costs.observe_decode(elapsed)
+        else:
+            self.step_costs.observe_prefill(elapsed, prefill_tokens)
+        metrics.batch_inference_duration.labels(method).observe(elapsed)
         metrics.batch_forward_duration.labels(method).observe(reply.forward_ns / 1e9)
         metrics.batch_decode_duration.labels(method).observe(reply.decode_ns / 1e9)
         if reply.HasField("concat_ns"):
