@@ -71,7 +71,7 @@ def main() -> None:
                "whole": run(4096, args, streams, long_prompt)}
     print(f"{args.streams} streams decoding, one {args.long_tokens}-token prompt arrives, "
           f"{args.dtype}")
-    for name, label in (("chunked", f"chunks of {args.chunk}"), ("whole", "prefilled at once")):
+    for name, label in (("chunked", f"chunks <= {args.chunk}"), ("whole", "prefilled at once")):
         f = figures[name]
         print(f"  {label:<18} inter-token median {f['itl_median_s'] * 1e3:6.1f} ms, p99 "
               f"{f['itl_p99_s'] * 1e3:7.1f} ms (p99 / median = {f['p99_over_median']:.2f}), "

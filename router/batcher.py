@@ -20,7 +20,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind
 from proto import generate_pb2 as pb
 from proto.tracing import tracer, tracing_enabled
 from router.block_allocator import BlockAllocator
-from router.chunk_sizing import StepCosts, chunk_tokens
+from router.chunk_sizing import DecodeCost, chunk_tokens
 from router.errors import GenerationError, RouterError
 from router.metrics import Metrics
 from router.request_queue import BatchPlan, QueueEntry, RequestQueue
@@ -53,6 +53,7 @@ class ActiveRequest:
 class ChunkedPrefill:
     item: ActiveRequest
     next_start: int  # prompt tokens already in the cache
+    s_per_token: float | None = None  # what the previous chunk cost, to size the next
 
 
 @dataclass(slots=True)
@@ -77,7 +78,7 @@ class Batcher:
         metrics.batch_max_total_tokens.set(allocator.num_usable_blocks * allocator.block_size)
         self.active: dict[int, ActiveRequest] = {}  # request id -> request, from prefill to end
         self.chunked: ChunkedPrefill | None = None  # the long prompt being prefilled in chunks
-        self.step_costs = StepCosts()
+        self.decode_cost = DecodeCost()
         self._wake = asyncio.Event()
 
     # ---- API side ---------------------------------------------------------------------------
@@ -178,20 +179,23 @@ class Batcher:
             return None
         start = chunk.next_start
         size = chunk_tokens(item.entry.input_length - start, self.limits.max_batch_prefill_tokens,
-                            decoding=running_size > 0, costs=self.step_costs)
+                            decode_s=self.decode_cost.seconds if running_size else None,
+                            chunk_s_per_token=chunk.s_per_token)
+        started = time.monotonic()
         is_last = start + size == item.entry.input_length
         batch_id = self.queue.new_batch_id()
         request = _request_proto(item, cache_len=start, chunk_len=None if is_last else size)
         batch = pb.Batch(id=batch_id, requests=[request], size=1,
                          max_tokens=item.entry.kv_tokens,
                          max_blocks=len(item.entry.allocation.block_ids))
-        reply = await self._call("prefill", self.client.prefill(batch), lambda: [item], size)
+        reply = await self._call("prefill", self.client.prefill(batch), lambda: [item])
         if isinstance(reply, ShardError):
             self.chunked = None
             await self._fail([item], [batch_id], reply)
             return None
         if not is_last:
             chunk.next_start = start + size
+            chunk.s_per_token = (time.monotonic() - started) / size
             return None
         self.chunked = None
         self._remember_prompts([item.entry])
@@ -203,8 +207,7 @@ class Batcher:
         batch = pb.Batch(id=plan.batch_id, requests=[_request_proto(i) for i in items],
                          size=len(items), max_tokens=plan.max_tokens,
                          max_blocks=max(len(i.entry.allocation.block_ids) for i in items))
-        computed = sum(i.entry.input_length - i.entry.cache_len for i in items)
-        reply = await self._call("prefill", self.client.prefill(batch), lambda: items, computed)
+        reply = await self._call("prefill", self.client.prefill(batch), lambda: items)
         if isinstance(reply, ShardError):
             await self._fail(items, [plan.batch_id], reply)
             return None
@@ -233,9 +236,9 @@ class Batcher:
             return None
         return await self._after_step(reply, "decode")
 
-    async def _call(self, method: str, call, items, prefill_tokens: int = 0):
-        """Runs one shard step, recording TGI's batch metrics and its cost (for sizing chunks); a
-        ShardError is returned, not raised."""
+    async def _call(self, method: str, call, items):
+        """Runs one shard step, recording TGI's batch metrics (and the decode step's cost, to size
+        prefill chunks); a ShardError is returned, not raised."""
         metrics = self.metrics
         metrics.counters.inc("tgi_batch_inference_count", method=method)
         started = time.monotonic()
@@ -254,9 +257,7 @@ class Batcher:
         metrics.counters.inc("tgi_batch_inference_success", method=method)
         elapsed = time.monotonic() - started
         if method == "decode":
-            self.step_costs.observe_decode(elapsed)
-        else:
-            self.step_costs.observe_prefill(elapsed, prefill_tokens)
+            self.decode_cost.observe(elapsed)
         metrics.batch_inference_duration.labels(method).observe(elapsed)
         metrics.batch_forward_duration.labels(method).observe(reply.forward_ns / 1e9)
         metrics.batch_decode_duration.labels(method).observe(reply.decode_ns / 1e9)

@@ -1,39 +1,33 @@
 """Chunks of a long prompt are sized so each stalls the running streams by about one decode step."""
-from router.chunk_sizing import MIN_CHUNK_TOKENS, StepCosts, chunk_tokens
+from router.chunk_sizing import FIRST_CHUNK_TOKENS, MIN_CHUNK_TOKENS, DecodeCost, chunk_tokens
 
 
 def test_nothing_decoding_takes_the_whole_budget():
-    costs = StepCosts(decode_s=0.1, prefill_s_per_token=0.01)
-    assert chunk_tokens(5000, 512, decoding=False, costs=costs) == 512
-    assert chunk_tokens(100, 512, decoding=False, costs=costs) == 100
+    assert chunk_tokens(5000, 512, decode_s=None, chunk_s_per_token=0.01) == 512
+    assert chunk_tokens(5000, 512, decode_s=None, chunk_s_per_token=None) == 512
+    assert chunk_tokens(100, 512, decode_s=None, chunk_s_per_token=None) == 100
 
 
-def test_without_measurements_the_budget_applies():
-    assert chunk_tokens(5000, 512, decoding=True, costs=StepCosts()) == 512
-    assert chunk_tokens(5000, 512, decoding=True, costs=StepCosts(decode_s=0.1)) == 512
+def test_the_first_chunk_beside_decoding_streams_is_a_small_probe():
+    assert chunk_tokens(5000, 512, decode_s=0.1, chunk_s_per_token=None) == FIRST_CHUNK_TOKENS
+    assert chunk_tokens(5000, 16, decode_s=0.1, chunk_s_per_token=None) == 16
+    assert chunk_tokens(10, 512, decode_s=0.1, chunk_s_per_token=None) == 10
 
 
-def test_chunk_costs_about_one_decode_step():
-    costs = StepCosts(decode_s=0.12, prefill_s_per_token=0.004)
-    assert chunk_tokens(5000, 512, decoding=True, costs=costs) == 30
+def test_later_chunks_cost_about_one_decode_step():
+    assert chunk_tokens(5000, 512, decode_s=0.12, chunk_s_per_token=0.004) == 30
     # a faster machine or a bigger running batch affords bigger chunks, up to the budget
-    assert chunk_tokens(5000, 512, decoding=True,
-                        costs=StepCosts(decode_s=1.0, prefill_s_per_token=0.001)) == 512
-    assert chunk_tokens(20, 512, decoding=True, costs=costs) == 20
+    assert chunk_tokens(5000, 512, decode_s=1.0, chunk_s_per_token=0.001) == 512
+    assert chunk_tokens(20, 512, decode_s=0.12, chunk_s_per_token=0.004) == 20
 
 
 def test_chunks_never_shrink_below_the_minimum():
-    costs = StepCosts(decode_s=0.01, prefill_s_per_token=0.01)
-    assert chunk_tokens(5000, 512, decoding=True, costs=costs) == MIN_CHUNK_TOKENS
+    assert chunk_tokens(5000, 512, decode_s=0.01, chunk_s_per_token=0.01) == MIN_CHUNK_TOKENS
 
 
-def test_costs_are_moving_averages():
-    costs = StepCosts()
-    costs.observe_decode(0.1)
-    assert costs.decode_s == 0.1
-    costs.observe_decode(0.2)
-    assert 0.1 < costs.decode_s < 0.2
-    costs.observe_prefill(1.0, 100)
-    assert costs.prefill_s_per_token == 0.01
-    costs.observe_prefill(1.0, 0)  # a step that computed nothing (all cached) says nothing
-    assert costs.prefill_s_per_token == 0.01
+def test_decode_cost_is_a_moving_average():
+    cost = DecodeCost()
+    cost.observe(0.1)
+    assert cost.seconds == 0.1
+    cost.observe(0.2)
+    assert 0.1 < cost.seconds < 0.2
