@@ -196,6 +196,8 @@ class Batcher:
         if not is_last:
             chunk.next_start = start + size
             chunk.s_per_token = (time.monotonic() - started) / size
+            log.debug("prefill chunk of %d tokens at %d: %.3f s", size, start,
+                      chunk.s_per_token * size)
             return None
         self.chunked = None
         self._remember_prompts([item.entry])
@@ -258,6 +260,7 @@ class Batcher:
         elapsed = time.monotonic() - started
         if method == "decode":
             self.decode_cost.observe(elapsed)
+            log.debug("decode step: %.3f s", elapsed)
         metrics.batch_inference_duration.labels(method).observe(elapsed)
         metrics.batch_forward_duration.labels(method).observe(reply.forward_ns / 1e9)
         metrics.batch_decode_duration.labels(method).observe(reply.decode_ns / 1e9)

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from shard.layers.attention import AttentionMetadata, LayerCache, PrefillLayout, gather_index
+from shard.layers.attention import (AttentionMetadata, DecodeGroup, LayerCache, PrefillLayout,
+                                    gather_index)
+
+# Decode attention pads every context of a group to the group's longest. A sequence joins a group
+# while its context is at most twice the group's shortest, or this many tokens longer (padding a few
+# hundred tokens costs less than another round of small kernels).
+GROUP_SLACK_TOKENS = 512
 
 
 @dataclass(slots=True)
@@ -92,18 +98,43 @@ class ModelRunner:
         """One token per sequence at position seq_lens -> logits [B, vocab]."""
         spec = self.spec
         context_lens = seq_lens + 1
-        max_context = int(context_lens.max())
-        num_blocks = -(-max_context // spec.block_size)
-        tables = block_tables[:, :num_blocks]
-        slot_blocks = tables.gather(1, (seq_lens // spec.block_size).unsqueeze(1)).squeeze(1)
-        positions = torch.arange(num_blocks * spec.block_size, device=self.device)
-        mask = positions.unsqueeze(0) < context_lens.unsqueeze(1)
-        index = gather_index(tables, max_context,
-                             (None, spec.num_kv_heads, spec.block_size, spec.head_dim))
+        lengths = context_lens.tolist()
+        groups = group_by_context(lengths)
+        decode_groups = []
+        for rows in groups:
+            longest = max(lengths[r] for r in rows)
+            num_blocks = -(-longest // spec.block_size)
+            if len(groups) == 1:
+                row_index, tables, lens = None, block_tables[:, :num_blocks], context_lens
+            else:
+                row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
+                tables = block_tables[row_index, :num_blocks]
+                lens = context_lens[row_index]
+            positions = torch.arange(num_blocks * spec.block_size, device=self.device)
+            index = gather_index(tables, longest,
+                                 (None, spec.num_kv_heads, spec.block_size, spec.head_dim))
+            decode_groups.append(DecodeGroup(row_index, index,
+                                             positions.unsqueeze(0) < lens.unsqueeze(1)))
+        slot_blocks = block_tables.gather(1, (seq_lens // spec.block_size).unsqueeze(1)).squeeze(1)
         meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=seq_lens % spec.block_size,
-                                 block_tables=tables, max_context_len=max_context,
-                                 gather_index=index, decode_mask=mask)
+                                 block_tables=block_tables, max_context_len=max(lengths),
+                                 decode_groups=decode_groups)
         return self.model(input_ids, seq_lens, self.cache, meta)
+
+
+def group_by_context(lengths: list[int]) -> list[list[int]]:
+    """Rows of the batch grouped by similar context length (see GROUP_SLACK_TOKENS), shortest first."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    groups: list[list[int]] = []
+    shortest = 0
+    for row in order:
+        length = lengths[row]
+        if groups and length <= max(2 * shortest, shortest + GROUP_SLACK_TOKENS):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+            shortest = length
+    return groups
 
 
 def _pad_blocks(blocks: list[list[int]], device: torch.device) -> torch.Tensor:

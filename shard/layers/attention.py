@@ -24,6 +24,17 @@ class PrefillLayout:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Sequences of similar context length, attended together with their contexts padded to the
+    longest: one group per step when lengths are alike, more when a long context would otherwise
+    make every short one gather and score its length."""
+
+    rows: torch.Tensor | None  # [G] rows of the batch in this group; None: the whole batch
+    gather_index: torch.Tensor  # [G, kv_heads, blocks]: rows of the flattened cache to gather
+    mask: torch.Tensor  # [G, blocks * block_size]: which gathered positions hold real tokens
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Where the tokens of one forward sit in the batch and in the KV cache."""
 
@@ -31,10 +42,7 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] its position inside that block
     block_tables: torch.Tensor  # [B, max_blocks] block ids per sequence (padding repeats a valid id)
     max_context_len: int
-    # decode only: rows of the flattened [blocks * kv_heads] cache to gather, [B, kv_heads, blocks],
-    # and which gathered positions hold real tokens, [B, blocks * block_size]
-    gather_index: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
+    decode_groups: list[DecodeGroup] | None = None  # decode only
     prefill: PrefillLayout | None = None  # prefill only
 
 
@@ -61,18 +69,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
 
 def _decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:
+    groups = meta.decode_groups
+    if len(groups) == 1 and groups[0].rows is None:
+        return _attend_group(q, cache, groups[0], scale)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for group in groups:
+        out.index_copy_(0, group.rows, _attend_group(q.index_select(0, group.rows), cache, group,
+                                                     scale))
+    return out
+
+
+def _attend_group(q: torch.Tensor, cache: LayerCache, group: DecodeGroup,
+                  scale: float) -> torch.Tensor:
     """One query per sequence: two batched matmuls beat a flash kernel at this shape on CPU."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = cache.key.shape[1]
-    group = num_heads // num_kv_heads
-    keys = gather_blocks(cache.key, meta.gather_index)  # [B, kv, L, d]
-    values = gather_blocks(cache.value, meta.gather_index)
-    queries = q.view(batch, num_kv_heads, group, head_dim)  # heads of a KV group are adjacent
+    keys = gather_blocks(cache.key, group.gather_index)  # [G, kv, L, d]
+    values = gather_blocks(cache.value, group.gather_index)
+    # the heads sharing a key/value head are adjacent
+    queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     wide = compute_dtype(keys.dtype, keys.device)
     if wide != keys.dtype:  # bf16 stored, float32 computed: emulated bf16 matmuls are 3-5x slower
         keys, values, queries = keys.to(wide), values.to(wide), queries.to(wide)
-    scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [B, kv, group, L]
-    scores = scores.masked_fill(~meta.decode_mask.view(batch, 1, 1, -1), float("-inf"))
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [G, kv, group, L]
+    scores = scores.masked_fill(~group.mask.view(batch, 1, 1, -1), float("-inf"))
     probs = scores.softmax(dim=-1).to(values.dtype)
     return torch.matmul(probs, values).reshape(batch, num_heads * head_dim).to(q.dtype)
 
