@@ -25,22 +25,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_bench import percentile  # noqa: E402
-from benchmarks.http_bench import one_request, prompt_text, start_server  # noqa: E402
-
-
-async def stream(session, url: str, prompt: str, new_tokens: int, on_first_token) -> list[float]:
-    """Streams one request; returns the arrival time of every token."""
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}
-    stamps = []
-    async with session.post(f"{url}/generate_stream", json=body) as reply:
-        if reply.status != 200:
-            raise RuntimeError(f"{reply.status}: {await reply.text()}")
-        async for line in reply.content:
-            if line.startswith(b"data:"):
-                stamps.append(time.perf_counter())
-                if len(stamps) == 1:
-                    on_first_token()
-    return stamps
+from benchmarks.http_bench import one_request, prompt_text, start_server, token_stamps  # noqa: E402
 
 
 async def scenario(url: str, streams: list[str], long_prompt: str, new_tokens: int) -> dict:
@@ -54,7 +39,9 @@ async def scenario(url: str, streams: list[str], long_prompt: str, new_tokens: i
             if len(first_tokens) == len(streams):
                 all_decoding.set()
 
-        tasks = [asyncio.ensure_future(stream(session, url, p, new_tokens, on_first_token))
+        tasks = [asyncio.ensure_future(token_stamps(
+            session, url, {"inputs": p, "parameters": {"max_new_tokens": new_tokens,
+                                                       "ignore_eos": True}}, on_first_token))
                  for p in streams]
         await all_decoding.wait()  # every stream is decoding now
         window_start = time.perf_counter()

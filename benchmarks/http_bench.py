@@ -43,13 +43,8 @@ def prompt_text(tokenizer, length: int, variant: int) -> str:
     return tokenizer.decode(ids[:length])
 
 
-async def one_request(session, url: str, prompt: str, new_tokens: int,
-                      prompt_tokens: int | None = None):
-    parameters = {"max_new_tokens": new_tokens, "ignore_eos": True}
-    if prompt_tokens is not None:
-        parameters["truncate"] = prompt_tokens
-    body = {"inputs": prompt, "parameters": parameters}
-    started = time.perf_counter()
+async def token_stamps(session, url: str, body: dict, on_first_token=None) -> list[float]:
+    """Streams one TGI request; returns when each token arrived."""
     stamps = []
     async with session.post(f"{url}/generate_stream", json=body) as reply:
         if reply.status != 200:
@@ -57,6 +52,19 @@ async def one_request(session, url: str, prompt: str, new_tokens: int,
         async for line in reply.content:
             if line.startswith(b"data:"):
                 stamps.append(time.perf_counter())
+                if len(stamps) == 1 and on_first_token is not None:
+                    on_first_token()
+    return stamps
+
+
+async def one_request(session, url: str, prompt: str, new_tokens: int,
+                      prompt_tokens: int | None = None):
+    parameters = {"max_new_tokens": new_tokens, "ignore_eos": True}
+    if prompt_tokens is not None:
+        parameters["truncate"] = prompt_tokens
+    body = {"inputs": prompt, "parameters": parameters}
+    started = time.perf_counter()
+    stamps = await token_stamps(session, url, body)
     ttft = stamps[0] - started
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
     return ttft, itl, len(stamps)
