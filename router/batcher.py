@@ -103,10 +103,12 @@ class Batcher:
             self._wake.clear()
             running, waiting_steps = None, 0
             while True:
-                size = len(running.request_ids) if running is not None else 0
-                did_prefill, new = await self._prefill_next(size, waiting_steps)
+                did_prefill, new, stepped = await self._prefill_next(running, waiting_steps)
                 if did_prefill:
                     waiting_steps = 0
+                if stepped:
+                    running = new  # it took its decode step inside the chunk's forward
+                    continue
                 batches = [b for b in (running, new) if b is not None]
                 if not batches:
                     if did_prefill:
@@ -119,17 +121,19 @@ class Batcher:
             self.metrics.batch_current_size.set(0)
             self.metrics.batch_current_max_tokens.set(0)
 
-    async def _prefill_next(self, running_size: int, waiting_steps: int
-                            ) -> tuple[bool, pb.CachedBatch | None]:
+    async def _prefill_next(self, running: pb.CachedBatch | None, waiting_steps: int
+                            ) -> tuple[bool, pb.CachedBatch | None, bool]:
         """One prefill between two decode steps, if any is due: the next chunk of a long prompt,
-        else a new batch from the queue. Returns (whether a prefill ran, the batch it made)."""
+        else a new batch from the queue. Returns (whether a prefill ran, the batch it made,
+        whether that is the running batch after a step taken in the same forward)."""
+        running_size = len(running.request_ids) if running is not None else 0
         if self.chunked is not None:
             if running_size:
                 self.metrics.counters.inc("tgi_batch_concat", reason="chunking")
-            return True, await self._prefill_chunk(running_size)
+            return True, await self._prefill_chunk(running), running is not None
         plan = self._next_plan(running_size=running_size, waiting_steps=waiting_steps)
         if plan is None:
-            return False, None
+            return False, None, False
         if running_size:
             reason = ("wait_exceeded" if waiting_steps >= self.limits.max_waiting_tokens
                       else "backpressure")
@@ -138,8 +142,8 @@ class Batcher:
             (entry,) = plan.entries
             self._activate([entry.payload])
             self.chunked = ChunkedPrefill(entry.payload, next_start=entry.cache_len)
-            return True, await self._prefill_chunk(running_size)
-        return True, await self._prefill(plan)
+            return True, await self._prefill_chunk(running), running is not None
+        return True, await self._prefill(plan), False
 
     def _next_plan(self, *, running_size: int, waiting_steps: int) -> BatchPlan | None:
         limits = self.limits
@@ -169,38 +173,50 @@ class Batcher:
             item.batched_at = now
             self.active[item.entry.id] = item
 
-    async def _prefill_chunk(self, running_size: int) -> pb.CachedBatch | None:
-        """The next chunk of the long prompt being prefilled; its last chunk makes a batch."""
+    async def _prefill_chunk(self, running: pb.CachedBatch | None) -> pb.CachedBatch | None:
+        """The next chunk of the long prompt being prefilled, with the running batch taking its
+        decode step in the same forward. Returns the running batch after that step (joined by the
+        prompt's request after its last chunk), or, with nothing running, the batch the last chunk
+        makes."""
         chunk = self.chunked
         item = chunk.item
         if item.is_cancelled:
             self.chunked = None
             self._release(item.entry.id)
-            return None
+            return running
         start = chunk.next_start
+        decode_s = self.decode_cost.seconds if running is not None else None
         size = chunk_tokens(item.entry.input_length - start, self.limits.max_batch_prefill_tokens,
-                            decode_s=self.decode_cost.seconds if running_size else None,
-                            chunk_s_per_token=chunk.s_per_token)
-        started = time.monotonic()
+                            decode_s=decode_s, chunk_s_per_token=chunk.s_per_token)
         is_last = start + size == item.entry.input_length
         batch_id = self.queue.new_batch_id()
         request = _request_proto(item, cache_len=start, chunk_len=None if is_last else size)
         batch = pb.Batch(id=batch_id, requests=[request], size=1,
                          max_tokens=item.entry.kv_tokens,
                          max_blocks=len(item.entry.allocation.block_ids))
-        reply = await self._call("prefill", self.client.prefill(batch), lambda: [item])
+        riding = [running] if running is not None else []
+
+        def items() -> list[ActiveRequest]:
+            return [item] + self._items(riding)
+
+        started = time.monotonic()
+        reply = await self._call("prefill", self.client.prefill(batch, running), items)
         if isinstance(reply, ShardError):
             self.chunked = None
-            await self._fail([item], [batch_id], reply)
+            await self._fail(items(), [batch_id] + [b.id for b in riding], reply)
             return None
-        if not is_last:
+        elapsed = time.monotonic() - started
+        if is_last:
+            self.chunked = None
+            self._remember_prompts([item.entry])
+        else:
             chunk.next_start = start + size
-            chunk.s_per_token = (time.monotonic() - started) / size
-            log.debug("prefill chunk of %d tokens at %d: %.3f s", size, start,
-                      chunk.s_per_token * size)
-            return None
-        self.chunked = None
-        self._remember_prompts([item.entry])
+            # what the chunk's tokens added to the step: the riding batch's own step costs decode_s
+            added = elapsed - (decode_s or 0.0)
+            chunk.s_per_token = max(added, elapsed / 4) / size
+            log.debug("prefill chunk of %d tokens at %d: %.3f s", size, start, elapsed)
+            if running is None:
+                return None
         return await self._after_step(reply, "prefill")
 
     async def _prefill(self, plan: BatchPlan) -> pb.CachedBatch | None:
@@ -227,10 +243,14 @@ class Batcher:
             if entry.cache_len:
                 self.metrics.counters.inc("tgi_prefix_cache_hits", entry.cache_len)
 
+    def _items(self, batches: list[pb.CachedBatch]) -> list[ActiveRequest]:
+        """The requests of `batches` (only on failure or when tracing: not per step)."""
+        ids = (rid for b in batches for rid in b.request_ids)
+        return [self.active[i] for i in ids if i in self.active]
+
     async def _decode(self, batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
-        def items() -> list[ActiveRequest]:  # only on failure or when tracing: not per step
-            ids = (rid for b in batches for rid in b.request_ids)
-            return [self.active[i] for i in ids if i in self.active]
+        def items() -> list[ActiveRequest]:
+            return self._items(batches)
 
         reply = await self._call("decode", self.client.decode(batches), items)
         if isinstance(reply, ShardError):

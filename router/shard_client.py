@@ -72,8 +72,9 @@ class ShardedClient:
         # every rank must fit: take the smallest pool
         return min(replies, key=lambda r: r.num_blocks)
 
-    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
-        return await self._all("Prefill", pb.PrefillRequest(batch=batch))
+    async def prefill(self, batch: pb.Batch,
+                      cached_batch: pb.CachedBatch | None = None) -> pb.PrefillResponse:
+        return await self._all("Prefill", pb.PrefillRequest(batch=batch, cached_batch=cached_batch))
 
     async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
         return await self._all("Decode", pb.DecodeRequest(batches=batches))

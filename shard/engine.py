@@ -16,7 +16,7 @@ from shard.detokenizer import DetokenizerState, decode_next, flush
 from shard.grammar import GrammarFactory, advance
 from shard.loader import LoadedModel
 from shard.memory import kv_budget_bytes
-from shard.model_runner import ModelRunner, PrefillSequence
+from shard.model_runner import DecodeRows, ModelRunner, PrefillSequence
 from shard.outputs import (CachedBatchInfo, GeneratedText, Generation, StepResult, TokenRun,
                            WarmupResult)
 from shard.sampling import SampleOutput, SamplingBatch, needs_history, sample
@@ -67,16 +67,24 @@ class Engine:
         self.runner.allocate(num_blocks)
         return WarmupResult(num_blocks=num_blocks, block_size=block_size)
 
-    def prefill(self, batch_id: int, requests: list[NewRequest]) -> StepResult:
+    def prefill(self, batch_id: int, requests: list[NewRequest],
+                cached_batch_id: int | None = None) -> StepResult:
+        """Computes new prompts (or one chunk of a long one); with `cached_batch_id`, that running
+        batch also takes its next step in the same forward and the new requests join it."""
         start = time.perf_counter_ns()
         for request in requests:
             needed = len(request.input_ids) + request.max_new_tokens - 1
             if needed > len(request.blocks) * self.block_size:
                 raise ValueError(f"request {request.id} needs {needed} KV slots but holds "
                                  f"{len(request.blocks)} blocks of {self.block_size}")
-        if any(r.is_partial_chunk for r in requests):
-            return self._prefill_chunk(requests, start)
-        batch, generations, forward_ns = self._prefill_step(requests, batch_id)
+        is_chunk = any(r.is_partial_chunk for r in requests)
+        if is_chunk and len(requests) != 1:
+            raise ValueError("a chunk that stops short of its prompt's end must be prefilled alone")
+        running = self._pop(cached_batch_id) if cached_batch_id is not None else None
+        batch, generations, forward_ns = self._prefill_step(requests, batch_id, running)
+        if batch is None:
+            return StepResult([], None, forward_ns=forward_ns, decode_ns=0,
+                              total_ns=time.perf_counter_ns() - start)
         return self._finish_step(batch, generations, start, forward_ns)
 
     def decode(self, batch_ids: list[int]) -> StepResult:
@@ -115,29 +123,49 @@ class Engine:
 
     # ---- steps ------------------------------------------------------------------------------
 
-    def _prefill_chunk(self, requests: list[NewRequest], start: int) -> StepResult:
-        """Keys and values of one chunk of a long prompt; its token comes with the last chunk."""
-        if len(requests) != 1:
-            raise ValueError("a chunk that stops short of its prompt's end must be prefilled alone")
-        (request,) = requests
-        tokens = request.input_ids[request.cache_len:request.cache_len + request.chunk_len]
+    def _prefill_step(self, requests: list[NewRequest], batch_id: int = 0,
+                      running: Batch | None = None):
+        """-> (the batch to keep: the new requests, the running one, or both merged under the
+        running one's id; None when a partial chunk ran alone), generations, forward time."""
+        is_chunk = any(r.is_partial_chunk for r in requests)
+        seqs = [PrefillSequence(r.input_ids[r.cache_len:r.cache_len + r.chunk_len]
+                                if r.is_partial_chunk else r.input_ids[r.cache_len:],
+                                r.cache_len, r.blocks) for r in requests]
+        # a partial chunk computes keys and values only: its token comes with the last chunk
+        logits_rows = set() if is_chunk else {i for i, r in enumerate(requests)
+                                              if r.prefill_logprobs}
+        decode = None
+        if running is not None:
+            decode = DecodeRows(running.next_input_ids, running.seq_lens, running.block_tables)
         before = time.perf_counter_ns()
-        self.runner.prefill([PrefillSequence(tokens, request.cache_len, request.blocks)])
+        logits = self.runner.prefill(seqs, all_logits_rows=logits_rows, decode=decode)
         forward_ns = time.perf_counter_ns() - before
-        return StepResult([], None, forward_ns=forward_ns, decode_ns=0,
-                          total_ns=time.perf_counter_ns() - start)
+        batches, generations = [], []
+        if running is not None:
+            running.seq_lens = running.seq_lens + 1
+            output = sample(logits.decode, running.sampling, self._penalty_ids(running))
+            running.next_input_ids = output.next_ids
+            generations += self._generations(running, output)
+            batches.append(running)
+        if not is_chunk:
+            batch = self._new_batch(batch_id, requests)
+            output = sample(logits.last, batch.sampling, self._penalty_ids(batch))
+            batch.next_input_ids = output.next_ids
+            new_generations = self._generations(batch, output)
+            for i in logits_rows:
+                new_generations[i].prefill_tokens = self._prompt_tokens(requests[i],
+                                                                        logits.full[i])
+            generations += new_generations
+            batches.append(batch)
+        if not batches:
+            return None, generations, forward_ns
+        return (batches[0] if len(batches) == 1 else concatenate_batches(batches),
+                generations, forward_ns)
 
-    def _prefill_step(self, requests: list[NewRequest], batch_id: int = 0):
-        states = [self._state(r) for r in requests]
-        seqs = [PrefillSequence(r.input_ids[r.cache_len:], r.cache_len, r.blocks) for r in requests]
-        # the last chunk of a chunked prompt computes from its cache_len to the end, like the others
-        logits_rows = {i for i, r in enumerate(requests) if r.prefill_logprobs}
-        before = time.perf_counter_ns()
-        last_logits, all_logits = self.runner.prefill(seqs, all_logits_rows=logits_rows)
-        forward_ns = time.perf_counter_ns() - before
+    def _new_batch(self, batch_id: int, requests: list[NewRequest]) -> Batch:
         device = self.runner.device
-        batch = Batch(
-            id=batch_id, requests=states,
+        return Batch(
+            id=batch_id, requests=[self._state(r) for r in requests],
             block_tables=block_table_tensor([r.blocks for r in requests], device),
             seq_lens=torch.tensor([len(r.input_ids) for r in requests], dtype=torch.long,
                                   device=device),
@@ -146,12 +174,6 @@ class Engine:
                 [r.params for r in requests], device,
                 grammars=[self._matcher(r) for r in requests]),
         )
-        output = sample(last_logits, batch.sampling, self._penalty_ids(batch))
-        batch.next_input_ids = output.next_ids
-        generations = self._generations(batch, output)
-        for i in logits_rows:
-            generations[i].prefill_tokens = self._prompt_tokens(requests[i], all_logits[i])
-        return batch, generations, forward_ns
 
     def _finish_step(self, batch: Batch, generations: list[Generation], start: int,
                      forward_ns: int) -> StepResult:

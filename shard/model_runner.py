@@ -42,6 +42,22 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[LayerCache]:
 
 
 @dataclass(slots=True)
+class PrefillLogits:
+    last: torch.Tensor  # [sequences, vocab]: each sequence's last token
+    full: list[torch.Tensor | None]  # [n, vocab] every token, for the rows asked; else None
+    decode: torch.Tensor | None = None  # [B, vocab]: the running batch's rows, when one rode along
+
+
+@dataclass(slots=True)
+class DecodeRows:
+    """A running batch's next step: one token per sequence at position seq_lens."""
+
+    input_ids: torch.Tensor  # [B]
+    seq_lens: torch.Tensor  # [B]
+    block_tables: torch.Tensor  # [B, max_blocks]
+
+
+@dataclass(slots=True)
 class PrefillSequence:
     token_ids: list[int]  # the tokens to compute now
     start: int  # tokens of this sequence already in the cache (position of token_ids[0])
@@ -62,10 +78,13 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[PrefillSequence], *, all_logits_rows: set[int] = frozenset()
-                ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """Computes the sequences' tokens and returns (last-token logits [B, vocab], per sequence the
-        logits of every token [n, vocab] for the rows in `all_logits_rows`, else None)."""
+    def prefill(self, seqs: list[PrefillSequence], *, all_logits_rows: set[int] = frozenset(),
+                decode: DecodeRows | None = None) -> PrefillLogits:
+        """Computes the sequences' tokens (and, with `decode`, one step of a running batch).
+
+        With `decode`, a running batch's next tokens ride in the same forward (TGI's chunking): the
+        weights are read once for both, and the running streams advance while the prompt computes.
+        """
         device = self.device
         query_lens = [len(s.token_ids) for s in seqs]
         context_lens = [s.start + n for s, n in zip(seqs, query_lens)]
@@ -81,21 +100,38 @@ class ModelRunner:
         rows = []
         for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
             rows.extend(range(start, end) if i in all_logits_rows else [end - 1])
-        logits = self.model(input_ids, positions, self.cache, meta,
-                            torch.tensor(rows, dtype=torch.long, device=device))
-        last, full, cursor = [], [], 0
+        logit_rows = torch.tensor(rows, dtype=torch.long, device=device)
+        num_decode = 0
+        if decode is not None:
+            num_decode = len(decode.input_ids)
+            part = self._decode_metadata(decode.seq_lens, decode.block_tables)
+            input_ids = torch.cat([decode.input_ids, input_ids])
+            positions = torch.cat([decode.seq_lens, positions])
+            meta.slot_blocks = torch.cat([part.slot_blocks, meta.slot_blocks])
+            meta.slot_offsets = torch.cat([part.slot_offsets, meta.slot_offsets])
+            meta.decode_groups, meta.num_decode_rows = part.decode_groups, num_decode
+            logit_rows = torch.cat([torch.arange(num_decode, device=device),
+                                    logit_rows + num_decode])
+        logits = self.model(input_ids, positions, self.cache, meta, logit_rows)
+        decode_logits = logits[:num_decode] if decode is not None else None
+        last, full, cursor = [], [], num_decode
         for i, n in enumerate(query_lens):
             width = n if i in all_logits_rows else 1
             chunk = logits[cursor:cursor + width]
             last.append(chunk[-1])
             full.append(chunk if i in all_logits_rows else None)
             cursor += width
-        return torch.stack(last), full
+        return PrefillLogits(torch.stack(last), full, decode_logits)
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                block_tables: torch.Tensor) -> torch.Tensor:
         """One token per sequence at position seq_lens -> logits [B, vocab]."""
+        return self.model(input_ids, seq_lens, self.cache,
+                          self._decode_metadata(seq_lens, block_tables))
+
+    def _decode_metadata(self, seq_lens: torch.Tensor,
+                         block_tables: torch.Tensor) -> AttentionMetadata:
         spec = self.spec
         context_lens = seq_lens + 1
         lengths = context_lens.tolist()
@@ -116,10 +152,9 @@ class ModelRunner:
             decode_groups.append(DecodeGroup(row_index, index,
                                              positions.unsqueeze(0) < lens.unsqueeze(1)))
         slot_blocks = block_tables.gather(1, (seq_lens // spec.block_size).unsqueeze(1)).squeeze(1)
-        meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=seq_lens % spec.block_size,
+        return AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=seq_lens % spec.block_size,
                                  block_tables=block_tables, max_context_len=max(lengths),
                                  decode_groups=decode_groups)
-        return self.model(input_ids, seq_lens, self.cache, meta)
 
 
 def group_by_context(lengths: list[int]) -> list[list[int]]:

@@ -92,14 +92,12 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
                                  num_blocks=result.num_blocks)
 
     async def Prefill(self, request, context):
-        if request.HasField("cached_batch"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "this shard does not support chunked prefill (cached_batch)")
         try:
             requests = [convert.new_request(r) for r in request.batch.requests]
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        result = await self._run(context, self.engine.prefill, request.batch.id, requests,
+        cached = request.cached_batch.id if request.HasField("cached_batch") else None
+        result = await self._run(context, self.engine.prefill, request.batch.id, requests, cached,
                                  span="prefill")
         return convert.step_response(result, pb.PrefillResponse)
 

@@ -51,21 +51,38 @@ class FakeShardClient:
             del self.batches[batch_id]
         return reply
 
-    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+    async def prefill(self, batch: pb.Batch,
+                      cached_batch: pb.CachedBatch | None = None) -> pb.PrefillResponse:
+        """A cached batch takes its step in the same call and the complete new requests join it."""
         first = batch.requests[0]
-        if first.HasField("chunk_len") and first.cache_len + first.chunk_len < len(first.input_ids):
+        partial = (first.HasField("chunk_len")
+                   and first.cache_len + first.chunk_len < len(first.input_ids))
+        if partial:
             assert len(batch.requests) == 1, "a partial chunk is prefilled alone"
             self.calls.append(("chunk", (first.id, first.cache_len, first.chunk_len)))
-            await self._maybe_fail("prefill")
-            return pb.PrefillResponse()
-        self.calls.append(("prefill", [r.id for r in batch.requests]))
+        else:
+            self.calls.append(("prefill", [r.id for r in batch.requests]))
+        if cached_batch is not None:
+            self.calls.append(("step", cached_batch.id))
         await self._maybe_fail("prefill")
+        running, generations, target = [], [], batch.id
+        if cached_batch is not None:
+            if cached_batch.id not in self.batches:
+                raise ShardError(f"batch {cached_batch.id} not found")
+            running, target = self.batches.pop(cached_batch.id), cached_batch.id
+            generations = self._step(running)
+        if partial:
+            if cached_batch is None:
+                return pb.PrefillResponse()
+            self.batches[target] = running
+            return self._reply(pb.PrefillResponse, target, generations)
         for request in batch.requests:
             assert request.blocks, "every request must carry its KV blocks"
             self.requests[request.id] = request
             self.generated[request.id] = 0
-        self.batches[batch.id] = [r.id for r in batch.requests]
-        return self._reply(pb.PrefillResponse, batch.id, self._step(self.batches[batch.id]))
+        new_ids = [r.id for r in batch.requests]
+        self.batches[target] = running + new_ids
+        return self._reply(pb.PrefillResponse, target, generations + self._step(new_ids))
 
     async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
         self.calls.append(("decode", [b.id for b in batches]))

@@ -42,8 +42,11 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] its position inside that block
     block_tables: torch.Tensor  # [B, max_blocks] block ids per sequence (padding repeats a valid id)
     max_context_len: int
-    decode_groups: list[DecodeGroup] | None = None  # decode only
-    prefill: PrefillLayout | None = None  # prefill only
+    decode_groups: list[DecodeGroup] | None = None  # rows with one new token each
+    prefill: PrefillLayout | None = None  # rows of sequences with several new tokens
+    # with both: the first num_decode_rows rows decode, the rest prefill (a running batch riding
+    # in a prefill's forward); slot_* cover every row, the prefill layout indexes the rest only
+    num_decode_rows: int = 0
 
 
 @dataclass(slots=True)
@@ -62,9 +65,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     cache.key[meta.slot_blocks, :, meta.slot_offsets] = k
     cache.value[meta.slot_blocks, :, meta.slot_offsets] = v
     gqa = num_heads != num_kv_heads
-    if meta.prefill is not None:
+    if meta.prefill is None:
+        return _decode_attention(q, cache, meta, scale)
+    split = meta.num_decode_rows
+    if not split:
         return _prefill_attention(q, k, v, cache, meta, scale, gqa)
-    return _decode_attention(q, cache, meta, scale)
+    return torch.cat([_decode_attention(q[:split], cache, meta, scale),
+                      _prefill_attention(q[split:], k[split:], v[split:], cache, meta, scale, gqa)])
 
 
 def _decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,

@@ -42,7 +42,8 @@ def test_logits_match_transformers_through_paged_cache(tmp_path, variant):
     # blocks deliberately out of order and interleaved between sequences
     blocks = [[9, 3, 14, 1, 20, 30, 31], [2, 8, 13, 21, 22, 23], [4, 5, 6, 7, 10, 11, 12, 15]]
     seqs = [PrefillSequence(p, 0, b) for p, b in zip(prompts, blocks)]
-    last, full = runner.prefill(seqs, all_logits_rows={0, 1, 2})
+    logits = runner.prefill(seqs, all_logits_rows={0, 1, 2})
+    last, full = logits.last, logits.full
     tokens = [list(p) for p in prompts]
     with torch.no_grad():
         for i, prompt in enumerate(prompts):
@@ -70,8 +71,8 @@ def test_prompt_continued_from_cache_matches_transformers(tmp_path):
     prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
     blocks = [5, 2, 9]
     runner.prefill([PrefillSequence(prompt[:6], 0, blocks)])
-    _, full = runner.prefill([PrefillSequence(prompt[6:], 6, blocks),
-                              PrefillSequence(prompt, 0, [1, 3, 4])], all_logits_rows={0, 1})
+    full = runner.prefill([PrefillSequence(prompt[6:], 6, blocks),
+                           PrefillSequence(prompt, 0, [1, 3, 4])], all_logits_rows={0, 1}).full
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0]
     assert (full[0] - expected[6:]).abs().max().item() <= 1e-4

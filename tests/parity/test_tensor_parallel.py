@@ -34,7 +34,7 @@ def _run_rank(rank: int, world: int, port: int, model_dir: str, results):
                                                    cfg.num_key_value_heads // world, cfg.head_dim,
                                                    4, torch.float32, torch.device("cpu")))
     runner.allocate(16)
-    last, _ = runner.prefill([PrefillSequence(p, 0, b) for p, b in zip(PROMPTS, BLOCKS)])
+    last = runner.prefill([PrefillSequence(p, 0, b) for p, b in zip(PROMPTS, BLOCKS)]).last
     logits = [last]
     next_ids = last.argmax(-1)
     seq_lens = torch.tensor([len(p) for p in PROMPTS])

@@ -177,3 +177,50 @@ def test_group_by_context_bounds_the_padding():
     lengths = [10, 10 + GROUP_SLACK_TOKENS, 11 + GROUP_SLACK_TOKENS]
     assert group_by_context(lengths) == [[0, 1], [2]]
     assert group_by_context([]) == []
+
+
+def test_a_running_batch_rides_in_the_chunks_forward_and_answers_like_alone(engine):
+    """TGI's cached_batch: each chunk's forward also decodes the running batch; the long prompt
+    joins that batch after its last chunk; every token is the one each request gets alone."""
+    pool = BlockPool(512)
+    prompts = _prompts(engine)
+    long = engine.tokenizer.encode("The lazy dog jumps over the quick brown fox again and "
+                                   "again until the sun goes down").ids
+    alone = [_run_alone(engine, pool, 300 + i, p, 40) for i, p in enumerate(prompts[:2])]
+    long_alone = _run_alone(engine, pool, 310, long, 6)
+
+    blocks = {i: pool.take(len(prompts[i]) + 40, 4) for i in range(2)}
+    out = engine.prefill(20, [request(i, prompts[i], blocks[i], max_new_tokens=40, ignore_eos=True)
+                              for i in range(2)])
+    got = {g.request_id: [g.tokens.ids[0]] for g in out.generations}
+    running = out.batch
+    long_blocks = pool.take(len(long) + 6, 4)
+    assert len(long) < 5 * 30, "the running requests outlast the chunks"
+    for start in range(0, len(long) - 5, 5):
+        chunk = request(9, long, long_blocks, max_new_tokens=6, ignore_eos=True)
+        chunk.cache_len, chunk.chunk_len = start, 5
+        out = engine.prefill(40 + start, [chunk], cached_batch_id=running.id)
+        assert [g.request_id for g in out.generations] == [0, 1], "only the running rows yield"
+        assert out.batch.id == running.id and out.batch.request_ids == [0, 1]
+        for g in out.generations:
+            got[g.request_id].append(g.tokens.ids[0])
+        running = out.batch
+    last = request(9, long, long_blocks, max_new_tokens=6, ignore_eos=True)
+    last.cache_len = start + 5
+    out = engine.prefill(90, [last], cached_batch_id=running.id)
+    assert out.batch.id == running.id and out.batch.request_ids == [0, 1, 9]
+    got[9] = []
+    while True:
+        for g in out.generations:
+            got[g.request_id].append(g.tokens.ids[0])
+        if out.batch is None:
+            break
+        finished = {g.request_id for g in out.generations if g.generated_text is not None}
+        alive = [r for r in out.batch.request_ids if r not in finished]
+        if not alive:
+            engine.clear(out.batch.id)
+            break
+        out = engine.decode([engine.filter(out.batch.id, alive).id])
+    assert [got[0], got[1], got[9]] == alone + [long_alone]
+    with pytest.raises(BatchNotFound):
+        engine.prefill(91, [request(5, prompts[0], pool.take(20, 4))], cached_batch_id=12345)
