@@ -6,7 +6,7 @@ streams' inter-token latencies from then on are measured. With chunked prefill
 step) the streams keep their pace; with the whole prompt prefilled at once they all stall for its
 length. Same run, same machine.
 
-    python benchmarks/chunked_prefill_bench.py [--streams 16] [--long-tokens 2048] [--chunk 128]
+    python benchmarks/chunked_prefill_bench.py [--streams 16] [--long-tokens 2048] [--chunk 512]
 """
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ async def scenario(url: str, streams: list[str], long_prompt: str, new_tokens: i
     # inter-token gaps while all the streams decode: the streams' own admission (prompts prefilled
     # while earlier streams already decode) is not what this measures
     itls = [b - a for stamps in results for a, b in zip(stamps, stamps[1:]) if a >= window_start]
+    if not itls:
+        raise RuntimeError("the streams ended before the long prompt arrived: raise --new-tokens")
     median = statistics.median(itls)
     p99 = percentile(itls, 99)
     return {"itl_median_s": median, "itl_p99_s": p99, "p99_over_median": p99 / median,
@@ -57,9 +59,12 @@ async def scenario(url: str, streams: list[str], long_prompt: str, new_tokens: i
 
 
 def run(prefill_tokens: int, args, streams, long_prompt) -> dict:
-    server, url = start_server(args.dtype, [
-        "--max-batch-prefill-tokens", str(prefill_tokens), "--max-input-tokens", "4000",
-        "--max-total-tokens", "4096", "--prefix-caching", "off"])
+    total = args.long_tokens + args.new_tokens + 64
+    extra = ["--max-batch-prefill-tokens", str(prefill_tokens), "--max-input-tokens",
+             str(args.long_tokens + 32), "--max-total-tokens", str(total), "--prefix-caching", "off"]
+    if args.model_dir is not None:
+        extra += ["--model-id", str(args.model_dir)]
+    server, url = start_server(args.dtype, extra)
     try:
         return asyncio.run(scenario(url, streams, long_prompt, args.new_tokens))
     finally:
@@ -69,22 +74,26 @@ def run(prefill_tokens: int, args, streams, long_prompt) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="model to serve (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--long-tokens", type=int, default=2048)
-    parser.add_argument("--chunk", type=int, default=128)
+    parser.add_argument("--chunk", type=int, default=512,
+                        help="--max-batch-prefill-tokens: the largest chunk")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     from tokenizers import Tokenizer
 
     from launcher.prepare import prepare_default_model
 
-    tokenizer = Tokenizer.from_file(str(prepare_default_model() / "tokenizer.json"))
+    model_dir = args.model_dir or prepare_default_model()
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     streams = [prompt_text(tokenizer, 128, i) for i in range(args.streams)]
     long_prompt = prompt_text(tokenizer, args.long_tokens, 99)
     figures = {"chunked": run(args.chunk, args, streams, long_prompt),
-               "whole": run(4096, args, streams, long_prompt)}
+               "whole": run(args.long_tokens + 32, args, streams, long_prompt)}
     print(f"{args.streams} streams decoding, one {args.long_tokens}-token prompt arrives, "
           f"{args.dtype}")
     for name, label in (("chunked", f"chunks <= {args.chunk}"), ("whole", "prefilled at once")):

@@ -31,10 +31,13 @@ async def ttfts(url: str, shared: str, questions: list[str]) -> list[float]:
         return out
 
 
-def run(mode: str, dtype: str, shared: str, questions: list[str]) -> list[float]:
-    server, url = start_server(dtype, ["--prefix-caching", mode, "--max-input-tokens", "2000",
-                                       "--max-total-tokens", "2048",
-                                       "--max-batch-prefill-tokens", "2048"])
+def run(mode: str, args, shared: str, questions: list[str]) -> list[float]:
+    longest = args.shared_tokens + 64
+    extra = ["--prefix-caching", mode, "--max-input-tokens", str(longest), "--max-total-tokens",
+             str(longest + 8), "--max-batch-prefill-tokens", str(longest + 8)]
+    if args.model_dir is not None:
+        extra += ["--model-id", str(args.model_dir)]
+    server, url = start_server(args.dtype, extra)
     try:
         return asyncio.run(ttfts(url, shared, questions))
     finally:
@@ -44,6 +47,8 @@ def run(mode: str, dtype: str, shared: str, questions: list[str]) -> list[float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="model to serve (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--shared-tokens", type=int, default=1024)
     parser.add_argument("--later", type=int, default=8)
@@ -53,12 +58,13 @@ def main() -> None:
 
     from launcher.prepare import prepare_default_model
 
-    tokenizer = Tokenizer.from_file(str(prepare_default_model() / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str((args.model_dir or prepare_default_model())
+                                        / "tokenizer.json"))
     shared = prompt_text(tokenizer, args.shared_tokens, 3)
     questions = [f"\nQuestion {i}: what happened on day {i}?\nAnswer:" for i in range(args.later + 1)]
     figures = {}
     for mode in ("on", "off"):
-        times = run(mode, args.dtype, shared, questions)
+        times = run(mode, args, shared, questions)
         later = statistics.median(times[1:])
         figures[mode] = {"first_ttft_s": times[0], "later_ttft_median_s": later,
                          "later_over_first": later / times[0]}

@@ -26,7 +26,8 @@ class RouterConfig:
     max_total_tokens: int = _opt(None, "Longest prompt + output (default: min(4096, context)).")
     max_batch_prefill_tokens: int = _opt(None, "Prompt tokens per prefill (default: max_input_tokens "
                                                "+ 50). A longer prompt is prefilled in chunks of "
-                                               "this size between decode steps.")
+                                               "at most this size, each carrying a decode step "
+                                               "of the running batch.")
     max_batch_total_tokens: int = _opt(None, "Tokens of KV cache in all; default: sized by the shards "
                                              "from free memory.")
     waiting_served_ratio: float = _opt(0.3, "Waiting/running ratio that interrupts decoding to prefill.")

@@ -43,3 +43,23 @@ def test_http_benchmark(tiny_llama, tmp_path):
     assert "output tokens/s" in out and "tgi-py / transformers" in out
     figures = json.loads((tmp_path / "h.json").read_text())
     assert figures["server"]["output_tokens"] == 2 * 4
+
+
+@pytest.mark.e2e
+def test_chunked_prefill_benchmark(tiny_llama, tmp_path):
+    out = _run(["benchmarks/chunked_prefill_bench.py", "--model-dir", str(tiny_llama), "--dtype",
+                "float32", "--streams", "2", "--new-tokens", "200", "--long-tokens", "200",
+                "--chunk", "32", "--json", str(tmp_path / "c.json")], tmp_path)
+    assert "p99 / median" in out and "prefilled at once" in out
+    figures = json.loads((tmp_path / "c.json").read_text())
+    assert figures["chunked"]["itl_count"] > 0 and figures["whole"]["itl_max_s"] > 0
+
+
+@pytest.mark.e2e
+def test_prefix_cache_benchmark(tiny_llama, tmp_path):
+    out = _run(["benchmarks/prefix_cache_bench.py", "--model-dir", str(tiny_llama), "--dtype",
+                "float32", "--shared-tokens", "200", "--later", "2", "--json",
+                str(tmp_path / "p.json")], tmp_path)
+    assert "later / first" in out
+    figures = json.loads((tmp_path / "p.json").read_text())
+    assert set(figures) == {"on", "off"}
