@@ -158,3 +158,64 @@ async def test_a_long_prompt_is_prefilled_in_chunks_that_carry_the_running_batch
     final = next(i for i, c in enumerate(client.calls) if c[0] == "prefill" and i > chunks[-1][0])
     assert final > chunks[-1][0]
     assert allocator.num_free_blocks == allocator.num_usable_blocks
+
+
+def _chunking_setup(client):
+    allocator = BlockAllocator(400, 4)
+    limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
+                              waiting_served_ratio=0.0, max_waiting_tokens=20, max_batch_size=None)
+    metrics = Metrics(max_input_tokens=1000, max_total_tokens=2000)
+    batcher = Batcher(client, RequestQueue(allocator, chunking=True), allocator, limits, metrics)
+    return batcher, Infer(batcher, metrics, max_concurrent_requests=64), allocator
+
+
+async def _chunks_started(client):
+    while not any(name == "chunk" for name, _ in client.calls):
+        await asyncio.sleep(0.001)
+
+
+async def test_a_failed_chunk_fails_the_running_batch_riding_in_it_and_frees_everything():
+    client = FakeShardClient(step_delay=0.002)
+    batcher, infer, allocator = _chunking_setup(client)
+
+    async def scenario():
+        running = [asyncio.ensure_future(infer.generate(_request(40))) for _ in range(2)]
+        while not any(name == "decode" for name, _ in client.calls):
+            await asyncio.sleep(0.001)
+        long = asyncio.ensure_future(infer.generate(_request(5, length=300)))
+        await _chunks_started(client)
+        client.fail_next = "prefill"
+        return await asyncio.gather(long, *running, return_exceptions=True)
+
+    results = await _with_loop(batcher, scenario())
+    assert all(isinstance(r, GenerationError) for r in results), results
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+    assert client.batches == {}
+    after = await _with_loop(batcher, infer.generate(_request(4)))
+    assert after.final.generated_tokens == 4
+
+
+async def test_a_long_prompt_cancelled_between_chunks_leaves_the_running_batch_going():
+    client = FakeShardClient(step_delay=0.002)
+    batcher, infer, allocator = _chunking_setup(client)
+
+    async def scenario():
+        running = [asyncio.ensure_future(infer.generate(_request(40))) for _ in range(2)]
+        while not any(name == "decode" for name, _ in client.calls):
+            await asyncio.sleep(0.001)
+        stream = infer.stream(_request(5, length=300))
+        long = asyncio.ensure_future(anext(stream))
+        await _chunks_started(client)
+        long.cancel()
+        await asyncio.gather(long, return_exceptions=True)
+        await stream.aclose()
+        return await asyncio.gather(*running)
+
+    results = await _with_loop(batcher, scenario())
+    assert [r.final.generated_tokens for r in results] == [40, 40]
+    for _ in range(100):
+        if allocator.num_free_blocks == allocator.num_usable_blocks:
+            break
+        await asyncio.sleep(0.01)
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+    assert batcher.chunked is None
