@@ -169,6 +169,13 @@ def _chunking_setup(client):
     return batcher, Infer(batcher, metrics, max_concurrent_requests=64), allocator
 
 
+async def _two_decoding(infer, client) -> list:
+    running = [asyncio.ensure_future(infer.generate(_request(40))) for _ in range(2)]
+    while not any(name == "decode" for name, _ in client.calls):
+        await asyncio.sleep(0.001)
+    return running
+
+
 async def _chunks_started(client):
     while not any(name == "chunk" for name, _ in client.calls):
         await asyncio.sleep(0.001)
@@ -179,9 +186,7 @@ async def test_a_failed_chunk_fails_the_running_batch_riding_in_it_and_frees_eve
     batcher, infer, allocator = _chunking_setup(client)
 
     async def scenario():
-        running = [asyncio.ensure_future(infer.generate(_request(40))) for _ in range(2)]
-        while not any(name == "decode" for name, _ in client.calls):
-            await asyncio.sleep(0.001)
+        running = await _two_decoding(infer, client)
         long = asyncio.ensure_future(infer.generate(_request(5, length=300)))
         await _chunks_started(client)
         client.fail_next = "prefill"
@@ -200,9 +205,7 @@ async def test_a_long_prompt_cancelled_between_chunks_leaves_the_running_batch_g
     batcher, infer, allocator = _chunking_setup(client)
 
     async def scenario():
-        running = [asyncio.ensure_future(infer.generate(_request(40))) for _ in range(2)]
-        while not any(name == "decode" for name, _ in client.calls):
-            await asyncio.sleep(0.001)
+        running = await _two_decoding(infer, client)
         stream = infer.stream(_request(5, length=300))
         long = asyncio.ensure_future(anext(stream))
         await _chunks_started(client)
