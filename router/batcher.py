@@ -1,7 +1,8 @@
 """The continuous-batching task: prefill new requests, decode the running batch, filter what finished.
 
-It is the only module that drives the shards. Between two decode steps it asks the queue for more work;
-new requests are prefilled in their own batch and merged into the running one at the next decode.
+It is the only module that drives the shards. Between two decode steps it asks the queue for more work.
+With shards that chunk, new requests are prefilled in the same forward as the running batch's next
+step (TGI's cached_batch) and join it; otherwise in their own batch, merged at the next decode.
 A prompt longer than the prefill budget (when the shards chunk) is computed one chunk between two
 decode steps, so it never freezes the streams already running; chunks are sized from the measured
 step costs (router.chunk_sizing) so that each stalls the streams by about one decode step.
@@ -143,7 +144,9 @@ class Batcher:
             self._activate([entry.payload])
             self.chunked = ChunkedPrefill(entry.payload, next_start=entry.cache_len)
             return True, await self._prefill_chunk(running), running is not None
-        return True, await self._prefill(plan), False
+        # shards that chunk take the running batch's step in the same forward (TGI's cached_batch)
+        riding = running if self.queue.chunking else None
+        return True, await self._prefill(plan, riding), riding is not None
 
     def _next_plan(self, *, running_size: int, waiting_steps: int) -> BatchPlan | None:
         limits = self.limits
@@ -219,15 +222,23 @@ class Batcher:
                 return None
         return await self._after_step(reply, "prefill")
 
-    async def _prefill(self, plan: BatchPlan) -> pb.CachedBatch | None:
+    async def _prefill(self, plan: BatchPlan,
+                       running: pb.CachedBatch | None = None) -> pb.CachedBatch | None:
+        """New requests; with `running`, that batch takes its decode step in the same forward and
+        the result is it, joined by the new requests."""
         items = [e.payload for e in plan.entries]
         self._activate(items)
         batch = pb.Batch(id=plan.batch_id, requests=[_request_proto(i) for i in items],
                          size=len(items), max_tokens=plan.max_tokens,
                          max_blocks=max(len(i.entry.allocation.block_ids) for i in items))
-        reply = await self._call("prefill", self.client.prefill(batch), lambda: items)
+        riding = [running] if running is not None else []
+
+        def all_items() -> list[ActiveRequest]:
+            return items + self._items(riding)
+
+        reply = await self._call("prefill", self.client.prefill(batch, running), all_items)
         if isinstance(reply, ShardError):
-            await self._fail(items, [plan.batch_id], reply)
+            await self._fail(all_items(), [plan.batch_id] + [b.id for b in riding], reply)
             return None
         self._remember_prompts(plan.entries)
         return await self._after_step(reply, "prefill")

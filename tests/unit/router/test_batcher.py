@@ -222,3 +222,38 @@ async def test_a_long_prompt_cancelled_between_chunks_leaves_the_running_batch_g
         await asyncio.sleep(0.01)
     assert allocator.num_free_blocks == allocator.num_usable_blocks
     assert batcher.chunked is None
+
+
+async def test_with_chunking_shards_new_requests_join_inside_the_running_batchs_step():
+    client = FakeShardClient(step_delay=0.002)
+    batcher, infer, allocator = _chunking_setup(client)
+
+    async def scenario():
+        running = await _two_decoding(infer, client)
+        late = [asyncio.ensure_future(infer.generate(_request(5 + i))) for i in range(3)]
+        return await asyncio.gather(*running, *late)
+
+    results = await _with_loop(batcher, scenario())
+    assert [r.final.generated_tokens for r in results] == [40, 40, 5, 6, 7]
+    fused = [i for i, (name, _) in enumerate(client.calls) if name == "step"]
+    assert fused and all(client.calls[i - 1][0] == "prefill" for i in fused), \
+        "the late prefills carried the running batch's step"
+    assert not any(name == "decode" and len(ids) > 1 for name, ids in client.calls)
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+    assert client.batches == {}
+
+
+async def test_a_failed_fused_prefill_fails_the_riding_batch_too_and_frees_everything():
+    client = FakeShardClient(step_delay=0.002)
+    batcher, infer, allocator = _chunking_setup(client)
+
+    async def scenario():
+        running = await _two_decoding(infer, client)
+        client.fail_next = "prefill"
+        late = asyncio.ensure_future(infer.generate(_request(5)))
+        return await asyncio.gather(late, *running, return_exceptions=True)
+
+    results = await _with_loop(batcher, scenario())
+    assert all(isinstance(r, GenerationError) for r in results), results
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+    assert client.batches == {}
