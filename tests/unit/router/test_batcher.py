@@ -29,6 +29,11 @@ def _request(max_new_tokens, length=8):
                            stopping=StoppingParams(max_new_tokens=max_new_tokens))
 
 
+def _assert_all_freed(allocator, client):
+    assert allocator.num_free_blocks == allocator.num_usable_blocks, "every KV block came back"
+    assert client.batches == {}, "the shard holds no batch"
+
+
 async def _with_loop(batcher, coro):
     task = asyncio.create_task(batcher.run())
     try:
@@ -50,8 +55,7 @@ async def test_requests_join_a_running_batch_and_all_finish():
     assert [r.final.text for r in results][0] == "t1 t2 t3 "
     assert any(name == "decode" and len(ids) == 2 for name, ids in client.calls), \
         "a new prefill was merged into the running batch"
-    assert allocator.num_free_blocks == allocator.num_usable_blocks
-    assert client.batches == {}
+    _assert_all_freed(allocator, client)
 
 
 async def test_cancelled_stream_leaves_at_next_step_and_frees_blocks():
@@ -194,8 +198,7 @@ async def test_a_failed_chunk_fails_the_running_batch_riding_in_it_and_frees_eve
 
     results = await _with_loop(batcher, scenario())
     assert all(isinstance(r, GenerationError) for r in results), results
-    assert allocator.num_free_blocks == allocator.num_usable_blocks
-    assert client.batches == {}
+    _assert_all_freed(allocator, client)
     after = await _with_loop(batcher, infer.generate(_request(4)))
     assert after.final.generated_tokens == 4
 
@@ -239,8 +242,7 @@ async def test_with_chunking_shards_new_requests_join_inside_the_running_batchs_
     assert fused and all(client.calls[i - 1][0] == "prefill" for i in fused), \
         "the late prefills carried the running batch's step"
     assert not any(name == "decode" and len(ids) > 1 for name, ids in client.calls)
-    assert allocator.num_free_blocks == allocator.num_usable_blocks
-    assert client.batches == {}
+    _assert_all_freed(allocator, client)
 
 
 async def test_a_failed_fused_prefill_fails_the_riding_batch_too_and_frees_everything():
@@ -255,5 +257,4 @@ async def test_a_failed_fused_prefill_fails_the_riding_batch_too_and_frees_every
 
     results = await _with_loop(batcher, scenario())
     assert all(isinstance(r, GenerationError) for r in results), results
-    assert allocator.num_free_blocks == allocator.num_usable_blocks
-    assert client.batches == {}
+    _assert_all_freed(allocator, client)
