@@ -108,19 +108,23 @@ class Batcher:
                 if did_prefill:
                     waiting_steps = 0
                 if stepped:
-                    running = new  # it took its decode step inside the chunk's forward
+                    # it took its decode step inside the prefill's forward
+                    running = new
+                    self._batch_gauges([running] if running is not None else [])
                     continue
                 batches = [b for b in (running, new) if b is not None]
                 if not batches:
                     if did_prefill:
                         continue  # a long prompt's chunks, with nothing decoding meanwhile
                     break
-                self.metrics.batch_current_size.set(sum(len(b.request_ids) for b in batches))
-                self.metrics.batch_current_max_tokens.set(sum(b.max_tokens for b in batches))
+                self._batch_gauges(batches)
                 running = await self._decode(batches)
                 waiting_steps += 1
-            self.metrics.batch_current_size.set(0)
-            self.metrics.batch_current_max_tokens.set(0)
+            self._batch_gauges([])
+
+    def _batch_gauges(self, batches: list[pb.CachedBatch]) -> None:
+        self.metrics.batch_current_size.set(sum(len(b.request_ids) for b in batches))
+        self.metrics.batch_current_max_tokens.set(sum(b.max_tokens for b in batches))
 
     async def _prefill_next(self, running: pb.CachedBatch | None, waiting_steps: int
                             ) -> tuple[bool, pb.CachedBatch | None, bool]:

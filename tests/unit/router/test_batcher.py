@@ -258,3 +258,39 @@ async def test_a_failed_fused_prefill_fails_the_riding_batch_too_and_frees_every
     results = await _with_loop(batcher, scenario())
     assert all(isinstance(r, GenerationError) for r in results), results
     _assert_all_freed(allocator, client)
+
+
+async def test_the_batch_size_gauge_follows_a_batch_that_shrinks_inside_chunk_steps():
+    class GaugeWatchingShard(FakeShardClient):
+        def __init__(self):
+            super().__init__(step_delay=0.002)
+            self.seen: list[tuple[int, float]] = []  # (riding batch size, gauge) per step-carrying call
+
+        async def prefill(self, batch, cached_batch=None):
+            if cached_batch is not None:
+                self.seen.append((len(cached_batch.request_ids), _gauge(batcher, "tgi_batch_current_size")))
+            return await super().prefill(batch, cached_batch)
+
+    client = GaugeWatchingShard()
+    batcher, infer, allocator = _chunking_setup(client)
+
+    async def scenario():
+        # streams that finish one by one while the long prompt's chunks carry their steps
+        running = [asyncio.ensure_future(infer.generate(_request(3 + 2 * i))) for i in range(3)]
+        while not any(name == "decode" for name, _ in client.calls):
+            await asyncio.sleep(0.001)
+        long = asyncio.ensure_future(infer.generate(_request(5, length=300)))
+        return await asyncio.gather(*running, long)
+
+    await _with_loop(batcher, scenario())
+    sizes = [size for size, _ in client.seen]
+    assert len(set(sizes)) >= 2, "the riding batch shrank while chunks were running"
+    assert all(gauge == size for size, gauge in client.seen), client.seen
+    _assert_all_freed(allocator, client)
+
+
+def _gauge(batcher, name: str) -> float:
+    for line in batcher.metrics.render().decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not exported")
