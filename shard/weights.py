@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 
 from shard.distributed import ParallelContext
+from shard.layers.arithmetic import compute_dtype
 
 
 class Weights:
@@ -15,6 +16,9 @@ class Weights:
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                  parallel: ParallelContext):
         self.dtype = dtype
+        # what the hidden states between the weights are held in: the weights' dtype, except bf16
+        # on CPUs that only store it, where every matmul computes in float32 anyway
+        self.activation_dtype = compute_dtype(dtype, device)
         self.device = device
         self.parallel = parallel
         self._files = {}

@@ -62,8 +62,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     """q [T, heads, d], k/v [T, kv_heads, d] -> attention output [T, heads * d]."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    cache.key[meta.slot_blocks, :, meta.slot_offsets] = k
-    cache.value[meta.slot_blocks, :, meta.slot_offsets] = v
+    # float32 activations over a bf16 cache on CPUs without bf16 arithmetic
+    cache.key[meta.slot_blocks, :, meta.slot_offsets] = k.to(cache.key.dtype)
+    cache.value[meta.slot_blocks, :, meta.slot_offsets] = v.to(cache.value.dtype)
     gqa = num_heads != num_kv_heads
     if meta.prefill is None:
         return _decode_attention(q, cache, meta, scale)
@@ -120,8 +121,8 @@ def _prefill_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scal
         else:
             context = cached + end - start
             index = gather_index(meta.block_tables[b:b + 1], context, cache.key.shape)
-            keys = gather_blocks(cache.key, index)[:, :, :context]
-            values = gather_blocks(cache.value, index)[:, :, :context]
+            keys = gather_blocks(cache.key, index)[:, :, :context].to(q.dtype)
+            values = gather_blocks(cache.value, index)[:, :, :context].to(q.dtype)
             # query i sits at position cached + i and sees keys 0..cached + i
             query_pos = torch.arange(cached, context, device=q.device).unsqueeze(1)
             mask = torch.arange(context, device=q.device).unsqueeze(0) <= query_pos

@@ -1,4 +1,4 @@
-"""RMS normalisation as Llama defines it (computed in float32, scaled in the model dtype)."""
+"""RMS normalisation as Llama defines it (computed in float32, scaled in the activations' dtype)."""
 from __future__ import annotations
 
 import torch
@@ -6,9 +6,10 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        # in the activations' dtype, so the scaling is not a mixed-dtype op
+        self.weight = nn.Parameter(weight.to(dtype or weight.dtype), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from shard.layers.attention import AttentionMetadata, LayerCache, paged_attentio
 from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm
-from shard.layers.rotary import RotaryEmbedding
+from shard.layers.rotary import RotaryAngles, RotaryEmbedding, apply_rotary
 from shard.weights import Weights
 
 
@@ -66,27 +66,26 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, weights: Weights, prefix: str, rotary: RotaryEmbedding):
+    def __init__(self, cfg: LlamaConfig, weights: Weights, prefix: str):
         super().__init__()
         world = weights.parallel.world_size
         self.num_heads = cfg.num_attention_heads // world
         self.num_kv_heads = cfg.num_key_value_heads // world
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.rotary = rotary
         self.qkv_proj = ColumnParallelLinear.load(
             weights, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"], bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", bias=cfg.o_bias)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
+    def forward(self, hidden: torch.Tensor, angles: RotaryAngles, cache: LayerCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
+        qkv = self.qkv_proj(hidden)
+        # queries and keys sit side by side in the fused projection: one rotation covers both
+        qk = apply_rotary(qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                self.head_dim), angles)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale))
 
 
@@ -103,17 +102,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, weights: Weights, prefix: str, rotary: RotaryEmbedding):
+    def __init__(self, cfg: LlamaConfig, weights: Weights, prefix: str):
         super().__init__()
         self.input_layernorm = RMSNorm(weights.get(f"{prefix}.input_layernorm.weight"),
-                                       cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, weights, f"{prefix}.self_attn", rotary)
+                                       cfg.rms_norm_eps, weights.activation_dtype)
+        self.self_attn = LlamaAttention(cfg, weights, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(
-            weights.get(f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps)
+            weights.get(f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps,
+            weights.activation_dtype)
         self.mlp = LlamaMLP(cfg, weights, f"{prefix}.mlp")
 
-    def forward(self, hidden, positions, cache, meta):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, cache, meta)
+    def forward(self, hidden, angles, cache, meta):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), angles, cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -128,13 +128,15 @@ class LlamaForCausalLM(nn.Module):
                                  f"{world} shards; choose a shard count that divides {count}")
         self.config = cfg
         self.num_kv_heads = cfg.num_key_value_heads // world
+        self.activation_dtype = weights.activation_dtype
         self.embed_tokens = VocabParallelEmbedding.load(weights, "model.embed_tokens.weight")
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                 cfg.rope_scaling, weights.dtype, weights.device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling, weights.activation_dtype, weights.device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, weights, f"model.layers.{i}", rotary)
+            LlamaDecoderLayer(cfg, weights, f"model.layers.{i}")
             for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(weights.get("model.norm.weight"), cfg.rms_norm_eps)
+        self.norm = RMSNorm(weights.get("model.norm.weight"), cfg.rms_norm_eps,
+                            weights.activation_dtype)
         if cfg.tie_word_embeddings or not weights.has("lm_head.weight"):
             self.lm_head = ParallelLMHead.tied(self.embed_tokens, cfg.vocab_size)
         else:
@@ -143,9 +145,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                 meta: AttentionMetadata, logit_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids/positions [T] -> logits [len(logit_index) or T, vocab]."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids).to(self.activation_dtype)
+        angles = self.rotary(positions)
         for layer, cache in zip(self.layers, caches):
-            hidden = layer(hidden, positions, cache, meta)
+            hidden = layer(hidden, angles, cache, meta)
         if logit_index is not None:
             hidden = hidden[logit_index]
         return self.lm_head(self.norm(hidden)).float()

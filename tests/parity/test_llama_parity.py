@@ -11,12 +11,12 @@ BLOCK_SIZE = 4
 DECODE_STEPS = 16
 
 
-def _runner(model_dir):
-    loaded = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"),
+def _runner(model_dir, dtype=torch.float32):
+    loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
                         parallel=ParallelContext())
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, BLOCK_SIZE,
-                       torch.float32, torch.device("cpu"))
+                       dtype, torch.device("cpu"))
     runner = ModelRunner(loaded.model, spec)
     runner.allocate(64)
     return runner
@@ -77,3 +77,35 @@ def test_prompt_continued_from_cache_matches_transformers(tmp_path):
         expected = reference(torch.tensor([prompt])).logits[0]
     assert (full[0] - expected[6:]).abs().max().item() <= 1e-4
     assert (full[1] - expected).abs().max().item() <= 1e-4
+
+
+def test_bf16_on_a_cpu_without_bf16_arithmetic_is_float32_math_on_the_bf16_values(tmp_path,
+                                                                                 monkeypatch):
+    """The AVX2 path (forced here on any CPU): weights and KV cache stay bf16, activations and
+    arithmetic are float32, so the result is transformers in float32 on the bf16-rounded weights,
+    up to the bf16 rounding of the cached keys and values."""
+    from shard.layers import arithmetic, linear
+
+    monkeypatch.setattr(arithmetic, "cpu_has_bf16_kernels", lambda: False)
+    monkeypatch.setattr(linear, "cpu_has_bf16_kernels", lambda: False)
+    model_dir = build_tiny_model(tmp_path / "model", num_heads=4, num_kv_heads=2)
+    runner = _runner(model_dir, torch.bfloat16)
+    assert runner.model.activation_dtype == torch.float32
+    assert runner.cache[0].key.dtype == torch.bfloat16
+    reference = _reference(model_dir).to(torch.bfloat16).to(torch.float32)
+    prompt = [5, 17, 42, 99, 3, 250, 7, 11, 12]
+    logits = runner.prefill([PrefillSequence(prompt, 0, [3, 1, 7])], all_logits_rows={0})
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+    # a fresh prompt attends over its own float32 keys: only summation order differs
+    assert (logits.full[0] - expected).abs().max().item() <= 1e-4
+    tokens = list(prompt)
+    next_id = logits.last.argmax(-1)
+    for step in range(4):
+        tokens.append(int(next_id))
+        out = runner.decode(next_id, torch.tensor([len(tokens) - 1]), torch.tensor([[3, 1, 7, 0]]))
+        with torch.no_grad():
+            expected = reference(torch.tensor([tokens])).logits[0, -1]
+        # decode reads the bf16 cache (keys and values rounded to 2^-8): 7e-4 here, 1e-2 in bf16 math
+        assert (out[0] - expected).abs().max().item() <= 5e-3 * expected.abs().max().item()
+        next_id = out.argmax(-1)

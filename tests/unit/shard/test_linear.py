@@ -43,6 +43,10 @@ def test_bf16_without_bf16_kernels_computes_in_float32(monkeypatch, rows):
     torch.testing.assert_close(out.float(), expected, rtol=1 / 128, atol=1e-2)
     torch.testing.assert_close(linear(x, LinearWeight.prepare(weight)).float(),
                                F.linear(x.float(), weight.float()), rtol=1 / 128, atol=1e-2)
+    # float32 activations (what models hold on such CPUs) stay float32: no rounding at all
+    wide = linear(x.float(), prepared)
+    assert wide.dtype == torch.float32
+    torch.testing.assert_close(wide, expected, rtol=1e-5, atol=1e-4)
 
 
 def test_float32_weights_are_used_as_they_are():
