@@ -23,6 +23,9 @@ warnings.filterwarnings("ignore", message="fbgemm_linear_fp16_weight")
 # beats float32 MKL on AVX2 CPUs, from 1.1x at 32 rows to 2-3x at 4-8 rows; prefill-size matmuls
 # (hundreds of rows) run faster in float32.
 HALF_WEIGHT_MAX_ROWS = 48
+# One row is a matrix-vector product, which PyTorch runs on the bf16 weight itself faster than
+# fbgemm's half-precision path (31.5 vs 34.4 ms per batch-1 step of SmolLM2, best of 8).
+BF16_GEMV_MAX_ROWS = 1
 
 
 @dataclass(slots=True)
@@ -34,7 +37,9 @@ class LinearWeight:
       matmuls 1.5-1.8x faster, same results).
     - bf16 on a CPU without them (AVX2), where PyTorch emulates bf16 arithmetic 3-5x slower than
       float32: float32 arithmetic on the same values, and models hold float32 activations there so
-      that no layer converts its input or output. Decode-size matmuls use `half`, the weight
+      that no layer converts its input or output. One row is the exception: PyTorch's bf16
+      matrix-vector product on `weight` (its input rounded to bf16). Other decode-size matmuls
+      use `half`, the weight
       packed as float16 for fbgemm (bf16 -> fp16 is exact down to 6e-5 in magnitude, and smaller
       values keep an absolute error under 3e-8); larger ones use `widened`, a float32 copy. Costs
       three times the bf16 weight's memory again.
@@ -76,6 +81,8 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, w.packed, w.bias, "none", [], "")
     if w.widened is None:
         return F.linear(x, w.weight, w.bias)
+    if x.shape[0] <= BF16_GEMV_MAX_ROWS:
+        return F.linear(x.to(w.weight.dtype), w.weight, w.bias).to(x.dtype)
     wide = x.float()  # models keep float32 activations here (Weights.activation_dtype): no copy
     if w.half is not None and x.shape[0] <= HALF_WEIGHT_MAX_ROWS:
         out = torch.fbgemm_linear_fp16_weight(wide.contiguous(), w.half, w.wide_bias)
