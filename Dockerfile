@@ -8,6 +8,9 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
+# a C compiler builds the shard's decode-attention kernel for the host CPU on first start
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir torch==2.13.0 --index-url "${TORCH_INDEX}"
 COPY pyproject.toml README.md ./
 COPY proto ./proto

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
+from shard.layers import paged_kernel
 from shard.layers.attention import (AttentionMetadata, DecodeGroup, LayerCache, PrefillLayout,
                                     gather_index)
 
-# Decode attention pads every context of a group to the group's longest. A sequence joins a group
-# while its context is at most twice the group's shortest, or this many tokens longer (padding a few
-# hundred tokens costs less than another round of small kernels).
+# Decode attention in PyTorch (where the C kernel does not run) pads every context of a group to the
+# group's longest. A sequence joins a group while its context is at most twice the group's shortest,
+# or this many tokens longer (padding a few hundred tokens costs less than another round of small
+# kernels).
 GROUP_SLACK_TOKENS = 512
 
 
@@ -71,6 +73,10 @@ class ModelRunner:
         self.device = spec.device
         self.cache: list[LayerCache] = []
         self.num_blocks = 0
+        # decode attention in the C kernel (CPU, float32 or bf16 cache, a C compiler at hand)
+        self.paged_kernel = (spec.device.type == "cpu"
+                             and spec.dtype in (torch.float32, torch.bfloat16)
+                             and paged_kernel.load_kernel() is not None)
 
     def allocate(self, num_blocks: int) -> None:
         self.cache = []  # free the old pool before allocating the new one
@@ -110,6 +116,8 @@ class ModelRunner:
             meta.slot_blocks = torch.cat([part.slot_blocks, meta.slot_blocks])
             meta.slot_offsets = torch.cat([part.slot_offsets, meta.slot_offsets])
             meta.decode_groups, meta.num_decode_rows = part.decode_groups, num_decode
+            meta.decode_tables, meta.decode_context_lens = (part.decode_tables,
+                                                             part.decode_context_lens)
             logit_rows = torch.cat([torch.arange(num_decode, device=device),
                                     logit_rows + num_decode])
         logits = self.model(input_ids, positions, self.cache, meta, logit_rows)
@@ -134,6 +142,12 @@ class ModelRunner:
                          block_tables: torch.Tensor) -> AttentionMetadata:
         spec = self.spec
         context_lens = seq_lens + 1
+        slot_blocks = block_tables.gather(1, (seq_lens // spec.block_size).unsqueeze(1)).squeeze(1)
+        slot_offsets = seq_lens % spec.block_size
+        if self.paged_kernel:  # reads each context where it lies: no groups, no gather indices
+            return AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=slot_offsets,
+                                     block_tables=block_tables, decode_tables=block_tables,
+                                     decode_context_lens=context_lens)
         lengths = context_lens.tolist()
         groups = group_by_context(lengths)
         decode_groups = []
@@ -151,10 +165,8 @@ class ModelRunner:
                                  (None, spec.num_kv_heads, spec.block_size, spec.head_dim))
             decode_groups.append(DecodeGroup(row_index, index,
                                              positions.unsqueeze(0) < lens.unsqueeze(1)))
-        slot_blocks = block_tables.gather(1, (seq_lens // spec.block_size).unsqueeze(1)).squeeze(1)
-        return AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=seq_lens % spec.block_size,
-                                 block_tables=block_tables, max_context_len=max(lengths),
-                                 decode_groups=decode_groups)
+        return AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=slot_offsets,
+                                 block_tables=block_tables, decode_groups=decode_groups)
 
 
 def group_by_context(lengths: list[int]) -> list[list[int]]:
@@ -191,5 +203,4 @@ def _metadata(block_tables: torch.Tensor, positions: torch.Tensor, query_lens: l
     layout = PrefillLayout(query_starts=starts,
                            cached_lens=[c - n for c, n in zip(context_lens, query_lens)])
     return AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=positions % block_size,
-                             block_tables=block_tables, max_context_len=max(context_lens),
-                             prefill=layout)
+                             block_tables=block_tables, prefill=layout)

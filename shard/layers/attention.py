@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shard.layers import paged_kernel
 from shard.layers.arithmetic import compute_dtype
 
 
@@ -41,8 +42,11 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block holding each new token's keys and values
     slot_offsets: torch.Tensor  # [T] its position inside that block
     block_tables: torch.Tensor  # [B, max_blocks] block ids per sequence (padding repeats a valid id)
-    max_context_len: int
     decode_groups: list[DecodeGroup] | None = None  # rows with one new token each
+    # or, where the C kernel runs (CPU), those rows read straight from the cache: [B, blocks] block
+    # ids and [B] context lengths, nothing gathered
+    decode_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
     prefill: PrefillLayout | None = None  # rows of sequences with several new tokens
     # with both: the first num_decode_rows rows decode, the rest prefill (a running batch riding
     # in a prefill's forward); slot_* cover every row, the prefill layout indexes the rest only
@@ -77,6 +81,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
 
 def _decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:
+    if meta.decode_context_lens is not None:
+        return paged_kernel.paged_decode_attention(q, cache.key, cache.value, meta.decode_tables,
+                                                   meta.decode_context_lens, scale)
     groups = meta.decode_groups
     if len(groups) == 1 and groups[0].rows is None:
         return _attend_group(q, cache, groups[0], scale)

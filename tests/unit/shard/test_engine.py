@@ -152,6 +152,7 @@ def test_contexts_of_very_different_lengths_decode_in_groups_like_alone(engine, 
     from shard import model_runner
 
     monkeypatch.setattr(model_runner, "GROUP_SLACK_TOKENS", 2)  # groups even at these lengths
+    monkeypatch.setattr(engine.runner, "paged_kernel", False)  # groups are the PyTorch path's
     pool = BlockPool(512)
     short, text = engine.tokenizer.encode("Berlin").ids, _prompts(engine)[5]
     medium, long = (text * 4)[:12], (text * 4)[:40]

@@ -1,0 +1,149 @@
+/* Decode attention read straight from the paged KV cache: one query token per sequence.
+ *
+ * PyTorch eager has to gather each sequence's blocks into a contiguous copy (and, for a bf16 cache on
+ * a CPU without bf16 arithmetic, widen that copy to float32) before two batched matmuls: about seven
+ * times the bytes of the context move per layer. Here every key and value is read once, where it
+ * lies, and widened in registers.
+ *
+ * Cache layout: [num_blocks, kv_heads, block_size, head_dim], float32 or bf16 (the top 16 bits of a
+ * float32). Queries and output: float32, [batch, heads, head_dim] with a row stride per token.
+ * Query heads that share a key/value head are adjacent (head h reads kv head h / (heads / kv_heads)).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_float(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return value;
+}
+
+/* A cache row as float32: itself when the cache is float32, else widened into `out`. */
+static inline const float *widen_row(const void *row, int bf16, int64_t dim, float *out) {
+    if (!bf16) return (const float *)row;
+    const uint16_t *src = (const uint16_t *)row;
+    int64_t d = 0;
+#ifdef __AVX2__
+    for (; d + 8 <= dim; d += 8) {
+        __m128i half = _mm_loadu_si128((const __m128i *)(src + d));
+        __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16);
+        _mm256_storeu_ps(out + d, _mm256_castsi256_ps(wide));
+    }
+#endif
+    for (; d < dim; d++) out[d] = bf16_to_float(src[d]);
+    return out;
+}
+
+static inline float dot(const float *a, const float *b, int64_t dim) {
+    int64_t d = 0;
+    float total = 0.0f;
+#ifdef __AVX2__
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; d + 16 <= dim; d += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
+    }
+    for (; d + 8 <= dim; d += 8)
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+    __m256 acc = _mm256_add_ps(acc0, acc1);
+    __m128 folded = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    folded = _mm_hadd_ps(folded, folded);
+    folded = _mm_hadd_ps(folded, folded);
+    total = _mm_cvtss_f32(folded);
+#endif
+    for (; d < dim; d++) total += a[d] * b[d];
+    return total;
+}
+
+/* out += weight * row */
+static inline void axpy(float weight, const float *row, float *out, int64_t dim) {
+    int64_t d = 0;
+#ifdef __AVX2__
+    __m256 w = _mm256_set1_ps(weight);
+    for (; d + 8 <= dim; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(row + d),
+                                                  _mm256_loadu_ps(out + d)));
+#endif
+    for (; d < dim; d++) out[d] += weight * row[d];
+}
+
+/* Where token t of a sequence (block table `table`) keeps its row for kv head `kv`. */
+static inline const char *cache_row(const void *cache, size_t element, const int64_t *table,
+                                    int64_t t, int64_t kv, int64_t num_kv_heads,
+                                    int64_t block_size, int64_t head_dim) {
+    int64_t slot = (table[t / block_size] * num_kv_heads + kv) * block_size + t % block_size;
+    return (const char *)cache + (size_t)(slot * head_dim) * element;
+}
+
+/* Returns 0, or -1 when a scratch buffer could not be allocated (nothing is written then). */
+int paged_decode_attention(const void *key_cache, const void *value_cache, int cache_is_bf16,
+                           const float *queries, int64_t query_stride, const int64_t *block_tables,
+                           int64_t table_stride, const int64_t *context_lens, int64_t batch,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, float *out) {
+    const int64_t group = num_heads / num_kv_heads;
+    const size_t element = cache_is_bf16 ? 2 : 4;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < batch; b++)
+        if (context_lens[b] > longest) longest = context_lens[b];
+    int failed = 0;
+
+#pragma omp parallel
+    {
+        /* per thread: scores [group, longest], one widened key or value row */
+        float *scores = malloc(sizeof(float) * (size_t)(group * longest + head_dim));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            float *row = scores + group * longest;
+#pragma omp for collapse(2) schedule(static)
+            for (int64_t b = 0; b < batch; b++) {
+                for (int64_t kv = 0; kv < num_kv_heads; kv++) {
+                    const int64_t length = context_lens[b];
+                    const int64_t *table = block_tables + b * table_stride;
+                    const float *q = queries + b * query_stride + kv * group * head_dim;
+                    float *o = out + (b * num_heads + kv * group) * head_dim;
+                    for (int64_t t = 0; t < length; t++) {
+                        const float *k = widen_row(cache_row(key_cache, element, table, t, kv,
+                                                             num_kv_heads, block_size, head_dim),
+                                                   cache_is_bf16, head_dim, row);
+                        for (int64_t g = 0; g < group; g++)
+                            scores[g * longest + t] = dot(q + g * head_dim, k, head_dim) * scale;
+                    }
+                    for (int64_t g = 0; g < group; g++) {
+                        float *s = scores + g * longest;
+                        float top = s[0];
+                        for (int64_t t = 1; t < length; t++) top = s[t] > top ? s[t] : top;
+                        float total = 0.0f;
+                        for (int64_t t = 0; t < length; t++) {
+                            s[t] = expf(s[t] - top);
+                            total += s[t];
+                        }
+                        float inverse = 1.0f / total;
+                        for (int64_t t = 0; t < length; t++) s[t] *= inverse;
+                        memset(o + g * head_dim, 0, sizeof(float) * (size_t)head_dim);
+                    }
+                    for (int64_t t = 0; t < length; t++) {
+                        const float *v = widen_row(cache_row(value_cache, element, table, t, kv,
+                                                             num_kv_heads, block_size, head_dim),
+                                                   cache_is_bf16, head_dim, row);
+                        for (int64_t g = 0; g < group; g++)
+                            axpy(scores[g * longest + t], v, o + g * head_dim, head_dim);
+                    }
+                }
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

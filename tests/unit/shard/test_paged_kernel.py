@@ -1,0 +1,63 @@
+"""The C decode-attention kernel against PyTorch's gather-then-matmul path on the same paged cache."""
+import pytest
+import torch
+
+from shard.layers import paged_kernel
+from shard.layers.attention import DecodeGroup, LayerCache, _attend_group, gather_index
+
+pytestmark = pytest.mark.skipif(paged_kernel.load_kernel() is None,
+                                reason="no C compiler here: the shard keeps the PyTorch path")
+
+
+def _torch_reference(q, cache, tables, lens, scale):
+    longest = int(lens.max())
+    index = gather_index(tables, longest, cache.key.shape)
+    block_size = cache.key.shape[2]
+    mask = torch.arange(index.shape[2] * block_size).unsqueeze(0) < lens.unsqueeze(1)
+    return _attend_group(q.float(), cache, DecodeGroup(None, index, mask), scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (4, 1, 12)],
+                         ids=["mha", "gqa", "mqa-odd-dim"])
+def test_kernel_matches_pytorch_on_scattered_blocks(dtype, heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    block_size, batch = 4, 5
+    num_blocks = 64
+    cache = LayerCache(torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype),
+                       torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype))
+    lens = torch.tensor([1, 4, 5, 17, 38])  # one token, a full block, a block and one, longer
+    # each row's blocks scattered over the pool, padded with block 0 as the router pads
+    order = torch.randperm(num_blocks - 1) + 1
+    tables = torch.zeros(batch, 10, dtype=torch.long)
+    used = 0
+    for row, length in enumerate(lens.tolist()):
+        count = -(-length // block_size)
+        tables[row, :count] = order[used:used + count]
+        used += count
+    # queries as the model hands them over: a slice of the fused projection, rows not contiguous
+    q = torch.randn(batch, heads + kv_heads, head_dim)[:, :heads]
+    out = paged_kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, 0.3)
+    expected = _torch_reference(q, cache, tables, lens, 0.3)
+    assert out.shape == (batch, heads * head_dim) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_single_token_context_returns_its_value():
+    value = torch.randn(2, 1, 4, 8)
+    cache = LayerCache(torch.randn(2, 1, 4, 8), value)
+    q = torch.randn(1, 2, 8)
+    out = paged_kernel.paged_decode_attention(q, cache.key, cache.value, torch.tensor([[1]]),
+                                              torch.tensor([1]), 1.0)
+    assert torch.allclose(out.view(2, 8), value[1, 0, 0].expand(2, 8))
+
+
+def test_bf16_activations_come_back_in_their_dtype():
+    cache = LayerCache(torch.randn(4, 2, 4, 16, dtype=torch.bfloat16),
+                       torch.randn(4, 2, 4, 16, dtype=torch.bfloat16))
+    q = torch.randn(3, 2, 16, dtype=torch.bfloat16)
+    tables, lens = torch.tensor([[1, 2], [3, 0], [2, 1]]), torch.tensor([6, 3, 8])
+    out = paged_kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, 0.25)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _torch_reference(q, cache, tables, lens, 0.25),
+                               rtol=1 / 64, atol=1e-2)
