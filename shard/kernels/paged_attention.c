@@ -62,6 +62,82 @@ static inline float dot(const float *a, const float *b, int64_t dim) {
     return total;
 }
 
+#ifdef __AVX2__
+/* exp for 8 floats (Cephes' range reduction and polynomial, within 2 ulp of expf for the
+ * x <= 0 that softmax hands it); inputs below -87 give 0. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 low = _mm256_set1_ps(-87.3f), high = _mm256_set1_ps(88.3f);
+    __m256 underflow = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, low), high);
+    /* x = n ln2 + r, |r| <= ln2 / 2 */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+    __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+    return _mm256_andnot_ps(underflow, result);
+}
+#endif
+
+/* s[t] = exp(s[t] - top) for t < length; returns their sum */
+static inline float exp_shifted(float *s, int64_t length, float top) {
+    int64_t t = 0;
+    float total = 0.0f;
+#ifdef __AVX2__
+    __m256 shift = _mm256_set1_ps(top), acc = _mm256_setzero_ps();
+    for (; t + 8 <= length; t += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    __m128 folded = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    folded = _mm_hadd_ps(folded, folded);
+    folded = _mm_hadd_ps(folded, folded);
+    total = _mm_cvtss_f32(folded);
+#endif
+    for (; t < length; t++) {
+        s[t] = expf(s[t] - top);
+        total += s[t];
+    }
+    return total;
+}
+
+#ifdef __AVX2__
+/* The 8 horizontal sums of acc[0..7], in order. */
+static inline __m256 sum8(const __m256 acc[8]) {
+    __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+    __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+    __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                         _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+/* scores[g * stride + j] = scale * q_g . k_j for 8 keys: each key row is loaded once per 8 lanes
+ * and the sums are reduced together, not one horizontal reduction per score. */
+static inline void score8(const float *q, int64_t group, const float *const keys[8],
+                          int64_t head_dim, float scale, float *scores, int64_t stride) {
+    for (int64_t g = 0; g < group; g++) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 8) {
+            __m256 qv = _mm256_loadu_ps(q + g * head_dim + d);
+            for (int j = 0; j < 8; j++)
+                acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + d), acc[j]);
+        }
+        _mm256_storeu_ps(scores + g * stride, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
+    }
+}
+#endif
+
 /* out += weight * row */
 static inline void axpy(float weight, const float *row, float *out, int64_t dim) {
     int64_t d = 0;
@@ -97,8 +173,8 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
 
 #pragma omp parallel
     {
-        /* per thread: scores [group, longest], one widened key or value row */
-        float *scores = malloc(sizeof(float) * (size_t)(group * longest + head_dim));
+        /* per thread: scores [group, longest], 8 widened key or value rows */
+        float *scores = malloc(sizeof(float) * (size_t)(group * longest + 8 * head_dim));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -113,7 +189,18 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                     const int64_t *table = block_tables + b * table_stride;
                     const float *q = queries + b * query_stride + kv * group * head_dim;
                     float *o = out + (b * num_heads + kv * group) * head_dim;
-                    for (int64_t t = 0; t < length; t++) {
+                    int64_t t = 0;
+#ifdef __AVX2__
+                    for (; head_dim % 8 == 0 && t + 8 <= length; t += 8) {
+                        const float *keys[8];
+                        for (int j = 0; j < 8; j++)
+                            keys[j] = widen_row(cache_row(key_cache, element, table, t + j, kv,
+                                                          num_kv_heads, block_size, head_dim),
+                                                cache_is_bf16, head_dim, row + j * head_dim);
+                        score8(q, group, keys, head_dim, scale, scores + t, longest);
+                    }
+#endif
+                    for (; t < length; t++) {
                         const float *k = widen_row(cache_row(key_cache, element, table, t, kv,
                                                              num_kv_heads, block_size, head_dim),
                                                    cache_is_bf16, head_dim, row);
@@ -124,12 +211,7 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                         float *s = scores + g * longest;
                         float top = s[0];
                         for (int64_t t = 1; t < length; t++) top = s[t] > top ? s[t] : top;
-                        float total = 0.0f;
-                        for (int64_t t = 0; t < length; t++) {
-                            s[t] = expf(s[t] - top);
-                            total += s[t];
-                        }
-                        float inverse = 1.0f / total;
+                        float inverse = 1.0f / exp_shifted(s, length, top);
                         for (int64_t t = 0; t < length; t++) s[t] *= inverse;
                         memset(o + g * head_dim, 0, sizeof(float) * (size_t)head_dim);
                     }
