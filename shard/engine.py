@@ -72,11 +72,16 @@ class Engine:
         """Computes new prompts (or one chunk of a long one); with `cached_batch_id`, that running
         batch also takes its next step in the same forward and the new requests join it."""
         start = time.perf_counter_ns()
+        pool = self.runner.num_blocks
         for request in requests:
             needed = len(request.input_ids) + request.max_new_tokens - 1
             if needed > len(request.blocks) * self.block_size:
                 raise ValueError(f"request {request.id} needs {needed} KV slots but holds "
                                  f"{len(request.blocks)} blocks of {self.block_size}")
+            # the decode kernel reads blocks through raw pointers: a stray id must stop here
+            if request.blocks and not 0 <= min(request.blocks) <= max(request.blocks) < pool:
+                raise ValueError(f"request {request.id} names a KV block outside the pool of "
+                                 f"{pool} blocks")
         is_chunk = any(r.is_partial_chunk for r in requests)
         if is_chunk and len(requests) != 1:
             raise ValueError("a chunk that stops short of its prompt's end must be prefilled alone")

@@ -103,6 +103,9 @@ def test_unknown_batch_and_too_few_blocks_are_errors(engine):
         engine.decode([424242])
     with pytest.raises(ValueError, match="KV slots"):
         engine.prefill(7, [request(7, [5, 6, 7], [1], max_new_tokens=10)])
+    for stray in (-1, engine.runner.num_blocks):
+        with pytest.raises(ValueError, match="outside the pool"):
+            engine.prefill(8, [request(8, [5, 6, 7], [1, stray, 2], max_new_tokens=6)])
 
 
 def test_same_seed_same_sample(engine):
