@@ -150,13 +150,40 @@ static inline void axpy(float weight, const float *row, float *out, int64_t dim)
     for (; d < dim; d++) out[d] += weight * row[d];
 }
 
-/* Where token t of a sequence (block table `table`) keeps its row for kv head `kv`. */
-static inline const char *cache_row(const void *cache, size_t element, const int64_t *table,
-                                    int64_t t, int64_t kv, int64_t num_kv_heads,
-                                    int64_t block_size, int64_t head_dim) {
-    int64_t slot = (table[t / block_size] * num_kv_heads + kv) * block_size + t % block_size;
-    return (const char *)cache + (size_t)(slot * head_dim) * element;
+/* offsets[t]: where token t's row for kv head `kv` starts in the cache, in elements (keys and
+ * values share their layout), walking the block table a block at a time. */
+static inline void row_offsets(const int64_t *table, int64_t length, int64_t kv,
+                               int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                               int64_t *offsets) {
+    for (int64_t start = 0, i = 0; start < length; start += block_size, i++) {
+        int64_t base = (table[i] * num_kv_heads + kv) * block_size * head_dim;
+        int64_t count = length - start < block_size ? length - start : block_size;
+        for (int64_t j = 0; j < count; j++) offsets[start + j] = base + j * head_dim;
+    }
 }
+
+#ifdef __AVX2__
+/* 8 floats of a cache row (float32 or bf16) */
+static inline __m256 load8(const void *cache, int bf16, int64_t at) {
+    if (!bf16) return _mm256_loadu_ps((const float *)cache + at);
+    __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+/* o[0..64) = sum over t of probs[t] * value row t (64 dims from `dim0`), in registers */
+static inline void weighted_sum64(const void *value_cache, int bf16, const int64_t *offsets,
+                                  int64_t length, const float *probs, int64_t dim0, float *o) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < length; t++) {
+        __m256 w = _mm256_set1_ps(probs[t]);
+        int64_t at = offsets[t] + dim0;
+        for (int i = 0; i < 8; i++)
+            acc[i] = _mm256_fmadd_ps(w, load8(value_cache, bf16, at + 8 * i), acc[i]);
+    }
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
+}
+#endif
 
 /* Returns 0, or -1 when a scratch buffer could not be allocated (nothing is written then). */
 int paged_decode_attention(const void *key_cache, const void *value_cache, int cache_is_bf16,
@@ -173,8 +200,9 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
 
 #pragma omp parallel
     {
-        /* per thread: scores [group, longest], 8 widened key or value rows */
-        float *scores = malloc(sizeof(float) * (size_t)(group * longest + 8 * head_dim));
+        /* per thread: scores [group, longest], 8 widened key or value rows, row offsets */
+        float *scores = malloc(sizeof(float) * (size_t)(group * longest + 8 * head_dim)
+                               + sizeof(int64_t) * (size_t)longest);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -182,6 +210,7 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
 #pragma omp barrier
         if (!failed) {
             float *row = scores + group * longest;
+            int64_t *offsets = (int64_t *)(row + 8 * head_dim);
 #pragma omp for collapse(2) schedule(static)
             for (int64_t b = 0; b < batch; b++) {
                 for (int64_t kv = 0; kv < num_kv_heads; kv++) {
@@ -189,20 +218,19 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                     const int64_t *table = block_tables + b * table_stride;
                     const float *q = queries + b * query_stride + kv * group * head_dim;
                     float *o = out + (b * num_heads + kv * group) * head_dim;
+                    row_offsets(table, length, kv, num_kv_heads, block_size, head_dim, offsets);
                     int64_t t = 0;
 #ifdef __AVX2__
                     for (; head_dim % 8 == 0 && t + 8 <= length; t += 8) {
                         const float *keys[8];
                         for (int j = 0; j < 8; j++)
-                            keys[j] = widen_row(cache_row(key_cache, element, table, t + j, kv,
-                                                          num_kv_heads, block_size, head_dim),
+                            keys[j] = widen_row((const char *)key_cache + offsets[t + j] * element,
                                                 cache_is_bf16, head_dim, row + j * head_dim);
                         score8(q, group, keys, head_dim, scale, scores + t, longest);
                     }
 #endif
                     for (; t < length; t++) {
-                        const float *k = widen_row(cache_row(key_cache, element, table, t, kv,
-                                                             num_kv_heads, block_size, head_dim),
+                        const float *k = widen_row((const char *)key_cache + offsets[t] * element,
                                                    cache_is_bf16, head_dim, row);
                         for (int64_t g = 0; g < group; g++)
                             scores[g * longest + t] = dot(q + g * head_dim, k, head_dim) * scale;
@@ -213,11 +241,19 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                         for (int64_t t = 1; t < length; t++) top = s[t] > top ? s[t] : top;
                         float inverse = 1.0f / exp_shifted(s, length, top);
                         for (int64_t t = 0; t < length; t++) s[t] *= inverse;
-                        memset(o + g * head_dim, 0, sizeof(float) * (size_t)head_dim);
                     }
+#ifdef __AVX2__
+                    if (head_dim % 64 == 0) {
+                        for (int64_t g = 0; g < group; g++)
+                            for (int64_t d = 0; d < head_dim; d += 64)
+                                weighted_sum64(value_cache, cache_is_bf16, offsets, length,
+                                               scores + g * longest, d, o + g * head_dim + d);
+                        continue;
+                    }
+#endif
+                    memset(o, 0, sizeof(float) * (size_t)(group * head_dim));
                     for (int64_t t = 0; t < length; t++) {
-                        const float *v = widen_row(cache_row(value_cache, element, table, t, kv,
-                                                             num_kv_heads, block_size, head_dim),
+                        const float *v = widen_row((const char *)value_cache + offsets[t] * element,
                                                    cache_is_bf16, head_dim, row);
                         for (int64_t g = 0; g < group; g++)
                             axpy(scores[g * longest + t], v, o + g * head_dim, head_dim);

@@ -18,8 +18,9 @@ def _torch_reference(q, cache, tables, lens, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (4, 1, 12)],
-                         ids=["mha", "gqa", "mqa-odd-dim"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim",
+                         [(4, 4, 64), (9, 3, 64), (4, 2, 128), (4, 2, 24), (4, 1, 12)],
+                         ids=["mha", "gqa", "gqa-128", "gqa-24", "mqa-odd-dim"])
 def test_kernel_matches_pytorch_on_scattered_blocks(dtype, heads, kv_heads, head_dim):
     torch.manual_seed(0)
     block_size, batch = 4, 5
