@@ -196,21 +196,14 @@ class Batcher:
         size = chunk_tokens(item.entry.input_length - start, self.limits.max_batch_prefill_tokens,
                             decode_s=decode_s, chunk_s_per_token=chunk.s_per_token)
         is_last = start + size == item.entry.input_length
-        batch_id = self.queue.new_batch_id()
         request = _request_proto(item, cache_len=start, chunk_len=None if is_last else size)
-        batch = pb.Batch(id=batch_id, requests=[request], size=1,
+        batch = pb.Batch(id=self.queue.new_batch_id(), requests=[request], size=1,
                          max_tokens=item.entry.kv_tokens,
                          max_blocks=len(item.entry.allocation.block_ids))
-        riding = [running] if running is not None else []
-
-        def items() -> list[ActiveRequest]:
-            return [item] + self._items(riding)
-
         started = time.monotonic()
-        reply = await self._call("prefill", self.client.prefill(batch, running), items)
-        if isinstance(reply, ShardError):
+        reply = await self._prefill_call(batch, [item], running)
+        if reply is None:
             self.chunked = None
-            await self._fail(items(), [batch_id] + [b.id for b in riding], reply)
             return None
         elapsed = time.monotonic() - started
         if is_last:
@@ -235,6 +228,16 @@ class Batcher:
         batch = pb.Batch(id=plan.batch_id, requests=[_request_proto(i) for i in items],
                          size=len(items), max_tokens=plan.max_tokens,
                          max_blocks=max(len(i.entry.allocation.block_ids) for i in items))
+        reply = await self._prefill_call(batch, items, running)
+        if reply is None:
+            return None
+        self._remember_prompts(plan.entries)
+        return await self._after_step(reply, "prefill")
+
+    async def _prefill_call(self, batch: pb.Batch, items: list[ActiveRequest],
+                            running: pb.CachedBatch | None) -> pb.PrefillResponse | None:
+        """One Prefill, with `running` riding in it; on failure the new requests and the riding
+        batch fail together (the shard dropped both) and None is returned."""
         riding = [running] if running is not None else []
 
         def all_items() -> list[ActiveRequest]:
@@ -242,10 +245,9 @@ class Batcher:
 
         reply = await self._call("prefill", self.client.prefill(batch, running), all_items)
         if isinstance(reply, ShardError):
-            await self._fail(all_items(), [plan.batch_id] + [b.id for b in riding], reply)
+            await self._fail(all_items(), [batch.id] + [b.id for b in riding], reply)
             return None
-        self._remember_prompts(plan.entries)
-        return await self._after_step(reply, "prefill")
+        return reply
 
     def _remember_prompts(self, entries: list[QueueEntry]) -> None:
         """Computed prompts' full blocks join the prefix cache (they never change afterwards)."""

@@ -73,10 +73,7 @@ class ModelRunner:
         self.device = spec.device
         self.cache: list[LayerCache] = []
         self.num_blocks = 0
-        # decode attention in the C kernel (CPU, float32 or bf16 cache, a C compiler at hand)
-        self.paged_kernel = (spec.device.type == "cpu"
-                             and spec.dtype in (torch.float32, torch.bfloat16)
-                             and paged_kernel.load_kernel() is not None)
+        self.paged_kernel = paged_kernel.supports(spec.device, spec.dtype)
 
     def allocate(self, num_blocks: int) -> None:
         self.cache = []  # free the old pool before allocating the new one

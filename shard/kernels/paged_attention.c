@@ -25,17 +25,22 @@ static inline float bf16_to_float(uint16_t bits) {
     return value;
 }
 
+#ifdef __AVX2__
+/* 8 floats of a cache row (float32 or bf16) */
+static inline __m256 load8(const void *cache, int bf16, int64_t at) {
+    if (!bf16) return _mm256_loadu_ps((const float *)cache + at);
+    __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+#endif
+
 /* A cache row as float32: itself when the cache is float32, else widened into `out`. */
 static inline const float *widen_row(const void *row, int bf16, int64_t dim, float *out) {
     if (!bf16) return (const float *)row;
     const uint16_t *src = (const uint16_t *)row;
     int64_t d = 0;
 #ifdef __AVX2__
-    for (; d + 8 <= dim; d += 8) {
-        __m128i half = _mm_loadu_si128((const __m128i *)(src + d));
-        __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16);
-        _mm256_storeu_ps(out + d, _mm256_castsi256_ps(wide));
-    }
+    for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(out + d, load8(src, 1, d));
 #endif
     for (; d < dim; d++) out[d] = bf16_to_float(src[d]);
     return out;
@@ -163,13 +168,6 @@ static inline void row_offsets(const int64_t *table, int64_t length, int64_t kv,
 }
 
 #ifdef __AVX2__
-/* 8 floats of a cache row (float32 or bf16) */
-static inline __m256 load8(const void *cache, int bf16, int64_t at) {
-    if (!bf16) return _mm256_loadu_ps((const float *)cache + at);
-    __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + at));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
 /* o[0..64) = sum over t of probs[t] * value row t (64 dims from `dim0`), in registers */
 static inline void weighted_sum64(const void *value_cache, int bf16, const int64_t *offsets,
                                   int64_t length, const float *probs, int64_t dim0, float *o) {

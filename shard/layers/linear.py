@@ -38,11 +38,10 @@ class LinearWeight:
     - bf16 on a CPU without them (AVX2), where PyTorch emulates bf16 arithmetic 3-5x slower than
       float32: float32 arithmetic on the same values, and models hold float32 activations there so
       that no layer converts its input or output. One row is the exception: PyTorch's bf16
-      matrix-vector product on `weight` (its input rounded to bf16). Other decode-size matmuls
-      use `half`, the weight
-      packed as float16 for fbgemm (bf16 -> fp16 is exact down to 6e-5 in magnitude, and smaller
-      values keep an absolute error under 3e-8); larger ones use `widened`, a float32 copy. Costs
-      three times the bf16 weight's memory again.
+      matrix-vector product on `weight` (its input rounded to bf16). Other decode-size matmuls use
+      `half`, the weight packed as float16 for fbgemm (bf16 -> fp16 is exact down to 6e-5 in
+      magnitude, and smaller values keep an absolute error under 3e-8); larger ones use `widened`,
+      a float32 copy. Costs three times the bf16 weight's memory again.
     - float32 (and every GPU): F.linear as it is, which the parity tests pin to transformers'.
     """
 

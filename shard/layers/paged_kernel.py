@@ -67,10 +67,11 @@ def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel, or None (disabled, not an x86/ARM Linux build, or no C compiler)."""
     if os.environ.get(ENABLED_ENV, "1") == "0":
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    name = os.environ.get("CC", "cc")
+    compiler = shutil.which(name)
     if compiler is None:
-        log.warning("no C compiler (cc): decode attention stays in PyTorch, which copies every "
-                    "context out of the paged cache each step")
+        log.warning("no C compiler (%s): decode attention stays in PyTorch, which copies every "
+                    "context out of the paged cache each step", name)
         return None
     try:
         library = ctypes.CDLL(str(_build(compiler)))
@@ -87,8 +88,9 @@ def load_kernel() -> ctypes.CDLL | None:
     return library
 
 
-def supports(key_cache: torch.Tensor) -> bool:
-    return (key_cache.device.type == "cpu" and key_cache.dtype in (torch.float32, torch.bfloat16)
+def supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention over a KV cache of this device and dtype runs in the kernel."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and load_kernel() is not None)
 
 

@@ -62,3 +62,37 @@ def test_bf16_activations_come_back_in_their_dtype():
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), _torch_reference(q, cache, tables, lens, 0.25),
                                rtol=1 / 64, atol=1e-2)
+
+
+def test_the_kernel_is_built_into_the_cache_once_and_can_be_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path))
+    paged_kernel.load_kernel.cache_clear()
+    try:
+        assert paged_kernel.load_kernel() is not None
+        built = list((tmp_path / "kernels").glob("paged_attention-*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        paged_kernel.load_kernel.cache_clear()
+        paged_kernel.load_kernel()
+        assert built[0].stat().st_mtime_ns == stamp, "a cached build is reused, not rebuilt"
+        assert paged_kernel.supports(torch.device("cpu"), torch.bfloat16)
+        assert not paged_kernel.supports(torch.device("cpu"), torch.float16)
+
+        monkeypatch.setenv(paged_kernel.ENABLED_ENV, "0")
+        paged_kernel.load_kernel.cache_clear()
+        assert paged_kernel.load_kernel() is None
+        assert not paged_kernel.supports(torch.device("cpu"), torch.float32)
+    finally:
+        paged_kernel.load_kernel.cache_clear()
+
+
+def test_without_a_c_compiler_the_pytorch_path_stays(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    paged_kernel.load_kernel.cache_clear()
+    try:
+        assert paged_kernel.load_kernel() is None
+        assert "no C compiler" in caplog.text
+        assert not (tmp_path / "kernels").exists()
+    finally:
+        paged_kernel.load_kernel.cache_clear()
