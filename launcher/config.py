@@ -30,6 +30,11 @@ class LauncherConfig:
                                                      "(rank r listens on <path>-<r>).")
     master_addr: str = _opt("127.0.0.1", "torch.distributed rendezvous address.")
     master_port: int = _opt(29500, "torch.distributed rendezvous port.")
+    max_shard_restarts: int = _opt(3, "Restarts of the shard group (all ranks, when one dies) "
+                                      "allowed within --shard-restart-window; one more dead shard "
+                                      "then stops everything with a non-zero exit. 0: never "
+                                      "restart.")
+    shard_restart_window: int = _opt(600, "Seconds over which shard restarts are counted.")
     graceful_termination_timeout: int = _opt(20, "Seconds children get to finish in-flight work and "
                                                  "exit before SIGKILL.")
     huggingface_hub_cache: str | None = _opt(None, "Hugging Face Hub cache directory for Hub ids "
@@ -44,6 +49,8 @@ class LauncherConfig:
     def __post_init__(self):
         if self.num_shard < 1:
             raise ValueError(f"--num-shard {self.num_shard} must be at least 1")
+        if self.max_shard_restarts < 0 or self.shard_restart_window <= 0:
+            raise ValueError("--max-shard-restarts must be >= 0 and --shard-restart-window > 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
 
@@ -105,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> LauncherConfig:
     args = vars(build_parser().parse_args(argv))
     router = {k.removeprefix("router."): v for k, v in args.items() if k.startswith("router.")}
     own = {k: v for k, v in args.items() if not k.startswith("router.")}
-    for name in ("num_shard", "block_size", "master_port", "graceful_termination_timeout"):
+    for name in ("num_shard", "block_size", "master_port", "graceful_termination_timeout",
+                 "max_shard_restarts", "shard_restart_window"):
         own[name] = int(own[name])
     return LauncherConfig(**own, router=router)

@@ -1,7 +1,10 @@
 """Starts the shards and the router as child processes, waits until they serve, and stops them together.
 
-Any child that exits makes the launcher stop the others and exit non-zero naming it; SIGINT/SIGTERM stop
-the router first (it finishes in-flight requests), then the shards, each SIGKILLed after a grace period.
+A shard that exits gets the whole shard group restarted (every rank: the survivors wait in collectives
+for a peer that is gone), up to --max-shard-restarts within --shard-restart-window; the router stays
+up and reconnects by itself. Past that budget, or when the router exits, the launcher stops the others
+and exits non-zero naming the child. SIGINT/SIGTERM stop the router first (it finishes in-flight
+requests), then the shards, each SIGKILLed after a grace period.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import sys
 import threading
 import time
 import urllib.error
+from collections import deque
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +50,11 @@ def check_shardable(model_dir: Path, num_shard: int) -> None:
                               f"use a shard count that divides both {heads} and {kv_heads}")
 
 
+def _death(child: Child) -> str:
+    last = "\n  ".join(child.tail[-10:])
+    return f"{child.name} exited with code {child.exited()}; its last lines:\n  {last}"
+
+
 def _spawn(name: str, argv: list[str], env: dict[str, str], json_output: bool) -> Child:
     # own session: a Ctrl-C in the terminal reaches only the launcher, which stops children in order
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -62,6 +71,7 @@ class Supervisor:
         self.model_name = model_name
         self.children: list[Child] = []
         self.stop_requested = threading.Event()
+        self.shard_restarts: deque[float] = deque()  # when each restart of the group happened
 
     def _say(self, message: str, level: str = "INFO") -> None:
         say(message, json_output=self.config.json_output, level=level)
@@ -84,7 +94,7 @@ class Supervisor:
         finally:
             self.shutdown()
 
-    def _start_shards(self) -> None:
+    def _start_shards(self, *, wait: bool = True) -> None:
         config = self.config
         for rank in range(config.num_shard):
             path = self.socket_path(rank)
@@ -97,6 +107,8 @@ class Supervisor:
                     "--device", config.device, "--block-size", str(config.block_size),
                     *config.shard_tracing_argv()]
             self.children.append(_spawn(f"shard {rank}", argv, env, config.json_output))
+        if not wait:
+            return
         self._wait_until("shards ready", lambda: all(
             os.path.exists(self.socket_path(r)) for r in range(config.num_shard)))
 
@@ -131,16 +143,42 @@ class Supervisor:
 
     def _raise_if_dead(self) -> None:
         for child in self.children:
-            code = child.exited()
-            if code is not None:
-                last = "\n  ".join(child.tail[-10:])
-                raise LaunchError(f"{child.name} exited with code {code}; its last lines:\n  {last}")
+            if child.exited() is not None:
+                raise LaunchError(_death(child))
 
     def _watch(self) -> int:
         while not self.stop_requested.wait(0.1):
-            self._raise_if_dead()
+            dead = [c for c in self.children if c.exited() is not None]
+            if any(c.name == "router" for c in dead):
+                self._raise_if_dead()
+            if dead:
+                self._restart_shards(dead[0])
         self._say("stopping")
         return 0
+
+    def _restart_shards(self, dead: Child) -> None:
+        """Restarts every rank when one died, or raises when the restart budget is spent."""
+        config = self.config
+        now = time.monotonic()
+        while self.shard_restarts and now - self.shard_restarts[0] > config.shard_restart_window:
+            self.shard_restarts.popleft()
+        if len(self.shard_restarts) >= config.max_shard_restarts:
+            raise LaunchError(f"{_death(dead)}\n(the shard group was restarted "
+                              f"{len(self.shard_restarts)} times within "
+                              f"{config.shard_restart_window} s: --max-shard-restarts "
+                              f"{config.max_shard_restarts} is used up)")
+        self.shard_restarts.append(now)
+        self._say(f"{dead.name} exited with code {dead.exited()}; restarting the shard group "
+                  f"(restart {len(self.shard_restarts)} of {config.max_shard_restarts} within "
+                  f"{config.shard_restart_window} s)", level="WARNING")
+        shards = [c for c in self.children if c.name != "router"]
+        for child in shards:
+            if child.exited() is None:
+                child.process.kill()  # waiting in a collective for the dead rank: nothing to save
+        for child in shards:
+            child.process.wait()
+            self.children.remove(child)
+        self._start_shards(wait=False)  # the router notices the new group and warms it up
 
     def shutdown(self) -> None:
         """Router first, so it stops taking requests while the shards still answer; then shards."""

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/generate.proto\x12\x0ctgi.shard.v1\"\r\n\x0bInfoRequest\"\xc9\x02\n\x0cInfoResponse\x12\x18\n\x10requires_padding\x18\x01 \x01(\x08\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\x12\x18\n\x0bwindow_size\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tspeculate\x18\x05 \x01(\r\x12\x18\n\x10support_chunking\x18\x06 \x01(\x08\x12\x1a\n\x12use_prefix_caching\x18\x07 \x01(\x08\x12\x16\n\x0e\x61ttention_impl\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x10\n\x08model_id\x18\n \x01(\t\x12\x12\n\nworld_size\x18\x0b \x01(\r\x12\x15\n\reos_token_ids\x18\x0c \x03(\r\x12\x1f\n\x17max_position_embeddings\x18\r \x01(\rB\x0e\n\x0c_window_size\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"+\n\x11\x43learCacheRequest\x12\x0f\n\x02id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x05\n\x03_id\"\x14\n\x12\x43learCacheResponse\"\xb8\x02\n\x1aNextTokenChooserParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\x11\n\tdo_sample\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\twatermark\x18\x08 \x01(\x08\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x0f\n\x07grammar\x18\n \x01(\t\x12/\n\x0cgrammar_type\x18\x0b \x01(\x0e\x32\x19.tgi.shard.v1.GrammarType\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\"\x96\x01\n\x1aStoppingCriteriaParameters\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x18\n\x10ignore_eos_token\x18\x03 \x01(\x08\x12\x16\n\x0emin_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\"\xfb\x02\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06inputs\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12<\n\nparameters\x18\x04 \x01(\x0b\x32(.tgi.shard.v1.NextTokenChooserParameters\x12\x45\n\x13stopping_parameters\x18\x05 \x01(\x0b\x32(.tgi.shard.v1.StoppingCriteriaParameters\x12\x18\n\x10prefill_logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x07 \x01(\r\x12\x0e\n\x06\x62locks\x18\x08 \x03(\r\x12\x11\n\tcache_len\x18\t \x01(\r\x12\x16\n\tchunk_len\x18\n \x01(\rH\x00\x88\x01\x01\x12\x17\n\nadapter_id\x18\x0b \x01(\tH\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0c \x01(\x08\x42\x0c\n\n_chunk_lenB\r\n\x0b_adapter_id\"r\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\'\n\x08requests\x18\x02 \x03(\x0b\x32\x15.tgi.shard.v1.Request\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x12\n\nmax_blocks\x18\x05 \x01(\r\"h\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x63urrent_tokens\x18\x05 \x01(\r\"\x86\x01\n\rGeneratedText\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.tgi.shard.v1.FinishReason\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"J\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x12\n\nis_special\x18\x04 \x03(\x08\"\xeb\x01\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12,\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x14.tgi.shard.v1.Tokens\x12$\n\x06tokens\x18\x03 \x01(\x0b\x32\x14.tgi.shard.v1.Tokens\x12\x38\n\x0egenerated_text\x18\x04 \x01(\x0b\x32\x1b.tgi.shard.v1.GeneratedTextH\x00\x88\x01\x01\x12(\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x14.tgi.shard.v1.TokensB\x11\n\x0f_generated_text\";\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\"?\n\x13\x46ilterBatchResponse\x12(\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x19.tgi.shard.v1.CachedBatch\"{\n\x0ePrefillRequest\x12\"\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x13.tgi.shard.v1.Batch\x12\x34\n\x0c\x63\x61\x63hed_batch\x18\x02 \x01(\x0b\x32\x19.tgi.shard.v1.CachedBatchH\x00\x88\x01\x01\x42\x0f\n\r_cached_batch\"\xd8\x01\n\x0fPrefillResponse\x12-\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x18.tgi.shard.v1.Generation\x12-\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x19.tgi.shard.v1.CachedBatchH\x00\x88\x01\x01\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x16\n\tconcat_ns\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_batchB\x0c\n\n_concat_ns\";\n\rDecodeRequest\x12*\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x19.tgi.shard.v1.CachedBatch\"\xd7\x01\n\x0e\x44\x65\x63odeResponse\x12-\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x18.tgi.shard.v1.Generation\x12-\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x19.tgi.shard.v1.CachedBatchH\x00\x88\x01\x01\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x16\n\tconcat_ns\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_batchB\x0c\n\n_concat_ns\"\xa3\x01\n\rWarmupRequest\x12\"\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x13.tgi.shard.v1.Batch\x12\x18\n\x10max_input_tokens\x18\x02 \x01(\r\x12\x1a\n\x12max_prefill_tokens\x18\x03 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x04 \x01(\r\x12\x1e\n\x16max_batch_total_tokens\x18\x05 \x01(\r\"\xa0\x01\n\x0eWarmupResponse\x12\'\n\x1amax_supported_total_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10max_input_tokens\x18\x02 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\rB\x1d\n\x1b_max_supported_total_tokens*S\n\x0bGrammarType\x12\x15\n\x11GRAMMAR_TYPE_NONE\x10\x00\x12\x15\n\x11GRAMMAR_TYPE_JSON\x10\x01\x12\x16\n\x12GRAMMAR_TYPE_REGEX\x10\x02*f\n\x0c\x46inishReason\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x00\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x01\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x02\x32\xf5\x04\n\x15TextGenerationService\x12=\n\x04Info\x12\x19.tgi.shard.v1.InfoRequest\x1a\x1a.tgi.shard.v1.InfoResponse\x12\x43\n\x06Health\x12\x1b.tgi.shard.v1.HealthRequest\x1a\x1c.tgi.shard.v1.HealthResponse\x12\x61\n\x10ServiceDiscovery\x12%.tgi.shard.v1.ServiceDiscoveryRequest\x1a&.tgi.shard.v1.ServiceDiscoveryResponse\x12O\n\nClearCache\x12\x1f.tgi.shard.v1.ClearCacheRequest\x1a .tgi.shard.v1.ClearCacheResponse\x12R\n\x0b\x46ilterBatch\x12 .tgi.shard.v1.FilterBatchRequest\x1a!.tgi.shard.v1.FilterBatchResponse\x12\x43\n\x06Warmup\x12\x1b.tgi.shard.v1.WarmupRequest\x1a\x1c.tgi.shard.v1.WarmupResponse\x12\x46\n\x07Prefill\x12\x1c.tgi.shard.v1.PrefillRequest\x1a\x1d.tgi.shard.v1.PrefillResponse\x12\x43\n\x06\x44\x65\x63ode\x12\x1b.tgi.shard.v1.DecodeRequest\x1a\x1c.tgi.shard.v1.DecodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/generate.proto\x12\x0ctgi.shard.v1\"\r\n\x0bInfoRequest\"\xc9\x02\n\x0cInfoResponse\x12\x18\n\x10requires_padding\x18\x01 \x01(\x08\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\x12\x18\n\x0bwindow_size\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tspeculate\x18\x05 \x01(\r\x12\x18\n\x10support_chunking\x18\x06 \x01(\x08\x12\x1a\n\x12use_prefix_caching\x18\x07 \x01(\x08\x12\x16\n\x0e\x61ttention_impl\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x10\n\x08model_id\x18\n \x01(\t\x12\x12\n\nworld_size\x18\x0b \x01(\r\x12\x15\n\reos_token_ids\x18\x0c \x03(\r\x12\x1f\n\x17max_position_embeddings\x18\r \x01(\rB\x0e\n\x0c_window_size\"\x0f\n\rHealthRequest\"%\n\x0eHealthResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"+\n\x11\x43learCacheRequest\x12\x0f\n\x02id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x05\n\x03_id\"\x14\n\x12\x43learCacheResponse\"\xb8\x02\n\x1aNextTokenChooserParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\x11\n\tdo_sample\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\twatermark\x18\x08 \x01(\x08\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x0f\n\x07grammar\x18\n \x01(\t\x12/\n\x0cgrammar_type\x18\x0b \x01(\x0e\x32\x19.tgi.shard.v1.GrammarType\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\"\x96\x01\n\x1aStoppingCriteriaParameters\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x18\n\x10ignore_eos_token\x18\x03 \x01(\x08\x12\x16\n\x0emin_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\"\xfb\x02\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06inputs\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12<\n\nparameters\x18\x04 \x01(\x0b\x32(.tgi.shard.v1.NextTokenChooserParameters\x12\x45\n\x13stopping_parameters\x18\x05 \x01(\x0b\x32(.tgi.shard.v1.StoppingCriteriaParameters\x12\x18\n\x10prefill_logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x07 \x01(\r\x12\x0e\n\x06\x62locks\x18\x08 \x03(\r\x12\x11\n\tcache_len\x18\t \x01(\r\x12\x16\n\tchunk_len\x18\n \x01(\rH\x00\x88\x01\x01\x12\x17\n\nadapter_id\x18\x0b \x01(\tH\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0c \x01(\x08\x42\x0c\n\n_chunk_lenB\r\n\x0b_adapter_id\"r\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\'\n\x08requests\x18\x02 \x03(\x0b\x32\x15.tgi.shard.v1.Request\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x12\n\nmax_blocks\x18\x05 \x01(\r\"h\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x63urrent_tokens\x18\x05 \x01(\r\"\x86\x01\n\rGeneratedText\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.tgi.shard.v1.FinishReason\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"J\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x12\n\nis_special\x18\x04 \x03(\x08\"\xeb\x01\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12,\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x14.tgi.shard.v1.Tokens\x12$\n\x06tokens\x18\x03 \x01(\x0b\x32\x14.tgi.shard.v1.Tokens\x12\x38\n\x0egenerated_text\x18\x04 \x01(\x0b\x32\x1b.tgi.shard.v1.GeneratedTextH\x00\x88\x01\x01\x12(\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x14.tgi.shard.v1.TokensB\x11\n\x0f_generated_text\";\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\"?\n\x13\x46ilterBatchResponse\x12(\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x19.tgi.shard.v1.CachedBatch\"{\n\x0ePrefillRequest\x12\"\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x13.tgi.shard.v1.Batch\x12\x34\n\x0c\x63\x61\x63hed_batch\x18\x02 \x01(\x0b\x32\x19.tgi.shard.v1.CachedBatchH\x00\x88\x01\x01\x42\x0f\n\r_cached_batch\"\xd8\x01\n\x0fPrefillResponse\x12-\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x18.tgi.shard.v1.Generation\x12-\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x19.tgi.shard.v1.CachedBatchH\x00\x88\x01\x01\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x16\n\tconcat_ns\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_batchB\x0c\n\n_concat_ns\";\n\rDecodeRequest\x12*\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x19.tgi.shard.v1.CachedBatch\"\xd7\x01\n\x0e\x44\x65\x63odeResponse\x12-\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x18.tgi.shard.v1.Generation\x12-\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x19.tgi.shard.v1.CachedBatchH\x00\x88\x01\x01\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x16\n\tconcat_ns\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_batchB\x0c\n\n_concat_ns\"\xa3\x01\n\rWarmupRequest\x12\"\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x13.tgi.shard.v1.Batch\x12\x18\n\x10max_input_tokens\x18\x02 \x01(\r\x12\x1a\n\x12max_prefill_tokens\x18\x03 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x04 \x01(\r\x12\x1e\n\x16max_batch_total_tokens\x18\x05 \x01(\r\"\xa0\x01\n\x0eWarmupResponse\x12\'\n\x1amax_supported_total_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10max_input_tokens\x18\x02 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\rB\x1d\n\x1b_max_supported_total_tokens*S\n\x0bGrammarType\x12\x15\n\x11GRAMMAR_TYPE_NONE\x10\x00\x12\x15\n\x11GRAMMAR_TYPE_JSON\x10\x01\x12\x16\n\x12GRAMMAR_TYPE_REGEX\x10\x02*f\n\x0c\x46inishReason\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x00\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x01\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x02\x32\xf5\x04\n\x15TextGenerationService\x12=\n\x04Info\x12\x19.tgi.shard.v1.InfoRequest\x1a\x1a.tgi.shard.v1.InfoResponse\x12\x43\n\x06Health\x12\x1b.tgi.shard.v1.HealthRequest\x1a\x1c.tgi.shard.v1.HealthResponse\x12\x61\n\x10ServiceDiscovery\x12%.tgi.shard.v1.ServiceDiscoveryRequest\x1a&.tgi.shard.v1.ServiceDiscoveryResponse\x12O\n\nClearCache\x12\x1f.tgi.shard.v1.ClearCacheRequest\x1a .tgi.shard.v1.ClearCacheResponse\x12R\n\x0b\x46ilterBatch\x12 .tgi.shard.v1.FilterBatchRequest\x1a!.tgi.shard.v1.FilterBatchResponse\x12\x43\n\x06Warmup\x12\x1b.tgi.shard.v1.WarmupRequest\x1a\x1c.tgi.shard.v1.WarmupResponse\x12\x46\n\x07Prefill\x12\x1c.tgi.shard.v1.PrefillRequest\x1a\x1d.tgi.shard.v1.PrefillResponse\x12\x43\n\x06\x44\x65\x63ode\x12\x1b.tgi.shard.v1.DecodeRequest\x1a\x1c.tgi.shard.v1.DecodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GRAMMARTYPE']._serialized_start=3157
-  _globals['_GRAMMARTYPE']._serialized_end=3240
-  _globals['_FINISHREASON']._serialized_start=3242
-  _globals['_FINISHREASON']._serialized_end=3344
+  _globals['_GRAMMARTYPE']._serialized_start=3178
+  _globals['_GRAMMARTYPE']._serialized_end=3261
+  _globals['_FINISHREASON']._serialized_start=3263
+  _globals['_FINISHREASON']._serialized_end=3365
   _globals['_INFOREQUEST']._serialized_start=38
   _globals['_INFOREQUEST']._serialized_end=51
   _globals['_INFORESPONSE']._serialized_start=54
@@ -42,47 +42,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHREQUEST']._serialized_start=385
   _globals['_HEALTHREQUEST']._serialized_end=400
   _globals['_HEALTHRESPONSE']._serialized_start=402
-  _globals['_HEALTHRESPONSE']._serialized_end=418
-  _globals['_SERVICEDISCOVERYREQUEST']._serialized_start=420
-  _globals['_SERVICEDISCOVERYREQUEST']._serialized_end=445
-  _globals['_SERVICEDISCOVERYRESPONSE']._serialized_start=447
-  _globals['_SERVICEDISCOVERYRESPONSE']._serialized_end=487
-  _globals['_CLEARCACHEREQUEST']._serialized_start=489
-  _globals['_CLEARCACHEREQUEST']._serialized_end=532
-  _globals['_CLEARCACHERESPONSE']._serialized_start=534
-  _globals['_CLEARCACHERESPONSE']._serialized_end=554
-  _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_start=557
-  _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_end=869
-  _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_start=872
-  _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_end=1022
-  _globals['_REQUEST']._serialized_start=1025
-  _globals['_REQUEST']._serialized_end=1404
-  _globals['_BATCH']._serialized_start=1406
-  _globals['_BATCH']._serialized_end=1520
-  _globals['_CACHEDBATCH']._serialized_start=1522
-  _globals['_CACHEDBATCH']._serialized_end=1626
-  _globals['_GENERATEDTEXT']._serialized_start=1629
-  _globals['_GENERATEDTEXT']._serialized_end=1763
-  _globals['_TOKENS']._serialized_start=1765
-  _globals['_TOKENS']._serialized_end=1839
-  _globals['_GENERATION']._serialized_start=1842
-  _globals['_GENERATION']._serialized_end=2077
-  _globals['_FILTERBATCHREQUEST']._serialized_start=2079
-  _globals['_FILTERBATCHREQUEST']._serialized_end=2138
-  _globals['_FILTERBATCHRESPONSE']._serialized_start=2140
-  _globals['_FILTERBATCHRESPONSE']._serialized_end=2203
-  _globals['_PREFILLREQUEST']._serialized_start=2205
-  _globals['_PREFILLREQUEST']._serialized_end=2328
-  _globals['_PREFILLRESPONSE']._serialized_start=2331
-  _globals['_PREFILLRESPONSE']._serialized_end=2547
-  _globals['_DECODEREQUEST']._serialized_start=2549
-  _globals['_DECODEREQUEST']._serialized_end=2608
-  _globals['_DECODERESPONSE']._serialized_start=2611
-  _globals['_DECODERESPONSE']._serialized_end=2826
-  _globals['_WARMUPREQUEST']._serialized_start=2829
-  _globals['_WARMUPREQUEST']._serialized_end=2992
-  _globals['_WARMUPRESPONSE']._serialized_start=2995
-  _globals['_WARMUPRESPONSE']._serialized_end=3155
-  _globals['_TEXTGENERATIONSERVICE']._serialized_start=3347
-  _globals['_TEXTGENERATIONSERVICE']._serialized_end=3976
+  _globals['_HEALTHRESPONSE']._serialized_end=439
+  _globals['_SERVICEDISCOVERYREQUEST']._serialized_start=441
+  _globals['_SERVICEDISCOVERYREQUEST']._serialized_end=466
+  _globals['_SERVICEDISCOVERYRESPONSE']._serialized_start=468
+  _globals['_SERVICEDISCOVERYRESPONSE']._serialized_end=508
+  _globals['_CLEARCACHEREQUEST']._serialized_start=510
+  _globals['_CLEARCACHEREQUEST']._serialized_end=553
+  _globals['_CLEARCACHERESPONSE']._serialized_start=555
+  _globals['_CLEARCACHERESPONSE']._serialized_end=575
+  _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_start=578
+  _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_end=890
+  _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_start=893
+  _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_end=1043
+  _globals['_REQUEST']._serialized_start=1046
+  _globals['_REQUEST']._serialized_end=1425
+  _globals['_BATCH']._serialized_start=1427
+  _globals['_BATCH']._serialized_end=1541
+  _globals['_CACHEDBATCH']._serialized_start=1543
+  _globals['_CACHEDBATCH']._serialized_end=1647
+  _globals['_GENERATEDTEXT']._serialized_start=1650
+  _globals['_GENERATEDTEXT']._serialized_end=1784
+  _globals['_TOKENS']._serialized_start=1786
+  _globals['_TOKENS']._serialized_end=1860
+  _globals['_GENERATION']._serialized_start=1863
+  _globals['_GENERATION']._serialized_end=2098
+  _globals['_FILTERBATCHREQUEST']._serialized_start=2100
+  _globals['_FILTERBATCHREQUEST']._serialized_end=2159
+  _globals['_FILTERBATCHRESPONSE']._serialized_start=2161
+  _globals['_FILTERBATCHRESPONSE']._serialized_end=2224
+  _globals['_PREFILLREQUEST']._serialized_start=2226
+  _globals['_PREFILLREQUEST']._serialized_end=2349
+  _globals['_PREFILLRESPONSE']._serialized_start=2352
+  _globals['_PREFILLRESPONSE']._serialized_end=2568
+  _globals['_DECODEREQUEST']._serialized_start=2570
+  _globals['_DECODEREQUEST']._serialized_end=2629
+  _globals['_DECODERESPONSE']._serialized_start=2632
+  _globals['_DECODERESPONSE']._serialized_end=2847
+  _globals['_WARMUPREQUEST']._serialized_start=2850
+  _globals['_WARMUPREQUEST']._serialized_end=3013
+  _globals['_WARMUPRESPONSE']._serialized_start=3016
+  _globals['_WARMUPRESPONSE']._serialized_end=3176
+  _globals['_TEXTGENERATIONSERVICE']._serialized_start=3368
+  _globals['_TEXTGENERATIONSERVICE']._serialized_end=3997
 # @@protoc_insertion_point(module_scope)

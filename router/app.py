@@ -19,6 +19,7 @@ from router.metrics import Metrics
 from router.middleware import api_key_middleware, cors_middleware, error_middleware
 from router.openapi import VERSION
 from router.prefix_cache import PrefixCache
+from router.recovery import RecoveryPolicy
 from router.request_queue import RequestQueue
 from router.shard_client import ShardedClient
 from router.tokenizer import RouterTokenizer
@@ -64,6 +65,7 @@ class RouterState:
             "max_total_tokens": self.limits.max_total_tokens,
             "max_batch_prefill_tokens": self.limits.max_batch_prefill_tokens,
             "max_batch_total_tokens": self.allocator.num_usable_blocks * self.allocator.block_size,
+            "shard_recovery_timeout": config.shard_recovery_timeout,
             "waiting_served_ratio": config.waiting_served_ratio,
             "max_waiting_tokens": config.max_waiting_tokens,
             "max_batch_size": config.max_batch_size,
@@ -91,6 +93,36 @@ def warmup_batch(limits: TokenLimits, max_batch_size: int | None) -> pb.Batch:
     return pb.Batch(id=0, requests=requests, size=len(requests))
 
 
+async def warm_up(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
+                  block_size: int) -> int:
+    """Runs the largest batch the router may send; returns the KV pool's size in blocks."""
+    warm = await client.warmup(pb.WarmupRequest(
+        batch=warmup_batch(limits, config.max_batch_size), max_input_tokens=limits.max_input_tokens,
+        max_prefill_tokens=limits.max_batch_prefill_tokens, max_total_tokens=limits.max_total_tokens,
+        max_batch_total_tokens=config.max_batch_total_tokens or 0))
+    capacity = (warm.num_blocks - 1) * block_size  # block 0 is never handed out
+    if limits.max_total_tokens > capacity:
+        raise ValueError(f"Not enough memory to handle max_total_tokens={limits.max_total_tokens}: the "
+                         f"KV pool holds {capacity} tokens; lower --max-total-tokens or raise "
+                         "--max-batch-total-tokens")
+    log.info("KV pool: %d blocks of %d tokens (%d tokens)", warm.num_blocks, block_size, capacity)
+    return warm.num_blocks
+
+
+def recovery_policy(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
+                    block_size: int) -> RecoveryPolicy:
+    """How the router gets its shards back after the launcher restarted them: the same socket,
+    the same model and limits, a new warm-up (its pool may differ) with empty caches."""
+
+    async def reconnect() -> int:
+        await client.reconnect(config.master_shard_uds_path, timeout=2.0)
+        await client.clear_cache()
+        return await warm_up(client, config, limits, block_size)
+
+    return RecoveryPolicy(reconnect=reconnect, is_alive=client.is_same_group_alive,
+                          timeout=config.shard_recovery_timeout)
+
+
 async def build_state(config: RouterConfig) -> RouterState:
     tokenizer = RouterTokenizer(config.tokenizer_path, workers=config.validation_workers)
     client = await ShardedClient.connect(config.master_shard_uds_path)
@@ -98,18 +130,9 @@ async def build_state(config: RouterConfig) -> RouterState:
     shard_info = await client.info()
     limits = TokenLimits.resolve(config, shard_info.max_position_embeddings,
                                  chunking=shard_info.support_chunking)
-    warm = await client.warmup(pb.WarmupRequest(
-        batch=warmup_batch(limits, config.max_batch_size), max_input_tokens=limits.max_input_tokens,
-        max_prefill_tokens=limits.max_batch_prefill_tokens, max_total_tokens=limits.max_total_tokens,
-        max_batch_total_tokens=config.max_batch_total_tokens or 0))
-    allocator = BlockAllocator(warm.num_blocks, shard_info.block_size)
+    num_blocks = await warm_up(client, config, limits, shard_info.block_size)
+    allocator = BlockAllocator(num_blocks, shard_info.block_size)
     capacity = allocator.num_usable_blocks * allocator.block_size
-    if limits.max_total_tokens > capacity:
-        raise ValueError(f"Not enough memory to handle max_total_tokens={limits.max_total_tokens}: the "
-                         f"KV pool holds {capacity} tokens; lower --max-total-tokens or raise "
-                         "--max-batch-total-tokens")
-    log.info("KV pool: %d blocks of %d tokens (%d tokens)", warm.num_blocks, allocator.block_size,
-             capacity)
     scheduling = SchedulingLimits(
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_batch_total_tokens=capacity,
         waiting_served_ratio=config.waiting_served_ratio,
@@ -120,7 +143,8 @@ async def build_state(config: RouterConfig) -> RouterState:
     if config.prefix_caching == "on" and shard_info.use_prefix_caching:
         prefix_cache = PrefixCache(allocator)
     queue = RequestQueue(allocator, prefix_cache, chunking=shard_info.support_chunking)
-    batcher = Batcher(client, queue, allocator, scheduling, metrics)
+    batcher = Batcher(client, queue, allocator, scheduling, metrics,
+                      recovery_policy(client, config, limits, shard_info.block_size))
     infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens)

@@ -7,6 +7,12 @@ A prompt longer than the prefill budget (when the shards chunk) is computed one 
 decode steps, so it never freezes the streams already running; chunks are sized from the measured
 step costs (router.chunk_sizing) so that each stalls the streams by about one decode step.
 Delivery: each request's events go to its own asyncio.Queue (TokenEvent, then None or a RouterError).
+
+Failures stay with their owner. Anything raised while preparing one request's data for the shards or
+while reading its generation fails that request alone (its blocks are freed, the others go on); a
+shard call that fails fails the batches in it; an error outside both fails what is in flight and the
+loop goes on. When the shards themselves are gone, router.recovery waits for their restart, and the
+requests that had received nothing yet go back to the queue.
 """
 from __future__ import annotations
 
@@ -24,12 +30,16 @@ from router.block_allocator import BlockAllocator
 from router.chunk_sizing import DecodeCost, chunk_tokens
 from router.errors import GenerationError, RouterError
 from router.metrics import Metrics
+from router.recovery import RecoveryPolicy, ShardRecovery
 from router.request_queue import BatchPlan, QueueEntry, RequestQueue
 from router.schemas import FinalInfo, FinishReason, GenerateRequest, Token, TokenEvent
 from router.shard_client import ShardError
 
 log = logging.getLogger("tgi.router.batcher")
 _TRACER = tracer("tgi.router")
+
+# while idle, how often the loop asks whether the shards are still the ones it warmed up
+IDLE_PROBE_S = 1.0
 
 _GRAMMAR_TYPES = {"json": pb.GRAMMAR_TYPE_JSON, "regex": pb.GRAMMAR_TYPE_REGEX}
 _FINISH = {pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
@@ -46,6 +56,7 @@ class ActiveRequest:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     is_cancelled: bool = False
     is_done: bool = False
+    delivered: int = 0  # events sent to the API side
     batched_at: float = 0.0
     span_context: SpanContext | None = None  # the HTTP request's span, when tracing
 
@@ -68,7 +79,8 @@ class SchedulingLimits:
 
 class Batcher:
     def __init__(self, client, queue: RequestQueue, allocator: BlockAllocator,
-                 limits: SchedulingLimits, metrics: Metrics):
+                 limits: SchedulingLimits, metrics: Metrics,
+                 recovery: RecoveryPolicy | None = None):
         self.client = client
         self.queue = queue
         self.allocator = allocator
@@ -81,6 +93,13 @@ class Batcher:
         self.chunked: ChunkedPrefill | None = None  # the long prompt being prefilled in chunks
         self.decode_cost = DecodeCost()
         self._wake = asyncio.Event()
+        # without a policy (tests, one-off tools) a lost shard fails requests and nothing waits
+        self.recovery = (ShardRecovery(recovery, queue, allocator, self._fail_waiting)
+                         if recovery is not None else None)
+
+    @property
+    def healthy(self) -> bool:
+        return self.recovery is None or self.recovery.healthy
 
     # ---- API side ---------------------------------------------------------------------------
 
@@ -100,27 +119,50 @@ class Batcher:
 
     async def run(self) -> None:
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            running, waiting_steps = None, 0
-            while True:
-                did_prefill, new, stepped = await self._prefill_next(running, waiting_steps)
-                if did_prefill:
-                    waiting_steps = 0
-                if stepped:
-                    # it took its decode step inside the prefill's forward
-                    running = new
-                    self._batch_gauges([running] if running is not None else [])
-                    continue
-                batches = [b for b in (running, new) if b is not None]
-                if not batches:
-                    if did_prefill:
-                        continue  # a long prompt's chunks, with nothing decoding meanwhile
-                    break
-                self._batch_gauges(batches)
-                running = await self._decode(batches)
-                waiting_steps += 1
+            await self._wait_for_work()
+            try:
+                await self._serve_until_idle()
+            except Exception:
+                # a fault that belongs to no single request: those in flight fail, the loop lives
+                log.exception("unexpected error in the batching loop; failing the requests in "
+                              "flight")
+                await self._fail_in_flight(GenerationError("internal error in the batching loop"))
             self._batch_gauges([])
+
+    async def _wait_for_work(self) -> None:
+        """Sleeps until a request arrives; meanwhile checks that the shards did not restart (a
+        restarted group has an empty cache and must be warmed up before it serves)."""
+        while True:
+            if self.recovery is None:
+                await self._wake.wait()
+                break
+            try:
+                await asyncio.wait_for(self._wake.wait(), IDLE_PROBE_S)
+                break
+            except asyncio.TimeoutError:
+                if not await self.recovery.policy.is_alive():
+                    await self._lose_shards(GenerationError("the model shards restarted"))
+        self._wake.clear()
+
+    async def _serve_until_idle(self) -> None:
+        running, waiting_steps = None, 0
+        while True:
+            did_prefill, new, stepped = await self._prefill_next(running, waiting_steps)
+            if did_prefill:
+                waiting_steps = 0
+            if stepped:
+                # it took its decode step inside the prefill's forward
+                running = new
+                self._batch_gauges([running] if running is not None else [])
+                continue
+            batches = [b for b in (running, new) if b is not None]
+            if not batches:
+                if did_prefill:
+                    continue  # a long prompt's chunks, with nothing decoding meanwhile
+                break
+            self._batch_gauges(batches)
+            running = await self._decode(batches)
+            waiting_steps += 1
 
     def _batch_gauges(self, batches: list[pb.CachedBatch]) -> None:
         self.metrics.batch_current_size.set(sum(len(b.request_ids) for b in batches))
@@ -178,6 +220,7 @@ class Batcher:
         now = time.monotonic()
         for item in items:
             item.batched_at = now
+            item.entry.attempts += 1
             self.active[item.entry.id] = item
 
     async def _prefill_chunk(self, running: pb.CachedBatch | None) -> pb.CachedBatch | None:
@@ -196,8 +239,11 @@ class Batcher:
         size = chunk_tokens(item.entry.input_length - start, self.limits.max_batch_prefill_tokens,
                             decode_s=decode_s, chunk_s_per_token=chunk.s_per_token)
         is_last = start + size == item.entry.input_length
-        request = _request_proto(item, cache_len=start, chunk_len=None if is_last else size)
-        batch = pb.Batch(id=self.queue.new_batch_id(), requests=[request], size=1,
+        requests, _ = self._prepare([item], cache_len=start, chunk_len=None if is_last else size)
+        if not requests:
+            self.chunked = None
+            return running
+        batch = pb.Batch(id=self.queue.new_batch_id(), requests=requests, size=1,
                          max_tokens=item.entry.kv_tokens,
                          max_blocks=len(item.entry.allocation.block_ids))
         started = time.monotonic()
@@ -225,14 +271,34 @@ class Batcher:
         the result is it, joined by the new requests."""
         items = [e.payload for e in plan.entries]
         self._activate(items)
-        batch = pb.Batch(id=plan.batch_id, requests=[_request_proto(i) for i in items],
-                         size=len(items), max_tokens=plan.max_tokens,
+        requests, items = self._prepare(items)
+        if not items:
+            return running
+        batch = pb.Batch(id=plan.batch_id, requests=requests, size=len(items),
+                         max_tokens=sum(i.entry.kv_tokens for i in items),
                          max_blocks=max(len(i.entry.allocation.block_ids) for i in items))
         reply = await self._prefill_call(batch, items, running)
         if reply is None:
             return None
-        self._remember_prompts(plan.entries)
+        self._remember_prompts([i.entry for i in items])
         return await self._after_step(reply, "prefill")
+
+    def _prepare(self, items: list[ActiveRequest], **chunk
+                 ) -> tuple[list[pb.Request], list[ActiveRequest]]:
+        """Each request's message for the shards, encoded once so that a value the wire cannot
+        carry fails its own request here rather than the whole batch later."""
+        requests, kept = [], []
+        for item in items:
+            try:
+                request = request_proto(item, **chunk)
+                encode(request)
+            except Exception as err:
+                self._fail_request(item, "prepare", err)
+                self._release(item.entry.id)
+                continue
+            requests.append(request)
+            kept.append(item)
+        return requests, kept
 
     async def _prefill_call(self, batch: pb.Batch, items: list[ActiveRequest],
                             running: pb.CachedBatch | None) -> pb.PrefillResponse | None:
@@ -256,7 +322,10 @@ class Batcher:
             return
         for entry in entries:
             if entry.prompt_ids is not None:
-                cache.insert(entry.prompt_ids, entry.allocation.block_ids)
+                try:
+                    cache.insert(entry.prompt_ids, entry.allocation.block_ids)
+                except Exception:  # the request goes on; only its prompt is not reused
+                    log.exception("could not cache the prompt of request %d", entry.id)
             if entry.cache_len:
                 self.metrics.counters.inc("tgi_prefix_cache_hits", entry.cache_len)
 
@@ -317,7 +386,11 @@ class Batcher:
         for generation in reply.generations:
             item = self.active.get(generation.request_id)
             if item is not None and not item.is_done and not item.is_cancelled:
-                self._deliver(item, generation)
+                try:
+                    self._deliver(item, generation)
+                except Exception as err:
+                    # done now: the filter below drops it from the shards and frees its blocks
+                    self._fail_request(item, "read", err)
         if not reply.HasField("batch"):
             for generation in reply.generations:
                 self._release(generation.request_id)
@@ -345,19 +418,26 @@ class Batcher:
             return None
 
     def _deliver(self, item: ActiveRequest, generation: pb.Generation) -> None:
-        tokens = generation.tokens
-        event = TokenEvent(token=Token(tokens.ids[0], tokens.texts[0], tokens.logprobs[0],
-                                       tokens.is_special[0]))
-        if generation.top_tokens:
-            event.top_tokens = _tokens(generation.top_tokens[0])
-        if generation.HasField("prefill_tokens"):
-            event.prefill = _tokens(generation.prefill_tokens)
-        if generation.HasField("generated_text"):
-            gt = generation.generated_text
-            event.final = FinalInfo(gt.text, gt.generated_tokens, _FINISH[gt.finish_reason],
-                                    gt.seed if gt.HasField("seed") else None)
+        event = generation_event(generation)
+        if event.final is not None:
             item.is_done = True
+        item.delivered += 1
         item.events.put_nowait(event)
+
+    def _fail_request(self, item: ActiveRequest, stage: str, err: Exception) -> None:
+        """One request's own failure: its client hears of it, the batch goes on without it."""
+        log.error("request %d failed while its data was %s: %r", item.entry.id,
+                  {"prepare": "prepared for the shards", "read": "read back"}[stage], err,
+                  exc_info=err)
+        if not item.is_done:
+            item.events.put_nowait(GenerationError(f"{type(err).__name__}: {err}"))
+        item.is_done = True
+
+    def _fail_waiting(self, entry: QueueEntry, error: RouterError) -> None:
+        item = entry.payload
+        item.is_done = True
+        item.events.put_nowait(error)
+        self.metrics.queue_size.set(len(self.queue))
 
     def _release(self, request_id: int) -> None:
         item = self.active.pop(request_id, None)
@@ -370,6 +450,9 @@ class Batcher:
     async def _fail(self, items: list[ActiveRequest], batch_ids: list[int], err: Exception) -> None:
         log.error("shard step failed for %d requests: %s", len(items), err)
         error = err if isinstance(err, RouterError) else GenerationError(str(err))
+        if self.recovery is not None and not await self.recovery.policy.is_alive():
+            await self._lose_shards(error)
+            return
         for item in items:
             if not item.is_done:
                 item.events.put_nowait(error)
@@ -381,13 +464,46 @@ class Batcher:
                 log.error("could not clear batch %d: %s", batch_id, clear_err)
 
 
+    async def _lose_shards(self, error: RouterError) -> None:
+        """The shard group is gone: requests that received nothing go back to the queue (once:
+        one that kills the shards each time must not use up the restarts); the others get the
+        error. Then the loop waits for the restarted group."""
+        retry = []
+        for item in list(self.active.values()):
+            again = (not item.is_done and not item.is_cancelled and item.delivered == 0
+                     and item.entry.attempts < self.recovery.policy.max_attempts)
+            if not item.is_done and not again:
+                item.events.put_nowait(error)
+            self._release(item.entry.id)
+            if again:
+                item.is_done = False
+                retry.append(item.entry)
+        self.chunked = None
+        self.queue.requeue_front(retry)
+        self.metrics.queue_size.set(len(self.queue))
+        await self.recovery.wait_for_shards()
+        self._kv_gauges()
+        self.metrics.kv_total_blocks.set(self.allocator.num_usable_blocks)
+
+    async def _fail_in_flight(self, error: RouterError) -> None:
+        for item in list(self.active.values()):
+            if not item.is_done:
+                item.events.put_nowait(error)
+            self._release(item.entry.id)
+        self.chunked = None
+        try:
+            await self.client.clear_cache()
+        except ShardError as err:
+            log.error("could not clear the shards' batches: %s", err)
+        self._kv_gauges()
+
 def _tokens(run: pb.Tokens) -> list[Token]:
     special = list(run.is_special) or [False] * len(run.ids)
-    return [Token(i, t, None if math.isnan(lp) else lp, s)
+    return [Token(i, t, _logprob(lp), s)
             for i, t, lp, s in zip(run.ids, run.texts, run.logprobs, special)]
 
 
-def _request_proto(item: ActiveRequest, *, cache_len: int | None = None,
+def request_proto(item: ActiveRequest, *, cache_len: int | None = None,
                    chunk_len: int | None = None) -> pb.Request:
     request = item.request
     s, st = request.sampling, request.stopping
@@ -409,3 +525,27 @@ def _request_proto(item: ActiveRequest, *, cache_len: int | None = None,
         blocks=item.entry.allocation.block_ids,
         cache_len=item.entry.cache_len if cache_len is None else cache_len, chunk_len=chunk_len,
         skip_special_tokens=request.skip_special_tokens)
+
+
+def generation_event(generation: pb.Generation) -> TokenEvent:
+    tokens = generation.tokens
+    event = TokenEvent(token=Token(tokens.ids[0], tokens.texts[0], _logprob(tokens.logprobs[0]),
+                                   tokens.is_special[0]))
+    if generation.top_tokens:
+        event.top_tokens = _tokens(generation.top_tokens[0])
+    if generation.HasField("prefill_tokens"):
+        event.prefill = _tokens(generation.prefill_tokens)
+    if generation.HasField("generated_text"):
+        gt = generation.generated_text
+        event.final = FinalInfo(gt.text, gt.generated_tokens, _FINISH[gt.finish_reason],
+                                gt.seed if gt.HasField("seed") else None)
+    return event
+
+
+def _logprob(value: float) -> float | None:
+    # NaN (not computed) and -inf (a token the grammar masked) have no JSON spelling
+    return value if math.isfinite(value) else None
+
+
+def encode(request: pb.Request) -> bytes:
+    return request.SerializeToString()

@@ -18,15 +18,20 @@ class BlockAllocation:
 
 class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        # asked for blocks when the free list is short (the prefix cache evicts); returns how many
+        self.reclaim: Callable[[int], int] | None = None
+        self.reset(num_blocks)
+
+    def reset(self, num_blocks: int) -> None:
+        """Every block free, in a pool of `num_blocks` (the shards were restarted: their caches
+        are empty); allocations made before must not be freed afterwards."""
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks (block 0 is reserved), got {num_blocks}")
-        self.block_size = block_size
         self.num_blocks = num_blocks
         # pop() from the end hands out low ids first, which keeps tests readable
         self._free = list(range(num_blocks - 1, 0, -1))
         self._refs = [0] * num_blocks
-        # asked for blocks when the free list is short (the prefix cache evicts); returns how many
-        self.reclaim: Callable[[int], int] | None = None
 
     @property
     def num_free_blocks(self) -> int:

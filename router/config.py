@@ -19,6 +19,8 @@ class RouterConfig:
     hostname: str = _opt("0.0.0.0", "Address to listen on.")
     port: int = _opt(8080, "HTTP port.")
     max_concurrent_requests: int = _opt(128, "Requests in flight at once; more get 429.")
+    shard_recovery_timeout: float = _opt(60.0, "Seconds a request waits for restarting shards "
+                                               "(queued or arriving meanwhile) before a 503.")
     max_best_of: int = _opt(2, "Largest best_of a request may ask.")
     max_stop_sequences: int = _opt(4, "Most stop sequences per request.")
     max_top_n_tokens: int = _opt(5, "Largest top_n_tokens a request may ask.")
@@ -54,6 +56,8 @@ class RouterConfig:
             raise ValueError(f"--prefix-caching {self.prefix_caching!r} must be on or off")
         if self.payload_limit < 1:
             raise ValueError(f"--payload-limit {self.payload_limit} must be a positive byte count")
+        if self.shard_recovery_timeout <= 0:
+            raise ValueError(f"--shard-recovery-timeout {self.shard_recovery_timeout} must be > 0")
         if self.waiting_served_ratio < 0:
             raise ValueError(f"--waiting-served-ratio {self.waiting_served_ratio} must be >= 0")
 

@@ -7,6 +7,7 @@ class RouterError(Exception):
     status = 500
     error_type = "internal"
     prefix = ""
+    headers: dict[str, str] = {}  # sent with the error's HTTP answer
 
     def __init__(self, message: str):
         super().__init__(message)
@@ -25,6 +26,8 @@ class ValidationError(RouterError):
 class OverloadedError(RouterError):
     status = 429
     error_type = "overloaded"
+    # a slot frees when any request in flight ends: worth trying again soon
+    headers = {"Retry-After": "1"}
 
     def __init__(self, message: str = "Model is overloaded"):
         super().__init__(message)
@@ -47,6 +50,8 @@ class IncompleteGenerationError(RouterError):
 class UnhealthyError(RouterError):
     status = 503
     error_type = "healthcheck"
+    # a restart of the shards takes seconds (loading the model, warming up)
+    headers = {"Retry-After": "5"}
 
     def __init__(self, message: str = "unhealthy"):
         super().__init__(message)

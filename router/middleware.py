@@ -20,7 +20,7 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except RouterError as err:
-        return web.json_response(tgi_error_body(err), status=err.status)
+        return web.json_response(tgi_error_body(err), status=err.status, headers=err.headers)
     except web.HTTPRequestEntityTooLarge as err:
         return web.json_response({"error": f"Payload too large: {err.text}",
                                   "error_type": "payload_limit"}, status=413)

@@ -23,8 +23,9 @@ class ChatOptions:
     top_logprobs: int = 0
 
 
-def _number(body: dict, name: str, low: float, high: float, *, integer: bool = False,
+def number(body: dict, name: str, low: float, high: float, *, integer: bool = False,
             low_open: bool = False):
+    """An optional number within [low, high] (bounds inside the range of its wire type)."""
     value = body.get(name)
     if value is None:
         return None
@@ -37,15 +38,34 @@ def _number(body: dict, name: str, low: float, high: float, *, integer: bool = F
     return int(value) if integer else float(value)
 
 
+def flag(body: dict, name: str, default: bool = False) -> bool:
+    """An optional boolean: null is the default, anything but true or false is a 422."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValidationError(f"`{name}` must be a boolean")
+    return value
+
+
+def include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ValidationError("`stream_options` must be an object")
+    return flag(options, "include_usage")
+
+
 def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingParams, list[str]]:
     """OpenAI's sampling fields: temperature 0 is greedy, penalties are additive, top_p 1 is off."""
-    temperature = _number(body, "temperature", 0, 2)
-    top_p = _number(body, "top_p", 0, 1, low_open=True)
-    seed = _number(body, "seed", 0, 2**64 - 1, integer=True)
+    temperature = number(body, "temperature", 0, 2)
+    top_p = number(body, "top_p", 0, 1, low_open=True)
+    seed = number(body, "seed", 0, 2**64 - 1, integer=True)
     sampling = SamplingParams(
         temperature=temperature or 1.0, top_p=top_p or 1.0,
-        frequency_penalty=_number(body, "frequency_penalty", -2, 2) or 0.0,
-        presence_penalty=_number(body, "presence_penalty", -2, 2) or 0.0,
+        frequency_penalty=number(body, "frequency_penalty", -2, 2) or 0.0,
+        presence_penalty=number(body, "presence_penalty", -2, 2) or 0.0,
         do_sample=temperature != 0,  # OpenAI samples unless the temperature is 0
         seed=seed if seed is not None else random.getrandbits(64))
     stop = body.get("stop")
@@ -62,7 +82,7 @@ def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingPa
 
 
 def choice_count(body: dict, max_choices: int) -> int:
-    n = _number(body, "n", 1, max_choices, integer=True)
+    n = number(body, "n", 1, max_choices, integer=True)
     return n or 1
 
 
@@ -114,7 +134,7 @@ def _functions(tools) -> list[dict]:
     functions = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(function, dict) \
+        if not isinstance(function, dict) or tool.get("type", "function") != "function" \
                 or not isinstance(function.get("name"), str):
             raise ValidationError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
                                   "{\"name\": ..., \"parameters\": ...}}")
@@ -191,7 +211,7 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
     sampling, stop = sampling_and_stops(body, limits)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
-        max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", 1, 2**31, integer=True)
+        max_tokens = number({"max_tokens": max_tokens}, "max_tokens", 1, 2**31, integer=True)
     elif default_max_tokens is not None:
         max_tokens = min(default_max_tokens, limits.tokens.max_total_tokens - len(input_ids))
     else:

@@ -1,7 +1,8 @@
 """The OpenAPI document of what this router serves, built from the same names the code uses."""
 from __future__ import annotations
 
-from router.validation import PARAMETER_TYPES
+from router.validation import INTEGER_WIRE_TYPES, PARAMETER_TYPES
+from router.wire import FLOAT32_MAX, INT32, UINT64, IntType
 
 VERSION = "0.1.0"
 
@@ -14,23 +15,47 @@ def _nullable(kind: str, **extra) -> dict:
     return {"type": kind, "nullable": True, **extra}
 
 
+# documented bounds (TGI's rules, checked in router.validation); the integers' ranges and formats
+# come from the wire types they travel in
 _PARAMETER_LIMITS = {
     "best_of": {"minimum": 0, "exclusiveMinimum": True},
     "frequency_penalty": {"minimum": -2, "maximum": 2},
-    "max_new_tokens": {"minimum": 0, "default": 100},
+    "max_new_tokens": {"minimum": 0, "exclusiveMinimum": True, "default": 100},
     "repetition_penalty": {"minimum": 0, "exclusiveMinimum": True},
     "temperature": {"minimum": 0, "exclusiveMinimum": True},
     "top_k": {"minimum": 0, "exclusiveMinimum": True},
+    "top_n_tokens": {"minimum": 0},
+    "truncate": {"minimum": 0, "exclusiveMinimum": True},
     "top_p": {"minimum": 0, "maximum": 1, "exclusiveMinimum": True, "exclusiveMaximum": True},
     "typical_p": {"minimum": 0, "maximum": 1, "exclusiveMinimum": True, "exclusiveMaximum": True},
     "stop": {"items": {"type": "string"}, "maxItems": 4},
 }
 
 
+def int_schema(wire: IntType, **bounds) -> dict:
+    """An integer schema: its wire type's format and range, narrowed by the documented bounds."""
+    schema = {"type": "integer", "format": wire.openapi_format, **bounds}
+    schema["minimum"] = max(bounds.get("minimum", wire.low), wire.low)
+    schema["maximum"] = min(bounds.get("maximum", wire.high), wire.high)
+    return schema
+
+
+def float_schema(**bounds) -> dict:
+    """A float32 number: finite, within float32's range unless the bounds say less."""
+    return {"type": "number", "format": "float", "minimum": -FLOAT32_MAX, "maximum": FLOAT32_MAX,
+            **bounds}
+
+
 def _parameters_schema() -> dict:
     properties = {}
     for name, kind in sorted(PARAMETER_TYPES.items()):
-        properties[name] = _nullable(kind, **_PARAMETER_LIMITS.get(name, {}))
+        limits = _PARAMETER_LIMITS.get(name, {})
+        if kind == "integer":
+            properties[name] = {**int_schema(INTEGER_WIRE_TYPES[name], **limits), "nullable": True}
+        elif kind == "number":
+            properties[name] = {**float_schema(**limits), "nullable": True}
+        else:
+            properties[name] = _nullable(kind, **limits)
     return {"type": "object", "properties": properties}
 
 
@@ -84,6 +109,23 @@ def _object(required: list[str], **properties) -> dict:
     return {"type": "object", "required": required, "properties": properties}
 
 
+def _openai_sampling() -> dict:
+    """The sampling fields both OpenAI routes share, with the bounds router.openai_request checks."""
+    return dict(
+        max_tokens={**int_schema(INT32, minimum=1), "nullable": True},
+        temperature={**float_schema(minimum=0, maximum=2), "nullable": True},
+        top_p={**float_schema(minimum=0, maximum=1, exclusiveMinimum=True), "nullable": True},
+        n={**int_schema(INT32, minimum=1), "nullable": True},
+        seed={**int_schema(UINT64), "nullable": True},
+        frequency_penalty={**float_schema(minimum=-2, maximum=2), "nullable": True},
+        presence_penalty={**float_schema(minimum=-2, maximum=2), "nullable": True},
+        stop={"nullable": True, "oneOf": [{"type": "string"},
+                                          {"type": "array", "items": {"type": "string"}}]},
+        stream={"type": "boolean", "nullable": True},
+        stream_options={"type": "object", "nullable": True,
+                        "properties": {"include_usage": {"type": "boolean", "nullable": True}}})
+
+
 def _openai_schemas() -> dict:
     string, integer = {"type": "string"}, {"type": "integer"}
     envelope = dict(id=string, object=string, created=integer, model=string,
@@ -93,11 +135,10 @@ def _openai_schemas() -> dict:
         "Usage": _object(["prompt_tokens", "completion_tokens", "total_tokens"],
                          prompt_tokens=integer, completion_tokens=integer, total_tokens=integer),
         "ChatRequest": _object(["messages"], model=string, messages={"type": "array", "items": {
-            "type": "object", "required": ["role"]}}, max_tokens=_nullable("integer"),
-            temperature=_nullable("number"), top_p=_nullable("number"), n=_nullable("integer"),
-            seed=_nullable("integer"), stream={"type": "boolean"}, tools=_nullable("array"),
-            tool_choice={}, response_format=_nullable("object"), logprobs=_nullable("boolean"),
-            top_logprobs=_nullable("integer")),
+            "type": "object", "required": ["role"]}}, **_openai_sampling(),
+            logprobs=_nullable("boolean"), top_logprobs={**int_schema(INT32, minimum=0),
+                                                         "nullable": True},
+            tools=_nullable("array"), tool_choice={}, response_format=_nullable("object")),
         "ChatCompletion": _object(["id", "created", "model", "system_fingerprint", "choices",
                                    "usage"], **envelope, usage=usage,
                                   choices={"type": "array", "items": _object(
@@ -105,8 +146,8 @@ def _openai_schemas() -> dict:
                                       message={"type": "object"}, finish_reason=string,
                                       logprobs=_nullable("object"))}),
         "CompletionRequest": _object(["prompt"], model=string, prompt={}, suffix=_nullable("string"),
-                                     echo=_nullable("boolean"), max_tokens=_nullable("integer"),
-                                     logprobs=_nullable("integer"), stream={"type": "boolean"}),
+                                     echo=_nullable("boolean"), **_openai_sampling(),
+                                     logprobs={**int_schema(INT32, minimum=0), "nullable": True}),
         "CompletionFinal": _object(["id", "created", "model", "system_fingerprint", "choices",
                                     "usage"], **envelope, usage=usage,
                                    choices={"type": "array", "items": _object(

@@ -40,6 +40,10 @@ class PrefixCache:
             yield key, parent, tokens
             parent = key
 
+    def clear(self) -> None:
+        """Forgets every block without letting go of them: for a pool about to be reset."""
+        self._blocks.clear()
+
     def match(self, token_ids: list[int]) -> list[int]:
         """Block ids of the longest cached prefix of full blocks; the caller gets a reference to each."""
         found = []

@@ -24,6 +24,7 @@ class QueueEntry:
     allocation: BlockAllocation | None = None
     prompt_ids: list[int] | None = None  # offered to the prefix cache (None: never cached)
     cache_len: int = 0  # prompt tokens whose keys and values come from the prefix cache
+    attempts: int = 0  # times it was sent to the shards (a shard failure may send it back here)
 
     @property
     def kv_tokens(self) -> int:
@@ -54,6 +55,15 @@ class RequestQueue:
 
     def append(self, entry: QueueEntry) -> None:
         self._entries.append(entry)
+
+    def requeue_front(self, entries: list[QueueEntry]) -> None:
+        """Entries that were taken but never computed go back first, in their order."""
+        for entry in reversed(entries):
+            entry.allocation, entry.cache_len = None, 0
+            self._entries.appendleft(entry)
+
+    def entries(self) -> list[QueueEntry]:
+        return list(self._entries)
 
     def _cached_prefix(self, entry: QueueEntry) -> list[int]:
         """Cached blocks of the entry's prompt, leaving at least one prompt token to compute (its

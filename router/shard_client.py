@@ -38,14 +38,42 @@ class ShardedClient:
 
     def __init__(self, clients: list[ShardClient]):
         self.clients = clients
+        # each rank's process id as it answered when connected: another id is a restarted rank
+        self.instance_ids: list[str] = []
 
     @classmethod
     async def connect(cls, master_socket: str, timeout: float = 30.0) -> "ShardedClient":
+        client = cls([])
+        await client.reconnect(master_socket, timeout)
+        return client
+
+    async def reconnect(self, master_socket: str, timeout: float = 30.0) -> None:
+        """New channels to every rank (after a restart of the group), and their instance ids."""
         master = ShardClient(master_socket)
-        reply = await master.call("ServiceDiscovery", pb.ServiceDiscoveryRequest(), timeout=timeout)
-        await master.close()
-        paths = [url.removeprefix("unix://") for url in reply.urls]
-        return cls([ShardClient(p) for p in paths])
+        try:
+            reply = await master.call("ServiceDiscovery", pb.ServiceDiscoveryRequest(),
+                                      timeout=timeout)
+        finally:
+            await master.close()
+        clients = [ShardClient(url.removeprefix("unix://")) for url in reply.urls]
+        try:
+            replies = await asyncio.gather(*(c.call("Health", pb.HealthRequest(), timeout)
+                                             for c in clients))
+        except ShardError:
+            await asyncio.gather(*(c.close() for c in clients))
+            raise
+        old, self.clients = self.clients, clients
+        self.instance_ids = [r.instance_id for r in replies]
+        await asyncio.gather(*(c.close() for c in old))
+
+    async def is_same_group_alive(self, timeout: float = 2.0) -> bool:
+        """Whether every rank answers and is still the process the router connected to."""
+        try:
+            replies = await asyncio.gather(*(c.call("Health", pb.HealthRequest(), timeout)
+                                             for c in self.clients))
+        except ShardError:
+            return False
+        return [r.instance_id for r in replies] == self.instance_ids
 
     async def _all(self, method: str, message, timeout: float | None = None):
         # the current span (if any) becomes the parent of the shards' spans

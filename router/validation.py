@@ -13,6 +13,7 @@ from router.errors import ValidationError
 from router.grammar import from_tgi
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from router.tokenizer import RouterTokenizer
+from router.wire import INT32, UINT32, UINT64, check_float, check_int
 
 DEFAULT_MAX_NEW_TOKENS = 100
 
@@ -27,7 +28,10 @@ PARAMETER_TYPES = {
     # extension (vLLM and SGLang have it): keep generating past EOS, for benchmarks
     "ignore_eos": "boolean",
 }
-_UNSIGNED = {"best_of", "max_new_tokens", "seed", "top_n_tokens", "truncate"}
+# the Rust type of each integer field in TGI's GenerateParameters (usize is 64-bit); every one of
+# them also fits the protobuf field that carries it to the shards (top_k > 0 fits its uint32)
+INTEGER_WIRE_TYPES = {"best_of": UINT64, "max_new_tokens": UINT32, "seed": UINT64,
+                      "top_k": INT32, "top_n_tokens": UINT32, "truncate": UINT64}
 
 
 @dataclass(slots=True)
@@ -67,16 +71,10 @@ def check_types(params: dict) -> dict:
         path = f"parameters.{name}"
         if kind == "boolean" and not isinstance(value, bool):
             raise _type_error(path, value, "a boolean")
-        if kind == "number" and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise _type_error(path, value, "a number")
+        if kind == "number":
+            value = check_float(path, value)
         if kind == "integer":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not float(value).is_integer():
-                raise _type_error(path, value, "an integer")
-            value = int(value)
-            if name in _UNSIGNED and value < 0:
-                raise ValidationError(f"Failed to deserialize the JSON body into the target type: "
-                                      f"{path}: invalid value: integer `{value}`, expected u32")
+            value = check_int(path, value, INTEGER_WIRE_TYPES[name])
         if kind == "string" and not isinstance(value, str):
             raise _type_error(path, value, "a string")
         if kind == "object" and not isinstance(value, dict):

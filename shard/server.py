@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -37,6 +38,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         self.config = config
         self.info = info
         self.on_fatal_error = on_fatal_error
+        self.instance_id = uuid.uuid4().hex  # tells the router a restarted shard from this one
         # the thread that built the engine runs every step: see engine_thread()
         self._worker = worker
 
@@ -66,7 +68,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def Health(self, request, context):
         if self.engine.runner.device.type == "cuda":
             torch.zeros(1, device=self.engine.runner.device)
-        return pb.HealthResponse()
+        return pb.HealthResponse(instance_id=self.instance_id)
 
     async def ServiceDiscovery(self, request, context):
         urls = [f"unix://{self.config.uds_path}-{rank}" for rank in range(self.config.world_size)]

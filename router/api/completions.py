@@ -12,7 +12,7 @@ from router.api.openai import (FINGERPRINT, FINISH, counted, generate_all, merge
 from router.api.tgi import read_json
 from router.errors import RouterError, ValidationError
 from router.infer import GenerateResult
-from router.openai_request import build_request, choice_count, with_seed
+from router.openai_request import build_request, choice_count, flag, include_usage, with_seed
 from router.streaming import open_sse, openai_sse
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
@@ -47,11 +47,14 @@ async def _validate(state, body: dict):
                                  or not 0 <= logprobs <= limits.max_top_n_tokens):
         raise ValidationError(f"`logprobs` must be an integer >= 0 and <= "
                               f"{limits.max_top_n_tokens}. Given: {logprobs}")
-    echo = bool(body.get("echo", False))
+    echo = flag(body, "echo")
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise ValidationError("`suffix` must be a string")
     n = choice_count(body, state.config.max_client_batch_size)
     requests = []
     for text in _prompts(body, state.config.max_client_batch_size):
-        prompt = _with_suffix(text, body.get("suffix"), state.tokenizer)
+        prompt = _with_suffix(text, suffix, state.tokenizer)
         input_ids = await state.tokenizer.encode_async(prompt)
         if not input_ids:
             raise ValidationError("`prompt` cannot be empty")
@@ -79,13 +82,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     requests, echo, logprobs = await counted(state, _validate(state, body))
+    stream, with_usage = flag(body, "stream"), include_usage(body)
     envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": state.model_name,
                 "system_fingerprint": FINGERPRINT}
     prompt_tokens = sum(r.input_length for r in requests)
-    if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return await _stream(request, state, requests, envelope, echo, prompt_tokens, include_usage)
+    if stream:
+        return await _stream(request, state, requests, envelope, echo, prompt_tokens,
+                             with_usage)
     results = await generate_all(state, requests)
     choices = [{"index": i, "text": (r.inputs if echo else "") + without_stop(
                     result.final.text, result.final, r.stopping.stop_sequences),

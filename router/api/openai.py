@@ -13,8 +13,9 @@ from router.api import STATE
 from router.api.tgi import read_json
 from router.errors import RouterError, ValidationError
 from router.infer import GenerateResult
-from router.openai_request import (ChatOptions, build_request, choice_count, normalise_messages,
-                                   render_chat, tool_plan, with_seed)
+from router.openai_request import (ChatOptions, number, build_request, choice_count, flag,
+                                   include_usage, normalise_messages, render_chat, tool_plan,
+                                   with_seed)
 from router.openapi import VERSION
 from router.schemas import FinishReason, GenerateRequest, Token
 from router.streaming import open_sse, openai_sse
@@ -89,21 +90,14 @@ async def _validate_chat(state, body: dict) -> _Chat:
         raise ValidationError("`response_format` and `tools` cannot be used together")
     prompt = render_chat(state.chat_template, messages, plan.functions, allow_text=plan.allow_text)
     input_ids = await state.tokenizer.encode_async(prompt, add_special_tokens=False)
-    logprobs = body.get("logprobs") or False
-    if not isinstance(logprobs, bool):
-        raise ValidationError("`logprobs` must be a boolean")
-    top_logprobs = body.get("top_logprobs") or 0
-    if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= limits.max_top_n_tokens:
-        raise ValidationError(f"`top_logprobs` must be >= 0 and <= {limits.max_top_n_tokens}. "
-                              f"Given: {top_logprobs}")
+    logprobs = flag(body, "logprobs")
+    top_logprobs = number(body, "top_logprobs", 0, limits.max_top_n_tokens, integer=True) or 0
     if top_logprobs and not logprobs:
         raise ValidationError("`top_logprobs` needs `logprobs: true`")
     request = build_request(prompt, input_ids, body, limits, default_max_tokens=None,
                             top_n_tokens=top_logprobs, grammar_spec=plan.grammar or response_format)
-    stream_options = body.get("stream_options") or {}
     options = ChatOptions(n=choice_count(body, state.config.max_client_batch_size),
-                          stream=bool(body.get("stream", False)),
-                          include_usage=bool(stream_options.get("include_usage", False)),
+                          stream=flag(body, "stream"), include_usage=include_usage(body),
                           logprobs=logprobs, top_logprobs=top_logprobs)
     return _Chat(request, options, plan.expects_call)
 

@@ -1,7 +1,6 @@
 """TGI's native routes: /, /generate, /generate_stream, /tokenize, /health, /info, /metrics."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -11,6 +10,7 @@ from router.api import STATE
 from router.errors import (BadRequestError, IncompleteGenerationError, RouterError, UnhealthyError,
                            tgi_error_body)
 from router.infer import GenerateResult
+from router.json_body import parse_json
 from router.openapi import openapi_document
 from router.request_trace import phase_span, record_phases, request_span
 from router.schemas import Timings, Token, TokenEvent
@@ -30,14 +30,7 @@ def prefill_json(token: Token) -> dict:
 
 
 async def read_json(request: web.Request) -> dict:
-    raw = await request.read()
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise BadRequestError("Failed to parse the request body as JSON: the body is not valid "
-                              "UTF-8") from None
-    except json.JSONDecodeError as err:
-        raise BadRequestError(f"Failed to parse the request body as JSON: {err}") from None
+    body = parse_json(await request.read())
     if not isinstance(body, dict):
         raise BadRequestError("Failed to deserialize the JSON body into the target type: expected "
                               "an object")
@@ -197,6 +190,8 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    if not state.batcher.healthy:
+        raise UnhealthyError("the model shards are restarting")
     try:
         await state.client.health()
     except ShardError as err:

@@ -34,6 +34,21 @@ class LaunchedServer:
         found = subprocess.run(["pgrep", "-af", self.uds_path], capture_output=True, text=True)
         return [line for line in found.stdout.splitlines() if "pgrep" not in line]
 
+    def shard_pids(self) -> dict[int, int]:
+        """rank -> pid of the shard processes running now (their RANK environment variable)."""
+        found = subprocess.run(["pgrep", "-f", f"shard --model-path .* --uds-path {self.uds_path}"],
+                               capture_output=True, text=True)
+        pids = {}
+        for pid in map(int, found.stdout.split()):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue  # gone meanwhile
+            for entry in environ:
+                if entry.startswith(b"RANK="):
+                    pids[int(entry[5:])] = pid
+        return pids
+
     def stop(self, timeout: float = 60) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

@@ -1,4 +1,5 @@
-"""The launcher stops everything and exits non-zero, naming the child, when a shard dies."""
+"""With no shard restarts allowed, the launcher stops everything and exits non-zero, naming the child,
+when a shard dies (tests/e2e/test_shard_recovery.py covers restarts)."""
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ def _shard_pid(uds_path: str) -> int:
 
 def test_dead_shard_stops_the_launcher_with_a_message(tiny_llama, tmp_path):
     server = launch(["--model-id", str(tiny_llama)], tmp_path,
-                    extra=["--max-batch-total-tokens", "4096"])
+                    extra=["--max-batch-total-tokens", "4096", "--max-shard-restarts", "0"])
     try:
         os.kill(_shard_pid(server.uds_path), signal.SIGKILL)
         code = server.process.wait(timeout=60)
@@ -98,7 +99,7 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_llama, tmp_path):
 
 def test_shard_killed_under_load_answers_everyone_and_exits_non_zero(tiny_llama, tmp_path):
     server = launch(["--model-id", str(tiny_llama)], tmp_path,
-                    extra=["--max-batch-total-tokens", "8192"])
+                    extra=["--max-batch-total-tokens", "8192", "--max-shard-restarts", "0"])
     pool, futures = _post_many(server, 8, max_new_tokens=400, timeout=60)
     try:
         _wait_until_running(server)

@@ -1,0 +1,81 @@
+"""Waiting out a restart of the shard group: reconnect, warm up, start the KV accounting afresh.
+
+The launcher restarts every rank when one dies (collectives need all of them); the router only sees
+its calls fail. While the shards are away the router stays up: /health answers 503, waiting and new
+requests stay queued until the shards are back or their wait passes `timeout` (then 503), and the
+KV pool is sized again from the new shards' warm-up, since their caches started empty.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from router.block_allocator import BlockAllocator
+from router.errors import UnhealthyError
+from router.request_queue import QueueEntry, RequestQueue
+
+log = logging.getLogger("tgi.router.recovery")
+
+# how often a waiting router tries the shards' sockets again
+RETRY_INTERVAL_S = 0.5
+
+
+@dataclass(slots=True)
+class RecoveryPolicy:
+    # connects to the restarted group and warms it up; returns the new KV pool's block count
+    reconnect: Callable[[], Awaitable[int]]
+    # whether the group the router is connected to still answers, with the same processes
+    is_alive: Callable[[], Awaitable[bool]]
+    timeout: float  # seconds a request waits in the queue for the shards before a 503
+    # a request that a shard failure sent back to the queue runs again at most this often: one
+    # that kills the shards every time must not exhaust the launcher's restart budget
+    max_attempts: int = 2
+
+
+def shards_unavailable(waited: float) -> UnhealthyError:
+    return UnhealthyError(f"the model shards are restarting and did not come back within "
+                          f"{waited:.0f} s; try again later")
+
+
+class ShardRecovery:
+    def __init__(self, policy: RecoveryPolicy, queue: RequestQueue, allocator: BlockAllocator,
+                 fail_waiting: Callable[[QueueEntry, Exception], None]):
+        self.policy = policy
+        self.queue = queue
+        self.allocator = allocator
+        self.fail_waiting = fail_waiting
+        self.healthy = True
+        self.recoveries = 0
+
+    async def wait_for_shards(self) -> None:
+        """Blocks until the shards are back and warmed up; requests that wait too long get 503."""
+        self.healthy = False
+        started = time.monotonic()
+        log.warning("lost the shards; waiting for them to restart")
+        while True:
+            self._expire_waiting(started)
+            try:
+                num_blocks = await self.policy.reconnect()
+                break
+            except Exception as err:  # still restarting, or warming up failed: try again
+                log.debug("shards not back yet: %s", err)
+                await asyncio.sleep(RETRY_INTERVAL_S)
+        # every holder of a block was failed or sent back to the queue before this: the new
+        # shards' caches are empty, and so are the prefix cache and the pool's accounting
+        if self.queue.prefix_cache is not None:
+            self.queue.prefix_cache.clear()
+        self.allocator.reset(num_blocks)
+        self.recoveries += 1
+        self.healthy = True
+        log.warning("shards are back after %.1f s (KV pool: %d blocks)",
+                    time.monotonic() - started, num_blocks)
+
+    def _expire_waiting(self, recovery_started: float) -> None:
+        now = time.monotonic()
+        for entry in self.queue.entries():
+            waited = now - max(entry.queued_at, recovery_started)
+            if waited > self.policy.timeout and self.queue.remove(entry):
+                self.fail_waiting(entry, shards_unavailable(waited))

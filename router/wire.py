@@ -1,0 +1,62 @@
+"""The ranges of the types request fields travel in (the shards' protobuf, TGI's Rust types).
+
+A value that passes an API's documented bounds must still fit the field that carries it: protobuf
+raises on an out-of-range integer deep inside the batching loop, far from the request that sent it.
+Each check here answers with serde's wording, which TGI's clients already know.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from router.errors import ValidationError
+
+
+@dataclass(frozen=True, slots=True)
+class IntType:
+    name: str  # as serde names it in its errors
+    low: int
+    high: int
+
+    @property
+    def openapi_format(self) -> str:
+        # OpenAPI has no unsigned formats: a u32 needs int64 to hold its range; a u64 is written
+        # int64 with its true maximum beside it, as generators of clients expect
+        return "int32" if self.name == "i32" else "int64"
+
+
+INT32 = IntType("i32", -2**31, 2**31 - 1)
+UINT32 = IntType("u32", 0, 2**32 - 1)
+UINT64 = IntType("u64", 0, 2**64 - 1)
+# the largest finite float32: sampling parameters travel as protobuf floats
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _deserialize_error(path: str, detail: str) -> ValidationError:
+    return ValidationError(f"Failed to deserialize the JSON body into the target type: {path}: "
+                           f"{detail}")
+
+
+def check_int(path: str, value, wire: IntType) -> int:
+    """`value` as an int of `wire`'s range; a float with no fraction counts (serde's does too)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _deserialize_error(path, f"invalid type: {type(value).__name__} {value!r}, "
+                                       f"expected {wire.name}")
+    if isinstance(value, float) and not value.is_integer():
+        raise _deserialize_error(path, f"invalid type: floating point `{value}`, expected "
+                                       f"{wire.name}")
+    value = int(value)
+    if not wire.low <= value <= wire.high:
+        raise _deserialize_error(path, f"invalid value: integer `{value}`, expected {wire.name}")
+    return value
+
+
+def check_float(path: str, value) -> float:
+    """`value` as a finite number that a float32 holds without becoming infinite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _deserialize_error(path, f"invalid type: {type(value).__name__} {value!r}, "
+                                       "expected f32")
+    value = float(value)
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise _deserialize_error(path, f"invalid value: `{value}`, expected a finite f32")
+    return value

@@ -1,0 +1,259 @@
+"""One request's failure stays with it; a lost shard group is waited for; the loop never dies.
+
+A failure is injected at each stage of one request's way through the batching loop (its message
+built, encoded, its generation read back), among several requests: the others finish with the tokens
+they get alone, the failed one gets a GenerationError, and every KV block comes back.
+"""
+import asyncio
+
+import pytest
+
+from router import batcher as batcher_module
+from router.batcher import Batcher, SchedulingLimits
+from router.block_allocator import BlockAllocator
+from router.errors import GenerationError, UnhealthyError
+from router.infer import Infer
+from router.metrics import Metrics
+from router.recovery import RecoveryPolicy
+from router.request_queue import RequestQueue
+from router.schemas import GenerateRequest, SamplingParams, StoppingParams
+from tests.fakes import FakeShardClient
+
+POISON = 99  # the first prompt token of the request a test makes fail
+
+
+def _setup(client, *, chunking=False, recovery=None, num_blocks=200):
+    allocator = BlockAllocator(num_blocks, 4)
+    limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
+                              waiting_served_ratio=0.0, max_waiting_tokens=20, max_batch_size=None)
+    metrics = Metrics(max_input_tokens=100, max_total_tokens=200)
+    batcher = Batcher(client, RequestQueue(allocator, chunking=chunking), allocator, limits,
+                      metrics, recovery)
+    return batcher, Infer(batcher, metrics, max_concurrent_requests=64), allocator
+
+
+def _request(max_new_tokens, first_token=5, length=8):
+    return GenerateRequest(inputs="x", input_ids=[first_token] + [5] * (length - 1),
+                           sampling=SamplingParams(),
+                           stopping=StoppingParams(max_new_tokens=max_new_tokens))
+
+
+async def _run(batcher, coro, timeout=10):
+    task = asyncio.create_task(batcher.run())
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _settle(allocator):
+    for _ in range(200):
+        if allocator.num_free_blocks == allocator.num_usable_blocks:
+            return
+        await asyncio.sleep(0.005)
+
+
+def _poisoned(fn):
+    """`fn`, raising for the poisoned request and passing the others through."""
+    def wrapper(item, *args, **kwargs):
+        if item.request.input_ids[0] == POISON:
+            raise ValueError("injected failure")
+        return fn(item, *args, **kwargs)
+    return wrapper
+
+
+def _inject_prepare(monkeypatch, client):
+    monkeypatch.setattr(batcher_module, "request_proto", _poisoned(batcher_module.request_proto))
+
+
+def _inject_encode(monkeypatch, client):
+    real = batcher_module.encode
+
+    def encode(request):
+        if request.input_ids[0] == POISON:
+            raise ValueError("injected failure")
+        return real(request)
+    monkeypatch.setattr(batcher_module, "encode", encode)
+
+
+def _inject_read(monkeypatch, client):
+    real = batcher_module.generation_event
+    poisoned = set()
+
+    def generation_event(generation):
+        if generation.request_id in poisoned or client.requests[
+                generation.request_id].input_ids[0] == POISON:
+            poisoned.add(generation.request_id)
+            if client.generated[generation.request_id] == 3:  # its third token fails to read
+                raise ValueError("injected failure")
+        return real(generation)
+    monkeypatch.setattr(batcher_module, "generation_event", generation_event)
+
+
+@pytest.mark.parametrize("chunking", [False, True], ids=["separate-prefill", "fused-prefill"])
+@pytest.mark.parametrize("inject", [_inject_prepare, _inject_encode, _inject_read],
+                         ids=["prepare", "encode", "read"])
+async def test_a_failure_in_one_requests_data_fails_it_alone(monkeypatch, inject, chunking):
+    lengths = [4, 6, 5, 7]
+
+    async def outcomes(poison_index):
+        client = FakeShardClient(step_delay=0.001)
+        batcher, infer, allocator = _setup(client, chunking=chunking)
+        if poison_index is not None:
+            inject(monkeypatch, client)
+
+        async def one(i, n):
+            await asyncio.sleep(0.002 * i)  # some join a running batch, some start it
+            first = POISON if i == poison_index else 5
+            return await infer.generate(_request(n, first_token=first))
+
+        async def scenario():
+            results = await asyncio.gather(*(one(i, n) for i, n in enumerate(lengths)),
+                                           return_exceptions=True)
+            await _settle(allocator)
+            return results
+
+        results = await _run(batcher, scenario())
+        assert allocator.num_free_blocks == allocator.num_usable_blocks, "every KV block came back"
+        assert client.batches == {}, "the shard holds no batch"
+        return results
+
+    alone = await outcomes(None)
+    for poison_index in (0, 2):
+        with monkeypatch.context() as patch:
+            monkeypatch = patch
+            results = await outcomes(poison_index)
+        failed = results[poison_index]
+        assert isinstance(failed, GenerationError) and "injected failure" in str(failed)
+        for i, (result, reference) in enumerate(zip(results, alone)):
+            if i != poison_index:
+                assert result.final.text == reference.final.text
+                assert [t.id for t in result.tokens] == [t.id for t in reference.tokens]
+
+
+async def test_an_error_outside_any_request_fails_those_in_flight_and_the_loop_goes_on(
+        monkeypatch):
+    client = FakeShardClient(step_delay=0.001)
+    batcher, infer, allocator = _setup(client)
+    real = batcher._decode
+    calls = {"n": 0}
+
+    async def broken_once(batches):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("a bug in the loop")
+        return await real(batches)
+    monkeypatch.setattr(batcher, "_decode", broken_once)
+
+    async def scenario():
+        first = await asyncio.gather(infer.generate(_request(6)), return_exceptions=True)
+        later = await infer.generate(_request(3))  # the loop still serves
+        await _settle(allocator)
+        return first[0], later
+
+    failed, later = await _run(batcher, scenario())
+    assert isinstance(failed, GenerationError)
+    assert later.final.text == "t1 t2 t3 "
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+
+
+class _Shards:
+    """A recovery policy over a fake shard that can die and come back."""
+
+    def __init__(self, client: FakeShardClient, *, comes_back_after: float = 0.05,
+                 timeout: float = 5.0, num_blocks: int = 150):
+        self.client = client
+        self.alive = True
+        self.reconnects = 0
+        self.comes_back_after = comes_back_after
+        self.num_blocks = num_blocks
+        self.policy = RecoveryPolicy(reconnect=self.reconnect, is_alive=self.is_alive,
+                                     timeout=timeout)
+
+    async def is_alive(self):
+        return self.alive
+
+    async def reconnect(self):
+        if self.comes_back_after == float("inf"):
+            await asyncio.sleep(0.01)
+            raise ConnectionError("still down")
+        await asyncio.sleep(self.comes_back_after)
+        self.alive = True
+        self.reconnects += 1
+        self.client.batches.clear()  # a restarted shard has an empty cache
+        return self.num_blocks
+
+    def kill(self):
+        self.alive = False
+
+
+async def test_a_lost_shard_fails_streams_with_tokens_and_reruns_those_without():
+    client = FakeShardClient(step_delay=0.002)
+    shards = _Shards(client)
+    batcher, infer, allocator = _setup(client, recovery=shards.policy)
+
+    async def scenario():
+        streaming = asyncio.create_task(infer.generate(_request(30)))
+        while not client.generated or max(client.generated.values()) < 3:
+            await asyncio.sleep(0.001)
+        shards.kill()
+        client.fail_next = "decode"
+        queued = asyncio.create_task(infer.generate(_request(4)))  # waits for the new shards
+        results = await asyncio.gather(streaming, queued, return_exceptions=True)
+        assert batcher.healthy
+        return results
+
+    streamed, queued = await _run(batcher, scenario())
+    assert isinstance(streamed, GenerationError), "it had tokens: it fails, it is not replayed"
+    assert queued.final.text == "t1 t2 t3 t4 "
+    assert shards.reconnects == 1
+    assert allocator.num_blocks == 150, "the pool was sized again from the new warm-up"
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+
+
+async def test_a_prefill_lost_with_the_shards_runs_again_once_they_are_back():
+    client = FakeShardClient(step_delay=0.002)
+    shards = _Shards(client)
+    batcher, infer, allocator = _setup(client, recovery=shards.policy)
+    shards.kill()
+    client.fail_next = "prefill"  # the shard died before the request's first token
+    result = await _run(batcher, infer.generate(_request(3)))
+    assert result.final.text == "t1 t2 t3 "
+    assert [name for name, _ in client.calls].count("prefill") == 2
+
+
+async def test_requests_waiting_for_shards_that_do_not_come_back_get_503():
+    client = FakeShardClient(step_delay=0.002)
+    shards = _Shards(client, comes_back_after=float("inf"), timeout=0.3)
+    batcher, infer, allocator = _setup(client, recovery=shards.policy)
+    shards.kill()
+    client.fail_next = "prefill"
+
+    async def scenario():
+        first = asyncio.create_task(infer.generate(_request(3)))
+        await asyncio.sleep(0.1)
+        assert not batcher.healthy
+        later = asyncio.create_task(infer.generate(_request(3)))
+        return await asyncio.gather(first, later, return_exceptions=True)
+
+    results = await _run(batcher, scenario())
+    assert all(isinstance(r, UnhealthyError) and r.status == 503 for r in results), results
+    assert len(batcher.queue) == 0
+
+
+async def test_an_idle_router_notices_a_restarted_group_before_the_next_request(monkeypatch):
+    monkeypatch.setattr(batcher_module, "IDLE_PROBE_S", 0.02)
+    client = FakeShardClient()
+    shards = _Shards(client)
+    batcher, infer, allocator = _setup(client, recovery=shards.policy)
+
+    async def scenario():
+        shards.kill()
+        while shards.reconnects == 0:
+            await asyncio.sleep(0.01)
+        return await infer.generate(_request(2))
+
+    result = await _run(batcher, scenario())
+    assert result.final.text == "t1 t2 "
+    assert [name for name, _ in client.calls].count("prefill") == 1, "nothing failed on the way"
