@@ -8,8 +8,10 @@ import torch
 
 @functools.cache
 def cpu_has_bf16_kernels() -> bool:
-    """True where oneDNN has bf16 matmul kernels (AVX-512 BF16, AMX, AVX-NE-CONVERT); on AVX2-only
-    CPUs PyTorch emulates bf16 matmuls, 3-5x slower than float32."""
+    """True where oneDNN runs bf16 matmuls: it takes bf16 weights on AVX-512 (BW/VL/DQ) and
+    AVX-NE-CONVERT CPUs, with native bf16 products on AVX-512 BF16 and AMX; AVX2-only CPUs emulate
+    bf16 matmuls 3-5x slower than float32. Tests force it by patching this name (linear.py holds
+    its own reference, as the oneDNN prepack cannot be forced)."""
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
     except (AttributeError, RuntimeError):
@@ -23,3 +25,12 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_bf16_kernels():
         return torch.float32
     return dtype
+
+
+def attention_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype,
+                    device: torch.device) -> torch.dtype:
+    """The dtype attention multiplies queries and keys/values in when they may differ: the wider
+    of the two (a float32 query over a bf16 cache computes in float32: widening the cache is exact,
+    narrowing the query would round it), then `compute_dtype` of that. Callers return their output
+    in the query's dtype, the activations' dtype."""
+    return compute_dtype(torch.promote_types(query_dtype, cache_dtype), device)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from shard.layers import paged_kernel
-from shard.layers.arithmetic import compute_dtype
+from shard.layers.arithmetic import attention_dtype
 
 
 @dataclass(slots=True)
@@ -103,40 +103,50 @@ def _attend_group(q: torch.Tensor, cache: LayerCache, group: DecodeGroup,
     values = gather_blocks(cache.value, group.gather_index)
     # the heads sharing a key/value head are adjacent
     queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    wide = compute_dtype(keys.dtype, keys.device)
-    if wide != keys.dtype:  # bf16 stored, float32 computed: emulated bf16 matmuls are 3-5x slower
-        keys, values, queries = keys.to(wide), values.to(wide), queries.to(wide)
+    # one dtype for both matmuls (no-op casts when it is theirs already): float32 for a bf16 cache
+    # on CPUs that emulate bf16 matmuls 3-5x slower, or for float32 queries over a bf16 cache
+    wide = attention_dtype(q.dtype, keys.dtype, keys.device)
+    keys, values, queries = keys.to(wide), values.to(wide), queries.to(wide)
     scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [G, kv, group, L]
     scores = scores.masked_fill(~group.mask.view(batch, 1, 1, -1), float("-inf"))
     probs = scores.softmax(dim=-1).to(values.dtype)
     return torch.matmul(probs, values).reshape(batch, num_heads * head_dim).to(q.dtype)
 
 
-def _prefill_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float,
-                       gqa: bool) -> torch.Tensor:
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
+                       meta: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
     layout = meta.prefill
     num_heads, head_dim = q.shape[1], q.shape[2]
     outputs = []
     for b, cached in enumerate(layout.cached_lens):
         start, end = layout.query_starts[b], layout.query_starts[b + 1]
         queries = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-        if cached == 0:
+        if cached == 0:  # a fresh prompt attends over its own keys, not the cache's rounded copy
             keys = k[start:end].transpose(0, 1).unsqueeze(0)
             values = v[start:end].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
-                                                 enable_gqa=gqa)
+            mask = None
         else:
             context = cached + end - start
             index = gather_index(meta.block_tables[b:b + 1], context, cache.key.shape)
-            keys = gather_blocks(cache.key, index)[:, :, :context].to(q.dtype)
-            values = gather_blocks(cache.value, index)[:, :, :context].to(q.dtype)
+            keys = gather_blocks(cache.key, index)[:, :, :context]
+            values = gather_blocks(cache.value, index)[:, :, :context]
             # query i sits at position cached + i and sees keys 0..cached + i
             query_pos = torch.arange(cached, context, device=q.device).unsqueeze(1)
             mask = torch.arange(context, device=q.device).unsqueeze(0) <= query_pos
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
-                                                 enable_gqa=gqa)
+        out = _sdpa(queries, keys, values, mask, scale, gqa)
         outputs.append(out.squeeze(0).transpose(0, 1).reshape(end - start, num_heads * head_dim))
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+          mask: torch.Tensor | None, scale: float, gqa: bool) -> torch.Tensor:
+    """Causal attention (`mask`, or a square causal one when None) in attention_dtype of the query
+    and keys, which may differ (cached keys are in the cache's dtype); out in the query's dtype."""
+    wide = attention_dtype(queries.dtype, keys.dtype, queries.device)
+    out = F.scaled_dot_product_attention(queries.to(wide), keys.to(wide), values.to(wide),
+                                         attn_mask=mask, is_causal=mask is None, scale=scale,
+                                         enable_gqa=gqa)
+    return out.to(queries.dtype)
 
 
 def gather_index(block_tables: torch.Tensor, length: int, cache_shape) -> torch.Tensor:

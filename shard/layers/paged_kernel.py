@@ -98,9 +98,17 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """q [B, heads, d] (one token per sequence) -> [B, heads * d], attending over context_lens[b]
-    tokens of sequence b read through block_tables [B, blocks] (both int64)."""
+    tokens of sequence b read through block_tables [B, blocks] (both int64).
+
+    The arithmetic is float32 on every CPU, whichever of float32 and bf16 the query and the cache
+    are: the kernel widens bf16 keys and values in registers (exact, and no slower than reading
+    them), so a bf16-capable CPU gains nothing from bf16 products here. Out in q's dtype."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
+    # the kernel reads the caches through raw pointers as float32 or bf16 rows of this layout
+    assert key_cache.dtype in (torch.float32, torch.bfloat16), key_cache.dtype
+    assert value_cache.dtype == key_cache.dtype and value_cache.shape == key_cache.shape
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
     queries = q.float()
     if queries.stride(2) != 1 or queries.stride(1) != head_dim:
         queries = queries.contiguous()

@@ -113,3 +113,37 @@ def test_bf16_on_a_cpu_without_bf16_arithmetic_is_float32_math_on_the_bf16_value
         # decode reads the bf16 cache, and a one-row product rounds its input to bf16: 3e-3 here
         assert (out[0] - expected).abs().max().item() <= 1e-2 * expected.abs().max().item()
         next_id = out.argmax(-1)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["c-kernel", "pytorch-attention"])
+def test_bf16_on_a_cpu_with_bf16_arithmetic_keeps_bf16_activations(tmp_path, monkeypatch, kernel):
+    """The decision of a CPU with bf16 kernels (forced here on any CPU; the linear layers keep this
+    CPU's own form, as the oneDNN prepack needs the instructions): bf16 activations over a bf16
+    cache through a fresh prompt, a prompt continued from the cache and decode steps, with logits
+    within bf16 rounding of transformers in float32 on the same bf16 weights."""
+    from shard.layers import arithmetic
+
+    monkeypatch.setattr(arithmetic, "cpu_has_bf16_kernels", lambda: True)
+    model_dir = build_tiny_model(tmp_path / "model", num_heads=4, num_kv_heads=2)
+    runner = _runner(model_dir, torch.bfloat16)
+    if kernel and not runner.paged_kernel:
+        pytest.skip("no C compiler here: decode attention stays in PyTorch")
+    runner.paged_kernel = kernel
+    assert runner.model.activation_dtype == runner.cache[0].key.dtype == torch.bfloat16
+    reference = _reference(model_dir).to(torch.bfloat16).to(torch.float32)
+    prompt = [5, 17, 42, 99, 3, 250, 7, 11, 12]
+    tokens = list(prompt)
+    logits = runner.prefill([PrefillSequence(prompt[:5], 0, [3, 1, 7])])
+    # the rest of the prompt reads its prefix from the cache; then decode steps
+    logits = runner.prefill([PrefillSequence(prompt[5:], 5, [3, 1, 7])], all_logits_rows={0})
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, 5:]
+    assert (logits.full[0] - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
+    next_id = logits.last.argmax(-1)
+    for _ in range(3):
+        tokens.append(int(next_id))
+        out = runner.decode(next_id, torch.tensor([len(tokens) - 1]), torch.tensor([[3, 1, 7, 0]]))
+        with torch.no_grad():
+            expected = reference(torch.tensor([tokens])).logits[0, -1]
+        assert (out[0] - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
+        next_id = out.argmax(-1)

@@ -1,4 +1,6 @@
 """The C decode-attention kernel against PyTorch's gather-then-matmul path on the same paged cache."""
+import platform
+
 import pytest
 import torch
 
@@ -17,14 +19,10 @@ def _torch_reference(q, cache, tables, lens, scale):
     return _attend_group(q.float(), cache, DecodeGroup(None, index, mask), scale)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim",
-                         [(4, 4, 64), (9, 3, 64), (4, 2, 128), (4, 2, 24), (4, 1, 12)],
-                         ids=["mha", "gqa", "gqa-128", "gqa-24", "mqa-odd-dim"])
-def test_kernel_matches_pytorch_on_scattered_blocks(dtype, heads, kv_heads, head_dim):
+def _scattered_case(dtype, heads, kv_heads, head_dim):
+    """A cache of `dtype`, five sequences' block tables and context lengths, and their queries."""
     torch.manual_seed(0)
-    block_size, batch = 4, 5
-    num_blocks = 64
+    block_size, batch, num_blocks = 4, 5, 64
     cache = LayerCache(torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype),
                        torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype))
     lens = torch.tensor([1, 4, 5, 17, 38])  # one token, a full block, a block and one, longer
@@ -38,10 +36,42 @@ def test_kernel_matches_pytorch_on_scattered_blocks(dtype, heads, kv_heads, head
         used += count
     # queries as the model hands them over: a slice of the fused projection, rows not contiguous
     q = torch.randn(batch, heads + kv_heads, head_dim)[:, :heads]
+    return cache, tables, lens, q
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim",
+                         [(4, 4, 64), (9, 3, 64), (4, 2, 128), (4, 2, 24), (4, 1, 12)],
+                         ids=["mha", "gqa", "gqa-128", "gqa-24", "mqa-odd-dim"])
+def test_kernel_matches_pytorch_on_scattered_blocks(dtype, heads, kv_heads, head_dim,
+                                                    bf16_kernels):
+    """float32 queries over either cache, against the PyTorch path as each kind of CPU runs it."""
+    cache, tables, lens, q = _scattered_case(dtype, heads, kv_heads, head_dim)
     out = paged_kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, 0.3)
     expected = _torch_reference(q, cache, tables, lens, 0.3)
-    assert out.shape == (batch, heads * head_dim) and out.dtype == torch.float32
+    assert out.shape == (5, heads * head_dim) and out.dtype == torch.float32
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                    reason="-march=x86-64 is an x86 flag; other CPUs build the portable path already")
+def test_the_portable_build_without_avx2_matches_pytorch(tmp_path, monkeypatch):
+    """The scalar loops that non-AVX2 CPUs compile, built here by targeting baseline x86-64."""
+    monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path))
+    monkeypatch.setattr(paged_kernel, "FLAGS", [("-march=x86-64" if f == "-march=native" else f)
+                                                for f in paged_kernel.FLAGS])
+    paged_kernel.load_kernel.cache_clear()
+    try:
+        assert paged_kernel.load_kernel() is not None
+        for dtype in (torch.float32, torch.bfloat16):
+            for shape in [(4, 4, 64), (9, 3, 64), (4, 1, 12)]:
+                cache, tables, lens, q = _scattered_case(dtype, *shape)
+                out = paged_kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens,
+                                                          0.3)
+                torch.testing.assert_close(out, _torch_reference(q, cache, tables, lens, 0.3),
+                                           rtol=1e-5, atol=1e-5)
+    finally:
+        paged_kernel.load_kernel.cache_clear()
 
 
 def test_a_single_token_context_returns_its_value():
@@ -53,7 +83,7 @@ def test_a_single_token_context_returns_its_value():
     assert torch.allclose(out.view(2, 8), value[1, 0, 0].expand(2, 8))
 
 
-def test_bf16_activations_come_back_in_their_dtype():
+def test_bf16_activations_come_back_in_their_dtype(bf16_kernels):
     cache = LayerCache(torch.randn(4, 2, 4, 16, dtype=torch.bfloat16),
                        torch.randn(4, 2, 4, 16, dtype=torch.bfloat16))
     q = torch.randn(3, 2, 16, dtype=torch.bfloat16)
