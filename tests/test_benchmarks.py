@@ -63,3 +63,30 @@ def test_prefix_cache_benchmark(tiny_llama, tmp_path):
     assert "later / first" in out
     figures = json.loads((tmp_path / "p.json").read_text())
     assert set(figures) == {"on", "off"}
+
+
+@pytest.mark.e2e
+def test_soak(tiny_llama, tmp_path):
+    """Seconds of mixed traffic (malformed requests and disconnects included): no unexpected
+    outcome, no leaked KV block, and a report with all its sections."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/soak.py", "--model-dir", str(tiny_llama), "--dtype", "float32",
+         "--minutes", "0.15", "--report-every", "3", "--warmup-seconds", "2", "--concurrency", "4",
+         "--idle-seconds", "2", "--request-timeout", "20", "--json-out", str(tmp_path / "s.json"),
+         "--", "--max-batch-total-tokens", "8192"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    for section in ("rss MiB: router", "shard0", "(start)", "(end, after idle)", "outcomes:",
+                    "requests/s", "tokens/s", "unexpected:", "rss growth from",
+                    "kv blocks at idle:"):
+        assert section in out, out
+    assert out.strip().splitlines()[-1].startswith("SOAK PASS"), out
+    figures = json.loads((tmp_path / "s.json").read_text())
+    assert figures["requests"] == sum(figures["outcomes"].values()) > 0
+    assert figures["outcomes"].get("ok", 0) > 0 and figures["tokens_per_s"] > 0
+    assert len(figures["rss_mib"]) >= 4
+    assert set(figures["rss_mib"][0]) == {"t_s", "router", "shard0"}
+    assert figures["rss_growth_from_s"] is not None
+    assert figures["unexpected"] == 0 and figures["kv_blocks"]["leaked"] == 0
+    assert figures["is_server_alive"]
