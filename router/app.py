@@ -76,9 +76,11 @@ class RouterState:
         }
 
 
-def warmup_batch(limits: TokenLimits, max_batch_size: int | None) -> pb.Batch:
+def warmup_batch(limits: TokenLimits, max_batch_size: int | None,
+                 prefill_tokens: int | None = None) -> pb.Batch:
     """Requests of max_input_tokens tokens until they fill the prefill budget, as TGI warms up."""
-    requests, remaining = [], limits.max_batch_prefill_tokens
+    requests = []
+    remaining = limits.max_batch_prefill_tokens if prefill_tokens is None else prefill_tokens
     while remaining > 0 and (max_batch_size is None or len(requests) < max_batch_size):
         length = min(limits.max_input_tokens, remaining)
         requests.append(pb.Request(
@@ -94,12 +96,21 @@ def warmup_batch(limits: TokenLimits, max_batch_size: int | None) -> pb.Batch:
 
 
 async def warm_up(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
-                  block_size: int) -> int:
-    """Runs the largest batch the router may send; returns the KV pool's size in blocks."""
+                  block_size: int, *, known_pool_blocks: int | None = None) -> int:
+    """Runs the largest batch the router may send; returns the KV pool's size in blocks.
+
+    With `known_pool_blocks` (a restarted group of the same model, limits and machine, whose
+    first warm-up already ran the largest batch), one short request checks that the model runs
+    and the pool is allocated at the size it had: on CPU the full warm-up is most of a restart."""
+    batch = warmup_batch(limits, config.max_batch_size,
+                         prefill_tokens=None if known_pool_blocks is None else 16)
+    total_tokens = config.max_batch_total_tokens or 0
+    if known_pool_blocks is not None:
+        total_tokens = (known_pool_blocks - 1) * block_size
     warm = await client.warmup(pb.WarmupRequest(
-        batch=warmup_batch(limits, config.max_batch_size), max_input_tokens=limits.max_input_tokens,
+        batch=batch, max_input_tokens=limits.max_input_tokens,
         max_prefill_tokens=limits.max_batch_prefill_tokens, max_total_tokens=limits.max_total_tokens,
-        max_batch_total_tokens=config.max_batch_total_tokens or 0))
+        max_batch_total_tokens=total_tokens))
     capacity = (warm.num_blocks - 1) * block_size  # block 0 is never handed out
     if limits.max_total_tokens > capacity:
         raise ValueError(f"Not enough memory to handle max_total_tokens={limits.max_total_tokens}: the "
@@ -110,14 +121,16 @@ async def warm_up(client: ShardedClient, config: RouterConfig, limits: TokenLimi
 
 
 def recovery_policy(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
-                    block_size: int) -> RecoveryPolicy:
+                    allocator: BlockAllocator) -> RecoveryPolicy:
     """How the router gets its shards back after the launcher restarted them: the same socket,
-    the same model and limits, a new warm-up (its pool may differ) with empty caches."""
+    the same model and limits, a short warm-up that allocates the pool at its size, and empty
+    caches."""
 
     async def reconnect() -> int:
         await client.reconnect(config.master_shard_uds_path, timeout=2.0)
         await client.clear_cache()
-        return await warm_up(client, config, limits, block_size)
+        return await warm_up(client, config, limits, allocator.block_size,
+                             known_pool_blocks=allocator.num_blocks)
 
     return RecoveryPolicy(reconnect=reconnect, is_alive=client.is_same_group_alive,
                           timeout=config.shard_recovery_timeout)
@@ -144,7 +157,7 @@ async def build_state(config: RouterConfig) -> RouterState:
         prefix_cache = PrefixCache(allocator)
     queue = RequestQueue(allocator, prefix_cache, chunking=shard_info.support_chunking)
     batcher = Batcher(client, queue, allocator, scheduling, metrics,
-                      recovery_policy(client, config, limits, shard_info.block_size))
+                      recovery_policy(client, config, limits, allocator))
     infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens)

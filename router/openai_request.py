@@ -121,7 +121,8 @@ def normalise_messages(messages) -> list[dict]:
         raise ValidationError("`messages` must be a non-empty list")
     out = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in _ROLES:
             raise ValidationError(f"messages[{i}].role must be one of {sorted(_ROLES)}")
         role = "system" if message["role"] == "developer" else message["role"]
         out.append({**message, "role": role, "content": _message_text(message, i)})

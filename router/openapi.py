@@ -97,12 +97,16 @@ def _errors(*statuses: int) -> dict:
     return {str(s): {"description": "Error", **_json(_ref("ErrorResponse"))} for s in statuses}
 
 
-def _post(summary: str, request: str, response: dict, *, stream: bool = False) -> dict:
-    content = {"text/event-stream": {"schema": _ref("StreamResponse")}} if stream else \
-        _json(response)["content"]
+def _post(summary: str, request: str, response: dict, *, stream: bool = False,
+          stream_on_request: bool = False) -> dict:
+    """A generation route: JSON, SSE (`stream`), or either as the body's `stream` field asks."""
+    sse = {"text/event-stream": {"schema": _ref("StreamResponse")}}
+    content = sse if stream else _json(response)["content"]
+    if stream_on_request:
+        content = {**content, **sse}
     return {"post": {"summary": summary, "requestBody": {"required": True, **_json(_ref(request))},
                      "responses": {"200": {"description": "OK", "content": content},
-                                   **_errors(422, 424, 429, 500)}}}
+                                   **_errors(413, 422, 424, 429, 500, 503)}}}
 
 
 def _object(required: list[str], **properties) -> dict:
@@ -192,7 +196,8 @@ def openapi_document() -> dict:
     }
     paths = {
         "/": _post("Generate, streamed (stream: true) or as a list of one response",
-                   "CompatGenerateRequest", {"type": "array", "items": _ref("GenerateResponse")}),
+                   "CompatGenerateRequest", {"type": "array", "items": _ref("GenerateResponse")},
+                   stream_on_request=True),
         "/generate": _post("Generate text", "GenerateRequest", _ref("GenerateResponse")),
         "/generate_stream": _post("Generate a token stream (Server-Sent Events)", "GenerateRequest",
                                   {}, stream=True),
@@ -204,9 +209,11 @@ def openapi_document() -> dict:
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
             "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/v1/chat/completions": _post("OpenAI chat completion (stream: true for chunks)",
-                                      "ChatRequest", _ref("ChatCompletion")),
+                                      "ChatRequest", _ref("ChatCompletion"),
+                                      stream_on_request=True),
         "/v1/completions": _post("OpenAI text completion (stream: true for chunks)",
-                                 "CompletionRequest", _ref("CompletionFinal")),
+                                 "CompletionRequest", _ref("CompletionFinal"),
+                                 stream_on_request=True),
         "/v1/models": {"get": {"summary": "The model served", "responses": {
             "200": {"description": "OK", **_json(_ref("ModelList"))}}}},
         "/api-doc/openapi.json": {"get": {"summary": "This document", "responses": {
