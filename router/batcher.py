@@ -28,7 +28,7 @@ from proto import generate_pb2 as pb
 from proto.tracing import tracer, tracing_enabled
 from router.block_allocator import BlockAllocator
 from router.chunk_sizing import DecodeCost, chunk_tokens
-from router.errors import GenerationError, RouterError
+from router.errors import GenerationError, RouterError, UnhealthyError
 from router.metrics import Metrics
 from router.recovery import RecoveryPolicy, ShardRecovery
 from router.request_queue import BatchPlan, QueueEntry, RequestQueue
@@ -114,6 +114,16 @@ class Batcher:
         if self.queue.remove(item.entry):
             item.is_done = True
             self.metrics.queue_size.set(len(self.queue))
+
+    def stop_waiting(self) -> None:
+        """The router is stopping: requests queued for shards that are not there will never run;
+        they get a 503 now instead of holding the shutdown until its grace period ends."""
+        if self.healthy:
+            return  # the shards are there: queued requests drain with the others
+        for entry in self.queue.entries():
+            if self.queue.remove(entry):
+                self._fail_waiting(entry, UnhealthyError("the server is shutting down while its "
+                                                         "model shards restart"))
 
     # ---- the loop ---------------------------------------------------------------------------
 
