@@ -162,7 +162,10 @@ class Supervisor:
         now = time.monotonic()
         while self.shard_restarts and now - self.shard_restarts[0] > config.shard_restart_window:
             self.shard_restarts.popleft()
+        shards = [c for c in self.children if c.name != "router"]
         if len(self.shard_restarts) >= config.max_shard_restarts:
+            # the survivors would hold the router's step in a collective through its drain
+            self._kill(shards)
             raise LaunchError(f"{_death(dead)}\n(the shard group was restarted "
                               f"{len(self.shard_restarts)} times within "
                               f"{config.shard_restart_window} s: --max-shard-restarts "
@@ -171,14 +174,24 @@ class Supervisor:
         self._say(f"{dead.name} exited with code {dead.exited()}; restarting the shard group "
                   f"(restart {len(self.shard_restarts)} of {config.max_shard_restarts} within "
                   f"{config.shard_restart_window} s)", level="WARNING")
-        shards = [c for c in self.children if c.name != "router"]
+        self._kill(shards)  # waiting in a collective for the dead rank: nothing to save
         for child in shards:
-            if child.exited() is None:
-                child.process.kill()  # waiting in a collective for the dead rank: nothing to save
-        for child in shards:
-            child.process.wait()
             self.children.remove(child)
         self._start_shards(wait=False)  # the router notices the new group and warms it up
+
+    def _kill(self, children: list[Child]) -> None:
+        """SIGKILL to each child's whole process group (a shard's compiler, say), then reaped."""
+        for child in children:
+            if child.exited() is None:
+                try:
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for child in children:
+            try:
+                child.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU driver): move on
+                self._say(f"{child.name} did not die after SIGKILL", level="WARNING")
 
     def shutdown(self) -> None:
         """Router first, so it stops taking requests while the shards still answer; then shards."""

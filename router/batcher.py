@@ -28,9 +28,9 @@ from proto import generate_pb2 as pb
 from proto.tracing import tracer, tracing_enabled
 from router.block_allocator import BlockAllocator
 from router.chunk_sizing import DecodeCost, chunk_tokens
-from router.errors import GenerationError, RouterError, UnhealthyError
+from router.errors import GenerationError, RouterError
 from router.metrics import Metrics
-from router.recovery import RecoveryPolicy, ShardRecovery
+from router.recovery import RecoveryPolicy, ShardRecovery, shutting_down
 from router.request_queue import BatchPlan, QueueEntry, RequestQueue
 from router.schemas import FinalInfo, FinishReason, GenerateRequest, Token, TokenEvent
 from router.shard_client import ShardError
@@ -93,6 +93,8 @@ class Batcher:
         self.chunked: ChunkedPrefill | None = None  # the long prompt being prefilled in chunks
         self.decode_cost = DecodeCost()
         self._wake = asyncio.Event()
+        # counts losses of the shard group: a batch id from before one names nothing any more
+        self.shard_generation = 0
         # without a policy (tests, one-off tools) a lost shard fails requests and nothing waits
         self.recovery = (ShardRecovery(recovery, queue, allocator, self._fail_waiting)
                          if recovery is not None else None)
@@ -117,13 +119,16 @@ class Batcher:
 
     def stop_waiting(self) -> None:
         """The router is stopping: requests queued for shards that are not there will never run;
-        they get a 503 now instead of holding the shutdown until its grace period ends."""
+        they get a 503 now (and so do those of a loss found later) instead of holding the
+        shutdown until its grace period ends. With the shards there, queued requests drain."""
+        if self.recovery is None:
+            return
+        self.recovery.stopping = True
         if self.healthy:
-            return  # the shards are there: queued requests drain with the others
+            return
         for entry in self.queue.entries():
             if self.queue.remove(entry):
-                self._fail_waiting(entry, UnhealthyError("the server is shutting down while its "
-                                                         "model shards restart"))
+                self._fail_waiting(entry, shutting_down())
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -157,7 +162,12 @@ class Batcher:
     async def _serve_until_idle(self) -> None:
         running, waiting_steps = None, 0
         while True:
+            generation = self.shard_generation
             did_prefill, new, stepped = await self._prefill_next(running, waiting_steps)
+            if generation != self.shard_generation:
+                # the shards were lost during that step: `running` died with them
+                running, waiting_steps = None, 0
+                continue
             if did_prefill:
                 waiting_steps = 0
             if stepped:
@@ -173,6 +183,8 @@ class Batcher:
             self._batch_gauges(batches)
             running = await self._decode(batches)
             waiting_steps += 1
+            if generation != self.shard_generation:
+                running = None
 
     def _batch_gauges(self, batches: list[pb.CachedBatch]) -> None:
         self.metrics.batch_current_size.set(sum(len(b.request_ids) for b in batches))
@@ -478,10 +490,14 @@ class Batcher:
         """The shard group is gone: requests that received nothing go back to the queue (once:
         one that kills the shards each time must not use up the restarts); the others get the
         error. Then the loop waits for the restarted group."""
+        self.shard_generation += 1
+        if self.recovery.stopping:
+            error = shutting_down()
         retry = []
         for item in list(self.active.values()):
             again = (not item.is_done and not item.is_cancelled and item.delivered == 0
-                     and item.entry.attempts < self.recovery.policy.max_attempts)
+                     and item.entry.attempts < self.recovery.policy.max_attempts
+                     and not self.recovery.stopping)
             if not item.is_done and not again:
                 item.events.put_nowait(error)
             self._release(item.entry.id)

@@ -30,8 +30,9 @@ def number(body: dict, name: str, low: float, high: float, *, integer: bool = Fa
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            integer and not float(value).is_integer()):
+            integer and isinstance(value, float) and not value.is_integer()):
         raise ValidationError(f"`{name}` must be {'an integer' if integer else 'a number'}")
+    # compared before any conversion: float() of a 400-digit integer overflows
     if value < low or value > high or (low_open and value == low):
         bound = f"> {low}" if low_open else f">= {low}"
         raise ValidationError(f"`{name}` must be {bound} and <= {high}. Given: {value}")
@@ -210,9 +211,11 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
                   grammar_spec: tuple[str, str] | None = None,
                   prefill_logprobs: bool = False) -> GenerateRequest:
     sampling, stop = sampling_and_stops(body, limits)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     if max_tokens is not None:
-        max_tokens = number({"max_tokens": max_tokens}, "max_tokens", 1, 2**31, integer=True)
+        max_tokens = number({"max_tokens": max_tokens}, "max_tokens", 1, 2**31 - 1, integer=True)
     elif default_max_tokens is not None:
         max_tokens = min(default_max_tokens, limits.tokens.max_total_tokens - len(input_ids))
     else:

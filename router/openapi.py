@@ -117,6 +117,7 @@ def _openai_sampling() -> dict:
     """The sampling fields both OpenAI routes share, with the bounds router.openai_request checks."""
     return dict(
         max_tokens={**int_schema(INT32, minimum=1), "nullable": True},
+        max_completion_tokens={**int_schema(INT32, minimum=1), "nullable": True},
         temperature={**float_schema(minimum=0, maximum=2), "nullable": True},
         top_p={**float_schema(minimum=0, maximum=1, exclusiveMinimum=True), "nullable": True},
         n={**int_schema(INT32, minimum=1), "nullable": True},

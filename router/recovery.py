@@ -40,6 +40,10 @@ def shards_unavailable(waited: float) -> UnhealthyError:
                           f"{waited:.0f} s; try again later")
 
 
+def shutting_down() -> UnhealthyError:
+    return UnhealthyError("the server is shutting down while its model shards restart")
+
+
 class ShardRecovery:
     def __init__(self, policy: RecoveryPolicy, queue: RequestQueue, allocator: BlockAllocator,
                  fail_waiting: Callable[[QueueEntry, Exception], None]):
@@ -49,6 +53,8 @@ class ShardRecovery:
         self.fail_waiting = fail_waiting
         self.healthy = True
         self.recoveries = 0
+        # the router is shutting down: nothing waits for the shards any more
+        self.stopping = False
 
     async def wait_for_shards(self) -> None:
         """Blocks until the shards are back and warmed up; requests that wait too long get 503."""
@@ -58,7 +64,8 @@ class ShardRecovery:
         while True:
             self._expire_waiting(started)
             try:
-                num_blocks = await self.policy.reconnect()
+                # bounded: a warm-up that hangs must not hold the waiting requests past their time
+                num_blocks = await asyncio.wait_for(self.policy.reconnect(), self.policy.timeout)
                 break
             except Exception as err:  # still restarting, or warming up failed: try again
                 log.debug("shards not back yet: %s", err)
@@ -77,5 +84,6 @@ class ShardRecovery:
         now = time.monotonic()
         for entry in self.queue.entries():
             waited = now - max(entry.queued_at, recovery_started)
-            if waited > self.policy.timeout and self.queue.remove(entry):
-                self.fail_waiting(entry, shards_unavailable(waited))
+            if (self.stopping or waited > self.policy.timeout) and self.queue.remove(entry):
+                self.fail_waiting(entry, shutting_down() if self.stopping
+                                  else shards_unavailable(waited))

@@ -95,6 +95,15 @@ class RequestQueue:
         if min_size is not None and len(self._entries) < min_size:
             return None
         chosen: list[QueueEntry] = []
+        try:
+            return self._plan(chosen, min_size=min_size, max_size=max_size,
+                              prefill_token_budget=prefill_token_budget, token_budget=token_budget)
+        except Exception:
+            self._put_back(chosen)  # neither queued nor running, they would wait for ever
+            raise
+
+    def _plan(self, chosen: list[QueueEntry], *, min_size: int | None, max_size: int | None,
+              prefill_token_budget: int, token_budget: int) -> BatchPlan | None:
         prefill_tokens = 0
         max_tokens = 0
         chunk_len = None
@@ -124,12 +133,18 @@ class RequestQueue:
             if max_size is not None and len(chosen) >= max_size:
                 break
         if not chosen or (min_size is not None and len(chosen) < min_size):
-            for entry in reversed(chosen):
-                self.allocator.free(entry.allocation)
-                entry.allocation, entry.cache_len = None, 0
-                self._entries.appendleft(entry)
+            self._put_back(chosen)
             return None
         return BatchPlan(self.new_batch_id(), chosen, prefill_tokens, max_tokens, chunk_len)
+
+    def _put_back(self, chosen: list[QueueEntry]) -> None:
+        """Entries taken by a plan that is not made: their blocks go back, they go first again."""
+        for entry in reversed(chosen):
+            if entry.allocation is not None:
+                self.allocator.free(entry.allocation)
+            entry.allocation, entry.cache_len = None, 0
+            self._entries.appendleft(entry)
+        chosen.clear()
 
     def new_batch_id(self) -> int:
         batch_id = self._next_batch_id

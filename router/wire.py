@@ -56,7 +56,10 @@ def check_float(path: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _deserialize_error(path, f"invalid type: {type(value).__name__} {value!r}, "
                                        "expected f32")
+    # compared before converting: an integer literal of 400 digits overflows float()
+    if not -FLOAT32_MAX <= value <= FLOAT32_MAX:
+        raise _deserialize_error(path, f"invalid value: `{value}`, expected a finite f32")
     value = float(value)
-    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+    if not math.isfinite(value):
         raise _deserialize_error(path, f"invalid value: `{value}`, expected a finite f32")
     return value

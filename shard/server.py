@@ -67,7 +67,11 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
 
     async def Health(self, request, context):
         if self.engine.runner.device.type == "cuda":
-            torch.zeros(1, device=self.engine.runner.device)
+            try:
+                torch.zeros(1, device=self.engine.runner.device)
+            except RuntimeError as err:  # a sticky CUDA error: only a new process recovers
+                self.on_fatal_error(err)
+                raise
         return pb.HealthResponse(instance_id=self.instance_id)
 
     async def ServiceDiscovery(self, request, context):

@@ -257,3 +257,55 @@ async def test_an_idle_router_notices_a_restarted_group_before_the_next_request(
     result = await _run(batcher, scenario())
     assert result.final.text == "t1 t2 "
     assert [name for name, _ in client.calls].count("prefill") == 1, "nothing failed on the way"
+
+
+async def test_a_router_stopping_while_the_shards_are_away_answers_the_waiting_with_503():
+    client = FakeShardClient(step_delay=0.002)
+    shards = _Shards(client, comes_back_after=float("inf"), timeout=60)
+    batcher, infer, allocator = _setup(client, recovery=shards.policy)
+    shards.kill()
+    client.fail_next = "prefill"
+
+    async def scenario():
+        waiting = asyncio.create_task(infer.generate(_request(3)))
+        await asyncio.sleep(0.1)
+        assert not batcher.healthy
+        batcher.stop_waiting()
+        return await asyncio.gather(waiting, return_exceptions=True)
+
+    (result,) = await _run(batcher, scenario(), timeout=5)
+    assert isinstance(result, UnhealthyError) and "shutting down" in str(result)
+
+
+async def test_a_loss_found_after_the_stop_fails_the_requests_instead_of_requeueing_them():
+    client = FakeShardClient(step_delay=0.002)
+    shards = _Shards(client, comes_back_after=float("inf"), timeout=60)
+    batcher, infer, allocator = _setup(client, recovery=shards.policy)
+    batcher.stop_waiting()  # SIGTERM arrived while the shards still looked healthy
+    shards.kill()
+    client.fail_next = "prefill"
+    (result,) = await _run(batcher, asyncio.gather(infer.generate(_request(3)),
+                                                   return_exceptions=True), timeout=5)
+    assert isinstance(result, UnhealthyError)
+
+
+async def test_the_batch_running_when_the_shards_were_lost_is_not_sent_to_the_new_ones():
+    client = FakeShardClient(step_delay=0.002)
+    shards = _Shards(client)
+    batcher, infer, allocator = _setup(client, recovery=shards.policy)
+
+    async def scenario():
+        running = asyncio.create_task(infer.generate(_request(30)))
+        while not client.generated or max(client.generated.values()) < 3:
+            await asyncio.sleep(0.001)
+        shards.kill()
+        client.fail_next = "prefill"  # a new request's prefill finds the shards gone
+        late = asyncio.create_task(infer.generate(_request(3)))
+        return await asyncio.gather(running, late, return_exceptions=True)
+
+    running, late = await _run(batcher, scenario())
+    assert isinstance(running, GenerationError)
+    assert late.final.text == "t1 t2 t3 "
+    # the old batch died with the old shards: decoding it on the new ones would fail
+    assert batcher.metrics.counters.value("tgi_batch_inference_failure", method="decode") == 0
+    assert allocator.num_free_blocks == allocator.num_usable_blocks

@@ -55,6 +55,8 @@ def _nested(depth: int) -> bytes:
     (b'{"inputs": "hi \\ud800"}', "lone surrogate"),
     (b'{"inputs": "hi", "parameters": {"stop": ["\\udfff"]}}', "lone surrogate"),
     (b'{"inputs": "hi", "parameters": {"temperature": 1e39}}', "expected a finite f32"),
+    (b'{"inputs": "hi", "parameters": {"temperature": ' + b"9" * 400 + b"}}",
+     "expected a finite f32"),
 ])
 @pytest.mark.parametrize("path", TGI_ROUTES + ["/v1/chat/completions", "/v1/completions",
                                                "/tokenize"])
@@ -91,7 +93,8 @@ async def test_nesting_up_to_the_limit_parses(tiny_llama):
     ("seed", 2**64), ("seed", -1), ("max_tokens", 2**40), ("max_tokens", 0), ("n", 2**40),
     ("temperature", 2.5), ("top_p", 0), ("frequency_penalty", 3), ("presence_penalty", -3),
     ("stream", "yes"), ("stream_options", "x"), ("stream_options", {"include_usage": 1}),
-    ("logprobs", 2**40)])
+    ("logprobs", 2**40), ("temperature", 10**400), ("n", 10**400), ("seed", 10**400),
+    ("max_tokens", 2**31), ("max_completion_tokens", 0)])
 async def test_openai_fields_out_of_bounds_are_422(tiny_llama, path, field, value):
     client = await _client(tiny_llama, HealthyFake())
     try:

@@ -86,3 +86,24 @@ def test_removed_entries_leave_and_batch_ids_increase():
     second = _next(queue)
     assert [e.id for e in first.entries] == [0] and [e.id for e in second.entries] == [2]
     assert second.batch_id == first.batch_id + 1
+
+
+def test_an_error_while_planning_puts_every_taken_entry_back_with_its_blocks():
+    import pytest
+
+    queue = _queue()
+    for i in range(3):
+        queue.append(_entry(i))
+    real, calls = queue.allocator.allocate, []
+
+    def allocate(num_tokens, **kw):
+        calls.append(num_tokens)
+        if len(calls) == 3:
+            raise RuntimeError("a bug")
+        return real(num_tokens, **kw)
+    queue.allocator.allocate = allocate
+    with pytest.raises(RuntimeError):
+        _next(queue)
+    assert [e.id for e in queue.entries()] == [0, 1, 2], "nothing is stranded outside the queue"
+    assert all(e.allocation is None for e in queue.entries())
+    assert queue.allocator.num_free_blocks == queue.allocator.num_usable_blocks
