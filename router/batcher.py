@@ -274,6 +274,9 @@ class Batcher:
             self.chunked = None
             return None
         elapsed = time.monotonic() - started
+        if item.is_done:  # the shard refused it: no more chunks
+            self.chunked = None
+            return await self._after_step(reply, "prefill") if running is not None else None
         if is_last:
             self.chunked = None
             self._remember_prompts([item.entry])
@@ -302,7 +305,8 @@ class Batcher:
         reply = await self._prefill_call(batch, items, running)
         if reply is None:
             return None
-        self._remember_prompts([i.entry for i in items])
+        # a request the shard refused computed nothing worth caching (and its blocks are free)
+        self._remember_prompts([i.entry for i in items if not i.is_done])
         return await self._after_step(reply, "prefill")
 
     def _prepare(self, items: list[ActiveRequest], **chunk
@@ -335,6 +339,11 @@ class Batcher:
         if isinstance(reply, ShardError):
             await self._fail(all_items(), [batch.id] + [b.id for b in riding], reply)
             return None
+        for rejected in reply.rejected:  # refused by the shard one by one: the others went on
+            item = self.active.get(rejected.request_id)
+            if item is not None:
+                self._fail_request(item, "shard", RuntimeError(rejected.reason))
+                self._release(rejected.request_id)
         return reply
 
     def _remember_prompts(self, entries: list[QueueEntry]) -> None:
@@ -448,11 +457,16 @@ class Batcher:
 
     def _fail_request(self, item: ActiveRequest, stage: str, err: Exception) -> None:
         """One request's own failure: its client hears of it, the batch goes on without it."""
-        log.error("request %d failed while its data was %s: %r", item.entry.id,
-                  {"prepare": "prepared for the shards", "read": "read back"}[stage], err,
-                  exc_info=err)
+        if stage == "shard":
+            log.warning("the shards refused request %d: %s", item.entry.id, err)
+            message = str(err)
+        else:
+            log.error("request %d failed while its data was %s: %r", item.entry.id,
+                      {"prepare": "prepared for the shards", "read": "read back"}[stage], err,
+                      exc_info=err)
+            message = f"{type(err).__name__}: {err}"
         if not item.is_done:
-            item.events.put_nowait(GenerationError(f"{type(err).__name__}: {err}"))
+            item.events.put_nowait(GenerationError(message))
         item.is_done = True
 
     def _fail_waiting(self, entry: QueueEntry, error: RouterError) -> None:

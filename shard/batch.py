@@ -28,6 +28,7 @@ class NewRequest:
     skip_special_tokens: bool = True
     grammar: tuple[str, str] | None = None  # (kind, value) of a constrained request
     chunk_len: int | None = None  # prompt tokens to compute from cache_len; None: all the rest
+    matcher: object | None = None  # its grammar compiled against the vocabulary, before the forward
 
     @property
     def is_partial_chunk(self) -> bool:

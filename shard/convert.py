@@ -72,4 +72,6 @@ def step_response(result: StepResult, message_class):
         response.batch.CopyFrom(cached_batch(result.batch))
     if result.concat_ns is not None:
         response.concat_ns = result.concat_ns
+    for request_id, reason in result.rejected:
+        response.rejected.add(request_id=request_id, reason=reason)
     return response

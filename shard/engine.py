@@ -72,25 +72,50 @@ class Engine:
         """Computes new prompts (or one chunk of a long one); with `cached_batch_id`, that running
         batch also takes its next step in the same forward and the new requests join it."""
         start = time.perf_counter_ns()
-        pool = self.runner.num_blocks
-        for request in requests:
-            needed = len(request.input_ids) + request.max_new_tokens - 1
-            if needed > len(request.blocks) * self.block_size:
-                raise ValueError(f"request {request.id} needs {needed} KV slots but holds "
-                                 f"{len(request.blocks)} blocks of {self.block_size}")
-            # the decode kernel reads blocks through raw pointers: a stray id must stop here
-            if request.blocks and not 0 <= min(request.blocks) <= max(request.blocks) < pool:
-                raise ValueError(f"request {request.id} names a KV block outside the pool of "
-                                 f"{pool} blocks")
         is_chunk = any(r.is_partial_chunk for r in requests)
         if is_chunk and len(requests) != 1:
             raise ValueError("a chunk that stops short of its prompt's end must be prefilled alone")
+        if cached_batch_id is not None and cached_batch_id not in self.batches:
+            raise BatchNotFound(cached_batch_id)
+        requests, rejected = self._admit(requests)
+        if not requests:  # nothing new to compute: the riding batch takes a plain step
+            result = (self.decode([cached_batch_id]) if cached_batch_id is not None
+                      else StepResult([], None))
+            result.rejected = rejected
+            return result
         running = self._pop(cached_batch_id) if cached_batch_id is not None else None
         batch, generations, forward_ns = self._prefill_step(requests, batch_id, running)
         if batch is None:
             return StepResult([], None, forward_ns=forward_ns, decode_ns=0,
-                              total_ns=time.perf_counter_ns() - start)
-        return self._finish_step(batch, generations, start, forward_ns)
+                              total_ns=time.perf_counter_ns() - start, rejected=rejected)
+        result = self._finish_step(batch, generations, start, forward_ns)
+        result.rejected = rejected
+        return result
+
+    def _admit(self, requests: list[NewRequest]
+               ) -> tuple[list[NewRequest], list[tuple[int, str]]]:
+        """The requests this shard can compute, and (id, why) of each it refuses: one request's
+        bad data (a grammar this vocabulary cannot follow, blocks it does not hold) must not fail
+        the others, nor a running batch riding in the same forward."""
+        pool = self.runner.num_blocks
+        kept, rejected = [], []
+        for request in requests:
+            try:
+                needed = len(request.input_ids) + request.max_new_tokens - 1
+                if needed > len(request.blocks) * self.block_size:
+                    raise ValueError(f"request {request.id} needs {needed} KV slots but holds "
+                                     f"{len(request.blocks)} blocks of {self.block_size}")
+                # the decode kernel reads blocks through raw pointers: a stray id must stop here
+                if request.blocks and not 0 <= min(request.blocks) <= max(request.blocks) < pool:
+                    raise ValueError(f"request {request.id} names a KV block outside the pool of "
+                                     f"{pool} blocks")
+                if request.matcher is None and not request.is_partial_chunk:
+                    request.matcher = self._matcher(request)
+            except ValueError as err:
+                rejected.append((request.id, str(err)))
+                continue
+            kept.append(request)
+        return kept, rejected
 
     def decode(self, batch_ids: list[int]) -> StepResult:
         start = time.perf_counter_ns()
@@ -177,7 +202,7 @@ class Engine:
             next_input_ids=torch.zeros(len(requests), dtype=torch.long, device=device),
             sampling=SamplingBatch.from_params(
                 [r.params for r in requests], device,
-                grammars=[self._matcher(r) for r in requests]),
+                grammars=[r.matcher for r in requests]),
         )
 
     def _finish_step(self, batch: Batch, generations: list[Generation], start: int,

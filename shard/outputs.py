@@ -47,6 +47,7 @@ class StepResult:
     decode_ns: int = 0
     total_ns: int = 0
     concat_ns: int | None = None
+    rejected: list[tuple[int, str]] = field(default_factory=list)  # (request id, why), Prefill only
 
 
 @dataclass(slots=True)

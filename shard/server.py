@@ -98,13 +98,16 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
                                  num_blocks=result.num_blocks)
 
     async def Prefill(self, request, context):
-        try:
-            requests = [convert.new_request(r) for r in request.batch.requests]
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        requests, rejected = [], []
+        for message in request.batch.requests:
+            try:
+                requests.append(convert.new_request(message))
+            except ValueError as err:  # that request alone is refused
+                rejected.append((message.id, str(err)))
         cached = request.cached_batch.id if request.HasField("cached_batch") else None
         result = await self._run(context, self.engine.prefill, request.batch.id, requests, cached,
                                  span="prefill")
+        result.rejected = rejected + result.rejected
         return convert.step_response(result, pb.PrefillResponse)
 
     async def Decode(self, request, context):

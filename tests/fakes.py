@@ -19,6 +19,8 @@ class FakeShardClient:
         self.step_delay = step_delay
         self.fail_next: str | None = None
         self.decode_sizes: list[int] = []
+        # a request the shard refuses on its own: returns why, or None to take it
+        self.refuse = lambda request: None
 
     async def _maybe_fail(self, method: str) -> None:
         await asyncio.sleep(self.step_delay)
@@ -65,6 +67,23 @@ class FakeShardClient:
         if cached_batch is not None:
             self.calls.append(("step", cached_batch.id))
         await self._maybe_fail("prefill")
+        refused = [pb.RejectedRequest(request_id=r.id, reason=why)
+                   for r in batch.requests if (why := self.refuse(r)) is not None]
+        if refused:
+            taken = [r for r in batch.requests if r.id not in {x.request_id for x in refused}]
+            batch = pb.Batch(id=batch.id, requests=taken, size=len(taken))
+            reply = await self._prefill_taken(batch, cached_batch, partial)
+            reply.rejected.extend(refused)
+            return reply
+        return await self._prefill_taken(batch, cached_batch, partial)
+
+    async def _prefill_taken(self, batch: pb.Batch, cached_batch: pb.CachedBatch | None,
+                             partial: bool) -> pb.PrefillResponse:
+        if not batch.requests:
+            if cached_batch is None:
+                return pb.PrefillResponse()
+            step = await self.decode([cached_batch])  # the same fields, numbered alike
+            return pb.PrefillResponse.FromString(step.SerializeToString())
         running, generations, target = [], [], batch.id
         if cached_batch is not None:
             if cached_batch.id not in self.batches:

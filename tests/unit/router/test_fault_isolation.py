@@ -1,7 +1,7 @@
 """One request's failure stays with it; a lost shard group is waited for; the loop never dies.
 
 A failure is injected at each stage of one request's way through the batching loop (its message
-built, encoded, its generation read back), among several requests: the others finish with the tokens
+built, encoded, refused by the shard, its generation read back), among several requests: the others finish with the tokens
 they get alone, the failed one gets a GenerationError, and every KV block comes back.
 """
 import asyncio
@@ -91,9 +91,15 @@ def _inject_read(monkeypatch, client):
     monkeypatch.setattr(batcher_module, "generation_event", generation_event)
 
 
+def _inject_shard_refusal(monkeypatch, client):
+    client.refuse = lambda request: ("injected failure: its grammar does not compile"
+                                     if request.input_ids[0] == POISON else None)
+
+
 @pytest.mark.parametrize("chunking", [False, True], ids=["separate-prefill", "fused-prefill"])
-@pytest.mark.parametrize("inject", [_inject_prepare, _inject_encode, _inject_read],
-                         ids=["prepare", "encode", "read"])
+@pytest.mark.parametrize("inject", [_inject_prepare, _inject_encode, _inject_read,
+                                    _inject_shard_refusal],
+                         ids=["prepare", "encode", "read", "shard-refusal"])
 async def test_a_failure_in_one_requests_data_fails_it_alone(monkeypatch, inject, chunking):
     lengths = [4, 6, 5, 7]
 
@@ -308,4 +314,32 @@ async def test_the_batch_running_when_the_shards_were_lost_is_not_sent_to_the_ne
     assert late.final.text == "t1 t2 t3 "
     # the old batch died with the old shards: decoding it on the new ones would fail
     assert batcher.metrics.counters.value("tgi_batch_inference_failure", method="decode") == 0
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+
+
+async def test_a_long_prompt_refused_by_the_shard_mid_chunks_stops_chunking_and_frees_it():
+    client = FakeShardClient(step_delay=0.001)
+    refused_at = {}
+
+    def refuse(request):
+        if request.input_ids[0] == POISON and request.cache_len > 0:  # its second chunk
+            refused_at["cache_len"] = request.cache_len
+            return "injected failure"
+        return None
+    client.refuse = refuse
+    batcher, infer, allocator = _setup(client, chunking=True)
+
+    async def scenario():
+        short = asyncio.create_task(infer.generate(_request(20)))
+        await asyncio.sleep(0.005)
+        long = asyncio.gather(infer.generate(_request(4, first_token=POISON, length=150)),
+                              return_exceptions=True)
+        results = [await short, (await long)[0]]
+        await _settle(allocator)
+        return results
+
+    short, long = await _run(batcher, scenario())
+    assert short.final.generated_tokens == 20
+    assert isinstance(long, GenerationError) and refused_at["cache_len"] > 0
+    assert batcher.chunked is None
     assert allocator.num_free_blocks == allocator.num_usable_blocks

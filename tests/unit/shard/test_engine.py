@@ -98,14 +98,47 @@ def test_stream_pieces_concatenate_to_final_text_and_logprobs_are_returned(engin
     assert "".join(pieces) == g.generated_text.text
 
 
-def test_unknown_batch_and_too_few_blocks_are_errors(engine):
+def test_unknown_batch_is_an_error_and_bad_blocks_refuse_their_request_alone(engine):
     with pytest.raises(BatchNotFound):
         engine.decode([424242])
-    with pytest.raises(ValueError, match="KV slots"):
-        engine.prefill(7, [request(7, [5, 6, 7], [1], max_new_tokens=10)])
+    out = engine.prefill(7, [request(7, [5, 6, 7], [1], max_new_tokens=10)])
+    assert out.batch is None and out.generations == []
+    assert [(rid, "KV slots" in why) for rid, why in out.rejected] == [(7, True)]
     for stray in (-1, engine.runner.num_blocks):
-        with pytest.raises(ValueError, match="outside the pool"):
-            engine.prefill(8, [request(8, [5, 6, 7], [1, stray, 2], max_new_tokens=6)])
+        out = engine.prefill(8, [request(8, [5, 6, 7], [1, stray, 2], max_new_tokens=6)])
+        assert [rid for rid, _ in out.rejected] == [8] and "outside the pool" in out.rejected[0][1]
+
+
+def test_a_request_the_shard_refuses_leaves_the_others_and_the_riding_batch_going(engine):
+    """A grammar this vocabulary cannot compile, beside good requests and a running batch riding
+    in the same forward: only that request is refused, and every other token is the same."""
+    pool = BlockPool(512)
+    prompts = _prompts(engine)
+    alone = [_run_alone(engine, pool, 400 + i, p, 12) for i, p in enumerate(prompts[:3])]
+    blocks = [pool.take(len(p) + 12, 4) for p in prompts[:3]]
+    out = engine.prefill(50, [request(0, prompts[0], blocks[0], max_new_tokens=12,
+                                      ignore_eos=True)])
+    got = {0: [out.generations[0].tokens.ids[0]]}
+    bad = request(5, prompts[1], pool.take(len(prompts[1]) + 12, 4), max_new_tokens=12)
+    bad.grammar = ("regex", "(unclosed")
+    new = [request(i, prompts[i], blocks[i], max_new_tokens=12, ignore_eos=True) for i in (1, 2)]
+    out = engine.prefill(51, [new[0], bad, new[1]], cached_batch_id=out.batch.id)
+    assert [rid for rid, _ in out.rejected] == [5] and "grammar" in out.rejected[0][1]
+    assert out.batch.request_ids == [0, 1, 2]
+    for g in out.generations:
+        got.setdefault(g.request_id, []).append(g.tokens.ids[0])
+    while out.batch is not None:
+        out = engine.decode([out.batch.id])
+        for g in out.generations:
+            got[g.request_id].append(g.tokens.ids[0])
+    # rows that finished ride on until the batch ends (the router filters them): first 12 count
+    assert [got[i][:12] for i in range(3)] == alone
+    # all refused, with a running batch: it still takes its step
+    out = engine.prefill(60, [request(0, prompts[0], blocks[0], max_new_tokens=3)])
+    out = engine.prefill(61, [bad], cached_batch_id=out.batch.id)
+    assert [rid for rid, _ in out.rejected] == [5] and out.batch.request_ids == [0]
+    assert [g.request_id for g in out.generations] == [0]
+    engine.clear()
 
 
 def test_same_seed_same_sample(engine):
