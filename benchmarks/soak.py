@@ -83,6 +83,9 @@ class Tally:
             seen = self.examples.setdefault(outcome.kind, [])
             if len(seen) < 3:
                 seen.append(f"{call.label}: {outcome.detail[:160]}")
+            if self.num_unexpected <= 20:  # as it happens: a long run's log shows when
+                print(f"[{time.strftime('%H:%M:%S')}] unexpected {outcome.kind} <- {call.label}: "
+                      f"{outcome.detail[:160]}", flush=True)
 
     @property
     def num_unexpected(self) -> int:

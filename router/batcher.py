@@ -155,7 +155,9 @@ class Batcher:
                 await asyncio.wait_for(self._wake.wait(), IDLE_PROBE_S)
                 break
             except asyncio.TimeoutError:
-                if not await self.recovery.policy.is_alive():
+                is_alive = self.recovery.policy.is_alive
+                # asked twice: one slow answer must not cost a warm-up and the prefix cache
+                if not await is_alive() and not await is_alive():
                     await self._lose_shards(GenerationError("the model shards restarted"))
         self._wake.clear()
 
