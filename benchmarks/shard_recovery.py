@@ -41,7 +41,8 @@ def _status(url: str, path: str, body: dict | None = None, timeout: float = 300)
         return 0
 
 
-def _shard_pids(uds_path: str) -> dict[int, int]:
+def shard_pids(uds_path: str) -> dict[int, int]:
+    """rank -> pid of the shard processes serving on `uds_path` (their RANK variable)."""
     found = subprocess.run(["pgrep", "-f", f"shard --model-path .* --uds-path {uds_path}"],
                            capture_output=True, text=True)
     pids = {}
@@ -67,7 +68,7 @@ def _until(predicate, timeout: float) -> float:
 
 def one_kill(url: str, uds_path: str, rank: int) -> dict:
     """Kills `rank`; returns seconds from the kill to each milestone."""
-    pids = _shard_pids(uds_path)
+    pids = shard_pids(uds_path)
     first_generate: dict = {}
 
     def generate_after_kill():

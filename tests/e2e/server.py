@@ -13,6 +13,8 @@ from pathlib import Path
 
 import requests
 
+from benchmarks.shard_recovery import shard_pids
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -35,19 +37,8 @@ class LaunchedServer:
         return [line for line in found.stdout.splitlines() if "pgrep" not in line]
 
     def shard_pids(self) -> dict[int, int]:
-        """rank -> pid of the shard processes running now (their RANK environment variable)."""
-        found = subprocess.run(["pgrep", "-f", f"shard --model-path .* --uds-path {self.uds_path}"],
-                               capture_output=True, text=True)
-        pids = {}
-        for pid in map(int, found.stdout.split()):
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue  # gone meanwhile
-            for entry in environ:
-                if entry.startswith(b"RANK="):
-                    pids[int(entry[5:])] = pid
-        return pids
+        """rank -> pid of the shard processes running now."""
+        return shard_pids(self.uds_path)
 
     def stop(self, timeout: float = 60) -> int:
         if self.process.poll() is None:
