@@ -1,6 +1,6 @@
 """Paged-KV block accounting: which blocks are free, and how many holders each used block has.
 
-Block 0 is never handed out: the shards keep it for health probes. Blocks are reference-counted so that
+Block 0 is never handed out: the shards pad block tables with it. Blocks are reference-counted so that
 a prefix, a beam or a fork can share them; a block returns to the free list when its last holder lets go.
 """
 from __future__ import annotations

@@ -6,9 +6,14 @@ from shard.batch import NewRequest
 from shard.grammar import GRAMMAR_JSON, GRAMMAR_REGEX
 from shard.outputs import CachedBatchInfo, Generation, StepResult, TokenRun
 from shard.sampling import SamplingParams
+from shard.stopping import FinishReason
 
 
 _GRAMMAR_KINDS = {pb.GRAMMAR_TYPE_JSON: GRAMMAR_JSON, pb.GRAMMAR_TYPE_REGEX: GRAMMAR_REGEX}
+# by name, not by number: the two enums agreeing on numbers would be a coincidence to keep
+_FINISH_REASONS = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+                   FinishReason.EOS_TOKEN: pb.FINISH_REASON_EOS_TOKEN,
+                   FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE}
 
 
 def _or(value: float, default: float) -> float:
@@ -55,7 +60,7 @@ def generation(g: Generation) -> pb.Generation:
         gt = g.generated_text
         message.generated_text.CopyFrom(pb.GeneratedText(
             text=gt.text, generated_tokens=gt.generated_tokens,
-            finish_reason=int(gt.finish_reason), seed=gt.seed))
+            finish_reason=_FINISH_REASONS[gt.finish_reason], seed=gt.seed))
     return message
 
 

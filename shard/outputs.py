@@ -57,4 +57,4 @@ class WarmupResult:
 
     @property
     def max_supported_total_tokens(self) -> int:
-        return (self.num_blocks - 1) * self.block_size  # block 0 is the router's health probe
+        return (self.num_blocks - 1) * self.block_size  # block 0 pads block tables: never handed out
