@@ -23,6 +23,7 @@ from pathlib import Path
 
 from launcher.config import LauncherConfig
 from launcher.logs import relay, say
+from shard.partition import split_heads_of
 
 
 class LaunchError(RuntimeError):
@@ -41,13 +42,10 @@ class Child:
 
 def check_shardable(model_dir: Path, num_shard: int) -> None:
     """Fails before any process starts when the heads cannot be split over `num_shard` ranks."""
-    config = json.loads((model_dir / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
-        if count % num_shard:
-            raise LaunchError(f"--num-shard {num_shard} does not divide the model's {count} {name}; "
-                              f"use a shard count that divides both {heads} and {kv_heads}")
+    try:
+        split_heads_of(json.loads((model_dir / "config.json").read_text()), num_shard)
+    except ValueError as err:
+        raise LaunchError(f"--num-shard {num_shard}: {err}") from None
 
 
 def _death(child: Child) -> str:

@@ -42,8 +42,8 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse]:
                              device=device)
     loaded = load_model(Path(config.model_path), dtype=dtype, device=device, parallel=parallel)
     cfg = loaded.config
-    spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads // config.world_size,
-                       cfg.head_dim, config.block_size, dtype, device)
+    spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim,
+                       config.block_size, dtype, device)
     runner = ModelRunner(loaded.model, spec)
     engine = Engine(loaded, runner, memory_fraction=config.memory_fraction,
                     world_size=config.world_size)

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 
 from shard.distributed import ParallelContext
 from shard.models import load_model_class
+from shard.partition import RankHeads, split_heads
 from shard.weights import Weights
 
 
@@ -17,6 +18,7 @@ from shard.weights import Weights
 class LoadedModel:
     model: torch.nn.Module
     config: object
+    heads: RankHeads  # this rank's share of the attention heads
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
     special_token_ids: frozenset[int]
@@ -27,11 +29,13 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     model_dir = Path(model_dir)
     raw_config = json.loads((model_dir / "config.json").read_text())
     model_class, config = load_model_class(raw_config)
+    heads = split_heads(config.num_attention_heads, config.num_key_value_heads,
+                        parallel.world_size)
     weights = Weights(model_dir, dtype=dtype, device=device, parallel=parallel)
-    model = model_class(config, weights).eval()
+    model = model_class(config, heads, weights).eval()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     special = frozenset(i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special)
-    return LoadedModel(model, config, tokenizer, eos_token_ids(model_dir, raw_config, tokenizer),
+    return LoadedModel(model, config, heads, tokenizer, eos_token_ids(model_dir, raw_config, tokenizer),
                        special)
 
 

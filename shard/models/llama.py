@@ -16,6 +16,7 @@ from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding, apply_rotary
+from shard.partition import RankHeads
 from shard.weights import Weights
 
 
@@ -66,11 +67,10 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, weights: Weights, prefix: str):
+    def __init__(self, cfg: LlamaConfig, heads: RankHeads, weights: Weights, prefix: str):
         super().__init__()
-        world = weights.parallel.world_size
-        self.num_heads = cfg.num_attention_heads // world
-        self.num_kv_heads = cfg.num_key_value_heads // world
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = ColumnParallelLinear.load(
@@ -102,11 +102,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, weights: Weights, prefix: str):
+    def __init__(self, cfg: LlamaConfig, heads: RankHeads, weights: Weights, prefix: str):
         super().__init__()
         self.input_layernorm = RMSNorm(weights.get(f"{prefix}.input_layernorm.weight"),
                                        cfg.rms_norm_eps, weights.activation_dtype)
-        self.self_attn = LlamaAttention(cfg, weights, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(cfg, heads, weights, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(
             weights.get(f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps,
             weights.activation_dtype)
@@ -118,22 +118,18 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, weights: Weights):
+    """`heads` are this rank's share (shard.partition); `weights` hands out this rank's slices."""
+
+    def __init__(self, cfg: LlamaConfig, heads: RankHeads, weights: Weights):
         super().__init__()
-        world = weights.parallel.world_size
-        for name, count in (("attention heads", cfg.num_attention_heads),
-                            ("key/value heads", cfg.num_key_value_heads)):
-            if count % world:
-                raise ValueError(f"the model has {count} {name}, which do not divide by "
-                                 f"{world} shards; choose a shard count that divides {count}")
         self.config = cfg
-        self.num_kv_heads = cfg.num_key_value_heads // world
+        self.num_kv_heads = heads.num_kv_heads
         self.activation_dtype = weights.activation_dtype
         self.embed_tokens = VocabParallelEmbedding.load(weights, "model.embed_tokens.weight")
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling, weights.activation_dtype, weights.device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, weights, f"model.layers.{i}")
+            LlamaDecoderLayer(cfg, heads, weights, f"model.layers.{i}")
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(weights.get("model.norm.weight"), cfg.rms_norm_eps,
                             weights.activation_dtype)

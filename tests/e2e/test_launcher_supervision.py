@@ -40,7 +40,7 @@ def test_heads_that_do_not_divide_fail_before_any_process_starts(tiny_llama, tmp
     done = subprocess.run([os.sys.executable, "-m", "launcher", "--model-id", str(tiny_llama),
                            "--num-shard", "3"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
-    assert "--num-shard 3 does not divide" in done.stderr
+    assert "--num-shard 3: 3 shards do not divide" in done.stderr
     assert "[shard" not in done.stderr
 
 
@@ -131,4 +131,4 @@ def test_json_output_writes_one_object_per_line(tiny_llama):
     lines = [json.loads(line) for line in done.stderr.splitlines() if line.strip()]
     assert lines and all({"timestamp", "level", "source", "message"} <= set(o) for o in lines)
     assert any(o["message"].startswith("torch: ") for o in lines), "--env reports versions"
-    assert lines[-1]["level"] == "ERROR" and "does not divide" in lines[-1]["message"]
+    assert lines[-1]["level"] == "ERROR" and "do not divide" in lines[-1]["message"]
