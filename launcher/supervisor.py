@@ -16,8 +16,8 @@ import sys
 import threading
 import time
 import urllib.error
-from collections import deque
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,8 +147,9 @@ class Supervisor:
     def _watch(self) -> int:
         while not self.stop_requested.wait(0.1):
             dead = [c for c in self.children if c.exited() is not None]
-            if any(c.name == "router" for c in dead):
-                self._raise_if_dead()
+            for child in dead:
+                if child.name == "router":
+                    raise LaunchError(_death(child))
             if dead:
                 self._restart_shards(dead[0])
         self._say("stopping")

@@ -134,8 +134,8 @@ class Batcher:
 
     async def run(self) -> None:
         while True:
-            await self._wait_for_work()
             try:
+                await self._wait_for_work()
                 await self._serve_until_idle()
             except Exception:
                 # a fault that belongs to no single request: those in flight fail, the loop lives
@@ -344,7 +344,7 @@ class Batcher:
         for rejected in reply.rejected:  # refused by the shard one by one: the others went on
             item = self.active.get(rejected.request_id)
             if item is not None:
-                self._fail_request(item, "shard", RuntimeError(rejected.reason))
+                self._fail_request(item, "shard", rejected.reason)
                 self._release(rejected.request_id)
         return reply
 
@@ -457,11 +457,12 @@ class Batcher:
         item.delivered += 1
         item.events.put_nowait(event)
 
-    def _fail_request(self, item: ActiveRequest, stage: str, err: Exception) -> None:
-        """One request's own failure: its client hears of it, the batch goes on without it."""
-        if stage == "shard":
+    def _fail_request(self, item: ActiveRequest, stage: str, err: Exception | str) -> None:
+        """One request's own failure: its client hears of it, the batch goes on without it.
+        `err` is what was raised, or the shard's reason when it refused the request."""
+        if isinstance(err, str):
             log.warning("the shards refused request %d: %s", item.entry.id, err)
-            message = str(err)
+            message = err
         else:
             log.error("request %d failed while its data was %s: %r", item.entry.id,
                       {"prepare": "prepared for the shards", "read": "read back"}[stage], err,
@@ -471,6 +472,13 @@ class Batcher:
             item.events.put_nowait(GenerationError(message))
         item.is_done = True
 
+    def _fail_items(self, items: list[ActiveRequest], error: RouterError) -> None:
+        """Each request hears `error` (unless it already ended) and lets go of its blocks."""
+        for item in items:
+            if not item.is_done:
+                item.events.put_nowait(error)
+            self._release(item.entry.id)
+
     def _fail_waiting(self, entry: QueueEntry, error: RouterError) -> None:
         item = entry.payload
         item.is_done = True
@@ -478,12 +486,16 @@ class Batcher:
         self.metrics.queue_size.set(len(self.queue))
 
     def _release(self, request_id: int) -> None:
+        item = self._drop(request_id)
+        if item is not None:
+            item.is_done = True
+
+    def _drop(self, request_id: int) -> ActiveRequest | None:
+        """Takes a request out of the running ones and frees its blocks; it may run again."""
         item = self.active.pop(request_id, None)
-        if item is None:
-            return
-        item.is_done = True
-        if item.entry.allocation is not None:
+        if item is not None and item.entry.allocation is not None:
             self.allocator.free(item.entry.allocation)
+        return item
 
     async def _fail(self, items: list[ActiveRequest], batch_ids: list[int], err: Exception) -> None:
         log.error("shard step failed for %d requests: %s", len(items), err)
@@ -491,16 +503,12 @@ class Batcher:
         if self.recovery is not None and not await self.recovery.policy.is_alive():
             await self._lose_shards(error)
             return
-        for item in items:
-            if not item.is_done:
-                item.events.put_nowait(error)
-            self._release(item.entry.id)
+        self._fail_items(items, error)
         for batch_id in batch_ids:
             try:
                 await self.client.clear_cache(batch_id)
             except ShardError as clear_err:
                 log.error("could not clear batch %d: %s", batch_id, clear_err)
-
 
     async def _lose_shards(self, error: RouterError) -> None:
         """The shard group is gone: requests that received nothing go back to the queue (once:
@@ -509,35 +517,29 @@ class Batcher:
         self.shard_generation += 1
         if self.recovery.stopping:
             error = shutting_down()
-        retry = []
-        for item in list(self.active.values()):
-            again = (not item.is_done and not item.is_cancelled and item.delivered == 0
-                     and item.entry.attempts < self.recovery.policy.max_attempts
-                     and not self.recovery.stopping)
-            if not item.is_done and not again:
-                item.events.put_nowait(error)
-            self._release(item.entry.id)
-            if again:
-                item.is_done = False
-                retry.append(item.entry)
+        retry = [item for item in self.active.values()
+                 if not item.is_done and not item.is_cancelled and item.delivered == 0
+                 and item.entry.attempts < self.recovery.policy.max_attempts
+                 and not self.recovery.stopping]
+        for item in retry:
+            self._drop(item.entry.id)
+        self._fail_items(list(self.active.values()), error)
         self.chunked = None
-        self.queue.requeue_front(retry)
+        self.queue.requeue_front([item.entry for item in retry])
         self.metrics.queue_size.set(len(self.queue))
         await self.recovery.wait_for_shards()
         self._kv_gauges()
         self.metrics.kv_total_blocks.set(self.allocator.num_usable_blocks)
 
     async def _fail_in_flight(self, error: RouterError) -> None:
-        for item in list(self.active.values()):
-            if not item.is_done:
-                item.events.put_nowait(error)
-            self._release(item.entry.id)
+        self._fail_items(list(self.active.values()), error)
         self.chunked = None
         try:
             await self.client.clear_cache()
-        except ShardError as err:
+        except Exception as err:  # called from the loop's last guard: nothing may escape it
             log.error("could not clear the shards' batches: %s", err)
         self._kv_gauges()
+
 
 def _tokens(run: pb.Tokens) -> list[Token]:
     special = list(run.is_special) or [False] * len(run.ids)

@@ -52,7 +52,6 @@ class ShardRecovery:
         self.allocator = allocator
         self.fail_waiting = fail_waiting
         self.healthy = True
-        self.recoveries = 0
         # the router is shutting down: nothing waits for the shards any more
         self.stopping = False
 
@@ -75,7 +74,6 @@ class ShardRecovery:
         if self.queue.prefix_cache is not None:
             self.queue.prefix_cache.clear()
         self.allocator.reset(num_blocks)
-        self.recoveries += 1
         self.healthy = True
         log.warning("shards are back after %.1f s (KV pool: %d blocks)",
                     time.monotonic() - started, num_blocks)

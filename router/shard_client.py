@@ -57,23 +57,20 @@ class ShardedClient:
             await master.close()
         clients = [ShardClient(url.removeprefix("unix://")) for url in reply.urls]
         try:
-            replies = await asyncio.gather(*(c.call("Health", pb.HealthRequest(), timeout)
-                                             for c in clients))
+            instance_ids = await _instance_ids(clients, timeout)
         except ShardError:
             await asyncio.gather(*(c.close() for c in clients))
             raise
-        old, self.clients = self.clients, clients
-        self.instance_ids = [r.instance_id for r in replies]
+        old, self.clients, self.instance_ids = self.clients, clients, instance_ids
         await asyncio.gather(*(c.close() for c in old))
 
     async def is_same_group_alive(self, timeout: float = 2.0) -> bool:
-        """Whether every rank answers and is still the process the router connected to."""
+        """Whether every rank answers and is still the process the router connected to. Never
+        raises: the batching loop asks it, and a broken channel only means "no"."""
         try:
-            replies = await asyncio.gather(*(c.call("Health", pb.HealthRequest(), timeout)
-                                             for c in self.clients))
-        except ShardError:
+            return await _instance_ids(self.clients, timeout) == self.instance_ids
+        except Exception:
             return False
-        return [r.instance_id for r in replies] == self.instance_ids
 
     async def _all(self, method: str, message, timeout: float | None = None):
         # the current span (if any) becomes the parent of the shards' spans
@@ -114,3 +111,9 @@ class ShardedClient:
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
+
+
+async def _instance_ids(clients: list[ShardClient], timeout: float) -> list[str]:
+    replies = await asyncio.gather(*(c.call("Health", pb.HealthRequest(), timeout)
+                                     for c in clients))
+    return [r.instance_id for r in replies]

@@ -109,7 +109,7 @@ class Engine:
                 if request.blocks and not 0 <= min(request.blocks) <= max(request.blocks) < pool:
                     raise ValueError(f"request {request.id} names a KV block outside the pool of "
                                      f"{pool} blocks")
-                if request.matcher is None and not request.is_partial_chunk:
+                if not request.is_partial_chunk:  # the last chunk compiles it
                     request.matcher = self._matcher(request)
             except ValueError as err:
                 rejected.append((request.id, str(err)))

@@ -13,9 +13,8 @@ from router.api import STATE
 from router.api.tgi import read_json
 from router.errors import RouterError, ValidationError
 from router.infer import GenerateResult
-from router.openai_request import (ChatOptions, number, build_request, choice_count, flag,
-                                   include_usage, normalise_messages, render_chat, tool_plan,
-                                   with_seed)
+from router.openai_request import (ChatOptions, build_request, choice_count, flag, include_usage,
+                                   normalise_messages, number, render_chat, tool_plan, with_seed)
 from router.openapi import VERSION
 from router.schemas import FinishReason, GenerateRequest, Token
 from router.streaming import open_sse, openai_sse

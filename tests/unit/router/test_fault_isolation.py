@@ -229,12 +229,18 @@ async def test_a_prefill_lost_with_the_shards_runs_again_once_they_are_back():
     assert [name for name, _ in client.calls].count("prefill") == 2
 
 
-async def test_requests_waiting_for_shards_that_do_not_come_back_get_503():
+def _shards_that_stay_away(timeout: float):
+    """A batcher whose shards die at the next prefill and never come back."""
     client = FakeShardClient(step_delay=0.002)
-    shards = _Shards(client, comes_back_after=float("inf"), timeout=0.3)
-    batcher, infer, allocator = _setup(client, recovery=shards.policy)
+    shards = _Shards(client, comes_back_after=float("inf"), timeout=timeout)
+    batcher, infer, _ = _setup(client, recovery=shards.policy)
     shards.kill()
     client.fail_next = "prefill"
+    return batcher, infer
+
+
+async def test_requests_waiting_for_shards_that_do_not_come_back_get_503():
+    batcher, infer = _shards_that_stay_away(timeout=0.3)
 
     async def scenario():
         first = asyncio.create_task(infer.generate(_request(3)))
@@ -266,11 +272,7 @@ async def test_an_idle_router_notices_a_restarted_group_before_the_next_request(
 
 
 async def test_a_router_stopping_while_the_shards_are_away_answers_the_waiting_with_503():
-    client = FakeShardClient(step_delay=0.002)
-    shards = _Shards(client, comes_back_after=float("inf"), timeout=60)
-    batcher, infer, allocator = _setup(client, recovery=shards.policy)
-    shards.kill()
-    client.fail_next = "prefill"
+    batcher, infer = _shards_that_stay_away(timeout=60)
 
     async def scenario():
         waiting = asyncio.create_task(infer.generate(_request(3)))
@@ -284,12 +286,8 @@ async def test_a_router_stopping_while_the_shards_are_away_answers_the_waiting_w
 
 
 async def test_a_loss_found_after_the_stop_fails_the_requests_instead_of_requeueing_them():
-    client = FakeShardClient(step_delay=0.002)
-    shards = _Shards(client, comes_back_after=float("inf"), timeout=60)
-    batcher, infer, allocator = _setup(client, recovery=shards.policy)
+    batcher, infer = _shards_that_stay_away(timeout=60)
     batcher.stop_waiting()  # SIGTERM arrived while the shards still looked healthy
-    shards.kill()
-    client.fail_next = "prefill"
     (result,) = await _run(batcher, asyncio.gather(infer.generate(_request(3)),
                                                    return_exceptions=True), timeout=5)
     assert isinstance(result, UnhealthyError)
@@ -343,3 +341,26 @@ async def test_a_long_prompt_refused_by_the_shard_mid_chunks_stops_chunking_and_
     assert isinstance(long, GenerationError) and refused_at["cache_len"] > 0
     assert batcher.chunked is None
     assert allocator.num_free_blocks == allocator.num_usable_blocks
+
+
+async def test_an_error_in_the_idle_probe_does_not_stop_the_loop(monkeypatch):
+    monkeypatch.setattr(batcher_module, "IDLE_PROBE_S", 0.01)
+    client = FakeShardClient()
+    shards = _Shards(client)
+    probes = {"n": 0}
+
+    async def broken_probe():
+        probes["n"] += 1
+        if probes["n"] == 1:
+            raise RuntimeError("a bug in the probe")
+        return True
+    shards.policy.is_alive = broken_probe
+    batcher, infer, allocator = _setup(client, recovery=shards.policy)
+
+    async def scenario():
+        while probes["n"] < 3:
+            await asyncio.sleep(0.01)
+        return await infer.generate(_request(2))
+
+    result = await _run(batcher, scenario())
+    assert result.final.text == "t1 t2 "
