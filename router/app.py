@@ -3,96 +3,50 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from aiohttp import web
 
-from proto import generate_pb2 as pb
-from router.api import STATE, openai, tgi
-from router.batcher import Batcher, SchedulingLimits
+from router.api import completions, grpc_service, openai, tgi
+from router.batch import NewBatch, ShardRequest
+from router.batcher import Batcher
 from router.block_allocator import BlockAllocator
 from router.chat_template import ChatTemplate
 from router.config import RouterConfig, TokenLimits
 from router.infer import Infer
 from router.metrics import Metrics
 from router.middleware import api_key_middleware, cors_middleware, error_middleware
-from router.openapi import VERSION
 from router.prefix_cache import PrefixCache
 from router.recovery import RecoveryPolicy
 from router.request_queue import RequestQueue
+from router.scheduling import SchedulingLimits
+from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from router.shard_client import ShardedClient
+from router.state import STATE, RouterState
 from router.tokenizer import RouterTokenizer
 from router.validation import ValidationLimits
+
+# Every API the router serves: each module turns its wire format into core requests and the core's
+# events into its wire format, and registers itself (routes, or a server of its own).
+API_MODULES = (tgi, openai, completions, grpc_service)
 
 log = logging.getLogger("tgi.router")
 
 
-@dataclass
-class RouterState:
-    config: RouterConfig
-    tokenizer: RouterTokenizer
-    client: ShardedClient
-    shard_info: pb.InfoResponse
-    limits: TokenLimits
-    validation_limits: ValidationLimits
-    allocator: BlockAllocator
-    batcher: Batcher
-    infer: Infer
-    metrics: Metrics
-    chat_template: ChatTemplate | None
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    # set when the batching loop dies: the process must exit rather than leave requests hanging
-    fatal: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def model_name(self) -> str:
-        return self.config.model_id or Path(self.config.tokenizer_path).name
-
-    @property
-    def compute_type(self) -> str:
-        return f"{self.shard_info.world_size}-{self.shard_info.device_type}"
-
-    def info_json(self) -> dict:
-        config = self.config
-        return {
-            "model_id": self.model_name,
-            "model_sha": None, "model_pipeline_tag": "text-generation",
-            "model_dtype": self.shard_info.dtype, "model_device_type": self.shard_info.device_type,
-            "max_concurrent_requests": config.max_concurrent_requests,
-            "max_best_of": config.max_best_of, "max_stop_sequences": config.max_stop_sequences,
-            "max_input_tokens": self.limits.max_input_tokens,
-            "max_total_tokens": self.limits.max_total_tokens,
-            "max_batch_prefill_tokens": self.limits.max_batch_prefill_tokens,
-            "max_batch_total_tokens": self.allocator.num_usable_blocks * self.allocator.block_size,
-            "shard_recovery_timeout": config.shard_recovery_timeout,
-            "waiting_served_ratio": config.waiting_served_ratio,
-            "max_waiting_tokens": config.max_waiting_tokens,
-            "max_batch_size": config.max_batch_size,
-            "prefix_caching": self.batcher.queue.prefix_cache is not None,
-            "validation_workers": config.validation_workers,
-            "max_client_batch_size": config.max_client_batch_size,
-            "router": "tgi-py-router", "version": VERSION, "sha": None, "docker_label": None,
-        }
-
-
 def warmup_batch(limits: TokenLimits, max_batch_size: int | None,
-                 prefill_tokens: int | None = None) -> pb.Batch:
+                 prefill_tokens: int | None = None) -> NewBatch:
     """Requests of max_input_tokens tokens until they fill the prefill budget, as TGI warms up."""
     requests = []
     remaining = limits.max_batch_prefill_tokens if prefill_tokens is None else prefill_tokens
     while remaining > 0 and (max_batch_size is None or len(requests) < max_batch_size):
         length = min(limits.max_input_tokens, remaining)
-        requests.append(pb.Request(
-            id=len(requests), input_ids=[1] * length,
-            parameters=pb.NextTokenChooserParameters(do_sample=True, temperature=0.9, top_k=10,
-                                                     top_p=0.9, typical_p=0.9,
-                                                     repetition_penalty=1.2, seed=0),
-            stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=2,
-                                                              ignore_eos_token=True),
-            top_n_tokens=5))
+        request = GenerateRequest(
+            inputs="", input_ids=[1] * length,
+            sampling=SamplingParams(do_sample=True, temperature=0.9, top_k=10, top_p=0.9,
+                                    typical_p=0.9, repetition_penalty=1.2, seed=0),
+            stopping=StoppingParams(max_new_tokens=2, ignore_eos=True), top_n_tokens=5)
+        requests.append(ShardRequest(len(requests), request, blocks=[]))  # warm-up has no blocks
         remaining -= length
-    return pb.Batch(id=0, requests=requests, size=len(requests))
+    return NewBatch(id=0, requests=requests, max_tokens=0, max_blocks=0)
 
 
 async def warm_up(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
@@ -107,17 +61,17 @@ async def warm_up(client: ShardedClient, config: RouterConfig, limits: TokenLimi
     total_tokens = config.max_batch_total_tokens or 0
     if known_pool_blocks is not None:
         total_tokens = (known_pool_blocks - 1) * block_size
-    warm = await client.warmup(pb.WarmupRequest(
-        batch=batch, max_input_tokens=limits.max_input_tokens,
+    num_blocks = await client.warmup(
+        batch, max_input_tokens=limits.max_input_tokens,
         max_prefill_tokens=limits.max_batch_prefill_tokens, max_total_tokens=limits.max_total_tokens,
-        max_batch_total_tokens=total_tokens))
-    capacity = (warm.num_blocks - 1) * block_size  # block 0 is never handed out
+        max_batch_total_tokens=total_tokens)
+    capacity = (num_blocks - 1) * block_size  # block 0 is never handed out
     if limits.max_total_tokens > capacity:
         raise ValueError(f"Not enough memory to handle max_total_tokens={limits.max_total_tokens}: the "
                          f"KV pool holds {capacity} tokens; lower --max-total-tokens or raise "
                          "--max-batch-total-tokens")
-    log.info("KV pool: %d blocks of %d tokens (%d tokens)", warm.num_blocks, block_size, capacity)
-    return warm.num_blocks
+    log.info("KV pool: %d blocks of %d tokens (%d tokens)", num_blocks, block_size, capacity)
+    return num_blocks
 
 
 def recovery_policy(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
@@ -176,8 +130,8 @@ def create_app(state: RouterState) -> web.Application:
         middlewares.append(api_key_middleware(config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=config.payload_limit)
     app[STATE] = state
-    tgi.add_routes(app)
-    openai.add_routes(app)
+    for api in API_MODULES:
+        api.register(app)
 
     async def start_batcher(app):
         state.tasks.append(asyncio.create_task(_supervise(state.batcher.run(), state.fatal)))

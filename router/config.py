@@ -18,6 +18,9 @@ class RouterConfig:
                                       "Unix socket of shard rank 0; the others are discovered.")
     hostname: str = _opt("0.0.0.0", "Address to listen on.")
     port: int = _opt(8080, "HTTP port.")
+    grpc_port: int = _opt(None, "Port of the public gRPC API (proto/api.proto: Generate, "
+                                "GenerateStream, Tokenize, Info, Health, with grpc.health.v1 and "
+                                "server reflection), on --hostname; unset: no gRPC server.")
     max_concurrent_requests: int = _opt(128, "Requests in flight at once; more get 429.")
     shard_recovery_timeout: float = _opt(60.0, "Seconds a request waits for restarting shards "
                                                "(queued or arriving meanwhile) before a 503.")
@@ -40,7 +43,8 @@ class RouterConfig:
     prefix_caching: str = _opt("on", "Reuse the KV blocks of prompt prefixes already computed "
                                      "(on/off).")
     api_key: str = _opt(None, "When set, every route but /health and /metrics needs "
-                              "'Authorization: Bearer <key>'.")
+                              "'Authorization: Bearer <key>', and every gRPC call but health "
+                              "checks and reflection the metadata 'authorization: Bearer <key>'.")
     cors_allow_origin: str = _opt(None, "Comma-separated origins allowed by CORS ('*' for any); "
                                         "unset sends no CORS headers.")
     payload_limit: int = _opt(2_000_000, "Largest request body in bytes; larger ones get 413.")
@@ -58,6 +62,10 @@ class RouterConfig:
             raise ValueError(f"--payload-limit {self.payload_limit} must be a positive byte count")
         if self.shard_recovery_timeout <= 0:
             raise ValueError(f"--shard-recovery-timeout {self.shard_recovery_timeout} must be > 0")
+        if self.grpc_port is not None and not 0 < self.grpc_port < 65536:
+            raise ValueError(f"--grpc-port {self.grpc_port} must be a port number (1-65535)")
+        if self.grpc_port == self.port:
+            raise ValueError(f"--grpc-port {self.grpc_port} is also the HTTP --port; pick another")
         if self.waiting_served_ratio < 0:
             raise ValueError(f"--waiting-served-ratio {self.waiting_served_ratio} must be >= 0")
 

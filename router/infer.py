@@ -1,18 +1,25 @@
-"""Admission and the per-request event stream: 429 past the concurrency limit, cancellation on exit,
-and the request-level metrics every API shares."""
+"""The generation core every API adapter calls: admission (429 past the concurrency limit), one
+request's event stream with cancellation on exit, n requests fanned out (merged streams, or all
+results, the others cancelled when one fails), and the request-level metrics every API shares.
+
+An adapter turns its wire format into GenerateRequests and these events into its wire format; it
+never sees the queue, the shards or the KV blocks.
+"""
 from __future__ import annotations
 
 import asyncio
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
-from router.batcher import ActiveRequest, Batcher
+from router.active_request import ActiveRequest
+from router.batcher import Batcher
 from router.errors import IncompleteGenerationError, OverloadedError, RouterError, ValidationError
 from router.metrics import Metrics
-from router.request_queue import QueueEntry
 from router.request_trace import current_span_context
 from router.schemas import FinalInfo, GenerateRequest, Timings, Token, TokenEvent
 
@@ -30,6 +37,8 @@ class GenerateResult:
         return sum(t.logprob or 0.0 for t in self.tokens)
 
 
+T = TypeVar("T")
+
 _FAILURE_LABELS = {"validation": "validation", "overloaded": "overloaded",
                    "generation": "generation", "incomplete_generation": "incomplete"}
 
@@ -46,19 +55,27 @@ class Infer:
         self.metrics.counters.inc("tgi_request_failure",
                                   err=_FAILURE_LABELS.get(error.error_type, error.error_type))
 
+    async def counted(self, validation: Awaitable[T]) -> T:
+        """Counts a request and, when its validation fails, the failure, as TGI does."""
+        self.metrics.counters.inc("tgi_request_count")
+        try:
+            return await validation
+        except RouterError as err:
+            self.record_failure(err)
+            raise
+
     def _admit(self, request: GenerateRequest) -> ActiveRequest:
         if self.in_flight >= self.max_concurrent_requests:
             raise OverloadedError()
-        entry = QueueEntry(id=next(self._ids), input_length=request.input_length,
-                           max_new_tokens=request.stopping.max_new_tokens,
-                           # prompt log-probabilities need every prompt token computed
-                           prompt_ids=None if request.prefill_logprobs else request.input_ids)
+        item = ActiveRequest(id=next(self._ids), input_length=request.input_length,
+                             max_new_tokens=request.stopping.max_new_tokens,
+                             # prompt log-probabilities need every prompt token computed
+                             prompt_ids=None if request.prefill_logprobs else request.input_ids,
+                             request=request, span_context=current_span_context())
         allocator = self.batcher.allocator
-        if allocator.blocks_needed(entry.kv_tokens) > allocator.num_usable_blocks:
-            raise ValidationError(f"the request needs {entry.kv_tokens} tokens of KV cache but the "
+        if allocator.blocks_needed(item.kv_tokens) > allocator.num_usable_blocks:
+            raise ValidationError(f"the request needs {item.kv_tokens} tokens of KV cache but the "
                                   f"server holds {allocator.num_usable_blocks * allocator.block_size}")
-        item = ActiveRequest(entry=entry, request=request, span_context=current_span_context())
-        entry.payload = item
         return item
 
     async def stream(self, request: GenerateRequest, timings: Timings | None = None
@@ -125,19 +142,65 @@ class Infer:
             raise error
         return result
 
-    async def generate_best_of(self, request: GenerateRequest, best_of: int, timings: Timings
-                               ) -> tuple[GenerateResult, list[GenerateResult]]:
-        """`best_of` sampled sequences with their own seeds; the most likely (summed log-prob) wins."""
-        requests = [replace(request, sampling=replace(request.sampling,
-                                                      seed=random.getrandbits(64)))
-                    for _ in range(best_of)]
-        tasks = [asyncio.ensure_future(self.generate(r, replace(timings))) for r in requests]
+    async def generate_many(self, requests: list[GenerateRequest],
+                            timings: Timings | None = None) -> list[GenerateResult]:
+        """Every request's result, in order; when one fails (or the caller goes away) the others
+        are cancelled and free what they held."""
+        tasks = [asyncio.ensure_future(self.generate(r, replace(timings) if timings else None))
+                 for r in requests]
         try:
-            results = await asyncio.gather(*tasks)
+            return await asyncio.gather(*tasks)
         except BaseException:
-            for task in tasks:  # one failed or the client left: the others are not wanted either
+            for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+
+    async def stream_many(self, requests: list[GenerateRequest], timings: Timings | None = None
+                          ) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """(index of the request, event) from every request's stream as the events arrive; the
+        first error is raised and leaving early cancels every stream."""
+        if len(requests) == 1:  # no tasks and no hop through a queue for the common case
+            async with aclosing(self.stream(requests[0], timings)) as events:
+                async for event in events:
+                    yield 0, event
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, request: GenerateRequest) -> None:
+            try:
+                async for event in self.stream(request, replace(timings) if timings else None):
+                    merged.put_nowait((index, event))
+            except RouterError as err:
+                merged.put_nowait((index, err))
+            finally:
+                merged.put_nowait((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+        try:
+            open_streams = len(tasks)
+            while open_streams:
+                index, item = await merged.get()
+                if item is None:
+                    open_streams -= 1
+                elif isinstance(item, RouterError):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def generate_best_of(self, request: GenerateRequest, best_of: int, timings: Timings
+                               ) -> tuple[GenerateResult, list[GenerateResult]]:
+        """(the answer, the other sequences). With best_of > 1, that many sampled sequences with
+        their own seeds; the most likely (summed log-prob) wins."""
+        if best_of == 1:
+            return await self.generate(request, timings), []
+        requests = [replace(request, sampling=replace(request.sampling,
+                                                      seed=random.getrandbits(64)))
+                    for _ in range(best_of)]
+        results = await self.generate_many(requests, timings)
         ranked = sorted(results, key=lambda r: r.logprob_sum, reverse=True)
         return ranked[0], ranked[1:]

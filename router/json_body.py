@@ -74,3 +74,12 @@ def _check_text(text: str) -> None:
     except UnicodeEncodeError:
         raise BadRequestError(f"{_PARSE}a string holds a lone surrogate (an unpaired \\ud800-"
                               "\\udfff escape), which is not valid Unicode") from None
+
+
+async def read_object(request) -> dict:
+    """An HTTP request's body, which must be a JSON object (an aiohttp request)."""
+    body = parse_json(await request.read())
+    if not isinstance(body, dict):
+        raise BadRequestError("Failed to deserialize the JSON body into the target type: expected "
+                              "an object")
+    return body

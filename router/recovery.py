@@ -13,9 +13,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from router.block_allocator import BlockAllocator
-from router.errors import UnhealthyError
-from router.request_queue import QueueEntry, RequestQueue
+from router.active_request import ActiveRequest
+from router.errors import RouterError, UnhealthyError
+from router.request_queue import RequestQueue
+from router.running_requests import RunningRequests
 
 log = logging.getLogger("tgi.router.recovery")
 
@@ -45,15 +46,29 @@ def shutting_down() -> UnhealthyError:
 
 
 class ShardRecovery:
-    def __init__(self, policy: RecoveryPolicy, queue: RequestQueue, allocator: BlockAllocator,
-                 fail_waiting: Callable[[QueueEntry, Exception], None]):
+    def __init__(self, policy: RecoveryPolicy, queue: RequestQueue[ActiveRequest],
+                 running: RunningRequests, fail_waiting: Callable[[ActiveRequest, RouterError], None]):
         self.policy = policy
         self.queue = queue
-        self.allocator = allocator
+        self.running = running
         self.fail_waiting = fail_waiting
         self.healthy = True
         # the router is shutting down: nothing waits for the shards any more
         self.stopping = False
+
+    async def is_lost(self) -> bool:
+        """Whether the group no longer answers, or answers with other processes; asked twice:
+        one slow answer must not cost a warm-up and the prefix cache."""
+        is_alive = self.policy.is_alive
+        return not await is_alive() and not await is_alive()
+
+    def stop(self) -> None:
+        """The router is stopping: requests queued for shards that are not there will never
+        run; they get a 503 now (and so do those of a loss found later) instead of holding the
+        shutdown until its grace period ends. With the shards there, queued requests drain."""
+        self.stopping = True
+        if not self.healthy:
+            self._expire_waiting(time.monotonic())
 
     async def wait_for_shards(self) -> None:
         """Blocks until the shards are back and warmed up; requests that wait too long get 503."""
@@ -69,11 +84,7 @@ class ShardRecovery:
             except Exception as err:  # still restarting, or warming up failed: try again
                 log.debug("shards not back yet: %s", err)
                 await asyncio.sleep(RETRY_INTERVAL_S)
-        # every holder of a block was failed or sent back to the queue before this: the new
-        # shards' caches are empty, and so are the prefix cache and the pool's accounting
-        if self.queue.prefix_cache is not None:
-            self.queue.prefix_cache.clear()
-        self.allocator.reset(num_blocks)
+        self.running.reset_pool(num_blocks)
         self.healthy = True
         log.warning("shards are back after %.1f s (KV pool: %d blocks)",
                     time.monotonic() - started, num_blocks)

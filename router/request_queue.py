@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 from router.block_allocator import BlockAllocation, BlockAllocator
 from router.prefix_cache import PrefixCache
@@ -16,10 +16,11 @@ from router.prefix_cache import PrefixCache
 
 @dataclass(slots=True)
 class QueueEntry:
+    """What the queue needs of a request to plan batches (router.active_request extends it)."""
+
     id: int
     input_length: int
     max_new_tokens: int
-    payload: Any = None  # the API layer's request and response channel; opaque here
     queued_at: float = field(default_factory=time.monotonic)
     allocation: BlockAllocation | None = None
     prompt_ids: list[int] | None = None  # offered to the prefix cache (None: never cached)
@@ -32,40 +33,43 @@ class QueueEntry:
         return self.input_length + self.max_new_tokens - 1
 
 
+E = TypeVar("E", bound=QueueEntry)
+
+
 @dataclass(slots=True)
-class BatchPlan:
+class BatchPlan(Generic[E]):
     batch_id: int
-    entries: list[QueueEntry]
+    entries: list[E]
     prefill_tokens: int
     max_tokens: int
     chunk_len: int | None = None  # set when the plan's one entry is prefilled in chunks
 
 
-class RequestQueue:
+class RequestQueue(Generic[E]):
     def __init__(self, allocator: BlockAllocator, prefix_cache: PrefixCache | None = None, *,
                  chunking: bool = False):
         self.allocator = allocator
         self.prefix_cache = prefix_cache
         self.chunking = chunking
-        self._entries: deque[QueueEntry] = deque()
+        self._entries: deque[E] = deque()
         self._next_batch_id = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def append(self, entry: QueueEntry) -> None:
+    def append(self, entry: E) -> None:
         self._entries.append(entry)
 
-    def requeue_front(self, entries: list[QueueEntry]) -> None:
+    def requeue_front(self, entries: list[E]) -> None:
         """Entries that were taken but never computed go back first, in their order."""
         for entry in reversed(entries):
             entry.allocation, entry.cache_len = None, 0
             self._entries.appendleft(entry)
 
-    def entries(self) -> list[QueueEntry]:
+    def entries(self) -> list[E]:
         return list(self._entries)
 
-    def _cached_prefix(self, entry: QueueEntry) -> list[int]:
+    def _cached_prefix(self, entry: E) -> list[int]:
         """Cached blocks of the entry's prompt, leaving at least one prompt token to compute (its
         logits choose the first new token)."""
         if self.prefix_cache is None or entry.prompt_ids is None:
@@ -75,7 +79,7 @@ class RequestQueue:
             self.allocator.decref([shared.pop()])
         return shared
 
-    def remove(self, entry: QueueEntry) -> bool:
+    def remove(self, entry: E) -> bool:
         """Takes out a waiting entry (its client went away); False if it already left the queue."""
         try:
             self._entries.remove(entry)
@@ -84,7 +88,7 @@ class RequestQueue:
         return True
 
     def next_batch(self, *, min_size: int | None, max_size: int | None, prefill_token_budget: int,
-                   token_budget: int) -> BatchPlan | None:
+                   token_budget: int) -> BatchPlan[E] | None:
         """The longest FIFO run of entries that fits both budgets and the KV pool, or None.
 
         Each chosen entry gets a block allocation for its prompt and all its new tokens. If fewer
@@ -94,7 +98,7 @@ class RequestQueue:
             return None
         if min_size is not None and len(self._entries) < min_size:
             return None
-        chosen: list[QueueEntry] = []
+        chosen: list[E] = []
         try:
             return self._plan(chosen, min_size=min_size, max_size=max_size,
                               prefill_token_budget=prefill_token_budget, token_budget=token_budget)
@@ -102,8 +106,8 @@ class RequestQueue:
             self._put_back(chosen)  # neither queued nor running, they would wait for ever
             raise
 
-    def _plan(self, chosen: list[QueueEntry], *, min_size: int | None, max_size: int | None,
-              prefill_token_budget: int, token_budget: int) -> BatchPlan | None:
+    def _plan(self, chosen: list[E], *, min_size: int | None, max_size: int | None,
+              prefill_token_budget: int, token_budget: int) -> BatchPlan[E] | None:
         prefill_tokens = 0
         max_tokens = 0
         chunk_len = None
@@ -137,7 +141,7 @@ class RequestQueue:
             return None
         return BatchPlan(self.new_batch_id(), chosen, prefill_tokens, max_tokens, chunk_len)
 
-    def _put_back(self, chosen: list[QueueEntry]) -> None:
+    def _put_back(self, chosen: list[E]) -> None:
         """Entries taken by a plan that is not made: their blocks go back, they go first again."""
         for entry in reversed(chosen):
             if entry.allocation is not None:

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 
 class FinishReason(str, enum.Enum):
+    """TGI's JSON names; the shard's FinishReason is numbered as the proto's (a table in
+    router.shard_convert maps one to the other)."""
+
     LENGTH = "length"
     EOS_TOKEN = "eos_token"
     STOP_SEQUENCE = "stop_sequence"
@@ -13,6 +16,9 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(slots=True)
 class SamplingParams:
+    """As validation leaves them; the shard has its own SamplingParams (the processes share no
+    code, only the proto)."""
+
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0

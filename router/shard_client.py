@@ -1,4 +1,7 @@
-"""gRPC clients of the shards: one per rank, fanned out so every rank runs every call in lock-step."""
+"""gRPC clients of the shards: one per rank, fanned out so every rank runs every call in lock-step.
+
+The scheduler calls it with the router's own types (router.batch); router.shard_convert translates.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +11,9 @@ import grpc
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.tracing import inject_metadata, tracing_enabled
+from router import shard_convert as convert
+from router.batch import CachedBatch, NewBatch, StepResult
+from router.shard_convert import ShardInfo
 
 
 class ShardError(Exception):
@@ -82,8 +88,8 @@ class ShardedClient:
                 raise reply if isinstance(reply, ShardError) else ShardError(str(reply))
         return replies[0]
 
-    async def info(self) -> pb.InfoResponse:
-        return await self._all("Info", pb.InfoRequest(), timeout=30)
+    async def info(self) -> ShardInfo:
+        return convert.shard_info(await self._all("Info", pb.InfoRequest(), timeout=30))
 
     async def health(self, timeout: float = 5.0) -> None:
         await self._all("Health", pb.HealthRequest(), timeout=timeout)
@@ -92,22 +98,34 @@ class ShardedClient:
         request = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
         await self._all("ClearCache", request)
 
-    async def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
+    async def warmup(self, batch: NewBatch, **limits: int) -> int:
+        """Runs the warm-up batch on every rank; returns the KV pool's size in blocks (the
+        smallest rank's: every rank must fit)."""
+        request = convert.warmup_message(batch, **limits)
         replies = await asyncio.gather(*(c.call("Warmup", request) for c in self.clients))
-        # every rank must fit: take the smallest pool
-        return min(replies, key=lambda r: r.num_blocks)
+        return min(r.num_blocks for r in replies)
 
-    async def prefill(self, batch: pb.Batch,
-                      cached_batch: pb.CachedBatch | None = None) -> pb.PrefillResponse:
-        return await self._all("Prefill", pb.PrefillRequest(batch=batch, cached_batch=cached_batch))
+    async def prefill(self, batch: NewBatch, running: CachedBatch | None = None) -> StepResult:
+        """New requests, with `running` taking its decode step in the same forward. A request
+        that cannot be translated comes back rejected without reaching the shards."""
+        message, rejected = convert.batch_message(batch)
+        if not message.requests:
+            result = await self.decode([running]) if running is not None else StepResult()
+        else:
+            cached = convert.cached_batch_message(running) if running is not None else None
+            result = convert.step_result(await self._all(
+                "Prefill", pb.PrefillRequest(batch=message, cached_batch=cached)))
+        result.rejected[:0] = rejected
+        return result
 
-    async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
-        return await self._all("Decode", pb.DecodeRequest(batches=batches))
+    async def decode(self, batches: list[CachedBatch]) -> StepResult:
+        request = pb.DecodeRequest(batches=[convert.cached_batch_message(b) for b in batches])
+        return convert.step_result(await self._all("Decode", request))
 
-    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
+    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         reply = await self._all("FilterBatch",
                                 pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids))
-        return reply.batch
+        return convert.cached_batch(reply.batch)
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))

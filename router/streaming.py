@@ -1,9 +1,19 @@
-"""Server-Sent Events framing and the response that carries them."""
+"""Server-Sent Events: the framing, and the one driver every streaming route runs.
+
+An API module says how its stream looks (a StreamFormat); the driver does the rest the same way
+for all of them: an error before the first event answers with its HTTP status, an error after it
+is the format's last data frame, a client that goes away closes the core's stream (which cancels
+the requests and frees their blocks), and a stream that ends without its final event is an error.
+"""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 
 from aiohttp import web
+
+from router.errors import IncompleteGenerationError, RouterError
+from router.schemas import TokenEvent
 
 
 def sse_data(payload: dict | str, *, openai: bool = False) -> bytes:
@@ -18,9 +28,60 @@ def openai_sse(payload: dict | str) -> bytes:
     return sse_data(payload, openai=True)
 
 
-async def open_sse(request: web.Request, headers: dict | None = None) -> web.StreamResponse:
-    response = web.StreamResponse(headers={
-        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-        "X-Accel-Buffering": "no", **(headers or {})})
-    await response.prepare(request)
-    return response
+class StreamFormat:
+    """How one API writes a stream; each method returns the frames to write, in order."""
+
+    def opening(self) -> list[bytes]:
+        """Right after the headers, before the first event."""
+        return []
+
+    def event(self, index: int, event: TokenEvent) -> list[bytes]:
+        """One event of the request at `index` (several requests share a stream with n > 1)."""
+        raise NotImplementedError
+
+    def closing(self) -> list[bytes]:
+        """After every request's final event."""
+        return []
+
+    def error(self, err: RouterError) -> bytes:
+        raise NotImplementedError
+
+    def done(self) -> list[bytes]:
+        """Last of all, after a success or an error."""
+        return []
+
+
+async def serve_stream(request: web.Request, events: AsyncIterator[tuple[int, TokenEvent]],
+                       form: StreamFormat, *, streams: int = 1,
+                       headers: dict | None = None) -> web.StreamResponse:
+    """Writes `events` (from Infer.stream_many over `streams` requests) as `form` says."""
+    try:
+        # validation and admission errors answer with their status before the stream opens
+        item = await anext(events, None)
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", **(headers or {})})
+        await response.prepare(request)
+        try:
+            await _write(response, form.opening())
+            finished = 0
+            while item is not None:
+                index, event = item
+                await _write(response, form.event(index, event))
+                finished += event.final is not None
+                item = await anext(events, None)
+            if finished < streams:
+                raise IncompleteGenerationError("Incomplete generation stream")
+            await _write(response, form.closing())
+        except RouterError as err:
+            await response.write(form.error(err))
+        await _write(response, form.done())
+        await response.write_eof()
+        return response
+    finally:
+        await events.aclose()
+
+
+async def _write(response: web.StreamResponse, frames: list[bytes]) -> None:
+    for frame in frames:
+        await response.write(frame)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from proto import generate_pb2 as pb
 from shard.batch import NewRequest
 from shard.grammar import GRAMMAR_JSON, GRAMMAR_REGEX
-from shard.outputs import CachedBatchInfo, Generation, StepResult, TokenRun
+from shard.outputs import CachedBatch, Generation, StepResult, TokenRun
 from shard.sampling import SamplingParams
 from shard.stopping import FinishReason
 
@@ -64,7 +64,7 @@ def generation(g: Generation) -> pb.Generation:
     return message
 
 
-def cached_batch(info: CachedBatchInfo) -> pb.CachedBatch:
+def cached_batch(info: CachedBatch) -> pb.CachedBatch:
     return pb.CachedBatch(id=info.id, request_ids=info.request_ids, size=len(info.request_ids),
                           max_tokens=info.max_tokens, current_tokens=info.current_tokens)
 

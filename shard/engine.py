@@ -17,7 +17,7 @@ from shard.grammar import GrammarFactory, advance
 from shard.loader import LoadedModel
 from shard.memory import kv_budget_bytes
 from shard.model_runner import DecodeRows, ModelRunner, PrefillSequence
-from shard.outputs import (CachedBatchInfo, GeneratedText, Generation, StepResult, TokenRun,
+from shard.outputs import (CachedBatch, GeneratedText, Generation, StepResult, TokenRun,
                            WarmupResult)
 from shard.sampling import SampleOutput, SamplingBatch, needs_history, sample
 from shard.stopping import FinishReason, StopCriteria
@@ -138,7 +138,7 @@ class Engine:
         result.concat_ns = concat_ns
         return result
 
-    def filter(self, batch_id: int, request_ids: list[int]) -> CachedBatchInfo:
+    def filter(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         if not request_ids:
             raise ValueError("FilterBatch needs at least one request id; use ClearCache to drop a batch")
         batch = filter_batch(self._pop(batch_id), request_ids)
@@ -294,7 +294,7 @@ class Engine:
         except KeyError:
             raise BatchNotFound(f"batch {batch_id} is not in the shard's cache") from None
 
-    def _info(self, batch: Batch) -> CachedBatchInfo:
-        return CachedBatchInfo(id=batch.id, request_ids=batch.request_ids,
+    def _info(self, batch: Batch) -> CachedBatch:
+        return CachedBatch(id=batch.id, request_ids=batch.request_ids,
                                max_tokens=batch.num_blocks * self.block_size,
                                current_tokens=len(batch.requests))

@@ -32,7 +32,7 @@ class Generation:
 
 
 @dataclass(slots=True)
-class CachedBatchInfo:
+class CachedBatch:
     id: int
     request_ids: list[int]
     max_tokens: int
@@ -42,7 +42,7 @@ class CachedBatchInfo:
 @dataclass(slots=True)
 class StepResult:
     generations: list[Generation]
-    batch: CachedBatchInfo | None
+    batch: CachedBatch | None
     forward_ns: int = 0
     decode_ns: int = 0
     total_ns: int = 0

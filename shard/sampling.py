@@ -21,6 +21,9 @@ from shard.watermark import apply_watermark
 
 @dataclass(slots=True)
 class SamplingParams:
+    """The router's SamplingParams (router/schemas.py) as the shard reads it from the proto; the
+    two processes share no code, and the shard adds top_n_tokens, which its sampler computes."""
+
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 
 class FinishReason(enum.IntEnum):
+    """Numbered as the proto's FinishReason; the router's (router/schemas.py) holds TGI's names."""
+
     LENGTH = 0
     EOS_TOKEN = 1
     STOP_SEQUENCE = 2

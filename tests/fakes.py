@@ -1,9 +1,12 @@
-"""A scripted stand-in for the shards: the batcher's tests need no model and no torch."""
+"""A scripted stand-in for the shards, in the router's own types (router.batch): the scheduler's
+tests need no model, no torch and no protobuf."""
 from __future__ import annotations
 
 import asyncio
 
-from proto import generate_pb2 as pb
+from router.batch import (CachedBatch, Generation, NewBatch, Rejection, ShardRequest, StepResult,
+                          StepTimings)
+from router.schemas import FinalInfo, FinishReason, Token, TokenEvent
 from router.shard_client import ShardError
 
 
@@ -13,7 +16,7 @@ class FakeShardClient:
 
     def __init__(self, *, step_delay: float = 0.0):
         self.batches: dict[int, list[int]] = {}
-        self.requests: dict[int, pb.Request] = {}
+        self.requests: dict[int, ShardRequest] = {}
         self.generated: dict[int, int] = {}
         self.calls: list[tuple[str, object]] = []
         self.step_delay = step_delay
@@ -21,6 +24,10 @@ class FakeShardClient:
         self.decode_sizes: list[int] = []
         # a request the shard refuses on its own: returns why, or None to take it
         self.refuse = lambda request: None
+        # a request whose message cannot be built: returns the error, or None
+        self.untranslatable = lambda request: None
+        # a generation that cannot be read back: (request, token count) -> the error, or None
+        self.unreadable = lambda request, count: None
 
     async def _maybe_fail(self, method: str) -> None:
         await asyncio.sleep(self.step_delay)
@@ -28,82 +35,87 @@ class FakeShardClient:
             self.fail_next = None
             raise ShardError(f"injected {method} failure")
 
-    def _step(self, request_ids: list[int]) -> list[pb.Generation]:
+    def _max_new_tokens(self, request_id: int) -> int:
+        return self.requests[request_id].request.stopping.max_new_tokens
+
+    def _step(self, request_ids: list[int]) -> list[Generation]:
         generations = []
         for rid in request_ids:
-            request = self.requests[rid]
             self.generated[rid] += 1
             count = self.generated[rid]
-            assert count <= request.stopping_parameters.max_new_tokens, f"request {rid} overran"
-            generation = pb.Generation(request_id=rid, tokens=pb.Tokens(
-                ids=[count], logprobs=[-0.5], texts=[f"t{count} "], is_special=[False]))
-            if count == request.stopping_parameters.max_new_tokens:
-                generation.generated_text.CopyFrom(pb.GeneratedText(
-                    text="".join(f"t{i} " for i in range(1, count + 1)), generated_tokens=count,
-                    finish_reason=pb.FINISH_REASON_LENGTH))
-            generations.append(generation)
+            limit = self._max_new_tokens(rid)
+            assert count <= limit, f"request {rid} overran"
+            error = self.unreadable(self.requests[rid], count)
+            if error is not None:
+                generations.append(Generation(rid, None, error))
+                continue
+            event = TokenEvent(token=Token(count, f"t{count} ", -0.5, False))
+            if count == limit:
+                event.final = FinalInfo("".join(f"t{i} " for i in range(1, count + 1)), count,
+                                        FinishReason.LENGTH, None)
+            generations.append(Generation(rid, event))
         return generations
 
-    def _reply(self, cls, batch_id: int, generations):
-        reply = cls(generations=generations)
+    def _result(self, batch_id: int, generations: list[Generation]) -> StepResult:
         ids = self.batches[batch_id]
-        if any(self.generated[r] < self.requests[r].stopping_parameters.max_new_tokens for r in ids):
-            reply.batch.CopyFrom(pb.CachedBatch(id=batch_id, request_ids=ids, size=len(ids)))
+        result = StepResult(generations=generations, timings=StepTimings(forward_ns=1, decode_ns=1))
+        if any(self.generated[r] < self._max_new_tokens(r) for r in ids):
+            result.batch = CachedBatch(batch_id, list(ids))
         else:
             del self.batches[batch_id]
-        return reply
+        return result
 
-    async def prefill(self, batch: pb.Batch,
-                      cached_batch: pb.CachedBatch | None = None) -> pb.PrefillResponse:
-        """A cached batch takes its step in the same call and the complete new requests join it."""
-        first = batch.requests[0]
-        partial = (first.HasField("chunk_len")
-                   and first.cache_len + first.chunk_len < len(first.input_ids))
+    async def prefill(self, batch: NewBatch, running: CachedBatch | None = None) -> StepResult:
+        """A running batch takes its step in the same call and the complete new requests join it."""
+        untranslatable = [Rejection(r.id, f"ValueError: {err}", err) for r in batch.requests
+                          if (err := self.untranslatable(r)) is not None]
+        skipped = {r.request_id for r in untranslatable}
+        requests = [r for r in batch.requests if r.id not in skipped]
+        if not requests:  # as the real client does: nothing reaches the shards but the step
+            result = await self.decode([running]) if running is not None else StepResult()
+            result.rejected[:0] = untranslatable
+            return result
+        first = requests[0]
+        partial = first.chunk_len is not None
         if partial:
-            assert len(batch.requests) == 1, "a partial chunk is prefilled alone"
+            assert len(requests) == 1, "a partial chunk is prefilled alone"
+            assert first.cache_len + first.chunk_len < len(first.request.input_ids)
             self.calls.append(("chunk", (first.id, first.cache_len, first.chunk_len)))
         else:
-            self.calls.append(("prefill", [r.id for r in batch.requests]))
-        if cached_batch is not None:
-            self.calls.append(("step", cached_batch.id))
+            self.calls.append(("prefill", [r.id for r in requests]))
+        if running is not None:
+            self.calls.append(("step", running.id))
         await self._maybe_fail("prefill")
-        refused = [pb.RejectedRequest(request_id=r.id, reason=why)
-                   for r in batch.requests if (why := self.refuse(r)) is not None]
-        if refused:
-            taken = [r for r in batch.requests if r.id not in {x.request_id for x in refused}]
-            batch = pb.Batch(id=batch.id, requests=taken, size=len(taken))
-            reply = await self._prefill_taken(batch, cached_batch, partial)
-            reply.rejected.extend(refused)
-            return reply
-        return await self._prefill_taken(batch, cached_batch, partial)
+        refused = [Rejection(r.id, why) for r in requests if (why := self.refuse(r)) is not None]
+        taken = [r for r in requests if r.id not in {x.request_id for x in refused}]
+        result = await self._prefill_taken(batch.id, taken, running, partial)
+        result.rejected[:0] = untranslatable + refused
+        return result
 
-    async def _prefill_taken(self, batch: pb.Batch, cached_batch: pb.CachedBatch | None,
-                             partial: bool) -> pb.PrefillResponse:
-        if not batch.requests:
-            if cached_batch is None:
-                return pb.PrefillResponse()
-            step = await self.decode([cached_batch])  # the same fields, numbered alike
-            return pb.PrefillResponse.FromString(step.SerializeToString())
-        running, generations, target = [], [], batch.id
-        if cached_batch is not None:
-            if cached_batch.id not in self.batches:
-                raise ShardError(f"batch {cached_batch.id} not found")
-            running, target = self.batches.pop(cached_batch.id), cached_batch.id
-            generations = self._step(running)
+    async def _prefill_taken(self, batch_id: int, requests: list[ShardRequest],
+                             running: CachedBatch | None, partial: bool) -> StepResult:
+        if not requests:
+            return await self.decode([running]) if running is not None else StepResult()
+        ids, generations, target = [], [], batch_id
+        if running is not None:
+            if running.id not in self.batches:
+                raise ShardError(f"batch {running.id} not found")
+            ids, target = self.batches.pop(running.id), running.id
+            generations = self._step(ids)
         if partial:
-            if cached_batch is None:
-                return pb.PrefillResponse()
-            self.batches[target] = running
-            return self._reply(pb.PrefillResponse, target, generations)
-        for request in batch.requests:
+            if running is None:
+                return StepResult()
+            self.batches[target] = ids
+            return self._result(target, generations)
+        for request in requests:
             assert request.blocks, "every request must carry its KV blocks"
             self.requests[request.id] = request
             self.generated[request.id] = 0
-        new_ids = [r.id for r in batch.requests]
-        self.batches[target] = running + new_ids
-        return self._reply(pb.PrefillResponse, target, generations + self._step(new_ids))
+        new_ids = [r.id for r in requests]
+        self.batches[target] = ids + new_ids
+        return self._result(target, generations + self._step(new_ids))
 
-    async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
+    async def decode(self, batches: list[CachedBatch]) -> StepResult:
         self.calls.append(("decode", [b.id for b in batches]))
         await self._maybe_fail("decode")
         ids = []
@@ -112,17 +124,17 @@ class FakeShardClient:
                 raise ShardError(f"batch {b.id} not found")
             ids += self.batches.pop(b.id)
         for rid in ids:
-            assert self.generated[rid] < self.requests[rid].stopping_parameters.max_new_tokens, \
+            assert self.generated[rid] < self._max_new_tokens(rid), \
                 f"finished request {rid} was decoded again"
         self.batches[batches[0].id] = ids
         self.decode_sizes.append(len(ids))
-        return self._reply(pb.DecodeResponse, batches[0].id, self._step(ids))
+        return self._result(batches[0].id, self._step(ids))
 
-    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> pb.CachedBatch:
+    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         self.calls.append(("filter", list(request_ids)))
         assert set(request_ids) <= set(self.batches[batch_id])
         self.batches[batch_id] = list(request_ids)
-        return pb.CachedBatch(id=batch_id, request_ids=request_ids, size=len(request_ids))
+        return CachedBatch(batch_id, list(request_ids))
 
     async def clear_cache(self, batch_id: int | None = None) -> None:
         self.calls.append(("clear", batch_id))

@@ -1,5 +1,3 @@
-"""HTTP API families; each module converts its wire format to the router's internal types."""
-from aiohttp import web
-
-# the RouterState of the running app (typed as object: api modules must not import router.app)
-STATE = web.AppKey("state", object)
+"""The APIs the router serves. Each module turns its wire format into validated core requests
+(router.infer) and the core's events into its wire format, and has `register(app)`; router.app
+lists them. Nothing outside this package imports it but router.app."""

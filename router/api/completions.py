@@ -6,14 +6,14 @@ import uuid
 
 from aiohttp import web
 
-from router.api import STATE
-from router.api.openai import (FINGERPRINT, FINISH, counted, generate_all, merged_events, usage,
-                               without_stop)
-from router.api.tgi import read_json
-from router.errors import RouterError, ValidationError
+from router.api.openai_common import FINGERPRINT, FINISH, OpenAIStream, usage, without_stop
+from router.errors import ValidationError
 from router.infer import GenerateResult
+from router.json_body import read_object
 from router.openai_request import build_request, choice_count, flag, include_usage, with_seed
-from router.streaming import open_sse, openai_sse
+from router.schemas import GenerateRequest, TokenEvent
+from router.state import STATE
+from router.streaming import openai_sse, serve_stream
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
 _FIM = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
@@ -80,17 +80,19 @@ def _logprobs(result: GenerateResult, echo: bool, prompt_length: int) -> dict:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await read_json(request)
-    requests, echo, logprobs = await counted(state, _validate(state, body))
-    stream, with_usage = flag(body, "stream"), include_usage(body)
+    body = await read_object(request)
+    requests, echo, logprobs = await state.infer.counted(_validate(state, body))
     envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": state.model_name,
                 "system_fingerprint": FINGERPRINT}
     prompt_tokens = sum(r.input_length for r in requests)
+    stream, with_usage = flag(body, "stream"), include_usage(body)
     if stream:
-        return await _stream(request, state, requests, envelope, echo, prompt_tokens,
-                             with_usage)
-    results = await generate_all(state, requests)
+        form = CompletionStream(requests, envelope, echo=echo, prompt_tokens=prompt_tokens,
+                                with_usage=with_usage)
+        return await serve_stream(request, state.infer.stream_many(requests), form,
+                                  streams=len(requests))
+    results = await state.infer.generate_many(requests)
     choices = [{"index": i, "text": (r.inputs if echo else "") + without_stop(
                     result.final.text, result.final, r.stopping.stop_sequences),
                 "finish_reason": FINISH[result.final.finish_reason],
@@ -101,38 +103,43 @@ async def completions(request: web.Request) -> web.StreamResponse:
                               "usage": usage(prompt_tokens, completion_tokens)})
 
 
-async def _stream(request, state, requests, envelope, echo, prompt_tokens, include_usage):
-    events = merged_events(state, requests)
-    try:
-        first = await anext(events, None)
-        response = await open_sse(request)
-        if echo:
-            for i, r in enumerate(requests):
-                await response.write(openai_sse({**envelope, "choices": [
-                    {"index": i, "text": r.inputs, "logprobs": None, "finish_reason": ""}]}))
-        completion_tokens = 0
-        try:
-            item = first
-            while item is not None:
-                index, event = item
-                # "" until the end: TGI's Chunk schema has no null finish_reason
-                finish = FINISH[event.final.finish_reason] if event.final else ""
-                await response.write(openai_sse({**envelope, "choices": [
-                    {"index": index, "text": without_stop(
-                        event.token.text, event.final, requests[index].stopping.stop_sequences),
-                     "logprobs": None,
-                     "finish_reason": finish}]}))
-                if event.final is not None:
-                    completion_tokens += event.final.generated_tokens
-                item = await anext(events, None)
-            if include_usage:
-                await response.write(openai_sse({**envelope, "choices": [],
-                                               "usage": usage(prompt_tokens, completion_tokens)}))
-        except RouterError as err:
-            await response.write(openai_sse({"error": {"message": str(err), "type": err.error_type,
-                                                     "http_status_code": err.status}}))
-        await response.write(openai_sse("[DONE]"))
-        await response.write_eof()
-        return response
-    finally:
-        await events.aclose()
+class CompletionStream(OpenAIStream):
+    """text_completion chunks: the prompts first when echoed, one per token, then the usage."""
+
+    def __init__(self, requests: list[GenerateRequest], envelope: dict, *, echo: bool,
+                 prompt_tokens: int, with_usage: bool):
+        self.requests = requests
+        self.envelope = envelope
+        self.echo = echo
+        self.prompt_tokens = prompt_tokens
+        self.with_usage = with_usage
+        self.completion_tokens = 0
+
+    def _chunk(self, **fields) -> bytes:
+        return openai_sse({**self.envelope, **fields})
+
+    def opening(self) -> list[bytes]:
+        if not self.echo:
+            return []
+        return [self._chunk(choices=[{"index": i, "text": r.inputs, "logprobs": None,
+                                      "finish_reason": ""}])
+                for i, r in enumerate(self.requests)]
+
+    def event(self, index: int, event: TokenEvent) -> list[bytes]:
+        if event.final is not None:
+            self.completion_tokens += event.final.generated_tokens
+        # "" until the end: TGI's Chunk schema has no null finish_reason
+        finish = FINISH[event.final.finish_reason] if event.final else ""
+        text = without_stop(event.token.text, event.final,
+                            self.requests[index].stopping.stop_sequences)
+        return [self._chunk(choices=[{"index": index, "text": text, "logprobs": None,
+                                      "finish_reason": finish}])]
+
+    def closing(self) -> list[bytes]:
+        if not self.with_usage:
+            return []
+        return [self._chunk(choices=[], usage=usage(self.prompt_tokens, self.completion_tokens))]
+
+
+def register(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)

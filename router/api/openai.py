@@ -1,7 +1,6 @@
-"""OpenAI's routes: /v1/chat/completions, /v1/completions, /v1/models, in OpenAI's (and TGI's) shapes."""
+"""OpenAI's chat routes: /v1/chat/completions and /v1/models, in OpenAI's (and TGI's) shapes."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -9,19 +8,15 @@ import uuid
 from aiohttp import web
 
 from router import grammar
-from router.api import STATE
-from router.api.tgi import read_json
-from router.errors import RouterError, ValidationError
+from router.api.openai_common import FINGERPRINT, FINISH, OpenAIStream, usage, without_stop
+from router.errors import ValidationError
 from router.infer import GenerateResult
+from router.json_body import read_object
 from router.openai_request import (ChatOptions, build_request, choice_count, flag, include_usage,
                                    normalise_messages, number, render_chat, tool_plan, with_seed)
-from router.openapi import VERSION
-from router.schemas import FinishReason, GenerateRequest, Token
-from router.streaming import open_sse, openai_sse
-
-FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop",
-           FinishReason.STOP_SEQUENCE: "stop"}
-FINGERPRINT = f"{VERSION}-tgi-py"
+from router.schemas import FinishReason, GenerateRequest, Token, TokenEvent
+from router.state import STATE, RouterState
+from router.streaming import openai_sse, serve_stream
 
 
 def _token_logprob(token: Token) -> dict:
@@ -43,15 +38,6 @@ def _tool_message(text: str) -> tuple[dict, str]:
         "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
         "function": {"name": call["name"],
                      "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}]}, "tool_calls"
-
-
-def without_stop(text: str, final, stop_sequences: list[str]) -> str:
-    """OpenAI leaves the stop sequence out of the text (TGI's own routes keep it)."""
-    if final is not None and final.finish_reason is FinishReason.STOP_SEQUENCE:
-        for stop in stop_sequences:
-            if text.endswith(stop):
-                return text[:-len(stop)]
-    return text
 
 
 def _message(result: GenerateResult, expects_call: bool, stops: list[str]) -> tuple[dict, str]:
@@ -101,24 +87,15 @@ async def _validate_chat(state, body: dict) -> _Chat:
     return _Chat(request, options, plan.expects_call)
 
 
-async def counted(state, coro):
-    """Counts the request and records validation failures as TGI does."""
-    state.metrics.counters.inc("tgi_request_count")
-    try:
-        return await coro
-    except RouterError as err:
-        state.infer.record_failure(err)
-        raise
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await read_json(request)
-    chat = await counted(state, _validate_chat(state, body))
+    body = await read_object(request)
+    chat = await state.infer.counted(_validate_chat(state, body))
     requests = [with_seed(chat.request, i) for i in range(chat.options.n)]
     if chat.options.stream:
-        return await _stream_chat(request, state, chat, requests)
-    results = await generate_all(state, requests)
+        return await serve_stream(request, state.infer.stream_many(requests),
+                                  ChatStream(state, chat, len(requests)), streams=len(requests))
+    results = await state.infer.generate_many(requests)
     choices = []
     for index, result in enumerate(results):
         message, finish = _message(result, chat.expects_call, chat.request.stopping.stop_sequences)
@@ -129,82 +106,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                               "usage": usage(chat.request.input_length, completion)})
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+class ChatStream(OpenAIStream):
+    """chat.completion.chunk per token (a tool call in one chunk at the end), then the usage."""
 
+    def __init__(self, state: RouterState, chat: _Chat, n: int):
+        self.state = state
+        self.chat = chat
+        self.n = n
+        self.completion_tokens = 0
 
-async def generate_all(state, requests: list[GenerateRequest]) -> list[GenerateResult]:
-    tasks = [asyncio.ensure_future(state.infer.generate(r)) for r in requests]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    def _chunk(self, **fields) -> bytes:
+        return openai_sse({**self.chat.envelope(self.state, "chat.completion.chunk"), **fields})
 
+    def event(self, index: int, event: TokenEvent) -> list[bytes]:
+        if event.final is not None:
+            self.completion_tokens += event.final.generated_tokens
+        choice = _chat_chunk(self.chat, index, event)
+        return [self._chunk(choices=[choice])] if choice is not None else []
 
-async def merged_events(state, requests: list[GenerateRequest]):
-    """(choice index, event) from n concurrent streams, as the events arrive."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index, request):
-        try:
-            async for event in state.infer.stream(request):
-                await queue.put((index, event))
-        except RouterError as err:
-            await queue.put((index, err))
-        finally:
-            await queue.put((index, None))
-
-    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
-    try:
-        open_streams = len(tasks)
-        while open_streams:
-            index, item = await queue.get()
-            if item is None:
-                open_streams -= 1
-            elif isinstance(item, RouterError):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _stream_chat(request, state, chat: _Chat, requests) -> web.StreamResponse:
-    events = merged_events(state, requests)
-    try:
-        first = await anext(events, None)  # errors before any token still get their status
-        response = await open_sse(request)
-        completion_tokens = 0
-        try:
-            item = first
-            while item is not None:
-                index, event = item
-                chunk = _chat_chunk(chat, index, event)
-                if chunk is not None:
-                    await response.write(openai_sse({**chat.envelope(state, "chat.completion.chunk"),
-                                                   "choices": [chunk]}))
-                if event.final is not None:
-                    completion_tokens += event.final.generated_tokens
-                item = await anext(events, None)
-            if chat.options.include_usage:
-                await response.write(openai_sse({**chat.envelope(state, "chat.completion.chunk"),
-                                               "choices": [],
-                                               "usage": usage(chat.request.input_length * len(requests),
-                                                               completion_tokens)}))
-        except RouterError as err:
-            await response.write(openai_sse({"error": {"message": str(err), "type": err.error_type,
-                                                     "http_status_code": err.status}}))
-        await response.write(openai_sse("[DONE]"))
-        await response.write_eof()
-        return response
-    finally:
-        await events.aclose()
+    def closing(self) -> list[bytes]:
+        if not self.chat.options.include_usage:
+            return []
+        return [self._chunk(choices=[], usage=usage(self.chat.request.input_length * self.n,
+                                                    self.completion_tokens))]
 
 
 def _chat_chunk(chat: _Chat, index: int, event) -> dict | None:
@@ -235,9 +159,6 @@ async def models(request: web.Request) -> web.Response:
         {"id": state.model_name, "object": "model", "created": 0, "owned_by": "tgi-py"}]})
 
 
-def add_routes(app: web.Application) -> None:
-    from router.api.completions import completions
-
+def register(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)

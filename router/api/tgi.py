@@ -1,24 +1,19 @@
 """TGI's native routes: /, /generate, /generate_stream, /tokenize, /health, /info, /metrics."""
 from __future__ import annotations
 
-import logging
 import time
 
 from aiohttp import web
 
-from router.api import STATE
-from router.errors import (BadRequestError, IncompleteGenerationError, RouterError, UnhealthyError,
-                           tgi_error_body)
+from router.errors import BadRequestError, RouterError, tgi_error_body
 from router.infer import GenerateResult
-from router.json_body import parse_json
+from router.json_body import read_object
 from router.openapi import openapi_document
 from router.request_trace import phase_span, record_phases, request_span
 from router.schemas import Timings, Token, TokenEvent
-from router.shard_client import ShardError
-from router.streaming import open_sse, sse_data
+from router.state import STATE, RouterState
+from router.streaming import StreamFormat, serve_stream, sse_data
 from router.validation import ValidatedGenerate, validate_generate
-
-log = logging.getLogger("tgi.router.api")
 
 
 def token_json(token: Token) -> dict:
@@ -29,24 +24,11 @@ def prefill_json(token: Token) -> dict:
     return {"id": token.id, "text": token.text, "logprob": token.logprob}
 
 
-async def read_json(request: web.Request) -> dict:
-    body = parse_json(await request.read())
-    if not isinstance(body, dict):
-        raise BadRequestError("Failed to deserialize the JSON body into the target type: expected "
-                              "an object")
-    return body
-
-
-async def _validate(request: web.Request, body: dict, *, stream: bool) -> ValidatedGenerate:
-    state = request.app[STATE]
-    state.metrics.counters.inc("tgi_request_count")
-    try:
-        with phase_span("validation"):
-            return await validate_generate(body, state.tokenizer, state.validation_limits,
-                                           stream=stream)
-    except RouterError as err:
-        state.infer.record_failure(err)
-        raise
+async def validate(state: RouterState, body: dict, *, stream: bool) -> ValidatedGenerate:
+    """TGI's parameters object, validated and counted (shared with the gRPC API)."""
+    with phase_span("validation"):
+        return await state.infer.counted(validate_generate(body, state.tokenizer,
+                                                           state.validation_limits, stream=stream))
 
 
 def _sequence_details(result: GenerateResult, *, with_prefill: bool) -> dict:
@@ -80,12 +62,9 @@ def _timing_headers(state, validated: ValidatedGenerate, timings: Timings, gener
 async def _generate_payload(request: web.Request, body: dict, *, full_text_default: bool):
     state = request.app[STATE]
     timings = Timings(started_at=time.monotonic())
-    validated = await _validate(request, body, stream=False)
-    infer = state.infer
-    if validated.best_of > 1:
-        best, others = await infer.generate_best_of(validated.request, validated.best_of, timings)
-    else:
-        best, others = await infer.generate(validated.request, timings), []
+    validated = await validate(state, body, stream=False)
+    best, others = await state.infer.generate_best_of(validated.request, validated.best_of,
+                                                      timings)
     prefix = validated.output_prefix(full_text_default)
     payload = {"generated_text": prefix + best.final.text}
     if validated.details or validated.decoder_input_details:
@@ -101,21 +80,21 @@ async def _generate_payload(request: web.Request, body: dict, *, full_text_defau
 
 
 async def generate(request: web.Request) -> web.Response:
-    body = await read_json(request)
+    body = await read_object(request)
     with request_span("generate", request.headers):
         payload, headers = await _generate_payload(request, body, full_text_default=False)
     return web.json_response(payload, headers=headers)
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
+    body = await read_object(request)
     with request_span("generate_stream", request.headers):
         return await _stream(request, body, full_text_default=False)
 
 
 async def compat_generate(request: web.Request) -> web.StreamResponse:
     """POST /: TGI's compatibility route; `stream` picks SSE, else a JSON array of one response."""
-    body = await read_json(request)
+    body = await read_object(request)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequestError("Failed to deserialize the JSON body into the target type: stream: "
@@ -131,33 +110,30 @@ async def _stream(request: web.Request, body: dict, *, full_text_default: bool
                   ) -> web.StreamResponse:
     state = request.app[STATE]
     timings = Timings(started_at=time.monotonic())
-    # validation and admission errors answer with their status before the stream opens
-    validated = await _validate(request, body, stream=True)
-    prefix = validated.output_prefix(full_text_default)
-    events = state.infer.stream(validated.request, timings)
-    try:
-        event = await anext(events, None)
-        response = await open_sse(request, {
-            "x-compute-type": state.compute_type,
-            "x-compute-characters": str(len(validated.request.inputs))})
-        index = 0
-        try:
-            while event is not None:
-                index += 1
-                await response.write(sse_data(_stream_json(event, index, validated, prefix)))
-                if event.final is not None:
-                    record_phases(timings)
-                    break
-                event = await anext(events, None)
-            else:
-                await response.write(sse_data(tgi_error_body(IncompleteGenerationError(
-                    "Incomplete generation stream"))))
-        except RouterError as err:
-            await response.write(sse_data(tgi_error_body(err)))
-        await response.write_eof()
-        return response
-    finally:
-        await events.aclose()
+    validated = await validate(state, body, stream=True)
+    form = TgiStream(validated, validated.output_prefix(full_text_default), timings)
+    return await serve_stream(request, state.infer.stream_many([validated.request], timings), form,
+                              headers={"x-compute-type": state.compute_type,
+                                       "x-compute-characters": str(len(validated.request.inputs))})
+
+
+class TgiStream(StreamFormat):
+    """TGI's StreamResponse per token: `data:{...}`; an error is a last `data:{"error": ...}`."""
+
+    def __init__(self, validated: ValidatedGenerate, prefix: str, timings: Timings):
+        self.validated = validated
+        self.prefix = prefix
+        self.timings = timings
+        self.index = 0
+
+    def event(self, index: int, event: TokenEvent) -> list[bytes]:
+        self.index += 1
+        if event.final is not None:
+            record_phases(self.timings)
+        return [sse_data(_stream_json(event, self.index, self.validated, self.prefix))]
+
+    def error(self, err: RouterError) -> bytes:
+        return sse_data(tgi_error_body(err))
 
 
 def _stream_json(event: TokenEvent, index: int, validated: ValidatedGenerate, prefix: str) -> dict:
@@ -177,7 +153,7 @@ def _stream_json(event: TokenEvent, index: int, validated: ValidatedGenerate, pr
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await read_json(request)
+    body = await read_object(request)
     inputs = body.get("inputs")
     if not isinstance(inputs, str):
         raise BadRequestError("Failed to deserialize the JSON body into the target type: inputs: "
@@ -189,14 +165,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    if not state.batcher.healthy:
-        raise UnhealthyError("the model shards are restarting")
-    try:
-        await state.client.health()
-    except ShardError as err:
-        log.warning("health check failed: %s", err)
-        raise UnhealthyError() from None
+    await request.app[STATE].check_health()
     return web.Response(status=200)
 
 
@@ -213,7 +182,7 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_document())
 
 
-def add_routes(app: web.Application) -> None:
+def register(app: web.Application) -> None:
     app.router.add_post("/", compat_generate)
     app.router.add_post("/generate", generate)
     app.router.add_post("/generate_stream", generate_stream)

@@ -5,15 +5,17 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from proto import generate_pb2 as pb
-from router.app import RouterState, create_app
-from router.batcher import Batcher, SchedulingLimits
+from router.app import create_app
+from router.batcher import Batcher
 from router.block_allocator import BlockAllocator
 from router.chat_template import ChatTemplate
 from router.config import RouterConfig, TokenLimits
 from router.infer import Infer
 from router.metrics import Metrics
 from router.request_queue import RequestQueue
+from router.scheduling import SchedulingLimits
+from router.shard_convert import ShardInfo
+from router.state import RouterState
 from router.tokenizer import RouterTokenizer
 from router.validation import ValidationLimits
 from tests.fakes import FakeShardClient
@@ -36,7 +38,9 @@ async def _client(tiny_llama, fake, *, max_concurrent=8, **options) -> TestClien
     batcher = Batcher(fake, RequestQueue(allocator), allocator,
                       SchedulingLimits(256, 800, 0.3, 20, None), metrics)
     state = RouterState(config, RouterTokenizer(str(tiny_llama)), fake,
-                        pb.InfoResponse(world_size=1, device_type="cpu", dtype="float32"), limits,
+                        ShardInfo(dtype="float32", device_type="cpu", world_size=1, block_size=4,
+                                  max_position_embeddings=128, support_chunking=False,
+                                  use_prefix_caching=False), limits,
                         ValidationLimits(limits, 2, 4, 5), allocator, batcher,
                         Infer(batcher, metrics, max_concurrent_requests=max_concurrent), metrics,
                         ChatTemplate.from_model_dir(str(tiny_llama)))

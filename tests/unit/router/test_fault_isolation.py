@@ -1,21 +1,24 @@
 """One request's failure stays with it; a lost shard group is waited for; the loop never dies.
 
 A failure is injected at each stage of one request's way through the batching loop (its message
-built, encoded, refused by the shard, its generation read back), among several requests: the others finish with the tokens
-they get alone, the failed one gets a GenerationError, and every KV block comes back.
+cannot be built, the shard refuses it, its generation cannot be read back; test_shard_convert shows
+the real client reports those the way the fake does here), among several requests: the others
+finish with the tokens they get alone, the failed one gets a GenerationError, and every KV block
+comes back.
 """
 import asyncio
 
 import pytest
 
 from router import batcher as batcher_module
-from router.batcher import Batcher, SchedulingLimits
+from router.batcher import Batcher
 from router.block_allocator import BlockAllocator
 from router.errors import GenerationError, UnhealthyError
 from router.infer import Infer
 from router.metrics import Metrics
 from router.recovery import RecoveryPolicy
 from router.request_queue import RequestQueue
+from router.scheduling import SchedulingLimits
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from tests.fakes import FakeShardClient
 
@@ -54,60 +57,37 @@ async def _settle(allocator):
         await asyncio.sleep(0.005)
 
 
-def _poisoned(fn):
-    """`fn`, raising for the poisoned request and passing the others through."""
-    def wrapper(item, *args, **kwargs):
-        if item.request.input_ids[0] == POISON:
-            raise ValueError("injected failure")
-        return fn(item, *args, **kwargs)
-    return wrapper
+def _poisoned(request) -> bool:
+    return request.request.input_ids[0] == POISON
 
 
-def _inject_prepare(monkeypatch, client):
-    monkeypatch.setattr(batcher_module, "request_proto", _poisoned(batcher_module.request_proto))
+def _inject_untranslatable(client):
+    client.untranslatable = lambda r: ValueError("injected failure") if _poisoned(r) else None
 
 
-def _inject_encode(monkeypatch, client):
-    real = batcher_module.encode
-
-    def encode(request):
-        if request.input_ids[0] == POISON:
-            raise ValueError("injected failure")
-        return real(request)
-    monkeypatch.setattr(batcher_module, "encode", encode)
+def _inject_unreadable(client):
+    # its third token cannot be read back
+    client.unreadable = lambda r, count: (ValueError("injected failure")
+                                          if _poisoned(r) and count == 3 else None)
 
 
-def _inject_read(monkeypatch, client):
-    real = batcher_module.generation_event
-    poisoned = set()
-
-    def generation_event(generation):
-        if generation.request_id in poisoned or client.requests[
-                generation.request_id].input_ids[0] == POISON:
-            poisoned.add(generation.request_id)
-            if client.generated[generation.request_id] == 3:  # its third token fails to read
-                raise ValueError("injected failure")
-        return real(generation)
-    monkeypatch.setattr(batcher_module, "generation_event", generation_event)
-
-
-def _inject_shard_refusal(monkeypatch, client):
-    client.refuse = lambda request: ("injected failure: its grammar does not compile"
-                                     if request.input_ids[0] == POISON else None)
+def _inject_shard_refusal(client):
+    client.refuse = lambda r: ("injected failure: its grammar does not compile"
+                               if _poisoned(r) else None)
 
 
 @pytest.mark.parametrize("chunking", [False, True], ids=["separate-prefill", "fused-prefill"])
-@pytest.mark.parametrize("inject", [_inject_prepare, _inject_encode, _inject_read,
+@pytest.mark.parametrize("inject", [_inject_untranslatable, _inject_unreadable,
                                     _inject_shard_refusal],
-                         ids=["prepare", "encode", "read", "shard-refusal"])
-async def test_a_failure_in_one_requests_data_fails_it_alone(monkeypatch, inject, chunking):
+                         ids=["untranslatable", "unreadable", "shard-refusal"])
+async def test_a_failure_in_one_requests_data_fails_it_alone(inject, chunking):
     lengths = [4, 6, 5, 7]
 
     async def outcomes(poison_index):
         client = FakeShardClient(step_delay=0.001)
         batcher, infer, allocator = _setup(client, chunking=chunking)
         if poison_index is not None:
-            inject(monkeypatch, client)
+            inject(client)
 
         async def one(i, n):
             await asyncio.sleep(0.002 * i)  # some join a running batch, some start it
@@ -127,9 +107,7 @@ async def test_a_failure_in_one_requests_data_fails_it_alone(monkeypatch, inject
 
     alone = await outcomes(None)
     for poison_index in (0, 2):
-        with monkeypatch.context() as patch:
-            monkeypatch = patch
-            results = await outcomes(poison_index)
+        results = await outcomes(poison_index)
         failed = results[poison_index]
         assert isinstance(failed, GenerationError) and "injected failure" in str(failed)
         for i, (result, reference) in enumerate(zip(results, alone)):
@@ -142,7 +120,7 @@ async def test_an_error_outside_any_request_fails_those_in_flight_and_the_loop_g
         monkeypatch):
     client = FakeShardClient(step_delay=0.001)
     batcher, infer, allocator = _setup(client)
-    real = batcher._decode
+    real = batcher.steps.decode
     calls = {"n": 0}
 
     async def broken_once(batches):
@@ -150,7 +128,7 @@ async def test_an_error_outside_any_request_fails_those_in_flight_and_the_loop_g
         if calls["n"] == 2:
             raise RuntimeError("a bug in the loop")
         return await real(batches)
-    monkeypatch.setattr(batcher, "_decode", broken_once)
+    monkeypatch.setattr(batcher.steps, "decode", broken_once)
 
     async def scenario():
         first = await asyncio.gather(infer.generate(_request(6)), return_exceptions=True)
@@ -320,7 +298,7 @@ async def test_a_long_prompt_refused_by_the_shard_mid_chunks_stops_chunking_and_
     refused_at = {}
 
     def refuse(request):
-        if request.input_ids[0] == POISON and request.cache_len > 0:  # its second chunk
+        if request.request.input_ids[0] == POISON and request.cache_len > 0:  # its second chunk
             refused_at["cache_len"] = request.cache_len
             return "injected failure"
         return None

@@ -1,0 +1,56 @@
+"""The scheduling policy, pure: how many new requests may join the running batch, and how large
+the next chunk of a long prompt is (TGI's waiting_served_ratio / max_waiting_tokens rules)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from router.active_request import ActiveRequest
+from router.chunk_sizing import chunk_tokens
+
+
+@dataclass(slots=True)
+class SchedulingLimits:
+    max_batch_prefill_tokens: int
+    max_batch_total_tokens: int
+    waiting_served_ratio: float
+    max_waiting_tokens: int
+    max_batch_size: int | None
+
+    def join_bounds(self, running_size: int, waiting_steps: int) -> tuple[int | None, int | None]:
+        """(min, max) new requests for the next prefill. While the running batch has waited
+        fewer than max_waiting_tokens steps, a prefill that interrupts it must bring at least
+        waiting_served_ratio × its size; max_batch_size caps the sum."""
+        min_size = None
+        if running_size and waiting_steps < self.max_waiting_tokens:
+            min_size = max(1, math.floor(running_size * self.waiting_served_ratio))
+        max_size = None
+        if self.max_batch_size is not None:
+            max_size = max(self.max_batch_size - running_size, 0)
+        return min_size, max_size
+
+    def join_reason(self, waiting_steps: int) -> str:
+        """TGI's tgi_batch_concat label for a prefill that joins a running batch."""
+        return "wait_exceeded" if waiting_steps >= self.max_waiting_tokens else "backpressure"
+
+
+@dataclass(slots=True)
+class ChunkedPrefill:
+    """A long prompt computed one chunk between two decode steps."""
+
+    item: ActiveRequest
+    next_start: int  # prompt tokens already in the cache
+    s_per_token: float | None = None  # what the previous chunk cost, to size the next
+
+    def next_size(self, budget: int, decode_s: float | None) -> int:
+        return chunk_tokens(self.item.input_length - self.next_start, budget, decode_s=decode_s,
+                            chunk_s_per_token=self.s_per_token)
+
+    def is_last(self, size: int) -> bool:
+        return self.next_start + size == self.item.input_length
+
+    def advance(self, size: int, elapsed: float, decode_s: float | None) -> None:
+        self.next_start += size
+        # what the chunk's tokens added to the step: the riding batch's own step costs decode_s
+        added = elapsed - (decode_s or 0.0)
+        self.s_per_token = max(added, elapsed / 4) / size

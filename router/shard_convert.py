@@ -1,0 +1,157 @@
+"""The router's types to the shard contract's messages and back (the mirror of shard/convert.py).
+
+Each request is translated, and each generation read back, on its own: a value the wire cannot
+carry, or a generation that cannot be read, fails its own request rather than the batch.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from proto import generate_pb2 as pb
+from router.batch import (CachedBatch, Generation, NewBatch, Rejection, ShardRequest, StepResult,
+                          StepTimings)
+from router.schemas import FinalInfo, FinishReason, Token, TokenEvent
+
+log = logging.getLogger("tgi.router.shard_convert")
+
+_GRAMMAR_TYPES = {"json": pb.GRAMMAR_TYPE_JSON, "regex": pb.GRAMMAR_TYPE_REGEX}
+_FINISH = {pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+           pb.FINISH_REASON_EOS_TOKEN: FinishReason.EOS_TOKEN,
+           pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE}
+
+
+@dataclass(slots=True, frozen=True)
+class ShardInfo:
+    """What the shards said of themselves at start (InfoResponse), as the router uses it."""
+
+    dtype: str
+    device_type: str
+    world_size: int
+    block_size: int
+    max_position_embeddings: int
+    support_chunking: bool
+    use_prefix_caching: bool
+
+
+def shard_info(reply: pb.InfoResponse) -> ShardInfo:
+    return ShardInfo(dtype=reply.dtype, device_type=reply.device_type,
+                     world_size=reply.world_size, block_size=reply.block_size,
+                     max_position_embeddings=reply.max_position_embeddings,
+                     support_chunking=reply.support_chunking,
+                     use_prefix_caching=reply.use_prefix_caching)
+
+
+# ---- to the shards -----------------------------------------------------------------------------
+
+def request_message(shard_request: ShardRequest) -> pb.Request:
+    request = shard_request.request
+    s, st = request.sampling, request.stopping
+    return pb.Request(
+        id=shard_request.id, inputs=request.inputs, input_ids=request.input_ids,
+        parameters=pb.NextTokenChooserParameters(
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
+            do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,
+            watermark=s.watermark, frequency_penalty=s.frequency_penalty, min_p=s.min_p,
+            presence_penalty=s.presence_penalty,
+            grammar_type=_GRAMMAR_TYPES[request.grammar[0]] if request.grammar else
+            pb.GRAMMAR_TYPE_NONE,
+            grammar=request.grammar[1] if request.grammar else ""),
+        stopping_parameters=pb.StoppingCriteriaParameters(
+            max_new_tokens=st.max_new_tokens, stop_sequences=st.stop_sequences,
+            ignore_eos_token=st.ignore_eos, min_new_tokens=st.min_new_tokens,
+            stop_token_ids=st.stop_token_ids),
+        prefill_logprobs=request.prefill_logprobs, top_n_tokens=request.top_n_tokens,
+        blocks=shard_request.blocks, cache_len=shard_request.cache_len,
+        chunk_len=shard_request.chunk_len, skip_special_tokens=request.skip_special_tokens)
+
+
+def encode(message: pb.Request) -> bytes:
+    return message.SerializeToString()
+
+
+def batch_message(batch: NewBatch) -> tuple[pb.Batch, list[Rejection]]:
+    """The batch's message, without the requests that could not be translated (returned as
+    rejections, each with the error). Each is encoded once here, so that a value the wire cannot
+    carry fails its own request rather than the whole call later."""
+    messages, rejected = [], []
+    for shard_request in batch.requests:
+        try:
+            message = request_message(shard_request)
+            encode(message)
+        except Exception as err:
+            log.error("request %d could not be put into a message for the shards: %r",
+                      shard_request.id, err, exc_info=err)
+            rejected.append(Rejection(shard_request.id, f"{type(err).__name__}: {err}", err))
+            continue
+        messages.append(message)
+    return pb.Batch(id=batch.id, requests=messages, size=len(messages),
+                    max_tokens=batch.max_tokens, max_blocks=batch.max_blocks), rejected
+
+
+def cached_batch_message(batch: CachedBatch) -> pb.CachedBatch:
+    return pb.CachedBatch(id=batch.id, request_ids=batch.request_ids, size=len(batch.request_ids),
+                          max_tokens=batch.max_tokens)
+
+
+def warmup_message(batch: NewBatch, *, max_input_tokens: int, max_prefill_tokens: int,
+                   max_total_tokens: int, max_batch_total_tokens: int) -> pb.WarmupRequest:
+    message, rejected = batch_message(batch)
+    if rejected:
+        raise ValueError(f"the warm-up batch cannot be sent: {rejected[0].reason}")
+    return pb.WarmupRequest(batch=message, max_input_tokens=max_input_tokens,
+                            max_prefill_tokens=max_prefill_tokens,
+                            max_total_tokens=max_total_tokens,
+                            max_batch_total_tokens=max_batch_total_tokens)
+
+
+# ---- from the shards ---------------------------------------------------------------------------
+
+def cached_batch(message: pb.CachedBatch) -> CachedBatch:
+    return CachedBatch(message.id, list(message.request_ids), message.max_tokens)
+
+
+def step_result(reply: pb.PrefillResponse | pb.DecodeResponse) -> StepResult:
+    result = StepResult(generations=[_generation(g) for g in reply.generations],
+                        timings=StepTimings(reply.forward_ns, reply.decode_ns,
+                                            reply.concat_ns if reply.HasField("concat_ns")
+                                            else None))
+    if reply.HasField("batch"):
+        result.batch = cached_batch(reply.batch)
+    if isinstance(reply, pb.PrefillResponse):
+        result.rejected = [Rejection(r.request_id, r.reason) for r in reply.rejected]
+    return result
+
+
+def _generation(generation: pb.Generation) -> Generation:
+    try:
+        return Generation(generation.request_id, generation_event(generation))
+    except Exception as err:
+        return Generation(generation.request_id, None, err)
+
+
+def generation_event(generation: pb.Generation) -> TokenEvent:
+    tokens = generation.tokens
+    event = TokenEvent(token=Token(tokens.ids[0], tokens.texts[0], _logprob(tokens.logprobs[0]),
+                                   tokens.is_special[0]))
+    if generation.top_tokens:
+        event.top_tokens = _tokens(generation.top_tokens[0])
+    if generation.HasField("prefill_tokens"):
+        event.prefill = _tokens(generation.prefill_tokens)
+    if generation.HasField("generated_text"):
+        gt = generation.generated_text
+        event.final = FinalInfo(gt.text, gt.generated_tokens, _FINISH[gt.finish_reason],
+                                gt.seed if gt.HasField("seed") else None)
+    return event
+
+
+def _tokens(run: pb.Tokens) -> list[Token]:
+    special = list(run.is_special) or [False] * len(run.ids)
+    return [Token(i, t, _logprob(lp), s)
+            for i, t, lp, s in zip(run.ids, run.texts, run.logprobs, special)]
+
+
+def _logprob(value: float) -> float | None:
+    # NaN (not computed) and -inf (a token the grammar masked) have no JSON spelling
+    return value if math.isfinite(value) else None

@@ -1,0 +1,191 @@
+"""The scheduler's units on their own: the running requests' blocks, the failure fan-out, the
+scheduling policy's numbers, and the one SSE driver every streaming route runs."""
+import asyncio
+
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from router.active_request import ActiveRequest, deliver
+from router.batch import Rejection
+from router.block_allocator import BlockAllocator
+from router.errors import GenerationError, IncompleteGenerationError, RouterError
+from router.failures import FailureFanOut
+from router.metrics import Metrics
+from router.middleware import error_middleware
+from router.prefix_cache import PrefixCache
+from router.request_queue import RequestQueue
+from router.running_requests import RunningRequests
+from router.scheduling import ChunkedPrefill, SchedulingLimits
+from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,
+                            StoppingParams, Token, TokenEvent)
+from router.streaming import StreamFormat, serve_stream
+
+
+def _setup(prefix=False):
+    allocator = BlockAllocator(40, 4)
+    cache = PrefixCache(allocator) if prefix else None
+    metrics = Metrics(max_input_tokens=100, max_total_tokens=200)
+    queue = RequestQueue(allocator, cache)
+    running = RunningRequests(allocator, cache, metrics)
+    return allocator, queue, running, FailureFanOut(running, queue, metrics)
+
+
+def _item(rid, allocator=None, length=8, max_new=4):
+    ids = list(range(100 + rid, 100 + rid + length))
+    item = ActiveRequest(id=rid, input_length=length, max_new_tokens=max_new, prompt_ids=ids,
+                         request=GenerateRequest("x", ids, SamplingParams(),
+                                                 StoppingParams(max_new_tokens=max_new)))
+    if allocator is not None:
+        item.allocation = allocator.allocate(item.kv_tokens)
+    return item
+
+
+def _drain(item):
+    events = []
+    while not item.events.empty():
+        events.append(item.events.get_nowait())
+    return events
+
+
+def test_a_released_request_frees_its_blocks_once():
+    allocator, _, running, _ = _setup()
+    item = _item(0, allocator)
+    running.start([item])
+    assert item.attempts == 1 and running.get(0) is item
+    running.release(0)
+    running.release(0)
+    assert item.is_done and allocator.num_free_blocks == allocator.num_usable_blocks
+
+
+def test_a_computed_prompt_joins_the_prefix_cache_and_a_reset_forgets_it():
+    allocator, _, running, _ = _setup(prefix=True)
+    item = _item(0, allocator)
+    running.start([item])
+    running.remember_prompts([item])
+    assert len(running.prefix_cache) == 2, "two full blocks of 4 in an 8-token prompt"
+    running.release(0)
+    running.reset_pool(20)
+    assert len(running.prefix_cache) == 0 and allocator.num_free_blocks == 19
+
+
+def test_a_rejected_request_fails_alone_and_frees_its_blocks():
+    allocator, _, running, failures = _setup()
+    kept, refused = _item(0, allocator), _item(1, allocator)
+    running.start([kept, refused])
+    failures.rejected(Rejection(1, "no grammar for this vocabulary"))
+    (error,) = _drain(refused)
+    assert isinstance(error, GenerationError) and "no grammar" in str(error)
+    assert refused.is_done and running.get(1) is None and running.get(0) is kept
+    assert _drain(kept) == []
+
+
+def test_a_failure_reaches_a_request_that_already_ended_not_at_all():
+    allocator, _, running, failures = _setup()
+    done, live = _item(0, allocator), _item(1, allocator)
+    running.start([done, live])
+    deliver(done, TokenEvent(Token(1, "a", None),
+                             final=FinalInfo("a", 1, FinishReason.LENGTH, None)))
+    failures.fail_running(GenerationError("boom"))
+    assert [type(e) for e in _drain(done)] == [TokenEvent]
+    assert [type(e) for e in _drain(live)] == [GenerationError]
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+
+
+def test_lost_shards_send_back_only_requests_that_received_nothing_within_their_attempts():
+    allocator, queue, running, failures = _setup()
+    fresh, streaming, retried = _item(0, allocator), _item(1, allocator), _item(2, allocator)
+    retried.attempts = 1  # sent back once already: start() makes it 2
+    running.start([fresh, streaming, retried])
+    deliver(streaming, TokenEvent(Token(1, "a", None)))
+    failures.shards_lost(GenerationError("gone"), max_attempts=2, may_retry=True)
+    assert queue.entries() == [fresh] and fresh.allocation is None and not fresh.is_done
+    assert [type(e) for e in _drain(streaming)] == [TokenEvent, GenerationError]
+    assert [type(e) for e in _drain(retried)] == [GenerationError]
+    assert len(running) == 0 and allocator.num_free_blocks == allocator.num_usable_blocks
+
+
+def test_lost_shards_while_stopping_send_nothing_back():
+    allocator, queue, running, failures = _setup()
+    item = _item(0, allocator)
+    running.start([item])
+    failures.shards_lost(GenerationError("gone"), max_attempts=2, may_retry=False)
+    assert queue.entries() == [] and [type(e) for e in _drain(item)] == [GenerationError]
+
+
+def test_join_bounds_follow_waiting_served_ratio_and_max_batch_size():
+    limits = SchedulingLimits(64, 1000, waiting_served_ratio=0.5, max_waiting_tokens=3,
+                              max_batch_size=10)
+    assert limits.join_bounds(0, 0) == (None, 10)
+    assert limits.join_bounds(6, 0) == (3, 4), "half the running batch, up to the cap"
+    assert limits.join_bounds(6, 3) == (None, 4), "waited long enough: any number joins"
+    assert limits.join_reason(1) == "backpressure" and limits.join_reason(3) == "wait_exceeded"
+
+
+def test_a_chunked_prefill_advances_to_its_last_chunk():
+    chunk = ChunkedPrefill(_item(0, length=300), next_start=0)
+    size = chunk.next_size(budget=128, decode_s=None)
+    assert 0 < size <= 128 and not chunk.is_last(size)
+    chunk.advance(size, elapsed=0.5, decode_s=0.1)
+    assert chunk.next_start == size and chunk.s_per_token == (0.5 - 0.1) / size
+    chunk.next_start = 290
+    assert chunk.is_last(chunk.next_size(budget=128, decode_s=0.1))
+
+
+class _Lines(StreamFormat):
+    def event(self, index, event):
+        return [f"{index}:{event.token.text}\n".encode()]
+
+    def error(self, err: RouterError) -> bytes:
+        return f"error:{err}\n".encode()
+
+    def done(self):
+        return [b"done\n"]
+
+
+async def _serve(events_factory, streams=1):
+    async def handler(request):
+        return await serve_stream(request, events_factory(), _Lines(), streams=streams)
+
+    app = web.Application(middlewares=[error_middleware])
+    app.router.add_get("/", handler)
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        reply = await client.get("/")
+        return reply.status, await reply.text()
+    finally:
+        await client.close()
+
+
+async def test_the_driver_writes_events_then_done_and_closes_the_source():
+    closed = asyncio.Event()
+
+    async def events():
+        try:
+            yield 0, TokenEvent(Token(1, "a", None))
+            yield 0, TokenEvent(Token(2, "b", None),
+                                final=FinalInfo("ab", 2, FinishReason.LENGTH, None))
+        finally:
+            closed.set()
+
+    assert await _serve(events) == (200, "0:a\n0:b\ndone\n")
+    assert closed.is_set()
+
+
+async def test_the_driver_answers_an_early_error_with_its_status():
+    async def events():
+        raise GenerationError("no shard")
+        yield
+
+    status, _ = await _serve(events)
+    assert status == 424
+
+
+async def test_the_driver_ends_a_stream_without_its_final_event_with_an_error_frame():
+    async def events():
+        yield 0, TokenEvent(Token(1, "a", None))
+
+    status, text = await _serve(events)
+    assert status == 200
+    incomplete = IncompleteGenerationError("Incomplete generation stream")
+    assert text == f"0:a\nerror:{incomplete}\ndone\n"

@@ -1,0 +1,106 @@
+"""The translation to and from the shard contract: each request and each generation on its own,
+so one bad value fails its own request; and the real client's prefill reports those the way the
+scheduler's fakes do (tests/fakes.py)."""
+import pytest
+
+from proto import generate_pb2 as pb
+from router import shard_convert as convert
+from router.batch import CachedBatch, NewBatch, ShardRequest
+from router.schemas import FinishReason, GenerateRequest, SamplingParams, StoppingParams
+from router.shard_client import ShardedClient
+
+
+def _shard_request(rid, *, seed=0, chunk_len=None):
+    request = GenerateRequest(inputs="x", input_ids=[5, 6, 7], sampling=SamplingParams(seed=seed),
+                              stopping=StoppingParams(max_new_tokens=3, stop_sequences=["."]),
+                              grammar=("regex", "[a-z]+"))
+    return ShardRequest(rid, request, blocks=[1, 2], cache_len=1, chunk_len=chunk_len)
+
+
+def test_a_request_becomes_its_message_field_by_field():
+    message = convert.request_message(_shard_request(7, seed=42, chunk_len=1))
+    assert (message.id, list(message.input_ids), list(message.blocks)) == (7, [5, 6, 7], [1, 2])
+    assert (message.cache_len, message.chunk_len) == (1, 1)
+    assert message.parameters.seed == 42
+    assert message.parameters.grammar_type == pb.GRAMMAR_TYPE_REGEX
+    assert message.parameters.grammar == "[a-z]+"
+    assert list(message.stopping_parameters.stop_sequences) == ["."]
+    assert not convert.request_message(_shard_request(8)).HasField("chunk_len")
+
+
+def test_a_value_the_wire_cannot_carry_rejects_its_request_alone():
+    batch = NewBatch(3, [_shard_request(0), _shard_request(1, seed=-1), _shard_request(2)],
+                     max_tokens=30, max_blocks=2)
+    message, rejected = convert.batch_message(batch)
+    assert [r.id for r in message.requests] == [0, 2] and message.size == 2
+    assert [r.request_id for r in rejected] == [1]
+    assert isinstance(rejected[0].error, ValueError) and rejected[0].reason.startswith("ValueError")
+
+
+def _generation(rid, **fields):
+    return pb.Generation(request_id=rid, tokens=pb.Tokens(ids=[4], logprobs=[float("-inf")],
+                                                          texts=["a"], is_special=[False]),
+                         **fields)
+
+
+def test_a_generation_that_cannot_be_read_fails_its_request_alone():
+    reply = pb.DecodeResponse(generations=[
+        _generation(0), pb.Generation(request_id=1),  # no token at all
+        _generation(2, generated_text=pb.GeneratedText(
+            text="a", generated_tokens=1, finish_reason=pb.FINISH_REASON_STOP_SEQUENCE, seed=9))],
+        batch=pb.CachedBatch(id=5, request_ids=[0, 1, 2], size=3, max_tokens=48),
+        forward_ns=10, decode_ns=2)
+    result = convert.step_result(reply)
+    first, broken, last = result.generations
+    assert first.event.token.logprob is None, "-inf has no JSON spelling"
+    assert broken.event is None and isinstance(broken.error, IndexError)
+    assert last.event.final.finish_reason is FinishReason.STOP_SEQUENCE
+    assert last.event.final.seed == 9
+    assert result.batch == CachedBatch(5, [0, 1, 2], 48)
+    assert (result.timings.forward_ns, result.timings.concat_ns) == (10, None)
+
+
+def test_every_finish_reason_of_the_contract_has_a_router_name():
+    named = {v for k, v in pb.FinishReason.items() if k != "FINISH_REASON_UNSPECIFIED"}
+    assert named <= set(convert._FINISH), "a finish reason the router cannot read"
+
+
+class _RecordingRank:
+    """One rank's channel: answers Prefill and Decode, and records what it was sent."""
+
+    def __init__(self):
+        self.sent = []
+
+    async def call(self, method, message, timeout=None, metadata=None):
+        self.sent.append((method, message))
+        if method == "Prefill":
+            ids = [r.id for r in message.batch.requests]
+            return pb.PrefillResponse(generations=[_generation(i) for i in ids],
+                                      batch=pb.CachedBatch(id=message.batch.id, request_ids=ids))
+        return pb.DecodeResponse(generations=[_generation(i) for b in message.batches
+                                              for i in b.request_ids])
+
+
+@pytest.mark.parametrize("running", [None, CachedBatch(9, [4])])
+async def test_the_client_sends_nothing_for_a_batch_whose_every_request_was_rejected(running):
+    rank = _RecordingRank()
+    client = ShardedClient([rank])
+    result = await client.prefill(NewBatch(1, [_shard_request(0, seed=-1)], 10, 2), running)
+    assert [r.request_id for r in result.rejected] == [0]
+    if running is None:
+        assert rank.sent == [] and result.generations == []
+    else:  # the riding batch still takes its step
+        assert [m for m, _ in rank.sent] == ["Decode"]
+        assert [g.request_id for g in result.generations] == [4]
+
+
+async def test_the_client_prefills_the_requests_that_could_be_translated():
+    rank = _RecordingRank()
+    client = ShardedClient([rank])
+    batch = NewBatch(1, [_shard_request(0), _shard_request(1, seed=-1)], 10, 2)
+    result = await client.prefill(batch, CachedBatch(9, [4]))
+    (method, message), = rank.sent
+    assert method == "Prefill" and message.cached_batch.id == 9
+    assert [r.id for r in message.batch.requests] == [0]
+    assert [r.request_id for r in result.rejected] == [1]
+    assert result.batch.request_ids == [0]
