@@ -20,6 +20,6 @@ COPY launcher ./launcher
 RUN pip install --no-cache-dir .
 
 VOLUME /data
-EXPOSE 8080
+EXPOSE 8080 50051
 ENTRYPOINT ["tgi-launcher"]
 CMD ["--hostname", "0.0.0.0", "--port", "8080"]

@@ -43,7 +43,8 @@ def warmup_batch(limits: TokenLimits, max_batch_size: int | None,
             inputs="", input_ids=[1] * length,
             sampling=SamplingParams(do_sample=True, temperature=0.9, top_k=10, top_p=0.9,
                                     typical_p=0.9, repetition_penalty=1.2, seed=0),
-            stopping=StoppingParams(max_new_tokens=2, ignore_eos=True), top_n_tokens=5)
+            stopping=StoppingParams(max_new_tokens=2, ignore_eos=True), top_n_tokens=5,
+            skip_special_tokens=False)
         requests.append(ShardRequest(len(requests), request, blocks=[]))  # warm-up has no blocks
         remaining -= length
     return NewBatch(id=0, requests=requests, max_tokens=0, max_blocks=0)

@@ -30,6 +30,15 @@ class NewBatch:
 
 
 @dataclass(slots=True)
+class PreparedBatch:
+    """A NewBatch as the shard client will send it: the requests that could be put into a
+    message, and that message (opaque here: only the client reads it)."""
+
+    batch: NewBatch
+    message: object = None
+
+
+@dataclass(slots=True)
 class CachedBatch:
     """A batch the shards hold between steps."""
 

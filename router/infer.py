@@ -171,7 +171,7 @@ class Infer:
             try:
                 async for event in self.stream(request, replace(timings) if timings else None):
                     merged.put_nowait((index, event))
-            except RouterError as err:
+            except Exception as err:  # raised to the reader, which fails the whole response
                 merged.put_nowait((index, err))
             finally:
                 merged.put_nowait((index, None))
@@ -183,7 +183,7 @@ class Infer:
                 index, item = await merged.get()
                 if item is None:
                     open_streams -= 1
-                elif isinstance(item, RouterError):
+                elif isinstance(item, Exception):
                     raise item
                 else:
                     yield index, item

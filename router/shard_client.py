@@ -12,7 +12,7 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.tracing import inject_metadata, tracing_enabled
 from router import shard_convert as convert
-from router.batch import CachedBatch, NewBatch, StepResult
+from router.batch import CachedBatch, NewBatch, PreparedBatch, Rejection, StepResult
 from router.shard_convert import ShardInfo
 
 
@@ -105,18 +105,21 @@ class ShardedClient:
         replies = await asyncio.gather(*(c.call("Warmup", request) for c in self.clients))
         return min(r.num_blocks for r in replies)
 
-    async def prefill(self, batch: NewBatch, running: CachedBatch | None = None) -> StepResult:
-        """New requests, with `running` taking its decode step in the same forward. A request
-        that cannot be translated comes back rejected without reaching the shards."""
+    def prepare(self, batch: NewBatch) -> tuple[PreparedBatch, list[Rejection]]:
+        """The batch's message, and the requests that could not be put into it (each fails
+        alone, before anything is sent)."""
         message, rejected = convert.batch_message(batch)
-        if not message.requests:
-            result = await self.decode([running]) if running is not None else StepResult()
-        else:
-            cached = convert.cached_batch_message(running) if running is not None else None
-            result = convert.step_result(await self._all(
-                "Prefill", pb.PrefillRequest(batch=message, cached_batch=cached)))
-        result.rejected[:0] = rejected
-        return result
+        skipped = {r.request_id for r in rejected}
+        kept = [r for r in batch.requests if r.id not in skipped]
+        return PreparedBatch(NewBatch(batch.id, kept, batch.max_tokens, batch.max_blocks),
+                             message), rejected
+
+    async def prefill(self, prepared: PreparedBatch,
+                      running: CachedBatch | None = None) -> StepResult:
+        """New requests, with `running` taking its decode step in the same forward."""
+        cached = convert.cached_batch_message(running) if running is not None else None
+        return convert.step_result(await self._all(
+            "Prefill", pb.PrefillRequest(batch=prepared.message, cached_batch=cached)))
 
     async def decode(self, batches: list[CachedBatch]) -> StepResult:
         request = pb.DecodeRequest(batches=[convert.cached_batch_message(b) for b in batches])

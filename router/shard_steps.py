@@ -44,13 +44,20 @@ class ShardSteps:
                       running: CachedBatch | None) -> StepResult | None:
         """One Prefill of `items`, with `running` taking its decode step in the same forward. On
         failure the new requests and the riding batch fail together (the shard dropped both) and
-        None is returned; requests refused one by one fail alone."""
+        None is returned. A request that cannot be put into a message, or that the shards refuse,
+        fails alone; when none is left to send, nothing is (and `running` comes back as it was)."""
+        prepared, untranslatable = self.client.prepare(batch)
+        for rejection in untranslatable:
+            self.failures.rejected(rejection)
+        if not prepared.batch.requests:
+            return StepResult(batch=running)  # nothing to send; the running batch did not step
+        items = [i for i in items if not i.is_done]
         riding = [running] if running is not None else []
 
         def all_items() -> list[ActiveRequest]:
             return items + self.requests_in(riding)
 
-        result = await self._timed("prefill", self.client.prefill(batch, running), all_items)
+        result = await self._timed("prefill", self.client.prefill(prepared, running), all_items)
         if isinstance(result, ShardError):
             await self._fail(all_items(), [batch.id] + [b.id for b in riding], result)
             return None

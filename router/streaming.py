@@ -8,12 +8,15 @@ the requests and frees their blocks), and a stream that ends without its final e
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from router.errors import IncompleteGenerationError, RouterError
+from router.errors import GenerationError, IncompleteGenerationError, RouterError
 from router.schemas import TokenEvent
+
+log = logging.getLogger("tgi.router.streaming")
 
 
 def sse_data(payload: dict | str, *, openai: bool = False) -> bytes:
@@ -75,6 +78,9 @@ async def serve_stream(request: web.Request, events: AsyncIterator[tuple[int, To
             await _write(response, form.closing())
         except RouterError as err:
             await response.write(form.error(err))
+        except Exception as err:  # a bug: the client still hears of it in the stream's own shape
+            log.exception("stream failed after it opened")
+            await response.write(form.error(GenerationError(f"{type(err).__name__}: {err}")))
         await _write(response, form.done())
         await response.write_eof()
         return response

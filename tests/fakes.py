@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from router.batch import (CachedBatch, Generation, NewBatch, Rejection, ShardRequest, StepResult,
-                          StepTimings)
+from router.batch import (CachedBatch, Generation, NewBatch, PreparedBatch, Rejection, ShardRequest,
+                          StepResult, StepTimings)
 from router.schemas import FinalInfo, FinishReason, Token, TokenEvent
 from router.shard_client import ShardError
 
@@ -65,16 +65,21 @@ class FakeShardClient:
             del self.batches[batch_id]
         return result
 
-    async def prefill(self, batch: NewBatch, running: CachedBatch | None = None) -> StepResult:
-        """A running batch takes its step in the same call and the complete new requests join it."""
+    def prepare(self, batch: NewBatch) -> tuple[PreparedBatch, list[Rejection]]:
+        """As the real client: the requests whose message cannot be built are left out."""
         untranslatable = [Rejection(r.id, f"ValueError: {err}", err) for r in batch.requests
                           if (err := self.untranslatable(r)) is not None]
         skipped = {r.request_id for r in untranslatable}
-        requests = [r for r in batch.requests if r.id not in skipped]
-        if not requests:  # as the real client does: nothing reaches the shards but the step
-            result = await self.decode([running]) if running is not None else StepResult()
-            result.rejected[:0] = untranslatable
-            return result
+        kept = [r for r in batch.requests if r.id not in skipped]
+        return PreparedBatch(NewBatch(batch.id, kept, batch.max_tokens, batch.max_blocks)), \
+            untranslatable
+
+    async def prefill(self, prepared: PreparedBatch,
+                      running: CachedBatch | None = None) -> StepResult:
+        """A running batch takes its step in the same call and the complete new requests join it."""
+        batch = prepared.batch
+        requests = batch.requests
+        assert requests, "a prefill with no request is never sent"
         first = requests[0]
         partial = first.chunk_len is not None
         if partial:
@@ -89,7 +94,7 @@ class FakeShardClient:
         refused = [Rejection(r.id, why) for r in requests if (why := self.refuse(r)) is not None]
         taken = [r for r in requests if r.id not in {x.request_id for x in refused}]
         result = await self._prefill_taken(batch.id, taken, running, partial)
-        result.rejected[:0] = untranslatable + refused
+        result.rejected[:0] = refused
         return result
 
     async def _prefill_taken(self, batch_id: int, requests: list[ShardRequest],

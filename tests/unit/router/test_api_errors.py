@@ -179,3 +179,22 @@ async def test_cors_allows_listed_origins_only(tiny_llama):
         assert "Access-Control-Allow-Origin" not in other.headers
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate_stream", _body()), ("/", {**_body(), "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                              "stream": True}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True})])
+async def test_a_finished_stream_counts_as_a_success(tiny_llama, path, body):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        reply = await client.post(path, json=body)
+        assert reply.status == 200
+        await reply.read()
+        metrics = await (await client.get("/metrics")).text()
+        assert "tgi_request_success 1.0" in metrics, "a stream read to its end is a success"
+        assert "tgi_request_failure" not in metrics.replace("# HELP tgi_request_failure", "")\
+            .replace("# TYPE tgi_request_failure", "")
+    finally:
+        await client.close()

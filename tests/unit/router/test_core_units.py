@@ -189,3 +189,14 @@ async def test_the_driver_ends_a_stream_without_its_final_event_with_an_error_fr
     assert status == 200
     incomplete = IncompleteGenerationError("Incomplete generation stream")
     assert text == f"0:a\nerror:{incomplete}\ndone\n"
+
+
+async def test_the_driver_turns_an_unexpected_error_into_the_formats_error_frame():
+    async def events():
+        yield 0, TokenEvent(Token(1, "a", None))
+        raise RuntimeError("a bug")
+
+    status, text = await _serve(events)
+    assert status == 200
+    assert text.startswith("0:a\nerror:") and "RuntimeError: a bug" in text
+    assert text.endswith("done\n")

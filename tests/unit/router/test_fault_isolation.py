@@ -116,6 +116,35 @@ async def test_a_failure_in_one_requests_data_fails_it_alone(inject, chunking):
                 assert [t.id for t in result.tokens] == [t.id for t in reference.tokens]
 
 
+async def test_an_untranslatable_request_fails_with_its_own_error_before_the_step():
+    client = FakeShardClient(step_delay=0.001)
+    _inject_untranslatable(client)
+    client.fail_next = "prefill"  # the step it would have been in fails
+    batcher, infer, allocator = _setup(client)
+    results = await _run(batcher, asyncio.gather(
+        infer.generate(_request(3, first_token=POISON)), infer.generate(_request(3)),
+        return_exceptions=True))
+    untranslatable, in_the_step = results
+    assert "ValueError: injected failure" in str(untranslatable)
+    assert "injected prefill failure" in str(in_the_step)
+    await _settle(allocator)
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+
+
+async def test_a_batch_of_untranslatable_requests_sends_nothing_and_counts_no_step():
+    client = FakeShardClient(step_delay=0.001)
+    _inject_untranslatable(client)
+    batcher, infer, allocator = _setup(client)
+    results = await _run(batcher, asyncio.gather(
+        *(infer.generate(_request(3, first_token=POISON)) for _ in range(3)),
+        return_exceptions=True))
+    assert all(isinstance(r, GenerationError) for r in results)
+    assert client.calls == []
+    rendered = batcher.metrics.render().decode()
+    assert 'tgi_batch_inference_count{method="prefill"}' not in rendered
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+
+
 async def test_an_error_outside_any_request_fails_those_in_flight_and_the_loop_goes_on(
         monkeypatch):
     client = FakeShardClient(step_delay=0.001)

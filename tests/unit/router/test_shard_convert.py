@@ -1,8 +1,6 @@
 """The translation to and from the shard contract: each request and each generation on its own,
-so one bad value fails its own request; and the real client's prefill reports those the way the
-scheduler's fakes do (tests/fakes.py)."""
-import pytest
-
+so one bad value fails its own request; and the real client's prepare/prefill behave as the
+scheduler's fake (tests/fakes.py) does."""
 from proto import generate_pb2 as pb
 from router import shard_convert as convert
 from router.batch import CachedBatch, NewBatch, ShardRequest
@@ -81,26 +79,22 @@ class _RecordingRank:
                                               for i in b.request_ids])
 
 
-@pytest.mark.parametrize("running", [None, CachedBatch(9, [4])])
-async def test_the_client_sends_nothing_for_a_batch_whose_every_request_was_rejected(running):
-    rank = _RecordingRank()
-    client = ShardedClient([rank])
-    result = await client.prefill(NewBatch(1, [_shard_request(0, seed=-1)], 10, 2), running)
-    assert [r.request_id for r in result.rejected] == [0]
-    if running is None:
-        assert rank.sent == [] and result.generations == []
-    else:  # the riding batch still takes its step
-        assert [m for m, _ in rank.sent] == ["Decode"]
-        assert [g.request_id for g in result.generations] == [4]
+def test_the_client_leaves_out_the_requests_that_cannot_be_translated():
+    client = ShardedClient([_RecordingRank()])
+    batch = NewBatch(1, [_shard_request(0), _shard_request(1, seed=-1), _shard_request(2)], 10, 2)
+    prepared, rejected = client.prepare(batch)
+    assert [r.id for r in prepared.batch.requests] == [0, 2]
+    assert [r.id for r in prepared.message.requests] == [0, 2]
+    assert [r.request_id for r in rejected] == [1]
 
 
-async def test_the_client_prefills_the_requests_that_could_be_translated():
+async def test_the_client_prefills_the_prepared_batch_with_the_running_one_riding():
     rank = _RecordingRank()
     client = ShardedClient([rank])
-    batch = NewBatch(1, [_shard_request(0), _shard_request(1, seed=-1)], 10, 2)
-    result = await client.prefill(batch, CachedBatch(9, [4]))
+    prepared, _ = client.prepare(NewBatch(1, [_shard_request(0), _shard_request(1, seed=-1)],
+                                          10, 2))
+    result = await client.prefill(prepared, CachedBatch(9, [4]))
     (method, message), = rank.sent
     assert method == "Prefill" and message.cached_batch.id == 9
     assert [r.id for r in message.batch.requests] == [0]
-    assert [r.request_id for r in result.rejected] == [1]
-    assert result.batch.request_ids == [0]
+    assert result.batch.request_ids == [0] and result.rejected == []
