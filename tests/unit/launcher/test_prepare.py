@@ -8,7 +8,7 @@ import pytest
 
 from launcher import prepare
 from launcher.prepare import GGUF_NAME, MODEL_DIR_NAME, prepare_default_model
-from launcher.resolve import ModelResolutionError, cache_root
+from launcher.model_cache import ModelResolutionError, cache_root
 from tests.unit.launcher.tiny_gguf import write_tiny_gguf
 
 
