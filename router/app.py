@@ -6,7 +6,7 @@ import logging
 
 from aiohttp import web
 
-from router.api import completions, grpc_service, openai, tgi
+from router.api import completions, grpc_service, openai, sglang, tgi
 from router.batch import NewBatch, ShardRequest
 from router.batcher import Batcher
 from router.block_allocator import BlockAllocator
@@ -27,7 +27,7 @@ from router.validation import ValidationLimits
 
 # Every API the router serves: each module turns its wire format into core requests and the core's
 # events into its wire format, and registers itself (routes, or a server of its own).
-API_MODULES = (tgi, openai, completions, grpc_service)
+API_MODULES = (tgi, sglang, openai, completions, grpc_service)
 
 log = logging.getLogger("tgi.router")
 

@@ -13,6 +13,7 @@ from router.errors import ValidationError
 
 JSON = "json"
 REGEX = "regex"
+EBNF = "ebnf"  # GBNF (`root ::= ...`, as SGLang and llama.cpp write it) or Lark
 NO_TOOL = "no_tool"  # the pseudo-function a model calls under tool_choice=auto to answer in text
 
 
@@ -35,8 +36,15 @@ def checked(kind: str, value) -> tuple[str, str]:
         if not isinstance(value, str):
             raise ValidationError("grammar is not valid: a regex must be a string")
         source, text = llguidance.LLMatcher.grammar_from_regex(value), value
+    elif kind == EBNF:
+        if not isinstance(value, str):
+            raise ValidationError("grammar is not valid: an EBNF grammar must be a string")
+        try:
+            source, text = llguidance.grammar_from("ebnf", value), value
+        except ValueError as err:
+            raise ValidationError(f"grammar is not valid: {err}") from None
     else:
-        raise ValidationError(f"grammar type {kind!r} is not supported (json, regex)")
+        raise ValidationError(f"grammar type {kind!r} is not supported (json, regex, ebnf)")
     error = llguidance.LLMatcher.validate_grammar(source)
     if error:
         raise ValidationError(f"grammar is not valid: {error.strip()}")
@@ -66,6 +74,8 @@ def from_tgi(grammar) -> tuple[str, str]:
     if not isinstance(grammar, dict) or "type" not in grammar or "value" not in grammar:
         raise ValidationError("grammar must be an object with `type` (json or regex) and `value`")
     kind = {"json_schema": JSON}.get(grammar["type"], grammar["type"])
+    if kind not in (JSON, REGEX):  # TGI's grammar types; EBNF comes through SGLang's `ebnf`
+        raise ValidationError(f"grammar type {kind!r} is not supported (json, regex)")
     return checked(kind, grammar["value"])
 
 

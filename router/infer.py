@@ -102,6 +102,7 @@ class Infer:
                     raise event
                 if timings.batched_at == 0.0:
                     timings.batched_at = item.batched_at
+                    timings.cached_tokens = item.cache_len
                 yield event
                 if event.final is not None:
                     self._record_success(timings, event.final)

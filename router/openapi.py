@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from router.validation import INTEGER_WIRE_TYPES, PARAMETER_TYPES
-from router.wire import FLOAT32_MAX, INT32, UINT64, IntType
+from router.wire import FLOAT32_MAX, INT32, UINT32, UINT64, IntType
 
 VERSION = "0.1.0"
 
@@ -165,6 +165,112 @@ def _openai_schemas() -> dict:
     }
 
 
+def _sglang_schemas() -> dict:
+    """SGLang's native /generate (router.sglang_request checks these bounds)."""
+    string, boolean = {"type": "string"}, {"type": "boolean"}
+    token_id = int_schema(UINT32)
+    strings = {"oneOf": [string, {"type": "array", "items": string}]}
+    sampling = _object(
+        [], max_new_tokens={**int_schema(UINT32, minimum=1), "default": 128},
+        min_new_tokens=int_schema(UINT32), n={**int_schema(UINT32, minimum=1), "default": 1},
+        temperature={**float_schema(minimum=0), "default": 1.0},
+        top_p=float_schema(minimum=0, maximum=1, exclusiveMinimum=True),
+        top_k={**int_schema(INT32, minimum=-1), "default": -1,
+               "description": "-1 (off) or at least 1"},
+        min_p=float_schema(minimum=0, maximum=1),
+        frequency_penalty=float_schema(minimum=-2, maximum=2),
+        presence_penalty=float_schema(minimum=-2, maximum=2),
+        repetition_penalty=float_schema(minimum=0, maximum=2, exclusiveMinimum=True),
+        sampling_seed=int_schema(UINT64), stop=strings,
+        stop_token_ids={"type": "array", "items": token_id}, ignore_eos=boolean,
+        skip_special_tokens=boolean, no_stop_trim=boolean,
+        json_schema={**string, "description": "a JSON schema, as a JSON string"},
+        regex=string, ebnf={**string, "description": "GBNF (`root ::= ...`) or Lark"})
+    sampling["additionalProperties"] = False
+    for schema in sampling["properties"].values():
+        schema["nullable"] = True
+    per_prompt = lambda schema: {"oneOf": [schema, {"type": "array", "items": schema}]}  # noqa: E731
+    request = _object(
+        [], text=strings,
+        input_ids={"oneOf": [{"type": "array", "items": token_id, "minItems": 1},
+                             {"type": "array", "minItems": 1, "items": {
+                                 "type": "array", "items": token_id, "minItems": 1}}]},
+        sampling_params={"oneOf": [_ref("SglangSamplingParams"),
+                                   {"type": "array", "items": _ref("SglangSamplingParams")}]},
+        rid=strings, stream=boolean, return_logprob=per_prompt(boolean),
+        logprob_start_len=per_prompt({**int_schema(INT32, minimum=-1), "default": -1}),
+        top_logprobs_num=per_prompt(int_schema(UINT32)), return_text_in_logprobs=boolean)
+    request["anyOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]
+    logprob = {"type": "array", "items": {}, "minItems": 3, "maxItems": 3,
+               "description": "[logprob or null, token id, text or null]"}
+    meta = _object(["id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+                    "e2e_latency"], id=string, finish_reason={
+                        "type": "object", "nullable": True, "required": ["type"],
+                        "properties": {"type": {"type": "string",
+                                                "enum": ["stop", "length", "abort"]},
+                                       "matched": {}, "length": {"type": "integer"},
+                                       "message": string}},
+                   prompt_tokens={"type": "integer"}, completion_tokens={"type": "integer"},
+                   cached_tokens={"type": "integer"}, e2e_latency={"type": "number"},
+                   input_token_logprobs={"type": "array", "items": logprob},
+                   output_token_logprobs={"type": "array", "items": logprob},
+                   input_top_logprobs={"type": "array", "items": {}},
+                   output_top_logprobs={"type": "array", "items": {
+                       "type": "array", "items": logprob}})
+    return {
+        "SglangSamplingParams": sampling, "SglangGenerateRequest": request,
+        "SglangMetaInfo": meta,
+        "SglangGenerateResponse": _object(["text", "meta_info"], text=string,
+                                          meta_info=_ref("SglangMetaInfo"),
+                                          index={"type": "integer"}),
+        "SglangErrorResponse": _object(["error"], error=_object(
+            ["message"], message=string, type=string, code={"type": "integer"})),
+        "AbortRequest": _object([], rid=string, abort_all=boolean),
+    }
+
+
+def _sglang_paths() -> dict:
+    text = {"content": {"text/plain": {"schema": {"type": "string"}}}}
+    ok_json = lambda ref: {"200": {"description": "OK", **_json(_ref(ref))}}  # noqa: E731
+    return {
+        "/abort_request": {"post": {
+            "summary": "SGLang: cancel the running request named `rid` (or all, `abort_all`)",
+            "requestBody": {"required": True, **_json(_ref("AbortRequest"))},
+            "responses": {"200": {"description": "Aborted, or no such request running"},
+                          **_errors(413, 422)}}},
+        "/flush_cache": {"post": {
+            "summary": "SGLang: drop the prefix cache (400 while requests are in flight)",
+            "responses": {"200": {"description": "Flushed", **text},
+                          "400": {"description": "Requests are in flight", **text}}}},
+        "/health_generate": {"get": {
+            "summary": "SGLang: health, generating one token", "responses": {
+                "200": {"description": "A token was generated"}, **_errors(503)}}},
+        "/get_model_info": {"get": {"summary": "SGLang: the model served", "responses": {
+            "200": {"description": "OK", **_json(_object(
+                ["model_path", "is_generation"], model_path={"type": "string"},
+                tokenizer_path={"type": "string"}, is_generation={"type": "boolean"}))}}}},
+        "/get_server_info": {"get": {"summary": "SGLang: server settings and limits",
+                                     "responses": ok_json("Info")}},
+    }
+
+
+def _generate_path() -> dict:
+    """TGI's and SGLang's requests share POST /generate: a body with `inputs` is TGI's."""
+    sglang_answer = {"oneOf": [_ref("SglangGenerateResponse"),
+                               {"type": "array", "items": _ref("SglangGenerateResponse")}]}
+    errors = {str(s): {"description": "Error", **_json(
+        {"oneOf": [_ref("ErrorResponse"), _ref("SglangErrorResponse")]})}
+        for s in (413, 422, 424, 429, 500, 503)}
+    return {"post": {
+        "summary": "Generate text: TGI's request (`inputs`) or SGLang's (`text` / `input_ids`; "
+                   "`stream: true` answers Server-Sent Events)",
+        "requestBody": {"required": True, **_json(
+            {"anyOf": [_ref("GenerateRequest"), _ref("SglangGenerateRequest")]})},
+        "responses": {"200": {"description": "OK", "content": {
+            "application/json": {"schema": {"anyOf": [_ref("GenerateResponse"), sglang_answer]}},
+            "text/event-stream": {"schema": _ref("SglangGenerateResponse")}}}, **errors}}}
+
+
 def openapi_document() -> dict:
     schemas = {
         "GenerateParameters": _parameters_schema(),
@@ -194,12 +300,13 @@ def openapi_document() -> dict:
                                                 "router", "version"]},
         "ErrorResponse": _error(),
         **_openai_schemas(),
+        **_sglang_schemas(),
     }
     paths = {
         "/": _post("Generate, streamed (stream: true) or as a list of one response",
                    "CompatGenerateRequest", {"type": "array", "items": _ref("GenerateResponse")},
                    stream_on_request=True),
-        "/generate": _post("Generate text", "GenerateRequest", _ref("GenerateResponse")),
+        "/generate": _generate_path(),
         "/generate_stream": _post("Generate a token stream (Server-Sent Events)", "GenerateRequest",
                                   {}, stream=True),
         "/tokenize": _post("Tokenize inputs", "GenerateRequest", _ref("TokenizeResponse")),
@@ -217,6 +324,7 @@ def openapi_document() -> dict:
                                  stream_on_request=True),
         "/v1/models": {"get": {"summary": "The model served", "responses": {
             "200": {"description": "OK", **_json(_ref("ModelList"))}}}},
+        **_sglang_paths(),
         "/api-doc/openapi.json": {"get": {"summary": "This document", "responses": {
             "200": {"description": "OK"}}}},
     }

@@ -93,3 +93,4 @@ class Timings:
     queued_at: float = 0.0
     batched_at: float = 0.0
     finished_at: float = 0.0
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied, known once batched

@@ -16,7 +16,8 @@ from router.schemas import FinalInfo, FinishReason, Token, TokenEvent
 
 log = logging.getLogger("tgi.router.shard_convert")
 
-_GRAMMAR_TYPES = {"json": pb.GRAMMAR_TYPE_JSON, "regex": pb.GRAMMAR_TYPE_REGEX}
+_GRAMMAR_TYPES = {"json": pb.GRAMMAR_TYPE_JSON, "regex": pb.GRAMMAR_TYPE_REGEX,
+                  "ebnf": pb.GRAMMAR_TYPE_EBNF}
 _FINISH = {pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
            pb.FINISH_REASON_EOS_TOKEN: FinishReason.EOS_TOKEN,
            pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE}

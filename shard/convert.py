@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from proto import generate_pb2 as pb
 from shard.batch import NewRequest
-from shard.grammar import GRAMMAR_JSON, GRAMMAR_REGEX
+from shard.grammar import GRAMMAR_EBNF, GRAMMAR_JSON, GRAMMAR_REGEX
 from shard.outputs import CachedBatch, Generation, StepResult, TokenRun
 from shard.sampling import SamplingParams
 from shard.stopping import FinishReason
 
 
-_GRAMMAR_KINDS = {pb.GRAMMAR_TYPE_JSON: GRAMMAR_JSON, pb.GRAMMAR_TYPE_REGEX: GRAMMAR_REGEX}
+_GRAMMAR_KINDS = {pb.GRAMMAR_TYPE_JSON: GRAMMAR_JSON, pb.GRAMMAR_TYPE_REGEX: GRAMMAR_REGEX,
+                  pb.GRAMMAR_TYPE_EBNF: GRAMMAR_EBNF}
 # by name, not by number: the two enums agreeing on numbers would be a coincidence to keep
 _FINISH_REASONS = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
                    FinishReason.EOS_TOKEN: pb.FINISH_REASON_EOS_TOKEN,

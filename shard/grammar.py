@@ -13,11 +13,13 @@ import torch
 
 GRAMMAR_JSON = "json"
 GRAMMAR_REGEX = "regex"
+GRAMMAR_EBNF = "ebnf"
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def grammar_source(kind: str, value: str) -> str:
-    """llguidance's grammar text for a JSON schema (compact JSON output) or a regex."""
+    """llguidance's grammar text for a JSON schema (compact JSON output), a regex or an EBNF
+    (GBNF or Lark) grammar."""
     if kind == GRAMMAR_JSON:
         schema = json.loads(value) if isinstance(value, str) else value
         # no free whitespace: a small model can otherwise pad JSON with blank lines forever
@@ -25,6 +27,8 @@ def grammar_source(kind: str, value: str) -> str:
             schema, defaults={"whitespace_flexible": False})
     if kind == GRAMMAR_REGEX:
         return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == GRAMMAR_EBNF:
+        return llguidance.grammar_from("ebnf", value)
     raise ValueError(f"unknown grammar type {kind!r}")
 
 

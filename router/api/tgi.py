@@ -5,7 +5,7 @@ import time
 
 from aiohttp import web
 
-from router.errors import BadRequestError, RouterError, tgi_error_body
+from router.errors import BadRequestError, RouterError, ValidationError, tgi_error_body
 from router.infer import GenerateResult
 from router.json_body import read_object
 from router.openapi import openapi_document
@@ -79,8 +79,27 @@ async def _generate_payload(request: web.Request, body: dict, *, full_text_defau
     return payload, headers
 
 
-async def generate(request: web.Request) -> web.Response:
+# Other APIs served at POST /generate (SGLang's native one, router/api/sglang.py) add
+# (claims(body) -> bool, handler(request, body)) here from their register(); a body with TGI's
+# `inputs` is always TGI's. This module never imports them, so no import cycle can form.
+GENERATE_DIALECTS = web.AppKey("generate_dialects", list)
+
+
+async def _neither():
+    raise ValidationError("Failed to deserialize the JSON body into the target type: missing field "
+                          "`inputs` (TGI's request), or `text`, `input_ids` or `input_embeds` "
+                          "(SGLang's)")
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
     body = await read_object(request)
+    if "inputs" not in body:
+        dialects = request.app.get(GENERATE_DIALECTS, [])
+        for claims, handler in dialects:
+            if claims(body):
+                return await handler(request, body)
+        if dialects:
+            await request.app[STATE].infer.counted(_neither())
     with request_span("generate", request.headers):
         payload, headers = await _generate_payload(request, body, full_text_default=False)
     return web.json_response(payload, headers=headers)
@@ -183,6 +202,7 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 def register(app: web.Application) -> None:
+    app[GENERATE_DIALECTS] = []
     app.router.add_post("/", compat_generate)
     app.router.add_post("/generate", generate)
     app.router.add_post("/generate_stream", generate_stream)

@@ -71,3 +71,16 @@ def launch(model_args: list[str], tmp_path: Path, *, extra: list[str] = (),
         time.sleep(0.2)
     server.stop()
     raise RuntimeError(f"launcher not ready in {timeout}s:\n{server.log()}")
+
+
+def free_and_total_blocks(url: str) -> tuple[float, float]:
+    """(free KV blocks + blocks only the prefix cache holds, all blocks) from /metrics: equal
+    when no request holds a block (none leaked)."""
+    values = {}
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("tgi_kv_cache_free_blocks", "tgi_kv_cache_total_blocks",
+                    "tgi_kv_cache_prefix_blocks"):
+            values[name] = float(value)
+    free = values["tgi_kv_cache_free_blocks"] + values.get("tgi_kv_cache_prefix_blocks", 0)
+    return free, values["tgi_kv_cache_total_blocks"]

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto import api_pb2, api_pb2_grpc
-from tests.e2e.server import free_port, launch
+from tests.e2e.server import free_and_total_blocks, free_port, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -151,16 +151,8 @@ def test_stream_equals_generate(server, stub):
     assert http["generated_text"] == whole.generated_text
 
 
-def _free_and_total_blocks(server) -> tuple[float, float]:
-    """(free blocks + blocks only the prefix cache holds, all blocks): equal when none leaked."""
-    values = {}
-    for line in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("tgi_kv_cache_free_blocks", "tgi_kv_cache_total_blocks",
-                    "tgi_kv_cache_prefix_blocks"):
-            values[name] = float(value)
-    free = values["tgi_kv_cache_free_blocks"] + values.get("tgi_kv_cache_prefix_blocks", 0)
-    return free, values["tgi_kv_cache_total_blocks"]
+def _free_and_total_blocks(server):
+    return free_and_total_blocks(server.url)
 
 
 def _dropped(server) -> float:

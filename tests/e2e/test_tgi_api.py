@@ -282,13 +282,17 @@ def test_openapi_document_describes_every_route_we_serve(server):
 
     doc = requests.get(f"{server.url}/api-doc/openapi.json", timeout=10).json()
     served = {"/", "/generate", "/generate_stream", "/tokenize", "/health", "/info", "/metrics",
-              "/api-doc/openapi.json", "/v1/chat/completions", "/v1/completions", "/v1/models"}
+              "/api-doc/openapi.json", "/v1/chat/completions", "/v1/completions", "/v1/models",
+              # SGLang's companion routes (its /generate shares TGI's path)
+              "/abort_request", "/flush_cache", "/health_generate", "/get_model_info",
+              "/get_server_info"}
     assert set(doc["paths"]) == served
     for path in served - {"/api-doc/openapi.json"}:
         method = "post" if "post" in doc["paths"][path] else "get"
-        reply = requests.request(method, f"{server.url}{path}", timeout=30, json={
+        body = {"rid": "nothing-running"} if path == "/abort_request" else {
             "inputs": "Hi", "parameters": {"max_new_tokens": 2}, "prompt": "Hi", "max_tokens": 2,
-            "messages": [{"role": "user", "content": "Hi"}]})
+            "messages": [{"role": "user", "content": "Hi"}]}
+        reply = requests.request(method, f"{server.url}{path}", timeout=30, json=body)
         assert reply.status_code == 200, path
     # our own schema of the response matches what we answer
     from tests.openapi_schemas import _to_json_schema

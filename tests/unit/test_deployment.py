@@ -47,7 +47,10 @@ def test_launcher_commands_parse_and_ports_match():
         service = compose["services"][name]
         config = parse_args(service["command"])
         published = {int(p.split(":")[1]) for p in service["ports"]}
-        assert published == {config.port}, name
+        assert published == {config.port, config.router["grpc_port"]}, name
+        exposed = {int(p) for line in (ROOT / "Dockerfile").read_text().splitlines()
+                   if line.startswith("EXPOSE ") for p in line.split()[1:]}
+        assert published == exposed, "the image exposes what compose publishes"
         assert config.router["hostname"] == "0.0.0.0", "inside a container, listen on all addresses"
         endpoint = config.router["otlp_endpoint"]
         collector = compose["services"]["otel-collector"]

@@ -24,6 +24,11 @@ def test_a_request_becomes_its_message_field_by_field():
     assert message.parameters.grammar == "[a-z]+"
     assert list(message.stopping_parameters.stop_sequences) == ["."]
     assert not convert.request_message(_shard_request(8)).HasField("chunk_len")
+    ebnf = _shard_request(9)
+    ebnf.request.grammar = ("ebnf", 'root ::= "a"')
+    message = convert.request_message(ebnf)
+    assert message.parameters.grammar_type == pb.GRAMMAR_TYPE_EBNF
+    assert message.parameters.grammar == 'root ::= "a"'
 
 
 def test_a_value_the_wire_cannot_carry_rejects_its_request_alone():

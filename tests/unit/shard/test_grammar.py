@@ -47,6 +47,14 @@ def test_json_schema_outputs_validate(engine, do_sample):
         jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_ebnf_outputs_follow_the_grammar(engine, do_sample):
+    # GBNF, as SGLang's `ebnf` and llama.cpp write it
+    grammar = 'root ::= answer " " number\nanswer ::= "yes" | "no"\nnumber ::= [1-9] [0-9]?'
+    texts, _ = _generate(engine, "ebnf", grammar, do_sample=do_sample, max_new_tokens=20)
+    assert all(re.fullmatch(r"(yes|no) [1-9][0-9]?", t) for t in texts), texts
+
+
 def test_unconstrained_neighbour_is_unaffected(engine):
     _, with_neighbours = _generate(engine, "regex", "[a-z]+", do_sample=False)
     pool = BlockPool(512)
@@ -54,3 +62,9 @@ def test_unconstrained_neighbour_is_unaffected(engine):
     alone = run_to_completion(engine, [request(99, prompt, pool.take(len(prompt) + 20, 4),
                                                max_new_tokens=20)])
     assert with_neighbours == alone[99]
+
+
+def test_every_grammar_type_of_the_contract_reaches_the_engine():
+    from proto import generate_pb2 as pb
+    from shard.convert import _GRAMMAR_KINDS
+    assert set(_GRAMMAR_KINDS) == set(pb.GrammarType.values()) - {pb.GRAMMAR_TYPE_NONE}

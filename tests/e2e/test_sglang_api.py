@@ -1,0 +1,196 @@
+"""SGLang's native /generate end to end on a tiny model: it answers as TGI's route does for the same
+prompt, and each field has its observable effect."""
+import json
+import re
+import time
+
+import pytest
+import requests
+
+from tests.e2e.server import free_and_total_blocks, launch
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    launched = launch(["--model-id", str(tiny_llama)], tmp_path_factory.mktemp("sglang-api"),
+                      extra=["--max-input-tokens", "64", "--max-total-tokens", "512",
+                             "--max-batch-prefill-tokens", "256",
+                             "--max-batch-total-tokens", "8192", "--block-size", "4"])
+    yield launched
+    assert launched.stop() == 0
+
+
+def post(server, path, body, **kw):
+    return requests.post(f"{server.url}{path}", json=body, timeout=60, **kw)
+
+
+def sglang(server, **fields):
+    reply = post(server, "/generate", fields)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def greedy(max_new_tokens=12, **params):
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, **params}
+
+
+def events(reply):
+    lines = (line.decode() for line in reply.iter_lines())  # SSE is UTF-8 by definition
+    frames = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    return [json.loads(f) for f in frames[:-1]]
+
+
+def test_greedy_text_equals_tgis_and_input_ids_equal_text(server):
+    tgi = post(server, "/generate", {"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 12, "details": True}}).json()
+    out = sglang(server, text=PROMPT, sampling_params=greedy(ignore_eos=True))
+    assert out["text"] == tgi["generated_text"]
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 12 == tgi["details"]["generated_tokens"]
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    ids = [t["id"] for t in post(server, "/tokenize", {"inputs": PROMPT}).json()]
+    assert meta["prompt_tokens"] == len(ids)
+    by_ids = sglang(server, input_ids=ids, sampling_params=greedy(ignore_eos=True))
+    assert by_ids["text"] == out["text"]
+    # the same prompt again: its full blocks come from the prefix cache
+    assert by_ids["meta_info"]["cached_tokens"] >= 4
+
+
+def test_batches_keep_order_and_n_gives_n_answers(server):
+    prompts = ["Once upon a time", "Hello there", PROMPT]
+    alone = [sglang(server, text=p, sampling_params=greedy(6))["text"] for p in prompts]
+    batch = sglang(server, text=prompts, sampling_params=greedy(6), rid=["a", "b", "c"])
+    assert [o["text"] for o in batch] == alone
+    assert [o["meta_info"]["id"] for o in batch] == ["a", "b", "c"]
+    several = sglang(server, text="Hello", sampling_params={"n": 3, "max_new_tokens": 5})
+    assert len(several) == 3 and all(o["meta_info"]["completion_tokens"] <= 5 for o in several)
+
+
+def test_stops_and_ignore_eos(server):
+    full = sglang(server, text=PROMPT, sampling_params=greedy(20, ignore_eos=True))
+    assert full["meta_info"]["completion_tokens"] == 20  # ignore_eos reaches max_new_tokens
+    # a stop string from the middle of the greedy text
+    text = full["text"]
+    middle = next(i for i in range(len(text) // 3, len(text) - 3) if text[i:i + 3].strip())
+    stop = text[middle:middle + 3]
+    cut = text[:text.index(stop)]
+    trimmed = sglang(server, text=PROMPT, sampling_params=greedy(20, stop=stop, ignore_eos=True))
+    assert trimmed["text"] == cut
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    kept = sglang(server, text=PROMPT, sampling_params=greedy(20, stop=[stop], no_stop_trim=True,
+                                                             ignore_eos=True))
+    assert kept["text"] == cut + stop
+    # a stop token id (ignore_eos would ignore it too, as in SGLang): it ends the generation
+    plain = sglang(server, text=PROMPT, sampling_params=greedy(20), return_logprob=True)
+    tokens = [t[1] for t in plain["meta_info"]["output_token_logprobs"]]
+    target = tokens[len(tokens) // 2]
+    ended = sglang(server, text=PROMPT, sampling_params=greedy(20, stop_token_ids=[target]),
+                   return_logprob=True)
+    assert ended["meta_info"]["finish_reason"] == {"type": "stop", "matched": target}
+    assert [t[1] for t in ended["meta_info"]["output_token_logprobs"]] == \
+        tokens[:tokens.index(target) + 1]
+
+
+def test_constrained_outputs_parse(server):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["answer", "n"]}
+    out = sglang(server, text=["Reply:", "Reply:"], sampling_params=[
+        {"json_schema": json.dumps(schema), "max_new_tokens": 40},
+        {"regex": "(yes|no) [0-9]", "max_new_tokens": 40}])
+    value = json.loads(out[0]["text"])
+    assert value["answer"] in ("yes", "no") and 0 <= value["n"] <= 9
+    assert re.fullmatch("(yes|no) [0-9]", out[1]["text"])
+    ebnf = sglang(server, text="Reply:", sampling_params={
+        "ebnf": 'root ::= ("yes" | "no") " " [1-9]', "max_new_tokens": 40})
+    assert re.fullmatch("(yes|no) [1-9]", ebnf["text"])
+
+
+def test_logprobs_equal_tgis_details(server):
+    tgi = post(server, "/generate", {"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 6, "details": True, "decoder_input_details": True,
+        "top_n_tokens": 2}}).json()["details"]
+    out = sglang(server, text=PROMPT, sampling_params=greedy(6, ignore_eos=True),
+                 return_logprob=True, logprob_start_len=0, return_text_in_logprobs=True)
+    meta = out["meta_info"]
+    assert meta["input_token_logprobs"][0] == [None, tgi["prefill"][0]["id"],
+                                               tgi["prefill"][0]["text"]]
+    for (logprob, token_id, text), expected in zip(meta["input_token_logprobs"][1:],
+                                                   tgi["prefill"][1:]):
+        assert token_id == expected["id"] and text == expected["text"]
+        assert logprob == pytest.approx(expected["logprob"], abs=1e-4)
+    for (logprob, token_id, _), expected in zip(meta["output_token_logprobs"], tgi["tokens"]):
+        assert token_id == expected["id"]
+        assert logprob == pytest.approx(expected["logprob"], abs=1e-4)
+    tops = sglang(server, text=PROMPT, sampling_params=greedy(6, ignore_eos=True),
+                  return_logprob=True, top_logprobs_num=2)["meta_info"]
+    assert tops["input_token_logprobs"] == []
+    for step, expected in zip(tops["output_top_logprobs"], tgi["top_tokens"]):
+        assert [t[1] for t in step] == [t["id"] for t in expected]
+    later = sglang(server, text=PROMPT, sampling_params=greedy(2), return_logprob=True,
+                   logprob_start_len=3)["meta_info"]
+    assert [t[1] for t in later["input_token_logprobs"]] == [t["id"] for t in tgi["prefill"][3:]]
+
+
+def test_stream_ends_as_the_plain_answer(server):
+    body = {"text": PROMPT, "sampling_params": greedy(10, ignore_eos=True)}
+    plain = sglang(server, **body)
+    with requests.post(f"{server.url}/generate", json={**body, "stream": True}, stream=True,
+                       timeout=60) as reply:
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        frames = events(reply)
+    assert len(frames) == 10
+    assert frames[-1]["text"] == plain["text"]
+    assert frames[-1]["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+    assert all(f["meta_info"]["finish_reason"] is None for f in frames[:-1])
+    assert all(plain["text"].startswith(f["text"]) for f in frames)
+
+
+def _free_and_total_blocks(server):
+    return free_and_total_blocks(server.url)
+
+
+def test_abort_request_frees_the_blocks_and_companion_routes(server):
+    body = {"text": PROMPT, "rid": "long", "stream": True,
+            "sampling_params": {"max_new_tokens": 440, "ignore_eos": True}}
+    with requests.post(f"{server.url}/generate", json=body, stream=True, timeout=60) as reply:
+        lines = (line.decode() for line in reply.iter_lines())
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["meta_info"]["finish_reason"] is None
+        busy = post(server, "/flush_cache", {})
+        assert busy.status_code == 400
+        assert post(server, "/abort_request", {"rid": "long"}).status_code == 200
+        frames = [json.loads(line[6:]) for line in lines
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    last = frames[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["completion_tokens"] < 440
+    for _ in range(100):
+        free, total = _free_and_total_blocks(server)
+        if free == total:
+            break
+        time.sleep(0.05)
+    assert free == total, f"{total - free} blocks still held"
+    assert post(server, "/flush_cache", {}).status_code == 200
+    assert _free_and_total_blocks(server)[0] == total
+    assert requests.get(f"{server.url}/health_generate", timeout=30).status_code == 200
+    info = requests.get(f"{server.url}/get_model_info", timeout=10).json()
+    assert info["is_generation"] is True
+    assert requests.get(f"{server.url}/get_server_info", timeout=10).json()["version"]
+
+
+def test_refusals_name_what_is_not_supported(server):
+    for fields, words in (({"lora_path": "x"}, "LoRA"),
+                          ({"custom_logit_processor": "x"}, "serialized Python"),
+                          ({"image_data": "a.png"}, "text only"),
+                          ({"input_embeds": [[0.0]], "text": None}, "not supported yet")):
+        reply = post(server, "/generate", {"text": "Hi", **fields})
+        assert reply.status_code == 422 and words in reply.json()["error"]["message"]
+    neither = post(server, "/generate", {"prompt": "Hi"})
+    assert neither.status_code == 422 and "`text`" in neither.json()["error"]

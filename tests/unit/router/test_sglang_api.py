@@ -1,0 +1,404 @@
+"""SGLang's native /generate and its companion routes, with the real app over a scripted shard.
+
+The fake shard generates tokens 1, 2, 3... ("t1 ", "t2 ", ...) with log-probability -0.5 and
+stops at max_new_tokens; conversions and shaping that need other outcomes are tested on their own.
+"""
+import asyncio
+import json
+
+import pytest
+
+from router.api.sglang import Run
+from router.openapi import openapi_document
+from router.schemas import FinalInfo, FinishReason, Timings, Token, TokenEvent
+from router.sglang_request import LogprobOptions, SglangItem, claims, parse_generate
+from router.tokenizer import RouterTokenizer
+from router.validation import ValidationLimits
+from router.config import TokenLimits
+from router.errors import ValidationError
+from tests.unit.router.test_api_errors import HealthyFake, _client
+
+
+def _sglang(max_new_tokens=3, **fields):
+    return {"text": "hello", "sampling_params": {"max_new_tokens": max_new_tokens}, **fields}
+
+
+async def test_tgi_and_sglang_share_generate(tiny_llama):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        tgi = await client.post("/generate", json={"inputs": "hello",
+                                                   "parameters": {"max_new_tokens": 3}})
+        assert tgi.status == 200 and (await tgi.json()) == {"generated_text": "t1 t2 t3 "}
+        reply = await client.post("/generate", json=_sglang(rid="r1"))
+        assert reply.status == 200
+        body = await reply.json()
+        assert body["text"] == "t1 t2 t3 "
+        meta = body["meta_info"]
+        assert meta["id"] == "r1" and meta["completion_tokens"] == 3
+        assert meta["finish_reason"] == {"type": "length", "length": 3}
+        assert meta["prompt_tokens"] > 0 and meta["cached_tokens"] == 0
+        assert meta["e2e_latency"] >= 0 and "output_token_logprobs" not in meta
+        ebnf = await client.post("/generate", json={"inputs": "a", "parameters": {
+            "grammar": {"type": "ebnf", "value": 'root ::= "a"'}}})
+        assert ebnf.status == 422, "TGI's grammar types stay json and regex"
+        assert "not supported (json, regex)" in (await ebnf.json())["error"]
+        neither = await client.post("/generate", json={"prompt": "hello"})
+        assert neither.status == 422
+        error = (await neither.json())["error"]
+        assert "missing field `inputs`" in error and "`text`" in error and "`input_ids`" in error
+    finally:
+        await client.close()
+
+
+async def test_batches_keep_their_order_and_n_is_batch_major(tiny_llama):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        reply = await client.post("/generate", json={
+            "text": ["a", "b"], "rid": ["x", "y"],
+            "sampling_params": [{"max_new_tokens": 1, "n": 2}, {"max_new_tokens": 2, "n": 2}]})
+        assert reply.status == 200
+        body = await reply.json()
+        assert [o["text"] for o in body] == ["t1 ", "t1 ", "t1 t2 ", "t1 t2 "]
+        assert [o["meta_info"]["id"] for o in body] == ["x", "x", "y", "y"]
+        one = await (await client.post("/generate", json={"input_ids": [1, 2, 3],
+                                                          "sampling_params": {"n": 2}})).json()
+        assert isinstance(one, list) and len(one) == 2
+        assert one[0]["meta_info"]["prompt_tokens"] == 3
+        ids = await (await client.post("/generate", json={"input_ids": [[1, 2], [3]]})).json()
+        assert [o["meta_info"]["prompt_tokens"] for o in ids] == [2, 1]
+        # SGLang's default max_new_tokens (128), within the 128-token context left by the prompt
+        assert ids[0]["meta_info"]["completion_tokens"] == 128 - 2
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"text": "a", "input_ids": [1]}, "exactly one of `text`, `input_ids` or `input_embeds`"),
+    ({"input_embeds": [[0.1, 0.2]]}, "`input_embeds` is not supported yet"),
+    ({"text": "a", "image_data": "x.png"}, "`image_data` is not supported: this model reads text"),
+    ({"text": "a", "audio_data": "x.wav"}, "`audio_data` is not supported: this model reads text"),
+    ({"text": "a", "custom_logit_processor": "x"}, "serialized Python"),
+    ({"text": "a", "lora_path": "x"}, "no LoRA adapters"),
+    ({"text": "a", "token_ids_logprob": [1]}, "`token_ids_logprob` is not supported yet"),
+    ({"text": "a", "return_hidden_states": True}, "`return_hidden_states` is not supported yet"),
+    ({"text": "a", "what": 1}, "`what` is not a field"),
+    ({"text": "a", "sampling_params": {"ebnf": "root ::= bar"}}, "Rule 'bar' not found"),
+    ({"text": "a", "sampling_params": {"json_schema": "{}", "regex": "a"}}, "only one of"),
+    ({"text": "a", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "only one of"),
+    ({"text": "a", "sampling_params": {"structural_tag": "{}"}}, "not supported yet"),
+    ({"text": "a", "sampling_params": {"json_schema": "{"}}, "not JSON"),
+    ({"text": "a", "sampling_params": {"top_k": 0}}, "-1 (off) or at least 1"),
+    ({"text": "a", "sampling_params": {"presence_penalty": 2.5}}, "presence_penalty` must be"),
+    ({"text": "a", "sampling_params": {"temperature": -1}}, "temperature` must be >= 0"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 2**32}}, "expected u32"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "not supported yet"),
+    ({"text": "a", "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 2}},
+     "min_new_tokens"),
+    ({"text": "a", "sampling_params": {"spaces_between_special_tokens": False}}, "not supported"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": [10**6]}}, "is not a token id"),
+    ({"text": "a", "sampling_params": {"foo": 1}}, "not a field of SGLang's sampling"),
+    ({"text": ["a", "b"], "sampling_params": [{}]}, "1 objects for 2 prompts"),
+    ({"input_ids": [1, -1]}, "expected u32"),
+    ({"input_ids": [10**6]}, "is not a token id"),
+    ({"text": ""}, "cannot be empty"),
+    ({"text": []}, "non-empty list"),
+    ({"text": "a", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
+    ({"text": "a", "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2},
+     "not supported yet"),
+    ({"text": "a", "stream": "yes"}, "`stream` must be a boolean"),
+    ({"text": ["a", "b"], "rid": ["x", "x"]}, "alike"),
+])
+async def test_refusals_are_4xx_in_sglang_shape(tiny_llama, body, message):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        reply = await client.post("/generate", json=body)
+        assert reply.status == 422
+        error = (await reply.json())["error"]
+        assert error["type"] == "validation" and error["code"] == 422
+        assert message in error["message"], error["message"]
+    finally:
+        await client.close()
+
+
+def _limits():
+    return ValidationLimits(TokenLimits(max_input_tokens=64, max_total_tokens=512,
+                                        max_batch_prefill_tokens=256), 2, 4, 5)
+
+
+async def test_conversion_uses_sglangs_defaults(tiny_llama):
+    tokenizer = RouterTokenizer(str(tiny_llama))
+    batch = await parse_generate({"text": "hello"}, tokenizer, _limits(), 4)
+    request = batch.items[0].request
+    assert not batch.as_list and request.sampling.do_sample and request.sampling.temperature == 1.0
+    assert request.sampling.top_k == 0 and request.stopping.max_new_tokens == 128
+    assert request.skip_special_tokens and request.grammar is None
+    batch = await parse_generate({"text": "hello", "sampling_params": {
+        "temperature": 0, "top_k": 5, "top_p": 0.5, "min_p": 0.1, "frequency_penalty": 0.5,
+        "presence_penalty": -0.5, "repetition_penalty": 1.1, "stop": "x", "stop_token_ids": [7],
+        "min_new_tokens": 2, "ignore_eos": True, "skip_special_tokens": False,
+        "no_stop_trim": True, "regex": "[ab]+", "max_new_tokens": 9, "sampling_seed": 4}},
+        tokenizer, _limits(), 4)
+    item = batch.items[0]
+    s, st = item.request.sampling, item.request.stopping
+    assert not s.do_sample and s.top_k == 5 and s.top_p == 0.5 and s.min_p == pytest.approx(0.1)
+    assert (s.frequency_penalty, s.presence_penalty) == (0.5, -0.5) and s.seed == 4
+    assert s.repetition_penalty == pytest.approx(1.1)
+    assert st.stop_sequences == ["x"] and st.stop_token_ids == [7] and st.min_new_tokens == 2
+    assert st.ignore_eos and st.max_new_tokens == 9 and item.no_stop_trim
+    assert not item.request.skip_special_tokens and item.request.grammar == ("regex", "[ab]+")
+    batch = await parse_generate({"text": "hello", "sampling_params": {
+        "json_schema": json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})}},
+        tokenizer, _limits(), 4)
+    assert batch.items[0].request.grammar[0] == "json"
+    batch = await parse_generate({"text": "hello", "sampling_params": {
+        "ebnf": 'root ::= "yes" | "no"'}}, tokenizer, _limits(), 4)
+    assert batch.items[0].request.grammar == ("ebnf", 'root ::= "yes" | "no"')
+    batch = await parse_generate({"text": ["a", "b"], "return_logprob": [True, False],
+                                  "logprob_start_len": [0, -1], "top_logprobs_num": 0},
+                                 tokenizer, _limits(), 4)
+    first, second = batch.items
+    assert first.logprobs.enabled and first.request.prefill_logprobs
+    assert not second.logprobs.enabled and not second.request.prefill_logprobs
+    assert claims({"text": "a"}) and claims({"input_ids": [1]}) and claims({"input_embeds": []})
+    assert not claims({"inputs": "a", "text": "b"}) and not claims({})
+    with pytest.raises(ValidationError, match="exceeds the maximum"):
+        await parse_generate({"text": ["a"] * 5}, tokenizer, _limits(), 4)
+
+
+def _run(events, *, stops=(), no_stop_trim=False, logprobs=LogprobOptions(), max_new_tokens=8):
+    from router.schemas import GenerateRequest, SamplingParams, StoppingParams
+    request = GenerateRequest("p", [5, 6, 7], SamplingParams(),
+                              StoppingParams(max_new_tokens, list(stops)))
+    run = Run(SglangItem(request, "rid", 0, 0, logprobs, no_stop_trim), Timings(started_at=0.0))
+    for event in events:
+        run.record(event)
+    return run
+
+
+def _tokens(*pairs):
+    return [TokenEvent(Token(i, text, -0.25)) for i, text in pairs]
+
+
+def test_stop_string_is_trimmed_unless_no_stop_trim():
+    events = _tokens((3, "Hello"), (4, " world"))
+    events[-1].final = FinalInfo("Hello world", 2, FinishReason.STOP_SEQUENCE, None)
+    assert _run(events, stops=["wor", " world"]).text() == "Hello"
+    assert _run(events, stops=[" world"]).finish_reason() == {"type": "stop",
+                                                             "matched": " world"}
+    assert _run(events, stops=[" world"], no_stop_trim=True).text() == "Hello world"
+
+
+def test_eos_matches_its_token_id_and_its_text_is_trimmed():
+    events = _tokens((3, "Hi"), (2, "</s>"))
+    events[-1].final = FinalInfo("Hi</s>", 2, FinishReason.EOS_TOKEN, None)
+    run = _run(events)
+    assert run.text() == "Hi" and run.finish_reason() == {"type": "stop", "matched": 2}
+    assert _run(events, no_stop_trim=True).text() == "Hi</s>"
+
+
+def test_logprobs_in_sglangs_meta_info_layout():
+    events = _tokens((3, "a"), (4, "b"))
+    events[0].prefill = [Token(5, "x", None), Token(6, "y", -1.0), Token(7, "z", -2.0)]
+    events[0].top_tokens = [Token(3, "a", -0.25), Token(9, "q", -3.0)]
+    events[1].top_tokens = [Token(4, "b", -0.25)]
+    events[-1].final = FinalInfo("ab", 2, FinishReason.LENGTH, None)
+    meta = _run(events, logprobs=LogprobOptions(True, 1, 0, True)).meta_info()
+    assert meta["input_token_logprobs"] == [[-1.0, 6, "y"], [-2.0, 7, "z"]]
+    assert meta["output_token_logprobs"] == [[-0.25, 3, "a"], [-0.25, 4, "b"]]
+    assert "output_top_logprobs" not in meta
+    meta = _run(events, logprobs=LogprobOptions(True, 0, 0, False)).meta_info()
+    assert meta["input_token_logprobs"][0] == [None, 5, None]
+    meta = _run(events, logprobs=LogprobOptions(True, -1, 2, False)).meta_info()
+    assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs"] == []
+    assert meta["output_top_logprobs"] == [[[-0.25, 3, None], [-3.0, 9, None]],
+                                           [[-0.25, 4, None]]]
+
+
+async def test_logprobs_through_the_route(tiny_llama):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        body = await (await client.post("/generate", json=_sglang(
+            max_new_tokens=2, return_logprob=True, return_text_in_logprobs=True))).json()
+        assert body["meta_info"]["output_token_logprobs"] == [[-0.5, 1, "t1 "], [-0.5, 2, "t2 "]]
+        assert body["meta_info"]["input_token_logprobs"] == []
+    finally:
+        await client.close()
+
+
+def _sse(text: str) -> list:
+    frames = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return [f if f == "[DONE]" else json.loads(f) for f in frames]
+
+
+async def test_stream_carries_the_text_so_far_and_ends_like_the_plain_answer(tiny_llama):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        plain = await (await client.post("/generate", json=_sglang(rid="a"))).json()
+        reply = await client.post("/generate", json=_sglang(stream=True, rid="a"))
+        assert reply.status == 200 and reply.headers["Content-Type"] == "text/event-stream"
+        frames = _sse(await reply.text())
+        assert frames[-1] == "[DONE]"
+        assert [f["text"] for f in frames[:-1]] == ["t1 ", "t1 t2 ", "t1 t2 t3 "]
+        assert [f["meta_info"]["finish_reason"] for f in frames[:-2]] == [None, None]
+        last = frames[-2]
+        assert last["text"] == plain["text"]
+        assert last["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+        reply = await client.post("/generate", json={"text": ["a", "b"], "stream": True,
+                                                     "sampling_params": {"max_new_tokens": 2}})
+        frames = _sse(await reply.text())
+        assert sorted(f["index"] for f in frames[:-1]) == [0, 0, 1, 1]
+        bad = await client.post("/generate", json={"text": "a", "stream": True, "lora_path": "x"})
+        assert bad.status == 422 and "LoRA" in (await bad.json())["error"]["message"]
+    finally:
+        await client.close()
+
+
+async def test_stream_error_after_opening_is_an_sglang_frame_then_done(tiny_llama):
+    fake = HealthyFake(step_delay=0.01)
+    client = await _client(tiny_llama, fake)
+    try:
+        reply = await client.post("/generate", json=_sglang(max_new_tokens=10, stream=True))
+        assert reply.status == 200
+        await reply.content.readline()
+        fake.fail_next = "decode"
+        frames = _sse((await reply.content.read()).decode())
+        assert frames[-1] == "[DONE]"
+        assert frames[-2]["error"]["type"] == "generation" and frames[-2]["error"]["code"] == 424
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_abort_request_ends_it_with_abort_and_frees_its_blocks(tiny_llama, stream):
+    fake = HealthyFake(step_delay=0.02)
+    client = await _client(tiny_llama, fake)
+    state = client.server.app
+    try:
+        from router.state import STATE
+        allocator = state[STATE].allocator
+        idle = allocator.num_free_blocks
+        pending = asyncio.ensure_future(client.post("/generate", json=_sglang(
+            max_new_tokens=100, rid="long", stream=stream)))
+        await asyncio.sleep(0.15)
+        assert allocator.num_free_blocks < idle
+        assert (await client.post("/abort_request", json={"rid": "long"})).status == 200
+        reply = await asyncio.wait_for(pending, 5)
+        assert reply.status == 200
+        if stream:
+            frames = _sse(await reply.text())
+            assert frames[-1] == "[DONE]"
+            body = frames[-2]
+        else:
+            body = await reply.json()
+        assert body["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < body["meta_info"]["completion_tokens"] < 100
+        assert body["text"].startswith("t1 t2 ")
+        for _ in range(50):
+            if allocator.num_free_blocks == idle:
+                break
+            await asyncio.sleep(0.02)
+        assert allocator.num_free_blocks == idle
+        assert (await client.post("/abort_request", json={"rid": "gone"})).status == 200
+        assert (await client.post("/abort_request", json={"rid": 5})).status == 422
+        again = await client.post("/generate", json=_sglang(rid="long"))
+        assert again.status == 200, "the rid is free again once its request ended"
+    finally:
+        await client.close()
+
+
+async def test_a_running_rid_cannot_be_reused(tiny_llama):
+    client = await _client(tiny_llama, HealthyFake(step_delay=0.02))
+    try:
+        first = asyncio.ensure_future(client.post("/generate", json=_sglang(20, rid="same")))
+        await asyncio.sleep(0.1)
+        second = await client.post("/generate", json=_sglang(rid="same"))
+        assert second.status == 422 and "already running" in (await second.json())["error"][
+            "message"]
+        assert (await first).status == 200
+    finally:
+        await client.close()
+
+
+async def test_companion_routes(tiny_llama):
+    fake = HealthyFake(step_delay=0.02)
+    client = await _client(tiny_llama, fake)
+    try:
+        assert (await client.get("/health_generate")).status == 200
+        info = await (await client.get("/get_model_info")).json()
+        assert info["is_generation"] is True and info["tokenizer_path"] == str(tiny_llama)
+        server = await (await client.get("/get_server_info")).json()
+        assert server["max_total_num_tokens"] > 0 and server["version"]
+        assert (await client.post("/flush_cache")).status == 200
+        busy = asyncio.ensure_future(client.post("/generate", json=_sglang(20)))
+        await asyncio.sleep(0.1)
+        reply = await client.post("/flush_cache")
+        assert reply.status == 400 and "not be performed" in await reply.text()
+        assert (await busy).status == 200
+        fake.fail_next = "prefill"
+        assert (await client.get("/health_generate")).status == 503
+    finally:
+        await client.close()
+
+
+def test_openapi_describes_sglangs_request_and_routes():
+    doc = openapi_document()
+    schemas = doc["components"]["schemas"]
+    body = doc["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]
+    refs = json.dumps(body)
+    assert "GenerateRequest" in refs and "SglangGenerateRequest" in refs
+    params = schemas["SglangSamplingParams"]["properties"]
+    assert params["top_k"]["minimum"] == -1 and params["max_new_tokens"]["maximum"] == 2**32 - 1
+    assert params["presence_penalty"]["maximum"] == 2
+    for path in ("/abort_request", "/flush_cache", "/health_generate", "/get_model_info",
+                 "/get_server_info"):
+        assert path in doc["paths"], path
+
+
+async def test_flush_cache_lets_go_of_every_cached_block(tiny_llama):
+    from router.prefix_cache import PrefixCache
+    from router.state import STATE
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        state = client.server.app[STATE]
+        allocator = state.allocator
+        cache = PrefixCache(allocator)
+        state.batcher.queue.prefix_cache = cache
+        state.batcher.running.prefix_cache = cache
+        idle = allocator.num_free_blocks
+        allocation = allocator.allocate(8)
+        cache.insert(list(range(8)), allocation.block_ids)
+        allocator.free(allocation)
+        assert len(cache) == 2 and allocator.num_free_blocks == idle - 2
+        reply = await client.post("/flush_cache")
+        assert reply.status == 200 and "Cache flushed" in await reply.text()
+        assert len(cache) == 0 and allocator.num_free_blocks == idle
+        assert "tgi_kv_cache_prefix_blocks 0.0" in await (await client.get("/metrics")).text()
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("body", [
+    {"input_ids": [[[1]]]}, {"input_ids": [1, [2]]}, {"input_ids": [[1], []]}, {"input_ids": "ab"},
+    {"text": ["a", 5]}, {"text": 5}, {"text": {"a": 1}}, {"text": "a", "rid": 5},
+    {"text": "a", "rid": ["a", "b"]}, {"text": ["a", "b"], "rid": "same"},
+    {"text": "a", "sampling_params": [1]}, {"text": "a", "sampling_params": "x"},
+    {"text": "a", "logprob_start_len": "x"}, {"text": "a", "top_logprobs_num": -1},
+    {"text": "a", "return_logprob": "yes"}, {"text": "a", "return_logprob": [True, False]},
+    {"text": "a", "sampling_params": {"stop": [1]}}, {"text": "a", "sampling_params": {"n": 0}},
+    {"text": "a", "sampling_params": {"stop_token_ids": "x"}},
+    {"text": "a", "sampling_params": {"temperature": "hot"}},
+    {"text": "a", "sampling_params": {"top_p": 0}}, {"text": "a", "sampling_params": {"min_p": 2}},
+    {"text": "a", "sampling_params": {"regex": 5}}, {"text": "a", "sampling_params": {"ebnf": 5}},
+    {"text": "a", "sampling_params": {"json_schema": {"type": "object"}}},
+    {"text": "a", "sampling_params": {"repetition_penalty": 0}},
+    {"text": "a", "sampling_params": {"ignore_eos": 1}},
+    {"text": "a", "return_text_in_logprobs": 1}, {"text": "a", "image_data": []},
+])
+async def test_malformed_sglang_bodies_are_422(tiny_llama, body):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        reply = await client.post("/generate", json=body)
+        assert reply.status == 422, await reply.text()
+        assert (await reply.json())["error"]["message"]
+    finally:
+        await client.close()
