@@ -315,6 +315,8 @@ async def kv_blocks(session: aiohttp.ClientSession, url: str, wait_s: float) -> 
         values = {}
         for key, name in names.items():
             match = re.search(rf"^{name} (\S+)$", text, re.M)
+            if match is None and key != "prefix_cache":  # unmeasured is not "nothing leaked"
+                return {"leaked": None, "error": f"/metrics has no {name}"}
             values[key] = int(float(match.group(1))) if match else 0
         values["leaked"] = values["total"] - values["free"] - values["prefix_cache"]
         if values["leaked"] == 0 or time.monotonic() > deadline:

@@ -179,13 +179,14 @@ class Supervisor:
         self._start_shards(wait=False)  # the router notices the new group and warms it up
 
     def _kill(self, children: list[Child]) -> None:
-        """SIGKILL to each child's whole process group (a shard's compiler, say), then reaped."""
+        """SIGKILL to each child's whole process group (a shard's compiler, say), then reaped. A
+        leader that already died may leave members behind: its group is killed all the same (its
+        id cannot be reused while a member lives)."""
         for child in children:
-            if child.exited() is None:
-                try:
-                    os.killpg(child.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            try:
+                os.killpg(child.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for child in children:
             try:
                 child.process.wait(timeout=30)
@@ -207,8 +208,7 @@ class Supervisor:
                     child.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:
                     self._say(f"{child.name} did not stop in {grace}s; killing it", level="WARNING")
-                    child.process.kill()
-                    child.process.wait()
+                    self._kill([child])
         for rank in range(self.config.num_shard):
             if os.path.exists(self.socket_path(rank)):
                 os.unlink(self.socket_path(rank))

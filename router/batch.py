@@ -28,6 +28,10 @@ class NewBatch:
     max_tokens: int  # KV tokens the batch may reach (prompts and every new token)
     max_blocks: int  # the longest block table in it
 
+    def without(self, request_ids: set[int]) -> NewBatch:
+        return NewBatch(self.id, [r for r in self.requests if r.id not in request_ids],
+                        self.max_tokens, self.max_blocks)
+
 
 @dataclass(slots=True)
 class PreparedBatch:

@@ -28,7 +28,7 @@ from router.recovery import RecoveryPolicy, ShardRecovery, shutting_down
 from router.request_queue import BatchPlan, RequestQueue
 from router.running_requests import RunningRequests
 from router.scheduling import ChunkedPrefill, SchedulingLimits
-from router.shard_steps import ShardSteps
+from router.shard_steps import NOTHING_SENT, ShardSteps
 
 log = logging.getLogger("tgi.router.batcher")
 
@@ -60,7 +60,7 @@ class Batcher:
         if recovery is not None:
             self.recovery = ShardRecovery(recovery, queue, self.running,
                                           self.failures.fail_waiting)
-            self.steps.is_alive, self.steps.lose_shards = recovery.is_alive, self._lose_shards
+            self.steps.is_lost, self.steps.lose_shards = self.recovery.is_lost, self._lose_shards
 
     @property
     def healthy(self) -> bool:
@@ -79,6 +79,15 @@ class Batcher:
         if self.queue.remove(item):
             item.is_done = True
             self.metrics.queue_size.set(len(self.queue))
+
+    def flush_prefix_cache(self) -> bool:
+        """Lets go of every cached prompt block no request holds; whether the cache is empty."""
+        cache = self.queue.prefix_cache
+        if cache is None:
+            return True
+        cache.evict(len(cache))
+        self.running.update_gauges()
+        return len(cache) == 0
 
     def stop_waiting(self) -> None:
         """The router is stopping: nothing waits for shards that are gone any more."""
@@ -136,10 +145,8 @@ class Batcher:
                     continue  # a long prompt's chunks, with nothing decoding meanwhile
                 break
             self._batch_gauges(batches)
-            running = await self.steps.decode(batches)
+            running = await self.steps.decode(batches)  # None when the shards were lost
             waiting_steps += 1
-            if generation != self.shard_generation:
-                running = None
 
     def _batch_gauges(self, batches: list[CachedBatch]) -> None:
         self.metrics.batch_current_size.set(sum(len(b.request_ids) for b in batches))
@@ -207,6 +214,9 @@ class Batcher:
         if result is None:
             self.chunked = None
             return None
+        if result is NOTHING_SENT:
+            self.chunked = None
+            return running
         elapsed = time.monotonic() - started
         if item.is_done:  # refused: no more chunks
             self.chunked = None
@@ -228,11 +238,13 @@ class Batcher:
         items = plan.entries
         self.running.start(items)
         batch = NewBatch(id=plan.batch_id, requests=[_shard_request(i) for i in items],
-                         max_tokens=sum(i.kv_tokens for i in items),
+                         max_tokens=plan.max_tokens,
                          max_blocks=max(len(i.allocation.block_ids) for i in items))
         result = await self.steps.prefill(batch, items, running)
         if result is None:
             return None
+        if result is NOTHING_SENT:
+            return running
         # a refused request computed nothing worth caching (and its blocks are free)
         self.running.remember_prompts([i for i in items if not i.is_done])
         return await self.steps.after_step(result, "prefill")

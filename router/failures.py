@@ -67,7 +67,7 @@ class FailureFanOut:
         for item in retry:
             self.running.drop(item.id)
         self.fail_running(error)
-        self.queue.requeue_front(retry)
+        self.queue.put_back(retry)
         self.metrics.queue_size.set(len(self.queue))
 
     @staticmethod

@@ -19,6 +19,18 @@ NO_TOOL = "no_tool"  # the pseudo-function a model calls under tool_choice=auto 
 
 def checked(kind: str, value) -> tuple[str, str]:
     """(kind, value as text) after llguidance accepted it; a 422 that names the problem if not."""
+    try:
+        source, text = _source(kind, value)
+    except ValueError as err:  # llguidance's own refusals (a bool schema, a bad pattern...)
+        raise ValidationError(f"grammar is not valid: {err}") from None
+    error = llguidance.LLMatcher.validate_grammar(source)
+    if error:
+        raise ValidationError(f"grammar is not valid: {error.strip()}")
+    return kind, text
+
+
+def _source(kind: str, value) -> tuple[str, str]:
+    """llguidance's grammar for the constraint, and the constraint as text for the shards."""
     if kind == JSON:
         if isinstance(value, str):
             try:
@@ -31,24 +43,16 @@ def checked(kind: str, value) -> tuple[str, str]:
         value = close_objects(value)
         source = llguidance.LLMatcher.grammar_from_json_schema(
             value, defaults={"whitespace_flexible": False})
-        text = json.dumps(value)
-    elif kind == REGEX:
+        return source, json.dumps(value)
+    if kind == REGEX:
         if not isinstance(value, str):
             raise ValidationError("grammar is not valid: a regex must be a string")
-        source, text = llguidance.LLMatcher.grammar_from_regex(value), value
-    elif kind == EBNF:
+        return llguidance.LLMatcher.grammar_from_regex(value), value
+    if kind == EBNF:
         if not isinstance(value, str):
             raise ValidationError("grammar is not valid: an EBNF grammar must be a string")
-        try:
-            source, text = llguidance.grammar_from("ebnf", value), value
-        except ValueError as err:
-            raise ValidationError(f"grammar is not valid: {err}") from None
-    else:
-        raise ValidationError(f"grammar type {kind!r} is not supported (json, regex, ebnf)")
-    error = llguidance.LLMatcher.validate_grammar(source)
-    if error:
-        raise ValidationError(f"grammar is not valid: {error.strip()}")
-    return kind, text
+        return llguidance.grammar_from("ebnf", value), value
+    raise ValidationError(f"grammar type {kind!r} is not supported (json, regex, ebnf)")
 
 
 def close_objects(schema):

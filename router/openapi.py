@@ -184,6 +184,7 @@ def _sglang_schemas() -> dict:
         sampling_seed=int_schema(UINT64), stop=strings,
         stop_token_ids={"type": "array", "items": token_id}, ignore_eos=boolean,
         skip_special_tokens=boolean, no_stop_trim=boolean,
+        spaces_between_special_tokens={**boolean, "description": "only true (the default) for now"},
         json_schema={**string, "description": "a JSON schema, as a JSON string"},
         regex=string, ebnf={**string, "description": "GBNF (`root ::= ...`) or Lark"})
     sampling["additionalProperties"] = False

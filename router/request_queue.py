@@ -60,12 +60,6 @@ class RequestQueue(Generic[E]):
     def append(self, entry: E) -> None:
         self._entries.append(entry)
 
-    def requeue_front(self, entries: list[E]) -> None:
-        """Entries that were taken but never computed go back first, in their order."""
-        for entry in reversed(entries):
-            entry.allocation, entry.cache_len = None, 0
-            self._entries.appendleft(entry)
-
     def entries(self) -> list[E]:
         return list(self._entries)
 
@@ -103,7 +97,7 @@ class RequestQueue(Generic[E]):
             return self._plan(chosen, min_size=min_size, max_size=max_size,
                               prefill_token_budget=prefill_token_budget, token_budget=token_budget)
         except Exception:
-            self._put_back(chosen)  # neither queued nor running, they would wait for ever
+            self.put_back(chosen)  # neither queued nor running, they would wait for ever
             raise
 
     def _plan(self, chosen: list[E], *, min_size: int | None, max_size: int | None,
@@ -137,18 +131,18 @@ class RequestQueue(Generic[E]):
             if max_size is not None and len(chosen) >= max_size:
                 break
         if not chosen or (min_size is not None and len(chosen) < min_size):
-            self._put_back(chosen)
+            self.put_back(chosen)
             return None
         return BatchPlan(self.new_batch_id(), chosen, prefill_tokens, max_tokens, chunk_len)
 
-    def _put_back(self, chosen: list[E]) -> None:
-        """Entries taken by a plan that is not made: their blocks go back, they go first again."""
+    def put_back(self, chosen: list[E]) -> None:
+        """Entries taken but never computed (a plan not made, a step the shards lost): their
+        blocks go back, they go first again, in their order."""
         for entry in reversed(chosen):
             if entry.allocation is not None:
                 self.allocator.free(entry.allocation)
             entry.allocation, entry.cache_len = None, 0
             self._entries.appendleft(entry)
-        chosen.clear()
 
     def new_batch_id(self) -> int:
         batch_id = self._next_batch_id

@@ -67,12 +67,10 @@ class LogprobOptions:
 
 @dataclass(slots=True)
 class SglangItem:
-    """One generation: the `copy`-th of n for the prompt at `prompt_index`."""
+    """One generation (one of a prompt's n)."""
 
     request: GenerateRequest
     rid: str
-    prompt_index: int
-    copy: int
     logprobs: LogprobOptions
     no_stop_trim: bool
 
@@ -118,9 +116,7 @@ def _prompts(body: dict) -> tuple[list, bool, str]:
     if len(given) != 1:
         raise ValidationError("exactly one of `text`, `input_ids` or `input_embeds` must be given"
                               + (f" (got {', '.join(given)})" if given else ""))
-    name = given[0]
-    if name == "input_embeds":
-        raise ValidationError(_NOT_YET["input_embeds"])
+    name = given[0]  # not input_embeds: check_fields refused it
     value = body[name]
     if name == "text":
         if isinstance(value, str):
@@ -179,6 +175,7 @@ class _Sampling:
     skip_special_tokens: bool
     no_stop_trim: bool
     grammar: tuple[str, str] | None
+    seeded: bool  # the client gave sampling_seed
 
 
 def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int) -> _Sampling:
@@ -192,7 +189,8 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
                                   "parameters")
         if name in _SAMPLING_NOT_YET and value is not None:
             raise ValidationError(_SAMPLING_NOT_YET[name])
-    if params.get("spaces_between_special_tokens") is False:
+    if not _bool(params, "spaces_between_special_tokens", True,
+                 "sampling_params.spaces_between_special_tokens"):
         raise ValidationError("`spaces_between_special_tokens` = false is not supported yet")
     temperature = _number(params, "temperature", 0, 3.4e38, default=1.0)
     top_k = _int(params, "top_k", INT32, -1)
@@ -225,7 +223,8 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
     if len(stop) > limits.max_stop_sequences:
         raise ValidationError(f"`sampling_params.stop` supports up to {limits.max_stop_sequences} "
                               f"stop sequences. Given: {len(stop)}")
-    stop_ids = params.get("stop_token_ids") or []
+    stop_ids = params.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else stop_ids
     if not isinstance(stop_ids, list):
         raise ValidationError("`sampling_params.stop_token_ids` must be a list of token ids")
     n = _int(params, "n", UINT32, 1)
@@ -250,7 +249,7 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
         _token_ids(stop_ids, "sampling_params.stop_token_ids", vocab_size), min_new_tokens, n,
         _bool(params, "ignore_eos", False, f"{path}.ignore_eos"),
         _bool(params, "skip_special_tokens", True, f"{path}.skip_special_tokens"),
-        _bool(params, "no_stop_trim", False, f"{path}.no_stop_trim"), spec)
+        _bool(params, "no_stop_trim", False, f"{path}.no_stop_trim"), spec, seed is not None)
 
 
 def _logprob_options(body: dict, index: int, count: int, limits: ValidationLimits,
@@ -277,7 +276,7 @@ def _logprob_options(body: dict, index: int, count: int, limits: ValidationLimit
 
 def check_fields(body: dict) -> None:
     for name, value in body.items():
-        if name == "inputs" or value is None:
+        if value is None:
             continue
         if name in _TEXT_ONLY:
             raise ValidationError(f"`{name}` is not supported: this model reads text only")
@@ -318,13 +317,17 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
         if len(params) != len(prompts):
             raise ValidationError(f"`sampling_params` holds {len(params)} objects for "
                                   f"{len(prompts)} prompts")
-    else:
-        params = [params] * len(prompts)
     vocab_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+    if isinstance(params, list):
+        parsed = [parse_sampling(p, limits, max_batch, vocab_size) for p in params]
+    else:  # parsed (and its grammar compiled) once for every prompt
+        parsed = [parse_sampling(params, limits, max_batch, vocab_size)] * len(prompts)
     rids = _rids(body, len(prompts))
     items = []
     for index, prompt in enumerate(prompts):
-        asked = parse_sampling(params[index], limits, max_batch, vocab_size)
+        asked = parsed[index]
+        if not asked.seeded:  # each prompt samples with its own seed, as when parsed apart
+            asked = replace(asked, sampling=replace(asked.sampling, seed=random.getrandbits(64)))
         if field_name == "text":
             if not prompt:
                 raise ValidationError("`text` cannot be empty")
@@ -355,6 +358,5 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
         for copy in range(asked.n):
             request = base if copy == 0 else replace(base, sampling=replace(
                 base.sampling, seed=(base.sampling.seed + copy) % 2**64))
-            items.append(SglangItem(request, rids[index], index, copy, logprobs,
-                                    asked.no_stop_trim))
+            items.append(SglangItem(request, rids[index], logprobs, asked.no_stop_trim))
     return SglangBatch(items, batch, stream)

@@ -109,10 +109,7 @@ class ShardedClient:
         """The batch's message, and the requests that could not be put into it (each fails
         alone, before anything is sent)."""
         message, rejected = convert.batch_message(batch)
-        skipped = {r.request_id for r in rejected}
-        kept = [r for r in batch.requests if r.id not in skipped]
-        return PreparedBatch(NewBatch(batch.id, kept, batch.max_tokens, batch.max_blocks),
-                             message), rejected
+        return PreparedBatch(batch.without({r.request_id for r in rejected}), message), rejected
 
     async def prefill(self, prepared: PreparedBatch,
                       running: CachedBatch | None = None) -> StepResult:

@@ -68,19 +68,14 @@ def request_message(shard_request: ShardRequest) -> pb.Request:
         chunk_len=shard_request.chunk_len, skip_special_tokens=request.skip_special_tokens)
 
 
-def encode(message: pb.Request) -> bytes:
-    return message.SerializeToString()
-
-
 def batch_message(batch: NewBatch) -> tuple[pb.Batch, list[Rejection]]:
     """The batch's message, without the requests that could not be translated (returned as
-    rejections, each with the error). Each is encoded once here, so that a value the wire cannot
-    carry fails its own request rather than the whole call later."""
+    rejections, each with the error). A value the wire cannot carry raises when its message is
+    built (protobuf checks ranges and UTF-8 there), so it fails its own request, not the call."""
     messages, rejected = [], []
     for shard_request in batch.requests:
         try:
             message = request_message(shard_request)
-            encode(message)
         except Exception as err:
             log.error("request %d could not be put into a message for the shards: %r",
                       shard_request.id, err, exc_info=err)

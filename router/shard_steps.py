@@ -24,6 +24,10 @@ log = logging.getLogger("tgi.router.steps")
 _TRACER = tracer("tgi.router")
 
 
+# prefill's answer when no request of the batch could be sent: no step ran, `running` is as it was
+NOTHING_SENT = StepResult()
+
+
 class ShardSteps:
     def __init__(self, client, metrics: Metrics, running: RunningRequests,
                  failures: FailureFanOut):
@@ -32,9 +36,10 @@ class ShardSteps:
         self.running = running
         self.failures = failures
         self.decode_cost = DecodeCost()
-        # set by the batcher when a lost group can come back: whether the group still answers,
-        # and what to do when it does not (fail or re-queue everything, wait for the restart)
-        self.is_alive: Callable[[], Awaitable[bool]] | None = None
+        # set by the batcher when a lost group can come back: whether the group is gone (the
+        # same question the idle probe asks), and what to do then (fail or re-queue everything,
+        # wait for the restart)
+        self.is_lost: Callable[[], Awaitable[bool]] | None = None
         self.lose_shards: Callable[[RouterError], Awaitable[None]] | None = None
 
     def requests_in(self, batches: list[CachedBatch]) -> list[ActiveRequest]:
@@ -45,12 +50,12 @@ class ShardSteps:
         """One Prefill of `items`, with `running` taking its decode step in the same forward. On
         failure the new requests and the riding batch fail together (the shard dropped both) and
         None is returned. A request that cannot be put into a message, or that the shards refuse,
-        fails alone; when none is left to send, nothing is (and `running` comes back as it was)."""
+        fails alone; when none is left to send, nothing is and NOTHING_SENT is returned."""
         prepared, untranslatable = self.client.prepare(batch)
         for rejection in untranslatable:
             self.failures.rejected(rejection)
         if not prepared.batch.requests:
-            return StepResult(batch=running)  # nothing to send; the running batch did not step
+            return NOTHING_SENT
         items = [i for i in items if not i.is_done]
         riding = [running] if running is not None else []
 
@@ -121,7 +126,7 @@ class ShardSteps:
     async def _fail(self, items: list[ActiveRequest], batch_ids: list[int], err: Exception) -> None:
         log.error("shard step failed for %d requests: %s", len(items), err)
         error = err if isinstance(err, RouterError) else GenerationError(str(err))
-        if self.is_alive is not None and not await self.is_alive():
+        if self.is_lost is not None and await self.is_lost():
             await self.lose_shards(error)
             return
         self.failures.fail(items, error)

@@ -78,6 +78,8 @@ async def serve_stream(request: web.Request, events: AsyncIterator[tuple[int, To
             await _write(response, form.closing())
         except RouterError as err:
             await response.write(form.error(err))
+        except ConnectionResetError:  # the client went away: nobody to tell
+            raise
         except Exception as err:  # a bug: the client still hears of it in the stream's own shape
             log.exception("stream failed after it opened")
             await response.write(form.error(GenerationError(f"{type(err).__name__}: {err}")))

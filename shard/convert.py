@@ -34,7 +34,10 @@ def sampling_params(p: pb.NextTokenChooserParameters, top_n_tokens: int) -> Samp
 def new_request(r: pb.Request) -> NewRequest:
     grammar = None
     if r.parameters.grammar_type != pb.GRAMMAR_TYPE_NONE:
-        grammar = (_GRAMMAR_KINDS[r.parameters.grammar_type], r.parameters.grammar)
+        kind = _GRAMMAR_KINDS.get(r.parameters.grammar_type)
+        if kind is None:  # a newer router's type: that request alone is refused
+            raise ValueError(f"grammar type {r.parameters.grammar_type} is not known to this shard")
+        grammar = (kind, r.parameters.grammar)
     if r.HasField("adapter_id"):
         raise ValueError("LoRA adapters are not supported by this shard")
     stopping = r.stopping_parameters

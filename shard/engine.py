@@ -35,6 +35,7 @@ class Engine:
         self.grammars = GrammarFactory(loaded.tokenizer.to_str(), loaded.config.vocab_size,
                                        sorted(loaded.eos_token_ids))
         self.tokenizer = loaded.tokenizer
+        self.vocab_size = loaded.config.vocab_size
         self.runner = runner
         self.block_size = runner.spec.block_size
         self.memory_fraction = memory_fraction
@@ -109,6 +110,14 @@ class Engine:
                 if request.blocks and not 0 <= min(request.blocks) <= max(request.blocks) < pool:
                     raise ValueError(f"request {request.id} names a KV block outside the pool of "
                                      f"{pool} blocks")
+                # an id past the embedding table is an IndexError on CPU, a device assert on CUDA
+                if request.input_ids and not 0 <= min(request.input_ids) <= max(
+                        request.input_ids) < self.vocab_size:
+                    raise ValueError(f"request {request.id} has token ids outside the model's "
+                                     f"vocabulary of {self.vocab_size}")
+                if request.params.top_n_tokens > self.vocab_size:
+                    raise ValueError(f"request {request.id} asks for {request.params.top_n_tokens} "
+                                     f"top tokens of a vocabulary of {self.vocab_size}")
                 if not request.is_partial_chunk:  # the last chunk compiles it
                     request.matcher = self._matcher(request)
             except ValueError as err:

@@ -102,7 +102,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         for message in request.batch.requests:
             try:
                 requests.append(convert.new_request(message))
-            except ValueError as err:  # that request alone is refused
+            except Exception as err:  # one request's data: that request alone is refused
                 rejected.append((message.id, str(err)))
         cached = request.cached_batch.id if request.HasField("cached_batch") else None
         result = await self._run(context, self.engine.prefill, request.batch.id, requests, cached,

@@ -69,10 +69,7 @@ class FakeShardClient:
         """As the real client: the requests whose message cannot be built are left out."""
         untranslatable = [Rejection(r.id, f"ValueError: {err}", err) for r in batch.requests
                           if (err := self.untranslatable(r)) is not None]
-        skipped = {r.request_id for r in untranslatable}
-        kept = [r for r in batch.requests if r.id not in skipped]
-        return PreparedBatch(NewBatch(batch.id, kept, batch.max_tokens, batch.max_blocks)), \
-            untranslatable
+        return PreparedBatch(batch.without({r.request_id for r in untranslatable})), untranslatable
 
     async def prefill(self, prepared: PreparedBatch,
                       running: CachedBatch | None = None) -> StepResult:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from router.api import tgi
-from router.errors import RouterError, UnhealthyError, ValidationError
+from router.errors import OverloadedError, RouterError, UnhealthyError, ValidationError
 from router.json_body import read_object
 from router.openapi import VERSION
 from router.request_trace import request_span
@@ -214,9 +214,11 @@ async def _generate(request: web.Request, body: dict) -> web.StreamResponse:
         body, state.tokenizer, state.validation_limits, state.config.max_client_batch_size))
     running = request.app[RUNNING]
     rids = list(dict.fromkeys(item.rid for item in batch.items))
-    for rid in rids:
-        if rid in running:
-            raise ValidationError(f"a request with rid {rid!r} is already running")
+    taken = [rid for rid in rids if rid in running]
+    if taken:
+        error = ValidationError(f"a request with rid {taken[0]!r} is already running")
+        state.infer.record_failure(error)
+        raise error
     runs = [Run(item, Timings(started_at=started)) for item in batch.items]
     for run in runs:
         running.setdefault(run.item.rid, []).append(run)
@@ -255,12 +257,8 @@ async def flush_cache(request: web.Request) -> web.Response:
                "running or waiting requests, the operation will not be performed.)\n")
     if state.infer.in_flight:
         return web.Response(status=400, text=message)
-    cache = state.batcher.queue.prefix_cache
-    if cache is not None:
-        cache.evict(len(cache))  # with nothing in flight the cache holds its blocks alone
-        state.batcher.running.update_gauges()
-        if len(cache):
-            return web.Response(status=400, text=message)
+    if not state.batcher.flush_prefix_cache():
+        return web.Response(status=400, text=message)
     return web.Response(status=200, text=message)
 
 
@@ -273,6 +271,8 @@ async def health_generate(request: web.Request) -> web.Response:
                             stopping=StoppingParams(max_new_tokens=1, ignore_eos=True))
     try:
         await state.infer.generate(probe)
+    except OverloadedError:
+        pass  # busy at its concurrency limit is alive: a restart would only lose requests
     except RouterError as err:
         raise UnhealthyError(f"a one-token generation failed: {err}") from None
     return web.Response(status=200)

@@ -123,7 +123,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig, heads: RankHeads, weights: Weights):
         super().__init__()
         self.config = cfg
-        self.num_kv_heads = heads.num_kv_heads
         self.activation_dtype = weights.activation_dtype
         self.embed_tokens = VocabParallelEmbedding.load(weights, "model.embed_tokens.weight")
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,

@@ -146,7 +146,7 @@ def test_stream_equals_generate(server, stub):
     assert last.details.generated_tokens == whole.details.generated_tokens == len(messages)
     assert last.details.input_length == len(post(server, "/tokenize",
                                                  {"inputs": "Once upon a time"}).json())
-    # the HTTP stream of the same request says the same
+    # HTTP's /generate says the same for the same request
     http = post(server, "/generate", {"inputs": "Once upon a time", "parameters": params}).json()
     assert http["generated_text"] == whole.generated_text
 

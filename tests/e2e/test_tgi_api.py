@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.e2e.server import launch
+from tests.e2e.server import free_and_total_blocks, launch
 from tests.openapi_schemas import assert_matches
 
 pytestmark = pytest.mark.e2e
@@ -200,15 +200,7 @@ def test_tokenize_info_health_metrics(server):
 
 
 def _free_and_total_blocks(server):
-    """(free blocks + blocks only the prefix cache holds, all blocks): equal when none leaked."""
-    values = {}
-    for line in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        for name in ("tgi_kv_cache_free_blocks", "tgi_kv_cache_total_blocks",
-                     "tgi_kv_cache_prefix_blocks"):
-            if line.startswith(name + " "):
-                values[name] = float(line.split()[1])
-    free = values["tgi_kv_cache_free_blocks"] + values.get("tgi_kv_cache_prefix_blocks", 0)
-    return free, values["tgi_kv_cache_total_blocks"]
+    return free_and_total_blocks(server.url)
 
 
 def test_200_dropped_streams_free_every_block(server):

@@ -87,6 +87,10 @@ async def test_batches_keep_their_order_and_n_is_batch_major(tiny_llama):
     ({"text": "a", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "only one of"),
     ({"text": "a", "sampling_params": {"structural_tag": "{}"}}, "not supported yet"),
     ({"text": "a", "sampling_params": {"json_schema": "{"}}, "not JSON"),
+    ({"text": "a", "sampling_params": {"json_schema": "true"}}, "grammar is not valid"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": 0}}, "stop_token_ids"),
+    ({"text": "a", "sampling_params": {"spaces_between_special_tokens": 5}},
+     "spaces_between_special_tokens"),
     ({"text": "a", "sampling_params": {"top_k": 0}}, "-1 (off) or at least 1"),
     ({"text": "a", "sampling_params": {"presence_penalty": 2.5}}, "presence_penalty` must be"),
     ({"text": "a", "sampling_params": {"temperature": -1}}, "temperature` must be >= 0"),
@@ -169,7 +173,7 @@ def _run(events, *, stops=(), no_stop_trim=False, logprobs=LogprobOptions(), max
     from router.schemas import GenerateRequest, SamplingParams, StoppingParams
     request = GenerateRequest("p", [5, 6, 7], SamplingParams(),
                               StoppingParams(max_new_tokens, list(stops)))
-    run = Run(SglangItem(request, "rid", 0, 0, logprobs, no_stop_trim), Timings(started_at=0.0))
+    run = Run(SglangItem(request, "rid", logprobs, no_stop_trim), Timings(started_at=0.0))
     for event in events:
         run.record(event)
     return run

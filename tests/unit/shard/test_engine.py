@@ -109,6 +109,16 @@ def test_unknown_batch_is_an_error_and_bad_blocks_refuse_their_request_alone(eng
         assert [rid for rid, _ in out.rejected] == [8] and "outside the pool" in out.rejected[0][1]
 
 
+def test_token_ids_past_the_vocabulary_and_too_many_top_tokens_refuse_their_request(engine):
+    vocab = engine.vocab_size
+    out = engine.prefill(9, [request(9, [5, vocab], [1, 2], max_new_tokens=3)])
+    assert [rid for rid, _ in out.rejected] == [9] and "vocabulary" in out.rejected[0][1]
+    greedy = request(10, [5, 6], [1, 2], max_new_tokens=3)
+    greedy.params.top_n_tokens = vocab + 1
+    out = engine.prefill(10, [greedy])
+    assert [rid for rid, _ in out.rejected] == [10] and "top tokens" in out.rejected[0][1]
+
+
 def test_a_request_the_shard_refuses_leaves_the_others_and_the_riding_batch_going(engine):
     """A grammar this vocabulary cannot compile, beside good requests and a running batch riding
     in the same forward: only that request is refused, and every other token is the same."""

@@ -68,3 +68,14 @@ def test_every_grammar_type_of_the_contract_reaches_the_engine():
     from proto import generate_pb2 as pb
     from shard.convert import _GRAMMAR_KINDS
     assert set(_GRAMMAR_KINDS) == set(pb.GrammarType.values()) - {pb.GRAMMAR_TYPE_NONE}
+
+
+def test_a_grammar_type_this_shard_does_not_know_refuses_that_request_alone():
+    from proto import generate_pb2 as pb
+    from shard.convert import new_request
+
+    message = pb.Request(id=3, input_ids=[1], parameters=pb.NextTokenChooserParameters(
+        grammar_type=7, grammar="x"), stopping_parameters=pb.StoppingCriteriaParameters(
+        max_new_tokens=1))
+    with pytest.raises(ValueError, match="grammar type 7 is not known"):
+        new_request(message)
