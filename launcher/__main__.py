@@ -1,6 +1,8 @@
 """`tgi-launcher`: prepare the model, then start and supervise its shards and the router."""
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 
 from launcher.config import parse_args
@@ -12,6 +14,8 @@ from launcher.supervisor import LaunchError, Supervisor, check_shardable
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `kill -USR1 <pid>` prints every thread's stack: how to see where a stuck process is
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         config = parse_args(argv)
     except ValueError as err:

@@ -32,7 +32,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "support_chunking", "use_prefix_caching", "attention_impl", "block_size", "model_id", "world_size", "eos_token_ids", "max_position_embeddings")
+    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "support_chunking", "use_prefix_caching", "attention_impl", "block_size", "model_id", "world_size", "eos_token_ids", "max_position_embeddings", "hidden_size")
     REQUIRES_PADDING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class InfoResponse(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     requires_padding: bool
     dtype: str
     device_type: str
@@ -59,7 +60,8 @@ class InfoResponse(_message.Message):
     world_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_position_embeddings: int
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., attention_impl: _Optional[str] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ...) -> None: ...
+    hidden_size: int
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., attention_impl: _Optional[str] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -136,7 +138,7 @@ class StoppingCriteriaParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "inputs", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "cache_len", "chunk_len", "adapter_id", "skip_special_tokens")
+    __slots__ = ("id", "inputs", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "cache_len", "chunk_len", "adapter_id", "skip_special_tokens", "input_embeds", "logprob_token_ids", "prefill_top_n_tokens", "return_hidden_states")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +151,10 @@ class Request(_message.Message):
     CHUNK_LEN_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     id: int
     inputs: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -161,7 +167,11 @@ class Request(_message.Message):
     chunk_len: int
     adapter_id: str
     skip_special_tokens: bool
-    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., adapter_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    input_embeds: bytes
+    logprob_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prefill_top_n_tokens: int
+    return_hidden_states: bool
+    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., adapter_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., input_embeds: _Optional[bytes] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., prefill_top_n_tokens: _Optional[int] = ..., return_hidden_states: _Optional[bool] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests", "size", "max_tokens", "max_blocks")
@@ -216,18 +226,26 @@ class Tokens(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., texts: _Optional[_Iterable[str]] = ..., is_special: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens")
+    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "token_ids_logprobs", "prefill_top_tokens", "prefill_token_ids_logprobs", "hidden_states")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TEXT_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKEN_IDS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     prefill_tokens: Tokens
     tokens: Tokens
     generated_text: GeneratedText
     top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
-    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ...) -> None: ...
+    token_ids_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prefill_top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
+    prefill_token_ids_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    hidden_states: bytes
+    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., token_ids_logprobs: _Optional[_Iterable[float]] = ..., prefill_top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., prefill_token_ids_logprobs: _Optional[_Iterable[float]] = ..., hidden_states: _Optional[bytes] = ...) -> None: ...
 
 class FilterBatchRequest(_message.Message):
     __slots__ = ("batch_id", "request_ids")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -41,6 +42,8 @@ async def serve(argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `kill -USR1 <pid>` prints every thread's stack: how to see where a stuck process is
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

@@ -69,8 +69,8 @@ class Infer:
             raise OverloadedError()
         item = ActiveRequest(id=next(self._ids), input_length=request.input_length,
                              max_new_tokens=request.stopping.max_new_tokens,
-                             # prompt log-probabilities need every prompt token computed
-                             prompt_ids=None if request.prefill_logprobs else request.input_ids,
+                             prompt_ids=None if request.computes_whole_prompt
+                             else request.input_ids,
                              request=request, span_context=current_span_context())
         allocator = self.batcher.allocator
         if allocator.blocks_needed(item.kv_tokens) > allocator.num_usable_blocks:

@@ -184,13 +184,18 @@ def _sglang_schemas() -> dict:
         sampling_seed=int_schema(UINT64), stop=strings,
         stop_token_ids={"type": "array", "items": token_id}, ignore_eos=boolean,
         skip_special_tokens=boolean, no_stop_trim=boolean,
-        spaces_between_special_tokens={**boolean, "description": "only true (the default) for now"},
+        spaces_between_special_tokens={**boolean, "description": "accepted either way: the "
+                                       "fast tokenizer's decoder gives the same text (as SGLang)"},
         json_schema={**string, "description": "a JSON schema, as a JSON string"},
         regex=string, ebnf={**string, "description": "GBNF (`root ::= ...`) or Lark"})
     sampling["additionalProperties"] = False
     for schema in sampling["properties"].values():
         schema["nullable"] = True
     per_prompt = lambda schema: {"oneOf": [schema, {"type": "array", "items": schema}]}  # noqa: E731
+    vector = {"type": "array", "minItems": 1, "items": {"type": "number"},
+              "description": "one row per prompt position, as wide as the model's hidden size "
+                             "(`hidden_size` in /get_model_info)"}
+    vectors = {"type": "array", "minItems": 1, "items": vector}
     request = _object(
         [], text=strings,
         input_ids={"oneOf": [{"type": "array", "items": token_id, "minItems": 1},
@@ -200,8 +205,21 @@ def _sglang_schemas() -> dict:
                                    {"type": "array", "items": _ref("SglangSamplingParams")}]},
         rid=strings, stream=boolean, return_logprob=per_prompt(boolean),
         logprob_start_len=per_prompt({**int_schema(INT32, minimum=-1), "default": -1}),
-        top_logprobs_num=per_prompt(int_schema(UINT32)), return_text_in_logprobs=boolean)
-    request["anyOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]
+        top_logprobs_num=per_prompt(int_schema(UINT32)), return_text_in_logprobs=boolean,
+        input_embeds={"oneOf": [vectors, {"type": "array", "minItems": 1, "items": vectors}],
+                      "description": "the prompt as vectors fed in place of the embedding "
+                                     "lookup; never served from the prefix cache"},
+        token_ids_logprob={"oneOf": [{"type": "array", "items": token_id, "maxItems": 1024},
+                                     {"type": "array", "items": {
+                                         "type": "array", "items": token_id,
+                                         "maxItems": 1024}}],
+                           "description": "with return_logprob: token ids whose log-"
+                                          "probabilities come back at every position"},
+        return_hidden_states={**per_prompt(boolean), "description": (
+            "meta_info.hidden_states: the prompt's final hidden states (one row per position) "
+            "as the first entry, then one vector per later token")})
+    request["anyOf"] = [{"required": ["text"]}, {"required": ["input_ids"]},
+                        {"required": ["input_embeds"]}]
     logprob = {"type": "array", "items": {}, "minItems": 3, "maxItems": 3,
                "description": "[logprob or null, token id, text or null]"}
     meta = _object(["id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
@@ -215,9 +233,15 @@ def _sglang_schemas() -> dict:
                    cached_tokens={"type": "integer"}, e2e_latency={"type": "number"},
                    input_token_logprobs={"type": "array", "items": logprob},
                    output_token_logprobs={"type": "array", "items": logprob},
-                   input_top_logprobs={"type": "array", "items": {}},
+                   input_top_logprobs={"type": "array", "items": {
+                       "type": "array", "nullable": True, "items": logprob}},
                    output_top_logprobs={"type": "array", "items": {
-                       "type": "array", "items": logprob}})
+                       "type": "array", "items": logprob}},
+                   input_token_ids_logprobs={"type": "array", "items": {
+                       "type": "array", "nullable": True, "items": logprob}},
+                   output_token_ids_logprobs={"type": "array", "items": {
+                       "type": "array", "items": logprob}},
+                   hidden_states={"type": "array", "items": {"type": "array"}})
     return {
         "SglangSamplingParams": sampling, "SglangGenerateRequest": request,
         "SglangMetaInfo": meta,
@@ -249,7 +273,8 @@ def _sglang_paths() -> dict:
         "/get_model_info": {"get": {"summary": "SGLang: the model served", "responses": {
             "200": {"description": "OK", **_json(_object(
                 ["model_path", "is_generation"], model_path={"type": "string"},
-                tokenizer_path={"type": "string"}, is_generation={"type": "boolean"}))}}}},
+                tokenizer_path={"type": "string"}, is_generation={"type": "boolean"},
+                hidden_size={"type": "integer"}))}}}},
         "/get_server_info": {"get": {"summary": "SGLang: server settings and limits",
                                      "responses": ok_json("Info")}},
     }
@@ -263,7 +288,8 @@ def _generate_path() -> dict:
         {"oneOf": [_ref("ErrorResponse"), _ref("SglangErrorResponse")]})}
         for s in (413, 422, 424, 429, 500, 503)}
     return {"post": {
-        "summary": "Generate text: TGI's request (`inputs`) or SGLang's (`text` / `input_ids`; "
+        "summary": "Generate text: TGI's request (`inputs`) or SGLang's (`text` / `input_ids` / "
+                   "`input_embeds`; "
                    "`stream: true` answers Server-Sent Events)",
         "requestBody": {"required": True, **_json(
             {"anyOf": [_ref("GenerateRequest"), _ref("SglangGenerateRequest")]})},

@@ -53,10 +53,23 @@ class GenerateRequest:
     prefill_logprobs: bool = False
     skip_special_tokens: bool = True
     grammar: tuple[str, str] | None = None  # ("json" | "regex", schema text or pattern)
+    # the prompt as float32 rows of the model's hidden size, in place of input_ids (then empty)
+    input_embeds: bytes | None = None
+    embeds_rows: int = 0
+    logprob_token_ids: list[int] = field(default_factory=list)  # log p(id) at every position
+    prefill_top_n_tokens: int = 0  # with prefill_logprobs: top tokens at every prompt position
+    return_hidden_states: bool = False
 
     @property
     def input_length(self) -> int:
-        return len(self.input_ids)
+        return self.embeds_rows if self.input_embeds is not None else len(self.input_ids)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt position must be computed here: its ids are not all there is to
+        know (embeddings), or what it asks of the prompt is not in the prefix cache's blocks."""
+        return (self.prefill_logprobs or self.return_hidden_states
+                or self.input_embeds is not None)
 
 
 @dataclass(slots=True)
@@ -83,6 +96,10 @@ class TokenEvent:
     top_tokens: list[Token] = field(default_factory=list)
     prefill: list[Token] | None = None
     final: FinalInfo | None = None
+    token_ids_logprobs: list[float | None] = field(default_factory=list)  # per logprob_token_ids
+    prefill_top_tokens: list[list[Token]] | None = None  # per prompt position (the first empty)
+    prefill_token_ids_logprobs: list[list[float | None]] | None = None  # per prompt position
+    hidden_states: list[list[float]] | None = None  # rows this step computed (see the proto)
 
 
 @dataclass(slots=True)

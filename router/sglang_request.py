@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import random
 import uuid
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy
 
 from router import grammar
 from router.errors import ValidationError
@@ -21,11 +24,10 @@ from router.wire import INT32, UINT32, UINT64, check_float, check_int
 INPUT_FIELDS = ("text", "input_ids", "input_embeds")
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
+MAX_LOGPROB_TOKEN_IDS = 1024  # ids per position in token_ids_logprob: bounds the answer's size
+
 # top-level fields that need work elsewhere first (the shards, adapters): refused, with the reason
 _NOT_YET = {
-    "input_embeds": "`input_embeds` is not supported yet (the shards only take token ids)",
-    "token_ids_logprob": "`token_ids_logprob` is not supported yet",
-    "return_hidden_states": "`return_hidden_states` is not supported yet",
     "lora_path": "`lora_path` is not supported: this server loads no LoRA adapters yet",
     "lora_id": "`lora_id` is not supported: this server loads no LoRA adapters yet",
     "custom_logit_processor": "`custom_logit_processor` is refused: it is serialized Python from "
@@ -39,8 +41,8 @@ _NOT_YET = {
 }
 _TEXT_ONLY = ("image_data", "audio_data", "video_data", "modalities")
 _TOP_LEVEL = {*INPUT_FIELDS, *_NOT_YET, *_TEXT_ONLY, "sampling_params", "rid", "stream",
-              "return_logprob", "logprob_start_len", "top_logprobs_num",
-              "return_text_in_logprobs"}
+              "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+              "return_text_in_logprobs", "return_hidden_states"}
 
 _SAMPLING_NOT_YET = {
     "structural_tag": "`structural_tag` is not supported yet (json_schema, regex and ebnf are)",
@@ -63,6 +65,8 @@ class LogprobOptions:
     start_len: int = -1  # prompt position where input logprobs start; -1: output only
     top_n: int = 0
     with_text: bool = False
+    token_ids: list[int] = field(default_factory=list)  # token_ids_logprob
+    token_texts: list[str | None] = field(default_factory=list)  # their text, when with_text
 
 
 @dataclass(slots=True)
@@ -73,6 +77,7 @@ class SglangItem:
     rid: str
     logprobs: LogprobOptions
     no_stop_trim: bool
+    return_hidden_states: bool = False
 
 
 @dataclass(slots=True)
@@ -116,8 +121,16 @@ def _prompts(body: dict) -> tuple[list, bool, str]:
     if len(given) != 1:
         raise ValidationError("exactly one of `text`, `input_ids` or `input_embeds` must be given"
                               + (f" (got {', '.join(given)})" if given else ""))
-    name = given[0]  # not input_embeds: check_fields refused it
+    name = given[0]
     value = body[name]
+    if name == "input_embeds":
+        if isinstance(value, list) and value:
+            first = value[0]  # a batch is a list of prompts, each a list of vectors
+            if isinstance(first, list) and first and isinstance(first[0], list):
+                return value, True, name
+            return [value], False, name
+        raise ValidationError("`input_embeds` must be a non-empty list of vectors (one prompt) "
+                              "or a list of such lists (a batch)")
     if name == "text":
         if isinstance(value, str):
             return [value], False, name
@@ -189,9 +202,10 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
                                   "parameters")
         if name in _SAMPLING_NOT_YET and value is not None:
             raise ValidationError(_SAMPLING_NOT_YET[name])
-    if not _bool(params, "spaces_between_special_tokens", True,
-                 "sampling_params.spaces_between_special_tokens"):
-        raise ValidationError("`spaces_between_special_tokens` = false is not supported yet")
+    # either value gives the same text, as on SGLang with a fast tokenizer: its decoder joins
+    # special tokens as it joins any other, so there is no space to put or leave out
+    _bool(params, "spaces_between_special_tokens", True,
+          "sampling_params.spaces_between_special_tokens")
     temperature = _number(params, "temperature", 0, 3.4e38, default=1.0)
     top_k = _int(params, "top_k", INT32, -1)
     if top_k != -1 and top_k < 1:
@@ -253,7 +267,7 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
 
 
 def _logprob_options(body: dict, index: int, count: int, limits: ValidationLimits,
-                     prompt_length: int) -> LogprobOptions:
+                     prompt_length: int, vocab_size: int, decode) -> LogprobOptions:
     enabled = _per_item(body, "return_logprob", count)[index]
     start = _per_item(body, "logprob_start_len", count)[index]
     top_n = _per_item(body, "top_logprobs_num", count)[index]
@@ -267,11 +281,47 @@ def _logprob_options(body: dict, index: int, count: int, limits: ValidationLimit
     if start < -1 or start >= prompt_length:
         raise ValidationError(f"`logprob_start_len` ({start}) must be -1 or a position in the "
                               f"prompt (0 to {prompt_length - 1})")
-    if enabled and start >= 0 and top_n:
-        raise ValidationError("top log-probabilities of prompt tokens (`top_logprobs_num` with "
-                              "`logprob_start_len` >= 0) are not supported yet")
-    return LogprobOptions(bool(enabled), start, top_n,
-                          _bool(body, "return_text_in_logprobs", False, "return_text_in_logprobs"))
+    with_text = _bool(body, "return_text_in_logprobs", False, "return_text_in_logprobs")
+    token_ids = _logprob_token_ids(body, index, count, vocab_size)
+    if token_ids and not enabled:
+        raise ValidationError("`token_ids_logprob` needs `return_logprob`: true")
+    texts = [decode([t]) if with_text else None for t in token_ids]
+    return LogprobOptions(bool(enabled), start, top_n, with_text, token_ids, texts)
+
+
+def _logprob_token_ids(body: dict, index: int, count: int, vocab_size: int) -> list[int]:
+    """token_ids_logprob: one list for every prompt, or (for a batch) one list per prompt."""
+    value = body.get("token_ids_logprob")
+    if value is None:
+        return []
+    path = "token_ids_logprob"
+    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        if len(value) != count:
+            raise ValidationError(f"`token_ids_logprob` holds {len(value)} lists for {count} "
+                                  "prompts")
+        value, path = value[index], f"token_ids_logprob[{index}]"
+    if not isinstance(value, list):
+        raise ValidationError("`token_ids_logprob` must be a list of token ids (or one list per "
+                              "prompt)")
+    if len(value) > MAX_LOGPROB_TOKEN_IDS:
+        raise ValidationError(f"`{path}` names {len(value)} ids; at most "
+                              f"{MAX_LOGPROB_TOKEN_IDS} are allowed")
+    return _token_ids(value, path, vocab_size)
+
+
+def _embeds(prompt, path: str, hidden_size: int) -> tuple[bytes, int]:
+    """One prompt's vectors -> (float32 bytes, rows), each row checked: hidden_size finite numbers."""
+    if not isinstance(prompt, list) or not prompt:
+        raise ValidationError(f"`{path}` must be a non-empty list of vectors")
+    for i, row in enumerate(prompt):
+        if not isinstance(row, list) or len(row) != hidden_size:
+            raise ValidationError(f"`{path}[{i}]` must be a list of {hidden_size} numbers (the "
+                                  f"model's hidden size)")
+        for value in row:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not math.isfinite(value) or abs(value) > 3.4e38:
+                raise ValidationError(f"`{path}[{i}]` must hold finite numbers (float32)")
+    return numpy.asarray(prompt, dtype="<f4").tobytes(), len(prompt)
 
 
 def check_fields(body: dict) -> None:
@@ -281,8 +331,6 @@ def check_fields(body: dict) -> None:
         if name in _TEXT_ONLY:
             raise ValidationError(f"`{name}` is not supported: this model reads text only")
         if name in _NOT_YET:
-            if name == "return_hidden_states" and value is False:
-                continue
             raise ValidationError(_NOT_YET[name])
         if name not in _TOP_LEVEL:
             raise ValidationError(f"`{name}` is not a field of SGLang's generate request")
@@ -304,7 +352,8 @@ def _rids(body: dict, count: int) -> list[str]:
 
 
 async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: ValidationLimits,
-                         max_batch: int) -> SglangBatch:
+                         max_batch: int, hidden_size: int) -> SglangBatch:
+    """`hidden_size` is the width of a row of `input_embeds`."""
     """The whole body -> one GenerateRequest per prompt and copy, in batch-major order."""
     check_fields(body)
     prompts, batch, field_name = _prompts(body)
@@ -328,24 +377,37 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
         asked = parsed[index]
         if not asked.seeded:  # each prompt samples with its own seed, as when parsed apart
             asked = replace(asked, sampling=replace(asked.sampling, seed=random.getrandbits(64)))
+        embeds, rows = None, 0
         if field_name == "text":
             if not prompt:
                 raise ValidationError("`text` cannot be empty")
             text, input_ids = prompt, await tokenizer.encode_async(prompt)
+        elif field_name == "input_embeds":
+            path = f"input_embeds[{index}]" if batch else "input_embeds"
+            embeds, rows = _embeds(prompt, path, hidden_size)
+            text, input_ids = "", []
         else:
             path = f"input_ids[{index}]" if batch else "input_ids"
             if not isinstance(prompt, list) or not prompt:
                 raise ValidationError(f"`{path}` must be a non-empty list of token ids")
             input_ids = _token_ids(prompt, path, vocab_size)
             text = tokenizer.tokenizer.decode(input_ids, skip_special_tokens=False)
-        if not input_ids:
+        if not input_ids and embeds is None:
             raise ValidationError("`text` cannot be empty")
+        length = rows if embeds is not None else len(input_ids)
         max_new_tokens = asked.max_new_tokens
         if max_new_tokens is None:  # the default, not the client's number: fit it to the room left
             max_new_tokens = max(min(DEFAULT_MAX_NEW_TOKENS,
-                                     limits.tokens.max_total_tokens - len(input_ids)), 1)
-        max_new_tokens = check_lengths(len(input_ids), max_new_tokens, limits.tokens)
-        logprobs = _logprob_options(body, index, len(prompts), limits, len(input_ids))
+                                     limits.tokens.max_total_tokens - length), 1)
+        max_new_tokens = check_lengths(length, max_new_tokens, limits.tokens)
+        logprobs = _logprob_options(body, index, len(prompts), limits, length, vocab_size,
+                                    tokenizer.tokenizer.decode)
+        if embeds is not None and logprobs.enabled and logprobs.start_len >= 0:
+            raise ValidationError("a prompt given as `input_embeds` has no token ids to score: "
+                                  "use `logprob_start_len` -1")
+        hidden = _per_item(body, "return_hidden_states", len(prompts))[index]
+        if hidden is not None and not isinstance(hidden, bool):
+            raise ValidationError("`return_hidden_states` must be a boolean or a list of booleans")
         base = GenerateRequest(
             inputs=text, input_ids=input_ids, sampling=asked.sampling,
             stopping=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=asked.stop,
@@ -354,9 +416,13 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
                                     stop_token_ids=asked.stop_token_ids),
             top_n_tokens=logprobs.top_n if logprobs.enabled else 0,
             prefill_logprobs=logprobs.enabled and logprobs.start_len >= 0,
-            skip_special_tokens=asked.skip_special_tokens, grammar=asked.grammar)
+            skip_special_tokens=asked.skip_special_tokens, grammar=asked.grammar,
+            input_embeds=embeds, embeds_rows=rows, logprob_token_ids=logprobs.token_ids,
+            prefill_top_n_tokens=logprobs.top_n if logprobs.enabled and logprobs.start_len >= 0
+            else 0, return_hidden_states=bool(hidden))
         for copy in range(asked.n):
             request = base if copy == 0 else replace(base, sampling=replace(
                 base.sampling, seed=(base.sampling.seed + copy) % 2**64))
-            items.append(SglangItem(request, rids[index], logprobs, asked.no_stop_trim))
+            items.append(SglangItem(request, rids[index], logprobs, asked.no_stop_trim,
+                                    bool(hidden)))
     return SglangBatch(items, batch, stream)

@@ -46,6 +46,7 @@ class ShardedClient:
         self.clients = clients
         # each rank's process id as it answered when connected: another id is a restarted rank
         self.instance_ids: list[str] = []
+        self.hidden_size = 0  # from info(), which the router asks before any step
 
     @classmethod
     async def connect(cls, master_socket: str, timeout: float = 30.0) -> "ShardedClient":
@@ -89,7 +90,9 @@ class ShardedClient:
         return replies[0]
 
     async def info(self) -> ShardInfo:
-        return convert.shard_info(await self._all("Info", pb.InfoRequest(), timeout=30))
+        info = convert.shard_info(await self._all("Info", pb.InfoRequest(), timeout=30))
+        self.hidden_size = info.hidden_size
+        return info
 
     async def health(self, timeout: float = 5.0) -> None:
         await self._all("Health", pb.HealthRequest(), timeout=timeout)
@@ -116,11 +119,12 @@ class ShardedClient:
         """New requests, with `running` taking its decode step in the same forward."""
         cached = convert.cached_batch_message(running) if running is not None else None
         return convert.step_result(await self._all(
-            "Prefill", pb.PrefillRequest(batch=prepared.message, cached_batch=cached)))
+            "Prefill", pb.PrefillRequest(batch=prepared.message, cached_batch=cached)),
+            self.hidden_size)
 
     async def decode(self, batches: list[CachedBatch]) -> StepResult:
         request = pb.DecodeRequest(batches=[convert.cached_batch_message(b) for b in batches])
-        return convert.step_result(await self._all("Decode", request))
+        return convert.step_result(await self._all("Decode", request), self.hidden_size)
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         reply = await self._all("FilterBatch",

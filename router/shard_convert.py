@@ -9,6 +9,8 @@ import logging
 import math
 from dataclasses import dataclass
 
+import numpy
+
 from proto import generate_pb2 as pb
 from router.batch import (CachedBatch, Generation, NewBatch, Rejection, ShardRequest, StepResult,
                           StepTimings)
@@ -34,6 +36,7 @@ class ShardInfo:
     max_position_embeddings: int
     support_chunking: bool
     use_prefix_caching: bool
+    hidden_size: int  # the width of a row of input embeddings and of hidden states
 
 
 def shard_info(reply: pb.InfoResponse) -> ShardInfo:
@@ -41,7 +44,8 @@ def shard_info(reply: pb.InfoResponse) -> ShardInfo:
                      world_size=reply.world_size, block_size=reply.block_size,
                      max_position_embeddings=reply.max_position_embeddings,
                      support_chunking=reply.support_chunking,
-                     use_prefix_caching=reply.use_prefix_caching)
+                     use_prefix_caching=reply.use_prefix_caching,
+                     hidden_size=reply.hidden_size)
 
 
 # ---- to the shards -----------------------------------------------------------------------------
@@ -65,7 +69,10 @@ def request_message(shard_request: ShardRequest) -> pb.Request:
             stop_token_ids=st.stop_token_ids),
         prefill_logprobs=request.prefill_logprobs, top_n_tokens=request.top_n_tokens,
         blocks=shard_request.blocks, cache_len=shard_request.cache_len,
-        chunk_len=shard_request.chunk_len, skip_special_tokens=request.skip_special_tokens)
+        chunk_len=shard_request.chunk_len, skip_special_tokens=request.skip_special_tokens,
+        input_embeds=request.input_embeds or b"", logprob_token_ids=request.logprob_token_ids,
+        prefill_top_n_tokens=request.prefill_top_n_tokens,
+        return_hidden_states=request.return_hidden_states)
 
 
 def batch_message(batch: NewBatch) -> tuple[pb.Batch, list[Rejection]]:
@@ -108,8 +115,9 @@ def cached_batch(message: pb.CachedBatch) -> CachedBatch:
     return CachedBatch(message.id, list(message.request_ids), message.max_tokens)
 
 
-def step_result(reply: pb.PrefillResponse | pb.DecodeResponse) -> StepResult:
-    result = StepResult(generations=[_generation(g) for g in reply.generations],
+def step_result(reply: pb.PrefillResponse | pb.DecodeResponse, hidden_size: int) -> StepResult:
+    """`hidden_size` (ShardInfo's) shapes the rows of hidden states."""
+    result = StepResult(generations=[_generation(g, hidden_size) for g in reply.generations],
                         timings=StepTimings(reply.forward_ns, reply.decode_ns,
                                             reply.concat_ns if reply.HasField("concat_ns")
                                             else None))
@@ -120,14 +128,14 @@ def step_result(reply: pb.PrefillResponse | pb.DecodeResponse) -> StepResult:
     return result
 
 
-def _generation(generation: pb.Generation) -> Generation:
+def _generation(generation: pb.Generation, hidden_size: int) -> Generation:
     try:
-        return Generation(generation.request_id, generation_event(generation))
+        return Generation(generation.request_id, generation_event(generation, hidden_size))
     except Exception as err:
         return Generation(generation.request_id, None, err)
 
 
-def generation_event(generation: pb.Generation) -> TokenEvent:
+def generation_event(generation: pb.Generation, hidden_size: int) -> TokenEvent:
     tokens = generation.tokens
     event = TokenEvent(token=Token(tokens.ids[0], tokens.texts[0], _logprob(tokens.logprobs[0]),
                                    tokens.is_special[0]))
@@ -135,6 +143,16 @@ def generation_event(generation: pb.Generation) -> TokenEvent:
         event.top_tokens = _tokens(generation.top_tokens[0])
     if generation.HasField("prefill_tokens"):
         event.prefill = _tokens(generation.prefill_tokens)
+    if generation.prefill_top_tokens:
+        event.prefill_top_tokens = [_tokens(run) for run in generation.prefill_top_tokens]
+    width = len(generation.token_ids_logprobs)  # one token per step: one row
+    if width:
+        event.token_ids_logprobs = [_logprob(v) for v in generation.token_ids_logprobs]
+        event.prefill_token_ids_logprobs = _rows(
+            [_logprob(v) for v in generation.prefill_token_ids_logprobs], width) or None
+    if generation.hidden_states:
+        values = numpy.frombuffer(generation.hidden_states, dtype="<f4")
+        event.hidden_states = _rows(values.tolist(), hidden_size)
     if generation.HasField("generated_text"):
         gt = generation.generated_text
         event.final = FinalInfo(gt.text, gt.generated_tokens, _FINISH[gt.finish_reason],
@@ -146,6 +164,12 @@ def _tokens(run: pb.Tokens) -> list[Token]:
     special = list(run.is_special) or [False] * len(run.ids)
     return [Token(i, t, _logprob(lp), s)
             for i, t, lp, s in zip(run.ids, run.texts, run.logprobs, special)]
+
+
+def _rows(values: list, width: int) -> list[list]:
+    if len(values) % width:
+        raise ValueError(f"{len(values)} values are not rows of {width}")
+    return [values[i:i + width] for i in range(0, len(values), width)]
 
 
 def _logprob(value: float) -> float | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -52,7 +53,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse]:
         support_chunking=True, use_prefix_caching=True, attention_impl="paged-sdpa",
         block_size=config.block_size, model_id=config.model_path, world_size=config.world_size,
         eos_token_ids=sorted(loaded.eos_token_ids),
-        max_position_embeddings=cfg.max_position_embeddings)
+        max_position_embeddings=cfg.max_position_embeddings, hidden_size=cfg.hidden_size)
     return engine, info
 
 
@@ -91,6 +92,8 @@ async def serve(config: ShardConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `kill -USR1 <pid>` prints every thread's stack: how to see where a stuck process is
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

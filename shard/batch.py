@@ -29,10 +29,23 @@ class NewRequest:
     grammar: tuple[str, str] | None = None  # (kind, value) of a constrained request
     chunk_len: int | None = None  # prompt tokens to compute from cache_len; None: all the rest
     matcher: object | None = None  # its grammar compiled against the vocabulary, before the forward
+    input_embeds: torch.Tensor | None = None  # [prompt length, hidden] given in place of input_ids
+    logprob_token_ids: list[int] = field(default_factory=list)  # log p(id) at every position
+    prefill_top_n_tokens: int = 0  # with prefill_logprobs: top tokens at every prompt position
+    return_hidden_states: bool = False
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.input_ids) if self.input_embeds is None else self.input_embeds.shape[0]
 
     @property
     def is_partial_chunk(self) -> bool:
-        return self.chunk_len is not None and self.cache_len + self.chunk_len < len(self.input_ids)
+        return self.chunk_len is not None and self.cache_len + self.chunk_len < self.prompt_length
+
+    @property
+    def computes_every_position(self) -> bool:
+        """Whether the prefill must return every prompt position, not only the last."""
+        return self.prefill_logprobs or self.return_hidden_states
 
 
 @dataclass(slots=True)
@@ -46,6 +59,8 @@ class RequestState:
     skip_special_tokens: bool
     text: list[str] = field(default_factory=list)  # pieces streamed so far
     finish_reason: FinishReason | None = None
+    logprob_token_ids: list[int] = field(default_factory=list)
+    return_hidden_states: bool = False
 
     @property
     def output_ids(self) -> list[int]:

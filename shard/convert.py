@@ -1,6 +1,8 @@
 """Protobuf messages <-> the engine's dataclasses; with server.py, the only shard module that knows proto."""
 from __future__ import annotations
 
+import torch
+
 from proto import generate_pb2 as pb
 from shard.batch import NewRequest
 from shard.grammar import GRAMMAR_EBNF, GRAMMAR_JSON, GRAMMAR_REGEX
@@ -31,7 +33,8 @@ def sampling_params(p: pb.NextTokenChooserParameters, top_n_tokens: int) -> Samp
         do_sample=p.do_sample, seed=p.seed, top_n_tokens=top_n_tokens, watermark=p.watermark)
 
 
-def new_request(r: pb.Request) -> NewRequest:
+def new_request(r: pb.Request, hidden_size: int) -> NewRequest:
+    """`hidden_size` shapes the rows of input_embeds."""
     grammar = None
     if r.parameters.grammar_type != pb.GRAMMAR_TYPE_NONE:
         kind = _GRAMMAR_KINDS.get(r.parameters.grammar_type)
@@ -41,6 +44,14 @@ def new_request(r: pb.Request) -> NewRequest:
     if r.HasField("adapter_id"):
         raise ValueError("LoRA adapters are not supported by this shard")
     stopping = r.stopping_parameters
+    embeds = None
+    if r.input_embeds:
+        if len(r.input_embeds) % (4 * hidden_size):
+            raise ValueError(f"input_embeds must be rows of {hidden_size} float32 values (the "
+                             "model's hidden size)")
+        # copied: the tensor outlives the message, whose bytes are read-only
+        embeds = torch.frombuffer(bytearray(r.input_embeds), dtype=torch.float32)
+        embeds = embeds.view(-1, hidden_size)
     return NewRequest(
         id=r.id, input_ids=list(r.input_ids),
         params=sampling_params(r.parameters, r.top_n_tokens),
@@ -48,7 +59,9 @@ def new_request(r: pb.Request) -> NewRequest:
         ignore_eos=stopping.ignore_eos_token, min_new_tokens=stopping.min_new_tokens,
         stop_token_ids=list(stopping.stop_token_ids), prefill_logprobs=r.prefill_logprobs,
         blocks=list(r.blocks), cache_len=r.cache_len, skip_special_tokens=r.skip_special_tokens,
-        grammar=grammar, chunk_len=r.chunk_len if r.HasField("chunk_len") else None)
+        grammar=grammar, chunk_len=r.chunk_len if r.HasField("chunk_len") else None,
+        input_embeds=embeds, logprob_token_ids=list(r.logprob_token_ids),
+        prefill_top_n_tokens=r.prefill_top_n_tokens, return_hidden_states=r.return_hidden_states)
 
 
 def tokens(run: TokenRun) -> pb.Tokens:
@@ -57,9 +70,15 @@ def tokens(run: TokenRun) -> pb.Tokens:
 
 def generation(g: Generation) -> pb.Generation:
     message = pb.Generation(request_id=g.request_id, tokens=tokens(g.tokens),
-                            top_tokens=[tokens(t) for t in g.top_tokens])
-    if g.prefill_tokens is not None:
-        message.prefill_tokens.CopyFrom(tokens(g.prefill_tokens))
+                            top_tokens=[tokens(t) for t in g.top_tokens],
+                            token_ids_logprobs=g.token_ids_logprobs)
+    if g.prompt is not None:
+        if g.prompt.tokens is not None:
+            message.prefill_tokens.CopyFrom(tokens(g.prompt.tokens))
+        message.prefill_top_tokens.extend(tokens(t) for t in g.prompt.top_tokens)
+        message.prefill_token_ids_logprobs.extend(g.prompt.token_ids_logprobs)
+    if g.hidden_states is not None:
+        message.hidden_states = g.hidden_states.numpy().astype("<f4").tobytes()
     if g.generated_text is not None:
         gt = g.generated_text
         message.generated_text.CopyFrom(pb.GeneratedText(

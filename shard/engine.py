@@ -17,8 +17,8 @@ from shard.grammar import GrammarFactory, advance
 from shard.loader import LoadedModel
 from shard.memory import kv_budget_bytes
 from shard.model_runner import DecodeRows, ModelRunner, PrefillSequence
-from shard.outputs import (CachedBatch, GeneratedText, Generation, StepResult, TokenRun,
-                           WarmupResult)
+from shard.outputs import (CachedBatch, GeneratedText, Generation, PromptScores, StepResult,
+                           TokenRun, WarmupResult)
 from shard.sampling import SampleOutput, SamplingBatch, needs_history, sample
 from shard.stopping import FinishReason, StopCriteria
 
@@ -36,6 +36,7 @@ class Engine:
                                        sorted(loaded.eos_token_ids))
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.config.vocab_size
+        self.hidden_size = loaded.config.hidden_size
         self.runner = runner
         self.block_size = runner.spec.block_size
         self.memory_fraction = memory_fraction
@@ -48,7 +49,7 @@ class Engine:
         block_size = self.block_size
         next_block = 1
         for request in requests:
-            count = math.ceil((len(request.input_ids) + 1) / block_size)
+            count = math.ceil((request.prompt_length + 1) / block_size)
             request.blocks = list(range(next_block, next_block + count))
             next_block += count
         self.runner.allocate(next_block)
@@ -102,7 +103,7 @@ class Engine:
         kept, rejected = [], []
         for request in requests:
             try:
-                needed = len(request.input_ids) + request.max_new_tokens - 1
+                needed = request.prompt_length + request.max_new_tokens - 1
                 if needed > len(request.blocks) * self.block_size:
                     raise ValueError(f"request {request.id} needs {needed} KV slots but holds "
                                      f"{len(request.blocks)} blocks of {self.block_size}")
@@ -115,9 +116,13 @@ class Engine:
                         request.input_ids) < self.vocab_size:
                     raise ValueError(f"request {request.id} has token ids outside the model's "
                                      f"vocabulary of {self.vocab_size}")
-                if request.params.top_n_tokens > self.vocab_size:
-                    raise ValueError(f"request {request.id} asks for {request.params.top_n_tokens} "
-                                     f"top tokens of a vocabulary of {self.vocab_size}")
+                if max(request.params.top_n_tokens, request.prefill_top_n_tokens) > self.vocab_size:
+                    raise ValueError(f"request {request.id} asks for more top tokens than the "
+                                     f"vocabulary of {self.vocab_size} holds")
+                if request.logprob_token_ids and max(request.logprob_token_ids) >= self.vocab_size:
+                    raise ValueError(f"request {request.id} asks for the log-probability of a "
+                                     f"token id outside the vocabulary of {self.vocab_size}")
+                self._check_embeds(request)
                 if not request.is_partial_chunk:  # the last chunk compiles it
                     request.matcher = self._matcher(request)
             except ValueError as err:
@@ -125,6 +130,21 @@ class Engine:
                 continue
             kept.append(request)
         return kept, rejected
+
+    def _check_embeds(self, request: NewRequest) -> None:
+        embeds = request.input_embeds
+        if embeds is None:
+            return
+        if request.input_ids:
+            raise ValueError(f"request {request.id} gives both token ids and input embeddings")
+        if embeds.dim() != 2 or embeds.shape[1] != self.hidden_size:
+            raise ValueError(f"request {request.id}: input embeddings must be rows of "
+                             f"{self.hidden_size} values (the model's hidden size)")
+        if not torch.isfinite(embeds).all():
+            raise ValueError(f"request {request.id}: input embeddings must be finite")
+        if request.prefill_logprobs:
+            raise ValueError(f"request {request.id}: a prompt given as embeddings has no token "
+                             "ids to score")
 
     def decode(self, batch_ids: list[int]) -> StepResult:
         start = time.perf_counter_ns()
@@ -137,12 +157,13 @@ class Engine:
         else:
             batch = batches[0]
         before = time.perf_counter_ns()
-        logits = self.runner.decode(batch.next_input_ids, batch.seq_lens, batch.block_tables)
+        out = self.runner.decode(batch.next_input_ids, batch.seq_lens, batch.block_tables)
         forward_ns = time.perf_counter_ns() - before
         batch.seq_lens = batch.seq_lens + 1
-        output = sample(logits, batch.sampling, self._penalty_ids(batch))
+        output = sample(out.logits, batch.sampling, self._penalty_ids(batch))
         batch.next_input_ids = output.next_ids
-        generations = self._generations(batch, output)
+        generations = self._generations(batch, output, [out.hidden[row:row + 1]
+                                                        for row in range(len(batch.requests))])
         result = self._finish_step(batch, generations, start, forward_ns)
         result.concat_ns = concat_ns
         return result
@@ -167,33 +188,32 @@ class Engine:
         """-> (the batch to keep: the new requests, the running one, or both merged under the
         running one's id; None when a partial chunk ran alone), generations, forward time."""
         is_chunk = any(r.is_partial_chunk for r in requests)
-        seqs = [PrefillSequence(r.input_ids[r.cache_len:r.cache_len + r.chunk_len]
-                                if r.is_partial_chunk else r.input_ids[r.cache_len:],
-                                r.cache_len, r.blocks) for r in requests]
+        seqs = [_sequence(r) for r in requests]
         # a partial chunk computes keys and values only: its token comes with the last chunk
         logits_rows = set() if is_chunk else {i for i, r in enumerate(requests)
-                                              if r.prefill_logprobs}
+                                              if r.computes_every_position}
         decode = None
         if running is not None:
             decode = DecodeRows(running.next_input_ids, running.seq_lens, running.block_tables)
         before = time.perf_counter_ns()
-        logits = self.runner.prefill(seqs, all_logits_rows=logits_rows, decode=decode)
+        out = self.runner.prefill(seqs, all_logits_rows=logits_rows, decode=decode)
         forward_ns = time.perf_counter_ns() - before
         batches, generations = [], []
         if running is not None:
             running.seq_lens = running.seq_lens + 1
-            output = sample(logits.decode, running.sampling, self._penalty_ids(running))
+            output = sample(out.decode, running.sampling, self._penalty_ids(running))
             running.next_input_ids = output.next_ids
-            generations += self._generations(running, output)
+            generations += self._generations(running, output, [
+                out.decode_hidden[row:row + 1] for row in range(len(running.requests))])
             batches.append(running)
         if not is_chunk:
             batch = self._new_batch(batch_id, requests)
-            output = sample(logits.last, batch.sampling, self._penalty_ids(batch))
+            output = sample(out.last, batch.sampling, self._penalty_ids(batch))
             batch.next_input_ids = output.next_ids
-            new_generations = self._generations(batch, output)
-            for i in logits_rows:
-                new_generations[i].prefill_tokens = self._prompt_tokens(requests[i],
-                                                                        logits.full[i])
+            new_generations = self._generations(batch, output, out.hidden)
+            for i, request in enumerate(requests):
+                if request.prefill_logprobs:
+                    new_generations[i].prompt = self._prompt_scores(request, out.full[i])
             generations += new_generations
             batches.append(batch)
         if not batches:
@@ -206,7 +226,7 @@ class Engine:
         return Batch(
             id=batch_id, requests=[self._state(r) for r in requests],
             block_tables=block_table_tensor([r.blocks for r in requests], device),
-            seq_lens=torch.tensor([len(r.input_ids) for r in requests], dtype=torch.long,
+            seq_lens=torch.tensor([r.prompt_length for r in requests], dtype=torch.long,
                                   device=device),
             next_input_ids=torch.zeros(len(requests), dtype=torch.long, device=device),
             sampling=SamplingBatch.from_params(
@@ -224,8 +244,10 @@ class Engine:
         return StepResult(generations, info, forward_ns=forward_ns, decode_ns=decode_ns,
                           total_ns=time.perf_counter_ns() - start)
 
-    def _generations(self, batch: Batch, output: SampleOutput) -> list[Generation]:
-        """Appends each row's token, detokenises it, checks stopping (a Python loop by nature)."""
+    def _generations(self, batch: Batch, output: SampleOutput,
+                     hidden: list[torch.Tensor | None]) -> list[Generation]:
+        """Appends each row's token, detokenises it, checks stopping (a Python loop by nature).
+        `hidden` holds, per row, the final hidden states this step computed for it."""
         ids = output.next_ids.tolist()
         if batch.sampling.flags["grammar"]:
             advance(batch.sampling.grammars, ids)
@@ -259,22 +281,47 @@ class Engine:
                 alt = top_ids[row][:n]
                 top = [TokenRun(alt, top_lps[row][:n], [self.tokenizer.decode([t]) for t in alt],
                                 [t in special for t in alt])]
-            generations.append(Generation(state.id, tokens, generated_text=generated,
-                                          top_tokens=top))
+            generation = Generation(state.id, tokens, generated_text=generated, top_tokens=top)
+            if state.logprob_token_ids:
+                generation.token_ids_logprobs = _logprobs_of(output.distribution[row],
+                                                             state.logprob_token_ids)
+            if state.return_hidden_states:
+                generation.hidden_states = hidden[row].float().cpu()
+            generations.append(generation)
         return generations
 
-    def _prompt_tokens(self, request: NewRequest, logits: torch.Tensor) -> TokenRun:
-        """Prompt tokens with log p(token | earlier tokens); the first has none (NaN)."""
+    def _prompt_scores(self, request: NewRequest, logits: torch.Tensor) -> PromptScores:
+        """Prompt tokens with log p(token | earlier tokens), and the top tokens and the asked ids'
+        log-probabilities at each position; the first position has none (NaN, empty)."""
         ids = request.input_ids
         computed = ids[request.cache_len:]
-        logprobs = [math.nan] * (len(ids) - len(computed) + 1)
+        skipped = len(ids) - len(computed) + 1  # positions before the first scored one
+        logprobs = [math.nan] * skipped
+        special = self.loaded.special_token_ids
+        scores = torch.log_softmax(logits[:-1].float(), dim=-1)  # row j scores computed[j + 1]
         if len(computed) > 1:
-            scores = torch.log_softmax(logits[:-1].float(), dim=-1)
             target = torch.tensor(computed[1:], device=scores.device).unsqueeze(1)
             logprobs += scores.gather(1, target).squeeze(1).tolist()
-        special = self.loaded.special_token_ids
         texts = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-        return TokenRun(list(ids), logprobs[:len(ids)], texts, [t in special for t in ids])
+        out = PromptScores(TokenRun(list(ids), logprobs[:len(ids)], texts,
+                                    [t in special for t in ids]))
+        n = request.prefill_top_n_tokens
+        if n:
+            out.top_tokens = [TokenRun() for _ in range(skipped)]
+            if len(computed) > 1:
+                top_lps, top_ids = scores.topk(n, dim=-1)
+                for alt, lps in zip(top_ids.tolist(), top_lps.tolist()):
+                    out.top_tokens.append(TokenRun(alt, lps, [self.tokenizer.decode([t]) for t in alt],
+                                                   [t in special for t in alt]))
+            out.top_tokens = out.top_tokens[:len(ids)]
+        asked = request.logprob_token_ids
+        if asked:
+            out.token_ids_logprobs = [math.nan] * (skipped * len(asked))
+            if len(computed) > 1:
+                index = torch.tensor(asked, device=scores.device)
+                out.token_ids_logprobs += scores.index_select(1, index).flatten().tolist()
+            out.token_ids_logprobs = out.token_ids_logprobs[:len(ids) * len(asked)]
+        return out
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -287,7 +334,9 @@ class Engine:
         return RequestState(id=request.id, prompt_ids=list(request.input_ids),
                             all_ids=list(request.input_ids), blocks=list(request.blocks), stop=stop,
                             detok=DetokenizerState.start(len(request.input_ids)),
-                            skip_special_tokens=request.skip_special_tokens)
+                            skip_special_tokens=request.skip_special_tokens,
+                            logprob_token_ids=list(request.logprob_token_ids),
+                            return_hidden_states=request.return_hidden_states)
 
     def _matcher(self, request: NewRequest):
         return None if request.grammar is None else self.grammars.matcher(*request.grammar)
@@ -307,3 +356,18 @@ class Engine:
         return CachedBatch(id=batch.id, request_ids=batch.request_ids,
                                max_tokens=batch.num_blocks * self.block_size,
                                current_tokens=len(batch.requests))
+
+
+def _sequence(request: NewRequest) -> PrefillSequence:
+    """What the forward computes of a request: the rest of its prompt, or its next chunk."""
+    end = (request.cache_len + request.chunk_len if request.is_partial_chunk
+           else request.prompt_length)
+    if request.input_embeds is not None:
+        return PrefillSequence([], request.cache_len, request.blocks,
+                               request.input_embeds[request.cache_len:end])
+    return PrefillSequence(request.input_ids[request.cache_len:end], request.cache_len,
+                           request.blocks)
+
+
+def _logprobs_of(distribution: torch.Tensor, token_ids: list[int]) -> list[float]:
+    return distribution[torch.tensor(token_ids, device=distribution.device)].tolist()

@@ -44,10 +44,18 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[LayerCache]:
 
 
 @dataclass(slots=True)
-class PrefillLogits:
-    last: torch.Tensor  # [sequences, vocab]: each sequence's last token
+class PrefillOutput:
+    last: torch.Tensor  # [sequences, vocab]: logits of each sequence's last token
     full: list[torch.Tensor | None]  # [n, vocab] every token, for the rows asked; else None
+    hidden: list[torch.Tensor | None]  # [n, hidden] final hidden states, for the same rows
     decode: torch.Tensor | None = None  # [B, vocab]: the running batch's rows, when one rode along
+    decode_hidden: torch.Tensor | None = None  # [B, hidden]: the same rows' final hidden states
+
+
+@dataclass(slots=True)
+class DecodeOutput:
+    logits: torch.Tensor  # [B, vocab]
+    hidden: torch.Tensor  # [B, hidden]: the final hidden states the logits were read from
 
 
 @dataclass(slots=True)
@@ -64,6 +72,11 @@ class PrefillSequence:
     token_ids: list[int]  # the tokens to compute now
     start: int  # tokens of this sequence already in the cache (position of token_ids[0])
     blocks: list[int]
+    embeds: torch.Tensor | None = None  # [n, hidden]: given vectors in place of token_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids) if self.embeds is None else self.embeds.shape[0]
 
 
 class ModelRunner:
@@ -82,17 +95,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[PrefillSequence], *, all_logits_rows: set[int] = frozenset(),
-                decode: DecodeRows | None = None) -> PrefillLogits:
-        """Computes the sequences' tokens (and, with `decode`, one step of a running batch).
+                decode: DecodeRows | None = None) -> PrefillOutput:
+        """Computes the sequences' tokens (and, with `decode`, one step of a running batch);
+        `all_logits_rows` are the sequences whose every position (not only the last) comes back.
 
         With `decode`, a running batch's next tokens ride in the same forward (TGI's chunking): the
         weights are read once for both, and the running streams advance while the prompt computes.
         """
         device = self.device
-        query_lens = [len(s.token_ids) for s in seqs]
+        query_lens = [s.length for s in seqs]
         context_lens = [s.start + n for s, n in zip(seqs, query_lens)]
-        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long,
-                                 device=device)
+        embeds = self._embeds(seqs)
         positions = torch.cat([torch.arange(s.start, c, dtype=torch.long, device=device)
                                for s, c in zip(seqs, context_lens)])
         num_blocks = -(-max(context_lens) // self.spec.block_size)
@@ -108,7 +121,7 @@ class ModelRunner:
         if decode is not None:
             num_decode = len(decode.input_ids)
             part = self._decode_metadata(decode.seq_lens, decode.block_tables)
-            input_ids = torch.cat([decode.input_ids, input_ids])
+            embeds = torch.cat([self.model.embed(decode.input_ids), embeds])
             positions = torch.cat([decode.seq_lens, positions])
             meta.slot_blocks = torch.cat([part.slot_blocks, meta.slot_blocks])
             meta.slot_offsets = torch.cat([part.slot_offsets, meta.slot_offsets])
@@ -117,23 +130,40 @@ class ModelRunner:
                                                              part.decode_context_lens)
             logit_rows = torch.cat([torch.arange(num_decode, device=device),
                                     logit_rows + num_decode])
-        logits = self.model(input_ids, positions, self.cache, meta, logit_rows)
-        decode_logits = logits[:num_decode] if decode is not None else None
-        last, full, cursor = [], [], num_decode
+        hidden = self.model(embeds, positions, self.cache, meta, logit_rows)
+        logits = self.model.logits(hidden)
+        out = PrefillOutput(logits[0:0], [], [])
+        if decode is not None:
+            out.decode, out.decode_hidden = logits[:num_decode], hidden[:num_decode]
+        last, cursor = [], num_decode
         for i, n in enumerate(query_lens):
             width = n if i in all_logits_rows else 1
             chunk = logits[cursor:cursor + width]
             last.append(chunk[-1])
-            full.append(chunk if i in all_logits_rows else None)
+            out.full.append(chunk if i in all_logits_rows else None)
+            out.hidden.append(hidden[cursor:cursor + width] if i in all_logits_rows else None)
             cursor += width
-        return PrefillLogits(torch.stack(last), full, decode_logits)
+        out.last = torch.stack(last)
+        return out
+
+    def _embeds(self, seqs: list[PrefillSequence]) -> torch.Tensor:
+        """The vectors of every sequence's tokens, given vectors copied over their rows."""
+        ids = [t for s in seqs for t in (s.token_ids if s.embeds is None else [0] * s.length)]
+        embeds = self.model.embed(torch.tensor(ids, dtype=torch.long, device=self.device))
+        start = 0
+        for s in seqs:
+            if s.embeds is not None:
+                embeds[start:start + s.length] = s.embeds.to(embeds.dtype)
+            start += s.length
+        return embeds
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
-               block_tables: torch.Tensor) -> torch.Tensor:
-        """One token per sequence at position seq_lens -> logits [B, vocab]."""
-        return self.model(input_ids, seq_lens, self.cache,
-                          self._decode_metadata(seq_lens, block_tables))
+               block_tables: torch.Tensor) -> DecodeOutput:
+        """One token per sequence at position seq_lens -> logits [B, vocab] and hidden states."""
+        hidden = self.model(self.model.embed(input_ids), seq_lens, self.cache,
+                            self._decode_metadata(seq_lens, block_tables))
+        return DecodeOutput(self.model.logits(hidden), hidden)
 
     def _decode_metadata(self, seq_lens: torch.Tensor,
                          block_tables: torch.Tensor) -> AttentionMetadata:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from shard.stopping import FinishReason
 
 
@@ -23,12 +25,23 @@ class GeneratedText:
 
 
 @dataclass(slots=True)
+class PromptScores:
+    """What a prefill returns about the prompt's own positions, beyond its first token."""
+
+    tokens: TokenRun | None = None  # log p(prompt token | earlier ones), with prefill_logprobs
+    top_tokens: list[TokenRun] = field(default_factory=list)  # per position, prefill_top_n_tokens
+    token_ids_logprobs: list[float] = field(default_factory=list)  # positions x logprob_token_ids
+
+
+@dataclass(slots=True)
 class Generation:
     request_id: int
     tokens: TokenRun
-    prefill_tokens: TokenRun | None = None
+    prompt: PromptScores | None = None
     generated_text: GeneratedText | None = None
     top_tokens: list[TokenRun] = field(default_factory=list)
+    token_ids_logprobs: list[float] = field(default_factory=list)  # tokens x logprob_token_ids
+    hidden_states: torch.Tensor | None = None  # [rows, hidden] float32 on the CPU
 
 
 @dataclass(slots=True)

@@ -135,6 +135,7 @@ class SampleOutput:
     logprobs: torch.Tensor  # [B] float
     top_ids: torch.Tensor | None  # [B, max_top_n] long
     top_logprobs: torch.Tensor | None  # [B, max_top_n] float
+    distribution: torch.Tensor  # [B, vocab] the log-probabilities the token was drawn from
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch,
@@ -163,7 +164,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     top_ids = top_logprobs = None
     if flags["max_top_n"] > 0:
         top_logprobs, top_ids = logprobs_all.topk(flags["max_top_n"], dim=-1)
-    return SampleOutput(next_ids, logprobs, top_ids, top_logprobs)
+    return SampleOutput(next_ids, logprobs, top_ids, top_logprobs, logprobs_all)
 
 
 def apply_penalties(scores: torch.Tensor, batch: SamplingBatch,

@@ -89,7 +89,8 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         return pb.FilterBatchResponse(batch=convert.cached_batch(info))
 
     async def Warmup(self, request, context):
-        requests = [convert.new_request(r) for r in request.batch.requests]
+        requests = [convert.new_request(r, self.engine.hidden_size)
+                    for r in request.batch.requests]
         result = await self._run(context, self.engine.warmup, requests,
                                  request.max_batch_total_tokens)
         return pb.WarmupResponse(max_supported_total_tokens=result.max_supported_total_tokens,
@@ -101,7 +102,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         requests, rejected = [], []
         for message in request.batch.requests:
             try:
-                requests.append(convert.new_request(message))
+                requests.append(convert.new_request(message, self.engine.hidden_size))
             except Exception as err:  # one request's data: that request alone is refused
                 rejected.append((message.id, str(err)))
         cached = request.cached_batch.id if request.HasField("cached_batch") else None

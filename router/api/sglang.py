@@ -49,6 +49,10 @@ class Run:
     tokens: list[Token] = field(default_factory=list)
     top_tokens: list[list[Token]] = field(default_factory=list)
     prefill: list[Token] = field(default_factory=list)
+    prefill_top_tokens: list[list[Token]] = field(default_factory=list)
+    prefill_ids_logprobs: list[list[float | None]] = field(default_factory=list)
+    ids_logprobs: list[list[float | None]] = field(default_factory=list)  # per output token
+    hidden_states: list = field(default_factory=list)  # the prompt's rows, then one per step
     final: FinalInfo | None = None
     aborted: bool = False
     task: asyncio.Task | None = None
@@ -62,6 +66,16 @@ class Run:
         self.top_tokens.append(event.top_tokens)
         if event.prefill is not None:
             self.prefill = event.prefill
+        if event.prefill_top_tokens is not None:
+            self.prefill_top_tokens = event.prefill_top_tokens
+        if event.prefill_token_ids_logprobs is not None:
+            self.prefill_ids_logprobs = event.prefill_token_ids_logprobs
+        if event.token_ids_logprobs:
+            self.ids_logprobs.append(event.token_ids_logprobs)
+        if event.hidden_states is not None:
+            # SGLang's layout: the prompt's rows as one entry, then one vector per decode step
+            self.hidden_states.append(event.hidden_states if not self.hidden_states
+                                      else event.hidden_states[0])
         if event.final is not None:
             self.final = event.final
 
@@ -119,16 +133,30 @@ class Run:
         if options.enabled:
             entry = (lambda t: [t.logprob, t.id, t.text]) if options.with_text else \
                 (lambda t: [t.logprob, t.id, None])
-            prompt = self.prefill[options.start_len:] if options.start_len >= 0 else []
+            start = options.start_len
+            prompt = self.prefill[start:] if start >= 0 else []
             if prompt:  # the first prompt token has no log-probability
                 prompt = [Token(prompt[0].id, prompt[0].text, None)] + prompt[1:] \
-                    if options.start_len == 0 else prompt
+                    if start == 0 else prompt
             meta["input_token_logprobs"] = [entry(t) for t in prompt]
             meta["output_token_logprobs"] = [entry(t) for t in self.tokens]
             if options.top_n:
-                meta["input_top_logprobs"] = [None for _ in prompt]
+                meta["input_top_logprobs"] = [
+                    [entry(t) for t in step] or None
+                    for step in (self.prefill_top_tokens[start:] if start >= 0 else [])]
                 meta["output_top_logprobs"] = [[entry(t) for t in step]
                                                for step in self.top_tokens]
+            asked = options.token_ids
+            if asked:
+                texts = options.token_texts
+                named = (lambda row: [[lp, i, text] for lp, i, text in zip(row, asked, texts)])
+                meta["input_token_ids_logprobs"] = [
+                    named(row) if position + max(start, 0) else None
+                    for position, row in enumerate(
+                        self.prefill_ids_logprobs[start:] if start >= 0 else [])]
+                meta["output_token_ids_logprobs"] = [named(row) for row in self.ids_logprobs]
+        if self.item.return_hidden_states:
+            meta["hidden_states"] = self.hidden_states
         return meta
 
     def output(self, index: int | None = None) -> dict:
@@ -211,7 +239,8 @@ async def _generate(request: web.Request, body: dict) -> web.StreamResponse:
     state = request.app[STATE]
     started = time.monotonic()
     batch = await state.infer.counted(parse_generate(
-        body, state.tokenizer, state.validation_limits, state.config.max_client_batch_size))
+        body, state.tokenizer, state.validation_limits, state.config.max_client_batch_size,
+        state.shard_info.hidden_size))
     running = request.app[RUNNING]
     rids = list(dict.fromkeys(item.rid for item in batch.items))
     taken = [rid for rid in rids if rid in running]
@@ -283,7 +312,9 @@ async def get_model_info(request: web.Request) -> web.Response:
     return web.json_response({"model_path": state.model_name,
                               "tokenizer_path": state.config.tokenizer_path,
                               "is_generation": True, "preferred_sampling_params": None,
-                              "weight_version": "default"})
+                              "weight_version": "default",
+                              # ours: the width of an input_embeds row and of a hidden state
+                              "hidden_size": state.shard_info.hidden_size})
 
 
 async def get_server_info(request: web.Request) -> web.Response:

@@ -137,13 +137,21 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = ParallelLMHead.load(weights, "lm_head.weight", cfg.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the vectors the first layer reads [T, hidden]."""
+        return self.embed_tokens(input_ids).to(self.activation_dtype)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                 meta: AttentionMetadata, logit_index: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids/positions [T] -> logits [len(logit_index) or T, vocab]."""
-        hidden = self.embed_tokens(input_ids).to(self.activation_dtype)
+        """embeds [T, hidden], positions [T] -> the final normed hidden states of the rows in
+        logit_index (all T without it), which `logits` turns into scores."""
+        hidden = embeds.to(self.activation_dtype)
         angles = self.rotary(positions)
         for layer, cache in zip(self.layers, caches):
             hidden = layer(hidden, angles, cache, meta)
         if logit_index is not None:
             hidden = hidden[logit_index]
-        return self.lm_head(self.norm(hidden)).float()
+        return self.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -41,9 +41,30 @@ class LaunchedServer:
         return shard_pids(self.uds_path)
 
     def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, then the exit code. A launcher still running after `timeout` fails the test
+        with every process's stacks (SIGUSR1) and the log's tail, then the tree is killed."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=timeout)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            left = self.processes_left()
+            for line in left:
+                try:
+                    os.kill(int(line.split()[0]), signal.SIGUSR1)
+                except (ProcessLookupError, ValueError):
+                    pass
+            time.sleep(2)  # the stacks reach the log through the launcher's relay
+            tail = self.log()[-20000:]
+            for line in left:
+                try:
+                    os.kill(int(line.split()[0]), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            self.process.kill()
+            self.process.wait(timeout=30)
+            raise AssertionError(f"the launcher did not stop {timeout:.0f}s after SIGTERM; "
+                                 f"processes: {left}\nlog tail:\n{tail}") from None
 
 
 def launch(model_args: list[str], tmp_path: Path, *, extra: list[str] = (),

@@ -38,3 +38,28 @@ def test_stream_of_a_chat_prompt_ends_on_eos(server):
     assert "4" in final["generated_text"]
     assert "".join(e["token"]["text"] for e in events) == final["generated_text"]
     assert events[-1]["token"]["special"] is True
+
+
+def test_sglangs_generate_answers_as_tgis_from_text_ids_and_embeddings(server, real_model_dir):
+    from tests.e2e.test_sglang_api import embeddings_of
+
+    prompt = "The capital of France is"
+    tgi = requests.post(f"{server.url}/generate", timeout=120, json={"inputs": prompt, "parameters": {
+        "max_new_tokens": 8, "details": True, "decoder_input_details": True}}).json()
+    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    by_text = requests.post(f"{server.url}/generate", timeout=120, json={
+        "text": prompt, "sampling_params": greedy, "return_logprob": True,
+        "logprob_start_len": 0}).json()
+    assert by_text["text"] == tgi["generated_text"]
+    meta = by_text["meta_info"]
+    for (logprob, token_id, _), expected in zip(meta["output_token_logprobs"],
+                                                tgi["details"]["tokens"]):
+        assert token_id == expected["id"] and logprob == pytest.approx(expected["logprob"],
+                                                                       abs=1e-4)
+    ids = [t["id"] for t in tgi["details"]["prefill"]]
+    assert [t[1] for t in meta["input_token_logprobs"]] == ids
+    by_ids = requests.post(f"{server.url}/generate", timeout=120,
+                           json={"input_ids": ids, "sampling_params": greedy}).json()
+    by_embeds = requests.post(f"{server.url}/generate", timeout=120, json={
+        "input_embeds": embeddings_of(real_model_dir, ids), "sampling_params": greedy}).json()
+    assert by_ids["text"] == by_embeds["text"] == tgi["generated_text"]

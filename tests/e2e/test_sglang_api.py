@@ -138,6 +138,68 @@ def test_logprobs_equal_tgis_details(server):
     assert [t[1] for t in later["input_token_logprobs"]] == [t["id"] for t in tgi["prefill"][3:]]
 
 
+def embeddings_of(model_dir, ids) -> list[list[float]]:
+    """The rows the model's embedding table gives these ids, read from its weights."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as weights:
+        table = weights.get_tensor("model.embed_tokens.weight")
+    return table[ids].float().tolist()
+
+
+def test_input_embeds_answer_as_their_ids_do(server, tiny_llama):
+    ids = [t["id"] for t in post(server, "/tokenize", {"inputs": PROMPT}).json()]
+    by_ids = sglang(server, input_ids=ids, sampling_params=greedy(ignore_eos=True))
+    by_embeds = sglang(server, input_embeds=embeddings_of(tiny_llama, ids),
+                       sampling_params=greedy(ignore_eos=True))
+    assert by_embeds["text"] == by_ids["text"]
+    assert by_embeds["meta_info"]["prompt_tokens"] == len(ids)
+    assert by_embeds["meta_info"]["cached_tokens"] == 0  # vectors never match the prefix cache
+    batch = sglang(server, input_embeds=[embeddings_of(tiny_llama, ids),
+                                         embeddings_of(tiny_llama, ids[:4])],
+                   sampling_params=greedy(4, ignore_eos=True))
+    assert batch[0]["text"] == by_ids["text"][:len(batch[0]["text"])]
+    assert [o["meta_info"]["prompt_tokens"] for o in batch] == [len(ids), 4]
+    narrow = post(server, "/generate", {"input_embeds": [[0.0] * 5]})
+    assert narrow.status_code == 422 and "hidden size" in narrow.json()["error"]["message"]
+
+
+def test_named_token_ids_and_prompt_top_logprobs(server):
+    first = sglang(server, text=PROMPT, sampling_params=greedy(4, ignore_eos=True),
+                   return_logprob=True, logprob_start_len=0)["meta_info"]
+    prompt_ids = [t[1] for t in first["input_token_logprobs"]]
+    generated = [t[1] for t in first["output_token_logprobs"]]
+    asked = sorted({prompt_ids[2], generated[0], 0})
+    meta = sglang(server, text=PROMPT, sampling_params=greedy(4, ignore_eos=True),
+                  return_logprob=True, logprob_start_len=0, top_logprobs_num=3,
+                  token_ids_logprob=asked, return_text_in_logprobs=True)["meta_info"]
+    named = meta["input_token_ids_logprobs"]
+    assert named[0] is None and len(named) == len(prompt_ids)
+    own = dict((i, lp) for lp, i, _ in named[2])[prompt_ids[2]]
+    assert own == pytest.approx(meta["input_token_logprobs"][2][0], abs=1e-5)
+    out = dict((i, lp) for lp, i, _ in meta["output_token_ids_logprobs"][0])[generated[0]]
+    assert out == pytest.approx(meta["output_token_logprobs"][0][0], abs=1e-5)
+    assert len(meta["output_token_ids_logprobs"]) == 4
+    top = meta["input_top_logprobs"]
+    assert top[0] is None and all(len(step) == 3 for step in top[1:])
+    # greedy: each position's best guess tops its list, and it is at least the actual token
+    for step, actual in zip(top[1:], meta["input_token_logprobs"][1:]):
+        assert step[0][0] >= actual[0] - 1e-6 and step[0][0] >= step[-1][0]
+
+
+def test_hidden_states_have_sglangs_shape(server):
+    info = requests.get(f"{server.url}/get_model_info", timeout=10).json()
+    out = sglang(server, text=PROMPT, sampling_params=greedy(3, ignore_eos=True),
+                 return_hidden_states=True)
+    meta = out["meta_info"]
+    hidden = meta["hidden_states"]
+    assert len(hidden) == meta["completion_tokens"] == 3
+    assert len(hidden[0]) == meta["prompt_tokens"] and len(hidden[0][0]) == info["hidden_size"]
+    assert all(len(row) == info["hidden_size"] for row in hidden[1:])
+    plain = sglang(server, text=PROMPT, sampling_params=greedy(3, ignore_eos=True))
+    assert plain["text"] == out["text"] and "hidden_states" not in plain["meta_info"]
+
+
 def test_stream_ends_as_the_plain_answer(server):
     body = {"text": PROMPT, "sampling_params": greedy(10, ignore_eos=True)}
     plain = sglang(server, **body)
@@ -189,7 +251,7 @@ def test_refusals_name_what_is_not_supported(server):
     for fields, words in (({"lora_path": "x"}, "LoRA"),
                           ({"custom_logit_processor": "x"}, "serialized Python"),
                           ({"image_data": "a.png"}, "text only"),
-                          ({"input_embeds": [[0.0]], "text": None}, "not supported yet")):
+                          ({"input_embeds": [[0.0]], "text": None}, "hidden size")):
         reply = post(server, "/generate", {"text": "Hi", **fields})
         assert reply.status_code == 422 and words in reply.json()["error"]["message"]
     neither = post(server, "/generate", {"prompt": "Hi"})

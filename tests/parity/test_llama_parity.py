@@ -59,7 +59,7 @@ def test_logits_match_transformers_through_paged_cache(tmp_path, variant, kernel
     for _ in range(DECODE_STEPS):
         for row, token in enumerate(next_ids.tolist()):
             tokens[row].append(token)
-        logits = runner.decode(next_ids, seq_lens, block_tables)
+        logits = runner.decode(next_ids, seq_lens, block_tables).logits
         with torch.no_grad():
             for row, seq in enumerate(tokens):
                 expected = reference(torch.tensor([seq])).logits[0, -1]
@@ -107,7 +107,8 @@ def test_bf16_on_a_cpu_without_bf16_arithmetic_is_float32_math_on_the_bf16_value
     next_id = logits.last.argmax(-1)
     for step in range(4):
         tokens.append(int(next_id))
-        out = runner.decode(next_id, torch.tensor([len(tokens) - 1]), torch.tensor([[3, 1, 7, 0]]))
+        out = runner.decode(next_id, torch.tensor([len(tokens) - 1]),
+                             torch.tensor([[3, 1, 7, 0]])).logits
         with torch.no_grad():
             expected = reference(torch.tensor([tokens])).logits[0, -1]
         # decode reads the bf16 cache, and a one-row product rounds its input to bf16: 3e-3 here
@@ -142,7 +143,8 @@ def test_bf16_on_a_cpu_with_bf16_arithmetic_keeps_bf16_activations(tmp_path, mon
     next_id = logits.last.argmax(-1)
     for _ in range(3):
         tokens.append(int(next_id))
-        out = runner.decode(next_id, torch.tensor([len(tokens) - 1]), torch.tensor([[3, 1, 7, 0]]))
+        out = runner.decode(next_id, torch.tensor([len(tokens) - 1]),
+                             torch.tensor([[3, 1, 7, 0]])).logits
         with torch.no_grad():
             expected = reference(torch.tensor([tokens])).logits[0, -1]
         assert (out[0] - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()

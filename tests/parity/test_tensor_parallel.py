@@ -40,7 +40,7 @@ def _run_rank(rank: int, world: int, port: int, model_dir: str, results):
     seq_lens = torch.tensor([len(p) for p in PROMPTS])
     tables = torch.tensor([b + [0] * (5 - len(b)) for b in BLOCKS])
     for _ in range(DECODE_STEPS):
-        step = runner.decode(next_ids, seq_lens, tables)
+        step = runner.decode(next_ids, seq_lens, tables).logits
         logits.append(step)
         next_ids, seq_lens = step.argmax(-1), seq_lens + 1
     results[rank] = torch.stack(logits)

@@ -40,7 +40,7 @@ async def _client(tiny_llama, fake, *, max_concurrent=8, **options) -> TestClien
     state = RouterState(config, RouterTokenizer(str(tiny_llama)), fake,
                         ShardInfo(dtype="float32", device_type="cpu", world_size=1, block_size=4,
                                   max_position_embeddings=128, support_chunking=False,
-                                  use_prefix_caching=False), limits,
+                                  use_prefix_caching=False, hidden_size=8), limits,
                         ValidationLimits(limits, 2, 4, 5), allocator, batcher,
                         Infer(batcher, metrics, max_concurrent_requests=max_concurrent), metrics,
                         ChatTemplate.from_model_dir(str(tiny_llama)))

@@ -6,6 +6,7 @@ stops at max_new_tokens; conversions and shaping that need other outcomes are te
 import asyncio
 import json
 
+import numpy
 import pytest
 
 from router.api.sglang import Run
@@ -74,13 +75,25 @@ async def test_batches_keep_their_order_and_n_is_batch_major(tiny_llama):
 
 @pytest.mark.parametrize("body,message", [
     ({"text": "a", "input_ids": [1]}, "exactly one of `text`, `input_ids` or `input_embeds`"),
-    ({"input_embeds": [[0.1, 0.2]]}, "`input_embeds` is not supported yet"),
+    ({"input_embeds": [[0.1, 0.2]]}, "must be a list of 8 numbers (the model's hidden size)"),
+    ({"input_embeds": [[0.1] * 7 + [True]]}, "must hold finite numbers"),
+    ({"input_embeds": [[0.1] * 7 + ["1"]]}, "must hold finite numbers"),
+    ({"input_embeds": [[0.1] * 7 + [1e39]]}, "must hold finite numbers"),
+    ({"input_embeds": []}, "must be a non-empty list of vectors"),
+    ({"input_embeds": [[[0.1] * 8], []]}, "`input_embeds[1]` must be a non-empty list"),
+    ({"input_embeds": [[0.5] * 8], "return_logprob": True, "logprob_start_len": 0},
+     "no token ids to score"),
     ({"text": "a", "image_data": "x.png"}, "`image_data` is not supported: this model reads text"),
     ({"text": "a", "audio_data": "x.wav"}, "`audio_data` is not supported: this model reads text"),
     ({"text": "a", "custom_logit_processor": "x"}, "serialized Python"),
     ({"text": "a", "lora_path": "x"}, "no LoRA adapters"),
-    ({"text": "a", "token_ids_logprob": [1]}, "`token_ids_logprob` is not supported yet"),
-    ({"text": "a", "return_hidden_states": True}, "`return_hidden_states` is not supported yet"),
+    ({"text": "a", "token_ids_logprob": [1]}, "needs `return_logprob`"),
+    ({"text": "a", "return_logprob": True, "token_ids_logprob": [10**6]}, "is not a token id"),
+    ({"text": "a", "return_logprob": True, "token_ids_logprob": 3}, "must be a list"),
+    ({"text": ["a", "b"], "return_logprob": True, "token_ids_logprob": [[1]]},
+     "1 lists for 2 prompts"),
+    ({"text": "a", "return_logprob": True, "token_ids_logprob": [1] * 1025}, "at most 1024"),
+    ({"text": "a", "return_hidden_states": "yes"}, "`return_hidden_states` must be a boolean"),
     ({"text": "a", "what": 1}, "`what` is not a field"),
     ({"text": "a", "sampling_params": {"ebnf": "root ::= bar"}}, "Rule 'bar' not found"),
     ({"text": "a", "sampling_params": {"json_schema": "{}", "regex": "a"}}, "only one of"),
@@ -98,7 +111,6 @@ async def test_batches_keep_their_order_and_n_is_batch_major(tiny_llama):
     ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "not supported yet"),
     ({"text": "a", "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 2}},
      "min_new_tokens"),
-    ({"text": "a", "sampling_params": {"spaces_between_special_tokens": False}}, "not supported"),
     ({"text": "a", "sampling_params": {"stop_token_ids": [10**6]}}, "is not a token id"),
     ({"text": "a", "sampling_params": {"foo": 1}}, "not a field of SGLang's sampling"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "1 objects for 2 prompts"),
@@ -107,8 +119,6 @@ async def test_batches_keep_their_order_and_n_is_batch_major(tiny_llama):
     ({"text": ""}, "cannot be empty"),
     ({"text": []}, "non-empty list"),
     ({"text": "a", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
-    ({"text": "a", "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2},
-     "not supported yet"),
     ({"text": "a", "stream": "yes"}, "`stream` must be a boolean"),
     ({"text": ["a", "b"], "rid": ["x", "x"]}, "alike"),
 ])
@@ -131,7 +141,7 @@ def _limits():
 
 async def test_conversion_uses_sglangs_defaults(tiny_llama):
     tokenizer = RouterTokenizer(str(tiny_llama))
-    batch = await parse_generate({"text": "hello"}, tokenizer, _limits(), 4)
+    batch = await parse_generate({"text": "hello"}, tokenizer, _limits(), 4, 8)
     request = batch.items[0].request
     assert not batch.as_list and request.sampling.do_sample and request.sampling.temperature == 1.0
     assert request.sampling.top_k == 0 and request.stopping.max_new_tokens == 128
@@ -141,7 +151,7 @@ async def test_conversion_uses_sglangs_defaults(tiny_llama):
         "presence_penalty": -0.5, "repetition_penalty": 1.1, "stop": "x", "stop_token_ids": [7],
         "min_new_tokens": 2, "ignore_eos": True, "skip_special_tokens": False,
         "no_stop_trim": True, "regex": "[ab]+", "max_new_tokens": 9, "sampling_seed": 4}},
-        tokenizer, _limits(), 4)
+        tokenizer, _limits(), 4, 8)
     item = batch.items[0]
     s, st = item.request.sampling, item.request.stopping
     assert not s.do_sample and s.top_k == 5 and s.top_p == 0.5 and s.min_p == pytest.approx(0.1)
@@ -152,21 +162,21 @@ async def test_conversion_uses_sglangs_defaults(tiny_llama):
     assert not item.request.skip_special_tokens and item.request.grammar == ("regex", "[ab]+")
     batch = await parse_generate({"text": "hello", "sampling_params": {
         "json_schema": json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})}},
-        tokenizer, _limits(), 4)
+        tokenizer, _limits(), 4, 8)
     assert batch.items[0].request.grammar[0] == "json"
     batch = await parse_generate({"text": "hello", "sampling_params": {
-        "ebnf": 'root ::= "yes" | "no"'}}, tokenizer, _limits(), 4)
+        "ebnf": 'root ::= "yes" | "no"'}}, tokenizer, _limits(), 4, 8)
     assert batch.items[0].request.grammar == ("ebnf", 'root ::= "yes" | "no"')
     batch = await parse_generate({"text": ["a", "b"], "return_logprob": [True, False],
                                   "logprob_start_len": [0, -1], "top_logprobs_num": 0},
-                                 tokenizer, _limits(), 4)
+                                 tokenizer, _limits(), 4, 8)
     first, second = batch.items
     assert first.logprobs.enabled and first.request.prefill_logprobs
     assert not second.logprobs.enabled and not second.request.prefill_logprobs
     assert claims({"text": "a"}) and claims({"input_ids": [1]}) and claims({"input_embeds": []})
     assert not claims({"inputs": "a", "text": "b"}) and not claims({})
     with pytest.raises(ValidationError, match="exceeds the maximum"):
-        await parse_generate({"text": ["a"] * 5}, tokenizer, _limits(), 4)
+        await parse_generate({"text": ["a"] * 5}, tokenizer, _limits(), 4, 8)
 
 
 def _run(events, *, stops=(), no_stop_trim=False, logprobs=LogprobOptions(), max_new_tokens=8):
@@ -216,6 +226,57 @@ def test_logprobs_in_sglangs_meta_info_layout():
     assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs"] == []
     assert meta["output_top_logprobs"] == [[[-0.25, 3, None], [-3.0, 9, None]],
                                            [[-0.25, 4, None]]]
+
+
+def test_prompt_top_tokens_named_ids_and_hidden_states_in_sglangs_layout():
+    events = _tokens((3, "a"), (4, "b"))
+    first = events[0]
+    first.prefill = [Token(5, "x", None), Token(6, "y", -1.0), Token(7, "z", -2.0)]
+    first.prefill_top_tokens = [[], [Token(6, "y", -1.0)], [Token(8, "w", -0.5)]]
+    first.prefill_token_ids_logprobs = [[None, None], [-1.5, -2.5], [-3.5, -4.5]]
+    first.token_ids_logprobs, events[1].token_ids_logprobs = [-0.1, -0.2], [-0.3, -0.4]
+    first.hidden_states = [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]  # the prompt's rows
+    events[1].hidden_states = [[6.0, 7.0]]  # one decode step
+    events[-1].final = FinalInfo("ab", 2, FinishReason.LENGTH, None)
+    options = LogprobOptions(True, 0, 1, True, [6, 9], ["y", "q"])
+    run = _run(events, logprobs=options)
+    run.item.return_hidden_states = True
+    meta = run.meta_info()
+    assert meta["input_top_logprobs"] == [None, [[-1.0, 6, "y"]], [[-0.5, 8, "w"]]]
+    assert meta["input_token_ids_logprobs"] == [None, [[-1.5, 6, "y"], [-2.5, 9, "q"]],
+                                                [[-3.5, 6, "y"], [-4.5, 9, "q"]]]
+    assert meta["output_token_ids_logprobs"] == [[[-0.1, 6, "y"], [-0.2, 9, "q"]],
+                                                 [[-0.3, 6, "y"], [-0.4, 9, "q"]]]
+    assert meta["hidden_states"] == [[[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]], [6.0, 7.0]]
+    later = _run(events, logprobs=LogprobOptions(True, 2, 1, False, [6], [None])).meta_info()
+    assert later["input_top_logprobs"] == [[[-0.5, 8, None]]]
+    assert later["input_token_ids_logprobs"] == [[[-3.5, 6, None]]]
+    assert "hidden_states" not in later
+
+
+async def test_embeddings_named_ids_and_hidden_states_are_parsed(tiny_llama):
+    tokenizer = RouterTokenizer(str(tiny_llama))
+    rows = [[0.5] * 8, [-1, 2, 0, 0, 0, 0, 0, 3.25]]
+    batch = await parse_generate({"input_embeds": rows, "return_hidden_states": True,
+                                  "return_logprob": True, "token_ids_logprob": [3, 4],
+                                  "return_text_in_logprobs": True}, tokenizer, _limits(), 4, 8)
+    item = batch.items[0]
+    request = item.request
+    assert request.input_ids == [] and request.embeds_rows == 2 and request.input_length == 2
+    assert numpy.frombuffer(request.input_embeds, dtype="<f4").tolist() == rows[0] + rows[1]
+    assert request.computes_whole_prompt and request.return_hidden_states
+    assert item.return_hidden_states and request.logprob_token_ids == [3, 4]
+    assert item.logprobs.token_texts == [tokenizer.tokenizer.decode([3]),
+                                         tokenizer.tokenizer.decode([4])]
+    batch = await parse_generate({"input_embeds": [rows, rows[:1]], "return_logprob": True,
+                                  "logprob_start_len": -1,
+                                  "token_ids_logprob": [[1], [2, 3]]}, tokenizer, _limits(), 4, 8)
+    assert [i.request.embeds_rows for i in batch.items] == [2, 1] and batch.as_list
+    assert [i.request.logprob_token_ids for i in batch.items] == [[1], [2, 3]]
+    batch = await parse_generate({"text": "hello", "return_logprob": True, "logprob_start_len": 0,
+                                  "top_logprobs_num": 2}, tokenizer, _limits(), 4, 8)
+    assert batch.items[0].request.prefill_top_n_tokens == 2
+    assert batch.items[0].request.prefill_logprobs
 
 
 async def test_logprobs_through_the_route(tiny_llama):

@@ -53,7 +53,7 @@ def test_a_generation_that_cannot_be_read_fails_its_request_alone():
             text="a", generated_tokens=1, finish_reason=pb.FINISH_REASON_STOP_SEQUENCE, seed=9))],
         batch=pb.CachedBatch(id=5, request_ids=[0, 1, 2], size=3, max_tokens=48),
         forward_ns=10, decode_ns=2)
-    result = convert.step_result(reply)
+    result = convert.step_result(reply, hidden_size=4)
     first, broken, last = result.generations
     assert first.event.token.logprob is None, "-inf has no JSON spelling"
     assert broken.event is None and isinstance(broken.error, IndexError)
@@ -103,3 +103,29 @@ async def test_the_client_prefills_the_prepared_batch_with_the_running_one_ridin
     assert method == "Prefill" and message.cached_batch.id == 9
     assert [r.id for r in message.batch.requests] == [0]
     assert result.batch.request_ids == [0] and result.rejected == []
+
+
+def test_embeddings_named_ids_and_hidden_states_cross_the_wire():
+    import numpy
+
+    shard_request = _shard_request(3)
+    request = shard_request.request
+    request.input_ids, request.input_embeds, request.embeds_rows = [], b"\0" * 32, 2
+    request.logprob_token_ids, request.prefill_top_n_tokens = [4, 9], 3
+    request.return_hidden_states = True
+    message = convert.request_message(shard_request)
+    assert message.input_embeds == b"\0" * 32 and list(message.logprob_token_ids) == [4, 9]
+    assert message.prefill_top_n_tokens == 3 and message.return_hidden_states
+    hidden = numpy.arange(8, dtype="<f4")
+    reply = pb.PrefillResponse(generations=[_generation(
+        3, token_ids_logprobs=[-1.0, float("nan")],
+        prefill_token_ids_logprobs=[float("nan"), float("nan"), -2.0, -3.0],
+        prefill_top_tokens=[pb.Tokens(), pb.Tokens(ids=[4], logprobs=[-0.5], texts=["d"])],
+        hidden_states=hidden.tobytes())])
+    event = convert.step_result(reply, hidden_size=4).generations[0].event
+    assert event.token_ids_logprobs == [-1.0, None]
+    assert event.prefill_token_ids_logprobs == [[None, None], [-2.0, -3.0]]
+    assert event.prefill_top_tokens[0] == [] and event.prefill_top_tokens[1][0].id == 4
+    assert event.hidden_states == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+    torn = pb.PrefillResponse(generations=[_generation(3, hidden_states=hidden[:6].tobytes())])
+    assert isinstance(convert.step_result(torn, hidden_size=4).generations[0].error, ValueError)

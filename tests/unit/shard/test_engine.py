@@ -84,9 +84,9 @@ def test_stream_pieces_concatenate_to_final_text_and_logprobs_are_returned(engin
     out = engine.prefill(1, [request(1, prompt, list(range(1, 20)), max_new_tokens=20,
                                      ignore_eos=True, prefill_logprobs=True, top_n_tokens=3)])
     g = out.generations[0]
-    assert g.prefill_tokens.ids == prompt
-    assert len(g.prefill_tokens.logprobs) == len(prompt)
-    assert all(lp <= 0 for lp in g.prefill_tokens.logprobs[1:])
+    assert g.prompt.tokens.ids == prompt
+    assert len(g.prompt.tokens.logprobs) == len(prompt)
+    assert all(lp <= 0 for lp in g.prompt.tokens.logprobs[1:])
     assert len(g.top_tokens[0].ids) == 3
     pieces = [g.tokens.texts[0]]
     while out.batch is not None:

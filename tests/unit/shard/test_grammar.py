@@ -78,4 +78,4 @@ def test_a_grammar_type_this_shard_does_not_know_refuses_that_request_alone():
         grammar_type=7, grammar="x"), stopping_parameters=pb.StoppingCriteriaParameters(
         max_new_tokens=1))
     with pytest.raises(ValueError, match="grammar type 7 is not known"):
-        new_request(message)
+        new_request(message, hidden_size=8)
