@@ -4,8 +4,10 @@ from __future__ import annotations
 import faulthandler
 import signal
 import sys
+from pathlib import Path
 
 from launcher.config import parse_args
+from launcher.dotenv import load_dotenv
 from launcher.environment import environment_report
 from launcher.logs import say
 from launcher.resolve import (DEFAULT_MODEL_ID, ModelResolutionError, check_remote_code,
@@ -17,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 <pid>` prints every thread's stack: how to see where a stuck process is
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
+        load_dotenv(Path.cwd() / ".env")
         config = parse_args(argv)
     except ValueError as err:
         print(f"tgi-launcher: {err}", file=sys.stderr)

@@ -3,12 +3,16 @@ side reads (`events`) and the marks the scheduler leaves on it."""
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import SpanContext
 
 from router.request_queue import QueueEntry
-from router.schemas import GenerateRequest, TokenEvent
+from router.schemas import FinalInfo, GenerateRequest, TokenEvent
+
+log = logging.getLogger("tgi.router.active_request")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -21,6 +25,10 @@ class ActiveRequest(QueueEntry):
     delivered: int = 0  # events sent to the API side
     batched_at: float = 0.0
     span_context: SpanContext | None = None  # the HTTP request's span, when tracing
+    generated_ids: list[int] = field(default_factory=list)
+    # called with the final event's info as it is delivered, while the request still holds its
+    # blocks (a session keeps them); an exception there is the hook's, never the loop's
+    on_final: Callable[["ActiveRequest", FinalInfo], None] | None = None
 
     @property
     def is_live(self) -> bool:
@@ -29,7 +37,13 @@ class ActiveRequest(QueueEntry):
 
 def deliver(item: ActiveRequest, event: TokenEvent) -> None:
     """Hands one event to the API side; the last one ends the request."""
+    item.generated_ids.append(event.token.id)
     if event.final is not None:
         item.is_done = True
+        if item.on_final is not None:
+            try:
+                item.on_final(item, event.final)
+            except Exception:
+                log.exception("the final hook of request %d failed", item.id)
     item.delivered += 1
     item.events.put_nowait(event)

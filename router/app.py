@@ -6,7 +6,7 @@ import logging
 
 from aiohttp import web
 
-from router.api import completions, grpc_service, openai, sglang, tgi
+from router.api import completions, generate_one, grpc_service, openai, sglang, tgi
 from router.batch import NewBatch, ShardRequest
 from router.batcher import Batcher
 from router.block_allocator import BlockAllocator
@@ -27,7 +27,7 @@ from router.validation import ValidationLimits
 
 # Every API the router serves: each module turns its wire format into core requests and the core's
 # events into its wire format, and registers itself (routes, or a server of its own).
-API_MODULES = (tgi, sglang, openai, completions, grpc_service)
+API_MODULES = (tgi, sglang, openai, completions, generate_one, grpc_service)
 
 log = logging.getLogger("tgi.router")
 
@@ -112,7 +112,8 @@ async def build_state(config: RouterConfig) -> RouterState:
         prefix_cache = PrefixCache(allocator)
     queue = RequestQueue(allocator, prefix_cache, chunking=shard_info.support_chunking)
     batcher = Batcher(client, queue, allocator, scheduling, metrics,
-                      recovery_policy(client, config, limits, allocator))
+                      recovery_policy(client, config, limits, allocator),
+                      session_limits=config.session_limits())
     infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens)

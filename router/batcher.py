@@ -28,6 +28,7 @@ from router.recovery import RecoveryPolicy, ShardRecovery, shutting_down
 from router.request_queue import BatchPlan, RequestQueue
 from router.running_requests import RunningRequests
 from router.scheduling import ChunkedPrefill, SchedulingLimits
+from router.sessions import SessionLimits, SessionStore
 from router.shard_steps import NOTHING_SENT, ShardSteps
 
 log = logging.getLogger("tgi.router.batcher")
@@ -39,7 +40,8 @@ IDLE_PROBE_S = 1.0
 class Batcher:
     def __init__(self, client, queue: RequestQueue[ActiveRequest], allocator: BlockAllocator,
                  limits: SchedulingLimits, metrics: Metrics,
-                 recovery: RecoveryPolicy | None = None):
+                 recovery: RecoveryPolicy | None = None,
+                 session_limits: SessionLimits = SessionLimits()):
         self.client = client
         self.queue = queue
         self.allocator = allocator
@@ -48,7 +50,9 @@ class Batcher:
         metrics.kv_total_blocks.set(allocator.num_usable_blocks)
         metrics.kv_free_blocks.set(allocator.num_free_blocks)
         metrics.batch_max_total_tokens.set(allocator.num_usable_blocks * allocator.block_size)
-        self.running = RunningRequests(allocator, queue.prefix_cache, metrics)
+        self.sessions = SessionStore(allocator, session_limits)
+        self._reclaim_from_sessions_too(allocator)
+        self.running = RunningRequests(allocator, queue.prefix_cache, metrics, self.sessions)
         self.failures = FailureFanOut(self.running, queue, metrics)
         self.steps = ShardSteps(client, metrics, self.running, self.failures)
         self.chunked: ChunkedPrefill | None = None  # the long prompt being prefilled in chunks
@@ -61,6 +65,19 @@ class Batcher:
             self.recovery = ShardRecovery(recovery, queue, self.running,
                                           self.failures.fail_waiting)
             self.steps.is_lost, self.steps.lose_shards = self.recovery.is_lost, self._lose_shards
+
+    def _reclaim_from_sessions_too(self, allocator: BlockAllocator) -> None:
+        """When the pool runs short, prompts only the prefix cache holds go first, then the
+        blocks of idle sessions (least recently used first)."""
+        from_cache = allocator.reclaim
+
+        def reclaim(needed: int) -> int:
+            freed = from_cache(needed) if from_cache is not None else 0
+            if freed < needed:
+                freed += self.sessions.release_blocks(needed - freed)
+            return freed
+
+        allocator.reclaim = reclaim
 
     @property
     def healthy(self) -> bool:
@@ -88,6 +105,11 @@ class Batcher:
         cache.evict(len(cache))
         self.running.update_gauges()
         return len(cache) == 0
+
+    def expire_sessions(self) -> None:
+        """Sessions idle past their TTL let go of their blocks."""
+        self.sessions.expire()
+        self.running.update_gauges()
 
     def stop_waiting(self) -> None:
         """The router is stopping: nothing waits for shards that are gone any more."""

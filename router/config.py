@@ -5,6 +5,10 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from router.errors import RouterError
+from router.generate_one_request import GenerationDefaults, check_config
+from router.sessions import SessionLimits
+
 
 def _opt(default, help_text: str):
     return field(default=default, metadata={"help": help_text})
@@ -50,6 +54,25 @@ class RouterConfig:
     payload_limit: int = _opt(2_000_000, "Largest request body in bytes; larger ones get 413.")
     otlp_endpoint: str = _opt(None, "OTLP gRPC endpoint (http://host:4317) to export trace spans to.")
     otlp_service_name: str = _opt("tgi-py.router", "service.name of the exported spans.")
+    # /api/generate-one|batch: what a call's generation_config gets for a field it leaves out
+    default_num_beams: int = _opt(1, "generate-one/batch: default num_beams.")
+    default_do_sample: str = _opt("false", "generate-one/batch: default do_sample (true/false).")
+    default_temperature: float = _opt(1.0, "generate-one/batch: default temperature.")
+    default_top_p: float = _opt(1.0, "generate-one/batch: default top_p.")
+    default_top_k: int = _opt(50, "generate-one/batch: default top_k (0: off).")
+    default_max_new_tokens: int = _opt(None, "generate-one/batch: default max_new_tokens (unset: "
+                                             "the room the context leaves, at most 100).")
+    default_repetition_penalty: float = _opt(1.0, "generate-one/batch: default "
+                                                  "repetition_penalty.")
+    default_length_penalty: float = _opt(1.0, "generate-one/batch: default length_penalty.")
+    session_ttl: float = _opt(600.0, "Seconds an idle request_id session of generate-one/batch "
+                                     "keeps its KV blocks; its tokens stay, and its next call "
+                                     "computes them again.")
+    max_sessions: int = _opt(1024, "request_id sessions remembered; past it the least recently "
+                                   "used idle one is forgotten.")
+    session_kv_share: float = _opt(0.5, "Share of the KV pool that sessions may hold together; "
+                                        "past it the least recently used idle one lets go of "
+                                        "its blocks.")
 
     def __post_init__(self):
         if not self.tokenizer_path:
@@ -68,6 +91,28 @@ class RouterConfig:
             raise ValueError(f"--grpc-port {self.grpc_port} is also the HTTP --port; pick another")
         if self.waiting_served_ratio < 0:
             raise ValueError(f"--waiting-served-ratio {self.waiting_served_ratio} must be >= 0")
+        if self.session_ttl <= 0 or self.max_sessions < 1 or not 0 <= self.session_kv_share <= 1:
+            raise ValueError("--session-ttl must be > 0, --max-sessions >= 1 and "
+                             "--session-kv-share between 0 and 1")
+        if self.default_do_sample not in ("true", "false"):
+            raise ValueError(f"--default-do-sample {self.default_do_sample!r} must be true or "
+                             "false")
+        try:
+            check_config(self.generation_defaults())
+        except RouterError as err:
+            raise ValueError(f"a --default-* flag is out of range: {err}") from None
+
+    def generation_defaults(self) -> GenerationDefaults:
+        return GenerationDefaults(
+            num_beams=self.default_num_beams, do_sample=self.default_do_sample == "true",
+            temperature=self.default_temperature, top_p=self.default_top_p,
+            top_k=self.default_top_k, max_new_tokens=self.default_max_new_tokens,
+            repetition_penalty=self.default_repetition_penalty,
+            length_penalty=self.default_length_penalty)
+
+    def session_limits(self) -> SessionLimits:
+        return SessionLimits(max_sessions=self.max_sessions, kv_share=self.session_kv_share,
+                             ttl=self.session_ttl)
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from router.errors import IncompleteGenerationError, OverloadedError, RouterErro
 from router.metrics import Metrics
 from router.request_trace import current_span_context
 from router.schemas import FinalInfo, GenerateRequest, Timings, Token, TokenEvent
+from router.sessions import Session
 
 
 @dataclass(slots=True)
@@ -64,7 +65,7 @@ class Infer:
             self.record_failure(err)
             raise
 
-    def _admit(self, request: GenerateRequest) -> ActiveRequest:
+    def _admit(self, request: GenerateRequest, session: Session | None) -> ActiveRequest:
         if self.in_flight >= self.max_concurrent_requests:
             raise OverloadedError()
         item = ActiveRequest(id=next(self._ids), input_length=request.input_length,
@@ -72,18 +73,34 @@ class Infer:
                              prompt_ids=None if request.computes_whole_prompt
                              else request.input_ids,
                              request=request, span_context=current_span_context())
+        if session is not None:
+            self._bind(item, session)
         allocator = self.batcher.allocator
         if allocator.blocks_needed(item.kv_tokens) > allocator.num_usable_blocks:
             raise ValidationError(f"the request needs {item.kv_tokens} tokens of KV cache but the "
                                   f"server holds {allocator.num_usable_blocks * allocator.block_size}")
         return item
 
-    async def stream(self, request: GenerateRequest, timings: Timings | None = None
-                     ) -> AsyncIterator[TokenEvent]:
-        """Events of one request; leaving the iteration early cancels it and frees what it held."""
+    def _bind(self, item: ActiveRequest, session: Session) -> None:
+        """The request continues `session` (its prompt is the session's tokens): the blocks the
+        session holds stand in for their prefill, and at the end the session keeps the new ones."""
+        sessions = self.batcher.sessions
+        if session.blocks and session.token_ids == item.request.input_ids:
+            item.held_prefix = (list(session.blocks), session.computed)
+
+        def keep(item: ActiveRequest, final: FinalInfo) -> None:
+            sessions.keep(session, item.request.input_ids + item.generated_ids, final.text,
+                          item.allocation.block_ids)
+
+        item.on_final = keep
+
+    async def stream(self, request: GenerateRequest, timings: Timings | None = None, *,
+                     session: Session | None = None) -> AsyncIterator[TokenEvent]:
+        """Events of one request; leaving the iteration early cancels it and frees what it held.
+        With `session` (router.sessions), the request continues it and it keeps the result."""
         timings = timings or Timings(started_at=time.monotonic())
         try:
-            item = self._admit(request)
+            item = self._admit(request, session)
         except RouterError as err:
             self.record_failure(err)
             raise
@@ -127,10 +144,10 @@ class Infer:
         metrics.time_per_token.observe(inference / max(final.generated_tokens, 1))
         metrics.generated_tokens.observe(final.generated_tokens)
 
-    async def generate(self, request: GenerateRequest, timings: Timings | None = None
-                       ) -> GenerateResult:
+    async def generate(self, request: GenerateRequest, timings: Timings | None = None, *,
+                       session: Session | None = None) -> GenerateResult:
         result = GenerateResult(timings=timings or Timings(started_at=time.monotonic()))
-        async for event in self.stream(request, result.timings):
+        async for event in self.stream(request, result.timings, session=session):
             result.tokens.append(event.token)
             result.top_tokens.append(event.top_tokens)
             if event.prefill is not None:
@@ -144,11 +161,14 @@ class Infer:
         return result
 
     async def generate_many(self, requests: list[GenerateRequest],
-                            timings: Timings | None = None) -> list[GenerateResult]:
+                            timings: Timings | None = None, *,
+                            sessions: list[Session] | None = None) -> list[GenerateResult]:
         """Every request's result, in order; when one fails (or the caller goes away) the others
-        are cancelled and free what they held."""
-        tasks = [asyncio.ensure_future(self.generate(r, replace(timings) if timings else None))
-                 for r in requests]
+        are cancelled and free what they held. `sessions`: one per request (see stream)."""
+        sessions = sessions or [None] * len(requests)
+        tasks = [asyncio.ensure_future(self.generate(r, replace(timings) if timings else None,
+                                                     session=s))
+                 for r, s in zip(requests, sessions)]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:

@@ -85,6 +85,10 @@ class Metrics:
         self.kv_prefix_blocks = Gauge("tgi_kv_cache_prefix_blocks",
                                       "KV blocks the prefix cache holds (evicted when needed)",
                                       registry=r)
+        self.kv_session_blocks = Gauge("tgi_kv_cache_session_blocks",
+                                       "KV blocks /api/generate-one|batch sessions hold",
+                                       registry=r)
+        self.sessions = Gauge("tgi_sessions", "request_id sessions remembered", registry=r)
         self.kv_total_blocks = Gauge("tgi_kv_cache_total_blocks", "KV blocks the router can hand out",
                                      registry=r)
         self.batch_next_size = Histogram("tgi_batch_next_size", "Requests in each new batch", [],

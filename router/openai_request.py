@@ -10,6 +10,7 @@ from router.chat_template import ChatTemplate
 from router.errors import TemplateError, ValidationError
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from router.validation import ValidationLimits, check_lengths
+from router.wire import flag
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -37,16 +38,6 @@ def number(body: dict, name: str, low: float, high: float, *, integer: bool = Fa
         bound = f"> {low}" if low_open else f">= {low}"
         raise ValidationError(f"`{name}` must be {bound} and <= {high}. Given: {value}")
     return int(value) if integer else float(value)
-
-
-def flag(body: dict, name: str, default: bool = False) -> bool:
-    """An optional boolean: null is the default, anything but true or false is a 422."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ValidationError(f"`{name}` must be a boolean")
-    return value
 
 
 def include_usage(body: dict) -> bool:

@@ -280,6 +280,62 @@ def _sglang_paths() -> dict:
     }
 
 
+def _generate_one_schemas() -> dict:
+    """/api/generate-one|batch (router.generate_one_request checks these bounds)."""
+    string, boolean = {"type": "string"}, {"type": "boolean"}
+    config = _object(
+        [], num_beams={**int_schema(INT32, minimum=1, maximum=1),
+                       "description": "1 (beam search is not supported yet)"},
+        do_sample=boolean, temperature=float_schema(minimum=0, exclusiveMinimum=True),
+        top_p=float_schema(minimum=0, maximum=1, exclusiveMinimum=True),
+        top_k={**int_schema(INT32, minimum=0), "description": "0: off"},
+        max_new_tokens=int_schema(UINT32, minimum=1),
+        repetition_penalty=float_schema(minimum=0, exclusiveMinimum=True),
+        length_penalty=float_schema())
+    config["additionalProperties"] = False
+    for schema in config["properties"].values():
+        schema["nullable"] = True
+    config["description"] = "a field left out takes the server's default (GET /info)"
+    prompt = _object(["request_id", "prompt"], request_id={**string, "minLength": 1},
+                     prompt=string)
+    prompt["additionalProperties"] = False
+    one = _object(["request_id", "prompt"], request_id={**string, "minLength": 1},
+                  prompt={**string, "description": "ignored when the id continues a session"},
+                  only_new_tokens={**boolean, "default": True},
+                  stream_response={**boolean, "default": True},
+                  generation_config=_ref("GenerationConfig"))
+    one["additionalProperties"] = False
+    batch = _object(["prompts"], prompts={"type": "array", "minItems": 1,
+                                          "items": _ref("SessionPrompt"),
+                                          "description": "at most --max-client-batch-size"},
+                    only_new_tokens={**boolean, "default": True},
+                    generation_config=_ref("GenerationConfig"))
+    batch["additionalProperties"] = False
+    return {"GenerationConfig": config, "SessionPrompt": prompt, "GenerateOneRequest": one,
+            "GenerateBatchRequest": batch,
+            "GenerateBatchAnswer": {"type": "array", "items": _object(
+                ["request_id", "response"], request_id=string, response=string,
+                prompt={**string, "description": "with only_new_tokens false"})}}
+
+
+def _generate_one_paths() -> dict:
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    return {
+        "/api/generate-one": {"post": {
+            "summary": "Generate plain text for a request_id; a known id continues its session",
+            "requestBody": {"required": True, **_json(_ref("GenerateOneRequest"))},
+            "responses": {"200": {"description": "The text (streamed in chunks with "
+                                                 "stream_response)", "content": text},
+                          **_errors(409, 413, 422, 424, 429, 503)}}},
+        "/api/generate-batch": {"post": {
+            "summary": "Generate for several request_ids at once (continuing known ones)",
+            "requestBody": {"required": True, **_json(_ref("GenerateBatchRequest"))},
+            "responses": {"200": {"description": "One answer per prompt, in order",
+                                  **_json(_ref("GenerateBatchAnswer"))},
+                          **_errors(409, 413, 422, 424, 429, 503)}}},
+    }
+
+
 def _generate_path() -> dict:
     """TGI's and SGLang's requests share POST /generate: a body with `inputs` is TGI's."""
     sglang_answer = {"oneOf": [_ref("SglangGenerateResponse"),
@@ -328,6 +384,7 @@ def openapi_document() -> dict:
         "ErrorResponse": _error(),
         **_openai_schemas(),
         **_sglang_schemas(),
+        **_generate_one_schemas(),
     }
     paths = {
         "/": _post("Generate, streamed (stream: true) or as a list of one response",
@@ -352,6 +409,7 @@ def openapi_document() -> dict:
         "/v1/models": {"get": {"summary": "The model served", "responses": {
             "200": {"description": "OK", **_json(_ref("ModelList"))}}}},
         **_sglang_paths(),
+        **_generate_one_paths(),
         "/api-doc/openapi.json": {"get": {"summary": "This document", "responses": {
             "200": {"description": "OK"}}}},
     }

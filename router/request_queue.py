@@ -25,6 +25,9 @@ class QueueEntry:
     allocation: BlockAllocation | None = None
     prompt_ids: list[int] | None = None  # offered to the prefix cache (None: never cached)
     cache_len: int = 0  # prompt tokens whose keys and values come from the prefix cache
+    # (blocks, tokens): the first `tokens` prompt tokens' keys and values are in `blocks`, which a
+    # session holds for as long as this entry lives (router.sessions); else the prefix cache's
+    held_prefix: tuple[list[int], int] | None = None
     attempts: int = 0  # times it was sent to the shards (a shard failure may send it back here)
 
     @property
@@ -63,15 +66,20 @@ class RequestQueue(Generic[E]):
     def entries(self) -> list[E]:
         return list(self._entries)
 
-    def _cached_prefix(self, entry: E) -> list[int]:
-        """Cached blocks of the entry's prompt, leaving at least one prompt token to compute (its
-        logits choose the first new token)."""
+    def _cached_prefix(self, entry: E) -> tuple[list[int], int]:
+        """(blocks holding the start of the entry's prompt, a reference to each taken for the
+        caller; tokens they hold), leaving at least one prompt token to compute (its logits
+        choose the first new token)."""
+        if entry.held_prefix is not None:
+            blocks, tokens = entry.held_prefix
+            self.allocator.incref(blocks)
+            return list(blocks), tokens
         if self.prefix_cache is None or entry.prompt_ids is None:
-            return []
+            return [], 0
         shared = self.prefix_cache.match(entry.prompt_ids)
         while shared and len(shared) * self.allocator.block_size >= entry.input_length:
             self.allocator.decref([shared.pop()])
-        return shared
+        return shared, len(shared) * self.allocator.block_size
 
     def remove(self, entry: E) -> bool:
         """Takes out a waiting entry (its client went away); False if it already left the queue."""
@@ -109,8 +117,7 @@ class RequestQueue(Generic[E]):
             entry = self._entries[0]
             if max_tokens + entry.kv_tokens > token_budget:
                 break
-            shared = self._cached_prefix(entry)
-            cached = len(shared) * self.allocator.block_size
+            shared, cached = self._cached_prefix(entry)
             uncached = entry.input_length - cached
             # a prompt over the whole budget goes alone: in chunks when it can, else at once
             alone = not chosen and uncached > prefill_token_budget

@@ -10,15 +10,17 @@ from router.active_request import ActiveRequest
 from router.block_allocator import BlockAllocator
 from router.metrics import Metrics
 from router.prefix_cache import PrefixCache
+from router.sessions import SessionStore
 
 log = logging.getLogger("tgi.router.running")
 
 
 class RunningRequests:
     def __init__(self, allocator: BlockAllocator, prefix_cache: PrefixCache | None,
-                 metrics: Metrics):
+                 metrics: Metrics, sessions: SessionStore | None = None):
         self.allocator = allocator
         self.prefix_cache = prefix_cache
+        self.sessions = sessions
         self.metrics = metrics
         self._by_id: dict[int, ActiveRequest] = {}
 
@@ -76,6 +78,8 @@ class RunningRequests:
         self.allocator.reset(num_blocks)
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+        if self.sessions is not None:  # their tokens stay: their next calls compute them again
+            self.sessions.clear_blocks()
         self.update_gauges()
         self.metrics.kv_total_blocks.set(self.allocator.num_usable_blocks)
 
@@ -83,3 +87,6 @@ class RunningRequests:
         self.metrics.kv_free_blocks.set(self.allocator.num_free_blocks)
         if self.prefix_cache is not None:
             self.metrics.kv_prefix_blocks.set(len(self.prefix_cache))
+        if self.sessions is not None:
+            self.metrics.kv_session_blocks.set(self.sessions.held_blocks)
+            self.metrics.sessions.set(len(self.sessions))

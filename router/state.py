@@ -13,6 +13,7 @@ from router.block_allocator import BlockAllocator
 from router.chat_template import ChatTemplate
 from router.config import RouterConfig, TokenLimits
 from router.errors import UnhealthyError
+from router.generate_one_request import GenerationDefaults
 from router.infer import Infer
 from router.metrics import Metrics
 from router.openapi import VERSION
@@ -49,6 +50,10 @@ class RouterState:
     def compute_type(self) -> str:
         return f"{self.shard_info.world_size}-{self.shard_info.device_type}"
 
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        return self.config.generation_defaults()
+
     def info_json(self) -> dict:
         config = self.config
         return {
@@ -68,6 +73,11 @@ class RouterState:
             "prefix_caching": self.batcher.queue.prefix_cache is not None,
             "validation_workers": config.validation_workers,
             "max_client_batch_size": config.max_client_batch_size,
+            # /api/generate-one|batch: what a call gets for a generation_config field it leaves
+            # out, and how long its request_id session keeps its KV blocks
+            "generation_defaults": self.generation_defaults.as_json(),
+            "session_ttl": config.session_ttl, "max_sessions": config.max_sessions,
+            "session_kv_share": config.session_kv_share,
             "router": "tgi-py-router", "version": VERSION, "sha": None, "docker_label": None,
         }
 

@@ -46,7 +46,9 @@ class StreamFormat:
         """After every request's final event."""
         return []
 
-    def error(self, err: RouterError) -> bytes:
+    def error(self, err: RouterError) -> bytes | None:
+        """The frame that reports `err`; None for a format that cannot say it (plain text): the
+        connection is then cut, so the client sees a broken stream, never a short clean one."""
         raise NotImplementedError
 
     def done(self) -> list[bytes]:
@@ -56,13 +58,14 @@ class StreamFormat:
 
 async def serve_stream(request: web.Request, events: AsyncIterator[tuple[int, TokenEvent]],
                        form: StreamFormat, *, streams: int = 1,
-                       headers: dict | None = None) -> web.StreamResponse:
+                       headers: dict | None = None,
+                       content_type: str = "text/event-stream") -> web.StreamResponse:
     """Writes `events` (from Infer.stream_many over `streams` requests) as `form` says."""
     try:
         # validation and admission errors answer with their status before the stream opens
         item = await anext(events, None)
         response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "Content-Type": content_type, "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no", **(headers or {})})
         await response.prepare(request)
         try:
@@ -77,17 +80,32 @@ async def serve_stream(request: web.Request, events: AsyncIterator[tuple[int, To
                 raise IncompleteGenerationError("Incomplete generation stream")
             await _write(response, form.closing())
         except RouterError as err:
-            await response.write(form.error(err))
+            if not await _report(request, response, form.error(err)):
+                return response
         except ConnectionResetError:  # the client went away: nobody to tell
             raise
         except Exception as err:  # a bug: the client still hears of it in the stream's own shape
             log.exception("stream failed after it opened")
-            await response.write(form.error(GenerationError(f"{type(err).__name__}: {err}")))
+            frame = form.error(GenerationError(f"{type(err).__name__}: {err}"))
+            if not await _report(request, response, frame):
+                return response
         await _write(response, form.done())
         await response.write_eof()
         return response
     finally:
         await events.aclose()
+
+
+async def _report(request: web.Request, response: web.StreamResponse,
+                  frame: bytes | None) -> bool:
+    """Writes an error frame; without one, cuts the connection. Whether the stream goes on."""
+    if frame is not None:
+        await response.write(frame)
+        return True
+    response.force_close()
+    if request.transport is not None:
+        request.transport.close()
+    return False
 
 
 async def _write(response: web.StreamResponse, frames: list[bytes]) -> None:

@@ -63,3 +63,13 @@ def check_float(path: str, value) -> float:
     if not math.isfinite(value):
         raise _deserialize_error(path, f"invalid value: `{value}`, expected a finite f32")
     return value
+
+
+def flag(body: dict, name: str, default: bool = False) -> bool:
+    """An optional boolean: null is the default, anything but true or false is a 422."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValidationError(f"`{name}` must be a boolean")
+    return value

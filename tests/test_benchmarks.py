@@ -90,3 +90,14 @@ def test_soak(tiny_llama, tmp_path):
     assert figures["rss_growth_from_s"] is not None
     assert figures["unexpected"] == 0 and figures["kv_blocks"]["leaked"] == 0
     assert figures["is_server_alive"]
+
+
+@pytest.mark.e2e
+def test_session_benchmark(tiny_llama, tmp_path):
+    out = _run(["benchmarks/session_bench.py", "--model-dir", str(tiny_llama), "--dtype",
+                "float32", "--history-tokens", "16,48", "--repeats", "2", "--json",
+                str(tmp_path / "s.json")], tmp_path)
+    assert "continuation / fresh" in out
+    rows = json.loads((tmp_path / "s.json").read_text())
+    assert [r["history_tokens"] for r in rows] == [16, 48]
+    assert all(r["continuation_ttft_s"] > 0 and r["decode_step_s"] > 0 for r in rows)

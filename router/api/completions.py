@@ -10,10 +10,11 @@ from router.api.openai_common import FINGERPRINT, FINISH, OpenAIStream, usage, w
 from router.errors import ValidationError
 from router.infer import GenerateResult
 from router.json_body import read_object
-from router.openai_request import build_request, choice_count, flag, include_usage, with_seed
+from router.openai_request import build_request, choice_count, include_usage, with_seed
 from router.schemas import GenerateRequest, TokenEvent
 from router.state import STATE
 from router.streaming import openai_sse, serve_stream
+from router.wire import flag
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
 _FIM = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")

@@ -122,4 +122,10 @@ def tokenize_response(inputs: str, ids: list[int], offsets: list[tuple[int, int]
 def info_response(info: dict) -> api.InfoResponse:
     """/info's JSON as a message: the same names; a null is an unset field."""
     known = api.InfoResponse.DESCRIPTOR.fields_by_name
-    return api.InfoResponse(**{k: v for k, v in info.items() if k in known and v is not None})
+    fields = {k: v for k, v in info.items() if k in known and v is not None}
+    defaults = fields.pop("generation_defaults", None)
+    reply = api.InfoResponse(**fields)
+    if defaults is not None:
+        reply.generation_defaults.CopyFrom(api.GenerationDefaults(
+            **{k: v for k, v in defaults.items() if v is not None}))
+    return reply

@@ -12,11 +12,12 @@ from router.api.openai_common import FINGERPRINT, FINISH, OpenAIStream, usage, w
 from router.errors import ValidationError
 from router.infer import GenerateResult
 from router.json_body import read_object
-from router.openai_request import (ChatOptions, build_request, choice_count, flag, include_usage,
+from router.openai_request import (ChatOptions, build_request, choice_count, include_usage,
                                    normalise_messages, number, render_chat, tool_plan, with_seed)
 from router.schemas import FinishReason, GenerateRequest, Token, TokenEvent
 from router.state import STATE, RouterState
 from router.streaming import openai_sse, serve_stream
+from router.wire import flag
 
 
 def _token_logprob(token: Token) -> dict:

@@ -63,3 +63,16 @@ def test_sglangs_generate_answers_as_tgis_from_text_ids_and_embeddings(server, r
     by_embeds = requests.post(f"{server.url}/generate", timeout=120, json={
         "input_embeds": embeddings_of(real_model_dir, ids), "sampling_params": greedy}).json()
     assert by_ids["text"] == by_embeds["text"] == tgi["generated_text"]
+
+
+def test_a_request_id_continues_its_generation_as_one_longer_one_would(server):
+    def one(request_id, prompt, max_new_tokens):
+        reply = requests.post(f"{server.url}/api/generate-one", timeout=120, json={
+            "request_id": request_id, "prompt": prompt, "stream_response": False,
+            "generation_config": {"do_sample": False, "max_new_tokens": max_new_tokens}})
+        assert reply.status_code == 200, reply.text
+        return reply.text
+
+    prompt = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
+    first, second = one("smol", prompt, 8), one("smol", "ignored", 8)
+    assert first + second == one("smol-whole", prompt, 16)

@@ -237,9 +237,15 @@ def test_tokenize_and_info_equal_http(server, stub):
     http = requests.get(f"{server.url}/info", timeout=10,
                         headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert set(http) == set(api_pb2.InfoResponse.DESCRIPTOR.fields_by_name)
+    from google.protobuf.json_format import MessageToDict
+
     for name, value in http.items():
         if value is None:
             assert not info.HasField(name), name
+        elif isinstance(value, dict):
+            assert MessageToDict(getattr(info, name), preserving_proto_field_name=True,
+                                 always_print_fields_with_no_presence=True) == {
+                k: v for k, v in value.items() if v is not None}, name
         else:
             assert getattr(info, name) == value, name
 

@@ -277,13 +277,19 @@ def test_openapi_document_describes_every_route_we_serve(server):
               "/api-doc/openapi.json", "/v1/chat/completions", "/v1/completions", "/v1/models",
               # SGLang's companion routes (its /generate shares TGI's path)
               "/abort_request", "/flush_cache", "/health_generate", "/get_model_info",
-              "/get_server_info"}
+              "/get_server_info", "/api/generate-one", "/api/generate-batch"}
     assert set(doc["paths"]) == served
     for path in served - {"/api-doc/openapi.json"}:
         method = "post" if "post" in doc["paths"][path] else "get"
         body = {"rid": "nothing-running"} if path == "/abort_request" else {
             "inputs": "Hi", "parameters": {"max_new_tokens": 2}, "prompt": "Hi", "max_tokens": 2,
             "messages": [{"role": "user", "content": "Hi"}]}
+        if path.startswith("/api/"):
+            body = {"request_id": "openapi", "prompt": "Hi",
+                    "generation_config": {"max_new_tokens": 2}}
+            if path == "/api/generate-batch":
+                body = {"prompts": [{"request_id": "openapi-batch", "prompt": "Hi"}],
+                        "generation_config": {"max_new_tokens": 2}}
         reply = requests.request(method, f"{server.url}{path}", timeout=30, json=body)
         assert reply.status_code == 200, path
     # our own schema of the response matches what we answer

@@ -1,0 +1,159 @@
+"""`POST /api/generate-one` and `POST /api/generate-batch`: plain-text answers, and `request_id`
+sessions that continue a generation from its cached keys and values.
+
+A call takes its id's session (router/sessions.py) for its duration: the first call generates from
+its prompt; a later one ignores its prompt and continues from every token so far, the blocks the
+session kept standing in for their prefill. A session is keyed by the caller's API key and the id,
+so one client never continues, or reads, another's text. Errors are TGI's `{"error", "error_type"}`.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from contextlib import aclosing
+
+from aiohttp import web
+
+from router.errors import RouterError, ValidationError, tgi_error_body
+from router.generate_one_request import GenerationConfig, Prompt, parse_batch, parse_one
+from router.json_body import read_object
+from router.request_trace import request_span
+from router.schemas import GenerateRequest, StoppingParams, TokenEvent
+from router.sessions import Session, SessionBusy, SessionStore
+from router.state import STATE, RouterState
+from router.streaming import StreamFormat, serve_stream
+from router.validation import check_lengths
+
+
+class BusyError(RouterError):
+    status = 409
+    error_type = "session_busy"
+
+
+class PlainTextStream(StreamFormat):
+    """The text itself, chunk by chunk; an error after it started cuts the connection (plain text
+    has no way to say it)."""
+
+    def __init__(self, before: str):
+        self.before = before
+
+    def opening(self) -> list[bytes]:
+        return [self.before.encode()] if self.before else []
+
+    def event(self, index: int, event: TokenEvent) -> list[bytes]:
+        return [event.token.text.encode()] if event.token.text else []
+
+    def error(self, err: RouterError) -> None:
+        return None
+
+
+def _who(request: web.Request) -> str:
+    """The caller's identity for its sessions: a digest of its credentials ("" without any)."""
+    credentials = request.headers.get("Authorization", "")
+    return hashlib.sha256(credentials.encode()).hexdigest() if credentials else ""
+
+
+def _begin(store: SessionStore, request: web.Request, prompt: Prompt) -> Session:
+    try:
+        return store.begin((_who(request), prompt.request_id), prompt.prompt)
+    except SessionBusy:
+        raise BusyError(f"a call on request_id {prompt.request_id!r} is still running") from None
+
+
+async def _request(state: RouterState, session: Session,
+                   config: GenerationConfig) -> GenerateRequest:
+    """The core request of one call: the prompt, or on a continuation every token so far."""
+    if session.started:
+        input_ids, inputs = session.token_ids, session.prompt + session.text
+    else:
+        input_ids = await state.tokenizer.encode_async(session.prompt)
+        inputs = session.prompt
+        if not input_ids:
+            raise ValidationError("`prompt` cannot be empty")
+    max_new_tokens = check_lengths(len(input_ids), config.max_new_tokens, state.limits)
+    return GenerateRequest(inputs=inputs, input_ids=list(input_ids), sampling=config.sampling(),
+                           stopping=StoppingParams(max_new_tokens=max_new_tokens))
+
+
+def _before(session: Session, only_new_tokens: bool) -> str:
+    """What precedes the new text in the answer: nothing, or the prompt and all generated before."""
+    return "" if only_new_tokens else session.prompt + session.text
+
+
+async def _indexed(events):
+    async with aclosing(events):
+        async for event in events:
+            yield 0, event
+
+
+async def generate_one(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    store = state.batcher.sessions
+    try:
+        with request_span("generate_one", request.headers):
+            call = parse_one(await read_object(request), state.generation_defaults)
+            session = _begin(store, request, call.prompt)
+            try:
+                core = await state.infer.counted(_request(state, session, call.config))
+                before = _before(session, call.only_new_tokens)
+                if call.stream_response:
+                    return await serve_stream(
+                        request, _indexed(state.infer.stream(core, session=session)),
+                        PlainTextStream(before), content_type="text/plain; charset=utf-8")
+                result = await state.infer.generate(core, session=session)
+                return web.Response(text=before + result.final.text,
+                                    content_type="text/plain", charset="utf-8")
+            finally:
+                store.end(session)
+    except RouterError as err:
+        return web.json_response(tgi_error_body(err), status=err.status, headers=err.headers)
+
+
+async def generate_batch(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    store = state.batcher.sessions
+    try:
+        with request_span("generate_batch", request.headers):
+            call = parse_batch(await read_object(request), state.generation_defaults,
+                               state.config.max_client_batch_size)
+            sessions: list[Session] = []
+            try:
+                for prompt in call.prompts:
+                    sessions.append(_begin(store, request, prompt))
+                cores = [await state.infer.counted(_request(state, s, call.config))
+                         for s in sessions]
+                # read before the run, which adds this call's text to each session
+                prompts, earlier = [s.prompt for s in sessions], [s.text for s in sessions]
+                # the items run at once inside continuous batching; one failure fails the call
+                results = await state.infer.generate_many(cores, sessions=sessions)
+            finally:
+                for session in sessions:
+                    store.end(session)
+    except RouterError as err:
+        return web.json_response(tgi_error_body(err), status=err.status, headers=err.headers)
+    answers = []
+    for item, prompt, before, result in zip(call.prompts, prompts, earlier, results):
+        if call.only_new_tokens:
+            answers.append({"request_id": item.request_id, "response": result.final.text})
+        else:  # the prompt apart, and everything generated for the id so far
+            answers.append({"request_id": item.request_id, "prompt": prompt,
+                            "response": before + result.final.text})
+    return web.json_response(answers)
+
+
+async def _expire_sessions(state: RouterState) -> None:
+    every = max(min(state.batcher.sessions.ttl / 4, 5.0), 0.05)
+    while True:
+        await asyncio.sleep(every)
+        state.batcher.expire_sessions()
+
+
+def register(app: web.Application) -> None:
+    state = app[STATE]
+    app.router.add_post("/api/generate-one", generate_one)
+    app.router.add_post("/api/generate-batch", generate_batch)
+
+    async def start(app):
+        state.tasks.append(asyncio.create_task(_expire_sessions(state)))
+
+    app.on_startup.append(start)
