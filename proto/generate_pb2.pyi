@@ -138,7 +138,7 @@ class StoppingCriteriaParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "inputs", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "cache_len", "chunk_len", "adapter_id", "skip_special_tokens", "input_embeds", "logprob_token_ids", "prefill_top_n_tokens", "return_hidden_states")
+    __slots__ = ("id", "inputs", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "cache_len", "chunk_len", "adapter_id", "skip_special_tokens", "input_embeds", "logprob_token_ids", "prefill_top_n_tokens", "return_hidden_states", "num_beams", "length_penalty")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,8 @@ class Request(_message.Message):
     LOGPROB_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BEAMS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     id: int
     inputs: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -171,7 +173,9 @@ class Request(_message.Message):
     logprob_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefill_top_n_tokens: int
     return_hidden_states: bool
-    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., adapter_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., input_embeds: _Optional[bytes] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., prefill_top_n_tokens: _Optional[int] = ..., return_hidden_states: _Optional[bool] = ...) -> None: ...
+    num_beams: int
+    length_penalty: float
+    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., adapter_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., input_embeds: _Optional[bytes] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., prefill_top_n_tokens: _Optional[int] = ..., return_hidden_states: _Optional[bool] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests", "size", "max_tokens", "max_blocks")
@@ -202,16 +206,18 @@ class CachedBatch(_message.Message):
     def __init__(self, id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., current_tokens: _Optional[int] = ...) -> None: ...
 
 class GeneratedText(_message.Message):
-    __slots__ = ("text", "generated_tokens", "finish_reason", "seed")
+    __slots__ = ("text", "generated_tokens", "finish_reason", "seed", "token_ids")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     generated_tokens: int
     finish_reason: FinishReason
     seed: int
-    def __init__(self, text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., seed: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., seed: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("ids", "logprobs", "texts", "is_special")

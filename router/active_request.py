@@ -39,6 +39,8 @@ def deliver(item: ActiveRequest, event: TokenEvent) -> None:
     """Hands one event to the API side; the last one ends the request."""
     item.generated_ids.append(event.token.id)
     if event.final is not None:
+        if event.final.token_ids is not None:  # sent whole at the end (beam search)
+            item.generated_ids = list(event.final.token_ids)
         item.is_done = True
         if item.on_final is not None:
             try:

@@ -14,6 +14,8 @@ from router.errors import ValidationError
 from router.schemas import SamplingParams
 from router.wire import INT32, UINT32, check_float, check_int, flag
 
+MAX_BEAMS = 16  # each beam may hold a whole sequence of KV blocks
+
 
 @dataclass(frozen=True, slots=True)
 class GenerationDefaults:
@@ -114,9 +116,11 @@ def check_config(config: GenerationConfig | GenerationDefaults) -> None:
 
     if config.num_beams < 1:
         raise bad("num_beams", ">= 1", config.num_beams)
-    if config.num_beams > 1:
-        raise ValidationError("`generation_config.num_beams` > 1 (beam search) is not supported "
-                              "yet")
+    if config.num_beams > MAX_BEAMS:
+        raise bad("num_beams", f"<= {MAX_BEAMS}", config.num_beams)
+    if config.num_beams > 1 and config.repetition_penalty != 1.0:
+        raise ValidationError("`generation_config.repetition_penalty` other than 1 with "
+                              "`num_beams` > 1 is not supported yet")
     if not config.temperature > 0:
         raise bad("temperature", "> 0", config.temperature)
     if not 0 < config.top_p <= 1:

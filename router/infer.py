@@ -73,6 +73,8 @@ class Infer:
                              prompt_ids=None if request.computes_whole_prompt
                              else request.input_ids,
                              request=request, span_context=current_span_context())
+        if request.num_beams > 1:
+            item.kv_rows, item.kv_row_slack = request.num_beams, self.batcher.allocator.block_size
         if session is not None:
             self._bind(item, session)
         allocator = self.batcher.allocator
@@ -89,8 +91,10 @@ class Infer:
             item.held_prefix = (list(session.blocks), session.computed)
 
         def keep(item: ActiveRequest, final: FinalInfo) -> None:
+            # the best beam's keys and values need not be in the blocks any more: none are kept
+            blocks = item.allocation.block_ids if item.request.num_beams == 1 else []
             sessions.keep(session, item.request.input_ids + item.generated_ids, final.text,
-                          item.allocation.block_ids)
+                          blocks)
 
         item.on_final = keep
 

@@ -284,8 +284,8 @@ def _generate_one_schemas() -> dict:
     """/api/generate-one|batch (router.generate_one_request checks these bounds)."""
     string, boolean = {"type": "string"}, {"type": "boolean"}
     config = _object(
-        [], num_beams={**int_schema(INT32, minimum=1, maximum=1),
-                       "description": "1 (beam search is not supported yet)"},
+        [], num_beams={**int_schema(INT32, minimum=1, maximum=16),
+                       "description": "> 1: beam search (the text comes whole at the end)"},
         do_sample=boolean, temperature=float_schema(minimum=0, exclusiveMinimum=True),
         top_p=float_schema(minimum=0, maximum=1, exclusiveMinimum=True),
         top_k={**int_schema(INT32, minimum=0), "description": "0: off"},

@@ -29,11 +29,16 @@ class QueueEntry:
     # session holds for as long as this entry lives (router.sessions); else the prefix cache's
     held_prefix: tuple[list[int], int] | None = None
     attempts: int = 0  # times it was sent to the shards (a shard failure may send it back here)
+    # beam search: rows that each may hold a whole sequence, and the tokens added to each so that
+    # every row rounds up to whole blocks alone (a block size)
+    kv_rows: int = 1
+    kv_row_slack: int = 0
 
     @property
     def kv_tokens(self) -> int:
         # the last generated token is never fed back, so its keys and values are never stored
-        return self.input_length + self.max_new_tokens - 1
+        tokens = self.input_length + self.max_new_tokens - 1
+        return tokens if self.kv_rows == 1 else self.kv_rows * (tokens + self.kv_row_slack)
 
 
 E = TypeVar("E", bound=QueueEntry)

@@ -59,6 +59,8 @@ class GenerateRequest:
     logprob_token_ids: list[int] = field(default_factory=list)  # log p(id) at every position
     prefill_top_n_tokens: int = 0  # with prefill_logprobs: top tokens at every prompt position
     return_hidden_states: bool = False
+    num_beams: int = 1  # > 1: beam search, whose whole answer comes with the last event
+    length_penalty: float = 1.0
 
     @property
     def input_length(self) -> int:
@@ -86,6 +88,7 @@ class FinalInfo:
     generated_tokens: int
     finish_reason: FinishReason
     seed: int | None
+    token_ids: list[int] | None = None  # beam search: the answer's ids (not streamed one by one)
 
 
 @dataclass(slots=True)

@@ -72,7 +72,8 @@ def request_message(shard_request: ShardRequest) -> pb.Request:
         chunk_len=shard_request.chunk_len, skip_special_tokens=request.skip_special_tokens,
         input_embeds=request.input_embeds or b"", logprob_token_ids=request.logprob_token_ids,
         prefill_top_n_tokens=request.prefill_top_n_tokens,
-        return_hidden_states=request.return_hidden_states)
+        return_hidden_states=request.return_hidden_states, num_beams=request.num_beams,
+        length_penalty=request.length_penalty)
 
 
 def batch_message(batch: NewBatch) -> tuple[pb.Batch, list[Rejection]]:
@@ -156,7 +157,8 @@ def generation_event(generation: pb.Generation, hidden_size: int) -> TokenEvent:
     if generation.HasField("generated_text"):
         gt = generation.generated_text
         event.final = FinalInfo(gt.text, gt.generated_tokens, _FINISH[gt.finish_reason],
-                                gt.seed if gt.HasField("seed") else None)
+                                gt.seed if gt.HasField("seed") else None,
+                                list(gt.token_ids) or None)
     return event
 
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shard.beams import Beams
 from shard.detokenizer import DetokenizerState
 from shard.sampling import SamplingBatch, SamplingParams
 from shard.stopping import FinishReason, StopCriteria
@@ -33,6 +34,8 @@ class NewRequest:
     logprob_token_ids: list[int] = field(default_factory=list)  # log p(id) at every position
     prefill_top_n_tokens: int = 0  # with prefill_logprobs: top tokens at every prompt position
     return_hidden_states: bool = False
+    num_beams: int = 1
+    length_penalty: float = 1.0
 
     @property
     def prompt_length(self) -> int:
@@ -61,6 +64,7 @@ class RequestState:
     finish_reason: FinishReason | None = None
     logprob_token_ids: list[int] = field(default_factory=list)
     return_hidden_states: bool = False
+    beams: Beams | None = None  # a beam-search request: its beams and their blocks
 
     @property
     def output_ids(self) -> list[int]:

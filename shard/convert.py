@@ -61,7 +61,8 @@ def new_request(r: pb.Request, hidden_size: int) -> NewRequest:
         blocks=list(r.blocks), cache_len=r.cache_len, skip_special_tokens=r.skip_special_tokens,
         grammar=grammar, chunk_len=r.chunk_len if r.HasField("chunk_len") else None,
         input_embeds=embeds, logprob_token_ids=list(r.logprob_token_ids),
-        prefill_top_n_tokens=r.prefill_top_n_tokens, return_hidden_states=r.return_hidden_states)
+        prefill_top_n_tokens=r.prefill_top_n_tokens, return_hidden_states=r.return_hidden_states,
+        num_beams=max(r.num_beams, 1), length_penalty=r.length_penalty)
 
 
 def tokens(run: TokenRun) -> pb.Tokens:
@@ -83,7 +84,8 @@ def generation(g: Generation) -> pb.Generation:
         gt = g.generated_text
         message.generated_text.CopyFrom(pb.GeneratedText(
             text=gt.text, generated_tokens=gt.generated_tokens,
-            finish_reason=_FINISH_REASONS[gt.finish_reason], seed=gt.seed))
+            finish_reason=_FINISH_REASONS[gt.finish_reason], seed=gt.seed,
+            token_ids=gt.token_ids or []))
     return message
 
 

@@ -12,6 +12,7 @@ import torch
 
 from shard.batch import (Batch, NewRequest, RequestState, block_table_tensor, concatenate_batches,
                          filter_batch)
+from shard.beams import BeamBlocks, BeamOptions, Beams, BeamSearch
 from shard.detokenizer import DetokenizerState, decode_next, flush
 from shard.grammar import GrammarFactory, advance
 from shard.loader import LoadedModel
@@ -123,6 +124,7 @@ class Engine:
                     raise ValueError(f"request {request.id} asks for the log-probability of a "
                                      f"token id outside the vocabulary of {self.vocab_size}")
                 self._check_embeds(request)
+                self._check_beams(request)
                 if not request.is_partial_chunk:  # the last chunk compiles it
                     request.matcher = self._matcher(request)
             except ValueError as err:
@@ -146,6 +148,23 @@ class Engine:
             raise ValueError(f"request {request.id}: a prompt given as embeddings has no token "
                              "ids to score")
 
+    def _check_beams(self, request: NewRequest) -> None:
+        if request.num_beams <= 1:
+            return
+        params = request.params
+        if (request.grammar or request.stop_sequences or request.min_new_tokens
+                or request.prefill_logprobs or request.return_hidden_states
+                or request.logprob_token_ids or params.has_penalty or params.watermark
+                or request.ignore_eos or request.input_embeds is not None):
+            raise ValueError(f"request {request.id}: beam search takes no grammar, stop "
+                             "sequences, min_new_tokens, penalties, watermark, ignore_eos, "
+                             "prompt scores, hidden states or input embeddings")
+        per_beam = math.ceil((request.prompt_length + request.max_new_tokens - 1) / self.block_size)
+        if len(request.blocks) < request.num_beams * per_beam:
+            raise ValueError(f"request {request.id}: {request.num_beams} beams need "
+                             f"{request.num_beams * per_beam} KV blocks, it holds "
+                             f"{len(request.blocks)}")
+
     def decode(self, batch_ids: list[int]) -> StepResult:
         start = time.perf_counter_ns()
         batches = [self._pop(i) for i in batch_ids]
@@ -157,13 +176,10 @@ class Engine:
         else:
             batch = batches[0]
         before = time.perf_counter_ns()
-        out = self.runner.decode(batch.next_input_ids, batch.seq_lens, batch.block_tables)
+        rows, first = self._decode_rows(batch)
+        out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables)
         forward_ns = time.perf_counter_ns() - before
-        batch.seq_lens = batch.seq_lens + 1
-        output = sample(out.logits, batch.sampling, self._penalty_ids(batch))
-        batch.next_input_ids = output.next_ids
-        generations = self._generations(batch, output, [out.hidden[row:row + 1]
-                                                        for row in range(len(batch.requests))])
+        generations = self._step_rows(batch, out.logits, out.hidden, first)
         result = self._finish_step(batch, generations, start, forward_ns)
         result.concat_ns = concat_ns
         return result
@@ -192,29 +208,25 @@ class Engine:
         # a partial chunk computes keys and values only: its token comes with the last chunk
         logits_rows = set() if is_chunk else {i for i, r in enumerate(requests)
                                               if r.computes_every_position}
-        decode = None
+        decode, first = None, None
         if running is not None:
-            decode = DecodeRows(running.next_input_ids, running.seq_lens, running.block_tables)
+            decode, first = self._decode_rows(running)
         before = time.perf_counter_ns()
         out = self.runner.prefill(seqs, all_logits_rows=logits_rows, decode=decode)
         forward_ns = time.perf_counter_ns() - before
         batches, generations = [], []
         if running is not None:
-            running.seq_lens = running.seq_lens + 1
-            output = sample(out.decode, running.sampling, self._penalty_ids(running))
-            running.next_input_ids = output.next_ids
-            generations += self._generations(running, output, [
-                out.decode_hidden[row:row + 1] for row in range(len(running.requests))])
+            generations += self._step_rows(running, out.decode, out.decode_hidden, first)
             batches.append(running)
         if not is_chunk:
             batch = self._new_batch(batch_id, requests)
             output = sample(out.last, batch.sampling, self._penalty_ids(batch))
             batch.next_input_ids = output.next_ids
-            new_generations = self._generations(batch, output, out.hidden)
+            new_generations = self._generations(batch, output, out.hidden, out.last)
             for i, request in enumerate(requests):
-                if request.prefill_logprobs:
+                if request.prefill_logprobs and new_generations[i] is not None:
                     new_generations[i].prompt = self._prompt_scores(request, out.full[i])
-            generations += new_generations
+            generations += [g for g in new_generations if g is not None]
             batches.append(batch)
         if not batches:
             return None, generations, forward_ns
@@ -244,10 +256,55 @@ class Engine:
         return StepResult(generations, info, forward_ns=forward_ns, decode_ns=decode_ns,
                           total_ns=time.perf_counter_ns() - start)
 
-    def _generations(self, batch: Batch, output: SampleOutput,
-                     hidden: list[torch.Tensor | None]) -> list[Generation]:
+    def _decode_rows(self, batch: Batch) -> tuple[DecodeRows, list[int] | None]:
+        """The rows a decode step of `batch` computes, and None; with beam-search requests, one
+        row per beam, and for each request the index of its first row. A beam about to write into
+        a block it shares gets its own copy first."""
+        if not any(state.beams is not None for state in batch.requests):
+            return DecodeRows(batch.next_input_ids, batch.seq_lens, batch.block_tables), None
+        ids, lengths = batch.next_input_ids.tolist(), batch.seq_lens.tolist()
+        tables = batch.block_tables.tolist()
+        rows_ids, rows_lengths, rows_tables, first, copies = [], [], [], [], []
+        for row, state in enumerate(batch.requests):
+            first.append(len(rows_ids))
+            if state.beams is None:
+                rows_ids.append(ids[row])
+                rows_lengths.append(lengths[row])
+                rows_tables.append(tables[row])
+                continue
+            copies += state.beams.blocks.prepare_writes(lengths[row])
+            for token, table in zip(state.beams.search.next_tokens(), state.beams.blocks.tables):
+                rows_ids.append(token)
+                rows_lengths.append(lengths[row])
+                rows_tables.append(table)
+        self.runner.copy_blocks(copies)
+        device = self.runner.device
+        return DecodeRows(torch.tensor(rows_ids, dtype=torch.long, device=device),
+                          torch.tensor(rows_lengths, dtype=torch.long, device=device),
+                          block_table_tensor(rows_tables, device)), first
+
+    def _step_rows(self, batch: Batch, logits: torch.Tensor, hidden: torch.Tensor,
+                   first: list[int] | None) -> list[Generation]:
+        """The decode step's outputs (rows from _decode_rows) -> each request's generation."""
+        batch.seq_lens = batch.seq_lens + 1
+        row_logits, row_hidden = logits, hidden
+        if first is not None:  # one row per request for sampling; beams read all of theirs
+            index = torch.tensor(first, dtype=torch.long, device=logits.device)
+            row_logits, row_hidden = logits[index], hidden[index]
+        output = sample(row_logits, batch.sampling, self._penalty_ids(batch))
+        batch.next_input_ids = output.next_ids
+        generations = self._generations(batch, output, [row_hidden[row:row + 1] for row in
+                                                        range(len(batch.requests))],
+                                        logits, first)
+        return [g for g in generations if g is not None]
+
+    def _generations(self, batch: Batch, output: SampleOutput, hidden: list[torch.Tensor | None],
+                     logits: torch.Tensor, first: list[int] | None = None
+                     ) -> list[Generation | None]:
         """Appends each row's token, detokenises it, checks stopping (a Python loop by nature).
-        `hidden` holds, per row, the final hidden states this step computed for it."""
+        `hidden` holds, per row, the final hidden states this step computed for it; `logits` and
+        `first` are the step's rows (see _decode_rows), which a beam-search request reads all of
+        (its generation is None until its search ends)."""
         ids = output.next_ids.tolist()
         if batch.sampling.flags["grammar"]:
             advance(batch.sampling.grammars, ids)
@@ -257,6 +314,11 @@ class Engine:
         special = self.loaded.special_token_ids
         generations = []
         for row, state in enumerate(batch.requests):
+            if state.beams is not None:
+                start = row if first is None else first[row]
+                generations.append(self._beam_step(
+                    state, logits[start:start + state.beams.search.width]))
+                continue
             token = ids[row]
             state.all_ids.append(token)
             text = decode_next(self.tokenizer, state.all_ids, state.detok, state.skip_special_tokens)
@@ -289,6 +351,35 @@ class Engine:
                 generation.hidden_states = hidden[row].float().cpu()
             generations.append(generation)
         return generations
+
+    def _beam_step(self, state: RequestState, logits: torch.Tensor) -> Generation | None:
+        """One step of a beam search; its generation once the search is over: the best
+        hypothesis, its text decoded as a stream of it would have been."""
+        beams = state.beams
+        parents = beams.search.step(torch.log_softmax(logits.float(), dim=-1))
+        beams.blocks.reorder(parents)
+        if not beams.search.done:
+            return None
+        best = beams.search.best().token_ids
+        text = []
+        for token in best:
+            state.all_ids.append(token)
+            text.append(decode_next(self.tokenizer, state.all_ids, state.detok,
+                                    state.skip_special_tokens))
+        text.append(flush(self.tokenizer, state.all_ids, state.detok, state.skip_special_tokens))
+        text = "".join(text)
+        reason = (FinishReason.EOS_TOKEN if best[-1] in self.loaded.eos_token_ids
+                  else FinishReason.LENGTH)
+        state.finish_reason = reason
+        generator = beams.search.generator
+        generated = GeneratedText(text, len(best), reason,
+                                  generator.initial_seed() if generator is not None else None,
+                                  token_ids=best)
+        last = best[-1]
+        # one run for the whole answer: all of its text arrives with this step
+        return Generation(state.id, TokenRun([last], [math.nan], [text],
+                                             [last in self.loaded.special_token_ids]),
+                          generated_text=generated)
 
     def _prompt_scores(self, request: NewRequest, logits: torch.Tensor) -> PromptScores:
         """Prompt tokens with log p(token | earlier tokens), and the top tokens and the asked ids'
@@ -336,7 +427,24 @@ class Engine:
                             detok=DetokenizerState.start(len(request.input_ids)),
                             skip_special_tokens=request.skip_special_tokens,
                             logprob_token_ids=list(request.logprob_token_ids),
-                            return_hidden_states=request.return_hidden_states)
+                            return_hidden_states=request.return_hidden_states,
+                            beams=self._beams(request))
+
+    def _beams(self, request: NewRequest) -> Beams | None:
+        if request.num_beams <= 1:
+            return None
+        params = request.params
+        generator = None
+        if params.do_sample:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(params.seed)
+        options = BeamOptions(request.num_beams, request.length_penalty, params.do_sample,
+                              params.temperature, params.top_k, params.top_p)
+        search = BeamSearch(options, sorted(self.loaded.eos_token_ids), request.max_new_tokens,
+                            generator)
+        written = math.ceil(request.prompt_length / self.block_size)  # the prompt's blocks
+        return Beams(search, BeamBlocks(request.blocks[:written], request.blocks[written:],
+                                        self.block_size))
 
     def _matcher(self, request: NewRequest):
         return None if request.grammar is None else self.grammars.matcher(*request.grammar)

@@ -158,6 +158,18 @@ class ModelRunner:
         return embeds
 
     @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies the keys and values of block `source` into block `destination`, per pair
+        (a beam about to write into a block it shares)."""
+        if not pairs:
+            return
+        source = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        destination = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for layer in self.cache:
+            layer.key[destination] = layer.key[source]
+            layer.value[destination] = layer.value[source]
+
+    @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                block_tables: torch.Tensor) -> DecodeOutput:
         """One token per sequence at position seq_lens -> logits [B, vocab] and hidden states."""

@@ -22,6 +22,7 @@ class GeneratedText:
     generated_tokens: int
     finish_reason: FinishReason
     seed: int | None
+    token_ids: list[int] | None = None  # beam search: the best hypothesis, sent only at the end
 
 
 @dataclass(slots=True)

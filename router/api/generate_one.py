@@ -72,7 +72,8 @@ async def _request(state: RouterState, session: Session,
             raise ValidationError("`prompt` cannot be empty")
     max_new_tokens = check_lengths(len(input_ids), config.max_new_tokens, state.limits)
     return GenerateRequest(inputs=inputs, input_ids=list(input_ids), sampling=config.sampling(),
-                           stopping=StoppingParams(max_new_tokens=max_new_tokens))
+                           stopping=StoppingParams(max_new_tokens=max_new_tokens),
+                           num_beams=config.num_beams, length_penalty=config.length_penalty)
 
 
 def _before(session: Session, only_new_tokens: bool) -> str:

@@ -76,3 +76,23 @@ def test_a_request_id_continues_its_generation_as_one_longer_one_would(server):
     prompt = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
     first, second = one("smol", prompt, 8), one("smol", "ignored", 8)
     assert first + second == one("smol-whole", prompt, 16)
+
+
+def test_beam_search_over_http_equals_transformers(server, real_model_dir):
+    import torch
+    import transformers
+
+    prompt = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    reply = requests.post(f"{server.url}/api/generate-one", timeout=120, json={
+        "request_id": "smol-beams", "prompt": prompt, "stream_response": False,
+        "generation_config": {"num_beams": 4, "do_sample": False, "length_penalty": 0.5,
+                              "max_new_tokens": 24}})
+    assert reply.status_code == 200, reply.text
+    tokenizer = transformers.AutoTokenizer.from_pretrained(real_model_dir)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(real_model_dir,
+                                                                  dtype=torch.float32).eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = reference.generate(ids, num_beams=4, length_penalty=0.5, do_sample=False,
+                                 max_new_tokens=24)
+    assert reply.text == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

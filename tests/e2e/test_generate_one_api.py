@@ -107,3 +107,31 @@ def test_bad_bodies_are_4xx_and_a_client_that_leaves_keeps_its_session(server):
             break
         time.sleep(0.1)
     assert reply.status_code == 200 and reply.text.startswith(PROMPT + before)
+
+
+def test_beam_search_runs_beside_greedy_requests_and_frees_its_blocks(server):
+    import concurrent.futures
+
+    beams = {"do_sample": False, "num_beams": 3, "length_penalty": 1.0, "max_new_tokens": 8}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        beam_calls = [pool.submit(one, server, f"beam-{i}", generation_config=beams)
+                      for i in range(2)]
+        greedy_calls = [pool.submit(one, server, f"greedy-{i}") for i in range(2)]
+        beam_texts = [c.result() for c in beam_calls]
+        greedy_texts = [c.result() for c in greedy_calls]
+    assert beam_texts[0] == beam_texts[1] and greedy_texts[0] == greedy_texts[1]
+    assert greedy_texts[0] == one(server, "greedy-alone")
+    streamed = requests.post(f"{server.url}/api/generate-one", timeout=60, json={
+        "request_id": "beam-streamed", "prompt": PROMPT, "generation_config": beams})
+    assert streamed.text == beam_texts[0]
+    # a beam call's session continues (its tokens are computed again)
+    more = one(server, "beam-0", prompt="", generation_config=beams)
+    assert isinstance(more, str)
+    sampled = one(server, "beam-sampled", generation_config={**beams, "do_sample": True,
+                                                              "temperature": 0.7, "top_k": 20})
+    assert isinstance(sampled, str)
+    deadline = time.monotonic() + 20
+    while session_blocks(server) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    free, total = free_and_total_blocks(server.url)
+    assert free == total, f"{total - free} blocks still held"

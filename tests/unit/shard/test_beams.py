@@ -1,0 +1,87 @@
+"""Beam search inside the engine's batches equals transformers' beam search, and the beams' KV
+blocks are shared and copied on write within the blocks the request holds."""
+import pytest
+import torch
+
+from shard.beams import BeamBlocks
+from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return make_engine(tiny_llama, num_blocks=1024)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama,
+                                                             dtype=torch.float32).eval()
+
+
+def _beam_request(rid, prompt, pool, num_beams, length_penalty, max_new_tokens):
+    per_beam = -(-(len(prompt) + max_new_tokens - 1) // 4)
+    r = request(rid, prompt, pool.take(num_beams * per_beam * 4, 4), max_new_tokens=max_new_tokens)
+    r.num_beams, r.length_penalty = num_beams, length_penalty
+    return r
+
+
+def _expected(reference, engine, prompt, num_beams, length_penalty, max_new_tokens):
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), num_beams=num_beams,
+                                 length_penalty=length_penalty, do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=0,
+                                 eos_token_id=sorted(engine.loaded.eos_token_ids))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("num_beams,length_penalty", [(2, 1.0), (4, 1.0), (4, 0.0), (3, 2.5)])
+def test_beams_equal_transformers_beside_greedy_requests(engine, reference, num_beams,
+                                                         length_penalty):
+    pool = BlockPool(1024)
+    beams = [_beam_request(i, p, pool, num_beams, length_penalty, 10)
+             for i, p in enumerate(PROMPTS)]
+    greedy = request(99, PROMPTS[0], pool.take(len(PROMPTS[0]) + 12, 4), max_new_tokens=12,
+                     ignore_eos=True)
+    out = engine.prefill(1, beams + [greedy])
+    finals, greedy_tokens = {}, []
+    while True:
+        for g in out.generations:
+            if g.request_id == 99:
+                greedy_tokens += g.tokens.ids
+            if g.generated_text is not None:
+                finals[g.request_id] = g.generated_text
+        if out.batch is None:
+            break
+        alive = [r for r in out.batch.request_ids if r not in finals]
+        if not alive:
+            engine.clear(out.batch.id)
+            break
+        if len(alive) < len(out.batch.request_ids):
+            engine.filter(out.batch.id, alive)
+        out = engine.decode([out.batch.id])
+    for i, prompt in enumerate(PROMPTS):
+        expected = _expected(reference, engine, prompt, num_beams, length_penalty, 10)
+        assert finals[i].token_ids == expected, (i, finals[i].token_ids, expected)
+        assert finals[i].text == engine.tokenizer.decode(expected, skip_special_tokens=True)
+    alone = run_to_completion(engine, [request(7, PROMPTS[0], pool.take(40, 4),
+                                               max_new_tokens=12, ignore_eos=True)])
+    assert greedy_tokens == alone[7], "a greedy request is unaffected by the beams beside it"
+
+
+def test_blocks_are_shared_by_reference_and_copied_only_when_written():
+    blocks = BeamBlocks([1, 2], spare=[10, 11, 12, 13, 14, 15], block_size=4)  # prompt of 6
+    blocks.reorder([0, 0, 0])  # three beams from the one prompt
+    assert blocks.tables == [[1, 2]] * 3 and blocks.refs == {1: 3, 2: 3}
+    copies = blocks.prepare_writes(6)  # position 6 is in block 2, shared three ways
+    assert copies == [(2, 10), (2, 11)] and [t[1] for t in blocks.tables] == [10, 11, 2]
+    blocks.prepare_writes(7)
+    assert blocks.prepare_writes(7) == []  # each beam owns its block now
+    blocks.reorder([1, 1, 2])  # beam 0 dies: its block goes back to the spare ones
+    assert 10 in blocks.free and blocks.refs[11] == 2 and blocks.refs[1] == 3
+    copies = blocks.prepare_writes(8)  # a new block for each (position 8 starts block 2)
+    assert copies == [] and all(len(t) == 3 for t in blocks.tables)
+    assert len({t[2] for t in blocks.tables}) == 3
