@@ -24,6 +24,8 @@ def parse_dotenv(text: str, source: str = ".env") -> dict[str, str]:
             raise ValueError(f"{source}:{number}: expected KEY=VALUE, got {raw!r}")
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
+        elif " #" in value:  # an unquoted value ends where a comment starts
+            value = value[:value.index(" #")].rstrip()
         values[key] = value
     return values
 

@@ -94,6 +94,7 @@ class RouterConfig:
         if self.session_ttl <= 0 or self.max_sessions < 1 or not 0 <= self.session_kv_share <= 1:
             raise ValueError("--session-ttl must be > 0, --max-sessions >= 1 and "
                              "--session-kv-share between 0 and 1")
+        self.default_do_sample = self.default_do_sample.lower()
         if self.default_do_sample not in ("true", "false"):
             raise ValueError(f"--default-do-sample {self.default_do_sample!r} must be true or "
                              "false")

@@ -15,6 +15,7 @@ from router.schemas import SamplingParams
 from router.wire import INT32, UINT32, check_float, check_int, flag
 
 MAX_BEAMS = 16  # each beam may hold a whole sequence of KV blocks
+MAX_LENGTH_PENALTY = 10.0  # length^penalty stays a finite float for any context length
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +132,9 @@ def check_config(config: GenerationConfig | GenerationDefaults) -> None:
         raise bad("max_new_tokens", ">= 1", config.max_new_tokens)
     if not config.repetition_penalty > 0:
         raise bad("repetition_penalty", "> 0", config.repetition_penalty)
-    if config.length_penalty != config.length_penalty or abs(config.length_penalty) > 1e6:
-        raise bad("length_penalty", "a finite number", config.length_penalty)
+    if not -MAX_LENGTH_PENALTY <= config.length_penalty <= MAX_LENGTH_PENALTY:
+        raise bad("length_penalty", f">= -{MAX_LENGTH_PENALTY} and <= {MAX_LENGTH_PENALTY}",
+                  config.length_penalty)
 
 
 def _prompt(item: dict, prefix: str) -> Prompt:

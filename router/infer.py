@@ -87,8 +87,8 @@ class Infer:
         """The request continues `session` (its prompt is the session's tokens): the blocks the
         session holds stand in for their prefill, and at the end the session keeps the new ones."""
         sessions = self.batcher.sessions
-        if session.blocks and session.token_ids == item.request.input_ids:
-            item.held_prefix = (list(session.blocks), session.computed)
+        if session.token_ids == item.request.input_ids:  # its blocks are read when planned
+            item.held_prefix = session
 
         def keep(item: ActiveRequest, final: FinalInfo) -> None:
             # the best beam's keys and values need not be in the blocks any more: none are kept

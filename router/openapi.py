@@ -291,7 +291,7 @@ def _generate_one_schemas() -> dict:
         top_k={**int_schema(INT32, minimum=0), "description": "0: off"},
         max_new_tokens=int_schema(UINT32, minimum=1),
         repetition_penalty=float_schema(minimum=0, exclusiveMinimum=True),
-        length_penalty=float_schema())
+        length_penalty=float_schema(minimum=-10, maximum=10))
     config["additionalProperties"] = False
     for schema in config["properties"].values():
         schema["nullable"] = True

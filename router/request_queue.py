@@ -8,10 +8,18 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from router.block_allocator import BlockAllocation, BlockAllocator
 from router.prefix_cache import PrefixCache
+
+
+class HeldPrefix(Protocol):
+    """Blocks that hold the keys and values of a prompt's first `computed` tokens, read when the
+    entry is planned (a request_id session's: router.sessions; it may have let go of them)."""
+
+    blocks: list[int]
+    computed: int
 
 
 @dataclass(slots=True)
@@ -25,9 +33,7 @@ class QueueEntry:
     allocation: BlockAllocation | None = None
     prompt_ids: list[int] | None = None  # offered to the prefix cache (None: never cached)
     cache_len: int = 0  # prompt tokens whose keys and values come from the prefix cache
-    # (blocks, tokens): the first `tokens` prompt tokens' keys and values are in `blocks`, which a
-    # session holds for as long as this entry lives (router.sessions); else the prefix cache's
-    held_prefix: tuple[list[int], int] | None = None
+    held_prefix: HeldPrefix | None = None  # where its prompt's start is, before the prefix cache
     attempts: int = 0  # times it was sent to the shards (a shard failure may send it back here)
     # beam search: rows that each may hold a whole sequence, and the tokens added to each so that
     # every row rounds up to whole blocks alone (a block size)
@@ -75,10 +81,10 @@ class RequestQueue(Generic[E]):
         """(blocks holding the start of the entry's prompt, a reference to each taken for the
         caller; tokens they hold), leaving at least one prompt token to compute (its logits
         choose the first new token)."""
-        if entry.held_prefix is not None:
-            blocks, tokens = entry.held_prefix
-            self.allocator.incref(blocks)
-            return list(blocks), tokens
+        held = entry.held_prefix
+        if held is not None and held.blocks:
+            self.allocator.incref(held.blocks)
+            return list(held.blocks), held.computed
         if self.prefix_cache is None or entry.prompt_ids is None:
             return [], 0
         shared = self.prefix_cache.match(entry.prompt_ids)

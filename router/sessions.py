@@ -40,7 +40,10 @@ class Session:
     blocks: list[int] = field(default_factory=list)  # hold the KV of token_ids[:computed]
     computed: int = 0
     last_used: float = 0.0
-    busy: bool = False  # a call runs on it: its blocks stay, no other call may take it
+    busy: bool = False  # a call runs on it: no other call may take it
+    # what the running call's generation left, applied when the call succeeds (end): until
+    # then the session is as it was, so a call that fails afterwards changes nothing
+    pending: Session | None = None
 
     @property
     def started(self) -> bool:
@@ -57,13 +60,10 @@ class SessionStore:
         self.ttl = limits.ttl
         self.clock = clock
         self._sessions: OrderedDict[SessionKey, Session] = OrderedDict()  # least recent first
+        self.held_blocks = 0  # blocks the sessions hold (pending results included)
 
     def __len__(self) -> int:
         return len(self._sessions)
-
-    @property
-    def held_blocks(self) -> int:
-        return sum(len(s.blocks) for s in self._sessions.values())
 
     def get(self, key: SessionKey) -> Session | None:
         return self._sessions.get(key)
@@ -76,17 +76,27 @@ class SessionStore:
         if session is None:
             session = Session(key, prompt)
             self._sessions[key] = session
-            self._forget_beyond_limit()
-        self._sessions.move_to_end(key)
-        session.busy = True
+        session.busy = True  # before the trim below, which forgets idle sessions only
         session.last_used = self.clock()
+        self._sessions.move_to_end(key)
+        self._forget_beyond_limit()
         return session
 
     @property
     def max_blocks(self) -> int:
         return int(self.kv_share * self.allocator.num_usable_blocks)  # the pool may be resized
 
-    def end(self, session: Session) -> None:
+    def end(self, session: Session, succeeded: bool) -> None:
+        """The call is over: what it generated becomes the session's if the client got it all
+        (`succeeded`), else the session stays as it was before the call."""
+        pending, session.pending = session.pending, None
+        if pending is not None:
+            if succeeded:
+                self._release(session.blocks)
+                session.token_ids, session.blocks = pending.token_ids, pending.blocks
+                session.computed, session.text = pending.computed, pending.text
+            else:
+                self._release(pending.blocks)
         session.busy = False
         session.last_used = self.clock()
         if session.key in self._sessions:
@@ -98,24 +108,30 @@ class SessionStore:
 
     def keep(self, session: Session, token_ids: list[int], added_text: str,
              block_ids: list[int]) -> None:
-        """A call finished: `token_ids` (the history and the new ids) and the blocks holding them
-        become the session's; the blocks past the computed tokens are not kept."""
+        """A call's generation finished: `token_ids` (the history and the new ids) and the blocks
+        holding them (not those past the computed tokens) are kept for the session, pending the
+        call's success (end)."""
         computed = len(token_ids) - 1
         kept = block_ids[:self.allocator.blocks_needed(computed)]
         self.allocator.incref(kept)
-        self.allocator.decref(session.blocks)
-        session.token_ids, session.blocks, session.computed = list(token_ids), kept, computed
-        session.text += added_text
+        self.held_blocks += len(kept)
+        if session.pending is not None:
+            self._release(session.pending.blocks)
+        session.pending = Session(session.key, session.prompt, session.text + added_text,
+                                  list(token_ids), kept, computed)
 
     def release_blocks(self, needed: int) -> int:
-        """Idle sessions let go of their blocks, least recently used first, until `needed` blocks
-        are free again or none is left; returns how many became free (the allocator's reclaim)."""
+        """Sessions let go of their blocks, least recently used first and idle ones before busy
+        ones, until `needed` blocks are free again or none is left; returns how many became free
+        (the allocator's reclaim). A busy session's call, waiting, then computes its tokens
+        again; running, it holds the blocks it needs itself."""
         freed = 0
-        for session in list(self._sessions.values()):
-            if freed >= needed:
-                break
-            if not session.busy and session.blocks:
-                freed += self._drop_blocks(session)
+        for busy in (False, True):
+            for session in list(self._sessions.values()):
+                if freed >= needed:
+                    return freed
+                if session.busy == busy and session.blocks:
+                    freed += self._drop_blocks(session)
         return freed
 
     def expire(self) -> None:
@@ -131,26 +147,31 @@ class SessionStore:
         """Forgets every block without letting go of them: for a pool about to be reset."""
         for session in self._sessions.values():
             session.blocks, session.computed = [], 0
+            if session.pending is not None:
+                session.pending.blocks, session.pending.computed = [], 0
+        self.held_blocks = 0
 
     # ---- internals ----------------------------------------------------------------------------
 
+    def _release(self, blocks: list[int]) -> None:
+        self.allocator.decref(blocks)
+        self.held_blocks -= len(blocks)
+
     def _drop_blocks(self, session: Session) -> int:
         before = self.allocator.num_free_blocks
-        self.allocator.decref(session.blocks)
+        self._release(session.blocks)
         session.blocks, session.computed = [], 0
         return self.allocator.num_free_blocks - before
 
     def _fit_budget(self) -> None:
-        held = self.held_blocks
         for session in list(self._sessions.values()):
-            if held <= self.max_blocks:
+            if self.held_blocks <= self.max_blocks:
                 return
             if not session.busy and session.blocks:
-                held -= len(session.blocks)
                 self._drop_blocks(session)
 
     def _forget(self, session: Session) -> None:
-        self.allocator.decref(session.blocks)
+        self._release(session.blocks)
         session.blocks = []
         self._sessions.pop(session.key, None)
 

@@ -13,6 +13,7 @@ it (copy on write); a reordering only rearranges the tables.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -64,12 +65,13 @@ class BeamSearch:
         logprobs = self._warp(logprobs.float())
         accumulated = (logprobs + scores[:, None]).reshape(-1)
         keep = min(max(2, 1 + len(self.eos_token_ids)) * k, accumulated.numel())
-        if self.options.do_sample:
-            index = torch.multinomial(torch.softmax(accumulated, dim=-1), keep,
-                                      generator=self.generator)
+        probabilities = torch.softmax(accumulated, dim=-1) if self.options.do_sample else None
+        if probabilities is not None and bool(torch.isfinite(probabilities).all()) and int(
+                (probabilities > 0).sum()) >= keep:
+            index = torch.multinomial(probabilities, keep, generator=self.generator)
             top = accumulated[index]
-        else:
-            top, index = torch.topk(accumulated, keep)
+        else:  # greedy, or a distribution too narrow to draw `keep` from: the best ones
+            top, index = torch.topk(accumulated.nan_to_num(nan=-math.inf), keep)
         parents = (index // vocab).tolist()
         tokens = (index % vocab).tolist()
         top = top.tolist()
@@ -79,7 +81,7 @@ class BeamSearch:
         if self.improvable:
             for rank in range(min(k, keep)):
                 if ends[rank]:
-                    score = top[rank] / (generated ** self.options.length_penalty)
+                    score = top[rank] / self._length_factor(generated)
                     self._finish(Hypothesis(score, self.running[parents[rank]] + [tokens[rank]]))
         # the best k that do not end continue (ended ones sink: transformers' -1e9)
         continuing = sorted(range(keep), key=lambda i: top[i] + (NEG_INF if ends[i] else 0.0),
@@ -96,7 +98,8 @@ class BeamSearch:
         return [beam[-1] for beam in self.running]
 
     def best(self) -> Hypothesis:
-        return self.finished[0]
+        """The best finished hypothesis (or, for a search cut short, the best running beam)."""
+        return self.finished[0] if self.finished else Hypothesis(0.0, self.running[0])
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -110,24 +113,30 @@ class BeamSearch:
         beat the worst of num_beams finished hypotheses (always, while there are fewer)."""
         if len(self.finished) < self.options.num_beams:
             return True
-        best_running = float(self.scores.max()) / (generated ** self.options.length_penalty)
+        best_running = float(self.scores.max()) / self._length_factor(generated)
         return best_running > self.finished[-1].score
 
+    def _length_factor(self, generated: int) -> float:
+        return math.exp(self.options.length_penalty * math.log(generated))
+
     def _warp(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """transformers' sampling warpers, applied to log-probabilities as its beam sampling does."""
+        """transformers' sampling warpers, applied to log-probabilities as its beam sampling does:
+        each keeps at least 1 + (EOS ids) tokens, so that a beam can always go on."""
         options = self.options
         if not options.do_sample:
             return logprobs
+        keep = 1 + len(self.eos_token_ids)
         if options.temperature != 1.0:
             logprobs = logprobs / options.temperature
         if options.top_k:
-            kth = torch.topk(logprobs, min(options.top_k, logprobs.shape[1]), dim=-1).values[:, -1:]
+            top_k = min(max(options.top_k, keep), logprobs.shape[1])
+            kth = torch.topk(logprobs, top_k, dim=-1).values[:, -1:]
             logprobs = logprobs.masked_fill(logprobs < kth, -float("inf"))
         if options.top_p < 1.0:
             ordered, order = torch.sort(logprobs, dim=-1)  # ascending, as transformers' TopP
             cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
             remove = cumulative <= 1 - options.top_p
-            remove[:, -1] = False
+            remove[:, -keep:] = False
             logprobs = logprobs.masked_fill(remove.scatter(1, order, remove), -float("inf"))
         return logprobs
 
@@ -136,10 +145,13 @@ class BeamBlocks:
     """The block tables of a request's beams over the blocks the router reserved for it."""
 
     def __init__(self, table: list[int], spare: list[int], block_size: int):
+        """`table`: the prompt's blocks. They hold one reference more than the beams do, so a
+        beam never writes into them in place nor hands them out again: they may be another's
+        too (a request_id session's, until the call succeeds; the prefix cache's)."""
         self.block_size = block_size
         self.tables = [list(table)]
         self.free = list(reversed(spare))  # pop() hands out the lowest first
-        self.refs = {block: 1 for block in table}
+        self.refs = {block: 2 for block in table}
 
     def reorder(self, parents: list[int]) -> None:
         """New beam i continues old beam parents[i]: tables are copied by reference."""

@@ -5,6 +5,7 @@ method takes and returns plain dataclasses, so the gRPC servicer stays a thin co
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -22,6 +23,8 @@ from shard.outputs import (CachedBatch, GeneratedText, Generation, PromptScores,
                            TokenRun, WarmupResult)
 from shard.sampling import SampleOutput, SamplingBatch, needs_history, sample
 from shard.stopping import FinishReason, StopCriteria
+
+log = logging.getLogger("tgi.shard.engine")
 
 
 class BatchNotFound(KeyError):
@@ -159,11 +162,12 @@ class Engine:
             raise ValueError(f"request {request.id}: beam search takes no grammar, stop "
                              "sequences, min_new_tokens, penalties, watermark, ignore_eos, "
                              "prompt scores, hidden states or input embeddings")
+        # every beam may hold a whole sequence, and the prompt's partial block stays aside
         per_beam = math.ceil((request.prompt_length + request.max_new_tokens - 1) / self.block_size)
-        if len(request.blocks) < request.num_beams * per_beam:
-            raise ValueError(f"request {request.id}: {request.num_beams} beams need "
-                             f"{request.num_beams * per_beam} KV blocks, it holds "
-                             f"{len(request.blocks)}")
+        needed = request.num_beams * per_beam + 1
+        if len(request.blocks) < needed:
+            raise ValueError(f"request {request.id}: {request.num_beams} beams need {needed} KV "
+                             f"blocks, it holds {len(request.blocks)}")
 
     def decode(self, batch_ids: list[int]) -> StepResult:
         start = time.perf_counter_ns()
@@ -356,8 +360,12 @@ class Engine:
         """One step of a beam search; its generation once the search is over: the best
         hypothesis, its text decoded as a stream of it would have been."""
         beams = state.beams
-        parents = beams.search.step(torch.log_softmax(logits.float(), dim=-1))
-        beams.blocks.reorder(parents)
+        try:
+            parents = beams.search.step(torch.log_softmax(logits.float(), dim=-1))
+            beams.blocks.reorder(parents)
+        except Exception:  # this request's search ends with what it has; the batch goes on
+            log.exception("beam search of request %d failed; it ends here", state.id)
+            beams.search.done = True
         if not beams.search.done:
             return None
         best = beams.search.best().token_ids

@@ -36,12 +36,17 @@ class PlainTextStream(StreamFormat):
 
     def __init__(self, before: str):
         self.before = before
+        self.complete = False  # every event was written
 
     def opening(self) -> list[bytes]:
         return [self.before.encode()] if self.before else []
 
     def event(self, index: int, event: TokenEvent) -> list[bytes]:
         return [event.token.text.encode()] if event.token.text else []
+
+    def closing(self) -> list[bytes]:
+        self.complete = True
+        return []
 
     def error(self, err: RouterError) -> None:
         return None
@@ -94,18 +99,23 @@ async def generate_one(request: web.Request) -> web.StreamResponse:
         with request_span("generate_one", request.headers):
             call = parse_one(await read_object(request), state.generation_defaults)
             session = _begin(store, request, call.prompt)
+            succeeded = False  # the session keeps this call's text only once the client has it
             try:
                 core = await state.infer.counted(_request(state, session, call.config))
                 before = _before(session, call.only_new_tokens)
                 if call.stream_response:
-                    return await serve_stream(
-                        request, _indexed(state.infer.stream(core, session=session)),
-                        PlainTextStream(before), content_type="text/plain; charset=utf-8")
+                    form = PlainTextStream(before)
+                    response = await serve_stream(
+                        request, _indexed(state.infer.stream(core, session=session)), form,
+                        content_type="text/plain; charset=utf-8")
+                    succeeded = form.complete
+                    return response
                 result = await state.infer.generate(core, session=session)
+                succeeded = True
                 return web.Response(text=before + result.final.text,
                                     content_type="text/plain", charset="utf-8")
             finally:
-                store.end(session)
+                store.end(session, succeeded)
     except RouterError as err:
         return web.json_response(tgi_error_body(err), status=err.status, headers=err.headers)
 
@@ -118,6 +128,7 @@ async def generate_batch(request: web.Request) -> web.Response:
             call = parse_batch(await read_object(request), state.generation_defaults,
                                state.config.max_client_batch_size)
             sessions: list[Session] = []
+            succeeded = False  # every item's, or none's, text joins its session
             try:
                 for prompt in call.prompts:
                     sessions.append(_begin(store, request, prompt))
@@ -127,9 +138,10 @@ async def generate_batch(request: web.Request) -> web.Response:
                 prompts, earlier = [s.prompt for s in sessions], [s.text for s in sessions]
                 # the items run at once inside continuous batching; one failure fails the call
                 results = await state.infer.generate_many(cores, sessions=sessions)
+                succeeded = True
             finally:
                 for session in sessions:
-                    store.end(session)
+                    store.end(session, succeeded)
     except RouterError as err:
         return web.json_response(tgi_error_body(err), status=err.status, headers=err.headers)
     answers = []

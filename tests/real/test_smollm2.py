@@ -56,10 +56,12 @@ def test_beam_search_equals_transformers(real_model_dir, num_beams, length_penal
     requests = []
     for i, ids in enumerate(prompt_ids):
         per_beam = -(-(len(ids) + BEAM_TOKENS - 1) // 16)
-        r = request(i, ids, pool.take(num_beams * per_beam * 16, 16), max_new_tokens=BEAM_TOKENS)
+        r = request(i, ids, pool.take((num_beams * per_beam + 1) * 16, 16),
+                    max_new_tokens=BEAM_TOKENS)
         r.num_beams, r.length_penalty = num_beams, length_penalty
         requests.append(r)
     out = engine.prefill(1, requests)
+    assert out.rejected == []
     finals = {}
     while True:
         finals.update({g.request_id: g.generated_text for g in out.generations

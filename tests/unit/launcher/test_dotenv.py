@@ -10,6 +10,7 @@ def test_lines_comments_quotes_and_export():
     text = "# defaults\nDEFAULT_TEMPERATURE=0.7\nexport DEFAULT_TOP_K = 20\n\nNAME='a b'\nQ=\"x\"\n"
     assert parse_dotenv(text) == {"DEFAULT_TEMPERATURE": "0.7", "DEFAULT_TOP_K": "20",
                                   "NAME": "a b", "Q": "x"}
+    assert parse_dotenv("A=1 # one\nB='2 # two'\n") == {"A": "1", "B": "2 # two"}
     with pytest.raises(ValueError, match=r"\.env:2: expected KEY=VALUE"):
         parse_dotenv("A=1\nnot a setting\n")
 

@@ -109,6 +109,7 @@ async def test_a_second_call_on_a_running_id_is_a_409_and_bad_bodies_are_4xx(tin
                 (_one(generation_config={"max_new_tokens": 0}), "max_new_tokens` must be"),
                 (_one(generation_config={"max_new_tokens": 1000}), "must be <= 128"),
                 (_one(generation_config={"num_beams": 17}), "num_beams` must be <= 16"),
+                (_one(generation_config={"length_penalty": 1000}), "length_penalty` must be"),
                 (_one(generation_config={"num_beams": 2, "repetition_penalty": 1.2}),
                  "repetition_penalty` other than 1"),
                 (_one(generation_config={"do_sample": 1}), "do_sample` must be a boolean"),

@@ -28,7 +28,7 @@ def _finish(allocator, store, key, prompt_len, generated):
     allocation = allocator.allocate(len(tokens) + generated - 1)
     store.keep(session, tokens + [7] * generated, "new", allocation.block_ids)
     allocator.free(allocation)
-    store.end(session)
+    store.end(session, succeeded=True)
     return session
 
 
@@ -51,7 +51,7 @@ def test_one_call_at_a_time_per_id_and_ids_are_apart():
         store.begin(("", "a"), "p")
     other = store.begin(("key-digest", "a"), "p")  # the same id under another caller
     assert other is not first
-    store.end(first)
+    store.end(first, succeeded=False)
     assert store.get(("", "a")) is None, "a call that generated nothing leaves no session"
 
 
@@ -76,7 +76,7 @@ def test_share_of_the_pool_is_kept_by_releasing_the_least_recently_used():
     assert store.held_blocks == 6
 
 
-def test_a_short_pool_reclaims_idle_sessions_blocks_but_never_a_busy_ones():
+def test_a_short_pool_reclaims_idle_sessions_blocks_first_then_busy_ones():
     allocator, store, _ = _store(num_blocks=9, kv_share=1.0)  # 8 usable
     allocator.reclaim = store.release_blocks
     idle = _finish(allocator, store, ("", "idle"), prompt_len=9, generated=4)  # 12: 3 blocks
@@ -85,7 +85,9 @@ def test_a_short_pool_reclaims_idle_sessions_blocks_but_never_a_busy_ones():
     assert allocator.num_free_blocks == 2
     allocation = allocator.allocate(20)  # 5 blocks: the idle session lets go of its 3
     assert allocation is not None and idle.blocks == [] and len(busy.blocks) == 3
-    assert allocator.allocate(4) is None
+    # a waiting continuation never pins the pool: its session lets go too (it recomputes)
+    assert allocator.allocate(12) is not None and busy.blocks == []
+    assert store.held_blocks == 0
 
 
 def test_past_max_sessions_the_least_recently_used_idle_one_is_forgotten():
@@ -101,8 +103,7 @@ def test_the_queue_plans_a_continuation_from_the_blocks_its_session_holds():
     allocator, store, _ = _store()
     session = _finish(allocator, store, ("", "a"), prompt_len=6, generated=3)
     queue = RequestQueue(allocator)
-    entry = QueueEntry(id=1, input_length=9, max_new_tokens=4,
-                       held_prefix=(list(session.blocks), session.computed))
+    entry = QueueEntry(id=1, input_length=9, max_new_tokens=4, held_prefix=session)
     queue.append(entry)
     plan = queue.next_batch(min_size=None, max_size=None, prefill_token_budget=100,
                             token_budget=1000)
@@ -111,3 +112,35 @@ def test_the_queue_plans_a_continuation_from_the_blocks_its_session_holds():
     assert all(allocator.ref_count(b) == 2 for b in session.blocks)
     queue.put_back([entry])  # a lost step: the session still holds its blocks
     assert all(allocator.ref_count(b) == 1 for b in session.blocks)
+
+
+def test_a_call_that_fails_after_its_generation_leaves_the_session_as_it_was():
+    allocator, store, _ = _store()
+    session = _finish(allocator, store, ("", "a"), prompt_len=6, generated=3)
+    before = (list(session.token_ids), list(session.blocks), session.text)
+    store.begin(("", "a"), "ignored")
+    allocation = allocator.allocate(12)
+    store.keep(session, session.token_ids + [8, 8, 8], "more", allocation.block_ids)
+    allocator.free(allocation)
+    store.end(session, succeeded=False)  # e.g. another item of its batch failed
+    assert (session.token_ids, session.blocks, session.text) == before
+    assert allocator.num_free_blocks == 40 - 2 and store.held_blocks == 2
+
+
+def test_a_new_session_at_the_limit_with_every_other_busy_is_still_served():
+    _, store, _ = _store(max_sessions=1)
+    store.begin(("", "a"), "p")
+    second = store.begin(("", "b"), "p")
+    assert second.busy and store.get(("", "b")) is second
+
+
+def test_a_continuation_reads_its_sessions_blocks_when_planned_not_when_queued():
+    allocator, store, _ = _store()
+    session = _finish(allocator, store, ("", "a"), prompt_len=6, generated=3)
+    queue = RequestQueue(allocator)
+    entry = QueueEntry(id=1, input_length=9, max_new_tokens=4, held_prefix=session)
+    queue.append(entry)
+    store.release_blocks(10)  # the pool ran short while it waited
+    plan = queue.next_batch(min_size=None, max_size=None, prefill_token_budget=100,
+                            token_budget=1000)
+    assert plan.entries == [entry] and entry.cache_len == 0 and plan.prefill_tokens == 9

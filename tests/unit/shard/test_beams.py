@@ -24,7 +24,8 @@ def reference(tiny_llama):
 
 def _beam_request(rid, prompt, pool, num_beams, length_penalty, max_new_tokens):
     per_beam = -(-(len(prompt) + max_new_tokens - 1) // 4)
-    r = request(rid, prompt, pool.take(num_beams * per_beam * 4, 4), max_new_tokens=max_new_tokens)
+    r = request(rid, prompt, pool.take((num_beams * per_beam + 1) * 4, 4),
+                max_new_tokens=max_new_tokens)
     r.num_beams, r.length_penalty = num_beams, length_penalty
     return r
 
@@ -73,15 +74,37 @@ def test_beams_equal_transformers_beside_greedy_requests(engine, reference, num_
 
 
 def test_blocks_are_shared_by_reference_and_copied_only_when_written():
-    blocks = BeamBlocks([1, 2], spare=[10, 11, 12, 13, 14, 15], block_size=4)  # prompt of 6
+    blocks = BeamBlocks([1, 2], spare=[10, 11, 12, 13, 14, 15, 16], block_size=4)  # prompt of 6
     blocks.reorder([0, 0, 0])  # three beams from the one prompt
-    assert blocks.tables == [[1, 2]] * 3 and blocks.refs == {1: 3, 2: 3}
-    copies = blocks.prepare_writes(6)  # position 6 is in block 2, shared three ways
-    assert copies == [(2, 10), (2, 11)] and [t[1] for t in blocks.tables] == [10, 11, 2]
-    blocks.prepare_writes(7)
+    assert blocks.tables == [[1, 2]] * 3
+    copies = blocks.prepare_writes(6)  # position 6 is in the prompt's block 2: never in place
+    assert copies == [(2, 10), (2, 11), (2, 12)] and [t[1] for t in blocks.tables] == [10, 11, 12]
     assert blocks.prepare_writes(7) == []  # each beam owns its block now
     blocks.reorder([1, 1, 2])  # beam 0 dies: its block goes back to the spare ones
-    assert 10 in blocks.free and blocks.refs[11] == 2 and blocks.refs[1] == 3
+    assert 10 in blocks.free and blocks.refs[11] == 2 and 2 not in blocks.free
+    copies = blocks.prepare_writes(7)  # the two beams from beam 1 share block 11: one copies
+    assert copies == [(11, 10)] and blocks.refs[11] == 1
     copies = blocks.prepare_writes(8)  # a new block for each (position 8 starts block 2)
     assert copies == [] and all(len(t) == 3 for t in blocks.tables)
     assert len({t[2] for t in blocks.tables}) == 3
+    blocks.reorder([0, 0, 0])
+    assert {1, 2}.isdisjoint(blocks.free), "the prompt's blocks are never handed out again"
+
+
+def test_beam_sampling_keeps_a_way_on_and_survives_extreme_settings():
+    from shard.beams import BeamOptions, BeamSearch
+
+    generator = torch.Generator().manual_seed(3)
+    logprobs = torch.log_softmax(torch.randn(1, 50), dim=-1)
+    # top_k 1 still keeps 1 + (EOS ids) tokens, as transformers does with beams
+    search = BeamSearch(BeamOptions(2, do_sample=True, top_k=1), [7], 5, generator)
+    search.step(logprobs)
+    assert torch.isfinite(search.scores).all()
+    cold = BeamSearch(BeamOptions(2, do_sample=True, temperature=1e-45), [7], 5, generator)
+    cold.step(logprobs)
+    cold.step(torch.log_softmax(torch.randn(2, 50), dim=-1))
+    assert len(cold.running) == 2 and not any(t is None for t in cold.next_tokens())
+    long = BeamSearch(BeamOptions(2, length_penalty=10.0), [7], 4096, None)
+    for _ in range(3):
+        long.step(torch.log_softmax(torch.randn(long.width, 50), dim=-1))
+    assert long.width == 2
