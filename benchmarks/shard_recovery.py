@@ -43,7 +43,7 @@ def _status(url: str, path: str, body: dict | None = None, timeout: float = 300)
 
 def shard_pids(uds_path: str) -> dict[int, int]:
     """rank -> pid of the shard processes serving on `uds_path` (their RANK variable)."""
-    found = subprocess.run(["pgrep", "-f", f"shard --model-path .* --uds-path {uds_path}"],
+    found = subprocess.run(["pgrep", "-f", f"shard --model-path .* --uds-path {uds_path} "],
                            capture_output=True, text=True)
     pids = {}
     for pid in map(int, found.stdout.split()):

@@ -5,12 +5,16 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from launcher.model_cache import cache_root
 from router.config import RouterConfig
 from shard.config import DTYPES
 
 # router fields the launcher fills itself rather than taking from the user
-_DERIVED_ROUTER_FIELDS = {"tokenizer_path", "master_shard_uds_path", "model_id"}
+_DERIVED_ROUTER_FIELDS = {"tokenizer_path", "master_shard_uds_path", "model_id",
+                          "model_host_uds_path", "model_registry_dir", "default_model_dtype",
+                          "default_model_device", "autostart"}
 
 
 def _opt(default, help_text: str):
@@ -42,6 +46,12 @@ class LauncherConfig:
     trust_remote_code: bool = _opt(False, "Serve checkpoints that ship their own modelling code "
                                           "(auto_map). tgi-py never runs that code: it serves them "
                                           "with its built-in implementation of the architecture.")
+    model_registry_dir: str | None = _opt(None, "Where the models of the /v1/models routes "
+                                                "(pulled, started, stopped) and their registry "
+                                                "live (default: <cache>/registry, the cache being "
+                                                "TGI_PY_CACHE or ~/.cache/tgi-py).")
+    autostart: bool = _opt(False, "Start again the models that were running when the server "
+                                  "last stopped (without it they come back stopped).")
     json_output: bool = _opt(False, "Log one JSON object per line (launcher and children).")
     env: bool = _opt(False, "Print the runtime environment (for bug reports) before starting.")
     router: dict = field(default_factory=dict)  # RouterConfig fields given on the command line
@@ -58,6 +68,10 @@ class LauncherConfig:
     def port(self) -> int:
         return self.router.get("port") or 8080
 
+    def registry_dir(self) -> Path:
+        return Path(self.model_registry_dir).expanduser() if self.model_registry_dir \
+            else cache_root() / "registry"
+
     def shard_tracing_argv(self) -> list[str]:
         """The router's OTLP settings, shared with the shards as TGI does."""
         endpoint = self.router.get("otlp_endpoint")
@@ -69,7 +83,8 @@ class LauncherConfig:
 
     def router_argv(self, *, tokenizer_path: str, model_id: str) -> list[str]:
         argv = ["--tokenizer-path", tokenizer_path, "--model-id", model_id,
-                "--master-shard-uds-path", f"{self.shard_uds_path}-0"]
+                "--master-shard-uds-path", f"{self.shard_uds_path}-0",
+                "--autostart", "true" if self.autostart else "false"]
         for name, value in self.router.items():
             if value is not None:
                 argv += [f"--{name.replace('_', '-')}", str(value)]

@@ -133,13 +133,15 @@ def dequantize_tensor(tensor) -> np.ndarray:
     return np.asarray(array, dtype=np.float32).reshape(shape)
 
 
-def convert_weights(reader, config: dict, out_file: Path) -> None:
-    """Every tensor, dequantised to float32 under its Hugging Face name, into one safetensors file."""
+def convert_weights(reader, config: dict, out_file: Path, progress=None) -> None:
+    """Every tensor, dequantised to float32 under its Hugging Face name, into one safetensors file;
+    `progress(bytes read, bytes in all)` of the GGUF's tensor data after each tensor."""
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     tensors = {}
+    total, done = sum(int(t.n_bytes) for t in reader.tensors), 0
     for tensor in tqdm(reader.tensors, desc="Converting GGUF weights", unit="tensor",
                        file=sys.stderr):
         name = hf_tensor_name(tensor.name)
@@ -150,13 +152,16 @@ def convert_weights(reader, config: dict, out_file: Path) -> None:
             array = unpermute_rope_rows(array, config["num_key_value_heads"])
         # a copy: dequantize may hand back a read-only view of the memory-mapped file
         tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+        done += int(tensor.n_bytes)
+        if progress is not None:
+            progress(done, total)
     save_file(tensors, str(out_file), metadata={"format": "pt"})
 
 
-def write_model_files(reader, out_dir: Path) -> dict:
+def write_model_files(reader, out_dir: Path, progress=None) -> dict:
     """model.safetensors, config.json and generation_config.json: everything but the tokenizer."""
     config = llama_config(reader)
-    convert_weights(reader, config, out_dir / "model.safetensors")
+    convert_weights(reader, config, out_dir / "model.safetensors", progress)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": config.get("bos_token_id"),
                   "eos_token_id": config.get("eos_token_id"),
@@ -195,8 +200,9 @@ def is_converted(out_dir: Path) -> bool:
     return isinstance(marker, dict) and marker.get("converter_version") == CONVERTER_VERSION
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Converts into a staging directory renamed into place: a half-done run never looks complete."""
+def convert_gguf(gguf_path: Path, out_dir: Path, progress=None) -> Path:
+    """Converts into a staging directory renamed into place: a half-done run never looks complete.
+    `progress(done, total)` follows the weights (bytes of the GGUF's tensor data)."""
     import gguf
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -204,7 +210,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        config = write_model_files(reader, staging)
+        config = write_model_files(reader, staging, progress)
         write_tokenizer(gguf_path, staging, chat_template=_field(reader, "tokenizer.chat_template"),
                         max_length=config["max_position_embeddings"])
         (staging / MARKER).write_text(json.dumps(

@@ -8,11 +8,11 @@ from pathlib import Path
 from launcher.model_cache import ModelResolutionError, cache_root
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-__all__ = ["DEFAULT_MODEL_ID", "ModelResolutionError", "cache_root", "check_remote_code",
-           "resolve_model"]
+__all__ = ["DEFAULT_MODEL_ID", "ModelResolutionError", "cache_root", "check_model_dir",
+           "check_remote_code", "resolve_model"]
 
 
-def _check_model_dir(path: Path) -> Path:
+def check_model_dir(path: Path) -> Path:
     missing = [name for name, ok in (("config.json", (path / "config.json").exists()),
                                      ("*.safetensors", any(path.glob("*.safetensors"))),
                                      ("tokenizer.json", (path / "tokenizer.json").exists()))
@@ -50,19 +50,19 @@ def resolve_model(model_id: str | None, *, revision: str | None = None,
 
     cache_dir = cache_dir or cache_root()
     if model_id is None or model_id == DEFAULT_MODEL_ID:
-        return _check_model_dir(prepare_default_model(cache_dir))
+        return check_model_dir(prepare_default_model(cache_dir))
     path = Path(model_id).expanduser()
     if path.is_dir():
-        return _check_model_dir(path)
+        return check_model_dir(path)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelResolutionError(f"GGUF file {path} does not exist")
-        return _check_model_dir(prepare_gguf(path, _gguf_dir(path, cache_dir)))
+        return check_model_dir(prepare_gguf(path, _gguf_dir(path, cache_dir)))
     if model_id.startswith(("/", "./", "../", "~")):
         raise ModelResolutionError(f"model directory {path} does not exist")
     snapshot = _from_hub(model_id, revision, hub_cache)
     try:
-        return _check_model_dir(snapshot)
+        return check_model_dir(snapshot)
     except ModelResolutionError as err:
         raise ModelResolutionError(f"Hub model {model_id!r}: {err}") from None
 

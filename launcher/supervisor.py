@@ -1,65 +1,48 @@
-"""Starts the shards and the router as child processes, waits until they serve, and stops them together.
+"""Starts the default model's shards and the router as child processes, waits until they serve, serves
+the router's model-lifecycle calls (launcher/model_host.py), and stops everything together.
 
-A shard that exits gets the whole shard group restarted (every rank: the survivors wait in collectives
-for a peer that is gone), up to --max-shard-restarts within --shard-restart-window; the router stays
-up and reconnects by itself. Past that budget, or when the router exits, the launcher stops the others
-and exits non-zero naming the child. SIGINT/SIGTERM stop the router first (it finishes in-flight
-requests), then the shards, each SIGKILLed after a grace period.
+Every model that runs has a shard group of its own. A shard that exits gets its whole group
+restarted (every rank: the survivors wait in collectives for a peer that is gone), up to
+--max-shard-restarts within --shard-restart-window; the router stays up and reconnects by itself.
+Past that budget the default model's group stops everything with a non-zero exit naming the child;
+another model's group is stopped alone (the router answers for that model that its shards are
+lost). When the router exits, the launcher stops the others and exits non-zero. SIGINT/SIGTERM stop
+the router first (it finishes in-flight requests), then the shards, each SIGKILLed after a grace
+period.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
+import socket
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.config import LauncherConfig
-from launcher.logs import relay, say
+from launcher.logs import say
+from launcher.shard_group import Child, GroupSpec, LaunchError, ShardGroup, death, spawn, terminate
 from shard.partition import split_heads_of
 
-
-class LaunchError(RuntimeError):
-    pass
-
-
-@dataclass(slots=True)
-class Child:
-    name: str
-    process: subprocess.Popen
-    tail: list[str] = field(default_factory=list)
-
-    def exited(self) -> int | None:
-        return self.process.poll()
+__all__ = ["LaunchError", "Supervisor", "check_shardable"]
 
 
 def check_shardable(model_dir: Path, num_shard: int) -> None:
     """Fails before any process starts when the heads cannot be split over `num_shard` ranks."""
     try:
         split_heads_of(json.loads((model_dir / "config.json").read_text()), num_shard)
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         raise LaunchError(f"--num-shard {num_shard}: {err}") from None
 
 
-def _death(child: Child) -> str:
-    last = "\n  ".join(child.tail[-10:])
-    return f"{child.name} exited with code {child.exited()}; its last lines:\n  {last}"
-
-
-def _spawn(name: str, argv: list[str], env: dict[str, str], json_output: bool) -> Child:
-    # own session: a Ctrl-C in the terminal reaches only the launcher, which stops children in order
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    child = Child(name, process)
-    relay(process.stdout, name, json_output=json_output, tail=child.tail)
-    return child
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Supervisor:
@@ -67,22 +50,35 @@ class Supervisor:
         self.config = config
         self.model_dir = model_dir
         self.model_name = model_name
-        self.children: list[Child] = []
+        self.router: Child | None = None
+        self.groups: dict[str, ShardGroup] = {}  # by model id
+        self.lock = threading.Lock()  # groups is shared with the model host's threads
         self.stop_requested = threading.Event()
-        self.shard_restarts: deque[float] = deque()  # when each restart of the group happened
+        self._group_numbers = iter(range(1, 1 << 30))
+        self._host = None
 
     def _say(self, message: str, level: str = "INFO") -> None:
         say(message, json_output=self.config.json_output, level=level)
 
-    def socket_path(self, rank: int) -> str:
-        return f"{self.config.shard_uds_path}-{rank}"
+    @property
+    def host_socket(self) -> str:
+        return f"{self.config.shard_uds_path}-host"
 
     def run(self) -> int:
         """Starts everything, supervises until a signal or a death; returns the exit code."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stop_requested.set())
         try:
-            self._start_shards()
+            default = self._group(self.model_name, self.model_dir, self.config.num_shard,
+                                  self.config.dtype, self.config.device,
+                                  uds_prefix=self.config.shard_uds_path,
+                                  master_port=self.config.master_port, label="")
+            with self.lock:
+                self.groups[self.model_name] = default
+            default.spawn()
+            self._wait_until("shards ready", default.ready, group=default)
+            default.supervised = True
+            self._start_model_host()
             self._start_router()
             self._say(f"serving {self.model_name} on http://{self._router_host()}:{self.config.port}")
             return self._watch()
@@ -92,29 +88,31 @@ class Supervisor:
         finally:
             self.shutdown()
 
-    def _start_shards(self, *, wait: bool = True) -> None:
-        config = self.config
-        for rank in range(config.num_shard):
-            path = self.socket_path(rank)
-            if os.path.exists(path):
-                os.unlink(path)  # stale socket of an earlier run
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(config.num_shard),
-                   "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(config.master_port)}
-            argv = [sys.executable, "-m", "shard", "--model-path", str(self.model_dir),
-                    "--uds-path", config.shard_uds_path, "--dtype", config.dtype,
-                    "--device", config.device, "--block-size", str(config.block_size),
-                    *config.shard_tracing_argv()]
-            self.children.append(_spawn(f"shard {rank}", argv, env, config.json_output))
-        if not wait:
-            return
-        self._wait_until("shards ready", lambda: all(
-            os.path.exists(self.socket_path(r)) for r in range(config.num_shard)))
+    def _group(self, name: str, model_dir: Path, num_shard: int, dtype: str, device: str, *,
+               uds_prefix: str, master_port: int, label: str) -> ShardGroup:
+        group = ShardGroup(GroupSpec(name, model_dir, num_shard, dtype, device, uds_prefix,
+                                     master_port, label),
+                           block_size=self.config.block_size, master_addr=self.config.master_addr,
+                           tracing_argv=self.config.shard_tracing_argv(),
+                           json_output=self.config.json_output)
+        return group
+
+    def _start_model_host(self) -> None:
+        from launcher.model_host import serve  # grpc only once the shards are up
+
+        if os.path.exists(self.host_socket):
+            os.unlink(self.host_socket)
+        self._host = serve(self, self.host_socket)
 
     def _start_router(self) -> None:
         argv = [sys.executable, "-m", "router",
                 *self.config.router_argv(tokenizer_path=str(self.model_dir),
-                                         model_id=self.model_name)]
-        self.children.append(_spawn("router", argv, dict(os.environ), self.config.json_output))
+                                         model_id=self.model_name),
+                "--model-host-uds-path", self.host_socket,
+                "--model-registry-dir", str(self.config.registry_dir()),
+                "--default-model-dtype", self.config.dtype,
+                "--default-model-device", self.config.device]
+        self.router = spawn("router", argv, dict(os.environ), self.config.json_output)
         self._wait_until("router ready", self._router_healthy)
 
     def _router_host(self) -> str:
@@ -129,87 +127,127 @@ class Supervisor:
         except (urllib.error.URLError, OSError):
             return False
 
-    def _wait_until(self, what: str, ready, timeout: float = 600.0) -> None:
+    def _wait_until(self, what: str, ready, *, group: ShardGroup | None = None,
+                    timeout: float = 600.0) -> None:
+        """Waits for `ready`; a death of the router or of `group` (or, without one, of any
+        supervised group) is an error, as is a signal or the timeout."""
         deadline = time.monotonic() + timeout
         while not ready():
-            self._raise_if_dead()
+            if self.router is not None and self.router.exited() is not None:
+                raise LaunchError(death(self.router))
+            dead = group.dead_child() if group is not None else None
+            if dead is not None:
+                raise LaunchError(death(dead))
             if self.stop_requested.is_set():
-                raise LaunchError(f"stopped by a signal while waiting for: {what}")
+                raise LaunchError(f"stopped (a signal, or the launcher shutting down) while "
+                                  f"waiting for: {what}")
             if time.monotonic() > deadline:
                 raise LaunchError(f"timed out after {timeout:.0f}s waiting for: {what}")
             time.sleep(0.1)
 
-    def _raise_if_dead(self) -> None:
-        for child in self.children:
-            if child.exited() is not None:
-                raise LaunchError(_death(child))
-
     def _watch(self) -> int:
         while not self.stop_requested.wait(0.1):
-            dead = [c for c in self.children if c.exited() is not None]
-            for child in dead:
-                if child.name == "router":
-                    raise LaunchError(_death(child))
-            if dead:
-                self._restart_shards(dead[0])
+            if self.router is not None and self.router.exited() is not None:
+                raise LaunchError(death(self.router))
+            # under the lock: a group the model host is stopping must not be restarted
+            with self.lock:
+                for group in [g for g in self.groups.values() if g.supervised]:
+                    dead = group.dead_child()
+                    if dead is not None:
+                        self._restart(group, dead)
         self._say("stopping")
         return 0
 
-    def _restart_shards(self, dead: Child) -> None:
-        """Restarts every rank when one died, or raises when the restart budget is spent."""
+    def _restart(self, group: ShardGroup, dead: Child) -> None:
+        """Restarts every rank of a group when one died; past the budget, stops the group (and,
+        for the default model, everything). Called with the lock held."""
         config = self.config
-        now = time.monotonic()
-        while self.shard_restarts and now - self.shard_restarts[0] > config.shard_restart_window:
-            self.shard_restarts.popleft()
-        shards = [c for c in self.children if c.name != "router"]
-        if len(self.shard_restarts) >= config.max_shard_restarts:
+        if not group.may_restart(config.max_shard_restarts, config.shard_restart_window):
             # the survivors would hold the router's step in a collective through its drain
-            self._kill(shards)
-            raise LaunchError(f"{_death(dead)}\n(the shard group was restarted "
-                              f"{len(self.shard_restarts)} times within "
-                              f"{config.shard_restart_window} s: --max-shard-restarts "
-                              f"{config.max_shard_restarts} is used up)")
-        self.shard_restarts.append(now)
-        self._say(f"{dead.name} exited with code {dead.exited()}; restarting the shard group "
-                  f"(restart {len(self.shard_restarts)} of {config.max_shard_restarts} within "
-                  f"{config.shard_restart_window} s)", level="WARNING")
-        self._kill(shards)  # waiting in a collective for the dead rank: nothing to save
-        for child in shards:
-            self.children.remove(child)
-        self._start_shards(wait=False)  # the router notices the new group and warms it up
+            group.kill(self._say)
+            spent = (f"{death(dead)}\n(the shard group of {group.spec.name} was restarted "
+                     f"{len(group.restarts)} times within {config.shard_restart_window} s: "
+                     f"--max-shard-restarts {config.max_shard_restarts} is used up)")
+            if group.spec.name == self.model_name:
+                raise LaunchError(spent)
+            self._say(spent, level="ERROR")
+            self.groups.pop(group.spec.name, None)
+            group.remove_sockets()
+            return
+        self._say(f"{dead.name} exited with code {dead.exited()}; restarting the shard group of "
+                  f"{group.spec.name} (restart {len(group.restarts)} of "
+                  f"{config.max_shard_restarts} within {config.shard_restart_window} s)",
+                  level="WARNING")
+        group.kill(self._say)  # waiting in a collective for the dead rank: nothing to save
+        group.spawn()  # the router notices the new group and warms it up
 
-    def _kill(self, children: list[Child]) -> None:
-        """SIGKILL to each child's whole process group (a shard's compiler, say), then reaped. A
-        leader that already died may leave members behind: its group is killed all the same (its
-        id cannot be reused while a member lives)."""
-        for child in children:
-            try:
-                os.killpg(child.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for child in children:
-            try:
-                child.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU driver): move on
-                self._say(f"{child.name} did not die after SIGKILL", level="WARNING")
+    # the model host's calls (gRPC worker threads)
+
+    def start_group(self, name: str, model_dir: Path, *, num_shard: int, dtype: str,
+                    device: str) -> str:
+        """Starts a model's shard group and returns rank 0's socket once every rank listens;
+        a group already running answers at once."""
+        check_shardable(model_dir, num_shard)
+        with self.lock:
+            existing = self.groups.get(name)
+            if existing is not None:
+                if existing.supervised:
+                    return existing.master_socket
+                raise LaunchError(f"the shard group of {name} is already starting")
+            if self.stop_requested.is_set():
+                raise LaunchError("the launcher is stopping")
+            number = next(self._group_numbers)
+            group = self._group(name, model_dir, num_shard, dtype, device,
+                                uds_prefix=f"{self.config.shard_uds_path}-g{number}",
+                                master_port=_free_port(), label=f"model {number}")
+            self.groups[name] = group  # claimed: a second start of this name waits its turn
+        self._say(f"starting {name} ({num_shard} shard(s), {dtype}, {device}) from {model_dir}")
+        try:
+            group.spawn()
+            self._wait_until(f"shards of {name} ready", group.ready, group=group)
+        except BaseException as err:  # an OSError from Popen too: no rank may outlive its group
+            with self.lock:
+                if self.groups.get(name) is group:
+                    self.groups.pop(name)
+            group.kill(self._say)
+            group.remove_sockets()
+            if isinstance(err, Exception) and not isinstance(err, LaunchError):
+                raise LaunchError(f"the shards of {name} could not start: {err}") from err
+            raise
+        group.supervised = True
+        return group.master_socket
+
+    def group_names(self) -> list[str]:
+        with self.lock:
+            return list(self.groups)
+
+    def stop_group(self, name: str) -> None:
+        with self.lock:
+            group = self.groups.pop(name, None)
+            if group is not None:
+                group.supervised = False
+        if group is not None:
+            self._say(f"stopping the shards of {name}")
+            group.stop(self.config.graceful_termination_timeout, self._say)
 
     def shutdown(self) -> None:
         """Router first, so it stops taking requests while the shards still answer; then shards."""
         grace = self.config.graceful_termination_timeout
-        routers = [c for c in self.children if c.name == "router"]
-        shards = [c for c in self.children if c.name != "router"]
-        for group in (routers, shards):
-            for child in group:
-                if child.exited() is None:
-                    child.process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            for child in group:
-                try:
-                    child.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-                except subprocess.TimeoutExpired:
-                    self._say(f"{child.name} did not stop in {grace}s; killing it", level="WARNING")
-                    self._kill([child])
-        for rank in range(self.config.num_shard):
-            if os.path.exists(self.socket_path(rank)):
-                os.unlink(self.socket_path(rank))
-        self.children.clear()
+        self.stop_requested.set()  # a StartGroup still waiting for its shards gives up
+        if self.router is not None:
+            terminate([self.router], grace, self._say)
+            self.router = None
+        if self._host is not None:
+            self._host.stop(grace=None)
+            self._host = None
+        with self.lock:
+            groups = list(self.groups.values())
+            self.groups.clear()
+        terminate([c for g in groups for c in g.children], grace, self._say)
+        for group in groups:
+            group.children.clear()
+            group.remove_sockets()
+        if os.path.exists(self.host_socket):
+            os.unlink(self.host_socket)
+
+

@@ -35,7 +35,8 @@ async def serve(argv: list[str] | None) -> int:
     await asyncio.wait([asyncio.create_task(stop.wait()), fatal],
                        return_when=asyncio.FIRST_COMPLETED)
     log.info("router stopping")
-    state.batcher.stop_waiting()
+    for served in list(state.models.served.values()):
+        served.batcher.stop_waiting()
     await runner.cleanup()
     shutdown_tracing()
     return 1 if state.fatal.is_set() else 0

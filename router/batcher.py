@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from router.active_request import ActiveRequest
 from router.batch import CachedBatch, NewBatch, ShardRequest
@@ -57,6 +58,8 @@ class Batcher:
         self.steps = ShardSteps(client, metrics, self.running, self.failures)
         self.chunked: ChunkedPrefill | None = None  # the long prompt being prefilled in chunks
         self._wake = asyncio.Event()
+        # set when the model is going away: the error a request reaching submit() gets instead
+        self.closed: Callable[[], RouterError] | None = None
         # counts losses of the shard group: a batch id from before one names nothing any more
         self.shard_generation = 0
         # without a policy (tests, one-off tools) a lost shard fails requests and nothing waits
@@ -86,6 +89,8 @@ class Batcher:
     # ---- API side ---------------------------------------------------------------------------
 
     def submit(self, item: ActiveRequest) -> None:
+        if self.closed is not None:  # no loop reads the queue any more
+            raise self.closed()
         self.queue.append(item)
         self.metrics.queue_size.set(len(self.queue))
         self._wake.set()
@@ -110,6 +115,15 @@ class Batcher:
         """Sessions idle past their TTL let go of their blocks."""
         self.sessions.expire()
         self.running.update_gauges()
+
+    def fail_everything(self, error: RouterError) -> None:
+        """The model is going away (its loop already stopped): every request, running or
+        queued, hears `error` and lets go of its blocks."""
+        self.failures.fail_running(error)
+        for item in self.queue.entries():
+            self.queue.remove(item)
+            self.failures.fail_waiting(item, error)
+        self.chunked = None
 
     def stop_waiting(self) -> None:
         """The router is stopping: nothing waits for shards that are gone any more."""

@@ -73,6 +73,17 @@ class RouterConfig:
     session_kv_share: float = _opt(0.5, "Share of the KV pool that sessions may hold together; "
                                         "past it the least recently used idle one lets go of "
                                         "its blocks.")
+    # set by tgi-launcher: the model lifecycle routes (pull, start, stop) go through its model host
+    model_host_uds_path: str = _opt(None, "Unix socket of the launcher's model host (set by "
+                                          "tgi-launcher; unset: models cannot be pulled, "
+                                          "started or stopped).")
+    model_registry_dir: str = _opt(None, "Directory of the model registry (set by tgi-launcher; "
+                                         "unset: nothing is persisted).")
+    default_model_dtype: str = _opt("float32", "dtype of models started without one in their "
+                                               "settings.")
+    default_model_device: str = _opt("auto", "device of models started without ngl 0.")
+    autostart: str = _opt("false", "true: models running when the registry was last saved "
+                                   "start again.")
 
     def __post_init__(self):
         if not self.tokenizer_path:
@@ -94,6 +105,9 @@ class RouterConfig:
         if self.session_ttl <= 0 or self.max_sessions < 1 or not 0 <= self.session_kv_share <= 1:
             raise ValueError("--session-ttl must be > 0, --max-sessions >= 1 and "
                              "--session-kv-share between 0 and 1")
+        self.autostart = self.autostart.lower()
+        if self.autostart not in ("true", "false"):
+            raise ValueError(f"--autostart {self.autostart!r} must be true or false")
         self.default_do_sample = self.default_do_sample.lower()
         if self.default_do_sample not in ("true", "false"):
             raise ValueError(f"--default-do-sample {self.default_do_sample!r} must be true or "

@@ -108,3 +108,33 @@ class Metrics:
 
     def render(self) -> bytes:
         return self.counters.render().encode() + generate_latest(self.registry)
+
+
+def render_models(models: dict[str, Metrics]) -> bytes:
+    """One exposition for several models: one model's metrics as they are (what a one-model
+    server has always shown); several models' samples each labelled `model`, one family each."""
+    if len(models) == 1:
+        return next(iter(models.values())).render()
+    families: dict[str, list[str]] = {}
+    for model, metrics in models.items():
+        family: list[str] = []
+        for line in metrics.render().decode().splitlines():
+            if line.startswith("# HELP "):
+                family = families.setdefault(line.split(" ", 3)[2], [])
+                if not family:
+                    family.append(line)
+            elif line.startswith("# TYPE "):
+                if len(family) == 1:
+                    family.append(line)
+            elif line:
+                family.append(_labelled(line, model))
+    return "".join(line + "\n" for lines in families.values() for line in lines).encode()
+
+
+def _labelled(sample: str, model: str) -> str:
+    """`name{a="b"} 1` -> `name{model="m",a="b"} 1` (model ids need no escaping)."""
+    name, brace, rest = sample.partition("{")
+    if brace:
+        return f'{name}{{model="{model}",{rest}'
+    name, _, value = sample.partition(" ")
+    return f'{name}{{model="{model}"}} {value}'

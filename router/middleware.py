@@ -70,7 +70,7 @@ def cors_middleware(allowed: str):
             response = await handler(request)
         if origin:
             response.headers["Access-Control-Allow-Origin"] = origin
-            response.headers["Access-Control-Allow-Methods"] = "GET, POST"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, PUT, PATCH, DELETE"
             response.headers["Access-Control-Allow-Headers"] = "content-type, authorization"
             response.headers["Vary"] = "Origin"
         return response

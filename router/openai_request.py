@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from router import grammar
 from router.chat_template import ChatTemplate
 from router.errors import TemplateError, ValidationError
+from router.model_settings import ChatPrompt
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from router.validation import ValidationLimits, check_lengths
 from router.wire import flag
@@ -54,8 +55,9 @@ def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingPa
     temperature = number(body, "temperature", 0, 2)
     top_p = number(body, "top_p", 0, 1, low_open=True)
     seed = number(body, "seed", 0, 2**64 - 1, integer=True)
+    top_k = number(body, "top_k", -1, 2**31 - 1, integer=True)  # vLLM's extension: -1 or 0 off
     sampling = SamplingParams(
-        temperature=temperature or 1.0, top_p=top_p or 1.0,
+        temperature=temperature or 1.0, top_p=top_p or 1.0, top_k=max(top_k or 0, 0),
         frequency_penalty=number(body, "frequency_penalty", -2, 2) or 0.0,
         presence_penalty=number(body, "presence_penalty", -2, 2) or 0.0,
         do_sample=temperature != 0,  # OpenAI samples unless the temperature is 0
@@ -71,6 +73,31 @@ def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingPa
         raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
                               f"Given: {len(stop)}")
     return sampling, [s for s in stop if s]
+
+
+def model_name(body: dict) -> str | None:
+    """The model a body names (router/state.served_model finds it)."""
+    model = body.get("model")
+    return model if isinstance(model, str) else None
+
+
+# Jan's per-model parameters (PATCH /v1/models/{id}) and the OpenAI fields they give defaults to
+_MODEL_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "token_limit": "max_tokens", "stream": "stream"}
+
+
+def with_model_defaults(body: dict, defaults: dict) -> dict:
+    """`body` with the model's request defaults for the fields it leaves out (or null)."""
+    if not defaults:
+        return body
+    out = dict(body)
+    for key, name in _MODEL_DEFAULTS.items():
+        given = out.get(name)
+        if name == "max_tokens" and out.get("max_completion_tokens") is not None:
+            continue
+        if key in defaults and given is None:
+            out[name] = defaults[key]
+    return out
 
 
 def choice_count(body: dict, max_choices: int) -> int:
@@ -184,16 +211,20 @@ def tool_prompt(functions: list[dict], *, allow_text: bool) -> str:
 
 
 def render_chat(template: ChatTemplate | None, messages: list[dict],
-                functions: list[dict] | None, *, allow_text: bool = False) -> str:
-    if template is None:
+                functions: list[dict] | None, *, allow_text: bool = False,
+                fallback: ChatPrompt | None = None) -> str:
+    """The prompt of a chat: the model's template, else Jan's prompt pieces (`fallback`)."""
+    if template is None and fallback is None:
         raise TemplateError("this model has no chat template")
-    if functions and not template.knows_tools:
+    if functions and (template is None or not template.knows_tools):
         instruction = tool_prompt(functions, allow_text=allow_text)
         if messages[0]["role"] == "system":
             messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{instruction}"},
                         *messages[1:]]
         else:
             messages = [{"role": "system", "content": instruction}, *messages]
+    if template is None:
+        return fallback.render(messages)
     return template.render(messages, add_generation_prompt=True, tools=functions)
 
 

@@ -120,6 +120,8 @@ def _openai_sampling() -> dict:
         max_completion_tokens={**int_schema(INT32, minimum=1), "nullable": True},
         temperature={**float_schema(minimum=0, maximum=2), "nullable": True},
         top_p={**float_schema(minimum=0, maximum=1, exclusiveMinimum=True), "nullable": True},
+        top_k={**int_schema(INT32, minimum=-1), "nullable": True,
+               "description": "vLLM's extension: -1 or 0 is off"},
         n={**int_schema(INT32, minimum=1), "nullable": True},
         seed={**int_schema(UINT64), "nullable": True},
         frequency_penalty={**float_schema(minimum=-2, maximum=2), "nullable": True},
@@ -159,9 +161,90 @@ def _openai_schemas() -> dict:
                                        ["index", "text", "finish_reason"], index=integer,
                                        text=string, finish_reason=string,
                                        logprobs=_nullable("object"))}),
-        "ModelList": _object(["object", "data"], object=string, data={"type": "array", "items": (
-            _object(["id", "object", "created", "owned_by"], id=string, object=string,
-                    created=integer, owned_by=string))}),
+    }
+
+
+_MODEL_STATES = ["not_downloaded", "downloading", "downloaded", "starting", "running", "stopping",
+                 "stopped"]
+
+
+def _model_schemas() -> dict:
+    """Jan/Cortex's model objects (router/api/models.py); settings and parameters are checked by
+    router/model_settings.py."""
+    string, integer, obj = {"type": "string"}, {"type": "integer"}, {"type": "object"}
+    state = {"type": "string", "enum": _MODEL_STATES}
+    model = _object(["id", "object", "created", "owned_by", "state", "source_url", "settings",
+                     "parameters", "metadata"],
+                    id=string, object=string, created=integer, owned_by=string, type=string,
+                    version=string, name=string, description=string, state=state, format=string,
+                    source_url=string, settings=obj, parameters=obj, engine_parameters=obj,
+                    metadata=obj, assets={"type": "array", "items": string})
+    return {
+        "Model": model,
+        "ModelList": _object(["object", "data"], object=string,
+                             data={"type": "array", "items": _ref("Model")}),
+        "GetModelResponse": {**model, "required": [*model["required"], "engine_parameters",
+                                                   "model_parameters"],
+                             "properties": {**model["properties"], "model_parameters": obj}},
+        "ModelStateResponse": _object(["id", "object", "state"], id=string, object=string,
+                                      state=state),
+        "DeleteModelResponse": _object(["id", "object", "deleted"], id=string, object=string,
+                                       deleted={"type": "boolean"}),
+        "ModelStateError": _object(["error", "error_type", "state"], error=string,
+                                   error_type=string, state=state),
+        "NamedModel": _object(["model"], model=string),
+        "PullRequest": _object(["model"], model={**string, "description": "a local model "
+                                                 "directory, a .gguf file or a Hub id"},
+                               id=string, name=string),
+        "ModelPatch": {"type": "object", "properties": dict(
+            settings=obj, parameters=obj, engine_parameters=obj, name=string,
+            description=string)},
+    }
+
+
+def _model_paths() -> dict:
+    def answer(schema: str, *errors: int, conflict: bool = False) -> dict:
+        responses = {"200": {"description": "OK", **_json(_ref(schema))}, **_errors(*errors)}
+        if conflict:
+            responses["409"] = {"description": "Not possible in the model's state",
+                                **_json(_ref("ModelStateError"))}
+        return responses
+
+    def body(schema: str) -> dict:
+        return {"requestBody": {"required": True, **_json(_ref(schema))}}
+
+    model_id = [{"name": "model_id", "in": "path", "required": True,
+                 "schema": {"type": "string"}, "description": "a name or owner/name"}]
+    return {
+        "/v1/models": {"get": {"summary": "The models this server knows (OpenAI's list, with "
+                                          "Jan's fields)", "responses": answer("ModelList")}},
+        "/v1/models/{model_id}": {
+            "get": {"summary": "One model", "parameters": model_id,
+                    "responses": answer("GetModelResponse", 400, 404)},
+            "delete": {"summary": "Forget a model (and delete the files it pulled)",
+                       "parameters": model_id,
+                       "responses": answer("DeleteModelResponse", 400, 404, conflict=True)},
+            "patch": {"summary": "Change a model's settings, parameters or prompt pieces",
+                      "parameters": model_id, **body("ModelPatch"),
+                      "responses": answer("GetModelResponse", 400, 404, 413, 422)}},
+        "/v1/models/{model_id}/start": {"put": {
+            "summary": "Start a model (its own shard group); idempotent", "parameters": model_id,
+            "responses": answer("ModelStateResponse", 400, 404, 422, 424, 503, conflict=True)}},
+        "/v1/models/{model_id}/stop": {"put": {
+            "summary": "Stop a model after its requests in flight; idempotent",
+            "parameters": model_id,
+            "responses": answer("ModelStateResponse", 400, 404, 503, conflict=True)}},
+        "/v1/models/start": {"post": {
+            "summary": "Cortex's start", **body("NamedModel"),
+            "responses": answer("ModelStateResponse", 400, 404, 413, 422, 424, 503,
+                                conflict=True)}},
+        "/v1/models/stop": {"post": {
+            "summary": "Cortex's stop", **body("NamedModel"),
+            "responses": answer("ModelStateResponse", 400, 404, 413, 422, 503, conflict=True)}},
+        "/v1/models/pull": {"post": {
+            "summary": "Fetch a model; answers at once, progress in its state and metadata",
+            **body("PullRequest"),
+            "responses": answer("ModelStateResponse", 400, 413, 422, 503, conflict=True)}},
     }
 
 
@@ -385,6 +468,7 @@ def openapi_document() -> dict:
         **_openai_schemas(),
         **_sglang_schemas(),
         **_generate_one_schemas(),
+        **_model_schemas(),
     }
     paths = {
         "/": _post("Generate, streamed (stream: true) or as a list of one response",
@@ -406,8 +490,7 @@ def openapi_document() -> dict:
         "/v1/completions": _post("OpenAI text completion (stream: true for chunks)",
                                  "CompletionRequest", _ref("CompletionFinal"),
                                  stream_on_request=True),
-        "/v1/models": {"get": {"summary": "The model served", "responses": {
-            "200": {"description": "OK", **_json(_ref("ModelList"))}}}},
+        **_model_paths(),
         **_sglang_paths(),
         **_generate_one_paths(),
         "/api-doc/openapi.json": {"get": {"summary": "This document", "responses": {

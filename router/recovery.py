@@ -53,6 +53,7 @@ class ShardRecovery:
         self.running = running
         self.fail_waiting = fail_waiting
         self.healthy = True
+        self.lost_since: float | None = None  # monotonic time the shards were found lost
         # the router is shutting down: nothing waits for the shards any more
         self.stopping = False
 
@@ -73,7 +74,7 @@ class ShardRecovery:
     async def wait_for_shards(self) -> None:
         """Blocks until the shards are back and warmed up; requests that wait too long get 503."""
         self.healthy = False
-        started = time.monotonic()
+        started = self.lost_since = time.monotonic()
         log.warning("lost the shards; waiting for them to restart")
         while True:
             self._expire_waiting(started)
@@ -85,7 +86,7 @@ class ShardRecovery:
                 log.debug("shards not back yet: %s", err)
                 await asyncio.sleep(RETRY_INTERVAL_S)
         self.running.reset_pool(num_blocks)
-        self.healthy = True
+        self.healthy, self.lost_since = True, None
         log.warning("shards are back after %.1f s (KV pool: %d blocks)",
                     time.monotonic() - started, num_blocks)
 

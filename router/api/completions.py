@@ -10,9 +10,10 @@ from router.api.openai_common import FINGERPRINT, FINISH, OpenAIStream, usage, w
 from router.errors import ValidationError
 from router.infer import GenerateResult
 from router.json_body import read_object
-from router.openai_request import build_request, choice_count, include_usage, with_seed
+from router.openai_request import (build_request, choice_count, include_usage, model_name,
+                                   with_model_defaults, with_seed)
 from router.schemas import GenerateRequest, TokenEvent
-from router.state import STATE
+from router.state import served_model
 from router.streaming import openai_sse, serve_stream
 from router.wire import flag
 
@@ -80,8 +81,9 @@ def _logprobs(result: GenerateResult, echo: bool, prompt_length: int) -> dict:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
     body = await read_object(request)
+    state = served_model(request, model_name(body))
+    body = with_model_defaults(body, state.request_defaults)
     requests, echo, logprobs = await state.infer.counted(_validate(state, body))
     envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": state.model_name,

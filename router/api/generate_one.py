@@ -20,7 +20,8 @@ from router.json_body import read_object
 from router.request_trace import request_span
 from router.schemas import GenerateRequest, StoppingParams, TokenEvent
 from router.sessions import Session, SessionBusy, SessionStore
-from router.state import STATE, RouterState
+from router.served_model import ServedModel
+from router.state import STATE, RouterState, served_model
 from router.streaming import StreamFormat, serve_stream
 from router.validation import check_lengths
 
@@ -65,7 +66,7 @@ def _begin(store: SessionStore, request: web.Request, prompt: Prompt) -> Session
         raise BusyError(f"a call on request_id {prompt.request_id!r} is still running") from None
 
 
-async def _request(state: RouterState, session: Session,
+async def _request(state: ServedModel, session: Session,
                    config: GenerationConfig) -> GenerateRequest:
     """The core request of one call: the prompt, or on a continuation every token so far."""
     if session.started:
@@ -93,7 +94,7 @@ async def _indexed(events):
 
 
 async def generate_one(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
+    state = served_model(request)
     store = state.batcher.sessions
     try:
         with request_span("generate_one", request.headers):
@@ -121,7 +122,7 @@ async def generate_one(request: web.Request) -> web.StreamResponse:
 
 
 async def generate_batch(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+    state = served_model(request)
     store = state.batcher.sessions
     try:
         with request_span("generate_batch", request.headers):
@@ -155,10 +156,11 @@ async def generate_batch(request: web.Request) -> web.Response:
 
 
 async def _expire_sessions(state: RouterState) -> None:
-    every = max(min(state.batcher.sessions.ttl / 4, 5.0), 0.05)
+    every = max(min(state.config.session_ttl / 4, 5.0), 0.05)
     while True:
         await asyncio.sleep(every)
-        state.batcher.expire_sessions()
+        for served in list(state.models.served.values()):
+            served.batcher.expire_sessions()
 
 
 def register(app: web.Application) -> None:

@@ -20,6 +20,7 @@ from proto import api_pb2_grpc
 from router.api import grpc_convert as convert
 from router.api import tgi
 from router.errors import IncompleteGenerationError, RouterError, UnhealthyError
+from router.model_registry import ModelNotFoundError, ModelStateError
 from router.request_trace import record_phases, request_span
 from router.schemas import Timings
 from router.state import STATE, RouterState
@@ -43,33 +44,36 @@ STOP_GRACE_S = 60.0
 
 # ---- the router core, driven as router/api/tgi.py drives it --------------------------------------
 # Every use of the router's state is in this section, so a renamed attribute is one edit here.
+# The gRPC API serves the default model (the launcher's --model-id).
 
-# TGI's parameters validated and counted (tgi_request_count, failures) as /generate does
-validate = tgi.validate
+async def validate(state: RouterState, body: dict, *, stream: bool) -> ValidatedGenerate:
+    """TGI's parameters validated and counted (tgi_request_count, failures) as /generate does."""
+    return await tgi.validate(state.served(None), body, stream=stream)
 
 
 async def generate(state: RouterState, validated: ValidatedGenerate, timings: Timings):
     """(the answer, the other best_of sequences)."""
-    return await state.infer.generate_best_of(validated.request, validated.best_of, timings)
+    return await state.served(None).infer.generate_best_of(validated.request, validated.best_of,
+                                                           timings)
 
 
 def token_events(state: RouterState, validated: ValidatedGenerate, timings: Timings):
     """The request's TokenEvents; closing the iterator early cancels it and frees its KV blocks."""
-    return state.infer.stream(validated.request, timings)
+    return state.served(None).infer.stream(validated.request, timings)
 
 
 def tokenize(state: RouterState, inputs: str) -> tuple[list[int], list[tuple[int, int]]]:
-    encoding = state.tokenizer.tokenizer.encode(inputs)
+    encoding = state.served(None).tokenizer.tokenizer.encode(inputs)
     return encoding.ids, encoding.offsets
 
 
 def info(state: RouterState) -> dict:
-    return state.info_json()
+    return state.served(None).info_json()
 
 
 async def check_health(state: RouterState) -> None:
     """Returns when GET /health answers 200; raises the UnhealthyError of its 503 otherwise."""
-    await state.check_health()
+    await state.served(None).check_health()
 
 
 # ---- the service ---------------------------------------------------------------------------------
@@ -176,7 +180,7 @@ class StandardHealth(health_pb2_grpc.HealthServicer):
         try:
             await check_health(self.state)
             status = _SERVING
-        except UnhealthyError:
+        except (UnhealthyError, ModelNotFoundError, ModelStateError):  # its model stopped too
             status = _NOT_SERVING
         except Exception:  # a bug in the check: say so, and report not serving
             log.exception("health check raised")

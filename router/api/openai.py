@@ -1,4 +1,4 @@
-"""OpenAI's chat routes: /v1/chat/completions and /v1/models, in OpenAI's (and TGI's) shapes."""
+"""OpenAI's chat route, /v1/chat/completions, in OpenAI's (and TGI's) shapes (/v1/models: api/models)."""
 from __future__ import annotations
 
 import json
@@ -13,9 +13,11 @@ from router.errors import ValidationError
 from router.infer import GenerateResult
 from router.json_body import read_object
 from router.openai_request import (ChatOptions, build_request, choice_count, include_usage,
-                                   normalise_messages, number, render_chat, tool_plan, with_seed)
+                                   model_name, normalise_messages, number, render_chat, tool_plan,
+                                   with_model_defaults, with_seed)
 from router.schemas import FinishReason, GenerateRequest, Token, TokenEvent
-from router.state import STATE, RouterState
+from router.served_model import ServedModel
+from router.state import served_model
 from router.streaming import openai_sse, serve_stream
 from router.wire import flag
 
@@ -74,7 +76,8 @@ async def _validate_chat(state, body: dict) -> _Chat:
     response_format = grammar.from_response_format(body.get("response_format"))
     if plan.grammar and response_format:
         raise ValidationError("`response_format` and `tools` cannot be used together")
-    prompt = render_chat(state.chat_template, messages, plan.functions, allow_text=plan.allow_text)
+    prompt = render_chat(state.chat_template, messages, plan.functions, allow_text=plan.allow_text,
+                         fallback=state.chat_prompt)
     input_ids = await state.tokenizer.encode_async(prompt, add_special_tokens=False)
     logprobs = flag(body, "logprobs")
     top_logprobs = number(body, "top_logprobs", 0, limits.max_top_n_tokens, integer=True) or 0
@@ -89,8 +92,9 @@ async def _validate_chat(state, body: dict) -> _Chat:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
     body = await read_object(request)
+    state = served_model(request, model_name(body))
+    body = with_model_defaults(body, state.request_defaults)
     chat = await state.infer.counted(_validate_chat(state, body))
     requests = [with_seed(chat.request, i) for i in range(chat.options.n)]
     if chat.options.stream:
@@ -110,7 +114,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 class ChatStream(OpenAIStream):
     """chat.completion.chunk per token (a tool call in one chunk at the end), then the usage."""
 
-    def __init__(self, state: RouterState, chat: _Chat, n: int):
+    def __init__(self, state: ServedModel, chat: _Chat, n: int):
         self.state = state
         self.chat = chat
         self.n = n
@@ -154,12 +158,5 @@ def _chat_chunk(chat: _Chat, index: int, event) -> dict | None:
             "logprobs": logprobs, "finish_reason": finish}
 
 
-async def models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    return web.json_response({"object": "list", "data": [
-        {"id": state.model_name, "object": "model", "created": 0, "owned_by": "tgi-py"}]})
-
-
 def register(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)

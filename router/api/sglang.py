@@ -29,7 +29,7 @@ from router.request_trace import request_span
 from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,
                             StoppingParams, Timings, Token, TokenEvent)
 from router.sglang_request import SglangBatch, SglangItem, claims, parse_generate
-from router.state import STATE
+from router.state import served_model
 from router.streaming import StreamFormat, openai_sse, serve_stream
 
 # rid -> the runs that carry it (n copies of one prompt share their rid)
@@ -236,7 +236,7 @@ async def generate(request: web.Request, body: dict) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, body: dict) -> web.StreamResponse:
-    state = request.app[STATE]
+    state = served_model(request)
     started = time.monotonic()
     batch = await state.infer.counted(parse_generate(
         body, state.tokenizer, state.validation_limits, state.config.max_client_batch_size,
@@ -281,7 +281,7 @@ async def abort_request(request: web.Request) -> web.Response:
 
 async def flush_cache(request: web.Request) -> web.Response:
     """Drops the prefix cache, only when no request is in flight (as SGLang: 400 otherwise)."""
-    state = request.app[STATE]
+    state = served_model(request)
     message = ("Cache flushed.\nPlease check backend logs for more details. (When there are "
                "running or waiting requests, the operation will not be performed.)\n")
     if state.infer.in_flight:
@@ -293,7 +293,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def health_generate(request: web.Request) -> web.Response:
     """Health that runs one real token through the queue, the scheduler and the shards."""
-    state = request.app[STATE]
+    state = served_model(request)
     await state.check_health()
     input_ids = state.tokenizer.encode("Hi") or [0]
     probe = GenerateRequest(inputs="Hi", input_ids=input_ids, sampling=SamplingParams(),
@@ -308,7 +308,7 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 async def get_model_info(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+    state = served_model(request)
     return web.json_response({"model_path": state.model_name,
                               "tokenizer_path": state.config.tokenizer_path,
                               "is_generation": True, "preferred_sampling_params": None,
@@ -318,7 +318,7 @@ async def get_model_info(request: web.Request) -> web.Response:
 
 
 async def get_server_info(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+    state = served_model(request)
     return web.json_response({
         **state.info_json(), "model_path": state.model_name,
         "tokenizer_path": state.config.tokenizer_path,

@@ -8,10 +8,12 @@ from aiohttp import web
 from router.errors import BadRequestError, RouterError, ValidationError, tgi_error_body
 from router.infer import GenerateResult
 from router.json_body import read_object
+from router.metrics import render_models
 from router.openapi import openapi_document
 from router.request_trace import phase_span, record_phases, request_span
 from router.schemas import Timings, Token, TokenEvent
-from router.state import STATE, RouterState
+from router.served_model import ServedModel
+from router.state import MODEL_HEADER, STATE, served_model
 from router.streaming import StreamFormat, serve_stream, sse_data
 from router.validation import ValidatedGenerate, validate_generate
 
@@ -24,7 +26,7 @@ def prefill_json(token: Token) -> dict:
     return {"id": token.id, "text": token.text, "logprob": token.logprob}
 
 
-async def validate(state: RouterState, body: dict, *, stream: bool) -> ValidatedGenerate:
+async def validate(state: ServedModel, body: dict, *, stream: bool) -> ValidatedGenerate:
     """TGI's parameters object, validated and counted (shared with the gRPC API)."""
     with phase_span("validation"):
         return await state.infer.counted(validate_generate(body, state.tokenizer,
@@ -60,7 +62,7 @@ def _timing_headers(state, validated: ValidatedGenerate, timings: Timings, gener
 
 
 async def _generate_payload(request: web.Request, body: dict, *, full_text_default: bool):
-    state = request.app[STATE]
+    state = served_model(request)
     timings = Timings(started_at=time.monotonic())
     validated = await validate(state, body, stream=False)
     best, others = await state.infer.generate_best_of(validated.request, validated.best_of,
@@ -99,7 +101,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             if claims(body):
                 return await handler(request, body)
         if dialects:
-            await request.app[STATE].infer.counted(_neither())
+            await served_model(request).infer.counted(_neither())
     with request_span("generate", request.headers):
         payload, headers = await _generate_payload(request, body, full_text_default=False)
     return web.json_response(payload, headers=headers)
@@ -127,7 +129,7 @@ async def compat_generate(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, body: dict, *, full_text_default: bool
                   ) -> web.StreamResponse:
-    state = request.app[STATE]
+    state = served_model(request)
     timings = Timings(started_at=time.monotonic())
     validated = await validate(state, body, stream=True)
     form = TgiStream(validated, validated.output_prefix(full_text_default), timings)
@@ -171,7 +173,7 @@ def _stream_json(event: TokenEvent, index: int, validated: ValidatedGenerate, pr
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+    state = served_model(request)
     body = await read_object(request)
     inputs = body.get("inputs")
     if not isinstance(inputs, str):
@@ -184,16 +186,32 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    await request.app[STATE].check_health()
+    """The model the X-Model-Id header names, or else every running model, answers (one that
+    stops while it is asked is no longer the server's to report)."""
+    if request.headers.get(MODEL_HEADER) is not None:
+        await served_model(request).check_health()
+    else:
+        served = request.app[STATE].models.served
+        for name, model in list(served.items()):
+            try:
+                await model.check_health()
+            except Exception:
+                if served.get(name) is model:
+                    raise
     return web.Response(status=200)
 
 
 async def info(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STATE].info_json())
+    return web.json_response(served_model(request).info_json())
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[STATE].metrics.render()
+    """The named model's metrics, or else every running model's (labelled when several run)."""
+    if request.headers.get(MODEL_HEADER) is not None:
+        body = served_model(request).metrics.render()
+    else:
+        body = render_models({name: model.metrics for name, model
+                              in request.app[STATE].models.served.items()})
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 

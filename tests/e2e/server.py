@@ -76,6 +76,8 @@ def launch(model_args: list[str], tmp_path: Path, *, extra: list[str] = (),
     argv = [sys.executable, "-m", "launcher", *model_args, "--port", str(port), "--hostname",
             "127.0.0.1", "--shard-uds-path", uds_path, "--master-port", str(free_port()),
             *extra]
+    if "--model-registry-dir" not in extra:  # never the user's registry under ~/.cache
+        argv += ["--model-registry-dir", str(tmp_path / "registry")]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                    cwd=Path(__file__).resolve().parents[2], env=dict(os.environ))

@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("proto", ["generate", "api"])
+@pytest.mark.parametrize("proto", ["generate", "api", "model_host"])
 def test_generated_stubs_match_the_proto(tmp_path, proto):
     (tmp_path / "proto").mkdir()
     shutil.copy(ROOT / "proto" / f"{proto}.proto", tmp_path / "proto")

@@ -5,7 +5,7 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from router.app import create_app
+from router.app import create_app, router_state
 from router.batcher import Batcher
 from router.block_allocator import BlockAllocator
 from router.chat_template import ChatTemplate
@@ -15,7 +15,7 @@ from router.metrics import Metrics
 from router.request_queue import RequestQueue
 from router.scheduling import SchedulingLimits
 from router.shard_convert import ShardInfo
-from router.state import RouterState
+from router.served_model import ServedModel
 from router.tokenizer import RouterTokenizer
 from router.validation import ValidationLimits
 from tests.fakes import FakeShardClient
@@ -37,14 +37,14 @@ async def _client(tiny_llama, fake, *, max_concurrent=8, **options) -> TestClien
     metrics = Metrics(max_input_tokens=64, max_total_tokens=128)
     batcher = Batcher(fake, RequestQueue(allocator), allocator,
                       SchedulingLimits(256, 800, 0.3, 20, None), metrics)
-    state = RouterState(config, RouterTokenizer(str(tiny_llama)), fake,
-                        ShardInfo(dtype="float32", device_type="cpu", world_size=1, block_size=4,
-                                  max_position_embeddings=128, support_chunking=False,
-                                  use_prefix_caching=False, hidden_size=8), limits,
-                        ValidationLimits(limits, 2, 4, 5), allocator, batcher,
-                        Infer(batcher, metrics, max_concurrent_requests=max_concurrent), metrics,
-                        ChatTemplate.from_model_dir(str(tiny_llama)))
-    client = TestClient(TestServer(create_app(state)))
+    served = ServedModel(config, RouterTokenizer(str(tiny_llama)), fake,
+                         ShardInfo(dtype="float32", device_type="cpu", world_size=1, block_size=4,
+                                   max_position_embeddings=128, support_chunking=False,
+                                   use_prefix_caching=False, hidden_size=8), limits,
+                         ValidationLimits(limits, 2, 4, 5), allocator, batcher,
+                         Infer(batcher, metrics, max_concurrent_requests=max_concurrent), metrics,
+                         ChatTemplate.from_model_dir(str(tiny_llama)))
+    client = TestClient(TestServer(create_app(router_state(config, served))))
     await client.start_server()
     return client
 

@@ -340,7 +340,7 @@ async def test_abort_request_ends_it_with_abort_and_frees_its_blocks(tiny_llama,
     state = client.server.app
     try:
         from router.state import STATE
-        allocator = state[STATE].allocator
+        allocator = state[STATE].models.default.allocator
         idle = allocator.num_free_blocks
         pending = asyncio.ensure_future(client.post("/generate", json=_sglang(
             max_new_tokens=100, rid="long", stream=stream)))
@@ -424,7 +424,7 @@ async def test_flush_cache_lets_go_of_every_cached_block(tiny_llama):
     from router.state import STATE
     client = await _client(tiny_llama, HealthyFake())
     try:
-        state = client.server.app[STATE]
+        state = client.server.app[STATE].models.default
         allocator = state.allocator
         cache = PrefixCache(allocator)
         state.batcher.queue.prefix_cache = cache

@@ -1,0 +1,143 @@
+"""Fetches a model source into a directory of the model registry, reporting bytes done and total.
+
+A source is a local model directory (copied, so that deleting the registry's model never touches
+the user's files), a .gguf file (converted to safetensors), or a Hugging Face Hub id (downloaded
+with huggingface_hub). The directory appears complete or not at all: everything is written into a
+staging directory renamed into place at the end.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.gguf import convert_gguf
+from launcher.model_cache import ModelResolutionError
+from launcher.resolve import check_model_dir
+
+Progress = Callable[[str, int, int], None]  # (stage, bytes done, bytes total)
+
+# what a servable model directory needs; anything else in a source directory is left behind
+_MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt")
+
+
+@dataclass(slots=True)
+class Pulled:
+    format: str
+    quantization: str
+    size_bytes: int
+
+
+def directory_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def pull(source: str, target_dir: Path, progress: Progress, *, revision: str | None = None,
+         hub_cache: str | None = None) -> Pulled:
+    target_dir = Path(target_dir)
+    if target_dir.exists():
+        raise ModelResolutionError(f"{target_dir} already exists")
+    target_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}-", dir=target_dir.parent))
+    try:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            quantization = _copy_directory(path, staging, progress)
+            model_format = "safetensors"
+        elif path.suffix == ".gguf" and path.is_file():
+            quantization = _convert(path, staging, progress)
+            model_format = "gguf"
+        elif source.startswith(("/", "./", "../", "~")) or path.suffix == ".gguf":
+            raise ModelResolutionError(f"{source} is neither a model directory nor a .gguf file")
+        else:
+            quantization = _download(source, staging, progress, revision, hub_cache)
+            model_format = "safetensors"
+        check_model_dir(staging)
+        staging.chmod(0o755)
+        staging.rename(target_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return Pulled(model_format, quantization, directory_size(target_dir))
+
+
+def _weights_dtype(model_dir: Path) -> str:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(config.get("torch_dtype") or config.get("dtype") or "")
+
+
+def _copy_directory(source: Path, staging: Path, progress: Progress) -> str:
+    files = sorted({f for pattern in _MODEL_FILES for f in source.glob(pattern) if f.is_file()})
+    total = sum(f.stat().st_size for f in files)
+    done = 0
+    progress("copying", 0, total)
+    for file in files:
+        with open(file, "rb") as src, open(staging / file.name, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+                done += len(chunk)
+                progress("copying", done, total)
+    return _weights_dtype(staging)
+
+
+def _convert(gguf_path: Path, staging: Path, progress: Progress) -> str:
+    import gguf
+
+    file_type = gguf.GGUFReader(str(gguf_path)).fields.get("general.file_type")
+    quantization = ""
+    if file_type is not None:
+        try:
+            quantization = gguf.LlamaFileType(int(file_type.contents())).name.removeprefix(
+                "MOSTLY_")
+        except ValueError:
+            quantization = str(file_type.contents())
+    out = staging / "model"
+    convert_gguf(gguf_path, out, progress=lambda done, total: progress("converting", done, total))
+    for path in out.iterdir():
+        path.rename(staging / path.name)
+    out.rmdir()
+    return quantization
+
+
+def _download(repo_id: str, staging: Path, progress: Progress, revision: str | None,
+              hub_cache: str | None) -> str:
+    """snapshot_download into the staging directory; progress is what has landed on disk against
+    the sizes the Hub lists."""
+    try:
+        from huggingface_hub import HfApi, snapshot_download
+
+        info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+        patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+        wanted = [s for s in info.siblings or []
+                  if any(Path(s.rfilename).match(p) for p in patterns)]
+        total = sum(s.size or 0 for s in wanted)
+        finished = threading.Event()
+
+        def watch():
+            while not finished.wait(0.5):
+                progress("downloading", min(directory_size(staging), total), total)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        progress("downloading", 0, total)
+        watcher.start()
+        try:
+            snapshot_download(repo_id, revision=revision, cache_dir=hub_cache,
+                              local_dir=str(staging), allow_patterns=patterns)
+        finally:
+            finished.set()
+            watcher.join()
+        shutil.rmtree(staging / ".cache", ignore_errors=True)  # huggingface_hub's bookkeeping
+        progress("downloading", total, total)
+    except Exception as err:  # offline, unknown repo, no network: all end the same way for a user
+        reason = (str(err).strip().splitlines() or [""])[0]
+        raise ModelResolutionError(
+            f"{repo_id!r} is neither a local model directory, a .gguf file, nor a model the "
+            f"Hugging Face Hub could provide ({type(err).__name__}: {reason})") from None
+    return _weights_dtype(staging)

@@ -1,0 +1,153 @@
+"""One model's shard processes: one per tensor-parallel rank, started, watched and stopped together.
+
+A rank that dies leaves the others waiting in a collective for it, so a group is restarted whole, up
+to `max_restarts` times within `restart_window` seconds.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launcher.logs import relay
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    process: subprocess.Popen
+    tail: list[str] = field(default_factory=list)
+
+    def exited(self) -> int | None:
+        return self.process.poll()
+
+
+def death(child: Child) -> str:
+    last = "\n  ".join(child.tail[-10:])
+    return f"{child.name} exited with code {child.exited()}; its last lines:\n  {last}"
+
+
+def spawn(name: str, argv: list[str], env: dict[str, str], json_output: bool) -> Child:
+    # own session: a Ctrl-C in the terminal reaches only the launcher, which stops children in order
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    child = Child(name, process)
+    relay(process.stdout, name, json_output=json_output, tail=child.tail)
+    return child
+
+
+def kill(children: list[Child], say) -> None:
+    """SIGKILL to each child's whole process group (a shard's compiler, say), then reaped. A
+    leader that already died may leave members behind: its group is killed all the same (its id
+    cannot be reused while a member lives)."""
+    for child in children:
+        try:
+            os.killpg(child.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for child in children:
+        try:
+            child.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU driver): move on
+            say(f"{child.name} did not die after SIGKILL", level="WARNING")
+
+
+def terminate(children: list[Child], grace: float, say) -> None:
+    """SIGTERM, then SIGKILL for those still running after `grace` seconds."""
+    for child in children:
+        if child.exited() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for child in children:
+        try:
+            child.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            say(f"{child.name} did not stop in {grace}s; killing it", level="WARNING")
+            kill([child], say)
+
+
+@dataclass(slots=True)
+class GroupSpec:
+    name: str  # the model id
+    model_dir: Path
+    num_shard: int
+    dtype: str
+    device: str
+    uds_prefix: str  # rank r listens on <uds_prefix>-<r>
+    master_port: int
+    label: str = ""  # prefix of the children's log names ("" for the default model)
+
+
+class ShardGroup:
+    def __init__(self, spec: GroupSpec, *, block_size: int, master_addr: str,
+                 tracing_argv: list[str], json_output: bool):
+        self.spec = spec
+        self.block_size = block_size
+        self.master_addr = master_addr
+        self.tracing_argv = tracing_argv
+        self.json_output = json_output
+        self.children: list[Child] = []
+        self.restarts: deque[float] = deque()  # when each restart happened
+        # False while the caller that started it waits for it: a death then is that caller's error
+        self.supervised = False
+
+    def socket_path(self, rank: int) -> str:
+        return f"{self.spec.uds_prefix}-{rank}"
+
+    @property
+    def master_socket(self) -> str:
+        return self.socket_path(0)
+
+    def spawn(self) -> None:
+        spec = self.spec
+        for rank in range(spec.num_shard):
+            path = self.socket_path(rank)
+            if os.path.exists(path):
+                os.unlink(path)  # stale socket of an earlier run
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(spec.num_shard),
+                   "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(spec.master_port)}
+            argv = [sys.executable, "-m", "shard", "--model-path", str(spec.model_dir),
+                    "--uds-path", spec.uds_prefix, "--dtype", spec.dtype,
+                    "--device", spec.device, "--block-size", str(self.block_size),
+                    *self.tracing_argv]
+            name = f"{spec.label} shard {rank}" if spec.label else f"shard {rank}"
+            self.children.append(spawn(name, argv, env, self.json_output))
+
+    def ready(self) -> bool:
+        return all(os.path.exists(self.socket_path(r)) for r in range(self.spec.num_shard))
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.exited() is not None), None)
+
+    def may_restart(self, max_restarts: int, window: float) -> bool:
+        """Counts a restart when the budget allows one."""
+        now = time.monotonic()
+        while self.restarts and now - self.restarts[0] > window:
+            self.restarts.popleft()
+        if len(self.restarts) >= max_restarts:
+            return False
+        self.restarts.append(now)
+        return True
+
+    def kill(self, say) -> None:
+        kill(self.children, say)
+        self.children.clear()
+
+    def stop(self, grace: float, say) -> None:
+        terminate(self.children, grace, say)
+        self.children.clear()
+        self.remove_sockets()
+
+    def remove_sockets(self) -> None:
+        for rank in range(self.spec.num_shard):
+            if os.path.exists(self.socket_path(rank)):
+                os.unlink(self.socket_path(rank))

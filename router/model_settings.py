@@ -1,0 +1,133 @@
+"""What a model's `settings`, `parameters` and `engine_parameters` may hold, checked and normalised.
+
+Jan's schema writes numbers as strings ("2048") and its clients send numbers: both are accepted and
+stored as numbers. A key this server would not act on is refused, never stored and ignored.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.errors import ValidationError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _integer(low: int, high: int = 2**31 - 1) -> Callable[[str, object], int]:
+    def check(name: str, value: object) -> int:
+        if isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]{1,18}\s*", value):
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValidationError(f"`{name}` must be an integer")
+        if not low <= value <= high:
+            raise ValidationError(f"`{name}` must be between {low} and {high}")
+        return value
+    return check
+
+
+def _number(low: float, high: float) -> Callable[[str, object], float]:
+    def check(name: str, value: object) -> float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ValidationError(f"`{name}` must be a number") from None
+        if isinstance(value, float) and value != value:
+            raise ValidationError(f"`{name}` must be a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValidationError(f"`{name}` must be a number")
+        if not low <= value <= high:
+            raise ValidationError(f"`{name}` must be between {low} and {high}")
+        return float(value)
+    return check
+
+
+def _boolean(name: str, value: object) -> bool:
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ValidationError(f"`{name}` must be true or false")
+    return value
+
+
+def _text(name: str, value: object) -> str:
+    if not isinstance(value, str) or len(value) > 10_000:
+        raise ValidationError(f"`{name}` must be a string of at most 10000 characters")
+    return value
+
+
+def _no_embedding(name: str, value: object) -> bool:
+    if _boolean(name, value):
+        raise ValidationError("`embedding` true is refused: this server serves text generation "
+                              "only, so no model here can embed")
+    return False
+
+
+def _dtype(name: str, value: object) -> str:
+    if value not in DTYPES:
+        raise ValidationError(f"`{name}` must be one of {', '.join(DTYPES)}")
+    return value
+
+
+SETTINGS = {
+    "ctx_len": _integer(16),  # the model's context: prompt + output (its max_total_tokens)
+    "n_parallel": _integer(1, 4096),  # requests decoded at once (its max_batch_size)
+    "ngl": _integer(0),  # 0: on the CPU even when a GPU exists
+    "embedding": _no_embedding,
+    "num_shard": _integer(1, 64),  # tensor-parallel ranks of its shard group
+    "dtype": _dtype,
+    "max_batch_total_tokens": _integer(16),  # its KV budget in tokens (unset: from free memory)
+}
+PARAMETERS = {
+    "temperature": _number(0.0, 2.0),
+    "top_k": _integer(0),
+    "top_p": _number(0.0, 1.0),
+    "token_limit": _integer(1),
+    "stream": _boolean,
+}
+ENGINE_PARAMETERS = {key: _text for key in ("pre_prompt", "system_prompt", "user_prompt",
+                                             "ai_prompt")}
+
+
+def checked(group: str, given: object, table: dict) -> dict:
+    """`given` with every value checked; an unknown key or a bad value is a 422."""
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise ValidationError(f"`{group}` must be an object")
+    out = {}
+    for key, value in given.items():
+        if key not in table:
+            raise ValidationError(f"`{group}.{key}` is not supported; `{group}` takes "
+                                  f"{', '.join(table)}")
+        out[key] = table[key](f"{group}.{key}", value)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Jan's prompt pieces, for a model without a chat template: pre_prompt, then each message
+    after its role's prefix, then the assistant's prefix to answer after."""
+
+    pre_prompt: str = ""
+    system_prompt: str = "SYSTEM: "
+    user_prompt: str = "USER: "
+    ai_prompt: str = "ASSISTANT: "
+
+    @classmethod
+    def of(cls, engine_parameters: dict) -> "ChatPrompt":
+        return cls(**engine_parameters)
+
+    def render(self, messages: list[dict]) -> str:
+        prefix = {"system": self.system_prompt, "user": self.user_prompt,
+                  "assistant": self.ai_prompt}
+        parts = [self.pre_prompt]
+        for message in messages:
+            content = message.get("content")
+            if not isinstance(content, str):
+                content = "".join(part.get("text", "") for part in content or []
+                                  if isinstance(part, dict))
+            parts.append(f"{prefix.get(message.get('role'), self.user_prompt)}{content}\n")
+        parts.append(self.ai_prompt)
+        return "".join(parts)

@@ -1,0 +1,232 @@
+"""One running model as the API modules see it: its tokenizer, limits, scheduler and shard client.
+
+Every model that runs has one, built when it starts (connect to its shard group, warm up, size the KV
+pool) and closed when it stops; the API modules look one up by name (router/state.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from router.batch import NewBatch, ShardRequest
+from router.batcher import Batcher
+from router.block_allocator import BlockAllocator
+from router.chat_template import ChatTemplate
+from router.config import RouterConfig, TokenLimits
+from router.errors import UnhealthyError
+from router.generate_one_request import GenerationDefaults
+from router.infer import Infer
+from router.metrics import Metrics
+from router.model_registry import STOPPED, ModelStateError
+from router.model_settings import ChatPrompt
+from router.openapi import VERSION
+from router.prefix_cache import PrefixCache
+from router.recovery import RecoveryPolicy
+from router.request_queue import RequestQueue
+from router.scheduling import SchedulingLimits
+from router.schemas import GenerateRequest, SamplingParams, StoppingParams
+from router.shard_client import ShardedClient, ShardError
+from router.shard_convert import ShardInfo
+from router.tokenizer import RouterTokenizer
+from router.validation import ValidationLimits
+
+log = logging.getLogger("tgi.router")
+
+
+@dataclass
+class ServedModel:
+    config: RouterConfig  # the router's, with this model's directory, socket and limits
+    tokenizer: RouterTokenizer
+    client: ShardedClient
+    shard_info: ShardInfo
+    limits: TokenLimits
+    validation_limits: ValidationLimits
+    allocator: BlockAllocator
+    batcher: Batcher
+    infer: Infer
+    metrics: Metrics
+    chat_template: ChatTemplate | None
+    # Jan's per-model request defaults (router/model_settings.PARAMETERS) and chat prompt pieces
+    request_defaults: dict = field(default_factory=dict)
+    chat_prompt: ChatPrompt = field(default_factory=ChatPrompt)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_id or Path(self.config.tokenizer_path).name
+
+    @property
+    def compute_type(self) -> str:
+        return f"{self.shard_info.world_size}-{self.shard_info.device_type}"
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        return self.config.generation_defaults()
+
+    def info_json(self) -> dict:
+        config = self.config
+        return {
+            "model_id": self.model_name,
+            "model_sha": None, "model_pipeline_tag": "text-generation",
+            "model_dtype": self.shard_info.dtype, "model_device_type": self.shard_info.device_type,
+            "max_concurrent_requests": config.max_concurrent_requests,
+            "max_best_of": config.max_best_of, "max_stop_sequences": config.max_stop_sequences,
+            "max_input_tokens": self.limits.max_input_tokens,
+            "max_total_tokens": self.limits.max_total_tokens,
+            "max_batch_prefill_tokens": self.limits.max_batch_prefill_tokens,
+            "max_batch_total_tokens": self.allocator.num_usable_blocks * self.allocator.block_size,
+            "shard_recovery_timeout": config.shard_recovery_timeout,
+            "waiting_served_ratio": config.waiting_served_ratio,
+            "max_waiting_tokens": config.max_waiting_tokens,
+            "max_batch_size": config.max_batch_size,
+            "prefix_caching": self.batcher.queue.prefix_cache is not None,
+            "validation_workers": config.validation_workers,
+            "max_client_batch_size": config.max_client_batch_size,
+            # /api/generate-one|batch: what a call gets for a generation_config field it leaves
+            # out, and how long its request_id session keeps its KV blocks
+            "generation_defaults": self.generation_defaults.as_json(),
+            "session_ttl": config.session_ttl, "max_sessions": config.max_sessions,
+            "session_kv_share": config.session_kv_share,
+            "router": "tgi-py-router", "version": VERSION, "sha": None, "docker_label": None,
+        }
+
+    async def check_health(self) -> None:
+        """Returns when the shards answer; raises the UnhealthyError of a 503 otherwise."""
+        if not self.batcher.healthy:
+            raise UnhealthyError("the model shards are restarting")
+        try:
+            await self.client.health()
+        except ShardError as err:
+            log.warning("health check failed: %s", err)
+            raise UnhealthyError() from None
+
+    def start(self, supervise) -> None:
+        """Runs the batching loop, under `supervise` (a coroutine wrapper)."""
+        self.tasks.append(asyncio.create_task(supervise(self.batcher.run())))
+
+    async def close(self) -> None:
+        """Stops the batching loop; a request still in flight fails with a 503, and one that
+        reaches the queue from now on (it was validating when the stop began) with a 409."""
+        name = self.model_name
+        self.batcher.closed = lambda: ModelStateError(f"model {name!r} stopped", STOPPED)
+        self.batcher.stop_waiting()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.tasks.clear()
+        self.batcher.fail_everything(UnhealthyError(f"model {self.model_name!r} stopped"))
+        await self.client.close()
+
+
+def warmup_batch(limits: TokenLimits, max_batch_size: int | None,
+                 prefill_tokens: int | None = None) -> NewBatch:
+    """Requests of max_input_tokens tokens until they fill the prefill budget, as TGI warms up."""
+    requests = []
+    remaining = limits.max_batch_prefill_tokens if prefill_tokens is None else prefill_tokens
+    while remaining > 0 and (max_batch_size is None or len(requests) < max_batch_size):
+        length = min(limits.max_input_tokens, remaining)
+        request = GenerateRequest(
+            inputs="", input_ids=[1] * length,
+            sampling=SamplingParams(do_sample=True, temperature=0.9, top_k=10, top_p=0.9,
+                                    typical_p=0.9, repetition_penalty=1.2, seed=0),
+            stopping=StoppingParams(max_new_tokens=2, ignore_eos=True), top_n_tokens=5,
+            skip_special_tokens=False)
+        requests.append(ShardRequest(len(requests), request, blocks=[]))  # warm-up has no blocks
+        remaining -= length
+    return NewBatch(id=0, requests=requests, max_tokens=0, max_blocks=0)
+
+
+async def warm_up(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
+                  block_size: int, *, known_pool_blocks: int | None = None) -> int:
+    """Runs the largest batch the router may send; returns the KV pool's size in blocks.
+
+    With `known_pool_blocks` (a restarted group of the same model, limits and machine, whose
+    first warm-up already ran the largest batch), one short request checks that the model runs
+    and the pool is allocated at the size it had: on CPU the full warm-up is most of a restart."""
+    batch = warmup_batch(limits, config.max_batch_size,
+                         prefill_tokens=None if known_pool_blocks is None else 16)
+    total_tokens = config.max_batch_total_tokens or 0
+    if known_pool_blocks is not None:
+        total_tokens = (known_pool_blocks - 1) * block_size
+    num_blocks = await client.warmup(
+        batch, max_input_tokens=limits.max_input_tokens,
+        max_prefill_tokens=limits.max_batch_prefill_tokens, max_total_tokens=limits.max_total_tokens,
+        max_batch_total_tokens=total_tokens)
+    capacity = (num_blocks - 1) * block_size  # block 0 is never handed out
+    if limits.max_total_tokens > capacity:
+        raise ValueError(f"Not enough memory to handle max_total_tokens={limits.max_total_tokens}: the "
+                         f"KV pool holds {capacity} tokens; lower --max-total-tokens or raise "
+                         "--max-batch-total-tokens")
+    log.info("%s: KV pool of %d blocks of %d tokens (%d tokens)", config.model_id, num_blocks,
+             block_size, capacity)
+    return num_blocks
+
+
+def recovery_policy(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
+                    allocator: BlockAllocator) -> RecoveryPolicy:
+    """How the router gets a model's shards back after the launcher restarted them: the same
+    socket, the same model and limits, a short warm-up that allocates the pool at its size, and
+    empty caches."""
+
+    async def reconnect() -> int:
+        await client.reconnect(config.master_shard_uds_path, timeout=2.0)
+        await client.clear_cache()
+        return await warm_up(client, config, limits, allocator.block_size,
+                             known_pool_blocks=allocator.num_blocks)
+
+    return RecoveryPolicy(reconnect=reconnect, is_alive=client.is_same_group_alive,
+                          timeout=config.shard_recovery_timeout)
+
+
+def model_config(config: RouterConfig, *, model_id: str, model_dir: str, master_socket: str,
+                 settings: dict) -> RouterConfig:
+    """The router's settings for a model started through the model routes: its own directory,
+    socket, and the limits its `settings` give (the rest derived from the model, as at start)."""
+    return dataclasses.replace(
+        config, model_id=model_id, tokenizer_path=model_dir, master_shard_uds_path=master_socket,
+        max_input_tokens=None, max_total_tokens=settings.get("ctx_len"),
+        max_batch_prefill_tokens=None, max_batch_size=settings.get("n_parallel"),
+        max_batch_total_tokens=settings.get("max_batch_total_tokens"))
+
+
+async def build_served(config: RouterConfig) -> ServedModel:
+    """Connects to a model's shards, warms them up, and builds its scheduler."""
+    client = await ShardedClient.connect(config.master_shard_uds_path)
+    try:
+        return await _build(config, client)
+    except BaseException:
+        await client.close()
+        raise
+
+
+async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
+    tokenizer = RouterTokenizer(config.tokenizer_path, workers=config.validation_workers)
+    await client.clear_cache()
+    shard_info = await client.info()
+    limits = TokenLimits.resolve(config, shard_info.max_position_embeddings,
+                                 chunking=shard_info.support_chunking)
+    num_blocks = await warm_up(client, config, limits, shard_info.block_size)
+    allocator = BlockAllocator(num_blocks, shard_info.block_size)
+    capacity = allocator.num_usable_blocks * allocator.block_size
+    scheduling = SchedulingLimits(
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_batch_total_tokens=capacity,
+        waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size)
+    metrics = Metrics(max_input_tokens=limits.max_input_tokens,
+                      max_total_tokens=limits.max_total_tokens)
+    prefix_cache = None
+    if config.prefix_caching == "on" and shard_info.use_prefix_caching:
+        prefix_cache = PrefixCache(allocator)
+    queue = RequestQueue(allocator, prefix_cache, chunking=shard_info.support_chunking)
+    batcher = Batcher(client, queue, allocator, scheduling, metrics,
+                      recovery_policy(client, config, limits, allocator),
+                      session_limits=config.session_limits())
+    infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests)
+    validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
+                                         config.max_top_n_tokens)
+    return ServedModel(config, tokenizer, client, shard_info, limits, validation_limits,
+                       allocator, batcher, infer, metrics,
+                       ChatTemplate.from_model_dir(config.tokenizer_path))

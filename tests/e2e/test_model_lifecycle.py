@@ -1,0 +1,361 @@
+"""The Jan/Cortex model routes end to end: pull (a directory, the default model's GGUF), start, stop,
+patch and delete, several models served at once, ids that cannot escape, a registry that survives a
+restart."""
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import requests
+from tokenizers import Tokenizer
+
+from benchmarks.shard_recovery import shard_pids
+from tests.e2e.server import launch
+
+pytestmark = pytest.mark.e2e
+
+SPEC_STATES = ["not_downloaded", "downloading", "downloaded", "starting", "running", "stopping",
+               "stopped"]
+_NUMBER = {"type": ["integer", "number"]}
+# Jan's schemas (../shared/spec/jan-models-api.yaml) as JSON Schema, with three deliberate
+# differences: `state` takes the union of the spec's two enums (the Model object's and
+# GetModelResponse's), settings and parameters hold numbers and booleans as GetModelResponse's
+# model_parameters and Jan's model.json do (the Model object types them as strings, and both are
+# accepted on the way in), and settings also takes this server's num_shard, dtype and
+# max_batch_total_tokens.
+MODEL_SCHEMA = {
+    "type": "object",
+    "required": ["id", "object", "created", "owned_by", "type", "version", "name", "description",
+                 "state", "format", "source_url", "settings", "parameters", "metadata", "assets"],
+    "properties": {
+        "id": {"type": "string", "minLength": 1}, "object": {"const": "model"},
+        "created": {"type": "integer", "minimum": 1}, "owned_by": {"type": "string"},
+        "type": {"const": "model"}, "version": {"type": "string"}, "name": {"type": "string"},
+        "description": {"type": "string"}, "state": {"enum": SPEC_STATES},
+        "format": {"type": "string"}, "source_url": {"type": "string", "format": "uri"},
+        "settings": {"type": "object", "additionalProperties": False, "properties": {
+            "ctx_len": {"type": "integer"}, "ngl": {"type": "integer"},
+            "embedding": {"const": False}, "n_parallel": {"type": "integer"},
+            "num_shard": {"type": "integer"}, "dtype": {"type": "string"},
+            "max_batch_total_tokens": {"type": "integer"}}},
+        "parameters": {"type": "object", "additionalProperties": False, "properties": {
+            "temperature": _NUMBER, "token_limit": {"type": "integer"},
+            "top_k": {"type": "integer"}, "top_p": _NUMBER, "stream": {"type": "boolean"}}},
+        "metadata": {"type": "object", "required": ["engine", "quantization", "size"],
+                     "properties": {
+                         "engine": {"enum": ["nitro", "openai", "hf_inference"]},
+                         "quantization": {"type": "string"}, "size": {"type": "string"}}},
+        "assets": {"type": "array", "items": {"type": "string"}},
+    },
+}
+GET_SCHEMA = {"allOf": [MODEL_SCHEMA, {
+    "required": ["engine_parameters", "model_parameters"],
+    "properties": {
+        "engine_parameters": {"type": "object", "properties": {
+            "pre_prompt": {"type": "string"}, "system_prompt": {"type": "string"},
+            "user_prompt": {"type": "string"}, "ai_prompt": {"type": "string"},
+            "ngl": {"type": "integer", "minimum": 0}, "ctx_len": {"type": "integer"},
+            "n_parallel": {"type": "integer", "minimum": 1}, "cont_batching": {"type": "boolean"},
+            "cpu_threads": {"type": "integer", "minimum": 1}, "embedding": {"type": "boolean"}}},
+        "model_parameters": {"type": "object", "properties": {
+            "ctx_len": {"type": "integer", "minimum": 0}, "ngl": {"type": "integer"},
+            "embedding": {"type": "boolean"}, "n_parallel": {"type": "integer", "minimum": 1},
+            "temperature": {**_NUMBER, "minimum": 0, "maximum": 2},
+            "token_limit": {"type": "integer", "minimum": 1},
+            "top_k": {"type": "integer", "minimum": 0},
+            "top_p": {**_NUMBER, "minimum": 0, "maximum": 1}}},
+    }}]}
+LIST_SCHEMA = {"type": "object", "required": ["object", "data"], "properties": {
+    "object": {"const": "list"}, "data": {"type": "array", "items": MODEL_SCHEMA}}}
+STATE_SCHEMA = {"type": "object", "required": ["id", "object", "state"],
+                "additionalProperties": False, "properties": {
+                    "id": {"type": "string"}, "object": {"const": "model"},
+                    "state": {"enum": SPEC_STATES}}}
+DELETE_SCHEMA = {"type": "object", "required": ["id", "object", "deleted"],
+                 "additionalProperties": False, "properties": {
+                     "id": {"type": "string"}, "object": {"const": "model"},
+                     "deleted": {"type": "boolean"}}}
+
+
+def _valid(body: dict, schema: dict) -> dict:
+    jsonschema.validate(body, schema, format_checker=jsonschema.FormatChecker())
+    return body
+
+
+def _wait_state(url: str, model_id: str, wanted: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = requests.get(f"{url}/v1/models/{model_id}", timeout=10).json()
+        if got["state"] == wanted:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"{model_id} never reached {wanted}: {got}")
+
+
+def _generate(url: str, model: str | None, inputs: str, tokens: int = 12) -> requests.Response:
+    headers = {"X-Model-Id": model} if model else {}
+    return requests.post(f"{url}/generate", headers=headers, timeout=120, json={
+        "inputs": inputs, "parameters": {"max_new_tokens": tokens}})
+
+
+@pytest.fixture(scope="module")
+def server(real_model_dir, tmp_path_factory):
+    registry = tmp_path_factory.mktemp("registry")
+    launched = launch(["--model-id", str(real_model_dir)], tmp_path_factory.mktemp("launch"),
+                      extra=["--max-batch-total-tokens", "4096", "--model-registry-dir",
+                             str(registry)])
+    launched.registry = registry
+    yield launched
+    assert launched.stop() == 0, launched.log()[-5000:]
+    assert launched.processes_left() == []
+
+
+def test_the_default_model_is_listed_running(server):
+    listing = _valid(requests.get(f"{server.url}/v1/models", timeout=10).json(), LIST_SCHEMA)
+    (default,) = listing["data"]
+    _valid(requests.get(f"{server.url}/v1/models/{default['id']}", timeout=10).json(), GET_SCHEMA)
+    assert default["state"] == "running"
+    assert default["id"] == requests.get(f"{server.url}/info", timeout=10).json()["model_id"]
+
+
+def test_pull_the_gguf_with_progress_start_it_beside_the_default_and_stop_it(server):
+    from launcher.prepare import fetch_default_gguf
+    from launcher.model_cache import cache_root
+
+    gguf = fetch_default_gguf(cache_root())
+    reply = requests.post(f"{server.url}/v1/models/pull", timeout=10,
+                          json={"model": str(gguf), "id": "smollm2-q4"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["id"] == "smollm2-q4" and reply.json()["state"] == "downloading"
+    mid_way, refused = None, None
+    while True:
+        got = requests.get(f"{server.url}/v1/models/smollm2-q4", timeout=10).json()
+        progress = got["metadata"].get("progress", {})
+        if got["state"] == "downloading" and 0 < progress.get("bytes_done", 0) \
+                < progress.get("bytes_total", 0):
+            mid_way = progress
+            if refused is None:  # a model that is downloading cannot start
+                refused = requests.put(f"{server.url}/v1/models/smollm2-q4/start", timeout=10)
+        if got["state"] != "downloading":
+            break
+        time.sleep(0.05)
+    assert got["state"] == "downloaded", got
+    assert mid_way is not None, "no progress seen while converting"
+    assert refused.status_code == 409 and refused.json()["state"] == "downloading"
+    _valid(got, GET_SCHEMA)
+    assert got["format"] == "gguf" and got["metadata"]["quantization"] == "Q4_1"
+    assert got["source_url"].startswith("file://")
+
+    patched = requests.patch(f"{server.url}/v1/models/smollm2-q4", timeout=10, json={
+        "settings": {"max_batch_total_tokens": "2048", "ctx_len": 1024, "n_parallel": 4}})
+    assert patched.status_code == 200, patched.text
+    _valid(patched.json(), GET_SCHEMA)
+    assert patched.json()["settings"]["max_batch_total_tokens"] == 2048  # Jan's strings read
+    started = requests.put(f"{server.url}/v1/models/smollm2-q4/start", timeout=600)
+    assert _valid(started.json(), STATE_SCHEMA) == {"id": "smollm2-q4", "object": "model", "state": "running"}
+    info = requests.get(f"{server.url}/info", headers={"X-Model-Id": "smollm2-q4"},
+                        timeout=10).json()
+    assert info["model_id"] == "smollm2-q4"
+    assert info["max_total_tokens"] == 1024 and info["max_batch_size"] == 4
+
+    # the same weights, converted twice: the same greedy text from both models at once
+    prompt = "The capital of France is"
+    pulled = _generate(server.url, "smollm2-q4", prompt)
+    default = _generate(server.url, None, prompt)
+    assert pulled.status_code == default.status_code == 200
+    assert pulled.json()["generated_text"] == default.json()["generated_text"]
+
+    stopped = requests.put(f"{server.url}/v1/models/smollm2-q4/stop", timeout=120)
+    assert _valid(stopped.json(), STATE_SCHEMA)["state"] == "stopped"
+    assert _generate(server.url, "smollm2-q4", prompt).status_code == 409
+    deleted = requests.delete(f"{server.url}/v1/models/smollm2-q4", timeout=30)
+    assert _valid(deleted.json(), DELETE_SCHEMA) == {"id": "smollm2-q4", "object": "model", "deleted": True}
+    assert not (server.registry / "models" / "smollm2-q4").exists()
+    assert requests.get(f"{server.url}/v1/models/smollm2-q4", timeout=10).status_code == 404
+
+
+def _without_chat_template(model_dir: Path, out: Path) -> Path:
+    shutil.copytree(model_dir, out)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    return out
+
+
+def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama, tmp_path):
+    url = server.url
+    plain = _without_chat_template(tiny_llama, tmp_path / "plain")
+    pulled = requests.post(f"{url}/v1/models/pull", timeout=10,
+                           json={"model": str(plain), "id": "tests/tiny"})
+    assert pulled.status_code == 200, pulled.text
+    got = _wait_state(url, "tests/tiny", "downloaded")
+    _valid(got, GET_SCHEMA)
+    assert got["metadata"]["size_bytes"] > 0
+    assert requests.get(f"{url}/v1/models/tests%2Ftiny", timeout=10).json()["id"] == "tests/tiny"
+    again = requests.post(f"{url}/v1/models/pull", timeout=10,
+                          json={"model": str(tiny_llama), "id": "tests/tiny"})
+    assert again.status_code == 409 and again.json()["state"] == "downloaded"
+
+    # settings and parameters are checked; nothing unknown is stored
+    for bad in ({"settings": {"embedding": True}}, {"settings": {"cpu_threads": 2}},
+                {"parameters": {"temperature": 3}}, {"colour": "blue"}):
+        reply = requests.patch(f"{url}/v1/models/tests/tiny", json=bad, timeout=10)
+        assert reply.status_code == 422, (bad, reply.text)
+    reply = requests.patch(f"{url}/v1/models/tests/tiny", timeout=10, json={
+        "settings": {"ctx_len": 96, "max_batch_total_tokens": 1024, "ngl": 0},
+        "parameters": {"temperature": 0, "token_limit": 5},
+        "engine_parameters": {"system_prompt": "S: ", "user_prompt": "U: ", "ai_prompt": "A: "}})
+    assert reply.status_code == 200, reply.text
+    _valid(reply.json(), GET_SCHEMA)
+
+    # Cortex's body starts it; a second start is idempotent
+    started = requests.post(f"{url}/v1/models/start", json={"model": "tests/tiny"}, timeout=300)
+    assert _valid(started.json(), STATE_SCHEMA)["state"] == "running", started.text
+    assert requests.put(f"{url}/v1/models/tests%2Ftiny/start", timeout=30).json()["state"] == \
+        "running"
+    assert requests.get(f"{url}/info", headers={"X-Model-Id": "tests/tiny"},
+                        timeout=10).json()["max_total_tokens"] == 96
+    _valid(requests.get(f"{url}/v1/models", timeout=10).json(), LIST_SCHEMA)
+    running = _valid(requests.get(f"{url}/v1/models/tests/tiny", timeout=10).json(), GET_SCHEMA)
+    assert running["model_parameters"]["ctx_len"] == 96
+
+    # parameters are the model's request defaults: greedy, at most 5 tokens
+    ask = {"model": "tests/tiny", "messages": [{"role": "user", "content": "hello there"}]}
+    first = requests.post(f"{url}/v1/chat/completions", json=ask, timeout=60)
+    assert first.status_code == 200, first.text
+    assert first.json()["model"] == "tests/tiny"
+    assert first.json()["usage"]["completion_tokens"] <= 5
+    second = requests.post(f"{url}/v1/chat/completions", json=ask, timeout=60).json()
+    assert second["choices"][0]["message"] == first.json()["choices"][0]["message"]
+    # this copy has no chat template: Jan's prompt pieces build its prompt
+    tokenizer = Tokenizer.from_file(str(plain / "tokenizer.json"))
+    expected = tokenizer.encode("U: hello there\nA: ", add_special_tokens=False).ids
+    assert first.json()["usage"]["prompt_tokens"] == len(expected)
+
+    # every API routes by name; a name nobody knows is a 404 now that two models exist
+    unknown = requests.post(f"{url}/v1/chat/completions", timeout=10,
+                            json={**ask, "model": "no-such-model"})
+    assert unknown.status_code == 404, unknown.text
+    sglang = requests.post(f"{url}/generate", headers={"X-Model-Id": "tests/tiny"}, timeout=60,
+                           json={"text": "hi", "sampling_params": {"max_new_tokens": 3}})
+    assert sglang.status_code == 200, sglang.text
+    one = requests.post(f"{url}/api/generate-one", headers={"X-Model-Id": "tests/tiny"},
+                        timeout=60, json={"request_id": "a", "prompt": "hi",
+                                          "stream_response": False,
+                                          "generation_config": {"max_new_tokens": 3}})
+    assert one.status_code == 200, one.text
+
+    deleting = requests.delete(f"{url}/v1/models/tests/tiny", timeout=10)
+    assert deleting.status_code == 409 and deleting.json()["state"] == "running"
+
+    # a stream on the default model runs through the stop of the other
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 60,
+                                                          "ignore_eos_token": True}}
+    events, done = [], threading.Event()
+
+    def stream():
+        with requests.post(f"{url}/generate_stream", json=body, stream=True, timeout=300) as r:
+            for line in r.iter_lines(decode_unicode=True):
+                if line.startswith("data:"):
+                    events.append(json.loads(line[5:]))
+        done.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    while not events:
+        time.sleep(0.02)
+    stopped = requests.put(f"{url}/v1/models/tests/tiny/stop", timeout=120)
+    assert stopped.json()["state"] == "stopped"
+    assert requests.post(f"{url}/v1/models/stop", json={"model": "tests/tiny"},
+                         timeout=30).json()["state"] == "stopped"  # idempotent
+    reader.join(300)
+    assert done.is_set() and len(events) == 60 and events[-1]["generated_text"] is not None
+
+    refused = requests.post(f"{url}/v1/chat/completions", json=ask, timeout=10)
+    assert refused.status_code == 409, refused.text
+    deleted = requests.delete(f"{url}/v1/models/tests%2Ftiny", timeout=30).json()
+    assert deleted["deleted"] is True
+    assert not any(p.name.startswith("tests") for p in (server.registry / "models").iterdir())
+
+
+def test_ids_cannot_escape_the_models_directory(server, tmp_path):
+    url = server.url
+    for path in ("..%2F..%2Fetc", "%2E%2E", "a/../../b", "a%2F..%2F..", "%2Fetc%2Fpasswd",
+                 "a%252Fb"):
+        reply = requests.get(f"{url}/v1/models/{path}", timeout=10)
+        assert reply.status_code in (400, 404), (path, reply.status_code)
+        reply = requests.put(f"{url}/v1/models/{path}/start", timeout=10)
+        assert reply.status_code in (400, 404), (path, reply.status_code)
+    for model_id in ("../escape", "/abs", "a/b/c", "..", ".hidden", "a%2Fb", ""):
+        reply = requests.post(f"{url}/v1/models/pull", timeout=10,
+                              json={"model": str(tmp_path), "id": model_id})
+        assert reply.status_code in (400, 422), (model_id, reply.text)
+    assert not (tmp_path.parent / "escape").exists()
+    missing = requests.post(f"{url}/v1/models/pull", timeout=10,
+                            json={"model": str(tmp_path / "nothing-here")})
+    assert missing.status_code == 200  # the pull fails on its own time, as a download would
+    failed = _wait_state(url, "nothing-here", "not_downloaded")
+    assert "neither a model directory" in failed["metadata"]["error"]
+    assert requests.put(f"{url}/v1/models/nothing-here/start", timeout=10).status_code == 409
+    assert requests.delete(f"{url}/v1/models/nothing-here", timeout=10).status_code == 200
+
+
+def test_the_registry_survives_a_restart(tiny_llama, tmp_path):
+    registry = tmp_path / "registry"
+    extra = ["--max-batch-total-tokens", "2048", "--block-size", "4", "--model-registry-dir",
+             str(registry)]
+
+    def start(*more):
+        return launch(["--model-id", str(tiny_llama)], tmp_path / f"launch{len(os.listdir(tmp_path))}",
+                      extra=[*extra, *more])
+
+    first = start()
+    try:
+        requests.post(f"{first.url}/v1/models/pull", json={"model": str(tiny_llama), "id": "kept"},
+                      timeout=10)
+        _wait_state(first.url, "kept", "downloaded")
+        requests.patch(f"{first.url}/v1/models/kept", json={"settings": {
+            "max_batch_total_tokens": 1024}, "parameters": {"token_limit": 3}}, timeout=10)
+        assert requests.put(f"{first.url}/v1/models/kept/start", timeout=300).json()["state"] \
+            == "running"
+    finally:
+        assert first.stop() == 0
+
+    second = start()  # running models come back stopped
+    try:
+        kept = requests.get(f"{second.url}/v1/models/kept", timeout=10).json()
+        assert kept["state"] == "stopped" and kept["parameters"] == {"token_limit": 3}
+        assert requests.put(f"{second.url}/v1/models/kept/start", timeout=300).json()["state"] \
+            == "running"
+    finally:
+        assert second.stop() == 0
+
+    third = start("--autostart", "--max-shard-restarts", "0")  # or start again
+    try:
+        _wait_state(third.url, "kept", "running", timeout=300)
+        reply = requests.post(f"{third.url}/v1/completions", timeout=60,
+                              json={"model": "kept", "prompt": "hello"})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3
+        metrics = requests.get(f"{third.url}/metrics", timeout=10).text
+        assert 'tgi_request_success{model="kept"} 1' in metrics
+
+        # its shards die past the restart budget: the launcher gives the group up, the router
+        # stops that model with the reason, and the default model is not disturbed
+        (pid,) = shard_pids(f"{third.uds_path}-g1").values()
+        os.kill(pid, signal.SIGKILL)
+        stopped = _wait_state(third.url, "kept", "stopped", timeout=60)
+        assert "--max-shard-restarts" in stopped["metadata"]["error"]
+        assert requests.get(f"{third.url}/health", timeout=10).status_code == 200
+        assert _generate(third.url, None, "hello", tokens=3).status_code == 200
+        assert requests.put(f"{third.url}/v1/models/kept/start", timeout=300).json()["state"] \
+            == "running"  # and it can start again
+    finally:
+        assert third.stop() == 0
+        assert third.processes_left() == []
