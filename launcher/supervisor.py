@@ -129,8 +129,9 @@ class Supervisor:
 
     def _wait_until(self, what: str, ready, *, group: ShardGroup | None = None,
                     timeout: float = 600.0) -> None:
-        """Waits for `ready`; a death of the router or of `group` (or, without one, of any
-        supervised group) is an error, as is a signal or the timeout."""
+        """Waits for `ready`; a death of the router or of `group` is an error, as is a signal or
+        the timeout. Without a group, supervised groups are watched meanwhile as `_watch` does
+        (a shard that dies while the router starts is restarted, or ends the launch)."""
         deadline = time.monotonic() + timeout
         while not ready():
             if self.router is not None and self.router.exited() is not None:
@@ -138,6 +139,8 @@ class Supervisor:
             dead = group.dead_child() if group is not None else None
             if dead is not None:
                 raise LaunchError(death(dead))
+            if group is None:
+                self._restart_dead_groups()
             if self.stop_requested.is_set():
                 raise LaunchError(f"stopped (a signal, or the launcher shutting down) while "
                                   f"waiting for: {what}")
@@ -149,14 +152,17 @@ class Supervisor:
         while not self.stop_requested.wait(0.1):
             if self.router is not None and self.router.exited() is not None:
                 raise LaunchError(death(self.router))
-            # under the lock: a group the model host is stopping must not be restarted
-            with self.lock:
-                for group in [g for g in self.groups.values() if g.supervised]:
-                    dead = group.dead_child()
-                    if dead is not None:
-                        self._restart(group, dead)
+            self._restart_dead_groups()
         self._say("stopping")
         return 0
+
+    def _restart_dead_groups(self) -> None:
+        # under the lock: a group the model host is stopping must not be restarted
+        with self.lock:
+            for group in [g for g in self.groups.values() if g.supervised]:
+                dead = group.dead_child()
+                if dead is not None:
+                    self._restart(group, dead)
 
     def _restart(self, group: ShardGroup, dead: Child) -> None:
         """Restarts every rank of a group when one died; past the budget, stops the group (and,
