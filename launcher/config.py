@@ -9,7 +9,7 @@ from pathlib import Path
 
 from launcher.model_cache import cache_root
 from router.config import RouterConfig
-from shard.config import DTYPES
+from shard.config import DTYPES, QUANTIZE_KINDS
 
 # router fields the launcher fills itself rather than taking from the user
 _DERIVED_ROUTER_FIELDS = {"tokenizer_path", "master_shard_uds_path", "model_id",
@@ -29,6 +29,9 @@ class LauncherConfig:
     num_shard: int = _opt(1, "Tensor-parallel shards (processes) to split the model over.")
     dtype: str = _opt("float32", f"Weights and KV cache dtype: {', '.join(DTYPES)}.")
     device: str = _opt("auto", "cpu, cuda or auto.")
+    quantize: str | None = _opt(None, "Weight-only quantization of the linear layers (and the LM "
+                                      "head), with PyTorch's CPU kernels: int8 (a scale per row) "
+                                      "or int4 (a scale and an offset per 32 weights). CPU only.")
     block_size: int = _opt(16, "Tokens per KV-cache block.")
     shard_uds_path: str = _opt("/tmp/tgi-py-server", "Unix socket prefix of the shards "
                                                      "(rank r listens on <path>-<r>).")
@@ -63,6 +66,12 @@ class LauncherConfig:
             raise ValueError("--max-shard-restarts must be >= 0 and --shard-restart-window > 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.quantize is not None and self.quantize not in QUANTIZE_KINDS:
+            raise ValueError(f"--quantize {self.quantize!r} is not one of "
+                             f"{', '.join(QUANTIZE_KINDS)}")
+        if self.quantize and self.device == "cuda":
+            raise ValueError(f"--quantize {self.quantize} runs PyTorch's CPU kernels: serve with "
+                             "--device cpu (or auto on a machine without a GPU)")
 
     @property
     def port(self) -> int:

@@ -89,9 +89,10 @@ class GroupSpec:
 
 class ShardGroup:
     def __init__(self, spec: GroupSpec, *, block_size: int, master_addr: str,
-                 tracing_argv: list[str], json_output: bool):
+                 tracing_argv: list[str], json_output: bool, quantize: str = ""):
         self.spec = spec
         self.block_size = block_size
+        self.quantize = quantize
         self.master_addr = master_addr
         self.tracing_argv = tracing_argv
         self.json_output = json_output
@@ -118,7 +119,7 @@ class ShardGroup:
             argv = [sys.executable, "-m", "shard", "--model-path", str(spec.model_dir),
                     "--uds-path", spec.uds_prefix, "--dtype", spec.dtype,
                     "--device", spec.device, "--block-size", str(self.block_size),
-                    *self.tracing_argv]
+                    "--quantize", self.quantize, *self.tracing_argv]
             name = f"{spec.label} shard {rank}" if spec.label else f"shard {rank}"
             self.children.append(spawn(name, argv, env, self.json_output))
 

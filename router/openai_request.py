@@ -243,7 +243,14 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
     else:
         max_tokens = limits.tokens.max_total_tokens - len(input_ids)
     max_tokens = check_lengths(len(input_ids), max(max_tokens, 1), limits.tokens)
+    # vLLM's extensions, which load generators send to every OpenAI-compatible server
+    min_tokens = number(body, "min_tokens", 0, 2**31 - 1, integer=True) or 0
+    if min_tokens > max_tokens:
+        raise ValidationError(f"`min_tokens` must be <= `max_tokens`. Given: {min_tokens} > "
+                              f"{max_tokens}")
+    stopping = StoppingParams(max_new_tokens=max_tokens, stop_sequences=stop,
+                              ignore_eos=flag(body, "ignore_eos"), min_new_tokens=min_tokens)
     return GenerateRequest(inputs=prompt, input_ids=input_ids, sampling=sampling,
-                           stopping=StoppingParams(max_new_tokens=max_tokens, stop_sequences=stop),
+                           stopping=stopping,
                            top_n_tokens=top_n_tokens, prefill_logprobs=prefill_logprobs,
                            grammar=grammar_spec)

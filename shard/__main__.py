@@ -41,7 +41,18 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse]:
     parallel = init_parallel(rank=config.rank, world_size=config.world_size,
                              master_addr=config.master_addr, master_port=config.master_port,
                              device=device)
-    loaded = load_model(Path(config.model_path), dtype=dtype, device=device, parallel=parallel)
+    if config.quantize and device.type != "cpu":
+        raise ValueError(f"--quantize {config.quantize} runs PyTorch's CPU kernels: serve on the CPU "
+                         "(--device cpu) or without --quantize")
+    loaded = load_model(Path(config.model_path), dtype=dtype, device=device, parallel=parallel,
+                        quantize=config.quantize or None)
+    if config.quantize:
+        layers = [m.prepared for m in loaded.model.modules() if hasattr(m, "prepared")]
+        done = sum(p.quantized is not None for p in layers)
+        log.info("%s weights: %d of %d linear layers quantized", config.quantize, done, len(layers))
+        if done < len(layers):  # int4 takes input features by 32 and output features by 16
+            log.warning("%d linear layers keep %s weights: their shape does not fit the %s kernel",
+                        len(layers) - done, config.dtype, config.quantize)
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim,
                        config.block_size, dtype, device)

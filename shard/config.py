@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE_KINDS = ("int8", "int4")  # shard.layers.quantize (this module must not import torch)
 
 
 @dataclass(slots=True)
@@ -17,6 +18,9 @@ class ShardConfig:
         "help": "Unix socket prefix; rank r listens on <uds_path>-<r>."})
     dtype: str = field(default="float32", metadata={"help": f"Weights and KV dtype: {DTYPES}."})
     device: str = field(default="auto", metadata={"help": "cpu, cuda or auto (cuda when available)."})
+    quantize: str = field(default="", metadata={
+        "help": "Weight-only quantization of the linear layers on the CPU: int8 or int4 "
+                "(empty: none)."})
     block_size: int = field(default=16, metadata={"help": "Tokens per KV block."})
     memory_fraction: float = field(default=1.0, metadata={
         "help": "Share of the free memory the KV pool may use when the router does not fix its size."})
@@ -32,6 +36,8 @@ class ShardConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {DTYPES}")
+        if self.quantize not in ("", *QUANTIZE_KINDS):
+            raise ValueError(f"--quantize {self.quantize!r} is not one of {QUANTIZE_KINDS}")
         if self.block_size < 1:
             raise ValueError(f"--block-size {self.block_size} must be at least 1")
         if not 0 <= self.rank < self.world_size:

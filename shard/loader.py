@@ -25,13 +25,13 @@ class LoadedModel:
 
 
 def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
-               parallel: ParallelContext) -> LoadedModel:
+               parallel: ParallelContext, quantize: str | None = None) -> LoadedModel:
     model_dir = Path(model_dir)
     raw_config = json.loads((model_dir / "config.json").read_text())
     model_class, config = load_model_class(raw_config)
     heads = split_heads(config.num_attention_heads, config.num_key_value_heads,
                         parallel.world_size)
-    weights = Weights(model_dir, dtype=dtype, device=device, parallel=parallel)
+    weights = Weights(model_dir, dtype=dtype, device=device, parallel=parallel, quantize=quantize)
     model = model_class(config, heads, weights).eval()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     special = frozenset(i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special)

@@ -14,8 +14,9 @@ class Weights:
     """An index of tensor name -> file over every *.safetensors file of a model directory."""
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device,
-                 parallel: ParallelContext):
+                 parallel: ParallelContext, quantize: str | None = None):
         self.dtype = dtype
+        self.quantize = quantize  # linear layers' weight-only form (shard.layers.quantize)
         # what the hidden states between the weights are held in: the weights' dtype, except bf16
         # on CPUs that only store it, where every matmul computes in float32 anyway
         self.activation_dtype = compute_dtype(dtype, device)
@@ -40,8 +41,15 @@ class Weights:
             raise KeyError(f"tensor {name!r} is not in the checkpoint")
         return self._files[self._name_to_file[name]].get_slice(name)
 
-    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+    def _place(self, tensor: torch.Tensor, as_stored: bool = False) -> torch.Tensor:
+        dtype = tensor.dtype if as_stored else self.dtype
+        return tensor.to(device=self.device, dtype=dtype).contiguous()
+
+    @property
+    def quantizing(self) -> bool:
+        """Linear weights are read as stored (a GGUF's float32 values hold its 4-bit blocks
+        exactly; rounding them to bf16 first would move them off the grid int4 recovers)."""
+        return bool(self.quantize)
 
     def get(self, name: str) -> torch.Tensor:
         return self._place(self._slice(name)[:])
@@ -49,11 +57,12 @@ class Weights:
     def shape(self, name: str) -> list[int]:
         return list(self._slice(name).get_shape())
 
-    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self._place(self._slice(name)[start:stop])
+    def get_rows(self, name: str, start: int, stop: int, *, as_stored: bool = False) -> torch.Tensor:
+        return self._place(self._slice(name)[start:stop], as_stored)
 
-    def get_sharded(self, name: str, dim: int) -> torch.Tensor:
-        """This rank's contiguous 1/world_size of `name` along `dim` (which must divide evenly)."""
+    def get_sharded(self, name: str, dim: int, *, as_stored: bool = False) -> torch.Tensor:
+        """This rank's contiguous 1/world_size of `name` along `dim` (which must divide evenly), in
+        the model dtype or, `as_stored`, in the checkpoint's."""
         ctx = self.parallel
         view = self._slice(name)
         size = view.get_shape()[dim]
@@ -63,4 +72,4 @@ class Weights:
         block = size // ctx.world_size
         start, stop = ctx.rank * block, (ctx.rank + 1) * block
         tensor = view[start:stop] if dim == 0 else view[:, start:stop]
-        return self._place(tensor)
+        return self._place(tensor, as_stored)

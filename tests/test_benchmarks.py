@@ -1,5 +1,6 @@
 """The benchmark tools run end to end (on a tiny model, with small sizes) and print their figures."""
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -39,10 +40,31 @@ def test_grammar_overhead_benchmark(tiny_llama, tmp_path):
 def test_http_benchmark(tiny_llama, tmp_path):
     out = _run(["benchmarks/http_bench.py", "--model-dir", str(tiny_llama), "--dtype", "float32",
                 "--concurrency", "2", "--requests", "2", "--prompt-tokens", "8",
-                "--new-tokens", "4", "--json", str(tmp_path / "h.json")], tmp_path)
-    assert "output tokens/s" in out and "tgi-py / transformers" in out
+                "--new-tokens", "4", "--routes", "generate_stream,completions",
+                "--json", str(tmp_path / "h.json")], tmp_path)
+    assert "tok/s" in out and "tgi-py / transformers" in out and "/v1/completions" in out
     figures = json.loads((tmp_path / "h.json").read_text())
     assert figures["server"]["output_tokens"] == 2 * 4
+    assert figures["completions"]["output_tokens"] == 2 * 4
+
+
+@pytest.mark.e2e
+def test_http_benchmark_against_a_peer(tiny_llama, tmp_path):
+    """--peer-url drives any OpenAI-compatible server: here a second tgi-py stands in for vLLM."""
+    from tests.e2e.server import launch
+
+    peer = launch(["--model-id", str(tiny_llama)], tmp_path / "peer")
+    try:
+        out = _run(["benchmarks/http_bench.py", "--model-dir", str(tiny_llama), "--dtype",
+                    "float32", "--concurrency", "2", "--requests", "2", "--prompt-tokens", "8",
+                    "--new-tokens", "4", "--routes", "completions", "--peer-url", peer.url,
+                    "--peer-model", "whatever", "--no-baseline", "--json",
+                    str(tmp_path / "h.json")], tmp_path)
+    finally:
+        assert peer.stop() == 0
+    assert "tgi-py completions / peer = " in out
+    figures = json.loads((tmp_path / "h.json").read_text())
+    assert figures["peer"]["output_tokens"] == 2 * 4
 
 
 @pytest.mark.e2e
@@ -101,3 +123,14 @@ def test_session_benchmark(tiny_llama, tmp_path):
     rows = json.loads((tmp_path / "s.json").read_text())
     assert [r["history_tokens"] for r in rows] == [16, 48]
     assert all(r["continuation_ttft_s"] > 0 and r["decode_step_s"] > 0 for r in rows)
+
+
+def test_quantize_quality_benchmark(tiny_llama, tmp_path):
+    out = _run(["benchmarks/quantize_quality.py", "--model-dir", str(tiny_llama), "--dtype",
+                "float32", "--new-tokens", "3", "--prompts", "2", "--json",
+                str(tmp_path / "q.json")], tmp_path)
+    assert "identical continuations" in out
+    rows = json.loads((tmp_path / "q.json").read_text())
+    assert set(rows) == {"float32", "int8", "int4"}
+    assert all(math.isfinite(r["perplexity"]) for r in rows.values())
+    assert 0 <= rows["int4"]["agreeing_tokens"] <= 1

@@ -10,15 +10,16 @@ from shard.layers.linear import LinearWeight, linear
 from shard.weights import Weights
 
 
-def _vocab_slice(weights: Weights, name: str) -> tuple[torch.Tensor, int]:
+def _vocab_slice(weights: Weights, name: str, *, as_stored: bool = False
+                 ) -> tuple[torch.Tensor, int]:
     """This rank's rows of a [vocab, hidden] tensor, zero-padded so every rank holds as many."""
     ctx = weights.parallel
-    if not ctx.is_sharded:
-        return weights.get(name), 0
     vocab = weights.shape(name)[0]
+    if not ctx.is_sharded:
+        return weights.get_rows(name, 0, vocab, as_stored=as_stored), 0
     block = -(-vocab // ctx.world_size)
     start = ctx.rank * block
-    part = weights.get_rows(name, start, min(start + block, vocab))
+    part = weights.get_rows(name, start, min(start + block, vocab), as_stored=as_stored)
     if part.shape[0] < block:
         part = torch.cat([part, part.new_zeros(block - part.shape[0], part.shape[1])])
     return part.contiguous(), start
@@ -49,20 +50,30 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(nn.Module):
     """Logits for the whole vocabulary on every rank (each computes its rows, then all-gather)."""
 
-    def __init__(self, weight: torch.Tensor, vocab_size: int, parallel: ParallelContext):
+    def __init__(self, weight: torch.Tensor, vocab_size: int, parallel: ParallelContext,
+                 quantize_kind: str | None = None, model_dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
         self.vocab_size = vocab_size
         self.parallel = parallel
-        self.prepared = LinearWeight.prepare(weight)
+        self.prepared = LinearWeight.prepare(weight, quantize_kind=quantize_kind,
+                                             model_dtype=model_dtype)
+        self.weight = nn.Parameter(self.prepared.weight, requires_grad=False)
 
     @classmethod
     def load(cls, weights: Weights, name: str, vocab_size: int) -> "ParallelLMHead":
-        weight, _ = _vocab_slice(weights, name)
-        return cls(weight, vocab_size, weights.parallel)
+        weight, _ = _vocab_slice(weights, name, as_stored=weights.quantizing)
+        # the head's error lands on every logit at once: int4 models keep an int8 head, as GGUF's
+        # 4-bit files keep theirs at 8 bits (perplexity in benchmarks/RESULTS.md)
+        kind = "int8" if weights.quantize == "int4" else weights.quantize
+        return cls(weight, vocab_size, weights.parallel, kind, weights.dtype)
 
     @classmethod
-    def tied(cls, embedding: VocabParallelEmbedding, vocab_size: int) -> "ParallelLMHead":
+    def tied(cls, embedding: VocabParallelEmbedding, weights: Weights, name: str,
+             vocab_size: int) -> "ParallelLMHead":
+        """The embedding's matrix as the head. Quantized, the head holds its own quantized copy
+        and the embedding lookup keeps the full-precision rows."""
+        if weights.quantizing:
+            return cls.load(weights, name, vocab_size)
         return cls(embedding.weight, vocab_size, embedding.parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch import nn
 
 from shard.distributed import ParallelContext, all_reduce
 from shard.layers.arithmetic import cpu_has_bf16_kernels
+from shard.layers.quantize import QuantizedWeight, can_quantize, quantize, quantized_linear
 from shard.weights import Weights
 
 # fbgemm's float16 GEMM is deprecated in favour of torch.ao's wrappers around the same kernel
@@ -26,6 +27,13 @@ HALF_WEIGHT_MAX_ROWS = 48
 # One row is a matrix-vector product, which PyTorch runs on the bf16 weight itself faster than
 # fbgemm's half-precision path (31.5 vs 34.4 ms per batch-1 step of SmolLM2, best of 8).
 BF16_GEMV_MAX_ROWS = 1
+# The int8/int4 kernels take their activations in bf16 on every x86 CPU, AVX2 included (with float32
+# ones they fall back to code 15-40x slower). They read a quarter or an eighth of the bytes, which
+# wins while a matmul is bound by reading its weight: up to a few rows. Past that the quantized
+# layers multiply by the weights their quantized forms stand for, in the forms above
+# (benchmarks/RESULTS.md).
+QUANTIZED_KERNEL_DTYPE = torch.bfloat16
+QUANTIZED_MAX_ROWS = 4
 
 
 @dataclass(slots=True)
@@ -43,6 +51,8 @@ class LinearWeight:
       magnitude, and smaller values keep an absolute error under 3e-8); larger ones use `widened`,
       a float32 copy. Costs three times the bf16 weight's memory again.
     - float32 (and every GPU): F.linear as it is, which the parity tests pin to transformers'.
+    - `quantize` int8 or int4 (CPU only): `quantized` alone, its kernels fed bf16 activations
+      (QUANTIZED_KERNEL_DTYPE); a shape the int4 kernel cannot take stays as above.
     """
 
     weight: torch.Tensor
@@ -51,9 +61,21 @@ class LinearWeight:
     half: torch.Tensor | None = None
     widened: torch.Tensor | None = None
     wide_bias: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
 
     @classmethod
-    def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "LinearWeight":
+    def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                quantize_kind: str | None = None, model_dtype: torch.dtype | None = None
+                ) -> "LinearWeight":
+        """`model_dtype`: what the model holds weights in, when `weight` arrives as stored to be
+        quantized."""
+        if quantize_kind and weight.device.type == "cpu" and can_quantize(weight, quantize_kind):
+            quantized, restored = quantize(weight, quantize_kind, QUANTIZED_KERNEL_DTYPE)
+            prepared = cls.prepare(restored.to(model_dtype or weight.dtype), bias)
+            prepared.quantized = quantized
+            return prepared
+        if model_dtype is not None:
+            weight = weight.to(model_dtype)
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             return cls(weight, bias)
         if cpu_has_bf16_kernels():
@@ -76,6 +98,9 @@ def fbgemm_half_layout(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    if w.quantized is not None and x.shape[0] <= QUANTIZED_MAX_ROWS:
+        out = quantized_linear(x, w.quantized)
+        return out if w.bias is None else out + w.bias.to(out.dtype)
     if w.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, w.packed, w.bias, "none", [], "")
     if w.widened is None:
@@ -97,19 +122,21 @@ class ColumnParallelLinear(nn.Module):
     and the slices are concatenated, so rank r holds [q_r; k_r; v_r].
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 quantize_kind: str | None = None, model_dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.prepared = LinearWeight.prepare(weight, self.bias)
+        self.prepared = LinearWeight.prepare(weight, self.bias, quantize_kind, model_dtype)
+        self.weight = nn.Parameter(self.prepared.weight, requires_grad=False)
 
     @classmethod
     def load(cls, weights: Weights, prefixes: list[str], *, bias: bool) -> "ColumnParallelLinear":
-        weight = torch.cat([weights.get_sharded(f"{p}.weight", dim=0) for p in prefixes], dim=0)
+        weight = torch.cat([weights.get_sharded(f"{p}.weight", dim=0, as_stored=weights.quantizing)
+                            for p in prefixes], dim=0)
         bias_t = None
         if bias:
             bias_t = torch.cat([weights.get_sharded(f"{p}.bias", dim=0) for p in prefixes], dim=0)
-        return cls(weight, bias_t)
+        return cls(weight, bias_t, weights.quantize, weights.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.prepared)
@@ -118,18 +145,20 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T, then + b once: W's columns (input features) are split."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parallel: ParallelContext):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parallel: ParallelContext,
+                 quantize_kind: str | None = None, model_dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.parallel = parallel
-        self.prepared = LinearWeight.prepare(weight)
+        self.prepared = LinearWeight.prepare(weight, quantize_kind=quantize_kind,
+                                             model_dtype=model_dtype)
+        self.weight = nn.Parameter(self.prepared.weight, requires_grad=False)
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, *, bias: bool) -> "RowParallelLinear":
-        weight = weights.get_sharded(f"{prefix}.weight", dim=1)
+        weight = weights.get_sharded(f"{prefix}.weight", dim=1, as_stored=weights.quantizing)
         bias_t = weights.get(f"{prefix}.bias") if bias else None
-        return cls(weight, bias_t, weights.parallel)
+        return cls(weight, bias_t, weights.parallel, weights.quantize, weights.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = all_reduce(linear(x, self.prepared), self.parallel)

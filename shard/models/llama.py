@@ -133,7 +133,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(weights.get("model.norm.weight"), cfg.rms_norm_eps,
                             weights.activation_dtype)
         if cfg.tie_word_embeddings or not weights.has("lm_head.weight"):
-            self.lm_head = ParallelLMHead.tied(self.embed_tokens, cfg.vocab_size)
+            self.lm_head = ParallelLMHead.tied(self.embed_tokens, weights,
+                                               "model.embed_tokens.weight", cfg.vocab_size)
         else:
             self.lm_head = ParallelLMHead.load(weights, "lm_head.weight", cfg.vocab_size)
 

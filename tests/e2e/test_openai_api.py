@@ -209,6 +209,9 @@ def test_text_generation_client_grammar(server):
     ({"messages": []}, 422, "`messages` must be a non-empty list"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 422, "role must be one of"),
     ({"messages": ASK, "temperature": 3}, 422, "`temperature` must be"),
+    ({"messages": ASK, "ignore_eos": "yes"}, 422, "`ignore_eos` must be a boolean"),
+    ({"messages": ASK, "min_tokens": 9, "max_tokens": 8}, 422, "`min_tokens` must be <="),
+    ({"messages": ASK, "min_tokens": -1}, 422, "`min_tokens` must be >= 0"),
     ({"messages": ASK, "top_logprobs": 3}, 422, "`top_logprobs` needs `logprobs: true`"),
     ({"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function",
                                                           "function": {"name": "nope"}}},
@@ -228,3 +231,23 @@ def test_completion_suffix_without_fim_tokens_is_a_clear_422(server):
                           json={"prompt": "def add(a, b):\n", "suffix": "\n", "max_tokens": 5})
     assert reply.status_code == 422
     assert "fill-in-the-middle" in reply.json()["error"]
+
+
+def test_vllm_ignore_eos_and_min_tokens_extensions(server, client):
+    """Load generators send vLLM's extensions to every OpenAI server: a greedy answer that ends at
+    EOS early runs to max_tokens with ignore_eos, and past min_tokens with min_tokens."""
+    ask = [{"role": "user", "content": "Reply with the single word: yes"}]
+    plain = client.chat.completions.create(model="m", messages=ask, max_tokens=40, temperature=0)
+    assert plain.choices[0].finish_reason == "stop"
+    early = plain.usage.completion_tokens
+    assert early < 20
+    forced = client.chat.completions.create(model="m", messages=ask, max_tokens=40, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert forced.usage.completion_tokens == 40
+    assert forced.choices[0].finish_reason == "length"
+    at_least = client.chat.completions.create(model="m", messages=ask, max_tokens=40,
+                                              temperature=0, extra_body={"min_tokens": early + 5})
+    assert at_least.usage.completion_tokens >= early + 5
+    legacy = client.completions.create(model="m", prompt="The end.", max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert legacy.usage.completion_tokens == 24

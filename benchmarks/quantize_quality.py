@@ -1,0 +1,132 @@
+"""What --quantize int8|int4 costs in quality, against the unquantized model in the same process:
+perplexity on a fixed text, and greedy agreement over a set of prompts (identical continuations, and
+the share of tokens before the first difference).
+
+    python benchmarks/quantize_quality.py                     # SmolLM2-135M-Instruct, bf16
+    python benchmarks/quantize_quality.py --model-dir DIR --dtype float32 --new-tokens 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from shard.distributed import ParallelContext  # noqa: E402
+from shard.loader import load_model  # noqa: E402
+from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence  # noqa: E402
+
+BLOCK = 16
+# written for this benchmark: plain English prose, no code, nothing the model was tuned on verbatim
+TEXT = (
+    "The harbour town woke slowly on winter mornings. Before the bakery opened, the fishing boats "
+    "had already gone out past the breakwater, their lamps still burning against the grey light. "
+    "Children walked to school along the sea wall, stopping to watch the gulls fight over scraps "
+    "near the market. By noon the wind usually turned, and the smell of salt and diesel gave way "
+    "to bread and coffee. The old lighthouse keeper, who had retired years before the light was "
+    "automated, still climbed the hill every afternoon to look at the water. He said he could tell "
+    "the weather of the next day from the colour of the waves, and most of the time he was right. "
+    "In the evenings the town gathered in the hall for concerts, council meetings and, once a "
+    "month, a dance that lasted until the last bus had left. Visitors found the place quiet, even "
+    "dull, but those who stayed through a whole year learned that every season had its own "
+    "rhythm: the storms of January, the first tourists of May, the long light of July, and the "
+    "return of the boats in October, heavy with the last catch before the cold.")
+PROMPTS = [
+    "The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
+    "Explain photosynthesis in one sentence.", "Once upon a time, in a small village,",
+    "The three primary colours are", "List three uses of a paperclip:",
+    "Translate to French: good morning", "The best way to learn a language is",
+    "Q: What is 12 times 7?\nA:", "A recipe for pancakes starts with",
+    "The planets of the solar system are", "Why is the sky blue?",
+    "My favourite book is", "In 1969, humans first", "The quick brown fox",
+]
+
+
+def runner_for(model_dir: Path, dtype: torch.dtype, quantize: str | None):
+    loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
+                        parallel=ParallelContext(), quantize=quantize)
+    cfg = loaded.config
+    runner = ModelRunner(loaded.model, KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                   cfg.head_dim, BLOCK, dtype,
+                                                   torch.device("cpu")))
+    runner.allocate(128)
+    return runner, loaded.tokenizer, cfg.max_position_embeddings
+
+
+def all_logits(runner, ids: list[int]) -> torch.Tensor:
+    blocks = list(range(1, math.ceil(len(ids) / BLOCK) + 1))
+    return runner.prefill([PrefillSequence(ids, 0, blocks)], all_logits_rows={0}).full[0].float()
+
+
+def perplexity(runner, ids: list[int]) -> float:
+    logits = all_logits(runner, ids)[:-1]
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(nll.item())
+
+
+def greedy(runner, ids: list[int], new_tokens: int) -> list[int]:
+    """A prefill, then one decode step per token: the paths a server runs (a decode step of one
+    row multiplies by the quantized kernels themselves)."""
+    blocks = list(range(1, math.ceil((len(ids) + new_tokens) / BLOCK) + 1))
+    logits = runner.prefill([PrefillSequence(ids, 0, blocks)]).last
+    out = [int(logits[0].argmax())]
+    for _ in range(new_tokens - 1):
+        logits = runner.decode(torch.tensor(out[-1:]), torch.tensor([len(ids) + len(out) - 1]),
+                               torch.tensor([blocks])).logits
+        out.append(int(logits[0].argmax()))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--kinds", default="int8,int4")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.model_dir is None:
+        from launcher.prepare import prepare_default_model
+
+        args.model_dir = prepare_default_model()
+    dtype = getattr(torch, args.dtype)
+    rows = {}
+    reference = None
+    with torch.inference_mode():
+        for kind in [None, *args.kinds.split(",")]:
+            runner, tokenizer, positions = runner_for(args.model_dir, dtype, kind)
+            text_ids = tokenizer.encode(TEXT).ids[:positions]
+            prompts = [tokenizer.encode(p).ids for p in PROMPTS[:args.prompts]]
+            answers = [greedy(runner, p, args.new_tokens) for p in prompts]
+            row = {"perplexity": perplexity(runner, text_ids), "text_tokens": len(text_ids)}
+            if reference is None:
+                reference = answers
+            else:
+                same = [a == b for a, b in zip(answers, reference)]
+                prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                          for a, b in zip(answers, reference)]
+                row["identical"] = sum(same) / len(same)
+                row["agreeing_tokens"] = sum(prefix) / (len(prefix) * args.new_tokens)
+            rows[kind or args.dtype] = row
+            del runner
+    print(f"{args.model_dir.name}, {args.dtype} activations, perplexity on a fixed text of "
+          f"{rows[args.dtype]['text_tokens']} tokens, greedy {args.new_tokens} tokens over "
+          f"{args.prompts} prompts against the unquantized model")
+    for name, row in rows.items():
+        agreement = ("" if "identical" not in row else
+                     f"   identical continuations {row['identical']:.0%}, tokens before the first "
+                     f"difference {row['agreeing_tokens']:.0%}")
+        print(f"  {name:<9} perplexity {row['perplexity']:7.3f}{agreement}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

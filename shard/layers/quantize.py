@@ -1,0 +1,88 @@
+"""Weight-only int8 and int4 forms of a linear weight, multiplied by PyTorch's packed CPU kernels.
+
+A decode step reads every weight once per token; at small batch sizes that read, not the
+arithmetic, sets the step time, so fewer bytes per weight is a faster step. Activations stay in
+floating point: the kernels widen each weight block as they multiply.
+
+- int8: one scale per output row, symmetric (w = q * scale, q in [-127, 127]).
+- int4: one scale and one offset per group of INT4_GROUP input features of a row, asymmetric
+  (w = (q - 8) * scale + zero, q in [0, 15]): the layout of GGUF's Q4_1 blocks, 32 weights each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shard.config import QUANTIZE_KINDS
+
+INT4_GROUP = 32
+# the CPU kernel's packing of int4 weights takes output features in tiles of this many rows
+_INT4_ROW_TILE = 16
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    kind: str
+    data: torch.Tensor  # int8 [out, in], or the kernel's packed int4 form
+    scales: torch.Tensor  # int8: [out]; int4: [in / group, out, 2] (scale, zero)
+    out_features: int
+    dtype: torch.dtype  # what the kernel takes and gives: the scales' dtype
+
+
+def quantize(weight: torch.Tensor, kind: str, dtype: torch.dtype
+             ) -> tuple[QuantizedWeight, torch.Tensor]:
+    """`weight` [out, in] in `kind`'s form, multiplied in `dtype` (bf16 or float32), and the float32
+    weight that form stands for (the scales rounded to `dtype` as the kernel reads them)."""
+    if kind == "int8":
+        return _int8(weight.float(), dtype)
+    if kind == "int4":
+        return _int4(weight.float(), dtype)
+    raise ValueError(f"unknown weight quantization {kind!r}: {', '.join(QUANTIZE_KINDS)}")
+
+
+def can_quantize(weight: torch.Tensor, kind: str) -> bool:
+    """Whether `kind`'s kernel takes this shape (int4 groups must tile the input features)."""
+    if kind == "int4":
+        return weight.shape[1] % INT4_GROUP == 0 and weight.shape[0] % _INT4_ROW_TILE == 0
+    return True
+
+
+def _int8(weight: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
+    scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    scale = scale.to(dtype)
+    restored = q.float() * scale.float()[:, None]
+    return QuantizedWeight("int8", q.contiguous(), scale, weight.shape[0], dtype), restored
+
+
+def _int4(weight: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
+    out_features, in_features = weight.shape
+    groups = weight.view(out_features, in_features // INT4_GROUP, INT4_GROUP)
+    low = groups.amin(dim=-1, keepdim=True)
+    high = groups.amax(dim=-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low) / scale).clamp(0, 15).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        q.view(out_features, in_features), 1)
+    # the kernel computes (q - 8) * scale + zero
+    scale, zero = scale.to(dtype), (low + 8 * scale).to(dtype)
+    restored = ((q - 8).float() * scale.float() + zero.float()).view(out_features, in_features)
+    scales = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return QuantizedWeight("int4", packed, scales, out_features, dtype), restored
+
+
+def quantized_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [rows, in] -> x W^T [rows, out] in x's dtype."""
+    inputs = x.to(w.dtype).contiguous()
+    if w.kind == "int8":
+        out = torch.ops.aten._weight_int8pack_mm(inputs, w.data, w.scales)
+    else:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(inputs, w.data, INT4_GROUP, w.scales)
+    return out.to(x.dtype)
+
+
+def dequantize(w: QuantizedWeight, in_features: int) -> torch.Tensor:
+    """The float32 weight the kernel multiplies by (for tests and quality checks)."""
+    eye = torch.eye(in_features, dtype=w.dtype)
+    return quantized_linear(eye, w).float().T.contiguous()

@@ -1,0 +1,127 @@
+"""--quantize int8|int4: every linear layer and the LM head multiply by their quantized weights, and
+nothing else changes. The reference is transformers on a checkpoint whose linear weights were
+replaced by what the quantized ones stand for (quantization is row by row, so quantizing q, k and v
+apart equals quantizing their fused rows)."""
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shard.distributed import ParallelContext
+from shard.layers import linear as linear_module
+from shard.layers.quantize import QUANTIZE_KINDS, dequantize, quantize, quantized_linear
+from shard.loader import load_model
+from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence
+from tests.tiny_models import build_tiny_model
+
+
+def _dequantized_copy(model_dir, out_dir, kind):
+    shutil.copytree(model_dir, out_dir)
+    for path in out_dir.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, tensor in tensors.items():
+            if tensor.dim() == 2 and (name.endswith("proj.weight") or name == "lm_head.weight"):
+                q, restored = quantize(tensor, "int8" if name == "lm_head.weight" else kind,
+                                       torch.float32)
+                assert torch.allclose(dequantize(q, tensor.shape[1]), restored, atol=1e-6)
+                tensors[name] = restored.to(tensor.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return out_dir
+
+
+@pytest.mark.parametrize("kind", QUANTIZE_KINDS)
+def test_quantized_model_equals_transformers_on_the_weights_it_stands_for(tmp_path, kind,
+                                                                          monkeypatch):
+    import transformers
+
+    # float32 kernels: exact up to summation order (the bf16 ones served round the activations)
+    monkeypatch.setattr(linear_module, "QUANTIZED_KERNEL_DTYPE", torch.float32)
+    model_dir = build_tiny_model(tmp_path / "model", num_heads=4, num_kv_heads=2,
+                                 attention_bias=True)
+    loaded = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"),
+                        parallel=ParallelContext(), quantize=kind)
+    layers = [m.prepared for m in loaded.model.layers.modules() if hasattr(m, "prepared")]
+    assert layers and all(p.quantized is not None and p.quantized.kind == kind for p in layers)
+    # an int4 model keeps an int8 head
+    assert loaded.model.lm_head.prepared.quantized.kind == "int8"
+    cfg = loaded.config
+    runner = ModelRunner(loaded.model, KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                   cfg.head_dim, 4, torch.float32,
+                                                   torch.device("cpu")))
+    runner.allocate(32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        _dequantized_copy(model_dir, tmp_path / "dequantized", kind), dtype=torch.float32).eval()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                              dtype=torch.float32).eval()
+    # the prompt's 8 rows multiply by the weights the quantized forms stand for, each decode
+    # row by the quantized kernels themselves: both must be that model
+    prompt = [5, 17, 42, 99, 3, 250, 7, 11]
+    assert len(prompt) > linear_module.QUANTIZED_MAX_ROWS
+    logits = runner.prefill([PrefillSequence(prompt, 0, [3, 1, 4])], all_logits_rows={0}).full[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+        unquantized = plain(torch.tensor([prompt])).logits[0]
+    assert (logits - expected).abs().max().item() <= 1e-4
+    tokens = list(prompt)
+    for _ in range(3):
+        tokens.append(int(logits[-1].argmax()))
+        logits = runner.decode(torch.tensor(tokens[-1:]), torch.tensor([len(tokens) - 1]),
+                               torch.tensor([[3, 1, 4]])).logits
+        with torch.no_grad():
+            assert (logits[0] - reference(torch.tensor([tokens])).logits[0, -1]).abs().max() <= 1e-4
+    assert (expected - unquantized).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("kind", QUANTIZE_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantization_error_is_within_half_a_step(kind, dtype):
+    torch.manual_seed(0)
+    weight = torch.randn(48, 96) * 0.05
+    q, restored = quantize(weight, kind, dtype)
+    torch.testing.assert_close(dequantize(q, 96), restored, rtol=0,
+                               atol=1e-6 if dtype == torch.float32 else 2e-3)
+    if kind == "int8":
+        step = weight.abs().amax(dim=1, keepdim=True) / 127
+    else:
+        groups = weight.view(48, 3, 32)
+        step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, dim=1)
+    # half a step, plus the rounding of the scales to `dtype`
+    slack = 1e-6 if dtype == torch.float32 else 4e-3 * weight.abs().amax()
+    assert ((restored - weight).abs() <= step / 2 + slack).all()
+    x = torch.randn(5, 96)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(quantized_linear(x, q), x @ restored.T, rtol=0, atol=tolerance)
+
+
+def test_quantize_is_refused_off_the_cpu_and_for_unknown_kinds():
+    from launcher.config import LauncherConfig
+    from shard.config import ShardConfig
+
+    with pytest.raises(ValueError, match="--quantize int8 runs PyTorch's CPU kernels"):
+        LauncherConfig(quantize="int8", device="cuda")
+    with pytest.raises(ValueError, match="is not one of"):
+        LauncherConfig(quantize="awq")
+    with pytest.raises(ValueError, match="is not one of"):
+        ShardConfig(model_path="x", quantize="nf4")
+
+
+@pytest.mark.parametrize("kind", QUANTIZE_KINDS)
+def test_served_kernels_stay_within_bf16_rounding_of_the_exact_ones(tmp_path, kind):
+    """What the server runs (bf16 activations into the kernels) against the float32 kernels."""
+    model_dir = build_tiny_model(tmp_path / "model", num_heads=4, num_kv_heads=2)
+    prompt = [5, 17, 42, 99, 3, 250, 7, 11]
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(linear_module, "QUANTIZED_KERNEL_DTYPE", dtype)
+            loaded = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"),
+                                parallel=ParallelContext(), quantize=kind)
+        cfg = loaded.config
+        runner = ModelRunner(loaded.model, KVCacheSpec(cfg.num_hidden_layers,
+                                                       cfg.num_key_value_heads, cfg.head_dim, 4,
+                                                       torch.float32, torch.device("cpu")))
+        runner.allocate(32)
+        out[dtype] = runner.prefill([PrefillSequence(prompt, 0, [3, 1])],
+                                    all_logits_rows={0}).full[0]
+    assert (out[torch.bfloat16] - out[torch.float32]).abs().max().item() <= 0.05
