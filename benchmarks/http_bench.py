@@ -38,8 +38,9 @@ WORDS = ("the lighthouse keeper walked along the shore counting waves and gulls 
 
 
 def prompt_text(tokenizer, length: int, variant: int) -> str:
-    """A text of exactly `length` tokens, different for each variant."""
-    words, ids = [], []
+    """A text of exactly `length` tokens, different for each variant from its first token on (no
+    two share a prefix the server could have cached)."""
+    words, ids = [str(variant)], []
     index = variant
     while len(ids) < length:
         words.append(WORDS[index % len(WORDS)])
@@ -98,8 +99,8 @@ async def one_request(session, url: str, prompt: str, new_tokens: int,
 
 
 async def load(url: str, prompts: list[str], concurrency: int, new_tokens: int,
-               prompt_tokens: int, *, route: str = "generate_stream",
-               model: str = "tgi-py") -> dict:
+               prompt_tokens: int, *, route: str = "generate_stream", model: str = "tgi-py",
+               warm_up: str | None = None) -> dict:
     semaphore = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=3600)
 
@@ -109,7 +110,7 @@ async def load(url: str, prompts: list[str], concurrency: int, new_tokens: int,
                 return await one_request(session, url, prompt, new_tokens, prompt_tokens,
                                          route=route, model=model)
 
-        await bounded(prompts[0])  # warm-up
+        await bounded(warm_up or prompts[0])
         started = time.perf_counter()
         results = await asyncio.gather(*(bounded(p) for p in prompts))
         wall = time.perf_counter() - started
@@ -173,6 +174,25 @@ def start_server(dtype: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
 ROUTES = ("generate_stream", "completions")
 
 
+def start_peer(command: str, url: str) -> subprocess.Popen:
+    process = subprocess.Popen(command, shell=True, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    import urllib.request
+
+    deadline = time.monotonic() + 900  # a first start may build the peer's environment
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the peer exited during start-up: {command}")
+        try:
+            with urllib.request.urlopen(f"{url.rstrip('/')}/v1/models", timeout=2) as reply:
+                if reply.status == 200:
+                    return process
+        except OSError:
+            time.sleep(1)
+    os.killpg(process.pid, signal.SIGTERM)
+    raise RuntimeError("the peer did not start")
+
+
 def print_row(name: str, report: dict) -> None:
     ttft, itl = report["ttft_s"], report["itl_s"]
     print(f"  {name:<34} {report['output_tok_s']:>8.1f} tok/s   TTFT p50 {ttft[50] * 1e3:7.1f} ms"
@@ -195,6 +215,10 @@ def main() -> None:
     parser.add_argument("--peer-url", default=None,
                         help="an OpenAI-compatible server given the same workload after ours")
     parser.add_argument("--peer-model", default="peer", help="the model name the peer serves")
+    parser.add_argument("--peer-command", default=None,
+                        help="a shell command that starts the peer at --peer-url once our "
+                             "server has stopped (so that neither idles beside the other's run: "
+                             "vLLM's workers poll the CPU while idle); stopped at the end")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="an extra launcher argument for the server started here (repeatable)")
     parser.add_argument("--no-baseline", action="store_true")
@@ -209,7 +233,14 @@ def main() -> None:
 
     model_dir = args.model_dir or prepare_default_model()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    prompts = [prompt_text(tokenizer, args.prompt_tokens, i) for i in range(args.requests)]
+    def prompt_set(index: int) -> list[str]:
+        """Each of our routes gets prompts of its own: a second route must not find the first
+        one's prompts in the prefix cache. The peer, a fresh server, gets the first route's."""
+        return [prompt_text(tokenizer, args.prompt_tokens, index * args.requests + i)
+                for i in range(args.requests)]
+
+    prompts = prompt_set(0)
+    warm_up = prompt_text(tokenizer, args.prompt_tokens, 10**6)
     server = None
     url = args.url
     if url is None:
@@ -219,18 +250,26 @@ def main() -> None:
         server, url = start_server(args.dtype, extra)
     results = {}
     try:
-        for route in routes:
-            results[route] = asyncio.run(load(url, prompts, args.concurrency, args.new_tokens,
-                                              args.prompt_tokens, route=route))
+        for index, route in enumerate(routes):
+            results[route] = asyncio.run(load(url, prompt_set(index), args.concurrency,
+                                              args.new_tokens, args.prompt_tokens, route=route,
+                                              warm_up=warm_up))
     finally:
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=120)
     if args.peer_url:
-        # the peer's tokenizer may count our prompts differently: no truncation to rely on
-        results["peer"] = asyncio.run(load(args.peer_url.rstrip("/"), prompts, args.concurrency,
-                                           args.new_tokens, None, route="completions",
-                                           model=args.peer_model))
+        peer = start_peer(args.peer_command, args.peer_url) if args.peer_command else None
+        try:
+            # the peer's tokenizer may count our prompts differently: no truncation to rely on
+            results["peer"] = asyncio.run(load(args.peer_url.rstrip("/"), prompts,
+                                               args.concurrency, args.new_tokens, None,
+                                               route="completions", model=args.peer_model,
+                                               warm_up=warm_up))
+        finally:
+            if peer is not None:
+                os.killpg(peer.pid, signal.SIGTERM)
+                peer.wait(timeout=120)
     results["server"] = results[routes[0]]
     print(f"{args.requests} requests, concurrency {args.concurrency}, {args.prompt_tokens} prompt + "
           f"{args.new_tokens} new tokens, {args.dtype}, greedy, EOS ignored")

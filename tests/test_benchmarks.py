@@ -50,21 +50,25 @@ def test_http_benchmark(tiny_llama, tmp_path):
 
 @pytest.mark.e2e
 def test_http_benchmark_against_a_peer(tiny_llama, tmp_path):
-    """--peer-url drives any OpenAI-compatible server: here a second tgi-py stands in for vLLM."""
-    from tests.e2e.server import launch
+    """--peer-url drives any OpenAI-compatible server, here a second tgi-py standing in for vLLM,
+    started by --peer-command once ours has stopped."""
+    from tests.e2e.server import free_port
 
-    peer = launch(["--model-id", str(tiny_llama)], tmp_path / "peer")
-    try:
-        out = _run(["benchmarks/http_bench.py", "--model-dir", str(tiny_llama), "--dtype",
-                    "float32", "--concurrency", "2", "--requests", "2", "--prompt-tokens", "8",
-                    "--new-tokens", "4", "--routes", "completions", "--peer-url", peer.url,
-                    "--peer-model", "whatever", "--no-baseline", "--json",
-                    str(tmp_path / "h.json")], tmp_path)
-    finally:
-        assert peer.stop() == 0
+    port = free_port()
+    peer = (f"{sys.executable} -m launcher --model-id {tiny_llama} --port {port} --hostname "
+            f"127.0.0.1 --shard-uds-path /tmp/tgi-py-peer-{port} --master-port {free_port()} "
+            f"--model-registry-dir {tmp_path / 'registry'}")
+    out = _run(["benchmarks/http_bench.py", "--model-dir", str(tiny_llama), "--dtype", "float32",
+                "--concurrency", "2", "--requests", "2", "--prompt-tokens", "8", "--new-tokens",
+                "4", "--routes", "completions", "--peer-url", f"http://127.0.0.1:{port}",
+                "--peer-model", "whatever", "--peer-command", peer, "--no-baseline", "--json",
+                str(tmp_path / "h.json")], tmp_path)
     assert "tgi-py completions / peer = " in out
     figures = json.loads((tmp_path / "h.json").read_text())
     assert figures["peer"]["output_tokens"] == 2 * 4
+    with pytest.raises(OSError):  # the peer was stopped
+        import urllib.request
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
 
 
 @pytest.mark.e2e

@@ -28,7 +28,7 @@ HALF_WEIGHT_MAX_ROWS = 48
 # fbgemm's half-precision path (31.5 vs 34.4 ms per batch-1 step of SmolLM2, best of 8).
 BF16_GEMV_MAX_ROWS = 1
 # The int8/int4 kernels take their activations in bf16 on every x86 CPU, AVX2 included (with float32
-# ones they fall back to code 15-40x slower). They read a quarter or an eighth of the bytes, which
+# ones they fall back to code 15-50x slower). They read a quarter or an eighth of the bytes, which
 # wins while a matmul is bound by reading its weight: up to a few rows. Past that the quantized
 # layers multiply by the weights their quantized forms stand for, in the forms above
 # (benchmarks/RESULTS.md).
