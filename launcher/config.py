@@ -37,6 +37,16 @@ class LauncherConfig:
                                                      "(rank r listens on <path>-<r>).")
     master_addr: str = _opt("127.0.0.1", "torch.distributed rendezvous address.")
     master_port: int = _opt(29500, "torch.distributed rendezvous port.")
+    nnodes: int = _opt(1, "Machines the --num-shard ranks are spread over (tensor parallelism "
+                          "across machines): each runs --num-shard / --nnodes of them, machine 0 "
+                          "also the router. Start one launcher per machine with the same "
+                          "--num-shard, --nnodes, --master-addr (machine 0's address) and "
+                          "--master-port.")
+    node_rank: int = _opt(0, "Which machine this is, 0 to --nnodes - 1 (0 runs the router).")
+    node_address: str = _opt("127.0.0.1", "With --nnodes > 1: the address machine 0 reaches this "
+                                          "machine's shards at.")
+    shard_grpc_port: int = _opt(29600, "With --nnodes > 1: rank r serves the router over TCP "
+                                       "on this port + r, at --node-address.")
     max_shard_restarts: int = _opt(3, "Restarts of the shard group (all ranks, when one dies) "
                                       "allowed within --shard-restart-window; one more dead shard "
                                       "then stops everything with a non-zero exit. 0: never "
@@ -62,6 +72,12 @@ class LauncherConfig:
     def __post_init__(self):
         if self.num_shard < 1:
             raise ValueError(f"--num-shard {self.num_shard} must be at least 1")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be within 0..--nnodes - 1 "
+                             f"(--nnodes {self.nnodes})")
+        if self.num_shard % self.nnodes:
+            raise ValueError(f"--num-shard {self.num_shard} must be a multiple of --nnodes "
+                             f"{self.nnodes}: each machine runs as many ranks")
         if self.max_shard_restarts < 0 or self.shard_restart_window <= 0:
             raise ValueError("--max-shard-restarts must be >= 0 and --shard-restart-window > 0")
         if self.dtype not in DTYPES:
@@ -72,6 +88,12 @@ class LauncherConfig:
         if self.quantize and self.device == "cuda":
             raise ValueError(f"--quantize {self.quantize} runs PyTorch's CPU kernels: serve with "
                              "--device cpu (or auto on a machine without a GPU)")
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks of the default model this machine runs."""
+        per_node = self.num_shard // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     @property
     def port(self) -> int:

@@ -85,6 +85,15 @@ class GroupSpec:
     uds_prefix: str  # rank r listens on <uds_prefix>-<r>
     master_port: int
     label: str = ""  # prefix of the children's log names ("" for the default model)
+    # tensor parallelism across machines: the ranks this machine runs, and where each listens
+    # for the router over TCP (host, base port: rank r on base + r); one machine runs them all
+    local_ranks: range | None = None
+    grpc_host: str = ""
+    grpc_base_port: int = 0
+
+    @property
+    def ranks(self) -> range:
+        return self.local_ranks if self.local_ranks is not None else range(self.num_shard)
 
 
 class ShardGroup:
@@ -110,7 +119,7 @@ class ShardGroup:
 
     def spawn(self) -> None:
         spec = self.spec
-        for rank in range(spec.num_shard):
+        for rank in spec.ranks:
             path = self.socket_path(rank)
             if os.path.exists(path):
                 os.unlink(path)  # stale socket of an earlier run
@@ -120,11 +129,13 @@ class ShardGroup:
                     "--uds-path", spec.uds_prefix, "--dtype", spec.dtype,
                     "--device", spec.device, "--block-size", str(self.block_size),
                     "--quantize", self.quantize, *self.tracing_argv]
+            if spec.grpc_host:
+                argv += ["--grpc-address", f"{spec.grpc_host}:{spec.grpc_base_port + rank}"]
             name = f"{spec.label} shard {rank}" if spec.label else f"shard {rank}"
             self.children.append(spawn(name, argv, env, self.json_output))
 
     def ready(self) -> bool:
-        return all(os.path.exists(self.socket_path(r)) for r in range(self.spec.num_shard))
+        return all(os.path.exists(self.socket_path(r)) for r in self.spec.ranks)
 
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.exited() is not None), None)
@@ -149,6 +160,6 @@ class ShardGroup:
         self.remove_sockets()
 
     def remove_sockets(self) -> None:
-        for rank in range(self.spec.num_shard):
+        for rank in self.spec.ranks:
             if os.path.exists(self.socket_path(rank)):
                 os.unlink(self.socket_path(rank))

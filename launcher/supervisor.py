@@ -73,11 +73,21 @@ class Supervisor:
                                   self.config.dtype, self.config.device,
                                   uds_prefix=self.config.shard_uds_path,
                                   master_port=self.config.master_port, label="")
+            config = self.config
+            if config.nnodes > 1:
+                default.spec.local_ranks = config.local_ranks
+                default.spec.grpc_host = config.node_address
+                default.spec.grpc_base_port = config.shard_grpc_port
             with self.lock:
                 self.groups[self.model_name] = default
             default.spawn()
             self._wait_until("shards ready", default.ready, group=default)
             default.supervised = True
+            if config.node_rank > 0:
+                ranks = config.local_ranks
+                self._say(f"machine {config.node_rank} of {config.nnodes}: ranks {ranks.start}-"
+                          f"{ranks.stop - 1} of {self.model_name} serve machine 0's router")
+                return self._watch()
             self._start_model_host()
             self._start_router()
             self._say(f"serving {self.model_name} on http://{self._router_host()}:{self.config.port}")
@@ -169,6 +179,10 @@ class Supervisor:
         """Restarts every rank of a group when one died; past the budget, stops the group (and,
         for the default model, everything). Called with the lock held."""
         config = self.config
+        if config.nnodes > 1 and group.spec.name == self.model_name:
+            # the other machines' ranks are still in the old process group
+            raise LaunchError(f"{death(dead)}\n(a model split across machines is not restarted: "
+                              "start the launcher on every machine again)")
         if not group.may_restart(config.max_shard_restarts, config.shard_restart_window):
             # the survivors would hold the router's step in a collective through its drain
             group.kill(self._say)

@@ -21,10 +21,12 @@ class ShardError(Exception):
 
 
 class ShardClient:
-    def __init__(self, socket_path: str):
-        self.socket_path = socket_path
+    def __init__(self, target: str):
+        """`target`: a gRPC target as a shard's service discovery gives it (`unix:///path` for a
+        rank on this machine, `host:port` for one on another), or an absolute socket path."""
+        self.target = f"unix://{target}" if target.startswith("/") else target
         self.channel = grpc.aio.insecure_channel(
-            f"unix://{socket_path}",
+            self.target,
             options=[("grpc.max_receive_message_length", 2**31 - 1),
                      ("grpc.max_send_message_length", 2**31 - 1)])
         self.stub = pb_grpc.TextGenerationServiceStub(self.channel)
@@ -62,7 +64,7 @@ class ShardedClient:
                                       timeout=timeout)
         finally:
             await master.close()
-        clients = [ShardClient(url.removeprefix("unix://")) for url in reply.urls]
+        clients = [ShardClient(url) for url in reply.urls]
         try:
             instance_ids = await _instance_ids(clients, timeout)
         except ShardError:

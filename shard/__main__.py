@@ -16,7 +16,7 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.tracing import init_tracing, shutdown_tracing
 from shard.config import ShardConfig, parse_args
-from shard.distributed import init_parallel
+from shard.distributed import all_gather_strings, init_parallel
 from shard.engine import Engine
 from shard.loader import load_model
 from shard.model_runner import KVCacheSpec, ModelRunner
@@ -29,7 +29,8 @@ async def loop_run(worker, fn, *args):
     return await asyncio.get_running_loop().run_in_executor(worker, fn, *args)
 
 
-def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse]:
+def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str]]:
+    """The engine, its Info, and where the router reaches each rank (rank order)."""
     if config.device == "auto":
         device = torch.device(f"cuda:{config.rank}" if torch.cuda.is_available() else "cpu")
     else:
@@ -65,14 +66,16 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse]:
         block_size=config.block_size, model_id=config.model_path, world_size=config.world_size,
         eos_token_ids=sorted(loaded.eos_token_ids),
         max_position_embeddings=cfg.max_position_embeddings, hidden_size=cfg.hidden_size)
-    return engine, info
+    # ranks on other machines are reached over TCP; each says where, the others learn it here
+    urls = all_gather_strings(config.grpc_address or f"unix://{config.socket_path}", parallel)
+    return engine, info, urls
 
 
 async def serve(config: ShardConfig) -> None:
     init_tracing(config.otlp_service_name, config.otlp_endpoint)
     loop = asyncio.get_running_loop()
     worker = engine_thread()
-    engine, info = await loop_run(worker, build_engine, config)
+    engine, info, urls = await loop_run(worker, build_engine, config)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -84,14 +87,16 @@ async def serve(config: ShardConfig) -> None:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2**31 - 1),
                                       ("grpc.max_send_message_length", 2**31 - 1)])
     pb_grpc.add_TextGenerationServiceServicer_to_server(
-        ShardServicer(engine, config, info, on_fatal_error, worker), server)
+        ShardServicer(engine, config, info, on_fatal_error, worker, urls), server)
     socket = config.socket_path
     if os.path.exists(socket):
         os.unlink(socket)
     server.add_insecure_port(f"unix://{socket}")
+    if config.grpc_address:
+        server.add_insecure_port(config.grpc_address)
     await server.start()
-    log.info("shard %d/%d serving %s on unix://%s", config.rank, config.world_size,
-             config.model_path, socket)
+    log.info("shard %d/%d serving %s on unix://%s%s", config.rank, config.world_size,
+             config.model_path, socket, f" and {config.grpc_address}" if config.grpc_address else "")
     try:
         await stop.wait()
     finally:

@@ -21,6 +21,10 @@ class ShardConfig:
     quantize: str = field(default="", metadata={
         "help": "Weight-only quantization of the linear layers on the CPU: int8 or int4 "
                 "(empty: none)."})
+    grpc_address: str = field(default="", metadata={
+        "help": "Also serve on this TCP host:port, the address the router reaches this rank at "
+                "from another machine (tensor parallelism across machines); empty: the unix "
+                "socket alone."})
     block_size: int = field(default=16, metadata={"help": "Tokens per KV block."})
     memory_fraction: float = field(default=1.0, metadata={
         "help": "Share of the free memory the KV pool may use when the router does not fix its size."})

@@ -25,10 +25,21 @@ def init_parallel(*, rank: int, world_size: int, master_addr: str, master_port: 
     if world_size == 1:
         return ParallelContext()
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's object collectives run on the current device
     dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
                             rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
     return ParallelContext(rank=rank, world_size=world_size, group=dist.group.WORLD)
+
+
+def all_gather_strings(value: str, ctx: ParallelContext) -> list[str]:
+    """Every rank's `value`, in rank order."""
+    if not ctx.is_sharded:
+        return [value]
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, value, group=ctx.group)
+    return out
 
 
 def all_reduce(tensor: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:

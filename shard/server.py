@@ -33,8 +33,11 @@ def engine_thread() -> ThreadPoolExecutor:
 
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     def __init__(self, engine: Engine, config: ShardConfig, info: pb.InfoResponse,
-                 on_fatal_error, worker: ThreadPoolExecutor):
+                 on_fatal_error, worker: ThreadPoolExecutor, urls: list[str] | None = None):
         self.engine = engine
+        # where the router reaches each rank: unix sockets here, host:port on other machines
+        self.urls = urls or [f"unix://{config.uds_path}-{rank}"
+                             for rank in range(config.world_size)]
         self.config = config
         self.info = info
         self.on_fatal_error = on_fatal_error
@@ -75,8 +78,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         return pb.HealthResponse(instance_id=self.instance_id)
 
     async def ServiceDiscovery(self, request, context):
-        urls = [f"unix://{self.config.uds_path}-{rank}" for rank in range(self.config.world_size)]
-        return pb.ServiceDiscoveryResponse(urls=urls)
+        return pb.ServiceDiscoveryResponse(urls=self.urls)
 
     async def ClearCache(self, request, context):
         batch_id = request.id if request.HasField("id") else None

@@ -236,16 +236,16 @@ def test_completion_suffix_without_fim_tokens_is_a_clear_422(server):
 def test_vllm_ignore_eos_and_min_tokens_extensions(server, client):
     """Load generators send vLLM's extensions to every OpenAI server: a greedy answer that ends at
     EOS early runs to max_tokens with ignore_eos, and past min_tokens with min_tokens."""
-    ask = [{"role": "user", "content": "Reply with the single word: yes"}]
-    plain = client.chat.completions.create(model="m", messages=ask, max_tokens=40, temperature=0)
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = client.chat.completions.create(model="m", messages=ask, max_tokens=128, temperature=0)
     assert plain.choices[0].finish_reason == "stop"
     early = plain.usage.completion_tokens
-    assert early < 20
-    forced = client.chat.completions.create(model="m", messages=ask, max_tokens=40, temperature=0,
-                                            extra_body={"ignore_eos": True})
-    assert forced.usage.completion_tokens == 40
+    assert early < 120
+    forced = client.chat.completions.create(model="m", messages=ask, max_tokens=128,
+                                            temperature=0, extra_body={"ignore_eos": True})
+    assert forced.usage.completion_tokens == 128
     assert forced.choices[0].finish_reason == "length"
-    at_least = client.chat.completions.create(model="m", messages=ask, max_tokens=40,
+    at_least = client.chat.completions.create(model="m", messages=ask, max_tokens=128,
                                               temperature=0, extra_body={"min_tokens": early + 5})
     assert at_least.usage.completion_tokens >= early + 5
     legacy = client.completions.create(model="m", prompt="The end.", max_tokens=24, temperature=0,

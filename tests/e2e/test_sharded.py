@@ -1,8 +1,14 @@
-"""--num-shard N serves the same greedy tokens as one shard (gloo tensor parallelism on CPU)."""
+"""--num-shard N serves the same greedy tokens as one shard (gloo tensor parallelism on CPU), on one
+machine or split across two launchers as across two machines."""
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
 import pytest
 import requests
 
-from tests.e2e.server import launch
+from tests.e2e.server import free_port, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -34,6 +40,48 @@ def test_two_shards_equal_one_on_a_tiny_llama(tiny_llama, tmp_path):
     one = _serve_and_generate(["--model-id", str(tiny_llama)], tmp_path, 1, extra)
     two = _serve_and_generate(["--model-id", str(tiny_llama)], tmp_path, 2, extra)
     assert two == one
+
+
+def test_two_machines_on_loopback_equal_one_shard(tiny_llama, tmp_path):
+    """Two launchers, one rank each, as on two hosts: machine 1 runs rank 1 and serves it over TCP;
+    machine 0 runs rank 0 and the router, which finds rank 1 through service discovery."""
+    extra = ["--max-batch-total-tokens", "4096"]
+    one = _serve_and_generate(["--model-id", str(tiny_llama)], tmp_path, 1, extra)
+    master_port, grpc_port = free_port(), free_port()
+    common = ["--model-id", str(tiny_llama), "--num-shard", "2", "--nnodes", "2",
+              "--master-addr", "127.0.0.1", "--node-address", "127.0.0.1",
+              "--shard-grpc-port", str(grpc_port)]
+    # after launch()'s own --master-port, which it would otherwise override
+    rendezvous = ["--master-port", str(master_port)]
+    log_path = tmp_path / "machine-1.log"
+    with open(log_path, "wb") as log:
+        machine_1 = subprocess.Popen(
+            [sys.executable, "-m", "launcher", *common, *rendezvous, "--node-rank", "1",
+             "--shard-uds-path",
+             f"/tmp/tgi-py-machine1-{uuid.uuid4().hex[:8]}", "--port", str(free_port()),
+             "--model-registry-dir", str(tmp_path / "registry-1")],
+            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
+    try:
+        server = launch(common, tmp_path / "machine-0",
+                        extra=[*extra, *rendezvous, "--node-rank", "0"])
+        try:
+            two = _greedy_tokens(server)
+        finally:
+            assert server.stop() == 0
+    finally:
+        machine_1.terminate()
+        code = machine_1.wait(timeout=60)
+    text = log_path.read_text()
+    assert f"and 127.0.0.1:{grpc_port + 1}" in text  # rank 1 served the router over TCP
+    assert "machine 1 of 2: ranks 1-1" in text and code == 0
+    assert two == one
+
+
+def test_a_machine_rank_outside_the_machines_is_refused(tiny_llama):
+    done = subprocess.run([sys.executable, "-m", "launcher", "--model-id", str(tiny_llama),
+                           "--num-shard", "3", "--nnodes", "2"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0 and "must be a multiple of --nnodes 2" in done.stderr
 
 
 @pytest.mark.real_model
