@@ -51,8 +51,9 @@ class LinearWeight:
       magnitude, and smaller values keep an absolute error under 3e-8); larger ones use `widened`,
       a float32 copy. Costs three times the bf16 weight's memory again.
     - float32 (and every GPU): F.linear as it is, which the parity tests pin to transformers'.
-    - `quantize` int8 or int4 (CPU only): `quantized` alone, its kernels fed bf16 activations
-      (QUANTIZED_KERNEL_DTYPE); a shape the int4 kernel cannot take stays as above.
+    - `quantize` int8 or int4 (CPU only): `quantized` for up to QUANTIZED_MAX_ROWS rows, its
+      kernels fed bf16 activations; past that, the forms above made from the weights it stands
+      for. A shape the int4 kernel cannot take is not quantized.
     """
 
     weight: torch.Tensor
