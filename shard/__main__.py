@@ -51,6 +51,11 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
         layers = [m.prepared for m in loaded.model.modules() if hasattr(m, "prepared")]
         done = sum(p.quantized is not None for p in layers)
         log.info("%s weights: %d of %d linear layers quantized", config.quantize, done, len(layers))
+        if done and not any(p.quantized_rows for p in layers):
+            log.warning("this CPU has no bf16 kernels (AVX-512, AVX-NE-CONVERT), where PyTorch's "
+                        "%s kernels are no faster than the unquantized path: the layers multiply "
+                        "by the weights the %s forms stand for (the quantized model's answers, "
+                        "not its speed)", config.quantize, config.quantize)
         if done < len(layers):  # int4 takes input features by 32 and output features by 16
             log.warning("%d linear layers keep %s weights: their shape does not fit the %s kernel",
                         len(layers) - done, config.dtype, config.quantize)

@@ -27,13 +27,19 @@ HALF_WEIGHT_MAX_ROWS = 48
 # One row is a matrix-vector product, which PyTorch runs on the bf16 weight itself faster than
 # fbgemm's half-precision path (31.5 vs 34.4 ms per batch-1 step of SmolLM2, best of 8).
 BF16_GEMV_MAX_ROWS = 1
-# The int8/int4 kernels take their activations in bf16 on every x86 CPU, AVX2 included (with float32
-# ones they fall back to code 15-50x slower). They read a quarter or an eighth of the bytes, which
-# wins while a matmul is bound by reading its weight: up to a few rows. Past that the quantized
-# layers multiply by the weights their quantized forms stand for, in the forms above
-# (benchmarks/RESULTS.md).
+# The int8/int4 kernels take their activations in bf16 (with float32 ones they fall back to code
+# 15-50x slower). They read a quarter or an eighth of the bytes, which wins while a matmul is bound by
+# reading its weight: up to a few rows, on a CPU with bf16 kernels (on AVX-512 BF16: a batch-1
+# SmolLM2 step 1.46x faster with int4). On AVX2 alone they are no faster than the bf16 path there
+# (benchmarks/RESULTS.md). Where they do not pay, the quantized layers multiply by the weights their
+# quantized forms stand for, in the forms above.
 QUANTIZED_KERNEL_DTYPE = torch.bfloat16
 QUANTIZED_MAX_ROWS = 4
+
+
+def quantized_kernel_rows() -> int:
+    """Up to how many rows a quantized layer runs the quantized kernels on this CPU (0: never)."""
+    return QUANTIZED_MAX_ROWS if cpu_has_bf16_kernels() else 0
 
 
 @dataclass(slots=True)
@@ -51,9 +57,9 @@ class LinearWeight:
       magnitude, and smaller values keep an absolute error under 3e-8); larger ones use `widened`,
       a float32 copy. Costs three times the bf16 weight's memory again.
     - float32 (and every GPU): F.linear as it is, which the parity tests pin to transformers'.
-    - `quantize` int8 or int4 (CPU only): `quantized` for up to QUANTIZED_MAX_ROWS rows, its
-      kernels fed bf16 activations; past that, the forms above made from the weights it stands
-      for. A shape the int4 kernel cannot take is not quantized.
+    - `quantize` int8 or int4 (CPU only): `quantized` for up to `quantized_rows` rows, its
+      kernels fed bf16 activations; past that (and on CPUs where they do not pay), the forms above
+      made from the weights it stands for. A shape the int4 kernel cannot take is not quantized.
     """
 
     weight: torch.Tensor
@@ -63,6 +69,7 @@ class LinearWeight:
     widened: torch.Tensor | None = None
     wide_bias: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
+    quantized_rows: int = 0  # the kernels run for up to this many rows
 
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -74,6 +81,7 @@ class LinearWeight:
             quantized, restored = quantize(weight, quantize_kind, QUANTIZED_KERNEL_DTYPE)
             prepared = cls.prepare(restored.to(model_dtype or weight.dtype), bias)
             prepared.quantized = quantized
+            prepared.quantized_rows = quantized_kernel_rows()
             return prepared
         if model_dtype is not None:
             weight = weight.to(model_dtype)
@@ -99,7 +107,7 @@ def fbgemm_half_layout(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-    if w.quantized is not None and x.shape[0] <= QUANTIZED_MAX_ROWS:
+    if x.shape[0] <= w.quantized_rows:
         out = quantized_linear(x, w.quantized)
         return out if w.bias is None else out + w.bias.to(out.dtype)
     if w.packed is not None:

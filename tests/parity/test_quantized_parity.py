@@ -35,8 +35,10 @@ def test_quantized_model_equals_transformers_on_the_weights_it_stands_for(tmp_pa
                                                                           monkeypatch):
     import transformers
 
-    # float32 kernels: exact up to summation order (the bf16 ones served round the activations)
+    # float32 kernels: exact up to summation order (the bf16 ones served round the activations);
+    # the kernels run for decode rows on any CPU, not only where they pay
     monkeypatch.setattr(linear_module, "QUANTIZED_KERNEL_DTYPE", torch.float32)
+    monkeypatch.setattr(linear_module, "quantized_kernel_rows", lambda: 4)
     model_dir = build_tiny_model(tmp_path / "model", num_heads=4, num_kv_heads=2,
                                  attention_bias=True)
     loaded = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"),
@@ -57,7 +59,7 @@ def test_quantized_model_equals_transformers_on_the_weights_it_stands_for(tmp_pa
     # the prompt's 8 rows multiply by the weights the quantized forms stand for, each decode
     # row by the quantized kernels themselves: both must be that model
     prompt = [5, 17, 42, 99, 3, 250, 7, 11]
-    assert len(prompt) > linear_module.QUANTIZED_MAX_ROWS
+    assert len(prompt) > 4
     logits = runner.prefill([PrefillSequence(prompt, 0, [3, 1, 4])], all_logits_rows={0}).full[0]
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0]
@@ -115,6 +117,7 @@ def test_served_kernels_stay_within_bf16_rounding_of_the_exact_ones(tmp_path, ki
     for dtype in (torch.bfloat16, torch.float32):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(linear_module, "QUANTIZED_KERNEL_DTYPE", dtype)
+            patch.setattr(linear_module, "quantized_kernel_rows", lambda: 16)
             loaded = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"),
                                 parallel=ParallelContext(), quantize=kind)
         cfg = loaded.config
@@ -125,3 +128,13 @@ def test_served_kernels_stay_within_bf16_rounding_of_the_exact_ones(tmp_path, ki
         out[dtype] = runner.prefill([PrefillSequence(prompt, 0, [3, 1])],
                                     all_logits_rows={0}).full[0]
     assert (out[torch.bfloat16] - out[torch.float32]).abs().max().item() <= 0.05
+
+
+def test_the_kernels_run_only_where_they_pay(monkeypatch):
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64, dtype=torch.bfloat16)
+    for has_bf16, rows in ((True, linear_module.QUANTIZED_MAX_ROWS), (False, 0)):
+        monkeypatch.setattr(linear_module, "cpu_has_bf16_kernels", lambda: has_bf16)
+        prepared = linear_module.LinearWeight.prepare(weight, quantize_kind="int8",
+                                                      model_dtype=torch.float32)
+        assert prepared.quantized is not None and prepared.quantized_rows == rows
