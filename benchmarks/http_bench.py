@@ -224,6 +224,8 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.peer_command and not args.peer_url:
+        parser.error("--peer-command needs --peer-url (where the peer it starts listens)")
     routes = args.routes.split(",")
     if any(r not in ROUTES for r in routes):
         parser.error(f"--routes takes {', '.join(ROUTES)}")

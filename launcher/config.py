@@ -43,8 +43,8 @@ class LauncherConfig:
                           "--num-shard, --nnodes, --master-addr (machine 0's address) and "
                           "--master-port.")
     node_rank: int = _opt(0, "Which machine this is, 0 to --nnodes - 1 (0 runs the router).")
-    node_address: str = _opt("127.0.0.1", "With --nnodes > 1: the address machine 0 reaches this "
-                                          "machine's shards at.")
+    node_address: str = _opt("", "With --nnodes > 1 (and then required): the address machine 0 "
+                                 "reaches this machine's shards at.")
     shard_grpc_port: int = _opt(29600, "With --nnodes > 1: rank r serves the router over TCP "
                                        "on this port + r, at --node-address.")
     max_shard_restarts: int = _opt(3, "Restarts of the shard group (all ranks, when one dies) "
@@ -78,10 +78,15 @@ class LauncherConfig:
         if self.num_shard % self.nnodes:
             raise ValueError(f"--num-shard {self.num_shard} must be a multiple of --nnodes "
                              f"{self.nnodes}: each machine runs as many ranks")
+        if self.nnodes > 1 and not self.node_address:
+            raise ValueError("--nnodes > 1 needs --node-address: the address machine 0 reaches "
+                             "this machine's shards at")
         if self.max_shard_restarts < 0 or self.shard_restart_window <= 0:
             raise ValueError("--max-shard-restarts must be >= 0 and --shard-restart-window > 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.quantize == "":
+            self.quantize = None  # QUANTIZE= in the environment: none, as the shard reads it
         if self.quantize is not None and self.quantize not in QUANTIZE_KINDS:
             raise ValueError(f"--quantize {self.quantize!r} is not one of "
                              f"{', '.join(QUANTIZE_KINDS)}")
@@ -122,8 +127,12 @@ class LauncherConfig:
         return argv
 
 
+# job schedulers and training launchers set these for their own purposes: flags only
+_NOT_FROM_ENV = {"nnodes", "node_rank", "node_address"}
+
+
 def _env_default(name: str, default):
-    value = os.environ.get(name.upper())
+    value = None if name in _NOT_FROM_ENV else os.environ.get(name.upper())
     return default if value is None else value
 
 
@@ -131,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tgi-launcher", description="Prepare a model, start its shards and the router, and "
         "supervise them. Every flag can also be set by its upper-case environment variable "
-        "(--model-id / MODEL_ID).")
+        "(--model-id / MODEL_ID), except --nnodes, --node-rank and --node-address, which job "
+        "schedulers set for their own purposes.")
     for f in dataclasses.fields(LauncherConfig):
         if f.name == "router":
             continue

@@ -124,6 +124,9 @@ class ShardGroup:
             if os.path.exists(path):
                 os.unlink(path)  # stale socket of an earlier run
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(spec.num_shard),
+                   # this machine's share: which GPU, and how many ranks share its cores
+                   "LOCAL_RANK": str(rank - spec.ranks.start),
+                   "LOCAL_WORLD_SIZE": str(len(spec.ranks)),
                    "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(spec.master_port)}
             argv = [sys.executable, "-m", "shard", "--model-path", str(spec.model_dir),
                     "--uds-path", spec.uds_prefix, "--dtype", spec.dtype,

@@ -215,6 +215,9 @@ class Supervisor:
                 if existing.supervised:
                     return existing.master_socket
                 raise LaunchError(f"the shard group of {name} is already starting")
+            if self.config.nnodes > 1 and name == self.model_name:
+                raise LaunchError(f"{name} is split across {self.config.nnodes} machines: restart "
+                                  "the launchers on every machine to start it again")
             if self.stop_requested.is_set():
                 raise LaunchError("the launcher is stopping")
             number = next(self._group_numbers)

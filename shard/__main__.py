@@ -31,14 +31,19 @@ async def loop_run(worker, fn, *args):
 
 def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str]]:
     """The engine, its Info, and where the router reaches each rank (rank order)."""
+    # across machines the global rank is not this machine's GPU index (the launcher says which)
+    local_rank = int(os.environ.get("LOCAL_RANK", config.rank))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
     if config.device == "auto":
-        device = torch.device(f"cuda:{config.rank}" if torch.cuda.is_available() else "cpu")
+        # the quantized kernels are CPU ones: --quantize keeps an automatic choice on the CPU
+        use_cuda = torch.cuda.is_available() and not config.quantize
+        device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     else:
-        device = torch.device(f"cuda:{config.rank}" if config.device == "cuda" else config.device)
+        device = torch.device(f"cuda:{local_rank}" if config.device == "cuda" else config.device)
     dtype = getattr(torch, config.dtype)
     if device.type == "cpu" and config.world_size > 1:
         # ranks share the cores; more threads than cores makes every all-reduce wait on a straggler
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     parallel = init_parallel(rank=config.rank, world_size=config.world_size,
                              master_addr=config.master_addr, master_port=config.master_port,
                              device=device)

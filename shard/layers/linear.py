@@ -107,7 +107,7 @@ def fbgemm_half_layout(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-    if x.shape[0] <= w.quantized_rows:
+    if w.quantized is not None and x.shape[0] <= w.quantized_rows:
         out = quantized_linear(x, w.quantized)
         return out if w.bias is None else out + w.bias.to(out.dtype)
     if w.packed is not None:

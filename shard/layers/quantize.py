@@ -42,10 +42,12 @@ def quantize(weight: torch.Tensor, kind: str, dtype: torch.dtype
 
 
 def can_quantize(weight: torch.Tensor, kind: str) -> bool:
-    """Whether `kind`'s kernel takes this shape (int4 groups must tile the input features)."""
-    if kind == "int4":
-        return weight.shape[1] % INT4_GROUP == 0 and weight.shape[0] % _INT4_ROW_TILE == 0
-    return True
+    """Whether `kind`'s kernel takes this shape: int4 groups must tile the input features, and the
+    int8 kernel reads past the end of rows whose input features are not a multiple of 16 (wrong
+    values or a crash, seen for 8, 20, 40, ...): both are held to multiples of 32."""
+    if weight.shape[1] % INT4_GROUP:
+        return False
+    return kind != "int4" or weight.shape[0] % _INT4_ROW_TILE == 0
 
 
 def _int8(weight: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:

@@ -96,6 +96,19 @@ def test_quantization_error_is_within_half_a_step(kind, dtype):
     torch.testing.assert_close(quantized_linear(x, q), x @ restored.T, rtol=0, atol=tolerance)
 
 
+def test_shapes_the_kernels_cannot_take_stay_unquantized():
+    from shard.layers.quantize import can_quantize
+
+    # the int8 kernel reads past rows of 40 input features (wrong values, or a crash)
+    assert not can_quantize(torch.zeros(16, 40), "int8")
+    assert can_quantize(torch.zeros(16, 64), "int8") and can_quantize(torch.zeros(16, 64), "int4")
+    assert not can_quantize(torch.zeros(8, 64), "int4")  # output features in tiles of 16
+    prepared = linear_module.LinearWeight.prepare(torch.randn(16, 40), quantize_kind="int8")
+    assert prepared.quantized is None
+    x = torch.randn(2, 40)
+    torch.testing.assert_close(linear_module.linear(x, prepared), x @ prepared.weight.T)
+
+
 def test_quantize_is_refused_off_the_cpu_and_for_unknown_kinds():
     from launcher.config import LauncherConfig
     from shard.config import ShardConfig
