@@ -156,19 +156,26 @@ def start_server(dtype: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
          "--dtype", dtype, "--shard-uds-path", f"/tmp/tgi-py-bench-{port}", *extra],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    wait_until_ready(process, f"{url}/health", 600, "the server")
+    return process, url
+
+
+def wait_until_ready(process: subprocess.Popen, probe_url: str, timeout: float, what: str) -> None:
+    """Until `probe_url` answers 200; an exit or the timeout is an error (the process is stopped)."""
     import urllib.request
 
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError("the server exited during start-up")
+            raise RuntimeError(f"{what} exited during start-up")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
+            with urllib.request.urlopen(probe_url, timeout=2) as reply:
                 if reply.status == 200:
-                    return process, url
+                    return
         except OSError:
             time.sleep(0.5)
-    raise RuntimeError("the server did not start")
+    os.killpg(process.pid, signal.SIGTERM)
+    raise RuntimeError(f"{what} did not start")
 
 
 ROUTES = ("generate_stream", "completions")
@@ -177,20 +184,9 @@ ROUTES = ("generate_stream", "completions")
 def start_peer(command: str, url: str) -> subprocess.Popen:
     process = subprocess.Popen(command, shell=True, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
-    import urllib.request
-
-    deadline = time.monotonic() + 900  # a first start may build the peer's environment
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the peer exited during start-up: {command}")
-        try:
-            with urllib.request.urlopen(f"{url.rstrip('/')}/v1/models", timeout=2) as reply:
-                if reply.status == 200:
-                    return process
-        except OSError:
-            time.sleep(1)
-    os.killpg(process.pid, signal.SIGTERM)
-    raise RuntimeError("the peer did not start")
+    # a first start may build the peer's environment
+    wait_until_ready(process, f"{url.rstrip('/')}/v1/models", 900, f"the peer ({command})")
+    return process
 
 
 def print_row(name: str, report: dict) -> None:

@@ -132,7 +132,9 @@ def render_models(models: dict[str, Metrics]) -> bytes:
 
 
 def _labelled(sample: str, model: str) -> str:
-    """`name{a="b"} 1` -> `name{model="m",a="b"} 1` (model ids need no escaping)."""
+    """`name{a="b"} 1` -> `name{model="m",a="b"} 1`. Pulled ids need no escaping; a default
+    model given as a path may hold any character."""
+    model = model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     name, brace, rest = sample.partition("{")
     if brace:
         return f'{name}{{model="{model}",{rest}'

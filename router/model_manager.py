@@ -93,9 +93,6 @@ class ModelManager:
         self._apply(record, served)
         self.registry.add(record)
 
-    def known(self) -> set[str]:
-        return set(self.registry.records) | set(self.served)
-
     def served_model(self, name: str | None) -> ServedModel:
         """The running model a request names: 404 when no model has that name, 409 when it is
         not running. While one model runs, a name nobody knows is that model, as TGI ignores
@@ -111,6 +108,8 @@ class ModelManager:
                                      "the models this server knows")
         if self.default_id in self.served:
             return self.served[self.default_id]
+        if len(self.served) == 1:  # the default is stopped: the one model that runs answers
+            return next(iter(self.served.values()))
         if self.default_id is None or self.default_id not in self.registry.records:
             raise ModelNotFoundError("no default model: name one with `model` or the X-Model-Id "
                                      "header")
@@ -312,7 +311,7 @@ class ModelManager:
                                 "start it again to retry")
                 try:  # its queued requests would only wait for their 503
                     await self._move(name, lambda record: self._stop(record, drain=False))
-                except RouterError as err:
+                except Exception as err:  # an OSError saving the registry too: keep watching
                     log.warning("stopping %s: %s", name, err)
 
     async def autostart(self) -> None:

@@ -81,9 +81,10 @@ def model_name(body: dict) -> str | None:
     return model if isinstance(model, str) else None
 
 
-# Jan's per-model parameters (PATCH /v1/models/{id}) and the OpenAI fields they give defaults to
+# Jan's per-model parameters (PATCH /v1/models/{id}) and the OpenAI fields they give defaults to;
+# `token_limit` is a default max_tokens (default_max_tokens), trimmed to the room the prompt leaves
 _MODEL_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                   "token_limit": "max_tokens", "stream": "stream"}
+                   "stream": "stream"}
 
 
 def with_model_defaults(body: dict, defaults: dict) -> dict:
@@ -92,10 +93,7 @@ def with_model_defaults(body: dict, defaults: dict) -> dict:
         return body
     out = dict(body)
     for key, name in _MODEL_DEFAULTS.items():
-        given = out.get(name)
-        if name == "max_tokens" and out.get("max_completion_tokens") is not None:
-            continue
-        if key in defaults and given is None:
+        if key in defaults and out.get(name) is None:
             out[name] = defaults[key]
     return out
 

@@ -117,7 +117,7 @@ class BeamSearch:
         return best_running > self.finished[-1].score
 
     def _length_factor(self, generated: int) -> float:
-        return math.exp(self.options.length_penalty * math.log(generated))
+        return generated ** self.options.length_penalty
 
     def _warp(self, logprobs: torch.Tensor) -> torch.Tensor:
         """transformers' sampling warpers, applied to log-probabilities as its beam sampling does:

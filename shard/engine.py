@@ -369,6 +369,8 @@ class Engine:
         if not beams.search.done:
             return None
         best = beams.search.best().token_ids
+        if not best:  # the search failed at its first step: the first beam's likeliest token
+            best = [int(logits[0].argmax())]
         text = []
         for token in best:
             state.all_ids.append(token)

@@ -33,11 +33,10 @@ def engine_thread() -> ThreadPoolExecutor:
 
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     def __init__(self, engine: Engine, config: ShardConfig, info: pb.InfoResponse,
-                 on_fatal_error, worker: ThreadPoolExecutor, urls: list[str] | None = None):
+                 on_fatal_error, worker: ThreadPoolExecutor, urls: list[str]):
         self.engine = engine
         # where the router reaches each rank: unix sockets here, host:port on other machines
-        self.urls = urls or [f"unix://{config.uds_path}-{rank}"
-                             for rank in range(config.world_size)]
+        self.urls = urls
         self.config = config
         self.info = info
         self.on_fatal_error = on_fatal_error

@@ -66,9 +66,12 @@ def test_http_benchmark_against_a_peer(tiny_llama, tmp_path):
     assert "tgi-py completions / peer = " in out
     figures = json.loads((tmp_path / "h.json").read_text())
     assert figures["peer"]["output_tokens"] == 2 * 4
-    with pytest.raises(OSError):  # the peer was stopped
-        import urllib.request
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.URLError) as stopped:  # the peer was stopped
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+    assert isinstance(stopped.value.reason, ConnectionRefusedError)
 
 
 @pytest.mark.e2e
@@ -138,3 +141,6 @@ def test_quantize_quality_benchmark(tiny_llama, tmp_path):
     assert set(rows) == {"float32", "int8", "int4"}
     assert all(math.isfinite(r["perplexity"]) for r in rows.values())
     assert 0 <= rows["int4"]["agreeing_tokens"] <= 1
+    # an identical continuation agrees on every token; the reference is not compared to itself
+    assert all(rows[k]["agreeing_tokens"] >= rows[k]["identical"] for k in ("int8", "int4"))
+    assert "identical" not in rows["float32"]

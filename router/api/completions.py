@@ -60,7 +60,8 @@ async def _validate(state, body: dict):
         input_ids = await state.tokenizer.encode_async(prompt)
         if not input_ids:
             raise ValidationError("`prompt` cannot be empty")
-        base = build_request(prompt, input_ids, body, limits, default_max_tokens=DEFAULT_MAX_TOKENS,
+        default_max = state.request_defaults.get("token_limit", DEFAULT_MAX_TOKENS)
+        base = build_request(prompt, input_ids, body, limits, default_max_tokens=default_max,
                              top_n_tokens=logprobs or 0,
                              prefill_logprobs=echo and logprobs is not None)
         requests += [with_seed(base, j) for j in range(n)]

@@ -83,7 +83,8 @@ async def _validate_chat(state, body: dict) -> _Chat:
     top_logprobs = number(body, "top_logprobs", 0, limits.max_top_n_tokens, integer=True) or 0
     if top_logprobs and not logprobs:
         raise ValidationError("`top_logprobs` needs `logprobs: true`")
-    request = build_request(prompt, input_ids, body, limits, default_max_tokens=None,
+    request = build_request(prompt, input_ids, body, limits,
+                            default_max_tokens=state.request_defaults.get("token_limit"),
                             top_n_tokens=top_logprobs, grammar_spec=plan.grammar or response_format)
     options = ChatOptions(n=choice_count(body, state.config.max_client_batch_size),
                           stream=flag(body, "stream"), include_usage=include_usage(body),

@@ -77,7 +77,7 @@ def test_two_machines_on_loopback_equal_one_shard(tiny_llama, tmp_path):
     assert two == one
 
 
-def test_a_machine_rank_outside_the_machines_is_refused(tiny_llama):
+def test_shards_that_do_not_split_evenly_across_machines_are_refused(tiny_llama):
     done = subprocess.run([sys.executable, "-m", "launcher", "--model-id", str(tiny_llama),
                            "--num-shard", "3", "--nnodes", "2"], capture_output=True, text=True,
                           timeout=60)

@@ -50,6 +50,8 @@ async def test_ids_raw_and_percent_encoded_reach_the_same_model(tiny_llama):
         for path in ("/v1/models/org%252Fother", "/v1/models/..%2F..%2Fetc",
                      "/v1/models/%2E%2E"):
             assert (await client.get(path)).status in (400, 404), path
+        for path in ("/v1/models/org%252Fother", "/v1/models/..%2F..%2Fetc"):
+            assert (await client.get(path)).status == 400, path  # refused by the id check
         listed = await (await client.get("/v1/models")).json()
         assert {m["id"] for m in listed["data"]} == {tiny_llama.name, "org/other"}
         # without tgi-launcher nothing can start; a stopped model's stop is idempotent
@@ -79,6 +81,16 @@ async def test_patch_changes_request_defaults_of_a_running_model(tiny_llama):
         chat = await client.post("/v1/chat/completions", json={
             "model": "served", "messages": [{"role": "user", "content": "hi"}]})
         assert (await chat.json())["usage"]["completion_tokens"] == 3
+        # a default past the model's context is trimmed to the room the prompt leaves, as the
+        # route's own default is, never a 422
+        reply = await client.patch("/v1/models/served",
+                                   json={"parameters": {"token_limit": 1_000_000}})
+        assert reply.status == 200, await reply.text()
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                     "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi"})):
+            reply = await client.post(path, json={"model": "served", **body})
+            assert reply.status == 200, (path, await reply.text())
         conflict = await client.delete("/v1/models/served")
         body = await conflict.json()
         assert conflict.status == 409 and body["state"] == "running"
@@ -97,6 +109,7 @@ async def test_metrics_of_several_models_are_labelled_and_one_model_is_unchanged
         assert both.count("# HELP tgi_request_count ") == 1
         assert f'tgi_request_count{{model="{tiny_llama.name}"}} 0' in both
         assert 'tgi_request_count{model="second"} 0' in both
+        assert both.count("# HELP tgi_request_failure ") == 1  # one family, not one per model
         assert 'tgi_request_failure' in both and 'tgi_request_duration_bucket{model="second",' in both
         named = await (await client.get("/metrics", headers={"X-Model-Id": "second"})).text()
         assert named == alone
@@ -121,7 +134,8 @@ async def test_pull_and_start_bodies_are_checked(tiny_llama):
     client = await _client(tiny_llama, HealthyFake())
     try:
         for body in ({"model": "a\x00b"}, {"model": "x" * 5000}, {"model": 3}, {"model": "m", "id": "../x"},
-                     {"model": "m", "colour": 1}):
+                     {"model": "m", "colour": 1}, {"model": "x" * 5000, "id": "ok"},
+                     {"model": "a\x00b", "id": "ok"}):
             reply = await client.post("/v1/models/pull", json=body)
             assert reply.status in (400, 422), (body, reply.status)
         manager = client.server.app[STATE].models
@@ -138,3 +152,27 @@ async def test_pull_and_start_bodies_are_checked(tiny_llama):
         assert manager.registry.get("other").settings == {"ctx_len": 64}
     finally:
         await client.close()
+
+
+async def test_while_one_model_runs_any_name_reaches_it_even_when_it_is_not_the_default(
+        tiny_llama):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        manager = client.server.app[STATE].models
+        served = manager.served.pop(manager.default_id)  # the default stopped, "other" runs
+        manager.registry.add(ModelRecord("other", "running", model_dir=str(tiny_llama)))
+        manager.served["other"] = served
+        assert manager.served_model(None) is served
+        assert manager.served_model("no-such-model") is served
+        reply = await client.post("/generate", json={"inputs": "hi",
+                                                     "parameters": {"max_new_tokens": 2}})
+        assert reply.status == 200, await reply.text()
+    finally:
+        await client.close()
+
+
+def test_a_model_label_is_escaped_as_prometheus_reads_it():
+    from router.metrics import _labelled
+
+    assert _labelled('tgi_x{a="b"} 1', 'C:\\m"1') == 'tgi_x{model="C:\\\\m\\"1",a="b"} 1'
+    assert _labelled("tgi_y 2", "plain") == 'tgi_y{model="plain"} 2'

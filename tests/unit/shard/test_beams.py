@@ -108,3 +108,20 @@ def test_beam_sampling_keeps_a_way_on_and_survives_extreme_settings():
     for _ in range(3):
         long.step(torch.log_softmax(torch.randn(long.width, 50), dim=-1))
     assert long.width == 2
+
+
+def test_a_search_failing_at_its_first_step_ends_its_request_alone(engine, monkeypatch):
+    from shard.beams import BeamSearch
+
+    def broken(self, logprobs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(BeamSearch, "step", broken)
+    pool = BlockPool(1024)
+    beam = _beam_request(0, PROMPTS[0], pool, 2, 1.0, 6)
+    greedy = request(99, PROMPTS[1], pool.take(20, 4), max_new_tokens=6, ignore_eos=True)
+    out = engine.prefill(1, [beam, greedy])
+    ended = {g.request_id: g.generated_text for g in out.generations if g.generated_text}
+    assert ended[0].generated_tokens == 1 and len(ended[0].token_ids) == 1
+    assert out.batch is not None and 99 in out.batch.request_ids
+    engine.clear(out.batch.id)
