@@ -49,6 +49,38 @@ def prompt_text(tokenizer, length: int, variant: int) -> str:
     return tokenizer.decode(ids[:length])
 
 
+TOPICS = ("the water cycle", "photosynthesis", "how a bicycle works", "the history of the printing "
+          "press", "why the sky is blue", "how vaccines train the immune system", "the rules of "
+          "chess", "how a compiler works", "the causes of the French Revolution", "black holes",
+          "how bread rises", "plate tectonics", "the life of honey bees", "how the internet "
+          "routes packets", "the Roman aqueducts", "how to plan a vegetable garden")
+FORMS = ("Explain {} to a curious ten-year-old.", "Write a short essay about {}.",
+         "What are the most common misconceptions about {}?", "Describe {} step by step.")
+
+
+def question(variant: int) -> str:
+    """A natural question, different for each variant: prompts that, unlike prompt_text's, do
+    not repeat themselves (what n-gram speculation finds in its lookups depends on it)."""
+    topic, form = TOPICS[variant % len(TOPICS)], FORMS[variant // len(TOPICS) % len(FORMS)]
+    text = form.format(topic)
+    return text if variant < len(TOPICS) * len(FORMS) else f"({variant}) {text}"
+
+
+async def speculation_counts(url: str) -> tuple[float, float] | None:
+    """(draft tokens verified, accepted) so far, from the server's /metrics; None without them."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{url}/metrics") as reply:
+            text = await reply.text()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("tgi_speculation_draft_tokens", "tgi_speculation_accepted_tokens"):
+            values[name] = float(value)
+    if len(values) < 2:
+        return None
+    return values["tgi_speculation_draft_tokens"], values["tgi_speculation_accepted_tokens"]
+
+
 async def token_stamps(session, url: str, body: dict, on_first_token=None, *,
                        path: str = "/generate_stream") -> tuple[list[float], int]:
     """Streams one request; returns when each event with text arrived, and the tokens generated
@@ -206,6 +238,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", default="words", choices=["words", "questions"],
+                        help="words: texts of exactly --prompt-tokens tokens cycling through a "
+                             "few words (they repeat themselves); questions: short natural "
+                             "questions (as many tokens as they take)")
     parser.add_argument("--routes", default="generate_stream",
                         help=f"our routes to measure, comma-separated, of {', '.join(ROUTES)}")
     parser.add_argument("--peer-url", default=None,
@@ -234,11 +270,15 @@ def main() -> None:
     def prompt_set(index: int) -> list[str]:
         """Each of our routes gets prompts of its own: a second route must not find the first
         one's prompts in the prefix cache. The peer, a fresh server, gets the first route's."""
-        return [prompt_text(tokenizer, args.prompt_tokens, index * args.requests + i)
-                for i in range(args.requests)]
+        variants = range(index * args.requests, (index + 1) * args.requests)
+        if args.prompts == "questions":
+            return [question(v) for v in variants]
+        return [prompt_text(tokenizer, args.prompt_tokens, v) for v in variants]
 
     prompts = prompt_set(0)
     warm_up = prompt_text(tokenizer, args.prompt_tokens, 10**6)
+    # a question's tokens are its own: none is cut to --prompt-tokens
+    truncate = args.prompt_tokens if args.prompts == "words" else None
     server = None
     url = args.url
     if url is None:
@@ -249,9 +289,15 @@ def main() -> None:
     results = {}
     try:
         for index, route in enumerate(routes):
+            before = asyncio.run(speculation_counts(url))
             results[route] = asyncio.run(load(url, prompt_set(index), args.concurrency,
-                                              args.new_tokens, args.prompt_tokens, route=route,
+                                              args.new_tokens, truncate, route=route,
                                               warm_up=warm_up))
+            after = asyncio.run(speculation_counts(url))
+            if before is not None and after is not None and after[0] > before[0]:
+                drafted, accepted = after[0] - before[0], after[1] - before[1]
+                results[route]["speculation"] = {"draft_tokens": drafted,
+                                                 "accepted_tokens": accepted}
     finally:
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)
@@ -269,11 +315,19 @@ def main() -> None:
                 os.killpg(peer.pid, signal.SIGTERM)
                 peer.wait(timeout=120)
     results["server"] = results[routes[0]]
-    print(f"{args.requests} requests, concurrency {args.concurrency}, {args.prompt_tokens} prompt + "
+    prompt_shape = (f"{args.prompt_tokens} prompt" if args.prompts == "words"
+                     else "question prompts")
+    print(f"{args.requests} requests, concurrency {args.concurrency}, {prompt_shape} + "
           f"{args.new_tokens} new tokens, {args.dtype}, greedy, EOS ignored")
     for route in routes:
         print_row(f"tgi-py {'/' + route if route == 'generate_stream' else '/v1/' + route}",
                   results[route])
+        speculation = results[route].get("speculation")
+        if speculation:
+            drafted, accepted = speculation["draft_tokens"], speculation["accepted_tokens"]
+            print(f"    speculation: {accepted:.0f} of {drafted:.0f} draft tokens accepted "
+                  f"({accepted / drafted:.0%}), {accepted / results[route]['output_tokens']:.0%} "
+                  "of the output")
     if "peer" in results:
         print_row(f"peer {args.peer_url} /v1/completions", results["peer"])
         peer = results["peer"]["output_tok_s"]

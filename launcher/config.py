@@ -32,6 +32,10 @@ class LauncherConfig:
     quantize: str | None = _opt(None, "Weight-only quantization of the linear layers (and the LM "
                                       "head), with PyTorch's CPU kernels: int8 (a scale per row) "
                                       "or int4 (a scale and an offset per 32 weights). CPU only.")
+    speculate: int = _opt(0, "Speculative decoding: up to this many draft tokens per request and "
+                             "step, guessed from the request's own text (n-gram prompt lookup) "
+                             "and verified in the same forward; the output is the one without. "
+                             "0: off.")
     block_size: int = _opt(16, "Tokens per KV-cache block.")
     shard_uds_path: str = _opt("/tmp/tgi-py-server", "Unix socket prefix of the shards "
                                                      "(rank r listens on <path>-<r>).")
@@ -85,6 +89,8 @@ class LauncherConfig:
             raise ValueError("--max-shard-restarts must be >= 0 and --shard-restart-window > 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.speculate < 0:
+            raise ValueError(f"--speculate {self.speculate} must be at least 0")
         if self.quantize == "":
             self.quantize = None  # QUANTIZE= in the environment: none, as the shard reads it
         if self.quantize is not None and self.quantize not in QUANTIZE_KINDS:

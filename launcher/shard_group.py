@@ -98,8 +98,10 @@ class GroupSpec:
 
 class ShardGroup:
     def __init__(self, spec: GroupSpec, *, block_size: int, master_addr: str,
-                 tracing_argv: list[str], json_output: bool, quantize: str = ""):
+                 tracing_argv: list[str], json_output: bool, quantize: str = "",
+                 speculate: int = 0):
         self.spec = spec
+        self.speculate = speculate
         self.block_size = block_size
         self.quantize = quantize
         self.master_addr = master_addr
@@ -131,7 +133,8 @@ class ShardGroup:
             argv = [sys.executable, "-m", "shard", "--model-path", str(spec.model_dir),
                     "--uds-path", spec.uds_prefix, "--dtype", spec.dtype,
                     "--device", spec.device, "--block-size", str(self.block_size),
-                    "--quantize", self.quantize, *self.tracing_argv]
+                    "--quantize", self.quantize, "--speculate", str(self.speculate),
+                    *self.tracing_argv]
             if spec.grpc_host:
                 argv += ["--grpc-address", f"{spec.grpc_host}:{spec.grpc_base_port + rank}"]
             name = f"{spec.label} shard {rank}" if spec.label else f"shard {rank}"

@@ -103,7 +103,7 @@ class Supervisor:
         group = ShardGroup(GroupSpec(name, model_dir, num_shard, dtype, device, uds_prefix,
                                      master_port, label),
                            block_size=self.config.block_size, master_addr=self.config.master_addr,
-                           quantize=self.config.quantize or "",
+                           quantize=self.config.quantize or "", speculate=self.config.speculate,
                            tracing_argv=self.config.shard_tracing_argv(),
                            json_output=self.config.json_output)
         return group

@@ -53,11 +53,12 @@ class CachedBatch:
 
 @dataclass(slots=True)
 class Generation:
-    """One request's step: its event, or why the event could not be read back (which fails that
-    request alone). The shard's Generation holds raw token runs; this one is already read."""
+    """One request's step: its events (one per token; several when speculation accepted drafts),
+    or why they could not be read back (which fails that request alone). The shard's Generation
+    holds raw token runs; this one is already read."""
 
     request_id: int
-    event: TokenEvent | None
+    events: list[TokenEvent]
     error: Exception | None = None
 
 
@@ -87,3 +88,5 @@ class StepResult:
     batch: CachedBatch | None = None
     rejected: list[Rejection] = field(default_factory=list)
     timings: StepTimings = field(default_factory=StepTimings)
+    draft_tokens: int = 0  # speculation: drafts the step verified
+    accepted_tokens: int = 0  # and how many of them became tokens

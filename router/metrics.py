@@ -56,6 +56,8 @@ class Metrics:
                             ("failure", "Shard calls that failed")):
             c.declare(f"tgi_batch_inference_{suffix}", doc, ("method",))
         c.declare("tgi_prefix_cache_hits", "Prompt tokens served from the prefix cache")
+        c.declare("tgi_speculation_draft_tokens", "Draft tokens decode steps verified (--speculate)")
+        c.declare("tgi_speculation_accepted_tokens", "Draft tokens that became output tokens")
         r = self.registry
 
         def duration(name, doc, labels=()):
@@ -105,6 +107,16 @@ class Metrics:
                                               ("method",))
         self.batch_concat_duration = duration("tgi_batch_concat_duration",
                                               "Merging batches on the shard (s)", ("method",))
+        self.speculation_acceptance_rate = Gauge(
+            "tgi_speculation_acceptance_rate",
+            "Share of the draft tokens verified so far that were accepted", registry=r)
+
+    def observe_speculation(self, drafted: int, accepted: int) -> None:
+        self.counters.inc("tgi_speculation_draft_tokens", drafted)
+        self.counters.inc("tgi_speculation_accepted_tokens", accepted)
+        self.speculation_acceptance_rate.set(
+            self.counters.value("tgi_speculation_accepted_tokens")
+            / self.counters.value("tgi_speculation_draft_tokens"))
 
     def render(self) -> bytes:
         return self.counters.render().encode() + generate_latest(self.registry)

@@ -83,6 +83,7 @@ class ServedModel:
             "max_waiting_tokens": config.max_waiting_tokens,
             "max_batch_size": config.max_batch_size,
             "prefix_caching": self.batcher.queue.prefix_cache is not None,
+            "speculate": self.shard_info.speculate,
             "validation_workers": config.validation_workers,
             "max_client_batch_size": config.max_client_batch_size,
             # /api/generate-one|batch: what a call gets for a generation_config field it leaves

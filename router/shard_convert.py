@@ -37,6 +37,7 @@ class ShardInfo:
     support_chunking: bool
     use_prefix_caching: bool
     hidden_size: int  # the width of a row of input embeddings and of hidden states
+    speculate: int = 0  # draft tokens a decode step may verify per request (0: none)
 
 
 def shard_info(reply: pb.InfoResponse) -> ShardInfo:
@@ -45,7 +46,7 @@ def shard_info(reply: pb.InfoResponse) -> ShardInfo:
                      max_position_embeddings=reply.max_position_embeddings,
                      support_chunking=reply.support_chunking,
                      use_prefix_caching=reply.use_prefix_caching,
-                     hidden_size=reply.hidden_size)
+                     hidden_size=reply.hidden_size, speculate=reply.speculate)
 
 
 # ---- to the shards -----------------------------------------------------------------------------
@@ -126,40 +127,55 @@ def step_result(reply: pb.PrefillResponse | pb.DecodeResponse, hidden_size: int)
         result.batch = cached_batch(reply.batch)
     if isinstance(reply, pb.PrefillResponse):
         result.rejected = [Rejection(r.request_id, r.reason) for r in reply.rejected]
+    else:
+        result.draft_tokens, result.accepted_tokens = reply.draft_tokens, reply.accepted_tokens
     return result
 
 
 def _generation(generation: pb.Generation, hidden_size: int) -> Generation:
     try:
-        return Generation(generation.request_id, generation_event(generation, hidden_size))
+        return Generation(generation.request_id, generation_events(generation, hidden_size))
     except Exception as err:
-        return Generation(generation.request_id, None, err)
+        return Generation(generation.request_id, [], err)
 
 
-def generation_event(generation: pb.Generation, hidden_size: int) -> TokenEvent:
+def generation_events(generation: pb.Generation, hidden_size: int) -> list[TokenEvent]:
+    """One event per token of the generation: what was learnt of the prompt comes with the first,
+    the final answer with the last."""
     tokens = generation.tokens
-    event = TokenEvent(token=Token(tokens.ids[0], tokens.texts[0], _logprob(tokens.logprobs[0]),
-                                   tokens.is_special[0]))
-    if generation.top_tokens:
-        event.top_tokens = _tokens(generation.top_tokens[0])
+    count = len(tokens.ids)
+    if not count:
+        raise ValueError("a generation without a token")
+    events = [TokenEvent(token=Token(tokens.ids[i], tokens.texts[i], _logprob(tokens.logprobs[i]),
+                                     tokens.is_special[i]))
+              for i in range(count)]
+    first = events[0]
+    for event, run in zip(events, generation.top_tokens):
+        event.top_tokens = _tokens(run)
     if generation.HasField("prefill_tokens"):
-        event.prefill = _tokens(generation.prefill_tokens)
+        first.prefill = _tokens(generation.prefill_tokens)
     if generation.prefill_top_tokens:
-        event.prefill_top_tokens = [_tokens(run) for run in generation.prefill_top_tokens]
-    width = len(generation.token_ids_logprobs)  # one token per step: one row
-    if width:
-        event.token_ids_logprobs = [_logprob(v) for v in generation.token_ids_logprobs]
-        event.prefill_token_ids_logprobs = _rows(
+        first.prefill_top_tokens = [_tokens(run) for run in generation.prefill_top_tokens]
+    if generation.token_ids_logprobs:  # tokens x asked ids
+        width = len(generation.token_ids_logprobs) // count
+        rows = _rows([_logprob(v) for v in generation.token_ids_logprobs], width)
+        for event, row in zip(events, rows, strict=True):
+            event.token_ids_logprobs = row
+        first.prefill_token_ids_logprobs = _rows(
             [_logprob(v) for v in generation.prefill_token_ids_logprobs], width) or None
     if generation.hidden_states:
-        values = numpy.frombuffer(generation.hidden_states, dtype="<f4")
-        event.hidden_states = _rows(values.tolist(), hidden_size)
+        values = _rows(numpy.frombuffer(generation.hidden_states, dtype="<f4").tolist(),
+                       hidden_size)
+        # a prefill's rows are the whole prompt's, with its one token; a step's, one per token
+        first.hidden_states = values[:len(values) - count + 1]
+        for i, event in enumerate(events[1:], start=len(values) - count + 1):
+            event.hidden_states = values[i:i + 1]
     if generation.HasField("generated_text"):
         gt = generation.generated_text
-        event.final = FinalInfo(gt.text, gt.generated_tokens, _FINISH[gt.finish_reason],
-                                gt.seed if gt.HasField("seed") else None,
-                                list(gt.token_ids) or None)
-    return event
+        events[-1].final = FinalInfo(gt.text, gt.generated_tokens, _FINISH[gt.finish_reason],
+                                     gt.seed if gt.HasField("seed") else None,
+                                     list(gt.token_ids) or None)
+    return events
 
 
 def _tokens(run: pb.Tokens) -> list[Token]:
@@ -169,7 +185,7 @@ def _tokens(run: pb.Tokens) -> list[Token]:
 
 
 def _rows(values: list, width: int) -> list[list]:
-    if len(values) % width:
+    if not width or len(values) % width:
         raise ValueError(f"{len(values)} values are not rows of {width}")
     return [values[i:i + width] for i in range(0, len(values), width)]
 

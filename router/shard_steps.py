@@ -76,6 +76,8 @@ class ShardSteps:
         if isinstance(result, ShardError):
             await self._fail(self.requests_in(batches), [b.id for b in batches], result)
             return None
+        if result.draft_tokens:
+            self.metrics.observe_speculation(result.draft_tokens, result.accepted_tokens)
         return await self.after_step(result, "decode")
 
     async def after_step(self, result: StepResult, method: str) -> CachedBatch | None:
@@ -96,7 +98,8 @@ class ShardSteps:
                 # done now: the filter below drops it from the shards and frees its blocks
                 self.failures.unreadable(item, generation.error)
             else:
-                deliver(item, generation.event)
+                for event in generation.events:
+                    deliver(item, event)
         if result.batch is None:
             for generation in result.generations:
                 self.running.release(generation.request_id)

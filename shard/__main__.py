@@ -69,9 +69,10 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
                        config.block_size, dtype, device)
     runner = ModelRunner(loaded.model, spec)
     engine = Engine(loaded, runner, memory_fraction=config.memory_fraction,
-                    world_size=config.world_size)
+                    world_size=config.world_size, speculate=config.speculate)
     info = pb.InfoResponse(
-        requires_padding=False, dtype=config.dtype, device_type=device.type, speculate=0,
+        requires_padding=False, dtype=config.dtype, device_type=device.type,
+        speculate=config.speculate,
         support_chunking=True, use_prefix_caching=True, attention_impl="paged-sdpa",
         block_size=config.block_size, model_id=config.model_path, world_size=config.world_size,
         eos_token_ids=sorted(loaded.eos_token_ids),

@@ -8,6 +8,7 @@ import torch
 from shard.beams import Beams
 from shard.detokenizer import DetokenizerState
 from shard.sampling import SamplingBatch, SamplingParams
+from shard.speculation import Drafter
 from shard.stopping import FinishReason, StopCriteria
 
 
@@ -65,6 +66,7 @@ class RequestState:
     logprob_token_ids: list[int] = field(default_factory=list)
     return_hidden_states: bool = False
     beams: Beams | None = None  # a beam-search request: its beams and their blocks
+    drafter: Drafter | None = None  # with speculation: its n-gram drafts and how they fare
 
     @property
     def output_ids(self) -> list[int]:

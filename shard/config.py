@@ -26,6 +26,9 @@ class ShardConfig:
                 "from another machine (tensor parallelism across machines); empty: the unix "
                 "socket alone."})
     block_size: int = field(default=16, metadata={"help": "Tokens per KV block."})
+    speculate: int = field(default=0, metadata={
+        "help": "Draft tokens (n-gram, from the request's own text) verified per request and "
+                "decode step; 0: no speculation."})
     memory_fraction: float = field(default=1.0, metadata={
         "help": "Share of the free memory the KV pool may use when the router does not fix its size."})
     otlp_endpoint: str = field(default=None, metadata={
@@ -42,6 +45,8 @@ class ShardConfig:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {DTYPES}")
         if self.quantize not in ("", *QUANTIZE_KINDS):
             raise ValueError(f"--quantize {self.quantize!r} is not one of {QUANTIZE_KINDS}")
+        if self.speculate < 0:
+            raise ValueError(f"--speculate {self.speculate} must be at least 0")
         if self.block_size < 1:
             raise ValueError(f"--block-size {self.block_size} must be at least 1")
         if not 0 <= self.rank < self.world_size:

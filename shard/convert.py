@@ -104,4 +104,7 @@ def step_response(result: StepResult, message_class):
         response.concat_ns = result.concat_ns
     for request_id, reason in result.rejected:
         response.rejected.add(request_id=request_id, reason=reason)
+    if result.draft_tokens:
+        response.draft_tokens = result.draft_tokens
+        response.accepted_tokens = result.accepted_tokens
     return response

@@ -22,6 +22,7 @@ from shard.model_runner import DecodeRows, ModelRunner, PrefillSequence
 from shard.outputs import (CachedBatch, GeneratedText, Generation, PromptScores, StepResult,
                            TokenRun, WarmupResult)
 from shard.sampling import SampleOutput, SamplingBatch, needs_history, sample
+from shard.speculation import Drafter, acceptance_threshold
 from shard.stopping import FinishReason, StopCriteria
 
 log = logging.getLogger("tgi.shard.engine")
@@ -33,8 +34,9 @@ class BatchNotFound(KeyError):
 
 class Engine:
     def __init__(self, loaded: LoadedModel, runner: ModelRunner, *, memory_fraction: float = 1.0,
-                 world_size: int = 1):
+                 world_size: int = 1, speculate: int = 0):
         self.loaded = loaded
+        self.speculate = speculate  # draft tokens per request and step (0: no speculation)
         self.world_size = world_size
         self.grammars = GrammarFactory(loaded.tokenizer.to_str(), loaded.config.vocab_size,
                                        sorted(loaded.eos_token_ids))
@@ -179,13 +181,25 @@ class Engine:
             concat_ns = time.perf_counter_ns() - before
         else:
             batch = batches[0]
+        drafts = self._drafts(batch)
         before = time.perf_counter_ns()
-        rows, first = self._decode_rows(batch)
-        out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables)
-        forward_ns = time.perf_counter_ns() - before
-        generations = self._step_rows(batch, out.logits, out.hidden, first)
+        if drafts is not None:
+            rows = self._verify_rows(batch, drafts)
+            out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables)
+            forward_ns = time.perf_counter_ns() - before
+            generations = self._accept(batch, drafts, out.logits, out.hidden)
+            for state, draft, generation in zip(batch.requests, drafts, generations):
+                state.drafter.observe(draft, generation.tokens.ids)
+        else:
+            rows, first = self._decode_rows(batch)
+            out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables)
+            forward_ns = time.perf_counter_ns() - before
+            generations = self._step_rows(batch, out.logits, out.hidden, first)
         result = self._finish_step(batch, generations, start, forward_ns)
         result.concat_ns = concat_ns
+        if drafts is not None:
+            result.draft_tokens = sum(len(d) for d in drafts)
+            result.accepted_tokens = sum(len(g.tokens.ids) - 1 for g in generations)
         return result
 
     def filter(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
@@ -286,6 +300,79 @@ class Engine:
         return DecodeRows(torch.tensor(rows_ids, dtype=torch.long, device=device),
                           torch.tensor(rows_lengths, dtype=torch.long, device=device),
                           block_table_tensor(rows_tables, device)), first
+
+    # ---- speculative steps -------------------------------------------------------------------
+
+    def _drafts(self, batch: Batch) -> list[list[int]] | None:
+        """Each request's draft tokens for this step (maybe none), or None for a plain step
+        (speculation off, or a beam search in the batch)."""
+        if not self.speculate or any(s.beams is not None for s in batch.requests):
+            return None
+        threshold = acceptance_threshold(len(batch.requests))
+        drafts = []
+        for state in batch.requests:
+            # every token a draft leads to must fit the request's budget: its keys and values
+            # then stay within the blocks the router reserved for it
+            room = min(self.speculate, state.stop.max_new_tokens - state.stop.num_generated - 1)
+            drafts.append(state.drafter.drafts(state.all_ids, room, threshold) if room > 0
+                          else [])
+        return drafts
+
+    def _verify_rows(self, batch: Batch, drafts: list[list[int]]) -> DecodeRows:
+        """One row per token to verify: a request's next input, then each draft token at the
+        position after it, each reading the request's blocks up to its own position."""
+        ids, lengths = batch.next_input_ids.tolist(), batch.seq_lens.tolist()
+        rows_ids, rows_lengths, owners = [], [], []
+        for row, draft in enumerate(drafts):
+            rows_ids += [ids[row], *draft]
+            rows_lengths += range(lengths[row], lengths[row] + 1 + len(draft))
+            owners += [row] * (1 + len(draft))
+        device = self.runner.device
+        owners = torch.tensor(owners, dtype=torch.long, device=device)
+        return DecodeRows(torch.tensor(rows_ids, dtype=torch.long, device=device),
+                          torch.tensor(rows_lengths, dtype=torch.long, device=device),
+                          batch.block_tables.index_select(0, owners))
+
+    def _accept(self, batch: Batch, drafts: list[list[int]], logits: torch.Tensor,
+                hidden: torch.Tensor) -> list[Generation]:
+        """Chooses tokens position by position, as plain steps would have: at each position the
+        requests still in the run sample from its logits (penalties, grammar, seeded draws and
+        stopping see exactly the tokens before it), and a request goes on to its next position
+        only while its chosen token is the draft token that position was computed from."""
+        first, offset = [], 0
+        for draft in drafts:
+            first.append(offset)
+            offset += 1 + len(draft)
+        merged: dict[int, Generation] = {}
+        emitted = [0] * len(drafts)
+        last = [0] * len(drafts)
+        pending, position = list(range(len(drafts))), 0
+        while pending:
+            index = [first[row] + position for row in pending]
+            part = batch if len(pending) == len(drafts) else _rows_of(batch, pending)
+            output = sample(logits[torch.tensor(index, device=logits.device)], part.sampling,
+                            self._penalty_ids(part))
+            generations = self._generations(part, output,
+                                            [hidden[i:i + 1] for i in index], logits)
+            chosen = output.next_ids.tolist()
+            still = []
+            for k, row in enumerate(pending):
+                emitted[row] += 1
+                last[row] = chosen[k]
+                generation = generations[k]
+                if row in merged:
+                    _extend(merged[row], generation)
+                else:
+                    merged[row] = generation
+                draft = drafts[row]
+                if (batch.requests[row].finish_reason is None and position < len(draft)
+                        and chosen[k] == draft[position]):
+                    still.append(row)
+            pending, position = still, position + 1
+        device = batch.seq_lens.device
+        batch.seq_lens = batch.seq_lens + torch.tensor(emitted, dtype=torch.long, device=device)
+        batch.next_input_ids = torch.tensor(last, dtype=torch.long, device=device)
+        return [merged[row] for row in range(len(drafts))]
 
     def _step_rows(self, batch: Batch, logits: torch.Tensor, hidden: torch.Tensor,
                    first: list[int] | None) -> list[Generation]:
@@ -438,7 +525,8 @@ class Engine:
                             skip_special_tokens=request.skip_special_tokens,
                             logprob_token_ids=list(request.logprob_token_ids),
                             return_hidden_states=request.return_hidden_states,
-                            beams=self._beams(request))
+                            beams=self._beams(request),
+                            drafter=Drafter() if self.speculate else None)
 
     def _beams(self, request: NewRequest) -> Beams | None:
         if request.num_beams <= 1:
@@ -485,6 +573,25 @@ def _sequence(request: NewRequest) -> PrefillSequence:
                                request.input_embeds[request.cache_len:end])
     return PrefillSequence(request.input_ids[request.cache_len:end], request.cache_len,
                            request.blocks)
+
+
+def _rows_of(batch: Batch, rows: list[int]) -> Batch:
+    """The listed rows' requests and sampling state, for choosing their tokens alone (the tensors
+    a forward reads are left out: the step already ran)."""
+    return Batch(id=batch.id, requests=[batch.requests[r] for r in rows],
+                 block_tables=batch.block_tables, seq_lens=batch.seq_lens,
+                 next_input_ids=batch.next_input_ids, sampling=batch.sampling.select(rows))
+
+
+def _extend(generation: Generation, more: Generation) -> None:
+    """Appends a later position's token (and all it carries) to a request's generation."""
+    for name in ("ids", "logprobs", "texts", "is_special"):
+        getattr(generation.tokens, name).extend(getattr(more.tokens, name))
+    generation.top_tokens += more.top_tokens
+    generation.token_ids_logprobs += more.token_ids_logprobs
+    if more.hidden_states is not None:
+        generation.hidden_states = torch.cat([generation.hidden_states, more.hidden_states])
+    generation.generated_text = more.generated_text
 
 
 def _logprobs_of(distribution: torch.Tensor, token_ids: list[int]) -> list[float]:

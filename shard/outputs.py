@@ -62,6 +62,8 @@ class StepResult:
     total_ns: int = 0
     concat_ns: int | None = None
     rejected: list[tuple[int, str]] = field(default_factory=list)  # (request id, why), Prefill only
+    draft_tokens: int = 0  # speculation: draft tokens this step verified
+    accepted_tokens: int = 0  # and how many of them the model agreed with
 
 
 @dataclass(slots=True)

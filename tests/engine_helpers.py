@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -11,11 +12,12 @@ from shard.distributed import ParallelContext
 from shard.engine import Engine
 from shard.loader import load_model
 from shard.model_runner import KVCacheSpec, ModelRunner
+from shard.outputs import StepResult
 from shard.sampling import SamplingParams
 
 
 def make_engine(model_dir: Path, *, block_size: int = 4, num_blocks: int = 512,
-                dtype: torch.dtype = torch.float32) -> Engine:
+                dtype: torch.dtype = torch.float32, speculate: int = 0) -> Engine:
     loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
                         parallel=ParallelContext())
     cfg = loaded.config
@@ -23,7 +25,7 @@ def make_engine(model_dir: Path, *, block_size: int = 4, num_blocks: int = 512,
                        dtype, torch.device("cpu"))
     runner = ModelRunner(loaded.model, spec)
     runner.allocate(num_blocks)
-    return Engine(loaded, runner)
+    return Engine(loaded, runner, speculate=speculate)
 
 
 class BlockPool:
@@ -49,23 +51,31 @@ def request(rid: int, input_ids: list[int], blocks: list[int], *, max_new_tokens
                       max_new_tokens=max_new_tokens, blocks=blocks, **stopping)
 
 
-def run_to_completion(engine: Engine, requests: list[NewRequest], batch_id: int = 1
-                      ) -> dict[int, list[int]]:
-    """Prefills `requests` together, then decodes, filtering finished ones as the router does."""
+def steps_to_completion(engine: Engine, requests: list[NewRequest], batch_id: int = 1
+                        ) -> Iterator[StepResult]:
+    """Prefills `requests` together, then decodes, filtering finished ones as the router does;
+    yields each step's result."""
     out = engine.prefill(batch_id, requests)
-    tokens: dict[int, list[int]] = {r.id: [] for r in requests}
+    finished: set[int] = set()
     while True:
-        finished = set()
-        for generation in out.generations:
-            tokens[generation.request_id] += generation.tokens.ids
-            if generation.generated_text is not None:
-                finished.add(generation.request_id)
+        yield out
+        finished |= {g.request_id for g in out.generations if g.generated_text is not None}
         if out.batch is None:
-            return tokens
+            return
         alive = [r for r in out.batch.request_ids if r not in finished]
         if not alive:
             engine.clear(out.batch.id)
-            return tokens
+            return
         if len(alive) < len(out.batch.request_ids):
             engine.filter(out.batch.id, alive)
         out = engine.decode([out.batch.id])
+
+
+def run_to_completion(engine: Engine, requests: list[NewRequest], batch_id: int = 1
+                      ) -> dict[int, list[int]]:
+    """Each request's tokens, from steps_to_completion."""
+    tokens: dict[int, list[int]] = {r.id: [] for r in requests}
+    for out in steps_to_completion(engine, requests, batch_id):
+        for generation in out.generations:
+            tokens[generation.request_id] += generation.tokens.ids
+    return tokens

@@ -47,13 +47,13 @@ class FakeShardClient:
             assert count <= limit, f"request {rid} overran"
             error = self.unreadable(self.requests[rid], count)
             if error is not None:
-                generations.append(Generation(rid, None, error))
+                generations.append(Generation(rid, [], error))
                 continue
             event = TokenEvent(token=Token(count, f"t{count} ", -0.5, False))
             if count == limit:
                 event.final = FinalInfo("".join(f"t{i} " for i in range(1, count + 1)), count,
                                         FinishReason.LENGTH, None)
-            generations.append(Generation(rid, event))
+            generations.append(Generation(rid, [event]))
         return generations
 
     def _result(self, batch_id: int, generations: list[Generation]) -> StepResult:

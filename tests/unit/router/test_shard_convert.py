@@ -55,10 +55,10 @@ def test_a_generation_that_cannot_be_read_fails_its_request_alone():
         forward_ns=10, decode_ns=2)
     result = convert.step_result(reply, hidden_size=4)
     first, broken, last = result.generations
-    assert first.event.token.logprob is None, "-inf has no JSON spelling"
-    assert broken.event is None and isinstance(broken.error, IndexError)
-    assert last.event.final.finish_reason is FinishReason.STOP_SEQUENCE
-    assert last.event.final.seed == 9
+    assert first.events[0].token.logprob is None, "-inf has no JSON spelling"
+    assert broken.events == [] and isinstance(broken.error, ValueError)
+    assert last.events[0].final.finish_reason is FinishReason.STOP_SEQUENCE
+    assert last.events[0].final.seed == 9
     assert result.batch == CachedBatch(5, [0, 1, 2], 48)
     assert (result.timings.forward_ns, result.timings.concat_ns) == (10, None)
 
@@ -122,10 +122,39 @@ def test_embeddings_named_ids_and_hidden_states_cross_the_wire():
         prefill_token_ids_logprobs=[float("nan"), float("nan"), -2.0, -3.0],
         prefill_top_tokens=[pb.Tokens(), pb.Tokens(ids=[4], logprobs=[-0.5], texts=["d"])],
         hidden_states=hidden.tobytes())])
-    event = convert.step_result(reply, hidden_size=4).generations[0].event
+    event, = convert.step_result(reply, hidden_size=4).generations[0].events
     assert event.token_ids_logprobs == [-1.0, None]
     assert event.prefill_token_ids_logprobs == [[None, None], [-2.0, -3.0]]
     assert event.prefill_top_tokens[0] == [] and event.prefill_top_tokens[1][0].id == 4
     assert event.hidden_states == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
     torn = pb.PrefillResponse(generations=[_generation(3, hidden_states=hidden[:6].tobytes())])
     assert isinstance(convert.step_result(torn, hidden_size=4).generations[0].error, ValueError)
+
+
+def test_a_step_that_accepted_drafts_gives_one_event_per_token():
+    import numpy
+
+    hidden = numpy.arange(12, dtype="<f4")
+    reply = pb.DecodeResponse(generations=[pb.Generation(
+        request_id=4,
+        tokens=pb.Tokens(ids=[7, 8, 9], logprobs=[-0.5, -0.25, -0.125], texts=["a", "b", "c"],
+                         is_special=[False, False, True]),
+        top_tokens=[pb.Tokens(ids=[7], logprobs=[-0.1], texts=["a"]),
+                    pb.Tokens(ids=[8], logprobs=[-0.2], texts=["b"]),
+                    pb.Tokens(ids=[9], logprobs=[-0.3], texts=["c"])],
+        token_ids_logprobs=[-1.0, -2.0, -3.0, -4.0, -5.0, -6.0],
+        hidden_states=hidden.tobytes(),
+        generated_text=pb.GeneratedText(text="abc", generated_tokens=3,
+                                        finish_reason=pb.FINISH_REASON_EOS_TOKEN))],
+        draft_tokens=4, accepted_tokens=2)
+    result = convert.step_result(reply, hidden_size=4)
+    assert (result.draft_tokens, result.accepted_tokens) == (4, 2)
+    events = result.generations[0].events
+    assert [(e.token.id, e.token.text, e.token.logprob, e.token.special) for e in events] == [
+        (7, "a", -0.5, False), (8, "b", -0.25, False), (9, "c", -0.125, True)]
+    assert [e.top_tokens[0].id for e in events] == [7, 8, 9]
+    assert [e.token_ids_logprobs for e in events] == [[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]
+    assert [e.hidden_states for e in events] == [[[0.0, 1.0, 2.0, 3.0]], [[4.0, 5.0, 6.0, 7.0]],
+                                                 [[8.0, 9.0, 10.0, 11.0]]]
+    assert [e.final is None for e in events] == [True, True, False]
+    assert events[-1].final.finish_reason is FinishReason.EOS_TOKEN

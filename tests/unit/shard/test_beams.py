@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from shard.beams import BeamBlocks
-from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion
+from tests.engine_helpers import (BlockPool, make_engine, request, run_to_completion,
+                                  steps_to_completion)
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
 
@@ -47,23 +48,13 @@ def test_beams_equal_transformers_beside_greedy_requests(engine, reference, num_
              for i, p in enumerate(PROMPTS)]
     greedy = request(99, PROMPTS[0], pool.take(len(PROMPTS[0]) + 12, 4), max_new_tokens=12,
                      ignore_eos=True)
-    out = engine.prefill(1, beams + [greedy])
     finals, greedy_tokens = {}, []
-    while True:
+    for out in steps_to_completion(engine, beams + [greedy]):
         for g in out.generations:
             if g.request_id == 99:
                 greedy_tokens += g.tokens.ids
             if g.generated_text is not None:
                 finals[g.request_id] = g.generated_text
-        if out.batch is None:
-            break
-        alive = [r for r in out.batch.request_ids if r not in finals]
-        if not alive:
-            engine.clear(out.batch.id)
-            break
-        if len(alive) < len(out.batch.request_ids):
-            engine.filter(out.batch.id, alive)
-        out = engine.decode([out.batch.id])
     for i, prompt in enumerate(PROMPTS):
         expected = _expected(reference, engine, prompt, num_beams, length_penalty, 10)
         assert finals[i].token_ids == expected, (i, finals[i].token_ids, expected)
