@@ -97,10 +97,11 @@ async def run_decode(driver: ShardDriver, batch_size: int, prompt_length: int, s
 
 
 def start_shard(model_dir: Path, dtype: str, socket_prefix: str,
-                quantize: str = "") -> subprocess.Popen:
+                quantize: str = "", compile_decode: bool = False) -> subprocess.Popen:
     process = subprocess.Popen([sys.executable, "-m", "shard", "--model-path", str(model_dir),
                                 "--uds-path", socket_prefix, "--dtype", dtype,
-                                "--quantize", quantize],
+                                "--quantize", quantize,
+                                "--compile-decode", str(int(compile_decode))],
                                cwd=Path(__file__).resolve().parents[1],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
@@ -113,7 +114,8 @@ def start_shard(model_dir: Path, dtype: str, socket_prefix: str,
 
 async def bench(args) -> dict:
     socket_prefix = os.path.join(tempfile.mkdtemp(), "bench")
-    shard = start_shard(args.model_dir, args.dtype, socket_prefix, args.quantize)
+    shard = start_shard(args.model_dir, args.dtype, socket_prefix, args.quantize,
+                        args.compile_decode)
     try:
         channel = grpc.aio.insecure_channel(f"unix://{socket_prefix}-0")
         stub = pb_grpc.TextGenerationServiceStub(channel)
@@ -124,7 +126,7 @@ async def bench(args) -> dict:
                                                   max_batch_total_tokens=tokens))
         driver = ShardDriver(stub, info.block_size, warm.num_blocks)
         results = {"device": info.device_type, "dtype": info.dtype, "quantize": args.quantize,
-                   "prefill": [], "decode": []}
+                   "compile_decode": args.compile_decode, "prefill": [], "decode": []}
         await run_decode(driver, 1, 16, 4, 2)  # process warm-up
         for prompt_length in args.prompt_lengths:
             for batch_size in args.prefill_batch_sizes:
@@ -146,7 +148,8 @@ async def bench(args) -> dict:
 
 def print_tables(results: dict) -> None:
     print(f"device {results['device']}, dtype {results['dtype']}"
-          + (f", weights {results['quantize']}" if results.get('quantize') else ""))
+          + (f", weights {results['quantize']}" if results.get('quantize') else "")
+          + (", compiled decode step" if results.get("compile_decode") else ""))
     print(f"\n{'prefill':<8}{'batch':>6}{'prompt':>8}{'p50 ms':>10}{'p90 ms':>10}{'tok/s':>10}")
     for row in results["prefill"]:
         lat = row["latency_s"]
@@ -167,6 +170,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="the shard compiles its decode step at warm-up (see "
+                             "shard/compiled_decode.py)")
     parser.add_argument("--quantize", default="", choices=["", "int8", "int4"],
                         help="weight-only quantization of the shard's linear layers")
     parser.add_argument("--batch-sizes", type=_ints, default=_ints("1,2,4,8,16,32,64"))

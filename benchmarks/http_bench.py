@@ -66,11 +66,10 @@ def question(variant: int) -> str:
     return text if variant < len(TOPICS) * len(FORMS) else f"({variant}) {text}"
 
 
-async def speculation_counts(url: str) -> tuple[float, float] | None:
+async def speculation_counts(session, url: str) -> tuple[float, float] | None:
     """(draft tokens verified, accepted) so far, from the server's /metrics; None without them."""
-    async with aiohttp.ClientSession() as session:
-        async with session.get(f"{url}/metrics") as reply:
-            text = await reply.text()
+    async with session.get(f"{url}/metrics") as reply:
+        text = await reply.text()
     values = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -143,9 +142,11 @@ async def load(url: str, prompts: list[str], concurrency: int, new_tokens: int,
                                          route=route, model=model)
 
         await bounded(warm_up or prompts[0])
+        before = await speculation_counts(session, url)
         started = time.perf_counter()
         results = await asyncio.gather(*(bounded(p) for p in prompts))
         wall = time.perf_counter() - started
+        after = await speculation_counts(session, url)
     tokens = sum(r[2] for r in results)
     ttfts = [r[0] for r in results]
     itls = [x for r in results for x in r[1]]
@@ -155,7 +156,9 @@ async def load(url: str, prompts: list[str], concurrency: int, new_tokens: int,
             "output_tokens": tokens, "output_tok_s": tokens / wall,
             "ttft_s": {q: percentile(ttfts, q) for q in (50, 90, 99)},
             "itl_s": {q: percentile(itls, q) for q in (50, 90, 99)},
-            "tpot_s": percentile(tpots, 50) if tpots else 0.0}
+            "tpot_s": percentile(tpots, 50) if tpots else 0.0,
+            "speculation": None if before is None or after is None else {
+                "draft_tokens": after[0] - before[0], "accepted_tokens": after[1] - before[1]}}
 
 
 def transformers_baseline(model_dir: Path, dtype: str, prompts_ids: list[list[int]],
@@ -289,15 +292,9 @@ def main() -> None:
     results = {}
     try:
         for index, route in enumerate(routes):
-            before = asyncio.run(speculation_counts(url))
             results[route] = asyncio.run(load(url, prompt_set(index), args.concurrency,
                                               args.new_tokens, truncate, route=route,
                                               warm_up=warm_up))
-            after = asyncio.run(speculation_counts(url))
-            if before is not None and after is not None and after[0] > before[0]:
-                drafted, accepted = after[0] - before[0], after[1] - before[1]
-                results[route]["speculation"] = {"draft_tokens": drafted,
-                                                 "accepted_tokens": accepted}
     finally:
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)
@@ -322,8 +319,8 @@ def main() -> None:
     for route in routes:
         print_row(f"tgi-py {'/' + route if route == 'generate_stream' else '/v1/' + route}",
                   results[route])
-        speculation = results[route].get("speculation")
-        if speculation:
+        speculation = results[route]["speculation"]
+        if speculation and speculation["draft_tokens"]:
             drafted, accepted = speculation["draft_tokens"], speculation["accepted_tokens"]
             print(f"    speculation: {accepted:.0f} of {drafted:.0f} draft tokens accepted "
                   f"({accepted / drafted:.0%}), {accepted / results[route]['output_tokens']:.0%} "

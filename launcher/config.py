@@ -36,6 +36,12 @@ class LauncherConfig:
                              "step, guessed from the request's own text (n-gram prompt lookup) "
                              "and verified in the same forward; the output is the one without. "
                              "0: off.")
+    compile_decode: bool = _opt(False, "Compile the decode step with torch.compile (inductor's C++ "
+                                       "backend) when the shards warm up: fewer, fused kernels "
+                                       "per step, after up to a minute or two of compiling at "
+                                       "start. CPU, one shard, unquantized weights; elsewhere "
+                                       "(or without a C++ compiler) the step stays eager and "
+                                       "the shard log says why.")
     block_size: int = _opt(16, "Tokens per KV-cache block.")
     shard_uds_path: str = _opt("/tmp/tgi-py-server", "Unix socket prefix of the shards "
                                                      "(rank r listens on <path>-<r>).")
@@ -175,6 +181,6 @@ def parse_args(argv: list[str] | None = None) -> LauncherConfig:
     router = {k.removeprefix("router."): v for k, v in args.items() if k.startswith("router.")}
     own = {k: v for k, v in args.items() if not k.startswith("router.")}
     for name in ("num_shard", "block_size", "master_port", "graceful_termination_timeout",
-                 "max_shard_restarts", "shard_restart_window"):
+                 "max_shard_restarts", "shard_restart_window", "speculate"):
         own[name] = int(own[name])
     return LauncherConfig(**own, router=router)

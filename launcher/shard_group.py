@@ -99,9 +99,10 @@ class GroupSpec:
 class ShardGroup:
     def __init__(self, spec: GroupSpec, *, block_size: int, master_addr: str,
                  tracing_argv: list[str], json_output: bool, quantize: str = "",
-                 speculate: int = 0):
+                 speculate: int = 0, compile_decode: bool = False):
         self.spec = spec
         self.speculate = speculate
+        self.compile_decode = compile_decode
         self.block_size = block_size
         self.quantize = quantize
         self.master_addr = master_addr
@@ -134,6 +135,7 @@ class ShardGroup:
                     "--uds-path", spec.uds_prefix, "--dtype", spec.dtype,
                     "--device", spec.device, "--block-size", str(self.block_size),
                     "--quantize", self.quantize, "--speculate", str(self.speculate),
+                    "--compile-decode", str(int(self.compile_decode)),
                     *self.tracing_argv]
             if spec.grpc_host:
                 argv += ["--grpc-address", f"{spec.grpc_host}:{spec.grpc_base_port + rank}"]

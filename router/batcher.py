@@ -160,16 +160,16 @@ class Batcher:
         self._wake.clear()
 
     async def _serve_until_idle(self) -> None:
-        running, waiting_steps = None, 0
+        running, waited_tokens = None, 0
         while True:
             generation = self.shard_generation
-            did_prefill, new, stepped = await self._prefill_next(running, waiting_steps)
+            did_prefill, new, stepped = await self._prefill_next(running, waited_tokens)
             if generation != self.shard_generation:
                 # the shards were lost during that step: `running` died with them
-                running, waiting_steps = None, 0
+                running, waited_tokens = None, 0
                 continue
             if did_prefill:
-                waiting_steps = 0
+                waited_tokens = 0
             if stepped:
                 # it took its decode step inside the prefill's forward
                 running = new
@@ -182,13 +182,14 @@ class Batcher:
                 break
             self._batch_gauges(batches)
             running = await self.steps.decode(batches)  # None when the shards were lost
-            waiting_steps += 1
+            # TGI counts the wait in tokens; with speculation a step may pass several
+            waited_tokens += self.steps.last_step_tokens
 
     def _batch_gauges(self, batches: list[CachedBatch]) -> None:
         self.metrics.batch_current_size.set(sum(len(b.request_ids) for b in batches))
         self.metrics.batch_current_max_tokens.set(sum(b.max_tokens for b in batches))
 
-    async def _prefill_next(self, running: CachedBatch | None, waiting_steps: int
+    async def _prefill_next(self, running: CachedBatch | None, waited_tokens: int
                             ) -> tuple[bool, CachedBatch | None, bool]:
         """One prefill between two decode steps, if any is due: the next chunk of a long prompt,
         else a new batch from the queue. Returns (whether a prefill ran, the batch it made,
@@ -198,12 +199,12 @@ class Batcher:
             if running_size:
                 self.metrics.counters.inc("tgi_batch_concat", reason="chunking")
             return True, await self._prefill_chunk(running), running is not None
-        plan = self._next_plan(running_size=running_size, waiting_steps=waiting_steps)
+        plan = self._next_plan(running_size=running_size, waited_tokens=waited_tokens)
         if plan is None:
             return False, None, False
         if running_size:
             self.metrics.counters.inc("tgi_batch_concat",
-                                      reason=self.limits.join_reason(waiting_steps))
+                                      reason=self.limits.join_reason(waited_tokens))
         if plan.chunk_len is not None:
             (item,) = plan.entries
             self.running.start([item])
@@ -213,10 +214,10 @@ class Batcher:
         riding = running if self.queue.chunking else None
         return True, await self._prefill(plan, riding), riding is not None
 
-    def _next_plan(self, *, running_size: int, waiting_steps: int
+    def _next_plan(self, *, running_size: int, waited_tokens: int
                    ) -> BatchPlan[ActiveRequest] | None:
         limits = self.limits
-        min_size, max_size = limits.join_bounds(running_size, waiting_steps)
+        min_size, max_size = limits.join_bounds(running_size, waited_tokens)
         plan = self.queue.next_batch(min_size=min_size, max_size=max_size,
                                      prefill_token_budget=limits.max_batch_prefill_tokens,
                                      token_budget=limits.max_batch_total_tokens)

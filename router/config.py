@@ -40,7 +40,9 @@ class RouterConfig:
     max_batch_total_tokens: int = _opt(None, "Tokens of KV cache in all; default: sized by the shards "
                                              "from free memory.")
     waiting_served_ratio: float = _opt(0.3, "Waiting/running ratio that interrupts decoding to prefill.")
-    max_waiting_tokens: int = _opt(20, "Decode steps a waiting request may wait before it forces a prefill.")
+    max_waiting_tokens: int = _opt(20, "Tokens the running requests may pass (one a decode step, "
+                                       "several with --speculate) while a request waits, before "
+                                       "it forces a prefill.")
     max_batch_size: int = _opt(None, "Most requests in a running batch (default: no limit).")
     max_client_batch_size: int = _opt(4, "Most inputs in one client request.")
     validation_workers: int = _opt(2, "Threads that tokenise and validate requests.")

@@ -17,21 +17,22 @@ class SchedulingLimits:
     max_waiting_tokens: int
     max_batch_size: int | None
 
-    def join_bounds(self, running_size: int, waiting_steps: int) -> tuple[int | None, int | None]:
-        """(min, max) new requests for the next prefill. While the running batch has waited
-        fewer than max_waiting_tokens steps, a prefill that interrupts it must bring at least
+    def join_bounds(self, running_size: int, waited_tokens: int) -> tuple[int | None, int | None]:
+        """(min, max) new requests for the next prefill. While the running batch has passed
+        fewer than max_waiting_tokens tokens (per request: one a step, or several with
+        speculation) since the last prefill, a prefill that interrupts it must bring at least
         waiting_served_ratio × its size; max_batch_size caps the sum."""
         min_size = None
-        if running_size and waiting_steps < self.max_waiting_tokens:
+        if running_size and waited_tokens < self.max_waiting_tokens:
             min_size = max(1, math.floor(running_size * self.waiting_served_ratio))
         max_size = None
         if self.max_batch_size is not None:
             max_size = max(self.max_batch_size - running_size, 0)
         return min_size, max_size
 
-    def join_reason(self, waiting_steps: int) -> str:
+    def join_reason(self, waited_tokens: int) -> str:
         """TGI's tgi_batch_concat label for a prefill that joins a running batch."""
-        return "wait_exceeded" if waiting_steps >= self.max_waiting_tokens else "backpressure"
+        return "wait_exceeded" if waited_tokens >= self.max_waiting_tokens else "backpressure"
 
 
 @dataclass(slots=True)

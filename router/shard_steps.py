@@ -36,6 +36,7 @@ class ShardSteps:
         self.running = running
         self.failures = failures
         self.decode_cost = DecodeCost()
+        self.last_step_tokens = 1  # most tokens one request got from the last decode step
         # set by the batcher when a lost group can come back: whether the group is gone (the
         # same question the idle probe asks), and what to do then (fail or re-queue everything,
         # wait for the restart)
@@ -78,6 +79,7 @@ class ShardSteps:
             return None
         if result.draft_tokens:
             self.metrics.observe_speculation(result.draft_tokens, result.accepted_tokens)
+        self.last_step_tokens = max((len(g.events) for g in result.generations), default=1)
         return await self.after_step(result, "decode")
 
     async def after_step(self, result: StepResult, method: str) -> CachedBatch | None:

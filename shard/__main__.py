@@ -67,7 +67,8 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim,
                        config.block_size, dtype, device)
-    runner = ModelRunner(loaded.model, spec)
+    runner = ModelRunner(loaded.model, spec, compile_decode=bool(config.compile_decode),
+                         world_size=config.world_size)
     engine = Engine(loaded, runner, memory_fraction=config.memory_fraction,
                     world_size=config.world_size, speculate=config.speculate)
     info = pb.InfoResponse(

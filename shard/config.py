@@ -26,6 +26,9 @@ class ShardConfig:
                 "from another machine (tensor parallelism across machines); empty: the unix "
                 "socket alone."})
     block_size: int = field(default=16, metadata={"help": "Tokens per KV block."})
+    compile_decode: int = field(default=0, metadata={
+        "help": "1: compile the decode step (torch.compile, inductor's C++ backend on the CPU) "
+                "at warm-up; 0: eager."})
     speculate: int = field(default=0, metadata={
         "help": "Draft tokens (n-gram, from the request's own text) verified per request and "
                 "decode step; 0: no speculation."})

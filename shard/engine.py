@@ -73,6 +73,7 @@ class Engine:
             raise RuntimeError("not enough memory for a single KV block; lower the dtype or "
                                "the model size")
         self.runner.allocate(num_blocks)
+        self.runner.warm_decode()
         return WarmupResult(num_blocks=num_blocks, block_size=block_size)
 
     def prefill(self, batch_id: int, requests: list[NewRequest],
@@ -183,21 +184,22 @@ class Engine:
             batch = batches[0]
         drafts = self._drafts(batch)
         before = time.perf_counter_ns()
-        if drafts is not None:
+        if drafts is not None and any(drafts):
             rows = self._verify_rows(batch, drafts)
             out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables)
             forward_ns = time.perf_counter_ns() - before
             generations = self._accept(batch, drafts, out.logits, out.hidden)
-            for state, draft, generation in zip(batch.requests, drafts, generations):
-                state.drafter.observe(draft, generation.tokens.ids)
-        else:
+        else:  # nothing to verify: a plain step, at a plain step's cost
             rows, first = self._decode_rows(batch)
             out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables)
             forward_ns = time.perf_counter_ns() - before
             generations = self._step_rows(batch, out.logits, out.hidden, first)
+        if drafts is not None:  # each request's record of guesses (sent or only checked)
+            for state, draft, generation in zip(batch.requests, drafts, generations):
+                state.drafter.observe(draft, generation.tokens.ids)
         result = self._finish_step(batch, generations, start, forward_ns)
         result.concat_ns = concat_ns
-        if drafts is not None:
+        if drafts is not None and any(drafts):
             result.draft_tokens = sum(len(d) for d in drafts)
             result.accepted_tokens = sum(len(g.tokens.ids) - 1 for g in generations)
         return result

@@ -6,13 +6,17 @@ logits for the rows asked for.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from shard.compiled_decode import CompiledDecode, unsupported_reason
 from shard.layers import paged_kernel
 from shard.layers.attention import (AttentionMetadata, DecodeGroup, LayerCache, PrefillLayout,
                                     gather_index)
+
+log = logging.getLogger("tgi.shard.model_runner")
 
 # Decode attention in PyTorch (where the C kernel does not run) pads every context of a group to the
 # group's longest. A sequence joins a group while its context is at most twice the group's shortest,
@@ -80,13 +84,29 @@ class PrefillSequence:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, spec: KVCacheSpec):
+    def __init__(self, model: torch.nn.Module, spec: KVCacheSpec, *, compile_decode: bool = False,
+                 world_size: int = 1):
         self.model = model
         self.spec = spec
         self.device = spec.device
         self.cache: list[LayerCache] = []
         self.num_blocks = 0
         self.paged_kernel = paged_kernel.supports(spec.device, spec.dtype)
+        self.decode_step = self._decode_forward
+        if compile_decode:
+            reason = unsupported_reason(model, spec.device, world_size)
+            if reason is None and not self.paged_kernel:
+                reason = "decode attention runs in PyTorch here (no C kernel)"
+            if reason is None:
+                self.decode_step = CompiledDecode(self._decode_forward)
+            else:
+                log.warning("the decode step is not compiled: %s", reason)
+
+    def warm_decode(self) -> None:
+        """Compiles the decode step now, when it is to be compiled (see shard.compiled_decode)."""
+        if isinstance(self.decode_step, CompiledDecode):
+            with torch.inference_mode():
+                self.decode_step.warm(tables_width=1)
 
     def allocate(self, num_blocks: int) -> None:
         self.cache = []  # free the old pool before allocating the new one
@@ -173,9 +193,13 @@ class ModelRunner:
     def decode(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                block_tables: torch.Tensor) -> DecodeOutput:
         """One token per sequence at position seq_lens -> logits [B, vocab] and hidden states."""
+        return DecodeOutput(*self.decode_step(input_ids, seq_lens, block_tables))
+
+    def _decode_forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
+                        block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(self.model.embed(input_ids), seq_lens, self.cache,
                             self._decode_metadata(seq_lens, block_tables))
-        return DecodeOutput(self.model.logits(hidden), hidden)
+        return self.model.logits(hidden), hidden
 
     def _decode_metadata(self, seq_lens: torch.Tensor,
                          block_tables: torch.Tensor) -> AttentionMetadata:

@@ -41,46 +41,61 @@ class NgramIndex:
         return []
 
 
-# A forward's cost grows about linearly with its rows: a + b x rows. This is a / b as measured on
-# a CPU (benchmarks/engine_bench.py: 13.8 ms at 1 row, 25.6 at 16, 39.7 at 32 for SmolLM2 in
-# bf16); on a GPU rows cost relatively less, and the rule below then drafts more willingly.
-ROW_COST_RATIO = 16.0
-# how fast a request's acceptance estimate follows its latest drafts
-ACCEPTANCE_WEIGHT = 0.3
+# What a step costs: a + b x rows, plus, when a request drafts, a round of choosing tokens per
+# drafted position (sampling, detokenising and stop checks for the requests still in the run).
+# This is a / b with that round counted as rows: the forward alone gives a / b near 13 on a CPU
+# (benchmarks/engine_bench.py, SmolLM2 in bf16: 13.8 ms at 1 row, 25.6 at 16, 39.7 at 32); with
+# 13, natural questions at 32 streams ran 7% slower with --speculate 4 than without, with 6
+# level (benchmarks/RESULTS.md).
+ROW_COST_RATIO = 6.0
+# How much of a request's record each new step keeps: its estimate follows about its last
+# 1 / (1 - RECORD_DECAY) steps. Before any record, a guess is taken to hold with PRIOR_HITS /
+# PRIOR_CHECKS, as if that many guesses had been checked.
+RECORD_DECAY = 0.8
+PRIOR_HITS, PRIOR_CHECKS = 1.0, 2.0
 
 
 def acceptance_threshold(batch_rows: int, ratio: float = ROW_COST_RATIO) -> float:
-    """The share of its drafts a request must be expected to get accepted for drafting to pay:
-    a draft row costs b and yields its acceptance rate in tokens, while the step yields
-    batch_rows tokens for a + b x batch_rows; it pays when rate > batch_rows / (a / b + rows)."""
+    """The chance of being accepted a draft token needs for its row to pay: a row costs b and
+    yields that chance in tokens, while the step yields batch_rows tokens for a + b x batch_rows;
+    it pays when the chance exceeds batch_rows / (a / b + batch_rows)."""
     return batch_rows / (ratio + batch_rows)
 
 
 @dataclass(slots=True)
 class Drafter:
-    """One request's drafts and how well they have done: it drafts while its acceptance estimate
-    clears the step's threshold; otherwise it keeps checking, for free, whether its first draft
-    token would have been right, so that a request that starts repeating itself drafts again."""
+    """One request's drafts and how well its guesses have done. A draft's i-th token is accepted
+    only if the i - 1 before it were, so with a guess holding with chance p it is accepted with
+    chance p^i: the request drafts as many tokens as keep p^i above the step's threshold (none
+    when even the first does not), and still checks, for free, whether the guess it did not send
+    would have held, so that a request that starts repeating itself drafts again."""
 
     index: NgramIndex = field(default_factory=NgramIndex)
-    acceptance: float = 1.0  # estimated share of drafts accepted; optimistic until measured
-    shadow: int | None = None  # the token it would have proposed first, this step
+    hits: float = 0.0  # guesses that held, decayed step by step
+    checks: float = 0.0  # guesses checked, decayed alike
+    shadow: int | None = None  # the first token it would have proposed, when it proposed none
+
+    @property
+    def hit_rate(self) -> float:
+        return (self.hits + PRIOR_HITS) / (self.checks + PRIOR_CHECKS)
 
     def drafts(self, ids: list[int], count: int, threshold: float) -> list[int]:
         proposal = self.index.propose(ids, count)
-        if self.acceptance >= threshold:
-            self.shadow = None
-            return proposal
-        self.shadow = proposal[0] if proposal else None
-        return []
+        length, chance = 0, self.hit_rate
+        while length < len(proposal) and chance ** (length + 1) > threshold:
+            length += 1
+        self.shadow = proposal[0] if proposal and not length else None
+        return proposal[:length]
 
     def observe(self, draft: list[int], chosen: list[int]) -> None:
-        """Updates the estimate with the step's outcome: the draft verified (every chosen token
-        but the last was an accepted draft token) or the shadow guess."""
+        """Records the step: the draft's tokens checked until the first that did not hold (every
+        chosen token but the last is an accepted draft token), or the unsent guess."""
         if draft:
-            rate = (len(chosen) - 1) / len(draft)
+            accepted = len(chosen) - 1
+            hits, checks = accepted, min(accepted + 1, len(draft))
         elif self.shadow is not None:
-            rate = float(chosen[0] == self.shadow)
+            hits, checks = int(chosen[0] == self.shadow), 1
         else:
             return
-        self.acceptance += ACCEPTANCE_WEIGHT * (rate - self.acceptance)
+        self.hits = self.hits * RECORD_DECAY + hits
+        self.checks = self.checks * RECORD_DECAY + checks

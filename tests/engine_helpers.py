@@ -17,14 +17,16 @@ from shard.sampling import SamplingParams
 
 
 def make_engine(model_dir: Path, *, block_size: int = 4, num_blocks: int = 512,
-                dtype: torch.dtype = torch.float32, speculate: int = 0) -> Engine:
+                dtype: torch.dtype = torch.float32, speculate: int = 0,
+                compile_decode: bool = False) -> Engine:
     loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
                         parallel=ParallelContext())
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size,
                        dtype, torch.device("cpu"))
-    runner = ModelRunner(loaded.model, spec)
+    runner = ModelRunner(loaded.model, spec, compile_decode=compile_decode)
     runner.allocate(num_blocks)
+    runner.warm_decode()
     return Engine(loaded, runner, speculate=speculate)
 
 

@@ -22,6 +22,8 @@ class FakeShardClient:
         self.step_delay = step_delay
         self.fail_next: str | None = None
         self.decode_sizes: list[int] = []
+        # tokens a decode step gives each request (several: as speculation accepting drafts)
+        self.tokens_per_decode = 1
         # a request the shard refuses on its own: returns why, or None to take it
         self.refuse = lambda request: None
         # a request whose message cannot be built: returns the error, or None
@@ -38,22 +40,26 @@ class FakeShardClient:
     def _max_new_tokens(self, request_id: int) -> int:
         return self.requests[request_id].request.stopping.max_new_tokens
 
-    def _step(self, request_ids: list[int]) -> list[Generation]:
+    def _step(self, request_ids: list[int], tokens: int = 1) -> list[Generation]:
         generations = []
         for rid in request_ids:
-            self.generated[rid] += 1
-            count = self.generated[rid]
+            events, error = [], None
             limit = self._max_new_tokens(rid)
-            assert count <= limit, f"request {rid} overran"
-            error = self.unreadable(self.requests[rid], count)
-            if error is not None:
-                generations.append(Generation(rid, [], error))
-                continue
-            event = TokenEvent(token=Token(count, f"t{count} ", -0.5, False))
-            if count == limit:
-                event.final = FinalInfo("".join(f"t{i} " for i in range(1, count + 1)), count,
-                                        FinishReason.LENGTH, None)
-            generations.append(Generation(rid, [event]))
+            for _ in range(tokens):
+                self.generated[rid] += 1
+                count = self.generated[rid]
+                assert count <= limit, f"request {rid} overran"
+                error = self.unreadable(self.requests[rid], count)
+                if error is not None:
+                    break
+                event = TokenEvent(token=Token(count, f"t{count} ", -0.5, False))
+                events.append(event)
+                if count == limit:
+                    event.final = FinalInfo("".join(f"t{i} " for i in range(1, count + 1)),
+                                            count, FinishReason.LENGTH, None)
+                    break
+            generations.append(Generation(rid, [], error) if error is not None
+                               else Generation(rid, events))
         return generations
 
     def _result(self, batch_id: int, generations: list[Generation]) -> StepResult:
@@ -130,7 +136,7 @@ class FakeShardClient:
                 f"finished request {rid} was decoded again"
         self.batches[batches[0].id] = ids
         self.decode_sizes.append(len(ids))
-        return self._result(batches[0].id, self._step(ids))
+        return self._result(batches[0].id, self._step(ids, self.tokens_per_decode))
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         self.calls.append(("filter", list(request_ids)))

@@ -62,10 +62,14 @@ def test_http_benchmark_against_a_peer(tiny_llama, tmp_path):
                 "--concurrency", "2", "--requests", "2", "--prompt-tokens", "8", "--new-tokens",
                 "4", "--routes", "completions", "--peer-url", f"http://127.0.0.1:{port}",
                 "--peer-model", "whatever", "--peer-command", peer, "--no-baseline", "--json",
-                str(tmp_path / "h.json")], tmp_path)
-    assert "tgi-py completions / peer = " in out
+                str(tmp_path / "h.json"), "--prompts", "questions",
+                "--server-arg=--speculate", "--server-arg=3"], tmp_path)
+    assert "tgi-py completions / peer = " in out and "question prompts" in out
     figures = json.loads((tmp_path / "h.json").read_text())
     assert figures["peer"]["output_tokens"] == 2 * 4
+    # ours speculated (its /metrics counts drafts), the peer, started without, did not
+    assert figures["completions"]["speculation"] is not None
+    assert figures["peer"]["speculation"] == {"draft_tokens": 0, "accepted_tokens": 0}
     import urllib.error
     import urllib.request
 

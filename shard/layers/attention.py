@@ -82,8 +82,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
 def _decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:
     if meta.decode_context_lens is not None:
-        return paged_kernel.paged_decode_attention(q, cache.key, cache.value, meta.decode_tables,
-                                                   meta.decode_context_lens, scale)
+        attend = (paged_kernel.paged_decode_attention_op if torch.compiler.is_compiling()
+                  else paged_kernel.paged_decode_attention)
+        return attend(q, cache.key, cache.value, meta.decode_tables, meta.decode_context_lens,
+                      scale)
     groups = meta.decode_groups
     if len(groups) == 1 and groups[0].rows is None:
         return _attend_group(q, cache, groups[0], scale)

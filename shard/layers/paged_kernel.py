@@ -123,3 +123,17 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     if status != 0:
         raise MemoryError("decode attention could not allocate its scratch buffers")
     return out.to(q.dtype)
+
+
+@torch.library.custom_op("tgi::paged_decode_attention", mutates_args=())
+def paged_decode_attention_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                              block_tables: torch.Tensor, context_lens: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """paged_decode_attention as an operator: what a compiled step calls (a compiler cannot see
+    into the kernel's raw pointers)."""
+    return paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+@paged_decode_attention_op.register_fake
+def _(q, key_cache, value_cache, block_tables, context_lens, scale):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

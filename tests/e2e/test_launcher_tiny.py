@@ -74,3 +74,28 @@ def test_concurrent_requests_are_batched_and_answer_like_alone(server):
     with ThreadPoolExecutor(8) as pool:
         together = list(pool.map(run, prompts))
     assert together == alone
+
+
+def test_a_compiled_speculating_tiny_server_answers_as_the_eager_engine(tiny_llama, tmp_path):
+    """--compile-decode and --speculate reach the shard: the step is compiled at warm-up, and
+    greedy answers are the eager engine's own."""
+    from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion
+
+    prompt = "one two three one two three one two"
+    engine = make_engine(tiny_llama)
+    ids = engine.tokenizer.encode(prompt).ids
+    want = run_to_completion(engine, [request(0, ids, BlockPool(64).take(len(ids) + 24, 4),
+                                              max_new_tokens=24, ignore_eos=True)])[0]
+    launched = launch(["--model-id", str(tiny_llama)], tmp_path,
+                      extra=["--compile-decode", "--speculate", "3", "--block-size", "4",
+                             "--max-batch-total-tokens", "4096"])
+    try:
+        reply = requests.post(f"{launched.url}/generate", timeout=120, json={
+            "inputs": prompt, "parameters": {"max_new_tokens": 24, "ignore_eos": True,
+                                             "details": True}})
+        assert reply.status_code == 200, reply.text
+        assert [t["id"] for t in reply.json()["details"]["tokens"]] == want
+        assert "decode step compiled" in launched.log()
+    finally:
+        assert launched.stop() == 0
+    assert launched.processes_left() == []

@@ -15,10 +15,11 @@ from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from tests.fakes import FakeShardClient
 
 
-def _setup(client, *, num_blocks=200, max_batch_size=None, ratio=0.0):
+def _setup(client, *, num_blocks=200, max_batch_size=None, ratio=0.0, max_waiting_tokens=20):
     allocator = BlockAllocator(num_blocks, 4)
     limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
-                              waiting_served_ratio=ratio, max_waiting_tokens=20,
+                              waiting_served_ratio=ratio,
+                              max_waiting_tokens=max_waiting_tokens,
                               max_batch_size=max_batch_size)
     metrics = Metrics(max_input_tokens=100, max_total_tokens=200)
     batcher = Batcher(client, RequestQueue(allocator), allocator, limits, metrics)
@@ -295,3 +296,26 @@ def _gauge(batcher, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} is not exported")
+
+
+@pytest.mark.parametrize("tokens_per_decode", [1, 4])
+async def test_a_waiting_request_joins_after_max_waiting_tokens_tokens_not_steps(
+        tokens_per_decode):
+    """TGI counts the wait in tokens: with speculation a step passes several per request."""
+    client = FakeShardClient(step_delay=0.01)
+    client.tokens_per_decode = tokens_per_decode
+    # a lone newcomer never brings 2x the running batch: it waits out max_waiting_tokens
+    batcher, infer, allocator = _setup(client, ratio=2.0, max_waiting_tokens=12)
+
+    async def scenario():
+        first = asyncio.create_task(infer.generate(_request(max_new_tokens=60)))
+        await asyncio.sleep(0.015)  # the first is prefilled; its first decode step is running
+        second = await infer.generate(_request(max_new_tokens=2))
+        await first
+        return second
+
+    await _with_loop(batcher, scenario())
+    prefills = [i for i, (name, _) in enumerate(client.calls) if name == "prefill"]
+    steps_waited = sum(1 for name, _ in client.calls[prefills[0]:prefills[1]] if name == "decode")
+    assert steps_waited == -(-12 // tokens_per_decode)
+    _assert_all_freed(allocator, client)
