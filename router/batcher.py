@@ -182,7 +182,9 @@ class Batcher:
                 break
             self._batch_gauges(batches)
             running = await self.steps.decode(batches)  # None when the shards were lost
-            # TGI counts the wait in tokens; with speculation a step may pass several
+            # the wait is counted in tokens passed, as --max-waiting-tokens is named (TGI adds one
+            # per step even when speculating): a speculative step passes as many as the request
+            # that got the most
             waited_tokens += self.steps.last_step_tokens
 
     def _batch_gauges(self, batches: list[CachedBatch]) -> None:

@@ -74,8 +74,8 @@ class CompiledDecode:
 
     def warm(self, tables_width: int) -> None:
         """Compiles the two graphs (one row; several rows) with a step over block 0, which never
-        holds a request's keys, then stops checking the graphs' guards on every call (a new shape
-        that needed another graph raises instead of compiling in the middle of serving)."""
+        holds a request's keys; from then on a step that would need another graph raises (every
+        guard is still checked) instead of compiling in the middle of serving."""
         width = max(tables_width, MIN_TABLE_WIDTH)
         torch.compiler.set_stance("default")  # a pool allocated again is warmed again
         self.active = False
@@ -88,7 +88,7 @@ class CompiledDecode:
             log.warning("the decode step could not be compiled, it runs eagerly: %s",
                         str(err).strip().splitlines()[0][:300] if str(err).strip() else repr(err))
             return
-        torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        torch.compiler.set_stance("fail_on_recompile")
         self.active = True
         log.info("decode step compiled (one graph for a single row, one for larger batches)")
 

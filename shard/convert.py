@@ -104,7 +104,9 @@ def step_response(result: StepResult, message_class):
         response.concat_ns = result.concat_ns
     for request_id, reason in result.rejected:
         response.rejected.add(request_id=request_id, reason=reason)
-    if result.draft_tokens:
+    # a Prefill's riding batch may take its step alone (every new request refused); only a Decode
+    # reports drafts
+    if result.draft_tokens and message_class is pb.DecodeResponse:
         response.draft_tokens = result.draft_tokens
         response.accepted_tokens = result.accepted_tokens
     return response

@@ -316,8 +316,11 @@ class Engine:
             # every token a draft leads to must fit the request's budget: its keys and values
             # then stay within the blocks the router reserved for it
             room = min(self.speculate, state.stop.max_new_tokens - state.stop.num_generated - 1)
-            drafts.append(state.drafter.drafts(state.all_ids, room, threshold) if room > 0
-                          else [])
+            if room > 0:
+                drafts.append(state.drafter.drafts(state.all_ids, room, threshold))
+            else:
+                state.drafter.shadow = None  # no guess this step, none to check
+                drafts.append([])
         return drafts
 
     def _verify_rows(self, batch: Batch, drafts: list[list[int]]) -> DecodeRows:

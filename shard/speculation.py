@@ -44,9 +44,9 @@ class NgramIndex:
 # What a step costs: a + b x rows, plus, when a request drafts, a round of choosing tokens per
 # drafted position (sampling, detokenising and stop checks for the requests still in the run).
 # This is a / b with that round counted as rows: the forward alone gives a / b near 13 on a CPU
-# (benchmarks/engine_bench.py, SmolLM2 in bf16: 13.8 ms at 1 row, 25.6 at 16, 39.7 at 32); with
-# 13, natural questions at 32 streams ran 7% slower with --speculate 4 than without, with 6
-# level (benchmarks/RESULTS.md).
+# (benchmarks/engine_bench.py, SmolLM2 in bf16: 13.8 ms at 1 row, 25.6 at 16, 39.7 at 32). With
+# 13, natural questions at 32 streams ran up to 13% slower with --speculate 4 than without; with 6,
+# 4-6% (benchmarks/RESULTS.md), drafts being then rare at that batch size.
 ROW_COST_RATIO = 6.0
 # How much of a request's record each new step keeps: its estimate follows about its last
 # 1 / (1 - RECORD_DECAY) steps. Before any record, a guess is taken to hold with PRIOR_HITS /

@@ -61,7 +61,7 @@ def test_a_step_the_compiled_graph_cannot_serve_runs_eagerly_from_then_on(tiny_l
     assert step.active
 
     def broken(*args):
-        raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance")
+        raise RuntimeError("Detected recompile when torch.compile stance is fail_on_recompile")
 
     step.compiled = broken
     with caplog.at_level(logging.WARNING, logger="tgi.shard.compiled_decode"):

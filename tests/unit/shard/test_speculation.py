@@ -216,3 +216,25 @@ def test_a_large_batch_drafts_only_for_requests_whose_drafts_hold(tiny_llama, mo
     # each request drafted until its estimate fell under the threshold of a batch of 2, then
     # only watched (12 tokens: 11 decode steps, 4 drafts each had they gone on)
     assert 0 < drafted < 2 * 11 * 4
+
+
+def test_a_drafting_batch_that_rides_a_prefill_of_refused_requests_answers_it(engines,
+                                                                               monkeypatch):
+    """Every new request refused: the riding batch takes its step alone, drafts included, and
+    the Prefill's reply (which has no draft counts) still goes out."""
+    from proto import generate_pb2 as pb
+    from shard.convert import step_response
+
+    _, speculative = engines
+    monkeypatch.setattr(engine_module, "acceptance_threshold", lambda rows: 0.0)
+    pool = BlockPool(512)
+    prompt = speculative.tokenizer.encode("a b c a b c a b c a b").ids
+    out = speculative.prefill(1, [request(0, prompt, pool.take(len(prompt) + 12, 4),
+                                          max_new_tokens=12, ignore_eos=True)])
+    bad = request(1, prompt, [10_000], max_new_tokens=4)  # a block outside the pool
+    result = speculative.prefill(2, [bad], cached_batch_id=out.batch.id)
+    assert [rid for rid, _ in result.rejected] == [1] and result.draft_tokens > 0
+    reply = step_response(result, pb.PrefillResponse)
+    assert [g.request_id for g in reply.generations] == [0]
+    assert len(reply.generations[0].tokens.ids) >= 1 and reply.rejected[0].request_id == 1
+    speculative.clear()
