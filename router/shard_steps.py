@@ -79,7 +79,8 @@ class ShardSteps:
             return None
         if result.draft_tokens:
             self.metrics.observe_speculation(result.draft_tokens, result.accepted_tokens)
-        self.last_step_tokens = max((len(g.events) for g in result.generations), default=1)
+        # at least one: a step whose every generation failed to be read still passed a token
+        self.last_step_tokens = max([1, *(len(g.events) for g in result.generations)])
         return await self.after_step(result, "decode")
 
     async def after_step(self, result: StepResult, method: str) -> CachedBatch | None:

@@ -183,8 +183,9 @@ class Engine:
         else:
             batch = batches[0]
         drafts = self._drafts(batch)
+        verifies = drafts is not None and any(drafts)
         before = time.perf_counter_ns()
-        if drafts is not None and any(drafts):
+        if verifies:
             rows = self._verify_rows(batch, drafts)
             out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables)
             forward_ns = time.perf_counter_ns() - before
@@ -199,7 +200,7 @@ class Engine:
                 state.drafter.observe(draft, generation.tokens.ids)
         result = self._finish_step(batch, generations, start, forward_ns)
         result.concat_ns = concat_ns
-        if drafts is not None and any(drafts):
+        if verifies:
             result.draft_tokens = sum(len(d) for d in drafts)
             result.accepted_tokens = sum(len(g.tokens.ids) - 1 for g in generations)
         return result

@@ -96,6 +96,10 @@ def test_a_compiled_speculating_tiny_server_answers_as_the_eager_engine(tiny_lla
         assert reply.status_code == 200, reply.text
         assert [t["id"] for t in reply.json()["details"]["tokens"]] == want
         assert "decode step compiled" in launched.log()
+        metrics = requests.get(f"{launched.url}/metrics", timeout=30).text
+        drafted = next(float(line.split()[1]) for line in metrics.splitlines()
+                       if line.startswith("tgi_speculation_draft_tokens "))
+        assert drafted > 0, "the repeating prompt's guesses were sent and verified"
     finally:
         assert launched.stop() == 0
     assert launched.processes_left() == []
