@@ -39,10 +39,13 @@ class RouterConfig:
                                                "of the running batch.")
     max_batch_total_tokens: int = _opt(None, "Tokens of KV cache in all; default: sized by the shards "
                                              "from free memory.")
-    waiting_served_ratio: float = _opt(0.3, "Waiting/running ratio that interrupts decoding to prefill.")
+    waiting_served_ratio: float = _opt(0.3, "Waiting/running ratio that interrupts decoding to "
+                                            "prefill. Ignored, as in TGI, with shards that chunk "
+                                            "prefills (ours do): new requests join at once.")
     max_waiting_tokens: int = _opt(20, "Tokens the running requests may pass (one a decode step, "
                                        "several with --speculate) while a request waits, before "
-                                       "it forces a prefill.")
+                                       "it forces a prefill. Ignored, as in TGI, with shards "
+                                       "that chunk prefills (ours do).")
     max_batch_size: int = _opt(None, "Most requests in a running batch (default: no limit).")
     max_client_batch_size: int = _opt(4, "Most inputs in one client request.")
     validation_workers: int = _opt(2, "Threads that tokenise and validate requests.")
@@ -130,6 +133,12 @@ class RouterConfig:
     def session_limits(self) -> SessionLimits:
         return SessionLimits(max_sessions=self.max_sessions, kv_share=self.session_kv_share,
                              ttl=self.session_ttl)
+
+    def sets_join_rule(self) -> bool:
+        """Whether --waiting-served-ratio or --max-waiting-tokens differs from its default."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return any(getattr(self, name) != defaults[name]
+                   for name in ("waiting_served_ratio", "max_waiting_tokens"))
 
 
 @dataclass(slots=True)

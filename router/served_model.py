@@ -207,6 +207,10 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
     tokenizer = RouterTokenizer(config.tokenizer_path, workers=config.validation_workers)
     await client.clear_cache()
     shard_info = await client.info()
+    if shard_info.support_chunking and config.sets_join_rule():
+        log.warning("the shards chunk prefills: --waiting-served-ratio and --max-waiting-tokens "
+                    "are ignored (as in TGI); a new request's prefill carries the running "
+                    "batch's step, and it joins as soon as it fits")
     limits = TokenLimits.resolve(config, shard_info.max_position_embeddings,
                                  chunking=shard_info.support_chunking)
     num_blocks = await warm_up(client, config, limits, shard_info.block_size)

@@ -88,10 +88,12 @@ class Drafter:
         return proposal[:length]
 
     def observe(self, draft: list[int], chosen: list[int]) -> None:
-        """Records the step: the draft's tokens checked until the first that did not hold (every
-        chosen token but the last is an accepted draft token), or the unsent guess."""
+        """Records the step: the draft's tokens checked until the first that did not hold, or
+        the unsent guess."""
         if draft:
-            accepted = len(chosen) - 1
+            accepted = 0
+            while accepted < min(len(draft), len(chosen)) and draft[accepted] == chosen[accepted]:
+                accepted += 1
             hits, checks = accepted, min(accepted + 1, len(draft))
         elif self.shadow is not None:
             hits, checks = int(chosen[0] == self.shadow), 1

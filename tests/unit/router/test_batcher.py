@@ -15,14 +15,16 @@ from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from tests.fakes import FakeShardClient
 
 
-def _setup(client, *, num_blocks=200, max_batch_size=None, ratio=0.0, max_waiting_tokens=20):
+def _setup(client, *, num_blocks=200, max_batch_size=None, ratio=0.0, max_waiting_tokens=20,
+           chunking=False):
     allocator = BlockAllocator(num_blocks, 4)
     limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
                               waiting_served_ratio=ratio,
                               max_waiting_tokens=max_waiting_tokens,
                               max_batch_size=max_batch_size)
     metrics = Metrics(max_input_tokens=100, max_total_tokens=200)
-    batcher = Batcher(client, RequestQueue(allocator), allocator, limits, metrics)
+    batcher = Batcher(client, RequestQueue(allocator, chunking=chunking), allocator, limits,
+                      metrics)
     return batcher, Infer(batcher, metrics, max_concurrent_requests=64), allocator
 
 
@@ -105,9 +107,9 @@ async def test_max_batch_size_bounds_the_running_batch():
     assert max(client.decode_sizes) == 2
 
 
-async def _decodes_before_late_prefill(ratio: float) -> int:
+async def _decodes_before_late_prefill(ratio: float, chunking: bool = False) -> int:
     client = FakeShardClient(step_delay=0.01)
-    batcher, infer, _ = _setup(client, ratio=ratio)
+    batcher, infer, _ = _setup(client, ratio=ratio, chunking=chunking)
     batcher.limits.max_waiting_tokens = 6
 
     async def scenario():
@@ -130,6 +132,12 @@ async def test_waiting_served_ratio_holds_a_lone_request_until_max_waiting_token
     assert await _decodes_before_late_prefill(0.5) >= 3
     # with no ratio it joins at the next step
     assert await _decodes_before_late_prefill(0.0) <= 1
+
+
+async def test_with_shards_that_chunk_a_lone_request_joins_at_once_whatever_the_ratio():
+    """TGI ignores the join rule when the shards chunk: the newcomer's prefill carries the
+    running batch's step, so the running requests lose no step to it."""
+    assert await _decodes_before_late_prefill(0.5, chunking=True) <= 1
 
 
 async def test_a_long_prompt_is_prefilled_in_chunks_that_carry_the_running_batch():
@@ -302,14 +310,15 @@ def _gauge(batcher, name: str) -> float:
 async def test_a_waiting_request_joins_after_max_waiting_tokens_tokens_not_steps(
         tokens_per_decode):
     """TGI counts the wait in tokens: with speculation a step passes several per request."""
-    client = FakeShardClient(step_delay=0.01)
+    client = FakeShardClient(step_delay=0.02)
     client.tokens_per_decode = tokens_per_decode
     # a lone newcomer never brings 2x the running batch: it waits out max_waiting_tokens
     batcher, infer, allocator = _setup(client, ratio=2.0, max_waiting_tokens=12)
 
     async def scenario():
         first = asyncio.create_task(infer.generate(_request(max_new_tokens=60)))
-        await asyncio.sleep(0.015)  # the first is prefilled; its first decode step is running
+        while not any(name == "decode" for name, _ in client.calls):
+            await asyncio.sleep(0.001)  # the first is prefilled and its decode steps began
         second = await infer.generate(_request(max_new_tokens=2))
         await first
         return second

@@ -238,3 +238,29 @@ def test_a_drafting_batch_that_rides_a_prefill_of_refused_requests_answers_it(en
     assert [g.request_id for g in reply.generations] == [0]
     assert len(reply.generations[0].tokens.ids) >= 1 and reply.rejected[0].request_id == 1
     speculative.clear()
+
+
+def test_a_draft_token_a_request_stops_on_counts_as_accepted(engines, monkeypatch):
+    """The accepted count is the number of draft tokens chosen, also when the request stops (here
+    on a stop sequence) on one of them rather than on the step's own token."""
+    plain, speculative = engines
+    prompt = plain.tokenizer.encode("one two three four one two three four one two").ids
+    pool = BlockPool(512)
+    free, = _run(plain, [request(0, prompt, pool.take(len(prompt) + 11, 4), max_new_tokens=12,
+                                 ignore_eos=True)])[0].values()
+    answer = prompt + [t for g in free for t in g.tokens.ids]
+    # the first decode step drafts the 2nd to 5th tokens: stop on the 4th, a draft token
+    stop = "".join([text for g in free for text in g.tokens.texts][:4])
+
+    def oracle(self, ids, count):  # always the plain run's next tokens
+        return answer[len(ids):len(ids) + count]
+
+    monkeypatch.setattr(NgramIndex, "propose", oracle)
+    monkeypatch.setattr(engine_module, "acceptance_threshold", lambda rows: 0.0)
+    stopping = dict(max_new_tokens=12, ignore_eos=True, stop_sequences=[stop])
+    want, _, _ = _run(plain, [request(0, prompt, pool.take(len(prompt) + 11, 4), **stopping)])
+    got, drafted, accepted = _run(speculative, [request(0, prompt, pool.take(len(prompt) + 11, 4),
+                                                        **stopping)])
+    _assert_same_answers(got, want)
+    assert [len(g.tokens.ids) for g in got[0]] == [1, 3], "stopped on the third of four drafts"
+    assert (drafted, accepted) == (4, 3)
