@@ -120,7 +120,8 @@ async def bench(args) -> dict:
         channel = grpc.aio.insecure_channel(f"unix://{socket_prefix}-0")
         stub = pb_grpc.TextGenerationServiceStub(channel)
         info = await stub.Info(pb.InfoRequest())
-        tokens = max(args.batch_sizes) * (max(args.prompt_lengths) + args.steps + args.warmup + 64)
+        longest = max(*args.prompt_lengths, args.decode_prompt)
+        tokens = max(args.batch_sizes) * (longest + args.steps + args.warmup + 64)
         warm = await stub.Warmup(pb.WarmupRequest(batch=pb.Batch(id=0), max_input_tokens=1,
                                                   max_prefill_tokens=1, max_total_tokens=2,
                                                   max_batch_total_tokens=tokens))

@@ -168,20 +168,153 @@ static inline void row_offsets(const int64_t *table, int64_t length, int64_t kv,
 }
 
 #ifdef __AVX2__
-/* o[0..64) = sum over t of probs[t] * value row t (64 dims from `dim0`), in registers */
-static inline void weighted_sum64(const void *value_cache, int bf16, const int64_t *offsets,
-                                  int64_t length, const float *probs, int64_t dim0, float *o) {
-    __m256 acc[8];
-    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+/* For the `count` (1 to 4) query heads that share these values: o[h * head_dim + d0 ..+ 16) = sum
+ * over t of probs[h * stride + t] * value row t (its 16 dims from d0). Each value row is read and
+ * widened once for all the heads, not once per head. */
+static inline __attribute__((always_inline)) void
+weighted_sum16(const void *value_cache, int bf16, const int64_t *offsets, int64_t length,
+               const float *probs, int64_t stride, const int count, int64_t d0, int64_t head_dim,
+               float *o) {
+    __m256 acc[4][2];
+    for (int h = 0; h < count; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
     for (int64_t t = 0; t < length; t++) {
-        __m256 w = _mm256_set1_ps(probs[t]);
-        int64_t at = offsets[t] + dim0;
-        for (int i = 0; i < 8; i++)
-            acc[i] = _mm256_fmadd_ps(w, load8(value_cache, bf16, at + 8 * i), acc[i]);
+        int64_t at = offsets[t] + d0;
+        __m256 v0 = load8(value_cache, bf16, at), v1 = load8(value_cache, bf16, at + 8);
+        for (int h = 0; h < count; h++) {
+            __m256 w = _mm256_set1_ps(probs[h * stride + t]);
+            acc[h][0] = _mm256_fmadd_ps(w, v0, acc[h][0]);
+            acc[h][1] = _mm256_fmadd_ps(w, v1, acc[h][1]);
+        }
     }
-    for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
+    for (int h = 0; h < count; h++) {
+        _mm256_storeu_ps(o + h * head_dim + d0, acc[h][0]);
+        _mm256_storeu_ps(o + h * head_dim + d0 + 8, acc[h][1]);
+    }
+}
+
+/* weighted_sum16 with the head count known to the compiler, so the accumulators stay in registers */
+static void weighted_sums(const void *value_cache, int bf16, const int64_t *offsets,
+                          int64_t length, const float *probs, int64_t stride, int64_t heads,
+                          int64_t head_dim, float *o) {
+    for (int64_t h = 0; h < heads; h += 4, probs += 4 * stride, o += 4 * head_dim) {
+        int64_t count = heads - h < 4 ? heads - h : 4;
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+            switch (count) {
+            case 1: weighted_sum16(value_cache, bf16, offsets, length, probs, stride, 1, d0,
+                                   head_dim, o); break;
+            case 2: weighted_sum16(value_cache, bf16, offsets, length, probs, stride, 2, d0,
+                                   head_dim, o); break;
+            case 3: weighted_sum16(value_cache, bf16, offsets, length, probs, stride, 3, d0,
+                                   head_dim, o); break;
+            default: weighted_sum16(value_cache, bf16, offsets, length, probs, stride, 4, d0,
+                                    head_dim, o); break;
+            }
+        }
+    }
 }
 #endif
+
+#ifdef __AVX512F__
+/* 16 floats of a cache row (float32 or bf16) */
+static inline __m512 load16(const void *cache, int bf16, int64_t at) {
+    if (!bf16) return _mm512_loadu_ps((const float *)cache + at);
+    __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* The 8 horizontal sums of acc[0..7], in order. */
+static inline __m256 sum8_wide(const __m512 acc[8]) {
+    __m256 halves[8];
+    for (int j = 0; j < 8; j++)
+        halves[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm256_castpd_ps(
+            _mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1)));
+    return sum8(halves);
+}
+
+/* scores[h * stride + j] = scale * q_h . k_j for `count` (1 to 3) query heads and 8 keys (rows at
+ * offsets[0..8)): each key's 16 dims are loaded and widened once for all the heads, in registers. */
+static inline __attribute__((always_inline)) void
+score8_wide(const float *q, const int count, const void *key_cache, int bf16,
+            const int64_t *offsets, int64_t head_dim, float scale, float *scores, int64_t stride) {
+    __m512 acc[3][8];
+    for (int h = 0; h < count; h++)
+        for (int j = 0; j < 8; j++) acc[h][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 16) {
+        __m512 qv[3];
+        for (int h = 0; h < count; h++) qv[h] = _mm512_loadu_ps(q + h * head_dim + d);
+        for (int j = 0; j < 8; j++) {
+            __m512 k = load16(key_cache, bf16, offsets[j] + d);
+            for (int h = 0; h < count; h++) acc[h][j] = _mm512_fmadd_ps(qv[h], k, acc[h][j]);
+        }
+    }
+    for (int h = 0; h < count; h++)
+        _mm256_storeu_ps(scores + h * stride, _mm256_mul_ps(sum8_wide(acc[h]), _mm256_set1_ps(scale)));
+}
+
+/* score8_wide for every head of a group, three at a time (the accumulators fill the registers) */
+static void scores8_wide(const float *q, int64_t heads, const void *key_cache, int bf16,
+                         const int64_t *offsets, int64_t head_dim, float scale, float *scores,
+                         int64_t stride) {
+    for (int64_t h = 0; h < heads; h += 3, q += 3 * head_dim, scores += 3 * stride) {
+        switch (heads - h < 3 ? heads - h : 3) {
+        case 1: score8_wide(q, 1, key_cache, bf16, offsets, head_dim, scale, scores, stride); break;
+        case 2: score8_wide(q, 2, key_cache, bf16, offsets, head_dim, scale, scores, stride); break;
+        default: score8_wide(q, 3, key_cache, bf16, offsets, head_dim, scale, scores, stride); break;
+        }
+    }
+}
+
+/* As weighted_sum16, for 64 dims from d0 in four 16-float registers per head. */
+static inline __attribute__((always_inline)) void
+weighted_sum64_wide(const void *value_cache, int bf16, const int64_t *offsets, int64_t length,
+                    const float *probs, int64_t stride, const int count, int64_t d0,
+                    int64_t head_dim, float *o) {
+    __m512 acc[4][4];
+    for (int h = 0; h < count; h++)
+        for (int c = 0; c < 4; c++) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < length; t++) {
+        int64_t at = offsets[t] + d0;
+        __m512 v[4];
+        for (int c = 0; c < 4; c++) v[c] = load16(value_cache, bf16, at + 16 * c);
+        for (int h = 0; h < count; h++) {
+            __m512 w = _mm512_set1_ps(probs[h * stride + t]);
+            for (int c = 0; c < 4; c++) acc[h][c] = _mm512_fmadd_ps(w, v[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < count; h++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + h * head_dim + d0 + 16 * c, acc[h][c]);
+}
+
+static void weighted_sums_wide(const void *value_cache, int bf16, const int64_t *offsets,
+                               int64_t length, const float *probs, int64_t stride, int64_t heads,
+                               int64_t head_dim, float *o) {
+    for (int64_t h = 0; h < heads; h += 4, probs += 4 * stride, o += 4 * head_dim) {
+        int64_t count = heads - h < 4 ? heads - h : 4;
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+            switch (count) {
+            case 1: weighted_sum64_wide(value_cache, bf16, offsets, length, probs, stride, 1, d0,
+                                        head_dim, o); break;
+            case 2: weighted_sum64_wide(value_cache, bf16, offsets, length, probs, stride, 2, d0,
+                                        head_dim, o); break;
+            case 3: weighted_sum64_wide(value_cache, bf16, offsets, length, probs, stride, 3, d0,
+                                        head_dim, o); break;
+            default: weighted_sum64_wide(value_cache, bf16, offsets, length, probs, stride, 4, d0,
+                                         head_dim, o); break;
+            }
+        }
+    }
+}
+#endif
+
+/* Rows ahead of the one being scored whose keys are fetched early: the rows of a sequence lie in
+ * blocks scattered over the cache, which the hardware prefetchers do not follow from block to block;
+ * without these requests a step waits on memory for most of its attention time. */
+#define PREFETCH_AHEAD 32
+
+/* Asks for the cache lines of one row before they are read. */
+static inline void prefetch_row(const char *row, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at, 0, 3);
+}
 
 /* Returns 0, or -1 when a scratch buffer could not be allocated (nothing is written then). */
 int paged_decode_attention(const void *key_cache, const void *value_cache, int cache_is_bf16,
@@ -217,10 +350,29 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                     const float *q = queries + b * query_stride + kv * group * head_dim;
                     float *o = out + (b * num_heads + kv * group) * head_dim;
                     row_offsets(table, length, kv, num_kv_heads, block_size, head_dim, offsets);
+                    const int64_t row_bytes = head_dim * (int64_t)element;
+                    for (int64_t t = 0; t < PREFETCH_AHEAD && t < length; t++)
+                        prefetch_row((const char *)key_cache + offsets[t] * element, row_bytes);
                     int64_t t = 0;
 #ifdef __AVX2__
                     for (; head_dim % 8 == 0 && t + 8 <= length; t += 8) {
                         const float *keys[8];
+                        for (int j = 0; j < 8; j++) {
+                            /* the keys PREFETCH_AHEAD rows on, and the values scored now: they are
+                             * read once the scores are known */
+                            if (t + j + PREFETCH_AHEAD < length)
+                                prefetch_row((const char *)key_cache
+                                             + offsets[t + j + PREFETCH_AHEAD] * element, row_bytes);
+                            prefetch_row((const char *)value_cache + offsets[t + j] * element,
+                                         row_bytes);
+                        }
+#ifdef __AVX512F__
+                        if (head_dim % 16 == 0) {
+                            scores8_wide(q, group, key_cache, cache_is_bf16, offsets + t, head_dim,
+                                         scale, scores + t, longest);
+                            continue;
+                        }
+#endif
                         for (int j = 0; j < 8; j++)
                             keys[j] = widen_row((const char *)key_cache + offsets[t + j] * element,
                                                 cache_is_bf16, head_dim, row + j * head_dim);
@@ -228,6 +380,10 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                     }
 #endif
                     for (; t < length; t++) {
+                        if (t + PREFETCH_AHEAD < length)
+                            prefetch_row((const char *)key_cache
+                                         + offsets[t + PREFETCH_AHEAD] * element, row_bytes);
+                        prefetch_row((const char *)value_cache + offsets[t] * element, row_bytes);
                         const float *k = widen_row((const char *)key_cache + offsets[t] * element,
                                                    cache_is_bf16, head_dim, row);
                         for (int64_t g = 0; g < group; g++)
@@ -240,12 +396,17 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                         float inverse = 1.0f / exp_shifted(s, length, top);
                         for (int64_t t = 0; t < length; t++) s[t] *= inverse;
                     }
-#ifdef __AVX2__
+#ifdef __AVX512F__
                     if (head_dim % 64 == 0) {
-                        for (int64_t g = 0; g < group; g++)
-                            for (int64_t d = 0; d < head_dim; d += 64)
-                                weighted_sum64(value_cache, cache_is_bf16, offsets, length,
-                                               scores + g * longest, d, o + g * head_dim + d);
+                        weighted_sums_wide(value_cache, cache_is_bf16, offsets, length, scores,
+                                           longest, group, head_dim, o);
+                        continue;
+                    }
+#endif
+#ifdef __AVX2__
+                    if (head_dim % 16 == 0) {
+                        weighted_sums(value_cache, cache_is_bf16, offsets, length, scores, longest,
+                                      group, head_dim, o);
                         continue;
                     }
 #endif

@@ -41,8 +41,9 @@ def _scattered_case(dtype, heads, kv_heads, head_dim):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim",
-                         [(4, 4, 64), (9, 3, 64), (4, 2, 128), (4, 2, 24), (4, 1, 12)],
-                         ids=["mha", "gqa", "gqa-128", "gqa-24", "mqa-odd-dim"])
+                         [(4, 4, 64), (9, 3, 64), (4, 2, 128), (10, 2, 32), (4, 2, 24),
+                          (4, 1, 12)],
+                         ids=["mha", "gqa", "gqa-128", "gqa-5-heads", "gqa-24", "mqa-odd-dim"])
 def test_kernel_matches_pytorch_on_scattered_blocks(dtype, heads, kv_heads, head_dim,
                                                     bf16_kernels):
     """float32 queries over either cache, against the PyTorch path as each kind of CPU runs it."""
@@ -55,16 +56,18 @@ def test_kernel_matches_pytorch_on_scattered_blocks(dtype, heads, kv_heads, head
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
                     reason="-march=x86-64 is an x86 flag; other CPUs build the portable path already")
-def test_the_portable_build_without_avx2_matches_pytorch(tmp_path, monkeypatch):
-    """The scalar loops that non-AVX2 CPUs compile, built here by targeting baseline x86-64."""
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"], ids=["portable", "avx2"])
+def test_the_builds_for_older_cpus_match_pytorch(tmp_path, monkeypatch, march):
+    """The loops that CPUs without AVX2 (baseline x86-64) or without AVX-512 (x86-64-v3: AVX2 and
+    FMA) compile, built here whatever this CPU has."""
     monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path))
-    monkeypatch.setattr(paged_kernel, "FLAGS", [("-march=x86-64" if f == "-march=native" else f)
+    monkeypatch.setattr(paged_kernel, "FLAGS", [(f"-march={march}" if f == "-march=native" else f)
                                                 for f in paged_kernel.FLAGS])
     paged_kernel.load_kernel.cache_clear()
     try:
         assert paged_kernel.load_kernel() is not None
         for dtype in (torch.float32, torch.bfloat16):
-            for shape in [(4, 4, 64), (9, 3, 64), (4, 1, 12)]:
+            for shape in [(4, 4, 64), (9, 3, 64), (10, 2, 32), (4, 2, 24), (4, 1, 12)]:
                 cache, tables, lens, q = _scattered_case(dtype, *shape)
                 out = paged_kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens,
                                                           0.3)
