@@ -20,7 +20,8 @@ from router.model_registry import (BUSY, DOWNLOADED, DOWNLOADING, NOT_DOWNLOADED
                                    SERVABLE, STARTING, STOPPED, STOPPING, ModelNotFoundError,
                                    ModelRecord, ModelRegistry, ModelStateError, check_model_id,
                                    directory_for, parameter_count)
-from router.model_settings import (ENGINE_PARAMETERS, PARAMETERS, SETTINGS, ChatPrompt, checked)
+from router.model_settings import (ENGINE_PARAMETERS, PARAMETERS, SETTINGS, ChatPrompt, check_keys,
+                                   checked)
 from router.served_model import ServedModel, build_served, model_config
 
 log = logging.getLogger("tgi.router")
@@ -349,6 +350,8 @@ class ModelManager:
         for group, table in tables.items():
             if group in body:
                 given = body[group]
+                if isinstance(given, dict):  # a key set to null is removed: it must exist too
+                    check_keys(group, given, table)
                 removed = [k for k, v in (given or {}).items() if v is None] \
                     if isinstance(given, dict) else []
                 kept = {k: v for k, v in given.items() if v is not None} \

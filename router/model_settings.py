@@ -96,13 +96,16 @@ def checked(group: str, given: object, table: dict) -> dict:
         return {}
     if not isinstance(given, dict):
         raise ValidationError(f"`{group}` must be an object")
-    out = {}
-    for key, value in given.items():
+    check_keys(group, given, table)
+    return {key: table[key](f"{group}.{key}", value) for key, value in given.items()}
+
+
+def check_keys(group: str, given: dict, table: dict) -> None:
+    """A 422 for the first key of `given` that `table` does not know."""
+    for key in given:
         if key not in table:
             raise ValidationError(f"`{group}.{key}` is not supported; `{group}` takes "
                                   f"{', '.join(table)}")
-        out[key] = table[key](f"{group}.{key}", value)
-    return out
 
 
 @dataclass(frozen=True, slots=True)

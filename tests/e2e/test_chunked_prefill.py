@@ -25,7 +25,9 @@ def _ids(reply: dict) -> list[int]:
     return [t["id"] for t in reply["details"]["tokens"]]
 
 
-def _run(server) -> list[list[int]]:
+def _run(server) -> tuple[list[list[int]], float]:
+    """Each request's token ids, and how many prefills joined the running batch for the long
+    prompt (one per chunk; TGI labels every join "chunking" when the shards chunk)."""
     def ask(prompt, new_tokens):
         body = {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens, "details": True,
                                                  "decoder_input_details": False}}
@@ -39,8 +41,11 @@ def _run(server) -> list[list[int]]:
         while _metric(server, "tgi_batch_current_size ") < len(SHORT):
             assert time.monotonic() < deadline, "the short requests never ran together"
             time.sleep(0.01)
+        joins_before = _metric(server, 'tgi_batch_concat{reason="chunking"}')
         long = pool.submit(ask, LONG, 12)
-        return [_ids(f.result()) for f in running] + [_ids(long.result())]
+        long_ids = _ids(long.result())
+        joins = _metric(server, 'tgi_batch_concat{reason="chunking"}') - joins_before
+        return [_ids(f.result()) for f in running] + [long_ids], joins
 
 
 def test_chunked_prompt_beside_running_streams_answers_like_one_prefill(tiny_llama, tmp_path):
@@ -50,11 +55,9 @@ def test_chunked_prompt_beside_running_streams_answers_like_one_prefill(tiny_lla
                         extra=["--max-batch-prefill-tokens", budget, "--max-batch-total-tokens",
                                "8192", "--prefix-caching", "off"])
         try:
-            results[name] = _run(server)
-            results[f"{name} chunk steps"] = _metric(
-                server, 'tgi_batch_concat{reason="chunking"}')
+            results[name], results[f"{name} joins"] = _run(server)
         finally:
             assert server.stop() == 0
     assert results["chunked"] == results["whole"]
-    assert results["chunked chunk steps"] > 0, "the running batch rode in the chunks"
-    assert results["whole chunk steps"] == 0
+    assert results["chunked joins"] > 1, "the running batch rode in each of the chunks"
+    assert results["whole joins"] == 1, "the whole prompt joined in one prefill"

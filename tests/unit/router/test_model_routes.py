@@ -78,6 +78,12 @@ async def test_patch_changes_request_defaults_of_a_running_model(tiny_llama):
         reply = await client.patch("/v1/models/served", json={"parameters": {"token_limit": 3}})
         assert reply.status == 200, await reply.text()
         assert default.request_defaults == {"token_limit": 3}
+        # null removes a key; an unknown one is a 422 either way, never a silent no-op
+        for value in (None, 5):
+            wrong = await client.patch("/v1/models/served",
+                                       json={"parameters": {"no_such_key": value}})
+            assert wrong.status == 422, await wrong.text()
+            assert "no_such_key" in (await wrong.json())["error"]
         chat = await client.post("/v1/chat/completions", json={
             "model": "served", "messages": [{"role": "user", "content": "hi"}]})
         assert (await chat.json())["usage"]["completion_tokens"] == 3

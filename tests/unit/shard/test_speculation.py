@@ -264,3 +264,37 @@ def test_a_draft_token_a_request_stops_on_counts_as_accepted(engines, monkeypatc
     _assert_same_answers(got, want)
     assert [len(g.tokens.ids) for g in got[0]] == [1, 3], "stopped on the third of four drafts"
     assert (drafted, accepted) == (4, 3)
+
+
+def test_a_batch_holding_a_beam_search_takes_plain_steps_and_drafts_after_it(engines,
+                                                                             monkeypatch):
+    """Beams and drafts in one batch: no draft while the beam search runs (its rows are beams),
+    drafting once it has finished, and every answer as a plain engine gives it."""
+    plain, speculative = engines
+    monkeypatch.setattr(engine_module, "acceptance_threshold", lambda rows: 0.0)
+    prompt = plain.tokenizer.encode("one two three four one two three four one two").ids
+
+    def batch(engine):
+        pool = BlockPool(512)
+        per_beam = -(-(len(prompt) + 4 - 1) // 4)
+        beam = request(0, prompt, pool.take((2 * per_beam + 1) * 4, 4), max_new_tokens=4)
+        beam.num_beams = 2
+        return [beam, request(1, prompt, pool.take(len(prompt) + 20, 4), max_new_tokens=20,
+                              ignore_eos=True)]
+
+    want, _, _ = _run(plain, batch(plain))
+    got = {0: [], 1: []}
+    drafts_with_beams = drafts_after = 0
+    beams_done = False
+    for out in steps_to_completion(speculative, batch(speculative)):
+        if beams_done:
+            drafts_after += out.draft_tokens
+        else:
+            drafts_with_beams += out.draft_tokens
+        for generation in out.generations:
+            got[generation.request_id].append(generation)
+            beams_done |= generation.request_id == 0 and generation.generated_text is not None
+    assert speculative.batches == {}
+    assert beams_done and drafts_with_beams == 0 and drafts_after > 0
+    assert got[0][-1].generated_text.text == want[0][-1].generated_text.text
+    _assert_same_answers({1: got[1]}, {1: want[1]})
