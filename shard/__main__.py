@@ -15,6 +15,7 @@ import torch
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.tracing import init_tracing, shutdown_tracing
+from shard.allocator import MMAP_THRESHOLD, keep_freed_memory
 from shard.config import ShardConfig, parse_args
 from shard.distributed import all_gather_strings, init_parallel
 from shard.engine import Engine
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"tgi-shard: {err}", file=sys.stderr)
         return 2
+    if keep_freed_memory():
+        log.info("glibc keeps freed memory for reuse (mmap threshold %d MiB)",
+                 MMAP_THRESHOLD // 2**20)
     asyncio.run(serve(config))
     return 0
 

@@ -1,0 +1,31 @@
+"""glibc's allocator settings for the shard process (shard.allocator)."""
+import ctypes.util
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shard import allocator
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _in_a_fresh_process(env_extra: dict) -> str:
+    """What keep_freed_memory answers in a process of its own (the settings are process-wide)."""
+    env = {k: v for k, v in os.environ.items() if k not in allocator.ENVIRONMENT}
+    code = "from shard.allocator import keep_freed_memory; print(keep_freed_memory())"
+    return subprocess.run([sys.executable, "-c", code], env={**env, **env_extra}, cwd=ROOT,
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.skipif(not GLIBC or ctypes.util.find_library("c") is None, reason="glibc only")
+def test_glibc_takes_the_settings_unless_they_were_set_by_hand():
+    assert _in_a_fresh_process({}) == "True"
+    assert _in_a_fresh_process({"MALLOC_MMAP_THRESHOLD_": "65536"}) == "False"
+    assert _in_a_fresh_process({"LD_PRELOAD": ""}) == "False"
