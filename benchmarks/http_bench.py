@@ -92,12 +92,16 @@ async def token_stamps(session, url: str, body: dict, on_first_token=None, *,
         async for line in reply.content:
             if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
                 continue
+            # every route's events are parsed, so that the client (on the same cores as the
+            # server) spends alike on each and the routes compare on the server's cost
+            event = json.loads(line[5:])
             if path == "/v1/completions":
-                event = json.loads(line[5:])
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
                 if not any(c.get("text") for c in event.get("choices") or []):
                     continue
+            elif "token" not in event:  # TGI's error event
+                raise RuntimeError(f"stream error: {event}")
             stamps.append(time.perf_counter())
             if len(stamps) == 1 and on_first_token is not None:
                 on_first_token()
