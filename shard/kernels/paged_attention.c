@@ -14,8 +14,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX2__
+/* the vector paths need AVX2 and FMA; the 16-float ones AVX-512F on top (nothing from DQ or BW) */
+#if defined(__AVX2__) && defined(__FMA__)
+#define VECTOR_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512F__)
+#define VECTOR_AVX512 1
+#endif
 #endif
 
 static inline float bf16_to_float(uint16_t bits) {
@@ -25,7 +30,7 @@ static inline float bf16_to_float(uint16_t bits) {
     return value;
 }
 
-#ifdef __AVX2__
+#ifdef VECTOR_AVX2
 /* 8 floats of a cache row (float32 or bf16) */
 static inline __m256 load8(const void *cache, int bf16, int64_t at) {
     if (!bf16) return _mm256_loadu_ps((const float *)cache + at);
@@ -39,7 +44,7 @@ static inline const float *widen_row(const void *row, int bf16, int64_t dim, flo
     if (!bf16) return (const float *)row;
     const uint16_t *src = (const uint16_t *)row;
     int64_t d = 0;
-#ifdef __AVX2__
+#ifdef VECTOR_AVX2
     for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(out + d, load8(src, 1, d));
 #endif
     for (; d < dim; d++) out[d] = bf16_to_float(src[d]);
@@ -49,7 +54,7 @@ static inline const float *widen_row(const void *row, int bf16, int64_t dim, flo
 static inline float dot(const float *a, const float *b, int64_t dim) {
     int64_t d = 0;
     float total = 0.0f;
-#ifdef __AVX2__
+#ifdef VECTOR_AVX2
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (; d + 16 <= dim; d += 16) {
         acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
@@ -67,7 +72,7 @@ static inline float dot(const float *a, const float *b, int64_t dim) {
     return total;
 }
 
-#ifdef __AVX2__
+#ifdef VECTOR_AVX2
 /* exp for 8 floats (Cephes' range reduction and polynomial, within 2 ulp of expf for the
  * x <= 0 that softmax hands it); inputs below -87 give 0. */
 static inline __m256 exp256(__m256 x) {
@@ -97,7 +102,7 @@ static inline __m256 exp256(__m256 x) {
 static inline float exp_shifted(float *s, int64_t length, float top) {
     int64_t t = 0;
     float total = 0.0f;
-#ifdef __AVX2__
+#ifdef VECTOR_AVX2
     __m256 shift = _mm256_set1_ps(top), acc = _mm256_setzero_ps();
     for (; t + 8 <= length; t += 8) {
         __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
@@ -116,7 +121,7 @@ static inline float exp_shifted(float *s, int64_t length, float top) {
     return total;
 }
 
-#ifdef __AVX2__
+#ifdef VECTOR_AVX2
 /* The 8 horizontal sums of acc[0..7], in order. */
 static inline __m256 sum8(const __m256 acc[8]) {
     __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
@@ -146,7 +151,7 @@ static inline void score8(const float *q, int64_t group, const float *const keys
 /* out += weight * row */
 static inline void axpy(float weight, const float *row, float *out, int64_t dim) {
     int64_t d = 0;
-#ifdef __AVX2__
+#ifdef VECTOR_AVX2
     __m256 w = _mm256_set1_ps(weight);
     for (; d + 8 <= dim; d += 8)
         _mm256_storeu_ps(out + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(row + d),
@@ -167,7 +172,7 @@ static inline void row_offsets(const int64_t *table, int64_t length, int64_t kv,
     }
 }
 
-#ifdef __AVX2__
+#ifdef VECTOR_AVX2
 /* For the `count` (1 to 4) query heads that share these values: o[h * head_dim + d0 ..+ 16) = sum
  * over t of probs[h * stride + t] * value row t (its 16 dims from d0). Each value row is read and
  * widened once for all the heads, not once per head. */
@@ -214,7 +219,7 @@ static void weighted_sums(const void *value_cache, int bf16, const int64_t *offs
 }
 #endif
 
-#ifdef __AVX512F__
+#ifdef VECTOR_AVX512
 /* 16 floats of a cache row (float32 or bf16) */
 static inline __m512 load16(const void *cache, int bf16, int64_t at) {
     if (!bf16) return _mm512_loadu_ps((const float *)cache + at);
@@ -311,9 +316,10 @@ static void weighted_sums_wide(const void *value_cache, int bf16, const int64_t 
  * without these requests a step waits on memory for most of its attention time. */
 #define PREFETCH_AHEAD 32
 
-/* Asks for the cache lines of one row before they are read. */
+/* Asks for the cache lines of one row before they are read (a row may start inside a line). */
 static inline void prefetch_row(const char *row, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at, 0, 3);
+    const char *line = (const char *)((uintptr_t)row & ~(uintptr_t)63);
+    for (; line < row + bytes; line += 64) __builtin_prefetch(line, 0, 3);
 }
 
 /* Returns 0, or -1 when a scratch buffer could not be allocated (nothing is written then). */
@@ -354,7 +360,7 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                     for (int64_t t = 0; t < PREFETCH_AHEAD && t < length; t++)
                         prefetch_row((const char *)key_cache + offsets[t] * element, row_bytes);
                     int64_t t = 0;
-#ifdef __AVX2__
+#ifdef VECTOR_AVX2
                     for (; head_dim % 8 == 0 && t + 8 <= length; t += 8) {
                         const float *keys[8];
                         for (int j = 0; j < 8; j++) {
@@ -366,7 +372,7 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                             prefetch_row((const char *)value_cache + offsets[t + j] * element,
                                          row_bytes);
                         }
-#ifdef __AVX512F__
+#ifdef VECTOR_AVX512
                         if (head_dim % 16 == 0) {
                             scores8_wide(q, group, key_cache, cache_is_bf16, offsets + t, head_dim,
                                          scale, scores + t, longest);
@@ -396,14 +402,14 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                         float inverse = 1.0f / exp_shifted(s, length, top);
                         for (int64_t t = 0; t < length; t++) s[t] *= inverse;
                     }
-#ifdef __AVX512F__
+#ifdef VECTOR_AVX512
                     if (head_dim % 64 == 0) {
                         weighted_sums_wide(value_cache, cache_is_bf16, offsets, length, scores,
                                            longest, group, head_dim, o);
                         continue;
                     }
 #endif
-#ifdef __AVX2__
+#ifdef VECTOR_AVX2
                     if (head_dim % 16 == 0) {
                         weighted_sums(value_cache, cache_is_bf16, offsets, length, scores, longest,
                                       group, head_dim, o);

@@ -36,7 +36,8 @@ def _run(server) -> tuple[list[list[int]], float]:
         return reply.json()
 
     with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(ask, p, 120) for p in SHORT]
+        # long enough to be running still when the long prompt has joined, whole or in chunks
+        running = [pool.submit(ask, p, 300) for p in SHORT]
         deadline = time.monotonic() + 60
         while _metric(server, "tgi_batch_current_size ") < len(SHORT):
             assert time.monotonic() < deadline, "the short requests never ran together"

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def _in_a_fresh_process(env_extra: dict) -> str:
     """What keep_freed_memory answers in a process of its own (the settings are process-wide)."""
-    env = {k: v for k, v in os.environ.items() if k not in allocator.ENVIRONMENT}
+    env = {k: v for k, v in os.environ.items()
+           if k not in (*allocator.ENVIRONMENT, "GLIBC_TUNABLES")}
     code = "from shard.allocator import keep_freed_memory; print(keep_freed_memory())"
     return subprocess.run([sys.executable, "-c", code], env={**env, **env_extra}, cwd=ROOT,
                           check=True, capture_output=True, text=True).stdout.strip()
@@ -29,3 +30,4 @@ def test_glibc_takes_the_settings_unless_they_were_set_by_hand():
     assert _in_a_fresh_process({}) == "True"
     assert _in_a_fresh_process({"MALLOC_MMAP_THRESHOLD_": "65536"}) == "False"
     assert _in_a_fresh_process({"LD_PRELOAD": ""}) == "False"
+    assert _in_a_fresh_process({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}) == "False"
