@@ -22,6 +22,11 @@ class PrefillLayout:
 
     query_starts: list[int]  # flat index of each sequence's first new token; one extra at the end
     cached_lens: list[int]  # tokens of the sequence already in the cache before this forward
+    # where the C kernel runs and every context is short (see PREFILL_KERNEL_MAX_CONTEXT): each new
+    # token as a row of its own reading the cache up to itself, [T, blocks] block ids and [T]
+    # context lengths; None: attention sequence by sequence in PyTorch
+    row_tables: torch.Tensor | None = None
+    row_context_lens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -118,6 +123,11 @@ def _attend_group(q: torch.Tensor, cache: LayerCache, group: DecodeGroup,
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                        meta: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
     layout = meta.prefill
+    # the kernel reads the keys from the cache: the ones PyTorch would use only when the cache
+    # holds them unrounded (activations in the cache's dtype)
+    if layout.row_tables is not None and q.dtype == cache.key.dtype:
+        return paged_kernel.paged_decode_attention(q, cache.key, cache.value, layout.row_tables,
+                                                   layout.row_context_lens, scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     outputs = []
     for b, cached in enumerate(layout.cached_lens):

@@ -133,3 +133,34 @@ def test_without_a_c_compiler_the_pytorch_path_stays(tmp_path, monkeypatch, capl
         assert not (tmp_path / "kernels").exists()
     finally:
         paged_kernel.load_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_rows_through_the_kernel_match_pytorchs_prefill(dtype, bf16_kernels):
+    """A fresh prompt and one continuing 6 cached tokens, each new token a row of the kernel
+    reading the cache up to itself, against PyTorch's attention sequence by sequence."""
+    from shard.layers.attention import paged_attention
+    from shard.model_runner import _metadata
+
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim, block_size = 6, 2, 64, 4
+    cache = LayerCache(torch.zeros(16, kv_heads, block_size, head_dim, dtype=dtype),
+                       torch.zeros(16, kv_heads, block_size, head_dim, dtype=dtype))
+    cached = torch.randn(6, kv_heads, head_dim).to(dtype)  # the continued prompt's first tokens
+    cache.key[[5, 5, 5, 5, 9, 9], :, [0, 1, 2, 3, 0, 1]] = cached
+    cache.value[[5, 5, 5, 5, 9, 9], :, [0, 1, 2, 3, 0, 1]] = cached.flip(0)
+    tables = torch.tensor([[1, 2, 3, 0], [5, 9, 4, 7]])
+    query_lens, context_lens = [11, 7], [11, 13]
+    positions = torch.cat([torch.arange(0, 11), torch.arange(6, 13)])
+    q = torch.randn(18, heads, head_dim).to(dtype)
+    k, v = torch.randn(18, kv_heads, head_dim).to(dtype), torch.randn(18, kv_heads, head_dim).to(dtype)
+    outs = []
+    for through_kernel in (False, True):
+        meta = _metadata(tables, positions, query_lens, context_lens, block_size)
+        if through_kernel:
+            meta.prefill.row_tables = tables[torch.tensor([0] * 11 + [1] * 7)]
+            meta.prefill.row_context_lens = positions + 1
+        outs.append(paged_attention(q, k, v, LayerCache(cache.key.clone(), cache.value.clone()),
+                                    meta, 0.125).float())
+    tolerance = 1e-5 if dtype == torch.float32 else 1 / 64
+    torch.testing.assert_close(outs[1], outs[0], rtol=tolerance, atol=tolerance)
