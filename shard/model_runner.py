@@ -23,9 +23,10 @@ log = logging.getLogger("tgi.shard.model_runner")
 # or this many tokens longer (padding a few hundred tokens costs less than another round of small
 # kernels).
 GROUP_SLACK_TOKENS = 512
-# A prefill whose every context is at most this long computes its attention in the C decode kernel,
-# each new token a row reading the cache up to itself: twice as fast as PyTorch's CPU flash kernel
-# at 128 tokens and 1.1-1.4x at 512, slower from about 1024 (every row rereads its whole context).
+# A prefilled sequence whose context is at most this long computes its attention in the C decode
+# kernel, each new token a row reading the cache up to itself: about twice as fast as PyTorch's CPU
+# flash kernel at 128 tokens and 1.2-1.8x at 512, slower from about 1024 (every row rereads its
+# whole context).
 PREFILL_KERNEL_MAX_CONTEXT = 512
 
 
@@ -135,11 +136,13 @@ class ModelRunner:
         num_blocks = -(-max(context_lens) // self.spec.block_size)
         block_tables = _pad_blocks([s.blocks[:num_blocks] for s in seqs], device)
         meta = _metadata(block_tables, positions, query_lens, context_lens, self.spec.block_size)
-        if self.paged_kernel and max(context_lens) <= PREFILL_KERNEL_MAX_CONTEXT:
+        short = [c <= PREFILL_KERNEL_MAX_CONTEXT for c in context_lens]
+        if self.paged_kernel and any(short):
             seq_of_token = torch.repeat_interleave(torch.arange(len(seqs), device=device),
                                                    torch.tensor(query_lens, device=device))
             meta.prefill.row_tables = block_tables.index_select(0, seq_of_token)
             meta.prefill.row_context_lens = positions + 1
+            meta.prefill.kernel_sequences = short
         ends = torch.tensor(query_lens, device=device).cumsum(0)
         starts = ends - torch.tensor(query_lens, device=device)
         rows = []

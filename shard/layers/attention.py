@@ -22,11 +22,13 @@ class PrefillLayout:
 
     query_starts: list[int]  # flat index of each sequence's first new token; one extra at the end
     cached_lens: list[int]  # tokens of the sequence already in the cache before this forward
-    # where the C kernel runs and every context is short (see PREFILL_KERNEL_MAX_CONTEXT): each new
-    # token as a row of its own reading the cache up to itself, [T, blocks] block ids and [T]
-    # context lengths; None: attention sequence by sequence in PyTorch
+    # where the C kernel runs: every new token as a row of its own reading the cache up to itself,
+    # [T, blocks] block ids and [T] context lengths, for the sequences marked in kernel_sequences
+    # (short contexts, see PREFILL_KERNEL_MAX_CONTEXT); the others, or all when None, attend
+    # sequence by sequence in PyTorch
     row_tables: torch.Tensor | None = None
     row_context_lens: torch.Tensor | None = None
+    kernel_sequences: list[bool] | None = None
 
 
 @dataclass(slots=True)
@@ -123,15 +125,32 @@ def _attend_group(q: torch.Tensor, cache: LayerCache, group: DecodeGroup,
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                        meta: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
     layout = meta.prefill
-    # the kernel reads the keys from the cache: the ones PyTorch would use only when the cache
-    # holds them unrounded (activations in the cache's dtype)
+    starts = layout.query_starts
+    through_kernel = [False] * len(layout.cached_lens)
+    # the kernel reads the keys from the cache: for a fresh prompt, the ones PyTorch uses only when
+    # the cache holds them unrounded (activations in the cache's dtype)
     if layout.row_tables is not None and q.dtype == cache.key.dtype:
-        return paged_kernel.paged_decode_attention(q, cache.key, cache.value, layout.row_tables,
-                                                   layout.row_context_lens, scale)
+        through_kernel = layout.kernel_sequences
+        if all(through_kernel):
+            return paged_kernel.paged_decode_attention(q, cache.key, cache.value,
+                                                       layout.row_tables, layout.row_context_lens,
+                                                       scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
-    outputs = []
+    kernel_out = None
+    if any(through_kernel):
+        rows = torch.cat([torch.arange(starts[b], starts[b + 1], device=q.device)
+                          for b, chosen in enumerate(through_kernel) if chosen])
+        kernel_out = paged_kernel.paged_decode_attention(
+            q.index_select(0, rows), cache.key, cache.value,
+            layout.row_tables.index_select(0, rows), layout.row_context_lens.index_select(0, rows),
+            scale)
+    outputs, kernel_cursor = [], 0
     for b, cached in enumerate(layout.cached_lens):
-        start, end = layout.query_starts[b], layout.query_starts[b + 1]
+        start, end = starts[b], starts[b + 1]
+        if through_kernel[b]:  # its rows, in order, from the kernel's output
+            outputs.append(kernel_out[kernel_cursor:kernel_cursor + end - start])
+            kernel_cursor += end - start
+            continue
         queries = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if cached == 0:  # a fresh prompt attends over its own keys, not the cache's rounded copy
             keys = k[start:end].transpose(0, 1).unsqueeze(0)

@@ -160,7 +160,51 @@ def test_prefill_rows_through_the_kernel_match_pytorchs_prefill(dtype, bf16_kern
         if through_kernel:
             meta.prefill.row_tables = tables[torch.tensor([0] * 11 + [1] * 7)]
             meta.prefill.row_context_lens = positions + 1
+            meta.prefill.kernel_sequences = [True, True]
         outs.append(paged_attention(q, k, v, LayerCache(cache.key.clone(), cache.value.clone()),
                                     meta, 0.125).float())
     tolerance = 1e-5 if dtype == torch.float32 else 1 / 64
     torch.testing.assert_close(outs[1], outs[0], rtol=tolerance, atol=tolerance)
+
+
+def test_a_prefill_forward_gives_the_same_logits_whichever_path_each_sequence_takes(
+        tiny_llama, monkeypatch):
+    """The runner's choice per sequence (the kernel for short contexts, PyTorch for longer ones),
+    with a running batch riding in the forward, a fresh prompt scored at every position and a
+    chunk continuing cached tokens: logits as when every sequence goes through PyTorch."""
+    from shard import model_runner
+    from shard.model_runner import DecodeRows, PrefillSequence
+    from tests.engine_helpers import make_engine
+
+    runner = make_engine(tiny_llama).runner
+    kernel_calls = []
+    original = paged_kernel.paged_decode_attention
+
+    def counting(q, *args):
+        kernel_calls.append(q.shape[0])
+        return original(q, *args)
+
+    monkeypatch.setattr(paged_kernel, "paged_decode_attention", counting)
+
+    def second_forward(limit):
+        monkeypatch.setattr(model_runner, "PREFILL_KERNEL_MAX_CONTEXT", limit)
+        # the running sequence (10 tokens) and the first 6 of a chunked one, into the cache
+        runner.prefill([PrefillSequence(list(range(20, 30)), 0, [1, 2, 3]),
+                        PrefillSequence(list(range(40, 46)), 0, [10, 11, 12, 13])])
+        kernel_calls.clear()
+        riding = DecodeRows(torch.tensor([31]), torch.tensor([10]), torch.tensor([[1, 2, 3]]))
+        out = runner.prefill([PrefillSequence(list(range(50, 59)), 0, [20, 21, 22]),
+                              PrefillSequence(list(range(46, 53)), 6, [10, 11, 12, 13])],
+                             all_logits_rows={0}, decode=riding)
+        return out, list(kernel_calls)
+
+    want, none = second_forward(0)
+    for limit, rows in ((12, 9), (512, 16)):  # the fresh prompt alone (context 9), then both
+        got, calls = second_forward(limit)
+        layers = runner.model.config.num_hidden_layers
+        # per layer: the riding decode row, then the prefill rows that went through the kernel
+        assert calls == [1, rows] * layers, calls
+        torch.testing.assert_close(got.last, want.last, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.full[0], want.full[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.decode, want.decode, rtol=1e-5, atol=1e-5)
+    assert none == [1] * runner.model.config.num_hidden_layers, "only the riding decode row"
