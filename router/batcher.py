@@ -205,9 +205,8 @@ class Batcher:
         if plan is None:
             return False, None, False
         if running_size:
-            reason = ("chunking" if self.queue.chunking
-                      else self.limits.join_reason(waited_tokens))
-            self.metrics.counters.inc("tgi_batch_concat", reason=reason)
+            self.metrics.counters.inc("tgi_batch_concat", reason=self.limits.join_reason(
+                waited_tokens, chunking=self.queue.chunking))
         if plan.chunk_len is not None:
             (item,) = plan.entries
             self.running.start([item])
@@ -220,11 +219,8 @@ class Batcher:
     def _next_plan(self, *, running_size: int, waited_tokens: int
                    ) -> BatchPlan[ActiveRequest] | None:
         limits = self.limits
-        min_size, max_size = limits.join_bounds(running_size, waited_tokens)
-        if self.queue.chunking:
-            # as TGI does with shards that chunk: a new request's prefill rides on the running
-            # batch's step, so it costs them no step of their own and joins as soon as it fits
-            min_size = None
+        min_size, max_size = limits.join_bounds(running_size, waited_tokens,
+                                                chunking=self.queue.chunking)
         plan = self.queue.next_batch(min_size=min_size, max_size=max_size,
                                      prefill_token_budget=limits.max_batch_prefill_tokens,
                                      token_budget=limits.max_batch_total_tokens)

@@ -17,21 +17,26 @@ class SchedulingLimits:
     max_waiting_tokens: int
     max_batch_size: int | None
 
-    def join_bounds(self, running_size: int, waited_tokens: int) -> tuple[int | None, int | None]:
+    def join_bounds(self, running_size: int, waited_tokens: int, *, chunking: bool = False
+                    ) -> tuple[int | None, int | None]:
         """(min, max) new requests for the next prefill. While the running batch has passed
         fewer than max_waiting_tokens tokens (per request: one a step, or several with
         speculation) since the last prefill, a prefill that interrupts it must bring at least
-        waiting_served_ratio × its size; max_batch_size caps the sum."""
+        waiting_served_ratio × its size; max_batch_size caps the sum. With shards that chunk
+        (TGI's rule) there is no minimum: a new request's prefill carries the running batch's
+        step, so it costs them no step of their own and joins as soon as it fits."""
         min_size = None
-        if running_size and waited_tokens < self.max_waiting_tokens:
+        if running_size and not chunking and waited_tokens < self.max_waiting_tokens:
             min_size = max(1, math.floor(running_size * self.waiting_served_ratio))
         max_size = None
         if self.max_batch_size is not None:
             max_size = max(self.max_batch_size - running_size, 0)
         return min_size, max_size
 
-    def join_reason(self, waited_tokens: int) -> str:
+    def join_reason(self, waited_tokens: int, *, chunking: bool = False) -> str:
         """TGI's tgi_batch_concat label for a prefill that joins a running batch."""
+        if chunking:
+            return "chunking"
         return "wait_exceeded" if waited_tokens >= self.max_waiting_tokens else "backpressure"
 
 

@@ -189,15 +189,16 @@ class Engine:
             rows = self._verify_rows(batch, drafts)
             out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables)
             forward_ns = time.perf_counter_ns() - before
-            generations, accepted = self._accept(batch, drafts, out.logits, out.hidden)
+            generations = self._accept(batch, drafts, out.logits, out.hidden)
         else:  # nothing to verify: a plain step, at a plain step's cost
             rows, first = self._decode_rows(batch)
             out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables)
             forward_ns = time.perf_counter_ns() - before
             generations = self._step_rows(batch, out.logits, out.hidden, first)
+        accepted = 0
         if drafts is not None:  # each request's record of guesses (sent or only checked)
             for state, draft, generation in zip(batch.requests, drafts, generations):
-                state.drafter.observe(draft, generation.tokens.ids)
+                accepted += state.drafter.observe(draft, generation.tokens.ids)
         result = self._finish_step(batch, generations, start, forward_ns)
         result.concat_ns = concat_ns
         if verifies:
@@ -340,13 +341,11 @@ class Engine:
                           batch.block_tables.index_select(0, owners))
 
     def _accept(self, batch: Batch, drafts: list[list[int]], logits: torch.Tensor,
-                hidden: torch.Tensor) -> tuple[list[Generation], int]:
+                hidden: torch.Tensor) -> list[Generation]:
         """Chooses tokens position by position, as plain steps would have: at each position the
         requests still in the run sample from its logits (penalties, grammar, seeded draws and
         stopping see exactly the tokens before it), and a request goes on to its next position
-        only while its chosen token is the draft token that position was computed from.
-        Returns each request's generation and how many draft tokens were chosen (a request that
-        stops on a draft token still had it accepted)."""
+        only while its chosen token is the draft token that position was computed from."""
         first, offset = [], 0
         for draft in drafts:
             first.append(offset)
@@ -354,7 +353,7 @@ class Engine:
         merged: dict[int, Generation] = {}
         emitted = [0] * len(drafts)
         last = [0] * len(drafts)
-        pending, position, accepted = list(range(len(drafts))), 0, 0
+        pending, position = list(range(len(drafts))), 0
         while pending:
             index = [first[row] + position for row in pending]
             part = batch if len(pending) == len(drafts) else _rows_of(batch, pending)
@@ -373,15 +372,14 @@ class Engine:
                 else:
                     merged[row] = generation
                 draft = drafts[row]
-                if position < len(draft) and chosen[k] == draft[position]:
-                    accepted += 1
-                    if batch.requests[row].finish_reason is None:
-                        still.append(row)
+                if (batch.requests[row].finish_reason is None and position < len(draft)
+                        and chosen[k] == draft[position]):
+                    still.append(row)
             pending, position = still, position + 1
         device = batch.seq_lens.device
         batch.seq_lens = batch.seq_lens + torch.tensor(emitted, dtype=torch.long, device=device)
         batch.next_input_ids = torch.tensor(last, dtype=torch.long, device=device)
-        return [merged[row] for row in range(len(drafts))], accepted
+        return [merged[row] for row in range(len(drafts))]
 
     def _step_rows(self, batch: Batch, logits: torch.Tensor, hidden: torch.Tensor,
                    first: list[int] | None) -> list[Generation]:

@@ -87,17 +87,19 @@ class Drafter:
         self.shadow = proposal[0] if proposal and not length else None
         return proposal[:length]
 
-    def observe(self, draft: list[int], chosen: list[int]) -> None:
+    def observe(self, draft: list[int], chosen: list[int]) -> int:
         """Records the step: the draft's tokens checked until the first that did not hold, or
-        the unsent guess."""
+        the unsent guess. Returns how many draft tokens were accepted (chosen as drafted, the
+        last of them too when the request stopped on it)."""
+        accepted = 0
         if draft:
-            accepted = 0
             while accepted < min(len(draft), len(chosen)) and draft[accepted] == chosen[accepted]:
                 accepted += 1
             hits, checks = accepted, min(accepted + 1, len(draft))
         elif self.shadow is not None:
             hits, checks = int(chosen[0] == self.shadow), 1
         else:
-            return
+            return 0
         self.hits = self.hits * RECORD_DECAY + hits
         self.checks = self.checks * RECORD_DECAY + checks
+        return accepted

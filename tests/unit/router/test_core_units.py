@@ -119,6 +119,9 @@ def test_join_bounds_follow_waiting_served_ratio_and_max_batch_size():
     assert limits.join_bounds(6, 0) == (3, 4), "half the running batch, up to the cap"
     assert limits.join_bounds(6, 3) == (None, 4), "waited long enough: any number joins"
     assert limits.join_reason(1) == "backpressure" and limits.join_reason(3) == "wait_exceeded"
+    # shards that chunk: no minimum, the cap still holds, every join labelled as TGI does
+    assert limits.join_bounds(6, 0, chunking=True) == (None, 4)
+    assert limits.join_reason(1, chunking=True) == "chunking"
 
 
 def test_the_join_rule_counts_as_set_only_when_a_flag_leaves_its_default():
