@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shard.layers import paged_kernel
+from shard.layers import fused, paged_kernel
 from shard.layers.arithmetic import attention_dtype
+from shard.layers.rotary import RotaryAngles, apply_rotary
 
 
 @dataclass(slots=True)
@@ -68,14 +69,34 @@ class LayerCache:
     value: torch.Tensor
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, heads, d], k/v [T, kv_heads, d] -> attention output [T, heads * d]."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+def rotate_and_store(qkv: torch.Tensor, angles: RotaryAngles, num_heads: int, num_kv_heads: int,
+                     head_dim: int, cache: LayerCache, meta: AttentionMetadata
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (heads + 2 kv_heads) * d], a fused projection's output -> q [T, heads, d] and k
+    [T, kv_heads, d] rotated, v [T, kv_heads, d]; k and v written to their cache slots."""
+    qk_size = (num_heads + num_kv_heads) * head_dim
+    v = qkv[:, qk_size:].view(-1, num_kv_heads, head_dim)
+    qk = fused.rotary_store(qkv, angles.cos, angles.sin, num_heads, num_kv_heads, head_dim,
+                            cache.key, cache.value, meta.slot_blocks, meta.slot_offsets)
+    if qk is None:
+        # queries and keys sit side by side: one rotation covers both
+        qk = apply_rotary(qkv[:, :qk_size].view(-1, num_heads + num_kv_heads, head_dim), angles)
+        store_kv(qk[:, num_heads:], v, cache, meta)
+    return qk[:, :num_heads], qk[:, num_heads:], v
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> None:
+    """Writes the new tokens' keys and values [T, kv_heads, d] to their cache slots."""
     # float32 activations over a bf16 cache on CPUs without bf16 arithmetic
     cache.key[meta.slot_blocks, :, meta.slot_offsets] = k.to(cache.key.dtype)
     cache.value[meta.slot_blocks, :, meta.slot_offsets] = v.to(cache.value.dtype)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, heads, d], k/v [T, kv_heads, d] (already in the cache: rotate_and_store) ->
+    attention output [T, heads * d]."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
     gqa = num_heads != num_kv_heads
     if meta.prefill is None:
         return _decode_attention(q, cache, meta, scale)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shard.layers import fused
+
 
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None):
@@ -13,7 +15,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps)[0]
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of x + residual, x + residual): a layer's output joins the residual stream
+        and the next step reads it normed, in one pass."""
+        return fused.rms_norm(x, self.weight, self.eps, residual)

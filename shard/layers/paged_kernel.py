@@ -1,84 +1,34 @@
-"""The C decode-attention kernel (shard/kernels/paged_attention.c): built for this CPU on first use.
+"""The C decode-attention kernel (shard/kernels/paged_attention.c), built for this CPU on first use
+(shard.layers.native).
 
 Decode attention in PyTorch eager gathers every sequence's context out of the paged cache into a
 contiguous copy (and widens a bf16 copy to float32) before two batched matmuls. The kernel reads each
-key and value once where it lies instead. It is compiled with the system C compiler for the host
-CPU, cached by source, compiler and CPU flags, and shares PyTorch's OpenMP runtime and thread
-count. Without a compiler the shard logs why and keeps the PyTorch path.
+key and value once where it lies instead. Without a compiler the shard logs why and keeps the
+PyTorch path.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from shard.layers import native
 
-SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "paged_attention.c"
+SOURCE = native.KERNELS / "paged_attention.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 # TGI_PY_PAGED_KERNEL=0 keeps decode attention in PyTorch (for comparisons and bisecting)
 ENABLED_ENV = "TGI_PY_PAGED_KERNEL"
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("TGI_PY_CACHE") or Path.home() / ".cache" / "tgi-py"
-    return Path(root).expanduser() / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             check=True).stdout
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # every shard may build at once: each writes its own file and renames it into place
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True,
-                       text=True, check=True)
-        os.replace(built, target)
-    return target
+_cpu_flags = native.cpu_flags
 
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel, or None (disabled, not an x86/ARM Linux build, or no C compiler)."""
-    if os.environ.get(ENABLED_ENV, "1") == "0":
-        return None
-    name = os.environ.get("CC", "cc")
-    compiler = shutil.which(name)
-    if compiler is None:
-        log.warning("no C compiler (%s): decode attention stays in PyTorch, which copies every "
-                    "context out of the paged cache each step", name)
-        return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as err:
-        detail = getattr(err, "stderr", "") or err
-        log.warning("the decode-attention kernel did not build (%s): decode attention stays in "
-                    "PyTorch", str(detail).strip()[:500])
+    library = native.load_library(SOURCE, FLAGS, ENABLED_ENV,
+                                  "decode attention stays in PyTorch, which copies every context "
+                                  "out of the paged cache each step")
+    if library is None:
         return None
     fn = library.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

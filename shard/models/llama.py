@@ -8,14 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from shard.layers.attention import AttentionMetadata, LayerCache, paged_attention
+from shard.layers import fused
+from shard.layers.attention import (AttentionMetadata, LayerCache, paged_attention,
+                                    rotate_and_store)
 from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm
-from shard.layers.rotary import RotaryAngles, RotaryEmbedding, apply_rotary
+from shard.layers.rotary import RotaryAngles, RotaryEmbedding
 from shard.partition import RankHeads
 from shard.weights import Weights
 
@@ -79,13 +80,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, angles: RotaryAngles, cache: LayerCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
-        qkv = self.qkv_proj(hidden)
-        # queries and keys sit side by side in the fused projection: one rotation covers both
-        qk = apply_rotary(qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads,
-                                                self.head_dim), angles)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = rotate_and_store(self.qkv_proj(hidden), angles, self.num_heads,
+                                   self.num_kv_heads, self.head_dim, cache, meta)
         return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale))
 
 
@@ -97,8 +93,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear.load(weights, f"{prefix}.down_proj", bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -112,9 +107,18 @@ class LlamaDecoderLayer(nn.Module):
             weights.activation_dtype)
         self.mlp = LlamaMLP(cfg, weights, f"{prefix}.mlp")
 
-    def forward(self, hidden, angles, cache, meta):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), angles, cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, angles: RotaryAngles,
+                cache: LayerCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous layer's output, not yet added to the residual stream (the
+        embeddings at the first layer, with no residual). Returns this layer's output and the
+        stream it is to be added to: each add is fused with the norm that reads its result."""
+        if residual is None:
+            normed, residual = self.input_layernorm(hidden), hidden
+        else:
+            normed, residual = self.input_layernorm.add_norm(hidden, residual)
+        attention = self.self_attn(normed, angles, cache, meta)
+        normed, residual = self.post_attention_layernorm.add_norm(attention, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -146,13 +150,13 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, logit_index: torch.Tensor | None = None) -> torch.Tensor:
         """embeds [T, hidden], positions [T] -> the final normed hidden states of the rows in
         logit_index (all T without it), which `logits` turns into scores."""
-        hidden = embeds.to(self.activation_dtype)
+        hidden, residual = embeds.to(self.activation_dtype), None
         angles = self.rotary(positions)
         for layer, cache in zip(self.layers, caches):
-            hidden = layer(hidden, angles, cache, meta)
+            hidden, residual = layer(hidden, residual, angles, cache, meta)
         if logit_index is not None:
-            hidden = hidden[logit_index]
-        return self.norm(hidden)
+            hidden, residual = hidden[logit_index], residual[logit_index]
+        return self.norm.add_norm(hidden, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -10,7 +10,7 @@ import torch
 from shard.layers import paged_kernel
 from shard.layers.arithmetic import attention_dtype
 from shard.layers.attention import (AttentionMetadata, DecodeGroup, LayerCache, PrefillLayout,
-                                    gather_index, paged_attention)
+                                    gather_index, paged_attention, store_kv)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 16, 4, 16
 SCALE = 0.25
@@ -56,6 +56,7 @@ def _decode(path: str, q, k, v, cache: LayerCache, lens: torch.Tensor) -> torch.
         index = gather_index(TABLES, longest, cache.key.shape)
         mask = torch.arange(index.shape[2] * BLOCK_SIZE).unsqueeze(0) < lens.unsqueeze(1)
         meta.decode_groups = [DecodeGroup(None, index, mask)]
+    store_kv(k, v, cache, meta)
     return paged_attention(q, k, v, cache, meta, SCALE)
 
 
@@ -66,6 +67,7 @@ def _prefill(q, k, v, cache: LayerCache, cached: int) -> torch.Tensor:
                              slot_offsets=positions % BLOCK_SIZE, block_tables=TABLES[:1],
                              prefill=PrefillLayout(query_starts=[0, q.shape[0]],
                                                    cached_lens=[cached]))
+    store_kv(k, v, cache, meta)
     return paged_attention(q, k, v, cache, meta, SCALE)
 
 

@@ -139,7 +139,7 @@ def test_without_a_c_compiler_the_pytorch_path_stays(tmp_path, monkeypatch, capl
 def test_prefill_rows_through_the_kernel_match_pytorchs_prefill(dtype, bf16_kernels):
     """A fresh prompt and one continuing 6 cached tokens, each new token a row of the kernel
     reading the cache up to itself, against PyTorch's attention sequence by sequence."""
-    from shard.layers.attention import paged_attention
+    from shard.layers.attention import paged_attention, store_kv
     from shard.model_runner import _metadata
 
     torch.manual_seed(1)
@@ -161,8 +161,9 @@ def test_prefill_rows_through_the_kernel_match_pytorchs_prefill(dtype, bf16_kern
             meta.prefill.row_tables = tables[torch.tensor([0] * 11 + [1] * 7)]
             meta.prefill.row_context_lens = positions + 1
             meta.prefill.kernel_sequences = [True, True]
-        outs.append(paged_attention(q, k, v, LayerCache(cache.key.clone(), cache.value.clone()),
-                                    meta, 0.125).float())
+        copy = LayerCache(cache.key.clone(), cache.value.clone())
+        store_kv(k, v, copy, meta)
+        outs.append(paged_attention(q, k, v, copy, meta, 0.125).float())
     tolerance = 1e-5 if dtype == torch.float32 else 1 / 64
     torch.testing.assert_close(outs[1], outs[0], rtol=tolerance, atol=tolerance)
 

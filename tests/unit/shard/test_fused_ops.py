@@ -1,0 +1,143 @@
+"""The fused layer ops (shard/kernels/layer_ops.c) against the PyTorch ops they stand for."""
+import platform
+
+import pytest
+import torch
+
+from shard.layers import fused, native
+from shard.layers.rotary import RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.skipif(fused.load_library() is None,
+                                reason="no C compiler here: the shard keeps the PyTorch ops")
+
+
+@pytest.fixture
+def pytorch_ops(monkeypatch):
+    """Calls a function of shard.layers.fused with the library switched off: its PyTorch form."""
+    def call(fn, *args):
+        monkeypatch.setenv(fused.ENABLED_ENV, "0")
+        fused.load_library.cache_clear()
+        try:
+            return fn(*args)
+        finally:
+            monkeypatch.delenv(fused.ENABLED_ENV)
+            fused.load_library.cache_clear()
+    return call
+
+
+def _assert_same(actual, expected, dtype):
+    # bf16: every op rounds as PyTorch's does, bit for bit on these inputs; float32: the sum of
+    # squares and the exponential may differ in their last bits
+    if dtype == torch.bfloat16:
+        assert torch.equal(actual, expected)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=3e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300], ids=["one-row", "decode", "prefill-threads"])
+def test_rms_norm_with_and_without_the_residual_add(dtype, rows, pytorch_ops):
+    torch.manual_seed(0)
+    x = (torch.randn(rows, 576) * 3).to(dtype)
+    residual = torch.randn(rows, 576).to(dtype)
+    weight = (torch.rand(576) + 0.5).to(dtype)
+    normed, summed = fused.rms_norm(x, weight, 1e-5, residual)
+    expected_normed, expected_summed = pytorch_ops(fused.rms_norm, x, weight, 1e-5, residual)
+    assert torch.equal(summed, x + residual)
+    _assert_same(normed, expected_normed, dtype)
+    alone, same = fused.rms_norm(x, weight, 1e-6)
+    assert same is x
+    _assert_same(alone, pytorch_ops(fused.rms_norm, x, weight, 1e-6)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 33], ids=["one-row", "threads"])
+def test_silu_and_mul(dtype, rows, pytorch_ops):
+    torch.manual_seed(0)
+    # wide enough to reach the exponential's clamps at both ends
+    gate_up = torch.cat([torch.randn(rows, 1536) * 4, torch.linspace(-120, 120, 1536).expand(
+        rows, 1536)], dim=1).to(dtype)
+    out = fused.silu_and_mul(gate_up)
+    assert out.shape == (rows, 1536)
+    _assert_same(out, pytorch_ops(fused.silu_and_mul, gate_up), dtype)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, torch.bfloat16)],
+                         ids=["float32", "float32-over-bf16-cache", "bf16"])
+@pytest.mark.parametrize("tokens", [3, 200], ids=["decode", "prefill-threads"])
+def test_rotary_store_rotates_and_writes_the_cache_slots(dtype, cache_dtype, tokens):
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype, torch.device("cpu"))
+    angles = rotary(torch.randint(0, 4096, (tokens,)))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    blocks = torch.randperm(40)[:-(-tokens // block_size)] + 1
+    slot_blocks = blocks.repeat_interleave(block_size)[:tokens]
+    slot_offsets = torch.arange(tokens) % block_size
+    key = torch.zeros(48, kv_heads, block_size, head_dim, dtype=cache_dtype)
+    value = torch.zeros_like(key)
+    expected_key, expected_value = key.clone(), value.clone()
+
+    qk = fused.rotary_store(qkv, angles.cos, angles.sin, heads, kv_heads, head_dim, key, value,
+                            slot_blocks, slot_offsets)
+
+    rotated = apply_rotary(qkv[:, :(heads + kv_heads) * head_dim].view(tokens, -1, head_dim),
+                           angles)
+    expected_key[slot_blocks, :, slot_offsets] = rotated[:, heads:].to(cache_dtype)
+    expected_value[slot_blocks, :, slot_offsets] = qkv[:, (heads + kv_heads) * head_dim:].view(
+        tokens, kv_heads, head_dim).to(cache_dtype)
+    _assert_same(qk, rotated, dtype)
+    _assert_same(key, expected_key, dtype)
+    assert torch.equal(value, expected_value)  # a copy (rounded like .to() when narrowed)
+    untouched = torch.ones(48, dtype=torch.bool)
+    untouched[blocks] = False
+    assert not key[untouched].any() and not value[untouched].any()
+
+
+def test_other_dtypes_and_switched_off_take_the_pytorch_forms(monkeypatch):
+    x = torch.randn(4, 64, dtype=torch.float16)
+    weight = torch.ones(64, dtype=torch.float16)
+    normed, _ = fused.rms_norm(x, weight, 1e-6)
+    assert normed.dtype == torch.float16
+    cache = torch.zeros(2, 1, 4, 8)
+    assert fused.rotary_store(torch.randn(2, 24, dtype=torch.float16),
+                              torch.ones(2, 8, dtype=torch.float16),
+                              torch.zeros(2, 8, dtype=torch.float16), 1, 1, 8, cache, cache,
+                              torch.zeros(2, dtype=torch.long), torch.arange(2)) is None
+    monkeypatch.setenv(fused.ENABLED_ENV, "0")
+    fused.load_library.cache_clear()
+    try:
+        assert fused.load_library() is None
+        assert fused.rotary_store(torch.randn(2, 24), torch.ones(2, 8), torch.zeros(2, 8), 1, 1,
+                                  8, cache, cache, torch.zeros(2, dtype=torch.long),
+                                  torch.arange(2)) is None
+    finally:
+        fused.load_library.cache_clear()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                    reason="-march=x86-64 is an x86 flag")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"], ids=["sse2", "avx2"])
+def test_the_builds_for_older_cpus_match_pytorch(tmp_path, monkeypatch, march, pytorch_ops):
+    if march == "x86-64-v3" and not {"avx2", "fma"} <= set(native.cpu_flags().split()):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path))
+    monkeypatch.setattr(fused, "FLAGS", [(f"-march={march}" if f == "-march=native" else f)
+                                         for f in fused.FLAGS])
+    fused.load_library.cache_clear()
+    try:
+        torch.manual_seed(0)
+        for dtype in (torch.float32, torch.bfloat16):
+            x, residual = torch.randn(40, 576).to(dtype), torch.randn(40, 576).to(dtype)
+            weight = torch.rand(576).to(dtype)
+            _assert_same(fused.rms_norm(x, weight, 1e-5, residual)[0],
+                         pytorch_ops(fused.rms_norm, x, weight, 1e-5, residual)[0], dtype)
+            gate_up = (torch.randn(40, 512) * 4).to(dtype)
+            _assert_same(fused.silu_and_mul(gate_up), pytorch_ops(fused.silu_and_mul, gate_up),
+                         dtype)
+        assert fused.load_library() is not None
+        assert list((tmp_path / "kernels").glob("layer_ops-*.so"))
+    finally:
+        fused.load_library.cache_clear()
