@@ -6,7 +6,9 @@
  * lies, and widened in registers.
  *
  * Cache layout: [num_blocks, kv_heads, block_size, head_dim], float32 or bf16 (the top 16 bits of a
- * float32). Queries and output: float32, [batch, heads, head_dim] with a row stride per token.
+ * float32). Queries [batch, heads, head_dim] with a row stride per token and output [batch, heads *
+ * head_dim]: float32 or bf16 each (the arithmetic is float32: bf16 queries are widened, a bf16
+ * output is rounded to nearest even, as PyTorch's conversions do).
  * Query heads that share a key/value head are adjacent (head h reads kv head h / (heads / kv_heads)).
  */
 #include <math.h>
@@ -28,6 +30,15 @@ static inline float bf16_to_float(uint16_t bits) {
     float value;
     memcpy(&value, &wide, sizeof value);
     return value;
+}
+
+/* to nearest, ties to even, as PyTorch rounds; a NaN stays a (quiet) NaN */
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    uint32_t nan = (bits >> 16) | 0x40u;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 #ifdef VECTOR_AVX2
@@ -324,10 +335,11 @@ static inline void prefetch_row(const char *row, int64_t bytes) {
 
 /* Returns 0, or -1 when a scratch buffer could not be allocated (nothing is written then). */
 int paged_decode_attention(const void *key_cache, const void *value_cache, int cache_is_bf16,
-                           const float *queries, int64_t query_stride, const int64_t *block_tables,
-                           int64_t table_stride, const int64_t *context_lens, int64_t batch,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, float *out) {
+                           const void *queries, int queries_are_bf16, int64_t query_stride,
+                           const int64_t *block_tables, int64_t table_stride,
+                           const int64_t *context_lens, int64_t batch, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                           void *out, int out_is_bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const size_t element = cache_is_bf16 ? 2 : 4;
     int64_t longest = 0;
@@ -337,8 +349,10 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
 
 #pragma omp parallel
     {
-        /* per thread: scores [group, longest], 8 widened key or value rows, row offsets */
-        float *scores = malloc(sizeof(float) * (size_t)(group * longest + 8 * head_dim)
+        /* per thread: scores [group, longest], 8 widened key or value rows, a group's queries and
+         * outputs in float32, row offsets */
+        float *scores = malloc(sizeof(float) * (size_t)(group * longest + 8 * head_dim
+                                                        + 2 * group * head_dim)
                                + sizeof(int64_t) * (size_t)longest);
         if (!scores) {
 #pragma omp atomic write
@@ -347,14 +361,22 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
 #pragma omp barrier
         if (!failed) {
             float *row = scores + group * longest;
-            int64_t *offsets = (int64_t *)(row + 8 * head_dim);
+            float *group_queries = row + 8 * head_dim, *group_out = group_queries + group * head_dim;
+            int64_t *offsets = (int64_t *)(group_out + group * head_dim);
 #pragma omp for collapse(2) schedule(static)
             for (int64_t b = 0; b < batch; b++) {
                 for (int64_t kv = 0; kv < num_kv_heads; kv++) {
                     const int64_t length = context_lens[b];
                     const int64_t *table = block_tables + b * table_stride;
-                    const float *q = queries + b * query_stride + kv * group * head_dim;
-                    float *o = out + (b * num_heads + kv * group) * head_dim;
+                    const int64_t query_at = b * query_stride + kv * group * head_dim;
+                    const int64_t out_at = (b * num_heads + kv * group) * head_dim;
+                    const float *q = (const float *)queries + query_at;
+                    if (queries_are_bf16) {
+                        widen_row((const uint16_t *)queries + query_at, 1, group * head_dim,
+                                  group_queries);
+                        q = group_queries;
+                    }
+                    float *o = out_is_bf16 ? group_out : (float *)out + out_at;
                     row_offsets(table, length, kv, num_kv_heads, block_size, head_dim, offsets);
                     const int64_t row_bytes = head_dim * (int64_t)element;
                     for (int64_t t = 0; t < PREFETCH_AHEAD && t < length; t++)
@@ -402,27 +424,34 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                         float inverse = 1.0f / exp_shifted(s, length, top);
                         for (int64_t t = 0; t < length; t++) s[t] *= inverse;
                     }
+                    int summed = 0;
 #ifdef VECTOR_AVX512
                     if (head_dim % 64 == 0) {
                         weighted_sums_wide(value_cache, cache_is_bf16, offsets, length, scores,
                                            longest, group, head_dim, o);
-                        continue;
+                        summed = 1;
                     }
 #endif
 #ifdef VECTOR_AVX2
-                    if (head_dim % 16 == 0) {
+                    if (!summed && head_dim % 16 == 0) {
                         weighted_sums(value_cache, cache_is_bf16, offsets, length, scores, longest,
                                       group, head_dim, o);
-                        continue;
+                        summed = 1;
                     }
 #endif
-                    memset(o, 0, sizeof(float) * (size_t)(group * head_dim));
-                    for (int64_t t = 0; t < length; t++) {
-                        const float *v = widen_row((const char *)value_cache + offsets[t] * element,
-                                                   cache_is_bf16, head_dim, row);
-                        for (int64_t g = 0; g < group; g++)
-                            axpy(scores[g * longest + t], v, o + g * head_dim, head_dim);
+                    if (!summed) {
+                        memset(o, 0, sizeof(float) * (size_t)(group * head_dim));
+                        for (int64_t t = 0; t < length; t++) {
+                            const float *v = widen_row((const char *)value_cache
+                                                       + offsets[t] * element, cache_is_bf16,
+                                                       head_dim, row);
+                            for (int64_t g = 0; g < group; g++)
+                                axpy(scores[g * longest + t], v, o + g * head_dim, head_dim);
+                        }
                     }
+                    if (out_is_bf16)
+                        for (int64_t i = 0; i < group * head_dim; i++)
+                            ((uint16_t *)out)[out_at + i] = float_to_bf16(o[i]);
                 }
             }
         }

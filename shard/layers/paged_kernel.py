@@ -32,8 +32,8 @@ def load_kernel() -> ctypes.CDLL | None:
         return None
     fn = library.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                   ctypes.c_float, ptr]
+    fn.argtypes = [ptr, ptr, ctypes.c_int, ptr, ctypes.c_int, i64, ptr, i64, ptr, i64, i64, i64,
+                   i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
     return library
 
@@ -51,25 +51,26 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     tokens of sequence b read through block_tables [B, blocks] (both int64).
 
     The arithmetic is float32 on every CPU, whichever of float32 and bf16 the query and the cache
-    are: the kernel widens bf16 keys and values in registers (exact, and no slower than reading
-    them), so a bf16-capable CPU gains nothing from bf16 products here. Out in q's dtype."""
+    are: the kernel widens bf16 queries, keys and values in registers (exact, and no slower than
+    reading them), so a bf16-capable CPU gains nothing from bf16 products here. Out in q's dtype
+    (a bf16 output rounded once, from float32, as `.to()` rounds)."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     # the kernel reads the caches through raw pointers as float32 or bf16 rows of this layout
     assert key_cache.dtype in (torch.float32, torch.bfloat16), key_cache.dtype
     assert value_cache.dtype == key_cache.dtype and value_cache.shape == key_cache.shape
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
-    queries = q.float()
+    queries = q if q.dtype in (torch.float32, torch.bfloat16) else q.float()
     if queries.stride(2) != 1 or queries.stride(1) != head_dim:
         queries = queries.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
-    out = torch.empty(batch, num_heads * head_dim, dtype=torch.float32)
+    out = torch.empty(batch, num_heads * head_dim, dtype=queries.dtype)
     status = load_kernel().paged_decode_attention(
         key_cache.data_ptr(), value_cache.data_ptr(), int(key_cache.dtype == torch.bfloat16),
-        queries.data_ptr(), queries.stride(0), tables.data_ptr(), tables.stride(0),
-        lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, scale,
-        out.data_ptr())
+        queries.data_ptr(), int(queries.dtype == torch.bfloat16), queries.stride(0),
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, num_heads, num_kv_heads,
+        head_dim, block_size, scale, out.data_ptr(), int(out.dtype == torch.bfloat16))
     if status != 0:
         raise MemoryError("decode attention could not allocate its scratch buffers")
     return out.to(q.dtype)

@@ -209,3 +209,21 @@ def test_a_prefill_forward_gives_the_same_logits_whichever_path_each_sequence_ta
         torch.testing.assert_close(got.full[0], want.full[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got.decode, want.decode, rtol=1e-5, atol=1e-5)
     assert none == [1] * runner.model.config.num_hidden_layers, "only the riding decode row"
+
+
+def test_bf16_queries_read_and_written_in_place_equal_the_widened_float32_call():
+    """bf16 queries are widened inside the kernel and its output rounded there: bit for bit what
+    widening the queries first and rounding the float32 output after gives."""
+    for cache_dtype in (torch.float32, torch.bfloat16):
+        cache, tables, lens, q = _scattered_case(cache_dtype, 9, 3, 64)
+        q = q.to(torch.bfloat16)  # a strided view's copy: rows of 9 heads
+        in_place = paged_kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, 0.3)
+        widened = paged_kernel.paged_decode_attention(q.float(), cache.key, cache.value, tables,
+                                                      lens, 0.3)
+        assert in_place.dtype == torch.bfloat16
+        assert torch.equal(in_place, widened.to(torch.bfloat16))
+        strided = torch.randn(5, 12, 64).to(torch.bfloat16)[:, :9]  # rows 12 heads apart
+        assert torch.equal(
+            paged_kernel.paged_decode_attention(strided, cache.key, cache.value, tables, lens, 0.3),
+            paged_kernel.paged_decode_attention(strided.float(), cache.key, cache.value, tables,
+                                                lens, 0.3).to(torch.bfloat16))
