@@ -443,7 +443,7 @@ class Engine:
                                 [t in special for t in alt])]
             generation = Generation(state.id, tokens, generated_text=generated, top_tokens=top)
             if state.logprob_token_ids:
-                generation.token_ids_logprobs = _logprobs_of(output.distribution[row],
+                generation.token_ids_logprobs = _logprobs_of(output.log_distribution()[row],
                                                              state.logprob_token_ids)
             if state.return_hidden_states:
                 generation.hidden_states = hidden[row].float().cpu()

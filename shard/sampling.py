@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shard.grammar import mask_disallowed
+from shard.layers import fused
 from shard.watermark import apply_watermark
 
 
@@ -135,7 +136,14 @@ class SampleOutput:
     logprobs: torch.Tensor  # [B] float
     top_ids: torch.Tensor | None  # [B, max_top_n] long
     top_logprobs: torch.Tensor | None  # [B, max_top_n] float
-    distribution: torch.Tensor  # [B, vocab] the log-probabilities the token was drawn from
+    scores: torch.Tensor  # [B, vocab] the scores the token was chosen from
+    distribution: torch.Tensor | None = None  # their log-probabilities, once computed
+
+    def log_distribution(self) -> torch.Tensor:
+        """[B, vocab] the log-probabilities the token was drawn from."""
+        if self.distribution is None:
+            self.distribution = torch.log_softmax(self.scores, dim=-1)
+        return self.distribution
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch,
@@ -154,6 +162,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         scores = apply_penalties(scores, batch, token_ids)
     if flags["grammar"]:
         scores = mask_disallowed(scores, batch.grammars)
+    if not flags["any_sample"] and not flags["max_top_n"]:
+        # greedy: the argmax and its log-probability are all a plain step reads
+        picked = fused.greedy_pick(scores)
+        if picked is not None:
+            return SampleOutput(picked[0], picked[1], None, None, scores)
     if flags["any_sample"]:
         scores = _warp(scores, batch, flags)
     logprobs_all = torch.log_softmax(scores, dim=-1)
@@ -164,7 +177,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     top_ids = top_logprobs = None
     if flags["max_top_n"] > 0:
         top_logprobs, top_ids = logprobs_all.topk(flags["max_top_n"], dim=-1)
-    return SampleOutput(next_ids, logprobs, top_ids, top_logprobs, logprobs_all)
+    return SampleOutput(next_ids, logprobs, top_ids, top_logprobs, scores, logprobs_all)
 
 
 def apply_penalties(scores: torch.Tensor, batch: SamplingBatch,

@@ -232,3 +232,25 @@ void rotary_store(const void *qkv, int64_t qkv_stride, const void *cos, const vo
         ROTARY_STORE(0, 0);
 #undef ROTARY_STORE
 }
+
+/* ---- The greedy choice of the next token --------------------------------------------------- */
+
+static inline void greedy_row(const float *scores, int64_t vocab, int64_t *id, float *logprob) {
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (int64_t i = 0; i < vocab; i++) top = scores[i] > top ? scores[i] : top;
+    int64_t at = 0; /* the first of equal maxima, as torch.argmax picks */
+    while (at < vocab - 1 && !(scores[at] == top)) at++;
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < vocab; i++) total += exp_lane(scores[i] - top);
+    *id = at;
+    *logprob = -logf(total); /* log_softmax at the maximum: top - top - log(sum exp(s - top)) */
+}
+
+/* For each row of scores [rows, vocab] (float32): the index of its maximum and that token's
+ * log-probability, without the [rows, vocab] log-probabilities log_softmax would write. */
+void greedy_pick(const float *scores, int64_t rows, int64_t vocab, int64_t *ids, float *logprobs) {
+#pragma omp parallel for schedule(static) if (rows * vocab >= PARALLEL_MIN_ELEMENTS && rows > 1)
+    for (int64_t r = 0; r < rows; r++) greedy_row(scores + r * vocab, vocab, ids + r, logprobs + r);
+}

@@ -35,7 +35,8 @@ def load_library() -> ctypes.CDLL | None:
     library.silu_mul.argtypes = [ptr, ptr, i64, i64, flag]
     library.rotary_store.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, flag, ptr, ptr, ptr,
                                      flag, ptr, ptr, i64]
-    for fn in (library.rms_norm, library.silu_mul, library.rotary_store):
+    library.greedy_pick.argtypes = [ptr, i64, i64, ptr, ptr]
+    for fn in (library.rms_norm, library.silu_mul, library.rotary_store, library.greedy_pick):
         fn.restype = None
     return library
 
@@ -106,3 +107,16 @@ def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_he
                      int(key_cache.dtype == torch.bfloat16), slot_blocks.data_ptr(),
                      slot_offsets.data_ptr(), key_cache.shape[2])
     return qk
+
+
+def greedy_pick(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(argmax, log_softmax at the argmax) of each row of float32 scores [rows, vocab], in two
+    passes over each row and without writing the log-probabilities of the whole vocabulary; None
+    where the fused form does not apply (the caller computes log_softmax)."""
+    if scores.dtype != torch.float32 or scores.dim() != 2 or _fused(scores) is None:
+        return None
+    rows, vocab = scores.shape
+    ids = torch.empty(rows, dtype=torch.long)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    load_library().greedy_pick(scores.data_ptr(), rows, vocab, ids.data_ptr(), logprobs.data_ptr())
+    return ids, logprobs

@@ -141,3 +141,18 @@ def test_the_builds_for_older_cpus_match_pytorch(tmp_path, monkeypatch, march, p
         assert list((tmp_path / "kernels").glob("layer_ops-*.so"))
     finally:
         fused.load_library.cache_clear()
+
+
+def test_greedy_pick_is_argmax_and_its_log_softmax():
+    torch.manual_seed(0)
+    scores = torch.randn(33, 49152) * 5
+    scores[3, 100] = scores[3, 7] = scores[3].max() + 1  # a tie: the first maximum, as argmax
+    scores[5, 20:] = float("-inf")  # most of a row masked off, as a grammar masks
+    ids, logprobs = fused.greedy_pick(scores)
+    assert torch.equal(ids, scores.argmax(dim=-1))
+    assert ids[3] == 7
+    expected = torch.log_softmax(scores, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=1e-6)
+    one_id, one_logprob = fused.greedy_pick(scores[:1].contiguous())
+    assert one_id.tolist() == ids[:1].tolist()
+    assert fused.greedy_pick(scores.bfloat16()) is None  # float32 scores only
