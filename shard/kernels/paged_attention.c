@@ -420,6 +420,7 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                     for (int64_t g = 0; g < group; g++) {
                         float *s = scores + g * longest;
                         float top = s[0];
+#pragma omp simd reduction(max : top)
                         for (int64_t t = 1; t < length; t++) top = s[t] > top ? s[t] : top;
                         float inverse = 1.0f / exp_shifted(s, length, top);
                         for (int64_t t = 0; t < length; t++) s[t] *= inverse;
