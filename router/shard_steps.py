@@ -20,11 +20,6 @@ from router.metrics import Metrics
 from router.running_requests import RunningRequests
 from router.shard_client import ShardError
 
-import os as _os
-_TRACE = open(f'/tmp/prof/steps-{_os.getpid()}.txt', 'w', buffering=1)
-def timings_total(r):
-    t = r.timings
-    return f'{t.forward_ns/1e6:.2f} {getattr(t, "total_ns", 0)/1e6:.2f} {len(r.generations) if hasattr(r, "generations") else -1}'
 log = logging.getLogger("tgi.router.steps")
 _TRACER = tracer("tgi.router")
 
@@ -168,7 +163,6 @@ class ShardSteps:
             return err
         metrics.counters.inc("tgi_batch_inference_success", method=method)
         elapsed = time.monotonic() - started
-        _TRACE.write(f"{method} {started:.6f} {elapsed:.6f} {timings_total(result)}\n")
         if method == "decode":
             self.decode_cost.observe(elapsed)
             log.debug("decode step: %.3f s", elapsed)
