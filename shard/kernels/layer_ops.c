@@ -11,7 +11,8 @@
  *
  * Tensors are contiguous rows of float32 or bf16 (`bf16` says which; a layer's activations, norm
  * weights and rotary tables share one dtype; the KV cache has its own). The code is plain C that
- * compilers vectorize (`omp simd`), for AVX2, AVX-512 and ARM alike; large calls (a prefill) split
+ * compilers vectorize (`omp simd`, with -fno-trapping-math for the exponential's selects), for AVX2,
+ * AVX-512 and ARM alike; large calls (a prefill) split
  * their rows over PyTorch's OpenMP threads, small ones (a decode step) run on the calling thread.
  */
 #include <math.h>
@@ -56,12 +57,13 @@ static inline __attribute__((always_inline)) float narrow(float value, const int
 }
 
 /* exp(x) in float32 for vector lanes (Cephes' range reduction and polynomial, within 2 ulp of
- * expf); x below -87.3 gives about 1e-38, above 88.3 about 1e38. */
+ * expf), 0 below -87.3 (where expf is 1e-38 or less: nothing these ops add it to notices) and
+ * infinite above ln(FLT_MAX), as expf. Branch-free, so that loops calling it vectorize. */
 static inline __attribute__((always_inline)) float exp_lane(float x) {
-    x = x < -87.3f ? -87.3f : x > 88.3f ? 88.3f : x;
+    const float clamped = x < -87.3f ? -87.3f : x > 88.72f ? 88.72f : x;
     /* n = x / ln2 rounded to an integer: adding 1.5 * 2^23 pushes the fraction out of the float */
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f;
+    const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = clamped - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -70,10 +72,13 @@ static inline __attribute__((always_inline)) float exp_lane(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    /* 2^n as 2^(n - 1) * 2 at the top (n reaches 128 there, past the float exponent) */
+    const int32_t top = n > 127.0f;
+    uint32_t bits = (uint32_t)((int32_t)n - top + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    const float value = p * scale * (top ? 2.0f : 1.0f);
+    return x < -87.3f ? 0.0f : x > 88.7228f ? INFINITY : value;
 }
 
 /* ---- RMS norm, with the residual add before it ------------------------------------------- */
@@ -208,11 +213,18 @@ rotary_store_token(const void *qkv, int64_t qkv_stride, const void *cos, const v
  * cos/sin [tokens, head_dim]: its position's angles. Writes the rotated queries and keys to
  * qk_out [tokens, num_heads + num_kv_heads, head_dim] and the keys and values to their cache
  * slots (slot_blocks[t], slot_offsets[t]) of key_cache/value_cache
- * [blocks, num_kv_heads, block_size, head_dim]. */
-void rotary_store(const void *qkv, int64_t qkv_stride, const void *cos, const void *sin,
-                  int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                  int bf16, void *qk_out, void *key_cache, void *value_cache, int cache_bf16,
-                  const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t block_size) {
+ * [num_blocks, num_kv_heads, block_size, head_dim]. Returns 0, or -1 (nothing written) when a
+ * slot lies outside the cache. */
+int rotary_store(const void *qkv, int64_t qkv_stride, const void *cos, const void *sin,
+                 int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                 int bf16, void *qk_out, void *key_cache, void *value_cache, int cache_bf16,
+                 const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t num_blocks,
+                 int64_t block_size) {
+    /* the cache is written through raw offsets: a slot outside it must not be */
+    for (int64_t t = 0; t < tokens; t++)
+        if (slot_blocks[t] < 0 || slot_blocks[t] >= num_blocks || slot_offsets[t] < 0
+            || slot_offsets[t] >= block_size)
+            return -1;
     const int parallel = tokens * qkv_stride >= PARALLEL_MIN_ELEMENTS;
 #define ROTARY_STORE(B, C)                                                                        \
     do {                                                                                          \
@@ -231,6 +243,7 @@ void rotary_store(const void *qkv, int64_t qkv_stride, const void *cos, const vo
     else
         ROTARY_STORE(0, 0);
 #undef ROTARY_STORE
+    return 0;
 }
 
 /* ---- The greedy choice of the next token --------------------------------------------------- */
@@ -239,17 +252,35 @@ static inline void greedy_row(const float *scores, int64_t vocab, int64_t *id, f
     float top = -INFINITY;
 #pragma omp simd reduction(max : top)
     for (int64_t i = 0; i < vocab; i++) top = scores[i] > top ? scores[i] : top;
-    int64_t at = 0; /* the first of equal maxima, as torch.argmax picks */
-    while (at < vocab - 1 && !(scores[at] == top)) at++;
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < vocab; i++) total += exp_lane(scores[i] - top);
+    /* the first of equal maxima, as torch.argmax picks: found 64 scores at a time */
+    int64_t at = 0;
+    for (int64_t start = 0; start < vocab; start += 64) {
+        const int64_t end = vocab - start < 64 ? vocab : start + 64;
+        int found = 0;
+#pragma omp simd reduction(| : found)
+        for (int64_t i = start; i < end; i++) found |= scores[i] == top;
+        if (found) {
+            for (at = start; at < end - 1 && !(scores[at] == top); at++) {}
+            break;
+        }
+    }
+    /* in float a chunk at a time, the chunks in double: tens of thousands of terms summed in one
+     * float lose about 1e-5 of the total */
+    double total = 0.0;
+    for (int64_t start = 0; start < vocab; start += 1024) {
+        const int64_t end = vocab - start < 1024 ? vocab : start + 1024;
+        float chunk = 0.0f;
+#pragma omp simd reduction(+ : chunk)
+        for (int64_t i = start; i < end; i++) chunk += exp_lane(scores[i] - top);
+        total += chunk;
+    }
     *id = at;
-    *logprob = -logf(total); /* log_softmax at the maximum: top - top - log(sum exp(s - top)) */
+    *logprob = (float)-log(total); /* log_softmax at the maximum: -log(sum exp(s - top)) */
 }
 
 /* For each row of scores [rows, vocab] (float32): the index of its maximum and that token's
- * log-probability, without the [rows, vocab] log-probabilities log_softmax would write. */
+ * log-probability, without the [rows, vocab] log-probabilities log_softmax would write. A NaN score
+ * is passed over where torch.argmax would pick it; the row's log-probability is NaN either way. */
 void greedy_pick(const float *scores, int64_t rows, int64_t vocab, int64_t *ids, float *logprobs) {
 #pragma omp parallel for schedule(static) if (rows * vocab >= PARALLEL_MIN_ELEMENTS && rows > 1)
     for (int64_t r = 0; r < rows; r++) greedy_row(scores + r * vocab, vocab, ids + r, logprobs + r);

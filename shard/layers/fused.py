@@ -18,8 +18,10 @@ import torch
 from shard.layers import native
 
 SOURCE = native.KERNELS / "layer_ops.c"
-# no fused multiply-adds the PyTorch ops they stand for do not make: the same roundings
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+# no fused multiply-adds the PyTorch ops they stand for do not make: the same roundings; no
+# floating-point traps, so that loops with selects (the exponential's range) vectorize on AVX2 too
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-shared",
+         "-fPIC"]
 ENABLED_ENV = "TGI_PY_FUSED_OPS"
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -34,9 +36,10 @@ def load_library() -> ctypes.CDLL | None:
     library.rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, flag]
     library.silu_mul.argtypes = [ptr, ptr, i64, i64, flag]
     library.rotary_store.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, flag, ptr, ptr, ptr,
-                                     flag, ptr, ptr, i64]
+                                     flag, ptr, ptr, i64, i64]
+    library.rotary_store.restype = ctypes.c_int
     library.greedy_pick.argtypes = [ptr, i64, i64, ptr, ptr]
-    for fn in (library.rms_norm, library.silu_mul, library.rotary_store, library.greedy_pick):
+    for fn in (library.rms_norm, library.silu_mul, library.greedy_pick):
         fn.restype = None
     return library
 
@@ -95,17 +98,28 @@ def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_he
     cos/sin [T, head_dim] are each token's angles (shard.layers.rotary)."""
     lib = _fused(qkv, cos, sin)
     if (lib is None or key_cache.device.type != "cpu" or key_cache.dtype not in _DTYPES
+            or value_cache.dtype != key_cache.dtype or value_cache.shape != key_cache.shape
             or not key_cache.is_contiguous() or not value_cache.is_contiguous()
             or slot_blocks.dtype != torch.int64 or slot_offsets.dtype != torch.int64
             or not slot_blocks.is_contiguous() or not slot_offsets.is_contiguous()):
         return None
     tokens = qkv.shape[0]
+    num_blocks, cache_heads, block_size, cache_dim = key_cache.shape
+    if (qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or cache_heads != num_kv_heads
+            or cache_dim != head_dim or slot_blocks.shape != (tokens,)
+            or slot_offsets.shape != (tokens,) or cos.numel() != tokens * head_dim
+            or sin.numel() != tokens * head_dim):
+        raise ValueError(f"rotary_store: qkv {tuple(qkv.shape)}, cache {tuple(key_cache.shape)}, "
+                         f"{tokens} slots do not fit {num_heads} heads over {num_kv_heads} of "
+                         f"{head_dim} dims")
     qk = qkv.new_empty(tokens, num_heads + num_kv_heads, head_dim)
-    lib.rotary_store(qkv.data_ptr(), qkv.shape[1], cos.data_ptr(), sin.data_ptr(), tokens,
-                     num_heads, num_kv_heads, head_dim, int(qkv.dtype == torch.bfloat16),
-                     qk.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                     int(key_cache.dtype == torch.bfloat16), slot_blocks.data_ptr(),
-                     slot_offsets.data_ptr(), key_cache.shape[2])
+    status = lib.rotary_store(
+        qkv.data_ptr(), qkv.shape[1], cos.data_ptr(), sin.data_ptr(), tokens, num_heads,
+        num_kv_heads, head_dim, int(qkv.dtype == torch.bfloat16), qk.data_ptr(),
+        key_cache.data_ptr(), value_cache.data_ptr(), int(key_cache.dtype == torch.bfloat16),
+        slot_blocks.data_ptr(), slot_offsets.data_ptr(), num_blocks, block_size)
+    if status != 0:
+        raise IndexError("a KV slot lies outside the cache")
     return qk
 
 

@@ -155,8 +155,9 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache in zip(self.layers, caches):
             hidden, residual = layer(hidden, residual, angles, cache, meta)
         if logit_index is not None:
-            hidden, residual = hidden[logit_index], residual[logit_index]
-        return self.norm.add_norm(hidden, residual)[0]
+            hidden = hidden[logit_index]
+            residual = residual[logit_index] if residual is not None else None
+        return self.norm(hidden) if residual is None else self.norm.add_norm(hidden, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

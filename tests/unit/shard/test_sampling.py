@@ -30,6 +30,22 @@ def test_greedy_takes_argmax_and_reports_its_logprob():
     assert math.isclose(out.logprobs.item(), math.log(0.5), rel_tol=1e-5)
 
 
+def test_greedy_rows_report_what_the_full_distribution_says():
+    """A greedy batch picks without the vocabulary's log-probabilities (C on the CPU); computed on
+    demand, they agree with the picks, as a batch with a sampling row computes them up front."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 1000) * 3
+    greedy = sample(logits, _batch(*[SamplingParams()] * 4))
+    distribution = greedy.log_distribution()
+    torch.testing.assert_close(distribution, torch.log_softmax(logits, dim=-1))
+    assert torch.equal(greedy.next_ids, logits.argmax(dim=-1))
+    torch.testing.assert_close(greedy.logprobs, distribution.gather(
+        1, greedy.next_ids.unsqueeze(1)).squeeze(1), rtol=0, atol=1e-5)
+    mixed = sample(logits, _batch(*[SamplingParams()] * 3, SamplingParams(do_sample=True, seed=1)))
+    assert torch.equal(mixed.next_ids[:3], greedy.next_ids[:3])
+    torch.testing.assert_close(mixed.logprobs[:3], greedy.logprobs[:3], rtol=0, atol=1e-5)
+
+
 def test_top_k_keeps_k_tokens():
     assert _allowed(LOGITS, {"top_k": 2}) == {0, 1}
 
