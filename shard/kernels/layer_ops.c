@@ -4,10 +4,10 @@
  * rsqrt, multiply, narrow, scale), each a dispatch of a few microseconds and, on a prefill's
  * thousands of rows, a pass over memory of its own. Here each is one call and one pass.
  *
- * The results equal PyTorch's op by op: a bf16 tensor is read as float32, every op computes in
+ * The results follow PyTorch's op by op: a bf16 tensor is read as float32, every op computes in
  * float32 and rounds its result to bf16 (to nearest, ties to even) where PyTorch's op would store
  * a bf16 tensor. Only the order of a row's sum of squares and the exponential's last bits differ,
- * which moves a bf16 result by one unit in rare ties.
+ * which moves a bf16 result by one unit in rare elements.
  *
  * Tensors are contiguous rows of float32 or bf16 (`bf16` says which; a layer's activations, norm
  * weights and rotary tables share one dtype; the KV cache has its own). The code is plain C that
