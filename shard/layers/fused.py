@@ -47,13 +47,15 @@ def load_library() -> ctypes.CDLL | None:
 
 def _fused(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The library, when these tensors can go through it."""
+    # called a few hundred times a decode step: plain attribute checks, no generator
     if torch.compiler.is_compiling():
         return None
-    first = tensors[0]
-    if first.device.type != "cpu" or first.dtype not in _DTYPES:
+    dtype = tensors[0].dtype
+    if dtype not in _DTYPES:
         return None
-    if any(t.dtype != first.dtype or not t.is_contiguous() for t in tensors):
-        return None
+    for tensor in tensors:
+        if not tensor.is_cpu or tensor.dtype != dtype or not tensor.is_contiguous():
+            return None
     return load_library()
 
 

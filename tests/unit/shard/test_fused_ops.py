@@ -118,6 +118,10 @@ def test_rotary_store_refuses_a_slot_outside_the_cache():
 
 
 def test_other_dtypes_and_switched_off_take_the_pytorch_forms(monkeypatch):
+    assert fused._fused(torch.randn(2, 8)) is not None
+    assert fused._fused(torch.empty(2, 8, device="meta")) is None  # not on the CPU
+    assert fused._fused(torch.randn(2, 8), torch.randn(8, 2).t()) is None  # not contiguous
+    assert fused._fused(torch.randn(2, 8), torch.randn(2, 8).bfloat16()) is None  # mixed dtypes
     x = torch.randn(4, 64, dtype=torch.float16)
     weight = torch.ones(64, dtype=torch.float16)
     normed, _ = fused.rms_norm(x, weight, 1e-6)
