@@ -12,31 +12,17 @@
  * Tensors are contiguous rows of float32 or bf16 (`bf16` says which; a layer's activations, norm
  * weights and rotary tables share one dtype; the KV cache has its own). The code is plain C that
  * compilers vectorize (`omp simd`, with -fno-trapping-math for the exponential's selects), for AVX2,
- * AVX-512 and ARM alike; large calls (a prefill) split
- * their rows over PyTorch's OpenMP threads, small ones (a decode step) run on the calling thread.
+ * AVX-512 and ARM alike; large calls (a prefill) split their rows over PyTorch's OpenMP threads,
+ * small ones (a decode step) run on the calling thread.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 /* elements below which a call stays on one thread: waking the others costs more than it saves */
 #define PARALLEL_MIN_ELEMENTS (1 << 15)
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &wide, sizeof value);
-    return value;
-}
-
-/* to nearest, ties to even, as PyTorch rounds; a NaN stays a (quiet) NaN */
-static inline uint16_t float_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    uint32_t nan = (bits >> 16) | 0x40u;
-    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
 
 static inline __attribute__((always_inline)) float load(const void *data, int64_t at,
                                                         const int bf16) {

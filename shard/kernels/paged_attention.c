@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 /* the vector paths need AVX2 and FMA; the 16-float ones AVX-512F on top (nothing from DQ or BW) */
 #if defined(__AVX2__) && defined(__FMA__)
 #define VECTOR_AVX2 1
@@ -24,22 +26,6 @@
 #define VECTOR_AVX512 1
 #endif
 #endif
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &wide, sizeof value);
-    return value;
-}
-
-/* to nearest, ties to even, as PyTorch rounds; a NaN stays a (quiet) NaN */
-static inline uint16_t float_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    uint32_t nan = (bits >> 16) | 0x40u;
-    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
 
 #ifdef VECTOR_AVX2
 /* 8 floats of a cache row (float32 or bf16) */

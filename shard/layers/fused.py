@@ -4,10 +4,10 @@ PyTorch eager runs an RMS norm as eight ops, a rotary embedding and the KV cache
 SiLU-and-multiply as three: on a decode step of a 30-layer model about a thousand dispatches of a
 few microseconds each around a little arithmetic, and on a prefill a pass over memory per op. The
 fused forms round where PyTorch's ops round (shard/kernels/layer_ops.c says where they can still
-differ by one bf16 unit). Each function
-here falls back to its PyTorch form where the library is not there (no C compiler, switched off
-with TGI_PY_FUSED_OPS=0), off the CPU, for dtypes other than float32 and bf16, and while
-torch.compile traces a step (inductor fuses the PyTorch form itself).
+differ by one bf16 unit). Each function here falls back to its PyTorch form where the library is
+not there (no C compiler, switched off with TGI_PY_FUSED_OPS=0), off the CPU, for dtypes other
+than float32 and bf16, and while torch.compile traces a step (inductor fuses the PyTorch form
+itself).
 """
 from __future__ import annotations
 

@@ -39,8 +39,11 @@ def cpu_flags() -> str:
 def _build(source: Path, compiler: str, flags: list[str]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True).stdout
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(), " ".join(flags).encode(),
-                                     cpu_flags().encode()])).hexdigest()[:16]
+    # the headers next to the sources are part of every build (a changed one rebuilds them all)
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, version.encode(),
+                                     " ".join(flags).encode(), cpu_flags().encode()]
+                                    )).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
