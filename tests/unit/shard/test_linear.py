@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from shard.layers import linear as linear_module
+from shard.layers import matmul_kernel
 from shard.layers.arithmetic import compute_dtype, cpu_has_bf16_kernels
 from shard.layers.linear import LinearWeight, linear
 
@@ -15,10 +16,11 @@ def _weights():
     return weight, bias
 
 
-def test_prepacked_bf16_linear_equals_f_linear():
+def test_prepacked_bf16_linear_equals_f_linear(monkeypatch):
     if not cpu_has_bf16_kernels():
         pytest.skip("oneDNN takes no bf16 weights on this CPU (needs AVX-512 BW/VL/DQ or "
                     "AVX-NE-CONVERT), so the prepack cannot run here, not even forced")
+    monkeypatch.setattr(matmul_kernel, "can_pack", lambda weight: False)
     weight, bias = _weights()
     with_bias, without = LinearWeight.prepare(weight, bias), LinearWeight.prepare(weight)
     assert with_bias.packed is not None
@@ -26,6 +28,67 @@ def test_prepacked_bf16_linear_equals_f_linear():
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
         assert torch.equal(linear(x, with_bias), F.linear(x, weight, bias))
         assert torch.equal(linear(x, without), F.linear(x, weight))
+
+
+def _bf16_units(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 values apart a and b are, element-wise (same signs assumed)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("features", [(96, 64), (100, 64), (7, 18), (1, 2), (3072, 576)])
+def test_bf16_kernel_matches_onednn_to_one_unit(features):
+    """The C kernel (AVX-512 BF16): every row count's tile shapes and every tail of a 16-feature
+    block, with and without bias, against oneDNN's bf16 matmul (the same products, summed in
+    another order) and the float32 product."""
+    if not (cpu_has_bf16_kernels() and matmul_kernel.load_library() is not None):
+        pytest.skip("the C bf16 matmul needs AVX-512 BF16 (and no AMX) and a C compiler")
+    torch.manual_seed(1)
+    n, k = features
+    weight = torch.randn(n, k, dtype=torch.bfloat16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+    differing = total = 0
+    for with_bias in (None, bias):
+        prepared = LinearWeight.prepare(weight, with_bias)
+        assert prepared.tiled is not None and prepared.packed is None
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 31, 33, 130):
+            x = torch.randn(rows, k, dtype=torch.bfloat16)
+            out = linear(x, prepared)
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+            expected = torch.ops.mkldnn._linear_pointwise(x, onednn, with_bias, "none", [], "")
+            same_sign = torch.sign(out) == torch.sign(expected)
+            assert bool(((_bf16_units(out, expected) <= 1) & same_sign
+                         | ((out - expected).abs() < 1e-6)).all())
+            differing += int((out != expected).sum())
+            total += out.numel()
+            exact = F.linear(x.float(), weight.float(),
+                             None if with_bias is None else with_bias.float())
+            torch.testing.assert_close(out.float(), exact, rtol=1 / 128, atol=k * 1e-3)
+    assert differing <= total // 100
+
+
+def test_bf16_kernel_takes_any_row_layout():
+    if not (cpu_has_bf16_kernels() and matmul_kernel.load_library() is not None):
+        pytest.skip("the C bf16 matmul needs AVX-512 BF16 (and no AMX) and a C compiler")
+    weight, bias = _weights()
+    prepared = LinearWeight.prepare(weight, bias)
+    batch = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    out = linear(batch, prepared)
+    assert out.shape == (2, 5, 96)
+    assert torch.equal(out[1], linear(batch[1], prepared))
+    strided = batch[:, 2]  # rows 5 * 64 apart
+    assert torch.equal(linear(strided, prepared), linear(strided.contiguous(), prepared))
+    assert linear(batch[:, :0], prepared).shape == (2, 0, 96)
+    # float32 activations are rounded to bf16 and come back float32
+    wide = linear(batch[0].float(), prepared)
+    assert wide.dtype == torch.float32 and torch.equal(wide, out[0].float())
+
+
+def test_odd_input_widths_keep_onednn():
+    if not cpu_has_bf16_kernels():
+        pytest.skip("oneDNN takes no bf16 weights on this CPU")
+    prepared = LinearWeight.prepare(torch.randn(8, 7, dtype=torch.bfloat16))
+    assert prepared.tiled is None and prepared.packed is not None
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 32, 48, 49, 200])

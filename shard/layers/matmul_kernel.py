@@ -1,0 +1,81 @@
+"""The C bf16 matmul (shard/kernels/bf16_matmul.c) for CPUs with AVX-512 BF16, built on first use.
+
+Where it is available (the build has AVX-512 BF16, a C compiler is there, TGI_PY_MATMUL_KERNEL is
+not 0, and the CPU has no AMX, where oneDNN's tile kernels were not measured against it), bf16
+linear layers keep their weights in its packed layout instead of oneDNN's (shard.layers.linear).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from shard.layers import native
+
+SOURCE = native.KERNELS / "bf16_matmul.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+ENABLED_ENV = "TGI_PY_MATMUL_KERNEL"
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The library where it has a kernel for this CPU, else None."""
+    if " amx_bf16" in native.cpu_flags():
+        return None
+    library = native.load_library(SOURCE, FLAGS, ENABLED_ENV,
+                                  "bf16 linear layers use oneDNN's prepacked matmul")
+    if library is None or not library.bf16_matmul_supported():
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.bf16_matmul_packed_elements.argtypes = [i64, i64]
+    library.bf16_matmul_packed_elements.restype = i64
+    library.bf16_matmul_pack.argtypes = [ptr, i64, i64, ptr]
+    library.bf16_matmul_pack.restype = None
+    library.bf16_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
+    library.bf16_matmul.restype = ctypes.c_int
+    return library
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether this weight's linear layer runs in the kernel here."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[1] % 2 == 0 and weight.shape[0] > 0 and load_library() is not None)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [n, k] -> the kernel's layout of it (flat bf16)."""
+    n, k = weight.shape
+    library = load_library()
+    packed = torch.empty(library.bf16_matmul_packed_elements(n, k), dtype=torch.bfloat16)
+    library.bf16_matmul_pack(weight.contiguous().data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., k] -> x W^T + bias [..., n], W packed by `pack`, bias contiguous bf16 or None; the
+    arithmetic is bf16's (an input of another dtype is rounded to bf16 first), the result in x's
+    dtype."""
+    if torch.compiler.is_compiling():
+        return bf16_matmul_op(x, packed, n, bias)
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).to(torch.bfloat16)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
+        rows = rows.contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    load_library().bf16_matmul(rows.data_ptr(), rows.shape[0], k, k, packed.data_ptr(), n,
+                               None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("tgi::bf16_matmul", mutates_args=())
+def bf16_matmul_op(x: torch.Tensor, packed: torch.Tensor, n: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """`matmul` as an operator: what a compiled step calls (a compiler cannot see into the
+    kernel's raw pointers)."""
+    return matmul(x, packed, n, bias)
+
+
+@bf16_matmul_op.register_fake
+def _(x, packed, n, bias):
+    return x.new_empty(*x.shape[:-1], n)
