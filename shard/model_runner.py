@@ -15,6 +15,8 @@ from shard.compiled_decode import CompiledDecode, unsupported_reason
 from shard.layers import paged_kernel
 from shard.layers.attention import (AttentionMetadata, DecodeGroup, LayerCache, PrefillLayout,
                                     gather_index)
+from shard.models import llama_step
+from shard.models.llama_step import DecodeStep
 
 log = logging.getLogger("tgi.shard.model_runner")
 
@@ -98,6 +100,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.paged_kernel = paged_kernel.supports(spec.device, spec.dtype)
         self.decode_step = self._decode_forward
+        self.c_step: DecodeStep | None = None  # built with each pool (see allocate)
+        self.compile_decode = compile_decode
         if compile_decode:
             reason = unsupported_reason(model, spec.device, world_size)
             if reason is None and not self.paged_kernel:
@@ -117,6 +121,13 @@ class ModelRunner:
         self.cache = []  # free the old pool before allocating the new one
         self.cache = allocate_kv_cache(self.spec, num_blocks)
         self.num_blocks = num_blocks
+        self.c_step = None
+        if not self.compile_decode:  # a compiled step was asked for: it is what runs
+            reason = llama_step.unsupported_reason(self.model, self.cache)
+            if reason is None:
+                self.c_step = DecodeStep(self.model, self.cache)
+            else:
+                log.info("decode steps run layer by layer: %s", reason)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[PrefillSequence], *, all_logits_rows: set[int] = frozenset(),
@@ -205,6 +216,8 @@ class ModelRunner:
     def decode(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                block_tables: torch.Tensor) -> DecodeOutput:
         """One token per sequence at position seq_lens -> logits [B, vocab] and hidden states."""
+        if self.c_step is not None:
+            return DecodeOutput(*self.c_step(input_ids, seq_lens, block_tables))
         return DecodeOutput(*self.decode_step(input_ids, seq_lens, block_tables))
 
     def _decode_forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,

@@ -1,0 +1,127 @@
+/* A whole decode step of a Llama-family model in one C call: the CPU's counterpart of replaying a
+ * CUDA graph.
+ *
+ * Eager PyTorch runs a decode step as about 400 Python-level calls (norms, projections, rotary and
+ * cache writes, attention, activations, per layer), a few microseconds of interpreter and dispatch
+ * each: 5-7 ms a step on SmolLM2 whatever the batch, as long as the arithmetic of a batch-1 step.
+ * Here the layer loop is C and calls the same kernels the eager step calls (shard/kernels:
+ * layer_ops.c, paged_attention.c, bf16_matmul.c, reached through the pointers in `kernels`, each
+ * library built on its own), in the same order on the same buffers, so the results are the eager
+ * step's bit for bit.
+ *
+ * Everything is bf16 (activations, weights in bf16_matmul's packed layout, the KV cache); rows are
+ * contiguous.
+ */
+#include <stdint.h>
+
+typedef void (*rms_norm_fn)(const void *x, const void *residual, void *sum_out,
+                            const void *weight, void *out, int64_t rows, int64_t dim, float eps,
+                            int bf16);
+typedef void (*silu_mul_fn)(const void *gate_up, void *out, int64_t rows, int64_t width, int bf16);
+typedef int (*rotary_store_fn)(const void *qkv, int64_t qkv_stride, const void *cos,
+                               const void *sin, int64_t tokens, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t head_dim, int bf16, void *qk_out,
+                               void *key_cache, void *value_cache, int cache_bf16,
+                               const int64_t *slot_blocks, const int64_t *slot_offsets,
+                               int64_t num_blocks, int64_t block_size);
+typedef int (*attention_fn)(const void *key_cache, const void *value_cache, int cache_is_bf16,
+                            const void *queries, int queries_are_bf16, int64_t query_stride,
+                            const int64_t *block_tables, int64_t table_stride,
+                            const int64_t *context_lens, int64_t batch, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            float scale, void *out, int out_is_bf16);
+typedef int (*matmul_fn)(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                         const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *out,
+                         int64_t out_stride);
+
+typedef struct {
+    rms_norm_fn rms_norm;
+    silu_mul_fn silu_mul;
+    rotary_store_fn rotary_store;
+    attention_fn attention;
+    matmul_fn matmul;
+} kernels_t;
+
+/* one decoder layer's weights (matrices packed, biases NULL where the model has none) and cache */
+typedef struct {
+    const void *input_norm, *post_norm;
+    const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    void *key_cache, *value_cache;
+} layer_t;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab_rows;
+    int64_t num_blocks, block_size;
+    float eps, scale;
+    const void *final_norm;
+    const uint16_t *lm_head;
+    const layer_t *layer;
+} model_t;
+
+/* the step's activations, each [batch, width] */
+typedef struct {
+    void *residual[2], *normed, *qkv, *qk, *attention, *projected, *gate_up, *act;
+} buffers_t;
+
+/* the residual buffer an add writes to: not the one it reads */
+static void *other(const buffers_t *buf, const void *residual) {
+    return residual == buf->residual[0] ? buf->residual[1] : buf->residual[0];
+}
+
+/* embeds [batch, hidden] -> hidden_out [batch, hidden] (the final norm's output) and logits
+ * [batch, vocab_rows]. cos/sin [batch, head_dim] are each token's angles; the new keys and values go
+ * to (slot_blocks, slot_offsets); attention reads context_lens[b] tokens through block_tables.
+ * Returns 0, -1 for a KV slot outside the cache (nothing of that layer written), -2 when attention
+ * could not allocate its scratch. */
+int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int64_t batch,
+                const void *embeds, const void *cos, const void *sin, const int64_t *slot_blocks,
+                const int64_t *slot_offsets, const int64_t *block_tables, int64_t table_stride,
+                const int64_t *context_lens, void *hidden_out, void *logits) {
+    const int64_t d = m->head_dim, qkv_width = (m->heads + 2 * m->kv_heads) * d;
+    const int64_t q_width = m->heads * d, qk_width = (m->heads + m->kv_heads) * d;
+    const void *hidden = embeds;
+    const void *residual = 0;
+    for (int64_t l = 0; l < m->layers; l++) {
+        const layer_t *w = &m->layer[l];
+        void *summed = other(buf, residual);
+        if (residual == 0) {
+            k->rms_norm(hidden, 0, 0, w->input_norm, buf->normed, batch, m->hidden, m->eps, 1);
+            residual = hidden;
+        } else {
+            k->rms_norm(hidden, residual, summed, w->input_norm, buf->normed, batch, m->hidden,
+                        m->eps, 1);
+            residual = summed;
+        }
+        k->matmul(buf->normed, batch, m->hidden, m->hidden, w->qkv, qkv_width, w->qkv_bias,
+                  buf->qkv, qkv_width);
+        if (k->rotary_store(buf->qkv, qkv_width, cos, sin, batch, m->heads, m->kv_heads, d, 1,
+                            buf->qk, w->key_cache, w->value_cache, 1, slot_blocks, slot_offsets,
+                            m->num_blocks, m->block_size) != 0)
+            return -1;
+        if (k->attention(w->key_cache, w->value_cache, 1, buf->qk, 1, qk_width, block_tables,
+                         table_stride, context_lens, batch, m->heads, m->kv_heads, d,
+                         m->block_size, m->scale, buf->attention, 1) != 0)
+            return -2;
+        k->matmul(buf->attention, batch, q_width, q_width, w->o, m->hidden, w->o_bias,
+                  buf->projected, m->hidden);
+        summed = other(buf, residual);
+        k->rms_norm(buf->projected, residual, summed, w->post_norm, buf->normed, batch, m->hidden,
+                    m->eps, 1);
+        residual = summed;
+        k->matmul(buf->normed, batch, m->hidden, m->hidden, w->gate_up, 2 * m->intermediate,
+                  w->gate_up_bias, buf->gate_up, 2 * m->intermediate);
+        k->silu_mul(buf->gate_up, buf->act, batch, m->intermediate, 1);
+        k->matmul(buf->act, batch, m->intermediate, m->intermediate, w->down, m->hidden,
+                  w->down_bias, buf->projected, m->hidden);
+        hidden = buf->projected;
+    }
+    void *summed = other(buf, residual);
+    if (residual == 0)
+        k->rms_norm(hidden, 0, 0, m->final_norm, hidden_out, batch, m->hidden, m->eps, 1);
+    else
+        k->rms_norm(hidden, residual, summed, m->final_norm, hidden_out, batch, m->hidden, m->eps,
+                    1);
+    k->matmul(hidden_out, batch, m->hidden, m->hidden, m->lm_head, m->vocab_rows, 0, logits,
+              m->vocab_rows);
+    return 0;
+}

@@ -1,0 +1,103 @@
+"""The decode step in C gives the eager step's logits, hidden states and cache writes bit for bit,
+and steps aside (saying why) where one of its kernels is not what the eager step would run."""
+import pytest
+import torch
+
+from shard.distributed import ParallelContext
+from shard.loader import load_model
+from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence
+from shard.models import llama_step
+from tests.tiny_models import build_tiny_model
+
+
+def _runner(model_dir, dtype=torch.bfloat16) -> ModelRunner:
+    loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
+                        parallel=ParallelContext())
+    cfg = loaded.config
+    spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim, 4, dtype,
+                       torch.device("cpu"))
+    runner = ModelRunner(loaded.model, spec)
+    runner.allocate(64)
+    return runner
+
+
+def _needs_c_step(runner: ModelRunner) -> None:
+    reason = llama_step.unsupported_reason(runner.model, runner.cache)
+    if reason is not None:
+        pytest.skip(f"no C decode step here: {reason}")
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("qwen2"), architecture="qwen2")
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, architecture, batch):
+    """Llama, and Qwen2's biased q/k/v projections; contexts of different lengths across several
+    blocks, two steps in a row (the second reads the keys the first wrote)."""
+    runner = _runner(tiny_llama if architecture == "llama" else qwen2_dir)
+    _needs_c_step(runner)
+    assert runner.c_step is not None
+    torch.manual_seed(batch)
+    seqs = [PrefillSequence(token_ids=torch.randint(3, 300, (5 + 3 * b,)).tolist(), start=0,
+                            blocks=list(range(1 + 7 * b, 8 + 7 * b))) for b in range(batch)]
+    runner.prefill(seqs)
+    tables = torch.tensor([s.blocks for s in seqs])
+    lens = torch.tensor([s.length for s in seqs])
+    for step in range(2):
+        ids = torch.randint(3, 300, (batch,))
+        before = [(c.key.clone(), c.value.clone()) for c in runner.cache]
+        with torch.inference_mode():
+            logits, hidden = runner.c_step(ids, lens + step, tables)
+            written = [(c.key.clone(), c.value.clone()) for c in runner.cache]
+            for c, (k, v) in zip(runner.cache, before):
+                c.key.copy_(k)
+                c.value.copy_(v)
+            eager_logits, eager_hidden = runner._decode_forward(ids, lens + step, tables)
+        assert logits.dtype == eager_logits.dtype == torch.float32
+        assert torch.equal(logits, eager_logits)
+        assert torch.equal(hidden, eager_hidden)
+        assert all(torch.equal(k, c.key) and torch.equal(v, c.value)
+                   for (k, v), c in zip(written, runner.cache))
+
+
+def test_runner_decodes_through_the_c_step(tiny_llama, monkeypatch):
+    runner = _runner(tiny_llama)
+    _needs_c_step(runner)
+    calls = []
+    step = runner.c_step
+    monkeypatch.setattr(runner, "c_step", lambda *args: calls.append(args) or step(*args))
+    runner.prefill([PrefillSequence(token_ids=[5, 6, 7], start=0, blocks=[1, 2])])
+    out = runner.decode(torch.tensor([9]), torch.tensor([3]), torch.tensor([[1, 2]]))
+    assert len(calls) == 1 and out.logits.shape[0] == 1
+
+
+def test_a_slot_outside_the_cache_raises(tiny_llama):
+    runner = _runner(tiny_llama)
+    _needs_c_step(runner)
+    for position, table in ((3, [999, 1]), (5, [1, 999]), (5, [1, -2])):
+        with pytest.raises(IndexError), torch.inference_mode():
+            runner.c_step(torch.tensor([9]), torch.tensor([position]), torch.tensor([table]))
+
+
+def test_float32_models_and_switched_off_builds_keep_the_eager_step(tiny_llama, monkeypatch):
+    runner = _runner(tiny_llama, dtype=torch.float32)
+    assert runner.c_step is None
+    assert "bf16" in llama_step.unsupported_reason(runner.model, runner.cache)
+    monkeypatch.setattr(llama_step, "load_library", lambda: None)
+    runner = _runner(tiny_llama)
+    assert runner.c_step is None
+    assert llama_step.unsupported_reason(runner.model, runner.cache) is not None
+
+
+def test_a_compiled_step_asked_for_is_what_runs(tiny_llama):
+    loaded = load_model(tiny_llama, dtype=torch.bfloat16, device=torch.device("cpu"),
+                        parallel=ParallelContext())
+    cfg = loaded.config
+    spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim, 4,
+                       torch.bfloat16, torch.device("cpu"))
+    runner = ModelRunner(loaded.model, spec, compile_decode=True)
+    runner.allocate(16)
+    assert runner.c_step is None
