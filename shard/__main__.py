@@ -19,6 +19,7 @@ from shard.allocator import MMAP_THRESHOLD, keep_freed_memory
 from shard.config import ShardConfig, parse_args
 from shard.distributed import all_gather_strings, init_parallel
 from shard.engine import Engine
+from shard.layers import matmul_kernel
 from shard.loader import load_model
 from shard.model_runner import KVCacheSpec, ModelRunner
 from shard.server import ShardServicer, engine_thread
@@ -58,10 +59,13 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
         done = sum(p.quantized is not None for p in layers)
         log.info("%s weights: %d of %d linear layers quantized", config.quantize, done, len(layers))
         if done and not any(p.quantized_rows for p in layers):
-            log.warning("this CPU has no bf16 kernels (AVX-512, AVX-NE-CONVERT), where PyTorch's "
-                        "%s kernels are no faster than the unquantized path: the layers multiply "
-                        "by the weights the %s forms stand for (the quantized model's answers, "
-                        "not its speed)", config.quantize, config.quantize)
+            log.warning("PyTorch's %s kernels are no faster here than the unquantized path (%s): "
+                        "the layers multiply by the weights the %s forms stand for (the quantized "
+                        "model's answers, not its speed)", config.quantize,
+                        "the C bf16 matmul and decode step run here"
+                        if matmul_kernel.load_library() is not None
+                        else "this CPU has no bf16 kernels: AVX-512, AVX-NE-CONVERT",
+                        config.quantize)
         if done < len(layers):  # int4 takes input features by 32 and output features by 16
             log.warning("%d linear layers keep %s weights: their shape does not fit the %s kernel",
                         len(layers) - done, config.dtype, config.quantize)

@@ -39,8 +39,16 @@ QUANTIZED_MAX_ROWS = 4
 
 
 def quantized_kernel_rows() -> int:
-    """Up to how many rows a quantized layer runs the quantized kernels on this CPU (0: never)."""
-    return QUANTIZED_MAX_ROWS if cpu_has_bf16_kernels() else 0
+    """Up to how many rows a quantized layer runs the quantized kernels on this CPU (0: never).
+
+    Never where the C bf16 matmul runs (AVX-512 BF16): PyTorch's int8 kernel is slower than it, and
+    its int4 kernel, though faster per matmul (30 layers' matmuls at one row of SmolLM2: 4.3
+    against 7.6 ms), keeps the step in Python, which costs more than that against the C decode
+    step that bf16-kernel layers allow (batch-1 steps over gRPC 12.3-12.5 ms with int4 kernels,
+    10.5-11.8 without; benchmarks/RESULTS.md)."""
+    if not cpu_has_bf16_kernels() or matmul_kernel.load_library() is not None:
+        return 0
+    return QUANTIZED_MAX_ROWS
 
 
 @dataclass(slots=True)

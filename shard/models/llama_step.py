@@ -4,7 +4,7 @@ The C loop calls the kernels the eager forward calls (fused layer ops, paged att
 matmul), in the same order on the same inputs: its logits are the eager step's bit for bit, without
 the 5-7 ms of Python and dispatch around them. It applies where every piece of the eager step is one
 of those kernels: a bf16 model and KV cache on a CPU whose build has all of them (AVX-512 BF16), one
-rank, no quantized layers, no bias after a row-parallel projection (the eager step adds it as a
+rank, no layer running quantized kernels, no bias after a row-parallel projection (the eager step adds it as a
 separate bf16 op). Elsewhere `build` says why and the runner keeps the eager (or compiled) step.
 TGI_PY_DECODE_STEP=0 switches it off.
 """
@@ -88,8 +88,9 @@ def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str |
             return "a bias after a row-parallel projection is a separate bf16 add in eager steps"
     for module in model.modules():
         prepared = getattr(module, "prepared", None)
-        if prepared is not None and (prepared.tiled is None or prepared.quantized is not None):
-            return "a linear layer is not in the C bf16 matmul's layout (quantized, or another CPU)"
+        if prepared is not None and (prepared.tiled is None or prepared.quantized_rows):
+            return ("a linear layer runs another kernel than the C bf16 matmul (quantized "
+                    "kernels, or a CPU without AVX-512 BF16)")
     for name, library in (("the fused layer ops", fused.load_library()),
                           ("the attention kernel", paged_kernel.load_kernel()),
                           ("the bf16 matmul", matmul_kernel.load_library()),
