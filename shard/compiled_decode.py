@@ -4,8 +4,8 @@ Eager PyTorch dispatches a few thousand small ops per step of a 30-layer model (
 casts, residual adds, cache writes), each costing microseconds of Python and dispatch around
 microseconds of arithmetic. Inductor fuses them into a few C++ loops per layer. What it should not
 compile is called as it is: oneDNN's prepacked bf16 matmuls (inductor's own lowering of that op
-expects weights it packed itself, so it is made a plain call) and the C decode-attention kernel (a
-custom op). Sizes are dynamic: one graph serves every batch of 2 rows or more and every context
+expects weights it packed itself, so it is made a plain call), the C bf16 matmul and the C
+decode-attention kernel (custom ops). Sizes are dynamic: one graph serves every batch of 2 rows or more and every context
 length, and one more serves a single row (PyTorch specialises sizes of 1), so two compilations at
 start-up cover every step; no request pays for one. Where compiling is not possible (no C++
 compiler, an unsupported layer form) or a step would need a new graph, the step runs eagerly and the
