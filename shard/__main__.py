@@ -62,7 +62,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
             log.warning("PyTorch's %s kernels are no faster here than the unquantized path (%s): "
                         "the layers multiply by the weights the %s forms stand for (the quantized "
                         "model's answers, not its speed)", config.quantize,
-                        "the C bf16 matmul and decode step run here"
+                        "our bf16 matmul runs here, and the C decode step where it applies"
                         if matmul_kernel.load_library() is not None
                         else "this CPU has no bf16 kernels: AVX-512, AVX-NE-CONVERT",
                         config.quantize)

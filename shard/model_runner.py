@@ -101,7 +101,6 @@ class ModelRunner:
         self.paged_kernel = paged_kernel.supports(spec.device, spec.dtype)
         self.decode_step = self._decode_forward
         self.c_step: DecodeStep | None = None  # built with each pool (see allocate)
-        self.compile_decode = compile_decode
         if compile_decode:
             reason = unsupported_reason(model, spec.device, world_size)
             if reason is None and not self.paged_kernel:
@@ -118,11 +117,11 @@ class ModelRunner:
                 self.decode_step.warm(tables_width=1)
 
     def allocate(self, num_blocks: int) -> None:
+        self.c_step = None  # it holds the old pool too
         self.cache = []  # free the old pool before allocating the new one
         self.cache = allocate_kv_cache(self.spec, num_blocks)
         self.num_blocks = num_blocks
-        self.c_step = None
-        if not self.compile_decode:  # a compiled step was asked for: it is what runs
+        if not isinstance(self.decode_step, CompiledDecode):  # a compiled step asked for runs
             reason = llama_step.unsupported_reason(self.model, self.cache)
             if reason is None:
                 self.c_step = DecodeStep(self.model, self.cache)

@@ -35,7 +35,8 @@
 #define ROWS_PER_PASS 128
 /* how far ahead (in input-feature pairs, one cache line of a block each) a tile asks for its
  * blocks' next lines, into L2: decode-size matmuls 6-14% faster than with the hardware
- * prefetchers alone; lines past a block's end are requested for nothing (prefetches do not fault) */
+ * prefetchers alone; lines past a block's end are requested for nothing (prefetches do not fault;
+ * the address is computed as an integer, not as a pointer past the buffer) */
 #define PREFETCH_PAIRS 32
 
 int bf16_matmul_supported(void) {
@@ -90,7 +91,8 @@ store_block(__m512 sums, const uint16_t *bias, int64_t col, int valid, uint16_t 
         for (int64_t p = 0; p < pairs; p++) {                                                    \
             __m512bh w[NR];                                                                      \
             _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                                 \
-                _mm_prefetch((const char *)(blocks + (j * pairs + p + PREFETCH_PAIRS) * 2 * BLOCK), \
+                _mm_prefetch((const char *)((uintptr_t)blocks + (uintptr_t)(j * pairs + p          \
+                             + PREFETCH_PAIRS) * 2 * BLOCK * sizeof(uint16_t)),                 \
                              _MM_HINT_T1);                                                       \
             _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) w[j] = (__m512bh)               \
                 _mm512_loadu_si512((const void *)(blocks + (j * pairs + p) * 2 * BLOCK));        \

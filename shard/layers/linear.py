@@ -45,7 +45,9 @@ def quantized_kernel_rows() -> int:
     its int4 kernel, though faster per matmul (30 layers' matmuls at one row of SmolLM2: 4.3
     against 7.6 ms), keeps the step in Python, which costs more than that against the C decode
     step that bf16-kernel layers allow (batch-1 steps over gRPC 12.3-12.5 ms with int4 kernels,
-    10.5-11.8 without; benchmarks/RESULTS.md)."""
+    10.5-11.8 without; benchmarks/RESULTS.md). Also where the C step does not apply (tensor
+    parallel, --compile-decode, a row-parallel bias): decided per layer at load time, this gives up
+    int4's per-matmul gain there."""
     if not cpu_has_bf16_kernels() or matmul_kernel.load_library() is not None:
         return 0
     return QUANTIZED_MAX_ROWS
@@ -56,8 +58,9 @@ class LinearWeight:
     """A weight (and bias) in the forms this CPU multiplies fastest; `weight` keeps the checkpoint's values.
 
     - bf16 on a CPU with AVX-512 BF16 (and no AMX): `tiled`, the weight in the layout of the C
-      kernel of shard.layers.matmul_kernel (decode-size matmuls 1.3-3x faster than oneDNN's, at
-      least as fast on prefills; rare one-unit differences from oneDNN's sums).
+      kernel of shard.layers.matmul_kernel (decode-size matmuls 1.1-3x faster than oneDNN's, level
+      up to a few thousand rows, 4-12% slower on 16,384; rare one-unit differences from oneDNN's
+      sums).
     - bf16 on other CPUs with oneDNN bf16 kernels (AMX, AVX-NE-CONVERT; or without a C compiler):
       `packed`, the blocked layout F.linear would otherwise reorder the weight into on every call
       (decode-size matmuls 1.5-1.8x faster, same results).

@@ -48,7 +48,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     library = load_library()
     packed = torch.empty(library.bf16_matmul_packed_elements(n, k), dtype=torch.bfloat16)
-    library.bf16_matmul_pack(weight.contiguous().data_ptr(), n, k, packed.data_ptr())
+    source = weight.contiguous()  # held: a temporary copy would be freed before the C call reads it
+    library.bf16_matmul_pack(source.data_ptr(), n, k, packed.data_ptr())
     return packed
 
 

@@ -5,7 +5,7 @@ matmul), in the same order on the same inputs: its logits are the eager step's b
 the 5-7 ms of Python and dispatch around them. It applies where every piece of the eager step is one
 of those kernels: a bf16 model and KV cache on a CPU whose build has all of them (AVX-512 BF16), one
 rank, no layer running quantized kernels, no bias after a row-parallel projection (the eager step adds it as a
-separate bf16 op). Elsewhere `build` says why and the runner keeps the eager (or compiled) step.
+separate bf16 op). Elsewhere `unsupported_reason` says why and the runner keeps the eager (or compiled) step.
 TGI_PY_DECODE_STEP=0 switches it off.
 """
 from __future__ import annotations
@@ -83,6 +83,9 @@ def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str |
     if model.lm_head.parallel.is_sharded:
         return "tensor-parallel ranks all-reduce between the kernels"
     for layer in model.layers:
+        if layer.input_layernorm.eps != model.norm.eps or (
+                layer.post_attention_layernorm.eps != model.norm.eps):
+            return "the norms' epsilons differ (the C loop takes one)"
         attention, mlp = layer.self_attn, layer.mlp
         if attention.o_proj.bias is not None or mlp.down_proj.bias is not None:
             return "a bias after a row-parallel projection is a separate bf16 add in eager steps"
@@ -148,6 +151,11 @@ class DecodeStep:
         """One token per sequence at position seq_lens -> (logits [B, vocab] float32, the final
         normed hidden states [B, hidden]), as the eager step returns them."""
         batch = input_ids.shape[0]
+        # the C loop reads `batch` entries of each through raw pointers
+        if (input_ids.dim() != 1 or seq_lens.shape != (batch,) or block_tables.dim() != 2
+                or block_tables.shape[0] != batch or block_tables.shape[1] == 0):
+            raise ValueError(f"decode step: {tuple(input_ids.shape)} tokens, {tuple(seq_lens.shape)} "
+                             f"positions and {tuple(block_tables.shape)} block tables disagree")
         embeds = self.model.embed(input_ids).contiguous()
         angles = self.model.rotary(seq_lens)
         cos, sin = angles.cos.contiguous(), angles.sin.contiguous()
@@ -155,6 +163,7 @@ class DecodeStep:
         seq_lens = seq_lens.to(torch.int64)
         context_lens = (seq_lens + 1).contiguous()
         slot_blocks = tables.gather(1, (seq_lens // self.block_size).unsqueeze(1)).squeeze(1)
+        slot_blocks = slot_blocks.contiguous()
         slot_offsets = (seq_lens % self.block_size).contiguous()
         scratch = torch.empty(batch * sum(self._widths), dtype=torch.bfloat16)
         base, pointers = scratch.data_ptr(), []
@@ -166,7 +175,7 @@ class DecodeStep:
         status = self._run(
             ctypes.byref(self._kernels), ctypes.byref(self._model),
             ctypes.byref(_Buffers(*pointers)), batch, embeds.data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), slot_blocks.contiguous().data_ptr(), slot_offsets.data_ptr(),
+            sin.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
             tables.data_ptr(), tables.stride(0), context_lens.data_ptr(), hidden.data_ptr(),
             logits.data_ptr())
         if status == -1:

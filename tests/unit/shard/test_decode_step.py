@@ -1,10 +1,13 @@
 """The decode step in C gives the eager step's logits, hidden states and cache writes bit for bit,
 and steps aside (saying why) where one of its kernels is not what the eager step would run."""
+import weakref
+
 import pytest
 import torch
 
 from shard.distributed import ParallelContext
 from shard.loader import load_model
+from shard import model_runner as model_runner_module
 from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence
 from shard.models import llama_step
 from tests.tiny_models import build_tiny_model
@@ -32,12 +35,28 @@ def qwen2_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("qwen2"), architecture="qwen2")
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+@pytest.fixture(scope="module")
+def ragged_dir(tmp_path_factory):
+    """Widths that are not multiples of the matmul's 16-feature blocks (vocabulary 333, hidden 80,
+    intermediate 100), head_dim 16 with 5 query heads over one KV head, tied embeddings."""
+    import transformers
+
+    out = build_tiny_model(tmp_path_factory.mktemp("ragged"))  # for its tokenizer
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(
+        vocab_size=333, hidden_size=80, intermediate_size=100, num_hidden_layers=2,
+        num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=256,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "ragged"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, architecture, batch):
+def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, ragged_dir, architecture, batch):
     """Llama, and Qwen2's biased q/k/v projections; contexts of different lengths across several
     blocks, two steps in a row (the second reads the keys the first wrote)."""
-    runner = _runner(tiny_llama if architecture == "llama" else qwen2_dir)
+    runner = _runner({"llama": tiny_llama, "qwen2": qwen2_dir, "ragged": ragged_dir}[architecture])
     _needs_c_step(runner)
     assert runner.c_step is not None
     torch.manual_seed(batch)
@@ -46,6 +65,10 @@ def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, architecture, batch
     runner.prefill(seqs)
     tables = torch.tensor([s.blocks for s in seqs])
     lens = torch.tensor([s.length for s in seqs])
+    if architecture == "ragged":  # int32 inputs, a table that is a view with a row stride of 14
+        lens = lens.int()
+        tables = torch.cat([tables.int(), tables.int()], 1)[:, :7]
+        assert batch == 1 or not tables.is_contiguous()
     for step in range(2):
         ids = torch.randint(3, 300, (batch,))
         before = [(c.key.clone(), c.value.clone()) for c in runner.cache]
@@ -101,3 +124,36 @@ def test_a_compiled_step_asked_for_is_what_runs(tiny_llama):
     runner = ModelRunner(loaded.model, spec, compile_decode=True)
     runner.allocate(16)
     assert runner.c_step is None
+
+
+def test_inputs_that_disagree_are_refused_before_the_c_loop(tiny_llama):
+    runner = _runner(tiny_llama)
+    _needs_c_step(runner)
+    with pytest.raises(ValueError), torch.inference_mode():
+        runner.c_step(torch.tensor([9, 10]), torch.tensor([3]), torch.tensor([[1, 2], [3, 4]]))
+    with pytest.raises(ValueError), torch.inference_mode():
+        runner.c_step(torch.tensor([9, 10]), torch.tensor([3, 3]), torch.tensor([[1, 2]]))
+
+
+def test_a_refused_compilation_keeps_the_c_step(tiny_llama, monkeypatch):
+    monkeypatch.setattr(model_runner_module, "unsupported_reason", lambda *args: "refused here")
+    loaded = load_model(tiny_llama, dtype=torch.bfloat16, device=torch.device("cpu"),
+                        parallel=ParallelContext())
+    cfg = loaded.config
+    spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim, 4,
+                       torch.bfloat16, torch.device("cpu"))
+    runner = ModelRunner(loaded.model, spec, compile_decode=True)
+    runner.allocate(16)
+    _needs_c_step(runner)
+    assert runner.c_step is not None
+
+
+def test_a_new_pool_is_allocated_after_the_old_one_is_freed(tiny_llama, monkeypatch):
+    runner = _runner(tiny_llama)
+    old = weakref.ref(runner.cache[0].key)
+    seen = []
+    allocate = model_runner_module.allocate_kv_cache
+    monkeypatch.setattr(model_runner_module, "allocate_kv_cache",
+                        lambda *args: seen.append(old() is None) or allocate(*args))
+    runner.allocate(32)
+    assert seen == [True]

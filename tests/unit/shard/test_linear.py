@@ -79,6 +79,10 @@ def test_bf16_kernel_takes_any_row_layout():
     strided = batch[:, 2]  # rows 5 * 64 apart
     assert torch.equal(linear(strided, prepared), linear(strided.contiguous(), prepared))
     assert linear(batch[:, :0], prepared).shape == (2, 0, 96)
+    # a weight that is a transposed view packs as its contiguous copy does
+    transposed = weight.t().contiguous().t()
+    assert not transposed.is_contiguous()
+    assert torch.equal(linear(batch, LinearWeight.prepare(transposed, bias)), out)
     # float32 activations are rounded to bf16 and come back float32
     wide = linear(batch[0].float(), prepared)
     assert wide.dtype == torch.float32 and torch.equal(wide, out[0].float())
