@@ -16,7 +16,6 @@ from shard.layers import paged_kernel
 from shard.layers.attention import (AttentionMetadata, DecodeGroup, LayerCache, PrefillLayout,
                                     gather_index)
 from shard.models import llama_step
-from shard.models.llama_step import DecodeStep
 
 log = logging.getLogger("tgi.shard.model_runner")
 
@@ -100,7 +99,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.paged_kernel = paged_kernel.supports(spec.device, spec.dtype)
         self.decode_step = self._decode_forward
-        self.c_step: DecodeStep | None = None  # built with each pool (see allocate)
+        self.c_step: llama_step.DecodeStep | None = None  # built with each pool (see allocate)
         if compile_decode:
             reason = unsupported_reason(model, spec.device, world_size)
             if reason is None and not self.paged_kernel:
@@ -124,7 +123,7 @@ class ModelRunner:
         if not isinstance(self.decode_step, CompiledDecode):  # a compiled step asked for runs
             reason = llama_step.unsupported_reason(self.model, self.cache)
             if reason is None:
-                self.c_step = DecodeStep(self.model, self.cache)
+                self.c_step = llama_step.DecodeStep(self.model, self.cache)
             else:
                 log.info("decode steps run layer by layer: %s", reason)
 

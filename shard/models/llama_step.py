@@ -140,10 +140,13 @@ class DecodeStep:
             _address(paged_kernel.load_kernel().paged_decode_attention),
             _address(matmul_kernel.load_library().bf16_matmul))
         d = self.head_dim
-        # the widths of the step's activations, in _BUFFERS' order
-        self._widths = [self.hidden, self.hidden, self.hidden,
-                        (self.heads + 2 * self.kv_heads) * d, (self.heads + self.kv_heads) * d,
-                        self.heads * d, self.hidden, 2 * self.intermediate, self.intermediate]
+        # the widths of the step's activations, in _BUFFERS' order, laid end to end in one scratch
+        # row block per batch row: each buffer starts at batch * (the widths before it)
+        widths = [self.hidden, self.hidden, self.hidden, (self.heads + 2 * self.kv_heads) * d,
+                  (self.heads + self.kv_heads) * d, self.heads * d, self.hidden,
+                  2 * self.intermediate, self.intermediate]
+        self._starts = [sum(widths[:i]) for i in range(len(widths))]
+        self._scratch_width = sum(widths)
         self._run = load_library().decode_step
 
     def __call__(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
@@ -165,16 +168,14 @@ class DecodeStep:
         slot_blocks = tables.gather(1, (seq_lens // self.block_size).unsqueeze(1)).squeeze(1)
         slot_blocks = slot_blocks.contiguous()
         slot_offsets = (seq_lens % self.block_size).contiguous()
-        scratch = torch.empty(batch * sum(self._widths), dtype=torch.bfloat16)
-        base, pointers = scratch.data_ptr(), []
-        for width in self._widths:
-            pointers.append(base)
-            base += batch * width * scratch.element_size()
+        scratch = torch.empty(batch * self._scratch_width, dtype=torch.bfloat16)
+        base, row = scratch.data_ptr(), batch * scratch.element_size()
+        buffers = _Buffers(*(base + row * start for start in self._starts))
         hidden = torch.empty(batch, self.hidden, dtype=torch.bfloat16)
         logits = torch.empty(batch, self.vocab_rows, dtype=torch.bfloat16)
         status = self._run(
             ctypes.byref(self._kernels), ctypes.byref(self._model),
-            ctypes.byref(_Buffers(*pointers)), batch, embeds.data_ptr(), cos.data_ptr(),
+            ctypes.byref(buffers), batch, embeds.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
             tables.data_ptr(), tables.stride(0), context_lens.data_ptr(), hidden.data_ptr(),
             logits.data_ptr())

@@ -8,18 +8,19 @@ import torch
 from shard.distributed import ParallelContext
 from shard.loader import load_model
 from shard import model_runner as model_runner_module
+from shard.compiled_decode import CompiledDecode
 from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence
 from shard.models import llama_step
 from tests.tiny_models import build_tiny_model
 
 
-def _runner(model_dir, dtype=torch.bfloat16) -> ModelRunner:
+def _runner(model_dir, dtype=torch.bfloat16, compile_decode=False) -> ModelRunner:
     loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
                         parallel=ParallelContext())
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim, 4, dtype,
                        torch.device("cpu"))
-    runner = ModelRunner(loaded.model, spec)
+    runner = ModelRunner(loaded.model, spec, compile_decode=compile_decode)
     runner.allocate(64)
     return runner
 
@@ -116,13 +117,9 @@ def test_float32_models_and_switched_off_builds_keep_the_eager_step(tiny_llama, 
 
 
 def test_a_compiled_step_asked_for_is_what_runs(tiny_llama):
-    loaded = load_model(tiny_llama, dtype=torch.bfloat16, device=torch.device("cpu"),
-                        parallel=ParallelContext())
-    cfg = loaded.config
-    spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim, 4,
-                       torch.bfloat16, torch.device("cpu"))
-    runner = ModelRunner(loaded.model, spec, compile_decode=True)
-    runner.allocate(16)
+    runner = _runner(tiny_llama, compile_decode=True)
+    _needs_c_step(runner)  # where the C step would run, the compiled one takes its place
+    assert isinstance(runner.decode_step, CompiledDecode)
     assert runner.c_step is None
 
 
@@ -137,19 +134,15 @@ def test_inputs_that_disagree_are_refused_before_the_c_loop(tiny_llama):
 
 def test_a_refused_compilation_keeps_the_c_step(tiny_llama, monkeypatch):
     monkeypatch.setattr(model_runner_module, "unsupported_reason", lambda *args: "refused here")
-    loaded = load_model(tiny_llama, dtype=torch.bfloat16, device=torch.device("cpu"),
-                        parallel=ParallelContext())
-    cfg = loaded.config
-    spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim, 4,
-                       torch.bfloat16, torch.device("cpu"))
-    runner = ModelRunner(loaded.model, spec, compile_decode=True)
-    runner.allocate(16)
+    runner = _runner(tiny_llama, compile_decode=True)
     _needs_c_step(runner)
+    assert not isinstance(runner.decode_step, CompiledDecode)
     assert runner.c_step is not None
 
 
 def test_a_new_pool_is_allocated_after_the_old_one_is_freed(tiny_llama, monkeypatch):
     runner = _runner(tiny_llama)
+    _needs_c_step(runner)  # the C step is what held the old pool
     old = weakref.ref(runner.cache[0].key)
     seen = []
     allocate = model_runner_module.allocate_kv_cache
