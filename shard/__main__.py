@@ -19,7 +19,7 @@ from shard.allocator import MMAP_THRESHOLD, keep_freed_memory
 from shard.config import ShardConfig, parse_args
 from shard.distributed import all_gather_strings, init_parallel
 from shard.engine import Engine
-from shard.layers import matmul_kernel
+from shard.layers.arithmetic import c_matmul_runs
 from shard.loader import load_model
 from shard.model_runner import KVCacheSpec, ModelRunner
 from shard.server import ShardServicer, engine_thread
@@ -63,7 +63,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
                         "the layers multiply by the weights the %s forms stand for (the quantized "
                         "model's answers, not its speed)", config.quantize,
                         "our bf16 matmul runs here, and the C decode step where it applies"
-                        if matmul_kernel.load_library() is not None
+                        if c_matmul_runs()
                         else "this CPU has no bf16 kernels: AVX-512, AVX-NE-CONVERT",
                         config.quantize)
         if done < len(layers):  # int4 takes input features by 32 and output features by 16

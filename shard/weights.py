@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from shard.distributed import ParallelContext
-from shard.layers.arithmetic import compute_dtype
+from shard.layers.arithmetic import activation_dtype
 
 
 class Weights:
@@ -19,7 +19,7 @@ class Weights:
         self.quantize = quantize  # linear layers' weight-only form (shard.layers.quantize)
         # what the hidden states between the weights are held in: the weights' dtype, except bf16
         # on CPUs that only store it, where every matmul computes in float32 anyway
-        self.activation_dtype = compute_dtype(dtype, device)
+        self.activation_dtype = activation_dtype(dtype, device)
         self.device = device
         self.parallel = parallel
         self._files = {}

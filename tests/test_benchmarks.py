@@ -148,3 +148,16 @@ def test_quantize_quality_benchmark(tiny_llama, tmp_path):
     # an identical continuation agrees on every token; the reference is not compared to itself
     assert all(rows[k]["agreeing_tokens"] >= rows[k]["identical"] for k in ("int8", "int4"))
     assert "identical" not in rows["float32"]
+
+
+def test_matmul_benchmark(tmp_path):
+    from shard.layers import matmul_kernel
+
+    if matmul_kernel.load_library() is None:
+        pytest.skip("the C bf16 matmul does not build here")
+    out = _run(["benchmarks/matmul_bench.py", "--rows", "1,5", "--shapes", "o", "--rounds", "1",
+                "--budget", "0.01"], tmp_path)
+    assert "kernel form:" in out
+    rows = [line for line in out.splitlines() if line.startswith("| o 576x576")]
+    assert [line.split("|")[2].strip() for line in rows] == ["1", "5"]
+    assert all(float(line.split("|")[3]) > 0 for line in rows)

@@ -1,4 +1,5 @@
-/* y = x W^T (+ b) for bf16 x [m, k] and W [n, k] on CPUs with AVX-512 BF16 dot products.
+/* y = x W^T (+ b) for bf16 x [m, k] and W [n, k]: on CPUs with AVX-512 BF16 dot products, and on
+ * AVX2 + FMA CPUs in float32 arithmetic on the bf16 values.
  *
  * oneDNN's prepacked bf16 matmul (what PyTorch calls) spends about 10 us a call building and
  * looking up its primitive, and at decode sizes (1-64 rows) runs at 30-75% of this CPU's bf16
@@ -9,10 +10,17 @@
  * each pair of a row's inputs as one broadcast. The threads of PyTorch's OpenMP team split the
  * blocks evenly.
  *
- * Rounding: products and sums in float32 (VDPBF16PS, as oneDNN's bf16 kernels on this CPU), the
- * bias added in float32, the result rounded once to bf16 (to nearest, ties to even). Only the
- * order of the sums differs from oneDNN's, which moves a result by one bf16 unit in rare elements.
- * Without AVX-512 BF16 the library builds but `bf16_matmul_supported` says 0 and the caller keeps
+ * AVX2 CPUs have no bf16 arithmetic (PyTorch emulates it there, 3-5x slower than float32): the
+ * same packed blocks are read as two halves of 8 features, each 32-bit pair widened to the float32
+ * weights of its even input (the low half, shifted up) and its odd one (the high half, masked), and
+ * multiplied in float32 FMAs by the row's inputs, which each pass of rows widens once to float32.
+ * A tile holds up to 4 rows x 1 block or 1 row x 4 blocks in the 16 ymm registers.
+ *
+ * Rounding: products and sums in float32 (VDPBF16PS, as oneDNN's bf16 kernels on this CPU; on AVX2
+ * each bf16 x bf16 product is exact in float32 and one FMA rounds the sum), the bias added in
+ * float32, the result rounded once to bf16 (to nearest, ties to even). Only the order of the sums
+ * differs from oneDNN's, which moves a result by one bf16 unit in rare elements. Without either
+ * instruction set the library builds but `bf16_matmul_supported` says 0 and the caller keeps
  * PyTorch's matmul.
  */
 #include <stdint.h>
@@ -22,6 +30,11 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_DPBF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2_FMA 1
+#include <stdlib.h>
+#endif
+#if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
 #include <immintrin.h>
 #include <omp.h>
 #endif
@@ -39,9 +52,12 @@
  * the address is computed as an integer, not as a pointer past the buffer) */
 #define PREFETCH_PAIRS 32
 
+/* 1: AVX-512 BF16 dot products; 2: float32 FMAs on AVX2; 0: no kernel in this build */
 int bf16_matmul_supported(void) {
-#ifdef HAVE_DPBF16
+#if defined(HAVE_DPBF16)
     return 1;
+#elif defined(HAVE_AVX2_FMA)
+    return 2;
 #else
     return 0;
 #endif
@@ -157,10 +173,160 @@ static void matmul_blocks(const uint16_t *x, int64_t m, int64_t x_stride, const 
     }
 }
 
+#elif defined(HAVE_AVX2_FMA)
+
+/* 8 float32 sums -> 8 bf16 (to nearest, ties to even; a NaN stays a quiet NaN), as float_to_bf16 */
+static inline __attribute__((always_inline)) __m128i round_to_bf16(__m256 sums) {
+    const __m256i bits = _mm256_castps_si256(sums);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    const __m256i is_nan = _mm256_cmpgt_epi32(
+        _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i out = _mm256_blendv_epi8(rounded, nan, is_nan);
+    /* every value fits 16 bits, so the saturating pack keeps them */
+    return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
+}
+
+static inline __attribute__((always_inline)) __m256 widen_8(const uint16_t *values) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)values)), 16));
+}
+
+/* one block's sums, plus the bias, rounded to bf16; `valid` of its 16 features stored. sums[q]
+ * holds features 4q-4q+3, each as two lanes (its even inputs' products and its odd ones'). */
+static inline __attribute__((always_inline)) void
+store_block(const __m256 sums[4], const uint16_t *bias, int64_t col, int valid, uint16_t *out) {
+    /* hadd gives features 0, 1, 4, 5, 2, 3, 6, 7 of a pair of quarters: the permute orders them */
+    __m256 low = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_hadd_ps(sums[0], sums[1])), 0xd8));
+    __m256 high = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_hadd_ps(sums[2], sums[3])), 0xd8));
+    if (valid >= BLOCK) {
+        if (bias) {
+            low = _mm256_add_ps(low, widen_8(bias + col));
+            high = _mm256_add_ps(high, widen_8(bias + col + 8));
+        }
+        _mm_storeu_si128((__m128i *)(out + col), round_to_bf16(low));
+        _mm_storeu_si128((__m128i *)(out + col + 8), round_to_bf16(high));
+        return;
+    }
+    float feature[BLOCK];
+    _mm256_storeu_ps(feature, low);
+    _mm256_storeu_ps(feature + 8, high);
+    for (int i = 0; i < valid; i++) {
+        if (bias)
+            feature[i] += bf16_to_float(bias[col + i]);
+        out[col + i] = float_to_bf16(feature[i]);
+    }
+}
+
+/* One tile: MR rows (widened to float32) x NR blocks. A block's pair of inputs is, widened, four
+ * vectors of 4 features x (even input, odd input); a row's pair of inputs is broadcast as one
+ * 64-bit (even, odd), so one FMA multiplies 4 features by both inputs and each feature's sum
+ * lies in two lanes until the store adds them. */
+#define DEFINE_TILE(MR, NR)                                                                        \
+    static void tile_##MR##_##NR(const float *x, int64_t x_stride, const uint16_t *blocks,      \
+                                 int64_t pairs, int64_t col, int64_t n, const uint16_t *bias,    \
+                                 uint16_t *out, int64_t out_stride) {                            \
+        __m256 sums[MR][NR][4];                                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                                 \
+                _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++)                              \
+                    sums[r][j][q] = _mm256_setzero_ps();                                         \
+        for (int64_t p = 0; p < pairs; p++) {                                                    \
+            __m256 in[MR];                                                                       \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                                 \
+                _mm_prefetch((const char *)((uintptr_t)blocks + (uintptr_t)(j * pairs + p          \
+                             + PREFETCH_PAIRS) * 2 * BLOCK * sizeof(uint16_t)),                 \
+                             _MM_HINT_T1);                                                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                 \
+                in[r] = _mm256_castpd_ps(_mm256_broadcast_sd(                                    \
+                    (const double *)(x + r * x_stride + 2 * p)));                                \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                                 \
+                _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) {                            \
+                    const __m256 w = widen_8(blocks + (j * pairs + p) * 2 * BLOCK + q * 8);      \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                         \
+                        sums[r][j][q] = _mm256_fmadd_ps(in[r], w, sums[r][j][q]);                \
+                }                                                                                \
+        }                                                                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                               \
+                const int64_t at = col + j * BLOCK;                                              \
+                store_block(sums[r][j], bias, at, (int)(n - at), out + r * out_stride);          \
+            }                                                                                    \
+    }
+
+/* 16 ymm registers: 4 x MR x NR sums, MR broadcasts, the widened weight */
+DEFINE_TILE(1, 1) DEFINE_TILE(1, 2) DEFINE_TILE(1, 3)
+DEFINE_TILE(2, 1)
+DEFINE_TILE(3, 1)
+
+typedef void (*tile_fn)(const float *, int64_t, const uint16_t *, int64_t, int64_t, int64_t,
+                        const uint16_t *, uint16_t *, int64_t);
+
+/* [rows in the tile - 1][blocks - 1] */
+static const tile_fn TILES[3][3] = {
+    {tile_1_1, tile_1_2, tile_1_3},
+    {tile_2_1, 0, 0},
+    {tile_3_1, 0, 0},
+};
+static const int MAX_BLOCKS[3] = {3, 1, 1};
+
+/* all m rows (float32) against blocks [first, last) */
+static void matmul_blocks(const float *x, int64_t m, int64_t x_stride, const uint16_t *packed,
+                          int64_t pairs, int64_t n, const uint16_t *bias, uint16_t *out,
+                          int64_t out_stride, int64_t first, int64_t last) {
+    const int widest = m >= 3 ? 3 : (int)m;
+    const int width = MAX_BLOCKS[widest - 1];
+    for (int64_t b = first; b < last; b += width) {
+        const int nr = last - b < width ? (int)(last - b) : width;
+        const uint16_t *blocks = packed + b * pairs * 2 * BLOCK;
+        int64_t r = 0;
+        /* the block panel stays in cache while the row tiles pass over it */
+        for (int mr = widest; mr >= 1; mr--) {
+            const int cols = nr < MAX_BLOCKS[mr - 1] ? nr : MAX_BLOCKS[mr - 1];
+            for (; r + mr <= m; r += mr)
+                for (int j = 0; j < nr; j += cols) {
+                    const int c = nr - j < cols ? nr - j : cols;
+                    TILES[mr - 1][c - 1](x + r * x_stride, x_stride,
+                                         blocks + j * pairs * 2 * BLOCK, pairs, (b + j) * BLOCK,
+                                         n, bias, out + r * out_stride, out_stride);
+                }
+        }
+    }
+}
+
+/* the calling thread's buffer for a pass of rows widened to float32, grown as needed and kept
+ * (at most ROWS_PER_PASS rows of the widest input) */
+static __thread float *wide_rows;
+static __thread int64_t wide_capacity;
+
+static float *wide_buffer(int64_t elements) {
+    if (elements > wide_capacity) {
+        float *grown = realloc(wide_rows, (size_t)elements * sizeof(float));
+        if (!grown)
+            return 0;
+        wide_rows = grown;
+        wide_capacity = elements;
+    }
+    return wide_rows;
+}
+
+static void widen_row(const uint16_t *row, int64_t k, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8)
+        _mm256_storeu_ps(out + i, widen_8(row + i));
+    for (; i < k; i++)
+        out[i] = bf16_to_float(row[i]);
+}
+
 #endif
 
 /* x [m, k] with rows x_stride apart (k even), packed by bf16_matmul_pack, bias [n] or NULL ->
- * out [m, n] with rows out_stride apart. Returns 0, or -1 where this build has no kernel. */
+ * out [m, n] with rows out_stride apart. Returns 0, -1 where this build has no kernel, -2 where
+ * the AVX2 form could not allocate its float32 rows. */
 int bf16_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint16_t *packed,
                 int64_t n, const uint16_t *bias, uint16_t *out, int64_t out_stride) {
 #ifdef HAVE_DPBF16
@@ -175,6 +341,30 @@ int bf16_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
             matmul_blocks(x + r * x_stride, m - r < ROWS_PER_PASS ? m - r : ROWS_PER_PASS,
                           x_stride, packed, pairs, n, bias, out + r * out_stride, out_stride,
                           first, last);
+    }
+    return 0;
+#elif defined(HAVE_AVX2_FMA)
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, pairs = k / 2;
+    if (m <= 0 || n <= 0)
+        return 0;
+    float *wide = wide_buffer((m < ROWS_PER_PASS ? m : ROWS_PER_PASS) * k);
+    if (!wide)
+        return -2;
+#pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
+    {
+        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads;
+        for (int64_t r = 0; r < m; r += ROWS_PER_PASS) {
+            const int64_t rows = m - r < ROWS_PER_PASS ? m - r : ROWS_PER_PASS;
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < rows; i++)
+                widen_row(x + (r + i) * x_stride, k, wide + i * k);
+            /* (the loop's barrier: every row is widened before any thread reads them) */
+            if (first < last)
+                matmul_blocks(wide, rows, k, packed, pairs, n, bias, out + r * out_stride,
+                              out_stride, first, last);
+#pragma omp barrier
+        }
     }
     return 0;
 #else

@@ -14,7 +14,7 @@ from torch import nn
 
 from shard.distributed import ParallelContext, all_reduce
 from shard.layers import matmul_kernel
-from shard.layers.arithmetic import cpu_has_bf16_kernels
+from shard.layers.arithmetic import c_matmul_runs, cpu_has_bf16_kernels
 from shard.layers.quantize import QuantizedWeight, can_quantize, quantize, quantized_linear
 from shard.weights import Weights
 
@@ -41,14 +41,14 @@ QUANTIZED_MAX_ROWS = 4
 def quantized_kernel_rows() -> int:
     """Up to how many rows a quantized layer runs the quantized kernels on this CPU (0: never).
 
-    Never where the C bf16 matmul runs (AVX-512 BF16): PyTorch's int8 kernel is slower than it, and
-    its int4 kernel, though faster per matmul (30 layers' matmuls at one row of SmolLM2: 4.3
-    against 7.6 ms), keeps the step in Python, which costs more than that against the C decode
-    step that bf16-kernel layers allow (batch-1 steps over gRPC 12.3-12.5 ms with int4 kernels,
-    10.5-11.8 without; benchmarks/RESULTS.md). Also where the C step does not apply (tensor
-    parallel, --compile-decode, a row-parallel bias): decided per layer at load time, this gives up
-    int4's per-matmul gain there."""
-    if not cpu_has_bf16_kernels() or matmul_kernel.load_library() is not None:
+    Never where the C bf16 matmul runs (and on AVX2 they never pay): PyTorch's int8 kernel is
+    slower than it, and its int4 kernel, though faster per matmul (30 layers' matmuls at one row
+    of SmolLM2: 4.3 against 7.6 ms), keeps the step in Python, which costs more than that against
+    the C decode step that bf16-kernel layers allow (batch-1 steps over gRPC 12.3-12.5 ms with
+    int4 kernels, 10.5-11.8 without; benchmarks/RESULTS.md). Also where the C step does not apply
+    (tensor parallel, --compile-decode, a row-parallel bias): decided per layer at load time, this
+    gives up int4's per-matmul gain there."""
+    if not cpu_has_bf16_kernels() or c_matmul_runs():
         return 0
     return QUANTIZED_MAX_ROWS
 
@@ -60,17 +60,20 @@ class LinearWeight:
     - bf16 on a CPU with AVX-512 BF16 (and no AMX): `tiled`, the weight in the layout of the C
       kernel of shard.layers.matmul_kernel (decode-size matmuls 1.1-3x faster than oneDNN's, level
       up to a few thousand rows, 4-12% slower on 16,384; rare one-unit differences from oneDNN's
-      sums).
-    - bf16 on other CPUs with oneDNN bf16 kernels (AMX, AVX-NE-CONVERT; or without a C compiler):
-      `packed`, the blocked layout F.linear would otherwise reorder the weight into on every call
-      (decode-size matmuls 1.5-1.8x faster, same results).
-    - bf16 on a CPU without them (AVX2), where PyTorch emulates bf16 arithmetic 3-5x slower than
-      float32: float32 arithmetic on the same values, and models hold float32 activations there so
-      that no layer converts its input or output. One row is the exception: PyTorch's bf16
-      matrix-vector product on `weight` (its input rounded to bf16). Other decode-size matmuls use
-      `half`, the weight packed as float16 for fbgemm (bf16 -> fp16 is exact down to 6e-5 in
-      magnitude, and smaller values keep an absolute error under 3e-8); larger ones use `widened`,
-      a float32 copy. Costs three times the bf16 weight's memory again.
+      sums). The same on AVX2-only CPUs, where the kernel multiplies the bf16 values in float32
+      (decode-size matmuls 1.2-7x faster than float32 MKL there, prefill sizes level with it), and
+      models hold bf16 activations.
+    - bf16 on other CPUs with oneDNN bf16 kernels (AMX, AVX-NE-CONVERT, AVX-512 without BF16; or
+      without a C compiler): `packed`, the blocked layout F.linear would otherwise reorder the
+      weight into on every call (decode-size matmuls 1.5-1.8x faster, same results).
+    - bf16 on a CPU without either (AVX2 without a C compiler, or TGI_PY_MATMUL_KERNEL=0), where
+      PyTorch emulates bf16 arithmetic 3-5x slower than float32: float32 arithmetic on the same
+      values, and models hold float32 activations there so that no layer converts its input or
+      output. One row is the exception: PyTorch's bf16 matrix-vector product on `weight` (its
+      input rounded to bf16). Other decode-size matmuls use `half`, the weight packed as float16
+      for fbgemm (bf16 -> fp16 is exact down to 6e-5 in magnitude, and smaller values keep an
+      absolute error under 3e-8); larger ones use `widened`, a float32 copy. Costs three times the
+      bf16 weight's memory again.
     - float32 (and every GPU): F.linear as it is, which the parity tests pin to transformers'.
     - `quantize` int8 or int4 (CPU only): `quantized` for up to `quantized_rows` rows, its
       kernels fed bf16 activations; past that (and on CPUs where they do not pay), the forms above
@@ -104,10 +107,10 @@ class LinearWeight:
             weight = weight.to(model_dtype)
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             return cls(weight, bias)
+        if c_matmul_runs() and matmul_kernel.can_pack(weight):
+            return cls(weight, bias, tiled=matmul_kernel.pack(weight), tiled_bias=None
+                       if bias is None else bias.to(torch.bfloat16).contiguous())
         if cpu_has_bf16_kernels():
-            if matmul_kernel.can_pack(weight):
-                return cls(weight, bias, tiled=matmul_kernel.pack(weight), tiled_bias=None
-                           if bias is None else bias.to(torch.bfloat16).contiguous())
             return cls(weight, bias, packed=torch.ops.mkldnn._reorder_linear_weight(weight, 32))
         widened = weight.float()
         wide_bias = (bias.float() if bias is not None

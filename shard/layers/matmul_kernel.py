@@ -1,8 +1,9 @@
-"""The C bf16 matmul (shard/kernels/bf16_matmul.c) for CPUs with AVX-512 BF16, built on first use.
+"""The C bf16 matmul (shard/kernels/bf16_matmul.c) for CPUs with AVX-512 BF16 or AVX2, built on first use.
 
-Where it is available (the build has AVX-512 BF16, a C compiler is there, TGI_PY_MATMUL_KERNEL is
-not 0, and the CPU has no AMX, where oneDNN's tile kernels were not measured against it), bf16
-linear layers keep their weights in its packed layout instead of oneDNN's (shard.layers.linear).
+Where it runs (shard.layers.arithmetic.c_matmul_runs: a C compiler, TGI_PY_MATMUL_KERNEL not 0, no
+AMX, where oneDNN's tile kernels were not measured against it; its AVX2 form only where oneDNN has
+no bf16 kernels), bf16 linear layers keep their weights in its packed layout instead of oneDNN's or
+a float32 copy (shard.layers.linear).
 """
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from shard.layers import native
 SOURCE = native.KERNELS / "bf16_matmul.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 ENABLED_ENV = "TGI_PY_MATMUL_KERNEL"
+# what bf16_matmul_supported says: VDPBF16PS dot products, or float32 FMAs on AVX2
+DPBF16_FORM, AVX2_FORM = 1, 2
 
 
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
-    """The library where it has a kernel for this CPU, else None."""
+    """The library where it has a kernel for this CPU (either form), else None."""
     if " amx_bf16" in native.cpu_flags():
         return None
     library = native.load_library(SOURCE, FLAGS, ENABLED_ENV,
@@ -38,7 +41,7 @@ def load_library() -> ctypes.CDLL | None:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether this weight's linear layer runs in the kernel here."""
+    """Whether the kernel, where it runs, takes this weight."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and weight.shape[1] % 2 == 0 and weight.shape[0] > 0 and load_library() is not None)
 
@@ -64,8 +67,11 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
         rows = rows.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    load_library().bf16_matmul(rows.data_ptr(), rows.shape[0], k, k, packed.data_ptr(), n,
-                               None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+    status = load_library().bf16_matmul(rows.data_ptr(), rows.shape[0], k, k, packed.data_ptr(),
+                                        n, None if bias is None else bias.data_ptr(),
+                                        out.data_ptr(), n)
+    if status != 0:  # the AVX2 form could not allocate its float32 copy of the rows
+        raise MemoryError(f"the bf16 matmul failed ({status}) on {rows.shape[0]} x {k} rows")
     return out.to(x.dtype)
 
 

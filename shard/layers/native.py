@@ -19,6 +19,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+# builds the kernels for this -march instead of the host's (e.g. x86-64-v3: as an AVX2-only CPU
+# builds them, to run that form on a newer CPU)
+MARCH_ENV = "TGI_PY_KERNEL_MARCH"
 
 
 def cache_dir() -> Path:
@@ -60,9 +63,13 @@ def _build(source: Path, compiler: str, flags: list[str]) -> Path:
 def load_library(source: Path, flags: list[str], enabled_env: str,
                  fallback: str) -> ctypes.CDLL | None:
     """The compiled library, or None: switched off (`enabled_env`=0), no C compiler, or a failed
-    build, the last two logged with `fallback` (what runs instead)."""
+    build, the last two logged with `fallback` (what runs instead). `-march=native` in `flags`
+    becomes TGI_PY_KERNEL_MARCH's value where that is set."""
     if os.environ.get(enabled_env, "1") == "0":
         return None
+    march = os.environ.get(MARCH_ENV)
+    if march:
+        flags = [f"-march={march}" if flag == "-march=native" else flag for flag in flags]
     name = os.environ.get("CC", "cc")
     compiler = shutil.which(name)
     if compiler is None:

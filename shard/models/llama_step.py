@@ -93,7 +93,8 @@ def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str |
         prepared = getattr(module, "prepared", None)
         if prepared is not None and (prepared.tiled is None or prepared.quantized_rows):
             return ("a linear layer runs another kernel than the C bf16 matmul (quantized "
-                    "kernels, or a CPU without AVX-512 BF16)")
+                    "kernels, an odd input width, or a CPU where it does not run: AMX, AVX-512 "
+                    "without BF16, no AVX2)")
     for name, library in (("the fused layer ops", fused.load_library()),
                           ("the attention kernel", paged_kernel.load_kernel()),
                           ("the bf16 matmul", matmul_kernel.load_library()),

@@ -90,8 +90,9 @@ def test_bf16_on_a_cpu_without_bf16_arithmetic_is_float32_math_on_the_bf16_value
     up to the bf16 rounding of the cached keys and values."""
     from shard.layers import arithmetic, linear
 
-    monkeypatch.setattr(arithmetic, "cpu_has_bf16_kernels", lambda: False)
-    monkeypatch.setattr(linear, "cpu_has_bf16_kernels", lambda: False)
+    for module in (arithmetic, linear):  # an AVX2 CPU where our C matmul does not build
+        monkeypatch.setattr(module, "cpu_has_bf16_kernels", lambda: False)
+        monkeypatch.setattr(module, "c_matmul_runs", lambda: False)
     model_dir = build_tiny_model(tmp_path / "model", num_heads=4, num_kv_heads=2)
     runner = _runner(model_dir, torch.bfloat16)
     assert runner.model.activation_dtype == torch.float32

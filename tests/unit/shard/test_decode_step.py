@@ -1,5 +1,6 @@
 """The decode step in C gives the eager step's logits, hidden states and cache writes bit for bit,
 and steps aside (saying why) where one of its kernels is not what the eager step would run."""
+import platform
 import weakref
 
 import pytest
@@ -9,6 +10,7 @@ from shard.distributed import ParallelContext
 from shard.loader import load_model
 from shard import model_runner as model_runner_module
 from shard.compiled_decode import CompiledDecode
+from shard.layers import arithmetic, fused, linear, matmul_kernel, native, paged_kernel
 from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence
 from shard.models import llama_step
 from tests.tiny_models import build_tiny_model
@@ -52,12 +54,39 @@ def ragged_dir(tmp_path_factory):
     return out
 
 
+_LIBRARIES = (fused.load_library, paged_kernel.load_kernel, matmul_kernel.load_library,
+              llama_step.load_library)
+
+
+@pytest.fixture(params=["native", "avx2"])
+def kernel_build(request, tmp_path, monkeypatch):
+    """The kernels as this CPU builds them, and as an AVX2-only CPU does (-march=x86-64-v3, where
+    oneDNN has no bf16 kernels and the matmul multiplies in float32), on any CPU that runs AVX2."""
+    if request.param == "avx2":
+        if platform.machine() not in ("x86_64", "AMD64") or not (
+                {"avx2", "fma"} <= set(native.cpu_flags().split())):
+            pytest.skip("this CPU cannot run an AVX2 build")
+        monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+        monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path))
+        for module in (arithmetic, linear):
+            monkeypatch.setattr(module, "cpu_has_bf16_kernels", lambda: False)
+    for load in _LIBRARIES:
+        load.cache_clear()
+    yield request.param
+    for load in _LIBRARIES:
+        load.cache_clear()
+
+
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "ragged"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, ragged_dir, architecture, batch):
+def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, ragged_dir, architecture, batch,
+                                      kernel_build):
     """Llama, and Qwen2's biased q/k/v projections; contexts of different lengths across several
     blocks, two steps in a row (the second reads the keys the first wrote)."""
     runner = _runner({"llama": tiny_llama, "qwen2": qwen2_dir, "ragged": ragged_dir}[architecture])
+    if kernel_build == "avx2":
+        assert matmul_kernel.load_library().bf16_matmul_supported() == matmul_kernel.AVX2_FORM
+        assert runner.model.activation_dtype == torch.bfloat16
     _needs_c_step(runner)
     assert runner.c_step is not None
     torch.manual_seed(batch)

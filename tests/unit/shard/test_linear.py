@@ -1,11 +1,13 @@
 """A bf16 weight multiplies to what F.linear gives in every form the CPU may hold it in."""
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from shard.layers import linear as linear_module
-from shard.layers import matmul_kernel
-from shard.layers.arithmetic import compute_dtype, cpu_has_bf16_kernels
+from shard.layers import arithmetic, matmul_kernel, native
+from shard.layers.arithmetic import activation_dtype, c_matmul_runs, compute_dtype, cpu_has_bf16_kernels
 from shard.layers.linear import LinearWeight, linear
 
 
@@ -40,8 +42,10 @@ def test_bf16_kernel_matches_onednn_to_one_unit(features):
     """The C kernel (AVX-512 BF16): every row count's tile shapes and every tail of a 16-feature
     block, with and without bias, against oneDNN's bf16 matmul (the same products, summed in
     another order) and the float32 product."""
-    if not (cpu_has_bf16_kernels() and matmul_kernel.load_library() is not None):
-        pytest.skip("the C bf16 matmul needs AVX-512 BF16 (and no AMX) and a C compiler")
+    if not (cpu_has_bf16_kernels() and c_matmul_runs()
+            and matmul_kernel.load_library().bf16_matmul_supported() == matmul_kernel.DPBF16_FORM):
+        pytest.skip("the C bf16 matmul's AVX-512 BF16 form needs that CPU (no AMX) and a C "
+                    "compiler")
     torch.manual_seed(1)
     n, k = features
     weight = torch.randn(n, k, dtype=torch.bfloat16)
@@ -68,8 +72,8 @@ def test_bf16_kernel_matches_onednn_to_one_unit(features):
 
 
 def test_bf16_kernel_takes_any_row_layout():
-    if not (cpu_has_bf16_kernels() and matmul_kernel.load_library() is not None):
-        pytest.skip("the C bf16 matmul needs AVX-512 BF16 (and no AMX) and a C compiler")
+    if not c_matmul_runs():
+        pytest.skip("the C bf16 matmul needs AVX-512 BF16 (and no AMX) or AVX2, and a C compiler")
     weight, bias = _weights()
     prepared = LinearWeight.prepare(weight, bias)
     batch = torch.randn(2, 5, 64, dtype=torch.bfloat16)
@@ -97,9 +101,10 @@ def test_odd_input_widths_keep_onednn():
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 32, 48, 49, 200])
 def test_bf16_without_bf16_kernels_computes_in_float32(monkeypatch, rows):
-    """The AVX2 path (forced here on any CPU): the bf16 matrix-vector product for one row,
+    """The AVX2 path without our C matmul (forced here on any CPU): the bf16 matrix-vector product for one row,
     float16-packed weights for other decode-size matmuls, a float32 copy for prefill-size ones."""
     monkeypatch.setattr(linear_module, "cpu_has_bf16_kernels", lambda: False)
+    monkeypatch.setattr(linear_module, "c_matmul_runs", lambda: False)  # no C compiler there
     weight, bias = _weights()
     prepared = LinearWeight.prepare(weight, bias)
     assert prepared.packed is None and prepared.widened.dtype == torch.float32
@@ -135,3 +140,72 @@ def test_compute_dtype_widens_bf16_only_where_the_cpu_lacks_kernels(bf16_kernels
     assert compute_dtype(torch.bfloat16, cpu) == (torch.bfloat16 if bf16_kernels else torch.float32)
     # GPUs compute bf16 themselves, whatever the host CPU does
     assert compute_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+
+
+def test_activations_stay_bf16_where_our_matmul_takes_them(bf16_kernels, monkeypatch):
+    cpu = torch.device("cpu")
+    assert activation_dtype(torch.float32, cpu) == torch.float32
+    assert activation_dtype(torch.bfloat16, cpu) == (torch.bfloat16 if bf16_kernels
+                                                    else torch.float32)
+    # an AVX2 CPU where the C matmul runs: bf16 activations, but PyTorch's own matmuls (attention)
+    # still widen to float32
+    monkeypatch.setattr(arithmetic, "c_matmul_runs", lambda: True)
+    assert activation_dtype(torch.bfloat16, cpu) == torch.bfloat16
+    assert compute_dtype(torch.bfloat16, cpu) == (torch.bfloat16 if bf16_kernels
+                                                 else torch.float32)
+    assert activation_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+
+
+@pytest.fixture
+def avx2_matmul(tmp_path, monkeypatch):
+    """The C matmul as an AVX2-only CPU builds it (-march=x86-64-v3), on any CPU that runs AVX2."""
+    if platform.machine() not in ("x86_64", "AMD64") or not (
+            {"avx2", "fma"} <= set(native.cpu_flags().split())):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path))
+    monkeypatch.setattr(matmul_kernel, "FLAGS", ["-march=x86-64-v3" if f == "-march=native" else f
+                                                 for f in matmul_kernel.FLAGS])
+    matmul_kernel.load_library.cache_clear()
+    library = matmul_kernel.load_library()
+    if library is None:
+        matmul_kernel.load_library.cache_clear()
+        pytest.skip("no C compiler here")
+    yield library
+    matmul_kernel.load_library.cache_clear()
+
+
+@pytest.mark.parametrize("features", [(96, 64), (100, 64), (7, 18), (1, 2), (3072, 576), (33, 1536)])
+def test_the_avx2_form_rounds_the_float32_product_once(avx2_matmul, features):
+    """Every row count's tiles (3, 2 and 1 rows; 1-3 blocks) and every tail of a block, with and
+    without bias, more rows than one pass takes, against the exact product: float32 sums of exact
+    products, rounded once to bf16, so all but rare elements equal the exact value's rounding."""
+    assert avx2_matmul.bf16_matmul_supported() == matmul_kernel.AVX2_FORM
+    torch.manual_seed(2)
+    n, k = features
+    weight = torch.randn(n, k, dtype=torch.bfloat16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    packed = matmul_kernel.pack(weight)
+    differing = total = 0
+    for with_bias in (None, bias):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 9, 16, 31, 130, 260):
+            x = torch.randn(rows, k, dtype=torch.bfloat16)
+            out = matmul_kernel.matmul(x, packed, n, with_bias)
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+            exact = x.double() @ weight.double().T
+            if with_bias is not None:
+                exact += with_bias.double()
+            scale = (x.double().abs() @ weight.double().abs().T) * k * 2.0 ** -24
+            assert bool(((out.double() - exact).abs() <= exact.abs() / 256 + scale).all())
+            differing += int((out != exact.to(torch.bfloat16)).sum())
+            total += out.numel()
+    assert differing <= total // 100
+
+
+def test_the_avx2_form_keeps_nan_and_infinity(avx2_matmul):
+    weight = torch.ones(16, 4, dtype=torch.bfloat16)
+    packed = matmul_kernel.pack(weight)
+    x = torch.tensor([[1.0, float("nan"), 0.0, 0.0], [float("inf"), 1.0, 0.0, 0.0],
+                      [3.0, 0.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    out = matmul_kernel.matmul(x, packed, 16, None)
+    assert bool(out[0].isnan().all()) and bool((out[1] == float("inf")).all())
+    assert bool((out[2] == 3.0).all())
