@@ -63,6 +63,13 @@ typedef struct {
     void *residual[2], *normed, *qkv, *qk, *attention, *projected, *gate_up, *act;
 } buffers_t;
 
+/* a matmul that fails (its AVX2 form could not allocate its widened rows) ends the step */
+#define MATMUL(...)                                                                                \
+    do {                                                                                           \
+        if (k->matmul(__VA_ARGS__) != 0)                                                           \
+            return -2;                                                                             \
+    } while (0)
+
 /* the residual buffer an add writes to: not the one it reads */
 static void *other(const buffers_t *buf, const void *residual) {
     return residual == buf->residual[0] ? buf->residual[1] : buf->residual[0];
@@ -72,7 +79,7 @@ static void *other(const buffers_t *buf, const void *residual) {
  * [batch, vocab_rows]. cos/sin [batch, head_dim] are each token's angles; the new keys and values go
  * to (slot_blocks, slot_offsets); attention reads context_lens[b] tokens through block_tables.
  * Returns 0, -1 for a KV slot outside the cache (nothing of that layer written), -2 when attention
- * could not allocate its scratch. */
+ * or a matmul could not allocate its scratch. */
 int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int64_t batch,
                 const void *embeds, const void *cos, const void *sin, const int64_t *slot_blocks,
                 const int64_t *slot_offsets, const int64_t *block_tables, int64_t table_stride,
@@ -92,7 +99,7 @@ int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int6
                         m->eps, 1);
             residual = summed;
         }
-        k->matmul(buf->normed, batch, m->hidden, m->hidden, w->qkv, qkv_width, w->qkv_bias,
+        MATMUL(buf->normed, batch, m->hidden, m->hidden, w->qkv, qkv_width, w->qkv_bias,
                   buf->qkv, qkv_width);
         if (k->rotary_store(buf->qkv, qkv_width, cos, sin, batch, m->heads, m->kv_heads, d, 1,
                             buf->qk, w->key_cache, w->value_cache, 1, slot_blocks, slot_offsets,
@@ -102,16 +109,16 @@ int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int6
                          table_stride, context_lens, batch, m->heads, m->kv_heads, d,
                          m->block_size, m->scale, buf->attention, 1) != 0)
             return -2;
-        k->matmul(buf->attention, batch, q_width, q_width, w->o, m->hidden, w->o_bias,
+        MATMUL(buf->attention, batch, q_width, q_width, w->o, m->hidden, w->o_bias,
                   buf->projected, m->hidden);
         summed = other(buf, residual);
         k->rms_norm(buf->projected, residual, summed, w->post_norm, buf->normed, batch, m->hidden,
                     m->eps, 1);
         residual = summed;
-        k->matmul(buf->normed, batch, m->hidden, m->hidden, w->gate_up, 2 * m->intermediate,
+        MATMUL(buf->normed, batch, m->hidden, m->hidden, w->gate_up, 2 * m->intermediate,
                   w->gate_up_bias, buf->gate_up, 2 * m->intermediate);
         k->silu_mul(buf->gate_up, buf->act, batch, m->intermediate, 1);
-        k->matmul(buf->act, batch, m->intermediate, m->intermediate, w->down, m->hidden,
+        MATMUL(buf->act, batch, m->intermediate, m->intermediate, w->down, m->hidden,
                   w->down_bias, buf->projected, m->hidden);
         hidden = buf->projected;
     }
@@ -121,7 +128,7 @@ int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int6
     else
         k->rms_norm(hidden, residual, summed, m->final_norm, hidden_out, batch, m->hidden, m->eps,
                     1);
-    k->matmul(hidden_out, batch, m->hidden, m->hidden, m->lm_head, m->vocab_rows, 0, logits,
+    MATMUL(hidden_out, batch, m->hidden, m->hidden, m->lm_head, m->vocab_rows, 0, logits,
               m->vocab_rows);
     return 0;
 }

@@ -183,7 +183,7 @@ class DecodeStep:
         if status == -1:
             raise IndexError("a KV slot lies outside the cache")
         if status != 0:
-            raise MemoryError("decode attention could not allocate its scratch buffers")
+            raise MemoryError("decode attention or a matmul could not allocate its scratch buffers")
         return logits[:, : self.model.lm_head.vocab_size].float(), hidden
 
 
