@@ -103,8 +103,8 @@ def test_odd_input_widths_keep_onednn():
 @pytest.mark.parametrize("rows", [1, 3, 7, 32, 48, 49, 200])
 def test_bf16_without_bf16_kernels_computes_in_float32(monkeypatch, rows):
     """The AVX2 path without our C matmul (forced here on any CPU): the bf16 matrix-vector
-    product for one row,
-    float16-packed weights for other decode-size matmuls, a float32 copy for prefill-size ones."""
+    product for one row, float16-packed weights for other decode-size matmuls, a float32 copy for
+    prefill-size ones."""
     monkeypatch.setattr(linear_module, "cpu_has_bf16_kernels", lambda: False)
     monkeypatch.setattr(linear_module, "c_matmul_runs", lambda: False)  # no C compiler there
     weight, bias = _weights()
