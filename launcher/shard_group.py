@@ -97,7 +97,7 @@ class GroupSpec:
     name: str  # the model id
     model_dir: Path
     num_shard: int
-    dtype: str
+    dtype: str  # "": each shard takes its device's default (shard.config.default_dtype)
     device: str
     uds_prefix: str  # rank r listens on <uds_prefix>-<r>
     master_port: int

@@ -98,9 +98,10 @@ class Supervisor:
         finally:
             self.shutdown()
 
-    def _group(self, name: str, model_dir: Path, num_shard: int, dtype: str, device: str, *,
-               uds_prefix: str, master_port: int, label: str) -> ShardGroup:
-        group = ShardGroup(GroupSpec(name, model_dir, num_shard, dtype, device, uds_prefix,
+    def _group(self, name: str, model_dir: Path, num_shard: int, dtype: str | None, device: str,
+               *, uds_prefix: str, master_port: int, label: str) -> ShardGroup:
+        # no dtype: "", each shard takes its device's default
+        group = ShardGroup(GroupSpec(name, model_dir, num_shard, dtype or "", device, uds_prefix,
                                      master_port, label),
                            block_size=self.config.block_size, master_addr=self.config.master_addr,
                            quantize=self.config.quantize or "", speculate=self.config.speculate,
@@ -122,7 +123,7 @@ class Supervisor:
                                          model_id=self.model_name),
                 "--model-host-uds-path", self.host_socket,
                 "--model-registry-dir", str(self.config.registry_dir()),
-                "--default-model-dtype", self.config.dtype,
+                "--default-model-dtype", self.config.dtype or "",
                 "--default-model-device", self.config.device]
         self.router = spawn("router", argv, dict(os.environ), self.config.json_output)
         self._wait_until("router ready", self._router_healthy)
@@ -205,7 +206,7 @@ class Supervisor:
 
     # the model host's calls (gRPC worker threads)
 
-    def start_group(self, name: str, model_dir: Path, *, num_shard: int, dtype: str,
+    def start_group(self, name: str, model_dir: Path, *, num_shard: int, dtype: str | None,
                     device: str) -> str:
         """Starts a model's shard group and returns rank 0's socket once every rank listens;
         a group already running answers at once."""
@@ -226,7 +227,8 @@ class Supervisor:
                                 uds_prefix=f"{self.config.shard_uds_path}-g{number}",
                                 master_port=_free_port(), label=f"model {number}")
             self.groups[name] = group  # claimed: a second start of this name waits its turn
-        self._say(f"starting {name} ({num_shard} shard(s), {dtype}, {device}) from {model_dir}")
+        self._say(f"starting {name} ({num_shard} shard(s), {dtype or 'default dtype'}, {device}) "
+                  f"from {model_dir}")
         try:
             group.spawn()
             self._wait_until(f"shards of {name} ready", group.ready, group=group)

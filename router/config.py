@@ -84,8 +84,9 @@ class RouterConfig:
                                           "started or stopped).")
     model_registry_dir: str = _opt(None, "Directory of the model registry (set by tgi-launcher; "
                                          "unset: nothing is persisted).")
-    default_model_dtype: str = _opt("float32", "dtype of models started without one in their "
-                                               "settings.")
+    default_model_dtype: str = _opt("", "dtype of models started without one in their settings "
+                                        "(empty: each shard's default for its device, bfloat16 "
+                                        "on a CPU with AVX2).")
     default_model_device: str = _opt("auto", "device of models started without ngl 0.")
     autostart: str = _opt("false", "true: models running when the registry was last saved "
                                    "start again.")

@@ -50,7 +50,7 @@ class ModelHostMissingError(RouterError):
 
 class ModelManager:
     def __init__(self, config, registry: ModelRegistry, host: ModelHostClient | None, *,
-                 supervise: Callable, default_dtype: str = "float32",
+                 supervise: Callable, default_dtype: str = "",
                  default_device: str = "auto"):
         self.config = config
         self.registry = registry

@@ -16,7 +16,7 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.tracing import init_tracing, shutdown_tracing
 from shard.allocator import MMAP_THRESHOLD, keep_freed_memory
-from shard.config import ShardConfig, parse_args
+from shard.config import ShardConfig, default_dtype, parse_args
 from shard.distributed import all_gather_strings, init_parallel
 from shard.engine import Engine
 from shard.layers.arithmetic import c_matmul_runs
@@ -42,13 +42,14 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
         device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     else:
         device = torch.device(f"cuda:{local_rank}" if config.device == "cuda" else config.device)
-    dtype = getattr(torch, config.dtype)
     if device.type == "cpu" and config.world_size > 1:
         # ranks share the cores; more threads than cores makes every all-reduce wait on a straggler
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     parallel = init_parallel(rank=config.rank, world_size=config.world_size,
                              master_addr=config.master_addr, master_port=config.master_port,
                              device=device)
+    dtype_name = config.dtype or _default_dtype(config, device, parallel)
+    dtype = getattr(torch, dtype_name)
     if config.quantize and device.type != "cpu":
         raise ValueError(f"--quantize {config.quantize} runs PyTorch's CPU kernels: serve on the CPU "
                          "(--device cpu) or without --quantize")
@@ -68,7 +69,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
                         config.quantize)
         if done < len(layers):  # int4 takes input features by 32 and output features by 16
             log.warning("%d linear layers keep %s weights: their shape does not fit the %s kernel",
-                        len(layers) - done, config.dtype, config.quantize)
+                        len(layers) - done, dtype_name, config.quantize)
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim,
                        config.block_size, dtype, device)
@@ -77,7 +78,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
     engine = Engine(loaded, runner, memory_fraction=config.memory_fraction,
                     world_size=config.world_size, speculate=config.speculate)
     info = pb.InfoResponse(
-        requires_padding=False, dtype=config.dtype, device_type=device.type,
+        requires_padding=False, dtype=dtype_name, device_type=device.type,
         speculate=config.speculate,
         support_chunking=True, use_prefix_caching=True, attention_impl="paged-sdpa",
         block_size=config.block_size, model_id=config.model_path, world_size=config.world_size,
@@ -86,6 +87,18 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
     # ranks on other machines are reached over TCP; each says where, the others learn it here
     urls = all_gather_strings(config.grpc_address or f"unix://{config.socket_path}", parallel)
     return engine, info, urls
+
+
+def _default_dtype(config: ShardConfig, device: torch.device, parallel) -> str:
+    """The device's default dtype (no --dtype given), the same on every rank: ranks on machines
+    whose defaults differ would exchange activations of different dtypes."""
+    dtype_name = default_dtype(device.type, config.model_path)
+    chosen = all_gather_strings(dtype_name, parallel)
+    if len(set(chosen)) > 1:
+        raise ValueError(f"the ranks' default dtypes differ ({', '.join(chosen)} in rank order): "
+                         "pass --dtype")
+    log.info("no --dtype: %s, the default on this machine's %s", dtype_name, device.type)
+    return dtype_name
 
 
 async def serve(config: ShardConfig) -> None:
@@ -112,8 +125,9 @@ async def serve(config: ShardConfig) -> None:
     if config.grpc_address:
         server.add_insecure_port(config.grpc_address)
     await server.start()
-    log.info("shard %d/%d serving %s on unix://%s%s", config.rank, config.world_size,
-             config.model_path, socket, f" and {config.grpc_address}" if config.grpc_address else "")
+    log.info("shard %d/%d serving %s (%s, %s) on unix://%s%s", config.rank, config.world_size,
+             config.model_path, info.dtype, info.device_type, socket,
+             f" and {config.grpc_address}" if config.grpc_address else "")
     try:
         await stop.wait()
     finally:

@@ -3,11 +3,37 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from shard.layers.native import cpu_flags
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE_KINDS = ("int8", "int4")  # shard.layers.quantize (this module must not import torch)
+
+
+def cpu_has_avx2() -> bool:
+    """x86 CPUs with AVX2 (AVX-512 ones included), from /proc/cpuinfo's flags."""
+    return "avx2" in cpu_flags().split()
+
+
+def default_dtype(device_type: str, model_path: str | Path) -> str:
+    """The dtype of a shard started without --dtype, once its device is known.
+
+    CUDA: float16 (TGI's default there), or bfloat16 for a checkpoint stored in bfloat16.
+    CPU: bfloat16 where the CPU has AVX2: bf16 weights and KV cache were faster than float32 on
+    every x86 CPU measured (benchmarks/RESULTS.md), the C bf16 kernels running on AVX-512 BF16 and
+    float32 arithmetic on bf16 values on AVX2 alone; float32 on other CPUs and devices, where
+    nothing was measured."""
+    if device_type == "cuda":
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        stored = config.get("torch_dtype") or config.get("dtype")
+        return "bfloat16" if stored == "bfloat16" else "float16"
+    if device_type == "cpu" and cpu_has_avx2():
+        return "bfloat16"
+    return "float32"
 
 
 @dataclass(slots=True)
@@ -16,7 +42,8 @@ class ShardConfig:
                                               "tokenizer.json)."})
     uds_path: str = field(default="/tmp/tgi-py-server", metadata={
         "help": "Unix socket prefix; rank r listens on <uds_path>-<r>."})
-    dtype: str = field(default="float32", metadata={"help": f"Weights and KV dtype: {DTYPES}."})
+    dtype: str = field(default="", metadata={
+        "help": f"Weights and KV dtype: {DTYPES}; empty: the device's default (default_dtype)."})
     device: str = field(default="auto", metadata={"help": "cpu, cuda or auto (cuda when available)."})
     quantize: str = field(default="", metadata={
         "help": "Weight-only quantization of the linear layers on the CPU: int8 or int4 "
@@ -44,7 +71,7 @@ class ShardConfig:
     master_port: int = field(default=29500, metadata={"help": "Rendezvous port (env MASTER_PORT)."})
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
+        if self.dtype not in ("", *DTYPES):
             raise ValueError(f"--dtype {self.dtype!r} is not one of {DTYPES}")
         if self.quantize not in ("", *QUANTIZE_KINDS):
             raise ValueError(f"--quantize {self.quantize!r} is not one of {QUANTIZE_KINDS}")

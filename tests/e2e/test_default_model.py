@@ -20,6 +20,15 @@ def server(real_model_dir, tmp_path_factory):
     assert launched.processes_left() == []
 
 
+def test_the_shard_chose_the_default_dtype_of_its_device(server, real_model_dir):
+    from shard.config import default_dtype
+
+    info = requests.get(f"{server.url}/info", timeout=10).json()
+    # bfloat16 on an x86 CPU with AVX2
+    assert info["model_dtype"] == default_dtype(info["model_device_type"], real_model_dir)
+    assert f"no --dtype: {info['model_dtype']}" in server.log()
+
+
 def test_generate_answers_like_the_model(server):
     body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}}
     reply = requests.post(f"{server.url}/generate", json=body, timeout=120)
@@ -78,15 +87,23 @@ def test_a_request_id_continues_its_generation_as_one_longer_one_would(server):
     assert first + second == one("smol-whole", prompt, 16)
 
 
-def test_beam_search_over_http_equals_transformers(server, real_model_dir):
+def test_beam_search_over_http_equals_transformers(real_model_dir, tmp_path):
     import torch
     import transformers
 
     prompt = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
-    reply = requests.post(f"{server.url}/api/generate-one", timeout=120, json={
-        "request_id": "smol-beams", "prompt": prompt, "stream_response": False,
-        "generation_config": {"num_beams": 4, "do_sample": False, "length_penalty": 0.5,
-                              "max_new_tokens": 24}})
+    # the reference's dtype: in bf16 (the default here) a close score could part the beams
+    float32_server = launch([], tmp_path, extra=["--dtype", "float32", "--max-input-tokens", "500",
+                                                 "--max-total-tokens", "1024",
+                                                 "--max-batch-prefill-tokens", "512"])
+    try:
+        reply = requests.post(f"{float32_server.url}/api/generate-one", timeout=120, json={
+            "request_id": "smol-beams", "prompt": prompt, "stream_response": False,
+            "generation_config": {"num_beams": 4, "do_sample": False, "length_penalty": 0.5,
+                                  "max_new_tokens": 24}})
+    finally:
+        assert float32_server.stop() == 0
+    assert float32_server.processes_left() == []
     assert reply.status_code == 200, reply.text
     tokenizer = transformers.AutoTokenizer.from_pretrained(real_model_dir)
     reference = transformers.AutoModelForCausalLM.from_pretrained(real_model_dir,

@@ -87,7 +87,8 @@ def test_a_compiled_speculating_tiny_server_answers_as_the_eager_engine(tiny_lla
     want = run_to_completion(engine, [request(0, ids, BlockPool(64).take(len(ids) + 24, 4),
                                               max_new_tokens=24, ignore_eos=True)])[0]
     launched = launch(["--model-id", str(tiny_llama)], tmp_path,
-                      extra=["--compile-decode", "--speculate", "3", "--block-size", "4",
+                      extra=["--dtype", "float32",  # as make_engine loads it
+                             "--compile-decode", "--speculate", "3", "--block-size", "4",
                              "--max-batch-total-tokens", "4096"])
     try:
         reply = requests.post(f"{launched.url}/generate", timeout=120, json={

@@ -20,7 +20,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def server(real_model_dir, tmp_path_factory):
     launched = launch([], tmp_path_factory.mktemp("speculate"),
-                      extra=["--speculate", "4", "--max-input-tokens", "500",
+                      extra=["--dtype", "float32", "--speculate", "4", "--max-input-tokens", "500",
                              "--max-total-tokens", "1024", "--max-batch-prefill-tokens", "512"])
     yield launched
     assert launched.stop() == 0

@@ -27,3 +27,35 @@ def test_an_empty_quantize_means_none(monkeypatch):
     monkeypatch.setenv("QUANTIZE", "")
     assert parse_args(["--model-id", "m"]).quantize is None
     assert LauncherConfig(quantize="").quantize is None
+
+
+def test_without_dtype_the_shards_and_the_routers_models_take_the_devices_default(monkeypatch,
+                                                                                 tmp_path):
+    from launcher import shard_group, supervisor
+    from launcher.supervisor import Supervisor
+
+    monkeypatch.delenv("DTYPE", raising=False)
+    assert parse_args(["--model-id", "m"]).dtype is None
+    monkeypatch.setenv("DTYPE", "")
+    assert parse_args(["--model-id", "m"]).dtype is None
+    with pytest.raises(ValueError, match="is not one of"):
+        LauncherConfig(dtype="int8")
+    started = []
+    monkeypatch.setattr(shard_group, "spawn", lambda name, argv, env, json: started.append(argv))
+    monkeypatch.setattr(supervisor, "spawn", lambda name, argv, env, json: started.append(argv))
+    monkeypatch.setattr(Supervisor, "_wait_until", lambda *args, **kwargs: None)
+
+    def dtypes(config):
+        """(the shard's --dtype, the router's --default-model-dtype)"""
+        started.clear()
+        launched = Supervisor(config, tmp_path, "m")
+        launched._group("m", tmp_path, 1, config.dtype, "cpu", uds_prefix=str(tmp_path / "s"),
+                        master_port=1, label="").spawn()
+        launched._start_router()
+        shard, router = started
+        return shard[shard.index("--dtype") + 1], router[router.index("--default-model-dtype") + 1]
+
+    assert dtypes(parse_args(["--model-id", "m"])) == ("", "")  # "": the shard decides
+    assert dtypes(parse_args(["--model-id", "m", "--dtype", "float32"])) == ("float32", "float32")
+    monkeypatch.setenv("DTYPE", "float32")  # TGI's variable
+    assert dtypes(parse_args(["--model-id", "m"])) == ("float32", "float32")

@@ -1,0 +1,54 @@
+"""The dtype of a shard started without --dtype: chosen once its device is known, and reported."""
+import json
+
+import pytest
+
+from shard import config as shard_config
+from shard.config import ShardConfig, default_dtype, parse_args
+
+AVX2 = "flags\t\t: fpu vme sse4_2 avx f16c avx2 fma bmi2"
+AVX512 = AVX2 + " avx512f avx512bw avx512_bf16"
+NO_AVX2 = "flags\t\t: fpu vme sse4_2 avx"
+
+
+@pytest.mark.parametrize("flags, expected", [(AVX2, "bfloat16"), (AVX512, "bfloat16"),
+                                             (NO_AVX2, "float32"), ("", "float32")],
+                         ids=["avx2", "avx512", "avx-only", "non-x86"])
+def test_the_cpu_default_is_bf16_where_the_cpu_has_avx2(monkeypatch, tmp_path, flags, expected):
+    monkeypatch.setattr(shard_config, "cpu_flags", lambda: flags)
+    assert default_dtype("cpu", tmp_path) == expected  # no config.json read on the CPU
+
+
+@pytest.mark.parametrize("stored, expected", [({"torch_dtype": "bfloat16"}, "bfloat16"),
+                                              ({"dtype": "bfloat16"}, "bfloat16"),
+                                              ({"torch_dtype": "float32"}, "float16"),
+                                              ({"torch_dtype": "float16"}, "float16"),
+                                              ({}, "float16")])
+def test_the_cuda_default_is_float16_unless_the_checkpoint_is_bf16(tmp_path, stored, expected):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **stored}))
+    assert default_dtype("cuda", tmp_path) == expected
+
+
+def test_no_dtype_flag_leaves_the_choice_to_the_shard():
+    assert parse_args(["--model-path", "m"]).dtype == ""
+    assert parse_args(["--model-path", "m", "--dtype", "float32"]).dtype == "float32"
+    with pytest.raises(ValueError, match="is not one of"):
+        ShardConfig(model_path="m", dtype="int8")
+
+
+@pytest.mark.parametrize("flags, given, expected", [(AVX512, "", "bfloat16"),
+                                                    (NO_AVX2, "", "float32"),
+                                                    (AVX512, "float32", "float32")],
+                         ids=["default-avx512", "default-no-avx2", "explicit-float32"])
+def test_the_engine_loads_and_reports_the_resolved_dtype(monkeypatch, tiny_llama, flags, given,
+                                                         expected):
+    import torch
+
+    from shard.__main__ import build_engine
+
+    monkeypatch.setattr(shard_config, "cpu_flags", lambda: flags)
+    engine, info, _ = build_engine(ShardConfig(model_path=str(tiny_llama), dtype=given,
+                                               device="cpu"))
+    assert info.dtype == expected and info.device_type == "cpu"
+    assert engine.runner.spec.dtype == getattr(torch, expected)  # the KV cache
+    assert engine.runner.model.embed_tokens.weight.dtype == getattr(torch, expected)
