@@ -24,9 +24,9 @@ def default_dtype(device_type: str, model_path: str | Path) -> str:
 
     CUDA: float16 (TGI's default there), or bfloat16 for a checkpoint stored in bfloat16.
     CPU: bfloat16 where the CPU has AVX2: bf16 weights and KV cache were faster than float32 on
-    every x86 CPU measured (benchmarks/RESULTS.md), the C bf16 kernels running on AVX-512 BF16 and
-    float32 arithmetic on bf16 values on AVX2 alone; float32 on other CPUs and devices, where
-    nothing was measured."""
+    every x86 CPU measured (benchmarks/RESULTS.md), where the C bf16 matmul (its AVX-512 BF16 or
+    its AVX2 form) and the C decode step run, and also with float32 arithmetic on the bf16 values
+    (AVX2 without a C compiler); float32 on other CPUs and devices, where nothing was measured."""
     if device_type == "cuda":
         config = json.loads((Path(model_path) / "config.json").read_text())
         stored = config.get("torch_dtype") or config.get("dtype")
