@@ -34,19 +34,26 @@ typedef int (*matmul_fn)(const uint16_t *x, int64_t m, int64_t k, int64_t x_stri
                          const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *out,
                          int64_t out_stride);
 
+typedef int (*int4_matmul_fn)(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                              const uint8_t *packed, int64_t n, const uint16_t *bias,
+                              uint16_t *out, int64_t out_stride);
+
 typedef struct {
     rms_norm_fn rms_norm;
     silu_mul_fn silu_mul;
     rotary_store_fn rotary_store;
     attention_fn attention;
     matmul_fn matmul;
+    int4_matmul_fn int4_matmul; /* NULL where no layer is int4 */
 } kernels_t;
 
-/* one decoder layer's weights (matrices packed, biases NULL where the model has none) and cache */
+/* one decoder layer's weights (matrices packed, biases NULL where the model has none; the int4
+ * forms NULL where the layer has none) and cache */
 typedef struct {
     const void *input_norm, *post_norm;
     const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     void *key_cache, *value_cache;
+    const uint8_t *qkv_int4, *o_int4, *gate_up_int4, *down_int4;
 } layer_t;
 
 typedef struct {
@@ -56,6 +63,7 @@ typedef struct {
     const void *final_norm;
     const uint16_t *lm_head;
     const layer_t *layer;
+    int64_t int4_max_rows; /* batches up to this many rows multiply int4 forms where they exist */
 } model_t;
 
 /* the step's activations, each [batch, width] */
@@ -63,10 +71,21 @@ typedef struct {
     void *residual[2], *normed, *qkv, *qk, *attention, *projected, *gate_up, *act;
 } buffers_t;
 
-/* a matmul that fails (its AVX2 form could not allocate its widened rows) ends the step */
-#define MATMUL(...)                                                                                \
+/* x [batch, in] -> out [batch, n] by the int4 form where it exists and the batch is small enough,
+ * else the bf16 one, as the eager step's linear layers choose; nonzero where a kernel could not
+ * allocate its scratch */
+static int linear(const kernels_t *k, const model_t *m, const void *x, int64_t batch, int64_t in,
+                  const uint16_t *weight, const uint8_t *int4, const uint16_t *bias, void *out,
+                  int64_t n) {
+    if (int4 && batch <= m->int4_max_rows)
+        return k->int4_matmul(x, batch, in, in, int4, n, bias, out, n);
+    return k->matmul(x, batch, in, in, weight, n, bias, out, n);
+}
+
+/* a matmul that fails ends the step */
+#define LINEAR(...)                                                                                \
     do {                                                                                           \
-        if (k->matmul(__VA_ARGS__) != 0)                                                           \
+        if (linear(k, m, __VA_ARGS__) != 0)                                                        \
             return -2;                                                                             \
     } while (0)
 
@@ -99,8 +118,8 @@ int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int6
                         m->eps, 1);
             residual = summed;
         }
-        MATMUL(buf->normed, batch, m->hidden, m->hidden, w->qkv, qkv_width, w->qkv_bias,
-                  buf->qkv, qkv_width);
+        LINEAR(buf->normed, batch, m->hidden, w->qkv, w->qkv_int4, w->qkv_bias, buf->qkv,
+               qkv_width);
         if (k->rotary_store(buf->qkv, qkv_width, cos, sin, batch, m->heads, m->kv_heads, d, 1,
                             buf->qk, w->key_cache, w->value_cache, 1, slot_blocks, slot_offsets,
                             m->num_blocks, m->block_size) != 0)
@@ -109,17 +128,17 @@ int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int6
                          table_stride, context_lens, batch, m->heads, m->kv_heads, d,
                          m->block_size, m->scale, buf->attention, 1) != 0)
             return -2;
-        MATMUL(buf->attention, batch, q_width, q_width, w->o, m->hidden, w->o_bias,
-                  buf->projected, m->hidden);
+        LINEAR(buf->attention, batch, q_width, w->o, w->o_int4, w->o_bias, buf->projected,
+               m->hidden);
         summed = other(buf, residual);
         k->rms_norm(buf->projected, residual, summed, w->post_norm, buf->normed, batch, m->hidden,
                     m->eps, 1);
         residual = summed;
-        MATMUL(buf->normed, batch, m->hidden, m->hidden, w->gate_up, 2 * m->intermediate,
-                  w->gate_up_bias, buf->gate_up, 2 * m->intermediate);
+        LINEAR(buf->normed, batch, m->hidden, w->gate_up, w->gate_up_int4, w->gate_up_bias,
+               buf->gate_up, 2 * m->intermediate);
         k->silu_mul(buf->gate_up, buf->act, batch, m->intermediate, 1);
-        MATMUL(buf->act, batch, m->intermediate, m->intermediate, w->down, m->hidden,
-                  w->down_bias, buf->projected, m->hidden);
+        LINEAR(buf->act, batch, m->intermediate, w->down, w->down_int4, w->down_bias,
+               buf->projected, m->hidden);
         hidden = buf->projected;
     }
     void *summed = other(buf, residual);
@@ -128,7 +147,6 @@ int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int6
     else
         k->rms_norm(hidden, residual, summed, m->final_norm, hidden_out, batch, m->hidden, m->eps,
                     1);
-    MATMUL(hidden_out, batch, m->hidden, m->hidden, m->lm_head, m->vocab_rows, 0, logits,
-              m->vocab_rows);
+    LINEAR(hidden_out, batch, m->hidden, m->lm_head, 0, 0, logits, m->vocab_rows);
     return 0;
 }

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed import ParallelContext, all_reduce
-from shard.layers import matmul_kernel
+from shard.layers import int4_kernel, matmul_kernel
 from shard.layers.arithmetic import c_matmul_runs, cpu_has_bf16_kernels
-from shard.layers.quantize import QuantizedWeight, can_quantize, quantize, quantized_linear
+from shard.layers.quantize import (QuantizedWeight, c_int4, can_quantize, quantize,
+                                   quantized_linear)
 from shard.weights import Weights
 
 # fbgemm's float16 GEMM is deprecated in favour of torch.ao's wrappers around the same kernel
@@ -36,6 +37,15 @@ BF16_GEMV_MAX_ROWS = 1
 # quantized forms stand for, in the forms above.
 QUANTIZED_KERNEL_DTYPE = torch.bfloat16
 QUANTIZED_MAX_ROWS = 4
+# Up to this many rows our C int4 kernel (shard.layers.int4_kernel) beats our bf16 matmul on
+# SmolLM2's decode matmuls with the weights streamed from memory (benchmarks/RESULTS.md).
+C_INT4_MAX_ROWS = 8
+
+
+def c_int4_runs() -> bool:
+    """Whether int4 layers of a bf16 model take our C int4 kernel here (AVX-512 BF16 builds, where
+    our bf16 matmul runs too: it multiplies the batches past C_INT4_MAX_ROWS)."""
+    return int4_kernel.load_library() is not None and c_matmul_runs()
 
 
 def quantized_kernel_rows() -> int:
@@ -61,7 +71,7 @@ class LinearWeight:
       kernel of shard.layers.matmul_kernel (decode-size matmuls 1.1-3x faster than oneDNN's, level
       up to a few thousand rows, 4-12% slower on 16,384; rare one-unit differences from oneDNN's
       sums). The same on AVX2-only CPUs, where the kernel multiplies the bf16 values in float32
-      (decode-size matmuls 1.2-7x faster than float32 MKL there, prefill sizes level with it), and
+      (1-32 rows 0.12-0.93x the time of float32 MKL there, 1,024 rows 1.0-1.3x), and
       models hold bf16 activations.
     - bf16 on other CPUs with oneDNN bf16 kernels (AMX, AVX-NE-CONVERT, AVX-512 without BF16; or
       without a C compiler): `packed`, the blocked layout F.linear would otherwise reorder the
@@ -98,10 +108,16 @@ class LinearWeight:
         """`model_dtype`: what the model holds weights in, when `weight` arrives as stored to be
         quantized."""
         if quantize_kind and weight.device.type == "cpu" and can_quantize(weight, quantize_kind):
-            quantized, restored = quantize(weight, quantize_kind, QUANTIZED_KERNEL_DTYPE)
+            if (quantize_kind == "int4" and (model_dtype or weight.dtype) == torch.bfloat16
+                    and c_int4_runs()):
+                quantized, restored = c_int4(weight)
+                rows = C_INT4_MAX_ROWS
+            else:
+                quantized, restored = quantize(weight, quantize_kind, QUANTIZED_KERNEL_DTYPE)
+                rows = quantized_kernel_rows()
             prepared = cls.prepare(restored.to(model_dtype or weight.dtype), bias)
             prepared.quantized = quantized
-            prepared.quantized_rows = quantized_kernel_rows()
+            prepared.quantized_rows = rows
             return prepared
         if model_dtype is not None:
             weight = weight.to(model_dtype)
@@ -131,6 +147,9 @@ def fbgemm_half_layout(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     if w.quantized is not None and x.shape[0] <= w.quantized_rows:
+        if w.quantized.kernel == "c":  # the bias inside, as the bf16 matmul adds it
+            return int4_kernel.matmul(x, w.quantized.data, w.quantized.out_features,
+                                      w.tiled_bias)
         out = quantized_linear(x, w.quantized)
         return out if w.bias is None else out + w.bias.to(out.dtype)
     if w.tiled is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from shard.config import QUANTIZE_KINDS
+from shard.layers import int4_kernel
 
 INT4_GROUP = 32
 # the CPU kernel's packing of int4 weights takes output features in tiles of this many rows
@@ -25,9 +26,12 @@ _INT4_ROW_TILE = 16
 class QuantizedWeight:
     kind: str
     data: torch.Tensor  # int8 [out, in], or the kernel's packed int4 form
-    scales: torch.Tensor  # int8: [out]; int4: [in / group, out, 2] (scale, zero)
+    scales: torch.Tensor | None  # int8: [out]; int4: [in / group, out, 2] (scale, zero); C: None
     out_features: int
     dtype: torch.dtype  # what the kernel takes and gives: the scales' dtype
+    # "pytorch": the packed kernels above; "c": int4 in shard.layers.int4_kernel's form (its
+    # scales and minimums inside `data`)
+    kernel: str = "pytorch"
 
 
 def quantize(weight: torch.Tensor, kind: str, dtype: torch.dtype
@@ -74,8 +78,19 @@ def _int4(weight: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
     return QuantizedWeight("int4", packed, scales, out_features, dtype), restored
 
 
+def c_int4(weight: torch.Tensor) -> tuple[QuantizedWeight, torch.Tensor]:
+    """`weight` [out, in] in the C int4 kernel's form (a float32 scale and minimum per group of 32,
+    GGUF's Q4_1 layout), and the float32 weight that form stands for."""
+    q, scale, low = int4_kernel.quantize(weight)
+    return (QuantizedWeight("int4", int4_kernel.pack(q, scale, low), None, weight.shape[0],
+                            torch.bfloat16, kernel="c"),
+            int4_kernel.restore(q, scale, low))
+
+
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """x [rows, in] -> x W^T [rows, out] in x's dtype."""
+    if w.kernel == "c":
+        return int4_kernel.matmul(x, w.data, w.out_features, None)
     inputs = x.to(w.dtype).contiguous()
     if w.kind == "int8":
         out = torch.ops.aten._weight_int8pack_mm(inputs, w.data, w.scales)

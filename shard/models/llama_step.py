@@ -1,11 +1,12 @@
 """A Llama-family decode step as one C call (shard/kernels/decode_step.c), on the CPU.
 
-The C loop calls the kernels the eager forward calls (fused layer ops, paged attention, the bf16
-matmul), in the same order on the same inputs: its logits are the eager step's bit for bit, without
-the 5-7 ms of Python and dispatch around them. It applies where every piece of the eager step is one
-of those kernels: a bf16 model and KV cache on a CPU whose build has all of them (AVX-512 BF16), one
-rank, no layer running quantized kernels, no bias after a row-parallel projection (the eager step adds it as a
-separate bf16 op). Elsewhere `unsupported_reason` says why and the runner keeps the eager (or compiled) step.
+The C loop calls the kernels the eager forward calls (fused layer ops, paged attention, our bf16 and
+int4 matmuls), in the same order on the same inputs: its logits are the eager step's bit for bit,
+without the 5-7 ms of Python and dispatch around them. It applies where every piece of the eager
+step is one of those kernels: a bf16 model and KV cache on a CPU whose build has all of them
+(AVX-512 BF16, or AVX2), one rank, no layer running PyTorch's quantized kernels, no bias after a
+row-parallel projection (the eager step adds it as a separate bf16 op). Elsewhere
+`unsupported_reason` says why and the runner keeps the eager (or compiled) step.
 TGI_PY_DECODE_STEP=0 switches it off.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import functools
 
 import torch
 
-from shard.layers import fused, matmul_kernel, native, paged_kernel
+from shard.layers import fused, int4_kernel, matmul_kernel, native, paged_kernel
 from shard.layers.attention import LayerCache
 from shard.models.llama import LlamaForCausalLM
 
@@ -28,13 +29,14 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 class _Kernels(ctypes.Structure):
     _fields_ = [("rms_norm", _ptr), ("silu_mul", _ptr), ("rotary_store", _ptr),
-                ("attention", _ptr), ("matmul", _ptr)]
+                ("attention", _ptr), ("matmul", _ptr), ("int4_matmul", _ptr)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
-        "down", "down_bias", "key_cache", "value_cache")]
+        "down", "down_bias", "key_cache", "value_cache", "qkv_int4", "o_int4", "gate_up_int4",
+        "down_int4")]
 
 
 class _Model(ctypes.Structure):
@@ -42,7 +44,7 @@ class _Model(ctypes.Structure):
                 ("head_dim", _i64), ("intermediate", _i64), ("vocab_rows", _i64),
                 ("num_blocks", _i64), ("block_size", _i64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("final_norm", _ptr), ("lm_head", _ptr),
-                ("layer", ctypes.POINTER(_Layer))]
+                ("layer", ctypes.POINTER(_Layer)), ("int4_max_rows", _i64)]
 
 
 _BUFFERS = ("residual0", "residual1", "normed", "qkv", "qk", "attention", "projected", "gate_up",
@@ -89,12 +91,20 @@ def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str |
         attention, mlp = layer.self_attn, layer.mlp
         if attention.o_proj.bias is not None or mlp.down_proj.bias is not None:
             return "a bias after a row-parallel projection is a separate bf16 add in eager steps"
+    int4_rows = set()
     for module in model.modules():
         prepared = getattr(module, "prepared", None)
-        if prepared is not None and (prepared.tiled is None or prepared.quantized_rows):
-            return ("a linear layer runs another kernel than the C bf16 matmul (quantized "
-                    "kernels, an odd input width, or a CPU where it does not run: AMX, AVX-512 "
-                    "without BF16, no AVX2)")
+        if prepared is None:
+            continue
+        own_int4 = prepared.quantized is not None and prepared.quantized.kernel == "c"
+        if prepared.tiled is None or (prepared.quantized_rows and not own_int4):
+            return ("a linear layer runs another kernel than our C bf16 or int4 matmuls "
+                    "(PyTorch's quantized kernels, an odd input width, or a CPU where ours do "
+                    "not run: AMX, AVX-512 without BF16, no AVX2)")
+        if own_int4:
+            int4_rows.add(prepared.quantized_rows)
+    if len(int4_rows) > 1:
+        return "the int4 layers switch to bf16 at different batch sizes (the C loop takes one)"
     for name, library in (("the fused layer ops", fused.load_library()),
                           ("the attention kernel", paged_kernel.load_kernel()),
                           ("the bf16 matmul", matmul_kernel.load_library()),
@@ -126,20 +136,25 @@ class DecodeStep:
                 _bias(attention.qkv_proj.prepared), attention.o_proj.prepared.tiled.data_ptr(),
                 None, mlp.gate_up_proj.prepared.tiled.data_ptr(),
                 _bias(mlp.gate_up_proj.prepared), mlp.down_proj.prepared.tiled.data_ptr(), None,
-                layer_cache.key.data_ptr(), layer_cache.value.data_ptr()))
+                layer_cache.key.data_ptr(), layer_cache.value.data_ptr(),
+                *(_int4(linear.prepared) for linear in (
+                    attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))))
         self._layers = (_Layer * len(layers))(*layers)
         self._cache = cache  # the pointers above stay valid while the pool lives
         self._model = _Model(
             len(layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
             self.vocab_rows, cache[0].key.shape[0], self.block_size, model.norm.eps, first.scale,
             model.norm.weight.data_ptr(), model.lm_head.prepared.tiled.data_ptr(),
-            self._layers)
+            self._layers, max((_int4_rows(m.prepared) for m in model.modules()
+                               if getattr(m, "prepared", None) is not None), default=0))
         layer_ops = fused.load_library()
         self._kernels = _Kernels(
             _address(layer_ops.rms_norm), _address(layer_ops.silu_mul),
             _address(layer_ops.rotary_store),
             _address(paged_kernel.load_kernel().paged_decode_attention),
-            _address(matmul_kernel.load_library().bf16_matmul))
+            _address(matmul_kernel.load_library().bf16_matmul),
+            _address(int4_kernel.load_library().int4_matmul)
+            if int4_kernel.load_library() is not None else None)
         d = self.head_dim
         # the widths of the step's activations, in _BUFFERS' order, laid end to end in one scratch
         # row block per batch row: each buffer starts at batch * (the widths before it)
@@ -189,3 +204,14 @@ class DecodeStep:
 
 def _bias(prepared) -> int | None:
     return None if prepared.tiled_bias is None else prepared.tiled_bias.data_ptr()
+
+
+def _int4(prepared) -> int | None:
+    """The layer's form for our C int4 kernel, or None."""
+    own = prepared.quantized is not None and prepared.quantized.kernel == "c"
+    return prepared.quantized.data.data_ptr() if own else None
+
+
+def _int4_rows(prepared) -> int:
+    own = prepared.quantized is not None and prepared.quantized.kernel == "c"
+    return prepared.quantized_rows if own else 0

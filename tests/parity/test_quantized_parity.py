@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shard.distributed import ParallelContext
+from shard.layers import int4_kernel
 from shard.layers import linear as linear_module
 from shard.layers.quantize import QUANTIZE_KINDS, dequantize, quantize, quantized_linear
 from shard.loader import load_model
@@ -73,6 +74,56 @@ def test_quantized_model_equals_transformers_on_the_weights_it_stands_for(tmp_pa
         with torch.no_grad():
             assert (logits[0] - reference(torch.tensor([tokens])).logits[0, -1]).abs().max() <= 1e-4
     assert (expected - unquantized).abs().max().item() > 1e-3
+
+
+def test_a_bf16_int4_model_through_our_kernel_is_the_model_its_4_bit_form_stands_for(tmp_path):
+    """Where our C int4 kernel runs, a bf16 model's int4 layers hold its form (a float32 scale and
+    minimum per 32 weights): decode rows multiply by it, the prompt's rows by the bf16 weights it
+    stands for, and both are, within bf16 rounding, transformers on those weights."""
+    import transformers
+
+    if not linear_module.c_int4_runs():
+        pytest.skip("the C int4 matmul needs AVX-512 BF16 and a C compiler")
+    model_dir = build_tiny_model(tmp_path / "model", num_heads=4, num_kv_heads=2,
+                                 attention_bias=True)
+    loaded = load_model(model_dir, dtype=torch.bfloat16, device=torch.device("cpu"),
+                        parallel=ParallelContext(), quantize="int4")
+    layers = [m.prepared for m in loaded.model.layers.modules() if hasattr(m, "prepared")]
+    assert layers and all(p.quantized.kernel == "c" for p in layers)
+    reference_dir = tmp_path / "restored"
+    shutil.copytree(model_dir, reference_dir)
+    for path in reference_dir.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, tensor in tensors.items():
+            if tensor.dim() == 2 and name.endswith("proj.weight"):
+                tensors[name] = int4_kernel.restore(*int4_kernel.quantize(tensor)).bfloat16()
+            elif name == "lm_head.weight":  # an int8 head, its bf16 scales
+                tensors[name] = quantize(tensor, "int8", torch.bfloat16)[1].bfloat16()
+        save_file(tensors, path, metadata={"format": "pt"})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        reference_dir, dtype=torch.bfloat16).float().eval()
+    cfg = loaded.config
+    runner = ModelRunner(loaded.model, KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                   cfg.head_dim, 4, torch.bfloat16,
+                                                   torch.device("cpu")))
+    runner.allocate(32)
+    prompt = [5, 17, 42, 99, 3, 250, 7, 11, 60, 61]
+    assert len(prompt) > linear_module.C_INT4_MAX_ROWS
+    logits = runner.prefill([PrefillSequence(prompt, 0, [3, 1, 4, 5])]).last
+    plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                              dtype=torch.float32).eval()
+    tokens = list(prompt)
+    for _ in range(3):
+        with torch.no_grad():
+            expected = reference(torch.tensor([tokens])).logits[0, -1]
+            unquantized = plain(torch.tensor([tokens])).logits[0, -1]
+        # bf16 rounding leaves 0.4-0.5% here; the unquantized model is over 1% away
+        tolerance = 0.008 * expected.abs().max().item()
+        assert (logits[0] - expected).abs().max().item() <= tolerance
+        assert (unquantized - expected).abs().max().item() > tolerance
+        tokens.append(int(logits[0].argmax()))
+        logits = runner.decode(torch.tensor(tokens[-1:]), torch.tensor([len(tokens) - 1]),
+                               torch.tensor([[3, 1, 4, 5]])).logits
 
 
 @pytest.mark.parametrize("kind", QUANTIZE_KINDS)

@@ -10,15 +10,16 @@ from shard.distributed import ParallelContext
 from shard.loader import load_model
 from shard import model_runner as model_runner_module
 from shard.compiled_decode import CompiledDecode
-from shard.layers import arithmetic, fused, linear, matmul_kernel, native, paged_kernel
+from shard.layers import (arithmetic, fused, int4_kernel, linear, matmul_kernel, native,
+                          paged_kernel)
 from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence
 from shard.models import llama_step
 from tests.tiny_models import build_tiny_model
 
 
-def _runner(model_dir, dtype=torch.bfloat16, compile_decode=False) -> ModelRunner:
+def _runner(model_dir, dtype=torch.bfloat16, compile_decode=False, quantize=None) -> ModelRunner:
     loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
-                        parallel=ParallelContext())
+                        parallel=ParallelContext(), quantize=quantize)
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim, 4, dtype,
                        torch.device("cpu"))
@@ -114,6 +115,34 @@ def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, ragged_dir, archite
         assert torch.equal(hidden, eager_hidden)
         assert all(torch.equal(k, c.key) and torch.equal(v, c.value)
                    for (k, v), c in zip(written, runner.cache))
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_c_step_with_int4_layers_equals_the_eager_step(tiny_llama, qwen2_dir, architecture):
+    """--quantize int4 where our int4 kernel runs: batches up to C_INT4_MAX_ROWS multiply the
+    4-bit forms, larger ones the bf16 weights they stand for, in both steps alike."""
+    if int4_kernel.load_library() is None:
+        pytest.skip("the C int4 matmul needs AVX-512 BF16 and a C compiler")
+    runner = _runner({"llama": tiny_llama, "qwen2": qwen2_dir}[architecture], quantize="int4")
+    _needs_c_step(runner)
+    own = [m.prepared for m in runner.model.layers.modules() if hasattr(m, "prepared")]
+    assert own and all(p.quantized.kernel == "c" for p in own)
+    for batch in (1, 3, linear.C_INT4_MAX_ROWS, linear.C_INT4_MAX_ROWS + 1):
+        torch.manual_seed(batch)
+        seqs = [PrefillSequence(token_ids=torch.randint(3, 300, (3 + 2 * b,)).tolist(), start=0,
+                                blocks=list(range(1 + 7 * b, 8 + 7 * b))) for b in range(batch)]
+        runner.prefill(seqs)
+        tables = torch.tensor([s.blocks for s in seqs])
+        lens = torch.tensor([s.length for s in seqs])
+        ids = torch.randint(3, 300, (batch,))
+        before = [(c.key.clone(), c.value.clone()) for c in runner.cache]
+        with torch.inference_mode():
+            logits, hidden = runner.c_step(ids, lens, tables)
+            for c, (k, v) in zip(runner.cache, before):
+                c.key.copy_(k)
+                c.value.copy_(v)
+            eager_logits, eager_hidden = runner._decode_forward(ids, lens, tables)
+        assert torch.equal(logits, eager_logits) and torch.equal(hidden, eager_hidden)
 
 
 def test_runner_decodes_through_the_c_step(tiny_llama, monkeypatch):

@@ -1,0 +1,223 @@
+/* y = x W^T (+ b) for bf16 x [m, k] and a 4-bit W [n, k] (groups of 32 input features, each with a
+ * float32 scale and minimum: w = q * scale + low, q in 0..15, GGUF's Q4_1 form), on CPUs with
+ * AVX-512 BF16, for the few rows of decode steps, where reading the weights sets the time: a
+ * quarter of bf16's bytes for the 4-bit values, plus 8 bytes a group.
+ *
+ * Packing, per block of 16 output features and group of 32 inputs (384 bytes, blocks after one
+ * another, a block's groups in order): 8 x 32 bytes of 4-bit values, byte [i][f][e] holding input
+ * 2i + e of feature f in its low half and input 2(i + 8) + e in its high half, then the 16 scales
+ * and the 16 minimums. Widened to 16-bit lanes, masked and or-ed with 0x4300, a half is the bf16
+ * of 128 + q (bf16 holds 128..143 exactly), in VDPBF16PS's operand layout ([16 features][2
+ * inputs]). So a group's dot product D = sum (128 + q) x comes from 16 VDPBF16PS per row, and the
+ * row's result gains scale * D + (low - 128 scale) * X, X the row's sum of the group's inputs.
+ *
+ * Rounding: D and X in float32 (each product exact, the sums rounded), the group's terms added in
+ * float32, the result rounded once to bf16. The 128 offset costs about 7 bits of D's float32
+ * precision, far below the 4-bit weights' own error.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_DPBF16 1
+#include <immintrin.h>
+#include <omp.h>
+#endif
+
+#define BLOCK 16 /* output features a block holds */
+#define GROUP 32 /* input features sharing a scale and a minimum */
+#define GROUP_BYTES (BLOCK * GROUP / 2 + 2 * BLOCK * 4)
+#define PARALLEL_MIN_WORK (1 << 16)
+/* how many groups (384 bytes each) ahead a tile asks for its blocks' lines */
+#define PREFETCH_GROUPS 2
+
+int int4_matmul_supported(void) {
+#ifdef HAVE_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int64_t int4_matmul_packed_bytes(int64_t n, int64_t k) {
+    return (n + BLOCK - 1) / BLOCK * (k / GROUP) * GROUP_BYTES;
+}
+
+/* q [n, k] (values 0..15, one a byte), scale and low [n, k / 32] -> out (k a multiple of 32);
+ * features past n are zeros with scale and minimum 0 */
+void int4_matmul_pack(const uint8_t *q, const float *scale, const float *low, int64_t n,
+                      int64_t k, uint8_t *out) {
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *to = out + (b * groups + g) * GROUP_BYTES;
+            for (int i = 0; i < 8; i++)
+                for (int f = 0; f < BLOCK; f++)
+                    for (int e = 0; e < 2; e++) {
+                        const int64_t row = b * BLOCK + f, col = g * GROUP + 2 * i + e;
+                        const uint8_t first = row < n ? q[row * k + col] & 15 : 0;
+                        const uint8_t second = row < n ? q[row * k + col + 16] & 15 : 0;
+                        to[(i * BLOCK + f) * 2 + e] = (uint8_t)(first | second << 4);
+                    }
+            float *factors = (float *)(to + BLOCK * GROUP / 2);
+            for (int f = 0; f < BLOCK; f++) {
+                const int64_t row = b * BLOCK + f;
+                float s = row < n ? scale[row * groups + g] : 0.0f;
+                float l = row < n ? low[row * groups + g] : 0.0f;
+                memcpy(factors + f, &s, sizeof s);
+                memcpy(factors + BLOCK + f, &l, sizeof l);
+            }
+        }
+}
+
+#ifdef HAVE_DPBF16
+
+static inline __attribute__((always_inline)) void
+store_block(__m512 sums, const uint16_t *bias, int64_t col, int valid, uint16_t *out) {
+    const __mmask16 mask = valid >= BLOCK ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
+    if (bias) {
+        __m256i b = _mm256_maskz_loadu_epi16(mask, bias + col);
+        sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                       _mm512_cvtepu16_epi32(b), 16)));
+    }
+    _mm256_mask_storeu_epi16(out + col, mask, (__m256i)_mm512_cvtneps_pbh(sums));
+}
+
+/* MR rows x NR blocks; sums[r][j] over the groups so far, dot[r][j] within the group */
+#define DEFINE_TILE(MR, NR)                                                                        \
+    static void tile_##MR##_##NR(const uint16_t *x, int64_t x_stride, const float *x_sums,      \
+                                 int64_t groups, const uint8_t *blocks, int64_t col, int64_t n,  \
+                                 const uint16_t *bias, uint16_t *out, int64_t out_stride) {      \
+        const __m512i nibble = _mm512_set1_epi16(0x000f), offset = _mm512_set1_epi16(0x4300);   \
+        const __m512 minus_128 = _mm512_set1_ps(-128.0f);                                       \
+        __m512 sums[MR][NR];                                                                     \
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) sums[r][j] = _mm512_setzero_ps(); \
+        for (int64_t g = 0; g < groups; g++) {                                                   \
+            /* the group's low and high halves apart: two dependency chains of 8, not one of 16 */ \
+            __m512 dot[MR][NR], dot_high[MR][NR];                                                \
+            _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                 \
+                _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                             \
+                    dot[r][j] = dot_high[r][j] = _mm512_setzero_ps();                            \
+            /* the lines PREFETCH_GROUPS groups ahead (past a block's end: requested for nothing; \
+             * prefetches do not fault, and the address is an integer) */                        \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                                 \
+                _Pragma("GCC unroll 6") for (int line = 0; line < GROUP_BYTES / 64; line++)      \
+                    _mm_prefetch((const char *)((uintptr_t)blocks + (uintptr_t)((j * groups + g   \
+                                 + PREFETCH_GROUPS) * GROUP_BYTES + line * 64)), _MM_HINT_T0);   \
+            for (int i = 0; i < 8; i++) {                                                        \
+                __m512bh low[NR], high[NR];                                                      \
+                _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                           \
+                    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(               \
+                        (const __m256i *)(blocks + (j * groups + g) * GROUP_BYTES + i * 32)));   \
+                    /* (bytes & 0xf) | 0x4300, and the same of bytes >> 4 */                     \
+                    low[j] = (__m512bh)_mm512_ternarylogic_epi32(bytes, nibble, offset, 0xea);   \
+                    high[j] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(bytes, 4),   \
+                                                                  nibble, offset, 0xea);         \
+                }                                                                                \
+                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                           \
+                    int32_t first, second;                                                       \
+                    memcpy(&first, x + r * x_stride + g * GROUP + 2 * i, sizeof first);          \
+                    memcpy(&second, x + r * x_stride + g * GROUP + 2 * i + 16, sizeof second);   \
+                    const __m512bh a = (__m512bh)_mm512_set1_epi32(first);                       \
+                    const __m512bh c = (__m512bh)_mm512_set1_epi32(second);                      \
+                    _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                       \
+                        dot[r][j] = _mm512_dpbf16_ps(dot[r][j], a, low[j]);                      \
+                        dot_high[r][j] = _mm512_dpbf16_ps(dot_high[r][j], c, high[j]);           \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                               \
+                const float *factors = (const float *)(blocks + (j * groups + g) * GROUP_BYTES   \
+                                                       + BLOCK * GROUP / 2);                     \
+                const __m512 scale = _mm512_loadu_ps(factors);                                   \
+                /* low - 128 scale: what each unit of the row's input sum adds */                \
+                const __m512 base = _mm512_fmadd_ps(minus_128, scale,                            \
+                                                    _mm512_loadu_ps(factors + BLOCK));           \
+                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                           \
+                    sums[r][j] = _mm512_fmadd_ps(scale, _mm512_add_ps(dot[r][j], dot_high[r][j]), \
+                                                 sums[r][j]);                                    \
+                    sums[r][j] = _mm512_fmadd_ps(base, _mm512_set1_ps(x_sums[r * groups + g]),   \
+                                                 sums[r][j]);                                    \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                               \
+                const int64_t at = col + j * BLOCK;                                              \
+                store_block(sums[r][j], bias, at, (int)(n - at), out + r * out_stride);          \
+            }                                                                                    \
+    }
+
+/* 32 zmm registers: 3 x MR x NR sums, 2 x NR widened halves, 2 broadcasts, 3 constants */
+DEFINE_TILE(1, 1) DEFINE_TILE(1, 2) DEFINE_TILE(1, 3) DEFINE_TILE(1, 4)
+DEFINE_TILE(2, 1) DEFINE_TILE(2, 2) DEFINE_TILE(2, 3)
+DEFINE_TILE(4, 1)
+DEFINE_TILE(8, 1)
+
+typedef void (*tile_fn)(const uint16_t *, int64_t, const float *, int64_t, const uint8_t *,
+                        int64_t, int64_t, const uint16_t *, uint16_t *, int64_t);
+
+static const tile_fn TILES[4][4] = {
+    {tile_1_1, tile_1_2, tile_1_3, tile_1_4},
+    {tile_2_1, tile_2_2, tile_2_3, 0},
+    {tile_4_1, 0, 0, 0},
+    {tile_8_1, 0, 0, 0},
+};
+static const int MAX_BLOCKS[4] = {4, 3, 1, 1};
+
+#endif
+
+/* x [m, k] with rows x_stride apart, packed by int4_matmul_pack, bias [n] or NULL -> out [m, n]
+ * with rows out_stride apart. Returns 0, -1 where this build has no kernel, -2 where the rows'
+ * group sums could not be allocated. */
+int int4_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint8_t *packed,
+                int64_t n, const uint16_t *bias, uint16_t *out, int64_t out_stride) {
+#ifdef HAVE_DPBF16
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
+    if (m <= 0 || n <= 0)
+        return 0;
+    float *x_sums = malloc((size_t)(m * groups) * sizeof(float));
+    if (!x_sums)
+        return -2;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int i = 0; i < GROUP; i++)
+                sum += bf16_to_float(x[r * x_stride + g * GROUP + i]);
+            x_sums[r * groups + g] = sum;
+        }
+#pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
+    {
+        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads;
+        const int level = m >= 8 ? 3 : m >= 4 ? 2 : m >= 2 ? 1 : 0;
+        for (int64_t b = first; b < last; b += MAX_BLOCKS[level]) {
+            const int nr = last - b < MAX_BLOCKS[level] ? (int)(last - b) : MAX_BLOCKS[level];
+            int64_t r = 0;
+            for (int lv = level; lv >= 0; lv--) {
+                const int mr = 1 << lv;
+                const int cols = nr < MAX_BLOCKS[lv] ? nr : MAX_BLOCKS[lv];
+                for (; r + mr <= m; r += mr)
+                    for (int j = 0; j < nr; j += cols) {
+                        const int c = nr - j < cols ? nr - j : cols;
+                        TILES[lv][c - 1](x + r * x_stride, x_stride, x_sums + r * groups, groups,
+                                         packed + (b + j) * groups * GROUP_BYTES,
+                                         (b + j) * BLOCK, n, bias, out + r * out_stride,
+                                         out_stride);
+                    }
+            }
+        }
+    }
+    free(x_sums);
+    return 0;
+#else
+    (void)x, (void)m, (void)k, (void)x_stride, (void)packed, (void)n, (void)bias, (void)out,
+        (void)out_stride;
+    return -1;
+#endif
+}

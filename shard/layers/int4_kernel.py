@@ -1,0 +1,82 @@
+"""The C int4 matmul (shard/kernels/int4_matmul.c) for decode-size batches on AVX-512 BF16 CPUs.
+
+`--quantize int4` packs each linear weight in its form (groups of 32 input features with a float32
+scale and minimum, GGUF's Q4_1) where it runs: the build has AVX-512 BF16, a C compiler is there,
+TGI_PY_INT4_KERNEL is not 0, and our bf16 matmul runs too (the layers keep a bf16 copy of the
+weights the 4-bit form stands for, in its layout, for larger batches).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from shard.layers import native
+
+SOURCE = native.KERNELS / "int4_matmul.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+ENABLED_ENV = "TGI_PY_INT4_KERNEL"
+GROUP = 32
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The library where it has a kernel for this CPU, else None."""
+    library = native.load_library(SOURCE, FLAGS, ENABLED_ENV,
+                                  "int4 layers multiply by the weights their 4-bit form stands for")
+    if library is None or not library.int4_matmul_supported():
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.int4_matmul_packed_bytes.argtypes = [i64, i64]
+    library.int4_matmul_packed_bytes.restype = i64
+    library.int4_matmul_pack.argtypes = [ptr, ptr, ptr, i64, i64, ptr]
+    library.int4_matmul_pack.restype = None
+    library.int4_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
+    library.int4_matmul.restype = ctypes.c_int
+    return library
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [n, k] (k a multiple of 32) -> q [n, k] uint8 in 0..15, scale and low [n, k / 32]
+    float32, with weight ~ q * scale + low per group of 32 (the minimum and 1/15 of the range)."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // GROUP, GROUP)
+    low = groups.amin(dim=-1)
+    scale = ((groups.amax(dim=-1) - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k).contiguous(), scale.contiguous(), low.contiguous()
+
+
+def restore(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The float32 weight q * scale + low stands for."""
+    n, k = q.shape
+    groups = q.reshape(n, k // GROUP, GROUP).float() * scale[..., None] + low[..., None]
+    return groups.reshape(n, k)
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of (q, scale, low) from `quantize`: flat bytes."""
+    n, k = q.shape
+    library = load_library()
+    packed = torch.empty(library.int4_matmul_packed_bytes(n, k), dtype=torch.uint8)
+    held = q.contiguous(), scale.float().contiguous(), low.float().contiguous()
+    library.int4_matmul_pack(held[0].data_ptr(), held[1].data_ptr(), held[2].data_ptr(), n, k,
+                             packed.data_ptr())
+    return packed
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., k] -> x W^T + bias [..., n] for W packed by `pack`, bias contiguous bf16 or None;
+    x is rounded to bf16 first, the result comes back in x's dtype."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).to(torch.bfloat16)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
+        rows = rows.contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    status = load_library().int4_matmul(rows.data_ptr(), rows.shape[0], k, k, packed.data_ptr(),
+                                        n, None if bias is None else bias.data_ptr(),
+                                        out.data_ptr(), n)
+    if status != 0:
+        raise MemoryError(f"the int4 matmul failed ({status}) on {rows.shape[0]} x {k} rows")
+    return out.to(x.dtype)

@@ -1,0 +1,71 @@
+"""The C int4 matmul (shard/kernels/int4_matmul.c) against the weights its 4-bit form stands for."""
+import pytest
+import torch
+
+from shard.layers import int4_kernel
+from shard.layers.linear import C_INT4_MAX_ROWS, LinearWeight, c_int4_runs, linear
+
+pytestmark = pytest.mark.skipif(int4_kernel.load_library() is None,
+                                reason="the C int4 matmul needs AVX-512 BF16 and a C compiler")
+
+
+def test_quantize_keeps_q4_1_weights():
+    """Weights made as q * d + m per group of 32 (GGUF's Q4_1), each group using the whole 0..15
+    range, come back as they were."""
+    torch.manual_seed(0)
+    n, k = 48, 96
+    q = torch.randint(0, 16, (n, k // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    d, m = torch.rand(n, k // 32) * 0.1 + 0.01, torch.randn(n, k // 32)
+    weight = (q * d[..., None] + m[..., None]).reshape(n, k)
+    codes, scale, low = int4_kernel.quantize(weight)
+    assert torch.equal(codes.reshape(n, k // 32, 32).long(), q)
+    torch.testing.assert_close(int4_kernel.restore(codes, scale, low), weight, rtol=1e-6,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("features", [(16, 32), (17, 64), (100, 96), (333, 576), (576, 1536)])
+def test_the_kernel_multiplies_by_the_restored_weights(features):
+    """Every tile (1, 2, 4 rows; 1-4 blocks) and tail of a 16-feature block, with and without
+    bias: within float32 rounding of the exact product by the restored weights, rounded once."""
+    torch.manual_seed(1)
+    n, k = features
+    codes, scale, low = int4_kernel.quantize(torch.randn(n, k))
+    packed = int4_kernel.pack(codes, scale, low)
+    restored = int4_kernel.restore(codes, scale, low).double()
+    for bias in (None, torch.randn(n, dtype=torch.bfloat16)):
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 17):
+            x = torch.randn(rows, k, dtype=torch.bfloat16)
+            out = int4_kernel.matmul(x, packed, n, bias)
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+            exact = x.double() @ restored.T
+            if bias is not None:
+                exact += bias.double()
+            # one bf16 rounding, plus the float32 sums (the 128 offset costs D ~7 bits)
+            slack = (x.double().abs() @ restored.abs().T) * 2.0 ** -15
+            assert bool(((out.double() - exact).abs() <= exact.abs() / 256 + slack).all())
+    # a strided batch, float32 activations
+    wide = torch.randn(3, 2 * k)[:, ::2]
+    assert torch.equal(int4_kernel.matmul(wide, packed, n, None),
+                       int4_kernel.matmul(wide.contiguous(), packed, n, None))
+    assert int4_kernel.matmul(wide, packed, n, None).dtype == torch.float32
+
+
+def test_int4_layers_use_the_kernel_for_small_batches_only():
+    if not c_int4_runs():
+        pytest.skip("our bf16 matmul does not run here")
+    torch.manual_seed(2)
+    weight, bias = torch.randn(64, 96), torch.randn(64, dtype=torch.bfloat16)
+    prepared = LinearWeight.prepare(weight, bias, quantize_kind="int4",
+                                    model_dtype=torch.bfloat16)
+    assert prepared.quantized.kernel == "c" and prepared.quantized_rows == C_INT4_MAX_ROWS
+    assert prepared.tiled is not None  # the bf16 form of the restored weights, for larger batches
+    codes, scale, low = int4_kernel.quantize(weight)
+    restored = int4_kernel.restore(codes, scale, low)
+    assert torch.equal(prepared.weight, restored.bfloat16())
+    for rows in (1, C_INT4_MAX_ROWS, C_INT4_MAX_ROWS + 1):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        expected = (int4_kernel.matmul(x, prepared.quantized.data, 64, prepared.tiled_bias)
+                    if rows <= C_INT4_MAX_ROWS else
+                    linear(x, LinearWeight.prepare(restored.bfloat16(), bias)))
+        assert torch.equal(linear(x, prepared), expected)
