@@ -26,7 +26,7 @@ def test_quantize_keeps_q4_1_weights():
 
 @pytest.mark.parametrize("features", [(16, 32), (17, 64), (100, 96), (333, 576), (576, 1536)])
 def test_the_kernel_multiplies_by_the_restored_weights(features):
-    """Every tile (1, 2, 4 rows; 1-4 blocks) and tail of a 16-feature block, with and without
+    """Every tile (1, 2, 4, 8 rows) and tail of a 16-feature block, with and without
     bias: within float32 rounding of the exact product by the restored weights, rounded once."""
     torch.manual_seed(1)
     n, k = features
