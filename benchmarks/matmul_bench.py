@@ -7,6 +7,13 @@ and oneDNN's prepacked bf16 matmul where oneDNN has bf16 kernels. The three run 
 after round, so a noisy machine slows them alike.
 
     python benchmarks/matmul_bench.py [--march x86-64-v3] [--rows 1,8,32,128,1024,4096]
+
+`--step` times instead the matmuls of a whole decode step of the 30 decoder layers (q/k/v, output,
+gate/up, down; 212 MB of distinct bf16 weights, more than any cache, so streamed from memory as in
+serving) through our bf16 kernel and, where it runs, our int4 kernel (shard/kernels/int4_matmul.c),
+in turns:
+
+    python benchmarks/matmul_bench.py --step --rows 1,2,4,8,16
 """
 from __future__ import annotations
 
@@ -45,10 +52,15 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument("--step", action="store_true",
+                        help="a decode step's matmuls of 30 layers, bf16 against int4")
+    parser.add_argument("--layers", type=int, default=30)
     args = parser.parse_args()
     if args.march:
         os.environ["TGI_PY_KERNEL_MARCH"] = args.march
     from shard.layers import arithmetic, matmul_kernel
+    if args.step:
+        return step(args)
 
     library = matmul_kernel.load_library()
     if library is None:
@@ -87,6 +99,48 @@ def main() -> None:
             if onednn:
                 line += f" {best['onednn']:.3f} | {best['ours'] / best['onednn']:.2f} |"
             print(line, flush=True)
+
+
+def step(args) -> None:
+    from shard.layers import int4_kernel, matmul_kernel
+
+    if matmul_kernel.load_library() is None:
+        sys.exit("the C bf16 matmul does not build here")
+    four = int4_kernel.load_library() is not None
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            n, k = SHAPES[name]
+            weight = torch.randn(n, k) * k ** -0.5
+            layers.append((n, k, matmul_kernel.pack(weight.bfloat16()),
+                           int4_kernel.pack(*int4_kernel.quantize(weight)) if four else None))
+    print(f"{args.layers} layers' decode matmuls, ms (best of {args.rounds * 3} alternated)")
+    print("| rows | bf16 | int4 | int4 / bf16 |" if four else "| rows | bf16 |")
+    print("|---|---|---|---|" if four else "|---|---|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+
+        def run(int4: bool) -> float:
+            start = time.perf_counter()
+            for n, k, packed, packed4 in layers:
+                if int4:
+                    int4_kernel.matmul(inputs[k], packed4, n, None)
+                else:
+                    matmul_kernel.matmul(inputs[k], packed, n, None)
+            return (time.perf_counter() - start) * 1e3
+
+        kinds = (False, True) if four else (False,)
+        times = {kind: [] for kind in kinds}
+        for _ in range(args.rounds * 3):
+            for kind in kinds:
+                times[kind].append(run(kind))
+        bf16 = min(times[False])
+        if four:
+            int4 = min(times[True])
+            print(f"| {rows} | {bf16:.2f} | {int4:.2f} | {int4 / bf16:.2f} |", flush=True)
+        else:
+            print(f"| {rows} | {bf16:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,10 @@ class LauncherConfig:
                                    "Each shard picks it once its device is known.")
     device: str = _opt("auto", "cpu, cuda or auto.")
     quantize: str | None = _opt(None, "Weight-only quantization of the linear layers (and the LM "
-                                      "head), with PyTorch's CPU kernels: int8 (a scale per row) "
-                                      "or int4 (a scale and an offset per 32 weights). CPU only.")
+                                      "head) on the CPU: int8 (a scale per row) or int4 (a scale "
+                                      "and a minimum per 32 weights, with an int8 head). In bf16 "
+                                      "on AVX-512 BF16 CPUs int4 runs our own kernel for batches "
+                                      "up to 8 rows; elsewhere PyTorch's kernels where they pay.")
     speculate: int = _opt(0, "Speculative decoding: up to this many draft tokens per request and "
                              "step, guessed from the request's own text (n-gram prompt lookup) "
                              "and verified in the same forward; the output is the one without. "
@@ -108,7 +110,7 @@ class LauncherConfig:
             raise ValueError(f"--quantize {self.quantize!r} is not one of "
                              f"{', '.join(QUANTIZE_KINDS)}")
         if self.quantize and self.device == "cuda":
-            raise ValueError(f"--quantize {self.quantize} runs PyTorch's CPU kernels: serve with "
+            raise ValueError(f"--quantize {self.quantize} runs CPU kernels only: serve with "
                              "--device cpu (or auto on a machine without a GPU)")
 
     @property

@@ -51,7 +51,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
     dtype_name = config.dtype or _default_dtype(config, device, parallel)
     dtype = getattr(torch, dtype_name)
     if config.quantize and device.type != "cpu":
-        raise ValueError(f"--quantize {config.quantize} runs PyTorch's CPU kernels: serve on the CPU "
+        raise ValueError(f"--quantize {config.quantize} runs CPU kernels only: serve on the CPU "
                          "(--device cpu) or without --quantize")
     loaded = load_model(Path(config.model_path), dtype=dtype, device=device, parallel=parallel,
                         quantize=config.quantize or None)

@@ -161,3 +161,15 @@ def test_matmul_benchmark(tmp_path):
     rows = [line for line in out.splitlines() if line.startswith("| o 576x576")]
     assert [line.split("|")[2].strip() for line in rows] == ["1", "5"]
     assert all(float(line.split("|")[3]) > 0 for line in rows)
+
+
+def test_matmul_benchmark_of_a_decode_step(tmp_path):
+    from shard.layers import matmul_kernel
+
+    if matmul_kernel.load_library() is None:
+        pytest.skip("the C bf16 matmul does not build here")
+    out = _run(["benchmarks/matmul_bench.py", "--step", "--layers", "1", "--rows", "1,3",
+                "--rounds", "1"], tmp_path)
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| 1 ")
+            or line.startswith("| 3 ")]
+    assert [r[1].strip() for r in rows] == ["1", "3"] and all(float(r[2]) > 0 for r in rows)

@@ -37,8 +37,9 @@ BF16_GEMV_MAX_ROWS = 1
 # quantized forms stand for, in the forms above.
 QUANTIZED_KERNEL_DTYPE = torch.bfloat16
 QUANTIZED_MAX_ROWS = 4
-# Up to this many rows our C int4 kernel (shard.layers.int4_kernel) beats our bf16 matmul on
-# SmolLM2's decode matmuls with the weights streamed from memory (benchmarks/RESULTS.md).
+# Up to this many rows our C int4 kernel (shard.layers.int4_kernel) beats our bf16 matmul: 30
+# layers of SmolLM2's decode matmuls, weights streamed from memory, 3.0 against 6.4 ms at 1 row,
+# 3.5 against 6.7 at 4, 5.7 against 7.3 at 8, level at 16 (benchmarks/matmul_bench.py --step).
 C_INT4_MAX_ROWS = 8
 
 
@@ -51,8 +52,9 @@ def c_int4_runs() -> bool:
 def quantized_kernel_rows() -> int:
     """Up to how many rows a quantized layer runs the quantized kernels on this CPU (0: never).
 
-    Never where the C bf16 matmul runs (and on AVX2 they never pay): PyTorch's int8 kernel is
-    slower than it, and its int4 kernel, though faster per matmul (30 layers' matmuls at one row
+    Never where the C bf16 matmul runs (and on AVX2 they never pay; int4 layers of bf16 models
+    take our own int4 kernel there instead, c_int4_runs): PyTorch's int8 kernel is slower than
+    it, and its int4 kernel, though faster per matmul (30 layers' matmuls at one row
     of SmolLM2: 4.3 against 7.6 ms), keeps the step in Python, which costs more than that against
     the C decode step that bf16-kernel layers allow (batch-1 steps over gRPC 12.3-12.5 ms with
     int4 kernels, 10.5-11.8 without; benchmarks/RESULTS.md). Also where the C step does not apply
@@ -88,6 +90,8 @@ class LinearWeight:
     - `quantize` int8 or int4 (CPU only): `quantized` for up to `quantized_rows` rows, its
       kernels fed bf16 activations; past that (and on CPUs where they do not pay), the forms above
       made from the weights it stands for. A shape the int4 kernel cannot take is not quantized.
+      int4 in a bf16 model where our C int4 kernel runs (c_int4_runs) takes its form (a float32
+      scale and minimum per 32 weights, GGUF's Q4_1) for up to C_INT4_MAX_ROWS rows.
     """
 
     weight: torch.Tensor
