@@ -11,10 +11,11 @@
  * blocks evenly.
  *
  * AVX2 CPUs have no bf16 arithmetic (PyTorch emulates it there, 3-5x slower than float32): the
- * same packed blocks are read as two halves of 8 features, each 32-bit pair widened to the float32
- * weights of its even input (the low half, shifted up) and its odd one (the high half, masked), and
- * multiplied in float32 FMAs by the row's inputs, which each pass of rows widens once to float32.
- * A tile holds up to 4 rows x 1 block or 1 row x 4 blocks in the 16 ymm registers.
+ * same packed blocks are read 16 bytes (4 features x an input pair) at a time and widened to 8
+ * float32 weights (zero-extend, shift), and a row's pair of inputs (each pass of rows widened once
+ * to float32) is broadcast as one 64-bit value, so one FMA multiplies 4 features by both inputs;
+ * a feature's two lanes are added at the store. A tile holds up to 3 rows x 1 block or 1 row x 3
+ * blocks in the 16 ymm registers.
  *
  * Rounding: products and sums in float32 (VDPBF16PS, as oneDNN's bf16 kernels on this CPU; on AVX2
  * each bf16 x bf16 product is exact in float32 and one FMA rounds the sum), the bias added in
@@ -347,6 +348,8 @@ int bf16_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, pairs = k / 2;
     if (m <= 0 || n <= 0)
         return 0;
+    if (k <= 0)
+        return -1;
     float *wide = wide_buffer((m < ROWS_PER_PASS ? m : ROWS_PER_PASS) * k);
     if (!wide)
         return -2;

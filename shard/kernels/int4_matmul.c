@@ -23,6 +23,10 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_DPBF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2_FMA 1
+#endif
+#if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
 #include <immintrin.h>
 #include <omp.h>
 #endif
@@ -34,9 +38,12 @@
 /* how many groups (384 bytes each) ahead a tile asks for its blocks' lines */
 #define PREFETCH_GROUPS 4
 
+/* 1: AVX-512 BF16 dot products; 2: float32 FMAs on AVX2; 0: no kernel in this build */
 int int4_matmul_supported(void) {
-#ifdef HAVE_DPBF16
+#if defined(HAVE_DPBF16)
     return 1;
+#elif defined(HAVE_AVX2_FMA)
+    return 2;
 #else
     return 0;
 #endif
@@ -164,6 +171,139 @@ typedef void (*tile_fn)(const uint16_t *, int64_t, const float *, int64_t, const
 /* by rows in the tile: 1, 2, 4, 8 */
 static const tile_fn TILES[4] = {tile_1_1, tile_2_1, tile_4_1, tile_8_1};
 
+#elif defined(HAVE_AVX2_FMA)
+
+/* AVX2: a block's 16 features as four vectors of 4 features x (even input, odd input), the layout
+ * of the bf16 matmul's AVX2 form. From each 32 bytes of a group (pair i of every feature in the low
+ * half-bytes, pair i + 8 in the high ones), 8 bytes are zero-extended to a vector, the half-bytes
+ * converted to float32 and multiplied by the features' scales (so each weight is q * scale, and
+ * the group's minimum comes in once, as minimum * the row's input sum); the row's pair of inputs
+ * is broadcast as one 64-bit value. */
+
+static inline __attribute__((always_inline)) __m128i round_to_bf16(__m256 sums) {
+    const __m256i bits = _mm256_castps_si256(sums);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    const __m256i is_nan = _mm256_cmpgt_epi32(
+        _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i out = _mm256_blendv_epi8(rounded, nan, is_nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
+}
+
+/* sums[v]: features 4v..4v+3, each in two lanes; + bias, rounded to bf16, `valid` stored */
+static inline __attribute__((always_inline)) void
+store_block(const __m256 sums[4], const uint16_t *bias, int64_t col, int valid, uint16_t *out) {
+    float feature[BLOCK];
+    _mm256_storeu_ps(feature, _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_hadd_ps(sums[0], sums[1])), 0xd8)));
+    _mm256_storeu_ps(feature + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_hadd_ps(sums[2], sums[3])), 0xd8)));
+    if (valid >= BLOCK && !bias) {
+        _mm_storeu_si128((__m128i *)(out + col), round_to_bf16(_mm256_loadu_ps(feature)));
+        _mm_storeu_si128((__m128i *)(out + col + 8), round_to_bf16(_mm256_loadu_ps(feature + 8)));
+        return;
+    }
+    for (int i = 0; i < valid && i < BLOCK; i++) {
+        if (bias)
+            feature[i] += bf16_to_float(bias[col + i]);
+        out[col + i] = float_to_bf16(feature[i]);
+    }
+}
+
+#define DEFINE_TILE(MR)                                                                            \
+    static void tile_##MR(const float *x, int64_t x_stride, const float *x_sums,                \
+                          int64_t groups, const uint8_t *block, int64_t col, int64_t n,          \
+                          const uint16_t *bias, uint16_t *out, int64_t out_stride) {             \
+        const __m256i nibble = _mm256_set1_epi32(15);                                            \
+        /* lane 2f + e of a vector of 4 features takes feature f's scale or minimum */           \
+        const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);                         \
+        __m256 sums[MR][4];                                                                      \
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
+            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) sums[r][v] = _mm256_setzero_ps(); \
+        for (int64_t g = 0; g < groups; g++) {                                                   \
+            const uint8_t *at = block + g * GROUP_BYTES;                                         \
+            const float *factors = (const float *)(at + BLOCK * GROUP / 2);                      \
+            _mm_prefetch((const char *)((uintptr_t)at + PREFETCH_GROUPS * GROUP_BYTES),          \
+                         _MM_HINT_T0);                                                           \
+            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) {                                \
+                const __m256 scale = _mm256_permutevar8x32_ps(                                   \
+                    _mm256_castps128_ps256(_mm_loadu_ps(factors + 4 * v)), twice);               \
+                const __m256 low = _mm256_permutevar8x32_ps(                                     \
+                    _mm256_castps128_ps256(_mm_loadu_ps(factors + BLOCK + 4 * v)), twice);       \
+                /* the minimum times each row's input sum, once a group */                       \
+                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                             \
+                    sums[r][v] = _mm256_fmadd_ps(low, _mm256_set1_ps(0.5f * x_sums[r * groups   \
+                                                 + g]), sums[r][v]);                             \
+                for (int i = 0; i < 8; i++) {                                                    \
+                    uint64_t eight;                                                              \
+                    memcpy(&eight, at + i * 32 + v * 8, sizeof eight);                           \
+                    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)eight)); \
+                    const __m256 first = _mm256_mul_ps(                                          \
+                        _mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble)), scale);             \
+                    const __m256 second = _mm256_mul_ps(                                         \
+                        _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), scale);                 \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                       \
+                        const float *in = x + r * x_stride + g * GROUP + 2 * i;                 \
+                        sums[r][v] = _mm256_fmadd_ps(first, _mm256_castpd_ps(                   \
+                            _mm256_broadcast_sd((const double *)in)), sums[r][v]);               \
+                        sums[r][v] = _mm256_fmadd_ps(second, _mm256_castpd_ps(                  \
+                            _mm256_broadcast_sd((const double *)(in + 16))), sums[r][v]);        \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
+            store_block(sums[r], bias, col, (int)(n - col), out + r * out_stride);               \
+    }
+
+DEFINE_TILE(2)
+
+/* One row: the group's dot products in their own sums, scaled once a group (no multiply per
+ * weight); 4 sums, 4 dot sums, two weights and two broadcasts fit the 16 registers. */
+static void tile_1(const float *x, int64_t x_stride, const float *x_sums, int64_t groups,
+                   const uint8_t *block, int64_t col, int64_t n, const uint16_t *bias,
+                   uint16_t *out, int64_t out_stride) {
+    (void)x_stride, (void)out_stride;
+    const __m256i nibble = _mm256_set1_epi32(15);
+    const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    __m256 sums[4];
+    for (int v = 0; v < 4; v++)
+        sums[v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *at = block + g * GROUP_BYTES;
+        const float *factors = (const float *)(at + BLOCK * GROUP / 2);
+        _mm_prefetch((const char *)((uintptr_t)at + PREFETCH_GROUPS * GROUP_BYTES), _MM_HINT_T0);
+        __m256 dot[4];
+        _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) dot[v] = _mm256_setzero_ps();
+        for (int i = 0; i < 8; i++) {
+            const float *in = x + g * GROUP + 2 * i;
+            const __m256 first_in = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)in));
+            const __m256 second_in =
+                _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(in + 16)));
+            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) {
+                uint64_t eight;
+                memcpy(&eight, at + i * 32 + v * 8, sizeof eight);
+                const __m256i bytes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)eight));
+                dot[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble)),
+                                         first_in, dot[v]);
+                dot[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)),
+                                         second_in, dot[v]);
+            }
+        }
+        const __m256 half_sum = _mm256_set1_ps(0.5f * x_sums[g]);
+        _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) {
+            const __m256 scale = _mm256_permutevar8x32_ps(
+                _mm256_castps128_ps256(_mm_loadu_ps(factors + 4 * v)), twice);
+            const __m256 low = _mm256_permutevar8x32_ps(
+                _mm256_castps128_ps256(_mm_loadu_ps(factors + BLOCK + 4 * v)), twice);
+            sums[v] = _mm256_fmadd_ps(scale, dot[v], _mm256_fmadd_ps(low, half_sum, sums[v]));
+        }
+    }
+    store_block(sums, bias, col, (int)(n - col), out);
+}
+
 #endif
 
 /* x [m, k] with rows x_stride apart, packed by int4_matmul_pack, bias [n] or NULL -> out [m, n]
@@ -200,6 +340,42 @@ int int4_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
         }
     }
     free(x_sums);
+    return 0;
+#elif defined(HAVE_AVX2_FMA)
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
+    if (m <= 0 || n <= 0)
+        return 0;
+    /* the rows widened to float32, then each row's group sums */
+    float *wide = malloc((size_t)(m * k + m * groups) * sizeof(float));
+    if (!wide)
+        return -2;
+    float *x_sums = wide + m * k;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int i = 0; i < GROUP; i++) {
+                const float value = bf16_to_float(x[r * x_stride + g * GROUP + i]);
+                wide[r * k + g * GROUP + i] = value;
+                sum += value;
+            }
+            x_sums[r * groups + g] = sum;
+        }
+#pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
+    {
+        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads;
+        for (int64_t b = first; b < last; b++) {
+            const uint8_t *block = packed + b * groups * GROUP_BYTES;
+            int64_t r = 0;
+            for (; r + 2 <= m; r += 2)
+                tile_2(wide + r * k, k, x_sums + r * groups, groups, block, b * BLOCK, n, bias,
+                       out + r * out_stride, out_stride);
+            if (r < m)
+                tile_1(wide + r * k, k, x_sums + r * groups, groups, block, b * BLOCK, n, bias,
+                       out + r * out_stride, out_stride);
+        }
+    }
+    free(wide);
     return 0;
 #else
     (void)x, (void)m, (void)k, (void)x_stride, (void)packed, (void)n, (void)bias, (void)out,

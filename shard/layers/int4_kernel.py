@@ -1,9 +1,9 @@
-"""The C int4 matmul (shard/kernels/int4_matmul.c) for decode-size batches on AVX-512 BF16 CPUs.
+"""The C int4 matmul (shard/kernels/int4_matmul.c) for decode-size batches on AVX-512 BF16 or AVX2 CPUs.
 
-`--quantize int4` packs each linear weight in its form (groups of 32 input features with a float32
-scale and minimum, GGUF's Q4_1) where it runs: the build has AVX-512 BF16, a C compiler is there,
-TGI_PY_INT4_KERNEL is not 0, and our bf16 matmul runs too (the layers keep a bf16 copy of the
-weights the 4-bit form stands for, in its layout, for larger batches).
+`--quantize int4` packs each linear weight of a bf16 model in its form (groups of 32 input features
+with a float32 scale and minimum, GGUF's Q4_1) where it runs: the build has AVX-512 BF16 or AVX2, a
+C compiler is there, TGI_PY_INT4_KERNEL is not 0, and our bf16 matmul runs too (the layers keep a
+bf16 copy of the weights the 4-bit form stands for, in its layout, for larger batches).
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ SOURCE = native.KERNELS / "int4_matmul.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 ENABLED_ENV = "TGI_PY_INT4_KERNEL"
 GROUP = 32
+# what int4_matmul_supported says: VDPBF16PS dot products, or float32 FMAs on AVX2
+DPBF16_FORM, AVX2_FORM = 1, 2
 
 
 @functools.cache

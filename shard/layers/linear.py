@@ -37,16 +37,25 @@ BF16_GEMV_MAX_ROWS = 1
 # quantized forms stand for, in the forms above.
 QUANTIZED_KERNEL_DTYPE = torch.bfloat16
 QUANTIZED_MAX_ROWS = 4
-# Up to this many rows our C int4 kernel (shard.layers.int4_kernel) beats our bf16 matmul: 30
-# layers of SmolLM2's decode matmuls, weights streamed from memory, 3.0 against 6.4 ms at 1 row,
-# 3.5 against 6.7 at 4, 5.7 against 7.3 at 8, level at 16 (benchmarks/matmul_bench.py --step).
-C_INT4_MAX_ROWS = 8
+# Up to how many rows our C int4 kernel (shard.layers.int4_kernel) beats our bf16 matmul, by its
+# form: 30 layers of SmolLM2's decode matmuls, weights streamed from memory
+# (benchmarks/matmul_bench.py --step). AVX-512 BF16: 0.51-0.53x the time at 1-2 rows, 0.57-0.66x
+# at 4, 0.77-0.89x at 8, level at 16. AVX2 (built for it and run on the same machine): 0.57x at 1
+# row, 0.89x at 2, level at 4, 1.3x at 8.
+C_INT4_MAX_ROWS = {int4_kernel.DPBF16_FORM: 8, int4_kernel.AVX2_FORM: 2}
 
 
 def c_int4_runs() -> bool:
-    """Whether int4 layers of a bf16 model take our C int4 kernel here (AVX-512 BF16 builds, where
-    our bf16 matmul runs too: it multiplies the batches past C_INT4_MAX_ROWS)."""
+    """Whether int4 layers of a bf16 model take our C int4 kernel here (its AVX-512 BF16 or AVX2
+    form, where our bf16 matmul runs too: it multiplies the larger batches)."""
     return int4_kernel.load_library() is not None and c_matmul_runs()
+
+
+def c_int4_rows() -> int:
+    """Up to how many rows int4 layers multiply by our int4 kernel here (0: they do not)."""
+    if not c_int4_runs():
+        return 0
+    return C_INT4_MAX_ROWS[int4_kernel.load_library().int4_matmul_supported()]
 
 
 def quantized_kernel_rows() -> int:
@@ -91,7 +100,7 @@ class LinearWeight:
       kernels fed bf16 activations; past that (and on CPUs where they do not pay), the forms above
       made from the weights it stands for. A shape the int4 kernel cannot take is not quantized.
       int4 in a bf16 model where our C int4 kernel runs (c_int4_runs) takes its form (a float32
-      scale and minimum per 32 weights, GGUF's Q4_1) for up to C_INT4_MAX_ROWS rows.
+      scale and minimum per 32 weights, GGUF's Q4_1) for up to c_int4_rows() rows.
     """
 
     weight: torch.Tensor
@@ -115,7 +124,7 @@ class LinearWeight:
             if (quantize_kind == "int4" and (model_dtype or weight.dtype) == torch.bfloat16
                     and c_int4_runs()):
                 quantized, restored = c_int4(weight)
-                rows = C_INT4_MAX_ROWS
+                rows = c_int4_rows()
             else:
                 quantized, restored = quantize(weight, quantize_kind, QUANTIZED_KERNEL_DTYPE)
                 rows = quantized_kernel_rows()

@@ -43,7 +43,8 @@ def load_library() -> ctypes.CDLL | None:
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether the kernel, where it runs, takes this weight."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.shape[1] % 2 == 0 and weight.shape[0] > 0 and load_library() is not None)
+            and weight.shape[1] % 2 == 0 and weight.shape[1] > 0 and weight.shape[0] > 0
+            and load_library() is not None)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

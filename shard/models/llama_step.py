@@ -108,6 +108,7 @@ def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str |
     for name, library in (("the fused layer ops", fused.load_library()),
                           ("the attention kernel", paged_kernel.load_kernel()),
                           ("the bf16 matmul", matmul_kernel.load_library()),
+                          ("the int4 matmul", int4_kernel.load_library() if int4_rows else True),
                           ("the decode step", load_library())):
         if library is None:
             return f"{name} did not build or is switched off"

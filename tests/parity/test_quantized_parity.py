@@ -108,7 +108,7 @@ def test_a_bf16_int4_model_through_our_kernel_is_the_model_its_4_bit_form_stands
                                                    torch.device("cpu")))
     runner.allocate(32)
     prompt = [5, 17, 42, 99, 3, 250, 7, 11, 60, 61]
-    assert len(prompt) > linear_module.C_INT4_MAX_ROWS
+    assert len(prompt) > linear_module.c_int4_rows()
     logits = runner.prefill([PrefillSequence(prompt, 0, [3, 1, 4, 5])]).last
     plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
                                                               dtype=torch.float32).eval()

@@ -56,11 +56,11 @@ def ragged_dir(tmp_path_factory):
 
 
 _LIBRARIES = (fused.load_library, paged_kernel.load_kernel, matmul_kernel.load_library,
-              llama_step.load_library)
+              int4_kernel.load_library, llama_step.load_library)
 
 
 @pytest.fixture(params=["native", "avx2"])
-def kernel_build(request, tmp_path, monkeypatch):
+def kernel_build(request, tmp_path_factory, monkeypatch):
     """The kernels as this CPU builds them, and as an AVX2-only CPU does (-march=x86-64-v3, where
     oneDNN has no bf16 kernels and the matmul multiplies in float32), on any CPU that runs AVX2."""
     if request.param == "avx2":
@@ -68,7 +68,8 @@ def kernel_build(request, tmp_path, monkeypatch):
                 {"avx2", "fma"} <= set(native.cpu_flags().split())):
             pytest.skip("this CPU cannot run an AVX2 build")
         monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
-        monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path))
+        # one build of each library for the whole session, not one per test
+        monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx2-kernels"))
         for module in (arithmetic, linear):
             monkeypatch.setattr(module, "cpu_has_bf16_kernels", lambda: False)
     for load in _LIBRARIES:
@@ -118,16 +119,19 @@ def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, ragged_dir, archite
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_c_step_with_int4_layers_equals_the_eager_step(tiny_llama, qwen2_dir, architecture):
-    """--quantize int4 where our int4 kernel runs: batches up to C_INT4_MAX_ROWS multiply the
+def test_c_step_with_int4_layers_equals_the_eager_step(tiny_llama, qwen2_dir, architecture,
+                                                       kernel_build):
+    """--quantize int4 where our int4 kernel runs: batches up to c_int4_rows() multiply the
     4-bit forms, larger ones the bf16 weights they stand for, in both steps alike."""
     if int4_kernel.load_library() is None:
-        pytest.skip("the C int4 matmul needs AVX-512 BF16 and a C compiler")
+        pytest.skip("the C int4 matmul needs AVX-512 BF16 or AVX2, and a C compiler")
     runner = _runner({"llama": tiny_llama, "qwen2": qwen2_dir}[architecture], quantize="int4")
+    if linear.c_int4_runs():  # int4 layers must not cost the C step
+        assert llama_step.unsupported_reason(runner.model, runner.cache) is None
     _needs_c_step(runner)
     own = [m.prepared for m in runner.model.layers.modules() if hasattr(m, "prepared")]
     assert own and all(p.quantized.kernel == "c" for p in own)
-    for batch in (1, 3, linear.C_INT4_MAX_ROWS, linear.C_INT4_MAX_ROWS + 1):
+    for batch in (1, 3, linear.c_int4_rows(), linear.c_int4_rows() + 1):
         torch.manual_seed(batch)
         seqs = [PrefillSequence(token_ids=torch.randint(3, 300, (3 + 2 * b,)).tolist(), start=0,
                                 blocks=list(range(1 + 7 * b, 8 + 7 * b))) for b in range(batch)]

@@ -1,12 +1,29 @@
 """The C int4 matmul (shard/kernels/int4_matmul.c) against the weights its 4-bit form stands for."""
+import platform
+
 import pytest
 import torch
 
-from shard.layers import int4_kernel
-from shard.layers.linear import C_INT4_MAX_ROWS, LinearWeight, c_int4_runs, linear
+from shard.layers import int4_kernel, native
+from shard.layers.linear import LinearWeight, c_int4_rows, c_int4_runs, linear
 
-pytestmark = pytest.mark.skipif(int4_kernel.load_library() is None,
-                                reason="the C int4 matmul needs AVX-512 BF16 and a C compiler")
+
+@pytest.fixture(params=["native", "avx2"])
+def int4_build(request, tmp_path_factory, monkeypatch):
+    """The kernel as this CPU builds it, and as an AVX2-only CPU does (-march=x86-64-v3)."""
+    if request.param == "avx2":
+        if platform.machine() not in ("x86_64", "AMD64") or not (
+                {"avx2", "fma"} <= set(native.cpu_flags().split())):
+            pytest.skip("this CPU cannot run an AVX2 build")
+        monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+        monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx2-kernels"))
+    int4_kernel.load_library.cache_clear()
+    library = int4_kernel.load_library()
+    if library is None:
+        int4_kernel.load_library.cache_clear()
+        pytest.skip("the C int4 matmul needs AVX-512 BF16 or AVX2, and a C compiler")
+    yield request.param
+    int4_kernel.load_library.cache_clear()
 
 
 def test_quantize_keeps_q4_1_weights():
@@ -16,18 +33,23 @@ def test_quantize_keeps_q4_1_weights():
     n, k = 48, 96
     q = torch.randint(0, 16, (n, k // 32, 32))
     q[..., 0], q[..., 1] = 0, 15
-    d, m = torch.rand(n, k // 32) * 0.1 + 0.01, torch.randn(n, k // 32)
+    # scales and minimums as the file stores them (float16), widened as the GGUF reader does
+    d = (torch.rand(n, k // 32) * 0.1 + 0.01).half().float()
+    m = torch.randn(n, k // 32).half().float()
     weight = (q * d[..., None] + m[..., None]).reshape(n, k)
     codes, scale, low = int4_kernel.quantize(weight)
     assert torch.equal(codes.reshape(n, k // 32, 32).long(), q)
-    torch.testing.assert_close(int4_kernel.restore(codes, scale, low), weight, rtol=1e-6,
-                               atol=1e-6)
+    assert torch.equal(low, m) and torch.equal(scale, d)
+    assert torch.equal(int4_kernel.restore(codes, scale, low), weight)
 
 
 @pytest.mark.parametrize("features", [(16, 32), (17, 64), (100, 96), (333, 576), (576, 1536)])
-def test_the_kernel_multiplies_by_the_restored_weights(features):
-    """Every tile (1, 2, 4, 8 rows) and tail of a 16-feature block, with and without
-    bias: within float32 rounding of the exact product by the restored weights, rounded once."""
+def test_the_kernel_multiplies_by_the_restored_weights(features, int4_build):
+    """Every tile (1, 2, 4, 8 rows; 1 and 2 on AVX2) and tail of a 16-feature block, with and
+    without bias: within float32 rounding of the exact product by the restored weights, rounded
+    once."""
+    if int4_build == "avx2":
+        assert int4_kernel.load_library().int4_matmul_supported() == int4_kernel.AVX2_FORM
     torch.manual_seed(1)
     n, k = features
     codes, scale, low = int4_kernel.quantize(torch.randn(n, k))
@@ -44,28 +66,31 @@ def test_the_kernel_multiplies_by_the_restored_weights(features):
             # one bf16 rounding, plus the float32 sums (the 128 offset costs D ~7 bits)
             slack = (x.double().abs() @ restored.abs().T) * 2.0 ** -15
             assert bool(((out.double() - exact).abs() <= exact.abs() / 256 + slack).all())
-    # a strided batch, float32 activations
-    wide = torch.randn(3, 2 * k)[:, ::2]
-    assert torch.equal(int4_kernel.matmul(wide, packed, n, None),
-                       int4_kernel.matmul(wide.contiguous(), packed, n, None))
-    assert int4_kernel.matmul(wide, packed, n, None).dtype == torch.float32
+    # rows 2k apart, read in place (the C step's buffers could be), and float32 activations
+    library = int4_kernel.load_library()
+    rows = torch.randn(3, 2 * k, dtype=torch.bfloat16)
+    strided = torch.empty(3, n, dtype=torch.bfloat16)
+    assert library.int4_matmul(rows.data_ptr(), 3, k, 2 * k, packed.data_ptr(), n, None,
+                               strided.data_ptr(), n) == 0
+    assert torch.equal(strided, int4_kernel.matmul(rows[:, :k].contiguous(), packed, n, None))
+    assert int4_kernel.matmul(rows[:, :k].float(), packed, n, None).dtype == torch.float32
 
 
 def test_int4_layers_use_the_kernel_for_small_batches_only():
-    if not c_int4_runs():
+    if int4_kernel.load_library() is None or not c_int4_runs():
         pytest.skip("our bf16 matmul does not run here")
     torch.manual_seed(2)
     weight, bias = torch.randn(64, 96), torch.randn(64, dtype=torch.bfloat16)
     prepared = LinearWeight.prepare(weight, bias, quantize_kind="int4",
                                     model_dtype=torch.bfloat16)
-    assert prepared.quantized.kernel == "c" and prepared.quantized_rows == C_INT4_MAX_ROWS
+    assert prepared.quantized.kernel == "c" and prepared.quantized_rows == c_int4_rows()
     assert prepared.tiled is not None  # the bf16 form of the restored weights, for larger batches
     codes, scale, low = int4_kernel.quantize(weight)
     restored = int4_kernel.restore(codes, scale, low)
     assert torch.equal(prepared.weight, restored.bfloat16())
-    for rows in (1, C_INT4_MAX_ROWS, C_INT4_MAX_ROWS + 1):
+    for rows in (1, c_int4_rows(), c_int4_rows() + 1):
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
         expected = (int4_kernel.matmul(x, prepared.quantized.data, 64, prepared.tiled_bias)
-                    if rows <= C_INT4_MAX_ROWS else
+                    if rows <= c_int4_rows() else
                     linear(x, LinearWeight.prepare(restored.bfloat16(), bias)))
         assert torch.equal(linear(x, prepared), expected)
