@@ -121,7 +121,9 @@ async def bench(args) -> dict:
         stub = pb_grpc.TextGenerationServiceStub(channel)
         info = await stub.Info(pb.InfoRequest())
         longest = max(*args.prompt_lengths, args.decode_prompt)
-        tokens = max(args.batch_sizes) * (longest + args.steps + args.warmup + 64)
+        # room for the largest decode batch and the largest prefill batch alike
+        tokens = (max(*args.batch_sizes, *args.prefill_batch_sizes)
+                  * (longest + args.steps + args.warmup + 64))
         warm = await stub.Warmup(pb.WarmupRequest(batch=pb.Batch(id=0), max_input_tokens=1,
                                                   max_prefill_tokens=1, max_total_tokens=2,
                                                   max_batch_total_tokens=tokens))

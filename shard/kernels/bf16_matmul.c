@@ -15,7 +15,8 @@
  * float32 weights (zero-extend, shift), and a row's pair of inputs (each pass of rows widened once
  * to float32) is broadcast as one 64-bit value, so one FMA multiplies 4 features by both inputs;
  * a feature's two lanes are added at the store. A tile holds up to 3 rows x 1 block or 1 row x 3
- * blocks in the 16 ymm registers.
+ * blocks in the 16 ymm registers; from PANEL_MIN_ROWS rows each block is widened once into a
+ * float32 panel that tiles of 6 rows x half a block read.
  *
  * Rounding: products and sums in float32 (VDPBF16PS, as oneDNN's bf16 kernels on this CPU; on AVX2
  * each bf16 x bf16 product is exact in float32 and one FMA rounds the sum), the bias added in
@@ -275,6 +276,94 @@ static const tile_fn TILES[3][3] = {
 };
 static const int MAX_BLOCKS[3] = {3, 1, 1};
 
+/* Prefill-size calls (PANEL_MIN_ROWS rows and more) widen each block once into a float32 panel
+ * ([pairs][32]: quarter q of a pair holds features 4q..4q+3 x (even, odd), as the tiles above widen
+ * them) and run 6 rows x half a block over it: 12 sums, the half's two weight vectors and a
+ * broadcast, 15 of the 16 registers, each weight widened once per pass instead of once per 3 rows.
+ * Written with named sums: as arrays GCC spilled one to the stack in the inner loop. */
+#define PANEL_MIN_ROWS 24
+#define PANEL_ROWS 6
+
+/* 8 features' sums (two vectors of 4 features x (even, odd) lanes) + bias -> bf16, `valid` kept */
+static inline __attribute__((always_inline)) void
+store_half(__m256 first, __m256 second, const uint16_t *bias, int64_t col, int valid,
+           uint16_t *out) {
+    __m256 sums = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_hadd_ps(first, second)), 0xd8));
+    if (valid >= 8) {
+        if (bias)
+            sums = _mm256_add_ps(sums, widen_8(bias + col));
+        _mm_storeu_si128((__m128i *)(out + col), round_to_bf16(sums));
+        return;
+    }
+    float feature[8];
+    _mm256_storeu_ps(feature, sums);
+    for (int i = 0; i < valid; i++) {
+        if (bias)
+            feature[i] += bf16_to_float(bias[col + i]);
+        out[col + i] = float_to_bf16(feature[i]);
+    }
+}
+
+#define PANEL_ROW(r, a, b)                                                                         \
+    in = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(x + (r) * x_stride + 2 * p)));    \
+    a = _mm256_fmadd_ps(in, w0, a);                                                              \
+    b = _mm256_fmadd_ps(in, w1, b);
+
+static void panel_tile_6(const float *x, int64_t x_stride, const float *half, int64_t pairs,
+                         int64_t col, int64_t n, const uint16_t *bias, uint16_t *out,
+                         int64_t out_stride) {
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0,
+           b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m256 w0 = _mm256_loadu_ps(half + p * 2 * BLOCK);
+        const __m256 w1 = _mm256_loadu_ps(half + p * 2 * BLOCK + 8);
+        __m256 in;
+        PANEL_ROW(0, a0, b0)
+        PANEL_ROW(1, a1, b1)
+        PANEL_ROW(2, a2, b2)
+        PANEL_ROW(3, a3, b3)
+        PANEL_ROW(4, a4, b4)
+        PANEL_ROW(5, a5, b5)
+    }
+    const int valid = (int)(n - col);
+    store_half(a0, b0, bias, col, valid, out);
+    store_half(a1, b1, bias, col, valid, out + out_stride);
+    store_half(a2, b2, bias, col, valid, out + 2 * out_stride);
+    store_half(a3, b3, bias, col, valid, out + 3 * out_stride);
+    store_half(a4, b4, bias, col, valid, out + 4 * out_stride);
+    store_half(a5, b5, bias, col, valid, out + 5 * out_stride);
+}
+
+/* block -> panel [pairs][32 floats] */
+static void widen_block(const uint16_t *block, int64_t pairs, float *panel) {
+    for (int64_t i = 0; i < pairs * 2 * BLOCK; i += 8)
+        _mm256_storeu_ps(panel + i, widen_8(block + i));
+}
+
+static void matmul_blocks(const float *x, int64_t m, int64_t x_stride, const uint16_t *packed,
+                          int64_t pairs, int64_t n, const uint16_t *bias, uint16_t *out,
+                          int64_t out_stride, int64_t first, int64_t last);
+
+/* m rows (float32) against blocks [first, last): 6-row tiles over each block's panel, the last
+ * m % 6 rows by the tiles above */
+static void matmul_blocks_panel(const float *x, int64_t m, int64_t x_stride,
+                                const uint16_t *packed, int64_t pairs, int64_t n,
+                                const uint16_t *bias, uint16_t *out, int64_t out_stride,
+                                int64_t first, int64_t last, float *panel) {
+    const int64_t whole = m / PANEL_ROWS * PANEL_ROWS;
+    for (int64_t b = first; b < last; b++) {
+        widen_block(packed + b * pairs * 2 * BLOCK, pairs, panel);
+        for (int h = 0; h < 2 && b * BLOCK + h * 8 < n; h++)
+            for (int64_t r = 0; r < whole; r += PANEL_ROWS)
+                panel_tile_6(x + r * x_stride, x_stride, panel + h * 16, pairs,
+                             b * BLOCK + h * 8, n, bias, out + r * out_stride, out_stride);
+    }
+    if (whole < m)
+        matmul_blocks(x + whole * x_stride, m - whole, x_stride, packed, pairs, n, bias,
+                      out + whole * out_stride, out_stride, first, last);
+}
+
 /* all m rows (float32) against blocks [first, last) */
 static void matmul_blocks(const float *x, int64_t m, int64_t x_stride, const uint16_t *packed,
                           int64_t pairs, int64_t n, const uint16_t *bias, uint16_t *out,
@@ -350,10 +439,16 @@ int bf16_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
         return 0;
     if (k <= 0)
         return -1;
-    float *wide = wide_buffer((m < ROWS_PER_PASS ? m : ROWS_PER_PASS) * k);
+    const int64_t pass_elements = (m < ROWS_PER_PASS ? m : ROWS_PER_PASS) * k;
+    /* after the rows, a panel per thread where the panel tiles run */
+    const int64_t panel_stride = m >= PANEL_MIN_ROWS ? pairs * 2 * BLOCK : 0;
+    const int parallel = m * n * k >= PARALLEL_MIN_WORK;
+    float *wide = wide_buffer(pass_elements
+                              + (parallel ? omp_get_max_threads() : 1) * panel_stride);
     if (!wide)
         return -2;
-#pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
+    float *panel = wide + pass_elements;
+#pragma omp parallel if (parallel)
     {
         const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
         const int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads;
@@ -363,7 +458,10 @@ int bf16_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
             for (int64_t i = 0; i < rows; i++)
                 widen_row(x + (r + i) * x_stride, k, wide + i * k);
             /* (the loop's barrier: every row is widened before any thread reads them) */
-            if (first < last)
+            if (first < last && rows >= PANEL_MIN_ROWS)
+                matmul_blocks_panel(wide, rows, k, packed, pairs, n, bias, out + r * out_stride,
+                                    out_stride, first, last, panel + thread * panel_stride);
+            else if (first < last)
                 matmul_blocks(wide, rows, k, packed, pairs, n, bias, out + r * out_stride,
                               out_stride, first, last);
 #pragma omp barrier

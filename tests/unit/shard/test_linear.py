@@ -178,9 +178,10 @@ def avx2_matmul(tmp_path_factory, monkeypatch):
 
 @pytest.mark.parametrize("features", [(96, 64), (100, 64), (7, 18), (1, 2), (3072, 576), (33, 1536)])
 def test_the_avx2_form_rounds_the_float32_product_once(avx2_matmul, features):
-    """Every row count's tiles (3, 2 and 1 rows; 1-3 blocks) and every tail of a block, with and
-    without bias, more rows than one pass takes, against the exact product: float32 sums of exact
-    products, rounded once to bf16, so all but rare elements equal the exact value's rounding."""
+    """Every row count's tiles (3, 2 and 1 rows; 1-3 blocks; 6-row panel tiles from 24 rows) and
+    every tail of a block, with and without bias, more rows than one pass takes, against the exact
+    product: float32 sums of exact products, rounded once to bf16, so all but rare elements equal
+    the exact value's rounding."""
     assert avx2_matmul.bf16_matmul_supported() == matmul_kernel.AVX2_FORM
     torch.manual_seed(2)
     n, k = features
@@ -200,6 +201,9 @@ def test_the_avx2_form_rounds_the_float32_product_once(avx2_matmul, features):
             assert bool(((out.double() - exact).abs() <= exact.abs() / 256 + scale).all())
             differing += int((out != exact.to(torch.bfloat16)).sum())
             total += out.numel()
+            # prefill-size calls take the panel tiles, small ones the direct tiles: the same sums
+            # in the same order, so a row's result does not depend on the call's row count
+            assert torch.equal(out[:5], matmul_kernel.matmul(x[:5], packed, n, with_bias))
     assert differing <= total // 100
 
 
