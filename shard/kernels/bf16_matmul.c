@@ -39,6 +39,8 @@
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
 #include <immintrin.h>
 #include <omp.h>
+
+#include "bf16_store.h"
 #endif
 
 /* below this many multiply-adds a call stays on the calling thread */
@@ -84,18 +86,6 @@ void bf16_matmul_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
 }
 
 #ifdef HAVE_DPBF16
-
-/* the sums of one block, plus the bias, rounded to bf16; `valid` of its 16 features are stored */
-static inline __attribute__((always_inline)) void
-store_block(__m512 sums, const uint16_t *bias, int64_t col, int valid, uint16_t *out) {
-    const __mmask16 mask = valid >= BLOCK ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
-    if (bias) {
-        __m256i b = _mm256_maskz_loadu_epi16(mask, bias + col);
-        sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                       _mm512_cvtepu16_epi32(b), 16)));
-    }
-    _mm256_mask_storeu_epi16(out + col, mask, (__m256i)_mm512_cvtneps_pbh(sums));
-}
 
 /* One tile: MR rows x NR blocks, sums in registers. MR and NR are literals in each expansion, so
  * the arrays below become registers (with run-time sizes they would live on the stack). */
@@ -177,53 +167,6 @@ static void matmul_blocks(const uint16_t *x, int64_t m, int64_t x_stride, const 
 
 #elif defined(HAVE_AVX2_FMA)
 
-/* 8 float32 sums -> 8 bf16 (to nearest, ties to even; a NaN stays a quiet NaN), as float_to_bf16 */
-static inline __attribute__((always_inline)) __m128i round_to_bf16(__m256 sums) {
-    const __m256i bits = _mm256_castps_si256(sums);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(
-        _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-    const __m256i is_nan = _mm256_cmpgt_epi32(
-        _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    const __m256i out = _mm256_blendv_epi8(rounded, nan, is_nan);
-    /* every value fits 16 bits, so the saturating pack keeps them */
-    return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
-}
-
-static inline __attribute__((always_inline)) __m256 widen_8(const uint16_t *values) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)values)), 16));
-}
-
-/* one block's sums, plus the bias, rounded to bf16; `valid` of its 16 features stored. sums[q]
- * holds features 4q-4q+3, each as two lanes (its even inputs' products and its odd ones'). */
-static inline __attribute__((always_inline)) void
-store_block(const __m256 sums[4], const uint16_t *bias, int64_t col, int valid, uint16_t *out) {
-    /* hadd gives features 0, 1, 4, 5, 2, 3, 6, 7 of a pair of quarters: the permute orders them */
-    __m256 low = _mm256_castpd_ps(_mm256_permute4x64_pd(
-        _mm256_castps_pd(_mm256_hadd_ps(sums[0], sums[1])), 0xd8));
-    __m256 high = _mm256_castpd_ps(_mm256_permute4x64_pd(
-        _mm256_castps_pd(_mm256_hadd_ps(sums[2], sums[3])), 0xd8));
-    if (valid >= BLOCK) {
-        if (bias) {
-            low = _mm256_add_ps(low, widen_8(bias + col));
-            high = _mm256_add_ps(high, widen_8(bias + col + 8));
-        }
-        _mm_storeu_si128((__m128i *)(out + col), round_to_bf16(low));
-        _mm_storeu_si128((__m128i *)(out + col + 8), round_to_bf16(high));
-        return;
-    }
-    float feature[BLOCK];
-    _mm256_storeu_ps(feature, low);
-    _mm256_storeu_ps(feature + 8, high);
-    for (int i = 0; i < valid; i++) {
-        if (bias)
-            feature[i] += bf16_to_float(bias[col + i]);
-        out[col + i] = float_to_bf16(feature[i]);
-    }
-}
-
 /* One tile: MR rows (widened to float32) x NR blocks. A block's pair of inputs is, widened, four
  * vectors of 4 features x (even input, odd input); a row's pair of inputs is broadcast as one
  * 64-bit (even, odd), so one FMA multiplies 4 features by both inputs and each feature's sum
@@ -283,27 +226,6 @@ static const int MAX_BLOCKS[3] = {3, 1, 1};
  * Written with named sums: as arrays GCC spilled one to the stack in the inner loop. */
 #define PANEL_MIN_ROWS 24
 #define PANEL_ROWS 6
-
-/* 8 features' sums (two vectors of 4 features x (even, odd) lanes) + bias -> bf16, `valid` kept */
-static inline __attribute__((always_inline)) void
-store_half(__m256 first, __m256 second, const uint16_t *bias, int64_t col, int valid,
-           uint16_t *out) {
-    __m256 sums = _mm256_castpd_ps(_mm256_permute4x64_pd(
-        _mm256_castps_pd(_mm256_hadd_ps(first, second)), 0xd8));
-    if (valid >= 8) {
-        if (bias)
-            sums = _mm256_add_ps(sums, widen_8(bias + col));
-        _mm_storeu_si128((__m128i *)(out + col), round_to_bf16(sums));
-        return;
-    }
-    float feature[8];
-    _mm256_storeu_ps(feature, sums);
-    for (int i = 0; i < valid; i++) {
-        if (bias)
-            feature[i] += bf16_to_float(bias[col + i]);
-        out[col + i] = float_to_bf16(feature[i]);
-    }
-}
 
 #define PANEL_ROW(r, a, b)                                                                         \
     in = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(x + (r) * x_stride + 2 * p)));    \

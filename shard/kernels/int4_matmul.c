@@ -29,6 +29,8 @@
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
 #include <immintrin.h>
 #include <omp.h>
+
+#include "bf16_store.h"
 #endif
 
 #define BLOCK 16 /* output features a block holds */
@@ -83,93 +85,68 @@ void int4_matmul_pack(const uint8_t *q, const float *scale, const float *low, in
 
 #ifdef HAVE_DPBF16
 
-static inline __attribute__((always_inline)) void
-store_block(__m512 sums, const uint16_t *bias, int64_t col, int valid, uint16_t *out) {
-    const __mmask16 mask = valid >= BLOCK ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
-    if (bias) {
-        __m256i b = _mm256_maskz_loadu_epi16(mask, bias + col);
-        sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                       _mm512_cvtepu16_epi32(b), 16)));
-    }
-    _mm256_mask_storeu_epi16(out + col, mask, (__m256i)_mm512_cvtneps_pbh(sums));
-}
-
-/* MR rows x NR blocks; sums[r][j] over the groups so far, dot[r][j] within the group */
-#define DEFINE_TILE(MR, NR)                                                                        \
-    static void tile_##MR##_##NR(const uint16_t *x, int64_t x_stride, const float *x_sums,      \
-                                 int64_t groups, const uint8_t *blocks, int64_t col, int64_t n,  \
-                                 const uint16_t *bias, uint16_t *out, int64_t out_stride) {      \
+/* MR rows x one block: sums[r] over the groups so far, dot[r] and dot_high[r] within the group (its
+ * low and high halves apart: two dependency chains of 8, not one of 16). One block at a time: one
+ * sequential stream of weights per thread ran 1.2-1.3x faster than tiles of 2-4 blocks
+ * (interleaved streams) at 1-2 rows. 32 zmm registers: 3 x MR sums, 2 widened halves, 2
+ * broadcasts, 3 constants. */
+#define DEFINE_TILE(MR)                                                                            \
+    static void tile_##MR(const uint16_t *x, int64_t x_stride, const float *x_sums,             \
+                          int64_t groups, const uint8_t *block, int64_t col, int64_t n,          \
+                          const uint16_t *bias, uint16_t *out, int64_t out_stride) {             \
         const __m512i nibble = _mm512_set1_epi16(0x000f), offset = _mm512_set1_epi16(0x4300);   \
         const __m512 minus_128 = _mm512_set1_ps(-128.0f);                                       \
-        __m512 sums[MR][NR];                                                                     \
-        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) sums[r][j] = _mm512_setzero_ps(); \
+        __m512 sums[MR];                                                                         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) sums[r] = _mm512_setzero_ps();     \
         for (int64_t g = 0; g < groups; g++) {                                                   \
-            /* the group's low and high halves apart: two dependency chains of 8, not one of 16 */ \
-            __m512 dot[MR][NR], dot_high[MR][NR];                                                \
+            const uint8_t *at = block + g * GROUP_BYTES;                                         \
+            __m512 dot[MR], dot_high[MR];                                                        \
             _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                 \
-                _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                             \
-                    dot[r][j] = dot_high[r][j] = _mm512_setzero_ps();                            \
-            /* the lines PREFETCH_GROUPS groups ahead (past a block's end: requested for nothing; \
-             * prefetches do not fault, and the address is an integer) */                        \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                                 \
-                _Pragma("GCC unroll 6") for (int line = 0; line < GROUP_BYTES / 64; line++)      \
-                    _mm_prefetch((const char *)((uintptr_t)blocks + (uintptr_t)((j * groups + g   \
-                                 + PREFETCH_GROUPS) * GROUP_BYTES + line * 64)), _MM_HINT_T0);   \
+                dot[r] = dot_high[r] = _mm512_setzero_ps();                                      \
+            /* the lines PREFETCH_GROUPS groups ahead (past the block's end: requested for       \
+             * nothing; prefetches do not fault, and the address is an integer) */               \
+            _Pragma("GCC unroll 6") for (int line = 0; line < GROUP_BYTES / 64; line++)          \
+                _mm_prefetch((const char *)((uintptr_t)at                                        \
+                             + (uintptr_t)(PREFETCH_GROUPS * GROUP_BYTES + line * 64)),           \
+                             _MM_HINT_T0);                                                       \
             for (int i = 0; i < 8; i++) {                                                        \
-                __m512bh low[NR], high[NR];                                                      \
-                _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                           \
-                    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(               \
-                        (const __m256i *)(blocks + (j * groups + g) * GROUP_BYTES + i * 32)));   \
-                    /* (bytes & 0xf) | 0x4300, and the same of bytes >> 4 */                     \
-                    low[j] = (__m512bh)_mm512_ternarylogic_epi32(bytes, nibble, offset, 0xea);   \
-                    high[j] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(bytes, 4),   \
-                                                                  nibble, offset, 0xea);         \
-                }                                                                                \
+                const __m512i bytes = _mm512_cvtepu8_epi16(                                      \
+                    _mm256_loadu_si256((const __m256i *)(at + i * 32)));                         \
+                /* (bytes & 0xf) | 0x4300, and the same of bytes >> 4: bf16 of 128 + q */        \
+                const __m512bh low = (__m512bh)_mm512_ternarylogic_epi32(bytes, nibble, offset,  \
+                                                                         0xea);                  \
+                const __m512bh high = (__m512bh)_mm512_ternarylogic_epi32(                       \
+                    _mm512_srli_epi16(bytes, 4), nibble, offset, 0xea);                          \
                 _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                           \
                     int32_t first, second;                                                       \
                     memcpy(&first, x + r * x_stride + g * GROUP + 2 * i, sizeof first);          \
                     memcpy(&second, x + r * x_stride + g * GROUP + 2 * i + 16, sizeof second);   \
-                    const __m512bh a = (__m512bh)_mm512_set1_epi32(first);                       \
-                    const __m512bh c = (__m512bh)_mm512_set1_epi32(second);                      \
-                    _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                       \
-                        dot[r][j] = _mm512_dpbf16_ps(dot[r][j], a, low[j]);                      \
-                        dot_high[r][j] = _mm512_dpbf16_ps(dot_high[r][j], c, high[j]);           \
-                    }                                                                            \
+                    dot[r] = _mm512_dpbf16_ps(dot[r], (__m512bh)_mm512_set1_epi32(first), low);  \
+                    dot_high[r] = _mm512_dpbf16_ps(dot_high[r],                                  \
+                                                   (__m512bh)_mm512_set1_epi32(second), high);   \
                 }                                                                                \
             }                                                                                    \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                               \
-                const float *factors = (const float *)(blocks + (j * groups + g) * GROUP_BYTES   \
-                                                       + BLOCK * GROUP / 2);                     \
-                const __m512 scale = _mm512_loadu_ps(factors);                                   \
-                /* low - 128 scale: what each unit of the row's input sum adds */                \
-                const __m512 base = _mm512_fmadd_ps(minus_128, scale,                            \
-                                                    _mm512_loadu_ps(factors + BLOCK));           \
-                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                           \
-                    sums[r][j] = _mm512_fmadd_ps(scale, _mm512_add_ps(dot[r][j], dot_high[r][j]), \
-                                                 sums[r][j]);                                    \
-                    sums[r][j] = _mm512_fmadd_ps(base, _mm512_set1_ps(x_sums[r * groups + g]),   \
-                                                 sums[r][j]);                                    \
-                }                                                                                \
+            const float *factors = (const float *)(at + BLOCK * GROUP / 2);                      \
+            const __m512 scale = _mm512_loadu_ps(factors);                                       \
+            /* low - 128 scale: what each unit of the row's input sum adds */                    \
+            const __m512 base = _mm512_fmadd_ps(minus_128, scale,                                \
+                                                _mm512_loadu_ps(factors + BLOCK));               \
+            _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                               \
+                sums[r] = _mm512_fmadd_ps(scale, _mm512_add_ps(dot[r], dot_high[r]), sums[r]);   \
+                sums[r] = _mm512_fmadd_ps(base, _mm512_set1_ps(x_sums[r * groups + g]), sums[r]); \
             }                                                                                    \
         }                                                                                        \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                               \
-                const int64_t at = col + j * BLOCK;                                              \
-                store_block(sums[r][j], bias, at, (int)(n - at), out + r * out_stride);          \
-            }                                                                                    \
+            store_block(sums[r], bias, col, (int)(n - col), out + r * out_stride);               \
     }
 
-/* One block at a time: one sequential stream of weights per thread ran 1.2-1.3x faster than
- * tiles of 2-4 blocks (interleaved streams) at 1-2 rows. 32 zmm registers: 3 x MR sums, 2 widened
- * halves, 2 broadcasts, 3 constants. */
-DEFINE_TILE(1, 1) DEFINE_TILE(2, 1) DEFINE_TILE(4, 1) DEFINE_TILE(8, 1)
+DEFINE_TILE(1) DEFINE_TILE(2) DEFINE_TILE(4) DEFINE_TILE(8)
 
 typedef void (*tile_fn)(const uint16_t *, int64_t, const float *, int64_t, const uint8_t *,
                         int64_t, int64_t, const uint16_t *, uint16_t *, int64_t);
 
 /* by rows in the tile: 1, 2, 4, 8 */
-static const tile_fn TILES[4] = {tile_1_1, tile_2_1, tile_4_1, tile_8_1};
+static const tile_fn TILES[4] = {tile_1, tile_2, tile_4, tile_8};
 
 #elif defined(HAVE_AVX2_FMA)
 
@@ -179,38 +156,6 @@ static const tile_fn TILES[4] = {tile_1_1, tile_2_1, tile_4_1, tile_8_1};
  * converted to float32 and multiplied by the features' scales (so each weight is q * scale, and
  * the group's minimum comes in once, as minimum * the row's input sum); the row's pair of inputs
  * is broadcast as one 64-bit value. */
-
-static inline __attribute__((always_inline)) __m128i round_to_bf16(__m256 sums) {
-    const __m256i bits = _mm256_castps_si256(sums);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(
-        _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-    const __m256i is_nan = _mm256_cmpgt_epi32(
-        _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    const __m256i out = _mm256_blendv_epi8(rounded, nan, is_nan);
-    return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
-}
-
-/* sums[v]: features 4v..4v+3, each in two lanes; + bias, rounded to bf16, `valid` stored */
-static inline __attribute__((always_inline)) void
-store_block(const __m256 sums[4], const uint16_t *bias, int64_t col, int valid, uint16_t *out) {
-    float feature[BLOCK];
-    _mm256_storeu_ps(feature, _mm256_castpd_ps(_mm256_permute4x64_pd(
-        _mm256_castps_pd(_mm256_hadd_ps(sums[0], sums[1])), 0xd8)));
-    _mm256_storeu_ps(feature + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(
-        _mm256_castps_pd(_mm256_hadd_ps(sums[2], sums[3])), 0xd8)));
-    if (valid >= BLOCK && !bias) {
-        _mm_storeu_si128((__m128i *)(out + col), round_to_bf16(_mm256_loadu_ps(feature)));
-        _mm_storeu_si128((__m128i *)(out + col + 8), round_to_bf16(_mm256_loadu_ps(feature + 8)));
-        return;
-    }
-    for (int i = 0; i < valid && i < BLOCK; i++) {
-        if (bias)
-            feature[i] += bf16_to_float(bias[col + i]);
-        out[col + i] = float_to_bf16(feature[i]);
-    }
-}
 
 #define DEFINE_TILE(MR)                                                                            \
     static void tile_##MR(const float *x, int64_t x_stride, const float *x_sums,                \

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from shard.layers import native
+from shard.layers import matmul_kernel, native
 
 SOURCE = native.KERNELS / "int4_matmul.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -71,14 +71,4 @@ def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tenso
 def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., k] -> x W^T + bias [..., n] for W packed by `pack`, bias contiguous bf16 or None;
     x is rounded to bf16 first, the result comes back in x's dtype."""
-    k = x.shape[-1]
-    rows = x.reshape(-1, k).to(torch.bfloat16)
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
-        rows = rows.contiguous()
-    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    status = load_library().int4_matmul(rows.data_ptr(), rows.shape[0], k, k, packed.data_ptr(),
-                                        n, None if bias is None else bias.data_ptr(),
-                                        out.data_ptr(), n)
-    if status != 0:
-        raise MemoryError(f"the int4 matmul failed ({status}) on {rows.shape[0]} x {k} rows")
-    return out.to(x.dtype)
+    return matmul_kernel.run_on_rows(load_library().int4_matmul, x, packed, n, bias)

@@ -63,16 +63,23 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     dtype."""
     if torch.compiler.is_compiling():
         return bf16_matmul_op(x, packed, n, bias)
+    return run_on_rows(load_library().bf16_matmul, x, packed, n, bias)
+
+
+def run_on_rows(kernel, x: torch.Tensor, packed: torch.Tensor, n: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., k] -> [..., n] through a C matmul with bf16_matmul's signature (this one's or the
+    int4 kernel's): x's rows rounded to bf16 and made contiguous where they are not, the result
+    back in x's dtype; a kernel's failure (its scratch could not be allocated) is a MemoryError."""
     k = x.shape[-1]
     rows = x.reshape(-1, k).to(torch.bfloat16)
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
         rows = rows.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    status = load_library().bf16_matmul(rows.data_ptr(), rows.shape[0], k, k, packed.data_ptr(),
-                                        n, None if bias is None else bias.data_ptr(),
-                                        out.data_ptr(), n)
-    if status != 0:  # the AVX2 form could not allocate its float32 copy of the rows
-        raise MemoryError(f"the bf16 matmul failed ({status}) on {rows.shape[0]} x {k} rows")
+    status = kernel(rows.data_ptr(), rows.shape[0], k, k, packed.data_ptr(), n,
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+    if status != 0:
+        raise MemoryError(f"a C matmul failed ({status}) on {rows.shape[0]} x {k} rows")
     return out.to(x.dtype)
 
 

@@ -1,7 +1,9 @@
 """Fixtures for shard layers whose arithmetic depends on the CPU."""
+import platform
+
 import pytest
 
-from shard.layers import arithmetic
+from shard.layers import arithmetic, native
 
 
 @pytest.fixture(params=[True, False], ids=["native-bf16", "widened-bf16"])
@@ -15,3 +17,14 @@ def bf16_kernels(request, monkeypatch) -> bool:
     if not request.param:  # nor our C matmul, which would keep bf16 activations on AVX2
         monkeypatch.setattr(arithmetic, "c_matmul_runs", lambda: False)
     return request.param
+
+
+@pytest.fixture
+def avx2_build(tmp_path_factory, monkeypatch):
+    """Every C kernel built from here on as an AVX2-only CPU builds it (-march=x86-64-v3), on any
+    CPU that runs AVX2, into one cache for the session; callers clear their libraries' caches."""
+    if platform.machine() not in ("x86_64", "AMD64") or not (
+            {"avx2", "fma"} <= set(native.cpu_flags().split())):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx2-kernels"))

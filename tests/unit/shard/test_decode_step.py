@@ -1,6 +1,5 @@
 """The decode step in C gives the eager step's logits, hidden states and cache writes bit for bit,
 and steps aside (saying why) where one of its kernels is not what the eager step would run."""
-import platform
 import weakref
 
 import pytest
@@ -10,8 +9,7 @@ from shard.distributed import ParallelContext
 from shard.loader import load_model
 from shard import model_runner as model_runner_module
 from shard.compiled_decode import CompiledDecode
-from shard.layers import (arithmetic, fused, int4_kernel, linear, matmul_kernel, native,
-                          paged_kernel)
+from shard.layers import arithmetic, fused, int4_kernel, linear, matmul_kernel, paged_kernel
 from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence
 from shard.models import llama_step
 from tests.tiny_models import build_tiny_model
@@ -55,21 +53,34 @@ def ragged_dir(tmp_path_factory):
     return out
 
 
+def _assert_steps_agree(runner: ModelRunner, ids, lens, tables) -> None:
+    """One C step and one eager step from the same cache: the same logits, hidden states and
+    cache writes, bit for bit (the cache is left as the eager step wrote it)."""
+    before = [(c.key.clone(), c.value.clone()) for c in runner.cache]
+    with torch.inference_mode():
+        logits, hidden = runner.c_step(ids, lens, tables)
+        written = [(c.key.clone(), c.value.clone()) for c in runner.cache]
+        for c, (k, v) in zip(runner.cache, before):
+            c.key.copy_(k)
+            c.value.copy_(v)
+        eager_logits, eager_hidden = runner._decode_forward(ids, lens, tables)
+    assert logits.dtype == eager_logits.dtype == torch.float32
+    assert torch.equal(logits, eager_logits)
+    assert torch.equal(hidden, eager_hidden)
+    assert all(torch.equal(k, c.key) and torch.equal(v, c.value)
+               for (k, v), c in zip(written, runner.cache))
+
+
 _LIBRARIES = (fused.load_library, paged_kernel.load_kernel, matmul_kernel.load_library,
               int4_kernel.load_library, llama_step.load_library)
 
 
 @pytest.fixture(params=["native", "avx2"])
-def kernel_build(request, tmp_path_factory, monkeypatch):
+def kernel_build(request, monkeypatch):
     """The kernels as this CPU builds them, and as an AVX2-only CPU does (-march=x86-64-v3, where
     oneDNN has no bf16 kernels and the matmul multiplies in float32), on any CPU that runs AVX2."""
     if request.param == "avx2":
-        if platform.machine() not in ("x86_64", "AMD64") or not (
-                {"avx2", "fma"} <= set(native.cpu_flags().split())):
-            pytest.skip("this CPU cannot run an AVX2 build")
-        monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
-        # one build of each library for the whole session, not one per test
-        monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx2-kernels"))
+        request.getfixturevalue("avx2_build")
         for module in (arithmetic, linear):
             monkeypatch.setattr(module, "cpu_has_bf16_kernels", lambda: False)
     for load in _LIBRARIES:
@@ -102,20 +113,7 @@ def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, ragged_dir, archite
         tables = torch.cat([tables.int(), tables.int()], 1)[:, :7]
         assert batch == 1 or not tables.is_contiguous()
     for step in range(2):
-        ids = torch.randint(3, 300, (batch,))
-        before = [(c.key.clone(), c.value.clone()) for c in runner.cache]
-        with torch.inference_mode():
-            logits, hidden = runner.c_step(ids, lens + step, tables)
-            written = [(c.key.clone(), c.value.clone()) for c in runner.cache]
-            for c, (k, v) in zip(runner.cache, before):
-                c.key.copy_(k)
-                c.value.copy_(v)
-            eager_logits, eager_hidden = runner._decode_forward(ids, lens + step, tables)
-        assert logits.dtype == eager_logits.dtype == torch.float32
-        assert torch.equal(logits, eager_logits)
-        assert torch.equal(hidden, eager_hidden)
-        assert all(torch.equal(k, c.key) and torch.equal(v, c.value)
-                   for (k, v), c in zip(written, runner.cache))
+        _assert_steps_agree(runner, torch.randint(3, 300, (batch,)), lens + step, tables)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
@@ -138,15 +136,7 @@ def test_c_step_with_int4_layers_equals_the_eager_step(tiny_llama, qwen2_dir, ar
         runner.prefill(seqs)
         tables = torch.tensor([s.blocks for s in seqs])
         lens = torch.tensor([s.length for s in seqs])
-        ids = torch.randint(3, 300, (batch,))
-        before = [(c.key.clone(), c.value.clone()) for c in runner.cache]
-        with torch.inference_mode():
-            logits, hidden = runner.c_step(ids, lens, tables)
-            for c, (k, v) in zip(runner.cache, before):
-                c.key.copy_(k)
-                c.value.copy_(v)
-            eager_logits, eager_hidden = runner._decode_forward(ids, lens, tables)
-        assert torch.equal(logits, eager_logits) and torch.equal(hidden, eager_hidden)
+        _assert_steps_agree(runner, torch.randint(3, 300, (batch,)), lens, tables)
 
 
 def test_runner_decodes_through_the_c_step(tiny_llama, monkeypatch):

@@ -1,22 +1,16 @@
 """The C int4 matmul (shard/kernels/int4_matmul.c) against the weights its 4-bit form stands for."""
-import platform
-
 import pytest
 import torch
 
-from shard.layers import int4_kernel, native
+from shard.layers import int4_kernel
 from shard.layers.linear import LinearWeight, c_int4_rows, c_int4_runs, linear
 
 
 @pytest.fixture(params=["native", "avx2"])
-def int4_build(request, tmp_path_factory, monkeypatch):
+def int4_build(request):
     """The kernel as this CPU builds it, and as an AVX2-only CPU does (-march=x86-64-v3)."""
     if request.param == "avx2":
-        if platform.machine() not in ("x86_64", "AMD64") or not (
-                {"avx2", "fma"} <= set(native.cpu_flags().split())):
-            pytest.skip("this CPU cannot run an AVX2 build")
-        monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
-        monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx2-kernels"))
+        request.getfixturevalue("avx2_build")
     int4_kernel.load_library.cache_clear()
     library = int4_kernel.load_library()
     if library is None:

@@ -1,12 +1,10 @@
 """A bf16 weight multiplies to what F.linear gives in every form the CPU may hold it in."""
-import platform
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from shard.layers import linear as linear_module
-from shard.layers import arithmetic, matmul_kernel, native
+from shard.layers import arithmetic, matmul_kernel
 from shard.layers.arithmetic import (activation_dtype, c_matmul_runs, compute_dtype,
                                      cpu_has_bf16_kernels)
 from shard.layers.linear import LinearWeight, linear
@@ -159,14 +157,8 @@ def test_activations_stay_bf16_where_our_matmul_takes_them(bf16_kernels, monkeyp
 
 
 @pytest.fixture
-def avx2_matmul(tmp_path_factory, monkeypatch):
+def avx2_matmul(avx2_build):
     """The C matmul as an AVX2-only CPU builds it (-march=x86-64-v3), on any CPU that runs AVX2."""
-    if platform.machine() not in ("x86_64", "AMD64") or not (
-            {"avx2", "fma"} <= set(native.cpu_flags().split())):
-        pytest.skip("this CPU cannot run an AVX2 build")
-    monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx2-kernels"))
-    monkeypatch.setattr(matmul_kernel, "FLAGS", ["-march=x86-64-v3" if f == "-march=native" else f
-                                                 for f in matmul_kernel.FLAGS])
     matmul_kernel.load_library.cache_clear()
     library = matmul_kernel.load_library()
     if library is None:
