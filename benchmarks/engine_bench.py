@@ -1,7 +1,8 @@
 """Engine benchmark over gRPC, as TGI's benchmark tool does: a shard process driven directly.
 
 Prefill latency per batch size and prompt length; decode latency per step and tokens/s per batch
-size, after a warm-up, with percentiles. Prints tables; writes JSON with --json.
+size, after a warm-up, with percentiles; and the shard's resident memory once its model is loaded
+(before the KV cache is allocated). Prints tables; writes JSON with --json.
 
     python benchmarks/engine_bench.py [--model-dir DIR] [--dtype bfloat16] [--batch-sizes 1,2,4,...]
 """
@@ -112,6 +113,14 @@ def start_shard(model_dir: Path, dtype: str, socket_prefix: str,
     return process
 
 
+def resident_mib(pid: int) -> float:
+    """A process's resident memory (VmRSS), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
 async def bench(args) -> dict:
     socket_prefix = os.path.join(tempfile.mkdtemp(), "bench")
     shard = start_shard(args.model_dir, args.dtype, socket_prefix, args.quantize,
@@ -120,6 +129,7 @@ async def bench(args) -> dict:
         channel = grpc.aio.insecure_channel(f"unix://{socket_prefix}-0")
         stub = pb_grpc.TextGenerationServiceStub(channel)
         info = await stub.Info(pb.InfoRequest())
+        loaded_mib = resident_mib(shard.pid)
         longest = max(*args.prompt_lengths, args.decode_prompt)
         # room for the largest decode batch and the largest prefill batch alike
         tokens = (max(*args.batch_sizes, *args.prefill_batch_sizes)
@@ -129,7 +139,8 @@ async def bench(args) -> dict:
                                                   max_batch_total_tokens=tokens))
         driver = ShardDriver(stub, info.block_size, warm.num_blocks)
         results = {"device": info.device_type, "dtype": info.dtype, "quantize": args.quantize,
-                   "compile_decode": args.compile_decode, "prefill": [], "decode": []}
+                   "compile_decode": args.compile_decode, "resident_mib_after_load": loaded_mib,
+                   "prefill": [], "decode": []}
         await run_decode(driver, 1, 16, 4, 2)  # process warm-up
         for prompt_length in args.prompt_lengths:
             for batch_size in args.prefill_batch_sizes:
@@ -152,7 +163,8 @@ async def bench(args) -> dict:
 def print_tables(results: dict) -> None:
     print(f"device {results['device']}, dtype {results['dtype']}"
           + (f", weights {results['quantize']}" if results.get('quantize') else "")
-          + (", compiled decode step" if results.get("compile_decode") else ""))
+          + (", compiled decode step" if results.get("compile_decode") else "")
+          + f", resident after load {results['resident_mib_after_load']:.0f} MiB")
     print(f"\n{'prefill':<8}{'batch':>6}{'prompt':>8}{'p50 ms':>10}{'p90 ms':>10}{'tok/s':>10}")
     for row in results["prefill"]:
         lat = row["latency_s"]

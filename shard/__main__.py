@@ -59,7 +59,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
         layers = [m.prepared for m in loaded.model.modules() if hasattr(m, "prepared")]
         done = sum(p.quantized is not None for p in layers)
         log.info("%s weights: %d of %d linear layers quantized", config.quantize, done, len(layers))
-        if done and not any(p.quantized_rows for p in layers):
+        if done and not any(p.multiplies_quantized for p in layers):
             log.warning("PyTorch's %s kernels are no faster here than the unquantized path (%s): "
                         "the layers multiply by the weights the %s forms stand for (the quantized "
                         "model's answers, not its speed)", config.quantize,

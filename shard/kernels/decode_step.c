@@ -47,8 +47,8 @@ typedef struct {
     int4_matmul_fn int4_matmul; /* NULL where no layer is int4 */
 } kernels_t;
 
-/* one decoder layer's weights (matrices packed, biases NULL where the model has none; the int4
- * forms NULL where the layer has none) and cache */
+/* one decoder layer's weights (each matrix in the bf16 matmul's layout, or NULL there and in the
+ * int4 matmul's form where the layer is int4; biases NULL where the model has none) and cache */
 typedef struct {
     const void *input_norm, *post_norm;
     const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
@@ -63,7 +63,6 @@ typedef struct {
     const void *final_norm;
     const uint16_t *lm_head;
     const layer_t *layer;
-    int64_t int4_max_rows; /* batches up to this many rows multiply int4 forms where they exist */
 } model_t;
 
 /* the step's activations, each [batch, width] */
@@ -71,13 +70,13 @@ typedef struct {
     void *residual[2], *normed, *qkv, *qk, *attention, *projected, *gate_up, *act;
 } buffers_t;
 
-/* x [batch, in] -> out [batch, n] by the int4 form where it exists and the batch is small enough,
- * else the bf16 one, as the eager step's linear layers choose; nonzero where a kernel could not
- * allocate its scratch */
-static int linear(const kernels_t *k, const model_t *m, const void *x, int64_t batch, int64_t in,
+/* x [batch, in] -> out [batch, n] by the int4 form where the layer has one (it holds no bf16
+ * weight then), else the bf16 one, as the eager step's linear layers do; nonzero where a kernel
+ * could not allocate its scratch */
+static int linear(const kernels_t *k, const void *x, int64_t batch, int64_t in,
                   const uint16_t *weight, const uint8_t *int4, const uint16_t *bias, void *out,
                   int64_t n) {
-    if (int4 && batch <= m->int4_max_rows)
+    if (int4)
         return k->int4_matmul(x, batch, in, in, int4, n, bias, out, n);
     return k->matmul(x, batch, in, in, weight, n, bias, out, n);
 }
@@ -85,7 +84,7 @@ static int linear(const kernels_t *k, const model_t *m, const void *x, int64_t b
 /* a matmul that fails ends the step */
 #define LINEAR(...)                                                                                \
     do {                                                                                           \
-        if (linear(k, m, __VA_ARGS__) != 0)                                                        \
+        if (linear(k, __VA_ARGS__) != 0)                                                        \
             return -2;                                                                             \
     } while (0)
 

@@ -14,6 +14,13 @@
  * Rounding: D and X in float32 (each product exact, the sums rounded), the group's terms added in
  * float32, the result rounded once to bf16. The 128 offset costs about 7 bits of D's float32
  * precision, far below the 4-bit weights' own error.
+ *
+ * Past TILE_MAX_ROWS rows (prefills, large decode batches), where the arithmetic, not reading the
+ * weights, sets the time, each thread unpacks a few blocks at a time into the bf16 matmul's
+ * layout, the bf16 of q * scale + low (a float32 product, then a float32 sum: built with
+ * -ffp-contract=off, so no compiler fuses them), and runs that kernel's tiles (bf16_tiles.h) over
+ * the rows: the layers hold the 4-bit form alone, and a large batch gets what a bf16 layer of
+ * those weights gives, bit for bit.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,19 +33,34 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2_FMA 1
 #endif
+#define BLOCK 16 /* output features a block holds */
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
 #include <immintrin.h>
 #include <omp.h>
 
-#include "bf16_store.h"
+#include "bf16_tiles.h"
 #endif
 
-#define BLOCK 16 /* output features a block holds */
 #define GROUP 32 /* input features sharing a scale and a minimum */
 #define GROUP_BYTES (BLOCK * GROUP / 2 + 2 * BLOCK * 4)
 #define PARALLEL_MIN_WORK (1 << 16)
 /* how many groups (384 bytes each) ahead a tile asks for its blocks' lines */
 #define PREFETCH_GROUPS 4
+/* up to how many rows the 4-bit tiles below run. A decode step's matmuls of SmolLM2's 30 layers,
+ * weights streamed from memory (benchmarks/matmul_bench.py --step), against the bf16 matmul's
+ * time: AVX-512 BF16 tiles 0.51x at 1 row, 0.82x at 8, 0.94-0.99x at 12-16, 1.06-1.13x at 24-32,
+ * where unpacking took 1.17-1.29x at 12-32 rows and 1.05-1.14x at 48-128; AVX2 tiles 0.86-0.98x
+ * at 2-4 rows, 1.08-1.12x at 8-16, unpacking 1.22-1.85x there and 1.04-1.10x at 32-64 */
+#if defined(HAVE_DPBF16)
+#define TILE_MAX_ROWS 32
+#else
+#define TILE_MAX_ROWS 16
+#endif
+/* rows a pass over the unpacked blocks takes (their inputs stay in L2 or L3 while each thread
+ * unpacks its blocks once a pass) */
+#define UNPACKED_ROWS_PER_PASS 256
+/* blocks a thread unpacks at a time: the widest bf16 tile at many rows */
+#define STRIP_BLOCKS 3
 
 /* 1: AVX-512 BF16 dot products; 2: float32 FMAs on AVX2; 0: no kernel in this build */
 int int4_matmul_supported(void) {
@@ -50,6 +72,9 @@ int int4_matmul_supported(void) {
     return 0;
 #endif
 }
+
+/* up to how many rows a call runs the 4-bit tiles (more: the unpacked blocks) */
+int int4_matmul_tile_rows(void) { return TILE_MAX_ROWS; }
 
 int64_t int4_matmul_packed_bytes(int64_t n, int64_t k) {
     return (n + BLOCK - 1) / BLOCK * (k / GROUP) * GROUP_BYTES;
@@ -147,6 +172,47 @@ typedef void (*tile_fn)(const uint16_t *, int64_t, const float *, int64_t, const
 
 /* by rows in the tile: 1, 2, 4, 8 */
 static const tile_fn TILES[4] = {tile_1, tile_2, tile_4, tile_8};
+
+/* a block's groups -> the bf16 matmul's layout of its weights ([pairs][16 features][2 inputs]):
+ * the 32 bytes i of group g hold pair 16g + i in their low halves and 16g + i + 8 in the high
+ * ones, already in feature-major, input-minor order. VCVTNE2PS2BF16 rounds as float_to_bf16
+ * (to nearest, ties to even; a NaN quiet) except that it flushes subnormals, which no weight of
+ * this form is (int4_kernel.quantize: a product is 0 or at least 1e-12, a minimum not subnormal) */
+__attribute__((noinline)) static void unpack_block(const uint8_t *block, int64_t groups,
+                                                   uint16_t *to) {
+    const __m512i nibble = _mm512_set1_epi32(15);
+    /* lane 2f + e of 16 float32 lanes takes feature f's factor: features 0-7, then 8-15 */
+    const __m512i first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *at = block + g * GROUP_BYTES;
+        const float *factors = (const float *)(at + BLOCK * GROUP / 2);
+        const __m512 scale = _mm512_loadu_ps(factors), low = _mm512_loadu_ps(factors + BLOCK);
+        const __m512 scale_0 = _mm512_permutexvar_ps(first, scale);
+        const __m512 scale_1 = _mm512_permutexvar_ps(second, scale);
+        const __m512 low_0 = _mm512_permutexvar_ps(first, low);
+        const __m512 low_1 = _mm512_permutexvar_ps(second, low);
+        for (int i = 0; i < 8; i++) {
+            /* features 0-7, then 8-15, one byte a lane */
+            const __m512i bytes_0 =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + i * 32)));
+            const __m512i bytes_1 =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + i * 32 + 16)));
+            /* q * scale, rounded, then + low, rounded (no fused multiply-add: -ffp-contract=off) */
+#define WEIGHTS(q, s, l) _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), s), l)
+            const __m512 low_half_0 = WEIGHTS(_mm512_and_si512(bytes_0, nibble), scale_0, low_0);
+            const __m512 low_half_1 = WEIGHTS(_mm512_and_si512(bytes_1, nibble), scale_1, low_1);
+            const __m512 high_half_0 = WEIGHTS(_mm512_srli_epi32(bytes_0, 4), scale_0, low_0);
+            const __m512 high_half_1 = WEIGHTS(_mm512_srli_epi32(bytes_1, 4), scale_1, low_1);
+#undef WEIGHTS
+            _mm512_storeu_si512((void *)(to + (16 * g + i) * 2 * BLOCK),
+                                (__m512i)_mm512_cvtne2ps_pbh(low_half_1, low_half_0));
+            _mm512_storeu_si512((void *)(to + (16 * g + i + 8) * 2 * BLOCK),
+                                (__m512i)_mm512_cvtne2ps_pbh(high_half_1, high_half_0));
+        }
+    }
+}
+
 
 #elif defined(HAVE_AVX2_FMA)
 
@@ -249,18 +315,168 @@ static void tile_1(const float *x, int64_t x_stride, const float *x_sums, int64_
     store_block(sums, bias, col, (int)(n - col), out);
 }
 
+
+/* a block's groups -> the bf16 matmul's layout of its weights ([pairs][16 features][2 inputs]):
+ * the 32 bytes i of group g hold pair 16g + i in their low halves and 16g + i + 8 in the high
+ * ones, already in feature-major, input-minor order; 8 bytes (4 features) at a time. Out of line:
+ * inlined next to the panel tiles, its constants took registers and GCC spilled a sum to the
+ * stack there (2.2x slower) */
+__attribute__((noinline)) static void unpack_block(const uint8_t *block, int64_t groups,
+                                                   uint16_t *to) {
+    const __m256i nibble = _mm256_set1_epi32(15);
+    const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *at = block + g * GROUP_BYTES;
+        const float *factors = (const float *)(at + BLOCK * GROUP / 2);
+        for (int v = 0; v < 4; v++) {
+            const __m256 scale = _mm256_permutevar8x32_ps(
+                _mm256_castps128_ps256(_mm_loadu_ps(factors + 4 * v)), twice);
+            const __m256 low = _mm256_permutevar8x32_ps(
+                _mm256_castps128_ps256(_mm_loadu_ps(factors + BLOCK + 4 * v)), twice);
+            for (int i = 0; i < 8; i++) {
+                uint64_t eight;
+                memcpy(&eight, at + i * 32 + v * 8, sizeof eight);
+                const __m256i bytes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)eight));
+                const __m256 first = _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble)), scale), low);
+                const __m256 second = _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), scale), low);
+                _mm_storeu_si128((__m128i *)(to + (16 * g + i) * 2 * BLOCK + 8 * v),
+                                 round_to_bf16(first));
+                _mm_storeu_si128((__m128i *)(to + (16 * g + i + 8) * 2 * BLOCK + 8 * v),
+                                 round_to_bf16(second));
+            }
+        }
+    }
+}
+
+#endif
+
+#if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
+
+/* the calling thread's scratch for a call (its rows' group sums or widened rows, the threads'
+ * float32 panels) and each thread's unpacked blocks: grown as needed and kept, as calls repeat
+ * the same few sizes (at most UNPACKED_ROWS_PER_PASS rows of the widest input, or a decode
+ * batch's rows and sums; STRIP_BLOCKS blocks) */
+static __thread void *call_scratch, *strip_scratch;
+static __thread size_t call_capacity, strip_capacity;
+
+static void *grown(void **buffer, size_t *capacity, size_t bytes) {
+    if (bytes > *capacity) {
+        void *bigger = realloc(*buffer, bytes);
+        if (!bigger)
+            return 0;
+        *buffer = bigger;
+        *capacity = bytes;
+    }
+    return *buffer;
+}
+
+/* the rows of a pass against blocks [first, last), STRIP_BLOCKS blocks unpacked at a time into
+ * `unpacked`; on AVX2 the rows are widened to float32 and `panel` is the thread's float32 panel */
+#ifdef HAVE_DPBF16
+typedef uint16_t pass_row_t;
+#else
+typedef float pass_row_t;
+#endif
+static void unpacked_pass(const pass_row_t *x, int64_t rows, int64_t x_stride,
+                          const uint8_t *packed, int64_t groups, int64_t n,
+                          const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t first,
+                          int64_t last, uint16_t *unpacked, float *panel) {
+    const int64_t pairs = groups * GROUP / 2;
+    for (int64_t b = first; b < last; b += STRIP_BLOCKS) {
+        const int nr = last - b < STRIP_BLOCKS ? (int)(last - b) : STRIP_BLOCKS;
+        for (int j = 0; j < nr; j++)
+            unpack_block(packed + (b + j) * groups * GROUP_BYTES, groups,
+                         unpacked + j * pairs * 2 * BLOCK);
+        /* the strip as the whole weight of its own: its columns from b * BLOCK */
+        const uint16_t *strip_bias = bias ? bias + b * BLOCK : 0;
+#ifdef HAVE_DPBF16
+        (void)panel;
+        bf16_blocks(x, rows, x_stride, unpacked, pairs, n - b * BLOCK, strip_bias,
+                    out + b * BLOCK, out_stride, 0, nr);
+#else
+        if (rows >= PANEL_MIN_ROWS)
+            bf16_blocks_panel(x, rows, x_stride, unpacked, pairs, n - b * BLOCK, strip_bias,
+                              out + b * BLOCK, out_stride, 0, nr, panel);
+        else
+            bf16_blocks(x, rows, x_stride, unpacked, pairs, n - b * BLOCK, strip_bias,
+                        out + b * BLOCK, out_stride, 0, nr);
+#endif
+    }
+}
+
+/* more than TILE_MAX_ROWS rows: by the bf16 tiles over unpacked blocks */
+static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                           const uint8_t *packed, int64_t n, const uint16_t *bias, uint16_t *out,
+                           int64_t out_stride) {
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP, pairs = k / 2;
+    const size_t strip_bytes = (size_t)(STRIP_BLOCKS * pairs * 2 * BLOCK) * sizeof(uint16_t);
+    const int parallel = m * n * k >= PARALLEL_MIN_WORK;
+    int failed = 0;
+#ifdef HAVE_DPBF16
+    float *panels = 0;
+    const int64_t panel_stride = 0;
+#else
+    /* a pass's rows widened to float32, then a panel per thread */
+    const int64_t pass_elements = (m < UNPACKED_ROWS_PER_PASS ? m : UNPACKED_ROWS_PER_PASS) * k;
+    const int64_t panel_stride = pairs * 2 * BLOCK;
+    float *wide = grown(&call_scratch, &call_capacity,
+                        (size_t)(pass_elements + (parallel ? omp_get_max_threads() : 1)
+                                 * panel_stride) * sizeof(float));
+    if (!wide)
+        return -2;
+    float *panels = wide + pass_elements;
+#endif
+#pragma omp parallel if (parallel)
+    {
+        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads;
+        uint16_t *unpacked = first < last ? grown(&strip_scratch, &strip_capacity, strip_bytes) : 0;
+        if (first < last && !unpacked) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t r = 0; r < m; r += UNPACKED_ROWS_PER_PASS) {
+            const int64_t rows = m - r < UNPACKED_ROWS_PER_PASS ? m - r : UNPACKED_ROWS_PER_PASS;
+#ifdef HAVE_DPBF16
+            if (unpacked)
+                unpacked_pass(x + r * x_stride, rows, x_stride, packed, groups, n, bias,
+                              out + r * out_stride, out_stride, first, last, unpacked, panels);
+#else
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < rows; i++)
+                widen_row(x + (r + i) * x_stride, k, wide + i * k);
+            /* (the loop's barrier: every row is widened before any thread reads them) */
+            if (unpacked)
+                unpacked_pass(wide, rows, k, packed, groups, n, bias, out + r * out_stride,
+                              out_stride, first, last, unpacked, panels + thread * panel_stride);
+#pragma omp barrier
+#endif
+        }
+    }
+    (void)panel_stride;
+    return failed ? -2 : 0;
+}
+
 #endif
 
 /* x [m, k] with rows x_stride apart, packed by int4_matmul_pack, bias [n] or NULL -> out [m, n]
- * with rows out_stride apart. Returns 0, -1 where this build has no kernel, -2 where the rows'
- * group sums could not be allocated. */
+ * with rows out_stride apart. Returns 0, -1 where this build has no kernel (or k is not a
+ * positive multiple of 32), -2 where its scratch could not be allocated. */
 int int4_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint8_t *packed,
                 int64_t n, const uint16_t *bias, uint16_t *out, int64_t out_stride) {
-#ifdef HAVE_DPBF16
+#if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
     if (m <= 0 || n <= 0)
         return 0;
-    float *x_sums = malloc((size_t)(m * groups) * sizeof(float));
+    if (k <= 0 || k % GROUP)
+        return -1;
+    if (m > TILE_MAX_ROWS)
+        return unpacked_matmul(x, m, k, x_stride, packed, n, bias, out, out_stride);
+#endif
+#ifdef HAVE_DPBF16
+    float *x_sums = grown(&call_scratch, &call_capacity, (size_t)(m * groups) * sizeof(float));
     if (!x_sums)
         return -2;
     for (int64_t r = 0; r < m; r++)
@@ -284,14 +500,11 @@ int int4_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
                               out + r * out_stride, out_stride);
         }
     }
-    free(x_sums);
     return 0;
 #elif defined(HAVE_AVX2_FMA)
-    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
-    if (m <= 0 || n <= 0)
-        return 0;
     /* the rows widened to float32, then each row's group sums */
-    float *wide = malloc((size_t)(m * k + m * groups) * sizeof(float));
+    float *wide =
+        grown(&call_scratch, &call_capacity, (size_t)(m * k + m * groups) * sizeof(float));
     if (!wide)
         return -2;
     float *x_sums = wide + m * k;
@@ -320,7 +533,6 @@ int int4_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
                        out + r * out_stride, out_stride);
         }
     }
-    free(wide);
     return 0;
 #else
     (void)x, (void)m, (void)k, (void)x_stride, (void)packed, (void)n, (void)bias, (void)out,

@@ -57,7 +57,6 @@ class ParallelLMHead(nn.Module):
         self.parallel = parallel
         self.prepared = LinearWeight.prepare(weight, quantize_kind=quantize_kind,
                                              model_dtype=model_dtype)
-        self.weight = nn.Parameter(self.prepared.weight, requires_grad=False)
 
     @classmethod
     def load(cls, weights: Weights, name: str, vocab_size: int) -> "ParallelLMHead":

@@ -1,9 +1,10 @@
-"""The C int4 matmul (shard/kernels/int4_matmul.c) for decode-size batches on AVX-512 BF16 or AVX2 CPUs.
+"""The C int4 matmul (shard/kernels/int4_matmul.c) on AVX-512 BF16 or AVX2 CPUs.
 
 `--quantize int4` packs each linear weight of a bf16 model in its form (groups of 32 input features
 with a float32 scale and minimum, GGUF's Q4_1) where it runs: the build has AVX-512 BF16 or AVX2, a
-C compiler is there, TGI_PY_INT4_KERNEL is not 0, and our bf16 matmul runs too (the layers keep a
-bf16 copy of the weights the 4-bit form stands for, in its layout, for larger batches).
+C compiler is there, TGI_PY_INT4_KERNEL is not 0, and our bf16 matmul runs too. The layers hold
+that form alone: decode-size batches multiply by it directly, larger ones by the bf16 matmul's
+tiles over blocks unpacked on the fly (the bf16 of `restore`'s weights, bit for bit).
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import torch
 from shard.layers import matmul_kernel, native
 
 SOURCE = native.KERNELS / "int4_matmul.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# no fused multiply-adds the source does not ask for: an unpacked weight is q * scale, rounded, plus
+# the minimum, as `restore` computes it
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off"]
 ENABLED_ENV = "TGI_PY_INT4_KERNEL"
 GROUP = 32
 # what int4_matmul_supported says: VDPBF16PS dot products, or float32 FMAs on AVX2
@@ -36,22 +39,26 @@ def load_library() -> ctypes.CDLL | None:
     library.int4_matmul_pack.restype = None
     library.int4_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
     library.int4_matmul.restype = ctypes.c_int
+    library.int4_matmul_tile_rows.restype = ctypes.c_int
     return library
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [n, k] (k a multiple of 32) -> q [n, k] uint8 in 0..15, scale and low [n, k / 32]
-    float32, with weight ~ q * scale + low per group of 32 (the minimum and 1/15 of the range)."""
+    float32, with weight ~ q * scale + low per group of 32 (the minimum and 1/15 of the range).
+    No q * scale + low is subnormal (the kernel's bf16 rounding flushes those): a subnormal minimum
+    stands as 0, and a scale is at least 1e-12."""
     n, k = weight.shape
     groups = weight.float().reshape(n, k // GROUP, GROUP)
     low = groups.amin(dim=-1)
+    low = torch.where(low.abs() < torch.finfo(torch.float32).tiny, 0.0, low)
     scale = ((groups.amax(dim=-1) - low) / 15).clamp(min=1e-12)
     q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
     return q.reshape(n, k).contiguous(), scale.contiguous(), low.contiguous()
 
 
 def restore(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The float32 weight q * scale + low stands for."""
+    """The float32 weight q * scale + low stands for (the product rounded, then the sum)."""
     n, k = q.shape
     groups = q.reshape(n, k // GROUP, GROUP).float() * scale[..., None] + low[..., None]
     return groups.reshape(n, k)
@@ -68,7 +75,13 @@ def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tenso
     return packed
 
 
+def tile_rows() -> int:
+    """Up to how many rows a call multiplies by the 4-bit form (more: by unpacked bf16 blocks)."""
+    return load_library().int4_matmul_tile_rows()
+
+
 def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., k] -> x W^T + bias [..., n] for W packed by `pack`, bias contiguous bf16 or None;
-    x is rounded to bf16 first, the result comes back in x's dtype."""
+    x is rounded to bf16 first, the result comes back in x's dtype. Past `tile_rows()` rows the
+    result is the bf16 matmul's on the bf16 of `restore`'s weights, bit for bit."""
     return matmul_kernel.run_on_rows(load_library().int4_matmul, x, packed, n, bias)

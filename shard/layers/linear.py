@@ -37,29 +37,19 @@ BF16_GEMV_MAX_ROWS = 1
 # quantized forms stand for, in the forms above.
 QUANTIZED_KERNEL_DTYPE = torch.bfloat16
 QUANTIZED_MAX_ROWS = 4
-# Up to how many rows our C int4 kernel (shard.layers.int4_kernel) beats our bf16 matmul, by its
-# form: 30 layers of SmolLM2's decode matmuls, weights streamed from memory
-# (benchmarks/matmul_bench.py --step). AVX-512 BF16: 0.51-0.53x the time at 1-2 rows, 0.57-0.66x
-# at 4, 0.77-0.89x at 8, level at 16. AVX2 (built for it and run on the same machine): 0.57x at 1
-# row, 0.89x at 2, level at 4, 1.3x at 8.
-C_INT4_MAX_ROWS = {int4_kernel.DPBF16_FORM: 8, int4_kernel.AVX2_FORM: 2}
 
 
 def c_int4_runs() -> bool:
     """Whether int4 layers of a bf16 model take our C int4 kernel here (its AVX-512 BF16 or AVX2
-    form, where our bf16 matmul runs too: it multiplies the larger batches)."""
+    form), alone: it multiplies decode-size batches by the 4-bit form and larger ones by our bf16
+    matmul's tiles over blocks it unpacks. Where our bf16 matmul does not run (AMX, AVX-512
+    without BF16, TGI_PY_MATMUL_KERNEL=0), neither does it: oneDNN's kernels were not measured
+    against those tiles there."""
     return int4_kernel.load_library() is not None and c_matmul_runs()
 
 
-def c_int4_rows() -> int:
-    """Up to how many rows int4 layers multiply by our int4 kernel here (0: they do not)."""
-    if not c_int4_runs():
-        return 0
-    return C_INT4_MAX_ROWS[int4_kernel.load_library().int4_matmul_supported()]
-
-
 def quantized_kernel_rows() -> int:
-    """Up to how many rows a quantized layer runs the quantized kernels on this CPU (0: never).
+    """Up to how many rows a layer quantized for PyTorch's kernels runs them on this CPU (0: never).
 
     Never where the C bf16 matmul runs (and on AVX2 they never pay; int4 layers of bf16 models
     take our own int4 kernel there instead, c_int4_runs): PyTorch's int8 kernel is slower than
@@ -76,7 +66,9 @@ def quantized_kernel_rows() -> int:
 
 @dataclass(slots=True)
 class LinearWeight:
-    """A weight (and bias) in the forms this CPU multiplies fastest; `weight` keeps the checkpoint's values.
+    """A weight [out_features, in_features] (and bias) in the form this CPU multiplies fastest.
+    Where a packed or quantized form holds the weight, the checkpoint's layout is not kept
+    (`weight` None): it would double the layer's memory.
 
     - bf16 on a CPU with AVX-512 BF16 (and no AMX): `tiled`, the weight in the layout of the C
       kernel of shard.layers.matmul_kernel (decode-size matmuls 1.1-3x faster than oneDNN's, level
@@ -95,24 +87,33 @@ class LinearWeight:
       for fbgemm (bf16 -> fp16 is exact down to 6e-5 in magnitude, and smaller values keep an
       absolute error under 3e-8); larger ones use `widened`, a float32 copy. Costs three times the
       bf16 weight's memory again.
-    - float32 (and every GPU): F.linear as it is, which the parity tests pin to transformers'.
-    - `quantize` int8 or int4 (CPU only): `quantized` for up to `quantized_rows` rows, its
+    - float32 (and every GPU): F.linear on `weight`, which the parity tests pin to transformers'.
+    - int4 in a bf16 model where our C int4 kernel runs (c_int4_runs): `quantized` alone, in its
+      form (a float32 scale and minimum per 32 weights, GGUF's Q4_1), for every batch size; the
+      bias as bf16 in `tiled_bias`.
+    - other `quantize` int8 or int4 (CPU only): `quantized` for up to `quantized_rows` rows, its
       kernels fed bf16 activations; past that (and on CPUs where they do not pay), the forms above
       made from the weights it stands for. A shape the int4 kernel cannot take is not quantized.
-      int4 in a bf16 model where our C int4 kernel runs (c_int4_runs) takes its form (a float32
-      scale and minimum per 32 weights, GGUF's Q4_1) for up to c_int4_rows() rows.
     """
 
-    weight: torch.Tensor
+    out_features: int
+    in_features: int
+    weight: torch.Tensor | None = None  # where a path multiplies by the checkpoint's layout
     bias: torch.Tensor | None = None
     tiled: torch.Tensor | None = None
-    tiled_bias: torch.Tensor | None = None  # bias as bf16, where `tiled` is set
+    tiled_bias: torch.Tensor | None = None  # bias as bf16, for our C kernels
     packed: torch.Tensor | None = None
     half: torch.Tensor | None = None
     widened: torch.Tensor | None = None
     wide_bias: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
-    quantized_rows: int = 0  # the kernels run for up to this many rows
+    quantized_rows: int = 0  # PyTorch's quantized kernels run for up to this many rows
+
+    @property
+    def multiplies_quantized(self) -> bool:
+        """Whether some batch size multiplies by the quantized form (not the weights it stands for)."""
+        return self.quantized is not None and (self.quantized.kernel == "c"
+                                               or self.quantized_rows > 0)
 
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -120,32 +121,35 @@ class LinearWeight:
                 ) -> "LinearWeight":
         """`model_dtype`: what the model holds weights in, when `weight` arrives as stored to be
         quantized."""
+        shape = {"out_features": weight.shape[0], "in_features": weight.shape[1]}
         if quantize_kind and weight.device.type == "cpu" and can_quantize(weight, quantize_kind):
             if (quantize_kind == "int4" and (model_dtype or weight.dtype) == torch.bfloat16
                     and c_int4_runs()):
-                quantized, restored = c_int4(weight)
-                rows = c_int4_rows()
-            else:
-                quantized, restored = quantize(weight, quantize_kind, QUANTIZED_KERNEL_DTYPE)
-                rows = quantized_kernel_rows()
+                return cls(**shape, bias=bias, tiled_bias=_bf16(bias), quantized=c_int4(weight))
+            quantized, restored = quantize(weight, quantize_kind, QUANTIZED_KERNEL_DTYPE)
             prepared = cls.prepare(restored.to(model_dtype or weight.dtype), bias)
             prepared.quantized = quantized
-            prepared.quantized_rows = rows
+            prepared.quantized_rows = quantized_kernel_rows()
             return prepared
         if model_dtype is not None:
             weight = weight.to(model_dtype)
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-            return cls(weight, bias)
+            return cls(**shape, weight=weight, bias=bias)
         if c_matmul_runs() and matmul_kernel.can_pack(weight):
-            return cls(weight, bias, tiled=matmul_kernel.pack(weight), tiled_bias=None
-                       if bias is None else bias.to(torch.bfloat16).contiguous())
+            return cls(**shape, bias=bias, tiled=matmul_kernel.pack(weight),
+                       tiled_bias=_bf16(bias))
         if cpu_has_bf16_kernels():
-            return cls(weight, bias, packed=torch.ops.mkldnn._reorder_linear_weight(weight, 32))
+            return cls(**shape, bias=bias,
+                       packed=torch.ops.mkldnn._reorder_linear_weight(weight, 32))
         widened = weight.float()
         wide_bias = (bias.float() if bias is not None
                      else torch.zeros(weight.shape[0], dtype=torch.float32))
-        return cls(weight, bias, half=fbgemm_half_layout(widened), widened=widened,
-                   wide_bias=wide_bias)
+        return cls(**shape, weight=weight, bias=bias, half=fbgemm_half_layout(widened),
+                   widened=widened, wide_bias=wide_bias)
+
+
+def _bf16(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.to(torch.bfloat16).contiguous()
 
 
 def fbgemm_half_layout(weight: torch.Tensor) -> torch.Tensor | None:
@@ -159,14 +163,13 @@ def fbgemm_half_layout(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    if w.quantized is not None and w.quantized.kernel == "c":  # the bias inside, in float32
+        return int4_kernel.matmul(x, w.quantized.data, w.out_features, w.tiled_bias)
     if w.quantized is not None and x.shape[0] <= w.quantized_rows:
-        if w.quantized.kernel == "c":  # the bias inside, as the bf16 matmul adds it
-            return int4_kernel.matmul(x, w.quantized.data, w.quantized.out_features,
-                                      w.tiled_bias)
         out = quantized_linear(x, w.quantized)
         return out if w.bias is None else out + w.bias.to(out.dtype)
     if w.tiled is not None:
-        return matmul_kernel.matmul(x, w.tiled, w.weight.shape[0], w.tiled_bias)
+        return matmul_kernel.matmul(x, w.tiled, w.out_features, w.tiled_bias)
     if w.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, w.packed, w.bias, "none", [], "")
     if w.widened is None:
@@ -193,7 +196,6 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.prepared = LinearWeight.prepare(weight, self.bias, quantize_kind, model_dtype)
-        self.weight = nn.Parameter(self.prepared.weight, requires_grad=False)
 
     @classmethod
     def load(cls, weights: Weights, prefixes: list[str], *, bias: bool) -> "ColumnParallelLinear":
@@ -218,7 +220,6 @@ class RowParallelLinear(nn.Module):
         self.parallel = parallel
         self.prepared = LinearWeight.prepare(weight, quantize_kind=quantize_kind,
                                              model_dtype=model_dtype)
-        self.weight = nn.Parameter(self.prepared.weight, requires_grad=False)
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, *, bias: bool) -> "RowParallelLinear":

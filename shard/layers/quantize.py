@@ -78,13 +78,12 @@ def _int4(weight: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
     return QuantizedWeight("int4", packed, scales, out_features, dtype), restored
 
 
-def c_int4(weight: torch.Tensor) -> tuple[QuantizedWeight, torch.Tensor]:
+def c_int4(weight: torch.Tensor) -> QuantizedWeight:
     """`weight` [out, in] in the C int4 kernel's form (a float32 scale and minimum per group of 32,
-    GGUF's Q4_1 layout), and the float32 weight that form stands for."""
+    GGUF's Q4_1 layout; int4_kernel.restore gives the weight it stands for)."""
     q, scale, low = int4_kernel.quantize(weight)
-    return (QuantizedWeight("int4", int4_kernel.pack(q, scale, low), None, weight.shape[0],
-                            torch.bfloat16, kernel="c"),
-            int4_kernel.restore(q, scale, low))
+    return QuantizedWeight("int4", int4_kernel.pack(q, scale, low), None, weight.shape[0],
+                           torch.bfloat16, kernel="c")
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:

@@ -44,7 +44,7 @@ class _Model(ctypes.Structure):
                 ("head_dim", _i64), ("intermediate", _i64), ("vocab_rows", _i64),
                 ("num_blocks", _i64), ("block_size", _i64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("final_norm", _ptr), ("lm_head", _ptr),
-                ("layer", ctypes.POINTER(_Layer)), ("int4_max_rows", _i64)]
+                ("layer", ctypes.POINTER(_Layer))]
 
 
 _BUFFERS = ("residual0", "residual1", "normed", "qkv", "qk", "attention", "projected", "gate_up",
@@ -91,24 +91,23 @@ def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str |
         attention, mlp = layer.self_attn, layer.mlp
         if attention.o_proj.bias is not None or mlp.down_proj.bias is not None:
             return "a bias after a row-parallel projection is a separate bf16 add in eager steps"
-    int4_rows = set()
+    if model.lm_head.prepared.tiled is None:
+        return "the head runs another kernel than our C bf16 matmul (the C loop takes no other)"
+    any_int4 = False
     for module in model.modules():
         prepared = getattr(module, "prepared", None)
         if prepared is None:
             continue
-        own_int4 = prepared.quantized is not None and prepared.quantized.kernel == "c"
-        if prepared.tiled is None or (prepared.quantized_rows and not own_int4):
+        own_int4 = _int4(prepared) is not None
+        any_int4 = any_int4 or own_int4
+        if not own_int4 and (prepared.tiled is None or prepared.quantized_rows):
             return ("a linear layer runs another kernel than our C bf16 or int4 matmuls "
                     "(PyTorch's quantized kernels, an odd input width, or a CPU where ours do "
                     "not run: AMX, AVX-512 without BF16, no AVX2)")
-        if own_int4:
-            int4_rows.add(prepared.quantized_rows)
-    if len(int4_rows) > 1:
-        return "the int4 layers switch to bf16 at different batch sizes (the C loop takes one)"
     for name, library in (("the fused layer ops", fused.load_library()),
                           ("the attention kernel", paged_kernel.load_kernel()),
                           ("the bf16 matmul", matmul_kernel.load_library()),
-                          ("the int4 matmul", int4_kernel.load_library() if int4_rows else True),
+                          ("the int4 matmul", int4_kernel.load_library() if any_int4 else True),
                           ("the decode step", load_library())):
         if library is None:
             return f"{name} did not build or is switched off"
@@ -124,8 +123,8 @@ class DecodeStep:
         self.model = model
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.hidden = cfg.hidden_size
-        self.intermediate = model.layers[0].mlp.down_proj.prepared.weight.shape[1]
-        self.vocab_rows = model.lm_head.prepared.weight.shape[0]
+        self.intermediate = model.layers[0].mlp.down_proj.prepared.in_features
+        self.vocab_rows = model.lm_head.prepared.out_features
         self.block_size = cache[0].key.shape[2]
         layers = []
         for layer, layer_cache in zip(model.layers, cache):
@@ -133,10 +132,9 @@ class DecodeStep:
             layers.append(_Layer(
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),
-                attention.qkv_proj.prepared.tiled.data_ptr(),
-                _bias(attention.qkv_proj.prepared), attention.o_proj.prepared.tiled.data_ptr(),
-                None, mlp.gate_up_proj.prepared.tiled.data_ptr(),
-                _bias(mlp.gate_up_proj.prepared), mlp.down_proj.prepared.tiled.data_ptr(), None,
+                _tiled(attention.qkv_proj.prepared), _bias(attention.qkv_proj.prepared),
+                _tiled(attention.o_proj.prepared), None, _tiled(mlp.gate_up_proj.prepared),
+                _bias(mlp.gate_up_proj.prepared), _tiled(mlp.down_proj.prepared), None,
                 layer_cache.key.data_ptr(), layer_cache.value.data_ptr(),
                 *(_int4(linear.prepared) for linear in (
                     attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))))
@@ -145,9 +143,7 @@ class DecodeStep:
         self._model = _Model(
             len(layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
             self.vocab_rows, cache[0].key.shape[0], self.block_size, model.norm.eps, first.scale,
-            model.norm.weight.data_ptr(), model.lm_head.prepared.tiled.data_ptr(),
-            self._layers, max((_int4_rows(m.prepared) for m in model.modules()
-                               if getattr(m, "prepared", None) is not None), default=0))
+            model.norm.weight.data_ptr(), _tiled(model.lm_head.prepared), self._layers)
         layer_ops = fused.load_library()
         self._kernels = _Kernels(
             _address(layer_ops.rms_norm), _address(layer_ops.silu_mul),
@@ -213,6 +209,6 @@ def _int4(prepared) -> int | None:
     return prepared.quantized.data.data_ptr() if own else None
 
 
-def _int4_rows(prepared) -> int:
-    own = prepared.quantized is not None and prepared.quantized.kernel == "c"
-    return prepared.quantized_rows if own else 0
+def _tiled(prepared) -> int | None:
+    """The layer's weight in our bf16 matmul's layout, or None (it is int4: `_int4`)."""
+    return None if prepared.tiled is None else prepared.tiled.data_ptr()

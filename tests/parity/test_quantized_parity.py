@@ -78,8 +78,9 @@ def test_quantized_model_equals_transformers_on_the_weights_it_stands_for(tmp_pa
 
 def test_a_bf16_int4_model_through_our_kernel_is_the_model_its_4_bit_form_stands_for(tmp_path):
     """Where our C int4 kernel runs, a bf16 model's int4 layers hold its form (a float32 scale and
-    minimum per 32 weights): decode rows multiply by it, the prompt's rows by the bf16 weights it
-    stands for, and both are, within bf16 rounding, transformers on those weights."""
+    minimum per 32 weights) alone: decode rows multiply by it, the prompt's rows (more than its
+    tiles take) by the bf16 weights it stands for, unpacked on the fly, and both are, within bf16
+    rounding, transformers on those weights."""
     import transformers
 
     if not linear_module.c_int4_runs():
@@ -107,9 +108,10 @@ def test_a_bf16_int4_model_through_our_kernel_is_the_model_its_4_bit_form_stands
                                                    cfg.head_dim, 4, torch.bfloat16,
                                                    torch.device("cpu")))
     runner.allocate(32)
-    prompt = [5, 17, 42, 99, 3, 250, 7, 11, 60, 61]
-    assert len(prompt) > linear_module.c_int4_rows()
-    logits = runner.prefill([PrefillSequence(prompt, 0, [3, 1, 4, 5])]).last
+    # more rows than the 4-bit tiles take: the prompt multiplies by unpacked blocks
+    prompt = [5, 17, 42, 99, 3, 250, 7, 11, 60, 61] * (int4_kernel.tile_rows() // 10 + 1)
+    table = list(range(31, 31 - (len(prompt) + 3) // 4 - 1, -1))
+    logits = runner.prefill([PrefillSequence(prompt, 0, table)]).last
     plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
                                                               dtype=torch.float32).eval()
     tokens = list(prompt)
@@ -123,7 +125,7 @@ def test_a_bf16_int4_model_through_our_kernel_is_the_model_its_4_bit_form_stands
         assert (unquantized - expected).abs().max().item() > tolerance
         tokens.append(int(logits[0].argmax()))
         logits = runner.decode(torch.tensor(tokens[-1:]), torch.tensor([len(tokens) - 1]),
-                               torch.tensor([[3, 1, 4, 5]])).logits
+                               torch.tensor([table])).logits
 
 
 @pytest.mark.parametrize("kind", QUANTIZE_KINDS)

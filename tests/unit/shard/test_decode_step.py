@@ -15,14 +15,15 @@ from shard.models import llama_step
 from tests.tiny_models import build_tiny_model
 
 
-def _runner(model_dir, dtype=torch.bfloat16, compile_decode=False, quantize=None) -> ModelRunner:
+def _runner(model_dir, dtype=torch.bfloat16, compile_decode=False, quantize=None,
+            blocks=64) -> ModelRunner:
     loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
                         parallel=ParallelContext(), quantize=quantize)
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim, 4, dtype,
                        torch.device("cpu"))
     runner = ModelRunner(loaded.model, spec, compile_decode=compile_decode)
-    runner.allocate(64)
+    runner.allocate(blocks)
     return runner
 
 
@@ -119,20 +120,23 @@ def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, ragged_dir, archite
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_c_step_with_int4_layers_equals_the_eager_step(tiny_llama, qwen2_dir, architecture,
                                                        kernel_build):
-    """--quantize int4 where our int4 kernel runs: batches up to c_int4_rows() multiply the
-    4-bit forms, larger ones the bf16 weights they stand for, in both steps alike."""
+    """--quantize int4 where our int4 kernel runs: batches up to its tile rows multiply the 4-bit
+    forms, larger ones the bf16 weights they stand for (unpacked on the fly), in both steps
+    alike."""
     if int4_kernel.load_library() is None:
         pytest.skip("the C int4 matmul needs AVX-512 BF16 or AVX2, and a C compiler")
-    runner = _runner({"llama": tiny_llama, "qwen2": qwen2_dir}[architecture], quantize="int4")
+    tiles = int4_kernel.tile_rows()
+    runner = _runner({"llama": tiny_llama, "qwen2": qwen2_dir}[architecture], quantize="int4",
+                     blocks=2 * tiles + 4)
     if linear.c_int4_runs():  # int4 layers must not cost the C step
         assert llama_step.unsupported_reason(runner.model, runner.cache) is None
     _needs_c_step(runner)
     own = [m.prepared for m in runner.model.layers.modules() if hasattr(m, "prepared")]
     assert own and all(p.quantized.kernel == "c" for p in own)
-    for batch in (1, 3, linear.c_int4_rows(), linear.c_int4_rows() + 1):
+    for batch in (1, 3, tiles, tiles + 1):
         torch.manual_seed(batch)
-        seqs = [PrefillSequence(token_ids=torch.randint(3, 300, (3 + 2 * b,)).tolist(), start=0,
-                                blocks=list(range(1 + 7 * b, 8 + 7 * b))) for b in range(batch)]
+        seqs = [PrefillSequence(token_ids=torch.randint(3, 300, (3 + b % 5,)).tolist(), start=0,
+                                blocks=[1 + 2 * b, 2 + 2 * b]) for b in range(batch)]
         runner.prefill(seqs)
         tables = torch.tensor([s.blocks for s in seqs])
         lens = torch.tensor([s.length for s in seqs])

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from shard.layers import int4_kernel
-from shard.layers.linear import LinearWeight, c_int4_rows, c_int4_runs, linear
+from shard.layers import int4_kernel, matmul_kernel
+from shard.layers.linear import LinearWeight, c_int4_runs, linear
 
 
 @pytest.fixture(params=["native", "avx2"])
@@ -12,12 +12,14 @@ def int4_build(request):
     if request.param == "avx2":
         request.getfixturevalue("avx2_build")
     int4_kernel.load_library.cache_clear()
-    library = int4_kernel.load_library()
-    if library is None:
+    matmul_kernel.load_library.cache_clear()
+    if int4_kernel.load_library() is None:
         int4_kernel.load_library.cache_clear()
+        matmul_kernel.load_library.cache_clear()
         pytest.skip("the C int4 matmul needs AVX-512 BF16 or AVX2, and a C compiler")
     yield request.param
     int4_kernel.load_library.cache_clear()
+    matmul_kernel.load_library.cache_clear()
 
 
 def test_quantize_keeps_q4_1_weights():
@@ -39,7 +41,7 @@ def test_quantize_keeps_q4_1_weights():
 
 @pytest.mark.parametrize("features", [(16, 32), (17, 64), (100, 96), (333, 576), (576, 1536)])
 def test_the_kernel_multiplies_by_the_restored_weights(features, int4_build):
-    """Every tile (1, 2, 4, 8 rows; 1 and 2 on AVX2) and tail of a 16-feature block, with and
+    """Every 4-bit tile (1, 2, 4, 8 rows; 1 and 2 on AVX2) and tail of a 16-feature block, with and
     without bias: within float32 rounding of the exact product by the restored weights, rounded
     once."""
     if int4_build == "avx2":
@@ -50,7 +52,9 @@ def test_the_kernel_multiplies_by_the_restored_weights(features, int4_build):
     packed = int4_kernel.pack(codes, scale, low)
     restored = int4_kernel.restore(codes, scale, low).double()
     for bias in (None, torch.randn(n, dtype=torch.bfloat16)):
-        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 17):
+        for rows in (1, 2, 3, 4, 5, 7, 8):
+            if rows > int4_kernel.tile_rows():
+                break
             x = torch.randn(rows, k, dtype=torch.bfloat16)
             out = int4_kernel.matmul(x, packed, n, bias)
             assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
@@ -70,21 +74,46 @@ def test_the_kernel_multiplies_by_the_restored_weights(features, int4_build):
     assert int4_kernel.matmul(rows[:, :k].float(), packed, n, None).dtype == torch.float32
 
 
-def test_int4_layers_use_the_kernel_for_small_batches_only():
+@pytest.mark.parametrize("features", [(16, 32), (17, 64), (100, 96), (333, 576), (576, 1536)])
+def test_larger_batches_are_the_bf16_matmul_on_the_restored_weights(features, int4_build):
+    """Past the 4-bit tiles' rows, blocks unpacked on the fly: the bf16 of the restored weights bit
+    for bit (an identity's rows read them back), and so every result the bf16 matmul gives on
+    them (each of its tiles, the AVX2 panels from 24 rows, passes of 256 rows)."""
+    torch.manual_seed(3)
+    n, k = features
+    weight = torch.randn(n, k) * 0.05
+    weight[0, :32] = torch.linspace(0, 1e-39, 32)  # a subnormal minimum
+    weight[-1, -32:] = 0  # a group of zeros: the smallest scale
+    codes, scale, low = int4_kernel.quantize(weight)
+    packed = int4_kernel.pack(codes, scale, low)
+    restored = int4_kernel.restore(codes, scale, low).bfloat16()
+    # an identity's rows, repeated past the tiles' rows
+    eyes = torch.eye(k, dtype=torch.bfloat16).repeat(int4_kernel.tile_rows() // k + 1, 1)
+    read_back = int4_kernel.matmul(eyes, packed, n, None)
+    assert torch.equal(read_back, restored.T.repeat(len(eyes) // k, 1))
+    bf16 = matmul_kernel.pack(restored)
+    for bias in (None, torch.randn(n, dtype=torch.bfloat16)):
+        tiles = int4_kernel.tile_rows()
+        for rows in sorted({tiles + 1, tiles + 7, 23, 24, 31, 130, 300} - set(range(tiles + 1))):
+            x = torch.randn(rows, k, dtype=torch.bfloat16)
+            assert torch.equal(int4_kernel.matmul(x, packed, n, bias),
+                               matmul_kernel.matmul(x, bf16, n, bias))
+
+
+def test_int4_layers_hold_the_4_bit_form_alone():
     if int4_kernel.load_library() is None or not c_int4_runs():
         pytest.skip("our bf16 matmul does not run here")
     torch.manual_seed(2)
     weight, bias = torch.randn(64, 96), torch.randn(64, dtype=torch.bfloat16)
     prepared = LinearWeight.prepare(weight, bias, quantize_kind="int4",
                                     model_dtype=torch.bfloat16)
-    assert prepared.quantized.kernel == "c" and prepared.quantized_rows == c_int4_rows()
-    assert prepared.tiled is not None  # the bf16 form of the restored weights, for larger batches
-    codes, scale, low = int4_kernel.quantize(weight)
-    restored = int4_kernel.restore(codes, scale, low)
-    assert torch.equal(prepared.weight, restored.bfloat16())
-    for rows in (1, c_int4_rows(), c_int4_rows() + 1):
+    assert prepared.quantized.kernel == "c" and prepared.multiplies_quantized
+    assert prepared.weight is None and prepared.tiled is None and prepared.packed is None
+    assert (prepared.out_features, prepared.in_features) == (64, 96)
+    restored = int4_kernel.restore(*int4_kernel.quantize(weight)).bfloat16()
+    for rows in (1, int4_kernel.tile_rows(), int4_kernel.tile_rows() + 1, 40):
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
-        expected = (int4_kernel.matmul(x, prepared.quantized.data, 64, prepared.tiled_bias)
-                    if rows <= c_int4_rows() else
-                    linear(x, LinearWeight.prepare(restored.bfloat16(), bias)))
-        assert torch.equal(linear(x, prepared), expected)
+        out = linear(x, prepared)
+        assert torch.equal(out, int4_kernel.matmul(x, prepared.quantized.data, 64, bias))
+        if rows > int4_kernel.tile_rows():
+            assert torch.equal(out, linear(x, LinearWeight.prepare(restored, bias)))
