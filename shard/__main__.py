@@ -15,7 +15,7 @@ import torch
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.tracing import init_tracing, shutdown_tracing
-from shard.allocator import MMAP_THRESHOLD, keep_freed_memory
+from shard.allocator import MMAP_THRESHOLD, keep_freed_memory, return_freed_memory
 from shard.config import ShardConfig, default_dtype, parse_args
 from shard.distributed import all_gather_strings, init_parallel
 from shard.engine import Engine
@@ -70,6 +70,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
         if done < len(layers):  # int4 takes input features by 32 and output features by 16
             log.warning("%d linear layers keep %s weights: their shape does not fit the %s kernel",
                         len(layers) - done, dtype_name, config.quantize)
+    return_freed_memory()
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim,
                        config.block_size, dtype, device)

@@ -29,20 +29,40 @@ ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_P
                "MALLOC_MMAP_MAX_", "LD_PRELOAD")
 
 
+def _libc() -> ctypes.CDLL | None:
+    if platform.libc_ver()[0] != "glibc":  # musl has a mallopt that does nothing
+        return None
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def return_freed_memory() -> bool:
+    """Gives what is free in glibc's heap back to the system (malloc_trim); whether it could.
+    Called once the model is loaded: the checkpoint's and quantization's temporaries, freed by
+    then, would otherwise stay resident under the raised trim threshold (up to 1 GiB)."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def keep_freed_memory() -> bool:
     """Raises glibc's mmap and trim thresholds; whether it did (not glibc, or set by hand: no)."""
     if any(name in os.environ for name in ENVIRONMENT):
         return False
     if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
-    if platform.libc_ver()[0] != "glibc":  # musl has a mallopt that does nothing
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS)
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     applied = (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
