@@ -90,3 +90,4 @@ class StepResult:
     timings: StepTimings = field(default_factory=StepTimings)
     draft_tokens: int = 0  # speculation: drafts the step verified
     accepted_tokens: int = 0  # and how many of them became tokens
+    steps: int = 1  # decode steps the call took (several: ShardClient.decode's max_steps)

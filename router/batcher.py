@@ -181,7 +181,9 @@ class Batcher:
                     continue  # a long prompt's chunks, with nothing decoding meanwhile
                 break
             self._batch_gauges(batches)
-            running = await self.steps.decode(batches)  # None when the shards were lost
+            steps = self.limits.decode_steps(self.steps.decode_cost.seconds,
+                                             waiting=len(self.queue) > 0 or self.chunked is not None)
+            running = await self.steps.decode(batches, steps)  # None when the shards were lost
             # the wait is counted in tokens passed, as --max-waiting-tokens is named (TGI adds one
             # per step even when speculating): a speculative step passes as many as the request
             # that got the most

@@ -47,6 +47,11 @@ class RouterConfig:
                                        "it forces a prefill. Ignored, as in TGI, with shards "
                                        "that chunk prefills (ours do).")
     max_batch_size: int = _opt(None, "Most requests in a running batch (default: no limit).")
+    max_decode_steps_per_call: int = _opt(4, "Decode steps the router may ask of the shards in one "
+                                             "call while no request waits, as many as fit in "
+                                             "50 ms: a round trip saved per token at small "
+                                             "batches, tokens streamed in bursts of that many. "
+                                             "1: a call per step, as TGI.")
     max_client_batch_size: int = _opt(4, "Most inputs in one client request.")
     validation_workers: int = _opt(2, "Threads that tokenise and validate requests.")
     prefix_caching: str = _opt("on", "Reuse the KV blocks of prompt prefixes already computed "
@@ -106,6 +111,9 @@ class RouterConfig:
             raise ValueError(f"--grpc-port {self.grpc_port} must be a port number (1-65535)")
         if self.grpc_port == self.port:
             raise ValueError(f"--grpc-port {self.grpc_port} is also the HTTP --port; pick another")
+        if self.max_decode_steps_per_call < 1:
+            raise ValueError(f"--max-decode-steps-per-call {self.max_decode_steps_per_call} must "
+                             "be >= 1")
         if self.waiting_served_ratio < 0:
             raise ValueError(f"--waiting-served-ratio {self.waiting_served_ratio} must be >= 0")
         if self.session_ttl <= 0 or self.max_sessions < 1 or not 0 <= self.session_kv_share <= 1:

@@ -8,6 +8,13 @@ from dataclasses import dataclass
 from router.active_request import ActiveRequest
 from router.chunk_sizing import chunk_tokens
 
+# A decode call of several steps holds back a request arriving meanwhile and hands the streams
+# their tokens in bursts: several are asked only while nothing waits, and no more than fit in
+# this long at the measured step cost. On the default model (benchmarks/RESULTS.md): one stream's
+# 5-11 ms steps take 4, eight streams' 15 ms steps 3, 32 streams' 37 ms steps one; 25 ms left
+# bf16's one stream at 1-2 and eight streams at one, 16-38% and 10% fewer tokens/s.
+MULTI_STEP_CALL_S = 0.05
+
 
 @dataclass(slots=True)
 class SchedulingLimits:
@@ -16,6 +23,7 @@ class SchedulingLimits:
     waiting_served_ratio: float
     max_waiting_tokens: int
     max_batch_size: int | None
+    max_decode_steps: int = 1  # decode steps one call may run (--max-decode-steps-per-call)
 
     def join_bounds(self, running_size: int, waited_tokens: int, *, chunking: bool = False
                     ) -> tuple[int | None, int | None]:
@@ -32,6 +40,16 @@ class SchedulingLimits:
         if self.max_batch_size is not None:
             max_size = max(self.max_batch_size - running_size, 0)
         return min_size, max_size
+
+    def decode_steps(self, step_s: float | None, *, waiting: bool) -> int:
+        """Decode steps the next call may run: one while anything waits (a queued request or a
+        long prompt's next chunk) or before a step was measured; else as many as fit in
+        MULTI_STEP_CALL_S, up to max_decode_steps. Each call costs a round trip to the shards
+        and back through the router (1-1.5 ms on a 2-core CPU): at small batches, a tenth to a
+        quarter of a step."""
+        if self.max_decode_steps <= 1 or waiting or not step_s:
+            return 1
+        return max(1, min(self.max_decode_steps, int(MULTI_STEP_CALL_S / step_s)))
 
     def join_reason(self, waited_tokens: int, *, chunking: bool = False) -> str:
         """TGI's tgi_batch_concat label for a prefill that joins a running batch."""

@@ -82,6 +82,7 @@ class ServedModel:
             "waiting_served_ratio": config.waiting_served_ratio,
             "max_waiting_tokens": config.max_waiting_tokens,
             "max_batch_size": config.max_batch_size,
+            "max_decode_steps_per_call": config.max_decode_steps_per_call,
             "prefix_caching": self.batcher.queue.prefix_cache is not None,
             "speculate": self.shard_info.speculate,
             "validation_workers": config.validation_workers,
@@ -219,7 +220,8 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
     scheduling = SchedulingLimits(
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_batch_total_tokens=capacity,
         waiting_served_ratio=config.waiting_served_ratio,
-        max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size)
+        max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size,
+        max_decode_steps=config.max_decode_steps_per_call)
     metrics = Metrics(max_input_tokens=limits.max_input_tokens,
                       max_total_tokens=limits.max_total_tokens)
     prefix_cache = None

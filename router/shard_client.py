@@ -124,8 +124,11 @@ class ShardedClient:
             "Prefill", pb.PrefillRequest(batch=prepared.message, cached_batch=cached)),
             self.hidden_size)
 
-    async def decode(self, batches: list[CachedBatch]) -> StepResult:
-        request = pb.DecodeRequest(batches=[convert.cached_batch_message(b) for b in batches])
+    async def decode(self, batches: list[CachedBatch], max_steps: int = 1) -> StepResult:
+        """Up to `max_steps` steps back to back (the shards stop after one where a request
+        finished)."""
+        request = pb.DecodeRequest(batches=[convert.cached_batch_message(b) for b in batches],
+                                   max_steps=max_steps)
         return convert.step_result(await self._all("Decode", request), self.hidden_size)
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:

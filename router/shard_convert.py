@@ -129,6 +129,7 @@ def step_result(reply: pb.PrefillResponse | pb.DecodeResponse, hidden_size: int)
         result.rejected = [Rejection(r.request_id, r.reason) for r in reply.rejected]
     else:
         result.draft_tokens, result.accepted_tokens = reply.draft_tokens, reply.accepted_tokens
+        result.steps = max(1, reply.steps)
     return result
 
 

@@ -71,8 +71,8 @@ class ShardSteps:
             self.failures.rejected(rejection)
         return result
 
-    async def decode(self, batches: list[CachedBatch]) -> CachedBatch | None:
-        result = await self._timed("decode", self.client.decode(batches),
+    async def decode(self, batches: list[CachedBatch], max_steps: int = 1) -> CachedBatch | None:
+        result = await self._timed("decode", self.client.decode(batches, max_steps),
                                    lambda: self.requests_in(batches))
         if isinstance(result, ShardError):
             await self._fail(self.requests_in(batches), [b.id for b in batches], result)
@@ -164,8 +164,8 @@ class ShardSteps:
         metrics.counters.inc("tgi_batch_inference_success", method=method)
         elapsed = time.monotonic() - started
         if method == "decode":
-            self.decode_cost.observe(elapsed)
-            log.debug("decode step: %.3f s", elapsed)
+            self.decode_cost.observe(elapsed / result.steps)
+            log.debug("decode call: %d steps, %.3f s", result.steps, elapsed)
         timings = result.timings
         metrics.batch_inference_duration.labels(method).observe(elapsed)
         metrics.batch_forward_duration.labels(method).observe(timings.forward_ns / 1e9)

@@ -109,4 +109,6 @@ def step_response(result: StepResult, message_class):
     if result.draft_tokens and message_class is pb.DecodeResponse:
         response.draft_tokens = result.draft_tokens
         response.accepted_tokens = result.accepted_tokens
+    if message_class is pb.DecodeResponse:
+        response.steps = result.steps
     return response

@@ -172,7 +172,26 @@ class Engine:
             raise ValueError(f"request {request.id}: {request.num_beams} beams need {needed} KV "
                              f"blocks, it holds {len(request.blocks)}")
 
-    def decode(self, batch_ids: list[int]) -> StepResult:
+    def decode(self, batch_ids: list[int], max_steps: int = 1) -> StepResult:
+        """Up to `max_steps` decode steps of the batches (merged), back to back: one call's
+        round trip for several tokens when nothing else is due. It stops after a step in which a
+        request finished (the router drops it before the next), and takes one step when
+        speculating or when the batch holds a beam-search request (their steps are not plain
+        ones). Each step's tokens are added to their requests' Generations, as speculation's
+        accepted tokens are."""
+        result = self._decode_step(batch_ids)
+        while result.steps < max_steps and self._may_step_again(result):
+            result = _merge_steps(result, self._decode_step([result.batch.id]))
+        return result
+
+    def _may_step_again(self, result: StepResult) -> bool:
+        if result.batch is None or self.speculate:
+            return False
+        if any(g.generated_text is not None for g in result.generations):
+            return False
+        return not any(s.beams is not None for s in self.batches[result.batch.id].requests)
+
+    def _decode_step(self, batch_ids: list[int]) -> StepResult:
         start = time.perf_counter_ns()
         batches = [self._pop(i) for i in batch_ids]
         concat_ns = None
@@ -603,3 +622,20 @@ def _extend(generation: Generation, more: Generation) -> None:
 
 def _logprobs_of(distribution: torch.Tensor, token_ids: list[int]) -> list[float]:
     return distribution[torch.tensor(token_ids, device=distribution.device)].tolist()
+
+
+def _merge_steps(earlier: StepResult, later: StepResult) -> StepResult:
+    """`earlier` followed by `later`, the next step of the same batch: each request's tokens (with
+    all they carry) in order, the last step's batch and finish."""
+    generations = {g.request_id: g for g in earlier.generations}
+    for step in later.generations:
+        if step.request_id in generations:
+            _extend(generations[step.request_id], step)
+        else:
+            earlier.generations.append(step)
+    earlier.batch = later.batch
+    earlier.forward_ns += later.forward_ns
+    earlier.decode_ns += later.decode_ns
+    earlier.total_ns += later.total_ns
+    earlier.steps += later.steps
+    return earlier

@@ -64,6 +64,7 @@ class StepResult:
     rejected: list[tuple[int, str]] = field(default_factory=list)  # (request id, why), Prefill only
     draft_tokens: int = 0  # speculation: draft tokens this step verified
     accepted_tokens: int = 0  # and how many of them the model agreed with
+    steps: int = 1  # decode steps the call took (Engine.decode's max_steps)
 
 
 @dataclass(slots=True)

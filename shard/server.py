@@ -116,5 +116,5 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         if not request.batches:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs at least one batch")
         result = await self._run(context, self.engine.decode, [b.id for b in request.batches],
-                                 span="decode")
+                                 max(1, request.max_steps), span="decode")
         return convert.step_response(result, pb.DecodeResponse)

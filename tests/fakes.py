@@ -22,6 +22,7 @@ class FakeShardClient:
         self.step_delay = step_delay
         self.fail_next: str | None = None
         self.decode_sizes: list[int] = []
+        self.decode_steps_asked: list[int] = []  # max_steps of each decode call
         # tokens a decode step gives each request (several: as speculation accepting drafts)
         self.tokens_per_decode = 1
         # a request the shard refuses on its own: returns why, or None to take it
@@ -123,8 +124,10 @@ class FakeShardClient:
         self.batches[target] = ids + new_ids
         return self._result(target, generations + self._step(new_ids))
 
-    async def decode(self, batches: list[CachedBatch]) -> StepResult:
+    async def decode(self, batches: list[CachedBatch], max_steps: int = 1) -> StepResult:
+        """Up to max_steps steps, ending after one in which a request finished, as the shards."""
         self.calls.append(("decode", [b.id for b in batches]))
+        self.decode_steps_asked.append(max_steps)
         await self._maybe_fail("decode")
         ids = []
         for b in batches:
@@ -136,7 +139,16 @@ class FakeShardClient:
                 f"finished request {rid} was decoded again"
         self.batches[batches[0].id] = ids
         self.decode_sizes.append(len(ids))
-        return self._result(batches[0].id, self._step(ids, self.tokens_per_decode))
+        generations, steps = self._step(ids, self.tokens_per_decode), 1
+        while steps < max_steps and not any(g.error is not None or g.events[-1].final is not None
+                                            for g in generations):
+            for generation, more in zip(generations, self._step(ids, self.tokens_per_decode)):
+                generation.events += more.events
+                generation.error = more.error
+            steps += 1
+        result = self._result(batches[0].id, generations)
+        result.steps = steps
+        return result
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         self.calls.append(("filter", list(request_ids)))

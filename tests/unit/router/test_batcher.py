@@ -16,12 +16,12 @@ from tests.fakes import FakeShardClient
 
 
 def _setup(client, *, num_blocks=200, max_batch_size=None, ratio=0.0, max_waiting_tokens=20,
-           chunking=False):
+           chunking=False, max_decode_steps=1):
     allocator = BlockAllocator(num_blocks, 4)
     limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
                               waiting_served_ratio=ratio,
                               max_waiting_tokens=max_waiting_tokens,
-                              max_batch_size=max_batch_size)
+                              max_batch_size=max_batch_size, max_decode_steps=max_decode_steps)
     metrics = Metrics(max_input_tokens=100, max_total_tokens=200)
     batcher = Batcher(client, RequestQueue(allocator, chunking=chunking), allocator, limits,
                       metrics)
@@ -327,4 +327,49 @@ async def test_a_waiting_request_joins_after_max_waiting_tokens_tokens_not_steps
     prefills = [i for i, (name, _) in enumerate(client.calls) if name == "prefill"]
     steps_waited = sum(1 for name, _ in client.calls[prefills[0]:prefills[1]] if name == "decode")
     assert steps_waited == -(-12 // tokens_per_decode)
+    _assert_all_freed(allocator, client)
+
+
+async def test_several_decode_steps_a_call_while_nothing_waits():
+    """--max-decode-steps-per-call: once a step's cost is known and nothing waits, a call takes
+    as many steps as fit in 50 ms (the fake's steps: ~5 ms); every token still reaches its stream
+    in order, and a request finishing mid-call ends the call."""
+    client = FakeShardClient(step_delay=0.005)
+    batcher, infer, allocator = _setup(client, max_decode_steps=4)
+
+    async def streamed(max_new_tokens):
+        return [event.token.id async for event in infer.stream(_request(max_new_tokens))]
+
+    tokens = await _with_loop(batcher, asyncio.gather(streamed(6), streamed(20)))
+    assert tokens == [list(range(1, 7)), list(range(1, 21))]
+    assert client.decode_steps_asked[0] == 1, "no step measured yet: one"
+    assert max(client.decode_steps_asked) > 1
+    assert len(client.decode_steps_asked) < 19, "fewer calls than steps"
+    _assert_all_freed(allocator, client)
+
+
+async def test_one_decode_step_a_call_while_a_request_waits():
+    """A request that cannot join yet (no KV room) keeps every call to one step, so it waits no
+    longer than one step past the moment room comes."""
+    client = FakeShardClient(step_delay=0.002)
+    batcher, infer, allocator = _setup(client, num_blocks=14, max_decode_steps=4)
+
+    async def scenario():
+        first = asyncio.create_task(infer.generate(_request(max_new_tokens=40)))  # 12 blocks
+        await asyncio.sleep(0.02)
+        second = asyncio.create_task(infer.generate(_request(max_new_tokens=3)))  # 3 more
+        while not len(batcher.queue):
+            await asyncio.sleep(0)
+        arrived = len(client.calls)  # the call under way may have more steps; the next may not
+        return arrived, await asyncio.gather(first, second)
+
+    arrived, results = await _with_loop(batcher, scenario())
+    assert [r.final.generated_tokens for r in results] == [40, 3]
+    steps = iter(client.decode_steps_asked)
+    asked = [(i, next(steps)) for i, (name, _) in enumerate(client.calls) if name == "decode"]
+    second_prefill = max(i for i, (name, _) in enumerate(client.calls) if name == "prefill")
+    before = [n for i, n in asked if i < arrived]
+    while_waiting = [n for i, n in asked if arrived <= i < second_prefill]
+    assert max(before) > 1
+    assert while_waiting and set(while_waiting) == {1}
     _assert_all_freed(allocator, client)

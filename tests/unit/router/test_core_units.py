@@ -210,3 +210,16 @@ async def test_the_driver_turns_an_unexpected_error_into_the_formats_error_frame
     assert status == 200
     assert text.startswith("0:a\nerror:") and "RuntimeError: a bug" in text
     assert text.endswith("done\n")
+
+
+def test_decode_steps_a_call_fit_the_calls_time_and_only_while_nothing_waits():
+    limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=1000,
+                              waiting_served_ratio=0.3, max_waiting_tokens=20,
+                              max_batch_size=None, max_decode_steps=4)
+    assert limits.decode_steps(None, waiting=False) == 1  # no step measured yet
+    assert limits.decode_steps(0.005, waiting=False) == 4  # 50 ms / 5 ms, capped at 4
+    assert limits.decode_steps(0.020, waiting=False) == 2
+    assert limits.decode_steps(0.040, waiting=False) == 1
+    assert limits.decode_steps(0.005, waiting=True) == 1
+    limits.max_decode_steps = 1
+    assert limits.decode_steps(0.005, waiting=False) == 1

@@ -152,11 +152,11 @@ async def test_an_error_outside_any_request_fails_those_in_flight_and_the_loop_g
     real = batcher.steps.decode
     calls = {"n": 0}
 
-    async def broken_once(batches):
+    async def broken_once(batches, max_steps=1):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("a bug in the loop")
-        return await real(batches)
+        return await real(batches, max_steps)
     monkeypatch.setattr(batcher.steps, "decode", broken_once)
 
     async def scenario():

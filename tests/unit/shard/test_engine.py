@@ -271,3 +271,42 @@ def test_a_running_batch_rides_in_the_chunks_forward_and_answers_like_alone(engi
     assert [got[0], got[1], got[9]] == alone + [long_alone]
     with pytest.raises(BatchNotFound):
         engine.prefill(91, [request(5, prompts[0], pool.take(20, 4))], cached_batch_id=12345)
+
+
+def _steps_with(engine, batch_id, max_steps):
+    """Three requests of 5, 12 and 9 tokens decoded with calls of up to max_steps steps, finished
+    ones filtered between calls as the router does: each request's tokens (ids, scores, texts,
+    top tokens) and the steps each call took."""
+    pool = BlockPool(512)
+    prompts = _prompts(engine)[:3]
+    requests = [request(batch_id + i, p, pool.take(len(p) + 12, 4), max_new_tokens=n,
+                        ignore_eos=True, top_n_tokens=2)
+                for i, (p, n) in enumerate(zip(prompts, (5, 12, 9)))]
+    out = engine.prefill(batch_id, requests)
+    got = {r.id: [] for r in requests}
+    calls = []
+    while True:
+        for g in out.generations:
+            got[g.request_id] += list(zip(g.tokens.ids, g.tokens.logprobs, g.tokens.texts,
+                                          [tuple(t.ids) for t in g.top_tokens]))
+        finished = {g.request_id for g in out.generations if g.generated_text is not None}
+        if out.batch is None:
+            break
+        alive = [r for r in out.batch.request_ids if r not in finished]
+        if len(alive) < len(out.batch.request_ids):
+            engine.filter(out.batch.id, alive)
+        out = engine.decode([out.batch.id], max_steps)
+        calls.append(out.steps)
+    return list(got.values()), calls
+
+
+def test_several_decode_steps_in_one_call_are_the_steps_one_call_each(engine, tiny_llama):
+    """max_steps: the same tokens as a call a step; a call ends after the step in which a request
+    finished (5 tokens: the prefill's and 4 steps), so the others go on in the next call."""
+    one, one_calls = _steps_with(engine, 300, 1)
+    four, four_calls = _steps_with(engine, 400, 4)
+    assert four == one and [len(t) for t in one] == [5, 12, 9]
+    assert one_calls == [1] * 11 and four_calls == [4, 4, 3]
+    speculating = make_engine(tiny_llama, speculate=2)
+    _, calls = _steps_with(speculating, 500, 4)
+    assert set(calls) == {1}, "a speculating shard takes a step a call"
