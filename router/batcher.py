@@ -161,6 +161,9 @@ class Batcher:
 
     async def _serve_until_idle(self) -> None:
         running, waited_tokens = None, 0
+        # whether the batch grew since its last decode call timed a step: its next call takes one
+        # step, so that several are sized from what a step of this batch costs
+        unmeasured = True
         while True:
             generation = self.shard_generation
             did_prefill, new, stepped = await self._prefill_next(running, waited_tokens)
@@ -170,6 +173,7 @@ class Batcher:
                 continue
             if did_prefill:
                 waited_tokens = 0
+                unmeasured = True
             if stepped:
                 # it took its decode step inside the prefill's forward
                 running = new
@@ -181,9 +185,10 @@ class Batcher:
                     continue  # a long prompt's chunks, with nothing decoding meanwhile
                 break
             self._batch_gauges(batches)
-            steps = self.limits.decode_steps(self.steps.decode_cost.seconds,
-                                             waiting=len(self.queue) > 0 or self.chunked is not None)
+            steps = 1 if unmeasured else self.limits.decode_steps(
+                self.steps.last_step_s, waiting=len(self.queue) > 0 or self.chunked is not None)
             running = await self.steps.decode(batches, steps)  # None when the shards were lost
+            unmeasured = False
             # the wait is counted in tokens passed, as --max-waiting-tokens is named (TGI adds one
             # per step even when speculating): a speculative step passes as many as the request
             # that got the most

@@ -111,9 +111,9 @@ class RouterConfig:
             raise ValueError(f"--grpc-port {self.grpc_port} must be a port number (1-65535)")
         if self.grpc_port == self.port:
             raise ValueError(f"--grpc-port {self.grpc_port} is also the HTTP --port; pick another")
-        if self.max_decode_steps_per_call < 1:
+        if not 1 <= self.max_decode_steps_per_call <= 64:
             raise ValueError(f"--max-decode-steps-per-call {self.max_decode_steps_per_call} must "
-                             "be >= 1")
+                             "be between 1 and 64")
         if self.waiting_served_ratio < 0:
             raise ValueError(f"--waiting-served-ratio {self.waiting_served_ratio} must be >= 0")
         if self.session_ttl <= 0 or self.max_sessions < 1 or not 0 <= self.session_kv_share <= 1:

@@ -82,6 +82,10 @@ class ShardedClient:
             return False
 
     async def _all(self, method: str, message, timeout: float | None = None):
+        return (await self._each(method, message, timeout))[0]
+
+    async def _each(self, method: str, message, timeout: float | None = None) -> list:
+        """Every rank's reply, rank order."""
         # the current span (if any) becomes the parent of the shards' spans
         metadata = inject_metadata() if tracing_enabled() else None
         replies = await asyncio.gather(*(c.call(method, message, timeout, metadata)
@@ -89,7 +93,7 @@ class ShardedClient:
         for reply in replies:
             if isinstance(reply, BaseException):
                 raise reply if isinstance(reply, ShardError) else ShardError(str(reply))
-        return replies[0]
+        return replies
 
     async def info(self) -> ShardInfo:
         info = convert.shard_info(await self._all("Info", pb.InfoRequest(), timeout=30))
@@ -129,7 +133,13 @@ class ShardedClient:
         finished)."""
         request = pb.DecodeRequest(batches=[convert.cached_batch_message(b) for b in batches],
                                    max_steps=max_steps)
-        return convert.step_result(await self._all("Decode", request), self.hidden_size)
+        replies = await self._each("Decode", request)
+        # each rank ends the call on its own tokens, the same on every rank; ranks that parted
+        # would pair their collectives with the wrong step
+        if len({r.steps for r in replies}) > 1:
+            raise ShardError("the shard ranks took different numbers of decode steps: "
+                             f"{[r.steps for r in replies]}")
+        return convert.step_result(replies[0], self.hidden_size)
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         reply = await self._all("FilterBatch",

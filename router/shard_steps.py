@@ -36,6 +36,7 @@ class ShardSteps:
         self.running = running
         self.failures = failures
         self.decode_cost = DecodeCost()
+        self.last_step_s: float | None = None  # a step of the last decode call, unsmoothed
         self.last_step_tokens = 1  # most tokens one request got from the last decode step
         # set by the batcher when a lost group can come back: whether the group is gone (the
         # same question the idle probe asks), and what to do then (fail or re-queue everything,
@@ -161,15 +162,22 @@ class ShardSteps:
         except ShardError as err:
             metrics.counters.inc("tgi_batch_inference_failure", method=method)
             return err
-        metrics.counters.inc("tgi_batch_inference_success", method=method)
         elapsed = time.monotonic() - started
+        # a call of several decode steps counts as that many inferences of its mean duration, as
+        # TGI's metrics count steps
+        steps = result.steps
+        metrics.counters.inc("tgi_batch_inference_success", steps, method=method)
+        if steps > 1:
+            metrics.counters.inc("tgi_batch_inference_count", steps - 1, method=method)
         if method == "decode":
-            self.decode_cost.observe(elapsed / result.steps)
-            log.debug("decode call: %d steps, %.3f s", result.steps, elapsed)
+            self.last_step_s = elapsed / steps
+            self.decode_cost.observe(self.last_step_s)
+            log.debug("decode call: %d steps, %.3f s", steps, elapsed)
         timings = result.timings
-        metrics.batch_inference_duration.labels(method).observe(elapsed)
-        metrics.batch_forward_duration.labels(method).observe(timings.forward_ns / 1e9)
-        metrics.batch_decode_duration.labels(method).observe(timings.decode_ns / 1e9)
+        for _ in range(steps):
+            metrics.batch_inference_duration.labels(method).observe(elapsed / steps)
+            metrics.batch_forward_duration.labels(method).observe(timings.forward_ns / 1e9 / steps)
+            metrics.batch_decode_duration.labels(method).observe(timings.decode_ns / 1e9 / steps)
         if timings.concat_ns is not None:
             metrics.batch_concat_duration.labels(method).observe(timings.concat_ns / 1e9)
         return result

@@ -31,6 +31,10 @@ def engine_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
 
+# the most decode steps one call runs (DecodeRequest.max_steps asks; the router's default is 4):
+# a call that never ended would hold the router and every stream waiting on it
+MAX_STEPS_PER_CALL = 64
+
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     def __init__(self, engine: Engine, config: ShardConfig, info: pb.InfoResponse,
                  on_fatal_error, worker: ThreadPoolExecutor, urls: list[str]):
@@ -115,6 +119,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def Decode(self, request, context):
         if not request.batches:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs at least one batch")
+        steps = min(max(1, request.max_steps), MAX_STEPS_PER_CALL)
         result = await self._run(context, self.engine.decode, [b.id for b in request.batches],
-                                 max(1, request.max_steps), span="decode")
+                                 steps, span="decode")
         return convert.step_response(result, pb.DecodeResponse)

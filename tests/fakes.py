@@ -142,6 +142,7 @@ class FakeShardClient:
         generations, steps = self._step(ids, self.tokens_per_decode), 1
         while steps < max_steps and not any(g.error is not None or g.events[-1].final is not None
                                             for g in generations):
+            await asyncio.sleep(self.step_delay)
             for generation, more in zip(generations, self._step(ids, self.tokens_per_decode)):
                 generation.events += more.events
                 generation.error = more.error

@@ -373,3 +373,32 @@ async def test_one_decode_step_a_call_while_a_request_waits():
     assert max(before) > 1
     assert while_waiting and set(while_waiting) == {1}
     _assert_all_freed(allocator, client)
+
+
+async def test_a_batch_that_grew_is_timed_before_it_takes_several_steps_a_call():
+    """Steps sized from the lone stream's cost would make the grown batch's calls overrun the
+    50 ms budget: the first call after a join takes one step, and then the batch's own cost
+    sizes them (here 48 ms a step: one)."""
+    class RowCost(FakeShardClient):  # a step costs 3 ms per row
+        async def decode(self, batches, max_steps=1):
+            rows = sum(len(b.request_ids) for b in batches)
+            result = await super().decode(batches, max_steps)
+            await asyncio.sleep(0.003 * rows * result.steps)
+            self.sized.append((rows, result.steps))
+            return result
+
+    client = RowCost()
+    client.sized = []
+    batcher, infer, allocator = _setup(client, max_decode_steps=4)
+
+    async def scenario():
+        first = asyncio.create_task(infer.generate(_request(max_new_tokens=60)))
+        await asyncio.sleep(0.08)  # the lone stream's steps are timed: 3 ms
+        rest = [asyncio.create_task(infer.generate(_request(max_new_tokens=30)))
+                for _ in range(15)]
+        await asyncio.gather(first, *rest)
+
+    await _with_loop(batcher, scenario())
+    assert max(steps for rows, steps in client.sized if rows == 1) == 4
+    assert {steps for rows, steps in client.sized if rows == 16} == {1}
+    _assert_all_freed(allocator, client)

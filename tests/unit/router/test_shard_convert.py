@@ -1,11 +1,13 @@
 """The translation to and from the shard contract: each request and each generation on its own,
 so one bad value fails its own request; and the real client's prepare/prefill behave as the
 scheduler's fake (tests/fakes.py) does."""
+import pytest
+
 from proto import generate_pb2 as pb
 from router import shard_convert as convert
 from router.batch import CachedBatch, NewBatch, ShardRequest
 from router.schemas import FinishReason, GenerateRequest, SamplingParams, StoppingParams
-from router.shard_client import ShardedClient
+from router.shard_client import ShardedClient, ShardError
 
 
 def _shard_request(rid, *, seed=0, chunk_len=None):
@@ -158,3 +160,21 @@ def test_a_step_that_accepted_drafts_gives_one_event_per_token():
                                                  [[8.0, 9.0, 10.0, 11.0]]]
     assert [e.final is None for e in events] == [True, True, False]
     assert events[-1].final.finish_reason is FinishReason.EOS_TOKEN
+
+
+async def test_a_decode_call_asks_its_steps_and_ranks_that_took_different_counts_fail_it():
+    class Rank(_RecordingRank):
+        def __init__(self, steps):
+            super().__init__()
+            self.steps = steps
+
+        async def call(self, method, message, timeout=None, metadata=None):
+            reply = await super().call(method, message, timeout, metadata)
+            reply.steps = self.steps
+            return reply
+
+    ranks = [Rank(3), Rank(3)]
+    result = await ShardedClient(ranks).decode([CachedBatch(9, [4])], max_steps=4)
+    assert result.steps == 3 and all(r.sent[0][1].max_steps == 4 for r in ranks)
+    with pytest.raises(ShardError, match="different numbers of decode steps"):
+        await ShardedClient([Rank(3), Rank(2)]).decode([CachedBatch(9, [4])], max_steps=4)
