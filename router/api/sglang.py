@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ from router.openapi import VERSION
 from router.request_trace import request_span
 from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,
                             StoppingParams, Timings, Token, TokenEvent)
-from router.sglang_request import SglangBatch, SglangItem, claims, parse_generate
+from router.sglang_request import SglangItem, claims, parse_generate
 from router.state import served_model
 from router.streaming import StreamFormat, openai_sse, serve_stream
 
@@ -56,6 +57,18 @@ class Run:
     final: FinalInfo | None = None
     aborted: bool = False
     task: asyncio.Task | None = None
+    # streamed: each event's frame, made as it is recorded (the run may have recorded later
+    # events, several a decode call, before the writer gets to this one); `frame_index` is the
+    # index a frame carries in a batch
+    frames: deque | None = None
+    frame_index: int | None = None
+
+    def stream_frames(self, index: int | None) -> None:
+        self.frames, self.frame_index = deque(), index
+
+    def keep_frame(self) -> None:
+        if self.frames is not None:
+            self.frames.append(self.output(self.frame_index))
 
     @property
     def request(self) -> GenerateRequest:
@@ -176,6 +189,7 @@ async def _events(infer, runs: list[Run]) -> AsyncIterator[tuple[int, TokenEvent
             if not run.aborted:
                 async for event in infer.stream(run.request, run.timings):
                     run.record(event)
+                    run.keep_frame()
                     merged.put_nowait((index, event))
             else:
                 raise asyncio.CancelledError
@@ -183,6 +197,7 @@ async def _events(infer, runs: list[Run]) -> AsyncIterator[tuple[int, TokenEvent
             if not run.aborted:
                 raise
             text = "".join(t.text for t in run.tokens)
+            run.keep_frame()
             merged.put_nowait((index, TokenEvent(Token(-1, "", None), final=FinalInfo(
                 text, len(run.tokens), FinishReason.LENGTH, None))))
         except Exception as err:  # raised to the reader, which fails the whole response
@@ -210,14 +225,14 @@ async def _events(infer, runs: list[Run]) -> AsyncIterator[tuple[int, TokenEvent
 
 class SglangStream(StreamFormat):
     """`data: {"text": <text so far>, "meta_info": {...}}` per token, `data: [DONE]` at the end;
-    a batch's events carry the `index` of their generation."""
+    a batch's events carry the `index` of their generation (each frame made as its event was
+    recorded: Run.keep_frame)."""
 
-    def __init__(self, runs: list[Run], batch: SglangBatch):
+    def __init__(self, runs: list[Run]):
         self.runs = runs
-        self.indexed = batch.as_list
 
     def event(self, index: int, event: TokenEvent) -> list[bytes]:
-        return [openai_sse(self.runs[index].output(index if self.indexed else None))]
+        return [openai_sse(self.runs[index].frames.popleft())]
 
     def error(self, err: RouterError) -> bytes:
         return openai_sse(error_body(err))
@@ -253,8 +268,10 @@ async def _generate(request: web.Request, body: dict) -> web.StreamResponse:
         running.setdefault(run.item.rid, []).append(run)
     try:
         if batch.stream:
+            for index, run in enumerate(runs):
+                run.stream_frames(index if batch.as_list else None)
             return await serve_stream(request, _events(state.infer, runs),
-                                      SglangStream(runs, batch), streams=len(runs))
+                                      SglangStream(runs), streams=len(runs))
         async for _ in _events(state.infer, runs):
             pass
         outputs = [run.output() for run in runs]

@@ -467,3 +467,21 @@ async def test_malformed_sglang_bodies_are_422(tiny_llama, body):
         assert (await reply.json())["error"]["message"]
     finally:
         await client.close()
+
+
+async def test_tokens_arriving_together_still_stream_a_frame_each_as_it_was(tiny_llama):
+    """Several tokens a shard call (decode calls of several steps, speculation): each frame holds
+    its own token's text so far, count and finish, not the state of the last token recorded."""
+    fake = HealthyFake()
+    fake.tokens_per_decode = 3
+    client = await _client(tiny_llama, fake)
+    try:
+        reply = await client.post("/generate", json=_sglang(max_new_tokens=7, stream=True))
+        frames = _sse(await reply.text())[:-1]
+        assert [f["text"] for f in frames] == ["".join(f"t{i} " for i in range(1, n + 1))
+                                               for n in range(1, 8)]
+        assert [f["meta_info"]["completion_tokens"] for f in frames] == list(range(1, 8))
+        assert [f["meta_info"]["finish_reason"] for f in frames[:-1]] == [None] * 6
+        assert frames[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    finally:
+        await client.close()
