@@ -128,8 +128,10 @@ class LinearWeight:
                 return cls(**shape, bias=bias, tiled_bias=_bf16(bias), quantized=c_int4(weight))
             quantized, restored = quantize(weight, quantize_kind, QUANTIZED_KERNEL_DTYPE)
             prepared = cls.prepare(restored.to(model_dtype or weight.dtype), bias)
-            prepared.quantized = quantized
             prepared.quantized_rows = quantized_kernel_rows()
+            if not prepared.quantized_rows:  # never multiplied by here: not held
+                quantized.data = quantized.scales = None
+            prepared.quantized = quantized
             return prepared
         if model_dtype is not None:
             weight = weight.to(model_dtype)

@@ -25,7 +25,9 @@ _INT4_ROW_TILE = 16
 @dataclass(slots=True)
 class QuantizedWeight:
     kind: str
-    data: torch.Tensor  # int8 [out, in], or the kernel's packed int4 form
+    # int8 [out, in], or the kernel's packed int4 form; None (and no scales) where the kernels
+    # never run here, the layer multiplying by the weights the form stands for
+    data: torch.Tensor | None
     scales: torch.Tensor | None  # int8: [out]; int4: [in / group, out, 2] (scale, zero); C: None
     out_features: int
     dtype: torch.dtype  # what the kernel takes and gives: the scales' dtype

@@ -207,3 +207,5 @@ def test_the_kernels_run_only_where_they_pay(monkeypatch):
         prepared = linear_module.LinearWeight.prepare(weight, quantize_kind="int8",
                                                       model_dtype=torch.float32)
         assert prepared.quantized is not None and prepared.quantized_rows == rows
+        # a form no batch multiplies by is not held
+        assert (prepared.quantized.data is not None) == (rows > 0)
