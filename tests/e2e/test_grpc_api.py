@@ -25,11 +25,13 @@ SERVICE = "tgi.v1.TextGeneration"
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     grpc_port = free_port()
+    # a call per step: the tiny model's 100-token generation must outlast a 50 ms deadline
+    # (several steps a call made it finish in time now and then)
     launched = launch(["--model-id", str(tiny_llama)], tmp_path_factory.mktemp("grpc-api"),
                       extra=["--max-input-tokens", "64", "--max-total-tokens", "128",
                              "--max-batch-prefill-tokens", "256", "--max-batch-total-tokens", "8192",
                              "--block-size", "4", "--grpc-port", str(grpc_port),
-                             "--api-key", API_KEY])
+                             "--api-key", API_KEY, "--max-decode-steps-per-call", "1"])
     launched.grpc_target = f"127.0.0.1:{grpc_port}"
     yield launched
     assert launched.stop() == 0
