@@ -35,9 +35,9 @@ class LauncherConfig:
     quantize: str | None = _opt(None, "Weight-only quantization of the linear layers (and the LM "
                                       "head) on the CPU: int8 (a scale per row) or int4 (a scale "
                                       "and a minimum per 32 weights, with an int8 head). In bf16 "
-                                      "int4 runs our own kernel for batches up to 8 rows (2 on "
-                                      "AVX2) where our bf16 matmul runs; elsewhere PyTorch's "
-                                      "kernels where they pay.")
+                                      "int4 runs our own kernel, holding the 4-bit weights alone, "
+                                      "where our bf16 matmul runs; elsewhere PyTorch's kernels "
+                                      "where they pay.")
     speculate: int = _opt(0, "Speculative decoding: up to this many draft tokens per request and "
                              "step, guessed from the request's own text (n-gram prompt lookup) "
                              "and verified in the same forward; the output is the one without. "

@@ -45,9 +45,9 @@ class SchedulingLimits:
         """Decode steps the next call may run, `step_s` what a step of this batch took last: one
         while anything waits (a queued request or a long prompt's next chunk) or before a step was
         measured; else as many as fit in MULTI_STEP_CALL_S, up to max_decode_steps (the batcher
-        takes one step after every prefill, so a batch that grew is timed before it takes more). Each call costs a round trip to the shards
-        and back through the router (1-1.5 ms on a 2-core CPU): at small batches, a tenth to a
-        quarter of a step."""
+        takes one step after every prefill, so a batch that grew is timed before it takes more).
+        Each call costs a round trip to the shards and back through the router (1-1.5 ms on a
+        2-core CPU): at small batches, a tenth to a quarter of a step."""
         if self.max_decode_steps <= 1 or waiting or not step_s:
             return 1
         return max(1, min(self.max_decode_steps, int(MULTI_STEP_CALL_S / step_s)))

@@ -35,6 +35,7 @@ def engine_thread() -> ThreadPoolExecutor:
 # a call that never ended would hold the router and every stream waiting on it
 MAX_STEPS_PER_CALL = 64
 
+
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     def __init__(self, engine: Engine, config: ShardConfig, info: pb.InfoResponse,
                  on_fatal_error, worker: ThreadPoolExecutor, urls: list[str]):

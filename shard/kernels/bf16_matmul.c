@@ -29,17 +29,8 @@
 #include <string.h>
 
 #include "bf16.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define HAVE_DPBF16 1
-#elif defined(__AVX2__) && defined(__FMA__)
-#define HAVE_AVX2_FMA 1
-#endif
-#define BLOCK 16 /* output features a block holds (one zmm of float32 sums) */
+#include "matmul_isa.h"
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
-#include <immintrin.h>
-#include <omp.h>
-
 #include "bf16_tiles.h"
 #endif
 
@@ -51,15 +42,7 @@
 #define ROWS_PER_PASS 128
 
 /* 1: AVX-512 BF16 dot products; 2: float32 FMAs on AVX2; 0: no kernel in this build */
-int bf16_matmul_supported(void) {
-#if defined(HAVE_DPBF16)
-    return 1;
-#elif defined(HAVE_AVX2_FMA)
-    return 2;
-#else
-    return 0;
-#endif
-}
+int bf16_matmul_supported(void) { return matmul_form(); }
 
 int64_t bf16_matmul_packed_elements(int64_t n, int64_t k) {
     return (n + BLOCK - 1) / BLOCK * (k / 2) * BLOCK * 2;

@@ -1,13 +1,13 @@
 /* Storing float32 sums as bf16 rows, shared by the matmul kernels (bf16_matmul.c, int4_matmul.c):
  * the bias added in float32, one rounding to bf16 (to nearest, ties to even, as float_to_bf16),
- * `valid` of the features stored. The includer defines HAVE_DPBF16 (AVX-512 BF16) or
- * HAVE_AVX2_FMA and includes <immintrin.h> first. */
+ * `valid` of the features stored, in the form the build has (matmul_isa.h). */
 #ifndef TGI_PY_BF16_STORE_H
 #define TGI_PY_BF16_STORE_H
 
 #include <stdint.h>
 
 #include "bf16.h"
+#include "matmul_isa.h"
 
 #if defined(HAVE_DPBF16)
 

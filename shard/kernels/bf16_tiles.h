@@ -1,9 +1,9 @@
 /* The tiles of the bf16 matmul (bf16_matmul.c) over blocks of its packed layout ([n/16][k/2][16][2]
  * bf16: 16 output features, input features in adjacent pairs), shared with the int4 matmul
- * (int4_matmul.c), which unpacks its 4-bit blocks into that layout for prefill-size calls.
- * The includer defines BLOCK (16) and HAVE_DPBF16 (AVX-512 BF16) or HAVE_AVX2_FMA, and includes
- * <immintrin.h> first. bf16_blocks multiplies rows (bf16 on AVX-512 BF16, widened to float32 on
- * AVX2) against a range of blocks; on AVX2 bf16_blocks_panel does from PANEL_MIN_ROWS rows. */
+ * (int4_matmul.c), which unpacks its 4-bit blocks into that layout for prefill-size calls. In
+ * the form the build has (matmul_isa.h): bf16_blocks multiplies rows (bf16 on AVX-512 BF16, widened
+ * to float32 on AVX2) against a range of blocks; on AVX2 bf16_blocks_panel does from
+ * PANEL_MIN_ROWS rows. */
 #ifndef TGI_PY_BF16_TILES_H
 #define TGI_PY_BF16_TILES_H
 
@@ -13,10 +13,8 @@
 
 #include "bf16.h"
 #include "bf16_store.h"
+#include "matmul_isa.h"
 
-#if BLOCK != 16
-#error "the tiles hold 16 output features a block (one zmm of float32 sums)"
-#endif
 /* how far ahead (in input-feature pairs, one cache line of a block each) a tile asks for its
  * blocks' next lines, into L2: decode-size matmuls 6-14% faster than with the hardware
  * prefetchers alone; lines past a block's end are requested for nothing (prefetches do not fault;

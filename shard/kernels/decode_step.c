@@ -84,7 +84,7 @@ static int linear(const kernels_t *k, const void *x, int64_t batch, int64_t in,
 /* a matmul that fails ends the step */
 #define LINEAR(...)                                                                                \
     do {                                                                                           \
-        if (linear(k, __VA_ARGS__) != 0)                                                        \
+        if (linear(k, __VA_ARGS__) != 0)                                                           \
             return -2;                                                                             \
     } while (0)
 

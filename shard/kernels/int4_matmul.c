@@ -1,7 +1,7 @@
 /* y = x W^T (+ b) for bf16 x [m, k] and a 4-bit W [n, k] (groups of 32 input features, each with a
  * float32 scale and minimum: w = q * scale + low, q in 0..15, GGUF's Q4_1 form), on CPUs with
- * AVX-512 BF16, for the few rows of decode steps, where reading the weights sets the time: a
- * quarter of bf16's bytes for the 4-bit values, plus 8 bytes a group.
+ * AVX-512 BF16 or AVX2. Decode-size batches, where reading the weights sets the time, multiply by
+ * the 4-bit form itself: a quarter of bf16's bytes for the values, plus 8 bytes a group.
  *
  * Packing, per block of 16 output features and group of 32 inputs (384 bytes, blocks after one
  * another, a block's groups in order): 8 x 32 bytes of 4-bit values, byte [i][f][e] holding input
@@ -27,17 +27,8 @@
 #include <string.h>
 
 #include "bf16.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define HAVE_DPBF16 1
-#elif defined(__AVX2__) && defined(__FMA__)
-#define HAVE_AVX2_FMA 1
-#endif
-#define BLOCK 16 /* output features a block holds */
+#include "matmul_isa.h"
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
-#include <immintrin.h>
-#include <omp.h>
-
 #include "bf16_tiles.h"
 #endif
 
@@ -63,15 +54,7 @@
 #define STRIP_BLOCKS 3
 
 /* 1: AVX-512 BF16 dot products; 2: float32 FMAs on AVX2; 0: no kernel in this build */
-int int4_matmul_supported(void) {
-#if defined(HAVE_DPBF16)
-    return 1;
-#elif defined(HAVE_AVX2_FMA)
-    return 2;
-#else
-    return 0;
-#endif
-}
+int int4_matmul_supported(void) { return matmul_form(); }
 
 /* up to how many rows a call runs the 4-bit tiles (more: the unpacked blocks) */
 int int4_matmul_tile_rows(void) { return TILE_MAX_ROWS; }
@@ -414,10 +397,7 @@ static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_st
     const size_t strip_bytes = (size_t)(STRIP_BLOCKS * pairs * 2 * BLOCK) * sizeof(uint16_t);
     const int parallel = m * n * k >= PARALLEL_MIN_WORK;
     int failed = 0;
-#ifdef HAVE_DPBF16
-    float *panels = 0;
-    const int64_t panel_stride = 0;
-#else
+#ifdef HAVE_AVX2_FMA
     /* a pass's rows widened to float32, then a panel per thread */
     const int64_t pass_elements = (m < UNPACKED_ROWS_PER_PASS ? m : UNPACKED_ROWS_PER_PASS) * k;
     const int64_t panel_stride = pairs * 2 * BLOCK;
@@ -442,7 +422,7 @@ static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_st
 #ifdef HAVE_DPBF16
             if (unpacked)
                 unpacked_pass(x + r * x_stride, rows, x_stride, packed, groups, n, bias,
-                              out + r * out_stride, out_stride, first, last, unpacked, panels);
+                              out + r * out_stride, out_stride, first, last, unpacked, 0);
 #else
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < rows; i++)
@@ -455,7 +435,6 @@ static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_st
 #endif
         }
     }
-    (void)panel_stride;
     return failed ? -2 : 0;
 }
 

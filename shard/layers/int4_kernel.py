@@ -37,7 +37,7 @@ def load_library() -> ctypes.CDLL | None:
     library.int4_matmul_packed_bytes.restype = i64
     library.int4_matmul_pack.argtypes = [ptr, ptr, ptr, i64, i64, ptr]
     library.int4_matmul_pack.restype = None
-    library.int4_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
+    library.int4_matmul.argtypes = matmul_kernel.MATMUL_ARGTYPES
     library.int4_matmul.restype = ctypes.c_int
     library.int4_matmul_tile_rows.restype = ctypes.c_int
     return library

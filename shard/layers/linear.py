@@ -110,10 +110,16 @@ class LinearWeight:
     quantized_rows: int = 0  # PyTorch's quantized kernels run for up to this many rows
 
     @property
+    def int4_form(self) -> torch.Tensor | None:
+        """The weight in our C int4 kernel's form, where the layer holds that alone."""
+        quantized = self.quantized
+        return quantized.data if quantized is not None and quantized.kernel == "c" else None
+
+    @property
     def multiplies_quantized(self) -> bool:
         """Whether some batch size multiplies by the quantized form (not the weights it stands for)."""
-        return self.quantized is not None and (self.quantized.kernel == "c"
-                                               or self.quantized_rows > 0)
+        return self.int4_form is not None or (self.quantized is not None
+                                              and self.quantized_rows > 0)
 
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -165,8 +171,9 @@ def fbgemm_half_layout(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-    if w.quantized is not None and w.quantized.kernel == "c":  # the bias inside, in float32
-        return int4_kernel.matmul(x, w.quantized.data, w.out_features, w.tiled_bias)
+    int4_form = w.int4_form
+    if int4_form is not None:  # the bias inside, in float32
+        return int4_kernel.matmul(x, int4_form, w.out_features, w.tiled_bias)
     if w.quantized is not None and x.shape[0] <= w.quantized_rows:
         out = quantized_linear(x, w.quantized)
         return out if w.bias is None else out + w.bias.to(out.dtype)

@@ -19,6 +19,12 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 ENABLED_ENV = "TGI_PY_MATMUL_KERNEL"
 # what bf16_matmul_supported says: VDPBF16PS dot products, or float32 FMAs on AVX2
 DPBF16_FORM, AVX2_FORM = 1, 2
+# x, m, k, x_stride, packed, n, bias, out, out_stride: the signature of both C matmuls (this one's
+# and the int4 kernel's), as run_on_rows calls them; they return 0, -1 (no kernel in the build, or
+# a shape it does not take) or -2 (their scratch could not be allocated)
+MATMUL_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int64]
 
 
 @functools.cache
@@ -35,7 +41,7 @@ def load_library() -> ctypes.CDLL | None:
     library.bf16_matmul_packed_elements.restype = i64
     library.bf16_matmul_pack.argtypes = [ptr, i64, i64, ptr]
     library.bf16_matmul_pack.restype = None
-    library.bf16_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
+    library.bf16_matmul.argtypes = MATMUL_ARGTYPES
     library.bf16_matmul.restype = ctypes.c_int
     return library
 
@@ -70,7 +76,8 @@ def run_on_rows(kernel, x: torch.Tensor, packed: torch.Tensor, n: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., k] -> [..., n] through a C matmul with bf16_matmul's signature (this one's or the
     int4 kernel's): x's rows rounded to bf16 and made contiguous where they are not, the result
-    back in x's dtype; a kernel's failure (its scratch could not be allocated) is a MemoryError."""
+    back in x's dtype. A shape the kernel does not take is a ValueError, scratch it could not
+    allocate a MemoryError."""
     k = x.shape[-1]
     rows = x.reshape(-1, k).to(torch.bfloat16)
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
@@ -78,8 +85,11 @@ def run_on_rows(kernel, x: torch.Tensor, packed: torch.Tensor, n: int,
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
     status = kernel(rows.data_ptr(), rows.shape[0], k, k, packed.data_ptr(), n,
                     None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+    if status == -1:
+        raise ValueError(f"a C matmul does not take {rows.shape[0]} x {k} rows against its weight")
     if status != 0:
-        raise MemoryError(f"a C matmul failed ({status}) on {rows.shape[0]} x {k} rows")
+        raise MemoryError(f"a C matmul could not allocate its scratch for {rows.shape[0]} x {k} "
+                          "rows")
     return out.to(x.dtype)
 
 

@@ -89,9 +89,8 @@ def c_int4(weight: torch.Tensor) -> QuantizedWeight:
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """x [rows, in] -> x W^T [rows, out] in x's dtype."""
-    if w.kernel == "c":
-        return int4_kernel.matmul(x, w.data, w.out_features, None)
+    """x [rows, in] -> x W^T [rows, out] in x's dtype, by PyTorch's kernels (a form in our C int4
+    kernel's layout multiplies through shard.layers.linear)."""
     inputs = x.to(w.dtype).contiguous()
     if w.kind == "int8":
         out = torch.ops.aten._weight_int8pack_mm(inputs, w.data, w.scales)

@@ -98,7 +98,7 @@ def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str |
         prepared = getattr(module, "prepared", None)
         if prepared is None:
             continue
-        own_int4 = _int4(prepared) is not None
+        own_int4 = prepared.int4_form is not None
         any_int4 = any_int4 or own_int4
         if not own_int4 and (prepared.tiled is None or prepared.quantized_rows):
             return ("a linear layer runs another kernel than our C bf16 or int4 matmuls "
@@ -205,8 +205,7 @@ def _bias(prepared) -> int | None:
 
 def _int4(prepared) -> int | None:
     """The layer's form for our C int4 kernel, or None."""
-    own = prepared.quantized is not None and prepared.quantized.kernel == "c"
-    return prepared.quantized.data.data_ptr() if own else None
+    return None if prepared.int4_form is None else prepared.int4_form.data_ptr()
 
 
 def _tiled(prepared) -> int | None:

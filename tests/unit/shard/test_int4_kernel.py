@@ -117,3 +117,12 @@ def test_int4_layers_hold_the_4_bit_form_alone():
         assert torch.equal(out, int4_kernel.matmul(x, prepared.quantized.data, 64, bias))
         if rows > int4_kernel.tile_rows():
             assert torch.equal(out, linear(x, LinearWeight.prepare(restored, bias)))
+
+
+def test_rows_of_a_width_the_kernel_does_not_take_are_a_value_error(int4_build):
+    """The kernel refuses inputs that are not whole groups of 32 (-1): a ValueError, not the
+    MemoryError of scratch it could not allocate."""
+    packed = int4_kernel.pack(*int4_kernel.quantize(torch.randn(16, 64)))
+    for rows in (2, 40):  # the 4-bit tiles and the unpacked blocks
+        with pytest.raises(ValueError):
+            int4_kernel.matmul(torch.randn(rows, 48, dtype=torch.bfloat16), packed, 16, None)
