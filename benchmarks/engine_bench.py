@@ -98,11 +98,13 @@ async def run_decode(driver: ShardDriver, batch_size: int, prompt_length: int, s
 
 
 def start_shard(model_dir: Path, dtype: str, socket_prefix: str,
-                quantize: str = "", compile_decode: bool = False) -> subprocess.Popen:
+                quantize: str = "", compile_decode: bool = False, device: str = "auto",
+                cuda_graphs: str = "0") -> subprocess.Popen:
     process = subprocess.Popen([sys.executable, "-m", "shard", "--model-path", str(model_dir),
                                 "--uds-path", socket_prefix, "--dtype", dtype,
-                                "--quantize", quantize,
-                                "--compile-decode", str(int(compile_decode))],
+                                "--quantize", quantize, "--device", device,
+                                "--compile-decode", str(int(compile_decode)),
+                                "--cuda-graphs", cuda_graphs],
                                cwd=Path(__file__).resolve().parents[1],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
@@ -124,7 +126,7 @@ def resident_mib(pid: int) -> float:
 async def bench(args) -> dict:
     socket_prefix = os.path.join(tempfile.mkdtemp(), "bench")
     shard = start_shard(args.model_dir, args.dtype, socket_prefix, args.quantize,
-                        args.compile_decode)
+                        args.compile_decode, args.device, args.cuda_graphs)
     try:
         channel = grpc.aio.insecure_channel(f"unix://{socket_prefix}-0")
         stub = pb_grpc.TextGenerationServiceStub(channel)
@@ -132,14 +134,17 @@ async def bench(args) -> dict:
         loaded_mib = resident_mib(shard.pid)
         longest = max(*args.prompt_lengths, args.decode_prompt)
         # room for the largest decode batch and the largest prefill batch alike
-        tokens = (max(*args.batch_sizes, *args.prefill_batch_sizes)
-                  * (longest + args.steps + args.warmup + 64))
+        per_request = longest + args.steps + args.warmup + 64
+        tokens = max(*args.batch_sizes, *args.prefill_batch_sizes) * per_request
+        # max_total_tokens: the longest request, which sizes the widest CUDA graph
         warm = await stub.Warmup(pb.WarmupRequest(batch=pb.Batch(id=0), max_input_tokens=1,
-                                                  max_prefill_tokens=1, max_total_tokens=2,
+                                                  max_prefill_tokens=1,
+                                                  max_total_tokens=per_request,
                                                   max_batch_total_tokens=tokens))
         driver = ShardDriver(stub, info.block_size, warm.num_blocks)
         results = {"device": info.device_type, "dtype": info.dtype, "quantize": args.quantize,
-                   "compile_decode": args.compile_decode, "resident_mib_after_load": loaded_mib,
+                   "compile_decode": args.compile_decode, "cuda_graphs": args.cuda_graphs,
+                   "resident_mib_after_load": loaded_mib,
                    "prefill": [], "decode": []}
         await run_decode(driver, 1, 16, 4, 2)  # process warm-up
         for prompt_length in args.prompt_lengths:
@@ -164,6 +169,8 @@ def print_tables(results: dict) -> None:
     print(f"device {results['device']}, dtype {results['dtype']}"
           + (f", weights {results['quantize']}" if results.get('quantize') else "")
           + (", compiled decode step" if results.get("compile_decode") else "")
+          + (f", CUDA graphs {results['cuda_graphs']}"
+             if results["device"] == "cuda" and results.get("cuda_graphs", "0") != "0" else "")
           + f", resident after load {results['resident_mib_after_load']:.0f} MiB")
     print(f"\n{'prefill':<8}{'batch':>6}{'prompt':>8}{'p50 ms':>10}{'p90 ms':>10}{'tok/s':>10}")
     for row in results["prefill"]:
@@ -190,6 +197,10 @@ def main() -> None:
                              "shard/compiled_decode.py)")
     parser.add_argument("--quantize", default="", choices=["", "int8", "int4"],
                         help="weight-only quantization of the shard's linear layers")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--cuda-graphs", default="0",
+                        help="batch sizes the shard captures CUDA graphs for (the shard's flag; "
+                             "0: eager steps); compare 0 with 1,2,4,8,16,32 on a GPU")
     parser.add_argument("--batch-sizes", type=_ints, default=_ints("1,2,4,8,16,32,64"))
     parser.add_argument("--prefill-batch-sizes", type=_ints, default=_ints("1,4"))
     parser.add_argument("--prompt-lengths", type=_ints, default=_ints("128,512"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from launcher.model_cache import cache_root
 from router.config import RouterConfig
-from shard.config import DTYPES, QUANTIZE_KINDS
+from shard.config import DEFAULT_CUDA_GRAPHS, DTYPES, QUANTIZE_KINDS, parse_cuda_graphs
 
 # router fields the launcher fills itself rather than taking from the user
 _DERIVED_ROUTER_FIELDS = {"tokenizer_path", "master_shard_uds_path", "model_id",
@@ -48,6 +48,11 @@ class LauncherConfig:
                                        "start. CPU, one shard, unquantized weights; elsewhere "
                                        "(or without a C++ compiler) the step stays eager and "
                                        "the shard log says why.")
+    cuda_graphs: str = _opt(DEFAULT_CUDA_GRAPHS, "Batch sizes whose decode step each shard "
+                                                 "captures in CUDA graphs at warm-up (TGI's "
+                                                 "flag), comma-separated; 0: none. A step of "
+                                                 "another size replays the next larger graph, "
+                                                 "a larger one runs eagerly. CUDA only.")
     block_size: int = _opt(16, "Tokens per KV-cache block.")
     shard_uds_path: str = _opt("/tmp/tgi-py-server", "Unix socket prefix of the shards "
                                                      "(rank r listens on <path>-<r>).")
@@ -110,6 +115,7 @@ class LauncherConfig:
         if self.quantize is not None and self.quantize not in QUANTIZE_KINDS:
             raise ValueError(f"--quantize {self.quantize!r} is not one of "
                              f"{', '.join(QUANTIZE_KINDS)}")
+        parse_cuda_graphs(self.cuda_graphs)
         if self.quantize and self.device == "cuda":
             raise ValueError(f"--quantize {self.quantize} runs CPU kernels only: serve with "
                              "--device cpu (or auto on a machine without a GPU)")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.logs import relay
+from shard.config import DEFAULT_CUDA_GRAPHS
 
 
 # How long (busy-wait iterations) a shard's idle OpenMP threads spin before they sleep, where the
@@ -116,8 +117,10 @@ class GroupSpec:
 class ShardGroup:
     def __init__(self, spec: GroupSpec, *, block_size: int, master_addr: str,
                  tracing_argv: list[str], json_output: bool, quantize: str = "",
-                 speculate: int = 0, compile_decode: bool = False):
+                 speculate: int = 0, compile_decode: bool = False,
+                 cuda_graphs: str = DEFAULT_CUDA_GRAPHS):
         self.spec = spec
+        self.cuda_graphs = cuda_graphs
         self.speculate = speculate
         self.compile_decode = compile_decode
         self.block_size = block_size
@@ -154,6 +157,7 @@ class ShardGroup:
                     "--device", spec.device, "--block-size", str(self.block_size),
                     "--quantize", self.quantize, "--speculate", str(self.speculate),
                     "--compile-decode", str(int(self.compile_decode)),
+                    "--cuda-graphs", self.cuda_graphs,
                     *self.tracing_argv]
             if spec.grpc_host:
                 argv += ["--grpc-address", f"{spec.grpc_host}:{spec.grpc_base_port + rank}"]

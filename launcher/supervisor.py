@@ -106,6 +106,7 @@ class Supervisor:
                            block_size=self.config.block_size, master_addr=self.config.master_addr,
                            quantize=self.config.quantize or "", speculate=self.config.speculate,
                            compile_decode=self.config.compile_decode,
+                           cuda_graphs=self.config.cuda_graphs,
                            tracing_argv=self.config.shard_tracing_argv(),
                            json_output=self.config.json_output)
         return group

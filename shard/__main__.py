@@ -16,7 +16,8 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.tracing import init_tracing, shutdown_tracing
 from shard.allocator import MMAP_THRESHOLD, keep_freed_memory, return_freed_memory
-from shard.config import ShardConfig, default_dtype, parse_args
+from shard.config import (DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype, parse_args,
+                          parse_cuda_graphs)
 from shard.distributed import all_gather_strings, init_parallel
 from shard.engine import Engine
 from shard.layers.arithmetic import c_matmul_runs
@@ -74,8 +75,12 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim,
                        config.block_size, dtype, device)
+    cuda_graphs = parse_cuda_graphs(config.cuda_graphs)
+    if cuda_graphs and device.type != "cuda" and config.cuda_graphs != DEFAULT_CUDA_GRAPHS:
+        log.warning("--cuda-graphs %s: CUDA graphs are captured on CUDA devices only; this shard "
+                    "runs on the %s", config.cuda_graphs, device.type)
     runner = ModelRunner(loaded.model, spec, compile_decode=bool(config.compile_decode),
-                         world_size=config.world_size)
+                         world_size=config.world_size, cuda_graphs=cuda_graphs)
     engine = Engine(loaded, runner, memory_fraction=config.memory_fraction,
                     world_size=config.world_size, speculate=config.speculate)
     info = pb.InfoResponse(

@@ -29,7 +29,7 @@ MIN_TABLE_WIDTH = 2
 def unsupported_reason(model: torch.nn.Module, device: torch.device, world_size: int) -> str | None:
     """Why the decode step of this model cannot be compiled here, or None."""
     if device.type != "cpu":
-        return "only the CPU step is compiled (CUDA graphs are not implemented)"
+        return "only the CPU step is compiled (on CUDA the step replays CUDA graphs: --cuda-graphs)"
     if world_size > 1:
         return "tensor-parallel steps run their all-reduces eagerly"
     for module in model.modules():

@@ -12,11 +12,27 @@ from shard.layers.native import cpu_flags
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE_KINDS = ("int8", "int4")  # shard.layers.quantize (this module must not import torch)
+DEFAULT_CUDA_GRAPHS = "1,2,4,8,16,32"  # TGI's --cuda-graphs default
 
 
 def cpu_has_avx2() -> bool:
     """x86 CPUs with AVX2 (AVX-512 ones included), from /proc/cpuinfo's flags."""
     return "avx2" in cpu_flags().split()
+
+
+def parse_cuda_graphs(text: str) -> list[int]:
+    """`--cuda-graphs`: comma-separated batch sizes, or 0 (or nothing) for none."""
+    try:
+        sizes = sorted({int(part) for part in text.replace(" ", "").split(",") if part})
+    except ValueError:
+        raise ValueError(f"--cuda-graphs {text!r} is not a comma-separated list of batch "
+                         "sizes") from None
+    if sizes in ([], [0]):
+        return []
+    if sizes[0] < 1:
+        raise ValueError(f"--cuda-graphs {text!r}: batch sizes are at least 1 (0 alone turns "
+                         "CUDA graphs off)")
+    return sizes
 
 
 def default_dtype(device_type: str, model_path: str | Path) -> str:
@@ -56,6 +72,9 @@ class ShardConfig:
     compile_decode: int = field(default=0, metadata={
         "help": "1: compile the decode step (torch.compile, inductor's C++ backend on the CPU) "
                 "at warm-up; 0: eager."})
+    cuda_graphs: str = field(default=DEFAULT_CUDA_GRAPHS, metadata={
+        "help": "Batch sizes to capture the decode step in CUDA graphs for at warm-up "
+                "(comma-separated; 0: none). CUDA only."})
     speculate: int = field(default=0, metadata={
         "help": "Draft tokens (n-gram, from the request's own text) verified per request and "
                 "decode step; 0: no speculation."})
@@ -77,6 +96,7 @@ class ShardConfig:
             raise ValueError(f"--quantize {self.quantize!r} is not one of {QUANTIZE_KINDS}")
         if self.speculate < 0:
             raise ValueError(f"--speculate {self.speculate} must be at least 0")
+        parse_cuda_graphs(self.cuda_graphs)  # a bad list fails at start, not at warm-up
         if self.block_size < 1:
             raise ValueError(f"--block-size {self.block_size} must be at least 1")
         if not 0 <= self.rank < self.world_size:

@@ -50,8 +50,11 @@ class Engine:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def warmup(self, requests: list[NewRequest], max_batch_total_tokens: int) -> WarmupResult:
-        """Runs the largest prefill once, then sizes the KV pool (tokens asked, or a memory budget)."""
+    def warmup(self, requests: list[NewRequest], max_batch_total_tokens: int,
+               max_total_tokens: int = 0) -> WarmupResult:
+        """Runs the largest prefill once, then sizes the KV pool (tokens asked, or a memory
+        budget) and prepares the decode step for requests of up to max_total_tokens (compiled or
+        captured, where it is to be)."""
         block_size = self.block_size
         next_block = 1
         for request in requests:
@@ -73,7 +76,7 @@ class Engine:
             raise RuntimeError("not enough memory for a single KV block; lower the dtype or "
                                "the model size")
         self.runner.allocate(num_blocks)
-        self.runner.warm_decode()
+        self.runner.warm_decode(max_total_tokens)
         return WarmupResult(num_blocks=num_blocks, block_size=block_size)
 
     def prefill(self, batch_id: int, requests: list[NewRequest],

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from shard.compiled_decode import CompiledDecode, unsupported_reason
+from shard.cuda_graphs import Capture, GraphedDecode, capture_cuda_graph
 from shard.layers import paged_kernel
 from shard.layers.attention import (AttentionMetadata, DecodeGroup, LayerCache, PrefillLayout,
                                     gather_index)
@@ -91,7 +92,10 @@ class PrefillSequence:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: KVCacheSpec, *, compile_decode: bool = False,
-                 world_size: int = 1):
+                 world_size: int = 1, cuda_graphs: list[int] | None = None,
+                 capture: Capture | None = None):
+        """cuda_graphs: batch sizes to capture the decode step for on CUDA (see
+        shard.cuda_graphs); `capture` replaces the CUDA capture (tests emulate it on the CPU)."""
         self.model = model
         self.spec = spec
         self.device = spec.device
@@ -100,6 +104,10 @@ class ModelRunner:
         self.paged_kernel = paged_kernel.supports(spec.device, spec.dtype)
         self.decode_step = self._decode_forward
         self.c_step: llama_step.DecodeStep | None = None  # built with each pool (see allocate)
+        self.graphs: GraphedDecode | None = None  # captured with each pool (see warm_decode)
+        if cuda_graphs and (spec.device.type == "cuda" or capture is not None):
+            self.graphs = GraphedDecode(self._static_decode_forward, cuda_graphs, spec.device,
+                                        capture or capture_cuda_graph)
         if compile_decode:
             reason = unsupported_reason(model, spec.device, world_size)
             if reason is None and not self.paged_kernel:
@@ -109,18 +117,28 @@ class ModelRunner:
             else:
                 log.warning("the decode step is not compiled: %s", reason)
 
-    def warm_decode(self) -> None:
-        """Compiles the decode step now, when it is to be compiled (see shard.compiled_decode)."""
+    def warm_decode(self, max_total_tokens: int = 0) -> None:
+        """Compiles the decode step now, when it is to be compiled (see shard.compiled_decode),
+        or captures its CUDA graphs for requests of up to max_total_tokens (prompt and output;
+        0: as many as the pool holds)."""
         if isinstance(self.decode_step, CompiledDecode):
             with torch.inference_mode():
                 self.decode_step.warm(tables_width=1)
+        if self.graphs is not None:
+            usable = self.num_blocks - 1  # block 0 is no request's
+            width = -(-max_total_tokens // self.spec.block_size) if max_total_tokens else usable
+            with torch.inference_mode():
+                self.graphs.capture(max(1, min(width, usable)))
 
     def allocate(self, num_blocks: int) -> None:
         self.c_step = None  # it holds the old pool too
+        if self.graphs is not None:
+            self.graphs.release()  # captured over the old pool: captured again by warm_decode
         self.cache = []  # free the old pool before allocating the new one
         self.cache = allocate_kv_cache(self.spec, num_blocks)
         self.num_blocks = num_blocks
-        if not isinstance(self.decode_step, CompiledDecode):  # a compiled step asked for runs
+        # a compiled step or CUDA graphs asked for run instead
+        if not isinstance(self.decode_step, CompiledDecode) and self.graphs is None:
             reason = llama_step.unsupported_reason(self.model, self.cache)
             if reason is None:
                 self.c_step = llama_step.DecodeStep(self.model, self.cache)
@@ -216,12 +234,37 @@ class ModelRunner:
         """One token per sequence at position seq_lens -> logits [B, vocab] and hidden states."""
         if self.c_step is not None:
             return DecodeOutput(*self.c_step(input_ids, seq_lens, block_tables))
+        if self.graphs is not None and self.graphs.captured:
+            # the columns the longest context needs (one host sync: the previous step's sampling
+            # has already waited for the device)
+            width = (int(seq_lens.max()) + 1 + self.spec.block_size - 1) // self.spec.block_size
+            out = self.graphs(input_ids, seq_lens, block_tables, width)
+            if out is not None:
+                return DecodeOutput(*out)
         return DecodeOutput(*self.decode_step(input_ids, seq_lens, block_tables))
 
     def _decode_forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                         block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(self.model.embed(input_ids), seq_lens, self.cache,
                             self._decode_metadata(seq_lens, block_tables))
+        return self.model.logits(hidden), hidden
+
+    def _static_decode_forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
+                               block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode forward with every shape fixed by its inputs' and nothing read back to the
+        host (what a CUDA graph records): each row attends over its table's full width, masked
+        past its context."""
+        spec = self.spec
+        context_lens = seq_lens + 1
+        width = block_tables.shape[1]
+        index = gather_index(block_tables, width * spec.block_size,
+                             (None, spec.num_kv_heads, spec.block_size, spec.head_dim))
+        positions = torch.arange(width * spec.block_size, device=seq_lens.device)
+        group = DecodeGroup(None, index, positions.unsqueeze(0) < context_lens.unsqueeze(1))
+        slot_blocks = block_tables.gather(1, (seq_lens // spec.block_size).unsqueeze(1)).squeeze(1)
+        meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=seq_lens % spec.block_size,
+                                 block_tables=block_tables, decode_groups=[group])
+        hidden = self.model(self.model.embed(input_ids), seq_lens, self.cache, meta)
         return self.model.logits(hidden), hidden
 
     def _decode_metadata(self, seq_lens: torch.Tensor,

@@ -98,7 +98,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         requests = [convert.new_request(r, self.engine.hidden_size)
                     for r in request.batch.requests]
         result = await self._run(context, self.engine.warmup, requests,
-                                 request.max_batch_total_tokens)
+                                 request.max_batch_total_tokens, request.max_total_tokens)
         return pb.WarmupResponse(max_supported_total_tokens=result.max_supported_total_tokens,
                                  max_input_tokens=request.max_input_tokens,
                                  max_total_tokens=request.max_total_tokens,

@@ -77,8 +77,9 @@ def test_concurrent_requests_are_batched_and_answer_like_alone(server):
 
 
 def test_a_compiled_speculating_tiny_server_answers_as_the_eager_engine(tiny_llama, tmp_path):
-    """--compile-decode and --speculate reach the shard: the step is compiled at warm-up, and
-    greedy answers are the eager engine's own."""
+    """--compile-decode, --speculate and --cuda-graphs reach the shard: the step is compiled at
+    warm-up, greedy answers are the eager engine's own, and a CPU shard says it captures no CUDA
+    graphs."""
     from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion
 
     prompt = "one two three one two three one two"
@@ -89,7 +90,7 @@ def test_a_compiled_speculating_tiny_server_answers_as_the_eager_engine(tiny_lla
     launched = launch(["--model-id", str(tiny_llama)], tmp_path,
                       extra=["--dtype", "float32",  # as make_engine loads it
                              "--compile-decode", "--speculate", "3", "--block-size", "4",
-                             "--max-batch-total-tokens", "4096"])
+                             "--max-batch-total-tokens", "4096", "--cuda-graphs", "2,4"])
     try:
         reply = requests.post(f"{launched.url}/generate", timeout=120, json={
             "inputs": prompt, "parameters": {"max_new_tokens": 24, "ignore_eos": True,
@@ -97,6 +98,7 @@ def test_a_compiled_speculating_tiny_server_answers_as_the_eager_engine(tiny_lla
         assert reply.status_code == 200, reply.text
         assert [t["id"] for t in reply.json()["details"]["tokens"]] == want
         assert "decode step compiled" in launched.log()
+        assert "--cuda-graphs 2,4: CUDA graphs are captured on CUDA devices only" in launched.log()
         metrics = requests.get(f"{launched.url}/metrics", timeout=30).text
         drafted = next(float(line.split()[1]) for line in metrics.splitlines()
                        if line.startswith("tgi_speculation_draft_tokens "))

@@ -29,6 +29,14 @@ def test_an_empty_quantize_means_none(monkeypatch):
     assert LauncherConfig(quantize="").quantize is None
 
 
+def test_cuda_graphs_take_tgis_flag_and_environment_variable(monkeypatch):
+    assert parse_args(["--model-id", "m"]).cuda_graphs == "1,2,4,8,16,32"  # TGI's default
+    monkeypatch.setenv("CUDA_GRAPHS", "0")
+    assert parse_args(["--model-id", "m"]).cuda_graphs == "0"
+    with pytest.raises(ValueError, match="--cuda-graphs"):
+        LauncherConfig(cuda_graphs="1,two")
+
+
 def test_without_dtype_the_shards_and_the_routers_models_take_the_devices_default(monkeypatch,
                                                                                  tmp_path):
     from launcher import shard_group, supervisor

@@ -1,0 +1,146 @@
+"""The decode step replayed from CUDA graphs: one captured per batch-size and table-width bucket.
+
+A decode step on a GPU launches a few hundred small kernels (norms, rotary, cache writes, the
+attention's gather and matmuls, per layer); for a small batch the launches, not the arithmetic, set
+its time. A CUDA graph records the kernels of one step once and replays them with a single launch.
+A graph replays fixed shapes and fixed addresses, so each one owns its input buffers: a step copies
+its rows into the smallest graph that holds them, pads the rest (rows that write into block 0, which
+no request holds, and read one token; table columns that name block 0 and are masked), replays,
+and reads its rows back. Buckets are TGI's batch sizes (`--cuda-graphs`, default 1,2,4,8,16,32)
+times table widths in powers of two up to the longest request: the attention reads every column of
+its graph's width, so a graph as wide as the longest possible request would make every step pay
+for it. A step no graph holds (a larger batch, a wider table) runs eagerly.
+
+The capture itself is a parameter (`capture`): tests on the CPU pass one that replays the function
+on the same buffers, which holds this module to the contract a CUDA graph imposes.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("tgi.shard.cuda_graphs")
+
+Outputs = tuple[torch.Tensor, torch.Tensor]  # logits [B, vocab], hidden states [B, hidden]
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Outputs]
+# (step, its input buffers) -> (its output buffers, a function that recomputes them in place
+# from whatever the input buffers hold then)
+Capture = Callable[[Step, tuple[torch.Tensor, ...]], tuple[Outputs, Callable[[], None]]]
+
+
+def width_buckets(max_width: int) -> list[int]:
+    """Block-table widths to capture: powers of two below max_width, then max_width."""
+    widths, width = [], 1
+    while width < max_width:
+        widths.append(width)
+        width *= 2
+    return widths + [max(max_width, 1)]
+
+
+def capture_cuda_graph(step: Step, inputs: tuple[torch.Tensor, ...]
+                       ) -> tuple[Outputs, Callable[[], None]]:
+    """Records `step` on `inputs` as a CUDA graph: -> its outputs, and the graph's replay."""
+    # a first run on a side stream, as PyTorch asks: lazy initialisations (cuBLAS handles,
+    # workspaces) must not happen inside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=_shared_pool()):
+        outputs = step(*inputs)
+    return outputs, graph.replay
+
+
+_POOL = None
+
+
+def _shared_pool():
+    """One memory pool for every graph: they never replay at once, so their activations can
+    share memory (each graph's outputs stay its own)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = torch.cuda.graph_pool_handle()
+    return _POOL
+
+
+@dataclass(slots=True)
+class CapturedStep:
+    input_ids: torch.Tensor  # [rows]
+    seq_lens: torch.Tensor  # [rows]
+    block_tables: torch.Tensor  # [rows, width]
+    logits: torch.Tensor  # [rows, vocab]: written by each replay
+    hidden: torch.Tensor  # [rows, hidden]
+    replay: Callable[[], None]
+
+
+class GraphedDecode:
+    """Decode steps replayed from graphs captured for each (batch size, table width) bucket."""
+
+    def __init__(self, step: Step, batch_sizes: list[int], device: torch.device,
+                 capture: Capture = capture_cuda_graph):
+        self.step = step
+        self.batch_sizes = sorted(batch_sizes)
+        self.device = device
+        self.capture_fn = capture
+        self.widths: list[int] = []
+        self.graphs: dict[tuple[int, int], CapturedStep] = {}
+
+    def capture(self, max_width: int) -> None:
+        """Captures every bucket for tables up to max_width blocks (the longest request's),
+        largest first, so the shared pool is sized once by the largest. Steps in the captures
+        write into block 0 only."""
+        self.graphs = {}
+        self.widths = width_buckets(max_width)
+        for rows in reversed(self.batch_sizes):
+            for width in reversed(self.widths):
+                inputs = (torch.zeros(rows, dtype=torch.long, device=self.device),
+                          torch.zeros(rows, dtype=torch.long, device=self.device),
+                          torch.zeros(rows, width, dtype=torch.long, device=self.device))
+                (logits, hidden), replay = self.capture_fn(self.step, inputs)
+                self.graphs[rows, width] = CapturedStep(*inputs, logits, hidden, replay)
+        log.info("decode step captured in %d CUDA graphs (batch sizes %s, table widths %s)",
+                 len(self.graphs), ",".join(map(str, self.batch_sizes)),
+                 ",".join(map(str, self.widths)))
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs)
+
+    def release(self) -> None:
+        """Drops every graph (they read and write the KV pool they were captured over)."""
+        self.graphs = {}
+        self.widths = []
+
+    def bucket(self, rows: int, width: int) -> CapturedStep | None:
+        """The smallest graph holding `rows` rows of `width` table columns, or None."""
+        fits_rows = [b for b in self.batch_sizes if b >= rows]
+        fits_width = [w for w in self.widths if w >= width]
+        if not fits_rows or not fits_width:
+            return None
+        return self.graphs.get((fits_rows[0], fits_width[0]))
+
+    def __call__(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
+                 block_tables: torch.Tensor, width: int) -> Outputs | None:
+        """One step of these rows, reading `width` columns of their tables (enough to cover
+        every context); None when no graph holds the step (the caller runs it eagerly)."""
+        rows = input_ids.shape[0]
+        graph = self.bucket(rows, width)
+        if graph is None:
+            return None
+        # every row past the batch reads block 0's first token and writes it back (padding); a
+        # previous, larger step left its rows there
+        graph.input_ids.zero_()
+        graph.seq_lens.zero_()
+        graph.block_tables.zero_()
+        graph.input_ids[:rows].copy_(input_ids)
+        graph.seq_lens[:rows].copy_(seq_lens)
+        width = min(width, block_tables.shape[1])
+        graph.block_tables[:rows, :width].copy_(block_tables[:, :width])
+        graph.replay()
+        # the next replay overwrites the buffers: the step's results are copies
+        return graph.logits[:rows].clone(), graph.hidden[:rows].clone()

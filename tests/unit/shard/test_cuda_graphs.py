@@ -1,0 +1,154 @@
+"""Decode steps replayed from captured graphs give the eager steps' tokens.
+
+On the CPU the capture is emulated with the contract a CUDA graph imposes: a replay recomputes
+the step from whatever its input buffers hold at that moment and writes the results into the same
+output tensors it returned at capture. A runner that forgot to copy a batch in, left a previous
+batch's rows in the padding, or handed out a buffer the next replay overwrites fails here as it
+would on a GPU. The last test runs the real capture where CUDA is present.
+"""
+import pytest
+import torch
+
+from shard.config import parse_cuda_graphs
+from shard.cuda_graphs import GraphedDecode, width_buckets
+from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion
+
+
+class EmulatedCapture:
+    """Captures by running the step once on its buffers; replays rerun it on them, in place."""
+
+    def __init__(self):
+        self.captured: list[tuple[int, int]] = []  # (rows, width) per capture
+        self.replays = 0
+
+    def __call__(self, step, inputs):
+        self.captured.append((inputs[0].shape[0], inputs[2].shape[1]))
+        outputs = step(*inputs)
+
+        def replay():
+            self.replays += 1
+            for buffer, value in zip(outputs, step(*inputs)):
+                buffer.copy_(value)
+        return outputs, replay
+
+
+def _prompts(engine, count):
+    texts = ["The quick brown fox", "Once upon a time there was a", "café au lait", "x",
+             "a b c d e f g h i j k l m n o p", "Hello", "1 2 3"]
+    return [engine.tokenizer.encode(texts[i % len(texts)]).ids for i in range(count)]
+
+
+def _greedy(engine, count, new_tokens=12, batched=True):
+    pool = BlockPool(512)
+    requests = [request(i, p, pool.take(len(p) + new_tokens, 4), max_new_tokens=new_tokens,
+                        ignore_eos=True)
+                for i, p in enumerate(_prompts(engine, count))]
+    if batched:
+        return run_to_completion(engine, requests)
+    out = {}
+    for r in requests:
+        out.update(run_to_completion(engine, [r], batch_id=10 + r.id))
+    return out
+
+
+@pytest.mark.parametrize("speculate", [0, 3])
+def test_graphed_steps_give_the_eager_steps_tokens(tiny_llama, speculate):
+    eager = make_engine(tiny_llama, speculate=speculate)
+    capture = EmulatedCapture()
+    graphed = make_engine(tiny_llama, cuda_graphs=[1, 2, 4, 16], capture=capture,
+                          max_total_tokens=64, speculate=speculate)
+    # widths in 4-token blocks up to 64 tokens: 1, 2, 4, 8, 16 blocks, for each batch size
+    assert sorted(capture.captured) == sorted((b, w) for b in (1, 2, 4, 16)
+                                              for w in (1, 2, 4, 8, 16))
+    for count, batched in ((1, False), (3, True), (4, True)):
+        before = capture.replays
+        assert _greedy(graphed, count, batched=batched) == _greedy(eager, count, batched=batched)
+        # every decode step replayed a graph (the first token of each request is its prefill's);
+        # speculating, a step verifies drafts in more rows and takes several tokens
+        if speculate:
+            assert capture.replays > before
+        elif batched:
+            assert capture.replays - before == 11
+        else:
+            assert capture.replays - before == count * 11
+
+
+def test_steps_no_graph_holds_run_eagerly(tiny_llama):
+    eager = make_engine(tiny_llama)
+    capture = EmulatedCapture()
+    graphed = make_engine(tiny_llama, cuda_graphs=[1, 2], capture=capture, max_total_tokens=16)
+    # 6 rows: past the largest batch size; 30 new tokens: contexts past the 16-token widths, so
+    # after a few steps the single row runs eagerly too
+    assert _greedy(graphed, 6) == _greedy(eager, 6)
+    assert capture.replays == 0
+    before = capture.replays
+    assert _greedy(graphed, 1, new_tokens=30) == _greedy(eager, 1, new_tokens=30)
+    assert 0 < capture.replays - before < 29
+
+
+def test_padding_rows_are_reset_and_results_are_copies():
+    calls = []
+
+    def step(ids, lens, tables):
+        calls.append((ids.clone(), lens.clone(), tables.clone()))
+        logits = (ids * 100 + lens).float().unsqueeze(1) + tables.sum(1, keepdim=True)
+        return logits, logits * 2
+
+    graphs = GraphedDecode(step, [4], torch.device("cpu"), EmulatedCapture())
+    graphs.capture(max_width=3)
+    assert graphs.widths == [1, 2, 3]
+    first, _ = graphs(torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7]),
+                      torch.tensor([[1, 2], [3, 4], [5, 6]]), width=2)
+    assert first.flatten().tolist() == [108.0, 213.0, 318.0]
+    second, hidden = graphs(torch.tensor([9]), torch.tensor([4]), torch.tensor([[7, 8, 9]]),
+                            width=1)
+    ids, lens, tables = calls[-1]
+    # the one-row step replayed the 4-row, 1-column graph: rows 1-3 are padding again
+    assert ids.tolist() == [9, 0, 0, 0] and lens.tolist() == [4, 0, 0, 0]
+    assert tables.tolist() == [[7], [0], [0], [0]]
+    assert second.flatten().tolist() == [911.0] and hidden.flatten().tolist() == [1822.0]
+    assert first.flatten().tolist() == [108.0, 213.0, 318.0], "a replay overwrote a result"
+    # wider tables than captured, or more rows: no graph
+    assert graphs(torch.tensor([1]), torch.tensor([40]), torch.zeros(1, 4, dtype=torch.long),
+                  width=4) is None
+    assert graphs.bucket(5, 1) is None
+
+
+def test_a_new_pool_drops_the_graphs_until_captured_again(tiny_llama):
+    capture = EmulatedCapture()
+    engine = make_engine(tiny_llama, cuda_graphs=[2], capture=capture, max_total_tokens=8,
+                         num_blocks=64)
+    runner = engine.runner
+    assert runner.graphs.captured and runner.graphs.widths == [1, 2]
+    runner.allocate(32)
+    assert not runner.graphs.captured, "graphs captured over the old pool must not replay"
+    before = capture.replays
+    _greedy(engine, 2, new_tokens=3)
+    assert capture.replays == before
+    runner.warm_decode(0)  # no longest request given: as wide as the pool (31 usable blocks)
+    assert runner.graphs.widths == [1, 2, 4, 8, 16, 31]
+
+
+def test_width_buckets():
+    assert width_buckets(1) == [1]
+    assert width_buckets(8) == [1, 2, 4, 8]
+    assert width_buckets(9) == [1, 2, 4, 8, 9]
+
+
+def test_parse_cuda_graphs():
+    assert parse_cuda_graphs("1,2,4,8,16,32") == [1, 2, 4, 8, 16, 32]
+    assert parse_cuda_graphs("8, 2,2") == [2, 8]
+    assert parse_cuda_graphs("0") == [] and parse_cuda_graphs("") == []
+    with pytest.raises(ValueError, match="at least 1"):
+        parse_cuda_graphs("0,4")
+    with pytest.raises(ValueError, match="comma-separated"):
+        parse_cuda_graphs("four")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_on_a_gpu_give_the_eager_steps_tokens(tiny_llama):
+    eager = make_engine(tiny_llama, device="cuda")
+    graphed = make_engine(tiny_llama, device="cuda", cuda_graphs=[1, 2, 4], max_total_tokens=64)
+    assert graphed.runner.graphs.captured
+    for count, batched in ((1, False), (3, True), (4, True), (6, True)):
+        assert _greedy(graphed, count, batched=batched) == _greedy(eager, count, batched=batched)
