@@ -40,11 +40,12 @@ def summary(values: list[float]) -> dict:
 class ShardDriver:
     """Allocates blocks itself (block 0 reserved) and speaks the proto to one shard."""
 
-    def __init__(self, stub, block_size: int, num_blocks: int):
+    def __init__(self, stub, block_size: int, num_blocks: int, vocab_size: int):
         self.stub = stub
         self.block_size = block_size
         self.free = list(range(num_blocks - 1, 0, -1))
         self.next_id = 0
+        self.token_span = min(1000, vocab_size - 10)  # ids 10.. inside any vocabulary
 
     def batch(self, batch_size: int, prompt_length: int, new_tokens: int) -> tuple[pb.Batch, list]:
         requests, held = [], []
@@ -53,7 +54,7 @@ class ShardDriver:
             blocks = [self.free.pop() for _ in range(count)]
             held.append(blocks)
             requests.append(pb.Request(
-                id=self.next_id, input_ids=[(7 * i + self.next_id) % 1000 + 10
+                id=self.next_id, input_ids=[(7 * i + self.next_id) % self.token_span + 10
                                             for i in range(prompt_length)],
                 parameters=pb.NextTokenChooserParameters(),
                 stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=new_tokens,
@@ -75,6 +76,7 @@ async def run_prefill(driver: ShardDriver, batch_size: int, prompt_length: int, 
         started = time.perf_counter()
         reply = await driver.stub.Prefill(pb.PrefillRequest(batch=batch))
         latencies.append(time.perf_counter() - started)
+        _check_admitted(reply, batch_size)
         await driver.stub.ClearCache(pb.ClearCacheRequest(id=reply.batch.id))
         driver.release(held)
     return latencies
@@ -84,6 +86,7 @@ async def run_decode(driver: ShardDriver, batch_size: int, prompt_length: int, s
                      warmup: int):
     batch, held = driver.batch(batch_size, prompt_length, steps + warmup + 1)
     reply = await driver.stub.Prefill(pb.PrefillRequest(batch=batch))
+    _check_admitted(reply, batch_size)
     cached = reply.batch
     latencies = []
     for step in range(steps + warmup):
@@ -95,6 +98,13 @@ async def run_decode(driver: ShardDriver, batch_size: int, prompt_length: int, s
     await driver.stub.ClearCache(pb.ClearCacheRequest(id=cached.id))
     driver.release(held)
     return latencies
+
+
+def _check_admitted(reply, batch_size: int) -> None:
+    """A shard that refused the requests would time nothing."""
+    if reply.rejected or len(reply.generations) != batch_size:
+        raise RuntimeError(f"the shard computed {len(reply.generations)} of {batch_size} "
+                           f"requests: {[r.reason for r in reply.rejected][:3]}")
 
 
 def start_shard(model_dir: Path, dtype: str, socket_prefix: str,
@@ -141,7 +151,8 @@ async def bench(args) -> dict:
                                                   max_prefill_tokens=1,
                                                   max_total_tokens=per_request,
                                                   max_batch_total_tokens=tokens))
-        driver = ShardDriver(stub, info.block_size, warm.num_blocks)
+        vocab_size = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
+        driver = ShardDriver(stub, info.block_size, warm.num_blocks, vocab_size)
         results = {"device": info.device_type, "dtype": info.dtype, "quantize": args.quantize,
                    "compile_decode": args.compile_decode, "cuda_graphs": args.cuda_graphs,
                    "resident_mib_after_load": loaded_mib,
