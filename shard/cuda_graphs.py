@@ -7,12 +7,13 @@ A graph replays fixed shapes and fixed addresses, so each one owns its input buf
 its rows into the smallest graph that holds them, pads the rest (rows that write into block 0, which
 no request holds, and read one token; table columns that name block 0 and are masked), replays,
 and reads its rows back. Buckets are TGI's batch sizes (`--cuda-graphs`, default 1,2,4,8,16,32)
-times table widths in powers of two up to the longest request: the attention reads every column of
-its graph's width, so a graph as wide as the longest possible request would make every step pay
-for it. A step no graph holds (a larger batch, a wider table) runs eagerly.
+times table widths in powers of two up to the longest request (`--max-total-tokens`): the
+attention reads every column of its graph's width, so a graph as wide as the longest possible
+request would make every step pay for it. A step no graph holds (a larger batch, a wider table, a
+bucket too large to capture: MAX_GATHER_BYTES) runs eagerly.
 
-The capture itself is a parameter (`capture`): tests on the CPU pass one that replays the function
-on the same buffers, which holds this module to the contract a CUDA graph imposes.
+How a graph is captured is a parameter (`new_capture`): tests on the CPU pass one that replays the
+function on the same buffers, which holds this module to the contract a CUDA graph imposes.
 """
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Outputs]
 # from whatever the input buffers hold then)
 Capture = Callable[[Step, tuple[torch.Tensor, ...]], tuple[Outputs, Callable[[], None]]]
 
+# A graph's attention gathers every row's keys and values over the graph's whole width, in memory
+# left beside the KV pool (a tenth of the free memory on CUDA); buckets that would gather more
+# than this a layer are not captured, and their steps run eagerly, grouping rows by length.
+MAX_GATHER_BYTES = 512 << 20
+
 
 def width_buckets(max_width: int) -> list[int]:
     """Block-table widths to capture: powers of two below max_width, then max_width."""
@@ -40,32 +46,31 @@ def width_buckets(max_width: int) -> list[int]:
     return widths + [max(max_width, 1)]
 
 
-def capture_cuda_graph(step: Step, inputs: tuple[torch.Tensor, ...]
-                       ) -> tuple[Outputs, Callable[[], None]]:
-    """Records `step` on `inputs` as a CUDA graph: -> its outputs, and the graph's replay."""
-    # a first run on a side stream, as PyTorch asks: lazy initialisations (cuBLAS handles,
-    # workspaces) must not happen inside the capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(*inputs)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=_shared_pool()):
-        outputs = step(*inputs)
-    return outputs, graph.replay
+class CudaGraphCapture:
+    """Records steps as CUDA graphs on `device`, all in one memory pool of their own: the graphs
+    never replay at once, so their activations can share memory. Outputs share it too (a graph
+    captured later may place its activations where an earlier one keeps its outputs), which is
+    why a replay's results are copied before the next replay."""
 
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
 
-_POOL = None
-
-
-def _shared_pool():
-    """One memory pool for every graph: they never replay at once, so their activations can
-    share memory (each graph's outputs stay its own)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = torch.cuda.graph_pool_handle()
-    return _POOL
+    def __call__(self, step: Step, inputs: tuple[torch.Tensor, ...]
+                 ) -> tuple[Outputs, Callable[[], None]]:
+        with torch.cuda.device(self.device):
+            # a first run on a side stream, as PyTorch asks: lazy initialisations (cuBLAS
+            # handles, workspaces) must not happen inside the capture
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step(*inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the server's Health probe may allocate on another thread meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                outputs = step(*inputs)
+        return outputs, graph.replay
 
 
 @dataclass(slots=True)
@@ -81,31 +86,45 @@ class CapturedStep:
 class GraphedDecode:
     """Decode steps replayed from graphs captured for each (batch size, table width) bucket."""
 
-    def __init__(self, step: Step, batch_sizes: list[int], device: torch.device,
-                 capture: Capture = capture_cuda_graph):
+    def __init__(self, step: Step, batch_sizes: list[int], device: torch.device, *,
+                 block_bytes: int, new_capture: Callable[[torch.device], Capture] = CudaGraphCapture):
+        """block_bytes: the keys and values of one KV block of one layer, which a step gathers
+        per row and table column."""
         self.step = step
         self.batch_sizes = sorted(batch_sizes)
         self.device = device
-        self.capture_fn = capture
+        self.block_bytes = block_bytes
+        self.new_capture = new_capture
         self.widths: list[int] = []
         self.graphs: dict[tuple[int, int], CapturedStep] = {}
 
     def capture(self, max_width: int) -> None:
-        """Captures every bucket for tables up to max_width blocks (the longest request's),
-        largest first, so the shared pool is sized once by the largest. Steps in the captures
-        write into block 0 only."""
-        self.graphs = {}
-        self.widths = width_buckets(max_width)
-        for rows in reversed(self.batch_sizes):
-            for width in reversed(self.widths):
-                inputs = (torch.zeros(rows, dtype=torch.long, device=self.device),
-                          torch.zeros(rows, dtype=torch.long, device=self.device),
-                          torch.zeros(rows, width, dtype=torch.long, device=self.device))
-                (logits, hidden), replay = self.capture_fn(self.step, inputs)
-                self.graphs[rows, width] = CapturedStep(*inputs, logits, hidden, replay)
-        log.info("decode step captured in %d CUDA graphs (batch sizes %s, table widths %s)",
-                 len(self.graphs), ",".join(map(str, self.batch_sizes)),
-                 ",".join(map(str, self.widths)))
+        """Captures the buckets for tables up to max_width blocks (the longest request's),
+        largest first, so the pool is sized once by the largest; a bucket whose attention would
+        gather more than MAX_GATHER_BYTES a layer is left to eager steps. The steps captured
+        write into block 0 only. On failure no graph is kept and the error is raised."""
+        self.release()
+        capture = self.new_capture(self.device)
+        widths = width_buckets(max_width)
+        try:
+            for rows in reversed(self.batch_sizes):
+                for width in reversed(widths):
+                    if rows * width * self.block_bytes > MAX_GATHER_BYTES:
+                        continue
+                    inputs = (torch.zeros(rows, dtype=torch.long, device=self.device),
+                              torch.zeros(rows, dtype=torch.long, device=self.device),
+                              torch.zeros(rows, width, dtype=torch.long, device=self.device))
+                    (logits, hidden), replay = capture(self.step, inputs)
+                    self.graphs[rows, width] = CapturedStep(*inputs, logits, hidden, replay)
+        except BaseException:
+            self.release()
+            raise
+        self.widths = widths
+        log.info("decode step captured in %d CUDA graphs (batch sizes %s, table widths %s "
+                 "blocks; %d buckets over %d MiB of keys and values a layer left to eager "
+                 "steps)", len(self.graphs), ",".join(map(str, self.batch_sizes)),
+                 ",".join(map(str, widths)),
+                 len(self.batch_sizes) * len(widths) - len(self.graphs), MAX_GATHER_BYTES >> 20)
 
     @property
     def captured(self) -> bool:

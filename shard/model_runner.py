@@ -6,13 +6,15 @@ logits for the rows asked for.
 """
 from __future__ import annotations
 
+import gc
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from shard.compiled_decode import CompiledDecode, unsupported_reason
-from shard.cuda_graphs import Capture, GraphedDecode, capture_cuda_graph
+from shard.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
 from shard.layers import paged_kernel
 from shard.layers.attention import (AttentionMetadata, DecodeGroup, LayerCache, PrefillLayout,
                                     gather_index)
@@ -93,21 +95,24 @@ class PrefillSequence:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: KVCacheSpec, *, compile_decode: bool = False,
                  world_size: int = 1, cuda_graphs: list[int] | None = None,
-                 capture: Capture | None = None):
+                 new_capture: Callable[[torch.device], Capture] | None = None):
         """cuda_graphs: batch sizes to capture the decode step for on CUDA (see
-        shard.cuda_graphs); `capture` replaces the CUDA capture (tests emulate it on the CPU)."""
+        shard.cuda_graphs); `new_capture` replaces the CUDA capture (tests emulate it on the
+        CPU)."""
         self.model = model
         self.spec = spec
         self.device = spec.device
+        self.world_size = world_size
         self.cache: list[LayerCache] = []
         self.num_blocks = 0
         self.paged_kernel = paged_kernel.supports(spec.device, spec.dtype)
         self.decode_step = self._decode_forward
         self.c_step: llama_step.DecodeStep | None = None  # built with each pool (see allocate)
         self.graphs: GraphedDecode | None = None  # captured with each pool (see warm_decode)
-        if cuda_graphs and (spec.device.type == "cuda" or capture is not None):
+        if cuda_graphs and (spec.device.type == "cuda" or new_capture is not None):
             self.graphs = GraphedDecode(self._static_decode_forward, cuda_graphs, spec.device,
-                                        capture or capture_cuda_graph)
+                                        block_bytes=spec.bytes_per_block // spec.num_layers,
+                                        new_capture=new_capture or CudaGraphCapture)
         if compile_decode:
             reason = unsupported_reason(model, spec.device, world_size)
             if reason is None and not self.paged_kernel:
@@ -120,20 +125,39 @@ class ModelRunner:
     def warm_decode(self, max_total_tokens: int = 0) -> None:
         """Compiles the decode step now, when it is to be compiled (see shard.compiled_decode),
         or captures its CUDA graphs for requests of up to max_total_tokens (prompt and output;
-        0: as many as the pool holds)."""
+        0: unknown, no graphs)."""
         if isinstance(self.decode_step, CompiledDecode):
             with torch.inference_mode():
                 self.decode_step.warm(tables_width=1)
-        if self.graphs is not None:
-            usable = self.num_blocks - 1  # block 0 is no request's
-            width = -(-max_total_tokens // self.spec.block_size) if max_total_tokens else usable
+        if self.graphs is None:
+            return
+        if not max_total_tokens:
+            log.warning("no CUDA graphs: the warm-up did not say how long a request may be")
+            return
+        try:
             with torch.inference_mode():
-                self.graphs.capture(max(1, min(width, usable)))
+                # widths from the longest request alone, the same on every rank (each sizes its
+                # own pool): a column holds a block id, so a graph wider than a pool has blocks
+                # only pads more columns with block 0
+                self.graphs.capture(-(-max_total_tokens // self.spec.block_size))
+        except Exception as err:
+            self._free_graph_memory()
+            if self.world_size > 1:  # ranks whose graphs differ would pair collectives wrongly
+                raise
+            log.warning("the decode step could not be captured in CUDA graphs, it runs eagerly: "
+                        "%s", str(err).strip().splitlines()[0][:300] if str(err).strip()
+                        else repr(err))
+
+    def _free_graph_memory(self) -> None:
+        if self.device.type == "cuda":
+            gc.collect()  # the graphs' pool is freed with its last reference
+            torch.cuda.empty_cache()
 
     def allocate(self, num_blocks: int) -> None:
         self.c_step = None  # it holds the old pool too
-        if self.graphs is not None:
+        if self.graphs is not None and self.graphs.captured:
             self.graphs.release()  # captured over the old pool: captured again by warm_decode
+            self._free_graph_memory()
         self.cache = []  # free the old pool before allocating the new one
         self.cache = allocate_kv_cache(self.spec, num_blocks)
         self.num_blocks = num_blocks

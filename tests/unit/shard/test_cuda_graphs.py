@@ -15,14 +15,22 @@ from tests.engine_helpers import BlockPool, make_engine, request, run_to_complet
 
 
 class EmulatedCapture:
-    """Captures by running the step once on its buffers; replays rerun it on them, in place."""
+    """Captures by running the step once on its buffers; replays rerun it on them, in place.
+    Called with a device it stands for a new capture (GraphedDecode's `new_capture`)."""
 
-    def __init__(self):
+    def __init__(self, fail_at: tuple[int, int] | None = None):
         self.captured: list[tuple[int, int]] = []  # (rows, width) per capture
         self.replays = 0
+        self.fail_at = fail_at
 
-    def __call__(self, step, inputs):
-        self.captured.append((inputs[0].shape[0], inputs[2].shape[1]))
+    def __call__(self, *args):
+        if len(args) == 1:  # a device: a new capture begins
+            return self
+        step, inputs = args
+        bucket = (inputs[0].shape[0], inputs[2].shape[1])
+        if bucket == self.fail_at:
+            raise RuntimeError("out of memory while capturing")
+        self.captured.append(bucket)
         outputs = step(*inputs)
 
         def replay():
@@ -55,7 +63,7 @@ def _greedy(engine, count, new_tokens=12, batched=True):
 def test_graphed_steps_give_the_eager_steps_tokens(tiny_llama, speculate):
     eager = make_engine(tiny_llama, speculate=speculate)
     capture = EmulatedCapture()
-    graphed = make_engine(tiny_llama, cuda_graphs=[1, 2, 4, 16], capture=capture,
+    graphed = make_engine(tiny_llama, cuda_graphs=[1, 2, 4, 16], new_capture=capture,
                           max_total_tokens=64, speculate=speculate)
     # widths in 4-token blocks up to 64 tokens: 1, 2, 4, 8, 16 blocks, for each batch size
     assert sorted(capture.captured) == sorted((b, w) for b in (1, 2, 4, 16)
@@ -76,7 +84,7 @@ def test_graphed_steps_give_the_eager_steps_tokens(tiny_llama, speculate):
 def test_steps_no_graph_holds_run_eagerly(tiny_llama):
     eager = make_engine(tiny_llama)
     capture = EmulatedCapture()
-    graphed = make_engine(tiny_llama, cuda_graphs=[1, 2], capture=capture, max_total_tokens=16)
+    graphed = make_engine(tiny_llama, cuda_graphs=[1, 2], new_capture=capture, max_total_tokens=16)
     # 6 rows: past the largest batch size; 30 new tokens: contexts past the 16-token widths, so
     # after a few steps the single row runs eagerly too
     assert _greedy(graphed, 6) == _greedy(eager, 6)
@@ -94,7 +102,8 @@ def test_padding_rows_are_reset_and_results_are_copies():
         logits = (ids * 100 + lens).float().unsqueeze(1) + tables.sum(1, keepdim=True)
         return logits, logits * 2
 
-    graphs = GraphedDecode(step, [4], torch.device("cpu"), EmulatedCapture())
+    graphs = GraphedDecode(step, [4], torch.device("cpu"), block_bytes=1,
+                           new_capture=EmulatedCapture())
     graphs.capture(max_width=3)
     assert graphs.widths == [1, 2, 3]
     first, _ = graphs(torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7]),
@@ -116,7 +125,7 @@ def test_padding_rows_are_reset_and_results_are_copies():
 
 def test_a_new_pool_drops_the_graphs_until_captured_again(tiny_llama):
     capture = EmulatedCapture()
-    engine = make_engine(tiny_llama, cuda_graphs=[2], capture=capture, max_total_tokens=8,
+    engine = make_engine(tiny_llama, cuda_graphs=[2], new_capture=capture, max_total_tokens=8,
                          num_blocks=64)
     runner = engine.runner
     assert runner.graphs.captured and runner.graphs.widths == [1, 2]
@@ -125,8 +134,41 @@ def test_a_new_pool_drops_the_graphs_until_captured_again(tiny_llama):
     before = capture.replays
     _greedy(engine, 2, new_tokens=3)
     assert capture.replays == before
-    runner.warm_decode(0)  # no longest request given: as wide as the pool (31 usable blocks)
-    assert runner.graphs.widths == [1, 2, 4, 8, 16, 31]
+    runner.warm_decode(20)  # 5 blocks of 4 tokens
+    assert runner.graphs.captured and runner.graphs.widths == [1, 2, 4, 5]
+
+
+def test_without_a_longest_request_or_when_capture_fails_steps_run_eagerly(tiny_llama, caplog):
+    eager = make_engine(tiny_llama)
+    unknown = make_engine(tiny_llama, cuda_graphs=[2], new_capture=EmulatedCapture())
+    assert not unknown.runner.graphs.captured
+    assert "did not say how long a request may be" in caplog.text
+    failing = EmulatedCapture(fail_at=(2, 2))
+    broken = make_engine(tiny_llama, cuda_graphs=[1, 2], new_capture=failing,
+                         max_total_tokens=16)
+    assert not broken.runner.graphs.captured, "no graph kept from a capture that failed"
+    assert "could not be captured in CUDA graphs, it runs eagerly" in caplog.text
+    assert _greedy(broken, 2) == _greedy(eager, 2) and failing.replays == 0
+    # tensor-parallel ranks must not go on with graphs some rank may not have
+    broken.runner.world_size = 2
+    with pytest.raises(RuntimeError, match="out of memory while capturing"):
+        broken.runner.warm_decode(16)
+
+
+def test_buckets_gathering_too_much_are_left_to_eager_steps(monkeypatch):
+    from shard import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "MAX_GATHER_BYTES", 64)
+    capture = EmulatedCapture()
+    graphs = GraphedDecode(lambda ids, lens, tables: (ids.float(), ids.float()), [1, 2, 4],
+                           torch.device("cpu"), block_bytes=8, new_capture=capture)
+    graphs.capture(max_width=8)
+    # rows x width x 8 bytes <= 64
+    assert sorted(capture.captured) == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4),
+                                        (4, 1), (4, 2)]
+    assert graphs.bucket(3, 3) is None and graphs.bucket(2, 3).block_tables.shape == (2, 4)
+    assert graphs(torch.tensor([5, 6, 7]), torch.tensor([1, 1, 1]),
+                  torch.zeros(3, 4, dtype=torch.long), width=4) is None
 
 
 def test_width_buckets():
