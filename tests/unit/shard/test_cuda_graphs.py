@@ -81,6 +81,48 @@ def test_graphed_steps_give_the_eager_steps_tokens(tiny_llama, speculate):
             assert capture.replays - before == count * 11
 
 
+def _tokens_and_finals(engine, max_steps, with_beam=True):
+    """Two greedy requests and (with_beam) a 3-beam search decoded with calls of up to max_steps
+    steps, finished requests filtered between calls as the router does."""
+    pool = BlockPool(512)
+    prompts = _prompts(engine, 3)
+    requests = [request(i, p, pool.take(len(p) + 10, 4), max_new_tokens=n, ignore_eos=True)
+                for i, (p, n) in enumerate(zip(prompts[:2], (6, 10)))]
+    beam = request(2, prompts[2], pool.take(3 * (len(prompts[2]) + 8) + 8, 4), max_new_tokens=8)
+    beam.num_beams = 3
+    requests += [beam] if with_beam else []
+    out = engine.prefill(1, requests)
+    tokens, finals = {r.id: [] for r in requests}, {}
+    while True:
+        for g in out.generations:
+            tokens[g.request_id] += g.tokens.ids
+            if g.generated_text is not None:
+                finals[g.request_id] = g.generated_text.token_ids
+        if out.batch is None:
+            return tokens, finals
+        alive = [r for r in out.batch.request_ids if r not in finals]
+        if not alive:
+            engine.clear(out.batch.id)
+            return tokens, finals
+        if len(alive) < len(out.batch.request_ids):
+            engine.filter(out.batch.id, alive)
+        out = engine.decode([out.batch.id], max_steps)
+
+
+def test_beams_and_several_steps_a_call_replay_as_eager_steps(tiny_llama):
+    eager = make_engine(tiny_llama)
+    capture = EmulatedCapture()
+    graphed = make_engine(tiny_llama, cuda_graphs=[1, 2, 4, 8], new_capture=capture,
+                          max_total_tokens=64)
+    want = _tokens_and_finals(eager, 1)
+    assert _tokens_and_finals(graphed, 1) == want
+    # without the beam search in the batch, calls of several steps (a step a replay)
+    before = capture.replays
+    want = _tokens_and_finals(eager, 1, with_beam=False)
+    assert _tokens_and_finals(graphed, 4, with_beam=False) == want
+    assert capture.replays - before == 9  # 10 tokens, the first from the prefill
+
+
 def test_steps_no_graph_holds_run_eagerly(tiny_llama):
     eager = make_engine(tiny_llama)
     capture = EmulatedCapture()
