@@ -43,6 +43,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.config.vocab_size
         self.hidden_size = loaded.config.hidden_size
+        self.max_positions = loaded.config.max_position_embeddings
         self.runner = runner
         self.block_size = runner.spec.block_size
         self.memory_fraction = memory_fraction
@@ -114,6 +115,10 @@ class Engine:
         for request in requests:
             try:
                 needed = request.prompt_length + request.max_new_tokens - 1
+                if needed > self.max_positions:  # the rotary table ends there (on CUDA an
+                    # index past it is a device-side assert, which ends the process)
+                    raise ValueError(f"request {request.id} reaches position {needed - 1}, past "
+                                     f"the model's {self.max_positions} positions")
                 if needed > len(request.blocks) * self.block_size:
                     raise ValueError(f"request {request.id} needs {needed} KV slots but holds "
                                      f"{len(request.blocks)} blocks of {self.block_size}")
@@ -151,8 +156,10 @@ class Engine:
         if embeds.dim() != 2 or embeds.shape[1] != self.hidden_size:
             raise ValueError(f"request {request.id}: input embeddings must be rows of "
                              f"{self.hidden_size} values (the model's hidden size)")
-        if not torch.isfinite(embeds).all():
-            raise ValueError(f"request {request.id}: input embeddings must be finite")
+        # in the model's dtype, as computed: float16 turns values past 65504 into infinities
+        if not torch.isfinite(embeds.to(self.runner.model.activation_dtype)).all():
+            raise ValueError(f"request {request.id}: input embeddings must be finite in "
+                             f"{str(self.runner.model.activation_dtype).removeprefix('torch.')}")
         if request.prefill_logprobs:
             raise ValueError(f"request {request.id}: a prompt given as embeddings has no token "
                              "ids to score")

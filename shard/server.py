@@ -65,9 +65,24 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except Exception as err:  # a failed step fails its batch; a dead device stops the shard
             log.exception("step failed")
-            if self.engine.runner.device.type == "cuda" and isinstance(err, RuntimeError):
-                self.on_fatal_error(err)
+            if self.engine.runner.device.type == "cuda":
+                if isinstance(err, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()  # this batch did not fit; the next may
+                elif await asyncio.get_running_loop().run_in_executor(self._worker,
+                                                                      self._device_lost):
+                    self.on_fatal_error(err)
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+
+    def _device_lost(self) -> bool:
+        """After a failed step on CUDA: whether the device still runs work. A sticky error (a
+        device-side assert, an illegal address) fails every later call, and only a new process
+        recovers; a shape or argument error leaves the device as it was."""
+        try:
+            torch.cuda.synchronize(self.engine.runner.device)
+            torch.zeros(1, device=self.engine.runner.device).item()
+            return False
+        except RuntimeError:
+            return True
 
     async def Info(self, request, context):
         return self.info

@@ -137,6 +137,9 @@ def _attend_group(q: torch.Tensor, cache: LayerCache, group: DecodeGroup,
     # on CPUs that emulate bf16 matmuls 3-5x slower, or for float32 queries over a bf16 cache
     wide = attention_dtype(q.dtype, keys.dtype, keys.device)
     keys, values, queries = keys.to(wide), values.to(wide), queries.to(wide)
+    if wide == torch.float16:  # scaled first: unscaled products can pass float16's 65504
+        queries = queries * scale
+        scale = 1.0
     scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [G, kv, group, L]
     scores = scores.masked_fill(~group.mask.view(batch, 1, 1, -1), float("-inf"))
     probs = scores.softmax(dim=-1).to(values.dtype)

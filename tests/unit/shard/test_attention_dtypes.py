@@ -129,3 +129,20 @@ def test_attention_computes_in_the_wider_dtype_and_widens_bf16_only_without_bf16
     assert attention_dtype(BF16, F32, cpu) == F32
     assert attention_dtype(F32, F32, cpu) == F32
     assert attention_dtype(BF16, BF16, cpu) == (BF16 if bf16_kernels else F32)
+
+
+def test_float16_decode_scores_are_scaled_before_they_can_overflow():
+    """Products of float16 queries and keys land in float16: 80 * 80 * 16 = 102,400 passes its
+    65,504 and becomes infinite, while the scaled score (25,600) is in range. Scaled first, as
+    attention kernels do, the scores stay finite wherever the scaled ones are."""
+    cache = _cache(torch.float16)
+    lens = torch.tensor([5, 9])
+    q = torch.full((2, HEADS, HEAD_DIM), 80.0, dtype=torch.float16)
+    k = torch.full((2, KV_HEADS, HEAD_DIM), 80.0, dtype=torch.float16)
+    v = torch.randn(2, KV_HEADS, HEAD_DIM).to(torch.float16)
+    out = _decode("grouped", q, k, v, cache, lens)
+    assert torch.isfinite(out).all()
+    for row, length in enumerate(lens.tolist()):
+        keys, values = _context(cache, row, length)
+        want = _reference(q[row:row + 1], keys, values)
+        torch.testing.assert_close(out[row:row + 1].double(), want, rtol=1e-2, atol=1e-2)

@@ -119,6 +119,19 @@ def test_token_ids_past_the_vocabulary_and_too_many_top_tokens_refuse_their_requ
     assert [rid for rid, _ in out.rejected] == [10] and "top tokens" in out.rejected[0][1]
 
 
+def test_a_request_reaching_past_the_models_positions_is_refused_alone(engine):
+    """The rotary table ends at max_position_embeddings (512 for the tiny model): past it a
+    CPU step raised for the whole batch, and on CUDA the index is a device-side assert."""
+    pool = BlockPool(512)
+    longest = engine.max_positions
+    too_long = request(1, [5] * 500, pool.take(longest + 4, 4), max_new_tokens=longest - 498)
+    fits = request(2, [5] * 500, pool.take(longest + 4, 4), max_new_tokens=longest - 499)
+    out = engine.prefill(1, [too_long, fits])
+    assert [rid for rid, _ in out.rejected] == [1] and "past the model's 512" in out.rejected[0][1]
+    assert [g.request_id for g in out.generations] == [2]
+    engine.clear()
+
+
 def test_a_request_the_shard_refuses_leaves_the_others_and_the_riding_batch_going(engine):
     """A grammar this vocabulary cannot compile, beside good requests and a running batch riding
     in the same forward: only that request is refused, and every other token is the same."""

@@ -44,6 +44,16 @@ def test_embeddings_of_the_wrong_width_or_not_finite_refuse_that_request_alone(e
     engine.clear()
 
 
+def test_embeddings_past_float16s_range_refuse_their_request_in_a_float16_model(tiny_llama):
+    half = make_engine(tiny_llama, dtype=torch.float16, num_blocks=64)
+    pool = BlockPool(64)
+    big = request(1, [], pool.take(12, 4))
+    big.input_embeds = torch.full((3, half.hidden_size), 1e5)  # finite in float32
+    out = half.prefill(1, [big, request(2, PROMPT, pool.take(len(PROMPT) + 8, 4))])
+    assert [rid for rid, _ in out.rejected] == [1] and "finite in float16" in out.rejected[0][1]
+    assert [g.request_id for g in out.generations] == [2]
+
+
 def test_named_token_ids_get_their_log_probabilities_at_every_position(engine):
     pool = BlockPool(512)
     asked = [7, 42, 3]

@@ -1,0 +1,63 @@
+"""A failed step on CUDA: what stops the shard (a device that no longer runs work) and what fails
+only its batch (running out of memory, a shape or argument error)."""
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from shard.server import ShardServicer
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    def __init__(self):
+        self.code = None
+
+    async def abort(self, code, details):
+        self.code = code
+        raise _Aborted(details)
+
+
+class _Engine:
+    class runner:
+        device = torch.device("cuda")
+
+
+def _servicer(monkeypatch, device_lost: bool):
+    fatal = []
+    servicer = ShardServicer.__new__(ShardServicer)  # no engine thread or model needed
+    servicer.engine, servicer.on_fatal_error, servicer._worker = _Engine(), fatal.append, None
+    monkeypatch.setattr(ShardServicer, "_device_lost", lambda self: device_lost)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    return servicer, fatal
+
+
+def _fail(servicer, error):
+    def step():
+        raise error
+    context = _Context()
+    with pytest.raises(_Aborted):
+        asyncio.run(servicer._call(context, step))
+    return context.code
+
+
+@pytest.mark.parametrize("device_lost", [False, True])
+def test_out_of_memory_fails_the_batch_and_keeps_the_shard(monkeypatch, device_lost):
+    servicer, fatal = _servicer(monkeypatch, device_lost)
+    assert _fail(servicer, torch.cuda.OutOfMemoryError("CUDA out of memory")) == \
+        grpc.StatusCode.INTERNAL
+    assert fatal == []
+
+
+def test_a_runtime_error_stops_the_shard_only_when_the_device_is_lost(monkeypatch):
+    servicer, fatal = _servicer(monkeypatch, device_lost=False)
+    _fail(servicer, RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert fatal == []
+    servicer, fatal = _servicer(monkeypatch, device_lost=True)
+    error = RuntimeError("CUDA error: device-side assert triggered")
+    _fail(servicer, error)
+    assert fatal == [error]
