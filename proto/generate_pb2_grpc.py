@@ -74,6 +74,11 @@ class TextGenerationServiceStub:
                 request_serializer=proto_dot_generate__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=proto_dot_generate__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.unary_stream(
+                '/tgi.shard.v1.TextGenerationService/DecodeStream',
+                request_serializer=proto_dot_generate__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=proto_dot_generate__pb2.DecodeResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -135,6 +140,15 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeStream(self, request, context):
+        """Decode, each step sent as it ends: the router streams a call of several steps token by token.
+        Every message but the last has `more` set and carries one step's generations alone; the last
+        carries the last step's generations, the batch left, and the whole call's steps and times.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +189,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
             ),
             'Decode': grpc.unary_unary_rpc_method_handler(
                     servicer.Decode,
+                    request_deserializer=proto_dot_generate__pb2.DecodeRequest.FromString,
+                    response_serializer=proto_dot_generate__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.DecodeStream,
                     request_deserializer=proto_dot_generate__pb2.DecodeRequest.FromString,
                     response_serializer=proto_dot_generate__pb2.DecodeResponse.SerializeToString,
             ),
@@ -393,6 +412,33 @@ class TextGenerationService:
             request,
             target,
             '/tgi.shard.v1.TextGenerationService/Decode',
+            proto_dot_generate__pb2.DecodeRequest.SerializeToString,
+            proto_dot_generate__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tgi.shard.v1.TextGenerationService/DecodeStream',
             proto_dot_generate__pb2.DecodeRequest.SerializeToString,
             proto_dot_generate__pb2.DecodeResponse.FromString,
             options,

@@ -55,7 +55,8 @@ class Batcher:
         self._reclaim_from_sessions_too(allocator)
         self.running = RunningRequests(allocator, queue.prefix_cache, metrics, self.sessions)
         self.failures = FailureFanOut(self.running, queue, metrics)
-        self.steps = ShardSteps(client, metrics, self.running, self.failures)
+        self.steps = ShardSteps(client, metrics, self.running, self.failures,
+                                stream_steps=limits.stream_decode_steps)
         self.chunked: ChunkedPrefill | None = None  # the long prompt being prefilled in chunks
         self._wake = asyncio.Event()
         # set when the model is going away: the error a request reaching submit() gets instead

@@ -24,6 +24,11 @@ class SchedulingLimits:
     max_waiting_tokens: int
     max_batch_size: int | None
     max_decode_steps: int = 1  # decode steps one call may run (--max-decode-steps-per-call)
+    # each step of such a call streamed as it ends (DecodeStream), rather than with the call's
+    # last: for shards on CUDA, whose CPU idles while a step computes; on the CPU the router's and
+    # the server's work on each step would take cores from the step itself (streamed, one stream
+    # of SmolLM2 on 2 cores was as slow as with a call a step: benchmarks/RESULTS.md)
+    stream_decode_steps: bool = False
 
     def join_bounds(self, running_size: int, waited_tokens: int, *, chunking: bool = False
                     ) -> tuple[int | None, int | None]:

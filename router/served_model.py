@@ -221,7 +221,8 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_batch_total_tokens=capacity,
         waiting_served_ratio=config.waiting_served_ratio,
         max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size,
-        max_decode_steps=config.max_decode_steps_per_call)
+        max_decode_steps=config.max_decode_steps_per_call,
+        stream_decode_steps=shard_info.device_type == "cuda")
     metrics = Metrics(max_input_tokens=limits.max_input_tokens,
                       max_total_tokens=limits.max_total_tokens)
     prefix_cache = None

@@ -5,6 +5,7 @@ The scheduler calls it with the router's own types (router.batch); router.shard_
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -34,6 +35,14 @@ class ShardClient:
     async def call(self, method: str, message, timeout: float | None = None, metadata=None):
         try:
             return await getattr(self.stub, method)(message, timeout=timeout, metadata=metadata)
+        except grpc.aio.AioRpcError as err:
+            raise ShardError(err.details() or err.code().name) from None
+
+    async def stream(self, method: str, message, metadata=None) -> AsyncIterator:
+        """A server-streaming call's messages."""
+        try:
+            async for reply in getattr(self.stub, method)(message, metadata=metadata):
+                yield reply
         except grpc.aio.AioRpcError as err:
             raise ShardError(err.details() or err.code().name) from None
 
@@ -128,18 +137,49 @@ class ShardedClient:
             "Prefill", pb.PrefillRequest(batch=prepared.message, cached_batch=cached)),
             self.hidden_size)
 
-    async def decode(self, batches: list[CachedBatch], max_steps: int = 1) -> StepResult:
+    async def decode(self, batches: list[CachedBatch], max_steps: int = 1,
+                     on_step: Callable[[StepResult], None] | None = None) -> StepResult:
         """Up to `max_steps` steps back to back (the shards stop after one where a request
-        finished)."""
+        finished). With `on_step`, every step but the last is handed to it as it ends (streamed
+        from the shards), and the result holds the last step's generations with the whole
+        call's steps and times; without, every step's tokens come in the result."""
         request = pb.DecodeRequest(batches=[convert.cached_batch_message(b) for b in batches],
                                    max_steps=max_steps)
-        replies = await self._each("Decode", request)
+        if on_step is None or max_steps <= 1:
+            replies = await self._each("Decode", request)
+        else:
+            replies = await self._streamed(request, on_step)
         # each rank ends the call on its own tokens, the same on every rank; ranks that parted
         # would pair their collectives with the wrong step
         if len({r.steps for r in replies}) > 1:
             raise ShardError("the shard ranks took different numbers of decode steps: "
                              f"{[r.steps for r in replies]}")
         return convert.step_result(replies[0], self.hidden_size)
+
+    async def _streamed(self, request: pb.DecodeRequest,
+                        on_step: Callable[[StepResult], None]) -> list:
+        """DecodeStream on every rank: rank 0's steps handed to on_step as they come; every
+        rank's last message, rank order."""
+        metadata = inject_metadata() if tracing_enabled() else None
+        streams = [c.stream("DecodeStream", request, metadata) for c in self.clients]
+        others = [asyncio.ensure_future(_last_message(s)) for s in streams[1:]]
+        try:
+            last = None
+            async for reply in streams[0]:
+                if reply.more:
+                    on_step(convert.step_result(reply, self.hidden_size))
+                else:
+                    last = reply
+            if last is None:
+                raise ShardError("the shard ended a decode stream without its last message")
+            return [last, *await asyncio.gather(*others)]
+        except ShardError:
+            raise
+        except Exception as err:
+            raise ShardError(str(err)) from err
+        finally:
+            for other in others:
+                other.cancel()
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         reply = await self._all("FilterBatch",
@@ -148,6 +188,15 @@ class ShardedClient:
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
+
+
+async def _last_message(stream: AsyncIterator):
+    last = None
+    async for last in stream:
+        pass
+    if last is None or last.more:
+        raise ShardError("the shard ended a decode stream without its last message")
+    return last
 
 
 async def _instance_ids(clients: list[ShardClient], timeout: float) -> list[str]:

@@ -12,7 +12,7 @@ from opentelemetry.trace import Link, SpanKind
 
 from proto.tracing import tracer, tracing_enabled
 from router.active_request import ActiveRequest, deliver
-from router.batch import CachedBatch, NewBatch, StepResult
+from router.batch import CachedBatch, Generation, NewBatch, StepResult
 from router.chunk_sizing import DecodeCost
 from router.errors import GenerationError, RouterError
 from router.failures import FailureFanOut
@@ -30,8 +30,9 @@ NOTHING_SENT = StepResult()
 
 class ShardSteps:
     def __init__(self, client, metrics: Metrics, running: RunningRequests,
-                 failures: FailureFanOut):
+                 failures: FailureFanOut, *, stream_steps: bool = False):
         self.client = client
+        self.stream_steps = stream_steps  # see SchedulingLimits.stream_decode_steps
         self.metrics = metrics
         self.running = running
         self.failures = failures
@@ -73,8 +74,13 @@ class ShardSteps:
         return result
 
     async def decode(self, batches: list[CachedBatch], max_steps: int = 1) -> CachedBatch | None:
-        result = await self._timed("decode", self.client.decode(batches, max_steps),
-                                   lambda: self.requests_in(batches))
+        """A call of up to max_steps steps; with stream_steps each step's tokens reach their
+        requests as the step ends, else all of them when the call does."""
+        def on_step(step: StepResult) -> None:
+            self._deliver(step.generations)
+
+        call = self.client.decode(batches, max_steps, on_step if self.stream_steps else None)
+        result = await self._timed("decode", call, lambda: self.requests_in(batches))
         if isinstance(result, ShardError):
             await self._fail(self.requests_in(batches), [b.id for b in batches], result)
             return None
@@ -93,17 +99,20 @@ class ShardSteps:
             self.metrics.batch_filter_duration.labels(method).observe(time.monotonic() - started)
             self.running.update_gauges()
 
-    async def _deliver_and_filter(self, result: StepResult) -> CachedBatch | None:
-        for generation in result.generations:
+    def _deliver(self, generations: list[Generation]) -> None:
+        for generation in generations:
             item = self.running.get(generation.request_id)
             if item is None or not item.is_live:
                 continue
             if generation.error is not None:
-                # done now: the filter below drops it from the shards and frees its blocks
+                # done now: the filter after the call drops it from the shards, freeing its blocks
                 self.failures.unreadable(item, generation.error)
             else:
                 for event in generation.events:
                     deliver(item, event)
+
+    async def _deliver_and_filter(self, result: StepResult) -> CachedBatch | None:
+        self._deliver(result.generations)
         if result.batch is None:
             for generation in result.generations:
                 self.running.release(generation.request_id)

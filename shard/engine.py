@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -182,16 +183,23 @@ class Engine:
             raise ValueError(f"request {request.id}: {request.num_beams} beams need {needed} KV "
                              f"blocks, it holds {len(request.blocks)}")
 
-    def decode(self, batch_ids: list[int], max_steps: int = 1) -> StepResult:
+    def decode(self, batch_ids: list[int], max_steps: int = 1,
+               on_step: Callable[[StepResult], None] | None = None) -> StepResult:
         """Up to `max_steps` decode steps of the batches (merged), back to back: one call's
         round trip for several tokens when nothing else is due. It stops after a step in which a
         request finished (the router drops it before the next), and takes one step when
         speculating or when the batch holds a beam-search request (their steps are not plain
         ones). Each step's tokens are added to their requests' Generations, as speculation's
-        accepted tokens are."""
+        accepted tokens are; with `on_step`, every step but the last is handed to it instead as
+        it ends (to be streamed), and the result holds the last step's Generations with the
+        whole call's steps and times."""
         result = self._decode_step(batch_ids)
         while result.steps < max_steps and self._may_step_again(result):
-            result = _merge_steps(result, self._decode_step([result.batch.id]))
+            if on_step is None:
+                result = _merge_steps(result, self._decode_step([result.batch.id]))
+            else:
+                on_step(result)  # before the next step: its tokens go out while it computes
+                result = _after_steps(result, self._decode_step([result.batch.id]))
         return result
 
     def _may_step_again(self, result: StepResult) -> bool:
@@ -632,6 +640,17 @@ def _extend(generation: Generation, more: Generation) -> None:
 
 def _logprobs_of(distribution: torch.Tensor, token_ids: list[int]) -> list[float]:
     return distribution[torch.tensor(token_ids, device=distribution.device)].tolist()
+
+
+def _after_steps(earlier: StepResult, later: StepResult) -> StepResult:
+    """`later`, the next step of the same batch, counting `earlier`'s steps and times."""
+    later.forward_ns += earlier.forward_ns
+    later.decode_ns += earlier.decode_ns
+    later.total_ns += earlier.total_ns
+    later.steps += earlier.steps
+    if later.concat_ns is None:  # the call's first step merged its batches
+        later.concat_ns = earlier.concat_ns
+    return later
 
 
 def _merge_steps(earlier: StepResult, later: StepResult) -> StepResult:

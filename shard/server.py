@@ -139,3 +139,42 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         result = await self._run(context, self.engine.decode, [b.id for b in request.batches],
                                  steps, span="decode")
         return convert.step_response(result, pb.DecodeResponse)
+
+    async def DecodeStream(self, request, context):
+        """Decode, each step sent as it ends (converted here while the engine thread computes
+        the next one)."""
+        if not request.batches:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs at least one batch")
+        steps = min(max(1, request.max_steps), MAX_STEPS_PER_CALL)
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Queue = asyncio.Queue()
+
+        def on_step(result):  # on the engine thread
+            loop.call_soon_threadsafe(ended.put_nowait, result)
+
+        call = asyncio.ensure_future(self._run(context, self.engine.decode,
+                                               [b.id for b in request.batches], steps, on_step,
+                                               span="decode"))
+        step = None
+        try:
+            while True:
+                step = asyncio.ensure_future(ended.get())
+                await asyncio.wait({step, call}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():  # the call ended: the steps it handed over come first
+                    step.cancel()
+                    break
+                yield _step_message(step.result())
+            while not ended.empty():
+                yield _step_message(ended.get_nowait())
+            yield convert.step_response(await call, pb.DecodeResponse)
+        finally:
+            if step is not None and not step.done():
+                step.cancel()
+            if not call.done():  # the router went away; the engine thread ends its call anyway
+                call.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+
+def _step_message(step) -> pb.DecodeResponse:
+    """A DecodeStream message before the last: one step's generations and times alone."""
+    return pb.DecodeResponse(generations=[convert.generation(g) for g in step.generations],
+                             more=True)

@@ -124,8 +124,10 @@ class FakeShardClient:
         self.batches[target] = ids + new_ids
         return self._result(target, generations + self._step(new_ids))
 
-    async def decode(self, batches: list[CachedBatch], max_steps: int = 1) -> StepResult:
-        """Up to max_steps steps, ending after one in which a request finished, as the shards."""
+    async def decode(self, batches: list[CachedBatch], max_steps: int = 1,
+                     on_step=None) -> StepResult:
+        """Up to max_steps steps, ending after one in which a request finished, as the shards;
+        with on_step, each step but the last handed to it as it ends (as DecodeStream)."""
         self.calls.append(("decode", [b.id for b in batches]))
         self.decode_steps_asked.append(max_steps)
         await self._maybe_fail("decode")
@@ -142,10 +144,17 @@ class FakeShardClient:
         generations, steps = self._step(ids, self.tokens_per_decode), 1
         while steps < max_steps and not any(g.error is not None or g.events[-1].final is not None
                                             for g in generations):
+            if on_step is not None:  # the step just ended, as the next one begins
+                on_step(StepResult(generations=generations,
+                                   timings=StepTimings(forward_ns=1, decode_ns=1)))
             await asyncio.sleep(self.step_delay)
-            for generation, more in zip(generations, self._step(ids, self.tokens_per_decode)):
-                generation.events += more.events
-                generation.error = more.error
+            following = self._step(ids, self.tokens_per_decode)
+            if on_step is not None:
+                generations = following
+            else:
+                for generation, more in zip(generations, following):
+                    generation.events += more.events
+                    generation.error = more.error
             steps += 1
         result = self._result(batches[0].id, generations)
         result.steps = steps

@@ -16,12 +16,13 @@ from tests.fakes import FakeShardClient
 
 
 def _setup(client, *, num_blocks=200, max_batch_size=None, ratio=0.0, max_waiting_tokens=20,
-           chunking=False, max_decode_steps=1):
+           chunking=False, max_decode_steps=1, stream_decode_steps=False):
     allocator = BlockAllocator(num_blocks, 4)
     limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
                               waiting_served_ratio=ratio,
                               max_waiting_tokens=max_waiting_tokens,
-                              max_batch_size=max_batch_size, max_decode_steps=max_decode_steps)
+                              max_batch_size=max_batch_size, max_decode_steps=max_decode_steps,
+                              stream_decode_steps=stream_decode_steps)
     metrics = Metrics(max_input_tokens=100, max_total_tokens=200)
     batcher = Batcher(client, RequestQueue(allocator, chunking=chunking), allocator, limits,
                       metrics)
@@ -348,6 +349,29 @@ async def test_several_decode_steps_a_call_while_nothing_waits():
     _assert_all_freed(allocator, client)
 
 
+@pytest.mark.parametrize("stream_decode_steps", [True, False])
+async def test_a_calls_steps_reach_their_streams_as_each_ends_where_streamed(stream_decode_steps):
+    """Several steps a call: with stream_decode_steps (shards on CUDA) each token streams as its
+    step ends (DecodeStream), the gaps between a stream's tokens a step's; without (the CPU),
+    a call's tokens come together as it ends."""
+    client = FakeShardClient(step_delay=0.01)
+    batcher, infer, allocator = _setup(client, max_decode_steps=4,
+                                       stream_decode_steps=stream_decode_steps)
+
+    async def arrivals():
+        loop = asyncio.get_running_loop()
+        return [loop.time() async for _ in infer.stream(_request(16))]
+
+    times = await _with_loop(batcher, arrivals())
+    assert max(client.decode_steps_asked) > 1, "calls took several steps"
+    gaps = [b - a for a, b in zip(times[4:], times[5:])]  # past the first, single-step calls
+    if stream_decode_steps:
+        assert min(gaps) > 0.005, f"tokens came in bursts: gaps {gaps}"
+    else:
+        assert sum(g < 0.001 for g in gaps) >= len(gaps) // 2, f"no bursts: gaps {gaps}"
+    _assert_all_freed(allocator, client)
+
+
 async def test_one_decode_step_a_call_while_a_request_waits():
     """A request that cannot join yet (no KV room) keeps every call to one step, so it waits no
     longer than one step past the moment room comes."""
@@ -380,9 +404,9 @@ async def test_a_batch_that_grew_is_timed_before_it_takes_several_steps_a_call()
     50 ms budget: the first call after a join takes one step, and then the batch's own cost
     sizes them (here 48 ms a step: one)."""
     class RowCost(FakeShardClient):  # a step costs 3 ms per row
-        async def decode(self, batches, max_steps=1):
+        async def decode(self, batches, max_steps=1, on_step=None):
             rows = sum(len(b.request_ids) for b in batches)
-            result = await super().decode(batches, max_steps)
+            result = await super().decode(batches, max_steps, on_step)
             await asyncio.sleep(0.003 * rows * result.steps)
             self.sized.append((rows, result.steps))
             return result

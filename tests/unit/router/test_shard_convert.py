@@ -1,6 +1,8 @@
 """The translation to and from the shard contract: each request and each generation on its own,
 so one bad value fails its own request; and the real client's prepare/prefill behave as the
 scheduler's fake (tests/fakes.py) does."""
+import asyncio
+
 import pytest
 
 from proto import generate_pb2 as pb
@@ -178,3 +180,54 @@ async def test_a_decode_call_asks_its_steps_and_ranks_that_took_different_counts
     assert result.steps == 3 and all(r.sent[0][1].max_steps == 4 for r in ranks)
     with pytest.raises(ShardError, match="different numbers of decode steps"):
         await ShardedClient([Rank(3), Rank(2)]).decode([CachedBatch(9, [4])], max_steps=4)
+
+
+class _StreamingRank(_RecordingRank):
+    """A rank answering DecodeStream: `steps` messages, every one but the last with `more`; or,
+    with `fail_after`, an error after that many."""
+
+    def __init__(self, steps, fail_after=None):
+        super().__init__()
+        self.steps, self.fail_after = steps, fail_after
+
+    async def stream(self, method, message, metadata=None):
+        self.sent.append((method, message))
+        ids = [i for b in message.batches for i in b.request_ids]
+        for step in range(1, self.steps + 1):
+            if step == self.fail_after:
+                raise ShardError("the device is gone")
+            await asyncio.sleep(0)
+            reply = pb.DecodeResponse(generations=[_generation(i) for i in ids])
+            if step < self.steps:
+                reply.more = True
+            else:
+                reply.steps, reply.forward_ns = self.steps, 30
+                reply.batch.CopyFrom(pb.CachedBatch(id=message.batches[0].id, request_ids=ids))
+            yield reply
+
+
+async def test_a_streamed_decode_hands_each_step_over_and_returns_the_last():
+    ranks = [_StreamingRank(3), _StreamingRank(3)]
+    handed = []
+    result = await ShardedClient(ranks).decode([CachedBatch(9, [4, 5])], max_steps=4,
+                                               on_step=handed.append)
+    assert [r.sent[0][0] for r in ranks] == ["DecodeStream", "DecodeStream"]
+    assert len(handed) == 2 and all(len(s.generations) == 2 for s in handed)
+    assert result.steps == 3 and result.timings.forward_ns == 30
+    assert result.batch == CachedBatch(9, [4, 5], 0) and len(result.generations) == 2
+    # one step a call needs no stream
+    rank = _RecordingRank()
+    await ShardedClient([rank]).decode([CachedBatch(9, [4])], max_steps=1, on_step=handed.append)
+    assert rank.sent[0][0] == "Decode"
+
+
+@pytest.mark.parametrize("ranks", [
+    [_StreamingRank(3), _StreamingRank(2)],  # another step count: collectives would mispair
+    [_StreamingRank(3), _StreamingRank(3, fail_after=2)],  # another rank fails mid-call
+    [_StreamingRank(3, fail_after=3), _StreamingRank(3)],  # rank 0 fails after a step went out
+], ids=["steps", "other-rank", "rank-0"])
+async def test_a_streamed_decode_fails_as_a_whole_when_a_rank_does(ranks):
+    handed = []
+    with pytest.raises(ShardError):
+        await ShardedClient(ranks).decode([CachedBatch(9, [4])], max_steps=4,
+                                          on_step=handed.append)
