@@ -286,9 +286,11 @@ def test_a_running_batch_rides_in_the_chunks_forward_and_answers_like_alone(engi
         engine.prefill(91, [request(5, prompts[0], pool.take(20, 4))], cached_batch_id=12345)
 
 
-def _streamed_steps(engine, batch_id, max_steps):
-    """As _steps_with, each call's steps but the last taken from on_step, the last from the
-    result: -> each request's tokens, each call's steps, and the steps handed over per call."""
+def _steps_with(engine, batch_id, max_steps, *, streamed=False):
+    """Three requests of 5, 12 and 9 tokens decoded with calls of up to max_steps steps, finished
+    ones filtered between calls as the router does: each request's tokens (ids, scores, texts,
+    top tokens), the steps each call took and, `streamed`, how many steps each call handed to
+    on_step before its result (whose tokens are then its last step's)."""
     pool = BlockPool(512)
     prompts = _prompts(engine)[:3]
     requests = [request(batch_id + i, p, pool.take(len(p) + 12, 4), max_new_tokens=n,
@@ -301,6 +303,12 @@ def _streamed_steps(engine, batch_id, max_steps):
             got[g.request_id] += list(zip(g.tokens.ids, g.tokens.logprobs, g.tokens.texts,
                                           [tuple(t.ids) for t in g.top_tokens]))
 
+    def on_step(step):
+        assert all(len(g.tokens.ids) == 1 for g in step.generations), "one step's tokens"
+        assert not any(g.generated_text is not None for g in step.generations)
+        handed[-1] += 1
+        record(step)
+
     out = engine.prefill(batch_id, requests)
     calls, handed = [], []
     while True:
@@ -311,56 +319,21 @@ def _streamed_steps(engine, batch_id, max_steps):
         alive = [r for r in out.batch.request_ids if r not in finished]
         if len(alive) < len(out.batch.request_ids):
             engine.filter(out.batch.id, alive)
-        steps = []
-
-        def on_step(step):
-            assert all(len(g.tokens.ids) == 1 for g in step.generations), "one step's tokens"
-            assert not any(g.generated_text is not None for g in step.generations)
-            steps.append(step)
-            record(step)
-
-        out = engine.decode([out.batch.id], max_steps, on_step)
+        handed.append(0)
+        out = engine.decode([out.batch.id], max_steps, on_step if streamed else None)
         calls.append(out.steps)
-        handed.append(len(steps))
     return list(got.values()), calls, handed
-
-
-def _steps_with(engine, batch_id, max_steps):
-    """Three requests of 5, 12 and 9 tokens decoded with calls of up to max_steps steps, finished
-    ones filtered between calls as the router does: each request's tokens (ids, scores, texts,
-    top tokens) and the steps each call took."""
-    pool = BlockPool(512)
-    prompts = _prompts(engine)[:3]
-    requests = [request(batch_id + i, p, pool.take(len(p) + 12, 4), max_new_tokens=n,
-                        ignore_eos=True, top_n_tokens=2)
-                for i, (p, n) in enumerate(zip(prompts, (5, 12, 9)))]
-    out = engine.prefill(batch_id, requests)
-    got = {r.id: [] for r in requests}
-    calls = []
-    while True:
-        for g in out.generations:
-            got[g.request_id] += list(zip(g.tokens.ids, g.tokens.logprobs, g.tokens.texts,
-                                          [tuple(t.ids) for t in g.top_tokens]))
-        finished = {g.request_id for g in out.generations if g.generated_text is not None}
-        if out.batch is None:
-            break
-        alive = [r for r in out.batch.request_ids if r not in finished]
-        if len(alive) < len(out.batch.request_ids):
-            engine.filter(out.batch.id, alive)
-        out = engine.decode([out.batch.id], max_steps)
-        calls.append(out.steps)
-    return list(got.values()), calls
 
 
 def test_several_decode_steps_in_one_call_are_the_steps_one_call_each(engine, tiny_llama):
     """max_steps: the same tokens as a call a step; a call ends after the step in which a request
     finished (5 tokens: the prefill's and 4 steps), so the others go on in the next call."""
-    one, one_calls = _steps_with(engine, 300, 1)
-    four, four_calls = _steps_with(engine, 400, 4)
+    one, one_calls, _ = _steps_with(engine, 300, 1)
+    four, four_calls, _ = _steps_with(engine, 400, 4)
     assert four == one and [len(t) for t in one] == [5, 12, 9]
     assert one_calls == [1] * 11 and four_calls == [4, 4, 3]
-    streamed, stream_calls, handed = _streamed_steps(engine, 600, 4)
+    streamed, stream_calls, handed = _steps_with(engine, 600, 4, streamed=True)
     assert streamed == one and stream_calls == [4, 4, 3] and handed == [3, 3, 2]
     speculating = make_engine(tiny_llama, speculate=2)
-    _, calls = _steps_with(speculating, 500, 4)
+    _, calls, _ = _steps_with(speculating, 500, 4)
     assert set(calls) == {1}, "a speculating shard takes a step a call"
