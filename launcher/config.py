@@ -29,7 +29,8 @@ class LauncherConfig:
     num_shard: int = _opt(1, "Tensor-parallel shards (processes) to split the model over.")
     dtype: str | None = _opt(None, f"Weights and KV cache dtype: {', '.join(DTYPES)}. Default: "
                                    "bfloat16 on a CPU with AVX2, float32 on other CPUs; on CUDA "
-                                   "float16, or bfloat16 for a checkpoint stored in bfloat16. "
+                                   "float16, or bfloat16 for a checkpoint stored in bfloat16 "
+                                   "(on a GPU with bf16 arithmetic). "
                                    "Each shard picks it once its device is known.")
     device: str = _opt("auto", "cpu, cuda or auto.")
     quantize: str | None = _opt(None, "Weight-only quantization of the linear layers (and the LM "

@@ -38,7 +38,8 @@ def parse_cuda_graphs(text: str) -> list[int]:
 def default_dtype(device_type: str, model_path: str | Path) -> str:
     """The dtype of a shard started without --dtype, once its device is known.
 
-    CUDA: float16 (TGI's default there), or bfloat16 for a checkpoint stored in bfloat16.
+    CUDA: float16 (TGI's default there), or bfloat16 for a checkpoint stored in bfloat16 (the
+    shard takes float16 instead on a GPU without bf16 arithmetic).
     CPU: bfloat16 where the CPU has AVX2: bf16 weights and KV cache were faster than float32 on
     every x86 CPU measured (benchmarks/RESULTS.md), where the C bf16 matmul (its AVX-512 BF16 or
     its AVX2 form) and the C decode step run, and also with float32 arithmetic on the bf16 values

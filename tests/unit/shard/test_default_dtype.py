@@ -52,3 +52,17 @@ def test_the_engine_loads_and_reports_the_resolved_dtype(monkeypatch, tiny_llama
     assert info.dtype == expected and info.device_type == "cpu"
     assert engine.runner.spec.dtype == getattr(torch, expected)  # the KV cache
     assert engine.runner.model.embed_tokens.weight.dtype == getattr(torch, expected)
+
+
+@pytest.mark.parametrize("supported, expected", [(True, "bfloat16"), (False, "float16")])
+def test_a_gpu_without_bf16_takes_float16_for_a_bf16_checkpoint(monkeypatch, tmp_path,
+                                                                supported, expected):
+    import torch
+
+    from shard.__main__ import _default_dtype
+    from shard.distributed import ParallelContext
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: supported)
+    config = ShardConfig(model_path=str(tmp_path))
+    assert _default_dtype(config, torch.device("cuda"), ParallelContext()) == expected
