@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,9 +53,23 @@ class KVCacheSpec:
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[LayerCache]:
     shape = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
-    return [LayerCache(torch.zeros(shape, dtype=spec.dtype, device=spec.device),
-                       torch.zeros(shape, dtype=spec.dtype, device=spec.device))
+    return [LayerCache(zeroed(shape, spec.dtype, spec.device), zeroed(shape, spec.dtype, spec.device))
             for _ in range(spec.num_layers)]
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of zeros. On the CPU its memory is an anonymous mapping, which the kernel fills
+    with zeros page by page as it is first written: a pool sized for the most the server may
+    hold (30% of the available memory by default) takes memory as its blocks are used, where
+    torch.zeros would write, and keep resident, every page at start."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    element = torch.tensor([], dtype=dtype).element_size()
+    pages = mmap.mmap(-1, count * element, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # keeps `pages` alive
 
 
 @dataclass(slots=True)

@@ -206,3 +206,30 @@ def test_a_new_pool_is_allocated_after_the_old_one_is_freed(tiny_llama, monkeypa
                         lambda *args: seen.append(old() is None) or allocate(*args))
     runner.allocate(32)
     assert seen == [True]
+
+
+def test_a_cpu_pool_takes_memory_as_its_blocks_are_written():
+    """The KV pool on the CPU is mapped, not written, at allocation: 512 MiB of pool add almost
+    nothing resident until blocks are written, and read as zeros until then."""
+    from pathlib import Path
+
+    from shard.model_runner import KVCacheSpec, allocate_kv_cache
+
+    def resident_mib():
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines()
+                    if x.startswith("VmRSS:"))
+        return int(line.split()[1]) / 1024
+
+    spec = KVCacheSpec(num_layers=8, num_kv_heads=4, block_size=16, head_dim=64,
+                       dtype=torch.bfloat16, device=torch.device("cpu"))
+    blocks = (512 << 20) // spec.bytes_per_block
+    before = resident_mib()
+    pool = allocate_kv_cache(spec, blocks)
+    assert resident_mib() - before < 32
+    layer = pool[3]
+    assert layer.key.shape == (blocks, 4, 16, 64) and layer.key.dtype == torch.bfloat16
+    layer.key[7] = 1.5
+    layer.value[blocks - 1, 2] = -2.0
+    assert float(layer.key[7].float().mean()) == 1.5 and float(layer.value[blocks - 1].sum()) == -2048
+    assert not layer.key[6].any() and not pool[0].value.any()
+    assert resident_mib() - before < 64 + 2 * 128  # the two full layers read, one block written
