@@ -1,7 +1,9 @@
 """Soak test: every API under mixed load, with client disconnects and malformed requests.
 
 Runs for --minutes, tallies each outcome by kind, follows the RSS of the router and the shards, and
-checks at the end that no KV block leaked. Exits 1 on any unexpected outcome or leaked block.
+checks at the end that no KV block leaked. Exits 1 on any unexpected outcome or leaked block. A
+shard's RSS also grows as its KV pool's blocks are first written (on the CPU the pool is mapped,
+not written, at start), up to the pool's size: growth is a leak only past that.
 
 Starts `tgi-launcher` (flags after `--` go to it) or attaches to a running one (Linux: RSS is read
 from /proc, the router and shards being the launcher's children).
