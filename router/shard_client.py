@@ -39,12 +39,14 @@ class ShardClient:
             raise ShardError(err.details() or err.code().name) from None
 
     async def stream(self, method: str, message, metadata=None) -> AsyncIterator:
-        """A server-streaming call's messages."""
+        """A server-streaming call's messages; closing the iterator cancels the call."""
         try:
             async for reply in getattr(self.stub, method)(message, metadata=metadata):
                 yield reply
         except grpc.aio.AioRpcError as err:
             raise ShardError(err.details() or err.code().name) from None
+        except Exception as err:  # as call(): any failure of the channel is the shard's
+            raise ShardError(str(err)) from err
 
     async def close(self) -> None:
         await self.channel.close()
@@ -158,14 +160,17 @@ class ShardedClient:
 
     async def _streamed(self, request: pb.DecodeRequest,
                         on_step: Callable[[StepResult], None]) -> list:
-        """DecodeStream on every rank: rank 0's steps handed to on_step as they come; every
-        rank's last message, rank order."""
+        """DecodeStream on rank 0, its steps handed to on_step as they come, and Decode on the
+        other ranks (they compute the same steps; only rank 0's tokens are read): every rank's
+        last message, rank order. An error in on_step is the router's own and is raised as it
+        is; the calls are cancelled then."""
         metadata = inject_metadata() if tracing_enabled() else None
-        streams = [c.stream("DecodeStream", request, metadata) for c in self.clients]
-        others = [asyncio.ensure_future(_last_message(s)) for s in streams[1:]]
+        others = [asyncio.ensure_future(c.call("Decode", request, None, metadata))
+                  for c in self.clients[1:]]
+        stream = self.clients[0].stream("DecodeStream", request, metadata)
         try:
             last = None
-            async for reply in streams[0]:
+            async for reply in stream:
                 if reply.more:
                     on_step(convert.step_result(reply, self.hidden_size))
                 else:
@@ -173,11 +178,8 @@ class ShardedClient:
             if last is None:
                 raise ShardError("the shard ended a decode stream without its last message")
             return [last, *await asyncio.gather(*others)]
-        except ShardError:
-            raise
-        except Exception as err:
-            raise ShardError(str(err)) from err
         finally:
+            await stream.aclose()
             for other in others:
                 other.cancel()
 
@@ -188,15 +190,6 @@ class ShardedClient:
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
-
-
-async def _last_message(stream: AsyncIterator):
-    last = None
-    async for last in stream:
-        pass
-    if last is None or last.more:
-        raise ShardError("the shard ended a decode stream without its last message")
-    return last
 
 
 async def _instance_ids(clients: list[ShardClient], timeout: float) -> list[str]:

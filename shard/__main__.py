@@ -99,8 +99,9 @@ def _default_dtype(config: ShardConfig, device: torch.device, parallel) -> str:
     """The device's default dtype (no --dtype given), the same on every rank: ranks on machines
     whose defaults differ would exchange activations of different dtypes."""
     dtype_name = default_dtype(device.type, config.model_path)
-    if dtype_name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        dtype_name = "float16"  # GPUs before Ampere emulate bf16, slowly if at all
+    if (dtype_name == "bfloat16" and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) < (8, 0)):
+        dtype_name = "float16"  # GPUs before Ampere emulate bf16 (is_bf16_supported says yes)
     chosen = all_gather_strings(dtype_name, parallel)
     if len(set(chosen)) > 1:
         raise ValueError(f"the ranks' default dtypes differ ({', '.join(chosen)} in rank order): "

@@ -354,7 +354,13 @@ async def test_a_calls_steps_reach_their_streams_as_each_ends_where_streamed(str
     """Several steps a call: with stream_decode_steps (shards on CUDA) each token streams as its
     step ends (DecodeStream), the gaps between a stream's tokens a step's; without (the CPU),
     a call's tokens come together as it ends."""
-    client = FakeShardClient(step_delay=0.01)
+    class Recording(FakeShardClient):
+        async def decode(self, batches, max_steps=1, on_step=None):
+            result = await super().decode(batches, max_steps, on_step)
+            self.last_steps = result.steps
+            return result
+
+    client = Recording(step_delay=0.01)
     batcher, infer, allocator = _setup(client, max_decode_steps=4,
                                        stream_decode_steps=stream_decode_steps)
 
@@ -369,6 +375,8 @@ async def test_a_calls_steps_reach_their_streams_as_each_ends_where_streamed(str
         assert min(gaps) > 0.005, f"tokens came in bursts: gaps {gaps}"
     else:
         assert sum(g < 0.001 for g in gaps) >= len(gaps) // 2, f"no bursts: gaps {gaps}"
+    # the tokens a request got from the last call, handed over or not (max_waiting_tokens)
+    assert batcher.steps.last_step_tokens == client.last_steps
     _assert_all_freed(allocator, client)
 
 

@@ -183,27 +183,40 @@ async def test_a_decode_call_asks_its_steps_and_ranks_that_took_different_counts
 
 
 class _StreamingRank(_RecordingRank):
-    """A rank answering DecodeStream: `steps` messages, every one but the last with `more`; or,
-    with `fail_after`, an error after that many."""
+    """A rank answering DecodeStream with `steps` messages, every one but the last with `more`,
+    and Decode with the call's last message; with `fail_after`, an error after that many
+    steps (at once for Decode). `closed` tells whether the stream was closed."""
 
     def __init__(self, steps, fail_after=None):
         super().__init__()
-        self.steps, self.fail_after = steps, fail_after
+        self.steps, self.fail_after, self.closed = steps, fail_after, False
+
+    def _last(self, message, ids):
+        reply = pb.DecodeResponse(generations=[_generation(i) for i in ids], steps=self.steps,
+                                  forward_ns=30)
+        reply.batch.CopyFrom(pb.CachedBatch(id=message.batches[0].id, request_ids=ids))
+        return reply
+
+    async def call(self, method, message, timeout=None, metadata=None):
+        self.sent.append((method, message))
+        if self.fail_after is not None:
+            raise ShardError("the device is gone")
+        return self._last(message, [i for b in message.batches for i in b.request_ids])
 
     async def stream(self, method, message, metadata=None):
         self.sent.append((method, message))
         ids = [i for b in message.batches for i in b.request_ids]
-        for step in range(1, self.steps + 1):
-            if step == self.fail_after:
-                raise ShardError("the device is gone")
-            await asyncio.sleep(0)
-            reply = pb.DecodeResponse(generations=[_generation(i) for i in ids])
-            if step < self.steps:
-                reply.more = True
-            else:
-                reply.steps, reply.forward_ns = self.steps, 30
-                reply.batch.CopyFrom(pb.CachedBatch(id=message.batches[0].id, request_ids=ids))
-            yield reply
+        try:
+            for step in range(1, self.steps + 1):
+                if step == self.fail_after:
+                    raise ShardError("the device is gone")
+                await asyncio.sleep(0)
+                if step < self.steps:
+                    yield pb.DecodeResponse(generations=[_generation(i) for i in ids], more=True)
+                else:
+                    yield self._last(message, ids)
+        finally:
+            self.closed = True
 
 
 async def test_a_streamed_decode_hands_each_step_over_and_returns_the_last():
@@ -211,10 +224,12 @@ async def test_a_streamed_decode_hands_each_step_over_and_returns_the_last():
     handed = []
     result = await ShardedClient(ranks).decode([CachedBatch(9, [4, 5])], max_steps=4,
                                                on_step=handed.append)
-    assert [r.sent[0][0] for r in ranks] == ["DecodeStream", "DecodeStream"]
+    # rank 0 streams its steps; the others compute the same and answer at the end
+    assert [r.sent[0][0] for r in ranks] == ["DecodeStream", "Decode"]
     assert len(handed) == 2 and all(len(s.generations) == 2 for s in handed)
     assert result.steps == 3 and result.timings.forward_ns == 30
     assert result.batch == CachedBatch(9, [4, 5], 0) and len(result.generations) == 2
+    assert ranks[0].closed
     # one step a call needs no stream
     rank = _RecordingRank()
     await ShardedClient([rank]).decode([CachedBatch(9, [4])], max_steps=1, on_step=handed.append)
@@ -223,7 +238,7 @@ async def test_a_streamed_decode_hands_each_step_over_and_returns_the_last():
 
 @pytest.mark.parametrize("ranks", [
     [_StreamingRank(3), _StreamingRank(2)],  # another step count: collectives would mispair
-    [_StreamingRank(3), _StreamingRank(3, fail_after=2)],  # another rank fails mid-call
+    [_StreamingRank(3), _StreamingRank(3, fail_after=2)],  # another rank fails
     [_StreamingRank(3, fail_after=3), _StreamingRank(3)],  # rank 0 fails after a step went out
 ], ids=["steps", "other-rank", "rank-0"])
 async def test_a_streamed_decode_fails_as_a_whole_when_a_rank_does(ranks):
@@ -231,3 +246,17 @@ async def test_a_streamed_decode_fails_as_a_whole_when_a_rank_does(ranks):
     with pytest.raises(ShardError):
         await ShardedClient(ranks).decode([CachedBatch(9, [4])], max_steps=4,
                                           on_step=handed.append)
+    assert ranks[0].closed
+
+
+async def test_an_error_in_the_routers_own_delivery_is_not_the_shards():
+    """on_step failing is a router bug: raised as it is (not a ShardError, which would blame
+    the shard and probe it), with the stream closed."""
+    ranks = [_StreamingRank(3), _StreamingRank(3)]
+
+    def broken(step):
+        raise KeyError("a bug in delivery")
+
+    with pytest.raises(KeyError):
+        await ShardedClient(ranks).decode([CachedBatch(9, [4])], max_steps=4, on_step=broken)
+    assert ranks[0].closed

@@ -54,15 +54,19 @@ def test_the_engine_loads_and_reports_the_resolved_dtype(monkeypatch, tiny_llama
     assert engine.runner.model.embed_tokens.weight.dtype == getattr(torch, expected)
 
 
-@pytest.mark.parametrize("supported, expected", [(True, "bfloat16"), (False, "float16")])
+@pytest.mark.parametrize("capability, expected", [((8, 0), "bfloat16"), ((9, 0), "bfloat16"),
+                                                  ((7, 5), "float16")], ids=["a100", "h100", "t4"])
 def test_a_gpu_without_bf16_takes_float16_for_a_bf16_checkpoint(monkeypatch, tmp_path,
-                                                                supported, expected):
+                                                                capability, expected):
     import torch
 
     from shard.__main__ import _default_dtype
     from shard.distributed import ParallelContext
 
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: supported)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device=None: asked.append(device) or capability)
     config = ShardConfig(model_path=str(tmp_path))
-    assert _default_dtype(config, torch.device("cuda"), ParallelContext()) == expected
+    assert _default_dtype(config, torch.device("cuda", 1), ParallelContext()) == expected
+    assert asked == [torch.device("cuda", 1)], "the shard's own GPU is asked"
