@@ -50,8 +50,9 @@ class RouterConfig:
     max_decode_steps_per_call: int = _opt(4, "Decode steps the router may ask of the shards in one "
                                              "call while no request waits, as many as fit in "
                                              "50 ms: a round trip saved per token at small "
-                                             "batches; each step's tokens still stream as the "
-                                             "step ends. 1: a call per step, as TGI.")
+                                             "batches. Shards on CUDA stream each step's tokens "
+                                             "as it ends; on the CPU a call's come together. "
+                                             "1: a call per step, as TGI.")
     max_client_batch_size: int = _opt(4, "Most inputs in one client request.")
     validation_workers: int = _opt(2, "Threads that tokenise and validate requests.")
     prefix_caching: str = _opt("on", "Reuse the KV blocks of prompt prefixes already computed "

@@ -76,12 +76,10 @@ class ShardSteps:
     async def decode(self, batches: list[CachedBatch], max_steps: int = 1) -> CachedBatch | None:
         """A call of up to max_steps steps; with stream_steps each step's tokens reach their
         requests as the step ends, else all of them when the call does."""
-        handed: dict[int, int] = {}  # tokens per request in the steps handed over
+        handed = []  # the steps handed over before the call's end (a token each per request)
 
         def on_step(step: StepResult) -> None:
-            for generation in step.generations:
-                handed[generation.request_id] = (handed.get(generation.request_id, 0)
-                                                 + len(generation.events))
+            handed.append(step)
             self._deliver(step.generations)
 
         call = self.client.decode(batches, max_steps, on_step if self.stream_steps else None)
@@ -92,8 +90,8 @@ class ShardSteps:
         if result.draft_tokens:
             self.metrics.observe_speculation(result.draft_tokens, result.accepted_tokens)
         # at least one: a step whose every generation failed to be read still passed a token
-        self.last_step_tokens = max([1, *(len(g.events) + handed.get(g.request_id, 0)
-                                          for g in result.generations)])
+        self.last_step_tokens = len(handed) + max([1, *(len(g.events)
+                                                        for g in result.generations)])
         return await self.after_step(result, "decode")
 
     async def after_step(self, result: StepResult, method: str) -> CachedBatch | None:

@@ -662,9 +662,5 @@ def _merge_steps(earlier: StepResult, later: StepResult) -> StepResult:
             _extend(generations[step.request_id], step)
         else:
             earlier.generations.append(step)
-    earlier.batch = later.batch
-    earlier.forward_ns += later.forward_ns
-    earlier.decode_ns += later.decode_ns
-    earlier.total_ns += later.total_ns
-    earlier.steps += later.steps
-    return earlier
+    later.generations = earlier.generations
+    return _after_steps(earlier, later)

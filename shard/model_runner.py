@@ -47,13 +47,14 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+                * self.dtype.itemsize)
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[LayerCache]:
     shape = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
-    return [LayerCache(zeroed(shape, spec.dtype, spec.device), zeroed(shape, spec.dtype, spec.device))
+    return [LayerCache(zeroed(shape, spec.dtype, spec.device),
+                       zeroed(shape, spec.dtype, spec.device))
             for _ in range(spec.num_layers)]
 
 
@@ -67,8 +68,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     count = math.prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
-    element = torch.tensor([], dtype=dtype).element_size()
-    pages = mmap.mmap(-1, count * element, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # keeps `pages` alive
 
 
@@ -285,8 +285,13 @@ class ModelRunner:
 
     def _decode_forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                         block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model(self.model.embed(input_ids), seq_lens, self.cache,
-                            self._decode_metadata(seq_lens, block_tables))
+        meta = self._decode_metadata(seq_lens, block_tables)
+        return self._forward_rows(input_ids, seq_lens, meta)
+
+    def _forward_rows(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row at position seq_lens -> (logits, final hidden states)."""
+        hidden = self.model(self.model.embed(input_ids), seq_lens, self.cache, meta)
         return self.model.logits(hidden), hidden
 
     def _static_decode_forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
@@ -301,18 +306,23 @@ class ModelRunner:
                              (None, spec.num_kv_heads, spec.block_size, spec.head_dim))
         positions = torch.arange(width * spec.block_size, device=seq_lens.device)
         group = DecodeGroup(None, index, positions.unsqueeze(0) < context_lens.unsqueeze(1))
-        slot_blocks = block_tables.gather(1, (seq_lens // spec.block_size).unsqueeze(1)).squeeze(1)
-        meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=seq_lens % spec.block_size,
-                                 block_tables=block_tables, decode_groups=[group])
-        hidden = self.model(self.model.embed(input_ids), seq_lens, self.cache, meta)
-        return self.model.logits(hidden), hidden
+        slot_blocks, slot_offsets = self._slots(seq_lens, block_tables)
+        return self._forward_rows(input_ids, seq_lens, AttentionMetadata(
+            slot_blocks=slot_blocks, slot_offsets=slot_offsets, block_tables=block_tables,
+            decode_groups=[group]))
+
+    def _slots(self, seq_lens: torch.Tensor,
+               block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each row's new token is stored: (block, offset in it)."""
+        block_size = self.spec.block_size
+        blocks = block_tables.gather(1, (seq_lens // block_size).unsqueeze(1)).squeeze(1)
+        return blocks, seq_lens % block_size
 
     def _decode_metadata(self, seq_lens: torch.Tensor,
                          block_tables: torch.Tensor) -> AttentionMetadata:
         spec = self.spec
         context_lens = seq_lens + 1
-        slot_blocks = block_tables.gather(1, (seq_lens // spec.block_size).unsqueeze(1)).squeeze(1)
-        slot_offsets = seq_lens % spec.block_size
+        slot_blocks, slot_offsets = self._slots(seq_lens, block_tables)
         if self.paged_kernel:  # reads each context where it lies: no groups, no gather indices
             return AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=slot_offsets,
                                      block_tables=block_tables, decode_tables=block_tables,

@@ -132,29 +132,29 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         result.rejected = rejected + result.rejected
         return convert.step_response(result, pb.PrefillResponse)
 
-    async def Decode(self, request, context):
+    async def _decode_args(self, request, context) -> tuple[list[int], int]:
+        """A DecodeRequest's batch ids and the steps the call may take."""
         if not request.batches:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs at least one batch")
-        steps = min(max(1, request.max_steps), MAX_STEPS_PER_CALL)
-        result = await self._run(context, self.engine.decode, [b.id for b in request.batches],
-                                 steps, span="decode")
+        return [b.id for b in request.batches], min(max(1, request.max_steps), MAX_STEPS_PER_CALL)
+
+    async def Decode(self, request, context):
+        batch_ids, steps = await self._decode_args(request, context)
+        result = await self._run(context, self.engine.decode, batch_ids, steps, span="decode")
         return convert.step_response(result, pb.DecodeResponse)
 
     async def DecodeStream(self, request, context):
         """Decode, each step sent as it ends (converted here while the engine thread computes
         the next one)."""
-        if not request.batches:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs at least one batch")
-        steps = min(max(1, request.max_steps), MAX_STEPS_PER_CALL)
+        batch_ids, steps = await self._decode_args(request, context)
         loop = asyncio.get_running_loop()
         ended: asyncio.Queue = asyncio.Queue()
 
         def on_step(result):  # on the engine thread
             loop.call_soon_threadsafe(ended.put_nowait, result)
 
-        call = asyncio.ensure_future(self._run(context, self.engine.decode,
-                                               [b.id for b in request.batches], steps, on_step,
-                                               span="decode"))
+        call = asyncio.ensure_future(self._run(context, self.engine.decode, batch_ids, steps,
+                                               on_step, span="decode"))
         step = None
         try:
             while True:
