@@ -54,6 +54,13 @@ class LauncherConfig:
                                                  "flag), comma-separated; 0: none. A step of "
                                                  "another size replays the next larger graph, "
                                                  "a larger one runs eagerly. CUDA only.")
+    cuda_memory_fraction: float = _opt(1.0, "Share of each GPU's memory the server may use "
+                                            "(TGI's flag): a shard on CUDA sizes its KV pool from "
+                                            "the memory free once its model is loaded, less the "
+                                            "rest of the GPU ((1 - this) x its total), leaving "
+                                            "that to other processes. On the CPU it scales the "
+                                            "pool's share of the available memory (30%). Unused "
+                                            "where --max-batch-total-tokens fixes the pool.")
     block_size: int = _opt(16, "Tokens per KV-cache block.")
     shard_uds_path: str = _opt("/tmp/tgi-py-server", "Unix socket prefix of the shards "
                                                      "(rank r listens on <path>-<r>).")
@@ -117,6 +124,10 @@ class LauncherConfig:
             raise ValueError(f"--quantize {self.quantize!r} is not one of "
                              f"{', '.join(QUANTIZE_KINDS)}")
         parse_cuda_graphs(self.cuda_graphs)
+        self.cuda_memory_fraction = float(self.cuda_memory_fraction)
+        if not 0.0 < self.cuda_memory_fraction <= 1.0:
+            raise ValueError(f"--cuda-memory-fraction {self.cuda_memory_fraction} must be "
+                             "above 0 and at most 1")
         if self.quantize and self.device == "cuda":
             raise ValueError(f"--quantize {self.quantize} runs CPU kernels only: serve with "
                              "--device cpu (or auto on a machine without a GPU)")
@@ -177,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
             default = str(_env_default(f.name, "")).lower() in ("1", "true", "yes")
             parser.add_argument(flag, action="store_true", default=default, help=f.metadata["help"])
             continue
-        kind = int if f.type == "int" else str
+        kind = {"int": int, "float": float}.get(f.type, str)
         parser.add_argument(flag, type=kind, default=_env_default(f.name, f.default),
                             help=f.metadata["help"])
     group = parser.add_argument_group("router", "Forwarded to the router.")

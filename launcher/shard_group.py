@@ -118,8 +118,9 @@ class ShardGroup:
     def __init__(self, spec: GroupSpec, *, block_size: int, master_addr: str,
                  tracing_argv: list[str], json_output: bool, quantize: str = "",
                  speculate: int = 0, compile_decode: bool = False,
-                 cuda_graphs: str = DEFAULT_CUDA_GRAPHS):
+                 cuda_graphs: str = DEFAULT_CUDA_GRAPHS, memory_fraction: float = 1.0):
         self.spec = spec
+        self.memory_fraction = memory_fraction
         self.cuda_graphs = cuda_graphs
         self.speculate = speculate
         self.compile_decode = compile_decode
@@ -158,6 +159,7 @@ class ShardGroup:
                     "--quantize", self.quantize, "--speculate", str(self.speculate),
                     "--compile-decode", str(int(self.compile_decode)),
                     "--cuda-graphs", self.cuda_graphs,
+                    "--memory-fraction", str(self.memory_fraction),
                     *self.tracing_argv]
             if spec.grpc_host:
                 argv += ["--grpc-address", f"{spec.grpc_host}:{spec.grpc_base_port + rank}"]

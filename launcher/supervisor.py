@@ -107,6 +107,7 @@ class Supervisor:
                            quantize=self.config.quantize or "", speculate=self.config.speculate,
                            compile_decode=self.config.compile_decode,
                            cuda_graphs=self.config.cuda_graphs,
+                           memory_fraction=self.config.cuda_memory_fraction,
                            tracing_argv=self.config.shard_tracing_argv(),
                            json_output=self.config.json_output)
         return group

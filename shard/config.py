@@ -80,7 +80,8 @@ class ShardConfig:
         "help": "Draft tokens (n-gram, from the request's own text) verified per request and "
                 "decode step; 0: no speculation."})
     memory_fraction: float = field(default=1.0, metadata={
-        "help": "Share of the free memory the KV pool may use when the router does not fix its size."})
+        "help": "Share of the device's memory the server may use, when the router does not fix the "
+                "KV pool's size (the launcher's --cuda-memory-fraction; see shard/memory.py)."})
     otlp_endpoint: str = field(default=None, metadata={
         "help": "OTLP gRPC endpoint to export trace spans to (unset: no tracing)."})
     otlp_service_name: str = field(default="tgi-py.shard", metadata={
@@ -98,6 +99,9 @@ class ShardConfig:
         if self.speculate < 0:
             raise ValueError(f"--speculate {self.speculate} must be at least 0")
         parse_cuda_graphs(self.cuda_graphs)  # a bad list fails at start, not at warm-up
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"--memory-fraction {self.memory_fraction} must be above 0 and at "
+                             "most 1")
         if self.block_size < 1:
             raise ValueError(f"--block-size {self.block_size} must be at least 1")
         if not 0 <= self.rank < self.world_size:

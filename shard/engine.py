@@ -76,7 +76,8 @@ class Engine:
             num_blocks = budget // self.runner.spec.bytes_per_block
         if num_blocks < 2:
             raise RuntimeError("not enough memory for a single KV block; lower the dtype or "
-                               "the model size")
+                               "the model size, raise --cuda-memory-fraction, or fix the pool's "
+                               "size with --max-batch-total-tokens")
         self.runner.allocate(num_blocks)
         self.runner.warm_decode(max_total_tokens)
         return WarmupResult(num_blocks=num_blocks, block_size=block_size)

@@ -37,6 +37,32 @@ def test_cuda_graphs_take_tgis_flag_and_environment_variable(monkeypatch):
         LauncherConfig(cuda_graphs="1,two")
 
 
+def test_cuda_memory_fraction_takes_tgis_flag_and_environment_variable_and_reaches_the_shards(
+        monkeypatch, tmp_path):
+    from launcher import shard_group
+    from launcher.supervisor import Supervisor
+
+    monkeypatch.delenv("CUDA_MEMORY_FRACTION", raising=False)
+    assert parse_args(["--model-id", "m"]).cuda_memory_fraction == 1.0
+    monkeypatch.setenv("CUDA_MEMORY_FRACTION", "0.45")  # TGI's variable
+    config = parse_args(["--model-id", "m"])
+    assert config.cuda_memory_fraction == 0.45
+    for bad in ("0", "1.5", "-0.2"):
+        with pytest.raises(ValueError, match="--cuda-memory-fraction"):
+            parse_args(["--model-id", "m", "--cuda-memory-fraction", bad])
+    started = []
+    monkeypatch.setattr(shard_group, "spawn", lambda name, argv, env, json: started.append(argv))
+    Supervisor(config, tmp_path, "m")._group("m", tmp_path, 1, None, "cpu",
+                                             uds_prefix=str(tmp_path / "s"), master_port=1,
+                                             label="").spawn()
+    argv = started[0]
+    assert argv[argv.index("--memory-fraction") + 1] == "0.45"
+    from shard.config import parse_args as shard_args
+    assert shard_args(["--model-path", "m", "--memory-fraction", "0.45"]).memory_fraction == 0.45
+    with pytest.raises(ValueError, match="--memory-fraction"):
+        shard_args(["--model-path", "m", "--memory-fraction", "0"])
+
+
 def test_without_dtype_the_shards_and_the_routers_models_take_the_devices_default(monkeypatch,
                                                                                  tmp_path):
     from launcher import shard_group, supervisor
