@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need an NVIDIA GPU, as one device run of about five minutes (a session's device
-# time is short): CUDA graphs against eager steps, the launcher serving a tiny model on CUDA over
-# HTTP (its router streaming each decode step: DecodeStream), and decode steps of a SmolLM2-shaped
-# model timed without and with CUDA graphs.
+# time is short): CUDA graphs against eager steps, prefill attention over a cached prefix, the
+# launcher serving a tiny model on CUDA over HTTP (its router streaming each decode step:
+# DecodeStream), and decode steps of a SmolLM2-shaped model timed without and with CUDA graphs.
 #   here, once:  bash scripts/gpu-wheels.sh      (the packages the GPU image lacks, into .whl/)
 #   then:        run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # Logs and figures land in $OUT; the exit status is 1 when a check failed.
@@ -21,7 +21,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_dev
 status=0
 echo "== CUDA graphs against eager steps (tiny model), the launcher and DecodeStream on CUDA"
 timeout 270 python3 -m pytest -q -p no:cacheprovider tests/unit/shard/test_cuda_graphs.py \
-    tests/unit/shard/test_server_errors.py tests/e2e/test_shard_decode_stream.py \
+    tests/unit/shard/test_attention_dtypes.py tests/unit/shard/test_server_errors.py tests/e2e/test_shard_decode_stream.py \
     tests/e2e/test_launcher_tiny.py -k "not compiled" 2>&1 | tee "$out/tests.log" | tail -25 \
     || status=1
 echo "== decode steps, SmolLM2-135M-shaped random weights, bf16"

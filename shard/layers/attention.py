@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from shard.layers import fused, paged_kernel
 from shard.layers.arithmetic import attention_dtype
@@ -185,23 +186,36 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
             index = gather_index(meta.block_tables[b:b + 1], context, cache.key.shape)
             keys = gather_blocks(cache.key, index)[:, :, :context]
             values = gather_blocks(cache.value, index)[:, :, :context]
-            # query i sits at position cached + i and sees keys 0..cached + i
-            query_pos = torch.arange(cached, context, device=q.device).unsqueeze(1)
-            mask = torch.arange(context, device=q.device).unsqueeze(0) <= query_pos
+            # query i sits at position cached + i and sees keys 0..cached + i: the causal mask
+            # aligned to the lower right, which CUDA's flash and memory-efficient kernels take
+            # without a mask in memory (a boolean one sends SDPA to its math kernel there)
+            mask = causal_lower_right(end - start, context)
         out = _sdpa(queries, keys, values, mask, scale, gqa)
         outputs.append(out.squeeze(0).transpose(0, 1).reshape(end - start, num_heads * head_dim))
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
 def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-          mask: torch.Tensor | None, scale: float, gqa: bool) -> torch.Tensor:
+          mask: CausalBias | None, scale: float, gqa: bool) -> torch.Tensor:
     """Causal attention (`mask`, or a square causal one when None) in attention_dtype of the query
     and keys, which may differ (cached keys are in the cache's dtype); out in the query's dtype."""
     wide = attention_dtype(queries.dtype, keys.dtype, queries.device)
+    if mask is not None and gqa and queries.device.type == "cuda":
+        keys, values = expand_kv_heads(keys, values, queries.shape[1])
+        gqa = False
     out = F.scaled_dot_product_attention(queries.to(wide), keys.to(wide), values.to(wide),
                                          attn_mask=mask, is_causal=mask is None, scale=scale,
                                          enable_gqa=gqa)
     return out.to(queries.dtype)
+
+
+def expand_kv_heads(keys: torch.Tensor, values: torch.Tensor,
+                    num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, kv_heads, L, d] -> [B, heads, L, d], each key/value head beside the query heads that
+    share it. A lower-right causal mask reaches CUDA's kernels without SDPA's GQA handling, so
+    their heads must match; the copy is the context's keys, not a score matrix."""
+    repeats = num_heads // keys.shape[1]
+    return keys.repeat_interleave(repeats, dim=1), values.repeat_interleave(repeats, dim=1)
 
 
 def gather_index(block_tables: torch.Tensor, length: int, cache_shape) -> torch.Tensor:

@@ -146,3 +146,48 @@ def test_float16_decode_scores_are_scaled_before_they_can_overflow():
         keys, values = _context(cache, row, length)
         want = _reference(q[row:row + 1], keys, values)
         torch.testing.assert_close(out[row:row + 1].double(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_a_continued_prompt_on_cuda_attends_with_its_heads_expanded_to_the_queries():
+    """On CUDA the lower-right causal mask goes to kernels that need as many key/value heads as
+    query heads: the expanded heads give what grouped-query attention over the same mask gives."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from shard.layers.attention import expand_kv_heads
+
+    torch.manual_seed(4)
+    q = torch.randn(1, HEADS, 5, HEAD_DIM, dtype=torch.float64)
+    keys, values = (torch.randn(1, KV_HEADS, 12, HEAD_DIM, dtype=torch.float64) for _ in range(2))
+    wide_keys, wide_values = expand_kv_heads(keys, values, HEADS)
+    assert wide_keys.shape == (1, HEADS, 12, HEAD_DIM)
+    mask = causal_lower_right(5, 12)
+    got = torch.nn.functional.scaled_dot_product_attention(q, wide_keys, wide_values,
+                                                           attn_mask=mask, scale=SCALE)
+    want = _reference(q[0].transpose(0, 1), keys[0].transpose(0, 1), values[0].transpose(0, 1))
+    torch.testing.assert_close(got[0].transpose(0, 1).reshape(5, -1), want)
+    grouped = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                               scale=SCALE, enable_gqa=True)
+    torch.testing.assert_close(got, grouped)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, BF16, F32], ids=["f16", "bf16", "f32"])
+def test_a_continued_prompt_on_cuda_matches_float64_attention(dtype):
+    """The lower-right causal mask through CUDA's kernels (flash in 16 bits, memory-efficient in
+    float32) over a context read from the paged cache."""
+    global TABLES
+    saved, TABLES = TABLES, TABLES.cuda()
+    try:
+        cache = _cache(dtype)
+        cache = LayerCache(cache.key.cuda(), cache.value.cuda())
+        torch.manual_seed(5)
+        q, k, v = (torch.randn(6, n, HEAD_DIM).to(dtype).cuda()
+                   for n in (HEADS, KV_HEADS, KV_HEADS))
+        out = _prefill(q, k, v, cache, cached=7)
+        TABLES = saved
+        keys, values = _context(LayerCache(cache.key.cpu(), cache.value.cpu()), 0, 13)
+        tolerance = dict(rtol=1e-2, atol=1e-2) if dtype != F32 else dict(rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.cpu().double(), _reference(q.cpu(), keys, values),
+                                   **tolerance)
+    finally:
+        TABLES = saved
