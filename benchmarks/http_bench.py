@@ -108,6 +108,21 @@ async def token_stamps(session, url: str, body: dict, on_first_token=None, *,
     return stamps, len(stamps) if tokens is None else tokens
 
 
+def cut_to_layers(model_dir: Path, layers: int, parent: Path = Path("/tmp")) -> Path:
+    """A model directory serving `model_dir`'s first `layers` layers (the shard loads the layers
+    config.json names and leaves the other weights unread)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if not 1 <= layers <= config["num_hidden_layers"]:
+        raise SystemExit(f"--layers {layers}: the model has {config['num_hidden_layers']}")
+    cut = parent / f"http-bench-{model_dir.name}-{layers}-layers"
+    cut.mkdir(exist_ok=True)
+    for item in model_dir.iterdir():
+        if item.name != "config.json" and not (cut / item.name).exists():
+            (cut / item.name).symlink_to(item.resolve())
+    (cut / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    return cut
+
+
 def request_body(route: str, prompt: str, new_tokens: int, prompt_tokens: int | None,
                  model: str) -> tuple[str, dict]:
     """The path and body of one request that makes exactly `new_tokens` tokens."""
@@ -260,6 +275,11 @@ def main() -> None:
                              "vLLM's workers poll the CPU while idle); stopped at the end")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="an extra launcher argument for the server started here (repeatable)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="serve the model cut to its first N layers (a directory beside it "
+                             "in /tmp: its files linked, config.json's num_hidden_layers "
+                             "changed): a token then costs the shard little, and the routes "
+                             "compare on the router's own cost")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -273,6 +293,9 @@ def main() -> None:
     from launcher.prepare import prepare_default_model
 
     model_dir = args.model_dir or prepare_default_model()
+    if args.layers is not None:
+        model_dir = cut_to_layers(model_dir, args.layers)
+        args.model_dir = model_dir  # the server below serves the cut model
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     def prompt_set(index: int) -> list[str]:
         """Each of our routes gets prompts of its own: a second route must not find the first

@@ -48,6 +48,24 @@ def test_http_benchmark(tiny_llama, tmp_path):
     assert figures["completions"]["output_tokens"] == 2 * 4
 
 
+def test_http_benchmark_cuts_a_model_to_its_first_layers(tiny_llama, tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.http_bench import cut_to_layers
+    import torch
+
+    from shard.distributed import ParallelContext
+    from shard.loader import load_model
+
+    cut = cut_to_layers(tiny_llama, 1, parent=tmp_path)
+    assert json.loads((cut / "config.json").read_text())["num_hidden_layers"] == 1
+    assert (cut / "tokenizer.json").resolve() == (tiny_llama / "tokenizer.json").resolve()
+    loaded = load_model(cut, dtype=torch.float32, device=torch.device("cpu"),
+                        parallel=ParallelContext())
+    assert len(loaded.model.layers) == 1
+    with pytest.raises(SystemExit, match="--layers 99"):
+        cut_to_layers(tiny_llama, 99, parent=tmp_path)
+
+
 @pytest.mark.e2e
 def test_http_benchmark_against_a_peer(tiny_llama, tmp_path):
     """--peer-url drives any OpenAI-compatible server, here a second tgi-py standing in for vLLM,
