@@ -108,6 +108,9 @@ class GroupSpec:
     local_ranks: range | None = None
     grpc_host: str = ""
     grpc_base_port: int = 0
+    # the GPUs its ranks see (CUDA_VISIBLE_DEVICES; rank r of this machine takes the r-th), or
+    # () to leave the launcher's environment as it is (no GPU, or on the CPU)
+    gpus: tuple[str, ...] = ()
 
     @property
     def ranks(self) -> range:
@@ -153,6 +156,8 @@ class ShardGroup:
                    "LOCAL_RANK": str(rank - spec.ranks.start),
                    "LOCAL_WORLD_SIZE": str(len(spec.ranks)),
                    "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(spec.master_port)}
+            if spec.gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
             argv = [sys.executable, "-m", "shard", "--model-path", str(spec.model_dir),
                     "--uds-path", spec.uds_prefix, "--dtype", spec.dtype,
                     "--device", spec.device, "--block-size", str(self.block_size),

@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from launcher.config import LauncherConfig
+from launcher.gpus import pick_gpus, visible_gpus
 from launcher.logs import say
 from launcher.shard_group import Child, GroupSpec, LaunchError, ShardGroup, death, spawn, terminate
 from shard.partition import split_heads_of
@@ -72,7 +73,8 @@ class Supervisor:
             default = self._group(self.model_name, self.model_dir, self.config.num_shard,
                                   self.config.dtype, self.config.device,
                                   uds_prefix=self.config.shard_uds_path,
-                                  master_port=self.config.master_port, label="")
+                                  master_port=self.config.master_port, label="",
+                                  ranks_here=len(self.config.local_ranks))
             config = self.config
             if config.nnodes > 1:
                 default.spec.local_ranks = config.local_ranks
@@ -99,10 +101,16 @@ class Supervisor:
             self.shutdown()
 
     def _group(self, name: str, model_dir: Path, num_shard: int, dtype: str | None, device: str,
-               *, uds_prefix: str, master_port: int, label: str) -> ShardGroup:
+               *, uds_prefix: str, master_port: int, label: str,
+               ranks_here: int | None = None) -> ShardGroup:
+        """A shard group's processes, not yet started; on GPUs, its ranks (`ranks_here` of them
+        on this machine, every one by default) get the GPUs the other groups use least. Called
+        with the lock held, or before any other group exists."""
         # no dtype: "", each shard takes its device's default
-        group = ShardGroup(GroupSpec(name, model_dir, num_shard, dtype or "", device, uds_prefix,
-                                     master_port, label),
+        spec = GroupSpec(name, model_dir, num_shard, dtype or "", device, uds_prefix,
+                         master_port, label,
+                         gpus=self._gpus_for(name, device, ranks_here or num_shard))
+        group = ShardGroup(spec,
                            block_size=self.config.block_size, master_addr=self.config.master_addr,
                            quantize=self.config.quantize or "", speculate=self.config.speculate,
                            compile_decode=self.config.compile_decode,
@@ -111,6 +119,20 @@ class Supervisor:
                            tracing_argv=self.config.shard_tracing_argv(),
                            json_output=self.config.json_output)
         return group
+
+    def _gpus_for(self, name: str, device: str, ranks: int) -> tuple[str, ...]:
+        if device == "cpu":
+            return ()
+        visible = visible_gpus(os.environ)
+        if not visible:
+            return ()
+        in_use = [gpu for group in self.groups.values() for gpu in group.spec.gpus]
+        try:
+            return pick_gpus(visible, in_use, ranks)
+        except ValueError as err:
+            if device == "cuda":
+                raise LaunchError(f"{name}: {err}") from None
+            return ()  # auto: the shards may well run on the CPU (a CPU build of torch)
 
     def _start_model_host(self) -> None:
         from launcher.model_host import serve  # grpc only once the shards are up
