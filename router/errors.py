@@ -2,12 +2,18 @@
 family turns it into that API's body."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from aiohttp import web
+
 
 class RouterError(Exception):
     status = 500
     error_type = "internal"
     prefix = ""
     headers: dict[str, str] = {}  # sent with the error's HTTP answer
+    # the connection cannot serve another request after this answer (a body aiohttp cannot read)
+    close_connection = False
 
     def __init__(self, message: str):
         super().__init__(message)
@@ -66,6 +72,11 @@ class BadRequestError(RouterError):
 
 def tgi_error_body(error: RouterError) -> dict:
     return {"error": str(error), "error_type": error.error_type}
+
+
+# a handler of another API's shape sets request[ERROR_BODY] to its own body function, which the
+# error middleware then uses for what the handler lets through (TGI's shape otherwise)
+ERROR_BODY = web.RequestKey("error_body", Callable[[RouterError], dict])
 
 
 class TemplateError(RouterError):

@@ -9,6 +9,7 @@ import json
 
 import llguidance
 
+from router import json_body
 from router.errors import ValidationError
 
 JSON = "json"
@@ -33,9 +34,9 @@ def _source(kind: str, value) -> tuple[str, str]:
     """llguidance's grammar for the constraint, and the constraint as text for the shards."""
     if kind == JSON:
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as err:
+            try:  # nested at most as deep as a request body may be
+                value = json_body.loads(value)
+            except json_body.JSONError as err:
                 raise ValidationError(f"grammar is not valid: the JSON schema is not JSON: {err}") \
                     from None
         if not isinstance(value, (dict, bool)):
@@ -77,6 +78,8 @@ def from_tgi(grammar) -> tuple[str, str]:
     """TGI's {"type": "json" | "regex", "value": ...}."""
     if not isinstance(grammar, dict) or "type" not in grammar or "value" not in grammar:
         raise ValidationError("grammar must be an object with `type` (json or regex) and `value`")
+    if not isinstance(grammar["type"], str):
+        raise ValidationError("grammar `type` must be a string: json or regex")
     kind = {"json_schema": JSON}.get(grammar["type"], grammar["type"])
     if kind not in (JSON, REGEX):  # TGI's grammar types; EBNF comes through SGLang's `ebnf`
         raise ValidationError(f"grammar type {kind!r} is not supported (json, regex)")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 
+from aiohttp import web
+
 from router.errors import BadRequestError
 
 # serde_json's recursion limit, which TGI's parser inherits
@@ -17,14 +19,34 @@ MAX_DEPTH = 128
 _PARSE = "Failed to parse the request body as JSON: "
 
 
+class JSONError(ValueError):
+    """A text that is not JSON by JSON's own rules, or nested past MAX_DEPTH."""
+
+
 def _reject_constant(name: str):
-    raise BadRequestError(f"{_PARSE}`{name}` is not a JSON number")
+    raise JSONError(f"`{name}` is not a JSON number")
 
 
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise BadRequestError(f"{_PARSE}number `{text}` is out of range")
+        raise JSONError(f"number `{text}` is out of range")
+    return value
+
+
+def loads(text: str):
+    """`text` as a JSON value, or a JSONError naming what is wrong with it (for a request body,
+    and for JSON a body carries as a string, such as a JSON schema)."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except JSONError:
+        raise
+    except RecursionError:
+        raise JSONError(f"recursion limit exceeded (more than {MAX_DEPTH} nested arrays or "
+                        "objects)") from None
+    except ValueError as err:  # a JSONDecodeError, or an integer of more than 4,300 digits
+        raise JSONError(str(err)) from None
+    check_structure(value)
     return value
 
 
@@ -34,16 +56,9 @@ def parse_json(raw: bytes):
     except UnicodeDecodeError:
         raise BadRequestError(f"{_PARSE}the body is not valid UTF-8") from None
     try:
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except json.JSONDecodeError as err:
+        return loads(text)
+    except JSONError as err:
         raise BadRequestError(f"{_PARSE}{err}") from None
-    except RecursionError:
-        raise BadRequestError(f"{_PARSE}recursion limit exceeded (more than {MAX_DEPTH} nested "
-                              "arrays or objects)") from None
-    except ValueError as err:  # an integer of more than 4,300 digits
-        raise BadRequestError(f"{_PARSE}{err}") from None
-    check_structure(value)
-    return value
 
 
 def check_structure(value) -> None:
@@ -58,8 +73,8 @@ def check_structure(value) -> None:
         if not isinstance(node, (list, dict)):
             continue
         if depth > MAX_DEPTH:
-            raise BadRequestError(f"{_PARSE}recursion limit exceeded (more than {MAX_DEPTH} "
-                                  "nested arrays or objects)")
+            raise JSONError(f"recursion limit exceeded (more than {MAX_DEPTH} nested arrays or "
+                            "objects)")
         if isinstance(node, dict):
             for key, child in node.items():
                 _check_text(key)
@@ -72,13 +87,21 @@ def _check_text(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise BadRequestError(f"{_PARSE}a string holds a lone surrogate (an unpaired \\ud800-"
-                              "\\udfff escape), which is not valid Unicode") from None
+        raise JSONError("a string holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
+                        "which is not valid Unicode") from None
 
 
 async def read_object(request) -> dict:
     """An HTTP request's body, which must be a JSON object (an aiohttp request)."""
-    body = parse_json(await request.read())
+    try:
+        raw = await request.read()
+    except web.HTTPException:  # the payload limit's 413, shaped by the error middleware
+        raise
+    except Exception as err:  # a body its Content-Encoding does not decode (RequestPayloadError)
+        error = BadRequestError(f"Failed to read the request body: {err}")
+        error.close_connection = True  # the rest of the body stays unreadable
+        raise error from None
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise BadRequestError("Failed to deserialize the JSON body into the target type: expected "
                               "an object")

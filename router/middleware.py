@@ -7,7 +7,7 @@ import logging
 
 from aiohttp import web
 
-from router.errors import RouterError, tgi_error_body
+from router.errors import ERROR_BODY, RouterError, tgi_error_body
 
 log = logging.getLogger("tgi.router")
 
@@ -20,7 +20,11 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except RouterError as err:
-        return web.json_response(tgi_error_body(err), status=err.status, headers=err.headers)
+        body = request.get(ERROR_BODY, tgi_error_body)
+        response = web.json_response(body(err), status=err.status, headers=err.headers)
+        if err.close_connection:
+            response.force_close()
+        return response
     except web.HTTPRequestEntityTooLarge as err:
         return web.json_response({"error": f"Payload too large: {err.text}",
                                   "error_type": "payload_limit"}, status=413)
@@ -32,8 +36,8 @@ async def error_middleware(request: web.Request, handler):
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return web.json_response({"error": "Internal server error", "error_type": "internal"},
-                                 status=500)
+        body = request.get(ERROR_BODY, tgi_error_body)
+        return web.json_response(body(RouterError("Internal server error")), status=500)
 
 
 def api_key_middleware(api_key: str):

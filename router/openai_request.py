@@ -11,7 +11,7 @@ from router.errors import TemplateError, ValidationError
 from router.model_settings import ChatPrompt
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from router.validation import ValidationLimits, check_lengths
-from router.wire import flag
+from router.wire import flag, float32
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -35,10 +35,14 @@ def number(body: dict, name: str, low: float, high: float, *, integer: bool = Fa
             integer and isinstance(value, float) and not value.is_integer()):
         raise ValidationError(f"`{name}` must be {'an integer' if integer else 'a number'}")
     # compared before any conversion: float() of a 400-digit integer overflows
+    if integer:
+        value = int(value)
+    elif low <= value <= high:
+        value = float32(value)  # what the shards use: a field rounded to 0 is 0 there
     if value < low or value > high or (low_open and value == low):
         bound = f"> {low}" if low_open else f">= {low}"
         raise ValidationError(f"`{name}` must be {bound} and <= {high}. Given: {value}")
-    return int(value) if integer else float(value)
+    return value
 
 
 def include_usage(body: dict) -> bool:
@@ -113,8 +117,13 @@ def with_seed(request: GenerateRequest, index: int) -> GenerateRequest:
 
 def _message_text(message: dict, index: int) -> str:
     content = message.get("content")
+    calls = message.get("tool_calls")
+    if calls is not None and (not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function", c), dict) for c in calls)):
+        raise ValidationError(f"messages[{index}].tool_calls must be a list of "
+                              "{\"type\": \"function\", \"function\": {\"name\": ..., "
+                              "\"arguments\": ...}} objects")
     if content is None:
-        calls = message.get("tool_calls")
         if calls:  # an assistant turn that called tools, written as the calls themselves
             return json.dumps([c.get("function", c) for c in calls], ensure_ascii=False)
         return ""
@@ -156,6 +165,13 @@ def _functions(tools) -> list[dict]:
                 or not isinstance(function.get("name"), str):
             raise ValidationError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
                                   "{\"name\": ..., \"parameters\": ...}}")
+        if not function["name"] or function["name"] == grammar.NO_TOOL:
+            raise ValidationError(f"tools[{i}].function.name must be a non-empty name other "
+                                  f"than {grammar.NO_TOOL!r} (the name this server gives a reply in "
+                                  "words)")
+        if any(f["name"] == function["name"] for f in functions):
+            raise ValidationError(f"tools[{i}]: a function named {function['name']!r} is "
+                                  "already offered; each tool needs a name of its own")
         functions.append(function)
     return functions
 

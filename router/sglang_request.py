@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 import uuid
-import math
 from dataclasses import dataclass, field, replace
 
 import numpy
@@ -318,8 +317,9 @@ def _embeds(prompt, path: str, hidden_size: int) -> tuple[bytes, int]:
             raise ValidationError(f"`{path}[{i}]` must be a list of {hidden_size} numbers (the "
                                   f"model's hidden size)")
         for value in row:
+            # compared, not converted: an integer past a float (10**400) overflows float()
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    not math.isfinite(value) or abs(value) > 3.4e38:
+                    not abs(value) <= 3.4e38:  # NaN too
                 raise ValidationError(f"`{path}[{i}]` must hold finite numbers (float32)")
     return numpy.asarray(prompt, dtype="<f4").tobytes(), len(prompt)
 

@@ -111,8 +111,11 @@ def _sampling(params: dict, limits: ValidationLimits, best_of: int) -> SamplingP
         temperature=temperature or 1.0, top_k=top_k or 0, top_p=top_p or 1.0,
         typical_p=typical_p or 1.0, repetition_penalty=repetition or 1.0,
         frequency_penalty=frequency or 0.0,
-        # greedy unless asked (the OpenAPI default); best_of > 1 is sampling by definition
-        do_sample=bool(params.get("do_sample", False)) or best_of > 1,
+        # greedy unless asked, TGI's rule: do_sample, or a warper other than its default (a
+        # temperature other than 1, any top_k, top_p or typical_p); best_of > 1 samples
+        do_sample=bool(params.get("do_sample", False)) or best_of > 1
+        or (temperature is not None and temperature != 1.0)
+        or any(v is not None for v in (top_k, top_p, typical_p)),
         watermark=bool(params.get("watermark", False)))
 
 
@@ -137,8 +140,10 @@ async def validate_generate(body: dict, tokenizer: RouterTokenizer, limits: Vali
         raise _type_error("inputs", inputs, "a string") if "inputs" in body else \
             ValidationError("Failed to deserialize the JSON body into the target type: missing "
                             "field `inputs`")
-    raw = body.get("parameters") or {}
-    if not isinstance(raw, dict):
+    raw = body.get("parameters")
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):  # [], "", 0 and false too, as serde refuses them
         raise _type_error("parameters", raw, "an object")
     params = check_types(raw)
     grammar = from_tgi(params["grammar"]) if params.get("grammar") is not None else None

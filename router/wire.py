@@ -7,6 +7,7 @@ Each check here answers with serde's wording, which TGI's clients already know.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 from router.errors import ValidationError
@@ -51,16 +52,23 @@ def check_int(path: str, value, wire: IntType) -> int:
     return value
 
 
+def float32(value: float) -> float:
+    """The float32 nearest `value` (the value a shard receives; inf past float32's range)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
 def check_float(path: str, value) -> float:
-    """`value` as a finite number that a float32 holds without becoming infinite."""
+    """`value` as the float32 it travels as: finite, and rounded as the shards will read it, so
+    that a bound checked after this holds for what they use (1e-46 is 0 there, as for serde's
+    f32)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _deserialize_error(path, f"invalid type: {type(value).__name__} {value!r}, "
                                        "expected f32")
     # compared before converting: an integer literal of 400 digits overflows float()
     if not -FLOAT32_MAX <= value <= FLOAT32_MAX:
         raise _deserialize_error(path, f"invalid value: `{value}`, expected a finite f32")
-    value = float(value)
-    if not math.isfinite(value):
+    value = float32(float(value))
+    if not math.isfinite(value):  # between the largest float32 and the next: rounded up to inf
         raise _deserialize_error(path, f"invalid value: `{value}`, expected a finite f32")
     return value
 

@@ -201,7 +201,11 @@ def apply_penalties(scores: torch.Tensor, batch: SamplingBatch,
     penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
     scores = torch.where(seen, penalised, scores)
     scores = scores - batch.frequency_penalty * counts
-    return scores - batch.presence_penalty * (counts > 0).to(scores.dtype)
+    scores = scores - batch.presence_penalty * (counts > 0).to(scores.dtype)
+    # a vanishing repetition penalty (1e-40) sends a logit past float32: the largest float keeps
+    # the row a distribution (infinite ones would make every probability NaN); -inf stays masked
+    return scores.nan_to_num(nan=float("-inf"), posinf=torch.finfo(scores.dtype).max,
+                             neginf=float("-inf"))
 
 
 def _warp(scores: torch.Tensor, batch: SamplingBatch, flags: dict) -> torch.Tensor:
@@ -211,7 +215,10 @@ def _warp(scores: torch.Tensor, batch: SamplingBatch, flags: dict) -> torch.Tens
     if flags["temperature"]:
         temperature = batch.temperature.where(batch.temperature > 0,
                                               torch.ones_like(batch.temperature))
-        warped = warped / temperature
+        # from the row's largest score down: a tiny temperature (1e-45) then sends the others to
+        # -inf, the limit it stands for (greedy), where dividing the scores themselves would
+        # overflow them to inf and the probabilities to NaN; softmax is the same either way
+        warped = (warped - warped.max(dim=-1, keepdim=True).values) / temperature
     if flags["top_k"]:
         warped = _top_k(warped, batch.top_k)
     if flags["top_p"]:

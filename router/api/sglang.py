@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from router.api import tgi
-from router.errors import OverloadedError, RouterError, UnhealthyError, ValidationError
+from router.errors import (ERROR_BODY, OverloadedError, RouterError, UnhealthyError,
+                           ValidationError)
 from router.json_body import read_object
 from router.openapi import VERSION
 from router.request_trace import request_span
@@ -243,6 +244,7 @@ class SglangStream(StreamFormat):
 
 async def generate(request: web.Request, body: dict) -> web.StreamResponse:
     """POST /generate with an SGLang body; errors in SGLang's `{"error": {"message"}}` shape."""
+    request[ERROR_BODY] = error_body  # an error this handler lets through too
     try:
         with request_span("sglang_generate", request.headers):
             return await _generate(request, body)
@@ -283,6 +285,7 @@ async def _generate(request: web.Request, body: dict) -> web.StreamResponse:
 
 async def abort_request(request: web.Request) -> web.Response:
     """SGLang's AbortReq: `rid`, or `abort_all`. An unknown rid is no error (it may have ended)."""
+    request[ERROR_BODY] = error_body
     body = await read_object(request)
     rid, abort_all = body.get("rid"), body.get("abort_all", False)
     if not isinstance(abort_all, bool):

@@ -167,3 +167,177 @@ def test_openapi_declares_each_integers_wire_range_and_each_numbers_format():
     for schema in (*params.values(), *chat.values()):
         if schema.get("type") == "integer":
             assert {"format", "minimum", "maximum"} <= set(schema), schema
+
+
+async def test_a_body_its_content_encoding_does_not_decode_is_4xx_in_the_routes_shape(
+        tiny_llama):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        for encoding in ("gzip", "deflate"):
+            reply = await client.post("/generate", data=b"not compressed",
+                                      headers={"Content-Type": "application/json",
+                                               "Content-Encoding": encoding})
+            body = await reply.json()
+            assert reply.status == 422 and body["error_type"] == "validation", body
+            assert "Failed to read the request body" in body["error"]
+        reply = await client.post("/abort_request", data=b"not compressed",  # SGLang's route
+                                  headers={"Content-Encoding": "gzip"})
+        body = await reply.json()
+        assert reply.status == 422 and "Failed to read" in body["error"]["message"], body
+        await _still_serves(client)
+    finally:
+        await client.close()
+
+
+def _deep_schema(depth: int) -> str:
+    return '{"type":"array","items":' * depth + '{"type":"integer"}' + "}" * depth
+
+
+@pytest.mark.parametrize("schema", [_deep_schema(900), "[" * 5000 + "]" * 5000],
+                         ids=["schema-900-deep", "arrays-5000-deep"])
+@pytest.mark.parametrize("route", ["tgi", "sglang", "chat", "chat-tool"])
+async def test_a_json_schema_string_nested_too_deep_is_422(tiny_llama, route, schema):
+    client = await _client(tiny_llama, HealthyFake())
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    path, body = {
+        "tgi": ("/generate", {"inputs": "hi", "parameters": {
+            "max_new_tokens": 2, "grammar": {"type": "json", "value": schema}}}),
+        "sglang": ("/generate", {"text": "hi", "sampling_params": {"json_schema": schema,
+                                                                   "max_new_tokens": 2}}),
+        "chat": ("/v1/chat/completions", {**chat, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}),
+        "chat-tool": ("/v1/chat/completions", {**chat, "response_format": {
+            "type": "json", "value": schema}}),
+    }[route]
+    try:
+        reply = await client.post(path, json=body)
+        error = await reply.json()
+        assert reply.status == 422, error
+        message = error["error"]["message"] if route == "sglang" else error["error"]
+        assert "recursion limit exceeded" in message
+        await _still_serves(client)
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("body,expected", [
+    ({"inputs": "hi", "parameters": {"grammar": {"type": ["json"], "value": {}}}},
+     "grammar `type` must be a string"),
+    ({"inputs": "hi", "parameters": {"grammar": {"type": {"a": 1}, "value": {}}}},
+     "grammar `type` must be a string"),
+    ({"inputs": "hi", "parameters": []}, "parameters: invalid type"),
+    ({"inputs": "hi", "parameters": ""}, "parameters: invalid type"),
+    ({"inputs": "hi", "parameters": False}, "parameters: invalid type"),
+    ({"inputs": "hi", "parameters": {"temperature": 1e-46}}, "`temperature` must be strictly"),
+    ({"inputs": "hi", "parameters": {"top_p": 1e-46}}, "`top_p` must be > 0.0 and < 1.0"),
+    ({"inputs": "hi", "parameters": {"top_p": 0.999999999}}, "`top_p` must be > 0.0 and < 1.0"),
+    ({"inputs": "hi", "parameters": {"repetition_penalty": 1e-46}},
+     "`repetition_penalty` must be strictly positive"),
+])
+async def test_tgi_parameters_are_checked_as_the_float32_and_types_tgi_reads(tiny_llama, body,
+                                                                              expected):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        reply = await client.post("/generate", json=body)
+        error = await reply.json()
+        assert reply.status == 422 and expected in error["error"], error
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": None, "tool_calls": "x"},
+    {"role": "assistant", "content": None, "tool_calls": [5]},
+    {"role": "assistant", "content": "hi", "tool_calls": [{"function": "f"}]},
+])
+async def test_chat_messages_with_malformed_tool_calls_are_422(tiny_llama, message):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        reply = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}, message], "max_tokens": 2})
+        error = await reply.json()
+        assert reply.status == 422 and "messages[1].tool_calls must be a list" in error["error"]
+    finally:
+        await client.close()
+
+
+def _tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("tools,expected", [
+    ([_tool("no_tool")], "other than 'no_tool'"),
+    ([_tool("")], "must be a non-empty name"),
+    ([_tool("f"), _tool("g"), _tool("f")], "tools[2]: a function named 'f' is already offered"),
+])
+async def test_tools_need_names_of_their_own(tiny_llama, tools, expected):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        reply = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": tools,
+            "tool_choice": "required"})
+        error = await reply.json()
+        assert reply.status == 422 and expected in error["error"], error
+    finally:
+        await client.close()
+
+
+async def test_sglang_errors_keep_sglangs_shape_even_unforeseen_ones(tiny_llama, monkeypatch):
+    from router.api import sglang
+
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        reply = await client.post("/generate", json={"input_embeds": [[10**400] * 8],
+                                                     "sampling_params": {"max_new_tokens": 2}})
+        error = await reply.json()
+        assert reply.status == 422 and "must hold finite numbers" in error["error"]["message"]
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(sglang, "parse_generate", broken)
+        reply = await client.post("/generate", json={"text": "hi"})
+        assert reply.status == 500
+        assert await reply.json() == {"error": {"message": "Internal server error",
+                                                "type": "internal", "code": 500}}
+        reply = await client.post("/generate", json={"inputs": "hi"})  # TGI's keeps TGI's
+        assert reply.status == 200
+    finally:
+        await client.close()
+
+
+async def _sent_sampling(client, fake, path: str, body: dict):
+    """The sampling parameters of the request `body` put on the (fake) shard."""
+    fake.requests.clear()
+    reply = await client.post(path, json=body)
+    assert reply.status == 200, await reply.text()
+    (request,) = fake.requests.values()
+    return request.request.sampling
+
+
+async def test_sampling_follows_tgis_warpers_and_a_temperature_rounding_to_0_is_greedy(
+        tiny_llama):
+    fake = HealthyFake()
+    client = await _client(tiny_llama, fake)
+    try:
+        async def tgi(**parameters):
+            return await _sent_sampling(client, fake, "/generate", {
+                "inputs": "hi", "parameters": {"max_new_tokens": 2, **parameters}})
+
+        assert not (await tgi()).do_sample
+        assert not (await tgi(temperature=1.0)).do_sample  # its default warps nothing
+        for warper in ({"temperature": 0.5}, {"top_k": 5}, {"top_p": 0.9}, {"typical_p": 0.9}):
+            assert (await tgi(**warper)).do_sample, warper
+        assert (await tgi(do_sample=True)).do_sample
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        # OpenAI: a temperature that float32 rounds to 0 is 0, greedy (not temperature 1)
+        sent = await _sent_sampling(client, fake, "/v1/chat/completions",
+                                    {**chat, "temperature": 1e-46})
+        assert not sent.do_sample
+        sent = await _sent_sampling(client, fake, "/generate", {
+            "text": "hi", "sampling_params": {"temperature": 1e-46, "max_new_tokens": 2}})
+        assert not sent.do_sample  # SGLang's temperature 0 is greedy too
+        reply = await client.post("/v1/chat/completions", json={**chat, "top_p": 1e-46})
+        assert reply.status == 422 and "`top_p` must be > 0" in (await reply.json())["error"]
+    finally:
+        await client.close()

@@ -344,7 +344,10 @@ async def test_abort_request_ends_it_with_abort_and_frees_its_blocks(tiny_llama,
         idle = allocator.num_free_blocks
         pending = asyncio.ensure_future(client.post("/generate", json=_sglang(
             max_new_tokens=100, rid="long", stream=stream)))
-        await asyncio.sleep(0.15)
+        for _ in range(500):  # a few tokens in, however slow the machine
+            if max(fake.generated.values(), default=0) >= 3:
+                break
+            await asyncio.sleep(0.01)
         assert allocator.num_free_blocks < idle
         assert (await client.post("/abort_request", json={"rid": "long"})).status == 200
         reply = await asyncio.wait_for(pending, 5)

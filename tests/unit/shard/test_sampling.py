@@ -134,3 +134,26 @@ def test_watermark_is_detected_in_watermarked_text_only():
 
     assert z_score(generate(True), vocab, 17) > 4
     assert abs(z_score(generate(False), vocab, 17)) < 3
+
+
+def test_a_vanishing_temperature_is_greedy_with_finite_logprobs():
+    """1e-45 (a float32 subnormal) divided into the logits themselves overflows them to +-inf
+    and every probability to NaN: the token came out as id 0 with a null logprob."""
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.9, float("-inf")]])
+    for temperature in (1e-45, 1e-30, 1e-6):
+        for seed in range(5):
+            out = sample(logits, _batch(SamplingParams(do_sample=True, temperature=temperature,
+                                                       seed=seed, top_n_tokens=2)))
+            assert out.next_ids.item() == 1, temperature
+            assert out.logprobs.item() == 0.0  # all the mass on the largest logit
+            assert torch.isfinite(out.top_logprobs[:, 0]).all()
+
+
+def test_a_vanishing_repetition_penalty_leaves_a_distribution():
+    logits = torch.tensor([[2.0, -1.0, 1.5, float("-inf")]])
+    out = sample(logits, _batch(SamplingParams(repetition_penalty=1e-40, top_n_tokens=3)),
+                 [([2], [])])
+    assert out.next_ids.item() == 2  # 1.5 / 1e-40 passes float32: the largest float
+    assert math.isfinite(out.logprobs.item())
+    assert torch.isfinite(out.top_logprobs).all()
+    assert torch.isneginf(out.log_distribution()[0, 3])  # a masked token stays masked
