@@ -18,6 +18,7 @@ class FakeShardClient:
         self.batches: dict[int, list[int]] = {}
         self.requests: dict[int, ShardRequest] = {}
         self.generated: dict[int, int] = {}
+        self.finished_early: set[int] = set()  # ended by a stop sequence
         self.calls: list[tuple[str, object]] = []
         self.step_delay = step_delay
         self.fail_next: str | None = None
@@ -55,9 +56,20 @@ class FakeShardClient:
                     break
                 event = TokenEvent(token=Token(count, f"t{count} ", -0.5, False))
                 events.append(event)
+                # as the shard: a stop sequence ending in this token's text ends the output there
+                before = "".join(f"t{i} " for i in range(1, count))
+                text = before + event.token.text
+                ends = [text.find(stop, max(len(before) - len(stop) + 1, 0)) + len(stop)
+                        for stop in self.requests[rid].request.stopping.stop_sequences
+                        if text.find(stop, max(len(before) - len(stop) + 1, 0)) >= 0]
+                if ends:
+                    event.token.text = text[len(before):min(ends)]
+                    event.final = FinalInfo(text[:min(ends)], count, FinishReason.STOP_SEQUENCE,
+                                            None)
+                    self.finished_early.add(rid)
+                    break
                 if count == limit:
-                    event.final = FinalInfo("".join(f"t{i} " for i in range(1, count + 1)),
-                                            count, FinishReason.LENGTH, None)
+                    event.final = FinalInfo(text, count, FinishReason.LENGTH, None)
                     break
             generations.append(Generation(rid, [], error) if error is not None
                                else Generation(rid, events))
@@ -66,7 +78,8 @@ class FakeShardClient:
     def _result(self, batch_id: int, generations: list[Generation]) -> StepResult:
         ids = self.batches[batch_id]
         result = StepResult(generations=generations, timings=StepTimings(forward_ns=1, decode_ns=1))
-        if any(self.generated[r] < self._max_new_tokens(r) for r in ids):
+        if any(self.generated[r] < self._max_new_tokens(r) and r not in self.finished_early
+               for r in ids):
             result.batch = CachedBatch(batch_id, list(ids))
         else:
             del self.batches[batch_id]
@@ -137,8 +150,8 @@ class FakeShardClient:
                 raise ShardError(f"batch {b.id} not found")
             ids += self.batches.pop(b.id)
         for rid in ids:
-            assert self.generated[rid] < self._max_new_tokens(rid), \
-                f"finished request {rid} was decoded again"
+            assert self.generated[rid] < self._max_new_tokens(rid) \
+                and rid not in self.finished_early, f"finished request {rid} was decoded again"
         self.batches[batches[0].id] = ids
         self.decode_sizes.append(len(ids))
         generations, steps = self._step(ids, self.tokens_per_decode), 1

@@ -6,7 +6,8 @@ import uuid
 
 from aiohttp import web
 
-from router.api.openai_common import FINGERPRINT, FINISH, OpenAIStream, usage, without_stop
+from router.api.openai_common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback, usage,
+                                      without_stop)
 from router.errors import ValidationError
 from router.infer import GenerateResult
 from router.json_body import read_object
@@ -118,6 +119,7 @@ class CompletionStream(OpenAIStream):
         self.prompt_tokens = prompt_tokens
         self.with_usage = with_usage
         self.completion_tokens = 0
+        self.holdbacks = [StopHoldback(r.stopping.stop_sequences) for r in requests]
 
     def _chunk(self, **fields) -> bytes:
         return openai_sse({**self.envelope, **fields})
@@ -134,8 +136,7 @@ class CompletionStream(OpenAIStream):
             self.completion_tokens += event.final.generated_tokens
         # "" until the end: TGI's Chunk schema has no null finish_reason
         finish = FINISH[event.final.finish_reason] if event.final else ""
-        text = without_stop(event.token.text, event.final,
-                            self.requests[index].stopping.stop_sequences)
+        text = self.holdbacks[index].text(event.token.text, event.final)
         return [self._chunk(choices=[{"index": index, "text": text, "logprobs": None,
                                       "finish_reason": finish}])]
 

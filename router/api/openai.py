@@ -8,7 +8,8 @@ import uuid
 from aiohttp import web
 
 from router import grammar
-from router.api.openai_common import FINGERPRINT, FINISH, OpenAIStream, usage, without_stop
+from router.api.openai_common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback, usage,
+                                      without_stop)
 from router.errors import ValidationError
 from router.infer import GenerateResult
 from router.json_body import read_object
@@ -120,6 +121,7 @@ class ChatStream(OpenAIStream):
         self.chat = chat
         self.n = n
         self.completion_tokens = 0
+        self.holdbacks = [StopHoldback(chat.request.stopping.stop_sequences) for _ in range(n)]
 
     def _chunk(self, **fields) -> bytes:
         return openai_sse({**self.chat.envelope(self.state, "chat.completion.chunk"), **fields})
@@ -127,7 +129,7 @@ class ChatStream(OpenAIStream):
     def event(self, index: int, event: TokenEvent) -> list[bytes]:
         if event.final is not None:
             self.completion_tokens += event.final.generated_tokens
-        choice = _chat_chunk(self.chat, index, event)
+        choice = _chat_chunk(self.chat, index, event, self.holdbacks[index])
         return [self._chunk(choices=[choice])] if choice is not None else []
 
     def closing(self) -> list[bytes]:
@@ -137,7 +139,7 @@ class ChatStream(OpenAIStream):
                                                     self.completion_tokens))]
 
 
-def _chat_chunk(chat: _Chat, index: int, event) -> dict | None:
+def _chat_chunk(chat: _Chat, index: int, event, holdback: StopHoldback) -> dict | None:
     logprobs = None
     if chat.options.logprobs:
         logprobs = {"content": [{**_token_logprob(event.token),
@@ -153,8 +155,7 @@ def _chat_chunk(chat: _Chat, index: int, event) -> dict | None:
             delta["tool_calls"] = [{"index": 0, **call} for call in message["tool_calls"]]
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     finish = FINISH[event.final.finish_reason] if event.final is not None else None
-    # the part of a stop sequence inside the last token is left out; earlier parts already went
-    text = without_stop(event.token.text, event.final, chat.request.stopping.stop_sequences)
+    text = holdback.text(event.token.text, event.final)
     return {"index": index, "delta": {"role": "assistant", "content": text},
             "logprobs": logprobs, "finish_reason": finish}
 

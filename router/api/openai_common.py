@@ -26,6 +26,43 @@ def without_stop(text: str, final, stop_sequences: list[str]) -> str:
     return text
 
 
+class StopHoldback:
+    """One streamed choice's text without its stop sequence, as the whole answer's is: a stop
+    sequence can span tokens, so the end of the text that could begin one waits for the next
+    token (vLLM holds its streams back alike) and is dropped if the sequence completes."""
+
+    def __init__(self, stop_sequences: list[str]):
+        self.stops = [s for s in stop_sequences if s]
+        self.pending = ""
+
+    def text(self, token_text: str, final) -> str:
+        """What may go out after this token."""
+        text = self.pending + token_text
+        if final is not None:
+            self.pending = ""
+            return without_stop(text, final, self.stops)
+        held = max((_overlap(text, stop) for stop in self.stops), default=0)
+        self.pending = text[len(text) - held:]
+        return text[:len(text) - held]
+
+
+def _overlap(text: str, stop: str) -> int:
+    """The length of the longest end of `text` that begins `stop`, shorter than `stop`: the
+    prefix function over stop's beginning, a separator and text's end, linear in their length
+    (a stop sequence may be thousands of characters)."""
+    tail = text[len(text) - min(len(text), len(stop) - 1):]
+    if not tail:
+        return 0
+    sequence = [*stop[:len(tail)], None, *tail]  # None: matches no character
+    border = [0] * len(sequence)
+    for i in range(1, len(sequence)):
+        k = border[i - 1]
+        while k and sequence[i] != sequence[k]:
+            k = border[k - 1]
+        border[i] = k + 1 if sequence[i] == sequence[k] else 0
+    return border[-1]
+
+
 class OpenAIStream(StreamFormat):
     """`data: {...}` chunks, an error as a last `data: {"error": ...}`, always `data: [DONE]`."""
 
