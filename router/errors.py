@@ -63,6 +63,12 @@ class UnhealthyError(RouterError):
         super().__init__(message)
 
 
+class PayloadTooLargeError(RouterError):
+    status = 413
+    error_type = "payload_limit"
+    prefix = "Payload too large: "
+
+
 class BadRequestError(RouterError):
     """Malformed bodies: invalid JSON or wrong field types; TGI's clients read them as validation."""
 

@@ -7,7 +7,7 @@ import logging
 
 from aiohttp import web
 
-from router.errors import ERROR_BODY, RouterError, tgi_error_body
+from router.errors import ERROR_BODY, PayloadTooLargeError, RouterError, tgi_error_body
 
 log = logging.getLogger("tgi.router")
 
@@ -26,8 +26,8 @@ async def error_middleware(request: web.Request, handler):
             response.force_close()
         return response
     except web.HTTPRequestEntityTooLarge as err:
-        return web.json_response({"error": f"Payload too large: {err.text}",
-                                  "error_type": "payload_limit"}, status=413)
+        body = request.get(ERROR_BODY, tgi_error_body)
+        return web.json_response(body(PayloadTooLargeError(err.text)), status=413)
     except web.HTTPException as err:
         if err.status < 400:
             raise

@@ -93,8 +93,8 @@ def _json(schema: dict) -> dict:
     return {"content": {"application/json": {"schema": schema}}}
 
 
-def _errors(*statuses: int) -> dict:
-    return {str(s): {"description": "Error", **_json(_ref("ErrorResponse"))} for s in statuses}
+def _errors(*statuses: int, shape: str = "ErrorResponse") -> dict:
+    return {str(s): {"description": "Error", **_json(_ref(shape))} for s in statuses}
 
 
 def _post(summary: str, request: str, response: dict, *, stream: bool = False,
@@ -349,7 +349,7 @@ def _sglang_paths() -> dict:
             "summary": "SGLang: cancel the running request named `rid` (or all, `abort_all`)",
             "requestBody": {"required": True, **_json(_ref("AbortRequest"))},
             "responses": {"200": {"description": "Aborted, or no such request running"},
-                          **_errors(413, 422)}}},
+                          **_errors(413, 422, shape="SglangErrorResponse")}}},
         "/flush_cache": {"post": {
             "summary": "SGLang: drop the prefix cache (400 while requests are in flight)",
             "responses": {"200": {"description": "Flushed", **text},

@@ -82,8 +82,8 @@ async def serve_stream(request: web.Request, events: AsyncIterator[tuple[int, To
         except RouterError as err:
             if not await _report(request, response, form.error(err)):
                 return response
-        except ConnectionResetError:  # the client went away: nobody to tell
-            raise
+        except ConnectionResetError:  # the client went away: nobody to tell, nothing to log
+            return response  # (events.aclose below frees what its requests held)
         except Exception as err:  # a bug: the client still hears of it in the stream's own shape
             log.exception("stream failed after it opened")
             frame = form.error(GenerationError(f"{type(err).__name__}: {err}"))
