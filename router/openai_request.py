@@ -11,7 +11,7 @@ from router.errors import TemplateError, ValidationError
 from router.model_settings import ChatPrompt
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from router.validation import ValidationLimits, check_lengths
-from router.wire import flag, float32
+from router.wire import check_logit_bias, flag, float32
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -65,7 +65,8 @@ def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingPa
         frequency_penalty=number(body, "frequency_penalty", -2, 2) or 0.0,
         presence_penalty=number(body, "presence_penalty", -2, 2) or 0.0,
         do_sample=temperature != 0,  # OpenAI samples unless the temperature is 0
-        seed=seed if seed is not None else random.getrandbits(64))
+        seed=seed if seed is not None else random.getrandbits(64),
+        logit_bias=check_logit_bias("logit_bias", body.get("logit_bias")))
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -82,7 +83,9 @@ def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingPa
 def model_name(body: dict) -> str | None:
     """The model a body names (router/state.served_model finds it)."""
     model = body.get("model")
-    return model if isinstance(model, str) else None
+    if model is not None and not isinstance(model, str):
+        raise ValidationError("`model` must be a string")
+    return model
 
 
 # Jan's per-model parameters (PATCH /v1/models/{id}) and the OpenAI fields they give defaults to;

@@ -93,6 +93,13 @@ def _json(schema: dict) -> dict:
     return {"content": {"application/json": {"schema": schema}}}
 
 
+# OpenAI's and SGLang's logit_bias
+LOGIT_BIAS = {"type": "object", "nullable": True,
+              "description": "token id (a decimal string) -> a bias in [-100, 100] added to its "
+                             "logit before any other processing",
+              "additionalProperties": float_schema(minimum=-100, maximum=100)}
+
+
 def _errors(*statuses: int, shape: str = "ErrorResponse") -> dict:
     return {str(s): {"description": "Error", **_json(_ref(shape))} for s in statuses}
 
@@ -130,6 +137,7 @@ def _openai_sampling() -> dict:
         seed={**int_schema(UINT64), "nullable": True},
         frequency_penalty={**float_schema(minimum=-2, maximum=2), "nullable": True},
         presence_penalty={**float_schema(minimum=-2, maximum=2), "nullable": True},
+        logit_bias=LOGIT_BIAS,
         stop={"nullable": True, "oneOf": [{"type": "string"},
                                           {"type": "array", "items": {"type": "string"}}]},
         stream={"type": "boolean", "nullable": True},
@@ -268,6 +276,7 @@ def _sglang_schemas() -> dict:
         frequency_penalty=float_schema(minimum=-2, maximum=2),
         presence_penalty=float_schema(minimum=-2, maximum=2),
         repetition_penalty=float_schema(minimum=0, maximum=2, exclusiveMinimum=True),
+        logit_bias=LOGIT_BIAS,
         sampling_seed=int_schema(UINT64), stop=strings,
         stop_token_ids={"type": "array", "items": token_id}, ignore_eos=boolean,
         skip_special_tokens=boolean, no_stop_trim=boolean,

@@ -30,6 +30,7 @@ class SamplingParams:
     do_sample: bool = False
     seed: int = 0
     watermark: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
 
 @dataclass(slots=True)

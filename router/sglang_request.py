@@ -18,7 +18,7 @@ from router.errors import ValidationError
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from router.tokenizer import RouterTokenizer
 from router.validation import ValidationLimits, check_lengths
-from router.wire import INT32, UINT32, UINT64, check_float, check_int
+from router.wire import INT32, UINT32, UINT64, check_float, check_int, check_logit_bias
 
 INPUT_FIELDS = ("text", "input_ids", "input_embeds")
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -45,7 +45,6 @@ _TOP_LEVEL = {*INPUT_FIELDS, *_NOT_YET, *_TEXT_ONLY, "sampling_params", "rid", "
 
 _SAMPLING_NOT_YET = {
     "structural_tag": "`structural_tag` is not supported yet (json_schema, regex and ebnf are)",
-    "logit_bias": "`logit_bias` is not supported yet",
     "custom_params": "`custom_params` is refused: it feeds a custom logit processor, which this "
                      "server never runs",
     "stream_interval": "`stream_interval` is not supported yet: every token is streamed",
@@ -54,7 +53,7 @@ _SAMPLING_FIELDS = {
     "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
     "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-    "json_schema", "regex", "ebnf", "sampling_seed", *_SAMPLING_NOT_YET,
+    "json_schema", "regex", "ebnf", "sampling_seed", "logit_bias", *_SAMPLING_NOT_YET,
 }
 
 
@@ -221,7 +220,8 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
         repetition_penalty=_number(params, "repetition_penalty", 0, 2, low_open=True, default=1.0),
         # SGLang: temperature 0 (or top_k 1) is greedy; anything else samples
         do_sample=temperature > 0 and top_k != 1,
-        seed=seed if seed is not None else random.getrandbits(64))
+        seed=seed if seed is not None else random.getrandbits(64),
+        logit_bias=check_logit_bias("sampling_params.logit_bias", params.get("logit_bias")))
     max_new_tokens = _int(params, "max_new_tokens", UINT32, None)
     if max_new_tokens == 0:
         raise ValidationError("`sampling_params.max_new_tokens` = 0 (prompt scoring) is not "

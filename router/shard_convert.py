@@ -60,7 +60,7 @@ def request_message(shard_request: ShardRequest) -> pb.Request:
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
             do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,
             watermark=s.watermark, frequency_penalty=s.frequency_penalty, min_p=s.min_p,
-            presence_penalty=s.presence_penalty,
+            presence_penalty=s.presence_penalty, logit_bias=s.logit_bias,
             grammar_type=_GRAMMAR_TYPES[request.grammar[0]] if request.grammar else
             pb.GRAMMAR_TYPE_NONE,
             grammar=request.grammar[1] if request.grammar else ""),

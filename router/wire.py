@@ -73,6 +73,26 @@ def check_float(path: str, value) -> float:
     return value
 
 
+def check_logit_bias(path: str, value) -> dict[int, float]:
+    """OpenAI's logit_bias, {"<token id>": bias in [-100, 100]}, as {id: float32 bias}; ids past
+    the model's vocabulary are the shard's to refuse (it knows the model's size)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValidationError(f"`{path}` must be an object mapping token ids to biases")
+    biases = {}
+    for key, bias in value.items():
+        token = int(key) if key.isdecimal() and len(key) <= 10 else -1
+        if not UINT32.low <= token <= UINT32.high:
+            raise ValidationError(f"`{path}` keys must be token ids (decimal integers). "
+                                  f"Given: {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not -100 <= bias <= 100:
+            raise ValidationError(f"`{path}[{key!r}]` must be a number >= -100 and <= 100")
+        biases[token] = float32(float(bias))
+    return biases
+
+
 def flag(body: dict, name: str, default: bool = False) -> bool:
     """An optional boolean: null is the default, anything but true or false is a 422."""
     value = body.get(name)

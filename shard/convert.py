@@ -30,7 +30,8 @@ def sampling_params(p: pb.NextTokenChooserParameters, top_n_tokens: int) -> Samp
         typical_p=_or(p.typical_p, 1.0), min_p=p.min_p,
         repetition_penalty=_or(p.repetition_penalty, 1.0),
         frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
-        do_sample=p.do_sample, seed=p.seed, top_n_tokens=top_n_tokens, watermark=p.watermark)
+        do_sample=p.do_sample, seed=p.seed, top_n_tokens=top_n_tokens, watermark=p.watermark,
+        logit_bias=dict(p.logit_bias))
 
 
 def new_request(r: pb.Request, hidden_size: int) -> NewRequest:

@@ -136,6 +136,9 @@ class Engine:
                 if max(request.params.top_n_tokens, request.prefill_top_n_tokens) > self.vocab_size:
                     raise ValueError(f"request {request.id} asks for more top tokens than the "
                                      f"vocabulary of {self.vocab_size} holds")
+                if request.params.logit_bias and max(request.params.logit_bias) >= self.vocab_size:
+                    raise ValueError(f"request {request.id} biases a token id outside the "
+                                     f"vocabulary of {self.vocab_size}")
                 if request.logprob_token_ids and max(request.logprob_token_ids) >= self.vocab_size:
                     raise ValueError(f"request {request.id} asks for the log-probability of a "
                                      f"token id outside the vocabulary of {self.vocab_size}")

@@ -1,7 +1,7 @@
 """Batched next-token choice: each request's parameters as rows of tensors, one pass over the batch.
 
 Steps, in order, on logits [B, vocab]:
-  0. watermark (green-list bias, for the rows that ask);
+  0. logit_bias, then watermark (green-list bias, for the rows that ask);
   1. repetition penalty (prompt and output tokens), frequency and presence penalties (output tokens),
      then each constrained row's grammar mask;
   2. for sampling rows only: temperature, top-k, top-p, typical-p, min-p;
@@ -37,6 +37,7 @@ class SamplingParams:
     seed: int = 0
     top_n_tokens: int = 0
     watermark: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     @property
     def has_penalty(self) -> bool:
@@ -117,6 +118,7 @@ def _flags(params: list[SamplingParams]) -> dict:
         "all_sample": len(sampling) == len(params),
         "penalty": any(p.has_penalty for p in params),
         "watermark": any(p.watermark for p in params),
+        "logit_bias": any(p.logit_bias for p in params),
         "temperature": any(p.temperature not in (0.0, 1.0) for p in sampling),
         "top_k": any(p.top_k > 0 for p in sampling),
         "top_p": any(0.0 < p.top_p < 1.0 for p in sampling),
@@ -155,6 +157,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     """
     flags = batch.flags
     scores = logits.float()
+    if flags["logit_bias"]:
+        scores = _bias(scores, batch.params)
     if flags["watermark"]:
         rows = [i for i, p in enumerate(batch.params) if p.watermark]
         scores = apply_watermark(scores, rows, [(token_ids[i][0] + token_ids[i][1])[-1] for i in rows])
@@ -178,6 +182,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     if flags["max_top_n"] > 0:
         top_logprobs, top_ids = logprobs_all.topk(flags["max_top_n"], dim=-1)
     return SampleOutput(next_ids, logprobs, top_ids, top_logprobs, scores, logprobs_all)
+
+
+def _bias(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's logit_bias added to its scores (a new tensor: `scores` may be the logits)."""
+    rows, ids, values = [], [], []
+    for row, p in enumerate(params):
+        for token, value in p.logit_bias.items():
+            rows.append(row)
+            ids.append(token)
+            values.append(value)
+    index = (torch.tensor(rows, device=scores.device), torch.tensor(ids, device=scores.device))
+    return scores.index_put(index, torch.tensor(values, dtype=scores.dtype, device=scores.device),
+                            accumulate=True)
 
 
 def apply_penalties(scores: torch.Tensor, batch: SamplingBatch,

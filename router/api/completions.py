@@ -8,11 +8,12 @@ from aiohttp import web
 
 from router.api.openai_common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback, usage,
                                       without_stop)
+from router import grammar
 from router.errors import ValidationError
 from router.infer import GenerateResult
 from router.json_body import read_object
 from router.openai_request import (build_request, choice_count, include_usage, model_name,
-                                   with_model_defaults, with_seed)
+                                   number, with_model_defaults, with_seed)
 from router.schemas import GenerateRequest, TokenEvent
 from router.state import served_model
 from router.streaming import openai_sse, serve_stream
@@ -55,6 +56,14 @@ async def _validate(state, body: dict):
     if suffix is not None and not isinstance(suffix, str):
         raise ValidationError("`suffix` must be a string")
     n = choice_count(body, state.config.max_client_batch_size)
+    best_of = number(body, "best_of", 1, limits.max_best_of, integer=True)
+    if best_of is not None and best_of < n:
+        raise ValidationError(f"`best_of` must be >= `n`. Given: {best_of} < {n}")
+    if best_of is not None and best_of > 1 and flag(body, "stream"):
+        raise ValidationError("`best_of` cannot be used with `stream`: the best are known only "
+                              "once every candidate has ended")
+    candidates = best_of or n  # per prompt; the n most likely are answered
+    constraint = grammar.from_response_format(body.get("response_format"))  # as vLLM takes it
     requests = []
     for text in _prompts(body, state.config.max_client_batch_size):
         prompt = _with_suffix(text, suffix, state.tokenizer)
@@ -63,10 +72,26 @@ async def _validate(state, body: dict):
             raise ValidationError("`prompt` cannot be empty")
         default_max = state.request_defaults.get("token_limit", DEFAULT_MAX_TOKENS)
         base = build_request(prompt, input_ids, body, limits, default_max_tokens=default_max,
-                             top_n_tokens=logprobs or 0,
+                             top_n_tokens=logprobs or 0, grammar_spec=constraint,
                              prefill_logprobs=echo and logprobs is not None)
-        requests += [with_seed(base, j) for j in range(n)]
-    return requests, echo, logprobs
+        requests += [with_seed(base, j) for j in range(candidates)]
+    return requests, echo, logprobs, n, candidates
+
+
+def _best(requests: list[GenerateRequest], results: list[GenerateResult], n: int,
+          candidates: int) -> tuple[list[GenerateRequest], list[GenerateResult]]:
+    """Of each prompt's candidates, the n with the highest log-probability per token (OpenAI's
+    rule for best_of), most likely first."""
+    if candidates == n:
+        return requests, results
+    kept_requests, kept_results = [], []
+    for start in range(0, len(results), candidates):
+        group = list(zip(requests[start:start + candidates], results[start:start + candidates]))
+        group.sort(key=lambda pair: pair[1].logprob_sum / max(1, len(pair[1].tokens)),
+                   reverse=True)
+        kept_requests += [r for r, _ in group[:n]]
+        kept_results += [result for _, result in group[:n]]
+    return kept_requests, kept_results
 
 
 def _logprobs(result: GenerateResult, echo: bool, prompt_length: int) -> dict:
@@ -86,11 +111,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_object(request)
     state = served_model(request, model_name(body))
     body = with_model_defaults(body, state.request_defaults)
-    requests, echo, logprobs = await state.infer.counted(_validate(state, body))
+    requests, echo, logprobs, n, candidates = await state.infer.counted(_validate(state, body))
     envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": state.model_name,
                 "system_fingerprint": FINGERPRINT}
-    prompt_tokens = sum(r.input_length for r in requests)
+    # each prompt once, however many choices it has (as OpenAI and vLLM count)
+    prompt_tokens = sum(r.input_length for r in requests[::candidates])
     stream, with_usage = flag(body, "stream"), include_usage(body)
     if stream:
         form = CompletionStream(requests, envelope, echo=echo, prompt_tokens=prompt_tokens,
@@ -98,12 +124,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return await serve_stream(request, state.infer.stream_many(requests), form,
                                   streams=len(requests))
     results = await state.infer.generate_many(requests)
+    completion_tokens = sum(r.final.generated_tokens for r in results)  # every candidate's
+    requests, results = _best(requests, results, n, candidates)
     choices = [{"index": i, "text": (r.inputs if echo else "") + without_stop(
                     result.final.text, result.final, r.stopping.stop_sequences),
                 "finish_reason": FINISH[result.final.finish_reason],
                 "logprobs": _logprobs(result, echo, len(r.inputs)) if logprobs is not None else None}
                for i, (r, result) in enumerate(zip(requests, results))]
-    completion_tokens = sum(r.final.generated_tokens for r in results)
     return web.json_response({**envelope, "choices": choices,
                               "usage": usage(prompt_tokens, completion_tokens)})
 

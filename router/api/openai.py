@@ -135,7 +135,7 @@ class ChatStream(OpenAIStream):
     def closing(self) -> list[bytes]:
         if not self.chat.options.include_usage:
             return []
-        return [self._chunk(choices=[], usage=usage(self.chat.request.input_length * self.n,
+        return [self._chunk(choices=[], usage=usage(self.chat.request.input_length,
                                                     self.completion_tokens))]
 
 

@@ -251,3 +251,21 @@ def test_vllm_ignore_eos_and_min_tokens_extensions(server, client):
     legacy = client.completions.create(model="m", prompt="The end.", max_tokens=24, temperature=0,
                                        extra_body={"ignore_eos": True})
     assert legacy.usage.completion_tokens == 24
+
+
+def test_logit_bias_bans_and_forces_tokens(client, real_model_dir):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(real_model_dir / "tokenizer.json"))
+    prompt = "The capital of France is"
+    plain = client.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0)
+    assert plain.choices[0].text.startswith(" Paris")
+    paris = tokenizer.encode(" Paris", add_special_tokens=False).ids
+    banned = client.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0,
+                                       logit_bias={str(i): -100 for i in paris})
+    assert "Paris" not in banned.choices[0].text
+    (banana,) = tokenizer.encode(" banana", add_special_tokens=False).ids
+    forced = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Say hello."}], max_tokens=4,
+        temperature=0, logit_bias={str(banana): 100})
+    assert forced.choices[0].message.content == " banana" * 4

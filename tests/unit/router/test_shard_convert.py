@@ -24,6 +24,12 @@ def test_a_request_becomes_its_message_field_by_field():
     assert (message.id, list(message.input_ids), list(message.blocks)) == (7, [5, 6, 7], [1, 2])
     assert (message.cache_len, message.chunk_len) == (1, 1)
     assert message.parameters.seed == 42
+    biased = _shard_request(10)
+    biased.request.sampling.logit_bias = {5: -100.0, 17: 2.5}
+    message_of_bias = convert.request_message(biased)
+    assert dict(message_of_bias.parameters.logit_bias) == {5: -100.0, 17: 2.5}
+    from shard.convert import sampling_params  # what the shard reads back
+    assert sampling_params(message_of_bias.parameters, 0).logit_bias == {5: -100.0, 17: 2.5}
     assert message.parameters.grammar_type == pb.GRAMMAR_TYPE_REGEX
     assert message.parameters.grammar == "[a-z]+"
     assert list(message.stopping_parameters.stop_sequences) == ["."]

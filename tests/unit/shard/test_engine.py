@@ -117,6 +117,10 @@ def test_token_ids_past_the_vocabulary_and_too_many_top_tokens_refuse_their_requ
     greedy.params.top_n_tokens = vocab + 1
     out = engine.prefill(10, [greedy])
     assert [rid for rid, _ in out.rejected] == [10] and "top tokens" in out.rejected[0][1]
+    biased = request(11, [5, 6], [1, 2], max_new_tokens=3)
+    biased.params.logit_bias = {3: 1.0, vocab: -100.0}
+    out = engine.prefill(11, [biased])
+    assert [rid for rid, _ in out.rejected] == [11] and "biases a token id" in out.rejected[0][1]
 
 
 def test_a_request_reaching_past_the_models_positions_is_refused_alone(engine):

@@ -157,3 +157,19 @@ def test_a_vanishing_repetition_penalty_leaves_a_distribution():
     assert math.isfinite(out.logprobs.item())
     assert torch.isfinite(out.top_logprobs).all()
     assert torch.isneginf(out.log_distribution()[0, 3])  # a masked token stays masked
+
+
+def test_logit_bias_is_added_before_anything_else_on_its_own_rows():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
+    kept = logits.clone()
+    out = sample(logits, _batch(SamplingParams(logit_bias={0: -100.0, 2: 1.5}),
+                                SamplingParams()))
+    assert out.next_ids.tolist() == [2, 0]  # 0 + 1.5 beats 1.0; the second row is untouched
+    assert torch.equal(logits, kept), "the logits are not changed in place"
+    expected = torch.log_softmax(torch.tensor([-98.0, 1.0, 1.5]), 0)[2].item()
+    assert math.isclose(out.logprobs[0].item(), expected, rel_tol=1e-5)
+    # a penalty sees the biased logit: 1.5 / 2 = 0.75 < 1.0
+    out = sample(logits[:1], _batch(SamplingParams(logit_bias={0: -100.0, 2: 1.5},
+                                                   repetition_penalty=2.0)), [([2], [])])
+    assert out.next_ids.tolist() == [1]
+    assert set(_allowed(logits[:1], {"logit_bias": {1: -100.0, 2: -100.0}})) == {0}

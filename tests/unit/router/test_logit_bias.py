@@ -1,0 +1,48 @@
+"""OpenAI's and SGLang's logit_bias: checked, then carried to the shard as {token id: bias}."""
+import pytest
+
+from tests.unit.router.test_api_errors import HealthyFake, _client
+from tests.unit.router.test_hostile_input import _sent_sampling
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/chat/completions", CHAT, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "logit_bias"),
+])
+async def test_openai_logit_bias_reaches_the_shard(tiny_llama, path, body, field):
+    fake = HealthyFake()
+    client = await _client(tiny_llama, fake)
+    try:
+        sent = await _sent_sampling(client, fake, path, {**body, field: {"5": -100, "17": 2.5}})
+        assert sent.logit_bias == {5: -100.0, 17: 2.5}
+        assert (await _sent_sampling(client, fake, path, body)).logit_bias == {}
+        sent = await _sent_sampling(client, fake, "/generate", {
+            "text": "hi", "sampling_params": {"max_new_tokens": 2, "logit_bias": {"3": 1}}})
+        assert sent.logit_bias == {3: 1.0}
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("bias,expected", [
+    ([1, 2], "must be an object mapping token ids"),
+    ({"abc": 1}, "keys must be token ids"),
+    ({"-1": 1}, "keys must be token ids"),
+    ({"4294967296": 1}, "keys must be token ids"),
+    ({"1": 101}, "must be a number >= -100 and <= 100"),
+    ({"1": "5"}, "must be a number >= -100 and <= 100"),
+    ({"1": True}, "must be a number >= -100 and <= 100"),
+])
+async def test_a_malformed_logit_bias_is_422(tiny_llama, bias, expected):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        reply = await client.post("/v1/chat/completions", json={**CHAT, "logit_bias": bias})
+        error = await reply.json()
+        assert reply.status == 422 and expected in error["error"], error
+        reply = await client.post("/generate", json={"text": "hi", "sampling_params": {
+            "logit_bias": bias}})
+        error = await reply.json()
+        assert reply.status == 422 and expected in error["error"]["message"], error
+    finally:
+        await client.close()
