@@ -8,7 +8,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from router.api import completions, generate_one, grpc_service, models, openai, sglang, tgi
+from router.api import (completions, generate_one, grpc_service, invocations, models, openai,
+                        sglang, tgi)
 from router.config import RouterConfig
 from router.middleware import api_key_middleware, cors_middleware, error_middleware
 from router.model_host_client import ModelHostClient
@@ -19,7 +20,7 @@ from router.state import STATE, RouterState
 
 # Every API the router serves: each module turns its wire format into core requests and the core's
 # events into its wire format, and registers itself (routes, or a server of its own).
-API_MODULES = (tgi, sglang, openai, completions, generate_one, models, grpc_service)
+API_MODULES = (tgi, sglang, openai, completions, invocations, generate_one, models, grpc_service)
 
 log = logging.getLogger("tgi.router")
 

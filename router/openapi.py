@@ -475,6 +475,9 @@ def openapi_document() -> dict:
                         "properties": {k: {"type": "integer"} if k != "text" else {"type": "string"}
                                        for k in ("id", "text", "start", "stop")}},
         "TokenizeResponse": {"type": "array", "items": _ref("SimpleToken")},
+        "ChatTokenizeResponse": _object(["tokenize_response", "templated_text"],
+                                        tokenize_response=_ref("TokenizeResponse"),
+                                        templated_text={"type": "string"}),
         "Info": {"type": "object", "required": ["model_id", "max_input_tokens", "max_total_tokens",
                                                 "router", "version"]},
         "ErrorResponse": _error(),
@@ -491,6 +494,19 @@ def openapi_document() -> dict:
         "/generate_stream": _post("Generate a token stream (Server-Sent Events)", "GenerateRequest",
                                   {}, stream=True),
         "/tokenize": _post("Tokenize inputs", "GenerateRequest", _ref("TokenizeResponse")),
+        "/chat_tokenize": _post("Tokenize a chat request: the text its template renders, and its "
+                                "tokens", "ChatRequest", _ref("ChatTokenizeResponse")),
+        "/invocations": {"post": {
+            "summary": "SageMaker's route: a body with `inputs` is served as POST /, one with "
+                       "`messages` as chat, one with `prompt` as a completion",
+            "requestBody": {"required": True, **_json({"oneOf": [
+                _ref("CompatGenerateRequest"), _ref("ChatRequest"),
+                _ref("CompletionRequest")]})},
+            "responses": {"200": {"description": "OK", "content": {
+                **_json({"anyOf": [{"type": "array", "items": _ref("GenerateResponse")},
+                                   _ref("ChatCompletion"), _ref("CompletionFinal")]})["content"],
+                "text/event-stream": {"schema": _ref("StreamResponse")}}},
+                **_errors(413, 422, 424, 429, 500, 503)}}},
         "/health": {"get": {"summary": "Health of the shards", "responses": {
             "200": {"description": "Everything is working fine"}, **_errors(503)}}},
         "/info": {"get": {"summary": "Model and router limits", "responses": {

@@ -28,5 +28,16 @@ class RouterTokenizer:
         return await loop.run_in_executor(
             self._pool, lambda: self.encode(text, add_special_tokens=add_special_tokens))
 
+    async def encode_offsets_async(self, text: str, *, add_special_tokens: bool = True
+                                   ) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, the character span of each), off the event loop for a long text."""
+        def encode():
+            encoding = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return encoding.ids, encoding.offsets
+
+        if len(text) < 2048:
+            return encode()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -283,7 +283,8 @@ class Engine:
             batches.append(running)
         if not is_chunk:
             batch = self._new_batch(batch_id, requests)
-            output = sample(out.last, batch.sampling, self._penalty_ids(batch))
+            output = sample(out.last, batch.sampling, self._penalty_ids(batch),
+                            _banned(batch.requests))
             batch.next_input_ids = output.next_ids
             new_generations = self._generations(batch, output, out.hidden, out.last)
             for i, request in enumerate(requests):
@@ -399,7 +400,7 @@ class Engine:
             index = [first[row] + position for row in pending]
             part = batch if len(pending) == len(drafts) else _rows_of(batch, pending)
             output = sample(logits[torch.tensor(index, device=logits.device)], part.sampling,
-                            self._penalty_ids(part))
+                            self._penalty_ids(part), _banned(part.requests))
             generations = self._generations(part, output,
                                             [hidden[i:i + 1] for i in index], logits)
             chosen = output.next_ids.tolist()
@@ -430,7 +431,8 @@ class Engine:
         if first is not None:  # one row per request for sampling; beams read all of theirs
             index = torch.tensor(first, dtype=torch.long, device=logits.device)
             row_logits, row_hidden = logits[index], hidden[index]
-        output = sample(row_logits, batch.sampling, self._penalty_ids(batch))
+        output = sample(row_logits, batch.sampling, self._penalty_ids(batch),
+                        _banned(batch.requests))
         batch.next_input_ids = output.next_ids
         generations = self._generations(batch, output, [row_hidden[row:row + 1] for row in
                                                         range(len(batch.requests))],
@@ -668,3 +670,9 @@ def _merge_steps(earlier: StepResult, later: StepResult) -> StepResult:
             earlier.generations.append(step)
     later.generations = earlier.generations
     return _after_steps(earlier, later)
+
+
+def _banned(states: list) -> list[frozenset[int]] | None:
+    """Each request's ids its next token may not be (None when no request has any)."""
+    banned = [state.stop.banned_ids() for state in states]
+    return banned if any(banned) else None

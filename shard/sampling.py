@@ -3,7 +3,7 @@
 Steps, in order, on logits [B, vocab]:
   0. logit_bias, then watermark (green-list bias, for the rows that ask);
   1. repetition penalty (prompt and output tokens), frequency and presence penalties (output tokens),
-     then each constrained row's grammar mask;
+     then each constrained row's grammar mask, then the banned ids (min_new_tokens);
   2. for sampling rows only: temperature, top-k, top-p, typical-p, min-p;
   3. greedy rows take the argmax; sampling rows draw from their own seeded generator;
   4. the chosen token's log-probability (log-softmax of the scores it was chosen from) and the top-n.
@@ -149,11 +149,13 @@ class SampleOutput:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch,
-           token_ids: list[tuple[list[int], list[int]]] | None = None) -> SampleOutput:
+           token_ids: list[tuple[list[int], list[int]]] | None = None,
+           banned: list[frozenset[int]] | None = None) -> SampleOutput:
     """Chooses one token per row of logits [B, vocab].
 
     `token_ids` gives (prompt ids, output ids) per row; it is needed only when a row has a penalty
-    or a watermark (see `needs_history`).
+    or a watermark (see `needs_history`). `banned`, per row, ids its token may not be (the
+    end-of-sequence ones before min_new_tokens), unless they are all its grammar allows.
     """
     flags = batch.flags
     scores = logits.float()
@@ -166,6 +168,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         scores = apply_penalties(scores, batch, token_ids)
     if flags["grammar"]:
         scores = mask_disallowed(scores, batch.grammars)
+    if banned is not None and any(banned):
+        scores = _ban(scores, banned)
     if not flags["any_sample"] and not flags["max_top_n"]:
         # greedy: the argmax and its log-probability are all a plain step reads
         picked = fused.greedy_pick(scores)
@@ -182,6 +186,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     if flags["max_top_n"] > 0:
         top_logprobs, top_ids = logprobs_all.topk(flags["max_top_n"], dim=-1)
     return SampleOutput(next_ids, logprobs, top_ids, top_logprobs, scores, logprobs_all)
+
+
+def _ban(scores: torch.Tensor, banned: list[frozenset[int]]) -> torch.Tensor:
+    """-inf for each row's banned ids, except in a row they would leave with nothing (a grammar
+    that allows only its end: the request ends there)."""
+    vocab = scores.shape[1]
+    pairs = [(row, token) for row, tokens in enumerate(banned) for token in tokens if token < vocab]
+    rows = torch.tensor([row for row, _ in pairs], device=scores.device)
+    ids = torch.tensor([token for _, token in pairs], device=scores.device)
+    masked = scores.index_put((rows, ids), torch.tensor(float("-inf"), device=scores.device))
+    emptied = torch.isneginf(masked).all(dim=-1, keepdim=True)
+    return torch.where(emptied, scores, masked)
 
 
 def _bias(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -31,12 +31,18 @@ class StopCriteria:
         self.num_generated += 1
         if self.num_generated >= self.max_new_tokens:
             return FinishReason.LENGTH
-        if (token_id in self.eos_token_ids and not self.ignore_eos
-                and self.num_generated >= self.min_new_tokens):
+        # before min_new_tokens the sampler bans these ids (banned_ids): one that comes anyway
+        # is a grammar's only way on, and ends the request
+        if token_id in self.eos_token_ids and not self.ignore_eos:
             return FinishReason.EOS_TOKEN
         if self.stop_sequences and text:
             return self._check_stop_sequences(text)
         return None
+
+    def banned_ids(self) -> frozenset[int]:
+        """Ids the next token may not be: the end-of-sequence ones (stop_token_ids included)
+        while fewer than min_new_tokens were generated, as vLLM's and SGLang's min_tokens."""
+        return self.eos_token_ids if self.num_generated < self.min_new_tokens else frozenset()
 
     def _check_stop_sequences(self, text: str) -> FinishReason | None:
         """A stop sequence that ends within `text` stops; the output is cut right after it."""

@@ -8,6 +8,7 @@ import uuid
 from aiohttp import web
 
 from router import grammar
+from router.api.tgi import simple_tokens
 from router.api.openai_common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback, usage,
                                       without_stop)
 from router.errors import ValidationError
@@ -160,5 +161,19 @@ def _chat_chunk(chat: _Chat, index: int, event, holdback: StopHoldback) -> dict 
             "logprobs": logprobs, "finish_reason": finish}
 
 
+async def chat_tokenize(request: web.Request) -> web.Response:
+    """TGI's /chat_tokenize: a chat request's prompt as the template renders it, and its tokens."""
+    body = await read_object(request)
+    state = served_model(request, model_name(body))
+    messages = normalise_messages(body.get("messages"))
+    plan = tool_plan(body)
+    prompt = render_chat(state.chat_template, messages, plan.functions, allow_text=plan.allow_text,
+                         fallback=state.chat_prompt)
+    ids, offsets = await state.tokenizer.encode_offsets_async(prompt, add_special_tokens=False)
+    return web.json_response({"tokenize_response": simple_tokens(prompt, ids, offsets),
+                              "templated_text": prompt})
+
+
 def register(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/chat_tokenize", chat_tokenize)

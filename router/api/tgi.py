@@ -15,7 +15,7 @@ from router.schemas import Timings, Token, TokenEvent
 from router.served_model import ServedModel
 from router.state import MODEL_HEADER, STATE, served_model
 from router.streaming import StreamFormat, serve_stream, sse_data
-from router.validation import ValidatedGenerate, validate_generate
+from router.validation import ValidatedGenerate, check_types, validate_generate
 
 
 def token_json(token: Token) -> dict:
@@ -179,10 +179,23 @@ async def tokenize(request: web.Request) -> web.Response:
     if not isinstance(inputs, str):
         raise BadRequestError("Failed to deserialize the JSON body into the target type: inputs: "
                               "expected a string")
-    encoding = state.tokenizer.tokenizer.encode(inputs)
-    return web.json_response([
-        {"id": i, "text": inputs[start:stop], "start": start, "stop": stop}
-        for i, (start, stop) in zip(encoding.ids, encoding.offsets)])
+    parameters = body.get("parameters")
+    truncate = None
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            raise BadRequestError("Failed to deserialize the JSON body into the target type: "
+                                  "parameters: expected an object")
+        truncate = check_types({"truncate": parameters.get("truncate")}).get("truncate")
+    ids, offsets = await state.tokenizer.encode_offsets_async(inputs)
+    if truncate is not None and truncate < len(ids):  # TGI keeps the last tokens, as /generate
+        ids, offsets = ids[len(ids) - truncate:], offsets[len(offsets) - truncate:]
+    return web.json_response(simple_tokens(inputs, ids, offsets))
+
+
+def simple_tokens(text: str, ids: list[int], offsets: list[tuple[int, int]]) -> list[dict]:
+    """TGI's SimpleToken list: each id with its span of `text`."""
+    return [{"id": i, "text": text[start:stop], "start": start, "stop": stop}
+            for i, (start, stop) in zip(ids, offsets)]
 
 
 async def health(request: web.Request) -> web.Response:

@@ -2,7 +2,8 @@
 import pytest
 
 from shard.engine import BatchNotFound
-from tests.engine_helpers import BlockPool, make_engine, request
+from shard.stopping import FinishReason
+from tests.engine_helpers import BlockPool, make_engine, request, steps_to_completion
 
 
 @pytest.fixture(scope="module")
@@ -341,3 +342,24 @@ def test_several_decode_steps_in_one_call_are_the_steps_one_call_each(engine, ti
     speculating = make_engine(tiny_llama, speculate=2)
     _, calls, _ = _steps_with(speculating, 500, 4)
     assert set(calls) == {1}, "a speculating shard takes a step a call"
+
+
+def test_min_new_tokens_bans_the_end_until_then_unless_a_grammar_can_only_end(engine):
+    pool = BlockPool(512)
+    prompt = _prompts(engine)[0]
+    (eos,) = sorted(engine.loaded.eos_token_ids)[:1]
+    # the end all but forced from the first token on (logit_bias): banned for the first three
+    eager = request(1, prompt, pool.take(len(prompt) + 10, 4), max_new_tokens=10,
+                    min_new_tokens=3, logit_bias={eos: 100.0})
+    results = list(steps_to_completion(engine, [eager]))
+    ids = [i for out in results for g in out.generations for i in g.tokens.ids]
+    assert eos not in ids[:3] and ids[3] == eos and len(ids) == 4
+    assert results[-1].generations[0].generated_text.finish_reason == FinishReason.EOS_TOKEN
+    # a grammar that is done after "a" allows only the end: it ends, min_new_tokens or not
+    done = request(2, prompt, pool.take(len(prompt) + 10, 4), max_new_tokens=10,
+                   min_new_tokens=5)
+    done.grammar = ("regex", "a")
+    results = list(steps_to_completion(engine, [done], batch_id=2))
+    final = results[-1].generations[0].generated_text
+    assert final.text == "a" and final.finish_reason == FinishReason.EOS_TOKEN
+    assert final.generated_tokens == 2

@@ -7,12 +7,19 @@ def test_length_comes_first_even_on_eos():
     assert stop.check(9, "") is FinishReason.LENGTH
 
 
-def test_eos_stops_unless_ignored_or_too_early():
+def test_eos_stops_unless_ignored_and_is_banned_before_min_new_tokens():
     assert StopCriteria(10, frozenset({9})).check(9, "") is FinishReason.EOS_TOKEN
     assert StopCriteria(10, frozenset({9}), ignore_eos=True).check(9, "") is None
-    early = StopCriteria(10, frozenset({9}), min_new_tokens=2)
-    assert early.check(9, "") is None
+    early = StopCriteria(10, frozenset({9, 4}), min_new_tokens=2)
+    assert early.banned_ids() == {9, 4}  # the sampler keeps them out of the first two tokens
+    assert early.check(1, "a") is None
+    assert early.banned_ids() == {9, 4}
+    # one that comes anyway was all a grammar allowed: the request ends
     assert early.check(9, "") is FinishReason.EOS_TOKEN
+    later = StopCriteria(10, frozenset({9}), min_new_tokens=2)
+    later.check(1, "a")
+    later.check(2, "b")
+    assert later.banned_ids() == frozenset()
 
 
 def test_stop_sequence_across_tokens():
