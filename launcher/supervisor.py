@@ -35,9 +35,13 @@ __all__ = ["LaunchError", "Supervisor", "check_shardable"]
 def check_shardable(model_dir: Path, num_shard: int) -> None:
     """Fails before any process starts when the heads cannot be split over `num_shard` ranks."""
     try:
-        split_heads_of(json.loads((model_dir / "config.json").read_text()), num_shard)
+        config = json.loads((model_dir / "config.json").read_text())
+        split_heads_of(config, num_shard)
     except (ValueError, OSError) as err:
         raise LaunchError(f"--num-shard {num_shard}: {err}") from None
+    except (KeyError, TypeError, AttributeError) as err:  # a config.json of another shape
+        raise LaunchError(f"{model_dir / 'config.json'} does not describe a model this server "
+                          f"serves ({type(err).__name__}: {err})") from None
 
 
 def _free_port() -> int:

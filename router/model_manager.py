@@ -102,8 +102,10 @@ class ModelManager:
             return self.served[name]
         if name not in _UNNAMED and name in self.registry.records:
             state = self.registry.records[name].state
-            raise ModelStateError(f"model {name!r} is {state}, not running: start it with "
-                                  f"PUT /v1/models/{name}/start", state)
+            advice = (f"pull it with POST /v1/models/pull, then start it with PUT "
+                      f"/v1/models/{name}/start" if state == "not_downloaded"
+                      else f"start it with PUT /v1/models/{name}/start")
+            raise ModelStateError(f"model {name!r} is {state}, not running: {advice}", state)
         if name not in _UNNAMED and len(self.served) > 1:
             raise ModelNotFoundError(f"model {str(name)[:200]!r} not found: GET /v1/models lists "
                                      "the models this server knows")

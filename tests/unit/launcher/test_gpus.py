@@ -96,3 +96,4 @@ def test_models_started_beside_the_default_one_spread_over_the_gpus(launched, tm
     assert "too-big" not in launched.groups
     # device auto with too few GPUs: the shards may run on a CPU build of torch, as before
     assert _seen(launched, "auto-cpu", 5, "auto", tmp_path) == [None] * 5
+
