@@ -169,7 +169,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     if flags["grammar"]:
         scores = mask_disallowed(scores, batch.grammars)
     if banned is not None and any(banned):
-        scores = _ban(scores, banned)
+        scores = _ban(scores, banned, batch.grammars if flags["grammar"] else None,
+                      owned=scores is not logits)
     if not flags["any_sample"] and not flags["max_top_n"]:
         # greedy: the argmax and its log-probability are all a plain step reads
         picked = fused.greedy_pick(scores)
@@ -188,16 +189,32 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     return SampleOutput(next_ids, logprobs, top_ids, top_logprobs, scores, logprobs_all)
 
 
-def _ban(scores: torch.Tensor, banned: list[frozenset[int]]) -> torch.Tensor:
+def _ban(scores: torch.Tensor, banned: list[frozenset[int]], grammars: list | None,
+         owned: bool) -> torch.Tensor:
     """-inf for each row's banned ids, except in a row they would leave with nothing (a grammar
-    that allows only its end: the request ends there)."""
+    that allows only its end: the request ends there). In place on `scores` when `owned` (a
+    tensor sample made), else on a copy: a step pays a few small writes, not a pass over the
+    whole [B, vocab] scores (a batch of 32 paid 1.4 ms a step for one)."""
     vocab = scores.shape[1]
     pairs = [(row, token) for row, tokens in enumerate(banned) for token in tokens if token < vocab]
+    if not pairs:
+        return scores
+    if not owned:
+        scores = scores.clone()
     rows = torch.tensor([row for row, _ in pairs], device=scores.device)
     ids = torch.tensor([token for _, token in pairs], device=scores.device)
-    masked = scores.index_put((rows, ids), torch.tensor(float("-inf"), device=scores.device))
-    emptied = torch.isneginf(masked).all(dim=-1, keepdim=True)
-    return torch.where(emptied, scores, masked)
+    kept = scores[rows, ids]
+    scores.index_put_((rows, ids), torch.tensor(float("-inf"), device=scores.device))
+    if grammars is not None:  # only a grammar's mask can leave a row nothing but banned ids
+        checked = sorted({row for row, _ in pairs if grammars[row] is not None})
+        if checked:
+            emptied = torch.isneginf(scores[checked]).all(dim=-1).tolist()
+            restore = [i for i, (row, _) in enumerate(pairs)
+                       if row in checked and emptied[checked.index(row)]]
+            if restore:
+                index = torch.tensor(restore, device=scores.device)
+                scores.index_put_((rows[index], ids[index]), kept[index])
+    return scores
 
 
 def _bias(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

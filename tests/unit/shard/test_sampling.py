@@ -175,14 +175,15 @@ def test_logit_bias_is_added_before_anything_else_on_its_own_rows():
     assert set(_allowed(logits[:1], {"logit_bias": {1: -100.0, 2: -100.0}})) == {0}
 
 
-def test_banned_ids_are_never_chosen_unless_they_are_all_a_row_may_take():
-    logits = torch.tensor([[3.0, 1.0, 0.5], [3.0, 1.0, 0.5], [3.0, float("-inf"), float("-inf")]])
-    batch = _batch(SamplingParams(), SamplingParams(top_n_tokens=1), SamplingParams())
-    out = sample(logits, batch, banned=[frozenset({0}), frozenset(), frozenset({0})])
-    # the first row skips its banned best; the second has none; the third (a grammar that
-    # allows only token 0) keeps it: banning it would leave nothing to choose
-    assert out.next_ids.tolist() == [1, 0, 0]
+def test_banned_ids_are_never_chosen():
+    """(A grammar that allows only banned ids keeps them: tests/unit/shard/test_engine.py.)"""
+    logits = torch.tensor([[3.0, 1.0, 0.5], [3.0, 1.0, 0.5]])
+    kept = logits.clone()
+    batch = _batch(SamplingParams(), SamplingParams(top_n_tokens=1))
+    out = sample(logits, batch, banned=[frozenset({0}), frozenset()])
+    assert out.next_ids.tolist() == [1, 0]  # the first skips its banned best; the second has none
     assert torch.isfinite(out.logprobs).all()
+    assert torch.equal(logits, kept), "the caller's logits are not written"
     for seed in range(20):
         drawn = sample(logits[:1], _batch(SamplingParams(do_sample=True, seed=seed)),
                        banned=[frozenset({0, 2})])
