@@ -62,6 +62,9 @@ class SamplingBatch:
     presence_penalty: torch.Tensor  # [B, 1]
     do_sample: torch.Tensor  # [B] bool
     flags: dict = field(default_factory=dict)
+    # every row's logit_bias as (rows, ids, values) tensors, built once per batch rather than
+    # once per step (a request may bias thousands of ids)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device,
@@ -88,6 +91,8 @@ class SamplingBatch:
         )
         batch.flags = _flags(params)
         batch.flags["grammar"] = any(g is not None for g in grammars)
+        if batch.flags["logit_bias"]:
+            batch.bias = _bias_tensors(params, device)
         return batch
 
     def select(self, rows: list[int]) -> "SamplingBatch":
@@ -160,7 +165,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     flags = batch.flags
     scores = logits.float()
     if flags["logit_bias"]:
-        scores = _bias(scores, batch.params)
+        rows, ids, values = batch.bias
+        scores = scores.index_put((rows, ids), values, accumulate=True)  # a new tensor
     if flags["watermark"]:
         rows = [i for i, p in enumerate(batch.params) if p.watermark]
         scores = apply_watermark(scores, rows, [(token_ids[i][0] + token_ids[i][1])[-1] for i in rows])
@@ -217,17 +223,15 @@ def _ban(scores: torch.Tensor, banned: list[frozenset[int]], grammars: list | No
     return scores
 
 
-def _bias(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Each row's logit_bias added to its scores (a new tensor: `scores` may be the logits)."""
-    rows, ids, values = [], [], []
-    for row, p in enumerate(params):
-        for token, value in p.logit_bias.items():
-            rows.append(row)
-            ids.append(token)
-            values.append(value)
-    index = (torch.tensor(rows, device=scores.device), torch.tensor(ids, device=scores.device))
-    return scores.index_put(index, torch.tensor(values, dtype=scores.dtype, device=scores.device),
-                            accumulate=True)
+def _bias_tensors(params: list[SamplingParams], device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, ids, values) of every row's logit_bias."""
+    rows = [row for row, p in enumerate(params) for _ in p.logit_bias]
+    ids = [token for p in params for token in p.logit_bias]
+    values = [value for p in params for value in p.logit_bias.values()]
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device))
 
 
 def apply_penalties(scores: torch.Tensor, batch: SamplingBatch,
