@@ -45,13 +45,12 @@ async def build_state(config: RouterConfig) -> RouterState:
 
 def create_app(state: RouterState) -> web.Application:
     config = state.config
-    middlewares = []
-    if config.cors_allow_origin:
-        middlewares.append(cors_middleware(config.cors_allow_origin))
-    middlewares.append(error_middleware)
+    app = web.Application(client_max_size=config.payload_limit)
+    if config.cors_allow_origin:  # outermost: a preflight needs no key
+        app.middlewares.append(cors_middleware(config.cors_allow_origin, app))
+    app.middlewares.append(error_middleware)
     if config.api_key:
-        middlewares.append(api_key_middleware(config.api_key))
-    app = web.Application(middlewares=middlewares, client_max_size=config.payload_limit)
+        app.middlewares.append(api_key_middleware(config.api_key))
     app[STATE] = state
     for api in API_MODULES:
         api.register(app)

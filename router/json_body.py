@@ -98,8 +98,12 @@ async def read_object(request) -> dict:
     except web.HTTPException:  # the payload limit's 413, shaped by the error middleware
         raise
     except Exception as err:  # a body its Content-Encoding does not decode (RequestPayloadError)
+        # the rest of the body stays unreadable: the connection closes after the answer, and
+        # aiohttp, told the body ended, does not read on into the same error (which it logged
+        # as a traceback per request)
+        request.content.feed_eof()
         error = BadRequestError(f"Failed to read the request body: {err}")
-        error.close_connection = True  # the rest of the body stays unreadable
+        error.close_connection = True
         raise error from None
     body = parse_json(raw)
     if not isinstance(body, dict):

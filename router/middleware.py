@@ -57,7 +57,10 @@ def api_key_middleware(api_key: str):
     return check_key
 
 
-def cors_middleware(allowed: str):
+def cors_middleware(allowed: str, app: web.Application):
+    """Answers preflights; every answer to an allowed origin gets the CORS headers as it is
+    prepared (on_response_prepare), a stream's too, whose headers go out before its handler
+    returns."""
     origins = {o.strip() for o in allowed.split(",") if o.strip()}
 
     def allow(origin: str | None) -> str | None:
@@ -65,18 +68,20 @@ def cors_middleware(allowed: str):
             return None
         return origin if origin in origins or "*" in origins else None
 
-    @web.middleware
-    async def cors(request: web.Request, handler):
+    async def add_headers(request: web.Request, response: web.StreamResponse) -> None:
         origin = allow(request.headers.get("Origin"))
-        if request.method == "OPTIONS" and origin:
-            response = web.Response(status=204)
-        else:
-            response = await handler(request)
         if origin:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, PUT, PATCH, DELETE"
             response.headers["Access-Control-Allow-Headers"] = "content-type, authorization"
             response.headers["Vary"] = "Origin"
-        return response
+
+    app.on_response_prepare.append(add_headers)
+
+    @web.middleware
+    async def cors(request: web.Request, handler):
+        if request.method == "OPTIONS" and allow(request.headers.get("Origin")):
+            return web.Response(status=204)
+        return await handler(request)
 
     return cors

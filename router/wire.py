@@ -7,6 +7,7 @@ Each check here answers with serde's wording, which TGI's clients already know.
 from __future__ import annotations
 
 import math
+import re
 import struct
 from dataclasses import dataclass
 
@@ -82,7 +83,8 @@ def check_logit_bias(path: str, value) -> dict[int, float]:
         raise ValidationError(f"`{path}` must be an object mapping token ids to biases")
     biases = {}
     for key, bias in value.items():
-        token = int(key) if key.isdecimal() and len(key) <= 10 else -1
+        # ASCII digits without leading zeros: "٥", "５" or "05" would name token 5 too
+        token = int(key) if re.fullmatch(r"0|[1-9][0-9]{0,9}", key) else -1
         if not UINT32.low <= token <= UINT32.high:
             raise ValidationError(f"`{path}` keys must be token ids (decimal integers). "
                                   f"Given: {key!r}")

@@ -123,6 +123,8 @@ class ChatStream(OpenAIStream):
         self.n = n
         self.completion_tokens = 0
         self.holdbacks = [StopHoldback(chat.request.stopping.stop_sequences) for _ in range(n)]
+        # a tool call's tokens go out together at its end: their logprobs wait with them
+        self.call_logprobs: list[list[dict]] = [[] for _ in range(n)]
 
     def _chunk(self, **fields) -> bytes:
         return openai_sse({**self.chat.envelope(self.state, "chat.completion.chunk"), **fields})
@@ -130,7 +132,8 @@ class ChatStream(OpenAIStream):
     def event(self, index: int, event: TokenEvent) -> list[bytes]:
         if event.final is not None:
             self.completion_tokens += event.final.generated_tokens
-        choice = _chat_chunk(self.chat, index, event, self.holdbacks[index])
+        choice = _chat_chunk(self.chat, index, event, self.holdbacks[index],
+                             self.call_logprobs[index])
         return [self._chunk(choices=[choice])] if choice is not None else []
 
     def closing(self) -> list[bytes]:
@@ -140,17 +143,23 @@ class ChatStream(OpenAIStream):
                                                     self.completion_tokens))]
 
 
-def _chat_chunk(chat: _Chat, index: int, event, holdback: StopHoldback) -> dict | None:
+def _chat_chunk(chat: _Chat, index: int, event, holdback: StopHoldback,
+                call_logprobs: list[dict]) -> dict | None:
     logprobs = None
     if chat.options.logprobs:
         logprobs = {"content": [{**_token_logprob(event.token),
                                  "top_logprobs": [_token_logprob(a) for a in event.top_tokens]}]}
     if chat.expects_call:
-        # a call is only known once its JSON is complete: it goes out in one delta at the end
+        # a call is only known once its JSON is complete: it goes out in one delta at the end,
+        # with every token's logprobs, the answer's stop sequence left out as the whole one's
+        if logprobs is not None:
+            call_logprobs += logprobs["content"]
         if event.final is None:
             return None
         result = GenerateResult(final=event.final)
-        message, finish = _message(result, True, [])
+        message, finish = _message(result, True, chat.request.stopping.stop_sequences)
+        if logprobs is not None:
+            logprobs = {"content": call_logprobs}
         delta = {"role": "assistant", "content": message.get("content")}
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": 0, **call} for call in message["tool_calls"]]

@@ -93,3 +93,16 @@ def test_without_dtype_the_shards_and_the_routers_models_take_the_devices_defaul
     assert dtypes(parse_args(["--model-id", "m", "--dtype", "float32"])) == ("float32", "float32")
     monkeypatch.setenv("DTYPE", "float32")  # TGI's variable
     assert dtypes(parse_args(["--model-id", "m"])) == ("float32", "float32")
+
+
+def test_every_commands_help_renders():
+    """argparse formats help texts with %: a bare one ("30%") broke --help."""
+    from launcher.config import build_parser
+    from router.config import parse_args as router_args
+    from shard.config import parse_args as shard_args
+
+    assert "--cuda-memory-fraction" in build_parser().format_help()
+    for parse in (router_args, shard_args):
+        with pytest.raises(SystemExit) as done:
+            parse(["--help"])
+        assert done.value.code == 0

@@ -29,17 +29,21 @@ class HealthyFake(FakeShardClient):
         return None
 
 
-async def _client(tiny_llama, fake, *, max_concurrent=8, **options) -> TestClient:
+async def _client(tiny_llama, fake, *, max_concurrent=8, max_total_tokens=128,
+                  **options) -> TestClient:
     config = RouterConfig(tokenizer_path=str(tiny_llama), max_concurrent_requests=max_concurrent,
                           **options)
-    limits = TokenLimits(max_input_tokens=64, max_total_tokens=128, max_batch_prefill_tokens=256)
-    allocator = BlockAllocator(200, 4)
-    metrics = Metrics(max_input_tokens=64, max_total_tokens=128)
+    max_input = max_total_tokens // 2
+    limits = TokenLimits(max_input_tokens=max_input, max_total_tokens=max_total_tokens,
+                         max_batch_prefill_tokens=max(256, max_total_tokens))
+    allocator = BlockAllocator(max(200, max_total_tokens // 2), 4)
+    metrics = Metrics(max_input_tokens=max_input, max_total_tokens=max_total_tokens)
     batcher = Batcher(fake, RequestQueue(allocator), allocator,
                       SchedulingLimits(256, 800, 0.3, 20, None), metrics)
     served = ServedModel(config, RouterTokenizer(str(tiny_llama)), fake,
                          ShardInfo(dtype="float32", device_type="cpu", world_size=1, block_size=4,
-                                   max_position_embeddings=128, support_chunking=False,
+                                   max_position_embeddings=max_total_tokens,
+                                   support_chunking=False,
                                    use_prefix_caching=False, hidden_size=8), limits,
                          ValidationLimits(limits, 2, 4, 5), allocator, batcher,
                          Infer(batcher, metrics, max_concurrent_requests=max_concurrent), metrics,
@@ -177,6 +181,16 @@ async def test_cors_allows_listed_origins_only(tiny_llama):
         assert reply.headers["Access-Control-Allow-Origin"] == "https://app.example"
         other = await client.post("/generate", json=_body(), headers={"Origin": "https://evil.example"})
         assert "Access-Control-Allow-Origin" not in other.headers
+        # a stream's headers go out before its handler returns: they carry CORS's too
+        for path, body in (("/generate_stream", _body()),
+                           ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True})):
+            stream = await client.post(path, json=body, headers={"Origin": "https://app.example"})
+            assert stream.headers["Access-Control-Allow-Origin"] == "https://app.example", path
+            await stream.read()
+        refused = await client.post("/generate", json={"inputs": ""},
+                                    headers={"Origin": "https://app.example"})
+        assert refused.status == 422
+        assert refused.headers["Access-Control-Allow-Origin"] == "https://app.example"
     finally:
         await client.close()
 

@@ -170,7 +170,7 @@ def test_openapi_declares_each_integers_wire_range_and_each_numbers_format():
 
 
 async def test_a_body_its_content_encoding_does_not_decode_is_4xx_in_the_routes_shape(
-        tiny_llama):
+        tiny_llama, caplog):
     client = await _client(tiny_llama, HealthyFake())
     try:
         for encoding in ("gzip", "deflate"):
@@ -185,6 +185,9 @@ async def test_a_body_its_content_encoding_does_not_decode_is_4xx_in_the_routes_
         body = await reply.json()
         assert reply.status == 422 and "Failed to read" in body["error"]["message"], body
         await _still_serves(client)
+        # aiohttp read on into the undecodable rest and logged a traceback for each request
+        assert not [r for r in caplog.records if r.name.startswith("aiohttp")
+                    and r.levelname == "ERROR"], caplog.text
     finally:
         await client.close()
 

@@ -30,6 +30,9 @@ async def test_openai_logit_bias_reaches_the_shard(tiny_llama, path, body, field
     ({"abc": 1}, "keys must be token ids"),
     ({"-1": 1}, "keys must be token ids"),
     ({"4294967296": 1}, "keys must be token ids"),
+    ({"\u0665": 1}, "keys must be token ids"),  # an Arabic-Indic 5
+    ({"\uff15": 1}, "keys must be token ids"),  # a full-width 5
+    ({"05": 1}, "keys must be token ids"),
     ({"1": 101}, "must be a number >= -100 and <= 100"),
     ({"1": "5"}, "must be a number >= -100 and <= 100"),
     ({"1": True}, "must be a number >= -100 and <= 100"),
