@@ -73,7 +73,9 @@ def cors_middleware(allowed: str, app: web.Application):
         if origin:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, PUT, PATCH, DELETE"
-            response.headers["Access-Control-Allow-Headers"] = "content-type, authorization"
+            # what the preflight asks for (browser SDKs send their own x- headers), else these
+            response.headers["Access-Control-Allow-Headers"] = request.headers.get(
+                "Access-Control-Request-Headers", "content-type, authorization")
             response.headers["Vary"] = "Origin"
 
     app.on_response_prepare.append(add_headers)

@@ -11,7 +11,7 @@ from router.errors import TemplateError, ValidationError
 from router.model_settings import ChatPrompt
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from router.validation import ValidationLimits, check_lengths
-from router.wire import check_logit_bias, flag, float32
+from router.wire import FLOAT32_MAX, check_logit_bias, flag, float32
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -64,6 +64,9 @@ def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingPa
         temperature=temperature or 1.0, top_p=top_p or 1.0, top_k=max(top_k or 0, 0),
         frequency_penalty=number(body, "frequency_penalty", -2, 2) or 0.0,
         presence_penalty=number(body, "presence_penalty", -2, 2) or 0.0,
+        # vLLM's extension (TGI's multiplicative penalty): > 0, 1 is off
+        repetition_penalty=number(body, "repetition_penalty", 0, FLOAT32_MAX,
+                                  low_open=True) or 1.0,
         do_sample=temperature != 0,  # OpenAI samples unless the temperature is 0
         seed=seed if seed is not None else random.getrandbits(64),
         logit_bias=check_logit_bias("logit_bias", body.get("logit_bias")))

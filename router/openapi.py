@@ -137,6 +137,9 @@ def _openai_sampling() -> dict:
         seed={**int_schema(UINT64), "nullable": True},
         frequency_penalty={**float_schema(minimum=-2, maximum=2), "nullable": True},
         presence_penalty={**float_schema(minimum=-2, maximum=2), "nullable": True},
+        repetition_penalty={**float_schema(minimum=0, exclusiveMinimum=True), "nullable": True,
+                            "description": "vLLM's extension: TGI's multiplicative penalty, "
+                                           "1 is off"},
         logit_bias=LOGIT_BIAS,
         stop={"nullable": True, "oneOf": [{"type": "string"},
                                           {"type": "array", "items": {"type": "string"}}]},

@@ -6,8 +6,8 @@ import uuid
 
 from aiohttp import web
 
-from router.api.openai_common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback, usage,
-                                      without_stop)
+from router.api.openai_common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
+                                      openai_logprob, usage, without_stop)
 from router import grammar
 from router.errors import ValidationError
 from router.infer import GenerateResult
@@ -98,12 +98,15 @@ def _logprobs(result: GenerateResult, echo: bool, prompt_length: int) -> dict:
     """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens = (result.prefill if echo else []) + result.tokens
     tops = ([{} for _ in result.prefill] if echo else []) + [
-        {t.text: t.logprob for t in top} for top in result.top_tokens]
+        {t.text: openai_logprob(t.logprob) for t in top} for top in result.top_tokens]
     offsets, position = [], 0 if echo else prompt_length
     for token in tokens:
         offsets.append(position)
         position += len(token.text)
-    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+    return {"tokens": [t.text for t in tokens],
+            # a prompt's first token has no logprob (null, as OpenAI writes it)
+            "token_logprobs": ([t.logprob for t in result.prefill] if echo else [])
+            + [openai_logprob(t.logprob) for t in result.tokens],
             "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -9,8 +9,8 @@ from aiohttp import web
 
 from router import grammar
 from router.api.tgi import simple_tokens
-from router.api.openai_common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback, usage,
-                                      without_stop)
+from router.api.openai_common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
+                                      openai_logprob, usage, without_stop)
 from router.errors import ValidationError
 from router.infer import GenerateResult
 from router.json_body import read_object
@@ -25,7 +25,7 @@ from router.wire import flag
 
 
 def _token_logprob(token: Token) -> dict:
-    return {"token": token.text, "logprob": token.logprob,
+    return {"token": token.text, "logprob": openai_logprob(token.logprob),
             "bytes": list(token.text.encode("utf-8"))}
 
 

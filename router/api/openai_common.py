@@ -17,6 +17,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+# OpenAI's schemas want a number where a token has no probability left (-inf, which JSON cannot
+# write and the router holds as None): vLLM and OpenAI write -9999.0
+LOWEST_LOGPROB = -9999.0
+
+
+def openai_logprob(value: float | None) -> float:
+    """A generated or alternative token's logprob as OpenAI's routes write it."""
+    return LOWEST_LOGPROB if value is None or value < LOWEST_LOGPROB else value
+
+
 def without_stop(text: str, final, stop_sequences: list[str]) -> str:
     """OpenAI leaves the stop sequence out of the text (TGI's own routes keep it)."""
     if final is not None and final.finish_reason is FinishReason.STOP_SEQUENCE:

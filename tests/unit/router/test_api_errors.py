@@ -177,6 +177,11 @@ async def test_cors_allows_listed_origins_only(tiny_llama):
             "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
         assert allowed.status == 204
         assert allowed.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        asking = await client.options("/v1/chat/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type, authorization, x-stainless-os"})
+        assert asking.headers["Access-Control-Allow-Headers"] == \
+            "content-type, authorization, x-stainless-os"  # the OpenAI SDK's, in a browser
         reply = await client.post("/generate", json=_body(), headers={"Origin": "https://app.example"})
         assert reply.headers["Access-Control-Allow-Origin"] == "https://app.example"
         other = await client.post("/generate", json=_body(), headers={"Origin": "https://evil.example"})

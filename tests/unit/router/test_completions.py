@@ -91,3 +91,19 @@ async def test_streamed_chat_usage_counts_the_prompt_once_whatever_n(tiny_llama)
         assert chunks[-1]["usage"] == whole["usage"]
     finally:
         await client.close()
+
+
+def test_openai_routes_write_a_token_without_probability_as_minus_9999():
+    """-inf (a grammar's masked alternative, or one past a vanishing temperature) reaches the
+    router as None, which JSON writes null where OpenAI's schema wants a number."""
+    from router.api.completions import _logprobs
+    from router.api.openai import _token_logprob
+
+    result = GenerateResult(tokens=[Token(5, "b", None), Token(6, "c", -0.25)],
+                            top_tokens=[[Token(5, "b", None)], [Token(6, "c", -0.25)]],
+                            prefill=[Token(1, "a", None)])
+    legacy = _logprobs(result, echo=True, prompt_length=1)
+    assert legacy["token_logprobs"] == [None, -9999.0, -0.25]  # the prompt's first stays null
+    assert legacy["top_logprobs"] == [{}, {"b": -9999.0}, {"c": -0.25}]
+    assert _token_logprob(Token(5, "b", None))["logprob"] == -9999.0
+    assert _token_logprob(Token(5, "b", float("-1e30")))["logprob"] == -9999.0

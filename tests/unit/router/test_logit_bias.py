@@ -49,3 +49,18 @@ async def test_a_malformed_logit_bias_is_422(tiny_llama, bias, expected):
         assert reply.status == 422 and expected in error["error"]["message"], error
     finally:
         await client.close()
+
+
+async def test_openai_routes_take_vllms_repetition_penalty(tiny_llama):
+    fake = HealthyFake()
+    client = await _client(tiny_llama, fake)
+    try:
+        sent = await _sent_sampling(client, fake, "/v1/completions",
+                                    {"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1.3})
+        assert abs(sent.repetition_penalty - 1.3) < 1e-6
+        for bad in (0, -1, "x"):
+            reply = await client.post("/v1/chat/completions", json={**CHAT,
+                                                                    "repetition_penalty": bad})
+            assert reply.status == 422
+    finally:
+        await client.close()
