@@ -241,7 +241,7 @@ class Tokens(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., texts: _Optional[_Iterable[str]] = ..., is_special: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "token_ids_logprobs", "prefill_top_tokens", "prefill_token_ids_logprobs", "hidden_states")
+    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "token_ids_logprobs", "prefill_top_tokens", "prefill_token_ids_logprobs", "hidden_states", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,7 @@ class Generation(_message.Message):
     PREFILL_TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKEN_IDS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     prefill_tokens: Tokens
     tokens: Tokens
@@ -260,7 +261,8 @@ class Generation(_message.Message):
     prefill_top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
     prefill_token_ids_logprobs: _containers.RepeatedScalarFieldContainer[float]
     hidden_states: bytes
-    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., token_ids_logprobs: _Optional[_Iterable[float]] = ..., prefill_top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., prefill_token_ids_logprobs: _Optional[_Iterable[float]] = ..., hidden_states: _Optional[bytes] = ...) -> None: ...
+    error: str
+    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., token_ids_logprobs: _Optional[_Iterable[float]] = ..., prefill_top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., prefill_token_ids_logprobs: _Optional[_Iterable[float]] = ..., hidden_states: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FilterBatchRequest(_message.Message):
     __slots__ = ("batch_id", "request_ids")

@@ -51,6 +51,11 @@ class CachedBatch:
     max_tokens: int = 0
 
 
+class RequestFailedInShard(Exception):
+    """The shard ended a request it could not go on with (the proto's Generation.error, such as
+    a grammar its lexer gave up on): that request fails with the shard's reason."""
+
+
 @dataclass(slots=True)
 class Generation:
     """One request's step: its events (one per token; several when speculation accepted drafts),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from router.active_request import ActiveRequest
-from router.batch import Rejection
+from router.batch import Rejection, RequestFailedInShard
 from router.errors import GenerationError, RouterError
 from router.metrics import Metrics
 from router.request_queue import RequestQueue
@@ -37,8 +37,13 @@ class FailureFanOut:
         self.running.release(item.id)
 
     def unreadable(self, item: ActiveRequest, err: Exception) -> None:
-        """Its generation could not be read back: it fails now; the next filter drops it from the
-        shards' batch and frees its blocks."""
+        """Its generation could not be read back, or the shard ended it as one it cannot go on
+        with: it fails now; the next filter drops it from the shards' batch and frees its
+        blocks."""
+        if isinstance(err, RequestFailedInShard):
+            log.warning("the shards ended request %d: %s", item.id, err)
+            self._tell(item, GenerationError(str(err)))
+            return
         log.error("request %d failed while its generation was read back: %r", item.id, err,
                   exc_info=err)
         self._tell(item, GenerationError(f"{type(err).__name__}: {err}"))

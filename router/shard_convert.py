@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy
 
 from proto import generate_pb2 as pb
-from router.batch import (CachedBatch, Generation, NewBatch, Rejection, ShardRequest, StepResult,
-                          StepTimings)
+from router.batch import (CachedBatch, Generation, NewBatch, Rejection, RequestFailedInShard,
+                          ShardRequest, StepResult, StepTimings)
 from router.schemas import FinalInfo, FinishReason, Token, TokenEvent
 
 log = logging.getLogger("tgi.router.shard_convert")
@@ -134,6 +134,8 @@ def step_result(reply: pb.PrefillResponse | pb.DecodeResponse, hidden_size: int)
 
 
 def _generation(generation: pb.Generation, hidden_size: int) -> Generation:
+    if generation.HasField("error"):
+        return Generation(generation.request_id, [], RequestFailedInShard(generation.error))
     try:
         return Generation(generation.request_id, generation_events(generation, hidden_size))
     except Exception as err:

@@ -81,6 +81,8 @@ def generation(g: Generation) -> pb.Generation:
         message.prefill_token_ids_logprobs.extend(g.prompt.token_ids_logprobs)
     if g.hidden_states is not None:
         message.hidden_states = g.hidden_states.numpy().astype("<f4").tobytes()
+    if g.error is not None:
+        message.error = g.error
     if g.generated_text is not None:
         gt = g.generated_text
         message.generated_text.CopyFrom(pb.GeneratedText(

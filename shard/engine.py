@@ -464,6 +464,9 @@ class Engine:
             state.all_ids.append(token)
             text = decode_next(self.tokenizer, state.all_ids, state.detok, state.skip_special_tokens)
             reason = state.stop.check(token, text)
+            broken = _grammar_error(batch.sampling.grammars[row])
+            if broken is not None and reason is None:
+                reason = FinishReason.EOS_TOKEN  # it ends here; the router hears `broken`
             generated = None
             if reason is FinishReason.STOP_SEQUENCE:
                 # TGI keeps the stop sequence in the output, and nothing after it
@@ -484,7 +487,8 @@ class Engine:
                 alt = top_ids[row][:n]
                 top = [TokenRun(alt, top_lps[row][:n], [self.tokenizer.decode([t]) for t in alt],
                                 [t in special for t in alt])]
-            generation = Generation(state.id, tokens, generated_text=generated, top_tokens=top)
+            generation = Generation(state.id, tokens, generated_text=generated, top_tokens=top,
+                                    error=broken)
             if state.logprob_token_ids:
                 generation.token_ids_logprobs = _logprobs_of(output.log_distribution()[row],
                                                              state.logprob_token_ids)
@@ -676,3 +680,13 @@ def _banned(states: list) -> list[frozenset[int]] | None:
     """Each request's ids its next token may not be (None when no request has any)."""
     banned = [state.stop.banned_ids() for state in states]
     return banned if any(banned) else None
+
+
+def _grammar_error(matcher) -> str | None:
+    """Why a request's grammar can go no further (llguidance gives up on a grammar its lexer
+    finds too complex only as it meets it), or None. Its mask then allows only the end, which
+    would have ended the request as if the answer were complete."""
+    if matcher is None or not matcher.is_error():
+        return None
+    reason = matcher.get_error().strip().splitlines() or ["unknown"]
+    return f"the grammar could not go on: {reason[0]}"

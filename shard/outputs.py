@@ -43,6 +43,7 @@ class Generation:
     top_tokens: list[TokenRun] = field(default_factory=list)
     token_ids_logprobs: list[float] = field(default_factory=list)  # tokens x logprob_token_ids
     hidden_states: torch.Tensor | None = None  # [rows, hidden] float32 on the CPU
+    error: str | None = None  # the request cannot go on: it ends here, failed with this
 
 
 @dataclass(slots=True)

@@ -101,3 +101,18 @@ def test_every_output_follows_its_grammar(server, do_sample):
             jsonschema.validate(json.loads(text), spec)
         else:
             assert re.fullmatch(spec, text), (spec, text)
+
+
+def test_a_grammar_the_lexer_gives_up_on_fails_its_request_with_the_reason(server):
+    """llguidance finds a{1000000} too complex only as it meets it; the answer used to end there,
+    as if complete ("a", finish stop). Now the request fails, saying why, and the server goes
+    on."""
+    body = {"inputs": "Answer: ", "parameters": {"max_new_tokens": 8, "grammar": {
+        "type": "regex", "value": "a{1000000}"}}}
+    reply = requests.post(f"{server.url}/generate", json=body, timeout=120)
+    assert reply.status_code == 424, reply.text
+    assert "the grammar could not go on" in reply.json()["error"]
+    # it fails at its first token, before the stream opens: the stream answers the same 424
+    streamed = requests.post(f"{server.url}/generate_stream", json=body, timeout=120)
+    assert streamed.status_code == 424 and "the grammar could not go on" in streamed.text
+    assert _generate(server, "Answer: ", {"type": "regex", "value": "(yes|no)"}, False)

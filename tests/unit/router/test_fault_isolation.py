@@ -11,6 +11,7 @@ import asyncio
 import pytest
 
 from router import batcher as batcher_module
+from router.batch import RequestFailedInShard
 from router.batcher import Batcher
 from router.block_allocator import BlockAllocator
 from router.errors import GenerationError, UnhealthyError
@@ -71,6 +72,13 @@ def _inject_unreadable(client):
                                           if _poisoned(r) and count == 3 else None)
 
 
+def _inject_ended_in_shard(client):
+    # at its third token the shard ends it as one it cannot go on with (Generation.error)
+    client.unreadable = lambda r, count: (
+        RequestFailedInShard("injected failure: the grammar could not go on")
+        if _poisoned(r) and count == 3 else None)
+
+
 def _inject_shard_refusal(client):
     client.refuse = lambda r: ("injected failure: its grammar does not compile"
                                if _poisoned(r) else None)
@@ -78,8 +86,8 @@ def _inject_shard_refusal(client):
 
 @pytest.mark.parametrize("chunking", [False, True], ids=["separate-prefill", "fused-prefill"])
 @pytest.mark.parametrize("inject", [_inject_untranslatable, _inject_unreadable,
-                                    _inject_shard_refusal],
-                         ids=["untranslatable", "unreadable", "shard-refusal"])
+                                    _inject_ended_in_shard, _inject_shard_refusal],
+                         ids=["untranslatable", "unreadable", "ended-in-shard", "shard-refusal"])
 async def test_a_failure_in_one_requests_data_fails_it_alone(inject, chunking):
     lengths = [4, 6, 5, 7]
 

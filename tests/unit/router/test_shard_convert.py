@@ -266,3 +266,15 @@ async def test_an_error_in_the_routers_own_delivery_is_not_the_shards():
     with pytest.raises(KeyError):
         await ShardedClient(ranks).decode([CachedBatch(9, [4])], max_steps=4, on_step=broken)
     assert ranks[0].closed
+
+
+def test_a_generation_the_shard_ended_with_an_error_fails_its_request_with_that_reason():
+    from router.batch import RequestFailedInShard
+
+    reply = pb.DecodeResponse(generations=[
+        _generation(0), _generation(1, error="the grammar could not go on: lexer error")],
+        forward_ns=10, decode_ns=2)
+    ok, ended = convert.step_result(reply, hidden_size=4).generations
+    assert ok.error is None
+    assert ended.events == [] and isinstance(ended.error, RequestFailedInShard)
+    assert str(ended.error) == "the grammar could not go on: lexer error"

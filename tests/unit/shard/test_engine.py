@@ -363,3 +363,21 @@ def test_min_new_tokens_bans_the_end_until_then_unless_a_grammar_can_only_end(en
     final = results[-1].generations[0].generated_text
     assert final.text == "a" and final.finish_reason == FinishReason.EOS_TOKEN
     assert final.generated_tokens == 2
+
+
+def test_a_grammar_the_lexer_gives_up_on_ends_its_request_with_an_error(engine):
+    """llguidance finds a{1000000} too complex only once it meets it: its mask then allows
+    nothing but the end, which looked like a complete answer. The request now ends with an
+    error, and the request beside it goes on."""
+    pool = BlockPool(512)
+    prompts = _prompts(engine)
+    broken = request(1, prompts[0], pool.take(len(prompts[0]) + 6, 4), max_new_tokens=6)
+    broken.grammar = ("regex", "a{1000000}")
+    fine = request(2, prompts[1], pool.take(len(prompts[1]) + 6, 4), max_new_tokens=6,
+                   ignore_eos=True)
+    generations = [g for out in steps_to_completion(engine, [broken, fine])
+                   for g in out.generations]
+    failed = [g for g in generations if g.request_id == 1 and g.error is not None]
+    assert len(failed) == 1 and "the grammar could not go on" in failed[0].error
+    assert failed[0].generated_text is not None  # ended in the shard's books too
+    assert sum(len(g.tokens.ids) for g in generations if g.request_id == 2) == 6
