@@ -8,7 +8,7 @@ import uuid
 from aiohttp import web
 
 from router import grammar
-from router.api.tgi import simple_tokens
+from router.api.tgi import simple_tokens, tokens_response
 from router.api.openai_common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
                                       openai_logprob, usage, without_stop)
 from router.errors import ValidationError
@@ -179,8 +179,8 @@ async def chat_tokenize(request: web.Request) -> web.Response:
     prompt = render_chat(state.chat_template, messages, plan.functions, allow_text=plan.allow_text,
                          fallback=state.chat_prompt)
     ids, offsets = await state.tokenizer.encode_offsets_async(prompt, add_special_tokens=False)
-    return web.json_response({"tokenize_response": simple_tokens(prompt, ids, offsets),
-                              "templated_text": prompt})
+    return await tokens_response(lambda: {"tokenize_response": simple_tokens(prompt, ids, offsets),
+                                          "templated_text": prompt})
 
 
 def register(app: web.Application) -> None:

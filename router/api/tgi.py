@@ -1,6 +1,8 @@
 """TGI's native routes: /, /generate, /generate_stream, /tokenize, /health, /info, /metrics."""
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 
 from aiohttp import web
@@ -189,13 +191,21 @@ async def tokenize(request: web.Request) -> web.Response:
     ids, offsets = await state.tokenizer.encode_offsets_async(inputs)
     if truncate is not None and truncate < len(ids):  # TGI keeps the last tokens, as /generate
         ids, offsets = ids[len(ids) - truncate:], offsets[len(offsets) - truncate:]
-    return web.json_response(simple_tokens(inputs, ids, offsets))
+    return await tokens_response(lambda: simple_tokens(inputs, ids, offsets))
 
 
 def simple_tokens(text: str, ids: list[int], offsets: list[tuple[int, int]]) -> list[dict]:
     """TGI's SimpleToken list: each id with its span of `text`."""
     return [{"id": i, "text": text[start:stop], "start": start, "stop": stop}
             for i, (start, stop) in zip(ids, offsets)]
+
+
+async def tokens_response(build) -> web.Response:
+    """The JSON answer `build()` makes, made in a worker thread: for a prompt of a megabyte it is
+    tens of megabytes, whose building held the event loop (and every other request) for
+    seconds; in a thread the loop gets the interpreter back every few milliseconds."""
+    body = await asyncio.to_thread(lambda: json.dumps(build()).encode())
+    return web.Response(body=body, content_type="application/json", charset="utf-8")
 
 
 async def health(request: web.Request) -> web.Response:
