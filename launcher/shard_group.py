@@ -121,9 +121,11 @@ class ShardGroup:
     def __init__(self, spec: GroupSpec, *, block_size: int, master_addr: str,
                  tracing_argv: list[str], json_output: bool, quantize: str = "",
                  speculate: int = 0, compile_decode: bool = False,
-                 cuda_graphs: str = DEFAULT_CUDA_GRAPHS, memory_fraction: float = 1.0):
+                 cuda_graphs: str = DEFAULT_CUDA_GRAPHS, memory_fraction: float = 1.0,
+                 kv_ledger: str = ""):
         self.spec = spec
         self.memory_fraction = memory_fraction
+        self.kv_ledger = kv_ledger  # where the launcher's groups write down their CPU KV pools
         self.cuda_graphs = cuda_graphs
         self.speculate = speculate
         self.compile_decode = compile_decode
@@ -158,6 +160,8 @@ class ShardGroup:
                    "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(spec.master_port)}
             if spec.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
+            if self.kv_ledger:
+                env["TGI_PY_KV_LEDGER"] = self.kv_ledger  # shard/memory.py's LEDGER_ENV
             argv = [sys.executable, "-m", "shard", "--model-path", str(spec.model_dir),
                     "--uds-path", spec.uds_prefix, "--dtype", spec.dtype,
                     "--device", spec.device, "--block-size", str(self.block_size),

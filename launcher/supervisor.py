@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -69,10 +70,17 @@ class Supervisor:
     def host_socket(self) -> str:
         return f"{self.config.shard_uds_path}-host"
 
+    @property
+    def kv_ledger(self) -> str:
+        """The directory where this launcher's shards write down their CPU KV pools, so that
+        each model's pool is sized from what the others leave (shard/memory.py)."""
+        return f"{self.config.shard_uds_path}-kv-ledger"
+
     def run(self) -> int:
         """Starts everything, supervises until a signal or a death; returns the exit code."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stop_requested.set())
+        shutil.rmtree(self.kv_ledger, ignore_errors=True)  # an earlier run's, its pids reused
         try:
             default = self._group(self.model_name, self.model_dir, self.config.num_shard,
                                   self.config.dtype, self.config.device,
@@ -120,6 +128,7 @@ class Supervisor:
                            compile_decode=self.config.compile_decode,
                            cuda_graphs=self.config.cuda_graphs,
                            memory_fraction=self.config.cuda_memory_fraction,
+                           kv_ledger=self.kv_ledger,
                            tracing_argv=self.config.shard_tracing_argv(),
                            json_output=self.config.json_output)
         return group
@@ -304,5 +313,6 @@ class Supervisor:
             group.remove_sockets()
         if os.path.exists(self.host_socket):
             os.unlink(self.host_socket)
+        shutil.rmtree(self.kv_ledger, ignore_errors=True)
 
 

@@ -23,6 +23,7 @@ from shard.engine import Engine
 from shard.layers.arithmetic import c_matmul_runs
 from shard.loader import load_model
 from shard.model_runner import KVCacheSpec, ModelRunner
+from shard.memory import PoolLedger
 from shard.server import ShardServicer, engine_thread
 
 log = logging.getLogger("tgi.shard")
@@ -82,7 +83,8 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
     runner = ModelRunner(loaded.model, spec, compile_decode=bool(config.compile_decode),
                          world_size=config.world_size, cuda_graphs=cuda_graphs)
     engine = Engine(loaded, runner, memory_fraction=config.memory_fraction,
-                    world_size=config.world_size, speculate=config.speculate)
+                    world_size=config.world_size, speculate=config.speculate,
+                    ledger=PoolLedger.from_environment(config.uds_path))
     info = pb.InfoResponse(
         requires_padding=False, dtype=dtype_name, device_type=device.type,
         speculate=config.speculate,

@@ -18,7 +18,7 @@ from shard.beams import BeamBlocks, BeamOptions, Beams, BeamSearch
 from shard.detokenizer import DetokenizerState, decode_next, flush
 from shard.grammar import GrammarFactory, advance
 from shard.loader import LoadedModel
-from shard.memory import kv_budget_bytes
+from shard.memory import PoolLedger, kv_budget_bytes
 from shard.model_runner import DecodeRows, ModelRunner, PrefillSequence
 from shard.outputs import (CachedBatch, GeneratedText, Generation, PromptScores, StepResult,
                            TokenRun, WarmupResult)
@@ -35,7 +35,7 @@ class BatchNotFound(KeyError):
 
 class Engine:
     def __init__(self, loaded: LoadedModel, runner: ModelRunner, *, memory_fraction: float = 1.0,
-                 world_size: int = 1, speculate: int = 0):
+                 world_size: int = 1, speculate: int = 0, ledger: PoolLedger | None = None):
         self.loaded = loaded
         self.speculate = speculate  # draft tokens per request and step (0: no speculation)
         self.world_size = world_size
@@ -48,6 +48,7 @@ class Engine:
         self.runner = runner
         self.block_size = runner.spec.block_size
         self.memory_fraction = memory_fraction
+        self.ledger = ledger if runner.device.type == "cpu" else None  # CUDA pools are allocated
         self.batches: dict[int, Batch] = {}
 
     # ---- public API -------------------------------------------------------------------------
@@ -72,13 +73,17 @@ class Engine:
             num_blocks = math.ceil(max_batch_total_tokens / block_size) + 1
         else:
             self.runner.allocate(1)
-            budget = kv_budget_bytes(self.runner.device, self.memory_fraction, self.world_size)
+            others = self.ledger.held_by_others() if self.ledger is not None else 0
+            budget = kv_budget_bytes(self.runner.device, self.memory_fraction, self.world_size,
+                                     held_by_others=others)
             num_blocks = budget // self.runner.spec.bytes_per_block
         if num_blocks < 2:
             raise RuntimeError("not enough memory for a single KV block; lower the dtype or "
                                "the model size, raise --cuda-memory-fraction, or fix the pool's "
                                "size with --max-batch-total-tokens")
         self.runner.allocate(num_blocks)
+        if self.ledger is not None:
+            self.ledger.record(num_blocks * self.runner.spec.bytes_per_block)
         self.runner.warm_decode(max_total_tokens)
         return WarmupResult(num_blocks=num_blocks, block_size=block_size)
 

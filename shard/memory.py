@@ -1,6 +1,8 @@
 """How many bytes the KV pool may take on this device."""
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,17 +18,73 @@ def available_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def kv_budget_bytes(device: torch.device, memory_fraction: float, world_size: int = 1) -> int:
+# the launcher's ledger of the CPU KV pools its shard groups hold (a directory, one file per
+# shard process: "<pid> <group> <bytes>")
+LEDGER_ENV = "TGI_PY_KV_LEDGER"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLedger:
+    """Where shards on one machine write down the CPU KV pools they hold. A pool is mapped, not
+    written, at start (model_runner.zeroed): its pages count as used only once its blocks are
+    first written, so a second model sizing its pool from the free memory would count the first
+    one's pool as free, and several busy models could together outgrow the RAM. Each shard
+    takes the others' pools off what is free before taking its share."""
+
+    directory: Path
+    group: str  # the shard group (its socket prefix): its own ranks size together, not after
+
+    @classmethod
+    def from_environment(cls, group: str) -> "PoolLedger | None":
+        directory = os.environ.get(LEDGER_ENV)
+        return cls(Path(directory), group) if directory else None
+
+    def held_by_others(self) -> int:
+        """Bytes of the pools of live shard processes of other groups."""
+        total = 0
+        for entry in self.directory.glob("*"):
+            try:
+                pid, group, size = entry.read_text().split()
+                if group != self.group and _alive(int(pid)):
+                    total += int(size)
+                elif group != self.group:
+                    entry.unlink(missing_ok=True)  # its process is gone, and its pool with it
+            except (OSError, ValueError):
+                continue  # being written, or not an entry
+        return total
+
+    def record(self, size: int) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / str(os.getpid())
+        staged = path.with_suffix(".new")
+        staged.write_text(f"{os.getpid()} {self.group} {size}")
+        staged.replace(path)  # a reader sees the whole entry or none
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def kv_budget_bytes(device: torch.device, memory_fraction: float, world_size: int = 1,
+                    held_by_others: int = 0) -> int:
     """Bytes this rank's KV pool may take.
 
     On CUDA, TGI's rule for its --cuda-memory-fraction: what is free less the part of the GPU left
     to others ((1 - memory_fraction) x its total), of which 90% (the rest is for activations). On
     the CPU the memory is shared with the router, the user's programs and the other ranks, which
     size their pools at the same moment from the same free memory: 30% of what is available,
-    scaled by memory_fraction, each rank taking its 1/world_size of it.
+    scaled by memory_fraction, each rank taking its 1/world_size of it, after taking off what
+    other shard groups' pools hold (`held_by_others`, from a PoolLedger).
     """
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         usable = available_bytes(device) - (1.0 - memory_fraction) * total
         return int(max(0.0, usable) * 0.9)
-    return int(available_bytes(device) * 0.3 * memory_fraction / world_size)
+    free = max(0, available_bytes(device) - held_by_others)
+    return int(free * 0.3 * memory_fraction / world_size)

@@ -86,6 +86,9 @@ def test_models_started_beside_the_default_one_spread_over_the_gpus(launched, tm
     default.spawn()
     assert [env["CUDA_VISIBLE_DEVICES"] for env in launched.started] == ["0,1", "0,1"]
     assert [env["LOCAL_RANK"] for env in launched.started] == ["0", "1"]  # cuda:0 and cuda:1
+    # every group's shards write their CPU KV pools down in the launcher's ledger
+    assert {env["TGI_PY_KV_LEDGER"] for env in launched.started} == {launched.kv_ledger}
+    assert launched.kv_ledger == str(tmp_path / "s") + "-kv-ledger"
     assert _seen(launched, "a", 1, "auto", tmp_path) == ["2"]
     assert _seen(launched, "b", 2, "cuda", tmp_path) == ["0,3", "0,3"]
     assert _seen(launched, "on-cpu", 1, "cpu", tmp_path) == [None]  # ngl 0: no GPU taken

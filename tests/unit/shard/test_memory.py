@@ -39,3 +39,44 @@ def test_on_the_cpu_ranks_share_30_percent_of_the_available_memory(monkeypatch):
     cpu = torch.device("cpu")
     assert memory.kv_budget_bytes(cpu, 1.0) == int(3 * GIB)
     assert memory.kv_budget_bytes(cpu, 0.5, world_size=2) == int(0.75 * GIB)
+
+
+def test_the_ledger_counts_live_shards_of_other_groups_only(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from shard.memory import PoolLedger
+
+    mine = PoolLedger(tmp_path, "/tmp/s-g1")
+    other = PoolLedger(tmp_path, "/tmp/s")
+    assert mine.held_by_others() == 0  # nothing written down yet (and no directory is fine)
+    other.record(3 * GIB)  # this process stands for a live shard of the default model's group
+    assert mine.held_by_others() == 3 * GIB
+    assert other.held_by_others() == 0, "a group's own ranks size together, not after"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / gone).write_text(f"{gone} /tmp/s-g2 {5 * GIB}")
+    (tmp_path / "junk").write_text("not an entry")
+    assert mine.held_by_others() == 3 * GIB  # a dead shard's pool went with it
+    assert not (tmp_path / gone).exists()
+    assert (tmp_path / str(os.getpid())).read_text() == f"{os.getpid()} /tmp/s {3 * GIB}"
+
+
+def test_on_the_cpu_other_groups_pools_come_off_the_free_memory_first(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 10 * GIB)
+    cpu = torch.device("cpu")
+    assert memory.kv_budget_bytes(cpu, 1.0, held_by_others=4 * GIB) == int(6 * GIB * 0.3)
+    assert memory.kv_budget_bytes(cpu, 1.0, held_by_others=12 * GIB) == 0
+
+
+def test_an_engines_pool_is_written_down_and_sized_after_the_others(tmp_path, tiny_llama):
+    from shard.memory import PoolLedger
+    from tests.engine_helpers import make_engine
+
+    engine = make_engine(tiny_llama)
+    engine.ledger = PoolLedger(tmp_path, "/tmp/first")
+    engine.memory_fraction = 0.001  # a small pool: its size is what is written down
+    result = engine.warmup([], 0)
+    first = result.num_blocks * engine.runner.spec.bytes_per_block
+    assert PoolLedger(tmp_path, "/tmp/second").held_by_others() == first
