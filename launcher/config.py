@@ -59,8 +59,9 @@ class LauncherConfig:
                                             "the memory free once its model is loaded, less the "
                                             "rest of the GPU ((1 - this) x its total), leaving "
                                             "that to other processes. On the CPU it scales the "
-                                            "pool's share of the available memory (30 percent). Unused "
-                                            "where --max-batch-total-tokens fixes the pool.")
+                                            "pool's share of the available memory (30 percent). "
+                                            "Unused where --max-batch-total-tokens fixes the "
+                                            "pool.")
     block_size: int = _opt(16, "Tokens per KV-cache block.")
     shard_uds_path: str = _opt("/tmp/tgi-py-server", "Unix socket prefix of the shards "
                                                      "(rank r listens on <path>-<r>).")

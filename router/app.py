@@ -11,7 +11,7 @@ from aiohttp import web
 from router.api import (completions, generate_one, grpc_service, invocations, models, openai,
                         sglang, tgi)
 from router.config import RouterConfig
-from router.middleware import api_key_middleware, cors_middleware, error_middleware
+from router.middleware import api_key_middleware, error_middleware, install_cors
 from router.model_host_client import ModelHostClient
 from router.model_manager import ModelManager
 from router.model_registry import ModelRegistry
@@ -46,11 +46,11 @@ async def build_state(config: RouterConfig) -> RouterState:
 def create_app(state: RouterState) -> web.Application:
     config = state.config
     app = web.Application(client_max_size=config.payload_limit)
-    if config.cors_allow_origin:  # outermost: a preflight needs no key
-        app.middlewares.append(cors_middleware(config.cors_allow_origin, app))
     app.middlewares.append(error_middleware)
     if config.api_key:
         app.middlewares.append(api_key_middleware(config.api_key))
+    if config.cors_allow_origin:
+        install_cors(app, config.cors_allow_origin)
     app[STATE] = state
     for api in API_MODULES:
         api.register(app)

@@ -36,7 +36,7 @@ class FailureFanOut:
         self._tell(item, GenerationError(rejection.reason))
         self.running.release(item.id)
 
-    def unreadable(self, item: ActiveRequest, err: Exception) -> None:
+    def generation_failed(self, item: ActiveRequest, err: Exception) -> None:
         """Its generation could not be read back, or the shard ended it as one it cannot go on
         with: it fails now; the next filter drops it from the shards' batch and frees its
         blocks."""

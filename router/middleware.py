@@ -20,14 +20,12 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except RouterError as err:
-        body = request.get(ERROR_BODY, tgi_error_body)
-        response = web.json_response(body(err), status=err.status, headers=err.headers)
+        response = _error_response(request, err)
         if err.close_connection:
             response.force_close()
         return response
     except web.HTTPRequestEntityTooLarge as err:
-        body = request.get(ERROR_BODY, tgi_error_body)
-        return web.json_response(body(PayloadTooLargeError(err.text)), status=413)
+        return _error_response(request, PayloadTooLargeError(err.text))
     except web.HTTPException as err:
         if err.status < 400:
             raise
@@ -36,8 +34,13 @@ async def error_middleware(request: web.Request, handler):
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        body = request.get(ERROR_BODY, tgi_error_body)
-        return web.json_response(body(RouterError("Internal server error")), status=500)
+        return _error_response(request, RouterError("Internal server error"))
+
+
+def _error_response(request: web.Request, err: RouterError) -> web.Response:
+    """`err` in the error body of the route's API (request[ERROR_BODY], TGI's by default)."""
+    body = request.get(ERROR_BODY, tgi_error_body)
+    return web.json_response(body(err), status=err.status, headers=err.headers)
 
 
 def api_key_middleware(api_key: str):
@@ -57,10 +60,10 @@ def api_key_middleware(api_key: str):
     return check_key
 
 
-def cors_middleware(allowed: str, app: web.Application):
-    """Answers preflights; every answer to an allowed origin gets the CORS headers as it is
-    prepared (on_response_prepare), a stream's too, whose headers go out before its handler
-    returns."""
+def install_cors(app: web.Application, allowed: str) -> None:
+    """A middleware answering preflights, and CORS headers on every answer to an allowed origin
+    as it is prepared (on_response_prepare): a stream's too, whose headers go out before its
+    handler returns. Outermost, so that a preflight needs no key."""
     origins = {o.strip() for o in allowed.split(",") if o.strip()}
 
     def allow(origin: str | None) -> str | None:
@@ -86,4 +89,4 @@ def cors_middleware(allowed: str, app: web.Application):
             return web.Response(status=204)
         return await handler(request)
 
-    return cors
+    app.middlewares.insert(0, cors)

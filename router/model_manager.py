@@ -103,7 +103,7 @@ class ModelManager:
         if name not in _UNNAMED and name in self.registry.records:
             state = self.registry.records[name].state
             advice = (f"pull it with POST /v1/models/pull, then start it with PUT "
-                      f"/v1/models/{name}/start" if state == "not_downloaded"
+                      f"/v1/models/{name}/start" if state == NOT_DOWNLOADED
                       else f"start it with PUT /v1/models/{name}/start")
             raise ModelStateError(f"model {name!r} is {state}, not running: {advice}", state)
         if name not in _UNNAMED and len(self.served) > 1:

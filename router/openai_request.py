@@ -34,10 +34,9 @@ def number(body: dict, name: str, low: float, high: float, *, integer: bool = Fa
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
             integer and isinstance(value, float) and not value.is_integer()):
         raise ValidationError(f"`{name}` must be {'an integer' if integer else 'a number'}")
-    # compared before any conversion: float() of a 400-digit integer overflows
     if integer:
         value = int(value)
-    elif low <= value <= high:
+    elif low <= value <= high:  # compared first: float() of a 400-digit integer overflows
         value = float32(value)  # what the shards use: a field rounded to 0 is 0 there
     if value < low or value > high or (low_open and value == low):
         bound = f"> {low}" if low_open else f">= {low}"

@@ -110,7 +110,7 @@ class ShardSteps:
                 continue
             if generation.error is not None:
                 # done now: the filter after the call drops it from the shards, freeing its blocks
-                self.failures.unreadable(item, generation.error)
+                self.failures.generation_failed(item, generation.error)
             else:
                 for event in generation.events:
                     deliver(item, event)

@@ -22,20 +22,21 @@ class RouterTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     async def encode_async(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        if len(text) < 2048:  # short prompts cost less than a thread hop
-            return self.encode(text, add_special_tokens=add_special_tokens)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._pool, lambda: self.encode(text, add_special_tokens=add_special_tokens))
+        encoding = await self._encoding(text, add_special_tokens)
+        return encoding.ids
 
     async def encode_offsets_async(self, text: str, *, add_special_tokens: bool = True
                                    ) -> tuple[list[int], list[tuple[int, int]]]:
-        """(ids, the character span of each), off the event loop for a long text."""
-        def encode():
-            encoding = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-            return encoding.ids, encoding.offsets
+        """(ids, the character span of each)."""
+        encoding = await self._encoding(text, add_special_tokens)
+        return encoding.ids, encoding.offsets
 
-        if len(text) < 2048:
+    async def _encoding(self, text: str, add_special_tokens: bool):
+        """The text's encoding, off the event loop for a long text."""
+        def encode():
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        if len(text) < 2048:  # short prompts cost less than a thread hop
             return encode()
         return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
 

@@ -43,14 +43,18 @@ class PoolLedger:
         """Bytes of the pools of live shard processes of other groups."""
         total = 0
         for entry in self.directory.glob("*"):
+            if entry.suffix:  # an entry being written (record's staged file)
+                continue
             try:
                 pid, group, size = entry.read_text().split()
-                if group != self.group and _alive(int(pid)):
+                if group == self.group:
+                    continue
+                if _alive(int(pid)):
                     total += int(size)
-                elif group != self.group:
+                else:
                     entry.unlink(missing_ok=True)  # its process is gone, and its pool with it
             except (OSError, ValueError):
-                continue  # being written, or not an entry
+                continue  # not an entry
         return total
 
     def record(self, size: int) -> None:
@@ -67,7 +71,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # another user's process: alive
     return True
 
 

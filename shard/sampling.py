@@ -211,15 +211,13 @@ def _ban(scores: torch.Tensor, banned: list[frozenset[int]], grammars: list | No
     ids = torch.tensor([token for _, token in pairs], device=scores.device)
     kept = scores[rows, ids]
     scores.index_put_((rows, ids), torch.tensor(float("-inf"), device=scores.device))
-    if grammars is not None:  # only a grammar's mask can leave a row nothing but banned ids
-        checked = sorted({row for row, _ in pairs if grammars[row] is not None})
-        if checked:
-            emptied = torch.isneginf(scores[checked]).all(dim=-1).tolist()
-            restore = [i for i, (row, _) in enumerate(pairs)
-                       if row in checked and emptied[checked.index(row)]]
-            if restore:
-                index = torch.tensor(restore, device=scores.device)
-                scores.index_put_((rows[index], ids[index]), kept[index])
+    # only a grammar's mask can leave a row nothing but banned ids: such a row keeps them
+    constrained = sorted({row for row, _ in pairs if grammars and grammars[row] is not None})
+    if constrained:
+        emptied = {row for row, empty in zip(
+            constrained, torch.isneginf(scores[constrained]).all(dim=-1).tolist()) if empty}
+        restore = torch.tensor([row in emptied for row, _ in pairs], device=scores.device)
+        scores.index_put_((rows[restore], ids[restore]), kept[restore])
     return scores
 
 

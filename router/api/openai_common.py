@@ -51,6 +51,8 @@ class StopHoldback:
         if final is not None:
             self.pending = ""
             return without_stop(text, final, self.stops)
+        if not self.stops:
+            return text
         held = max((_overlap(text, stop) for stop in self.stops), default=0)
         self.pending = text[len(text) - held:]
         return text[:len(text) - held]

@@ -244,12 +244,9 @@ class SglangStream(StreamFormat):
 
 async def generate(request: web.Request, body: dict) -> web.StreamResponse:
     """POST /generate with an SGLang body; errors in SGLang's `{"error": {"message"}}` shape."""
-    request[ERROR_BODY] = error_body  # an error this handler lets through too
-    try:
-        with request_span("sglang_generate", request.headers):
-            return await _generate(request, body)
-    except RouterError as err:
-        return web.json_response(error_body(err), status=err.status, headers=err.headers)
+    request[ERROR_BODY] = error_body  # the error middleware answers in it
+    with request_span("sglang_generate", request.headers):
+        return await _generate(request, body)
 
 
 async def _generate(request: web.Request, body: dict) -> web.StreamResponse:
