@@ -169,7 +169,12 @@ def _openai_schemas() -> dict:
                                       logprobs=_nullable("object"))}),
         "CompletionRequest": _object(["prompt"], model=string, prompt={}, suffix=_nullable("string"),
                                      echo=_nullable("boolean"), **_openai_sampling(),
-                                     logprobs={**int_schema(INT32, minimum=0), "nullable": True}),
+                                     logprobs={**int_schema(INT32, minimum=0), "nullable": True},
+                                     best_of={**int_schema(INT32, minimum=1), "nullable": True,
+                                              "description": "candidates per prompt (at most "
+                                                             "--max-best-of, at least n; not "
+                                                             "with stream)"},
+                                     response_format=_nullable("object")),
         "CompletionFinal": _object(["id", "created", "model", "system_fingerprint", "choices",
                                     "usage"], **envelope, usage=usage,
                                    choices={"type": "array", "items": _object(
