@@ -381,7 +381,8 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
         if field_name == "text":
             if not prompt:
                 raise ValidationError("`text` cannot be empty")
-            text, input_ids = prompt, await tokenizer.encode_async(prompt)
+            text, input_ids = prompt, await tokenizer.encode_async(
+                prompt, max_tokens=limits.tokens.max_input_tokens)
         elif field_name == "input_embeds":
             path = f"input_embeds[{index}]" if batch else "input_embeds"
             embeds, rows = _embeds(prompt, path, hidden_size)
@@ -391,7 +392,7 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
             if not isinstance(prompt, list) or not prompt:
                 raise ValidationError(f"`{path}` must be a non-empty list of token ids")
             input_ids = _token_ids(prompt, path, vocab_size)
-            text = tokenizer.tokenizer.decode(input_ids, skip_special_tokens=False)
+            text = None  # decoded once the length is known to be within the limits
         if not input_ids and embeds is None:
             raise ValidationError("`text` cannot be empty")
         length = rows if embeds is not None else len(input_ids)
@@ -400,6 +401,8 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
             max_new_tokens = max(min(DEFAULT_MAX_NEW_TOKENS,
                                      limits.tokens.max_total_tokens - length), 1)
         max_new_tokens = check_lengths(length, max_new_tokens, limits.tokens)
+        if text is None:
+            text = tokenizer.tokenizer.decode(input_ids, skip_special_tokens=False)
         logprobs = _logprob_options(body, index, len(prompts), limits, length, vocab_size,
                                     tokenizer.tokenizer.decode)
         if embeds is not None and logprobs.enabled and logprobs.start_len >= 0:

@@ -191,7 +191,9 @@ async def tokenize_prompt(inputs: str, truncate: int | None, tokenizer: RouterTo
     if truncate is not None and not 0 < truncate <= limits.max_input_tokens:
         raise ValidationError(f"`truncate` must be strictly positive and less than "
                               f"{limits.max_input_tokens}. Given: {truncate}")
-    input_ids = await tokenizer.encode_async(inputs)
+    # with truncate, a longer text is allowed: its last tokens are kept
+    input_ids = await tokenizer.encode_async(
+        inputs, max_tokens=limits.max_input_tokens if truncate is None else None)
     if truncate is not None:
         input_ids = input_ids[-truncate:]
     if not input_ids:

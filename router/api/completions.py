@@ -67,7 +67,8 @@ async def _validate(state, body: dict):
     requests = []
     for text in _prompts(body, state.config.max_client_batch_size):
         prompt = _with_suffix(text, suffix, state.tokenizer)
-        input_ids = await state.tokenizer.encode_async(prompt)
+        input_ids = await state.tokenizer.encode_async(prompt,
+                                                       max_tokens=limits.tokens.max_input_tokens)
         if not input_ids:
             raise ValidationError("`prompt` cannot be empty")
         default_max = state.request_defaults.get("token_limit", DEFAULT_MAX_TOKENS)

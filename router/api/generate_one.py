@@ -72,7 +72,8 @@ async def _request(state: ServedModel, session: Session,
     if session.started:
         input_ids, inputs = session.token_ids, session.prompt + session.text
     else:
-        input_ids = await state.tokenizer.encode_async(session.prompt)
+        input_ids = await state.tokenizer.encode_async(session.prompt,
+                                                       max_tokens=state.limits.max_input_tokens)
         inputs = session.prompt
         if not input_ids:
             raise ValidationError("`prompt` cannot be empty")

@@ -62,9 +62,8 @@ def token_events(state: RouterState, validated: ValidatedGenerate, timings: Timi
     return state.served(None).infer.stream(validated.request, timings)
 
 
-def tokenize(state: RouterState, inputs: str) -> tuple[list[int], list[tuple[int, int]]]:
-    encoding = state.served(None).tokenizer.tokenizer.encode(inputs)
-    return encoding.ids, encoding.offsets
+async def tokenize(state: RouterState, inputs: str) -> tuple[list[int], list[tuple[int, int]]]:
+    return await state.served(None).tokenizer.encode_offsets_async(inputs)
 
 
 def info(state: RouterState) -> dict:
@@ -143,8 +142,9 @@ class TextGenerationServicer(api_pb2_grpc.TextGenerationServicer):
 
     @_rpc
     async def Tokenize(self, request: api.TokenizeRequest, context) -> api.TokenizeResponse:
-        ids, offsets = tokenize(self.state, request.inputs)
-        return convert.tokenize_response(request.inputs, ids, offsets)
+        ids, offsets = await tokenize(self.state, request.inputs)
+        # a long text's answer takes a while to build: off the event loop, as /tokenize's
+        return await asyncio.to_thread(convert.tokenize_response, request.inputs, ids, offsets)
 
     @_rpc
     async def Info(self, request: api.InfoRequest, context) -> api.InfoResponse:

@@ -8,7 +8,7 @@ import uuid
 from aiohttp import web
 
 from router import grammar
-from router.api.tgi import simple_tokens, tokens_response
+from router.api.tgi import tokens_response
 from router.api.openai_common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
                                       openai_logprob, usage, without_stop)
 from router.errors import ValidationError
@@ -80,7 +80,8 @@ async def _validate_chat(state, body: dict) -> _Chat:
         raise ValidationError("`response_format` and `tools` cannot be used together")
     prompt = render_chat(state.chat_template, messages, plan.functions, allow_text=plan.allow_text,
                          fallback=state.chat_prompt)
-    input_ids = await state.tokenizer.encode_async(prompt, add_special_tokens=False)
+    input_ids = await state.tokenizer.encode_async(prompt, add_special_tokens=False,
+                                                   max_tokens=limits.tokens.max_input_tokens)
     logprobs = flag(body, "logprobs")
     top_logprobs = number(body, "top_logprobs", 0, limits.max_top_n_tokens, integer=True) or 0
     if top_logprobs and not logprobs:
@@ -179,8 +180,7 @@ async def chat_tokenize(request: web.Request) -> web.Response:
     prompt = render_chat(state.chat_template, messages, plan.functions, allow_text=plan.allow_text,
                          fallback=state.chat_prompt)
     ids, offsets = await state.tokenizer.encode_offsets_async(prompt, add_special_tokens=False)
-    return await tokens_response(lambda: {"tokenize_response": simple_tokens(prompt, ids, offsets),
-                                          "templated_text": prompt})
+    return await tokens_response(prompt, ids, offsets, templated_text=prompt)
 
 
 def register(app: web.Application) -> None:

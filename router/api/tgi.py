@@ -191,7 +191,7 @@ async def tokenize(request: web.Request) -> web.Response:
     ids, offsets = await state.tokenizer.encode_offsets_async(inputs)
     if truncate is not None and truncate < len(ids):  # TGI keeps the last tokens, as /generate
         ids, offsets = ids[len(ids) - truncate:], offsets[len(offsets) - truncate:]
-    return await tokens_response(lambda: simple_tokens(inputs, ids, offsets))
+    return await tokens_response(inputs, ids, offsets)
 
 
 def simple_tokens(text: str, ids: list[int], offsets: list[tuple[int, int]]) -> list[dict]:
@@ -200,11 +200,31 @@ def simple_tokens(text: str, ids: list[int], offsets: list[tuple[int, int]]) -> 
             for i, (start, stop) in zip(ids, offsets)]
 
 
-async def tokens_response(build) -> web.Response:
-    """The JSON answer `build()` makes, made in a worker thread: for a prompt of a megabyte it is
-    tens of megabytes, whose building held the event loop (and every other request) for
-    seconds; in a thread the loop gets the interpreter back every few milliseconds."""
-    body = await asyncio.to_thread(lambda: json.dumps(build()).encode())
+_SLICE = 1024  # tokens a json.dumps call
+
+
+def simple_tokens_json(text: str, ids: list[int], offsets: list[tuple[int, int]]) -> str:
+    """simple_tokens(...) as JSON, written a slice at a time: json.dumps holds the interpreter
+    for the whole of one call, tens of milliseconds per megabyte, and no other thread runs."""
+    parts = [json.dumps(simple_tokens(text, ids[start:start + _SLICE],
+                                      offsets[start:start + _SLICE]))[1:-1]
+             for start in range(0, len(ids), _SLICE)]
+    return "[" + ", ".join(parts) + "]"  # json.dumps's own separator
+
+
+async def tokens_response(text: str, ids: list[int], offsets: list[tuple[int, int]], *,
+                          templated_text: str | None = None) -> web.Response:
+    """The tokens' JSON answer (in /chat_tokenize's object when templated_text is given), made in
+    a worker thread: for a prompt of a megabyte it is tens of megabytes, whose building held the
+    event loop (and every other request) for seconds."""
+    def build() -> bytes:
+        tokens = simple_tokens_json(text, ids, offsets)
+        if templated_text is None:
+            return tokens.encode()
+        return (f'{{"tokenize_response": {tokens}, '
+                f'"templated_text": {json.dumps(templated_text)}}}').encode()
+
+    body = await asyncio.to_thread(build)
     return web.Response(body=body, content_type="application/json", charset="utf-8")
 
 

@@ -344,3 +344,36 @@ async def test_sampling_follows_tgis_warpers_and_a_temperature_rounding_to_0_is_
         assert reply.status == 422 and "`top_p` must be > 0" in (await reply.json())["error"]
     finally:
         await client.close()
+
+
+_LONG = "#" * 300_000  # megabyte prompts cost the tokeniser seconds
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"inputs": _LONG}), ("/generate_stream", {"inputs": _LONG}),
+    ("/v1/completions", {"prompt": _LONG}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": _LONG}]}),
+    ("/generate", {"text": _LONG}),  # SGLang's
+    ("/api/generate-one", {"request_id": "s1", "prompt": _LONG})])
+async def test_a_prompt_that_cannot_fit_is_refused_before_encoding(tiny_llama, path, body):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        reply = await client.post(path, json=body)
+        text = await reply.text()
+        assert reply.status == 422, text
+        assert "tokens. Given: at least" in text, text
+        await _still_serves(client)
+    finally:
+        await client.close()
+
+
+async def test_a_long_prompt_with_truncate_or_to_tokenize_is_still_encoded(tiny_llama):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        reply = await client.post("/generate", json={
+            "inputs": _LONG, "parameters": {"truncate": 8, "max_new_tokens": 2}})
+        assert reply.status == 200, await reply.text()
+        reply = await client.post("/tokenize", json={"inputs": _LONG[:20_000]})
+        assert reply.status == 200 and len(await reply.json()) > 64
+    finally:
+        await client.close()
