@@ -163,7 +163,7 @@ def normalise_messages(messages) -> list[dict]:
 def _functions(tools) -> list[dict]:
     if not isinstance(tools, list) or not tools:
         raise ValidationError("`tools` must be a non-empty list")
-    functions = []
+    functions, names = [], set()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or tool.get("type", "function") != "function" \
@@ -174,9 +174,10 @@ def _functions(tools) -> list[dict]:
             raise ValidationError(f"tools[{i}].function.name must be a non-empty name other "
                                   f"than {grammar.NO_TOOL!r} (the name this server gives a reply in "
                                   "words)")
-        if any(f["name"] == function["name"] for f in functions):
+        if function["name"] in names:  # a set: a list search made 20,000 tools take 18 s
             raise ValidationError(f"tools[{i}]: a function named {function['name']!r} is "
                                   "already offered; each tool needs a name of its own")
+        names.add(function["name"])
         functions.append(function)
     return functions
 

@@ -7,6 +7,7 @@ yet is a 422 that says so, never silently dropped; so is a field SGLang does not
 """
 from __future__ import annotations
 
+import asyncio
 import random
 import uuid
 from dataclasses import dataclass, field, replace
@@ -353,8 +354,8 @@ def _rids(body: dict, count: int) -> list[str]:
 
 async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: ValidationLimits,
                          max_batch: int, hidden_size: int) -> SglangBatch:
-    """`hidden_size` is the width of a row of `input_embeds`."""
-    """The whole body -> one GenerateRequest per prompt and copy, in batch-major order."""
+    """The whole body -> one GenerateRequest per prompt and copy, in batch-major order.
+    `hidden_size` is the width of a row of `input_embeds`."""
     check_fields(body)
     prompts, batch, field_name = _prompts(body)
     if len(prompts) > max_batch:
@@ -367,10 +368,15 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
             raise ValidationError(f"`sampling_params` holds {len(params)} objects for "
                                   f"{len(prompts)} prompts")
     vocab_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
-    if isinstance(params, list):
-        parsed = [parse_sampling(p, limits, max_batch, vocab_size) for p in params]
-    else:  # parsed (and its grammar compiled) once for every prompt
-        parsed = [parse_sampling(params, limits, max_batch, vocab_size)] * len(prompts)
+
+    def parse_all() -> list[_Sampling]:
+        if isinstance(params, list):
+            return [parse_sampling(p, limits, max_batch, vocab_size) for p in params]
+        # parsed (and its grammar compiled) once for every prompt
+        return [parse_sampling(params, limits, max_batch, vocab_size)] * len(prompts)
+
+    # compiling the grammars may take a while: off the event loop
+    parsed = await asyncio.to_thread(parse_all)
     rids = _rids(body, len(prompts))
     items = []
     for index, prompt in enumerate(prompts):

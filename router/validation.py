@@ -5,6 +5,8 @@ in the order TGI applies them, then the prompt is tokenised and its length check
 """
 from __future__ import annotations
 
+import asyncio
+
 import random
 from dataclasses import dataclass
 
@@ -146,7 +148,9 @@ async def validate_generate(body: dict, tokenizer: RouterTokenizer, limits: Vali
     if not isinstance(raw, dict):  # [], "", 0 and false too, as serde refuses them
         raise _type_error("parameters", raw, "an object")
     params = check_types(raw)
-    grammar = from_tgi(params["grammar"]) if params.get("grammar") is not None else None
+    grammar = None
+    if params.get("grammar") is not None:  # compiling one may take a while: off the event loop
+        grammar = await asyncio.to_thread(from_tgi, params["grammar"])
     if params.get("adapter_id") is not None:
         raise ValidationError("`adapter_id` is not supported: this server loads no LoRA adapters")
     best_of = _best_of(params, limits, stream)

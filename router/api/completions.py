@@ -1,6 +1,7 @@
 """OpenAI's legacy /v1/completions: one prompt or several, echo, suffix (fill-in-the-middle), logprobs."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -63,7 +64,9 @@ async def _validate(state, body: dict):
         raise ValidationError("`best_of` cannot be used with `stream`: the best are known only "
                               "once every candidate has ended")
     candidates = best_of or n  # per prompt; the n most likely are answered
-    constraint = grammar.from_response_format(body.get("response_format"))  # as vLLM takes it
+    constraint = None  # as vLLM takes it; compiling one may take a while: off the event loop
+    if body.get("response_format") is not None:
+        constraint = await asyncio.to_thread(grammar.from_response_format, body["response_format"])
     requests = []
     for text in _prompts(body, state.config.max_client_batch_size):
         prompt = _with_suffix(text, suffix, state.tokenizer)

@@ -1,6 +1,7 @@
 """OpenAI's chat route, /v1/chat/completions, in OpenAI's (and TGI's) shapes (/v1/models: api/models)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -71,8 +72,10 @@ class _Chat:
                 "system_fingerprint": FINGERPRINT}
 
 
-async def _validate_chat(state, body: dict) -> _Chat:
-    limits = state.validation_limits
+def _chat_prompt(state, body: dict):
+    """(the tool plan, the response format's grammar, the prompt): the slow part of reading a
+    chat, whose messages, tools and schemas a body of megabytes can make take a second, so it runs
+    in a worker thread, not on the event loop that serves every other request."""
     messages = normalise_messages(body.get("messages"))
     plan = tool_plan(body)
     response_format = grammar.from_response_format(body.get("response_format"))
@@ -80,6 +83,12 @@ async def _validate_chat(state, body: dict) -> _Chat:
         raise ValidationError("`response_format` and `tools` cannot be used together")
     prompt = render_chat(state.chat_template, messages, plan.functions, allow_text=plan.allow_text,
                          fallback=state.chat_prompt)
+    return plan, response_format, prompt
+
+
+async def _validate_chat(state, body: dict) -> _Chat:
+    limits = state.validation_limits
+    plan, response_format, prompt = await asyncio.to_thread(_chat_prompt, state, body)
     input_ids = await state.tokenizer.encode_async(prompt, add_special_tokens=False,
                                                    max_tokens=limits.tokens.max_input_tokens)
     logprobs = flag(body, "logprobs")
@@ -175,10 +184,7 @@ async def chat_tokenize(request: web.Request) -> web.Response:
     """TGI's /chat_tokenize: a chat request's prompt as the template renders it, and its tokens."""
     body = await read_object(request)
     state = served_model(request, model_name(body))
-    messages = normalise_messages(body.get("messages"))
-    plan = tool_plan(body)
-    prompt = render_chat(state.chat_template, messages, plan.functions, allow_text=plan.allow_text,
-                         fallback=state.chat_prompt)
+    _, _, prompt = await asyncio.to_thread(_chat_prompt, state, body)
     ids, offsets = await state.tokenizer.encode_offsets_async(prompt, add_special_tokens=False)
     return await tokens_response(prompt, ids, offsets, templated_text=prompt)
 

@@ -1,6 +1,7 @@
 """Bad input and bursts against the real app over a scripted shard: every answer a 4xx or a 429 in
 the route's error shape, and the server serving normally afterwards."""
 import asyncio
+import json
 
 import pytest
 
@@ -375,5 +376,61 @@ async def test_a_long_prompt_with_truncate_or_to_tokenize_is_still_encoded(tiny_
         assert reply.status == 200, await reply.text()
         reply = await client.post("/tokenize", json={"inputs": _LONG[:20_000]})
         assert reply.status == 200 and len(await reply.json()) > 64
+    finally:
+        await client.close()
+
+
+def _many_tools():
+    return [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+            for i in range(5000)]
+
+
+def _enum(count: int) -> dict:
+    return {"enum": [f"v{i}" for i in range(count)]}
+
+
+# made when the test runs: big bodies held at once make each garbage collection slow
+@pytest.mark.parametrize("path,make_body", [
+    ("/v1/chat/completions", lambda: {"messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 2, "tools": _many_tools()}),
+    ("/v1/chat/completions", lambda: {"messages": [{"role": "user", "content": "a"}] * 55_000,
+                                      "max_tokens": 2}),
+    ("/generate", lambda: {"inputs": "hi", "parameters": {"max_new_tokens": 2, "grammar": {
+        "type": "json", "value": _enum(60_000)}}}),
+    ("/generate", lambda: {"text": "hi", "sampling_params": {  # SGLang's
+        "max_new_tokens": 2, "json_schema": json.dumps(_enum(60_000))}}),
+    ("/v1/completions", lambda: {"prompt": "hi", "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": _enum(60_000)}}}),
+    ("/generate", lambda: {"inputs": "hi", "x": [0] * 600_000})])
+async def test_a_slow_body_to_read_does_not_hold_the_event_loop(tiny_llama, path, make_body):
+    """Bodies, tools, messages and grammars that take a while to check are read in a worker
+    thread, so the loop goes on answering (20,000 tools held it for 18 s)."""
+    import gc
+    import time
+
+    body = make_body()
+    gc.collect()
+    client = await _client(tiny_llama, HealthyFake())
+    gaps = []
+
+    async def tick():  # the server runs on this loop: a handler that holds it shows as a gap
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    try:
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.05)
+        started = time.perf_counter()
+        reply = await client.post(path, json=body)
+        took = time.perf_counter() - started
+        assert reply.status in (200, 422), await reply.text()
+        await asyncio.sleep(0.01)  # the ticker notes the gap it was stuck in, if any
+        ticker.cancel()
+        assert took > 0.1, "the body should take a while to read"
+        assert max(gaps) < took / 2, (max(gaps), took)
     finally:
         await client.close()
