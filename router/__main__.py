@@ -8,9 +8,8 @@ import os
 import signal
 import sys
 
-from aiohttp import web
-
 from proto.tracing import init_tracing, shutdown_tracing
+from router import connections
 from router.app import build_state, create_app
 from router.config import parse_args
 
@@ -22,13 +21,9 @@ async def serve(argv: list[str] | None) -> int:
     init_tracing(config.otlp_service_name, config.otlp_endpoint)
     state = await build_state(config)
     app = create_app(state)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.hostname, config.port)
-    await site.start()
-    log.info("router listening on http://%s:%d", config.hostname, config.port)
-    stop = asyncio.Event()
+    runner, listener = await connections.start_listening(app, config.hostname, config.port)
     loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     fatal = asyncio.create_task(state.fatal.wait())
@@ -37,6 +32,7 @@ async def serve(argv: list[str] | None) -> int:
     log.info("router stopping")
     for served in list(state.models.served.values()):
         served.batcher.stop_waiting()
+    listener.close()
     await runner.cleanup()
     shutdown_tracing()
     return 1 if state.fatal.is_set() else 0

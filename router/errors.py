@@ -69,6 +69,11 @@ class PayloadTooLargeError(RouterError):
     prefix = "Payload too large: "
 
 
+class RequestTimeoutError(RouterError):
+    status = 408
+    error_type = "timeout"
+
+
 class BadRequestError(RouterError):
     """Malformed bodies: invalid JSON or wrong field types; TGI's clients read them as validation."""
 

@@ -12,12 +12,15 @@ import math
 
 from aiohttp import web
 
-from router.errors import BadRequestError
+from router.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutError
 
 # serde_json's recursion limit, which TGI's parser inherits
 MAX_DEPTH = 128
 
 _PARSE = "Failed to parse the request body as JSON: "
+# seconds a request's body may take to arrive once its head has: a slow body holds a connection
+# and a handler
+BODY_TIMEOUT = 60.0
 _INLINE_BYTES = 32_768  # smaller bodies parse faster than a thread hop
 
 
@@ -95,10 +98,23 @@ def _check_text(text: str) -> None:
 
 async def read_object(request) -> dict:
     """An HTTP request's body, which must be a JSON object (an aiohttp request)."""
+    limit = request.client_max_size
+    if request.content_length is not None and request.content_length > limit:
+        # refused before reading: the client need not send a body that will not be read, and the
+        # connection closes, as the rest of the body would come next on it
+        error = PayloadTooLargeError(f"Maximum request body size {limit} exceeded.")
+        error.close_connection = True
+        raise error
     try:
-        raw = await request.read()
+        async with asyncio.timeout(BODY_TIMEOUT):
+            raw = await request.read()
     except web.HTTPException:  # the payload limit's 413, shaped by the error middleware
         raise
+    except TimeoutError:
+        request.content.feed_eof()  # as below: what was not read stays unread
+        error = RequestTimeoutError(f"the request body did not arrive within {BODY_TIMEOUT:g} s")
+        error.close_connection = True
+        raise error from None
     except Exception as err:  # a body its Content-Encoding does not decode (RequestPayloadError)
         # the rest of the body stays unreadable: the connection closes after the answer, and
         # aiohttp, told the body ended, does not read on into the same error (which it logged

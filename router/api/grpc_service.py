@@ -9,10 +9,12 @@ import functools
 import hmac
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
 from proto import api_pb2 as api
@@ -77,12 +79,53 @@ async def check_health(state: RouterState) -> None:
 
 # ---- the service ---------------------------------------------------------------------------------
 
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    """What a request's bytes became when they were not a message of the method's type."""
+    message_type: str
+    error: str
+
+
+def _decoder(message_class):
+    """`message_class.FromString`, which hands the servicer an _Undecodable rather than raise: grpc
+    answered a raising deserializer with UNKNOWN and logged a traceback per call."""
+    def decode(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as err:
+            return _Undecodable(message_class.DESCRIPTOR.full_name, str(err))
+
+    return decode
+
+
+def add_service(servicer, server: grpc.aio.Server) -> None:
+    """The TextGeneration service's methods on `server`, as the generated
+    add_TextGenerationServicer_to_server adds them, with requests decoded by _decoder."""
+    service = api.DESCRIPTOR.services_by_name["TextGeneration"]
+    handlers = {}
+    for method in service.methods:
+        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_decoder(getattr(api, method.input_type.name)),
+            response_serializer=getattr(api, method.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name,
+                                                                         handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def _rpc(method):
     """A RouterError ends the call with its gRPC status and TGI's message (its error_type and
-    Retry-After in the trailers); anything else is logged and INTERNAL."""
+    Retry-After in the trailers); anything else is logged and INTERNAL. A request that did not
+    decode is INVALID_ARGUMENT."""
 
     @functools.wraps(method)
     async def handle(self, request, context: grpc.aio.ServicerContext):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid {request.message_type} message: "
+                                f"{request.error}")
         try:
             return await method(self, request, context)
         except RouterError as err:
@@ -287,7 +330,7 @@ class GrpcServer:
             # grpc shares a port with any other process by default; a second router on the same
             # port must fail to start, not take half the calls
             ("grpc.so_reuseport", 0)])
-        api_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(self.state), server)
+        add_service(TextGenerationServicer(self.state), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME,
                                              reflection.SERVICE_NAME), server)

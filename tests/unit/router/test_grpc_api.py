@@ -314,3 +314,32 @@ async def test_at_shutdown_watch_streams_hear_not_serving_and_end(served):
     assert await watch.read() is grpc.aio.EOF
     # an open Watch would otherwise hold the stop for STOP_GRACE_S
     await asyncio.wait_for(core.server.stop(None), timeout=5)
+
+
+_NOT_MESSAGES = {"garbage": b"\xff\xff\xff\xff", "truncated": b"\x0a\x10abc",
+                 "invalid utf-8": b"\x0a\x02\xc3\x28", "wrong wire type": b"\x0a\x02hi\x12\x02\x3d\x01"}
+
+
+# a TokenizeRequest has no field 2: the last bytes decode as one, with an unknown field
+@pytest.mark.parametrize("method,raw", [
+    pytest.param(method, raw, id=f"{method}-{name}") for method in ("Generate", "GenerateStream",
+                                                                     "Tokenize")
+    for name, raw in _NOT_MESSAGES.items() if (method, name) != ("Tokenize", "wrong wire type")])
+async def test_bytes_that_are_no_message_are_invalid_argument_without_a_traceback(
+        served, caplog, method, raw):
+    core, _ = served
+    path = f"/{grpc_service.SERVICE}/{method}"
+    same = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b}
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        if method == "GenerateStream":
+            async for _ in core.channel.unary_stream(path, **same)(raw, metadata=KEY):
+                pass
+        else:
+            await core.channel.unary_unary(path, **same)(raw, metadata=KEY)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "is not a valid tgi.v1." in caught.value.details()
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
+    # and the next call is served
+    reply = await core.channel.unary_unary(f"/{grpc_service.SERVICE}/Health", **same)(
+        api.HealthRequest().SerializeToString(), metadata=KEY)
+    assert api.HealthResponse.FromString(reply) == api.HealthResponse()
