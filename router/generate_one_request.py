@@ -18,6 +18,9 @@ MAX_BEAMS = 16  # each beam may hold a whole sequence of KV blocks
 MAX_LENGTH_PENALTY = 10.0  # length^penalty stays a finite float for any context length
 
 
+# characters of a request_id: an id names a session, it does not carry data
+MAX_REQUEST_ID = 1024
+
 @dataclass(frozen=True, slots=True)
 class GenerationDefaults:
     """What a call gets for a generation_config field it leaves out (transformers' defaults)."""
@@ -141,6 +144,9 @@ def _prompt(item: dict, prefix: str) -> Prompt:
     request_id, prompt = item.get("request_id"), item.get("prompt")
     if not isinstance(request_id, str) or not request_id:
         raise ValidationError(f"`{prefix}request_id` is required: a non-empty string")
+    if len(request_id) > MAX_REQUEST_ID:  # the server keeps it as long as the session
+        raise ValidationError(f"`{prefix}request_id` must be at most {MAX_REQUEST_ID} characters. "
+                              f"Given: {len(request_id)}")
     if not isinstance(prompt, str):
         raise ValidationError(f"`{prefix}prompt` is required: a string")
     return Prompt(request_id, prompt)

@@ -5,8 +5,8 @@ A session holds one reference to each block covering its computed tokens (all bu
 generated one, whose keys and values are computed by the next call). Sessions together hold at most
 a share of the pool; past it, when the pool runs short, or once idle past the TTL, the least
 recently used idle session lets go of its blocks. A session without blocks keeps its tokens: its
-next call computes them again (the same answer, later). Past `max_sessions`, the least recently
-used idle session is forgotten. Pure: no I/O.
+next call computes them again (the same answer, later). Past `max_sessions`, once a call ends
+with its session kept, the least recently used idle session is forgotten. Pure: no I/O.
 """
 from __future__ import annotations
 
@@ -76,10 +76,11 @@ class SessionStore:
         if session is None:
             session = Session(key, prompt)
             self._sessions[key] = session
-        session.busy = True  # before the trim below, which forgets idle sessions only
+        session.busy = True
         session.last_used = self.clock()
         self._sessions.move_to_end(key)
-        self._forget_beyond_limit()
+        # past max_sessions the oldest is forgotten by end(), once this call has succeeded: a
+        # call refused after begin() (a 422, a 429) must cost no other client its session
         return session
 
     @property
@@ -104,6 +105,7 @@ class SessionStore:
         if not session.started:  # nothing ran (the call failed first): nothing to continue
             self._forget(session)
             return
+        self._forget_beyond_limit()
         self._fit_budget()
 
     def keep(self, session: Session, token_ids: list[int], added_text: str,

@@ -71,6 +71,11 @@ async def _request(state: ServedModel, session: Session,
     """The core request of one call: the prompt, or on a continuation every token so far."""
     if session.started:
         input_ids, inputs = session.token_ids, session.prompt + session.text
+        if len(input_ids) > state.limits.max_input_tokens:
+            raise ValidationError(
+                f"request_id {session.key[1]!r} holds {len(input_ids)} tokens, more than the "
+                f"{state.limits.max_input_tokens} a call may start from: it cannot be continued; "
+                "start again under a new request_id")
     else:
         input_ids = await state.tokenizer.encode_async(session.prompt,
                                                        max_tokens=state.limits.max_input_tokens)

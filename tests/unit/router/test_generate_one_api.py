@@ -152,3 +152,38 @@ async def test_a_batch_is_bounded_by_max_client_batch_size(tiny_llama):
             await reply.json())["error"]
     finally:
         await client.close()
+
+
+async def test_a_request_id_longer_than_the_limit_is_422(tiny_llama):
+    from router.generate_one_request import MAX_REQUEST_ID
+
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        for path, body in [("/api/generate-one", _one(request_id="x" * (MAX_REQUEST_ID + 1))),
+                           ("/api/generate-batch", {"prompts": [
+                               {"request_id": "ok", "prompt": "hi"},
+                               {"request_id": "y" * 100_000, "prompt": "hi"}]})]:
+            reply = await client.post(path, json=body)
+            text = await reply.text()
+            assert reply.status == 422 and f"at most {MAX_REQUEST_ID} characters" in text, text
+            assert "y" * 2000 not in text and "x" * 2000 not in text  # the id is not echoed
+        reply = await client.post("/api/generate-one", json=_one(
+            request_id="z" * MAX_REQUEST_ID, generation_config={"max_new_tokens": 2}))
+        assert reply.status == 200, await reply.text()
+    finally:
+        await client.close()
+
+
+async def test_a_session_grown_past_the_input_limit_says_so(tiny_llama):
+    client = await _client(tiny_llama, HealthyFake())  # 64 input tokens, 128 in all
+    try:
+        first = await client.post("/api/generate-one", json=_one(
+            request_id="long", stream_response=False, generation_config={"max_new_tokens": 100}))
+        assert first.status == 200, await first.text()
+        again = await client.post("/api/generate-one", json=_one(
+            request_id="long", stream_response=False, generation_config={"max_new_tokens": 2}))
+        text = await again.text()
+        assert again.status == 422 and "request_id 'long' holds" in text, text
+        assert "cannot be continued" in text and "new request_id" in text
+    finally:
+        await client.close()

@@ -127,6 +127,17 @@ def test_a_call_that_fails_after_its_generation_leaves_the_session_as_it_was():
     assert allocator.num_free_blocks == 40 - 2 and store.held_blocks == 2
 
 
+def test_a_call_refused_at_the_limit_costs_no_other_session():
+    allocator, store, clock = _store(max_sessions=2)
+    for i, key in enumerate(("a", "b")):
+        clock.now = i
+        _finish(allocator, store, ("", key), prompt_len=4, generated=1)
+    refused = store.begin(("", "c"), "p")  # then validation or admission refuses the call
+    store.end(refused, succeeded=False)
+    assert store.get(("", "a")) is not None and store.get(("", "b")) is not None
+    assert store.get(("", "c")) is None and len(store) == 2
+
+
 def test_a_new_session_at_the_limit_with_every_other_busy_is_still_served():
     _, store, _ = _store(max_sessions=1)
     store.begin(("", "a"), "p")
