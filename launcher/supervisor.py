@@ -119,9 +119,9 @@ class Supervisor:
         on this machine, every one by default) get the GPUs the other groups use least. Called
         with the lock held, or before any other group exists."""
         # no dtype: "", each shard takes its device's default
+        device, gpus = self._placement(name, device, ranks_here or num_shard)
         spec = GroupSpec(name, model_dir, num_shard, dtype or "", device, uds_prefix,
-                         master_port, label,
-                         gpus=self._gpus_for(name, device, ranks_here or num_shard))
+                         master_port, label, gpus=gpus)
         group = ShardGroup(spec,
                            block_size=self.config.block_size, master_addr=self.config.master_addr,
                            quantize=self.config.quantize or "", speculate=self.config.speculate,
@@ -133,19 +133,24 @@ class Supervisor:
                            json_output=self.config.json_output)
         return group
 
-    def _gpus_for(self, name: str, device: str, ranks: int) -> tuple[str, ...]:
+    def _placement(self, name: str, device: str, ranks: int) -> tuple[str, tuple[str, ...]]:
+        """(the group's --device, the GPUs its ranks get)."""
         if device == "cpu":
-            return ()
+            return device, ()
         visible = visible_gpus(os.environ)
         if not visible:
-            return ()
+            return device, ()
         in_use = [gpu for group in self.groups.values() for gpu in group.spec.gpus]
         try:
-            return pick_gpus(visible, in_use, ranks)
+            return device, pick_gpus(visible, in_use, ranks)
         except ValueError as err:
             if device == "cuda":
                 raise LaunchError(f"{name}: {err}") from None
-            return ()  # auto: the shards may well run on the CPU (a CPU build of torch)
+        # auto with too few GPUs: left to choose, the ranks past the GPUs' count would each
+        # ask for a GPU that does not exist (an invalid device ordinal); all of them on the CPU
+        self._say(f"{name}: {ranks} shard(s) need as many GPUs, {len(visible)} visible: serving "
+                  "on the CPU (--device cuda refuses instead)", level="WARNING")
+        return "cpu", ()
 
     def _start_model_host(self) -> None:
         from launcher.model_host import serve  # grpc only once the shards are up

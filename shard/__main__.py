@@ -44,6 +44,10 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
         device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     else:
         device = torch.device(f"cuda:{local_rank}" if config.device == "cuda" else config.device)
+    if device.type == "cuda" and local_rank >= torch.cuda.device_count():
+        raise ValueError(f"rank {config.rank} would run on cuda:{local_rank}, but "
+                         f"{torch.cuda.device_count()} GPU(s) are visible to it: as many shards "
+                         "on this machine as GPUs, or --device cpu")
     if device.type == "cpu" and config.world_size > 1:
         # ranks share the cores; more threads than cores makes every all-reduce wait on a straggler
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))

@@ -48,9 +48,9 @@ def width_buckets(max_width: int) -> list[int]:
 
 class CudaGraphCapture:
     """Records steps as CUDA graphs on `device`, all in one memory pool of their own: the graphs
-    never replay at once, so their activations can share memory. Outputs share it too (a graph
-    captured later may place its activations where an earlier one keeps its outputs), which is
-    why a replay's results are copied before the next replay."""
+    never replay at once, so their activations can share memory. Each graph's outputs stay
+    allocated (live tensors, which no later capture reuses), but its next replay writes them
+    again: that is why a replay's results are copied before the next replay."""
 
     def __init__(self, device: torch.device):
         self.device = device

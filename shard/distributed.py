@@ -51,6 +51,15 @@ def all_reduce(tensor: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
 def all_gather_last_dim(tensor: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     if not ctx.is_sharded:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
-    dist.all_gather(parts, tensor.contiguous(), group=ctx.group)
-    return torch.cat(parts, dim=-1)
+    # into one buffer, the ranks' parts one after another along the first dimension (the form
+    # gloo takes too), rather than a list of parts: no list to flatten and copy back inside a
+    # CUDA graph's capture, as TGI gathers its logits
+    shape = tensor.shape
+    gathered = tensor.new_empty((ctx.world_size * shape[0], *shape[1:]))
+    _gather_single(gathered, tensor.contiguous(), group=ctx.group)
+    return gathered.view(ctx.world_size, *shape).movedim(0, -2).reshape(
+        *shape[:-1], ctx.world_size * shape[-1])
+
+
+# torch 2.13 names it all_gather_single, and deprecates the older name
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

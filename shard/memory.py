@@ -79,8 +79,13 @@ def kv_budget_bytes(device: torch.device, memory_fraction: float, world_size: in
                     held_by_others: int = 0) -> int:
     """Bytes this rank's KV pool may take.
 
-    On CUDA, TGI's rule for its --cuda-memory-fraction: what is free less the part of the GPU left
-    to others ((1 - memory_fraction) x its total), of which 90% (the rest is for activations). On
+    On CUDA, 90% (the rest is for activations) of what this process may still take: the free
+    memory, and no more than its share of the GPU (memory_fraction x its total) less what it holds
+    already (its weights, its warm-up's activations). Alone on a GPU that is TGI's rule for its
+    --cuda-memory-fraction (free - (1 - fraction) x total), give or take the CUDA context; with
+    several models on one GPU each stays within its share, where TGI's rule counted the other
+    model's share as taken and gave the second model nothing (two at 0.5), or let the first take
+    what the second's weights then needed (two at 1). On
     the CPU the memory is shared with the router, the user's programs and the other ranks, which
     size their pools at the same moment from the same free memory: 30% of what is available,
     scaled by memory_fraction, each rank taking its 1/world_size of it, after taking off what
@@ -88,7 +93,7 @@ def kv_budget_bytes(device: torch.device, memory_fraction: float, world_size: in
     """
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        usable = available_bytes(device) - (1.0 - memory_fraction) * total
-        return int(max(0.0, usable) * 0.9)
+        share_left = memory_fraction * total - torch.cuda.memory_reserved(device)
+        return int(max(0.0, min(available_bytes(device), share_left)) * 0.9)
     free = max(0, available_bytes(device) - held_by_others)
     return int(free * 0.3 * memory_fraction / world_size)

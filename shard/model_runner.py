@@ -156,13 +156,18 @@ class ModelRunner:
                 # own pool): a column holds a block id, so a graph wider than a pool has blocks
                 # only pads more columns with block 0
                 self.graphs.capture(-(-max_total_tokens // self.spec.block_size))
+            return
         except Exception as err:
-            self._free_graph_memory()
             if self.world_size > 1:  # ranks whose graphs differ would pair collectives wrongly
+                self._free_graph_memory()
                 raise
-            log.warning("the decode step could not be captured in CUDA graphs, it runs eagerly: "
-                        "%s", str(err).strip().splitlines()[0][:300] if str(err).strip()
-                        else repr(err))
+            reason = (str(err).strip().splitlines()[0][:300] if str(err).strip()
+                      else repr(err))
+        # past the except block: the error's traceback held the frames of the half-captured
+        # graph, and with them its memory pool, which can only now be given back
+        self._free_graph_memory()
+        log.warning("the decode step could not be captured in CUDA graphs, it runs eagerly: %s",
+                    reason)
 
     def _free_graph_memory(self) -> None:
         if self.device.type == "cuda":

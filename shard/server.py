@@ -36,6 +36,12 @@ def engine_thread() -> ThreadPoolExecutor:
 MAX_STEPS_PER_CALL = 64
 
 
+def _allocation_failed(err: BaseException) -> bool:
+    """Whether a step failed for memory outside the caching allocator (which raises
+    OutOfMemoryError): cuBLAS and NCCL report theirs as a plain RuntimeError."""
+    text = str(err)
+    return "out of memory" in text.lower() or "ALLOC_FAILED" in text
+
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     def __init__(self, engine: Engine, config: ShardConfig, info: pb.InfoResponse,
                  on_fatal_error, worker: ThreadPoolExecutor, urls: list[str]):
@@ -68,9 +74,12 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             if self.engine.runner.device.type == "cuda":
                 if isinstance(err, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()  # this batch did not fit; the next may
-                elif await asyncio.get_running_loop().run_in_executor(self._worker,
-                                                                      self._device_lost):
-                    self.on_fatal_error(err)
+                else:
+                    if _allocation_failed(err):  # the same, from outside the allocator
+                        torch.cuda.empty_cache()
+                    if await asyncio.get_running_loop().run_in_executor(self._worker,
+                                                                        self._device_lost):
+                        self.on_fatal_error(err)
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
 
     def _device_lost(self) -> bool:

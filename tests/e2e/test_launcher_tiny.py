@@ -12,8 +12,11 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
+    # answers are compared across batch sizes: float32 keeps the random model's near-tied scores
+    # apart on every device (on CUDA the default dtype, float16, may flip one between batch sizes)
     launched = launch(["--model-id", str(tiny_llama)], tmp_path_factory.mktemp("launch"),
-                      extra=["--max-batch-total-tokens", "8192", "--block-size", "4"])
+                      extra=["--max-batch-total-tokens", "8192", "--block-size", "4",
+                             "--dtype", "float32"])
     yield launched
     code = launched.stop()
     assert code == 0, launched.log()

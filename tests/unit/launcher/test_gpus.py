@@ -97,6 +97,8 @@ def test_models_started_beside_the_default_one_spread_over_the_gpus(launched, tm
     with pytest.raises(LaunchError, match="too-big: 5 shard\\(s\\) on CUDA need as many GPUs"):
         launched.start_group("too-big", tmp_path, num_shard=5, dtype=None, device="cuda")
     assert "too-big" not in launched.groups
-    # device auto with too few GPUs: the shards may run on a CPU build of torch, as before
+    # device auto with too few GPUs: every rank on the CPU (rank 4 would ask for cuda:4)
     assert _seen(launched, "auto-cpu", 5, "auto", tmp_path) == [None] * 5
+    assert launched.groups["auto-cpu"].spec.device == "cpu"
+    assert launched.groups["m"].spec.device == "auto"
 

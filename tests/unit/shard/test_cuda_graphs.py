@@ -40,6 +40,26 @@ class EmulatedCapture:
         return outputs, replay
 
 
+class TracedCapture(EmulatedCapture):
+    """Captures by tracing the step whole (torch.compile, fullgraph): a step that reads a value
+    back to the host (.item(), .tolist()) or branches on one breaks the trace and fails the
+    capture, as it would fail a CUDA graph's. Replays run the traced step."""
+
+    def __call__(self, *args):
+        if len(args) == 1:
+            return self
+        step, inputs = args
+        traced = torch.compile(step, fullgraph=True, backend="eager", dynamic=False)
+        outputs = traced(*inputs)
+        self.captured.append((inputs[0].shape[0], inputs[2].shape[1]))
+
+        def replay():
+            self.replays += 1
+            for buffer, value in zip(outputs, traced(*inputs)):
+                buffer.copy_(value)
+        return outputs, replay
+
+
 def _prompts(engine, count):
     texts = ["The quick brown fox", "Once upon a time there was a", "café au lait", "x",
              "a b c d e f g h i j k l m n o p", "Hello", "1 2 3"]
@@ -79,6 +99,18 @@ def test_graphed_steps_give_the_eager_steps_tokens(tiny_llama, speculate):
             assert capture.replays - before == 11
         else:
             assert capture.replays - before == count * 11
+
+
+def test_the_captured_step_reads_nothing_back_to_the_host(tiny_llama):
+    torch._dynamo.reset()
+    capture = TracedCapture()
+    with torch._dynamo.config.patch(recompile_limit=64):  # a trace per bucket
+        graphed = make_engine(tiny_llama, cuda_graphs=[4], new_capture=capture,
+                              max_total_tokens=64)
+        assert sorted(capture.captured) == [(4, w) for w in (1, 2, 4, 8, 16)]
+        eager = make_engine(tiny_llama)
+        assert _greedy(graphed, 3) == _greedy(eager, 3)
+        assert capture.replays > 0
 
 
 def _tokens_and_finals(engine, max_steps, with_beam=True):

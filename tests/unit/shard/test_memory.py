@@ -13,9 +13,11 @@ GIB = 2**30
 
 @pytest.fixture
 def gpu(monkeypatch):
-    """A GPU of 80 GiB with `state["free"]` bytes free, as torch.cuda reports it."""
-    state = {"free": 60 * GIB}
+    """A GPU of 80 GiB with `state["free"]` bytes free and `state["ours"]` held by this process,
+    as torch.cuda reports them."""
+    state = {"free": 60 * GIB, "ours": 20 * GIB}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (state["free"], 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: state["ours"])
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(total_memory=80 * GIB))
     return state
@@ -28,10 +30,23 @@ def test_on_cuda_the_pool_takes_90_percent_of_what_is_free(gpu):
 
 
 def test_on_cuda_a_memory_fraction_leaves_the_rest_of_the_gpu_to_others(gpu):
-    # TGI's --cuda-memory-fraction 0.5: 40 of the 80 GiB stay free for another process
+    # TGI's --cuda-memory-fraction 0.5: 40 of the 80 GiB for this process, 20 of them its weights
     assert memory.kv_budget_bytes(torch.device("cuda:0"), 0.5) == int(20 * GIB * 0.9)
-    gpu["free"] = 30 * GIB  # others took more than the share left to them: no pool at all
+    gpu["free"] = 10 * GIB  # others took more than the share left to them: what is free
+    assert memory.kv_budget_bytes(torch.device("cuda:0"), 0.5) == int(10 * GIB * 0.9)
+    gpu["ours"] = 41 * GIB  # this process holds more than its share already: no pool
     assert memory.kv_budget_bytes(torch.device("cuda:0"), 0.5) == 0
+
+
+def test_two_models_on_one_gpu_each_keep_to_their_share(gpu):
+    # model A (10 GiB of weights) starts alone at 0.5, then B (10 GiB) beside it at 0.5
+    gpu.update(free=70 * GIB, ours=10 * GIB)
+    pool_a = memory.kv_budget_bytes(torch.device("cuda:0"), 0.5)
+    assert pool_a == int(30 * GIB * 0.9)
+    gpu.update(free=70 * GIB - pool_a - 10 * GIB, ours=10 * GIB)
+    pool_b = memory.kv_budget_bytes(torch.device("cuda:0"), 0.5)
+    assert pool_b == pool_a  # TGI's rule (free - 0.5 x total) gave B no pool at all
+    assert 10 * GIB + pool_a + 10 * GIB + pool_b <= 80 * GIB
 
 
 def test_on_the_cpu_ranks_share_30_percent_of_the_available_memory(monkeypatch):

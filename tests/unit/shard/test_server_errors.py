@@ -32,7 +32,8 @@ def _servicer(monkeypatch, device_lost: bool):
     servicer = ShardServicer.__new__(ShardServicer)  # no engine thread or model needed
     servicer.engine, servicer.on_fatal_error, servicer._worker = _Engine(), fatal.append, None
     monkeypatch.setattr(ShardServicer, "_device_lost", lambda self: device_lost)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    emptied = servicer.emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     return servicer, fatal
 
 
@@ -61,3 +62,15 @@ def test_a_runtime_error_stops_the_shard_only_when_the_device_is_lost(monkeypatc
     error = RuntimeError("CUDA error: device-side assert triggered")
     _fail(servicer, error)
     assert fatal == [error]
+
+
+@pytest.mark.parametrize("device_lost", [False, True])
+@pytest.mark.parametrize("error", [
+    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    RuntimeError("NCCL error: unhandled cuda error (run with NCCL_DEBUG=INFO), out of memory")])
+def test_an_allocation_failure_outside_the_allocator_empties_the_cache(monkeypatch, error,
+                                                                      device_lost):
+    servicer, fatal = _servicer(monkeypatch, device_lost=device_lost)
+    assert _fail(servicer, error) == grpc.StatusCode.INTERNAL
+    assert servicer.emptied == [True]
+    assert fatal == ([error] if device_lost else [])  # a device left broken still stops the shard
