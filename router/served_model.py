@@ -234,7 +234,7 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
                       session_limits=config.session_limits())
     infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
-                                         config.max_top_n_tokens)
+                                         config.max_top_n_tokens, shard_info.vocab_size)
     return ServedModel(config, tokenizer, client, shard_info, limits, validation_limits,
                        allocator, batcher, infer, metrics,
                        ChatTemplate.from_model_dir(config.tokenizer_path))

@@ -222,7 +222,8 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
         # SGLang: temperature 0 (or top_k 1) is greedy; anything else samples
         do_sample=temperature > 0 and top_k != 1,
         seed=seed if seed is not None else random.getrandbits(64),
-        logit_bias=check_logit_bias("sampling_params.logit_bias", params.get("logit_bias")))
+        logit_bias=check_logit_bias("sampling_params.logit_bias", params.get("logit_bias"),
+                                    limits.vocab_size))
     max_new_tokens = _int(params, "max_new_tokens", UINT32, None)
     if max_new_tokens == 0:
         raise ValidationError("`sampling_params.max_new_tokens` = 0 (prompt scoring) is not "

@@ -38,6 +38,7 @@ class ShardInfo:
     use_prefix_caching: bool
     hidden_size: int  # the width of a row of input embeddings and of hidden states
     speculate: int = 0  # draft tokens a decode step may verify per request (0: none)
+    vocab_size: int = 0  # the model's token ids are below it (0: not said)
 
 
 def shard_info(reply: pb.InfoResponse) -> ShardInfo:
@@ -46,7 +47,8 @@ def shard_info(reply: pb.InfoResponse) -> ShardInfo:
                      max_position_embeddings=reply.max_position_embeddings,
                      support_chunking=reply.support_chunking,
                      use_prefix_caching=reply.use_prefix_caching,
-                     hidden_size=reply.hidden_size, speculate=reply.speculate)
+                     hidden_size=reply.hidden_size, speculate=reply.speculate,
+                     vocab_size=reply.vocab_size)
 
 
 # ---- to the shards -----------------------------------------------------------------------------

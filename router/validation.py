@@ -42,6 +42,7 @@ class ValidationLimits:
     max_best_of: int
     max_stop_sequences: int
     max_top_n_tokens: int
+    vocab_size: int = 0  # the model's (its LM head's rows; 0: unknown)
 
 
 @dataclass(slots=True)

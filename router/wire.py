@@ -74,9 +74,9 @@ def check_float(path: str, value) -> float:
     return value
 
 
-def check_logit_bias(path: str, value) -> dict[int, float]:
-    """OpenAI's logit_bias, {"<token id>": bias in [-100, 100]}, as {id: float32 bias}; ids past
-    the model's vocabulary are the shard's to refuse (it knows the model's size)."""
+def check_logit_bias(path: str, value, vocab_size: int = 0) -> dict[int, float]:
+    """OpenAI's logit_bias, {"<token id>": bias in [-100, 100]}, as {id: float32 bias}, each id
+    below the model's `vocab_size` (when known: else the shard refuses the request)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -88,6 +88,9 @@ def check_logit_bias(path: str, value) -> dict[int, float]:
         if not UINT32.low <= token <= UINT32.high:
             raise ValidationError(f"`{path}` keys must be token ids (decimal integers). "
                                   f"Given: {key!r}")
+        if vocab_size and token >= vocab_size:
+            raise ValidationError(f"`{path}` keys must be token ids below the model's vocabulary "
+                                  f"size of {vocab_size}. Given: {key!r}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
                 or not -100 <= bias <= 100:
             raise ValidationError(f"`{path}[{key!r}]` must be a number >= -100 and <= 100")

@@ -95,7 +95,8 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
         support_chunking=True, use_prefix_caching=True, attention_impl="paged-sdpa",
         block_size=config.block_size, model_id=config.model_path, world_size=config.world_size,
         eos_token_ids=sorted(loaded.eos_token_ids),
-        max_position_embeddings=cfg.max_position_embeddings, hidden_size=cfg.hidden_size)
+        max_position_embeddings=cfg.max_position_embeddings, hidden_size=cfg.hidden_size,
+        vocab_size=engine.vocab_size)
     # ranks on other machines are reached over TCP; each says where, the others learn it here
     urls = all_gather_strings(config.grpc_address or f"unix://{config.socket_path}", parallel)
     return engine, info, urls

@@ -14,7 +14,7 @@ from router.errors import ValidationError
 from router.infer import GenerateResult
 from router.json_body import read_object
 from router.openai_request import (build_request, choice_count, include_usage, model_name,
-                                   number, with_model_defaults, with_seed)
+                                   number, sampling_and_stops, with_model_defaults, with_seed)
 from router.schemas import GenerateRequest, TokenEvent
 from router.state import served_model
 from router.streaming import openai_sse, serve_stream
@@ -67,6 +67,8 @@ async def _validate(state, body: dict):
     constraint = None  # as vLLM takes it; compiling one may take a while: off the event loop
     if body.get("response_format") is not None:
         constraint = await asyncio.to_thread(grammar.from_response_format, body["response_format"])
+    # read once for every prompt, off the event loop (a logit_bias may be 100,000 entries)
+    parsed = await asyncio.to_thread(sampling_and_stops, body, limits)
     requests = []
     for text in _prompts(body, state.config.max_client_batch_size):
         prompt = _with_suffix(text, suffix, state.tokenizer)
@@ -77,7 +79,7 @@ async def _validate(state, body: dict):
         default_max = state.request_defaults.get("token_limit", DEFAULT_MAX_TOKENS)
         base = build_request(prompt, input_ids, body, limits, default_max_tokens=default_max,
                              top_n_tokens=logprobs or 0, grammar_spec=constraint,
-                             prefill_logprobs=echo and logprobs is not None)
+                             prefill_logprobs=echo and logprobs is not None, parsed=parsed)
         requests += [with_seed(base, j) for j in range(candidates)]
     return requests, echo, logprobs, n, candidates
 

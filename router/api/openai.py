@@ -16,8 +16,8 @@ from router.errors import ValidationError
 from router.infer import GenerateResult
 from router.json_body import read_object
 from router.openai_request import (ChatOptions, build_request, choice_count, include_usage,
-                                   model_name, normalise_messages, number, render_chat, tool_plan,
-                                   with_model_defaults, with_seed)
+                                   model_name, normalise_messages, number, render_chat,
+                                   sampling_and_stops, tool_plan, with_model_defaults, with_seed)
 from router.schemas import FinishReason, GenerateRequest, Token, TokenEvent
 from router.served_model import ServedModel
 from router.state import served_model
@@ -86,9 +86,15 @@ def _chat_prompt(state, body: dict):
     return plan, response_format, prompt
 
 
+def _chat_request_parts(state, body: dict):
+    """_chat_prompt's, and the sampling fields (whose logit_bias may be 100,000 entries)."""
+    return *_chat_prompt(state, body), sampling_and_stops(body, state.validation_limits)
+
+
 async def _validate_chat(state, body: dict) -> _Chat:
     limits = state.validation_limits
-    plan, response_format, prompt = await asyncio.to_thread(_chat_prompt, state, body)
+    plan, response_format, prompt, parsed = await asyncio.to_thread(_chat_request_parts, state,
+                                                                    body)
     input_ids = await state.tokenizer.encode_async(prompt, add_special_tokens=False,
                                                    max_tokens=limits.tokens.max_input_tokens)
     logprobs = flag(body, "logprobs")
@@ -97,7 +103,8 @@ async def _validate_chat(state, body: dict) -> _Chat:
         raise ValidationError("`top_logprobs` needs `logprobs: true`")
     request = build_request(prompt, input_ids, body, limits,
                             default_max_tokens=state.request_defaults.get("token_limit"),
-                            top_n_tokens=top_logprobs, grammar_spec=plan.grammar or response_format)
+                            top_n_tokens=top_logprobs, grammar_spec=plan.grammar or response_format,
+                            parsed=parsed)
     options = ChatOptions(n=choice_count(body, state.config.max_client_batch_size),
                           stream=flag(body, "stream"), include_usage=include_usage(body),
                           logprobs=logprobs, top_logprobs=top_logprobs)

@@ -254,6 +254,7 @@ def test_vllm_ignore_eos_and_min_tokens_extensions(server, client):
 
 
 def test_logit_bias_bans_and_forces_tokens(client, real_model_dir):
+    import openai
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(real_model_dir / "tokenizer.json"))
@@ -269,3 +270,8 @@ def test_logit_bias_bans_and_forces_tokens(client, real_model_dir):
         model="m", messages=[{"role": "user", "content": "Say hello."}], max_tokens=4,
         temperature=0, logit_bias={str(banana): 100})
     assert forced.choices[0].message.content == " banana" * 4
+    # an id past the vocabulary the shards report is the client's mistake
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
+        client.completions.create(model="m", prompt=prompt, max_tokens=3,
+                                  logit_bias={"49152": 1})
+    assert "vocabulary size of 49152" in caught.value.response.json()["error"]  # TGI's shape

@@ -29,7 +29,7 @@ class HealthyFake(FakeShardClient):
         return None
 
 
-async def _client(tiny_llama, fake, *, max_concurrent=8, max_total_tokens=128,
+async def _client(tiny_llama, fake, *, max_concurrent=8, max_total_tokens=128, vocab_size=0,
                   **options) -> TestClient:
     config = RouterConfig(tokenizer_path=str(tiny_llama), max_concurrent_requests=max_concurrent,
                           **options)
@@ -44,8 +44,9 @@ async def _client(tiny_llama, fake, *, max_concurrent=8, max_total_tokens=128,
                          ShardInfo(dtype="float32", device_type="cpu", world_size=1, block_size=4,
                                    max_position_embeddings=max_total_tokens,
                                    support_chunking=False,
-                                   use_prefix_caching=False, hidden_size=8), limits,
-                         ValidationLimits(limits, 2, 4, 5), allocator, batcher,
+                                   use_prefix_caching=False, hidden_size=8,
+                                   vocab_size=vocab_size), limits,
+                         ValidationLimits(limits, 2, 4, 5, vocab_size), allocator, batcher,
                          Infer(batcher, metrics, max_concurrent_requests=max_concurrent), metrics,
                          ChatTemplate.from_model_dir(str(tiny_llama)))
     client = TestClient(TestServer(create_app(router_state(config, served))))

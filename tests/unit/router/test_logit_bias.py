@@ -51,6 +51,23 @@ async def test_a_malformed_logit_bias_is_422(tiny_llama, bias, expected):
         await client.close()
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", lambda bias: {**CHAT, "logit_bias": bias}),
+    ("/v1/completions", lambda bias: {"prompt": "hi", "max_tokens": 2, "logit_bias": bias}),
+    ("/generate", lambda bias: {"text": "hi", "sampling_params": {"max_new_tokens": 2,
+                                                                  "logit_bias": bias}})])
+async def test_an_id_past_the_models_vocabulary_is_422(tiny_llama, path, body):
+    client = await _client(tiny_llama, HealthyFake(), vocab_size=320)  # as the shards say
+    try:
+        reply = await client.post(path, json=body({"7": 1, "320": -5}))
+        text = await reply.text()
+        assert reply.status == 422 and "below the model's vocabulary size of 320" in text, text
+        reply = await client.post(path, json=body({"7": 1, "319": -5}))
+        assert reply.status == 200, await reply.text()
+    finally:
+        await client.close()
+
+
 async def test_openai_routes_take_vllms_repetition_penalty(tiny_llama):
     fake = HealthyFake()
     client = await _client(tiny_llama, fake)
