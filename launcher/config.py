@@ -82,6 +82,9 @@ class LauncherConfig:
                                       "then stops everything with a non-zero exit. 0: never "
                                       "restart.")
     shard_restart_window: int = _opt(600, "Seconds over which shard restarts are counted.")
+    shard_hang_timeout: int = _opt(60, "Seconds a serving shard may go without answering its "
+                                       "health check (stopped, or hung) before its group is "
+                                       "restarted as if it had died. 0: never.")
     graceful_termination_timeout: int = _opt(20, "Seconds children get to finish in-flight work and "
                                                  "exit before SIGKILL.")
     huggingface_hub_cache: str | None = _opt(None, "Hugging Face Hub cache directory for Hub ids "
@@ -113,6 +116,8 @@ class LauncherConfig:
                              "this machine's shards at")
         if self.max_shard_restarts < 0 or self.shard_restart_window <= 0:
             raise ValueError("--max-shard-restarts must be >= 0 and --shard-restart-window > 0")
+        if self.shard_hang_timeout < 0:
+            raise ValueError(f"--shard-hang-timeout {self.shard_hang_timeout} must be >= 0")
         if self.dtype == "":
             self.dtype = None  # DTYPE= in the environment: the default
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -208,6 +213,7 @@ def parse_args(argv: list[str] | None = None) -> LauncherConfig:
     router = {k.removeprefix("router."): v for k, v in args.items() if k.startswith("router.")}
     own = {k: v for k, v in args.items() if not k.startswith("router.")}
     for name in ("num_shard", "block_size", "master_port", "graceful_termination_timeout",
-                 "max_shard_restarts", "shard_restart_window", "speculate"):
+                 "max_shard_restarts", "shard_restart_window", "shard_hang_timeout",
+                 "speculate"):
         own[name] = int(own[name])
     return LauncherConfig(**own, router=router)

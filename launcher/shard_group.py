@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.logs import relay
+from proto.launcher_watch import LAUNCHER_PID_ENV
 from shard.config import DEFAULT_CUDA_GRAPHS
 
 
@@ -55,7 +56,9 @@ def death(child: Child) -> str:
 
 
 def spawn(name: str, argv: list[str], env: dict[str, str], json_output: bool) -> Child:
-    # own session: a Ctrl-C in the terminal reaches only the launcher, which stops children in order
+    # own session: a Ctrl-C in the terminal reaches only the launcher, which stops children in
+    # order; and a child stops itself once this launcher is gone (proto.launcher_watch)
+    env = {**env, LAUNCHER_PID_ENV: str(os.getpid())}
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                start_new_session=True)
     child = Child(name, process)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from launcher.config import LauncherConfig
 from launcher.gpus import pick_gpus, visible_gpus
+from launcher.liveness import Liveness
 from launcher.logs import say
 from launcher.shard_group import Child, GroupSpec, LaunchError, ShardGroup, death, spawn, terminate
 from shard.partition import split_heads_of
@@ -62,6 +63,7 @@ class Supervisor:
         self.stop_requested = threading.Event()
         self._group_numbers = iter(range(1, 1 << 30))
         self._host = None
+        self.liveness: Liveness | None = None  # started once the default group serves
 
     def _say(self, message: str, level: str = "INFO") -> None:
         say(message, json_output=self.config.json_output, level=level)
@@ -97,6 +99,9 @@ class Supervisor:
             default.spawn()
             self._wait_until("shards ready", default.ready, group=default)
             default.supervised = True
+            if config.shard_hang_timeout > 0:
+                self.liveness = Liveness(self._responsive_shards, config.shard_hang_timeout)
+                self.liveness.start()
             if config.node_rank > 0:
                 ranks = config.local_ranks
                 self._say(f"machine {config.node_rank} of {config.nnodes}: ranks {ranks.start}-"
@@ -218,19 +223,45 @@ class Supervisor:
                 dead = group.dead_child()
                 if dead is not None:
                     self._restart(group, dead)
+                    continue
+                stuck = self._stuck_child(group)
+                if stuck is not None:
+                    self._restart(group, *stuck)
 
-    def _restart(self, group: ShardGroup, dead: Child) -> None:
-        """Restarts every rank of a group when one died; past the budget, stops the group (and,
-        for the default model, everything). Called with the lock held."""
+    def _responsive_shards(self) -> list[tuple[int, str]]:
+        """What the liveness thread asks: (pid, socket) of each running rank of the supervised
+        groups on this machine whose socket is up."""
+        with self.lock:
+            groups = [g for g in self.groups.values() if g.supervised]
+            return [(child.process.pid, group.socket_path(rank))
+                    for group in groups for child, rank in zip(group.children, group.spec.ranks)
+                    if child.exited() is None and os.path.exists(group.socket_path(rank))]
+
+    def _stuck_child(self, group: ShardGroup) -> tuple[Child, str] | None:
+        if self.liveness is None:
+            return None
+        for child in group.children:
+            silence = self.liveness.silent_for(child.process.pid)
+            if silence is not None:
+                return child, (f"{child.name} has not answered its health check for "
+                               f"{silence:.0f} s (stopped or hung; --shard-hang-timeout "
+                               f"{self.config.shard_hang_timeout})")
+        return None
+
+    def _restart(self, group: ShardGroup, dead: Child, why: str | None = None) -> None:
+        """Restarts every rank of a group when one died (or, `why`, hangs); past the budget,
+        stops the group (and, for the default model, everything). Called with the lock held."""
         config = self.config
+        what = death(dead) if why is None else why
         if config.nnodes > 1 and group.spec.name == self.model_name:
             # the other machines' ranks are still in the old process group
-            raise LaunchError(f"{death(dead)}\n(a model split across machines is not restarted: "
+            group.kill(self._say)  # a hung rank, if that is it, ends with the rest
+            raise LaunchError(f"{what}\n(a model split across machines is not restarted: "
                               "start the launcher on every machine again)")
         if not group.may_restart(config.max_shard_restarts, config.shard_restart_window):
             # the survivors would hold the router's step in a collective through its drain
             group.kill(self._say)
-            spent = (f"{death(dead)}\n(the shard group of {group.spec.name} was restarted "
+            spent = (f"{what}\n(the shard group of {group.spec.name} was restarted "
                      f"{len(group.restarts)} times within {config.shard_restart_window} s: "
                      f"--max-shard-restarts {config.max_shard_restarts} is used up)")
             if group.spec.name == self.model_name:
@@ -239,7 +270,8 @@ class Supervisor:
             self.groups.pop(group.spec.name, None)
             group.remove_sockets()
             return
-        self._say(f"{dead.name} exited with code {dead.exited()}; restarting the shard group of "
+        cause = f"{dead.name} exited with code {dead.exited()}" if why is None else why
+        self._say(f"{cause}; restarting the shard group of "
                   f"{group.spec.name} (restart {len(group.restarts)} of "
                   f"{config.max_shard_restarts} within {config.shard_restart_window} s)",
                   level="WARNING")
@@ -303,6 +335,8 @@ class Supervisor:
         """Router first, so it stops taking requests while the shards still answer; then shards."""
         grace = self.config.graceful_termination_timeout
         self.stop_requested.set()  # a StartGroup still waiting for its shards gives up
+        if self.liveness is not None:
+            self.liveness.stop()
         if self.router is not None:
             terminate([self.router], grace, self._say)
             self.router = None

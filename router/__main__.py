@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+from proto.launcher_watch import watch_launcher
 from proto.tracing import init_tracing, shutdown_tracing
 from router import connections
 from router.app import build_state, create_app
@@ -17,6 +18,9 @@ log = logging.getLogger("tgi.router")
 
 
 async def serve(argv: list[str] | None) -> int:
+    # ends this process (with SIGTERM, whose handler below stops it in order) once tgi-launcher
+    # is gone; before that handler exists, SIGTERM just ends it
+    watch_launcher()
     config = parse_args(argv)
     init_tracing(config.otlp_service_name, config.otlp_endpoint)
     state = await build_state(config)

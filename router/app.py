@@ -40,7 +40,8 @@ def router_state(config: RouterConfig, default: ServedModel) -> RouterState:
 
 
 async def build_state(config: RouterConfig) -> RouterState:
-    return router_state(config, await build_served(config))
+    # the launcher restarts a default group that dies while it is warmed up: wait for it
+    return router_state(config, await build_served(config, through_restarts=True))
 
 
 def create_app(state: RouterState) -> web.Application:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -194,14 +195,39 @@ def model_config(config: RouterConfig, *, model_id: str, model_dir: str, master_
         max_batch_total_tokens=settings.get("max_batch_total_tokens"))
 
 
-async def build_served(config: RouterConfig) -> ServedModel:
-    """Connects to a model's shards, warms them up, and builds its scheduler."""
-    client = await ShardedClient.connect(config.master_shard_uds_path)
-    try:
-        return await _build(config, client)
-    except BaseException:
-        await client.close()
-        raise
+_now = time.monotonic  # the clock of build_served's deadline
+
+
+async def build_served(config: RouterConfig, *, through_restarts: bool = False) -> ServedModel:
+    """Connects to a model's shards, warms them up, and builds its scheduler. `through_restarts`:
+    a group that dies meanwhile (the launcher restarts it) is waited for, up to
+    --shard-recovery-timeout, and warmed up again; else its death is the error."""
+    deadline = _now() + config.shard_recovery_timeout
+    while True:
+        client = await _connect(config, deadline if through_restarts else None)
+        try:
+            return await _build(config, client)
+        except ShardError as err:
+            lost = not await client.is_same_group_alive()
+            await client.close()
+            if not (through_restarts and lost) or _now() > deadline:
+                raise
+            log.warning("the shards went away while warming up (%s): waiting for their restart",
+                        err)
+        except BaseException:
+            await client.close()
+            raise
+
+
+async def _connect(config: RouterConfig, deadline: float | None) -> ShardedClient:
+    """A client of the group; with a deadline, retried until then while its shards start."""
+    while True:
+        try:
+            return await ShardedClient.connect(config.master_shard_uds_path)
+        except ShardError:
+            if deadline is None or _now() > deadline:
+                raise
+            await asyncio.sleep(0.5)
 
 
 async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:

@@ -14,6 +14,7 @@ import torch
 
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
+from proto.launcher_watch import watch_launcher
 from proto.tracing import init_tracing, shutdown_tracing
 from shard.allocator import MMAP_THRESHOLD, keep_freed_memory, return_freed_memory
 from shard.config import (DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype, parse_args,
@@ -118,6 +119,9 @@ def _default_dtype(config: ShardConfig, device: torch.device, parallel) -> str:
 
 
 async def serve(config: ShardConfig) -> None:
+    # ends this process (with SIGTERM, whose handler below stops it in order) once tgi-launcher
+    # is gone; while the model loads, before that handler exists, SIGTERM just ends it
+    watch_launcher()
     init_tracing(config.otlp_service_name, config.otlp_endpoint)
     loop = asyncio.get_running_loop()
     worker = engine_thread()
@@ -127,7 +131,8 @@ async def serve(config: ShardConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     def on_fatal_error(err: Exception) -> None:
-        log.error("device error, stopping the shard: %s", err)
+        log.error("the shard cannot go on (its device or its ranks' group failed), stopping: %s",
+                  err)
         stop.set()
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2**31 - 1),

@@ -8,6 +8,19 @@ import torch
 import torch.distributed as dist
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective between the ranks failed: a peer died, or stalled past the group's timeout.
+    The process group is then closed for good (gloo answers every later call with "Application
+    timeout caused pair closure"), so only a new group of processes recovers."""
+
+
+def _collective(call, *args, **kwargs):
+    try:
+        return call(*args, **kwargs)
+    except RuntimeError as err:
+        raise CollectiveFailed(f"{getattr(call, '__name__', 'collective')}: {err}") from err
+
+
 @dataclass(slots=True)
 class ParallelContext:
     rank: int = 0
@@ -38,13 +51,13 @@ def all_gather_strings(value: str, ctx: ParallelContext) -> list[str]:
     if not ctx.is_sharded:
         return [value]
     out: list = [None] * ctx.world_size
-    dist.all_gather_object(out, value, group=ctx.group)
+    _collective(dist.all_gather_object, out, value, group=ctx.group)
     return out
 
 
 def all_reduce(tensor: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     if ctx.is_sharded:
-        dist.all_reduce(tensor, group=ctx.group)
+        _collective(dist.all_reduce, tensor, group=ctx.group)
     return tensor
 
 
@@ -56,7 +69,7 @@ def all_gather_last_dim(tensor: torch.Tensor, ctx: ParallelContext) -> torch.Ten
     # CUDA graph's capture, as TGI gathers its logits
     shape = tensor.shape
     gathered = tensor.new_empty((ctx.world_size * shape[0], *shape[1:]))
-    _gather_single(gathered, tensor.contiguous(), group=ctx.group)
+    _collective(_gather_single, gathered, tensor.contiguous(), group=ctx.group)
     return gathered.view(ctx.world_size, *shape).movedim(0, -2).reshape(
         *shape[:-1], ctx.world_size * shape[-1])
 

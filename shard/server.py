@@ -15,6 +15,7 @@ from proto import generate_pb2_grpc as pb_grpc
 from proto.tracing import extract_metadata, tracer, tracing_enabled
 from shard import convert
 from shard.config import ShardConfig
+from shard.distributed import CollectiveFailed
 from shard.engine import BatchNotFound, Engine
 
 log = logging.getLogger("tgi.shard")
@@ -71,7 +72,9 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except Exception as err:  # a failed step fails its batch; a dead device stops the shard
             log.exception("step failed")
-            if self.engine.runner.device.type == "cuda":
+            if isinstance(err, CollectiveFailed):  # the ranks' group is gone: a new one is needed
+                self.on_fatal_error(err)
+            elif self.engine.runner.device.type == "cuda":
                 if isinstance(err, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()  # this batch did not fit; the next may
                 else:

@@ -109,3 +109,46 @@ def test_killed_rank_restarts_the_group_and_the_router_serves_again(tiny_llama, 
     while server.processes_left() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert server.processes_left() == []
+
+
+def test_a_stopped_rank_is_restarted_as_if_it_had_died(tiny_llama, tmp_path):
+    """A rank that hangs (here SIGSTOP) does not exit: past --shard-hang-timeout without answering
+    its health check, its group is restarted, the stream on it ends with an error frame, and the
+    request waiting behind it is served by the new group."""
+    server = launch(["--model-id", str(tiny_llama)], tmp_path,
+                    extra=["--num-shard", "2", "--max-batch-total-tokens", "8192",
+                           "--shard-hang-timeout", "4", "--shard-recovery-timeout", "120"])
+    pool = ThreadPoolExecutor(4)
+    stopped = None
+    try:
+        url = server.url
+        before = requests.post(f"{url}/generate", json=PROMPT, timeout=60).json()
+        stream = pool.submit(_stream, url, 0)
+        deadline = time.monotonic() + 30
+        while _metric(url, "tgi_batch_current_size") == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        old_pids = server.shard_pids()
+        stopped = old_pids[1]
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        waiting = pool.submit(lambda: requests.post(f"{url}/generate", json=PROMPT, timeout=150))
+        reply = waiting.result(timeout=150)
+        assert reply.status_code == 200, reply.text
+        assert reply.json() == before
+        waited = time.monotonic() - stopped_at
+        outcome = stream.result(timeout=60)
+        assert "final" in outcome or outcome.get("error", {}).get("error_type") == \
+            "generation", outcome
+        new_pids = server.shard_pids()
+        assert not set(new_pids.values()) & set(old_pids.values()), "every rank was restarted"
+        assert "shard 1 has not answered its health check for" in server.log()
+        assert waited < 60, f"the waiting request took {waited:.0f} s"
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)  # in case the launcher did not
+            except ProcessLookupError:
+                pass
+        pool.shutdown(wait=False, cancel_futures=True)
+        code = server.stop()
+    assert code == 0, server.log()

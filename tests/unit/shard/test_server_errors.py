@@ -74,3 +74,26 @@ def test_an_allocation_failure_outside_the_allocator_empties_the_cache(monkeypat
     assert _fail(servicer, error) == grpc.StatusCode.INTERNAL
     assert servicer.emptied == [True]
     assert fatal == ([error] if device_lost else [])  # a device left broken still stops the shard
+
+
+class _CpuEngine:
+    class runner:
+        device = torch.device("cpu")
+
+
+def test_a_failed_collective_stops_the_shard_on_any_device(monkeypatch):
+    from shard import distributed
+
+    monkeypatch.setattr(distributed.dist, "all_reduce", _raise_gloo)
+    context = distributed.ParallelContext(rank=0, world_size=2, group=object())
+    with pytest.raises(distributed.CollectiveFailed, match="pair closure") as caught:
+        distributed.all_reduce(torch.ones(2), context)
+    for engine in (_Engine(), _CpuEngine()):
+        servicer, fatal = _servicer(monkeypatch, device_lost=False)
+        servicer.engine = engine
+        _fail(servicer, caught.value)
+        assert fatal == [caught.value]  # gloo's group is closed for good: a new one is needed
+
+
+def _raise_gloo(*args, **kwargs):
+    raise RuntimeError("Application timeout caused pair closure")
