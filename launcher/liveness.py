@@ -33,8 +33,8 @@ def health_probe(socket_path: str, timeout: float) -> bool:
 
 
 class Liveness:
-    """The last time each watched process answered. `targets()` lists what to watch now, as
-    (process id, socket path) pairs: the supervised groups' live ranks."""
+    """Since when each watched process has failed every probe. `targets()` lists what to watch
+    now, as (process id, socket path) pairs: the supervised groups' running ranks."""
 
     def __init__(self, targets: Callable[[], list[tuple[int, str]]], timeout: float, *,
                  every: float = 2.0, probe: Probe = health_probe,
@@ -42,9 +42,12 @@ class Liveness:
         self.targets = targets
         self.timeout = timeout
         self.every = every
+        self.probe_timeout = min(every, 5.0)
         self.probe = probe
         self.clock = clock
-        self.answered: dict[int, float] = {}  # pid -> when it last answered (or was first seen)
+        self.failing_since: dict[int, float] = {}  # pid -> its first failed probe of a run
+        self.last_round = clock()  # when the latest round of probes ended
+        self.round_time = 0.0  # the longest a round may take (a probe a target)
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -58,19 +61,25 @@ class Liveness:
     def probe_once(self) -> None:
         watched = self.targets()
         alive = {pid for pid, _ in watched}
-        for pid in [p for p in self.answered if p not in alive]:
-            del self.answered[pid]  # exited, or its group was restarted or stopped
+        for pid in [p for p in self.failing_since if p not in alive]:
+            del self.failing_since[pid]  # exited, or its group was restarted or stopped
         for pid, socket_path in watched:
-            self.answered.setdefault(pid, self.clock())
-            if self.probe(socket_path, min(self.every, 5.0)):
-                self.answered[pid] = self.clock()
+            asked = self.clock()
+            if self.probe(socket_path, self.probe_timeout):
+                self.failing_since.pop(pid, None)
+            else:
+                self.failing_since.setdefault(pid, asked)
+        self.round_time = self.probe_timeout * len(watched)
+        self.last_round = self.clock()
 
     def silent_for(self, pid: int) -> float | None:
-        """Seconds since `pid` last answered, once that is past the timeout; else None."""
-        last = self.answered.get(pid)
-        if last is None:
+        """Seconds `pid` has failed every probe, once past the timeout; else None. Silence is
+        only what probes saw: while the probing itself lags (this launcher stopped, its
+        container paused), nobody is judged."""
+        since = self.failing_since.get(pid)
+        if since is None or self.clock() - self.last_round > 2 * self.every + self.round_time:
             return None
-        silence = self.clock() - last
+        silence = self.clock() - since
         return silence if silence > self.timeout else None
 
     def _run(self) -> None:

@@ -100,7 +100,7 @@ class Supervisor:
             self._wait_until("shards ready", default.ready, group=default)
             default.supervised = True
             if config.shard_hang_timeout > 0:
-                self.liveness = Liveness(self._responsive_shards, config.shard_hang_timeout)
+                self.liveness = Liveness(self._running_shards, config.shard_hang_timeout)
                 self.liveness.start()
             if config.node_rank > 0:
                 ranks = config.local_ranks
@@ -228,7 +228,7 @@ class Supervisor:
                 if stuck is not None:
                     self._restart(group, *stuck)
 
-    def _responsive_shards(self) -> list[tuple[int, str]]:
+    def _running_shards(self) -> list[tuple[int, str]]:
         """What the liveness thread asks: (pid, socket) of each running rank of the supervised
         groups on this machine whose socket is up."""
         with self.lock:

@@ -90,11 +90,11 @@ class ConnectionCeiling:
     def __init__(self, server: web.Server, ceiling: int):
         self.server = server
         self.ceiling = ceiling
-        self.refused = 0
 
     def __call__(self) -> asyncio.BaseProtocol:
-        if len(self.server.connections) >= self.ceiling:
-            self.refused += 1
+        # the handlers aiohttp holds; its public `connections` copies them into a list, on every
+        # accept, with tens of thousands open
+        if len(self.server._connections) >= self.ceiling:
             return _Refusal()
         return self.server()
 

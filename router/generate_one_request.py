@@ -21,6 +21,7 @@ MAX_LENGTH_PENALTY = 10.0  # length^penalty stays a finite float for any context
 # characters of a request_id: an id names a session, it does not carry data
 MAX_REQUEST_ID = 1024
 
+
 @dataclass(frozen=True, slots=True)
 class GenerationDefaults:
     """What a call gets for a generation_config field it leaves out (transformers' defaults)."""

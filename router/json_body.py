@@ -18,9 +18,10 @@ from router.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutE
 MAX_DEPTH = 128
 
 _PARSE = "Failed to parse the request body as JSON: "
-# seconds a request's body may take to arrive once its head has: a slow body holds a connection
-# and a handler
+# how long a request's body may take to arrive once its head has (a slow body holds a connection
+# and a handler): BODY_TIMEOUT seconds, and a second more per SLOWEST_BODY_RATE bytes it may hold
 BODY_TIMEOUT = 60.0
+SLOWEST_BODY_RATE = 64 * 1024
 _INLINE_BYTES = 32_768  # smaller bodies parse faster than a thread hop
 
 
@@ -105,14 +106,16 @@ async def read_object(request) -> dict:
         error = PayloadTooLargeError(f"Maximum request body size {limit} exceeded.")
         error.close_connection = True
         raise error
+    size = request.content_length if request.content_length is not None else limit
+    allowed = BODY_TIMEOUT + size / SLOWEST_BODY_RATE  # 60 s, and 31 s more for 2 MB
     try:
-        async with asyncio.timeout(BODY_TIMEOUT):
+        async with asyncio.timeout(allowed):
             raw = await request.read()
     except web.HTTPException:  # the payload limit's 413, shaped by the error middleware
         raise
     except TimeoutError:
         request.content.feed_eof()  # as below: what was not read stays unread
-        error = RequestTimeoutError(f"the request body did not arrive within {BODY_TIMEOUT:g} s")
+        error = RequestTimeoutError(f"the request body did not arrive within {allowed:.0f} s")
         error.close_connection = True
         raise error from None
     except Exception as err:  # a body its Content-Encoding does not decode (RequestPayloadError)

@@ -256,7 +256,9 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
     """`parsed`: sampling_and_stops(body, limits), when the caller read it already (once for
     every prompt of a body: a logit_bias of 100,000 entries takes a tenth of a second)."""
     sampling, stop = parsed or sampling_and_stops(body, limits)
-    sampling = replace(sampling)  # each request its own
+    if parsed is not None:  # shared by the body's prompts: each draws its own seed, as alone
+        seed = sampling.seed if body.get("seed") is not None else random.getrandbits(64)
+        sampling, stop = replace(sampling, seed=seed), list(stop)
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")

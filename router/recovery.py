@@ -42,7 +42,8 @@ def shards_unavailable(waited: float) -> UnhealthyError:
 
 
 def shutting_down() -> UnhealthyError:
-    return UnhealthyError("the server is shutting down while its model shards restart")
+    # the server stopping, or this model alone (stopped, or its restarts used up)
+    return UnhealthyError("the model is being stopped while its shards restart")
 
 
 class ShardRecovery:

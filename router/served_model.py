@@ -195,25 +195,31 @@ def model_config(config: RouterConfig, *, model_id: str, model_dir: str, master_
         max_batch_total_tokens=settings.get("max_batch_total_tokens"))
 
 
-_now = time.monotonic  # the clock of build_served's deadline
+_now = time.monotonic  # build_served's clock (tests move it)
+# seconds a restarted group may take to load, as long as the launcher waits for one to start
+GROUP_START_WAIT = 600.0
 
 
 async def build_served(config: RouterConfig, *, through_restarts: bool = False) -> ServedModel:
     """Connects to a model's shards, warms them up, and builds its scheduler. `through_restarts`:
-    a group that dies meanwhile (the launcher restarts it) is waited for, up to
-    --shard-recovery-timeout, and warmed up again; else its death is the error."""
-    deadline = _now() + config.shard_recovery_timeout
+    a group that dies meanwhile (the launcher restarts it) is waited for while it loads, up to
+    the launcher's own bound on a start (GROUP_START_WAIT), and warmed up again; else its death is
+    the error."""
+    deadline = None  # none until the group is found gone: a first warm-up may take minutes
     while True:
-        client = await _connect(config, deadline if through_restarts else None)
+        client = await _connect(config, deadline)
         try:
             return await _build(config, client)
         except ShardError as err:
             lost = not await client.is_same_group_alive()
             await client.close()
-            if not (through_restarts and lost) or _now() > deadline:
+            if not (through_restarts and lost):
                 raise
             log.warning("the shards went away while warming up (%s): waiting for their restart",
                         err)
+            # the wait for the new group to load; its deaths are bounded by the launcher's
+            # restart budget, which ends the launch (and this router) once spent
+            deadline = _now() + max(config.shard_recovery_timeout, GROUP_START_WAIT)
         except BaseException:
             await client.close()
             raise

@@ -105,7 +105,8 @@ class SessionStore:
         if not session.started:  # nothing ran (the call failed first): nothing to continue
             self._forget(session)
             return
-        self._forget_beyond_limit()
+        if succeeded:  # a refused or failed call forgets nobody's session
+            self._forget_beyond_limit()
         self._fit_budget()
 
     def keep(self, session: Session, token_ids: list[int], added_text: str,

@@ -72,8 +72,9 @@ def max_token_bytes(spec: dict) -> int | None:
     """The most input bytes one token can stand for, where the tokenizer's JSON `spec` guarantees a
     bound: byte-level BPE with no normaliser and pre-tokenizers that drop nothing, where each
     vocabulary character is one input byte. None for any other tokenizer."""
-    if spec.get("normalizer") is not None or (spec.get("model") or {}).get("type") != "BPE":
-        return None
+    model = spec.get("model") or {}
+    if spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("fuse_unk"):
+        return None  # (fused, one unknown token stands for any number of bytes)
     pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     if not any(step.get("type") == "ByteLevel" for step in steps):
@@ -86,6 +87,6 @@ def max_token_bytes(spec: dict) -> int | None:
     added = spec.get("added_tokens") or []
     if any(token.get("lstrip") or token.get("rstrip") for token in added):
         return None  # such a token also takes the spaces beside it: no bound
-    lengths = [len(token) for token in spec["model"].get("vocab") or {}]
+    lengths = [len(token) for token in model.get("vocab") or {}]
     lengths += [len(token.get("content", "").encode()) for token in added]
     return max(lengths, default=0) or None

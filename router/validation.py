@@ -6,7 +6,6 @@ in the order TGI applies them, then the prompt is tokenised and its length check
 from __future__ import annotations
 
 import asyncio
-
 import random
 from dataclasses import dataclass
 

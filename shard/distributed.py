@@ -17,6 +17,8 @@ class CollectiveFailed(RuntimeError):
 def _collective(call, *args, **kwargs):
     try:
         return call(*args, **kwargs)
+    except torch.OutOfMemoryError:
+        raise  # fails its batch, as an out-of-memory elsewhere in the step does
     except RuntimeError as err:
         raise CollectiveFailed(f"{getattr(call, '__name__', 'collective')}: {err}") from err
 

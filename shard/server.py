@@ -43,6 +43,7 @@ def _allocation_failed(err: BaseException) -> bool:
     text = str(err)
     return "out of memory" in text.lower() or "ALLOC_FAILED" in text
 
+
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     def __init__(self, engine: Engine, config: ShardConfig, info: pb.InfoResponse,
                  on_fatal_error, worker: ThreadPoolExecutor, urls: list[str]):

@@ -66,9 +66,18 @@ async def test_without_waiting_or_when_the_same_group_refused_the_error_stands(m
     assert len(handed) == 1 and handed[0].closed
 
 
-async def test_past_the_recovery_timeout_the_error_stands(monkeypatch):
+async def test_a_group_not_back_within_the_wait_is_the_error(monkeypatch):
     _script(monkeypatch, ["dies"] + ["not up"] * 1000)
-    clock = iter(range(0, 10**6, 10))
+    clock = iter(range(0, 10**6, 10))  # 10 s a call: past GROUP_START_WAIT after about 60 tries
     monkeypatch.setattr(served_model, "_now", lambda: next(clock))
     with pytest.raises(ShardError, match="connect failed"):
         await served_model.build_served(CONFIG, through_restarts=True)
+
+
+async def test_a_long_first_warm_up_is_not_cut_short(monkeypatch):
+    """The wait starts when the group is found gone, not when the first warm-up began."""
+    handed = _script(monkeypatch, ["dies", "not up", "ok"])
+    ticks = iter([10_000.0] + [10_001.0] * 10)  # the first warm-up took hours
+    monkeypatch.setattr(served_model, "_now", lambda: next(ticks))
+    assert await served_model.build_served(CONFIG, through_restarts=True) == "served"
+    assert len(handed) == 3

@@ -107,3 +107,18 @@ def test_openai_routes_write_a_token_without_probability_as_minus_9999():
     assert legacy["top_logprobs"] == [{}, {"b": -9999.0}, {"c": -0.25}]
     assert _token_logprob(Token(5, "b", None))["logprob"] == -9999.0
     assert _token_logprob(Token(5, "b", float("-1e30")))["logprob"] == -9999.0
+
+
+async def test_each_prompt_samples_with_its_own_seed_unless_one_is_given(tiny_llama):
+    fake = HealthyFake()
+    client = await _client(tiny_llama, fake)
+    try:
+        body = {"prompt": ["hello", "hello"], "max_tokens": 2, "temperature": 1.0}
+        assert (await client.post("/v1/completions", json=body)).status == 200
+        seeds = [r.request.sampling.seed for r in fake.requests.values()]
+        assert len(seeds) == 2 and seeds[0] != seeds[1]  # the same prompt twice: two samples
+        fake.requests.clear()
+        assert (await client.post("/v1/completions", json={**body, "seed": 7})).status == 200
+        assert [r.request.sampling.seed for r in fake.requests.values()] == [7, 7]
+    finally:
+        await client.close()
