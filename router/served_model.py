@@ -213,8 +213,10 @@ async def build_served(config: RouterConfig, *, through_restarts: bool = False) 
         except ShardError as err:
             lost = not await client.is_same_group_alive()
             await client.close()
-            if not (through_restarts and lost):
+            if not lost:
                 raise
+            if not through_restarts:  # say what happened, not only what the channel saw
+                raise ShardError(f"its shards exited while they were warmed up ({err})") from err
             log.warning("the shards went away while warming up (%s): waiting for their restart",
                         err)
             # the wait for the new group to load; its deaths are bounded by the launcher's

@@ -58,8 +58,8 @@ async def test_a_group_that_dies_while_warming_up_is_waited_for(monkeypatch):
 
 async def test_without_waiting_or_when_the_same_group_refused_the_error_stands(monkeypatch):
     _script(monkeypatch, ["dies", "ok"])
-    with pytest.raises(ShardError):  # a second model's start: its caller reports the death
-        await served_model.build_served(CONFIG)
+    with pytest.raises(ShardError, match="exited while they were warmed up"):  # a second
+        await served_model.build_served(CONFIG)  # model's start: its caller reports the death
     handed = _script(monkeypatch, ["refuses", "ok"])
     with pytest.raises(ShardError):  # the group is alive: warming it up again would fail again
         await served_model.build_served(CONFIG, through_restarts=True)
