@@ -55,10 +55,11 @@ class LauncherConfig:
                                                  "another size replays the next larger graph, "
                                                  "a larger one runs eagerly. CUDA only.")
     cuda_memory_fraction: float = _opt(1.0, "Share of each GPU's memory the server may use "
-                                            "(TGI's flag): a shard on CUDA sizes its KV pool from "
-                                            "the memory free once its model is loaded, less the "
-                                            "rest of the GPU ((1 - this) x its total), leaving "
-                                            "that to other processes. On the CPU it scales the "
+                                            "(TGI's flag): a shard on CUDA sizes its KV pool, "
+                                            "once its model is loaded, from the smaller of the "
+                                            "free memory and this share of the GPU less what the "
+                                            "shard holds, leaving the rest to other processes. "
+                                            "On the CPU it scales the "
                                             "pool's share of the available memory (30 percent). "
                                             "Unused where --max-batch-total-tokens fixes the "
                                             "pool.")

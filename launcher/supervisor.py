@@ -252,7 +252,7 @@ class Supervisor:
         """Restarts every rank of a group when one died (or, `why`, hangs); past the budget,
         stops the group (and, for the default model, everything). Called with the lock held."""
         config = self.config
-        what = death(dead) if why is None else why
+        what = why or death(dead)  # with the dead child's last lines
         if config.nnodes > 1 and group.spec.name == self.model_name:
             # the other machines' ranks are still in the old process group
             group.kill(self._say)  # a hung rank, if that is it, ends with the rest
@@ -270,7 +270,7 @@ class Supervisor:
             self.groups.pop(group.spec.name, None)
             group.remove_sockets()
             return
-        cause = f"{dead.name} exited with code {dead.exited()}" if why is None else why
+        cause = why or f"{dead.name} exited with code {dead.exited()}"
         self._say(f"{cause}; restarting the shard group of "
                   f"{group.spec.name} (restart {len(group.restarts)} of "
                   f"{config.max_shard_restarts} within {config.shard_restart_window} s)",

@@ -252,13 +252,10 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
                   default_max_tokens: int | None, top_n_tokens: int = 0,
                   grammar_spec: tuple[str, str] | None = None,
                   prefill_logprobs: bool = False,
-                  parsed: tuple[SamplingParams, list[str]] | None = None) -> GenerateRequest:
-    """`parsed`: sampling_and_stops(body, limits), when the caller read it already (once for
-    every prompt of a body: a logit_bias of 100,000 entries takes a tenth of a second)."""
-    sampling, stop = parsed or sampling_and_stops(body, limits)
-    if parsed is not None:  # shared by the body's prompts: each draws its own seed, as alone
-        seed = sampling.seed if body.get("seed") is not None else random.getrandbits(64)
-        sampling, stop = replace(sampling, seed=seed), list(stop)
+                  parsed: tuple[SamplingParams, list[str]]) -> GenerateRequest:
+    """`parsed`: sampling_and_stops(body, limits), which the caller reads off the event loop
+    (a logit_bias may be 100,000 entries)."""
+    sampling, stop = parsed
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import uuid
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -15,7 +17,7 @@ from router.infer import GenerateResult
 from router.json_body import read_object
 from router.openai_request import (build_request, choice_count, include_usage, model_name,
                                    number, sampling_and_stops, with_model_defaults, with_seed)
-from router.schemas import GenerateRequest, TokenEvent
+from router.schemas import GenerateRequest, SamplingParams, TokenEvent
 from router.state import served_model
 from router.streaming import openai_sse, serve_stream
 from router.wire import flag
@@ -45,6 +47,13 @@ def _with_suffix(prompt: str, suffix: str | None, tokenizer) -> str:
     return f"{_FIM[0]}{prompt}{_FIM[1]}{suffix}{_FIM[2]}"
 
 
+def _own_seed(sampling: SamplingParams, body: dict) -> SamplingParams:
+    """A prompt's copy of the body's sampling: without a `seed`, a draw of its own, so that the
+    same prompt twice gives two samples, as two requests would."""
+    return replace(sampling, seed=sampling.seed if body.get("seed") is not None
+                   else random.getrandbits(64))
+
+
 async def _validate(state, body: dict):
     limits = state.validation_limits
     logprobs = body.get("logprobs")
@@ -68,7 +77,7 @@ async def _validate(state, body: dict):
     if body.get("response_format") is not None:
         constraint = await asyncio.to_thread(grammar.from_response_format, body["response_format"])
     # read once for every prompt, off the event loop (a logit_bias may be 100,000 entries)
-    parsed = await asyncio.to_thread(sampling_and_stops, body, limits)
+    sampling, stop = await asyncio.to_thread(sampling_and_stops, body, limits)
     requests = []
     for text in _prompts(body, state.config.max_client_batch_size):
         prompt = _with_suffix(text, suffix, state.tokenizer)
@@ -79,7 +88,8 @@ async def _validate(state, body: dict):
         default_max = state.request_defaults.get("token_limit", DEFAULT_MAX_TOKENS)
         base = build_request(prompt, input_ids, body, limits, default_max_tokens=default_max,
                              top_n_tokens=logprobs or 0, grammar_spec=constraint,
-                             prefill_logprobs=echo and logprobs is not None, parsed=parsed)
+                             prefill_logprobs=echo and logprobs is not None,
+                             parsed=(_own_seed(sampling, body), list(stop)))
         requests += [with_seed(base, j) for j in range(candidates)]
     return requests, echo, logprobs, n, candidates
 
