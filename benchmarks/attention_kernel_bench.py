@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shard.layers import paged_kernel  # noqa: E402
+from shard.kernels import paged_attention  # noqa: E402
 
 
 def measure(batch: int, context: int, *, layers: int, heads: int, kv_heads: int, head_dim: int,
@@ -38,7 +38,7 @@ def measure(batch: int, context: int, *, layers: int, heads: int, kv_heads: int,
         evict.fill_(i)
         started = time.perf_counter()
         for key, value in caches:
-            paged_kernel.paged_decode_attention(q, key, value, tables, lens, head_dim ** -0.5)
+            paged_attention.paged_decode_attention(q, key, value, tables, lens, head_dim ** -0.5)
         best = min(best, (time.perf_counter() - started) / layers)
     return best
 
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
-    if paged_kernel.load_kernel() is None:
+    if paged_attention.load_kernel() is None:
         raise SystemExit("the kernel is not available here (no C compiler, or switched off)")
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shard.batch import NewRequest  # noqa: E402
+from shard.batch_state import NewRequest  # noqa: E402
 from shard.distributed import ParallelContext  # noqa: E402
 from shard.engine import Engine  # noqa: E402
 from shard.loader import load_model  # noqa: E402

@@ -58,16 +58,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.march:
         os.environ["TGI_PY_KERNEL_MARCH"] = args.march
-    from shard.layers import arithmetic, matmul_kernel
+    from shard.layers import precision
+    from shard.kernels import bf16_matmul
     if args.step:
         return step(args)
 
-    library = matmul_kernel.load_library()
+    library = bf16_matmul.load_library()
     if library is None:
         sys.exit("the C bf16 matmul does not build here (no C compiler, or no AVX2 / AVX-512 BF16)")
-    form = {matmul_kernel.DPBF16_FORM: "AVX-512 BF16", matmul_kernel.AVX2_FORM: "AVX2"}[
+    form = {bf16_matmul.DPBF16_FORM: "AVX-512 BF16", bf16_matmul.AVX2_FORM: "AVX2"}[
         library.bf16_matmul_supported()]
-    onednn = arithmetic.cpu_has_bf16_kernels()
+    onednn = precision.cpu_has_bf16_kernels()
     print(f"kernel form: {form}; threads: {torch.get_num_threads()}; oneDNN bf16: "
           f"{'yes' if onednn else 'no'}")
     header = "| shape | rows | ours ms | float32 F.linear ms | ours / float32 |"
@@ -79,12 +80,12 @@ def main() -> None:
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         weight = torch.randn(n, k, dtype=torch.bfloat16) * k ** -0.5
-        packed, wide = matmul_kernel.pack(weight), weight.float()
+        packed, wide = bf16_matmul.pack(weight), weight.float()
         prepacked = torch.ops.mkldnn._reorder_linear_weight(weight, 32) if onednn else None
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, dtype=torch.bfloat16)
             xf = x.float()
-            runs = {"ours": lambda: matmul_kernel.matmul(x, packed, n, None),
+            runs = {"ours": lambda: bf16_matmul.matmul(x, packed, n, None),
                     "float32": lambda: F.linear(xf, wide)}
             if onednn:
                 runs["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(
@@ -102,19 +103,19 @@ def main() -> None:
 
 
 def step(args) -> None:
-    from shard.layers import int4_kernel, matmul_kernel
+    from shard.kernels import int4_matmul, bf16_matmul
 
-    if matmul_kernel.load_library() is None:
+    if bf16_matmul.load_library() is None:
         sys.exit("the C bf16 matmul does not build here")
-    four = int4_kernel.load_library() is not None
+    four = int4_matmul.load_library() is not None
     torch.manual_seed(0)
     layers = []
     for _ in range(args.layers):
         for name in ("qkv", "o", "gate_up", "down"):
             n, k = SHAPES[name]
             weight = torch.randn(n, k) * k ** -0.5
-            layers.append((n, k, matmul_kernel.pack(weight.bfloat16()),
-                           int4_kernel.pack(*int4_kernel.quantize(weight)) if four else None))
+            layers.append((n, k, bf16_matmul.pack(weight.bfloat16()),
+                           int4_matmul.pack(*int4_matmul.quantize(weight)) if four else None))
     print(f"{args.layers} layers' decode matmuls, ms (best of {args.rounds * 3} alternated)")
     print("| rows | bf16 | int4 | int4 / bf16 |" if four else "| rows | bf16 |")
     print("|---|---|---|---|" if four else "|---|---|")
@@ -125,9 +126,9 @@ def step(args) -> None:
             start = time.perf_counter()
             for n, k, packed, packed4 in layers:
                 if int4:
-                    int4_kernel.matmul(inputs[k], packed4, n, None)
+                    int4_matmul.matmul(inputs[k], packed4, n, None)
                 else:
-                    matmul_kernel.matmul(inputs[k], packed, n, None)
+                    bf16_matmul.matmul(inputs[k], packed, n, None)
             return (time.perf_counter() - start) * 1e3
 
         kinds = (False, True) if four else (False,)

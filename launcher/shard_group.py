@@ -164,7 +164,7 @@ class ShardGroup:
             if spec.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
             if self.kv_ledger:
-                env["TGI_PY_KV_LEDGER"] = self.kv_ledger  # shard/memory.py's LEDGER_ENV
+                env["TGI_PY_KV_LEDGER"] = self.kv_ledger  # shard/kv_budget.py's LEDGER_ENV
             argv = [sys.executable, "-m", "shard", "--model-path", str(spec.model_dir),
                     "--uds-path", spec.uds_prefix, "--dtype", spec.dtype,
                     "--device", spec.device, "--block-size", str(self.block_size),

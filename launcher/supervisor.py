@@ -75,7 +75,7 @@ class Supervisor:
     @property
     def kv_ledger(self) -> str:
         """The directory where this launcher's shards write down their CPU KV pools, so that
-        each model's pool is sized from what the others leave (shard/memory.py)."""
+        each model's pool is sized from what the others leave (shard/kv_budget.py)."""
         return f"{self.config.shard_uds_path}-kv-ledger"
 
     def run(self) -> int:

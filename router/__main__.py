@@ -10,7 +10,7 @@ import sys
 
 from proto.launcher_watch import watch_launcher
 from proto.tracing import init_tracing, shutdown_tracing
-from router import connections
+from router.http import connections
 from router.app import build_state, create_app
 from router.config import parse_args
 

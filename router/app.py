@@ -8,14 +8,19 @@ from pathlib import Path
 
 from aiohttp import web
 
-from router.api import (completions, generate_one, grpc_service, invocations, models, openai,
-                        sglang, tgi)
+from router.api.openai import completions, chat as openai
+from router.api.generate_one import routes as generate_one
+from router.api.grpc import service as grpc_service
+from router.api import invocations
+from router.api.tgi import routes as tgi
+from router.api.models import routes as models
+from router.api.sglang import routes as sglang
 from router.config import RouterConfig
-from router.middleware import api_key_middleware, error_middleware, install_cors
-from router.model_host_client import ModelHostClient
-from router.model_manager import ModelManager
-from router.model_registry import ModelRegistry
-from router.served_model import ServedModel, build_served
+from router.http.middleware import api_key_middleware, error_middleware, install_cors
+from router.lifecycle.model_host import ModelHostClient
+from router.lifecycle.manager import ModelManager
+from router.lifecycle.registry import ModelRegistry
+from router.lifecycle.served_model import ServedModel, build_served
 from router.state import STATE, RouterState
 
 # Every API the router serves: each module turns its wire format into core requests and the core's

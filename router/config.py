@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from router.errors import RouterError
-from router.generate_one_request import GenerationDefaults, check_config
-from router.sessions import SessionLimits
+from router.inputs.generation_config import GenerationDefaults, check_config
+from router.kv.sessions import SessionLimits
 
 
 def _opt(default, help_text: str):
@@ -149,31 +149,6 @@ class RouterConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         return any(getattr(self, name) != defaults[name]
                    for name in ("waiting_served_ratio", "max_waiting_tokens"))
-
-
-@dataclass(slots=True)
-class TokenLimits:
-    """Limits resolved at start from the flags and what the shards report."""
-
-    max_input_tokens: int
-    max_total_tokens: int
-    max_batch_prefill_tokens: int
-
-    @classmethod
-    def resolve(cls, config: RouterConfig, max_position_embeddings: int, *,
-                chunking: bool = False) -> "TokenLimits":
-        total = config.max_total_tokens or min(4096, max_position_embeddings)
-        max_input = config.max_input_tokens or min(4095, total - 1)
-        prefill = config.max_batch_prefill_tokens or max_input + 50
-        if max_input >= total:
-            raise ValueError(f"max_input_tokens ({max_input}) must be < max_total_tokens ({total})")
-        if prefill < max_input and not chunking:
-            raise ValueError(f"max_batch_prefill_tokens ({prefill}) < max_input_tokens ({max_input}); "
-                             "raise the first")
-        if total > max_position_embeddings:
-            raise ValueError(f"max_total_tokens ({total}) exceeds the model's context "
-                             f"({max_position_embeddings})")
-        return cls(max_input, total, prefill)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

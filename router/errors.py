@@ -1,9 +1,10 @@
-"""The router's error family: each error knows its HTTP status and TGI error_type; one function per API
-family turns it into that API's body."""
+"""The router's errors, all of them: each knows its HTTP status and TGI error_type; below them, the
+body each API answers an error in, and the gRPC status each maps to."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import grpc
 from aiohttp import web
 
 
@@ -81,8 +82,78 @@ class BadRequestError(RouterError):
     error_type = "validation"
 
 
+class TemplateError(RouterError):
+    status = 422
+    error_type = "template_error"
+    prefix = "Template error: "
+
+
+class SessionBusyError(RouterError):
+    """A generate-one call on a request_id whose previous call is still running."""
+
+    status = 409
+    error_type = "session_busy"
+
+
+class ModelNotFoundError(RouterError):
+    status = 404
+    error_type = "model_not_found"
+
+
+class ModelStateError(RouterError):
+    """A move the state machine does not allow (starting a model that is downloading, ...)."""
+
+    status = 409
+    error_type = "model_state"
+
+    def __init__(self, message: str, state: str):
+        super().__init__(message)
+        self.state = state
+
+
+class InvalidModelIdError(RouterError):
+    status = 400
+    error_type = "invalid_model_id"
+
+
+class ModelStartError(RouterError):
+    """The model's shards could not be started or warmed up (the reason is the message)."""
+
+    status = 424
+    error_type = "model_start"
+
+
+class ModelHostMissingError(RouterError):
+    status = 503
+    error_type = "model_host"
+
+    def __init__(self, reason: str = "this router runs without tgi-launcher's model host"):
+        super().__init__(f"models cannot be pulled, started or stopped: {reason}")
+
+
+# -- the body of an error in each API's shape
+
 def tgi_error_body(error: RouterError) -> dict:
+    """TGI's `{"error", "error_type"}`: TGI's routes, generate-one's, and every route by default."""
     return {"error": str(error), "error_type": error.error_type}
+
+
+def openai_stream_error_body(error: RouterError) -> dict:
+    """The last `data:` frame of an OpenAI stream that failed after it opened."""
+    return {"error": {"message": str(error), "type": error.error_type,
+                      "http_status_code": error.status}}
+
+
+def sglang_error_body(error: RouterError) -> dict:
+    return {"error": {"message": str(error), "type": error.error_type, "code": error.status}}
+
+
+def models_error_body(error: RouterError) -> dict:
+    """The model routes': TGI's fields, and a 409 names the model's current state."""
+    body = tgi_error_body(error)
+    if isinstance(error, ModelStateError):
+        body["state"] = error.state
+    return body
 
 
 # a handler of another API's shape sets request[ERROR_BODY] to its own body function, which the
@@ -90,7 +161,32 @@ def tgi_error_body(error: RouterError) -> dict:
 ERROR_BODY = web.RequestKey("error_body", Callable[[RouterError], dict])
 
 
-class TemplateError(RouterError):
-    status = 422
-    error_type = "template_error"
-    prefix = "Template error: "
+# -- the public gRPC API's statuses
+
+# TGI's HTTP status -> gRPC code. 424 (a shard failed during the generation) is INTERNAL, not
+# UNAVAILABLE: clients and proxies retry UNAVAILABLE on their own, and a request that crashed the
+# shards would crash the restarted group again. 503 is UNAVAILABLE: the shards are restarting or
+# the server is shutting down, so trying again later (Retry-After in the trailers) is right.
+GRPC_STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    409: grpc.StatusCode.FAILED_PRECONDITION,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    424: grpc.StatusCode.INTERNAL,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def grpc_status_code(error: RouterError) -> grpc.StatusCode:
+    return GRPC_STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+def grpc_error_trailers(error: RouterError) -> tuple[tuple[str, str], ...]:
+    """TGI's error_type, and the HTTP answer's headers (Retry-After), as trailing metadata."""
+    return (("tgi-error-type", error.error_type),
+            *((name.lower(), value) for name, value in error.headers.items()))

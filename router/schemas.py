@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 class FinishReason(str, enum.Enum):
     """TGI's JSON names; the shard's FinishReason is numbered as the proto's (a table in
-    router.shard_convert maps one to the other)."""
+    router.shards.convert maps one to the other)."""
 
     LENGTH = "length"
     EOS_TOKEN = "eos_token"

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from router.config import RouterConfig
-from router.model_manager import ModelManager
-from router.served_model import ServedModel
+from router.lifecycle.manager import ModelManager
+from router.lifecycle.served_model import ServedModel
 
 # names the model of a request whose body cannot (TGI's, SGLang's and generate-one's routes)
 MODEL_HEADER = "X-Model-Id"

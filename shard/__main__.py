@@ -16,15 +16,15 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.launcher_watch import watch_launcher
 from proto.tracing import init_tracing, shutdown_tracing
-from shard.allocator import MMAP_THRESHOLD, keep_freed_memory, return_freed_memory
+from shard.malloc_tuning import MMAP_THRESHOLD, keep_freed_memory, return_freed_memory
 from shard.config import (DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype, parse_args,
                           parse_cuda_graphs)
 from shard.distributed import all_gather_strings, init_parallel
 from shard.engine import Engine
-from shard.layers.arithmetic import c_matmul_runs
+from shard.layers.precision import c_matmul_runs
 from shard.loader import load_model
 from shard.model_runner import KVCacheSpec, ModelRunner
-from shard.memory import PoolLedger
+from shard.kv_budget import PoolLedger
 from shard.server import ShardServicer, engine_thread
 
 log = logging.getLogger("tgi.shard")

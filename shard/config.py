@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from shard.layers.native import cpu_flags
+from shard.kernels.native import cpu_flags
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE_KINDS = ("int8", "int4")  # shard.layers.quantize (this module must not import torch)
@@ -81,7 +81,7 @@ class ShardConfig:
                 "decode step; 0: no speculation."})
     memory_fraction: float = field(default=1.0, metadata={
         "help": "Share of the device's memory the server may use, when the router does not fix the "
-                "KV pool's size (the launcher's --cuda-memory-fraction; see shard/memory.py)."})
+                "KV pool's size (the launcher's --cuda-memory-fraction; see shard/kv_budget.py)."})
     otlp_endpoint: str = field(default=None, metadata={
         "help": "OTLP gRPC endpoint to export trace spans to (unset: no tracing)."})
     otlp_service_name: str = field(default="tgi-py.shard", metadata={

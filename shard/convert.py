@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from proto import generate_pb2 as pb
-from shard.batch import NewRequest
-from shard.grammar import GRAMMAR_EBNF, GRAMMAR_JSON, GRAMMAR_REGEX
+from shard.batch_state import NewRequest
+from shard.grammar_matcher import GRAMMAR_EBNF, GRAMMAR_JSON, GRAMMAR_REGEX
 from shard.outputs import CachedBatch, Generation, StepResult, TokenRun
 from shard.sampling import SamplingParams
 from shard.stopping import FinishReason

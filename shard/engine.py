@@ -12,13 +12,13 @@ from collections.abc import Callable
 
 import torch
 
-from shard.batch import (Batch, NewRequest, RequestState, block_table_tensor, concatenate_batches,
+from shard.batch_state import (Batch, NewRequest, RequestState, block_table_tensor, concatenate_batches,
                          filter_batch)
 from shard.beams import BeamBlocks, BeamOptions, Beams, BeamSearch
 from shard.detokenizer import DetokenizerState, decode_next, flush
-from shard.grammar import GrammarFactory, advance
+from shard.grammar_matcher import GrammarFactory, advance
 from shard.loader import LoadedModel
-from shard.memory import PoolLedger, kv_budget_bytes
+from shard.kv_budget import PoolLedger, kv_budget_bytes
 from shard.model_runner import DecodeRows, ModelRunner, PrefillSequence
 from shard.outputs import (CachedBatch, GeneratedText, Generation, PromptScores, StepResult,
                            TokenRun, WarmupResult)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from shard.compiled_decode import CompiledDecode, unsupported_reason
-from shard.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
-from shard.layers import paged_kernel
+from shard.kernels.compiled_decode import CompiledDecode, unsupported_reason
+from shard.kernels.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
+from shard.kernels import paged_attention
 from shard.layers.attention import (AttentionMetadata, DecodeGroup, LayerCache, PrefillLayout,
                                     gather_index)
-from shard.models import llama_step
+from shard.kernels import llama_decode_step
 
 log = logging.getLogger("tgi.shard.model_runner")
 
@@ -113,7 +113,7 @@ class ModelRunner:
                  world_size: int = 1, cuda_graphs: list[int] | None = None,
                  new_capture: Callable[[torch.device], Capture] | None = None):
         """cuda_graphs: batch sizes to capture the decode step for on CUDA (see
-        shard.cuda_graphs); `new_capture` replaces the CUDA capture (tests emulate it on the
+        shard.kernels.cuda_graphs); `new_capture` replaces the CUDA capture (tests emulate it on the
         CPU)."""
         self.model = model
         self.spec = spec
@@ -121,9 +121,9 @@ class ModelRunner:
         self.world_size = world_size
         self.cache: list[LayerCache] = []
         self.num_blocks = 0
-        self.paged_kernel = paged_kernel.supports(spec.device, spec.dtype)
+        self.paged_kernel = paged_attention.supports(spec.device, spec.dtype)
         self.decode_step = self._decode_forward
-        self.c_step: llama_step.DecodeStep | None = None  # built with each pool (see allocate)
+        self.c_step: llama_decode_step.DecodeStep | None = None  # built with each pool (see allocate)
         self.graphs: GraphedDecode | None = None  # captured with each pool (see warm_decode)
         if cuda_graphs and (spec.device.type == "cuda" or new_capture is not None):
             self.graphs = GraphedDecode(self._static_decode_forward, cuda_graphs, spec.device,
@@ -139,7 +139,7 @@ class ModelRunner:
                 log.warning("the decode step is not compiled: %s", reason)
 
     def warm_decode(self, max_total_tokens: int = 0) -> None:
-        """Compiles the decode step now, when it is to be compiled (see shard.compiled_decode),
+        """Compiles the decode step now, when it is to be compiled (see shard.kernels.compiled_decode),
         or captures its CUDA graphs for requests of up to max_total_tokens (prompt and output;
         0: unknown, no graphs)."""
         if isinstance(self.decode_step, CompiledDecode):
@@ -184,9 +184,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # a compiled step or CUDA graphs asked for run instead
         if not isinstance(self.decode_step, CompiledDecode) and self.graphs is None:
-            reason = llama_step.unsupported_reason(self.model, self.cache)
+            reason = llama_decode_step.unsupported_reason(self.model, self.cache)
             if reason is None:
-                self.c_step = llama_step.DecodeStep(self.model, self.cache)
+                self.c_step = llama_decode_step.DecodeStep(self.model, self.cache)
             else:
                 log.info("decode steps run layer by layer: %s", reason)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shard.grammar import mask_disallowed
-from shard.layers import fused
+from shard.grammar_matcher import mask_disallowed
+from shard.kernels import layer_ops
 from shard.watermark import apply_watermark
 
 
@@ -179,7 +179,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
                       owned=scores is not logits)
     if not flags["any_sample"] and not flags["max_top_n"]:
         # greedy: the argmax and its log-probability are all a plain step reads
-        picked = fused.greedy_pick(scores)
+        picked = layer_ops.greedy_pick(scores)
         if picked is not None:
             return SampleOutput(picked[0], picked[1], None, None, scores)
     if flags["any_sample"]:

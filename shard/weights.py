@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from shard.distributed import ParallelContext
-from shard.layers.arithmetic import activation_dtype
+from shard.layers.precision import activation_dtype
 
 
 class Weights:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from shard.batch import NewRequest
+from shard.batch_state import NewRequest
 from shard.distributed import ParallelContext
 from shard.engine import Engine
 from shard.loader import load_model

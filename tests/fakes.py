@@ -1,13 +1,13 @@
-"""A scripted stand-in for the shards, in the router's own types (router.batch): the scheduler's
+"""A scripted stand-in for the shards, in the router's own types (router.shards.step_types): the scheduler's
 tests need no model, no torch and no protobuf."""
 from __future__ import annotations
 
 import asyncio
 
-from router.batch import (CachedBatch, Generation, NewBatch, PreparedBatch, Rejection, ShardRequest,
+from router.shards.step_types import (CachedBatch, Generation, NewBatch, PreparedBatch, Rejection, ShardRequest,
                           StepResult, StepTimings)
 from router.schemas import FinalInfo, FinishReason, Token, TokenEvent
-from router.shard_client import ShardError
+from router.shards.client import ShardError
 
 
 class FakeShardClient:

@@ -169,9 +169,9 @@ def test_quantize_quality_benchmark(tiny_llama, tmp_path):
 
 
 def test_matmul_benchmark(tmp_path):
-    from shard.layers import matmul_kernel
+    from shard.kernels import bf16_matmul
 
-    if matmul_kernel.load_library() is None:
+    if bf16_matmul.load_library() is None:
         pytest.skip("the C bf16 matmul does not build here")
     out = _run(["benchmarks/matmul_bench.py", "--rows", "1,5", "--shapes", "o", "--rounds", "1",
                 "--budget", "0.01"], tmp_path)
@@ -182,9 +182,9 @@ def test_matmul_benchmark(tmp_path):
 
 
 def test_matmul_benchmark_of_a_decode_step(tmp_path):
-    from shard.layers import matmul_kernel
+    from shard.kernels import bf16_matmul
 
-    if matmul_kernel.load_library() is None:
+    if bf16_matmul.load_library() is None:
         pytest.skip("the C bf16 matmul does not build here")
     out = _run(["benchmarks/matmul_bench.py", "--step", "--layers", "1", "--rows", "1,3",
                 "--rounds", "1"], tmp_path)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from router.api import completions, openai, tgi
+from router.api.openai import completions, chat as openai
+from router.api.tgi import routes as tgi
 from router.errors import ValidationError
-from router.json_body import read_object
+from router.http.json_body import read_object
 
 
 async def invocations(request: web.Request) -> web.StreamResponse:

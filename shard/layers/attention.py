@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from shard.layers import fused, paged_kernel
-from shard.layers.arithmetic import attention_dtype
+from shard.kernels import layer_ops
+from shard.kernels import paged_attention as paged_kernel
+from shard.layers.precision import attention_dtype
 from shard.layers.rotary import RotaryAngles, apply_rotary
 
 
@@ -77,7 +78,7 @@ def rotate_and_store(qkv: torch.Tensor, angles: RotaryAngles, num_heads: int, nu
     [T, kv_heads, d] rotated, v [T, kv_heads, d]; k and v written to their cache slots."""
     qk_size = (num_heads + num_kv_heads) * head_dim
     v = qkv[:, qk_size:].view(-1, num_kv_heads, head_dim)
-    qk = fused.rotary_store(qkv, angles.cos, angles.sin, num_heads, num_kv_heads, head_dim,
+    qk = layer_ops.rotary_store(qkv, angles.cos, angles.sin, num_heads, num_kv_heads, head_dim,
                             cache.key, cache.value, meta.slot_blocks, meta.slot_offsets)
     if qk is None:
         # queries and keys sit side by side: one rotation covers both

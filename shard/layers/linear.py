@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed import ParallelContext, all_reduce
-from shard.layers import int4_kernel, matmul_kernel
-from shard.layers.arithmetic import c_matmul_runs, cpu_has_bf16_kernels
+from shard.kernels import int4_matmul, bf16_matmul
+from shard.layers.precision import c_matmul_runs, cpu_has_bf16_kernels
 from shard.layers.quantize import (QuantizedWeight, c_int4, can_quantize, quantize,
                                    quantized_linear)
 from shard.weights import Weights
@@ -45,7 +45,7 @@ def c_int4_runs() -> bool:
     matmul's tiles over blocks it unpacks. Where our bf16 matmul does not run (AMX, AVX-512
     without BF16, TGI_PY_MATMUL_KERNEL=0), neither does it: oneDNN's kernels were not measured
     against those tiles there."""
-    return int4_kernel.load_library() is not None and c_matmul_runs()
+    return int4_matmul.load_library() is not None and c_matmul_runs()
 
 
 def quantized_kernel_rows() -> int:
@@ -71,7 +71,7 @@ class LinearWeight:
     (`weight` None): it would double the layer's memory.
 
     - bf16 on a CPU with AVX-512 BF16 (and no AMX): `tiled`, the weight in the layout of the C
-      kernel of shard.layers.matmul_kernel (decode-size matmuls 1.1-3x faster than oneDNN's, level
+      kernel of shard.kernels.bf16_matmul (decode-size matmuls 1.1-3x faster than oneDNN's, level
       up to a few thousand rows, 4-12% slower on 16,384; rare one-unit differences from oneDNN's
       sums). The same on AVX2-only CPUs, where the kernel multiplies the bf16 values in float32
       (1-32 rows 0.12-0.93x the time of float32 MKL there, 1,024 rows 1.0-1.3x), and
@@ -143,8 +143,8 @@ class LinearWeight:
             weight = weight.to(model_dtype)
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             return cls(**shape, weight=weight, bias=bias)
-        if c_matmul_runs() and matmul_kernel.can_pack(weight):
-            return cls(**shape, bias=bias, tiled=matmul_kernel.pack(weight),
+        if c_matmul_runs() and bf16_matmul.can_pack(weight):
+            return cls(**shape, bias=bias, tiled=bf16_matmul.pack(weight),
                        tiled_bias=_bf16(bias))
         if cpu_has_bf16_kernels():
             return cls(**shape, bias=bias,
@@ -173,12 +173,12 @@ def fbgemm_half_layout(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     int4_form = w.int4_form
     if int4_form is not None:  # the bias inside, in float32
-        return int4_kernel.matmul(x, int4_form, w.out_features, w.tiled_bias)
+        return int4_matmul.matmul(x, int4_form, w.out_features, w.tiled_bias)
     if w.quantized is not None and x.shape[0] <= w.quantized_rows:
         out = quantized_linear(x, w.quantized)
         return out if w.bias is None else out + w.bias.to(out.dtype)
     if w.tiled is not None:
-        return matmul_kernel.matmul(x, w.tiled, w.out_features, w.tiled_bias)
+        return bf16_matmul.matmul(x, w.tiled, w.out_features, w.tiled_bias)
     if w.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, w.packed, w.bias, "none", [], "")
     if w.widened is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shard.layers import fused
+from shard.kernels import layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -15,9 +15,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.rms_norm(x, self.weight, self.eps)[0]
+        return layer_ops.rms_norm(x, self.weight, self.eps)[0]
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the norm of x + residual, x + residual): a layer's output joins the residual stream
         and the next step reads it normed, in one pass."""
-        return fused.rms_norm(x, self.weight, self.eps, residual)
+        return layer_ops.rms_norm(x, self.weight, self.eps, residual)

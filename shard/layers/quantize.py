@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from shard.config import QUANTIZE_KINDS
-from shard.layers import int4_kernel
+from shard.kernels import int4_matmul
 
 INT4_GROUP = 32
 # the CPU kernel's packing of int4 weights takes output features in tiles of this many rows
@@ -31,7 +31,7 @@ class QuantizedWeight:
     scales: torch.Tensor | None  # int8: [out]; int4: [in / group, out, 2] (scale, zero); C: None
     out_features: int
     dtype: torch.dtype  # what the kernel takes and gives: the scales' dtype
-    # "pytorch": the packed kernels above; "c": int4 in shard.layers.int4_kernel's form (its
+    # "pytorch": the packed kernels above; "c": int4 in shard.kernels.int4_matmul's form (its
     # scales and minimums inside `data`)
     kernel: str = "pytorch"
 
@@ -82,9 +82,9 @@ def _int4(weight: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
 
 def c_int4(weight: torch.Tensor) -> QuantizedWeight:
     """`weight` [out, in] in the C int4 kernel's form (a float32 scale and minimum per group of 32,
-    GGUF's Q4_1 layout; int4_kernel.restore gives the weight it stands for)."""
-    q, scale, low = int4_kernel.quantize(weight)
-    return QuantizedWeight("int4", int4_kernel.pack(q, scale, low), None, weight.shape[0],
+    GGUF's Q4_1 layout; int4_matmul.restore gives the weight it stands for)."""
+    q, scale, low = int4_matmul.quantize(weight)
+    return QuantizedWeight("int4", int4_matmul.pack(q, scale, low), None, weight.shape[0],
                            torch.bfloat16, kernel="c")
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shard.layers import fused
+from shard.kernels import layer_ops
 from shard.layers.attention import (AttentionMetadata, LayerCache, paged_attention,
                                     rotate_and_store)
 from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -93,7 +93,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear.load(weights, f"{prefix}.down_proj", bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -76,7 +76,7 @@ def test_chat_plain_and_streamed_agree(server, client):
 def test_chat_usage_counts_match_the_tokenizer(server, client, real_model_dir):
     from tokenizers import Tokenizer
 
-    from router.chat_template import ChatTemplate
+    from router.inputs.chat_template import ChatTemplate
 
     reply = client.chat.completions.create(model="m", messages=ASK, max_tokens=12, temperature=0)
     prompt = ChatTemplate.from_model_dir(str(real_model_dir)).render(ASK)

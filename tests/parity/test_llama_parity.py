@@ -88,9 +88,9 @@ def test_bf16_on_a_cpu_without_bf16_arithmetic_is_float32_math_on_the_bf16_value
     """The AVX2 path (forced here on any CPU): weights and KV cache stay bf16, activations and
     arithmetic are float32, so the result is transformers in float32 on the bf16-rounded weights,
     up to the bf16 rounding of the cached keys and values."""
-    from shard.layers import arithmetic, linear
+    from shard.layers import precision, linear
 
-    for module in (arithmetic, linear):  # an AVX2 CPU where our C matmul does not build
+    for module in (precision, linear):  # an AVX2 CPU where our C matmul does not build
         monkeypatch.setattr(module, "cpu_has_bf16_kernels", lambda: False)
         monkeypatch.setattr(module, "c_matmul_runs", lambda: False)
     model_dir = build_tiny_model(tmp_path / "model", num_heads=4, num_kv_heads=2)
@@ -123,9 +123,9 @@ def test_bf16_on_a_cpu_with_bf16_arithmetic_keeps_bf16_activations(tmp_path, mon
     CPU's own form, as the oneDNN prepack needs the instructions): bf16 activations over a bf16
     cache through a fresh prompt, a prompt continued from the cache and decode steps, with logits
     within bf16 rounding of transformers in float32 on the same bf16 weights."""
-    from shard.layers import arithmetic
+    from shard.layers import precision
 
-    monkeypatch.setattr(arithmetic, "cpu_has_bf16_kernels", lambda: True)
+    monkeypatch.setattr(precision, "cpu_has_bf16_kernels", lambda: True)
     model_dir = build_tiny_model(tmp_path / "model", num_heads=4, num_kv_heads=2)
     runner = _runner(model_dir, torch.bfloat16)
     if kernel and not runner.paged_kernel:

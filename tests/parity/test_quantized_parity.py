@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shard.distributed import ParallelContext
-from shard.layers import int4_kernel
+from shard.kernels import int4_matmul
 from shard.layers import linear as linear_module
 from shard.layers.quantize import QUANTIZE_KINDS, dequantize, quantize, quantized_linear
 from shard.loader import load_model
@@ -97,7 +97,7 @@ def test_a_bf16_int4_model_through_our_kernel_is_the_model_its_4_bit_form_stands
         tensors = load_file(path)
         for name, tensor in tensors.items():
             if tensor.dim() == 2 and name.endswith("proj.weight"):
-                tensors[name] = int4_kernel.restore(*int4_kernel.quantize(tensor)).bfloat16()
+                tensors[name] = int4_matmul.restore(*int4_matmul.quantize(tensor)).bfloat16()
             elif name == "lm_head.weight":  # an int8 head, its bf16 scales
                 tensors[name] = quantize(tensor, "int8", torch.bfloat16)[1].bfloat16()
         save_file(tensors, path, metadata={"format": "pt"})
@@ -109,7 +109,7 @@ def test_a_bf16_int4_model_through_our_kernel_is_the_model_its_4_bit_form_stands
                                                    torch.device("cpu")))
     runner.allocate(32)
     # more rows than the 4-bit tiles take: the prompt multiplies by unpacked blocks
-    prompt = [5, 17, 42, 99, 3, 250, 7, 11, 60, 61] * (int4_kernel.tile_rows() // 10 + 1)
+    prompt = [5, 17, 42, 99, 3, 250, 7, 11, 60, 61] * (int4_matmul.tile_rows() // 10 + 1)
     table = list(range(31, 31 - (len(prompt) + 3) // 4 - 1, -1))
     logits = runner.prefill([PrefillSequence(prompt, 0, table)]).last
     plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir,

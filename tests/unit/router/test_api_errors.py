@@ -6,18 +6,19 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from router.app import create_app, router_state
-from router.batcher import Batcher
-from router.block_allocator import BlockAllocator
-from router.chat_template import ChatTemplate
-from router.config import RouterConfig, TokenLimits
-from router.infer import Infer
-from router.metrics import Metrics
-from router.request_queue import RequestQueue
-from router.scheduling import SchedulingLimits
-from router.shard_convert import ShardInfo
-from router.served_model import ServedModel
-from router.tokenizer import RouterTokenizer
-from router.validation import ValidationLimits
+from router.scheduler.batcher import Batcher
+from router.kv.block_allocator import BlockAllocator
+from router.inputs.chat_template import ChatTemplate
+from router.config import RouterConfig
+from router.inputs.validation import TokenLimits
+from router.core.generation import Infer
+from router.telemetry.metrics import Metrics
+from router.scheduler.request_queue import RequestQueue
+from router.scheduler.policy import SchedulingLimits
+from router.shards.convert import ShardInfo
+from router.lifecycle.served_model import ServedModel
+from router.inputs.tokenizer import RouterTokenizer
+from router.inputs.validation import ValidationLimits
 from tests.fakes import FakeShardClient
 
 

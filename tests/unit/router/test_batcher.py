@@ -3,14 +3,14 @@ import asyncio
 
 import pytest
 
-from router.batcher import Batcher
-from router.block_allocator import BlockAllocator
-from router.chunk_sizing import MIN_CHUNK_TOKENS
+from router.scheduler.batcher import Batcher
+from router.kv.block_allocator import BlockAllocator
+from router.scheduler.chunk_sizing import MIN_CHUNK_TOKENS
 from router.errors import GenerationError
-from router.infer import Infer
-from router.metrics import Metrics
-from router.request_queue import RequestQueue
-from router.scheduling import SchedulingLimits
+from router.core.generation import Infer
+from router.telemetry.metrics import Metrics
+from router.scheduler.request_queue import RequestQueue
+from router.scheduler.policy import SchedulingLimits
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from tests.fakes import FakeShardClient
 

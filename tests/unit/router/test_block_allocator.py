@@ -1,6 +1,6 @@
 import random
 
-from router.block_allocator import BlockAllocator
+from router.kv.block_allocator import BlockAllocator
 
 
 def test_block_zero_is_never_handed_out_and_counts_add_up():

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from router import served_model
-from router.shard_client import ShardError
+from router.lifecycle import served_model
+from router.shards.client import ShardError
 
 
 class _Client:

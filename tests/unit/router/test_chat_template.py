@@ -1,9 +1,9 @@
 """Chat templates render in a sandbox; their errors are 422 template errors."""
 import pytest
 
-from router.chat_template import ChatTemplate
+from router.inputs.chat_template import ChatTemplate
 from router.errors import TemplateError
-from router.openai_request import normalise_messages, render_chat
+from router.api.openai.request import normalise_messages, render_chat
 
 
 def test_renders_with_tokens_tools_and_generation_prompt():
@@ -43,7 +43,7 @@ def test_content_parts_are_joined_and_tools_explained_when_the_template_cannot()
 def test_suffix_becomes_a_fill_in_the_middle_prompt_when_the_tokenizer_has_its_tokens():
     from types import SimpleNamespace
 
-    from router.api.completions import _with_suffix
+    from router.api.openai.completions import _with_suffix
     from router.errors import ValidationError
 
     fim = {"<fim_prefix>": 1, "<fim_suffix>": 2, "<fim_middle>": 3}

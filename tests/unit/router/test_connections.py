@@ -8,9 +8,9 @@ import time
 import pytest
 from aiohttp import web
 
-from router import connections, json_body
-from router.json_body import read_object
-from router.middleware import error_middleware
+from router.http import connections, json_body
+from router.http.json_body import read_object
+from router.http.middleware import error_middleware
 from tests.unit.router.test_api_errors import HealthyFake, _client
 
 

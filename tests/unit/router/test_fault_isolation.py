@@ -10,16 +10,16 @@ import asyncio
 
 import pytest
 
-from router import batcher as batcher_module
-from router.batch import RequestFailedInShard
-from router.batcher import Batcher
-from router.block_allocator import BlockAllocator
+from router.scheduler import batcher as batcher_module
+from router.shards.step_types import RequestFailedInShard
+from router.scheduler.batcher import Batcher
+from router.kv.block_allocator import BlockAllocator
 from router.errors import GenerationError, UnhealthyError
-from router.infer import Infer
-from router.metrics import Metrics
-from router.recovery import RecoveryPolicy
-from router.request_queue import RequestQueue
-from router.scheduling import SchedulingLimits
+from router.core.generation import Infer
+from router.telemetry.metrics import Metrics
+from router.scheduler.recovery import RecoveryPolicy
+from router.scheduler.request_queue import RequestQueue
+from router.scheduler.policy import SchedulingLimits
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from tests.fakes import FakeShardClient
 

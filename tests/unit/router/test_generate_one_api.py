@@ -155,7 +155,7 @@ async def test_a_batch_is_bounded_by_max_client_batch_size(tiny_llama):
 
 
 async def test_a_request_id_longer_than_the_limit_is_422(tiny_llama):
-    from router.generate_one_request import MAX_REQUEST_ID
+    from router.api.generate_one.request import MAX_REQUEST_ID
 
     client = await _client(tiny_llama, HealthyFake())
     try:

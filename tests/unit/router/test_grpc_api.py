@@ -13,14 +13,14 @@ from google.protobuf.descriptor import FieldDescriptor
 from proto import api_pb2 as api
 from proto import api_pb2_grpc
 from router import errors
-from router.api import grpc_convert as convert
-from router.api import grpc_service
-from router.config import TokenLimits
+from router.api.grpc import convert
+from router.api.grpc import service as grpc_service
+from router.inputs.validation import TokenLimits
 from router.errors import ValidationError
 from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,
                             StoppingParams, Token, TokenEvent)
-from router.tokenizer import RouterTokenizer
-from router.validation import (INTEGER_WIRE_TYPES, PARAMETER_TYPES, ValidatedGenerate,
+from router.inputs.tokenizer import RouterTokenizer
+from router.inputs.validation import (INTEGER_WIRE_TYPES, PARAMETER_TYPES, ValidatedGenerate,
                                ValidationLimits, validate_generate)
 from tests.tiny_models import build_tokenizer
 
@@ -128,8 +128,8 @@ async def test_a_valid_request_reaches_the_shards_as_json_does(tokenizer):
     (errors.RouterError("x"), grpc.StatusCode.INTERNAL),
 ])
 def test_error_status_codes(error, code):
-    assert convert.status_code(error) == code
-    trailers = dict(convert.error_trailers(error))
+    assert errors.grpc_status_code(error) == code
+    trailers = dict(errors.grpc_error_trailers(error))
     assert trailers["tgi-error-type"] == error.error_type
     assert ("retry-after" in trailers) == ("Retry-After" in error.headers)
 
@@ -137,7 +137,7 @@ def test_error_status_codes(error, code):
 def test_every_status_the_router_answers_has_a_code():
     statuses = {cls.status for cls in vars(errors).values()
                 if isinstance(cls, type) and issubclass(cls, errors.RouterError)}
-    assert statuses <= set(convert.STATUS_CODES)
+    assert statuses <= set(errors.GRPC_STATUS_CODES)
 
 
 # ---- an in-process server over a scripted core ---------------------------------------------------

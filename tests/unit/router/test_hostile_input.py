@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from router.json_body import MAX_DEPTH
-from router.openapi import openapi_document
+from router.inputs.json_text import MAX_DEPTH
+from router.http.openapi import openapi_document
 from tests.loop_gaps import LoopGaps
 from tests.unit.router.test_api_errors import HealthyFake, _body, _client
 
@@ -288,7 +288,7 @@ async def test_tools_need_names_of_their_own(tiny_llama, tools, expected):
 
 
 async def test_sglang_errors_keep_sglangs_shape_even_unforeseen_ones(tiny_llama, monkeypatch):
-    from router.api import sglang
+    from router.api.sglang import routes as sglang
 
     client = await _client(tiny_llama, HealthyFake())
     try:

@@ -3,12 +3,9 @@ import json
 
 import pytest
 
-from router.errors import ValidationError
-from router.model_registry import (DOWNLOADING, RUNNING, STARTING, STOPPED, InvalidModelIdError,
-                                   ModelNotFoundError, ModelRecord, ModelRegistry,
-                                   ModelStateError, check_model_id, directory_for,
-                                   parameter_count)
-from router.model_settings import (PARAMETERS, SETTINGS, ChatPrompt, checked)
+from router.errors import InvalidModelIdError, ModelNotFoundError, ModelStateError, ValidationError
+from router.lifecycle.registry import (DOWNLOADING, RUNNING, STARTING, STOPPED, ModelRecord, ModelRegistry, check_model_id, directory_for, parameter_count)
+from router.lifecycle.settings import (PARAMETERS, SETTINGS, ChatPrompt, checked)
 
 
 @pytest.mark.parametrize("model_id", ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", "a.b_c-d",

@@ -1,5 +1,5 @@
 """The model routes and routing by name, with the real app over a scripted shard (no launcher)."""
-from router.model_registry import STOPPED, ModelRecord
+from router.lifecycle.registry import STOPPED, ModelRecord
 from router.state import STATE
 from tests.unit.router.test_api_errors import HealthyFake, _client
 
@@ -178,7 +178,7 @@ async def test_while_one_model_runs_any_name_reaches_it_even_when_it_is_not_the_
 
 
 def test_a_model_label_is_escaped_as_prometheus_reads_it():
-    from router.metrics import _labelled
+    from router.telemetry.metrics import _labelled
 
     assert _labelled('tgi_x{a="b"} 1', 'C:\\m"1') == 'tgi_x{model="C:\\\\m\\"1",a="b"} 1'
     assert _labelled("tgi_y 2", "plain") == 'tgi_y{model="plain"} 2'

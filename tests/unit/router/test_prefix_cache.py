@@ -1,7 +1,7 @@
 """Prefix cache: chained block keys, references, LRU eviction, and the queue's use of it."""
-from router.block_allocator import BlockAllocator
-from router.prefix_cache import PrefixCache
-from router.request_queue import QueueEntry, RequestQueue
+from router.kv.block_allocator import BlockAllocator
+from router.kv.prefix_cache import PrefixCache
+from router.scheduler.request_queue import QueueEntry, RequestQueue
 
 
 def _setup(num_blocks=20, block_size=4):

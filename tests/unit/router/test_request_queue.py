@@ -1,6 +1,6 @@
 """Queue budgets: prefill tokens, KV tokens, batch size, minimum size and FIFO order."""
-from router.block_allocator import BlockAllocator
-from router.request_queue import QueueEntry, RequestQueue
+from router.kv.block_allocator import BlockAllocator
+from router.scheduler.request_queue import QueueEntry, RequestQueue
 
 
 def _queue(num_blocks=1000, block_size=1):

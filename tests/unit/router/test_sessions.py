@@ -2,9 +2,9 @@
 by count, share of the pool and TTL, and a session without blocks keeps its tokens."""
 import pytest
 
-from router.block_allocator import BlockAllocator
-from router.request_queue import QueueEntry, RequestQueue
-from router.sessions import SessionBusy, SessionLimits, SessionStore
+from router.kv.block_allocator import BlockAllocator
+from router.scheduler.request_queue import QueueEntry, RequestQueue
+from router.kv.sessions import SessionBusy, SessionLimits, SessionStore
 
 
 class Clock:

@@ -9,13 +9,13 @@ import json
 import numpy
 import pytest
 
-from router.api.sglang import Run
-from router.openapi import openapi_document
+from router.api.sglang.routes import Run
+from router.http.openapi import openapi_document
 from router.schemas import FinalInfo, FinishReason, Timings, Token, TokenEvent
-from router.sglang_request import LogprobOptions, SglangItem, claims, parse_generate
-from router.tokenizer import RouterTokenizer
-from router.validation import ValidationLimits
-from router.config import TokenLimits
+from router.api.sglang.request import LogprobOptions, SglangItem, claims, parse_generate
+from router.inputs.tokenizer import RouterTokenizer
+from router.inputs.validation import ValidationLimits
+from router.inputs.validation import TokenLimits
 from router.errors import ValidationError
 from tests.unit.router.test_api_errors import HealthyFake, _client
 
@@ -423,7 +423,7 @@ def test_openapi_describes_sglangs_request_and_routes():
 
 
 async def test_flush_cache_lets_go_of_every_cached_block(tiny_llama):
-    from router.prefix_cache import PrefixCache
+    from router.kv.prefix_cache import PrefixCache
     from router.state import STATE
     client = await _client(tiny_llama, HealthyFake())
     try:

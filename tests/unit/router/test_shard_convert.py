@@ -6,10 +6,10 @@ import asyncio
 import pytest
 
 from proto import generate_pb2 as pb
-from router import shard_convert as convert
-from router.batch import CachedBatch, NewBatch, ShardRequest
+from router.shards import convert
+from router.shards.step_types import CachedBatch, NewBatch, ShardRequest
 from router.schemas import FinishReason, GenerateRequest, SamplingParams, StoppingParams
-from router.shard_client import ShardedClient, ShardError
+from router.shards.client import ShardedClient, ShardError
 
 
 def _shard_request(rid, *, seed=0, chunk_len=None):
@@ -269,7 +269,7 @@ async def test_an_error_in_the_routers_own_delivery_is_not_the_shards():
 
 
 def test_a_generation_the_shard_ended_with_an_error_fails_its_request_with_that_reason():
-    from router.batch import RequestFailedInShard
+    from router.shards.step_types import RequestFailedInShard
 
     reply = pb.DecodeResponse(generations=[
         _generation(0), _generation(1, error="the grammar could not go on: lexer error")],

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from router.errors import ValidationError
-from router.tokenizer import RouterTokenizer, max_token_bytes
+from router.inputs.tokenizer import RouterTokenizer, max_token_bytes
 from tests.loop_gaps import LoopGaps
 
 
@@ -91,7 +91,7 @@ async def test_a_long_text_is_encoded_without_holding_the_event_loop(tokenizer):
 def test_the_tokens_json_written_in_slices_is_the_whole_list(tokenizer, count):
     import json
 
-    from router.api.tgi import simple_tokens, simple_tokens_json
+    from router.api.tgi.routes import simple_tokens, simple_tokens_json
 
     text = "café 日本語 \"quoted\"\n" * 400
     encoding = tokenizer.tokenizer.encode(text)

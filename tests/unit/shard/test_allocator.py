@@ -1,4 +1,4 @@
-"""glibc's allocator settings for the shard process (shard.allocator)."""
+"""glibc's allocator settings for the shard process (shard.malloc_tuning)."""
 import ctypes.util
 import os
 import platform
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shard import allocator
+from shard import malloc_tuning as allocator
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -20,7 +20,7 @@ def _in_a_fresh_process(env_extra: dict) -> str:
     """What keep_freed_memory answers in a process of its own (the settings are process-wide)."""
     env = {k: v for k, v in os.environ.items()
            if k not in (*allocator.ENVIRONMENT, "GLIBC_TUNABLES")}
-    code = "from shard.allocator import keep_freed_memory; print(keep_freed_memory())"
+    code = "from shard.malloc_tuning import keep_freed_memory; print(keep_freed_memory())"
     return subprocess.run([sys.executable, "-c", code], env={**env, **env_extra}, cwd=ROOT,
                           check=True, capture_output=True, text=True).stdout.strip()
 
@@ -40,7 +40,7 @@ def test_freed_memory_goes_back_to_the_system_once_asked():
     env = {k: v for k, v in os.environ.items()
            if k not in (*allocator.ENVIRONMENT, "GLIBC_TUNABLES")}
     code = """
-from shard.allocator import keep_freed_memory, return_freed_memory
+from shard.malloc_tuning import keep_freed_memory, return_freed_memory
 def resident():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) // 1024
 assert keep_freed_memory()

@@ -7,8 +7,8 @@ values each path actually sees: the query as given, cached context as the cache 
 import pytest
 import torch
 
-from shard.layers import paged_kernel
-from shard.layers.arithmetic import attention_dtype
+from shard.kernels import paged_attention as paged_kernel
+from shard.layers.precision import attention_dtype
 from shard.layers.attention import (AttentionMetadata, DecodeGroup, LayerCache, PrefillLayout,
                                     gather_index, paged_attention, store_kv)
 

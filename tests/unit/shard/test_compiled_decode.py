@@ -4,8 +4,8 @@ import logging
 import pytest
 import torch
 
-from shard.compiled_decode import CompiledDecode, unsupported_reason
-from shard.layers.arithmetic import cpu_has_bf16_kernels
+from shard.kernels.compiled_decode import CompiledDecode, unsupported_reason
+from shard.layers.precision import cpu_has_bf16_kernels
 from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion
 
 

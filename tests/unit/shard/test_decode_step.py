@@ -8,10 +8,11 @@ import torch
 from shard.distributed import ParallelContext
 from shard.loader import load_model
 from shard import model_runner as model_runner_module
-from shard.compiled_decode import CompiledDecode
-from shard.layers import arithmetic, fused, int4_kernel, linear, matmul_kernel, paged_kernel
+from shard.kernels.compiled_decode import CompiledDecode
+from shard.layers import precision, linear
+from shard.kernels import (layer_ops, int4_matmul, bf16_matmul, paged_attention)
 from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence
-from shard.models import llama_step
+from shard.kernels import llama_decode_step
 from tests.tiny_models import build_tiny_model
 
 
@@ -28,7 +29,7 @@ def _runner(model_dir, dtype=torch.bfloat16, compile_decode=False, quantize=None
 
 
 def _needs_c_step(runner: ModelRunner) -> None:
-    reason = llama_step.unsupported_reason(runner.model, runner.cache)
+    reason = llama_decode_step.unsupported_reason(runner.model, runner.cache)
     if reason is not None:
         pytest.skip(f"no C decode step here: {reason}")
 
@@ -72,8 +73,8 @@ def _assert_steps_agree(runner: ModelRunner, ids, lens, tables) -> None:
                for (k, v), c in zip(written, runner.cache))
 
 
-_LIBRARIES = (fused.load_library, paged_kernel.load_kernel, matmul_kernel.load_library,
-              int4_kernel.load_library, llama_step.load_library)
+_LIBRARIES = (layer_ops.load_library, paged_attention.load_kernel, bf16_matmul.load_library,
+              int4_matmul.load_library, llama_decode_step.load_library)
 
 
 @pytest.fixture(params=["native", "avx2"])
@@ -82,7 +83,7 @@ def kernel_build(request, monkeypatch):
     oneDNN has no bf16 kernels and the matmul multiplies in float32), on any CPU that runs AVX2."""
     if request.param == "avx2":
         request.getfixturevalue("avx2_build")
-        for module in (arithmetic, linear):
+        for module in (precision, linear):
             monkeypatch.setattr(module, "cpu_has_bf16_kernels", lambda: False)
     for load in _LIBRARIES:
         load.cache_clear()
@@ -99,7 +100,7 @@ def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, ragged_dir, archite
     blocks, two steps in a row (the second reads the keys the first wrote)."""
     runner = _runner({"llama": tiny_llama, "qwen2": qwen2_dir, "ragged": ragged_dir}[architecture])
     if kernel_build == "avx2":
-        assert matmul_kernel.load_library().bf16_matmul_supported() == matmul_kernel.AVX2_FORM
+        assert bf16_matmul.load_library().bf16_matmul_supported() == bf16_matmul.AVX2_FORM
         assert runner.model.activation_dtype == torch.bfloat16
     _needs_c_step(runner)
     assert runner.c_step is not None
@@ -123,13 +124,13 @@ def test_c_step_with_int4_layers_equals_the_eager_step(tiny_llama, qwen2_dir, ar
     """--quantize int4 where our int4 kernel runs: batches up to its tile rows multiply the 4-bit
     forms, larger ones the bf16 weights they stand for (unpacked on the fly), in both steps
     alike."""
-    if int4_kernel.load_library() is None:
+    if int4_matmul.load_library() is None:
         pytest.skip("the C int4 matmul needs AVX-512 BF16 or AVX2, and a C compiler")
-    tiles = int4_kernel.tile_rows()
+    tiles = int4_matmul.tile_rows()
     runner = _runner({"llama": tiny_llama, "qwen2": qwen2_dir}[architecture], quantize="int4",
                      blocks=2 * tiles + 4)
     if linear.c_int4_runs():  # int4 layers must not cost the C step
-        assert llama_step.unsupported_reason(runner.model, runner.cache) is None
+        assert llama_decode_step.unsupported_reason(runner.model, runner.cache) is None
     _needs_c_step(runner)
     own = [m.prepared for m in runner.model.layers.modules() if hasattr(m, "prepared")]
     assert own and all(p.quantized.kernel == "c" for p in own)
@@ -165,11 +166,11 @@ def test_a_slot_outside_the_cache_raises(tiny_llama):
 def test_float32_models_and_switched_off_builds_keep_the_eager_step(tiny_llama, monkeypatch):
     runner = _runner(tiny_llama, dtype=torch.float32)
     assert runner.c_step is None
-    assert "bf16" in llama_step.unsupported_reason(runner.model, runner.cache)
-    monkeypatch.setattr(llama_step, "load_library", lambda: None)
+    assert "bf16" in llama_decode_step.unsupported_reason(runner.model, runner.cache)
+    monkeypatch.setattr(llama_decode_step, "load_library", lambda: None)
     runner = _runner(tiny_llama)
     assert runner.c_step is None
-    assert llama_step.unsupported_reason(runner.model, runner.cache) is not None
+    assert llama_decode_step.unsupported_reason(runner.model, runner.cache) is not None
 
 
 def test_a_compiled_step_asked_for_is_what_runs(tiny_llama):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from shard.layers import int4_kernel, matmul_kernel
+from shard.kernels import int4_matmul, bf16_matmul
 from shard.layers.linear import LinearWeight, c_int4_runs, linear
 
 
@@ -11,15 +11,15 @@ def int4_build(request):
     """The kernel as this CPU builds it, and as an AVX2-only CPU does (-march=x86-64-v3)."""
     if request.param == "avx2":
         request.getfixturevalue("avx2_build")
-    int4_kernel.load_library.cache_clear()
-    matmul_kernel.load_library.cache_clear()
-    if int4_kernel.load_library() is None:
-        int4_kernel.load_library.cache_clear()
-        matmul_kernel.load_library.cache_clear()
+    int4_matmul.load_library.cache_clear()
+    bf16_matmul.load_library.cache_clear()
+    if int4_matmul.load_library() is None:
+        int4_matmul.load_library.cache_clear()
+        bf16_matmul.load_library.cache_clear()
         pytest.skip("the C int4 matmul needs AVX-512 BF16 or AVX2, and a C compiler")
     yield request.param
-    int4_kernel.load_library.cache_clear()
-    matmul_kernel.load_library.cache_clear()
+    int4_matmul.load_library.cache_clear()
+    bf16_matmul.load_library.cache_clear()
 
 
 def test_quantize_keeps_q4_1_weights():
@@ -33,10 +33,10 @@ def test_quantize_keeps_q4_1_weights():
     d = (torch.rand(n, k // 32) * 0.1 + 0.01).half().float()
     m = torch.randn(n, k // 32).half().float()
     weight = (q * d[..., None] + m[..., None]).reshape(n, k)
-    codes, scale, low = int4_kernel.quantize(weight)
+    codes, scale, low = int4_matmul.quantize(weight)
     assert torch.equal(codes.reshape(n, k // 32, 32).long(), q)
     assert torch.equal(low, m) and torch.equal(scale, d)
-    assert torch.equal(int4_kernel.restore(codes, scale, low), weight)
+    assert torch.equal(int4_matmul.restore(codes, scale, low), weight)
 
 
 @pytest.mark.parametrize("features", [(16, 32), (17, 64), (100, 96), (333, 576), (576, 1536)])
@@ -45,18 +45,18 @@ def test_the_kernel_multiplies_by_the_restored_weights(features, int4_build):
     without bias: within float32 rounding of the exact product by the restored weights, rounded
     once."""
     if int4_build == "avx2":
-        assert int4_kernel.load_library().int4_matmul_supported() == int4_kernel.AVX2_FORM
+        assert int4_matmul.load_library().int4_matmul_supported() == int4_matmul.AVX2_FORM
     torch.manual_seed(1)
     n, k = features
-    codes, scale, low = int4_kernel.quantize(torch.randn(n, k))
-    packed = int4_kernel.pack(codes, scale, low)
-    restored = int4_kernel.restore(codes, scale, low).double()
+    codes, scale, low = int4_matmul.quantize(torch.randn(n, k))
+    packed = int4_matmul.pack(codes, scale, low)
+    restored = int4_matmul.restore(codes, scale, low).double()
     for bias in (None, torch.randn(n, dtype=torch.bfloat16)):
         for rows in (1, 2, 3, 4, 5, 7, 8):
-            if rows > int4_kernel.tile_rows():
+            if rows > int4_matmul.tile_rows():
                 break
             x = torch.randn(rows, k, dtype=torch.bfloat16)
-            out = int4_kernel.matmul(x, packed, n, bias)
+            out = int4_matmul.matmul(x, packed, n, bias)
             assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
             exact = x.double() @ restored.T
             if bias is not None:
@@ -65,13 +65,13 @@ def test_the_kernel_multiplies_by_the_restored_weights(features, int4_build):
             slack = (x.double().abs() @ restored.abs().T) * 2.0 ** -15
             assert bool(((out.double() - exact).abs() <= exact.abs() / 256 + slack).all())
     # rows 2k apart, read in place (the C step's buffers could be), and float32 activations
-    library = int4_kernel.load_library()
+    library = int4_matmul.load_library()
     rows = torch.randn(3, 2 * k, dtype=torch.bfloat16)
     strided = torch.empty(3, n, dtype=torch.bfloat16)
     assert library.int4_matmul(rows.data_ptr(), 3, k, 2 * k, packed.data_ptr(), n, None,
                                strided.data_ptr(), n) == 0
-    assert torch.equal(strided, int4_kernel.matmul(rows[:, :k].contiguous(), packed, n, None))
-    assert int4_kernel.matmul(rows[:, :k].float(), packed, n, None).dtype == torch.float32
+    assert torch.equal(strided, int4_matmul.matmul(rows[:, :k].contiguous(), packed, n, None))
+    assert int4_matmul.matmul(rows[:, :k].float(), packed, n, None).dtype == torch.float32
 
 
 @pytest.mark.parametrize("features", [(16, 32), (17, 64), (100, 96), (333, 576), (576, 1536)])
@@ -84,24 +84,24 @@ def test_larger_batches_are_the_bf16_matmul_on_the_restored_weights(features, in
     weight = torch.randn(n, k) * 0.05
     weight[0, :32] = torch.linspace(0, 1e-39, 32)  # a subnormal minimum
     weight[-1, -32:] = 0  # a group of zeros: the smallest scale
-    codes, scale, low = int4_kernel.quantize(weight)
-    packed = int4_kernel.pack(codes, scale, low)
-    restored = int4_kernel.restore(codes, scale, low).bfloat16()
+    codes, scale, low = int4_matmul.quantize(weight)
+    packed = int4_matmul.pack(codes, scale, low)
+    restored = int4_matmul.restore(codes, scale, low).bfloat16()
     # an identity's rows, repeated past the tiles' rows
-    eyes = torch.eye(k, dtype=torch.bfloat16).repeat(int4_kernel.tile_rows() // k + 1, 1)
-    read_back = int4_kernel.matmul(eyes, packed, n, None)
+    eyes = torch.eye(k, dtype=torch.bfloat16).repeat(int4_matmul.tile_rows() // k + 1, 1)
+    read_back = int4_matmul.matmul(eyes, packed, n, None)
     assert torch.equal(read_back, restored.T.repeat(len(eyes) // k, 1))
-    bf16 = matmul_kernel.pack(restored)
+    bf16 = bf16_matmul.pack(restored)
     for bias in (None, torch.randn(n, dtype=torch.bfloat16)):
-        tiles = int4_kernel.tile_rows()
+        tiles = int4_matmul.tile_rows()
         for rows in sorted({tiles + 1, tiles + 7, 23, 24, 31, 130, 300} - set(range(tiles + 1))):
             x = torch.randn(rows, k, dtype=torch.bfloat16)
-            assert torch.equal(int4_kernel.matmul(x, packed, n, bias),
-                               matmul_kernel.matmul(x, bf16, n, bias))
+            assert torch.equal(int4_matmul.matmul(x, packed, n, bias),
+                               bf16_matmul.matmul(x, bf16, n, bias))
 
 
 def test_int4_layers_hold_the_4_bit_form_alone():
-    if int4_kernel.load_library() is None or not c_int4_runs():
+    if int4_matmul.load_library() is None or not c_int4_runs():
         pytest.skip("our bf16 matmul does not run here")
     torch.manual_seed(2)
     weight, bias = torch.randn(64, 96), torch.randn(64, dtype=torch.bfloat16)
@@ -110,19 +110,19 @@ def test_int4_layers_hold_the_4_bit_form_alone():
     assert prepared.quantized.kernel == "c" and prepared.multiplies_quantized
     assert prepared.weight is None and prepared.tiled is None and prepared.packed is None
     assert (prepared.out_features, prepared.in_features) == (64, 96)
-    restored = int4_kernel.restore(*int4_kernel.quantize(weight)).bfloat16()
-    for rows in (1, int4_kernel.tile_rows(), int4_kernel.tile_rows() + 1, 40):
+    restored = int4_matmul.restore(*int4_matmul.quantize(weight)).bfloat16()
+    for rows in (1, int4_matmul.tile_rows(), int4_matmul.tile_rows() + 1, 40):
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
         out = linear(x, prepared)
-        assert torch.equal(out, int4_kernel.matmul(x, prepared.quantized.data, 64, bias))
-        if rows > int4_kernel.tile_rows():
+        assert torch.equal(out, int4_matmul.matmul(x, prepared.quantized.data, 64, bias))
+        if rows > int4_matmul.tile_rows():
             assert torch.equal(out, linear(x, LinearWeight.prepare(restored, bias)))
 
 
 def test_rows_of_a_width_the_kernel_does_not_take_are_a_value_error(int4_build):
     """The kernel refuses inputs that are not whole groups of 32 (-1): a ValueError, not the
     MemoryError of scratch it could not allocate."""
-    packed = int4_kernel.pack(*int4_kernel.quantize(torch.randn(16, 64)))
+    packed = int4_matmul.pack(*int4_matmul.quantize(torch.randn(16, 64)))
     for rows in (2, 40):  # the 4-bit tiles and the unpacked blocks
         with pytest.raises(ValueError):
-            int4_kernel.matmul(torch.randn(rows, 48, dtype=torch.bfloat16), packed, 16, None)
+            int4_matmul.matmul(torch.randn(rows, 48, dtype=torch.bfloat16), packed, 16, None)

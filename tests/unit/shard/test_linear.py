@@ -4,8 +4,9 @@ import torch
 import torch.nn.functional as F
 
 from shard.layers import linear as linear_module
-from shard.layers import arithmetic, matmul_kernel
-from shard.layers.arithmetic import (activation_dtype, c_matmul_runs, compute_dtype,
+from shard.layers import precision
+from shard.kernels import bf16_matmul
+from shard.layers.precision import (activation_dtype, c_matmul_runs, compute_dtype,
                                      cpu_has_bf16_kernels)
 from shard.layers.linear import LinearWeight, linear
 
@@ -21,7 +22,7 @@ def test_prepacked_bf16_linear_equals_f_linear(monkeypatch):
     if not cpu_has_bf16_kernels():
         pytest.skip("oneDNN takes no bf16 weights on this CPU (needs AVX-512 BW/VL/DQ or "
                     "AVX-NE-CONVERT), so the prepack cannot run here, not even forced")
-    monkeypatch.setattr(matmul_kernel, "can_pack", lambda weight: False)
+    monkeypatch.setattr(bf16_matmul, "can_pack", lambda weight: False)
     weight, bias = _weights()
     with_bias, without = LinearWeight.prepare(weight, bias), LinearWeight.prepare(weight)
     assert with_bias.packed is not None
@@ -42,7 +43,7 @@ def test_bf16_kernel_matches_onednn_to_one_unit(features):
     block, with and without bias, against oneDNN's bf16 matmul (the same products, summed in
     another order) and the float32 product."""
     if not (cpu_has_bf16_kernels() and c_matmul_runs()
-            and matmul_kernel.load_library().bf16_matmul_supported() == matmul_kernel.DPBF16_FORM):
+            and bf16_matmul.load_library().bf16_matmul_supported() == bf16_matmul.DPBF16_FORM):
         pytest.skip("the C bf16 matmul's AVX-512 BF16 form needs that CPU (no AMX) and a C "
                     "compiler")
     torch.manual_seed(1)
@@ -149,7 +150,7 @@ def test_activations_stay_bf16_where_our_matmul_takes_them(bf16_kernels, monkeyp
                                                     else torch.float32)
     # an AVX2 CPU where the C matmul runs: bf16 activations, but PyTorch's own matmuls (attention)
     # still widen to float32
-    monkeypatch.setattr(arithmetic, "c_matmul_runs", lambda: True)
+    monkeypatch.setattr(precision, "c_matmul_runs", lambda: True)
     assert activation_dtype(torch.bfloat16, cpu) == torch.bfloat16
     assert compute_dtype(torch.bfloat16, cpu) == (torch.bfloat16 if bf16_kernels
                                                  else torch.float32)
@@ -159,13 +160,13 @@ def test_activations_stay_bf16_where_our_matmul_takes_them(bf16_kernels, monkeyp
 @pytest.fixture
 def avx2_matmul(avx2_build):
     """The C matmul as an AVX2-only CPU builds it (-march=x86-64-v3), on any CPU that runs AVX2."""
-    matmul_kernel.load_library.cache_clear()
-    library = matmul_kernel.load_library()
+    bf16_matmul.load_library.cache_clear()
+    library = bf16_matmul.load_library()
     if library is None:
-        matmul_kernel.load_library.cache_clear()
+        bf16_matmul.load_library.cache_clear()
         pytest.skip("no C compiler here")
     yield library
-    matmul_kernel.load_library.cache_clear()
+    bf16_matmul.load_library.cache_clear()
 
 
 @pytest.mark.parametrize("features", [(96, 64), (100, 64), (7, 18), (1, 2), (3072, 576), (33, 1536)])
@@ -174,17 +175,17 @@ def test_the_avx2_form_rounds_the_float32_product_once(avx2_matmul, features):
     every tail of a block, with and without bias, more rows than one pass takes, against the exact
     product: float32 sums of exact products, rounded once to bf16, so all but rare elements equal
     the exact value's rounding."""
-    assert avx2_matmul.bf16_matmul_supported() == matmul_kernel.AVX2_FORM
+    assert avx2_matmul.bf16_matmul_supported() == bf16_matmul.AVX2_FORM
     torch.manual_seed(2)
     n, k = features
     weight = torch.randn(n, k, dtype=torch.bfloat16)
     bias = torch.randn(n, dtype=torch.bfloat16)
-    packed = matmul_kernel.pack(weight)
+    packed = bf16_matmul.pack(weight)
     differing = total = 0
     for with_bias in (None, bias):
         for rows in (1, 2, 3, 4, 5, 6, 7, 9, 16, 31, 130, 260):
             x = torch.randn(rows, k, dtype=torch.bfloat16)
-            out = matmul_kernel.matmul(x, packed, n, with_bias)
+            out = bf16_matmul.matmul(x, packed, n, with_bias)
             assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
             exact = x.double() @ weight.double().T
             if with_bias is not None:
@@ -195,15 +196,15 @@ def test_the_avx2_form_rounds_the_float32_product_once(avx2_matmul, features):
             total += out.numel()
             # prefill-size calls take the panel tiles, small ones the direct tiles: the same sums
             # in the same order, so a row's result does not depend on the call's row count
-            assert torch.equal(out[:5], matmul_kernel.matmul(x[:5], packed, n, with_bias))
+            assert torch.equal(out[:5], bf16_matmul.matmul(x[:5], packed, n, with_bias))
     assert differing <= total // 100
 
 
 def test_the_avx2_form_keeps_nan_and_infinity(avx2_matmul):
     weight = torch.ones(16, 4, dtype=torch.bfloat16)
-    packed = matmul_kernel.pack(weight)
+    packed = bf16_matmul.pack(weight)
     x = torch.tensor([[1.0, float("nan"), 0.0, 0.0], [float("inf"), 1.0, 0.0, 0.0],
                       [3.0, 0.0, 0.0, 0.0]], dtype=torch.bfloat16)
-    out = matmul_kernel.matmul(x, packed, 16, None)
+    out = bf16_matmul.matmul(x, packed, 16, None)
     assert bool(out[0].isnan().all()) and bool((out[1] == float("inf")).all())
     assert bool((out[2] == 3.0).all())

@@ -4,10 +4,10 @@ import platform
 import pytest
 import torch
 
-from shard.layers import paged_kernel
+from shard.kernels import paged_attention
 from shard.layers.attention import DecodeGroup, LayerCache, _attend_group, gather_index
 
-pytestmark = pytest.mark.skipif(paged_kernel.load_kernel() is None,
+pytestmark = pytest.mark.skipif(paged_attention.load_kernel() is None,
                                 reason="no C compiler here: the shard keeps the PyTorch path")
 
 
@@ -49,7 +49,7 @@ def test_kernel_matches_pytorch_on_scattered_blocks(dtype, heads, kv_heads, head
                                                     bf16_kernels):
     """float32 queries over either cache, against the PyTorch path as each kind of CPU runs it."""
     cache, tables, lens, q = _scattered_case(dtype, heads, kv_heads, head_dim)
-    out = paged_kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, 0.3)
+    out = paged_attention.paged_decode_attention(q, cache.key, cache.value, tables, lens, 0.3)
     expected = _torch_reference(q, cache, tables, lens, 0.3)
     assert out.shape == (5, heads * head_dim) and out.dtype == torch.float32
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -59,33 +59,33 @@ def test_kernel_matches_pytorch_on_scattered_blocks(dtype, heads, kv_heads, head
                     reason="-march=x86-64 is an x86 flag; other CPUs build the portable path already")
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"], ids=["portable", "avx2"])
 def test_the_builds_for_older_cpus_match_pytorch(tmp_path, monkeypatch, march):
-    if march == "x86-64-v3" and not {"avx2", "fma"} <= set(paged_kernel._cpu_flags().split()):
+    if march == "x86-64-v3" and not {"avx2", "fma"} <= set(paged_attention._cpu_flags().split()):
         pytest.skip("this CPU cannot run an AVX2 build")
     """The loops that CPUs without AVX2 (baseline x86-64) or without AVX-512 (x86-64-v3: AVX2 and
     FMA) compile, built here whatever this CPU has."""
     monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path))
-    monkeypatch.setattr(paged_kernel, "FLAGS", [(f"-march={march}" if f == "-march=native" else f)
-                                                for f in paged_kernel.FLAGS])
-    paged_kernel.load_kernel.cache_clear()
+    monkeypatch.setattr(paged_attention, "FLAGS", [(f"-march={march}" if f == "-march=native" else f)
+                                                for f in paged_attention.FLAGS])
+    paged_attention.load_kernel.cache_clear()
     try:
-        assert paged_kernel.load_kernel() is not None
+        assert paged_attention.load_kernel() is not None
         for dtype in (torch.float32, torch.bfloat16):
             for shape in [(4, 4, 64), (9, 3, 64), (8, 2, 128), (10, 2, 32), (4, 2, 24),
                           (4, 1, 12)]:
                 cache, tables, lens, q = _scattered_case(dtype, *shape)
-                out = paged_kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens,
+                out = paged_attention.paged_decode_attention(q, cache.key, cache.value, tables, lens,
                                                           0.3)
                 torch.testing.assert_close(out, _torch_reference(q, cache, tables, lens, 0.3),
                                            rtol=1e-5, atol=1e-5)
     finally:
-        paged_kernel.load_kernel.cache_clear()
+        paged_attention.load_kernel.cache_clear()
 
 
 def test_a_single_token_context_returns_its_value():
     value = torch.randn(2, 1, 4, 8)
     cache = LayerCache(torch.randn(2, 1, 4, 8), value)
     q = torch.randn(1, 2, 8)
-    out = paged_kernel.paged_decode_attention(q, cache.key, cache.value, torch.tensor([[1]]),
+    out = paged_attention.paged_decode_attention(q, cache.key, cache.value, torch.tensor([[1]]),
                                               torch.tensor([1]), 1.0)
     assert torch.allclose(out.view(2, 8), value[1, 0, 0].expand(2, 8))
 
@@ -95,7 +95,7 @@ def test_bf16_activations_come_back_in_their_dtype(bf16_kernels):
                        torch.randn(4, 2, 4, 16, dtype=torch.bfloat16))
     q = torch.randn(3, 2, 16, dtype=torch.bfloat16)
     tables, lens = torch.tensor([[1, 2], [3, 0], [2, 1]]), torch.tensor([6, 3, 8])
-    out = paged_kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, 0.25)
+    out = paged_attention.paged_decode_attention(q, cache.key, cache.value, tables, lens, 0.25)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), _torch_reference(q, cache, tables, lens, 0.25),
                                rtol=1 / 64, atol=1e-2)
@@ -103,36 +103,36 @@ def test_bf16_activations_come_back_in_their_dtype(bf16_kernels):
 
 def test_the_kernel_is_built_into_the_cache_once_and_can_be_switched_off(tmp_path, monkeypatch):
     monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path))
-    paged_kernel.load_kernel.cache_clear()
+    paged_attention.load_kernel.cache_clear()
     try:
-        assert paged_kernel.load_kernel() is not None
+        assert paged_attention.load_kernel() is not None
         built = list((tmp_path / "kernels").glob("paged_attention-*.so"))
         assert len(built) == 1
         stamp = built[0].stat().st_mtime_ns
-        paged_kernel.load_kernel.cache_clear()
-        paged_kernel.load_kernel()
+        paged_attention.load_kernel.cache_clear()
+        paged_attention.load_kernel()
         assert built[0].stat().st_mtime_ns == stamp, "a cached build is reused, not rebuilt"
-        assert paged_kernel.supports(torch.device("cpu"), torch.bfloat16)
-        assert not paged_kernel.supports(torch.device("cpu"), torch.float16)
+        assert paged_attention.supports(torch.device("cpu"), torch.bfloat16)
+        assert not paged_attention.supports(torch.device("cpu"), torch.float16)
 
-        monkeypatch.setenv(paged_kernel.ENABLED_ENV, "0")
-        paged_kernel.load_kernel.cache_clear()
-        assert paged_kernel.load_kernel() is None
-        assert not paged_kernel.supports(torch.device("cpu"), torch.float32)
+        monkeypatch.setenv(paged_attention.ENABLED_ENV, "0")
+        paged_attention.load_kernel.cache_clear()
+        assert paged_attention.load_kernel() is None
+        assert not paged_attention.supports(torch.device("cpu"), torch.float32)
     finally:
-        paged_kernel.load_kernel.cache_clear()
+        paged_attention.load_kernel.cache_clear()
 
 
 def test_without_a_c_compiler_the_pytorch_path_stays(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    paged_kernel.load_kernel.cache_clear()
+    paged_attention.load_kernel.cache_clear()
     try:
-        assert paged_kernel.load_kernel() is None
+        assert paged_attention.load_kernel() is None
         assert "no C compiler" in caplog.text
         assert not (tmp_path / "kernels").exists()
     finally:
-        paged_kernel.load_kernel.cache_clear()
+        paged_attention.load_kernel.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -179,13 +179,13 @@ def test_a_prefill_forward_gives_the_same_logits_whichever_path_each_sequence_ta
 
     runner = make_engine(tiny_llama).runner
     kernel_calls = []
-    original = paged_kernel.paged_decode_attention
+    original = paged_attention.paged_decode_attention
 
     def counting(q, *args):
         kernel_calls.append(q.shape[0])
         return original(q, *args)
 
-    monkeypatch.setattr(paged_kernel, "paged_decode_attention", counting)
+    monkeypatch.setattr(paged_attention, "paged_decode_attention", counting)
 
     def second_forward(limit):
         monkeypatch.setattr(model_runner, "PREFILL_KERNEL_MAX_CONTEXT", limit)
@@ -217,13 +217,13 @@ def test_bf16_queries_read_and_written_in_place_equal_the_widened_float32_call()
     for cache_dtype in (torch.float32, torch.bfloat16):
         cache, tables, lens, q = _scattered_case(cache_dtype, 9, 3, 64)
         q = q.to(torch.bfloat16)  # a strided view's copy: rows of 9 heads
-        in_place = paged_kernel.paged_decode_attention(q, cache.key, cache.value, tables, lens, 0.3)
-        widened = paged_kernel.paged_decode_attention(q.float(), cache.key, cache.value, tables,
+        in_place = paged_attention.paged_decode_attention(q, cache.key, cache.value, tables, lens, 0.3)
+        widened = paged_attention.paged_decode_attention(q.float(), cache.key, cache.value, tables,
                                                       lens, 0.3)
         assert in_place.dtype == torch.bfloat16
         assert torch.equal(in_place, widened.to(torch.bfloat16))
         strided = torch.randn(5, 12, 64).to(torch.bfloat16)[:, :9]  # rows 12 heads apart
         assert torch.equal(
-            paged_kernel.paged_decode_attention(strided, cache.key, cache.value, tables, lens, 0.3),
-            paged_kernel.paged_decode_attention(strided.float(), cache.key, cache.value, tables,
+            paged_attention.paged_decode_attention(strided, cache.key, cache.value, tables, lens, 0.3),
+            paged_attention.paged_decode_attention(strided.float(), cache.key, cache.value, tables,
                                                 lens, 0.3).to(torch.bfloat16))

@@ -1,0 +1,371 @@
+"""The public gRPC API (proto/api.proto) beside the HTTP one: Generate, GenerateStream, Tokenize,
+Info and Health through the same validation, queue, batching, cancellation, metrics and API key,
+with the standard grpc.health.v1.Health service and server reflection. On when --grpc-port is set.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from google.protobuf.message import DecodeError
+from grpc_reflection.v1alpha import reflection
+
+from proto import api_pb2 as api
+from proto import api_pb2_grpc
+from router.api.grpc import convert
+from router.api.tgi import routes as tgi
+from router.errors import (IncompleteGenerationError, ModelNotFoundError, ModelStateError, RouterError, UnhealthyError, grpc_error_trailers, grpc_status_code)
+from router.telemetry.tracing import record_phases, request_span
+from router.schemas import Timings
+from router.state import STATE, RouterState
+from router.inputs.validation import ValidatedGenerate
+
+log = logging.getLogger("tgi.router.grpc")
+
+SERVICE = api.DESCRIPTOR.services_by_name["TextGeneration"].full_name  # "tgi.v1.TextGeneration"
+# open without a key: health checks, as GET /health is (probes and load balancers carry no
+# credentials), and reflection, which only describes proto/api.proto (shipped in the package) and
+# which grpcurl needs before any call, a keyless health check included
+PUBLIC_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME})
+PUBLIC_METHODS = frozenset({f"/{SERVICE}/Health"})
+UNAUTHENTICATED = "Unauthorized: a valid 'authorization: Bearer <key>' metadata entry is required"
+# how often grpc.health.v1's status is re-checked for Watch streams (Check always asks live)
+HEALTH_REFRESH_S = 5.0
+# in-flight calls get this long to finish when the router stops, as HTTP requests do (aiohttp's
+# shutdown_timeout); the launcher's --graceful-termination-timeout may end it sooner
+STOP_GRACE_S = 60.0
+
+
+# ---- the router core, driven as router/api/tgi/routes.py drives it --------------------------------------
+# Every use of the router's state is in this section, so a renamed attribute is one edit here.
+# The gRPC API serves the default model (the launcher's --model-id).
+
+async def validate(state: RouterState, body: dict, *, stream: bool) -> ValidatedGenerate:
+    """TGI's parameters validated and counted (tgi_request_count, failures) as /generate does."""
+    return await tgi.validate(state.served(None), body, stream=stream)
+
+
+async def generate(state: RouterState, validated: ValidatedGenerate, timings: Timings):
+    """(the answer, the other best_of sequences)."""
+    return await state.served(None).infer.generate_best_of(validated.request, validated.best_of,
+                                                           timings)
+
+
+def token_events(state: RouterState, validated: ValidatedGenerate, timings: Timings):
+    """The request's TokenEvents; closing the iterator early cancels it and frees its KV blocks."""
+    return state.served(None).infer.stream(validated.request, timings)
+
+
+async def tokenize(state: RouterState, inputs: str) -> tuple[list[int], list[tuple[int, int]]]:
+    return await state.served(None).tokenizer.encode_offsets_async(inputs)
+
+
+def info(state: RouterState) -> dict:
+    return state.served(None).info_json()
+
+
+async def check_health(state: RouterState) -> None:
+    """Returns when GET /health answers 200; raises the UnhealthyError of its 503 otherwise."""
+    await state.served(None).check_health()
+
+
+# ---- the service ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    """What a request's bytes became when they were not a message of the method's type."""
+    message_type: str
+    error: str
+
+
+def _decoder(message_class):
+    """`message_class.FromString`, which hands the servicer an _Undecodable rather than raise: grpc
+    answered a raising deserializer with UNKNOWN and logged a traceback per call."""
+    def decode(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as err:
+            return _Undecodable(message_class.DESCRIPTOR.full_name, str(err))
+
+    return decode
+
+
+def add_service(servicer, server: grpc.aio.Server) -> None:
+    """The TextGeneration service's methods on `server`, as the generated
+    add_TextGenerationServicer_to_server adds them, with requests decoded by _decoder."""
+    service = api.DESCRIPTOR.services_by_name["TextGeneration"]
+    handlers = {}
+    for method in service.methods:
+        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_decoder(getattr(api, method.input_type.name)),
+            response_serializer=getattr(api, method.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name,
+                                                                         handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _rpc(method):
+    """A RouterError ends the call with its gRPC status and TGI's message (its error_type and
+    Retry-After in the trailers); anything else is logged and INTERNAL. A request that did not
+    decode is INVALID_ARGUMENT."""
+
+    @functools.wraps(method)
+    async def handle(self, request, context: grpc.aio.ServicerContext):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid {request.message_type} message: "
+                                f"{request.error}")
+        try:
+            return await method(self, request, context)
+        except RouterError as err:
+            await context.abort(grpc_status_code(err), str(err),
+                                trailing_metadata=grpc_error_trailers(err))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log.exception("unhandled error in %s", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, "Internal server error")
+
+    return handle
+
+
+def _span(name: str, context: grpc.aio.ServicerContext):
+    """The call's trace span, child of the caller's `traceparent` metadata if it sent one."""
+    metadata = {m.key: m.value for m in context.invocation_metadata() or ()}
+    return request_span(f"{SERVICE}/{name}", metadata)
+
+
+class TextGenerationServicer(api_pb2_grpc.TextGenerationServicer):
+    def __init__(self, state: RouterState):
+        self.state = state
+
+    @_rpc
+    async def Generate(self, request: api.GenerateRequest, context) -> api.GenerateResponse:
+        timings = Timings(started_at=time.monotonic())
+        with _span("Generate", context):
+            validated = await validate(self.state, convert.generate_body(request), stream=False)
+            best, others = await generate(self.state, validated, timings)
+            record_phases(best.timings)
+        return convert.generate_response(best, others, validated,
+                                         validated.output_prefix(full_text_default=False))
+
+    @_rpc
+    async def GenerateStream(self, request: api.GenerateRequest, context) -> None:
+        timings = Timings(started_at=time.monotonic())
+        with _span("GenerateStream", context):
+            validated = await validate(self.state, convert.generate_body(request), stream=True)
+            prefix = validated.output_prefix(full_text_default=False)
+            events = token_events(self.state, validated, timings)
+            try:
+                index, final = 0, None
+                # read to the end, not just to the final event: the core records the request's
+                # success (metrics, timings) after handing that event out
+                async for event in events:
+                    index += 1
+                    await context.write(convert.stream_response(event, index, validated, prefix))
+                    final = event.final
+                if final is None:
+                    raise IncompleteGenerationError("Incomplete generation stream")
+                record_phases(timings)
+            finally:
+                # also when the call is cancelled (the client went away, its deadline passed):
+                # grpc cancels this task, and closing the events frees the request's blocks
+                await events.aclose()
+
+    @_rpc
+    async def Tokenize(self, request: api.TokenizeRequest, context) -> api.TokenizeResponse:
+        ids, offsets = await tokenize(self.state, request.inputs)
+        # a long text's answer takes a while to build: off the event loop, as /tokenize's
+        return await asyncio.to_thread(convert.tokenize_response, request.inputs, ids, offsets)
+
+    @_rpc
+    async def Info(self, request: api.InfoRequest, context) -> api.InfoResponse:
+        return convert.info_response(info(self.state))
+
+    @_rpc
+    async def Health(self, request: api.HealthRequest, context) -> api.HealthResponse:
+        await check_health(self.state)
+        return api.HealthResponse()
+
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class StandardHealth(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1.Health for the server ("") and tgi.v1.TextGeneration, in step with the Health
+    RPC: Check runs the same check live, and a task re-runs it every HEALTH_REFRESH_S for Watch
+    streams. From shutdown on it answers NOT_SERVING, and a Watch stream ends once it has said so
+    (grpc_health's own servicer keeps it open, which holds the server's graceful stop for its whole
+    grace period)."""
+
+    SERVICES = (health.OVERALL_HEALTH, SERVICE)
+
+    def __init__(self, state: RouterState):
+        self.state = state
+        self.status = _NOT_SERVING
+        self.version = 0  # counts changes of status, so that a Watch stream waits for the next
+        self.is_stopping = False
+        self.changed = asyncio.Condition()
+
+    async def refresh(self) -> None:
+        try:
+            await check_health(self.state)
+            status = _SERVING
+        except (UnhealthyError, ModelNotFoundError, ModelStateError):  # its model stopped too
+            status = _NOT_SERVING
+        except Exception:  # a bug in the check: say so, and report not serving
+            log.exception("health check raised")
+            status = _NOT_SERVING
+        await self._set(status)
+
+    async def stop(self) -> None:
+        await self._set(_NOT_SERVING, stopping=True)
+
+    async def _set(self, status, *, stopping: bool = False) -> None:
+        async with self.changed:
+            if self.is_stopping or (status == self.status and not stopping):
+                return
+            self.status, self.is_stopping = status, stopping
+            self.version += 1
+            self.changed.notify_all()
+
+    async def Check(self, request, context):
+        if request.service not in self.SERVICES:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        await self.refresh()
+        return health_pb2.HealthCheckResponse(status=self.status)
+
+    async def Watch(self, request, context):
+        last = None
+        while True:
+            version = self.version
+            status = (self.status if request.service in self.SERVICES
+                      else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self.is_stopping:
+                return
+            async with self.changed:
+                await self.changed.wait_for(lambda v=version: self.version != v)
+
+    async def refresh_forever(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(HEALTH_REFRESH_S)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Every call but health checks and reflection needs metadata `authorization: Bearer <key>`:
+    exactly what the HTTP API's Authorization header must hold (router/http/middleware.py)."""
+
+    def __init__(self, api_key: str):
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method in PUBLIC_METHODS \
+                or details.method.split("/")[1] in PUBLIC_SERVICES:
+            return handler
+        given = next((value for key, value in details.invocation_metadata or ()
+                      if key == "authorization"), "")
+        if isinstance(given, str):
+            given = given.encode()
+        if hmac.compare_digest(given, self.expected):
+            return handler
+        return _denied(handler)
+
+
+def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that ends the call with UNAUTHENTICATED."""
+
+    async def deny(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED)
+
+    for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+        if getattr(handler, kind) is not None:
+            make = getattr(grpc, f"{kind}_rpc_method_handler")
+            return make(deny, request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+    raise AssertionError(f"a method handler of no known kind: {handler}")
+
+
+# ---- the server's life inside the aiohttp app's --------------------------------------------------
+
+class GrpcServer:
+    """Starts with the app, stops taking calls when it shuts down (draining beside HTTP), and is
+    gone at cleanup, before the batching loop stops."""
+
+    def __init__(self, state: RouterState):
+        self.state = state
+        self.server: grpc.aio.Server | None = None
+        self.health = StandardHealth(state)
+        self.refresher: asyncio.Task | None = None
+        self.stopping: asyncio.Future | None = None
+
+    @property
+    def address(self) -> str:
+        config = self.state.config
+        host = f"[{config.hostname}]" if ":" in config.hostname else config.hostname
+        return f"{host}:{config.grpc_port}"
+
+    async def start(self, app: web.Application) -> None:
+        config = self.state.config
+        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        server = grpc.aio.server(interceptors=interceptors, options=[
+            # a message larger than --payload-limit is refused (RESOURCE_EXHAUSTED), as HTTP's 413
+            ("grpc.max_receive_message_length", config.payload_limit),
+            # grpc shares a port with any other process by default; a second router on the same
+            # port must fail to start, not take half the calls
+            ("grpc.so_reuseport", 0)])
+        add_service(TextGenerationServicer(self.state), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME,
+                                             reflection.SERVICE_NAME), server)
+        try:
+            server.add_insecure_port(self.address)
+        except RuntimeError:  # grpc's "Failed to bind": the router stops with this message
+            raise ValueError(f"--grpc-port {config.grpc_port}: cannot listen on {self.address} "
+                             "(is the port in use?)") from None
+        await self.health.refresh()  # serving from the first call on
+        await server.start()
+        self.server = server
+        self.refresher = asyncio.create_task(self.health.refresh_forever())
+        log.info("gRPC API (%s) listening on %s", SERVICE, self.address)
+
+    async def drain(self, app: web.Application) -> None:
+        if self.server is None or self.stopping is not None:
+            return
+        # Watch streams hear NOT_SERVING and end; new calls are refused from now on (balancers
+        # see UNAVAILABLE) and the calls in flight have STOP_GRACE_S to finish
+        await self.health.stop()
+        self.stopping = asyncio.ensure_future(self.server.stop(STOP_GRACE_S))
+
+    async def stop(self, app: web.Application) -> None:
+        if self.refresher is not None:
+            self.refresher.cancel()
+            await asyncio.gather(self.refresher, return_exceptions=True)
+        if self.server is not None:
+            await (self.stopping or self.server.stop(None))
+
+
+def register(app: web.Application) -> None:
+    """Serves the gRPC API with the app when --grpc-port is set (app[STATE] must be set)."""
+    state = app[STATE]
+    if state.config.grpc_port is None:
+        return
+    server = GrpcServer(state)
+    app.on_startup.append(server.start)
+    app.on_shutdown.append(server.drain)
+    app.on_cleanup.append(server.stop)

@@ -1,0 +1,211 @@
+"""The Jan/Cortex model routes: list, get, pull, start, stop, patch and delete models.
+
+`GET /v1/models` is OpenAI's list too: each item carries OpenAI's four fields and Jan's Model
+fields. Ids may contain one '/', raw or percent-encoded (%2F); aiohttp decodes the path before
+routing, so both reach the same handler and the id is checked after decoding.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from router.errors import ERROR_BODY, ModelStateError, ValidationError, models_error_body
+from router.http.json_body import read_object
+from router.lifecycle.manager import ModelManager
+from router.lifecycle.registry import (BUSY, DOWNLOADING, RUNNING, ModelRecord, check_model_id, parameter_count)
+from router.lifecycle.settings import SETTINGS, checked
+from router.state import STATE
+
+_OWNER = "tgi-py"
+
+
+def _manager(request: web.Request) -> ModelManager:
+    return request.app[STATE].models
+
+
+def _parameters_text(count: int) -> str:
+    """135M, 1.7B: how Jan's metadata.size names a model's size."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            value = count / scale
+            return f"{value:.0f}{unit}" if value >= 10 else f"{value:.1f}{unit}"
+    return str(count)
+
+
+def _size_text(size: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return ""
+
+
+def _source_url(record: ModelRecord) -> str:
+    source = record.source
+    if source.startswith(("/", "./", "../", "~")) or source.endswith(".gguf"):
+        try:
+            return Path(source).expanduser().resolve().as_uri()
+        except (RuntimeError, ValueError, OSError):  # "~nobody/x": a path that never resolves
+            return source
+    return f"https://huggingface.co/{source}" if source else ""
+
+
+def _metadata(record: ModelRecord) -> dict:
+    metadata = {"engine": "hf_inference", "quantization": record.quantization,
+                "size": (_parameters_text(record.parameter_count) if record.parameter_count
+                         else _size_text(record.size_bytes)),
+                "size_bytes": record.size_bytes, "parameter_count": record.parameter_count}
+    if record.state == DOWNLOADING or record.bytes_total:
+        metadata["progress"] = {"bytes_done": record.bytes_done,
+                                "bytes_total": record.bytes_total}
+    if record.error:
+        metadata["error"] = record.error
+    return metadata
+
+
+def model_json(record: ModelRecord) -> dict:
+    """Jan's Model object, with OpenAI's fields."""
+    return {
+        "id": record.id, "object": "model", "created": record.created, "owned_by": _OWNER,
+        "type": "model", "version": "1", "name": record.name or record.id.rsplit("/", 1)[-1],
+        "description": record.description, "state": record.state, "format": record.format,
+        "source_url": _source_url(record), "settings": record.settings,
+        "parameters": record.parameters, "engine_parameters": record.engine_parameters,
+        "metadata": _metadata(record), "assets": [record.model_dir] if record.model_dir else [],
+    }
+
+
+def _get_json(record: ModelRecord, served) -> dict:
+    """Jan's GetModelResponse: the Model object plus its engine and model parameters, with the
+    values in force for a running model."""
+    settings = dict(record.settings)
+    if served is not None:
+        settings.setdefault("ctx_len", served.limits.max_total_tokens)
+        if served.config.max_batch_size is not None:
+            settings.setdefault("n_parallel", served.config.max_batch_size)
+    engine = {**record.engine_parameters, "cont_batching": True}
+    for key in ("ngl", "ctx_len", "n_parallel"):
+        if key in settings:
+            engine[key] = settings[key]
+    engine["embedding"] = False
+    model_parameters = {k: settings[k] for k in ("ctx_len", "ngl", "n_parallel") if k in settings}
+    return {**model_json(record), "engine_parameters": engine,
+            "model_parameters": {**model_parameters, **record.parameters, "embedding": False}}
+
+
+def _model_id(request: web.Request) -> str:
+    # aiohttp decoded %2F already; a second decoding would let %252F through as a slash
+    return check_model_id(request.match_info["model_id"])
+
+
+def _state_reply(record: ModelRecord) -> web.Response:
+    return web.json_response({"id": record.id, "object": "model", "state": record.state})
+
+
+def _unrecorded(name: str, served) -> ModelRecord:
+    """A default model given to the launcher as a path: served, but no registry id."""
+    model_dir = served.config.tokenizer_path
+    try:
+        created = int(Path(model_dir).stat().st_mtime)
+    except (OSError, TypeError):
+        created = int(time.time())
+    return ModelRecord(name, RUNNING, model_dir=model_dir, source=model_dir, created=created,
+                       parameter_count=parameter_count(model_dir))
+
+
+async def list_models(request: web.Request) -> web.Response:
+    manager = _manager(request)
+    records = dict(manager.registry.records)
+    data = [model_json(r) for r in records.values()]
+    data += [model_json(_unrecorded(name, served)) for name, served in manager.served.items()
+             if name not in records]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    manager = _manager(request)
+    name = request.match_info["model_id"]
+    if name in manager.served and name not in manager.registry.records:
+        return web.json_response(_get_json(_unrecorded(name, manager.served[name]),
+                                           manager.served[name]))
+    record = manager.registry.get(_model_id(request))
+    return web.json_response(_get_json(record, manager.served.get(record.id)))
+
+
+async def delete_model(request: web.Request) -> web.Response:
+    model_id = _model_id(request)
+    await _manager(request).delete(model_id)
+    return web.json_response({"id": model_id, "object": "model", "deleted": True})
+
+
+async def patch_model(request: web.Request) -> web.Response:
+    model_id = _model_id(request)
+    body = await read_object(request)
+    record = _manager(request).patch(model_id, body)
+    return web.json_response(_get_json(record, _manager(request).served.get(record.id)))
+
+
+async def start_model(request: web.Request) -> web.Response:
+    return _state_reply(await _manager(request).start(_model_id(request)))
+
+
+async def stop_model(request: web.Request) -> web.Response:
+    return _state_reply(await _manager(request).stop(_model_id(request)))
+
+
+async def start_named(request: web.Request) -> web.Response:
+    """Cortex's POST /v1/models/start {"model": id, ...}: its other fields are the model's
+    settings (ctx_len, n_parallel, ngl, ...), kept as a PATCH would keep them."""
+    body = await read_object(request)
+    model_id = check_model_id(body.get("model"))
+    settings = {key: value for key, value in body.items() if key != "model"}
+    manager = _manager(request)
+    if settings:
+        record = manager.registry.get(model_id)
+        wanted = checked("settings", settings, SETTINGS)
+        if any(record.settings.get(key) != value for key, value in wanted.items()):
+            if record.state in BUSY:
+                raise ModelStateError(f"model {model_id!r} is {record.state}: stop it before "
+                                      "changing its settings", record.state)
+            manager.patch(model_id, {"settings": wanted})
+    return _state_reply(await manager.start(model_id))
+
+
+async def stop_named(request: web.Request) -> web.Response:
+    body = await read_object(request)
+    for key in body:
+        if key != "model":
+            raise ValidationError(f"`{key}` is not supported by /v1/models/stop; it takes model")
+    return _state_reply(await _manager(request).stop(check_model_id(body.get("model"))))
+
+
+async def pull(request: web.Request) -> web.Response:
+    record = _manager(request).pull(await read_object(request))
+    return web.json_response({"id": record.id, "object": "model", "state": record.state,
+                              "message": f"pulling {record.source} as {record.id}: follow its "
+                                         f"state and metadata.progress at GET /v1/models/"
+                                         f"{record.id}"})
+
+
+def _answering_errors_in_models_shape(handler):
+    """The model routes answer errors in their body (router.errors.models_error_body)."""
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.Response:
+        request[ERROR_BODY] = models_error_body
+        return await handler(request)
+    return wrapped
+
+
+def register(app: web.Application) -> None:
+    routes = [("GET", "/v1/models", list_models), ("POST", "/v1/models/pull", pull),
+              ("POST", "/v1/models/start", start_named), ("POST", "/v1/models/stop", stop_named),
+              ("PUT", "/v1/models/{model_id:.+}/start", start_model),
+              ("PUT", "/v1/models/{model_id:.+}/stop", stop_model),
+              ("GET", "/v1/models/{model_id:.+}", get_model),
+              ("DELETE", "/v1/models/{model_id:.+}", delete_model),
+              ("PATCH", "/v1/models/{model_id:.+}", patch_model)]
+    for method, path, handler in routes:
+        app.router.add_route(method, path, _answering_errors_in_models_shape(handler))

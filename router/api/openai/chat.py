@@ -1,0 +1,202 @@
+"""OpenAI's chat route, /v1/chat/completions, in OpenAI's (and TGI's) shapes (/v1/models: api/models)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from router.inputs import structured_output
+from router.api.tgi.routes import tokens_response
+from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
+                                      openai_logprob, usage, without_stop)
+from router.errors import ValidationError
+from router.core.generation import GenerateResult
+from router.http.json_body import read_object
+from router.api.openai.request import (ChatOptions, build_request, choice_count, include_usage,
+                                   model_name, normalise_messages, number, render_chat,
+                                   sampling_and_stops, tool_plan, with_model_defaults)
+from router.schemas import FinishReason, GenerateRequest, Token, TokenEvent
+from router.lifecycle.served_model import ServedModel
+from router.state import served_model
+from router.http.sse import openai_sse, serve_stream
+from router.inputs.field_ranges import flag
+from router.inputs.seeds import copies
+
+
+def _token_logprob(token: Token) -> dict:
+    return {"token": token.text, "logprob": openai_logprob(token.logprob),
+            "bytes": list(token.text.encode("utf-8"))}
+
+
+def _chat_logprobs(result: GenerateResult) -> dict:
+    return {"content": [{**_token_logprob(t), "top_logprobs": [_token_logprob(a) for a in top]}
+                        for t, top in zip(result.tokens, result.top_tokens)]}
+
+
+def _tool_message(text: str) -> tuple[dict, str]:
+    """The assistant message for a tool-call output, and its finish reason."""
+    call = json.loads(text)
+    if call["name"] == structured_output.NO_TOOL:
+        return {"role": "assistant", "content": call["arguments"].get("content", "")}, "stop"
+    return {"role": "assistant", "content": None, "tool_calls": [{
+        "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        "function": {"name": call["name"],
+                     "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}]}, "tool_calls"
+
+
+def _message(result: GenerateResult, expects_call: bool, stops: list[str]) -> tuple[dict, str]:
+    finish = FINISH[result.final.finish_reason]
+    if expects_call and result.final.finish_reason is not FinishReason.LENGTH:
+        try:
+            return _tool_message(result.final.text)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # not a complete call: answer with the text as it is
+    return {"role": "assistant",
+            "content": without_stop(result.final.text, result.final, stops)}, finish
+
+
+class _Chat:
+    """One chat request, validated: what to generate and how to answer."""
+
+    def __init__(self, request: GenerateRequest, options: ChatOptions, expects_call: bool):
+        self.request = request
+        self.options = options
+        self.expects_call = expects_call
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def envelope(self, state, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": state.model_name,
+                "system_fingerprint": FINGERPRINT}
+
+
+def _chat_prompt(state, body: dict):
+    """(the tool plan, the response format's grammar, the prompt): the slow part of reading a
+    chat, whose messages, tools and schemas a body of megabytes can make take a second, so it runs
+    in a worker thread, not on the event loop that serves every other request."""
+    messages = normalise_messages(body.get("messages"))
+    plan = tool_plan(body)
+    response_format = structured_output.from_response_format(body.get("response_format"))
+    if plan.grammar and response_format:
+        raise ValidationError("`response_format` and `tools` cannot be used together")
+    prompt = render_chat(state.chat_template, messages, plan.functions, allow_text=plan.allow_text,
+                         fallback=state.chat_prompt)
+    return plan, response_format, prompt
+
+
+def _chat_request_parts(state, body: dict):
+    """_chat_prompt's, and the sampling fields (whose logit_bias may be 100,000 entries)."""
+    return *_chat_prompt(state, body), sampling_and_stops(body, state.validation_limits)
+
+
+async def _validate_chat(state, body: dict) -> _Chat:
+    limits = state.validation_limits
+    plan, response_format, prompt, parsed = await asyncio.to_thread(_chat_request_parts, state,
+                                                                    body)
+    input_ids = await state.tokenizer.encode_async(prompt, add_special_tokens=False,
+                                                   max_tokens=limits.tokens.max_input_tokens)
+    logprobs = flag(body, "logprobs")
+    top_logprobs = number(body, "top_logprobs", 0, limits.max_top_n_tokens, integer=True) or 0
+    if top_logprobs and not logprobs:
+        raise ValidationError("`top_logprobs` needs `logprobs: true`")
+    request = build_request(prompt, input_ids, body, limits,
+                            default_max_tokens=state.request_defaults.get("token_limit"),
+                            top_n_tokens=top_logprobs, grammar_spec=plan.grammar or response_format,
+                            parsed=parsed)
+    options = ChatOptions(n=choice_count(body, state.config.max_client_batch_size),
+                          stream=flag(body, "stream"), include_usage=include_usage(body),
+                          logprobs=logprobs, top_logprobs=top_logprobs)
+    return _Chat(request, options, plan.expects_call)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await read_object(request)
+    state = served_model(request, model_name(body))
+    body = with_model_defaults(body, state.request_defaults)
+    chat = await state.infer.count_request(_validate_chat(state, body))
+    requests = copies(chat.request, chat.options.n)
+    if chat.options.stream:
+        return await serve_stream(request, state.infer.stream_many(requests),
+                                  ChatStream(state, chat, len(requests)), streams=len(requests))
+    results = await state.infer.generate_many(requests)
+    choices = []
+    for index, result in enumerate(results):
+        message, finish = _message(result, chat.expects_call, chat.request.stopping.stop_sequences)
+        choices.append({"index": index, "message": message, "finish_reason": finish,
+                        "logprobs": _chat_logprobs(result) if chat.options.logprobs else None})
+    completion = sum(r.final.generated_tokens for r in results)
+    return web.json_response({**chat.envelope(state, "chat.completion"), "choices": choices,
+                              "usage": usage(chat.request.input_length, completion)})
+
+
+class ChatStream(OpenAIStream):
+    """chat.completion.chunk per token (a tool call in one chunk at the end), then the usage."""
+
+    def __init__(self, state: ServedModel, chat: _Chat, n: int):
+        self.state = state
+        self.chat = chat
+        self.n = n
+        self.completion_tokens = 0
+        self.holdbacks = [StopHoldback(chat.request.stopping.stop_sequences) for _ in range(n)]
+        # a tool call's tokens go out together at its end: their logprobs wait with them
+        self.call_logprobs: list[list[dict]] = [[] for _ in range(n)]
+
+    def _chunk(self, **fields) -> bytes:
+        return openai_sse({**self.chat.envelope(self.state, "chat.completion.chunk"), **fields})
+
+    def event(self, index: int, event: TokenEvent) -> list[bytes]:
+        if event.final is not None:
+            self.completion_tokens += event.final.generated_tokens
+        choice = _chat_chunk(self.chat, index, event, self.holdbacks[index],
+                             self.call_logprobs[index])
+        return [self._chunk(choices=[choice])] if choice is not None else []
+
+    def closing(self) -> list[bytes]:
+        if not self.chat.options.include_usage:
+            return []
+        return [self._chunk(choices=[], usage=usage(self.chat.request.input_length,
+                                                    self.completion_tokens))]
+
+
+def _chat_chunk(chat: _Chat, index: int, event, holdback: StopHoldback,
+                call_logprobs: list[dict]) -> dict | None:
+    logprobs = None
+    if chat.options.logprobs:
+        logprobs = {"content": [{**_token_logprob(event.token),
+                                 "top_logprobs": [_token_logprob(a) for a in event.top_tokens]}]}
+    if chat.expects_call:
+        # a call is only known once its JSON is complete: it goes out in one delta at the end,
+        # with every token's logprobs, the answer's stop sequence left out as the whole one's
+        if logprobs is not None:
+            call_logprobs += logprobs["content"]
+        if event.final is None:
+            return None
+        result = GenerateResult(final=event.final)
+        message, finish = _message(result, True, chat.request.stopping.stop_sequences)
+        if logprobs is not None:
+            logprobs = {"content": call_logprobs}
+        delta = {"role": "assistant", "content": message.get("content")}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": 0, **call} for call in message["tool_calls"]]
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    finish = FINISH[event.final.finish_reason] if event.final is not None else None
+    text = holdback.text(event.token.text, event.final)
+    return {"index": index, "delta": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish}
+
+
+async def chat_tokenize(request: web.Request) -> web.Response:
+    """TGI's /chat_tokenize: a chat request's prompt as the template renders it, and its tokens."""
+    body = await read_object(request)
+    state = served_model(request, model_name(body))
+    _, _, prompt = await asyncio.to_thread(_chat_prompt, state, body)
+    ids, offsets = await state.tokenizer.encode_offsets_async(prompt, add_special_tokens=False)
+    return await tokens_response(prompt, ids, offsets, templated_text=prompt)
+
+
+def register(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/chat_tokenize", chat_tokenize)

@@ -1,0 +1,271 @@
+"""OpenAI request bodies (chat and legacy completions) -> validated GenerateRequests and options."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from router.inputs import structured_output
+from router.inputs.chat_template import ChatTemplate
+from router.errors import TemplateError, ValidationError
+from router.lifecycle.settings import ChatPrompt
+from router.schemas import GenerateRequest, SamplingParams, StoppingParams
+from router.inputs.validation import ValidationLimits, check_lengths
+from router.inputs.field_ranges import FLOAT32_MAX, check_logit_bias, flag, float32
+from router.inputs.seeds import seed_or_draw
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+@dataclass(slots=True)
+class ChatOptions:
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+def number(body: dict, name: str, low: float, high: float, *, integer: bool = False,
+            low_open: bool = False):
+    """An optional number within [low, high] (bounds inside the range of its wire type)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            integer and isinstance(value, float) and not value.is_integer()):
+        raise ValidationError(f"`{name}` must be {'an integer' if integer else 'a number'}")
+    if integer:
+        value = int(value)
+    elif low <= value <= high:  # compared first: float() of a 400-digit integer overflows
+        value = float32(value)  # what the shards use: a field rounded to 0 is 0 there
+    if value < low or value > high or (low_open and value == low):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise ValidationError(f"`{name}` must be {bound} and <= {high}. Given: {value}")
+    return value
+
+
+def include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ValidationError("`stream_options` must be an object")
+    return flag(options, "include_usage")
+
+
+def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingParams, list[str]]:
+    """OpenAI's sampling fields: temperature 0 is greedy, penalties are additive, top_p 1 is off."""
+    temperature = number(body, "temperature", 0, 2)
+    top_p = number(body, "top_p", 0, 1, low_open=True)
+    seed = number(body, "seed", 0, 2**64 - 1, integer=True)
+    top_k = number(body, "top_k", -1, 2**31 - 1, integer=True)  # vLLM's extension: -1 or 0 off
+    sampling = SamplingParams(
+        temperature=temperature or 1.0, top_p=top_p or 1.0, top_k=max(top_k or 0, 0),
+        frequency_penalty=number(body, "frequency_penalty", -2, 2) or 0.0,
+        presence_penalty=number(body, "presence_penalty", -2, 2) or 0.0,
+        # vLLM's extension (TGI's multiplicative penalty): > 0, 1 is off
+        repetition_penalty=number(body, "repetition_penalty", 0, FLOAT32_MAX,
+                                  low_open=True) or 1.0,
+        do_sample=temperature != 0,  # OpenAI samples unless the temperature is 0
+        seed=seed_or_draw(seed),
+        logit_bias=check_logit_bias("logit_bias", body.get("logit_bias"), limits.vocab_size))
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ValidationError("`stop` must be a string or a list of strings")
+    if len(stop) > limits.max_stop_sequences:
+        raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
+                              f"Given: {len(stop)}")
+    return sampling, [s for s in stop if s]
+
+
+def model_name(body: dict) -> str | None:
+    """The model a body names (router/state.served_model finds it)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ValidationError("`model` must be a string")
+    return model
+
+
+# Jan's per-model parameters (PATCH /v1/models/{id}) and the OpenAI fields they give defaults to;
+# `token_limit` is a default max_tokens (default_max_tokens), trimmed to the room the prompt leaves
+_MODEL_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "stream": "stream"}
+
+
+def with_model_defaults(body: dict, defaults: dict) -> dict:
+    """`body` with the model's request defaults for the fields it leaves out (or null)."""
+    if not defaults:
+        return body
+    out = dict(body)
+    for key, name in _MODEL_DEFAULTS.items():
+        if key in defaults and out.get(name) is None:
+            out[name] = defaults[key]
+    return out
+
+
+def choice_count(body: dict, max_choices: int) -> int:
+    n = number(body, "n", 1, max_choices, integer=True)
+    return n or 1
+
+
+def _message_text(message: dict, index: int) -> str:
+    content = message.get("content")
+    calls = message.get("tool_calls")
+    if calls is not None and (not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function", c), dict) for c in calls)):
+        raise ValidationError(f"messages[{index}].tool_calls must be a list of "
+                              "{\"type\": \"function\", \"function\": {\"name\": ..., "
+                              "\"arguments\": ...}} objects")
+    if content is None:
+        if calls:  # an assistant turn that called tools, written as the calls themselves
+            return json.dumps([c.get("function", c) for c in calls], ensure_ascii=False)
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
+                raise ValidationError(f"messages[{index}].content: each part must be "
+                                      "{\"type\": \"text\", \"text\": ...}")
+            if part["type"] == "image_url":
+                raise ValidationError("image inputs are not supported: this model reads text only")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise ValidationError(f"messages[{index}].content must be a string or a list of parts")
+
+
+def normalise_messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValidationError("`messages` must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in _ROLES:
+            raise ValidationError(f"messages[{i}].role must be one of {sorted(_ROLES)}")
+        role = "system" if message["role"] == "developer" else message["role"]
+        out.append({**message, "role": role, "content": _message_text(message, i)})
+    return out
+
+
+def _functions(tools) -> list[dict]:
+    if not isinstance(tools, list) or not tools:
+        raise ValidationError("`tools` must be a non-empty list")
+    functions, names = [], set()
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type", "function") != "function" \
+                or not isinstance(function.get("name"), str):
+            raise ValidationError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                                  "{\"name\": ..., \"parameters\": ...}}")
+        if not function["name"] or function["name"] == structured_output.NO_TOOL:
+            raise ValidationError(f"tools[{i}].function.name must be a non-empty name other "
+                                  f"than {structured_output.NO_TOOL!r} (the name this server gives a reply in "
+                                  "words)")
+        if function["name"] in names:  # a set: a list search made 20,000 tools take 18 s
+            raise ValidationError(f"tools[{i}]: a function named {function['name']!r} is "
+                                  "already offered; each tool needs a name of its own")
+        names.add(function["name"])
+        functions.append(function)
+    return functions
+
+
+@dataclass(slots=True)
+class ToolPlan:
+    functions: list[dict] | None = None  # shown to the model
+    grammar: tuple[str, str] | None = None  # forces one call of one of them
+    allow_text: bool = False  # tool_choice=auto: the no_tool pseudo-call answers in words
+
+    @property
+    def expects_call(self) -> bool:
+        return self.grammar is not None
+
+
+def tool_plan(body: dict) -> ToolPlan:
+    """What tools and tool_choice ask for."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise ValidationError("`tool_choice` needs `tools`")
+        return ToolPlan()
+    functions = _functions(tools)
+    if choice == "none":
+        return ToolPlan()
+    if choice in (None, "auto", "required"):
+        allow_text = choice != "required"
+        schema = structured_output.tool_call_schema(functions, allow_text=allow_text)
+        return ToolPlan(functions, structured_output.checked(structured_output.JSON, schema), allow_text)
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        chosen = [f for f in functions if f["name"] == name]
+        if not chosen:
+            raise ValidationError(f"`tool_choice` names {name!r}, which is not in `tools`")
+        schema = structured_output.tool_call_schema(chosen, allow_text=False)
+        return ToolPlan(chosen, structured_output.checked(structured_output.JSON, schema))
+    raise ValidationError("`tool_choice` must be none, auto, required or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+
+
+def tool_prompt(functions: list[dict], *, allow_text: bool) -> str:
+    """Our words to a template that cannot show tools itself."""
+    listed = json.dumps([{k: f[k] for k in ("name", "description", "parameters") if k in f}
+                         for f in functions], ensure_ascii=False)
+    text_option = (" or, to answer in words, {\"name\": \"no_tool\", \"arguments\": "
+                   "{\"content\": <your answer>}}" if allow_text else "")
+    return ("You can call one of these functions. Reply with a single JSON object "
+            "{\"name\": <function name>, \"arguments\": <arguments object>}"
+            f"{text_option}.\nFunctions: {listed}")
+
+
+def render_chat(template: ChatTemplate | None, messages: list[dict],
+                functions: list[dict] | None, *, allow_text: bool = False,
+                fallback: ChatPrompt | None = None) -> str:
+    """The prompt of a chat: the model's template, else Jan's prompt pieces (`fallback`)."""
+    if template is None and fallback is None:
+        raise TemplateError("this model has no chat template")
+    if functions and (template is None or not template.knows_tools):
+        instruction = tool_prompt(functions, allow_text=allow_text)
+        if messages[0]["role"] == "system":
+            messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{instruction}"},
+                        *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": instruction}, *messages]
+    if template is None:
+        return fallback.render(messages)
+    return template.render(messages, add_generation_prompt=True, tools=functions)
+
+
+def build_request(prompt: str, input_ids: list[int], body: dict, limits: ValidationLimits, *,
+                  default_max_tokens: int | None, top_n_tokens: int = 0,
+                  grammar_spec: tuple[str, str] | None = None,
+                  prefill_logprobs: bool = False,
+                  parsed: tuple[SamplingParams, list[str]]) -> GenerateRequest:
+    """`parsed`: sampling_and_stops(body, limits), which the caller reads off the event loop
+    (a logit_bias may be 100,000 entries)."""
+    sampling, stop = parsed
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    if max_tokens is not None:
+        max_tokens = number({"max_tokens": max_tokens}, "max_tokens", 1, 2**31 - 1, integer=True)
+    elif default_max_tokens is not None:
+        max_tokens = min(default_max_tokens, limits.tokens.max_total_tokens - len(input_ids))
+    else:
+        max_tokens = limits.tokens.max_total_tokens - len(input_ids)
+    max_tokens = check_lengths(len(input_ids), max(max_tokens, 1), limits.tokens)
+    # vLLM's extensions, which load generators send to every OpenAI-compatible server
+    min_tokens = number(body, "min_tokens", 0, 2**31 - 1, integer=True) or 0
+    if min_tokens > max_tokens:
+        raise ValidationError(f"`min_tokens` must be <= `max_tokens`. Given: {min_tokens} > "
+                              f"{max_tokens}")
+    stopping = StoppingParams(max_new_tokens=max_tokens, stop_sequences=stop,
+                              ignore_eos=flag(body, "ignore_eos"), min_new_tokens=min_tokens)
+    return GenerateRequest(inputs=prompt, input_ids=input_ids, sampling=sampling,
+                           stopping=stopping,
+                           top_n_tokens=top_n_tokens, prefill_logprobs=prefill_logprobs,
+                           grammar=grammar_spec)

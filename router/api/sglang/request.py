@@ -1,0 +1,436 @@
+"""SGLang's native /generate body (GenerateReqInput) -> validated GenerateRequests and options.
+
+SGLang's defaults differ from TGI's: temperature 1.0 samples and 0 is greedy, top_k -1 is off,
+max_new_tokens is 128, and a stop string is trimmed from the text unless `no_stop_trim`. Every
+number goes through router.inputs.field_ranges's ranges as on the other APIs. A field this server cannot honour
+yet is a 422 that says so, never silently dropped; so is a field SGLang does not know.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field, replace
+
+import numpy
+
+from router.inputs import structured_output
+from router.errors import ValidationError
+from router.schemas import GenerateRequest, SamplingParams, StoppingParams
+from router.inputs.tokenizer import RouterTokenizer
+from router.inputs.validation import ValidationLimits, check_lengths
+from router.inputs.field_ranges import INT32, UINT32, UINT64, check_float, check_int, check_logit_bias
+from router.inputs.seeds import copies, draw_seed, seed_or_draw
+
+INPUT_FIELDS = ("text", "input_ids", "input_embeds")
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+MAX_LOGPROB_TOKEN_IDS = 1024  # ids per position in token_ids_logprob: bounds the answer's size
+
+# top-level fields that need work elsewhere first (the shards, adapters): refused, with the reason
+_NOT_YET = {
+    "lora_path": "`lora_path` is not supported: this server loads no LoRA adapters yet",
+    "lora_id": "`lora_id` is not supported: this server loads no LoRA adapters yet",
+    "custom_logit_processor": "`custom_logit_processor` is refused: it is serialized Python from "
+                              "the client, which this server never runs",
+    "session_params": "`session_params` is not supported yet",
+    "bootstrap_host": "disaggregated serving (`bootstrap_*`) is not supported",
+    "bootstrap_port": "disaggregated serving (`bootstrap_*`) is not supported",
+    "bootstrap_room": "disaggregated serving (`bootstrap_*`) is not supported",
+    "data_parallel_rank": "`data_parallel_rank` is not supported: this server has one data "
+                          "parallel rank",
+}
+_TEXT_ONLY = ("image_data", "audio_data", "video_data", "modalities")
+_TOP_LEVEL = {*INPUT_FIELDS, *_NOT_YET, *_TEXT_ONLY, "sampling_params", "rid", "stream",
+              "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+              "return_text_in_logprobs", "return_hidden_states"}
+
+_SAMPLING_NOT_YET = {
+    "structural_tag": "`structural_tag` is not supported yet (json_schema, regex and ebnf are)",
+    "custom_params": "`custom_params` is refused: it feeds a custom logit processor, which this "
+                     "server never runs",
+    "stream_interval": "`stream_interval` is not supported yet: every token is streamed",
+}
+_SAMPLING_FIELDS = {
+    "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "json_schema", "regex", "ebnf", "sampling_seed", "logit_bias", *_SAMPLING_NOT_YET,
+}
+
+
+@dataclass(slots=True)
+class LogprobOptions:
+    enabled: bool = False
+    start_len: int = -1  # prompt position where input logprobs start; -1: output only
+    top_n: int = 0
+    with_text: bool = False
+    token_ids: list[int] = field(default_factory=list)  # token_ids_logprob
+    token_texts: list[str | None] = field(default_factory=list)  # their text, when with_text
+
+
+@dataclass(slots=True)
+class SglangItem:
+    """One generation (one of a prompt's n)."""
+
+    request: GenerateRequest
+    rid: str
+    logprobs: LogprobOptions
+    no_stop_trim: bool
+    return_hidden_states: bool = False
+
+
+@dataclass(slots=True)
+class SglangBatch:
+    items: list[SglangItem]  # batch-major: every copy of prompt 0, then of prompt 1...
+    is_batch: bool  # a list of prompts (the answer is a list even with one)
+    stream: bool
+
+    @property
+    def as_list(self) -> bool:
+        return self.is_batch or len(self.items) > 1
+
+
+def claims(body: dict) -> bool:
+    """Whether a /generate body is SGLang's: one of its input fields and no TGI `inputs`."""
+    return "inputs" not in body and any(name in body for name in INPUT_FIELDS)
+
+
+def _bool(where: dict, name: str, default: bool, path: str) -> bool:
+    value = where.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValidationError(f"`{path}` must be a boolean")
+    return value
+
+
+def _per_item(body: dict, name: str, count: int) -> list:
+    """A top-level option given once, or once per prompt as a list."""
+    value = body.get(name)
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ValidationError(f"`{name}` holds {len(value)} values for {count} prompts")
+        return list(value)
+    return [value] * count
+
+
+def _prompts(body: dict) -> tuple[list, bool, str]:
+    """(prompts, is a batch, field): strings for `text`, lists of ids for `input_ids`."""
+    given = [name for name in INPUT_FIELDS if body.get(name) is not None]
+    if len(given) != 1:
+        raise ValidationError("exactly one of `text`, `input_ids` or `input_embeds` must be given"
+                              + (f" (got {', '.join(given)})" if given else ""))
+    name = given[0]
+    value = body[name]
+    if name == "input_embeds":
+        if isinstance(value, list) and value:
+            first = value[0]  # a batch is a list of prompts, each a list of vectors
+            if isinstance(first, list) and first and isinstance(first[0], list):
+                return value, True, name
+            return [value], False, name
+        raise ValidationError("`input_embeds` must be a non-empty list of vectors (one prompt) "
+                              "or a list of such lists (a batch)")
+    if name == "text":
+        if isinstance(value, str):
+            return [value], False, name
+        if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+            return value, True, name
+        raise ValidationError("`text` must be a string or a non-empty list of strings")
+    if isinstance(value, list) and value and all(isinstance(i, list) for i in value):
+        return value, True, name
+    if isinstance(value, list) and value:
+        return [value], False, name
+    raise ValidationError("`input_ids` must be a non-empty list of token ids or a non-empty list "
+                          "of such lists")
+
+
+def _token_ids(ids: list, path: str, vocab_size: int) -> list[int]:
+    out = []
+    for i, token in enumerate(ids):
+        token = check_int(f"{path}[{i}]", token, UINT32)
+        if token >= vocab_size:
+            raise ValidationError(f"`{path}[{i}]` = {token} is not a token id (the vocabulary has "
+                                  f"{vocab_size})")
+        out.append(token)
+    return out
+
+
+def _number(params: dict, name: str, low: float, high: float, *, low_open: bool = False,
+            default: float) -> float:
+    value = params.get(name)
+    if value is None:
+        return default
+    value = check_float(f"sampling_params.{name}", value)
+    if value < low or value > high or (low_open and value == low):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise ValidationError(f"`sampling_params.{name}` must be {bound} and <= {high}. "
+                              f"Given: {value}")
+    return value
+
+
+def _int(params: dict, name: str, wire, default):
+    value = params.get(name)
+    return default if value is None else check_int(f"sampling_params.{name}", value, wire)
+
+
+@dataclass(slots=True)
+class _Sampling:
+    """What one sampling_params dict asks, before the prompt's length is known."""
+
+    sampling: SamplingParams
+    max_new_tokens: int | None  # None: SGLang's default, within what the prompt leaves
+    stop: list[str]
+    stop_token_ids: list[int]
+    min_new_tokens: int
+    n: int
+    ignore_eos: bool
+    skip_special_tokens: bool
+    no_stop_trim: bool
+    grammar: tuple[str, str] | None
+    seeded: bool  # the client gave sampling_seed
+
+
+def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int) -> _Sampling:
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise ValidationError("`sampling_params` must be an object or a list of objects")
+    for name, value in params.items():
+        if name not in _SAMPLING_FIELDS:
+            raise ValidationError(f"`sampling_params.{name}` is not a field of SGLang's sampling "
+                                  "parameters")
+        if name in _SAMPLING_NOT_YET and value is not None:
+            raise ValidationError(_SAMPLING_NOT_YET[name])
+    # either value gives the same text, as on SGLang with a fast tokenizer: its decoder joins
+    # special tokens as it joins any other, so there is no space to put or leave out
+    _bool(params, "spaces_between_special_tokens", True,
+          "sampling_params.spaces_between_special_tokens")
+    temperature = _number(params, "temperature", 0, 3.4e38, default=1.0)
+    top_k = _int(params, "top_k", INT32, -1)
+    if top_k != -1 and top_k < 1:
+        raise ValidationError(f"`sampling_params.top_k` must be -1 (off) or at least 1. "
+                              f"Given: {top_k}")
+    seed = _int(params, "sampling_seed", UINT64, None)
+    sampling = SamplingParams(
+        temperature=temperature if temperature > 0 else 1.0,
+        top_k=0 if top_k == -1 else top_k,
+        top_p=_number(params, "top_p", 0, 1, low_open=True, default=1.0),
+        min_p=_number(params, "min_p", 0, 1, default=0.0),
+        frequency_penalty=_number(params, "frequency_penalty", -2, 2, default=0.0),
+        presence_penalty=_number(params, "presence_penalty", -2, 2, default=0.0),
+        repetition_penalty=_number(params, "repetition_penalty", 0, 2, low_open=True, default=1.0),
+        # SGLang: temperature 0 (or top_k 1) is greedy; anything else samples
+        do_sample=temperature > 0 and top_k != 1,
+        seed=seed_or_draw(seed),
+        logit_bias=check_logit_bias("sampling_params.logit_bias", params.get("logit_bias"),
+                                    limits.vocab_size))
+    max_new_tokens = _int(params, "max_new_tokens", UINT32, None)
+    if max_new_tokens == 0:
+        raise ValidationError("`sampling_params.max_new_tokens` = 0 (prompt scoring) is not "
+                              "supported yet")
+    min_new_tokens = _int(params, "min_new_tokens", UINT32, 0)
+    if min_new_tokens > (max_new_tokens or DEFAULT_MAX_NEW_TOKENS):
+        raise ValidationError("`sampling_params.min_new_tokens` must be <= `max_new_tokens`")
+    stop = params.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ValidationError("`sampling_params.stop` must be a string or a list of strings")
+    if len(stop) > limits.max_stop_sequences:
+        raise ValidationError(f"`sampling_params.stop` supports up to {limits.max_stop_sequences} "
+                              f"stop sequences. Given: {len(stop)}")
+    stop_ids = params.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else stop_ids
+    if not isinstance(stop_ids, list):
+        raise ValidationError("`sampling_params.stop_token_ids` must be a list of token ids")
+    n = _int(params, "n", UINT32, 1)
+    if not 1 <= n <= max_n:
+        raise ValidationError(f"`sampling_params.n` must be >= 1 and <= {max_n}. Given: {n}")
+    constraints = [k for k in ("json_schema", "regex", "ebnf") if params.get(k) is not None]
+    if len(constraints) > 1:
+        raise ValidationError("only one of `json_schema`, `regex` or `ebnf` may be given")
+    spec = None
+    if params.get("json_schema") is not None:
+        if not isinstance(params["json_schema"], str):
+            raise ValidationError("`sampling_params.json_schema` must be a string holding a JSON "
+                                  "schema")
+        spec = structured_output.checked(structured_output.JSON, params["json_schema"])
+    elif params.get("regex") is not None:
+        spec = structured_output.checked(structured_output.REGEX, params["regex"])
+    elif params.get("ebnf") is not None:
+        spec = structured_output.checked(structured_output.EBNF, params["ebnf"])
+    path = "sampling_params"
+    return _Sampling(
+        sampling, max_new_tokens, [s for s in stop if s],
+        _token_ids(stop_ids, "sampling_params.stop_token_ids", vocab_size), min_new_tokens, n,
+        _bool(params, "ignore_eos", False, f"{path}.ignore_eos"),
+        _bool(params, "skip_special_tokens", True, f"{path}.skip_special_tokens"),
+        _bool(params, "no_stop_trim", False, f"{path}.no_stop_trim"), spec, seed is not None)
+
+
+def _logprob_options(body: dict, index: int, count: int, limits: ValidationLimits,
+                     prompt_length: int, vocab_size: int, decode) -> LogprobOptions:
+    enabled = _per_item(body, "return_logprob", count)[index]
+    start = _per_item(body, "logprob_start_len", count)[index]
+    top_n = _per_item(body, "top_logprobs_num", count)[index]
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValidationError("`return_logprob` must be a boolean or a list of booleans")
+    start = -1 if start is None else check_int("logprob_start_len", start, INT32)
+    top_n = 0 if top_n is None else check_int("top_logprobs_num", top_n, UINT32)
+    if top_n > limits.max_top_n_tokens:
+        raise ValidationError(f"`top_logprobs_num` must be >= 0 and <= {limits.max_top_n_tokens}. "
+                              f"Given: {top_n}")
+    if start < -1 or start >= prompt_length:
+        raise ValidationError(f"`logprob_start_len` ({start}) must be -1 or a position in the "
+                              f"prompt (0 to {prompt_length - 1})")
+    with_text = _bool(body, "return_text_in_logprobs", False, "return_text_in_logprobs")
+    token_ids = _logprob_token_ids(body, index, count, vocab_size)
+    if token_ids and not enabled:
+        raise ValidationError("`token_ids_logprob` needs `return_logprob`: true")
+    texts = [decode([t]) if with_text else None for t in token_ids]
+    return LogprobOptions(bool(enabled), start, top_n, with_text, token_ids, texts)
+
+
+def _logprob_token_ids(body: dict, index: int, count: int, vocab_size: int) -> list[int]:
+    """token_ids_logprob: one list for every prompt, or (for a batch) one list per prompt."""
+    value = body.get("token_ids_logprob")
+    if value is None:
+        return []
+    path = "token_ids_logprob"
+    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        if len(value) != count:
+            raise ValidationError(f"`token_ids_logprob` holds {len(value)} lists for {count} "
+                                  "prompts")
+        value, path = value[index], f"token_ids_logprob[{index}]"
+    if not isinstance(value, list):
+        raise ValidationError("`token_ids_logprob` must be a list of token ids (or one list per "
+                              "prompt)")
+    if len(value) > MAX_LOGPROB_TOKEN_IDS:
+        raise ValidationError(f"`{path}` names {len(value)} ids; at most "
+                              f"{MAX_LOGPROB_TOKEN_IDS} are allowed")
+    return _token_ids(value, path, vocab_size)
+
+
+def _embeds(prompt, path: str, hidden_size: int) -> tuple[bytes, int]:
+    """One prompt's vectors -> (float32 bytes, rows), each row checked: hidden_size finite numbers."""
+    if not isinstance(prompt, list) or not prompt:
+        raise ValidationError(f"`{path}` must be a non-empty list of vectors")
+    for i, row in enumerate(prompt):
+        if not isinstance(row, list) or len(row) != hidden_size:
+            raise ValidationError(f"`{path}[{i}]` must be a list of {hidden_size} numbers (the "
+                                  f"model's hidden size)")
+        for value in row:
+            # compared, not converted: an integer past a float (10**400) overflows float()
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not abs(value) <= 3.4e38:  # NaN too
+                raise ValidationError(f"`{path}[{i}]` must hold finite numbers (float32)")
+    return numpy.asarray(prompt, dtype="<f4").tobytes(), len(prompt)
+
+
+def check_fields(body: dict) -> None:
+    for name, value in body.items():
+        if value is None:
+            continue
+        if name in _TEXT_ONLY:
+            raise ValidationError(f"`{name}` is not supported: this model reads text only")
+        if name in _NOT_YET:
+            raise ValidationError(_NOT_YET[name])
+        if name not in _TOP_LEVEL:
+            raise ValidationError(f"`{name}` is not a field of SGLang's generate request")
+
+
+def _rids(body: dict, count: int) -> list[str]:
+    rids = _per_item(body, "rid", count)
+    out = []
+    for rid in rids:
+        if rid is None:
+            rid = uuid.uuid4().hex
+        if not isinstance(rid, str) or not rid:
+            raise ValidationError("`rid` must be a non-empty string (or, for a batch, a list of "
+                                  "them)")
+        out.append(rid)
+    if len(set(out)) != len(out):
+        raise ValidationError("`rid` names two prompts of the batch alike")
+    return out
+
+
+async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: ValidationLimits,
+                         max_batch: int, hidden_size: int) -> SglangBatch:
+    """The whole body -> one GenerateRequest per prompt and copy, in batch-major order.
+    `hidden_size` is the width of a row of `input_embeds`."""
+    check_fields(body)
+    prompts, batch, field_name = _prompts(body)
+    if len(prompts) > max_batch:
+        raise ValidationError(f"Number of prompts exceeds the maximum allowed batch size of "
+                              f"{max_batch}")
+    stream = _bool(body, "stream", False, "stream")
+    params = body.get("sampling_params")
+    if isinstance(params, list):
+        if len(params) != len(prompts):
+            raise ValidationError(f"`sampling_params` holds {len(params)} objects for "
+                                  f"{len(prompts)} prompts")
+    vocab_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def parse_all() -> list[_Sampling]:
+        if isinstance(params, list):
+            return [parse_sampling(p, limits, max_batch, vocab_size) for p in params]
+        # parsed (and its grammar compiled) once for every prompt
+        return [parse_sampling(params, limits, max_batch, vocab_size)] * len(prompts)
+
+    # compiling the grammars may take a while: off the event loop
+    parsed = await asyncio.to_thread(parse_all)
+    rids = _rids(body, len(prompts))
+    items = []
+    for index, prompt in enumerate(prompts):
+        asked = parsed[index]
+        if not asked.seeded:  # each prompt samples with its own seed, as when parsed apart
+            asked = replace(asked, sampling=replace(asked.sampling, seed=draw_seed()))
+        embeds, rows = None, 0
+        if field_name == "text":
+            if not prompt:
+                raise ValidationError("`text` cannot be empty")
+            text, input_ids = prompt, await tokenizer.encode_async(
+                prompt, max_tokens=limits.tokens.max_input_tokens)
+        elif field_name == "input_embeds":
+            path = f"input_embeds[{index}]" if batch else "input_embeds"
+            embeds, rows = _embeds(prompt, path, hidden_size)
+            text, input_ids = "", []
+        else:
+            path = f"input_ids[{index}]" if batch else "input_ids"
+            if not isinstance(prompt, list) or not prompt:
+                raise ValidationError(f"`{path}` must be a non-empty list of token ids")
+            input_ids = _token_ids(prompt, path, vocab_size)
+            text = None  # decoded once the length is known to be within the limits
+        if not input_ids and embeds is None:
+            raise ValidationError("`text` cannot be empty")
+        length = rows if embeds is not None else len(input_ids)
+        max_new_tokens = asked.max_new_tokens
+        if max_new_tokens is None:  # the default, not the client's number: fit it to the room left
+            max_new_tokens = max(min(DEFAULT_MAX_NEW_TOKENS,
+                                     limits.tokens.max_total_tokens - length), 1)
+        max_new_tokens = check_lengths(length, max_new_tokens, limits.tokens)
+        if text is None:
+            text = tokenizer.tokenizer.decode(input_ids, skip_special_tokens=False)
+        logprobs = _logprob_options(body, index, len(prompts), limits, length, vocab_size,
+                                    tokenizer.tokenizer.decode)
+        if embeds is not None and logprobs.enabled and logprobs.start_len >= 0:
+            raise ValidationError("a prompt given as `input_embeds` has no token ids to score: "
+                                  "use `logprob_start_len` -1")
+        hidden = _per_item(body, "return_hidden_states", len(prompts))[index]
+        if hidden is not None and not isinstance(hidden, bool):
+            raise ValidationError("`return_hidden_states` must be a boolean or a list of booleans")
+        base = GenerateRequest(
+            inputs=text, input_ids=input_ids, sampling=asked.sampling,
+            stopping=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=asked.stop,
+                                    ignore_eos=asked.ignore_eos,
+                                    min_new_tokens=asked.min_new_tokens,
+                                    stop_token_ids=asked.stop_token_ids),
+            top_n_tokens=logprobs.top_n if logprobs.enabled else 0,
+            prefill_logprobs=logprobs.enabled and logprobs.start_len >= 0,
+            skip_special_tokens=asked.skip_special_tokens, grammar=asked.grammar,
+            input_embeds=embeds, embeds_rows=rows, logprob_token_ids=logprobs.token_ids,
+            prefill_top_n_tokens=logprobs.top_n if logprobs.enabled and logprobs.start_len >= 0
+            else 0, return_hidden_states=bool(hidden))
+        for request in copies(base, asked.n):
+            items.append(SglangItem(request, rids[index], logprobs, asked.no_stop_trim,
+                                    bool(hidden)))
+    return SglangBatch(items, batch, stream)

@@ -1,0 +1,228 @@
+"""The generation core every API adapter calls: admission (429 past the concurrency limit), one
+request's event stream with cancellation on exit, n requests fanned out (merged streams, or all
+results, the others cancelled when one fails), and the request-level metrics every API shares.
+
+An adapter turns its wire format into GenerateRequests and these events into its wire format; it
+never sees the queue, the shards or the KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
+
+from router.scheduler.active_request import ActiveRequest
+from router.scheduler.batcher import Batcher
+from router.errors import IncompleteGenerationError, OverloadedError, RouterError, ValidationError
+from router.telemetry.metrics import Metrics
+from router.telemetry.tracing import current_span_context
+from router.schemas import FinalInfo, GenerateRequest, Timings, Token, TokenEvent
+from router.kv.sessions import Session
+from router.inputs.seeds import copies
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    tokens: list[Token] = field(default_factory=list)
+    top_tokens: list[list[Token]] = field(default_factory=list)
+    prefill: list[Token] = field(default_factory=list)
+    final: FinalInfo | None = None
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def logprob_sum(self) -> float:
+        return sum(t.logprob or 0.0 for t in self.tokens)
+
+
+T = TypeVar("T")
+
+_FAILURE_LABELS = {"validation": "validation", "overloaded": "overloaded",
+                   "generation": "generation", "incomplete_generation": "incomplete"}
+
+
+class Infer:
+    def __init__(self, batcher: Batcher, metrics: Metrics, *, max_concurrent_requests: int):
+        self.batcher = batcher
+        self.metrics = metrics
+        self.max_concurrent_requests = max_concurrent_requests
+        self.in_flight = 0
+        self._ids = itertools.count()
+
+    def record_failure(self, error: RouterError) -> None:
+        self.metrics.counters.inc("tgi_request_failure",
+                                  err=_FAILURE_LABELS.get(error.error_type, error.error_type))
+
+    async def count_request(self, validation: Awaitable[T]) -> T:
+        """Counts a request and, when its validation fails, the failure, as TGI does."""
+        self.metrics.counters.inc("tgi_request_count")
+        try:
+            return await validation
+        except RouterError as err:
+            self.record_failure(err)
+            raise
+
+    def _admit(self, request: GenerateRequest, session: Session | None) -> ActiveRequest:
+        if self.in_flight >= self.max_concurrent_requests:
+            raise OverloadedError()
+        item = ActiveRequest(id=next(self._ids), input_length=request.input_length,
+                             max_new_tokens=request.stopping.max_new_tokens,
+                             prompt_ids=None if request.computes_whole_prompt
+                             else request.input_ids,
+                             request=request, span_context=current_span_context())
+        if request.num_beams > 1:
+            item.kv_rows, item.kv_row_slack = request.num_beams, self.batcher.allocator.block_size
+        if session is not None:
+            self._bind(item, session)
+        allocator = self.batcher.allocator
+        if allocator.blocks_needed(item.kv_tokens) > allocator.num_usable_blocks:
+            raise ValidationError(f"the request needs {item.kv_tokens} tokens of KV cache but the "
+                                  f"server holds {allocator.num_usable_blocks * allocator.block_size}")
+        return item
+
+    def _bind(self, item: ActiveRequest, session: Session) -> None:
+        """The request continues `session` (its prompt is the session's tokens): the blocks the
+        session holds stand in for their prefill, and at the end the session keeps the new ones."""
+        sessions = self.batcher.sessions
+        if session.token_ids == item.request.input_ids:  # its blocks are read when planned
+            item.held_prefix = session
+
+        def keep(item: ActiveRequest, final: FinalInfo) -> None:
+            # the best beam's keys and values need not be in the blocks any more: none are kept
+            blocks = item.allocation.block_ids if item.request.num_beams == 1 else []
+            sessions.keep(session, item.request.input_ids + item.generated_ids, final.text,
+                          blocks)
+
+        item.on_final = keep
+
+    async def stream(self, request: GenerateRequest, timings: Timings | None = None, *,
+                     session: Session | None = None) -> AsyncIterator[TokenEvent]:
+        """Events of one request; leaving the iteration early cancels it and frees what it held.
+        With `session` (router.kv.sessions), the request continues it and it keeps the result."""
+        timings = timings or Timings(started_at=time.monotonic())
+        try:
+            item = self._admit(request, session)
+        except RouterError as err:
+            self.record_failure(err)
+            raise
+        metrics = self.metrics
+        metrics.input_length.observe(request.input_length)
+        metrics.max_new_tokens.observe(request.stopping.max_new_tokens)
+        self.in_flight += 1
+        timings.queued_at = time.monotonic()
+        metrics.validation_duration.observe(timings.queued_at - timings.started_at)
+        try:
+            self.batcher.submit(item)
+            while True:
+                event = await item.events.get()
+                if isinstance(event, RouterError):
+                    self.record_failure(event)
+                    raise event
+                if timings.batched_at == 0.0:
+                    timings.batched_at = item.batched_at
+                    timings.cached_tokens = item.cache_len
+                yield event
+                if event.final is not None:
+                    self._record_success(timings, event.final)
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            if not item.is_done:
+                metrics.counters.inc("tgi_request_failure", err="dropped")
+            raise
+        finally:
+            if not item.is_done:
+                self.batcher.cancel(item)
+            self.in_flight -= 1
+
+    def _record_success(self, timings: Timings, final: FinalInfo) -> None:
+        timings.finished_at = time.monotonic()
+        metrics = self.metrics
+        metrics.counters.inc("tgi_request_success")
+        metrics.request_duration.observe(timings.finished_at - timings.started_at)
+        metrics.queue_duration.observe(timings.batched_at - timings.queued_at)
+        inference = timings.finished_at - timings.batched_at
+        metrics.inference_duration.observe(inference)
+        metrics.time_per_token.observe(inference / max(final.generated_tokens, 1))
+        metrics.generated_tokens.observe(final.generated_tokens)
+
+    async def generate(self, request: GenerateRequest, timings: Timings | None = None, *,
+                       session: Session | None = None) -> GenerateResult:
+        result = GenerateResult(timings=timings or Timings(started_at=time.monotonic()))
+        async for event in self.stream(request, result.timings, session=session):
+            result.tokens.append(event.token)
+            result.top_tokens.append(event.top_tokens)
+            if event.prefill is not None:
+                result.prefill = event.prefill
+            if event.final is not None:
+                result.final = event.final
+        if result.final is None:
+            error = IncompleteGenerationError()
+            self.record_failure(error)
+            raise error
+        return result
+
+    async def generate_many(self, requests: list[GenerateRequest],
+                            timings: Timings | None = None, *,
+                            sessions: list[Session] | None = None) -> list[GenerateResult]:
+        """Every request's result, in order; when one fails (or the caller goes away) the others
+        are cancelled and free what they held. `sessions`: one per request (see stream)."""
+        sessions = sessions or [None] * len(requests)
+        tasks = [asyncio.ensure_future(self.generate(r, replace(timings) if timings else None,
+                                                     session=s))
+                 for r, s in zip(requests, sessions)]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def stream_many(self, requests: list[GenerateRequest], timings: Timings | None = None
+                          ) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """(index of the request, event) from every request's stream as the events arrive; the
+        first error is raised and leaving early cancels every stream."""
+        if len(requests) == 1:  # no tasks and no hop through a queue for the common case
+            async with aclosing(self.stream(requests[0], timings)) as events:
+                async for event in events:
+                    yield 0, event
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, request: GenerateRequest) -> None:
+            try:
+                async for event in self.stream(request, replace(timings) if timings else None):
+                    merged.put_nowait((index, event))
+            except Exception as err:  # raised to the reader, which fails the whole response
+                merged.put_nowait((index, err))
+            finally:
+                merged.put_nowait((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+        try:
+            open_streams = len(tasks)
+            while open_streams:
+                index, item = await merged.get()
+                if item is None:
+                    open_streams -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def generate_best_of(self, request: GenerateRequest, best_of: int, timings: Timings
+                               ) -> tuple[GenerateResult, list[GenerateResult]]:
+        """(the answer, the other sequences). With best_of > 1, that many sampled sequences with
+        their own seeds (copies); the most likely (summed log-prob) wins."""
+        if best_of == 1:
+            return await self.generate(request, timings), []
+        results = await self.generate_many(copies(request, best_of), timings)
+        ranked = sorted(results, key=lambda r: r.logprob_sum, reverse=True)
+        return ranked[0], ranked[1:]

@@ -1,0 +1,114 @@
+"""The ranges of the types request fields travel in (the shards' protobuf, TGI's Rust types).
+
+A value that passes an API's documented bounds must still fit the field that carries it: protobuf
+raises on an out-of-range integer deep inside the batching loop, far from the request that sent it.
+Each check here answers with serde's wording, which TGI's clients already know.
+"""
+from __future__ import annotations
+
+import math
+import re
+import struct
+from dataclasses import dataclass
+
+from router.errors import ValidationError
+
+
+@dataclass(frozen=True, slots=True)
+class IntType:
+    name: str  # as serde names it in its errors
+    low: int
+    high: int
+
+    @property
+    def openapi_format(self) -> str:
+        # OpenAPI has no unsigned formats: a u32 needs int64 to hold its range; a u64 is written
+        # int64 with its true maximum beside it, as generators of clients expect
+        return "int32" if self.name == "i32" else "int64"
+
+
+INT32 = IntType("i32", -2**31, 2**31 - 1)
+UINT32 = IntType("u32", 0, 2**32 - 1)
+UINT64 = IntType("u64", 0, 2**64 - 1)
+# the largest finite float32: sampling parameters travel as protobuf floats
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _deserialize_error(path: str, detail: str) -> ValidationError:
+    return ValidationError(f"Failed to deserialize the JSON body into the target type: {path}: "
+                           f"{detail}")
+
+
+def check_int(path: str, value, wire: IntType) -> int:
+    """`value` as an int of `wire`'s range; a float with no fraction counts (serde's does too)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _deserialize_error(path, f"invalid type: {type(value).__name__} {value!r}, "
+                                       f"expected {wire.name}")
+    if isinstance(value, float) and not value.is_integer():
+        raise _deserialize_error(path, f"invalid type: floating point `{value}`, expected "
+                                       f"{wire.name}")
+    value = int(value)
+    if not wire.low <= value <= wire.high:
+        raise _deserialize_error(path, f"invalid value: integer `{value}`, expected {wire.name}")
+    return value
+
+
+def float32(value: float) -> float:
+    """The float32 nearest `value` (the value a shard receives; inf past float32's range)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def check_float(path: str, value) -> float:
+    """`value` as the float32 it travels as: finite, and rounded as the shards will read it, so
+    that a bound checked after this holds for what they use (1e-46 is 0 there, as for serde's
+    f32)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _deserialize_error(path, f"invalid type: {type(value).__name__} {value!r}, "
+                                       "expected f32")
+    # compared before converting: an integer literal of 400 digits overflows float()
+    if not -FLOAT32_MAX <= value <= FLOAT32_MAX:
+        raise _deserialize_error(path, f"invalid value: `{value}`, expected a finite f32")
+    value = float32(float(value))
+    if not math.isfinite(value):  # between the largest float32 and the next: rounded up to inf
+        raise _deserialize_error(path, f"invalid value: `{value}`, expected a finite f32")
+    return value
+
+
+def check_logit_bias(path: str, value, vocab_size: int = 0) -> dict[int, float]:
+    """OpenAI's logit_bias, {"<token id>": bias in [-100, 100]}, as {id: float32 bias}, each id
+    below the model's `vocab_size` (when known: else the shard refuses the request)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValidationError(f"`{path}` must be an object mapping token ids to biases")
+    biases = {}
+    for key, bias in value.items():
+        # ASCII digits without leading zeros: "٥", "５" or "05" would name token 5 too
+        token = int(key) if re.fullmatch(r"0|[1-9][0-9]{0,9}", key) else -1
+        if not UINT32.low <= token <= UINT32.high:
+            raise ValidationError(f"`{path}` keys must be token ids (decimal integers). "
+                                  f"Given: {key!r}")
+        if vocab_size and token >= vocab_size:
+            raise ValidationError(f"`{path}` keys must be token ids below the model's vocabulary "
+                                  f"size of {vocab_size}. Given: {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not -100 <= bias <= 100:
+            raise ValidationError(f"`{path}[{key!r}]` must be a number >= -100 and <= 100")
+        biases[token] = float32(float(bias))
+    return biases
+
+
+def flag(body: dict, name: str, default: bool = False) -> bool:
+    """An optional boolean: null is the default, anything but true or false is a 422."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValidationError(f"`{name}` must be a boolean")
+    return value
+
+
+def check_fields(body: dict, allowed: set[str], where: str) -> None:
+    for name in body:
+        if name not in allowed:
+            raise ValidationError(f"`{name}` is not a field of {where}")

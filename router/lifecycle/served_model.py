@@ -1,0 +1,306 @@
+"""One running model as the API modules see it: its tokenizer, limits, scheduler and shard client.
+
+Every model that runs has one, built when it starts (connect to its shard group, warm up, size the KV
+pool) and closed when it stops; the API modules look one up by name (router/state.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from router.shards.step_types import NewBatch, ShardRequest
+from router.scheduler.batcher import Batcher
+from router.kv.block_allocator import BlockAllocator
+from router.inputs.chat_template import ChatTemplate
+from router.config import RouterConfig
+from router.errors import ModelStateError, SessionBusyError, UnhealthyError
+from router.inputs.generation_config import GenerationDefaults
+from router.core.generation import Infer
+from router.telemetry.metrics import Metrics
+from router.lifecycle.registry import STOPPED
+from router.lifecycle.settings import ChatPrompt
+from router import VERSION
+from router.kv.prefix_cache import PrefixCache
+from router.kv.sessions import Session, SessionBusy
+from router.scheduler.recovery import RecoveryPolicy
+from router.scheduler.request_queue import RequestQueue
+from router.scheduler.policy import SchedulingLimits
+from router.schemas import GenerateRequest, SamplingParams, StoppingParams
+from router.shards.client import ShardedClient, ShardError
+from router.shards.convert import ShardInfo
+from router.inputs.tokenizer import RouterTokenizer
+from router.inputs.validation import TokenLimits, ValidationLimits
+
+log = logging.getLogger("tgi.router")
+
+
+@dataclass
+class ServedModel:
+    config: RouterConfig  # the router's, with this model's directory, socket and limits
+    tokenizer: RouterTokenizer
+    client: ShardedClient
+    shard_info: ShardInfo
+    limits: TokenLimits
+    validation_limits: ValidationLimits
+    allocator: BlockAllocator
+    batcher: Batcher
+    infer: Infer
+    metrics: Metrics
+    chat_template: ChatTemplate | None
+    # Jan's per-model request defaults (router/model_settings.PARAMETERS) and chat prompt pieces
+    request_defaults: dict = field(default_factory=dict)
+    chat_prompt: ChatPrompt = field(default_factory=ChatPrompt)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_id or Path(self.config.tokenizer_path).name
+
+    @property
+    def compute_type(self) -> str:
+        return f"{self.shard_info.world_size}-{self.shard_info.device_type}"
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        return self.config.generation_defaults()
+
+    def info_json(self) -> dict:
+        config = self.config
+        return {
+            "model_id": self.model_name,
+            "model_sha": None, "model_pipeline_tag": "text-generation",
+            "model_dtype": self.shard_info.dtype, "model_device_type": self.shard_info.device_type,
+            "max_concurrent_requests": config.max_concurrent_requests,
+            "max_best_of": config.max_best_of, "max_stop_sequences": config.max_stop_sequences,
+            "max_input_tokens": self.limits.max_input_tokens,
+            "max_total_tokens": self.limits.max_total_tokens,
+            "max_batch_prefill_tokens": self.limits.max_batch_prefill_tokens,
+            "max_batch_total_tokens": self.kv_capacity_tokens,
+            "shard_recovery_timeout": config.shard_recovery_timeout,
+            "waiting_served_ratio": config.waiting_served_ratio,
+            "max_waiting_tokens": config.max_waiting_tokens,
+            "max_batch_size": config.max_batch_size,
+            "max_decode_steps_per_call": config.max_decode_steps_per_call,
+            "prefix_caching": self.batcher.queue.prefix_cache is not None,
+            "speculate": self.shard_info.speculate,
+            "validation_workers": config.validation_workers,
+            "max_client_batch_size": config.max_client_batch_size,
+            # /api/generate-one|batch: what a call gets for a generation_config field it leaves
+            # out, and how long its request_id session keeps its KV blocks
+            "generation_defaults": self.generation_defaults.as_json(),
+            "session_ttl": config.session_ttl, "max_sessions": config.max_sessions,
+            "session_kv_share": config.session_kv_share,
+            "router": "tgi-py-router", "version": VERSION, "sha": None, "docker_label": None,
+        }
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds (what TGI reports as max_batch_total_tokens)."""
+        return self.allocator.num_usable_blocks * self.allocator.block_size
+
+    @property
+    def kv_block_size(self) -> int:
+        return self.allocator.block_size
+
+    def begin_session(self, key: tuple[str, str], prompt: str) -> Session:
+        """The request_id session of `key`, held by the caller until end_session; a 409 while
+        another call holds it."""
+        try:
+            return self.batcher.sessions.begin(key, prompt)
+        except SessionBusy:
+            raise SessionBusyError(f"a call on request_id {key[1]!r} is still running") from None
+
+    def end_session(self, session: Session, succeeded: bool) -> None:
+        """Lets go of a session; it keeps the call's text only when the call `succeeded`."""
+        self.batcher.sessions.end(session, succeeded)
+
+    def expire_sessions(self) -> None:
+        self.batcher.expire_sessions()
+
+    def flush_prefix_cache(self) -> bool:
+        """Lets go of every cached prompt block no request holds; whether the cache is empty."""
+        return self.batcher.flush_prefix_cache()
+
+    async def check_health(self) -> None:
+        """Returns when the shards answer; raises the UnhealthyError of a 503 otherwise."""
+        if not self.batcher.healthy:
+            raise UnhealthyError("the model shards are restarting")
+        try:
+            await self.client.health()
+        except ShardError as err:
+            log.warning("health check failed: %s", err)
+            raise UnhealthyError() from None
+
+    def start(self, supervise) -> None:
+        """Runs the batching loop, under `supervise` (a coroutine wrapper)."""
+        self.tasks.append(asyncio.create_task(supervise(self.batcher.run())))
+
+    async def close(self) -> None:
+        """Stops the batching loop; a request still in flight fails with a 503, and one that
+        reaches the queue from now on (it was validating when the stop began) with a 409."""
+        name = self.model_name
+        self.batcher.closed = lambda: ModelStateError(f"model {name!r} stopped", STOPPED)
+        self.batcher.stop_waiting()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.tasks.clear()
+        self.batcher.fail_everything(UnhealthyError(f"model {self.model_name!r} stopped"))
+        await self.client.close()
+
+
+def warmup_batch(limits: TokenLimits, max_batch_size: int | None,
+                 prefill_tokens: int | None = None) -> NewBatch:
+    """Requests of max_input_tokens tokens until they fill the prefill budget, as TGI warms up."""
+    requests = []
+    remaining = limits.max_batch_prefill_tokens if prefill_tokens is None else prefill_tokens
+    while remaining > 0 and (max_batch_size is None or len(requests) < max_batch_size):
+        length = min(limits.max_input_tokens, remaining)
+        request = GenerateRequest(
+            inputs="", input_ids=[1] * length,
+            sampling=SamplingParams(do_sample=True, temperature=0.9, top_k=10, top_p=0.9,
+                                    typical_p=0.9, repetition_penalty=1.2, seed=0),
+            stopping=StoppingParams(max_new_tokens=2, ignore_eos=True), top_n_tokens=5,
+            skip_special_tokens=False)
+        requests.append(ShardRequest(len(requests), request, blocks=[]))  # warm-up has no blocks
+        remaining -= length
+    return NewBatch(id=0, requests=requests, max_tokens=0, max_blocks=0)
+
+
+async def warm_up(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
+                  block_size: int, *, known_pool_blocks: int | None = None) -> int:
+    """Runs the largest batch the router may send; returns the KV pool's size in blocks.
+
+    With `known_pool_blocks` (a restarted group of the same model, limits and machine, whose
+    first warm-up already ran the largest batch), one short request checks that the model runs
+    and the pool is allocated at the size it had: on CPU the full warm-up is most of a restart."""
+    batch = warmup_batch(limits, config.max_batch_size,
+                         prefill_tokens=None if known_pool_blocks is None else 16)
+    total_tokens = config.max_batch_total_tokens or 0
+    if known_pool_blocks is not None:
+        total_tokens = (known_pool_blocks - 1) * block_size
+    num_blocks = await client.warmup(
+        batch, max_input_tokens=limits.max_input_tokens,
+        max_prefill_tokens=limits.max_batch_prefill_tokens, max_total_tokens=limits.max_total_tokens,
+        max_batch_total_tokens=total_tokens)
+    capacity = (num_blocks - 1) * block_size  # block 0 is never handed out
+    if limits.max_total_tokens > capacity:
+        raise ValueError(f"Not enough memory to handle max_total_tokens={limits.max_total_tokens}: the "
+                         f"KV pool holds {capacity} tokens; lower --max-total-tokens or raise "
+                         "--max-batch-total-tokens")
+    log.info("%s: KV pool of %d blocks of %d tokens (%d tokens)", config.model_id, num_blocks,
+             block_size, capacity)
+    return num_blocks
+
+
+def recovery_policy(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
+                    allocator: BlockAllocator) -> RecoveryPolicy:
+    """How the router gets a model's shards back after the launcher restarted them: the same
+    socket, the same model and limits, a short warm-up that allocates the pool at its size, and
+    empty caches."""
+
+    async def reconnect() -> int:
+        await client.reconnect(config.master_shard_uds_path, timeout=2.0)
+        await client.clear_cache()
+        return await warm_up(client, config, limits, allocator.block_size,
+                             known_pool_blocks=allocator.num_blocks)
+
+    return RecoveryPolicy(reconnect=reconnect, is_alive=client.is_same_group_alive,
+                          timeout=config.shard_recovery_timeout)
+
+
+def model_config(config: RouterConfig, *, model_id: str, model_dir: str, master_socket: str,
+                 settings: dict) -> RouterConfig:
+    """The router's settings for a model started through the model routes: its own directory,
+    socket, and the limits its `settings` give (the rest derived from the model, as at start)."""
+    return dataclasses.replace(
+        config, model_id=model_id, tokenizer_path=model_dir, master_shard_uds_path=master_socket,
+        max_input_tokens=None, max_total_tokens=settings.get("ctx_len"),
+        max_batch_prefill_tokens=None, max_batch_size=settings.get("n_parallel"),
+        max_batch_total_tokens=settings.get("max_batch_total_tokens"))
+
+
+_now = time.monotonic  # build_served's clock (tests move it)
+# seconds a restarted group may take to load, as long as the launcher waits for one to start
+GROUP_START_WAIT = 600.0
+
+
+async def build_served(config: RouterConfig, *, through_restarts: bool = False) -> ServedModel:
+    """Connects to a model's shards, warms them up, and builds its scheduler. `through_restarts`:
+    a group that dies meanwhile (the launcher restarts it) is waited for while it loads, up to
+    the launcher's own bound on a start (GROUP_START_WAIT), and warmed up again; else its death is
+    the error."""
+    deadline = None  # none until the group is found gone: a first warm-up may take minutes
+    while True:
+        client = await _connect(config, deadline)
+        try:
+            return await _build(config, client)
+        except ShardError as err:
+            lost = not await client.is_same_group_alive()
+            await client.close()
+            if not lost:
+                raise
+            if not through_restarts:  # say what happened, not only what the channel saw
+                raise ShardError(f"its shards exited while they were warmed up ({err})") from err
+            log.warning("the shards went away while warming up (%s): waiting for their restart",
+                        err)
+            # the wait for the new group to load; its deaths are bounded by the launcher's
+            # restart budget, which ends the launch (and this router) once spent
+            deadline = _now() + max(config.shard_recovery_timeout, GROUP_START_WAIT)
+        except BaseException:
+            await client.close()
+            raise
+
+
+async def _connect(config: RouterConfig, deadline: float | None) -> ShardedClient:
+    """A client of the group; with a deadline, retried until then while its shards start."""
+    while True:
+        try:
+            return await ShardedClient.connect(config.master_shard_uds_path)
+        except ShardError:
+            if deadline is None or _now() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
+    tokenizer = RouterTokenizer(config.tokenizer_path, workers=config.validation_workers)
+    await client.clear_cache()
+    shard_info = await client.info()
+    if shard_info.support_chunking and config.sets_join_rule():
+        log.warning("the shards chunk prefills: --waiting-served-ratio and --max-waiting-tokens "
+                    "are ignored (as in TGI); a new request's prefill carries the running "
+                    "batch's step, and it joins as soon as it fits")
+    limits = TokenLimits.resolve(
+        max_input_tokens=config.max_input_tokens, max_total_tokens=config.max_total_tokens,
+        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+        max_position_embeddings=shard_info.max_position_embeddings,
+        chunking=shard_info.support_chunking)
+    num_blocks = await warm_up(client, config, limits, shard_info.block_size)
+    allocator = BlockAllocator(num_blocks, shard_info.block_size)
+    capacity = allocator.num_usable_blocks * allocator.block_size
+    scheduling = SchedulingLimits(
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_batch_total_tokens=capacity,
+        waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size,
+        max_decode_steps=config.max_decode_steps_per_call,
+        stream_decode_steps=shard_info.device_type == "cuda")
+    metrics = Metrics(max_input_tokens=limits.max_input_tokens,
+                      max_total_tokens=limits.max_total_tokens)
+    prefix_cache = None
+    if config.prefix_caching == "on" and shard_info.use_prefix_caching:
+        prefix_cache = PrefixCache(allocator)
+    queue = RequestQueue(allocator, prefix_cache, chunking=shard_info.support_chunking)
+    batcher = Batcher(client, queue, allocator, scheduling, metrics,
+                      recovery_policy(client, config, limits, allocator),
+                      session_limits=config.session_limits())
+    infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests)
+    validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
+                                         config.max_top_n_tokens, shard_info.vocab_size)
+    return ServedModel(config, tokenizer, client, shard_info, limits, validation_limits,
+                       allocator, batcher, infer, metrics,
+                       ChatTemplate.from_model_dir(config.tokenizer_path))

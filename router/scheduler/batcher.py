@@ -1,0 +1,325 @@
+"""The continuous-batching loop: prefill new requests, decode the running batch, filter what finished.
+
+It is the only module that drives the shards. Between two decode steps it asks the queue for more work.
+With shards that chunk, new requests are prefilled in the same forward as the running batch's next
+step (TGI's cached_batch) and join it; otherwise in their own batch, merged at the next decode.
+A prompt longer than the prefill budget (when the shards chunk) is computed one chunk between two
+decode steps, so it never freezes the streams already running; chunks are sized from the measured
+step costs (router.scheduler.chunk_sizing) so that each stalls the streams by about one decode step.
+
+It decides what the next step is and speaks the router's types (router.shards.step_types). The policy's numbers
+are in router.scheduler.policy; router.scheduler.steps runs a step, delivers its events and filters what
+finished; router.scheduler.running_requests counts the blocks each request holds; router.scheduler.failures fans out
+failures; router.scheduler.recovery waits out a lost shard group.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from router.scheduler.active_request import ActiveRequest
+from router.shards.step_types import CachedBatch, NewBatch, ShardRequest
+from router.kv.block_allocator import BlockAllocator
+from router.errors import GenerationError, RouterError
+from router.scheduler.failures import FailureFanOut
+from router.telemetry.metrics import Metrics
+from router.scheduler.recovery import RecoveryPolicy, ShardRecovery, shutting_down
+from router.scheduler.request_queue import BatchPlan, RequestQueue
+from router.scheduler.running_requests import RunningRequests
+from router.scheduler.policy import ChunkedPrefill, SchedulingLimits
+from router.kv.sessions import SessionLimits, SessionStore
+from router.scheduler.steps import NOTHING_SENT, ShardSteps
+
+log = logging.getLogger("tgi.router.batcher")
+
+# while idle, how often the loop asks whether the shards are still the ones it warmed up
+IDLE_PROBE_S = 1.0
+
+
+class Batcher:
+    def __init__(self, client, queue: RequestQueue[ActiveRequest], allocator: BlockAllocator,
+                 limits: SchedulingLimits, metrics: Metrics,
+                 recovery: RecoveryPolicy | None = None,
+                 session_limits: SessionLimits = SessionLimits()):
+        self.client = client
+        self.queue = queue
+        self.allocator = allocator
+        self.limits = limits
+        self.metrics = metrics
+        metrics.kv_total_blocks.set(allocator.num_usable_blocks)
+        metrics.kv_free_blocks.set(allocator.num_free_blocks)
+        metrics.batch_max_total_tokens.set(allocator.num_usable_blocks * allocator.block_size)
+        self.sessions = SessionStore(allocator, session_limits)
+        self._reclaim_from_sessions_too(allocator)
+        self.running = RunningRequests(allocator, queue.prefix_cache, metrics, self.sessions)
+        self.failures = FailureFanOut(self.running, queue, metrics)
+        self.steps = ShardSteps(client, metrics, self.running, self.failures,
+                                stream_steps=limits.stream_decode_steps)
+        self.chunked: ChunkedPrefill | None = None  # the long prompt being prefilled in chunks
+        self._wake = asyncio.Event()
+        # set when the model is going away: the error a request reaching submit() gets instead
+        self.closed: Callable[[], RouterError] | None = None
+        # counts losses of the shard group: a batch id from before one names nothing any more
+        self.shard_generation = 0
+        # without a policy (tests, one-off tools) a lost shard fails requests and nothing waits
+        self.recovery = None
+        if recovery is not None:
+            self.recovery = ShardRecovery(recovery, queue, self.running,
+                                          self.failures.fail_waiting)
+            self.steps.is_lost, self.steps.lose_shards = self.recovery.is_lost, self._lose_shards
+
+    def _reclaim_from_sessions_too(self, allocator: BlockAllocator) -> None:
+        """When the pool runs short, prompts only the prefix cache holds go first, then the
+        blocks of idle sessions (least recently used first)."""
+        from_cache = allocator.reclaim
+
+        def reclaim(needed: int) -> int:
+            freed = from_cache(needed) if from_cache is not None else 0
+            if freed < needed:
+                freed += self.sessions.release_blocks(needed - freed)
+            return freed
+
+        allocator.reclaim = reclaim
+
+    @property
+    def healthy(self) -> bool:
+        return self.recovery is None or self.recovery.healthy
+
+    # ---- API side ---------------------------------------------------------------------------
+
+    def submit(self, item: ActiveRequest) -> None:
+        if self.closed is not None:  # no loop reads the queue any more
+            raise self.closed()
+        self.queue.append(item)
+        self.metrics.queue_size.set(len(self.queue))
+        self._wake.set()
+
+    def cancel(self, item: ActiveRequest) -> None:
+        """The client went away: a waiting request leaves now, a running one at the next step."""
+        item.is_cancelled = True
+        if self.queue.remove(item):
+            item.is_done = True
+            self.metrics.queue_size.set(len(self.queue))
+
+    def flush_prefix_cache(self) -> bool:
+        """Lets go of every cached prompt block no request holds; whether the cache is empty."""
+        cache = self.queue.prefix_cache
+        if cache is None:
+            return True
+        cache.evict(len(cache))
+        self.running.update_gauges()
+        return len(cache) == 0
+
+    def expire_sessions(self) -> None:
+        """Sessions idle past their TTL let go of their blocks."""
+        self.sessions.expire()
+        self.running.update_gauges()
+
+    def fail_everything(self, error: RouterError) -> None:
+        """The model is going away (its loop already stopped): every request, running or
+        queued, hears `error` and lets go of its blocks."""
+        self.failures.fail_running(error)
+        for item in self.queue.entries():
+            self.queue.remove(item)
+            self.failures.fail_waiting(item, error)
+        self.chunked = None
+
+    def stop_waiting(self) -> None:
+        """The router is stopping: nothing waits for shards that are gone any more."""
+        if self.recovery is not None:
+            self.recovery.stop()
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self._wait_for_work()
+                await self._serve_until_idle()
+            except Exception:
+                # a fault that belongs to no single request: those in flight fail, the loop lives
+                log.exception("unexpected error in the batching loop; failing the requests in "
+                              "flight")
+                await self._fail_in_flight(GenerationError("internal error in the batching loop"))
+            self._batch_gauges([])
+
+    async def _wait_for_work(self) -> None:
+        """Sleeps until a request arrives; meanwhile checks that the shards did not restart (a
+        restarted group has an empty cache and must be warmed up before it serves)."""
+        while True:
+            if self.recovery is None:
+                await self._wake.wait()
+                break
+            try:
+                await asyncio.wait_for(self._wake.wait(), IDLE_PROBE_S)
+                break
+            except asyncio.TimeoutError:
+                if await self.recovery.is_lost():
+                    await self._lose_shards(GenerationError("the model shards restarted"))
+        self._wake.clear()
+
+    async def _serve_until_idle(self) -> None:
+        running, waited_tokens = None, 0
+        # whether the batch grew since its last decode call timed a step: its next call takes one
+        # step, so that several are sized from what a step of this batch costs
+        unmeasured = True
+        while True:
+            generation = self.shard_generation
+            did_prefill, new, stepped = await self._prefill_next(running, waited_tokens)
+            if generation != self.shard_generation:
+                # the shards were lost during that step: `running` died with them
+                running, waited_tokens = None, 0
+                continue
+            if did_prefill:
+                waited_tokens = 0
+                unmeasured = True
+            if stepped:
+                # it took its decode step inside the prefill's forward
+                running = new
+                self._batch_gauges([running] if running is not None else [])
+                continue
+            batches = [b for b in (running, new) if b is not None]
+            if not batches:
+                if did_prefill:
+                    continue  # a long prompt's chunks, with nothing decoding meanwhile
+                break
+            self._batch_gauges(batches)
+            steps = 1 if unmeasured else self.limits.decode_steps(
+                self.steps.last_step_s, waiting=len(self.queue) > 0 or self.chunked is not None)
+            running = await self.steps.decode(batches, steps)  # None when the shards were lost
+            unmeasured = False
+            # the wait is counted in tokens passed, as --max-waiting-tokens is named (TGI adds one
+            # per step even when speculating): a speculative step passes as many as the request
+            # that got the most
+            waited_tokens += self.steps.last_step_tokens
+
+    def _batch_gauges(self, batches: list[CachedBatch]) -> None:
+        self.metrics.batch_current_size.set(sum(len(b.request_ids) for b in batches))
+        self.metrics.batch_current_max_tokens.set(sum(b.max_tokens for b in batches))
+
+    async def _prefill_next(self, running: CachedBatch | None, waited_tokens: int
+                            ) -> tuple[bool, CachedBatch | None, bool]:
+        """One prefill between two decode steps, if any is due: the next chunk of a long prompt,
+        else a new batch from the queue. Returns (whether a prefill ran, the batch it made,
+        whether that is the running batch after a step taken in the same forward)."""
+        running_size = len(running.request_ids) if running is not None else 0
+        if self.chunked is not None:
+            if running_size:
+                self.metrics.counters.inc("tgi_batch_concat", reason="chunking")
+            return True, await self._prefill_chunk(running), running is not None
+        plan = self._next_plan(running_size=running_size, waited_tokens=waited_tokens)
+        if plan is None:
+            return False, None, False
+        if running_size:
+            self.metrics.counters.inc("tgi_batch_concat", reason=self.limits.join_reason(
+                waited_tokens, chunking=self.queue.chunking))
+        if plan.chunk_len is not None:
+            (item,) = plan.entries
+            self.running.start([item])
+            self.chunked = ChunkedPrefill(item, next_start=item.cache_len)
+            return True, await self._prefill_chunk(running), running is not None
+        # shards that chunk take the running batch's step in the same forward (TGI's cached_batch)
+        riding = running if self.queue.chunking else None
+        return True, await self._prefill(plan, riding), riding is not None
+
+    def _next_plan(self, *, running_size: int, waited_tokens: int
+                   ) -> BatchPlan[ActiveRequest] | None:
+        limits = self.limits
+        min_size, max_size = limits.join_bounds(running_size, waited_tokens,
+                                                chunking=self.queue.chunking)
+        plan = self.queue.next_batch(min_size=min_size, max_size=max_size,
+                                     prefill_token_budget=limits.max_batch_prefill_tokens,
+                                     token_budget=limits.max_batch_total_tokens)
+        if plan is not None:
+            self.metrics.queue_size.set(len(self.queue))
+            self.metrics.batch_next_size.observe(len(plan.entries))
+            self.running.update_gauges()
+        return plan
+
+    async def _prefill_chunk(self, running: CachedBatch | None) -> CachedBatch | None:
+        """The next chunk of the long prompt being prefilled, with the running batch taking its
+        decode step in the same forward. Returns the running batch after that step (joined by the
+        prompt's request after its last chunk), or, with nothing running, the batch the last chunk
+        makes."""
+        chunk = self.chunked
+        item = chunk.item
+        if item.is_cancelled:
+            self.chunked = None
+            self.running.release(item.id)
+            return running
+        start = chunk.next_start
+        decode_s = self.steps.decode_cost.seconds if running is not None else None
+        size = chunk.next_size(self.limits.max_batch_prefill_tokens, decode_s)
+        is_last = chunk.is_last(size)
+        batch = NewBatch(id=self.queue.new_batch_id(),
+                         requests=[_shard_request(item, cache_len=start,
+                                                  chunk_len=None if is_last else size)],
+                         max_tokens=item.kv_tokens, max_blocks=len(item.allocation.block_ids))
+        started = time.monotonic()
+        result = await self.steps.prefill(batch, [item], running)
+        if result is None:
+            self.chunked = None
+            return None
+        if result is NOTHING_SENT:
+            self.chunked = None
+            return running
+        elapsed = time.monotonic() - started
+        if item.is_done:  # refused: no more chunks
+            self.chunked = None
+            return await self.steps.after_step(result, "prefill") if running is not None else None
+        if is_last:
+            self.chunked = None
+            self.running.remember_prompts([item])
+        else:
+            chunk.advance(size, elapsed, decode_s)
+            log.debug("prefill chunk of %d tokens at %d: %.3f s", size, start, elapsed)
+            if running is None:
+                return None
+        return await self.steps.after_step(result, "prefill")
+
+    async def _prefill(self, plan: BatchPlan[ActiveRequest],
+                       running: CachedBatch | None = None) -> CachedBatch | None:
+        """New requests; with `running`, that batch takes its decode step in the same forward and
+        the result is it, joined by the new requests."""
+        items = plan.entries
+        self.running.start(items)
+        batch = NewBatch(id=plan.batch_id, requests=[_shard_request(i) for i in items],
+                         max_tokens=plan.max_tokens,
+                         max_blocks=max(len(i.allocation.block_ids) for i in items))
+        result = await self.steps.prefill(batch, items, running)
+        if result is None:
+            return None
+        if result is NOTHING_SENT:
+            return running
+        # a refused request computed nothing worth caching (and its blocks are free)
+        self.running.remember_prompts([i for i in items if not i.is_done])
+        return await self.steps.after_step(result, "prefill")
+
+    async def _lose_shards(self, error: RouterError) -> None:
+        """The shard group is gone: its requests are failed or sent back to the queue, then the
+        loop waits for the restarted group."""
+        self.shard_generation += 1
+        stopping = self.recovery.stopping
+        self.failures.shards_lost(shutting_down() if stopping else error,
+                                  max_attempts=self.recovery.policy.max_attempts,
+                                  may_retry=not stopping)
+        self.chunked = None
+        await self.recovery.wait_for_shards()
+
+    async def _fail_in_flight(self, error: RouterError) -> None:
+        self.failures.fail_running(error)
+        self.chunked = None
+        try:
+            await self.client.clear_cache()
+        except Exception as err:  # called from the loop's last guard: nothing may escape it
+            log.error("could not clear the shards' batches: %s", err)
+        self.running.update_gauges()
+
+
+def _shard_request(item: ActiveRequest, *, cache_len: int | None = None,
+                   chunk_len: int | None = None) -> ShardRequest:
+    return ShardRequest(item.id, item.request, item.allocation.block_ids,
+                        cache_len=item.cache_len if cache_len is None else cache_len,
+                        chunk_len=chunk_len)

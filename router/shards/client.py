@@ -1,0 +1,198 @@
+"""gRPC clients of the shards: one per rank, fanned out so every rank runs every call in lock-step.
+
+The scheduler calls it with the router's own types (router.shards.step_types); router.shards.convert translates.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from proto import generate_pb2 as pb
+from proto import generate_pb2_grpc as pb_grpc
+from proto.tracing import inject_metadata, tracing_enabled
+from router.shards import convert
+from router.shards.step_types import CachedBatch, NewBatch, PreparedBatch, Rejection, StepResult
+from router.shards.convert import ShardInfo
+
+
+class ShardError(Exception):
+    """A shard call failed; the message is the shard's own."""
+
+
+class ShardClient:
+    def __init__(self, target: str):
+        """`target`: a gRPC target as a shard's service discovery gives it (`unix:///path` for a
+        rank on this machine, `host:port` for one on another), or an absolute socket path."""
+        self.target = f"unix://{target}" if target.startswith("/") else target
+        self.channel = grpc.aio.insecure_channel(
+            self.target,
+            options=[("grpc.max_receive_message_length", 2**31 - 1),
+                     ("grpc.max_send_message_length", 2**31 - 1)])
+        self.stub = pb_grpc.TextGenerationServiceStub(self.channel)
+
+    async def call(self, method: str, message, timeout: float | None = None, metadata=None):
+        try:
+            return await getattr(self.stub, method)(message, timeout=timeout, metadata=metadata)
+        except grpc.aio.AioRpcError as err:
+            raise ShardError(err.details() or err.code().name) from None
+
+    async def stream(self, method: str, message, metadata=None) -> AsyncIterator:
+        """A server-streaming call's messages; closing the iterator cancels the call."""
+        try:
+            async for reply in getattr(self.stub, method)(message, metadata=metadata):
+                yield reply
+        except grpc.aio.AioRpcError as err:
+            raise ShardError(err.details() or err.code().name) from None
+        except Exception as err:  # as call(): any failure of the channel is the shard's
+            raise ShardError(str(err)) from err
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class ShardedClient:
+    """Sends each call to every rank and answers with rank 0's reply (ranks compute the same)."""
+
+    def __init__(self, clients: list[ShardClient]):
+        self.clients = clients
+        # each rank's process id as it answered when connected: another id is a restarted rank
+        self.instance_ids: list[str] = []
+        self.hidden_size = 0  # from info(), which the router asks before any step
+
+    @classmethod
+    async def connect(cls, master_socket: str, timeout: float = 30.0) -> "ShardedClient":
+        client = cls([])
+        await client.reconnect(master_socket, timeout)
+        return client
+
+    async def reconnect(self, master_socket: str, timeout: float = 30.0) -> None:
+        """New channels to every rank (after a restart of the group), and their instance ids."""
+        master = ShardClient(master_socket)
+        try:
+            reply = await master.call("ServiceDiscovery", pb.ServiceDiscoveryRequest(),
+                                      timeout=timeout)
+        finally:
+            await master.close()
+        clients = [ShardClient(url) for url in reply.urls]
+        try:
+            instance_ids = await _instance_ids(clients, timeout)
+        except ShardError:
+            await asyncio.gather(*(c.close() for c in clients))
+            raise
+        old, self.clients, self.instance_ids = self.clients, clients, instance_ids
+        await asyncio.gather(*(c.close() for c in old))
+
+    async def is_same_group_alive(self, timeout: float = 2.0) -> bool:
+        """Whether every rank answers and is still the process the router connected to. Never
+        raises: the batching loop asks it, and a broken channel only means "no"."""
+        try:
+            return await _instance_ids(self.clients, timeout) == self.instance_ids
+        except Exception:
+            return False
+
+    async def _all(self, method: str, message, timeout: float | None = None):
+        return (await self._each(method, message, timeout))[0]
+
+    async def _each(self, method: str, message, timeout: float | None = None) -> list:
+        """Every rank's reply, rank order."""
+        # the current span (if any) becomes the parent of the shards' spans
+        metadata = inject_metadata() if tracing_enabled() else None
+        replies = await asyncio.gather(*(c.call(method, message, timeout, metadata)
+                                         for c in self.clients), return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply if isinstance(reply, ShardError) else ShardError(str(reply))
+        return replies
+
+    async def info(self) -> ShardInfo:
+        info = convert.shard_info(await self._all("Info", pb.InfoRequest(), timeout=30))
+        self.hidden_size = info.hidden_size
+        return info
+
+    async def health(self, timeout: float = 5.0) -> None:
+        await self._all("Health", pb.HealthRequest(), timeout=timeout)
+
+    async def clear_cache(self, batch_id: int | None = None) -> None:
+        request = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
+        await self._all("ClearCache", request)
+
+    async def warmup(self, batch: NewBatch, **limits: int) -> int:
+        """Runs the warm-up batch on every rank; returns the KV pool's size in blocks (the
+        smallest rank's: every rank must fit)."""
+        request = convert.warmup_message(batch, **limits)
+        replies = await asyncio.gather(*(c.call("Warmup", request) for c in self.clients))
+        return min(r.num_blocks for r in replies)
+
+    def prepare(self, batch: NewBatch) -> tuple[PreparedBatch, list[Rejection]]:
+        """The batch's message, and the requests that could not be put into it (each fails
+        alone, before anything is sent)."""
+        message, rejected = convert.batch_message(batch)
+        return PreparedBatch(batch.without({r.request_id for r in rejected}), message), rejected
+
+    async def prefill(self, prepared: PreparedBatch,
+                      running: CachedBatch | None = None) -> StepResult:
+        """New requests, with `running` taking its decode step in the same forward."""
+        cached = convert.cached_batch_message(running) if running is not None else None
+        return convert.step_result(await self._all(
+            "Prefill", pb.PrefillRequest(batch=prepared.message, cached_batch=cached)),
+            self.hidden_size)
+
+    async def decode(self, batches: list[CachedBatch], max_steps: int = 1,
+                     on_step: Callable[[StepResult], None] | None = None) -> StepResult:
+        """Up to `max_steps` steps back to back (the shards stop after one where a request
+        finished). With `on_step`, every step but the last is handed to it as it ends (streamed
+        from the shards), and the result holds the last step's generations with the whole
+        call's steps and times; without, every step's tokens come in the result."""
+        request = pb.DecodeRequest(batches=[convert.cached_batch_message(b) for b in batches],
+                                   max_steps=max_steps)
+        if on_step is None or max_steps <= 1:
+            replies = await self._each("Decode", request)
+        else:
+            replies = await self._streamed(request, on_step)
+        # each rank ends the call on its own tokens, the same on every rank; ranks that parted
+        # would pair their collectives with the wrong step
+        if len({r.steps for r in replies}) > 1:
+            raise ShardError("the shard ranks took different numbers of decode steps: "
+                             f"{[r.steps for r in replies]}")
+        return convert.step_result(replies[0], self.hidden_size)
+
+    async def _streamed(self, request: pb.DecodeRequest,
+                        on_step: Callable[[StepResult], None]) -> list:
+        """DecodeStream on rank 0, its steps handed to on_step as they come, and Decode on the
+        other ranks (they compute the same steps; only rank 0's tokens are read): every rank's
+        last message, rank order. An error in on_step is the router's own and is raised as it
+        is; the calls are cancelled then."""
+        metadata = inject_metadata() if tracing_enabled() else None
+        others = [asyncio.ensure_future(c.call("Decode", request, None, metadata))
+                  for c in self.clients[1:]]
+        stream = self.clients[0].stream("DecodeStream", request, metadata)
+        try:
+            last = None
+            async for reply in stream:
+                if reply.more:
+                    on_step(convert.step_result(reply, self.hidden_size))
+                else:
+                    last = reply
+            if last is None:
+                raise ShardError("the shard ended a decode stream without its last message")
+            return [last, *await asyncio.gather(*others)]
+        finally:
+            await stream.aclose()
+            for other in others:
+                other.cancel()
+
+    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
+        reply = await self._all("FilterBatch",
+                                pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids))
+        return convert.cached_batch(reply.batch)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients))
+
+
+async def _instance_ids(clients: list[ShardClient], timeout: float) -> list[str]:
+    replies = await asyncio.gather(*(c.call("Health", pb.HealthRequest(), timeout)
+                                     for c in clients))
+    return [r.instance_id for r in replies]

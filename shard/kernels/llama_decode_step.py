@@ -1,0 +1,212 @@
+"""A Llama-family decode step as one C call (shard/kernels/decode_step.c), on the CPU.
+
+The C loop calls the kernels the eager forward calls (fused layer ops, paged attention, our bf16 and
+int4 matmuls), in the same order on the same inputs: its logits are the eager step's bit for bit,
+without the 5-7 ms of Python and dispatch around them. It applies where every piece of the eager
+step is one of those kernels: a bf16 model and KV cache on a CPU whose build has all of them
+(AVX-512 BF16, or AVX2), one rank, no layer running PyTorch's quantized kernels, no bias after a
+row-parallel projection (the eager step adds it as a separate bf16 op). Elsewhere
+`unsupported_reason` says why and the runner keeps the eager (or compiled) step.
+TGI_PY_DECODE_STEP=0 switches it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from shard.kernels import (layer_ops, int4_matmul, bf16_matmul, native, paged_attention)
+from shard.layers.attention import LayerCache
+from shard.models.llama import LlamaForCausalLM
+
+SOURCE = native.KERNELS / "decode_step.c"
+FLAGS = ["-O2", "-shared", "-fPIC"]
+ENABLED_ENV = "TGI_PY_DECODE_STEP"
+
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [("rms_norm", _ptr), ("silu_mul", _ptr), ("rotary_store", _ptr),
+                ("attention", _ptr), ("matmul", _ptr), ("int4_matmul", _ptr)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in (
+        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
+        "down", "down_bias", "key_cache", "value_cache", "qkv_int4", "o_int4", "gate_up_int4",
+        "down_int4")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
+                ("head_dim", _i64), ("intermediate", _i64), ("vocab_rows", _i64),
+                ("num_blocks", _i64), ("block_size", _i64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("final_norm", _ptr), ("lm_head", _ptr),
+                ("layer", ctypes.POINTER(_Layer))]
+
+
+_BUFFERS = ("residual0", "residual1", "normed", "qkv", "qk", "attention", "projected", "gate_up",
+            "act")
+
+
+class _Buffers(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in _BUFFERS]
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    library = native.load_library(SOURCE, FLAGS, ENABLED_ENV,
+                                  "decode steps run layer by layer from Python")
+    if library is None:
+        return None
+    library.decode_step.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Model),
+                                    ctypes.POINTER(_Buffers), _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
+                                    _ptr, _i64, _ptr, _ptr, _ptr]
+    library.decode_step.restype = ctypes.c_int
+    return library
+
+
+def _address(function) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str | None:
+    """Why this model's decode step cannot run in C here, or None."""
+    if type(model) is not LlamaForCausalLM:
+        return f"{type(model).__name__} is not the Llama family's model"
+    if model.activation_dtype != torch.bfloat16:
+        return f"activations are {model.activation_dtype}, not bf16"
+    if not cache or any(c.key.dtype != torch.bfloat16 or c.key.device.type != "cpu"
+                        or not c.key.is_contiguous() or not c.value.is_contiguous()
+                        for c in cache):
+        return "the KV cache is not a contiguous bf16 CPU cache"
+    if model.lm_head.parallel.is_sharded:
+        return "tensor-parallel ranks all-reduce between the kernels"
+    for layer in model.layers:
+        if layer.input_layernorm.eps != model.norm.eps or (
+                layer.post_attention_layernorm.eps != model.norm.eps):
+            return "the norms' epsilons differ (the C loop takes one)"
+        attention, mlp = layer.self_attn, layer.mlp
+        if attention.o_proj.bias is not None or mlp.down_proj.bias is not None:
+            return "a bias after a row-parallel projection is a separate bf16 add in eager steps"
+    if model.lm_head.prepared.tiled is None:
+        return "the head runs another kernel than our C bf16 matmul (the C loop takes no other)"
+    any_int4 = False
+    for module in model.modules():
+        prepared = getattr(module, "prepared", None)
+        if prepared is None:
+            continue
+        own_int4 = prepared.int4_form is not None
+        any_int4 = any_int4 or own_int4
+        if not own_int4 and (prepared.tiled is None or prepared.quantized_rows):
+            return ("a linear layer runs another kernel than our C bf16 or int4 matmuls "
+                    "(PyTorch's quantized kernels, an odd input width, or a CPU where ours do "
+                    "not run: AMX, AVX-512 without BF16, no AVX2)")
+    for name, library in (("the fused layer ops", layer_ops.load_library()),
+                          ("the attention kernel", paged_attention.load_kernel()),
+                          ("the bf16 matmul", bf16_matmul.load_library()),
+                          ("the int4 matmul", int4_matmul.load_library() if any_int4 else True),
+                          ("the decode step", load_library())):
+        if library is None:
+            return f"{name} did not build or is switched off"
+    return None
+
+
+class DecodeStep:
+    """Runs decode steps of one model over one KV cache pool (a new pool needs a new DecodeStep)."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: list[LayerCache]):
+        cfg = model.config
+        first = model.layers[0].self_attn
+        self.model = model
+        self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.hidden = cfg.hidden_size
+        self.intermediate = model.layers[0].mlp.down_proj.prepared.in_features
+        self.vocab_rows = model.lm_head.prepared.out_features
+        self.block_size = cache[0].key.shape[2]
+        layers = []
+        for layer, layer_cache in zip(model.layers, cache):
+            attention, mlp = layer.self_attn, layer.mlp
+            layers.append(_Layer(
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                _tiled(attention.qkv_proj.prepared), _bias(attention.qkv_proj.prepared),
+                _tiled(attention.o_proj.prepared), None, _tiled(mlp.gate_up_proj.prepared),
+                _bias(mlp.gate_up_proj.prepared), _tiled(mlp.down_proj.prepared), None,
+                layer_cache.key.data_ptr(), layer_cache.value.data_ptr(),
+                *(_int4(linear.prepared) for linear in (
+                    attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))))
+        self._layers = (_Layer * len(layers))(*layers)
+        self._cache = cache  # the pointers above stay valid while the pool lives
+        self._model = _Model(
+            len(layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
+            self.vocab_rows, cache[0].key.shape[0], self.block_size, model.norm.eps, first.scale,
+            model.norm.weight.data_ptr(), _tiled(model.lm_head.prepared), self._layers)
+        ops = layer_ops.load_library()
+        self._kernels = _Kernels(
+            _address(ops.rms_norm), _address(ops.silu_mul), _address(ops.rotary_store),
+            _address(paged_attention.load_kernel().paged_decode_attention),
+            _address(bf16_matmul.load_library().bf16_matmul),
+            _address(int4_matmul.load_library().int4_matmul)
+            if int4_matmul.load_library() is not None else None)
+        d = self.head_dim
+        # the widths of the step's activations, in _BUFFERS' order, laid end to end in one scratch
+        # row block per batch row: each buffer starts at batch * (the widths before it)
+        widths = [self.hidden, self.hidden, self.hidden, (self.heads + 2 * self.kv_heads) * d,
+                  (self.heads + self.kv_heads) * d, self.heads * d, self.hidden,
+                  2 * self.intermediate, self.intermediate]
+        self._starts = [sum(widths[:i]) for i in range(len(widths))]
+        self._scratch_width = sum(widths)
+        self._run = load_library().decode_step
+
+    def __call__(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
+                 block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per sequence at position seq_lens -> (logits [B, vocab] float32, the final
+        normed hidden states [B, hidden]), as the eager step returns them."""
+        batch = input_ids.shape[0]
+        # the C loop reads `batch` entries of each through raw pointers
+        if (input_ids.dim() != 1 or seq_lens.shape != (batch,) or block_tables.dim() != 2
+                or block_tables.shape[0] != batch or block_tables.shape[1] == 0):
+            raise ValueError(f"decode step: {tuple(input_ids.shape)} tokens, {tuple(seq_lens.shape)} "
+                             f"positions and {tuple(block_tables.shape)} block tables disagree")
+        embeds = self.model.embed(input_ids).contiguous()
+        angles = self.model.rotary(seq_lens)
+        cos, sin = angles.cos.contiguous(), angles.sin.contiguous()
+        tables = block_tables.to(torch.int64).contiguous()
+        seq_lens = seq_lens.to(torch.int64)
+        context_lens = (seq_lens + 1).contiguous()
+        slot_blocks = tables.gather(1, (seq_lens // self.block_size).unsqueeze(1)).squeeze(1)
+        slot_blocks = slot_blocks.contiguous()
+        slot_offsets = (seq_lens % self.block_size).contiguous()
+        scratch = torch.empty(batch * self._scratch_width, dtype=torch.bfloat16)
+        base, row = scratch.data_ptr(), batch * scratch.element_size()
+        buffers = _Buffers(*(base + row * start for start in self._starts))
+        hidden = torch.empty(batch, self.hidden, dtype=torch.bfloat16)
+        logits = torch.empty(batch, self.vocab_rows, dtype=torch.bfloat16)
+        status = self._run(
+            ctypes.byref(self._kernels), ctypes.byref(self._model),
+            ctypes.byref(buffers), batch, embeds.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
+            tables.data_ptr(), tables.stride(0), context_lens.data_ptr(), hidden.data_ptr(),
+            logits.data_ptr())
+        if status == -1:
+            raise IndexError("a KV slot lies outside the cache")
+        if status != 0:
+            raise MemoryError("decode attention or a matmul could not allocate its scratch buffers")
+        return logits[:, : self.model.lm_head.vocab_size].float(), hidden
+
+
+def _bias(prepared) -> int | None:
+    return None if prepared.tiled_bias is None else prepared.tiled_bias.data_ptr()
+
+
+def _int4(prepared) -> int | None:
+    """The layer's form for our C int4 kernel, or None."""
+    return None if prepared.int4_form is None else prepared.int4_form.data_ptr()
+
+
+def _tiled(prepared) -> int | None:
+    """The layer's weight in our bf16 matmul's layout, or None (it is int4: `_int4`)."""
+    return None if prepared.tiled is None else prepared.tiled.data_ptr()

@@ -1,0 +1,90 @@
+"""The C decode-attention kernel (shard/kernels/paged_attention.c), built for this CPU on first use
+(shard.kernels.native).
+
+Decode attention in PyTorch eager gathers every sequence's context out of the paged cache into a
+contiguous copy (and widens a bf16 copy to float32) before two batched matmuls. The kernel reads each
+key and value once where it lies instead. Without a compiler the shard logs why and keeps the
+PyTorch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from shard.kernels import native
+
+SOURCE = native.KERNELS / "paged_attention.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# TGI_PY_PAGED_KERNEL=0 keeps decode attention in PyTorch (for comparisons and bisecting)
+ENABLED_ENV = "TGI_PY_PAGED_KERNEL"
+_cpu_flags = native.cpu_flags
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (disabled, not an x86/ARM Linux build, or no C compiler)."""
+    library = native.load_library(SOURCE, FLAGS, ENABLED_ENV,
+                                  "decode attention stays in PyTorch, which copies every context "
+                                  "out of the paged cache each step")
+    if library is None:
+        return None
+    fn = library.paged_decode_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ctypes.c_int, ptr, ctypes.c_int, i64, ptr, i64, ptr, i64, i64, i64,
+                   i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return library
+
+
+def supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention over a KV cache of this device and dtype runs in the kernel."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and load_kernel() is not None)
+
+
+def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q [B, heads, d] (one token per sequence) -> [B, heads * d], attending over context_lens[b]
+    tokens of sequence b read through block_tables [B, blocks] (both int64).
+
+    The arithmetic is float32 on every CPU, whichever of float32 and bf16 the query and the cache
+    are: the kernel widens bf16 queries, keys and values in registers (exact, and no slower than
+    reading them), so a bf16-capable CPU gains nothing from bf16 products here. Out in q's dtype
+    (a bf16 output rounded once, from float32, as `.to()` rounds)."""
+    batch, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    # the kernel reads the caches through raw pointers as float32 or bf16 rows of this layout
+    assert key_cache.dtype in (torch.float32, torch.bfloat16), key_cache.dtype
+    assert value_cache.dtype == key_cache.dtype and value_cache.shape == key_cache.shape
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    queries = q if q.dtype in (torch.float32, torch.bfloat16) else q.float()
+    if queries.stride(2) != 1 or queries.stride(1) != head_dim:
+        queries = queries.contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    out = torch.empty(batch, num_heads * head_dim, dtype=queries.dtype)
+    status = load_kernel().paged_decode_attention(
+        key_cache.data_ptr(), value_cache.data_ptr(), int(key_cache.dtype == torch.bfloat16),
+        queries.data_ptr(), int(queries.dtype == torch.bfloat16), queries.stride(0),
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, num_heads, num_kv_heads,
+        head_dim, block_size, scale, out.data_ptr(), int(out.dtype == torch.bfloat16))
+    if status != 0:
+        raise MemoryError("decode attention could not allocate its scratch buffers")
+    return out.to(q.dtype)
+
+
+@torch.library.custom_op("tgi::paged_decode_attention", mutates_args=())
+def paged_decode_attention_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                              block_tables: torch.Tensor, context_lens: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """paged_decode_attention as an operator: what a compiled step calls (a compiler cannot see
+    into the kernel's raw pointers)."""
+    return paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+@paged_decode_attention_op.register_fake
+def _(q, key_cache, value_cache, block_tables, context_lens, scale):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
