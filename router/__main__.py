@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import logging
-import os
 import signal
 import sys
 
@@ -12,7 +11,7 @@ from proto.launcher_watch import watch_launcher
 from proto.tracing import init_tracing, shutdown_tracing
 from router.http import connections
 from router.app import build_state, create_app
-from router.config import parse_args
+from router.config import log_level, parse_args
 
 log = logging.getLogger("tgi.router")
 
@@ -45,7 +44,7 @@ async def serve(argv: list[str] | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 <pid>` prints every thread's stack: how to see where a stuck process is
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
+    logging.basicConfig(level=log_level(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return asyncio.run(serve(argv))

@@ -11,7 +11,7 @@ from aiohttp import web
 from router.api.openai import completions, chat as openai
 from router.api.generate_one import routes as generate_one
 from router.api.grpc import service as grpc_service
-from router.api import invocations
+from router.api import invocations, openapi
 from router.api.tgi import routes as tgi
 from router.api.models import routes as models
 from router.api.sglang import routes as sglang
@@ -25,7 +25,8 @@ from router.state import STATE, RouterState
 
 # Every API the router serves: each module turns its wire format into core requests and the core's
 # events into its wire format, and registers itself (routes, or a server of its own).
-API_MODULES = (tgi, sglang, openai, completions, invocations, generate_one, models, grpc_service)
+API_MODULES = (tgi, sglang, openai, completions, invocations, generate_one, models, grpc_service,
+               openapi)
 
 log = logging.getLogger("tgi.router")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from router.errors import RouterError
@@ -149,6 +150,11 @@ class RouterConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         return any(getattr(self, name) != defaults[name]
                    for name in ("waiting_served_ratio", "max_waiting_tokens"))
+
+
+def log_level() -> str:
+    """LOG_LEVEL (the launcher passes its own on): INFO unless set."""
+    return os.environ.get("LOG_LEVEL", "INFO").upper()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

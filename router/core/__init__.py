@@ -1,0 +1,2 @@
+"""The generation core every API calls: admission, one request's event stream, fan-out over n
+requests, and the request-level metrics."""

@@ -1,6 +1,7 @@
 """The generation core every API adapter calls: admission (429 past the concurrency limit), one
-request's event stream with cancellation on exit, n requests fanned out (merged streams, or all
-results, the others cancelled when one fails), and the request-level metrics every API shares.
+request's event stream with cancellation on exit, n requests fanned out (merged streams, each
+abortable alone, or all results, the others cancelled when one fails), and the request-level
+metrics every API shares.
 
 An adapter turns its wire format into GenerateRequests and these events into its wire format; it
 never sees the queue, the shards or the KV blocks.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -20,7 +21,7 @@ from router.scheduler.batcher import Batcher
 from router.errors import IncompleteGenerationError, OverloadedError, RouterError, ValidationError
 from router.telemetry.metrics import Metrics
 from router.telemetry.tracing import current_span_context
-from router.schemas import FinalInfo, GenerateRequest, Timings, Token, TokenEvent
+from router.schemas import FinalInfo, FinishReason, GenerateRequest, Timings, Token, TokenEvent
 from router.kv.sessions import Session
 from router.inputs.seeds import copies
 
@@ -39,6 +40,23 @@ class GenerateResult:
 
 
 T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class FanOutStream:
+    """One stream of a fan-out (Infer.stream_many): `abort()` ends it alone, the others go on; it
+    then ends with an event of its own whose final holds what it had generated (reason: length)."""
+
+    timings: Timings | None = None  # its own; a copy of the fan-out's when None
+    aborted: bool = False
+    finished: bool = False  # its final event arrived
+    task: asyncio.Task | None = None
+
+    def abort(self) -> None:
+        if not self.finished and not self.aborted:
+            self.aborted = True
+            if self.task is not None:
+                self.task.cancel()
 
 _FAILURE_LABELS = {"validation": "validation", "overloaded": "overloaded",
                    "generation": "generation", "incomplete_generation": "incomplete"}
@@ -181,27 +199,52 @@ class Infer:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def stream_many(self, requests: list[GenerateRequest], timings: Timings | None = None
+    async def stream_many(self, requests: list[GenerateRequest], timings: Timings | None = None,
+                          *, streams: list[FanOutStream] | None = None,
+                          on_event: Callable[[int, TokenEvent], None] | None = None
                           ) -> AsyncIterator[tuple[int, TokenEvent]]:
         """(index of the request, event) from every request's stream as the events arrive; the
-        first error is raised and leaving early cancels every stream."""
-        if len(requests) == 1:  # no tasks and no hop through a queue for the common case
+        first error is raised and leaving early cancels every stream. `streams`: one handle per
+        request, to abort it alone; `on_event` sees each event as it arrives, before the reader
+        does (who may lag several events behind)."""
+        if len(requests) == 1 and streams is None and on_event is None:
+            # no tasks and no hop through a queue for the common case
             async with aclosing(self.stream(requests[0], timings)) as events:
                 async for event in events:
                     yield 0, event
             return
+        streams = streams or [FanOutStream() for _ in requests]
         merged: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, request: GenerateRequest) -> None:
+        def arrived(index: int, event: TokenEvent) -> None:
+            if on_event is not None:
+                on_event(index, event)
+            merged.put_nowait((index, event))
+
+        async def pump(index: int, request: GenerateRequest, handle: FanOutStream) -> None:
+            texts: list[str] = []
             try:
-                async for event in self.stream(request, replace(timings) if timings else None):
-                    merged.put_nowait((index, event))
+                if handle.aborted:
+                    raise asyncio.CancelledError
+                own = handle.timings or (replace(timings) if timings else None)
+                async for event in self.stream(request, own):
+                    texts.append(event.token.text)
+                    handle.finished = event.final is not None
+                    arrived(index, event)
+            except asyncio.CancelledError:
+                if not handle.aborted:
+                    raise
+                arrived(index, TokenEvent(Token(-1, "", None), final=FinalInfo(
+                    "".join(texts), len(texts), FinishReason.LENGTH, None)))
             except Exception as err:  # raised to the reader, which fails the whole response
                 merged.put_nowait((index, err))
             finally:
                 merged.put_nowait((index, None))
 
-        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+        tasks = []
+        for index, (request, handle) in enumerate(zip(requests, streams)):
+            handle.task = asyncio.ensure_future(pump(index, request, handle))
+            tasks.append(handle.task)
         try:
             open_streams = len(tasks)
             while open_streams:

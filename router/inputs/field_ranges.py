@@ -1,8 +1,9 @@
-"""The ranges of the types request fields travel in (the shards' protobuf, TGI's Rust types).
+"""Request fields read and checked: the ranges of the types they travel in (the shards' protobuf,
+TGI's Rust types), and the readers every API uses for optional numbers and booleans.
 
 A value that passes an API's documented bounds must still fit the field that carries it: protobuf
 raises on an out-of-range integer deep inside the batching loop, far from the request that sent it.
-Each check here answers with serde's wording, which TGI's clients already know.
+The wire checks answer with serde's wording, which TGI's clients already know.
 """
 from __future__ import annotations
 
@@ -98,13 +99,48 @@ def check_logit_bias(path: str, value, vocab_size: int = 0) -> dict[int, float]:
     return biases
 
 
-def flag(body: dict, name: str, default: bool = False) -> bool:
-    """An optional boolean: null is the default, anything but true or false is a 422."""
+F32 = "f32"  # read_number's `wire` for a float field
+
+
+def read_flag(body: dict, name: str, default: bool = False, *, path: str | None = None) -> bool:
+    """An optional boolean: null is the default, anything but true or false is a 422 naming
+    `path` (the field's name unless given)."""
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ValidationError(f"`{name}` must be a boolean")
+        raise ValidationError(f"`{path or name}` must be a boolean")
+    return value
+
+
+def read_number(body: dict, name: str, low: float | None = None, high: float | None = None, *,
+                default=None, integer: bool = False, low_open: bool = False,
+                path: str | None = None, wire: IntType | str | None = None):
+    """An optional number (null: `default`) within [low, high], or (low, high] with `low_open`.
+
+    With `wire` (an IntType, or F32 for a float), the value must first fit what carries it, and
+    a wrong type or range is refused in serde's words (check_int, check_float); without it, in
+    the field's own. A float is rounded to the float32 the shards receive before its bounds are
+    checked: a field rounded to 0 is 0 there."""
+    path = path or name
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(wire, IntType):
+        value = check_int(path, value, wire)
+    elif wire == F32:
+        value = check_float(path, value)
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            integer and isinstance(value, float) and not value.is_integer()):
+        raise ValidationError(f"`{path}` must be {'an integer' if integer else 'a number'}")
+    elif integer:
+        value = int(value)
+    elif (low is None or low <= value) and (high is None or value <= high):
+        value = float32(value)  # compared first: float() of a 400-digit integer overflows
+    too_low = low is not None and (value < low or (low_open and value == low))
+    if too_low or (high is not None and value > high):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise ValidationError(f"`{path}` must be {bound} and <= {high}. Given: {value}")
     return value
 
 

@@ -65,7 +65,7 @@ class ModelRecord:
     quantization: str = ""
     size_bytes: int = 0
     parameter_count: int = 0  # from its safetensors headers (0: not known)
-    settings: dict = field(default_factory=dict)  # how its shard group runs (router/model_settings)
+    settings: dict = field(default_factory=dict)  # how its shard group runs (router.lifecycle.settings)
     parameters: dict = field(default_factory=dict)  # its request defaults
     engine_parameters: dict = field(default_factory=dict)  # chat prompt pieces
     bytes_done: int = 0  # of a download or conversion in progress

@@ -51,7 +51,7 @@ class ServedModel:
     infer: Infer
     metrics: Metrics
     chat_template: ChatTemplate | None
-    # Jan's per-model request defaults (router/model_settings.PARAMETERS) and chat prompt pieces
+    # Jan's per-model request defaults (router.lifecycle.settings.PARAMETERS) and chat prompt pieces
     request_defaults: dict = field(default_factory=dict)
     chat_prompt: ChatPrompt = field(default_factory=ChatPrompt)
     tasks: list[asyncio.Task] = field(default_factory=list)

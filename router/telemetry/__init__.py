@@ -1,0 +1,1 @@
+"""Prometheus metrics under TGI's names, and OpenTelemetry spans of each request."""

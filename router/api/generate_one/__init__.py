@@ -1,0 +1,1 @@
+"""/api/generate-one and /api/generate-batch, with request_id sessions."""

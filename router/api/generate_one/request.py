@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.errors import ValidationError
-from router.inputs.field_ranges import check_fields, flag
+from router.inputs.field_ranges import check_fields, read_flag
 from router.inputs.generation_config import GenerationConfig, GenerationDefaults, parse_config
 
 # characters of a request_id: an id names a session, it does not carry data
@@ -52,8 +52,8 @@ def parse_one(body: dict, defaults: GenerationDefaults) -> OneCall:
     check_fields(body, {"request_id", "prompt", "only_new_tokens", "stream_response",
                          "generation_config"}, "the request")
     prompt = _prompt(body, "")
-    return OneCall(prompt, flag(body, "only_new_tokens", True),
-                   flag(body, "stream_response", True),
+    return OneCall(prompt, read_flag(body, "only_new_tokens", True),
+                   read_flag(body, "stream_response", True),
                    parse_config(body.get("generation_config"), defaults))
 
 
@@ -75,5 +75,5 @@ def parse_batch(body: dict, defaults: GenerationDefaults, max_prompts: int) -> B
     ids = [p.request_id for p in prompts]
     if len(set(ids)) != len(ids):
         raise ValidationError("`prompts` names a request_id twice")
-    return BatchCall(prompts, flag(body, "only_new_tokens", True),
+    return BatchCall(prompts, read_flag(body, "only_new_tokens", True),
                      parse_config(body.get("generation_config"), defaults))

@@ -1,0 +1,1 @@
+"""OpenAI's /v1 API: chat and legacy completions, with their request parsing and chunk shapes."""

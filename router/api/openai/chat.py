@@ -16,13 +16,13 @@ from router.errors import ValidationError
 from router.core.generation import GenerateResult
 from router.http.json_body import read_object
 from router.api.openai.request import (ChatOptions, build_request, choice_count, include_usage,
-                                   model_name, normalise_messages, number, render_chat,
+                                   model_name, normalise_messages, render_chat,
                                    sampling_and_stops, tool_plan, with_model_defaults)
 from router.schemas import FinishReason, GenerateRequest, Token, TokenEvent
 from router.lifecycle.served_model import ServedModel
 from router.state import served_model
 from router.http.sse import openai_sse, serve_stream
-from router.inputs.field_ranges import flag
+from router.inputs.field_ranges import read_flag, read_number
 from router.inputs.seeds import copies
 
 
@@ -98,8 +98,8 @@ async def _validate_chat(state, body: dict) -> _Chat:
                                                                     body)
     input_ids = await state.tokenizer.encode_async(prompt, add_special_tokens=False,
                                                    max_tokens=limits.tokens.max_input_tokens)
-    logprobs = flag(body, "logprobs")
-    top_logprobs = number(body, "top_logprobs", 0, limits.max_top_n_tokens, integer=True) or 0
+    logprobs = read_flag(body, "logprobs")
+    top_logprobs = read_number(body, "top_logprobs", 0, limits.max_top_n_tokens, integer=True) or 0
     if top_logprobs and not logprobs:
         raise ValidationError("`top_logprobs` needs `logprobs: true`")
     request = build_request(prompt, input_ids, body, limits,
@@ -107,7 +107,7 @@ async def _validate_chat(state, body: dict) -> _Chat:
                             top_n_tokens=top_logprobs, grammar_spec=plan.grammar or response_format,
                             parsed=parsed)
     options = ChatOptions(n=choice_count(body, state.config.max_client_batch_size),
-                          stream=flag(body, "stream"), include_usage=include_usage(body),
+                          stream=read_flag(body, "stream"), include_usage=include_usage(body),
                           logprobs=logprobs, top_logprobs=top_logprobs)
     return _Chat(request, options, plan.expects_call)
 

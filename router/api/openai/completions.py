@@ -15,11 +15,11 @@ from router.errors import ValidationError
 from router.core.generation import GenerateResult
 from router.http.json_body import read_object
 from router.api.openai.request import (build_request, choice_count, include_usage, model_name,
-                                   number, sampling_and_stops, with_model_defaults)
+                                   sampling_and_stops, with_model_defaults)
 from router.schemas import GenerateRequest, SamplingParams, TokenEvent
 from router.state import served_model
 from router.http.sse import openai_sse, serve_stream
-from router.inputs.field_ranges import flag
+from router.inputs.field_ranges import read_flag, read_number
 from router.inputs.seeds import copies, seed_or_draw
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
@@ -61,15 +61,15 @@ async def _validate(state, body: dict):
                                  or not 0 <= logprobs <= limits.max_top_n_tokens):
         raise ValidationError(f"`logprobs` must be an integer >= 0 and <= "
                               f"{limits.max_top_n_tokens}. Given: {logprobs}")
-    echo = flag(body, "echo")
+    echo = read_flag(body, "echo")
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise ValidationError("`suffix` must be a string")
     n = choice_count(body, state.config.max_client_batch_size)
-    best_of = number(body, "best_of", 1, limits.max_best_of, integer=True)
+    best_of = read_number(body, "best_of", 1, limits.max_best_of, integer=True)
     if best_of is not None and best_of < n:
         raise ValidationError(f"`best_of` must be >= `n`. Given: {best_of} < {n}")
-    if best_of is not None and best_of > 1 and flag(body, "stream"):
+    if best_of is not None and best_of > 1 and read_flag(body, "stream"):
         raise ValidationError("`best_of` cannot be used with `stream`: the best are known only "
                               "once every candidate has ended")
     candidates = best_of or n  # per prompt; the n most likely are answered
@@ -136,7 +136,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 "system_fingerprint": FINGERPRINT}
     # each prompt once, however many choices it has (as OpenAI and vLLM count)
     prompt_tokens = sum(r.input_length for r in requests[::candidates])
-    stream, with_usage = flag(body, "stream"), include_usage(body)
+    stream, with_usage = read_flag(body, "stream"), include_usage(body)
     if stream:
         form = CompletionStream(requests, envelope, echo=echo, prompt_tokens=prompt_tokens,
                                 with_usage=with_usage)

@@ -10,7 +10,7 @@ from router.errors import TemplateError, ValidationError
 from router.lifecycle.settings import ChatPrompt
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from router.inputs.validation import ValidationLimits, check_lengths
-from router.inputs.field_ranges import FLOAT32_MAX, check_logit_bias, flag, float32
+from router.inputs.field_ranges import FLOAT32_MAX, check_logit_bias, read_flag, read_number
 from router.inputs.seeds import seed_or_draw
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -25,46 +25,27 @@ class ChatOptions:
     top_logprobs: int = 0
 
 
-def number(body: dict, name: str, low: float, high: float, *, integer: bool = False,
-            low_open: bool = False):
-    """An optional number within [low, high] (bounds inside the range of its wire type)."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            integer and isinstance(value, float) and not value.is_integer()):
-        raise ValidationError(f"`{name}` must be {'an integer' if integer else 'a number'}")
-    if integer:
-        value = int(value)
-    elif low <= value <= high:  # compared first: float() of a 400-digit integer overflows
-        value = float32(value)  # what the shards use: a field rounded to 0 is 0 there
-    if value < low or value > high or (low_open and value == low):
-        bound = f"> {low}" if low_open else f">= {low}"
-        raise ValidationError(f"`{name}` must be {bound} and <= {high}. Given: {value}")
-    return value
-
-
 def include_usage(body: dict) -> bool:
     options = body.get("stream_options")
     if options is None:
         return False
     if not isinstance(options, dict):
         raise ValidationError("`stream_options` must be an object")
-    return flag(options, "include_usage")
+    return read_flag(options, "include_usage")
 
 
 def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingParams, list[str]]:
     """OpenAI's sampling fields: temperature 0 is greedy, penalties are additive, top_p 1 is off."""
-    temperature = number(body, "temperature", 0, 2)
-    top_p = number(body, "top_p", 0, 1, low_open=True)
-    seed = number(body, "seed", 0, 2**64 - 1, integer=True)
-    top_k = number(body, "top_k", -1, 2**31 - 1, integer=True)  # vLLM's extension: -1 or 0 off
+    temperature = read_number(body, "temperature", 0, 2)
+    top_p = read_number(body, "top_p", 0, 1, low_open=True)
+    seed = read_number(body, "seed", 0, 2**64 - 1, integer=True)
+    top_k = read_number(body, "top_k", -1, 2**31 - 1, integer=True)  # vLLM's extension: -1 or 0 off
     sampling = SamplingParams(
         temperature=temperature or 1.0, top_p=top_p or 1.0, top_k=max(top_k or 0, 0),
-        frequency_penalty=number(body, "frequency_penalty", -2, 2) or 0.0,
-        presence_penalty=number(body, "presence_penalty", -2, 2) or 0.0,
+        frequency_penalty=read_number(body, "frequency_penalty", -2, 2) or 0.0,
+        presence_penalty=read_number(body, "presence_penalty", -2, 2) or 0.0,
         # vLLM's extension (TGI's multiplicative penalty): > 0, 1 is off
-        repetition_penalty=number(body, "repetition_penalty", 0, FLOAT32_MAX,
+        repetition_penalty=read_number(body, "repetition_penalty", 0, FLOAT32_MAX,
                                   low_open=True) or 1.0,
         do_sample=temperature != 0,  # OpenAI samples unless the temperature is 0
         seed=seed_or_draw(seed),
@@ -108,7 +89,7 @@ def with_model_defaults(body: dict, defaults: dict) -> dict:
 
 
 def choice_count(body: dict, max_choices: int) -> int:
-    n = number(body, "n", 1, max_choices, integer=True)
+    n = read_number(body, "n", 1, max_choices, integer=True)
     return n or 1
 
 
@@ -252,19 +233,19 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
     if max_tokens is not None:
-        max_tokens = number({"max_tokens": max_tokens}, "max_tokens", 1, 2**31 - 1, integer=True)
+        max_tokens = read_number({"max_tokens": max_tokens}, "max_tokens", 1, 2**31 - 1, integer=True)
     elif default_max_tokens is not None:
         max_tokens = min(default_max_tokens, limits.tokens.max_total_tokens - len(input_ids))
     else:
         max_tokens = limits.tokens.max_total_tokens - len(input_ids)
     max_tokens = check_lengths(len(input_ids), max(max_tokens, 1), limits.tokens)
     # vLLM's extensions, which load generators send to every OpenAI-compatible server
-    min_tokens = number(body, "min_tokens", 0, 2**31 - 1, integer=True) or 0
+    min_tokens = read_number(body, "min_tokens", 0, 2**31 - 1, integer=True) or 0
     if min_tokens > max_tokens:
         raise ValidationError(f"`min_tokens` must be <= `max_tokens`. Given: {min_tokens} > "
                               f"{max_tokens}")
     stopping = StoppingParams(max_new_tokens=max_tokens, stop_sequences=stop,
-                              ignore_eos=flag(body, "ignore_eos"), min_new_tokens=min_tokens)
+                              ignore_eos=read_flag(body, "ignore_eos"), min_new_tokens=min_tokens)
     return GenerateRequest(inputs=prompt, input_ids=input_ids, sampling=sampling,
                            stopping=stopping,
                            top_n_tokens=top_n_tokens, prefill_logprobs=prefill_logprobs,

@@ -18,7 +18,8 @@ from router.errors import ValidationError
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import ValidationLimits, check_lengths
-from router.inputs.field_ranges import INT32, UINT32, UINT64, check_float, check_int, check_logit_bias
+from router.inputs.field_ranges import (F32, INT32, UINT32, UINT64, check_int, check_logit_bias,
+                                        read_flag, read_number)
 from router.inputs.seeds import copies, draw_seed, seed_or_draw
 
 INPUT_FIELDS = ("text", "input_ids", "input_embeds")
@@ -90,18 +91,9 @@ class SglangBatch:
         return self.is_batch or len(self.items) > 1
 
 
-def claims(body: dict) -> bool:
+def is_sglang_body(body: dict) -> bool:
     """Whether a /generate body is SGLang's: one of its input fields and no TGI `inputs`."""
     return "inputs" not in body and any(name in body for name in INPUT_FIELDS)
-
-
-def _bool(where: dict, name: str, default: bool, path: str) -> bool:
-    value = where.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ValidationError(f"`{path}` must be a boolean")
-    return value
 
 
 def _per_item(body: dict, name: str, count: int) -> list:
@@ -155,22 +147,10 @@ def _token_ids(ids: list, path: str, vocab_size: int) -> list[int]:
     return out
 
 
-def _number(params: dict, name: str, low: float, high: float, *, low_open: bool = False,
-            default: float) -> float:
-    value = params.get(name)
-    if value is None:
-        return default
-    value = check_float(f"sampling_params.{name}", value)
-    if value < low or value > high or (low_open and value == low):
-        bound = f"> {low}" if low_open else f">= {low}"
-        raise ValidationError(f"`sampling_params.{name}` must be {bound} and <= {high}. "
-                              f"Given: {value}")
-    return value
-
-
-def _int(params: dict, name: str, wire, default):
-    value = params.get(name)
-    return default if value is None else check_int(f"sampling_params.{name}", value, wire)
+def _sampling_number(params: dict, name: str, wire, default, low=None, high=None, *,
+                     low_open: bool = False):
+    return read_number(params, name, low, high, default=default, low_open=low_open,
+                       path=f"sampling_params.{name}", wire=wire)
 
 
 @dataclass(slots=True)
@@ -203,32 +183,32 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
             raise ValidationError(_SAMPLING_NOT_YET[name])
     # either value gives the same text, as on SGLang with a fast tokenizer: its decoder joins
     # special tokens as it joins any other, so there is no space to put or leave out
-    _bool(params, "spaces_between_special_tokens", True,
-          "sampling_params.spaces_between_special_tokens")
-    temperature = _number(params, "temperature", 0, 3.4e38, default=1.0)
-    top_k = _int(params, "top_k", INT32, -1)
+    read_flag(params, "spaces_between_special_tokens", True,
+              path="sampling_params.spaces_between_special_tokens")
+    temperature = _sampling_number(params, "temperature", F32, 1.0, 0, 3.4e38)
+    top_k = _sampling_number(params, "top_k", INT32, -1)
     if top_k != -1 and top_k < 1:
         raise ValidationError(f"`sampling_params.top_k` must be -1 (off) or at least 1. "
                               f"Given: {top_k}")
-    seed = _int(params, "sampling_seed", UINT64, None)
+    seed = _sampling_number(params, "sampling_seed", UINT64, None)
     sampling = SamplingParams(
         temperature=temperature if temperature > 0 else 1.0,
         top_k=0 if top_k == -1 else top_k,
-        top_p=_number(params, "top_p", 0, 1, low_open=True, default=1.0),
-        min_p=_number(params, "min_p", 0, 1, default=0.0),
-        frequency_penalty=_number(params, "frequency_penalty", -2, 2, default=0.0),
-        presence_penalty=_number(params, "presence_penalty", -2, 2, default=0.0),
-        repetition_penalty=_number(params, "repetition_penalty", 0, 2, low_open=True, default=1.0),
+        top_p=_sampling_number(params, "top_p", F32, 1.0, 0, 1, low_open=True),
+        min_p=_sampling_number(params, "min_p", F32, 0.0, 0, 1),
+        frequency_penalty=_sampling_number(params, "frequency_penalty", F32, 0.0, -2, 2),
+        presence_penalty=_sampling_number(params, "presence_penalty", F32, 0.0, -2, 2),
+        repetition_penalty=_sampling_number(params, "repetition_penalty", F32, 1.0, 0, 2, low_open=True),
         # SGLang: temperature 0 (or top_k 1) is greedy; anything else samples
         do_sample=temperature > 0 and top_k != 1,
         seed=seed_or_draw(seed),
         logit_bias=check_logit_bias("sampling_params.logit_bias", params.get("logit_bias"),
                                     limits.vocab_size))
-    max_new_tokens = _int(params, "max_new_tokens", UINT32, None)
+    max_new_tokens = _sampling_number(params, "max_new_tokens", UINT32, None)
     if max_new_tokens == 0:
         raise ValidationError("`sampling_params.max_new_tokens` = 0 (prompt scoring) is not "
                               "supported yet")
-    min_new_tokens = _int(params, "min_new_tokens", UINT32, 0)
+    min_new_tokens = _sampling_number(params, "min_new_tokens", UINT32, 0)
     if min_new_tokens > (max_new_tokens or DEFAULT_MAX_NEW_TOKENS):
         raise ValidationError("`sampling_params.min_new_tokens` must be <= `max_new_tokens`")
     stop = params.get("stop")
@@ -242,7 +222,7 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
     stop_ids = [] if stop_ids is None else stop_ids
     if not isinstance(stop_ids, list):
         raise ValidationError("`sampling_params.stop_token_ids` must be a list of token ids")
-    n = _int(params, "n", UINT32, 1)
+    n = _sampling_number(params, "n", UINT32, 1)
     if not 1 <= n <= max_n:
         raise ValidationError(f"`sampling_params.n` must be >= 1 and <= {max_n}. Given: {n}")
     constraints = [k for k in ("json_schema", "regex", "ebnf") if params.get(k) is not None]
@@ -262,9 +242,9 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
     return _Sampling(
         sampling, max_new_tokens, [s for s in stop if s],
         _token_ids(stop_ids, "sampling_params.stop_token_ids", vocab_size), min_new_tokens, n,
-        _bool(params, "ignore_eos", False, f"{path}.ignore_eos"),
-        _bool(params, "skip_special_tokens", True, f"{path}.skip_special_tokens"),
-        _bool(params, "no_stop_trim", False, f"{path}.no_stop_trim"), spec, seed is not None)
+        read_flag(params, "ignore_eos", False, path=f"{path}.ignore_eos"),
+        read_flag(params, "skip_special_tokens", True, path=f"{path}.skip_special_tokens"),
+        read_flag(params, "no_stop_trim", False, path=f"{path}.no_stop_trim"), spec, seed is not None)
 
 
 def _logprob_options(body: dict, index: int, count: int, limits: ValidationLimits,
@@ -282,7 +262,7 @@ def _logprob_options(body: dict, index: int, count: int, limits: ValidationLimit
     if start < -1 or start >= prompt_length:
         raise ValidationError(f"`logprob_start_len` ({start}) must be -1 or a position in the "
                               f"prompt (0 to {prompt_length - 1})")
-    with_text = _bool(body, "return_text_in_logprobs", False, "return_text_in_logprobs")
+    with_text = read_flag(body, "return_text_in_logprobs", False, path="return_text_in_logprobs")
     token_ids = _logprob_token_ids(body, index, count, vocab_size)
     if token_ids and not enabled:
         raise ValidationError("`token_ids_logprob` needs `return_logprob`: true")
@@ -362,7 +342,7 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
     if len(prompts) > max_batch:
         raise ValidationError(f"Number of prompts exceeds the maximum allowed batch size of "
                               f"{max_batch}")
-    stream = _bool(body, "stream", False, "stream")
+    stream = read_flag(body, "stream", False, path="stream")
     params = body.get("sampling_params")
     if isinstance(params, list):
         if len(params) != len(prompts):

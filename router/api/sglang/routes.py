@@ -2,7 +2,7 @@
 (/abort_request, /flush_cache, /health_generate, /get_model_info, /get_server_info).
 
 TGI and SGLang share the path `POST /generate`. TGI's module owns the route and keeps a short list
-of other dialects (`tgi.GENERATE_DIALECTS`); `register` adds SGLang's (`claims`, `generate`) to it.
+of other dialects (`tgi.GENERATE_DIALECTS`); `register` adds SGLang's (`is_sglang_body`, `generate`) to it.
 A body with `inputs` is TGI's, one with `text`, `input_ids` or `input_embeds` is SGLang's, and one
 with neither gets TGI's 422 naming both. This module imports `tgi` for the key and `tgi` imports
 nothing of it, so the dependency runs one way and TGI's handler stays as it was for TGI bodies.
@@ -14,7 +14,6 @@ answer says `finish_reason: {"type": "abort"}` with what it had generated.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -30,8 +29,9 @@ from router import VERSION
 from router.telemetry.tracing import request_span
 from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,
                             StoppingParams, Timings, Token, TokenEvent)
-from router.api.sglang.request import SglangItem, claims, parse_generate
+from router.api.sglang.request import SglangItem, is_sglang_body, parse_generate
 from router.state import served_model
+from router.core.generation import FanOutStream
 from router.http.sse import StreamFormat, openai_sse, serve_stream
 
 # rid -> the runs that carry it (n copies of one prompt share their rid)
@@ -52,13 +52,15 @@ class Run:
     ids_logprobs: list[list[float | None]] = field(default_factory=list)  # per output token
     hidden_states: list = field(default_factory=list)  # the prompt's rows, then one per step
     final: FinalInfo | None = None
-    aborted: bool = False
-    task: asyncio.Task | None = None
+    stream: FanOutStream = field(default_factory=FanOutStream)  # aborts it alone
     # streamed: each event's frame, made as it is recorded (the run may have recorded later
     # events, several a decode call, before the writer gets to this one); `frame_index` is the
     # index a frame carries in a batch
     frames: deque | None = None
     frame_index: int | None = None
+
+    def __post_init__(self) -> None:
+        self.stream.timings = self.timings
 
     def stream_frames(self, index: int | None) -> None:
         self.frames, self.frame_index = deque(), index
@@ -90,10 +92,18 @@ class Run:
             self.final = event.final
 
     def abort(self) -> None:
-        if self.final is None and not self.aborted:
-            self.aborted = True
-            if self.task is not None:
-                self.task.cancel()
+        self.stream.abort()
+
+    @property
+    def aborted(self) -> bool:
+        return self.stream.aborted
+
+    def arrived(self, event: TokenEvent) -> None:
+        """An event as the core hands it over (the writer may lag behind): recorded, and framed
+        when streamed; an aborted run's last event is framed only."""
+        if not self.aborted:
+            self.record(event)
+        self.keep_frame()
 
     @property
     def done(self) -> bool:
@@ -176,48 +186,11 @@ class Run:
         return out
 
 
-async def _events(infer, runs: list[Run]) -> AsyncIterator[tuple[int, TokenEvent]]:
-    """(index, event) of every run as they arrive; an aborted run ends with an event of its own.
-    The first error is raised; leaving early cancels every run (the core frees their blocks)."""
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, run: Run) -> None:
-        try:
-            if not run.aborted:
-                async for event in infer.stream(run.request, run.timings):
-                    run.record(event)
-                    run.keep_frame()
-                    merged.put_nowait((index, event))
-            else:
-                raise asyncio.CancelledError
-        except asyncio.CancelledError:
-            if not run.aborted:
-                raise
-            text = "".join(t.text for t in run.tokens)
-            run.keep_frame()
-            merged.put_nowait((index, TokenEvent(Token(-1, "", None), final=FinalInfo(
-                text, len(run.tokens), FinishReason.LENGTH, None))))
-        except Exception as err:  # raised to the reader, which fails the whole response
-            merged.put_nowait((index, err))
-        finally:
-            merged.put_nowait((index, None))
-
-    for index, run in enumerate(runs):
-        run.task = asyncio.ensure_future(pump(index, run))
-    try:
-        open_runs = len(runs)
-        while open_runs:
-            index, item = await merged.get()
-            if item is None:
-                open_runs -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for run in runs:
-            run.task.cancel()
-        await asyncio.gather(*(run.task for run in runs), return_exceptions=True)
+def _events(infer, runs: list[Run]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """(index, event) of every run as they arrive, through the core's fan-out (each run abortable
+    alone; an aborted run ends with an event of its own)."""
+    return infer.stream_many([run.request for run in runs], streams=[run.stream for run in runs],
+                             on_event=lambda index, event: runs[index].arrived(event))
 
 
 class SglangStream(StreamFormat):
@@ -341,7 +314,7 @@ async def get_server_info(request: web.Request) -> web.Response:
 
 def register(app: web.Application) -> None:
     app[RUNNING] = {}
-    app[tgi.GENERATE_DIALECTS].append((claims, generate))
+    app[tgi.GENERATE_DIALECTS].append((is_sglang_body, generate))
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/health_generate", health_generate)

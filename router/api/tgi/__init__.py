@@ -1,0 +1,1 @@
+"""TGI's HTTP API: /, /generate, /generate_stream, /tokenize, /health, /info, /metrics."""

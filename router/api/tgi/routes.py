@@ -11,7 +11,6 @@ from router.errors import BadRequestError, RouterError, ValidationError, tgi_err
 from router.core.generation import GenerateResult
 from router.http.json_body import read_object
 from router.telemetry.metrics import render_models
-from router.http.openapi import openapi_document
 from router.telemetry.tracing import phase_span, record_phases, request_span
 from router.schemas import Timings, Token, TokenEvent
 from router.lifecycle.served_model import ServedModel
@@ -84,7 +83,7 @@ async def _generate_payload(request: web.Request, body: dict, *, full_text_defau
 
 
 # Other APIs served at POST /generate (SGLang's native one, router/api/sglang/routes.py) add
-# (claims(body) -> bool, handler(request, body)) here from their register(); a body with TGI's
+# (is_mine(body) -> bool, handler(request, body)) here from their register(); a body with TGI's
 # `inputs` is always TGI's. This module never imports them, so no import cycle can form.
 GENERATE_DIALECTS = web.AppKey("generate_dialects", list)
 
@@ -99,8 +98,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await read_object(request)
     if "inputs" not in body:
         dialects = request.app.get(GENERATE_DIALECTS, [])
-        for claims, handler in dialects:
-            if claims(body):
+        for is_mine, handler in dialects:
+            if is_mine(body):
                 return await handler(request, body)
         if dialects:
             await served_model(request).infer.count_request(_neither())
@@ -258,10 +257,6 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
-async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_document())
-
-
 def register(app: web.Application) -> None:
     app[GENERATE_DIALECTS] = []
     app.router.add_post("/", compat_generate)
@@ -271,4 +266,3 @@ def register(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/info", info)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/api-doc/openapi.json", openapi)

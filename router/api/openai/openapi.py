@@ -1,0 +1,92 @@
+"""OpenAI's part of the OpenAPI document: chat and legacy completions, and /chat_tokenize."""
+from __future__ import annotations
+
+from router.inputs.field_ranges import INT32, UINT64
+from router.http.openapi import (LOGIT_BIAS, float_schema, int_schema, nullable, object_schema,
+                                 post, ref)
+
+
+def _openai_sampling() -> dict:
+    """The sampling fields both OpenAI routes share, with the bounds router.api.openai.request checks."""
+    return dict(
+        max_tokens={**int_schema(INT32, minimum=1), "nullable": True},
+        max_completion_tokens={**int_schema(INT32, minimum=1), "nullable": True},
+        temperature={**float_schema(minimum=0, maximum=2), "nullable": True},
+        top_p={**float_schema(minimum=0, maximum=1, exclusiveMinimum=True), "nullable": True},
+        top_k={**int_schema(INT32, minimum=-1), "nullable": True,
+               "description": "vLLM's extension: -1 or 0 is off"},
+        ignore_eos={"type": "boolean", "nullable": True,
+                    "description": "vLLM's extension: run to max_tokens past the end of sequence"},
+        min_tokens={**int_schema(INT32, minimum=0), "nullable": True,
+                    "description": "vLLM's extension: no end of sequence before this many tokens"},
+        n={**int_schema(INT32, minimum=1), "nullable": True},
+        seed={**int_schema(UINT64), "nullable": True},
+        frequency_penalty={**float_schema(minimum=-2, maximum=2), "nullable": True},
+        presence_penalty={**float_schema(minimum=-2, maximum=2), "nullable": True},
+        repetition_penalty={**float_schema(minimum=0, exclusiveMinimum=True), "nullable": True,
+                            "description": "vLLM's extension: TGI's multiplicative penalty, "
+                                           "1 is off"},
+        logit_bias=LOGIT_BIAS,
+        stop={"nullable": True, "oneOf": [{"type": "string"},
+                                          {"type": "array", "items": {"type": "string"}}]},
+        stream={"type": "boolean", "nullable": True},
+        stream_options={"type": "object", "nullable": True,
+                        "properties": {"include_usage": {"type": "boolean", "nullable": True}}})
+
+
+def _openai_schemas() -> dict:
+    string, integer = {"type": "string"}, {"type": "integer"}
+    envelope = dict(id=string, object=string, created=integer, model=string,
+                    system_fingerprint=string)
+    usage = ref("Usage")
+    return {
+        "Usage": object_schema(["prompt_tokens", "completion_tokens", "total_tokens"],
+                         prompt_tokens=integer, completion_tokens=integer, total_tokens=integer),
+        "ChatRequest": object_schema(["messages"], model=string, messages={"type": "array", "items": {
+            "type": "object", "required": ["role"]}}, **_openai_sampling(),
+            logprobs=nullable("boolean"), top_logprobs={**int_schema(INT32, minimum=0),
+                                                         "nullable": True},
+            tools=nullable("array"), tool_choice={}, response_format=nullable("object")),
+        "ChatCompletion": object_schema(["id", "created", "model", "system_fingerprint", "choices",
+                                   "usage"], **envelope, usage=usage,
+                                  choices={"type": "array", "items": object_schema(
+                                      ["index", "message", "finish_reason"], index=integer,
+                                      message={"type": "object"}, finish_reason=string,
+                                      logprobs=nullable("object"))}),
+        "CompletionRequest": object_schema(["prompt"], model=string, prompt={}, suffix=nullable("string"),
+                                     echo=nullable("boolean"), **_openai_sampling(),
+                                     logprobs={**int_schema(INT32, minimum=0), "nullable": True},
+                                     best_of={**int_schema(INT32, minimum=1), "nullable": True,
+                                              "description": "candidates per prompt (at most "
+                                                             "--max-best-of, at least n; not "
+                                                             "with stream)"},
+                                     response_format=nullable("object")),
+        "CompletionFinal": object_schema(["id", "created", "model", "system_fingerprint", "choices",
+                                    "usage"], **envelope, usage=usage,
+                                   choices={"type": "array", "items": object_schema(
+                                       ["index", "text", "finish_reason"], index=integer,
+                                       text=string, finish_reason=string,
+                                       logprobs=nullable("object"))}),
+    }
+
+
+def schemas() -> dict:
+    return {
+        **_openai_schemas(),
+        "ChatTokenizeResponse": object_schema(["tokenize_response", "templated_text"],
+                                              tokenize_response=ref("TokenizeResponse"),
+                                              templated_text={"type": "string"}),
+    }
+
+
+def paths() -> dict:
+    return {
+        "/chat_tokenize": post("Tokenize a chat request: the text its template renders, and its "
+                                "tokens", "ChatRequest", ref("ChatTokenizeResponse")),
+        "/v1/chat/completions": post("OpenAI chat completion (stream: true for chunks)",
+                                      "ChatRequest", ref("ChatCompletion"),
+                                      stream_on_request=True),
+        "/v1/completions": post("OpenAI text completion (stream: true for chunks)",
+                                 "CompletionRequest", ref("CompletionFinal"),
+                                 stream_on_request=True),
+    }

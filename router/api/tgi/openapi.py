@@ -1,0 +1,125 @@
+"""TGI's part of the OpenAPI document: its generate parameters, responses and routes."""
+from __future__ import annotations
+
+from router.inputs.validation import INTEGER_WIRE_TYPES, PARAMETER_TYPES
+from router.http.openapi import (FINISH, error_responses, error_schema, float_schema, int_schema,
+                                 json_content, nullable, post, ref)
+
+
+# documented bounds (TGI's rules, checked in router.inputs.validation); the integers' ranges and formats
+# come from the wire types they travel in
+_PARAMETER_LIMITS = {
+    "best_of": {"minimum": 0, "exclusiveMinimum": True},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "max_new_tokens": {"minimum": 0, "exclusiveMinimum": True, "default": 100},
+    "repetition_penalty": {"minimum": 0, "exclusiveMinimum": True},
+    "temperature": {"minimum": 0, "exclusiveMinimum": True},
+    "top_k": {"minimum": 0, "exclusiveMinimum": True},
+    "top_n_tokens": {"minimum": 0},
+    "truncate": {"minimum": 0, "exclusiveMinimum": True},
+    "top_p": {"minimum": 0, "maximum": 1, "exclusiveMinimum": True, "exclusiveMaximum": True},
+    "typical_p": {"minimum": 0, "maximum": 1, "exclusiveMinimum": True, "exclusiveMaximum": True},
+    "stop": {"items": {"type": "string"}, "maxItems": 4},
+}
+
+
+def _parameters_schema() -> dict:
+    properties = {}
+    for name, kind in sorted(PARAMETER_TYPES.items()):
+        limits = _PARAMETER_LIMITS.get(name, {})
+        if kind == "integer":
+            properties[name] = {**int_schema(INTEGER_WIRE_TYPES[name], **limits), "nullable": True}
+        elif kind == "number":
+            properties[name] = {**float_schema(**limits), "nullable": True}
+        else:
+            properties[name] = nullable(kind, **limits)
+    return {"type": "object", "properties": properties}
+
+
+def _token(with_special: bool) -> dict:
+    props = {"id": {"type": "integer"}, "text": {"type": "string"},
+             "logprob": nullable("number")}
+    if with_special:
+        props["special"] = {"type": "boolean"}
+    return {"type": "object", "required": list(props), "properties": props}
+
+
+def _details(best_of: bool) -> dict:
+    props = {
+        "finish_reason": FINISH, "generated_tokens": {"type": "integer"},
+        "seed": nullable("integer"),
+        "prefill": {"type": "array", "items": ref("PrefillToken")},
+        "tokens": {"type": "array", "items": ref("Token")},
+        "top_tokens": {"type": "array", "items": {"type": "array", "items": ref("Token")}},
+    }
+    if best_of:
+        props["best_of_sequences"] = {"type": "array", "items": ref("BestOfSequence")}
+    return {"type": "object", "required": ["finish_reason", "generated_tokens", "prefill", "tokens"],
+            "properties": props}
+
+
+def _generate_path() -> dict:
+    """TGI's and SGLang's requests share POST /generate: a body with `inputs` is TGI's."""
+    sglang_answer = {"oneOf": [ref("SglangGenerateResponse"),
+                               {"type": "array", "items": ref("SglangGenerateResponse")}]}
+    errors = {str(s): {"description": "Error", **json_content(
+        {"oneOf": [ref("ErrorResponse"), ref("SglangErrorResponse")]})}
+        for s in (413, 422, 424, 429, 500, 503)}
+    return {"post": {
+        "summary": "Generate text: TGI's request (`inputs`) or SGLang's (`text` / `input_ids` / "
+                   "`input_embeds`; "
+                   "`stream: true` answers Server-Sent Events)",
+        "requestBody": {"required": True, **json_content(
+            {"anyOf": [ref("GenerateRequest"), ref("SglangGenerateRequest")]})},
+        "responses": {"200": {"description": "OK", "content": {
+            "application/json": {"schema": {"anyOf": [ref("GenerateResponse"), sglang_answer]}},
+            "text/event-stream": {"schema": ref("SglangGenerateResponse")}}}, **errors}}}
+
+
+def schemas() -> dict:
+    return {
+        "GenerateParameters": _parameters_schema(),
+        "GenerateRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "inputs": {"type": "string"}, "parameters": ref("GenerateParameters")}},
+        "CompatGenerateRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "inputs": {"type": "string"}, "parameters": ref("GenerateParameters"),
+            "stream": {"type": "boolean", "default": False}}},
+        "Token": _token(True), "PrefillToken": _token(False),
+        "Details": _details(best_of=True),
+        "BestOfSequence": {**_details(best_of=False), "required": [
+            "generated_text", "finish_reason", "generated_tokens", "prefill", "tokens"]},
+        "GenerateResponse": {"type": "object", "required": ["generated_text"], "properties": {
+            "generated_text": {"type": "string"}, "details": ref("Details")}},
+        "StreamDetails": {"type": "object", "properties": {
+            "finish_reason": FINISH, "generated_tokens": {"type": "integer"},
+            "seed": nullable("integer"), "input_length": {"type": "integer"}}},
+        "StreamResponse": {"type": "object", "required": ["index", "token"], "properties": {
+            "index": {"type": "integer"}, "token": ref("Token"),
+            "top_tokens": {"type": "array", "items": ref("Token")},
+            "generated_text": nullable("string"), "details": ref("StreamDetails")}},
+        "SimpleToken": {"type": "object", "required": ["id", "text", "start", "stop"],
+                        "properties": {k: {"type": "integer"} if k != "text" else {"type": "string"}
+                                       for k in ("id", "text", "start", "stop")}},
+        "TokenizeResponse": {"type": "array", "items": ref("SimpleToken")},
+        "Info": {"type": "object", "required": ["model_id", "max_input_tokens", "max_total_tokens",
+                                                "router", "version"]},
+        "ErrorResponse": error_schema(),
+    }
+
+
+def paths() -> dict:
+    return {
+        "/": post("Generate, streamed (stream: true) or as a list of one response",
+                   "CompatGenerateRequest", {"type": "array", "items": ref("GenerateResponse")},
+                   stream_on_request=True),
+        "/generate": _generate_path(),
+        "/generate_stream": post("Generate a token stream (Server-Sent Events)", "GenerateRequest",
+                                  {}, stream=True),
+        "/tokenize": post("Tokenize inputs", "GenerateRequest", ref("TokenizeResponse")),
+        "/health": {"get": {"summary": "Health of the shards", "responses": {
+            "200": {"description": "Everything is working fine"}, **error_responses(503)}}},
+        "/info": {"get": {"summary": "Model and router limits", "responses": {
+            "200": {"description": "OK", **json_content(ref("Info"))}}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+            "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+    }
