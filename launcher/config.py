@@ -186,7 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tgi-launcher", description="Prepare a model, start its shards and the router, and "
         "supervise them. Every flag can also be set by its upper-case environment variable "
         "(--model-id / MODEL_ID), except --nnodes, --node-rank and --node-address, which job "
-        "schedulers set for their own purposes.")
+        "schedulers set for their own purposes.",
+        epilog="Other environment variables (TGI_PY_CACHE, the C kernels' switches such as "
+        "TGI_PY_INT4_KERNEL=0, TGI_PY_KERNEL_MARCH, CC, LOG_LEVEL, HF_HUB_OFFLINE, ...) are listed "
+        "in docs/operations.md.")
     for f in dataclasses.fields(LauncherConfig):
         if f.name == "router":
             continue

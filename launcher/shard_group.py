@@ -16,7 +16,7 @@ from pathlib import Path
 
 from launcher.logs import relay
 from proto.launcher_watch import LAUNCHER_PID_ENV
-from shard.config import DEFAULT_CUDA_GRAPHS
+from shard.config import DEFAULT_CUDA_GRAPHS, KV_LEDGER_ENV
 
 
 # How long (busy-wait iterations) a shard's idle OpenMP threads spin before they sleep, where the
@@ -164,7 +164,7 @@ class ShardGroup:
             if spec.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
             if self.kv_ledger:
-                env["TGI_PY_KV_LEDGER"] = self.kv_ledger  # shard/kv_budget.py's LEDGER_ENV
+                env[KV_LEDGER_ENV] = self.kv_ledger
             argv = [sys.executable, "-m", "shard", "--model-path", str(spec.model_dir),
                     "--uds-path", spec.uds_prefix, "--dtype", spec.dtype,
                     "--device", spec.device, "--block-size", str(self.block_size),

@@ -2,8 +2,8 @@
 when the launcher does, however the launcher ended.
 
 Children run in sessions of their own (a Ctrl-C reaches the launcher alone, which stops them in
-order), so a launcher killed with SIGKILL used to leave them serving with nobody to restart a shard
-that died, holding the port and sockets a new launcher needed. Each child now watches for the
+order), so a launcher killed with SIGKILL would leave them serving with nobody to restart a shard
+that died, holding the port and sockets a new launcher needs. Each child watches for the
 launcher's pid to stop being its parent, and then stops itself as SIGTERM stops it.
 """
 from __future__ import annotations

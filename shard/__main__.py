@@ -17,14 +17,14 @@ from proto import generate_pb2_grpc as pb_grpc
 from proto.launcher_watch import watch_launcher
 from proto.tracing import init_tracing, shutdown_tracing
 from shard.malloc_tuning import MMAP_THRESHOLD, keep_freed_memory, return_freed_memory
-from shard.config import (DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype, parse_args,
-                          parse_cuda_graphs)
+from shard.config import (DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype, local_topology,
+                          log_level, parse_args, parse_cuda_graphs)
 from shard.distributed import all_gather_strings, init_parallel
 from shard.engine import Engine
 from shard.layers.precision import c_matmul_runs
 from shard.loader import load_model
-from shard.model_runner import KVCacheSpec, ModelRunner
-from shard.kv_budget import PoolLedger
+from shard.model_runner import ModelRunner
+from shard.kv_budget import KVCacheSpec, PoolLedger
 from shard.server import ShardServicer, engine_thread
 
 log = logging.getLogger("tgi.shard")
@@ -37,21 +37,7 @@ async def loop_run(worker, fn, *args):
 def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str]]:
     """The engine, its Info, and where the router reaches each rank (rank order)."""
     # across machines the global rank is not this machine's GPU index (the launcher says which)
-    local_rank = int(os.environ.get("LOCAL_RANK", config.rank))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
-    if config.device == "auto":
-        # the quantized kernels are CPU ones: --quantize keeps an automatic choice on the CPU
-        use_cuda = torch.cuda.is_available() and not config.quantize
-        device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    else:
-        device = torch.device(f"cuda:{local_rank}" if config.device == "cuda" else config.device)
-    if device.type == "cuda" and local_rank >= torch.cuda.device_count():
-        raise ValueError(f"rank {config.rank} would run on cuda:{local_rank}, but "
-                         f"{torch.cuda.device_count()} GPU(s) are visible to it: as many shards "
-                         "on this machine as GPUs, or --device cpu")
-    if device.type == "cpu" and config.world_size > 1:
-        # ranks share the cores; more threads than cores makes every all-reduce wait on a straggler
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    device = _device(config)
     parallel = init_parallel(rank=config.rank, world_size=config.world_size,
                              master_addr=config.master_addr, master_port=config.master_port,
                              device=device)
@@ -63,20 +49,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
     loaded = load_model(Path(config.model_path), dtype=dtype, device=device, parallel=parallel,
                         quantize=config.quantize or None)
     if config.quantize:
-        layers = [m.prepared for m in loaded.model.modules() if hasattr(m, "prepared")]
-        done = sum(p.quantized is not None for p in layers)
-        log.info("%s weights: %d of %d linear layers quantized", config.quantize, done, len(layers))
-        if done and not any(p.multiplies_quantized for p in layers):
-            log.warning("PyTorch's %s kernels are no faster here than the unquantized path (%s): "
-                        "the layers multiply by the weights the %s forms stand for (the quantized "
-                        "model's answers, not its speed)", config.quantize,
-                        "our bf16 matmul runs here, and the C decode step where it applies"
-                        if c_matmul_runs()
-                        else "this CPU has no bf16 kernels: AVX-512, AVX-NE-CONVERT",
-                        config.quantize)
-        if done < len(layers):  # int4 takes input features by 32 and output features by 16
-            log.warning("%d linear layers keep %s weights: their shape does not fit the %s kernel",
-                        len(layers) - done, dtype_name, config.quantize)
+        _log_quantized(loaded.model, config.quantize, dtype_name)
     return_freed_memory()
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim,
@@ -101,6 +74,43 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
     # ranks on other machines are reached over TCP; each says where, the others learn it here
     urls = all_gather_strings(config.grpc_address or f"unix://{config.socket_path}", parallel)
     return engine, info, urls
+
+
+def _device(config: ShardConfig) -> torch.device:
+    """This rank's device (on CPUs shared by several ranks, its share of the threads too)."""
+    local_rank, local_ranks = local_topology(config)
+    if config.device == "auto":
+        # the quantized kernels are CPU ones: --quantize keeps an automatic choice on the CPU
+        use_cuda = torch.cuda.is_available() and not config.quantize
+        device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    else:
+        device = torch.device(f"cuda:{local_rank}" if config.device == "cuda" else config.device)
+    if device.type == "cuda" and local_rank >= torch.cuda.device_count():
+        raise ValueError(f"rank {config.rank} would run on cuda:{local_rank}, but "
+                         f"{torch.cuda.device_count()} GPU(s) are visible to it: as many shards "
+                         "on this machine as GPUs, or --device cpu")
+    if device.type == "cpu" and config.world_size > 1:
+        # ranks share the cores; more threads than cores makes every all-reduce wait on a straggler
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    return device
+
+
+def _log_quantized(model: torch.nn.Module, quantize: str, dtype_name: str) -> None:
+    """How many layers took the quantized form, and whether any multiplies by it here."""
+    layers = [m.prepared for m in model.modules() if hasattr(m, "prepared")]
+    done = sum(p.quantized is not None for p in layers)
+    log.info("%s weights: %d of %d linear layers quantized", quantize, done, len(layers))
+    if done and not any(p.multiplies_quantized for p in layers):
+        log.warning("PyTorch's %s kernels are no faster here than the unquantized path (%s): "
+                    "the layers multiply by the weights the %s forms stand for (the quantized "
+                    "model's answers, not its speed)", quantize,
+                    "our bf16 matmul runs here, and the C decode step where it applies"
+                    if c_matmul_runs()
+                    else "this CPU has no bf16 kernels: AVX-512, AVX-NE-CONVERT",
+                    quantize)
+    if done < len(layers):  # int4 takes input features by 32 and output features by 16
+        log.warning("%d linear layers keep %s weights: their shape does not fit the %s kernel",
+                    len(layers) - done, dtype_name, quantize)
 
 
 def _default_dtype(config: ShardConfig, device: torch.device, parallel) -> str:
@@ -162,7 +172,7 @@ async def serve(config: ShardConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 <pid>` prints every thread's stack: how to see where a stuck process is
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
+    logging.basicConfig(level=log_level(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         config = parse_args(argv)

@@ -1,13 +1,15 @@
-"""Per-request and per-batch state kept on the shard between steps; filter and concatenate as functions."""
+"""Per-request and per-batch state kept on the shard between steps; a new batch, filter, concatenate and
+sampling a batch's next tokens as functions."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from shard.beams import Beams
+from shard.beams import BeamBlocks, BeamOptions, Beams, BeamSearch
 from shard.detokenizer import DetokenizerState
-from shard.sampling import SamplingBatch, SamplingParams
+from shard.sampling import SampleOutput, SamplingBatch, SamplingParams, needs_history, sample
 from shard.speculation import Drafter
 from shard.stopping import FinishReason, StopCriteria
 
@@ -91,6 +93,66 @@ class Batch:
     @property
     def num_blocks(self) -> int:
         return sum(len(r.blocks) for r in self.requests)
+
+
+def new_batch(batch_id: int, requests: list[NewRequest], device: torch.device, *,
+              eos_token_ids: frozenset[int], block_size: int, speculate: int) -> Batch:
+    """The state of admitted requests, as their prefill starts it."""
+    states = [_request_state(r, device, eos_token_ids, block_size, speculate) for r in requests]
+    return Batch(
+        id=batch_id, requests=states,
+        block_tables=block_table_tensor([r.blocks for r in requests], device),
+        seq_lens=torch.tensor([r.prompt_length for r in requests], dtype=torch.long,
+                              device=device),
+        next_input_ids=torch.zeros(len(requests), dtype=torch.long, device=device),
+        sampling=SamplingBatch.from_params(
+            [r.params for r in requests], device,
+            grammars=[r.matcher for r in requests]),
+    )
+
+
+def _request_state(request: NewRequest, device: torch.device, eos_token_ids: frozenset[int],
+                   block_size: int, speculate: int) -> RequestState:
+    stop = StopCriteria(
+        max_new_tokens=request.max_new_tokens,
+        eos_token_ids=eos_token_ids | frozenset(request.stop_token_ids),
+        stop_sequences=list(request.stop_sequences), ignore_eos=request.ignore_eos,
+        min_new_tokens=request.min_new_tokens)
+    return RequestState(id=request.id, prompt_ids=list(request.input_ids),
+                        all_ids=list(request.input_ids), blocks=list(request.blocks), stop=stop,
+                        detok=DetokenizerState.start(len(request.input_ids)),
+                        skip_special_tokens=request.skip_special_tokens,
+                        logprob_token_ids=list(request.logprob_token_ids),
+                        return_hidden_states=request.return_hidden_states,
+                        beams=_beams(request, device, eos_token_ids, block_size),
+                        drafter=Drafter() if speculate else None)
+
+
+def _beams(request: NewRequest, device: torch.device, eos_token_ids: frozenset[int],
+           block_size: int) -> Beams | None:
+    if request.num_beams <= 1:
+        return None
+    params = request.params
+    generator = None
+    if params.do_sample:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(params.seed)
+    options = BeamOptions(request.num_beams, request.length_penalty, params.do_sample,
+                          params.temperature, params.top_k, params.top_p)
+    search = BeamSearch(options, sorted(eos_token_ids), request.max_new_tokens, generator)
+    written = math.ceil(request.prompt_length / block_size)  # the prompt's blocks
+    return Beams(search, BeamBlocks(request.blocks[:written], request.blocks[written:],
+                                    block_size))
+
+
+def sample_batch(logits: torch.Tensor, batch: Batch) -> SampleOutput:
+    """Each row's next token from logits [B, vocab], with what its request's sampling reads of
+    its state: the ids a penalty or watermark counts, the ids its stop criteria ban."""
+    history = None
+    if needs_history(batch.sampling):
+        history = [(r.prompt_ids, r.output_ids) for r in batch.requests]
+    banned = [state.stop.banned_ids() for state in batch.requests]
+    return sample(logits, batch.sampling, history, banned if any(banned) else None)
 
 
 def block_table_tensor(blocks: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -1,22 +1,14 @@
-"""Beam search for one request, scored as `transformers` scores it, and the KV blocks of its beams.
-
-Each step takes the log-probabilities of the k running beams' next tokens, keeps the best
-max(2, 1 + EOS ids) x k continuations (drawn without replacement when sampling), files the top k
-that end (an EOS id, or the length limit) as finished hypotheses scored sum / generated^penalty,
-continues the k best that do not, and stops once no running beam can beat the worst of k finished
-hypotheses (transformers' default `early_stopping=False` heuristic) or nothing can continue.
-
-The beams' KV lives in the request's own blocks (the router reserved enough for k whole
-sequences). A beam's block table is a list of block ids; beams that descend from one parent share
-its blocks, counted per block, and a shared block is copied only when a beam is about to write into
-it (copy on write); a reordering only rearranges the tables.
-"""
+"""Beam search for one request, scored as `transformers` scores it, the KV blocks of its beams (copy
+on write, within the request's own blocks), and a step of the search."""
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
+
+log = logging.getLogger("tgi.shard.beams")
 
 NEG_INF = -1.0e9  # transformers' "impossible" score
 
@@ -39,7 +31,14 @@ class Hypothesis:
 
 @dataclass(slots=True)
 class BeamSearch:
-    """The running beams of one request and its finished hypotheses."""
+    """The running beams of one request and its finished hypotheses.
+
+    Each step takes the log-probabilities of the k running beams' next tokens, keeps the best
+    max(2, 1 + EOS ids) x k continuations (drawn without replacement when sampling), files the top
+    k that end (an EOS id, or the length limit) as finished hypotheses scored sum /
+    generated^penalty, continues the k best that do not, and stops once no running beam can beat
+    the worst of k finished hypotheses (transformers' default `early_stopping=False` heuristic) or
+    nothing can continue."""
 
     options: BeamOptions
     eos_token_ids: list[int]
@@ -142,7 +141,10 @@ class BeamSearch:
 
 
 class BeamBlocks:
-    """The block tables of a request's beams over the blocks the router reserved for it."""
+    """The block tables of a request's beams over the blocks the router reserved for it (enough
+    for k whole sequences). Beams that descend from one parent share its blocks, counted per
+    block; a shared block is copied only when a beam is about to write into it, and a reordering
+    only rearranges the tables."""
 
     def __init__(self, table: list[int], spare: list[int], block_size: int):
         """`table`: the prompt's blocks. They hold one reference more than the beams do, so a
@@ -195,3 +197,20 @@ class BeamBlocks:
 class Beams:
     search: BeamSearch
     blocks: BeamBlocks
+
+
+def advance(beams: Beams, logits: torch.Tensor, request_id: int) -> list[int] | None:
+    """One step of a request's search over its beams' logits [width, vocab]; once the search is
+    over, the ids of its best hypothesis (None before)."""
+    try:
+        parents = beams.search.step(torch.log_softmax(logits.float(), dim=-1))
+        beams.blocks.reorder(parents)
+    except Exception:  # this request's search ends with what it has; the batch goes on
+        log.exception("beam search of request %d failed; it ends here", request_id)
+        beams.search.done = True
+    if not beams.search.done:
+        return None
+    best = beams.search.best().token_ids
+    if not best:  # the search failed at its first step: the first beam's likeliest token
+        best = [int(logits[0].argmax())]
+    return best

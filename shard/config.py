@@ -8,9 +8,70 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from shard.kernels.native import cpu_flags
-
 DTYPES = ("float32", "bfloat16", "float16")
+
+# The environment variables a shard reads, all read here (docs/operations.md lists them)
+CACHE_ENV = "TGI_PY_CACHE"
+KERNEL_MARCH_ENV = "TGI_PY_KERNEL_MARCH"  # -march for the C kernels instead of the host's
+# the launcher's ledger of the CPU KV pools its shard groups hold (shard/kv_budget.py's PoolLedger)
+KV_LEDGER_ENV = "TGI_PY_KV_LEDGER"
+# glibc's own malloc settings: when any is set, the shard leaves glibc's allocator alone
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+              "MALLOC_MMAP_MAX_", "LD_PRELOAD")
+
+
+def cache_root() -> Path:
+    """Where prepared models, downloads, the registry and built kernels live: TGI_PY_CACHE, else
+    ~/.cache/tgi-py."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tgi-py").expanduser()
+
+
+def kernel_enabled(switch_env: str) -> bool:
+    """A C kernel's switch (TGI_PY_MATMUL_KERNEL, TGI_PY_INT4_KERNEL, ...): on unless "0"."""
+    return os.environ.get(switch_env, "1") != "0"
+
+
+def kernel_march() -> str | None:
+    return os.environ.get(KERNEL_MARCH_ENV) or None
+
+
+def c_compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def kv_ledger_dir() -> Path | None:
+    directory = os.environ.get(KV_LEDGER_ENV)
+    return Path(directory) if directory else None
+
+
+def local_topology(config: "ShardConfig") -> tuple[int, int]:
+    """(this rank's index, ranks) on this machine: across machines the global rank is not this
+    machine's GPU index (the launcher says which)."""
+    return (int(os.environ.get("LOCAL_RANK", config.rank)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size)))
+
+
+def log_level() -> str:
+    """LOG_LEVEL (the launcher passes its own on): INFO unless set."""
+    return os.environ.get("LOG_LEVEL", "INFO").upper()
+
+
+def malloc_set_by_hand() -> bool:
+    """Whether the environment sets glibc's malloc (its variables, its tunables, or a preloaded
+    allocator)."""
+    return (any(name in os.environ for name in MALLOC_ENV)
+            or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""))
+
+
+def cpu_flags() -> str:
+    """/proc/cpuinfo's flags line ("" where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
 QUANTIZE_KINDS = ("int8", "int4")  # shard.layers.quantize (this module must not import torch)
 DEFAULT_CUDA_GRAPHS = "1,2,4,8,16,32"  # TGI's --cuda-graphs default
 

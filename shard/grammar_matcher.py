@@ -1,8 +1,5 @@
-"""Grammar-constrained decoding with llguidance: a matcher per constrained request, one mask pass per step.
-
-llguidance was chosen for its speed (a token mask in tens of microseconds, computed lazily by an Earley
-parser over a token trie, so no per-grammar precompilation) and its JSON Schema coverage; it is
-maintained and used by vLLM, SGLang and llama.cpp.
+"""Grammar-constrained decoding with llguidance (lazy token masks, no per-grammar precompilation, broad
+JSON Schema coverage): a matcher per constrained request, one mask pass per step.
 """
 from __future__ import annotations
 

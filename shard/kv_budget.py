@@ -1,11 +1,53 @@
-"""How many bytes the KV pool may take on this device."""
+"""The KV pool: its blocks' layout, its allocation, and how many bytes (and blocks) it may take on this
+device."""
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from shard.layers.attention import LayerCache
+from shard.config import kv_ledger_dir
+
+
+@dataclass(slots=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int  # on this rank
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def bytes_per_block(self) -> int:
+        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+                * self.dtype.itemsize)
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[LayerCache]:
+    shape = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
+    return [LayerCache(zeroed(shape, spec.dtype, spec.device),
+                       zeroed(shape, spec.dtype, spec.device))
+            for _ in range(spec.num_layers)]
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of zeros. On the CPU its memory is an anonymous mapping, which the kernel fills
+    with zeros page by page as it is first written: a pool sized for the most the server may
+    hold (30% of the available memory by default) takes memory as its blocks are used, where
+    torch.zeros would write, and keep resident, every page at start."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # keeps `pages` alive
 
 
 def available_bytes(device: torch.device) -> int:
@@ -18,15 +60,10 @@ def available_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-# the launcher's ledger of the CPU KV pools its shard groups hold (a directory, one file per
-# shard process: "<pid> <group> <bytes>")
-LEDGER_ENV = "TGI_PY_KV_LEDGER"
-
-
 @dataclass(frozen=True, slots=True)
 class PoolLedger:
     """Where shards on one machine write down the CPU KV pools they hold. A pool is mapped, not
-    written, at start (model_runner.zeroed): its pages count as used only once its blocks are
+    written, at start (zeroed): its pages count as used only once its blocks are
     first written, so a second model sizing its pool from the free memory would count the first
     one's pool as free, and several busy models could together outgrow the RAM. Each shard
     takes the others' pools off what is free before taking its share."""
@@ -36,8 +73,10 @@ class PoolLedger:
 
     @classmethod
     def from_environment(cls, group: str) -> "PoolLedger | None":
-        directory = os.environ.get(LEDGER_ENV)
-        return cls(Path(directory), group) if directory else None
+        """The ledger the launcher named (a directory, one file per shard process: "<pid>
+        <group> <bytes>"), or None for a shard started alone."""
+        directory = kv_ledger_dir()
+        return cls(directory, group) if directory else None
 
     def held_by_others(self) -> int:
         """Bytes of the pools of live shard processes of other groups."""
@@ -97,3 +136,12 @@ def kv_budget_bytes(device: torch.device, memory_fraction: float, world_size: in
         return int(max(0.0, min(available_bytes(device), share_left)) * 0.9)
     free = max(0, available_bytes(device) - held_by_others)
     return int(free * 0.3 * memory_fraction / world_size)
+
+
+def budget_blocks(device: torch.device, memory_fraction: float, world_size: int,
+                  bytes_per_block: int, ledger: PoolLedger | None = None) -> int:
+    """KV blocks this rank's pool may hold, after the pools other shard groups hold (`ledger`,
+    on the CPU)."""
+    others = ledger.held_by_others() if ledger is not None else 0
+    budget = kv_budget_bytes(device, memory_fraction, world_size, held_by_others=others)
+    return budget // bytes_per_block

@@ -1,20 +1,14 @@
-"""glibc's allocator, tuned for a process that allocates and frees large tensors every step.
-
-By default glibc serves every allocation above its mmap threshold (128 KiB at start, rising only as
-such blocks are freed) with a fresh mmap and returns it with munmap on free, and trims the heap's
-free top back to the system: a prefill's activations (megabytes per op) then fault in their pages
-anew on every op. Keeping freed memory in the process, to be reused by the next op, made a 32 x 128
-token prefill of SmolLM2 16-25% faster in the engine's own process and 9-15% over gRPC
-(benchmarks/RESULTS.md). The memory kept is at most the largest set of activations the process ever
-held at once.
+"""glibc's allocator, tuned for a process that allocates and frees large tensors every step: freed memory
+stays in the process for the next op, where by default a prefill's activations are mmapped, unmapped and
+faulted in anew on every op (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import logging
-import os
 import platform
+from shard.config import MALLOC_ENV, malloc_set_by_hand
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +19,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 * 1024 * 1024
 TRIM_THRESHOLD = 1024 * 1024 * 1024
 # a person who set glibc's own variables has chosen: they are left alone
-ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-               "MALLOC_MMAP_MAX_", "LD_PRELOAD")
+ENVIRONMENT = MALLOC_ENV
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -55,10 +48,9 @@ def return_freed_memory() -> bool:
 
 
 def keep_freed_memory() -> bool:
-    """Raises glibc's mmap and trim thresholds; whether it did (not glibc, or set by hand: no)."""
-    if any(name in os.environ for name in ENVIRONMENT):
-        return False
-    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    """Raises glibc's mmap and trim thresholds; whether it did (not glibc, or set by hand: no).
+    The memory kept is at most the largest set of activations the process ever held at once."""
+    if malloc_set_by_hand():
         return False
     libc = _libc()
     mallopt = getattr(libc, "mallopt", None) if libc is not None else None

@@ -1,75 +1,25 @@
-"""Turns sequences to compute into the model's flat inputs and attention metadata, owns the KV cache.
-
-Data flow: the engine says, per sequence, which tokens to compute, where its context starts and which
-blocks hold it; the runner builds input_ids/positions/slot_mapping/masks, runs the model and returns
-logits for the rows asked for.
+"""Runs the model's forwards over the KV cache it owns: a prefill's sequences (a running batch riding
+along) and decode steps, each by the path `ModelRunner.decode_path` chooses; logits for the rows asked.
 """
 from __future__ import annotations
 
+import enum
 import gc
 import logging
-import math
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from shard.attention_inputs import (decode_metadata, pad_blocks, prefill_metadata,
+                                    route_short_contexts, static_decode_metadata)
+from shard.kernels import llama_decode_step, paged_attention
 from shard.kernels.compiled_decode import CompiledDecode, unsupported_reason
 from shard.kernels.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
-from shard.kernels import paged_attention
-from shard.layers.attention import (AttentionMetadata, DecodeGroup, LayerCache, PrefillLayout,
-                                    gather_index)
-from shard.kernels import llama_decode_step
+from shard.kv_budget import KVCacheSpec, allocate_kv_cache
+from shard.layers.attention import AttentionMetadata, LayerCache
 
 log = logging.getLogger("tgi.shard.model_runner")
-
-# Decode attention in PyTorch (where the C kernel does not run) pads every context of a group to the
-# group's longest. A sequence joins a group while its context is at most twice the group's shortest,
-# or this many tokens longer (padding a few hundred tokens costs less than another round of small
-# kernels).
-GROUP_SLACK_TOKENS = 512
-# A prefilled sequence whose context is at most this long computes its attention in the C decode
-# kernel, each new token a row reading the cache up to itself: about twice as fast as PyTorch's CPU
-# flash kernel at 128 tokens and 1.2-1.8x at 512, slower from about 1024 (every row rereads its
-# whole context).
-PREFILL_KERNEL_MAX_CONTEXT = 512
-
-
-@dataclass(slots=True)
-class KVCacheSpec:
-    num_layers: int
-    num_kv_heads: int  # on this rank
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def bytes_per_block(self) -> int:
-        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
-                * self.dtype.itemsize)
-
-
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[LayerCache]:
-    shape = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
-    return [LayerCache(zeroed(shape, spec.dtype, spec.device),
-                       zeroed(shape, spec.dtype, spec.device))
-            for _ in range(spec.num_layers)]
-
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of zeros. On the CPU its memory is an anonymous mapping, which the kernel fills
-    with zeros page by page as it is first written: a pool sized for the most the server may
-    hold (30% of the available memory by default) takes memory as its blocks are used, where
-    torch.zeros would write, and keep resident, every page at start."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    count = math.prod(shape)
-    if count == 0:
-        return torch.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # keeps `pages` alive
 
 
 @dataclass(slots=True)
@@ -94,6 +44,15 @@ class DecodeRows:
     input_ids: torch.Tensor  # [B]
     seq_lens: torch.Tensor  # [B]
     block_tables: torch.Tensor  # [B, max_blocks]
+
+
+class DecodePath(enum.Enum):
+    """The step that computes a decode (ModelRunner.decode_path chooses)."""
+
+    C_STEP = "c_step"  # shard.kernels.llama_decode_step: the whole step in one C call
+    CUDA_GRAPHS = "cuda_graphs"  # shard.kernels.cuda_graphs: a captured graph replayed
+    COMPILED = "compiled"  # shard.kernels.compiled_decode: the torch.compile'd forward
+    EAGER = "eager"  # the forward layer by layer in PyTorch
 
 
 @dataclass(slots=True)
@@ -199,56 +158,37 @@ class ModelRunner:
         With `decode`, a running batch's next tokens ride in the same forward (TGI's chunking): the
         weights are read once for both, and the running streams advance while the prompt computes.
         """
-        device = self.device
         query_lens = [s.length for s in seqs]
-        context_lens = [s.start + n for s, n in zip(seqs, query_lens)]
         embeds = self._embeds(seqs)
-        positions = torch.cat([torch.arange(s.start, c, dtype=torch.long, device=device)
-                               for s, c in zip(seqs, context_lens)])
-        num_blocks = -(-max(context_lens) // self.spec.block_size)
-        block_tables = _pad_blocks([s.blocks[:num_blocks] for s in seqs], device)
-        meta = _metadata(block_tables, positions, query_lens, context_lens, self.spec.block_size)
-        short = [c <= PREFILL_KERNEL_MAX_CONTEXT for c in context_lens]
-        if self.paged_kernel and any(short):
-            seq_of_token = torch.repeat_interleave(torch.arange(len(seqs), device=device),
-                                                   torch.tensor(query_lens, device=device))
-            meta.prefill.row_tables = block_tables.index_select(0, seq_of_token)
-            meta.prefill.row_context_lens = positions + 1
-            meta.prefill.kernel_sequences = short
-        ends = torch.tensor(query_lens, device=device).cumsum(0)
-        starts = ends - torch.tensor(query_lens, device=device)
-        rows = []
-        for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
-            rows.extend(range(start, end) if i in all_logits_rows else [end - 1])
-        logit_rows = torch.tensor(rows, dtype=torch.long, device=device)
-        num_decode = 0
+        positions, meta, logit_rows = _prefill_inputs(seqs, query_lens, all_logits_rows,
+                                                      self.spec.block_size, self.paged_kernel,
+                                                      self.device)
+        num_decode = None
         if decode is not None:
             num_decode = len(decode.input_ids)
-            part = self._decode_metadata(decode.seq_lens, decode.block_tables)
-            embeds = torch.cat([self.model.embed(decode.input_ids), embeds])
-            positions = torch.cat([decode.seq_lens, positions])
-            meta.slot_blocks = torch.cat([part.slot_blocks, meta.slot_blocks])
-            meta.slot_offsets = torch.cat([part.slot_offsets, meta.slot_offsets])
-            meta.decode_groups, meta.num_decode_rows = part.decode_groups, num_decode
-            meta.decode_tables, meta.decode_context_lens = (part.decode_tables,
-                                                             part.decode_context_lens)
-            logit_rows = torch.cat([torch.arange(num_decode, device=device),
-                                    logit_rows + num_decode])
+            embeds, positions, logit_rows = self._ride_along(decode, meta, embeds, positions,
+                                                             logit_rows)
         hidden = self.model(embeds, positions, self.cache, meta, logit_rows)
         logits = self.model.logits(hidden)
-        out = PrefillOutput(logits[0:0], [], [])
-        if decode is not None:
-            out.decode, out.decode_hidden = logits[:num_decode], hidden[:num_decode]
-        last, cursor = [], num_decode
-        for i, n in enumerate(query_lens):
-            width = n if i in all_logits_rows else 1
-            chunk = logits[cursor:cursor + width]
-            last.append(chunk[-1])
-            out.full.append(chunk if i in all_logits_rows else None)
-            out.hidden.append(hidden[cursor:cursor + width] if i in all_logits_rows else None)
-            cursor += width
-        out.last = torch.stack(last)
-        return out
+        return _prefill_output(logits, hidden, query_lens, all_logits_rows, num_decode)
+
+    def _ride_along(self, decode: DecodeRows, meta: AttentionMetadata, embeds: torch.Tensor,
+                    positions: torch.Tensor, logit_rows: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A running batch's next tokens put before the prefill's: its rows in the embeddings,
+        positions, metadata (in place) and logit rows."""
+        num_decode = len(decode.input_ids)
+        part = decode_metadata(decode.seq_lens, decode.block_tables, self.spec, self.paged_kernel)
+        embeds = torch.cat([self.model.embed(decode.input_ids), embeds])
+        positions = torch.cat([decode.seq_lens, positions])
+        meta.slot_blocks = torch.cat([part.slot_blocks, meta.slot_blocks])
+        meta.slot_offsets = torch.cat([part.slot_offsets, meta.slot_offsets])
+        meta.decode_groups, meta.num_decode_rows = part.decode_groups, num_decode
+        meta.decode_tables, meta.decode_context_lens = (part.decode_tables,
+                                                         part.decode_context_lens)
+        logit_rows = torch.cat([torch.arange(num_decode, device=self.device),
+                                logit_rows + num_decode])
+        return embeds, positions, logit_rows
 
     def _embeds(self, seqs: list[PrefillSequence]) -> torch.Tensor:
         """The vectors of every sequence's tokens, given vectors copied over their rows."""
@@ -277,20 +217,43 @@ class ModelRunner:
     def decode(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                block_tables: torch.Tensor) -> DecodeOutput:
         """One token per sequence at position seq_lens -> logits [B, vocab] and hidden states."""
-        if self.c_step is not None:
-            return DecodeOutput(*self.c_step(input_ids, seq_lens, block_tables))
-        if self.graphs is not None and self.graphs.captured:
-            # the columns the longest context needs (one host sync: the previous step's sampling
-            # has already waited for the device)
-            width = (int(seq_lens.max()) + 1 + self.spec.block_size - 1) // self.spec.block_size
+        width = self._graph_width(seq_lens)
+        path = self.decode_path(input_ids.shape[0], width)
+        if path is DecodePath.C_STEP:
+            out = self.c_step(input_ids, seq_lens, block_tables)
+        elif path is DecodePath.CUDA_GRAPHS:
             out = self.graphs(input_ids, seq_lens, block_tables, width)
-            if out is not None:
-                return DecodeOutput(*out)
-        return DecodeOutput(*self.decode_step(input_ids, seq_lens, block_tables))
+        elif path is DecodePath.COMPILED:  # it runs the eager forward itself if it fails
+            out = self.decode_step(input_ids, seq_lens, block_tables)
+        else:
+            out = self._decode_forward(input_ids, seq_lens, block_tables)
+        return DecodeOutput(*out)
+
+    def decode_path(self, rows: int, width: int = 0) -> DecodePath:
+        """The one place a decode step's path is chosen, for `rows` rows whose contexts need
+        `width` block-table columns (_graph_width): the C step where allocate built one (only
+        where neither a compiled step nor CUDA graphs were asked for); else a captured graph
+        that holds the step (none after a failed capture); else the compiled step while it
+        serves (it turns itself off on a failure); else the eager forward."""
+        if self.c_step is not None:
+            return DecodePath.C_STEP
+        if self.graphs is not None and self.graphs.bucket(rows, width) is not None:
+            return DecodePath.CUDA_GRAPHS
+        if isinstance(self.decode_step, CompiledDecode) and self.decode_step.active:
+            return DecodePath.COMPILED
+        return DecodePath.EAGER
+
+    def _graph_width(self, seq_lens: torch.Tensor) -> int:
+        """The block-table columns the longest context needs, where a CUDA graph may take the
+        step (one host sync: the previous step's sampling has already waited for the device);
+        0 elsewhere, which no graph holds."""
+        if self.c_step is not None or self.graphs is None or not self.graphs.captured:
+            return 0
+        return (int(seq_lens.max()) + 1 + self.spec.block_size - 1) // self.spec.block_size
 
     def _decode_forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                         block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = self._decode_metadata(seq_lens, block_tables)
+        meta = decode_metadata(seq_lens, block_tables, self.spec, self.paged_kernel)
         return self._forward_rows(input_ids, seq_lens, meta)
 
     def _forward_rows(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
@@ -301,90 +264,45 @@ class ModelRunner:
 
     def _static_decode_forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                                block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode forward with every shape fixed by its inputs' and nothing read back to the
-        host (what a CUDA graph records): each row attends over its table's full width, masked
-        past its context."""
-        spec = self.spec
-        context_lens = seq_lens + 1
-        width = block_tables.shape[1]
-        index = gather_index(block_tables, width * spec.block_size,
-                             (None, spec.num_kv_heads, spec.block_size, spec.head_dim))
-        positions = torch.arange(width * spec.block_size, device=seq_lens.device)
-        group = DecodeGroup(None, index, positions.unsqueeze(0) < context_lens.unsqueeze(1))
-        slot_blocks, slot_offsets = self._slots(seq_lens, block_tables)
-        return self._forward_rows(input_ids, seq_lens, AttentionMetadata(
-            slot_blocks=slot_blocks, slot_offsets=slot_offsets, block_tables=block_tables,
-            decode_groups=[group]))
-
-    def _slots(self, seq_lens: torch.Tensor,
-               block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where each row's new token is stored: (block, offset in it)."""
-        block_size = self.spec.block_size
-        blocks = block_tables.gather(1, (seq_lens // block_size).unsqueeze(1)).squeeze(1)
-        return blocks, seq_lens % block_size
-
-    def _decode_metadata(self, seq_lens: torch.Tensor,
-                         block_tables: torch.Tensor) -> AttentionMetadata:
-        spec = self.spec
-        context_lens = seq_lens + 1
-        slot_blocks, slot_offsets = self._slots(seq_lens, block_tables)
-        if self.paged_kernel:  # reads each context where it lies: no groups, no gather indices
-            return AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=slot_offsets,
-                                     block_tables=block_tables, decode_tables=block_tables,
-                                     decode_context_lens=context_lens)
-        lengths = context_lens.tolist()
-        groups = group_by_context(lengths)
-        decode_groups = []
-        for rows in groups:
-            longest = max(lengths[r] for r in rows)
-            num_blocks = -(-longest // spec.block_size)
-            if len(groups) == 1:
-                row_index, tables, lens = None, block_tables[:, :num_blocks], context_lens
-            else:
-                row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
-                tables = block_tables[row_index, :num_blocks]
-                lens = context_lens[row_index]
-            positions = torch.arange(num_blocks * spec.block_size, device=self.device)
-            index = gather_index(tables, longest,
-                                 (None, spec.num_kv_heads, spec.block_size, spec.head_dim))
-            decode_groups.append(DecodeGroup(row_index, index,
-                                             positions.unsqueeze(0) < lens.unsqueeze(1)))
-        return AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=slot_offsets,
-                                 block_tables=block_tables, decode_groups=decode_groups)
+        """The decode forward a CUDA graph records (see static_decode_metadata)."""
+        return self._forward_rows(input_ids, seq_lens,
+                                  static_decode_metadata(seq_lens, block_tables, self.spec))
 
 
-def group_by_context(lengths: list[int]) -> list[list[int]]:
-    """Rows of the batch grouped by similar context length (see GROUP_SLACK_TOKENS), shortest first."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    groups: list[list[int]] = []
-    shortest = 0
-    for row in order:
-        length = lengths[row]
-        if groups and length <= max(2 * shortest, shortest + GROUP_SLACK_TOKENS):
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-            shortest = length
-    return groups
+def _prefill_inputs(seqs: list[PrefillSequence], query_lens: list[int], all_logits_rows: set[int],
+                    block_size: int, paged_kernel: bool, device: torch.device
+                    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """A prefill's positions, attention metadata and the rows whose logits come back (every
+    position of the sequences in all_logits_rows, the last of the others)."""
+    context_lens = [s.start + n for s, n in zip(seqs, query_lens)]
+    positions = torch.cat([torch.arange(s.start, c, dtype=torch.long, device=device)
+                           for s, c in zip(seqs, context_lens)])
+    num_blocks = -(-max(context_lens) // block_size)
+    block_tables = pad_blocks([s.blocks[:num_blocks] for s in seqs], device)
+    meta = prefill_metadata(block_tables, positions, query_lens, context_lens, block_size)
+    if paged_kernel:
+        route_short_contexts(meta, block_tables, positions, query_lens, context_lens)
+    ends = torch.tensor(query_lens, device=device).cumsum(0)
+    starts = ends - torch.tensor(query_lens, device=device)
+    rows = []
+    for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
+        rows.extend(range(start, end) if i in all_logits_rows else [end - 1])
+    return positions, meta, torch.tensor(rows, dtype=torch.long, device=device)
 
 
-def _pad_blocks(blocks: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max(len(b) for b in blocks)
-    return torch.tensor([b + [0] * (width - len(b)) for b in blocks], dtype=torch.long,
-                        device=device)
-
-
-def _metadata(block_tables: torch.Tensor, positions: torch.Tensor, query_lens: list[int],
-              context_lens: list[int], block_size: int) -> AttentionMetadata:
-    """Metadata for sequences with several new tokens each (prefill or chunked prefill)."""
-    device = positions.device
-    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=device),
-                                           torch.tensor(query_lens, device=device))
-    slot_blocks = block_tables[seq_of_token, positions // block_size]
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    layout = PrefillLayout(query_starts=starts,
-                           cached_lens=[c - n for c, n in zip(context_lens, query_lens)])
-    return AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=positions % block_size,
-                             block_tables=block_tables, prefill=layout)
+def _prefill_output(logits: torch.Tensor, hidden: torch.Tensor, query_lens: list[int],
+                    all_logits_rows: set[int], num_decode: int | None) -> PrefillOutput:
+    """The forward's rows (a riding batch's first, then the prefill's) split per sequence."""
+    out = PrefillOutput(logits[0:0], [], [])
+    if num_decode is not None:
+        out.decode, out.decode_hidden = logits[:num_decode], hidden[:num_decode]
+    last, cursor = [], num_decode or 0
+    for i, n in enumerate(query_lens):
+        width = n if i in all_logits_rows else 1
+        chunk = logits[cursor:cursor + width]
+        last.append(chunk[-1])
+        out.full.append(chunk if i in all_logits_rows else None)
+        out.hidden.append(hidden[cursor:cursor + width] if i in all_logits_rows else None)
+        cursor += width
+    out.last = torch.stack(last)
+    return out

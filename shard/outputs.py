@@ -1,4 +1,5 @@
-"""What a step returns to the router, as plain dataclasses (convert.py maps them to protobuf)."""
+"""What a step returns to the router, as plain dataclasses (convert.py maps them to protobuf), and how a
+later step's tokens add to an earlier one's."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -76,3 +77,38 @@ class WarmupResult:
     @property
     def max_supported_total_tokens(self) -> int:
         return (self.num_blocks - 1) * self.block_size  # block 0 pads block tables: never handed out
+
+
+def extend(generation: Generation, more: Generation) -> None:
+    """Appends a later position's token (and all it carries) to a request's generation."""
+    for name in ("ids", "logprobs", "texts", "is_special"):
+        getattr(generation.tokens, name).extend(getattr(more.tokens, name))
+    generation.top_tokens += more.top_tokens
+    generation.token_ids_logprobs += more.token_ids_logprobs
+    if more.hidden_states is not None:
+        generation.hidden_states = torch.cat([generation.hidden_states, more.hidden_states])
+    generation.generated_text = more.generated_text
+
+
+def after_steps(earlier: StepResult, later: StepResult) -> StepResult:
+    """`later`, the next step of the same batch, counting `earlier`'s steps and times."""
+    later.forward_ns += earlier.forward_ns
+    later.decode_ns += earlier.decode_ns
+    later.total_ns += earlier.total_ns
+    later.steps += earlier.steps
+    if later.concat_ns is None:  # the call's first step merged its batches
+        later.concat_ns = earlier.concat_ns
+    return later
+
+
+def merge_steps(earlier: StepResult, later: StepResult) -> StepResult:
+    """`earlier` followed by `later`, the next step of the same batch: each request's tokens (with
+    all they carry) in order, the last step's batch and finish."""
+    generations = {g.request_id: g for g in earlier.generations}
+    for step in later.generations:
+        if step.request_id in generations:
+            extend(generations[step.request_id], step)
+        else:
+            earlier.generations.append(step)
+    later.generations = earlier.generations
+    return after_steps(earlier, later)

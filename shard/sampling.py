@@ -1,13 +1,5 @@
-"""Batched next-token choice: each request's parameters as rows of tensors, one pass over the batch.
-
-Steps, in order, on logits [B, vocab]:
-  0. logit_bias, then watermark (green-list bias, for the rows that ask);
-  1. repetition penalty (prompt and output tokens), frequency and presence penalties (output tokens),
-     then each constrained row's grammar mask, then the banned ids (min_new_tokens);
-  2. for sampling rows only: temperature, top-k, top-p, typical-p, min-p;
-  3. greedy rows take the argmax; sampling rows draw from their own seeded generator;
-  4. the chosen token's log-probability (log-softmax of the scores it was chosen from) and the top-n.
-A step is skipped when no row needs it, so a greedy batch costs one argmax and one log-softmax.
+"""Batched next-token choice: each request's parameters as rows of tensors, one pass over the batch
+(`sample` lists its steps).
 """
 from __future__ import annotations
 
@@ -156,7 +148,16 @@ class SampleOutput:
 def sample(logits: torch.Tensor, batch: SamplingBatch,
            token_ids: list[tuple[list[int], list[int]]] | None = None,
            banned: list[frozenset[int]] | None = None) -> SampleOutput:
-    """Chooses one token per row of logits [B, vocab].
+    """Chooses one token per row of logits [B, vocab]. Steps, in order:
+      0. logit_bias, then watermark (green-list bias, for the rows that ask);
+      1. repetition penalty (prompt and output tokens), frequency and presence penalties (output
+         tokens), then each constrained row's grammar mask, then the banned ids (min_new_tokens);
+      2. for sampling rows only: temperature, top-k, top-p, typical-p, min-p;
+      3. greedy rows take the argmax; sampling rows draw from their own seeded generator;
+      4. the chosen token's log-probability (log-softmax of the scores it was chosen from) and
+         the top-n.
+    A step is skipped when no row needs it, so a greedy batch costs one argmax and one
+    log-softmax.
 
     `token_ids` gives (prompt ids, output ids) per row; it is needed only when a row has a penalty
     or a watermark (see `needs_history`). `banned`, per row, ids its token may not be (the
@@ -200,7 +201,7 @@ def _ban(scores: torch.Tensor, banned: list[frozenset[int]], grammars: list | No
     """-inf for each row's banned ids, except in a row they would leave with nothing (a grammar
     that allows only its end: the request ends there). In place on `scores` when `owned` (a
     tensor sample made), else on a copy: a step pays a few small writes, not a pass over the
-    whole [B, vocab] scores (a batch of 32 paid 1.4 ms a step for one)."""
+    whole [B, vocab] scores."""
     vocab = scores.shape[1]
     pairs = [(row, token) for row, tokens in enumerate(banned) for token in tokens if token < vocab]
     if not pairs:

@@ -1,9 +1,6 @@
-"""N-gram (prompt-lookup) drafts for speculative decoding.
-
-A request's next tokens are guessed from its own text: when the last few tokens (its suffix) occurred
-earlier in the prompt or the output, the tokens that followed them then are proposed now. The
-engine verifies every draft in the same forward as the real next token and keeps the longest run the
-model agrees with, so a guess costs a row of the forward and never changes the output.
+"""N-gram (prompt-lookup) drafts for speculative decoding: a request's next tokens guessed from what
+followed its latest suffix earlier in its own text, and how many of them are worth a row of the forward
+(shard.speculative_step verifies them).
 """
 from __future__ import annotations
 
@@ -43,10 +40,8 @@ class NgramIndex:
 
 # What a step costs: a + b x rows, plus, when a request drafts, a round of choosing tokens per
 # drafted position (sampling, detokenising and stop checks for the requests still in the run).
-# This is a / b with that round counted as rows: the forward alone gives a / b near 13 on a CPU
-# (benchmarks/engine_bench.py, SmolLM2 in bf16: 13.8 ms at 1 row, 25.6 at 16, 39.7 at 32). With
-# 13, natural questions at 32 streams ran up to 13% slower with --speculate 4 than without; with 6,
-# 4-6% (benchmarks/RESULTS.md), drafts being then rare at that batch size.
+# This is a / b with that round counted as rows: lower than the forward's own ratio, which made
+# large batches draft where it did not pay (benchmarks/RESULTS.md).
 ROW_COST_RATIO = 6.0
 # How much of a request's record each new step keeps: its estimate follows about its last
 # 1 / (1 - RECORD_DECAY) steps. Before any record, a guess is taken to hold with PRIOR_HITS /

@@ -1,8 +1,5 @@
-"""Kirchenbauer et al.'s green-list watermark (arXiv 2301.10226): bias, and the test that detects it.
-
-At each step the previous token seeds a permutation of the vocabulary; its first gamma share is the
-"green list", whose logits get +delta. Text written this way holds far more green tokens than the
-gamma share chance predicts, which a one-proportion z-test detects without the model.
+"""Kirchenbauer et al.'s green-list watermark (arXiv 2301.10226): the previous token seeds a "green list"
+of the vocabulary whose logits get +delta, and a z-test on the share of green tokens detects it.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The C bf16 matmul (shard/kernels/bf16_matmul.c) for CPUs with AVX-512 BF16 or AVX2, built on first use.
-
-Where it runs (shard.layers.precision.c_matmul_runs: a C compiler, TGI_PY_MATMUL_KERNEL not 0, no
-AMX, where oneDNN's tile kernels were not measured against it; its AVX2 form only where oneDNN has
-no bf16 kernels), bf16 linear layers keep their weights in its packed layout instead of oneDNN's or
-a float32 copy (shard.layers.linear).
+"""The C bf16 matmul (shard/kernels/bf16_matmul.c) for CPUs with AVX-512 BF16 or AVX2, built on first use;
+where it runs (shard.layers.precision.c_matmul_runs), bf16 linear layers keep their weights in its packed
+layout (shard.layers.linear).
 """
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""The decode step compiled with torch.compile (inductor's C++ backend on the CPU), warmed at start-up.
-
-Eager PyTorch dispatches a few thousand small ops per step of a 30-layer model (norms, rotary,
-casts, residual adds, cache writes), each costing microseconds of Python and dispatch around
-microseconds of arithmetic. Inductor fuses them into a few C++ loops per layer. What it should not
-compile is called as it is: oneDNN's prepacked bf16 matmuls (inductor's own lowering of that op
-expects weights it packed itself, so it is made a plain call), the C bf16 matmul and the C
-decode-attention kernel (custom ops). Sizes are dynamic: one graph serves every batch of 2 rows or more and every context
-length, and one more serves a single row (PyTorch specialises sizes of 1), so two compilations at
-start-up cover every step; no request pays for one. Where compiling is not possible (no C++
-compiler, an unsupported layer form) or a step would need a new graph, the step runs eagerly and the
-shard says why in its log.
+"""The decode step compiled with torch.compile (inductor's C++ backend on the CPU), warmed at start-up:
+inductor fuses the thousands of small ops an eager step dispatches into a few loops per layer. Where
+compiling is not possible or a step would need a new graph, the step runs eagerly and the log says why.
 """
 from __future__ import annotations
 
@@ -64,7 +55,13 @@ def _configure_compiler() -> None:
 
 
 class CompiledDecode:
-    """A decode step function compiled once, used until a step would need another graph."""
+    """A decode step function compiled once, used until a step would need another graph.
+
+    Sizes are dynamic: one graph serves every batch of 2 rows or more and every context length,
+    and one more a single row (PyTorch specialises sizes of 1), so the two compilations of `warm`
+    cover every step and no request pays for one. What should not be compiled is called as it
+    is: oneDNN's prepacked bf16 matmuls (_configure_compiler), our C bf16 matmul and C attention
+    kernel (custom ops)."""
 
     def __init__(self, step: Step):
         _configure_compiler()

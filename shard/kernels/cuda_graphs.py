@@ -1,19 +1,6 @@
-"""The decode step replayed from CUDA graphs: one captured per batch-size and table-width bucket.
-
-A decode step on a GPU launches a few hundred small kernels (norms, rotary, cache writes, the
-attention's gather and matmuls, per layer); for a small batch the launches, not the arithmetic, set
-its time. A CUDA graph records the kernels of one step once and replays them with a single launch.
-A graph replays fixed shapes and fixed addresses, so each one owns its input buffers: a step copies
-its rows into the smallest graph that holds them, pads the rest (rows that write into block 0, which
-no request holds, and read one token; table columns that name block 0 and are masked), replays,
-and reads its rows back. Buckets are TGI's batch sizes (`--cuda-graphs`, default 1,2,4,8,16,32)
-times table widths in powers of two up to the longest request (`--max-total-tokens`): the
-attention reads every column of its graph's width, so a graph as wide as the longest possible
-request would make every step pay for it. A step no graph holds (a larger batch, a wider table, a
-bucket too large to capture: MAX_GATHER_BYTES) runs eagerly.
-
-How a graph is captured is a parameter (`new_capture`): tests on the CPU pass one that replays the
-function on the same buffers, which holds this module to the contract a CUDA graph imposes.
+"""The decode step replayed from CUDA graphs, one captured per batch-size and table-width bucket: for a
+small batch a step's few hundred kernel launches, not its arithmetic, set its time, and a replay is one
+launch. A step no graph holds runs eagerly.
 """
 from __future__ import annotations
 
@@ -84,12 +71,22 @@ class CapturedStep:
 
 
 class GraphedDecode:
-    """Decode steps replayed from graphs captured for each (batch size, table width) bucket."""
+    """Decode steps replayed from graphs captured for each (batch size, table width) bucket.
+
+    A graph replays fixed shapes and fixed addresses, so each one owns its input buffers: a step
+    copies its rows into the smallest graph that holds them, pads the rest (rows that write into
+    block 0, which no request holds, and read one token; table columns that name block 0 and are
+    masked), replays, and reads its rows back. Buckets are TGI's batch sizes (`--cuda-graphs`)
+    times table widths in powers of two up to the longest request (`--max-total-tokens`): the
+    attention reads every column of its graph's width, so one graph as wide as the longest
+    request would make every step pay for it."""
 
     def __init__(self, step: Step, batch_sizes: list[int], device: torch.device, *,
                  block_bytes: int, new_capture: Callable[[torch.device], Capture] = CudaGraphCapture):
         """block_bytes: the keys and values of one KV block of one layer, which a step gathers
-        per row and table column."""
+        per row and table column. new_capture: how a graph is captured; tests on the CPU pass one
+        that replays the function on the same buffers, which holds this class to the contract a
+        CUDA graph imposes."""
         self.step = step
         self.batch_sizes = sorted(batch_sizes)
         self.device = device

@@ -1,10 +1,6 @@
-"""The C int4 matmul (shard/kernels/int4_matmul.c) on AVX-512 BF16 or AVX2 CPUs.
-
-`--quantize int4` packs each linear weight of a bf16 model in its form (groups of 32 input features
-with a float32 scale and minimum, GGUF's Q4_1) where it runs: the build has AVX-512 BF16 or AVX2, a
-C compiler is there, TGI_PY_INT4_KERNEL is not 0, and our bf16 matmul runs too. The layers hold
-that form alone: decode-size batches multiply by it directly, larger ones by the bf16 matmul's
-tiles over blocks unpacked on the fly (the bf16 of `restore`'s weights, bit for bit).
+"""The C int4 matmul (shard/kernels/int4_matmul.c) on AVX-512 BF16 or AVX2 CPUs: `--quantize int4`
+layers of a bf16 model hold its form alone (GGUF's Q4_1 groups), decode-size batches multiplied by it
+directly and larger ones by the bf16 matmul's tiles over blocks unpacked on the fly (`restore`'s weights).
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""A decoder layer's element-wise steps, each one C call (shard/kernels/layer_ops.c) on the CPU.
-
-PyTorch eager runs an RMS norm as eight ops, a rotary embedding and the KV cache writes as a dozen,
-SiLU-and-multiply as three: on a decode step of a 30-layer model about a thousand dispatches of a
-few microseconds each around a little arithmetic, and on a prefill a pass over memory per op. The
-fused forms round where PyTorch's ops round (shard/kernels/layer_ops.c says where they can still
-differ by one bf16 unit). Each function here falls back to its PyTorch form where the library is
-not there (no C compiler, switched off with TGI_PY_FUSED_OPS=0), off the CPU, for dtypes other
-than float32 and bf16, and while torch.compile traces a step (inductor fuses the PyTorch form
-itself).
+"""A decoder layer's element-wise steps (RMS norm, rotary and KV cache writes, SiLU-and-multiply), each
+one C call (shard/kernels/layer_ops.c) on the CPU where PyTorch eager dispatches several ops, rounding
+where those ops round.
 """
 from __future__ import annotations
 
@@ -46,7 +39,9 @@ def load_library() -> ctypes.CDLL | None:
 
 
 def _fused(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The library, when these tensors can go through it."""
+    """The library, when these tensors can go through it; else None, and the op keeps its
+    PyTorch form: no library (no C compiler, TGI_PY_FUSED_OPS=0), off the CPU, dtypes other than
+    float32 and bf16, or while torch.compile traces a step (inductor fuses the PyTorch form)."""
     # called a few hundred times a decode step: plain attribute checks, no generator
     if torch.compiler.is_compiling():
         return None

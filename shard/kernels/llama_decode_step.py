@@ -1,12 +1,6 @@
-"""A Llama-family decode step as one C call (shard/kernels/decode_step.c), on the CPU.
-
-The C loop calls the kernels the eager forward calls (fused layer ops, paged attention, our bf16 and
-int4 matmuls), in the same order on the same inputs: its logits are the eager step's bit for bit,
-without the 5-7 ms of Python and dispatch around them. It applies where every piece of the eager
-step is one of those kernels: a bf16 model and KV cache on a CPU whose build has all of them
-(AVX-512 BF16, or AVX2), one rank, no layer running PyTorch's quantized kernels, no bias after a
-row-parallel projection (the eager step adds it as a separate bf16 op). Elsewhere
-`unsupported_reason` says why and the runner keeps the eager (or compiled) step.
+"""A Llama-family decode step as one C call (shard/kernels/decode_step.c) on the CPU: the kernels the
+eager forward calls, in its order on its inputs, so its logits are the eager step's bit for bit without
+the Python and dispatch around them. Where it does not apply `unsupported_reason` says why;
 TGI_PY_DECODE_STEP=0 switches it off.
 """
 from __future__ import annotations
@@ -73,7 +67,9 @@ def _address(function) -> int:
 
 
 def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str | None:
-    """Why this model's decode step cannot run in C here, or None."""
+    """Why this model's decode step cannot run in C here, or None: it runs where every piece of
+    the eager step is one of our kernels (a bf16 model and KV cache on a CPU whose build has all
+    of them, one rank, no PyTorch quantized kernels, no bias after a row-parallel projection)."""
     if type(model) is not LlamaForCausalLM:
         return f"{type(model).__name__} is not the Llama family's model"
     if model.activation_dtype != torch.bfloat16:

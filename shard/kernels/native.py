@@ -1,9 +1,6 @@
-"""C sources of shard/kernels built for this CPU on first use, and loaded with ctypes.
-
-Each library is compiled with the system C compiler for the host CPU and cached by source,
-compiler, flags and CPU flags, so a shard builds it once per machine; it shares PyTorch's OpenMP
-runtime and thread count. Without a compiler, or when the build fails, the caller logs why and
-keeps its PyTorch path.
+"""C sources of shard/kernels built for this CPU on first use (cached by source, compiler, flags and CPU
+flags: once per machine), and loaded with ctypes. Without a compiler, or when a build fails, the caller
+logs why and keeps its PyTorch path.
 """
 from __future__ import annotations
 
@@ -15,28 +12,18 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from shard.config import (KERNEL_MARCH_ENV, c_compiler, cache_root, cpu_flags, kernel_enabled, kernel_march)
 
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).resolve().parent
 # builds the kernels for this -march instead of the host's (e.g. x86-64-v3: as an AVX2-only CPU
 # builds them, to run that form on a newer CPU)
-MARCH_ENV = "TGI_PY_KERNEL_MARCH"
+MARCH_ENV = KERNEL_MARCH_ENV
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("TGI_PY_CACHE") or Path.home() / ".cache" / "tgi-py"
-    return Path(root).expanduser() / "kernels"
-
-
-def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
+    return cache_root() / "kernels"
 
 
 def _build(source: Path, compiler: str, flags: list[str]) -> Path:
@@ -65,12 +52,12 @@ def load_library(source: Path, flags: list[str], enabled_env: str,
     """The compiled library, or None: switched off (`enabled_env`=0), no C compiler, or a failed
     build, the last two logged with `fallback` (what runs instead). `-march=native` in `flags`
     becomes TGI_PY_KERNEL_MARCH's value where that is set."""
-    if os.environ.get(enabled_env, "1") == "0":
+    if not kernel_enabled(enabled_env):
         return None
-    march = os.environ.get(MARCH_ENV)
+    march = kernel_march()
     if march:
         flags = [f"-march={march}" if flag == "-march=native" else flag for flag in flags]
-    name = os.environ.get("CC", "cc")
+    name = c_compiler()
     compiler = shutil.which(name)
     if compiler is None:
         log.warning("no C compiler (%s): %s", name, fallback)

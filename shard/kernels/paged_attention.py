@@ -1,10 +1,6 @@
-"""The C decode-attention kernel (shard/kernels/paged_attention.c), built for this CPU on first use
-(shard.kernels.native).
-
-Decode attention in PyTorch eager gathers every sequence's context out of the paged cache into a
-contiguous copy (and widens a bf16 copy to float32) before two batched matmuls. The kernel reads each
-key and value once where it lies instead. Without a compiler the shard logs why and keeps the
-PyTorch path.
+"""The C decode-attention kernel (shard/kernels/paged_attention.c), built for this CPU on first use: it
+reads each key and value once where it lies in the paged cache, where PyTorch first gathers every
+context into a contiguous copy.
 """
 from __future__ import annotations
 

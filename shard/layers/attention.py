@@ -1,9 +1,6 @@
-"""Paged attention: keys and values live in fixed-size blocks; each sequence reads its own through a block table.
-
-The new tokens' keys and values are written to their slots first. Decode then attends, for the whole
-batch at once, over every sequence's context gathered from the cache. Prefill attends sequence by
-sequence: a fresh prompt uses its own keys with a causal kernel, a prompt that continues cached tokens
-(prefix hit or later chunk) reads its context from the cache.
+"""Paged attention: keys and values live in fixed-size blocks; each sequence reads its own through a block
+table. Decode attends for the whole batch at once, prefill sequence by sequence (over its own keys, or
+its context in the cache when it continues cached tokens).
 """
 from __future__ import annotations
 
@@ -136,7 +133,7 @@ def _attend_group(q: torch.Tensor, cache: LayerCache, group: DecodeGroup,
     # the heads sharing a key/value head are adjacent
     queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     # one dtype for both matmuls (no-op casts when it is theirs already): float32 for a bf16 cache
-    # on CPUs that emulate bf16 matmuls 3-5x slower, or for float32 queries over a bf16 cache
+    # on CPUs that emulate bf16 matmuls (far slower), or for float32 queries over a bf16 cache
     wide = attention_dtype(q.dtype, keys.dtype, keys.device)
     keys, values, queries = keys.to(wide), values.to(wide), queries.to(wide)
     if wide == torch.float16:  # scaled first: unscaled products can pass float16's 65504

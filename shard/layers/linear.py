@@ -23,18 +23,15 @@ from shard.weights import Weights
 warnings.filterwarnings("ignore", message="fbgemm_linear_fp16_weight")
 
 # Up to this many rows, fbgemm's half-precision-weight GEMM (weights read once, float32 arithmetic)
-# beats float32 MKL on AVX2 CPUs, from 1.1x at 32 rows to 2-3x at 4-8 rows; prefill-size matmuls
-# (hundreds of rows) run faster in float32.
+# beats float32 MKL on AVX2 CPUs; prefill-size matmuls run faster in float32.
 HALF_WEIGHT_MAX_ROWS = 48
 # One row is a matrix-vector product, which PyTorch runs on the bf16 weight itself faster than
-# fbgemm's half-precision path (31.5 vs 34.4 ms per batch-1 step of SmolLM2, best of 8).
+# fbgemm's half-precision path.
 BF16_GEMV_MAX_ROWS = 1
-# The int8/int4 kernels take their activations in bf16 (with float32 ones they fall back to code
-# 15-50x slower). They read a quarter or an eighth of the bytes, which wins while a matmul is bound by
-# reading its weight: up to a few rows, on a CPU with bf16 kernels (on AVX-512 BF16: a batch-1
-# SmolLM2 step 1.46x faster with int4). On AVX2 alone they are no faster than the bf16 path there
-# (benchmarks/RESULTS.md). Where they do not pay, the quantized layers multiply by the weights their
-# quantized forms stand for, in the forms above.
+# The int8/int4 kernels take their activations in bf16 (float32 ones fall back to far slower code).
+# Reading a quarter or an eighth of the bytes wins while a matmul is bound by reading its weight: up
+# to a few rows, on a CPU with bf16 kernels (not on AVX2 alone). Where they do not pay, the quantized
+# layers multiply by the weights their quantized forms stand for, in the forms above.
 QUANTIZED_KERNEL_DTYPE = torch.bfloat16
 QUANTIZED_MAX_ROWS = 4
 
@@ -51,14 +48,12 @@ def c_int4_runs() -> bool:
 def quantized_kernel_rows() -> int:
     """Up to how many rows a layer quantized for PyTorch's kernels runs them on this CPU (0: never).
 
-    Never where the C bf16 matmul runs (and on AVX2 they never pay; int4 layers of bf16 models
-    take our own int4 kernel there instead, c_int4_runs): PyTorch's int8 kernel is slower than
-    it, and its int4 kernel, though faster per matmul (30 layers' matmuls at one row
-    of SmolLM2: 4.3 against 7.6 ms), keeps the step in Python, which costs more than that against
-    the C decode step that bf16-kernel layers allow (batch-1 steps over gRPC 12.3-12.5 ms with
-    int4 kernels, 10.5-11.8 without; benchmarks/RESULTS.md). Also where the C step does not apply
-    (tensor parallel, --compile-decode, a row-parallel bias): decided per layer at load time, this
-    gives up int4's per-matmul gain there."""
+    Never without bf16 kernels (they do not pay there), nor where the C bf16 matmul runs (int4
+    layers of bf16 models take our own int4 kernel there instead, c_int4_runs): PyTorch's int8
+    kernel is slower than it, and its int4 kernel, though faster per matmul, keeps the step in
+    Python, which costs more than that against the C decode step. Also where the C step does not
+    apply (tensor parallel, --compile-decode, a row-parallel bias): decided per layer at load
+    time, this gives up int4's per-matmul gain there."""
     if not cpu_has_bf16_kernels() or c_matmul_runs():
         return 0
     return QUANTIZED_MAX_ROWS
@@ -66,35 +61,12 @@ def quantized_kernel_rows() -> int:
 
 @dataclass(slots=True)
 class LinearWeight:
-    """A weight [out_features, in_features] (and bias) in the form this CPU multiplies fastest.
-    Where a packed or quantized form holds the weight, the checkpoint's layout is not kept
-    (`weight` None): it would double the layer's memory.
-
-    - bf16 on a CPU with AVX-512 BF16 (and no AMX): `tiled`, the weight in the layout of the C
-      kernel of shard.kernels.bf16_matmul (decode-size matmuls 1.1-3x faster than oneDNN's, level
-      up to a few thousand rows, 4-12% slower on 16,384; rare one-unit differences from oneDNN's
-      sums). The same on AVX2-only CPUs, where the kernel multiplies the bf16 values in float32
-      (1-32 rows 0.12-0.93x the time of float32 MKL there, 1,024 rows 1.0-1.3x), and
-      models hold bf16 activations.
-    - bf16 on other CPUs with oneDNN bf16 kernels (AMX, AVX-NE-CONVERT, AVX-512 without BF16; or
-      without a C compiler): `packed`, the blocked layout F.linear would otherwise reorder the
-      weight into on every call (decode-size matmuls 1.5-1.8x faster, same results).
-    - bf16 on a CPU without either (AVX2 without a C compiler, or TGI_PY_MATMUL_KERNEL=0), where
-      PyTorch emulates bf16 arithmetic 3-5x slower than float32: float32 arithmetic on the same
-      values, and models hold float32 activations there so that no layer converts its input or
-      output. One row is the exception: PyTorch's bf16 matrix-vector product on `weight` (its
-      input rounded to bf16). Other decode-size matmuls use `half`, the weight packed as float16
-      for fbgemm (bf16 -> fp16 is exact down to 6e-5 in magnitude, and smaller values keep an
-      absolute error under 3e-8); larger ones use `widened`, a float32 copy. Costs three times the
-      bf16 weight's memory again.
-    - float32 (and every GPU): F.linear on `weight`, which the parity tests pin to transformers'.
-    - int4 in a bf16 model where our C int4 kernel runs (c_int4_runs): `quantized` alone, in its
-      form (a float32 scale and minimum per 32 weights, GGUF's Q4_1), for every batch size; the
-      bias as bf16 in `tiled_bias`.
-    - other `quantize` int8 or int4 (CPU only): `quantized` for up to `quantized_rows` rows, its
-      kernels fed bf16 activations; past that (and on CPUs where they do not pay), the forms above
-      made from the weights it stands for. A shape the int4 kernel cannot take is not quantized.
-    """
+    """A weight [out_features, in_features] (and bias) in the form this CPU multiplies fastest,
+    chosen once by `prepare`: our C kernels' `tiled` or int4 `quantized` forms, oneDNN's `packed`
+    layout, float copies (`half`, `widened`) where bf16 arithmetic is emulated, PyTorch's int8/int4
+    `quantized` kernels for small batches, else `weight` as stored (float32, and every GPU). A
+    packed or quantized form replaces the checkpoint's layout (`weight` None), which would double
+    the layer's memory."""
 
     out_features: int
     in_features: int
@@ -130,7 +102,7 @@ class LinearWeight:
         shape = {"out_features": weight.shape[0], "in_features": weight.shape[1]}
         if quantize_kind and weight.device.type == "cpu" and can_quantize(weight, quantize_kind):
             if (quantize_kind == "int4" and (model_dtype or weight.dtype) == torch.bfloat16
-                    and c_int4_runs()):
+                    and c_int4_runs()):  # our int4 kernel takes every batch size: its form alone
                 return cls(**shape, bias=bias, tiled_bias=_bf16(bias), quantized=c_int4(weight))
             quantized, restored = quantize(weight, quantize_kind, QUANTIZED_KERNEL_DTYPE)
             prepared = cls.prepare(restored.to(model_dtype or weight.dtype), bias)
@@ -142,13 +114,16 @@ class LinearWeight:
         if model_dtype is not None:
             weight = weight.to(model_dtype)
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-            return cls(**shape, weight=weight, bias=bias)
-        if c_matmul_runs() and bf16_matmul.can_pack(weight):
+            return cls(**shape, weight=weight, bias=bias)  # F.linear, pinned to transformers'
+        if c_matmul_runs() and bf16_matmul.can_pack(weight):  # faster than oneDNN at decode sizes
             return cls(**shape, bias=bias, tiled=bf16_matmul.pack(weight),
                        tiled_bias=_bf16(bias))
-        if cpu_has_bf16_kernels():
+        if cpu_has_bf16_kernels():  # the layout F.linear would reorder the weight into every call
             return cls(**shape, bias=bias,
                        packed=torch.ops.mkldnn._reorder_linear_weight(weight, 32))
+        # PyTorch emulates bf16 arithmetic here: float32 arithmetic on the same values (the models
+        # hold float32 activations then), through fbgemm's float16 form for decode-size batches
+        # (bf16 -> fp16 keeps these values up to a negligible error)
         widened = weight.float()
         wide_bias = (bias.float() if bias is not None
                      else torch.zeros(weight.shape[0], dtype=torch.float32))

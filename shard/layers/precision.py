@@ -13,7 +13,7 @@ from shard.kernels import bf16_matmul
 def cpu_has_bf16_kernels() -> bool:
     """True where oneDNN runs bf16 matmuls: it takes bf16 weights on AVX-512 (BW/VL/DQ) and
     AVX-NE-CONVERT CPUs, with native bf16 products on AVX-512 BF16 and AMX; AVX2-only CPUs emulate
-    bf16 matmuls 3-5x slower than float32. Tests force it by patching this name (linear.py holds
+    bf16 matmuls, several times slower than float32. Tests force it by patching this name (linear.py holds
     its own reference, as the oneDNN prepack cannot be forced)."""
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)

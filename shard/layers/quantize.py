@@ -1,12 +1,6 @@
-"""Weight-only int8 and int4 forms of a linear weight, multiplied by PyTorch's packed CPU kernels.
-
-A decode step reads every weight once per token; at small batch sizes that read, not the
-arithmetic, sets the step time, so fewer bytes per weight is a faster step. Activations stay in
-floating point: the kernels widen each weight block as they multiply.
-
-- int8: one scale per output row, symmetric (w = q * scale, q in [-127, 127]).
-- int4: one scale and one offset per group of INT4_GROUP input features of a row, asymmetric
-  (w = (q - 8) * scale + zero, q in [0, 15]): the layout of GGUF's Q4_1 blocks, 32 weights each.
+"""Weight-only int8 and int4 forms of a linear weight, multiplied by PyTorch's packed CPU kernels: a
+small batch's step is bound by reading the weights, so fewer bytes per weight is a faster step.
+Activations stay in floating point.
 """
 from __future__ import annotations
 
@@ -17,6 +11,9 @@ import torch
 from shard.config import QUANTIZE_KINDS
 from shard.kernels import int4_matmul
 
+# int8: one scale per output row, symmetric (w = q * scale, q in [-127, 127]). int4: one scale
+# and one offset per group of INT4_GROUP input features of a row, asymmetric (w = (q - 8) * scale
+# + zero, q in [0, 15]): the layout of GGUF's Q4_1 blocks
 INT4_GROUP = 32
 # the CPU kernel's packing of int4 weights takes output features in tiles of this many rows
 _INT4_ROW_TILE = 16

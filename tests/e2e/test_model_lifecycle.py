@@ -189,7 +189,7 @@ def _without_chat_template(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama, tmp_path):
+def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama, tmp_path, wait_until):
     url = server.url
     plain = _without_chat_template(tiny_llama, tmp_path / "plain")
     pulled = requests.post(f"{url}/v1/models/pull", timeout=10,
@@ -269,8 +269,7 @@ def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama, tmp_path):
 
     reader = threading.Thread(target=stream)
     reader.start()
-    while not events:
-        time.sleep(0.02)
+    wait_until(lambda: events, "the stream on the default model to begin", timeout=120)
     stopped = requests.put(f"{url}/v1/models/tests/tiny/stop", timeout=120)
     assert stopped.json()["state"] == "stopped"
     assert requests.post(f"{url}/v1/models/stop", json={"model": "tests/tiny"},

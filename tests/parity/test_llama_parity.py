@@ -4,8 +4,9 @@ import torch
 
 from shard.distributed import ParallelContext
 from shard.loader import load_model
-from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence
+from shard.model_runner import ModelRunner, PrefillSequence
 from tests.tiny_models import build_tiny_model
+from shard.kv_budget import KVCacheSpec
 
 BLOCK_SIZE = 4
 DECODE_STEPS = 16

@@ -13,8 +13,9 @@ from shard.kernels import int4_matmul
 from shard.layers import linear as linear_module
 from shard.layers.quantize import QUANTIZE_KINDS, dequantize, quantize, quantized_linear
 from shard.loader import load_model
-from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence
+from shard.model_runner import ModelRunner, PrefillSequence
 from tests.tiny_models import build_tiny_model
+from shard.kv_budget import KVCacheSpec
 
 
 def _dequantized_copy(model_dir, out_dir, kind):

@@ -23,7 +23,8 @@ def _free_port() -> int:
 def _run_rank(rank: int, world: int, port: int, model_dir: str, results):
     from shard.distributed import init_parallel
     from shard.loader import load_model
-    from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence
+    from shard.kv_budget import KVCacheSpec
+    from shard.model_runner import ModelRunner, PrefillSequence
 
     torch.set_num_threads(1)
     parallel = init_parallel(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,

@@ -11,9 +11,10 @@ from shard import model_runner as model_runner_module
 from shard.kernels.compiled_decode import CompiledDecode
 from shard.layers import precision, linear
 from shard.kernels import (layer_ops, int4_matmul, bf16_matmul, paged_attention)
-from shard.model_runner import KVCacheSpec, ModelRunner, PrefillSequence
+from shard.model_runner import ModelRunner, PrefillSequence
 from shard.kernels import llama_decode_step
 from tests.tiny_models import build_tiny_model
+from shard.kv_budget import KVCacheSpec, allocate_kv_cache
 
 
 def _runner(model_dir, dtype=torch.bfloat16, compile_decode=False, quantize=None,
@@ -214,7 +215,6 @@ def test_a_cpu_pool_takes_memory_as_its_blocks_are_written():
     nothing resident until blocks are written, and read as zeros until then."""
     from pathlib import Path
 
-    from shard.model_runner import KVCacheSpec, allocate_kv_cache
 
     def resident_mib():
         line = next(x for x in Path("/proc/self/status").read_text().splitlines()

@@ -213,15 +213,15 @@ def test_a_prompt_prefilled_in_chunks_answers_like_one_prefill(engine):
 def test_contexts_of_very_different_lengths_decode_in_groups_like_alone(engine, monkeypatch):
     """A long context no longer pads every short one: rows are attended in length groups, and the
     tokens are those each request gets alone."""
-    from shard import model_runner
+    from shard import attention_inputs
 
-    monkeypatch.setattr(model_runner, "GROUP_SLACK_TOKENS", 2)  # groups even at these lengths
+    monkeypatch.setattr(attention_inputs, "GROUP_SLACK_TOKENS", 2)  # groups even at these lengths
     monkeypatch.setattr(engine.runner, "paged_kernel", False)  # groups are the PyTorch path's
     pool = BlockPool(512)
     short, text = engine.tokenizer.encode("Berlin").ids, _prompts(engine)[5]
     medium, long = (text * 4)[:12], (text * 4)[:40]
     prompts, max_new = [short, long, medium, short + [5]], [6, 6, 6, 6]
-    assert len(model_runner.group_by_context([len(p) + 1 for p in prompts])) >= 3
+    assert len(attention_inputs.group_by_context([len(p) + 1 for p in prompts])) >= 3
     alone = [_run_alone(engine, pool, 200 + i, p, n) for i, (p, n) in enumerate(zip(prompts, max_new))]
     blocks = [pool.take(len(p) + n, 4) for p, n in zip(prompts, max_new)]
     out = engine.prefill(7, [request(i, p, b, max_new_tokens=n, ignore_eos=True)
@@ -235,7 +235,7 @@ def test_contexts_of_very_different_lengths_decode_in_groups_like_alone(engine, 
 
 
 def test_group_by_context_bounds_the_padding():
-    from shard.model_runner import GROUP_SLACK_TOKENS, group_by_context
+    from shard.attention_inputs import GROUP_SLACK_TOKENS, group_by_context
 
     assert group_by_context([100, 120, 90]) == [[2, 0, 1]]
     assert group_by_context([2048, 130, 140, 2050]) == [[1, 2], [0, 3]]

@@ -140,7 +140,7 @@ def test_prefill_rows_through_the_kernel_match_pytorchs_prefill(dtype, bf16_kern
     """A fresh prompt and one continuing 6 cached tokens, each new token a row of the kernel
     reading the cache up to itself, against PyTorch's attention sequence by sequence."""
     from shard.layers.attention import paged_attention, store_kv
-    from shard.model_runner import _metadata
+    from shard.attention_inputs import prefill_metadata as _metadata
 
     torch.manual_seed(1)
     heads, kv_heads, head_dim, block_size = 6, 2, 64, 4
@@ -173,7 +173,7 @@ def test_a_prefill_forward_gives_the_same_logits_whichever_path_each_sequence_ta
     """The runner's choice per sequence (the kernel for short contexts, PyTorch for longer ones),
     with a running batch riding in the forward, a fresh prompt scored at every position and a
     chunk continuing cached tokens: logits as when every sequence goes through PyTorch."""
-    from shard import model_runner
+    from shard import attention_inputs
     from shard.model_runner import DecodeRows, PrefillSequence
     from tests.engine_helpers import make_engine
 
@@ -188,7 +188,7 @@ def test_a_prefill_forward_gives_the_same_logits_whichever_path_each_sequence_ta
     monkeypatch.setattr(paged_attention, "paged_decode_attention", counting)
 
     def second_forward(limit):
-        monkeypatch.setattr(model_runner, "PREFILL_KERNEL_MAX_CONTEXT", limit)
+        monkeypatch.setattr(attention_inputs, "PREFILL_KERNEL_MAX_CONTEXT", limit)
         # the running sequence (10 tokens) and the first 6 of a chunked one, into the cache
         runner.prefill([PrefillSequence(list(range(20, 30)), 0, [1, 2, 3]),
                         PrefillSequence(list(range(40, 46)), 0, [10, 11, 12, 13])])

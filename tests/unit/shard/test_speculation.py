@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from shard import engine as engine_module
+from shard import speculative_step
 from shard.speculation import RECORD_DECAY, Drafter, NgramIndex, acceptance_threshold
 from tests.engine_helpers import BlockPool, make_engine, request, steps_to_completion
 
@@ -161,7 +161,7 @@ def test_speculative_steps_answer_token_for_token_as_plain_steps(engines, monkey
         return (truth[:right] + [(t + 1) % vocab for t in truth[right:right + 1]])[:count]
 
     monkeypatch.setattr(NgramIndex, "propose", oracle)
-    monkeypatch.setattr(engine_module, "acceptance_threshold", lambda rows: 0.0)  # all draft
+    monkeypatch.setattr(speculative_step, "acceptance_threshold", lambda rows: 0.0)  # all draft
     got, drafted, accepted = _run(speculative, requests)
     assert 0 < accepted < drafted
     for rid in range(len(requests)):
@@ -226,7 +226,7 @@ def test_a_drafting_batch_that_rides_a_prefill_of_refused_requests_answers_it(en
     from shard.convert import step_response
 
     _, speculative = engines
-    monkeypatch.setattr(engine_module, "acceptance_threshold", lambda rows: 0.0)
+    monkeypatch.setattr(speculative_step, "acceptance_threshold", lambda rows: 0.0)
     pool = BlockPool(512)
     prompt = speculative.tokenizer.encode("a b c a b c a b c a b").ids
     out = speculative.prefill(1, [request(0, prompt, pool.take(len(prompt) + 12, 4),
@@ -256,7 +256,7 @@ def test_a_draft_token_a_request_stops_on_counts_as_accepted(engines, monkeypatc
         return answer[len(ids):len(ids) + count]
 
     monkeypatch.setattr(NgramIndex, "propose", oracle)
-    monkeypatch.setattr(engine_module, "acceptance_threshold", lambda rows: 0.0)
+    monkeypatch.setattr(speculative_step, "acceptance_threshold", lambda rows: 0.0)
     stopping = dict(max_new_tokens=12, ignore_eos=True, stop_sequences=[stop])
     want, _, _ = _run(plain, [request(0, prompt, pool.take(len(prompt) + 11, 4), **stopping)])
     got, drafted, accepted = _run(speculative, [request(0, prompt, pool.take(len(prompt) + 11, 4),
@@ -271,7 +271,7 @@ def test_a_batch_holding_a_beam_search_takes_plain_steps_and_drafts_after_it(eng
     """Beams and drafts in one batch: no draft while the beam search runs (its rows are beams),
     drafting once it has finished, and every answer as a plain engine gives it."""
     plain, speculative = engines
-    monkeypatch.setattr(engine_module, "acceptance_threshold", lambda rows: 0.0)
+    monkeypatch.setattr(speculative_step, "acceptance_threshold", lambda rows: 0.0)
     prompt = plain.tokenizer.encode("one two three four one two three four one two").ids
 
     def batch(engine):

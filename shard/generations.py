@@ -1,0 +1,163 @@
+"""Token post-processing: each chosen token appended, detokenised and checked for a stop, and the
+Generation the router receives built from it (top tokens, asked ids' log-probabilities, hidden states,
+a finished beam search's answer); the prompt's own scores."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from tokenizers import Tokenizer
+
+from shard.batch_state import Batch, NewRequest, RequestState
+from shard.beams import advance as advance_beams
+from shard.detokenizer import decode_next, flush
+from shard.grammar_matcher import advance
+from shard.outputs import GeneratedText, Generation, PromptScores, TokenRun
+from shard.sampling import SampleOutput
+from shard.stopping import FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class Vocabulary:
+    """What turns token ids into the router's text."""
+
+    tokenizer: Tokenizer
+    special_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]
+
+    def runs(self, ids: list[int], logprobs: list[float]) -> TokenRun:
+        """Tokens decoded one by one (a top-n list, not a stream)."""
+        return TokenRun(ids, logprobs, [self.tokenizer.decode([t]) for t in ids],
+                        [t in self.special_token_ids for t in ids])
+
+
+def step_generations(batch: Batch, output: SampleOutput, hidden: list[torch.Tensor | None],
+                     logits: torch.Tensor, vocab: Vocabulary, first: list[int] | None = None
+                     ) -> list[Generation | None]:
+    """Appends each row's token, detokenises it, checks stopping (a Python loop by nature).
+    `hidden` holds, per row, the final hidden states this step computed for it; `logits` and
+    `first` are the step's rows (see Engine._decode_rows), which a beam-search request reads all
+    of (its generation is None until its search ends)."""
+    ids = output.next_ids.tolist()
+    if batch.sampling.flags["grammar"]:
+        advance(batch.sampling.grammars, ids)
+    logprobs = output.logprobs.tolist()
+    top_ids = output.top_ids.tolist() if output.top_ids is not None else None
+    top_lps = output.top_logprobs.tolist() if output.top_logprobs is not None else None
+    generations = []
+    for row, state in enumerate(batch.requests):
+        if state.beams is not None:
+            start = row if first is None else first[row]
+            best = advance_beams(state.beams, logits[start:start + state.beams.search.width],
+                                 state.id)
+            generations.append(None if best is None else _beam_answer(state, best, vocab))
+            continue
+        generation = _token_generation(batch, row, ids[row], logprobs[row], vocab)
+        n = batch.sampling.params[row].top_n_tokens
+        if n and top_ids is not None:
+            generation.top_tokens = [vocab.runs(top_ids[row][:n], top_lps[row][:n])]
+        if state.logprob_token_ids:
+            generation.token_ids_logprobs = _logprobs_of(output.log_distribution()[row],
+                                                         state.logprob_token_ids)
+        if state.return_hidden_states:
+            generation.hidden_states = hidden[row].float().cpu()
+        generations.append(generation)
+    return generations
+
+
+def _token_generation(batch: Batch, row: int, token: int, logprob: float,
+                      vocab: Vocabulary) -> Generation:
+    """The row's request takes `token`: its text, and its end when it stops here."""
+    state = batch.requests[row]
+    tokenizer = vocab.tokenizer
+    state.all_ids.append(token)
+    text = decode_next(tokenizer, state.all_ids, state.detok, state.skip_special_tokens)
+    reason = state.stop.check(token, text)
+    broken = grammar_error(batch.sampling.grammars[row])
+    if broken is not None and reason is None:
+        reason = FinishReason.EOS_TOKEN  # it ends here; the router hears `broken`
+    generated = None
+    if reason is FinishReason.STOP_SEQUENCE:
+        # TGI keeps the stop sequence in the output, and nothing after it
+        text = text[:len(text) - state.stop.excess_chars]
+    elif reason is not None:
+        text += flush(tokenizer, state.all_ids, state.detok, state.skip_special_tokens)
+    if reason is not None:
+        state.finish_reason = reason
+    state.text.append(text)
+    if reason is not None:
+        params = batch.sampling.params[row]
+        generated = GeneratedText("".join(state.text), state.stop.num_generated, reason,
+                                  params.seed if params.do_sample else None)
+    tokens = TokenRun([token], [logprob], [text], [token in vocab.special_token_ids])
+    return Generation(state.id, tokens, generated_text=generated, error=broken)
+
+
+def _beam_answer(state: RequestState, best: list[int], vocab: Vocabulary) -> Generation:
+    """A finished beam search's generation: the best hypothesis, its text decoded as a stream of
+    it would have been."""
+    tokenizer = vocab.tokenizer
+    text = []
+    for token in best:
+        state.all_ids.append(token)
+        text.append(decode_next(tokenizer, state.all_ids, state.detok, state.skip_special_tokens))
+    text.append(flush(tokenizer, state.all_ids, state.detok, state.skip_special_tokens))
+    text = "".join(text)
+    reason = FinishReason.EOS_TOKEN if best[-1] in vocab.eos_token_ids else FinishReason.LENGTH
+    state.finish_reason = reason
+    generator = state.beams.search.generator
+    generated = GeneratedText(text, len(best), reason,
+                              generator.initial_seed() if generator is not None else None,
+                              token_ids=best)
+    last = best[-1]
+    # one run for the whole answer: all of its text arrives with this step
+    return Generation(state.id, TokenRun([last], [math.nan], [text],
+                                         [last in vocab.special_token_ids]),
+                      generated_text=generated)
+
+
+def prompt_scores(request: NewRequest, logits: torch.Tensor, vocab: Vocabulary) -> PromptScores:
+    """Prompt tokens with log p(token | earlier tokens), and the top tokens and the asked ids'
+    log-probabilities at each position; the first position has none (NaN, empty)."""
+    ids = request.input_ids
+    computed = ids[request.cache_len:]
+    skipped = len(ids) - len(computed) + 1  # positions before the first scored one
+    logprobs = [math.nan] * skipped
+    scores = torch.log_softmax(logits[:-1].float(), dim=-1)  # row j scores computed[j + 1]
+    if len(computed) > 1:
+        target = torch.tensor(computed[1:], device=scores.device).unsqueeze(1)
+        logprobs += scores.gather(1, target).squeeze(1).tolist()
+    texts = [vocab.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    out = PromptScores(TokenRun(list(ids), logprobs[:len(ids)], texts,
+                                [t in vocab.special_token_ids for t in ids]))
+    n = request.prefill_top_n_tokens
+    if n:
+        out.top_tokens = [TokenRun() for _ in range(skipped)]
+        if len(computed) > 1:
+            top_lps, top_ids = scores.topk(n, dim=-1)
+            for alt, lps in zip(top_ids.tolist(), top_lps.tolist()):
+                out.top_tokens.append(vocab.runs(alt, lps))
+        out.top_tokens = out.top_tokens[:len(ids)]
+    asked = request.logprob_token_ids
+    if asked:
+        out.token_ids_logprobs = [math.nan] * (skipped * len(asked))
+        if len(computed) > 1:
+            index = torch.tensor(asked, device=scores.device)
+            out.token_ids_logprobs += scores.index_select(1, index).flatten().tolist()
+        out.token_ids_logprobs = out.token_ids_logprobs[:len(ids) * len(asked)]
+    return out
+
+
+def grammar_error(matcher) -> str | None:
+    """Why a request's grammar can go no further (llguidance gives up on a grammar its lexer
+    finds too complex only as it meets it), or None. Its mask then allows only the end, which
+    would have ended the request as if the answer were complete."""
+    if matcher is None or not matcher.is_error():
+        return None
+    reason = matcher.get_error().strip().splitlines() or ["unknown"]
+    return f"the grammar could not go on: {reason[0]}"
+
+
+def _logprobs_of(distribution: torch.Tensor, token_ids: list[int]) -> list[float]:
+    return distribution[torch.tensor(token_ids, device=distribution.device)].tolist()
