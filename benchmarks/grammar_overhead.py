@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shard.batch_state import NewRequest  # noqa: E402
 from shard.distributed import ParallelContext  # noqa: E402
 from shard.engine import Engine  # noqa: E402
+from shard.kv_budget import KVCacheSpec  # noqa: E402
 from shard.loader import load_model  # noqa: E402
 from shard.model_runner import ModelRunner  # noqa: E402
 from shard.sampling import SamplingParams  # noqa: E402
-from shard.kv_budget import KVCacheSpec  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 400},

@@ -58,8 +58,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.march:
         os.environ["TGI_PY_KERNEL_MARCH"] = args.march
-    from shard.layers import precision
     from shard.kernels import bf16_matmul
+    from shard.layers import precision
     if args.step:
         return step(args)
 
@@ -103,7 +103,7 @@ def main() -> None:
 
 
 def step(args) -> None:
-    from shard.kernels import int4_matmul, bf16_matmul
+    from shard.kernels import bf16_matmul, int4_matmul
 
     if bf16_matmul.load_library() is None:
         sys.exit("the C bf16 matmul does not build here")

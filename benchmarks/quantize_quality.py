@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shard.distributed import ParallelContext  # noqa: E402
+from shard.kv_budget import KVCacheSpec  # noqa: E402
 from shard.loader import load_model  # noqa: E402
 from shard.model_runner import ModelRunner, PrefillSequence  # noqa: E402
-from shard.kv_budget import KVCacheSpec  # noqa: E402
 
 BLOCK = 16
 # written for this benchmark: plain English prose, no code, nothing the model was tuned on verbatim

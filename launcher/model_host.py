@@ -20,7 +20,6 @@ from proto import model_host_pb2 as pb
 from proto import model_host_pb2_grpc as pb_grpc
 
 
-
 class GroupHost(Protocol):
     """What the service needs of the supervisor (launcher/supervisor.py), named here so that the
     two modules do not import each other."""

@@ -18,7 +18,6 @@ from launcher.logs import relay
 from proto.launcher_watch import LAUNCHER_PID_ENV
 from shard.config import DEFAULT_CUDA_GRAPHS, KV_LEDGER_ENV
 
-
 # How long (busy-wait iterations) a shard's idle OpenMP threads spin before they sleep, where the
 # environment says nothing of it (GOMP_SPINCOUNT, OMP_WAIT_POLICY). libgomp's default, 300,000,
 # keeps a thread spinning through the gap between two decode steps, on a core the router and the

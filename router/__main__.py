@@ -9,9 +9,9 @@ import sys
 
 from proto.launcher_watch import watch_launcher
 from proto.tracing import init_tracing, shutdown_tracing
-from router.http import connections
 from router.app import build_state, create_app
 from router.config import log_level, parse_args
+from router.http import connections
 
 log = logging.getLogger("tgi.router")
 

@@ -8,17 +8,18 @@ from pathlib import Path
 
 from aiohttp import web
 
-from router.api.openai import completions, chat as openai
+from router.api import invocations, openapi
 from router.api.generate_one import routes as generate_one
 from router.api.grpc import service as grpc_service
-from router.api import invocations, openapi
-from router.api.tgi import routes as tgi
 from router.api.models import routes as models
+from router.api.openai import chat as openai
+from router.api.openai import completions
 from router.api.sglang import routes as sglang
+from router.api.tgi import routes as tgi
 from router.config import RouterConfig
 from router.http.middleware import api_key_middleware, error_middleware, install_cors
-from router.lifecycle.model_host import ModelHostClient
 from router.lifecycle.manager import ModelManager
+from router.lifecycle.model_host import ModelHostClient
 from router.lifecycle.registry import ModelRegistry
 from router.lifecycle.served_model import ServedModel, build_served
 from router.state import STATE, RouterState

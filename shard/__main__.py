@@ -16,15 +16,15 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.launcher_watch import watch_launcher
 from proto.tracing import init_tracing, shutdown_tracing
-from shard.malloc_tuning import MMAP_THRESHOLD, keep_freed_memory, return_freed_memory
 from shard.config import (DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype, local_topology,
                           log_level, parse_args, parse_cuda_graphs)
 from shard.distributed import all_gather_strings, init_parallel
 from shard.engine import Engine
+from shard.kv_budget import KVCacheSpec, PoolLedger
 from shard.layers.precision import c_matmul_runs
 from shard.loader import load_model
+from shard.malloc_tuning import MMAP_THRESHOLD, keep_freed_memory, return_freed_memory
 from shard.model_runner import ModelRunner
-from shard.kv_budget import KVCacheSpec, PoolLedger
 from shard.server import ShardServicer, engine_thread
 
 log = logging.getLogger("tgi.shard")

@@ -10,7 +10,6 @@ from shard.outputs import CachedBatch, Generation, StepResult, TokenRun
 from shard.sampling import SamplingParams
 from shard.stopping import FinishReason
 
-
 _GRAMMAR_KINDS = {pb.GRAMMAR_TYPE_JSON: GRAMMAR_JSON, pb.GRAMMAR_TYPE_REGEX: GRAMMAR_REGEX,
                   pb.GRAMMAR_TYPE_EBNF: GRAMMAR_EBNF}
 # by name, not by number: the two enums agreeing on numbers would be a coincidence to keep

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from shard.layers.attention import LayerCache
 from shard.config import kv_ledger_dir
+from shard.layers.attention import LayerCache
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ import ctypes
 import ctypes.util
 import logging
 import platform
+
 from shard.config import MALLOC_ENV, malloc_set_by_hand
 
 log = logging.getLogger(__name__)

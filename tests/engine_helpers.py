@@ -10,11 +10,11 @@ import torch
 from shard.batch_state import NewRequest
 from shard.distributed import ParallelContext
 from shard.engine import Engine
+from shard.kv_budget import KVCacheSpec
 from shard.loader import load_model
 from shard.model_runner import ModelRunner
 from shard.outputs import StepResult
 from shard.sampling import SamplingParams
-from shard.kv_budget import KVCacheSpec
 
 
 def make_engine(model_dir: Path, *, block_size: int = 4, num_blocks: int = 512,

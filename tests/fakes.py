@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from router.shards.step_types import (CachedBatch, Generation, NewBatch, PreparedBatch, Rejection, ShardRequest,
-                          StepResult, StepTimings)
 from router.schemas import FinalInfo, FinishReason, Token, TokenEvent
 from router.shards.client import ShardError
+from router.shards.step_types import (CachedBatch, Generation, NewBatch, PreparedBatch, Rejection,
+                                      ShardRequest, StepResult, StepTimings)
 
 
 class FakeShardClient:

@@ -50,9 +50,9 @@ def test_http_benchmark(tiny_llama, tmp_path):
 
 def test_http_benchmark_cuts_a_model_to_its_first_layers(tiny_llama, tmp_path):
     sys.path.insert(0, str(ROOT))
-    from benchmarks.http_bench import cut_to_layers
     import torch
 
+    from benchmarks.http_bench import cut_to_layers
     from shard.distributed import ParallelContext
     from shard.loader import load_model
 

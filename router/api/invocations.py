@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from router.api.openai import completions, chat as openai
+from router.api.openai import chat as openai
+from router.api.openai import completions
 from router.api.tgi import routes as tgi
 from router.errors import ValidationError
 from router.http.json_body import read_object

@@ -16,14 +16,14 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+from router.errors import IncompleteGenerationError, OverloadedError, RouterError, ValidationError
+from router.inputs.seeds import copies
+from router.kv.sessions import Session
 from router.scheduler.active_request import ActiveRequest
 from router.scheduler.batcher import Batcher
-from router.errors import IncompleteGenerationError, OverloadedError, RouterError, ValidationError
+from router.schemas import FinalInfo, FinishReason, GenerateRequest, Timings, Token, TokenEvent
 from router.telemetry.metrics import Metrics
 from router.telemetry.tracing import current_span_context
-from router.schemas import FinalInfo, FinishReason, GenerateRequest, Timings, Token, TokenEvent
-from router.kv.sessions import Session
-from router.inputs.seeds import copies
 
 
 @dataclass(slots=True)

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from router.errors import ValidationError
 from router.inputs.field_ranges import INT32, UINT32, check_fields, check_float, check_int
-from router.schemas import SamplingParams
 from router.inputs.seeds import draw_seed
+from router.schemas import SamplingParams
 
 MAX_BEAMS = 16  # each beam may hold a whole sequence of KV blocks
 MAX_LENGTH_PENALTY = 10.0  # length^penalty stays a finite float for any context length

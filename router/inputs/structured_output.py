@@ -9,8 +9,8 @@ import json
 
 import llguidance
 
-from router.inputs import json_text
 from router.errors import ValidationError
+from router.inputs import json_text
 
 JSON = "json"
 REGEX = "regex"

@@ -9,11 +9,11 @@ import asyncio
 from dataclasses import dataclass
 
 from router.errors import ValidationError
-from router.inputs.structured_output import from_tgi
-from router.schemas import GenerateRequest, SamplingParams, StoppingParams
-from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.field_ranges import INT32, UINT32, UINT64, check_float, check_int
 from router.inputs.seeds import seed_or_draw
+from router.inputs.structured_output import from_tgi
+from router.inputs.tokenizer import RouterTokenizer
+from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 
 DEFAULT_MAX_NEW_TOKENS = 100
 

@@ -14,12 +14,16 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from router.errors import (ModelHostMissingError, ModelNotFoundError, ModelStartError, ModelStateError, OverloadedError, RouterError, ValidationError)
+from router.errors import (ModelHostMissingError, ModelNotFoundError, ModelStartError,
+                           ModelStateError, OverloadedError, RouterError, ValidationError)
 from router.lifecycle.model_host import ModelHostClient, ModelHostError
-from router.lifecycle.registry import (BUSY, DOWNLOADED, DOWNLOADING, NOT_DOWNLOADED, RUNNING, SERVABLE, STARTING, STOPPED, STOPPING, ModelRecord, ModelRegistry, check_model_id, directory_for, parameter_count)
-from router.lifecycle.settings import (ENGINE_PARAMETERS, PARAMETERS, SETTINGS, ChatPrompt, check_keys,
-                                   checked)
+from router.lifecycle.registry import (BUSY, DOWNLOADED, DOWNLOADING, NOT_DOWNLOADED, RUNNING,
+                                       SERVABLE, STARTING, STOPPED, STOPPING, ModelRecord,
+                                       ModelRegistry, check_model_id, directory_for,
+                                       parameter_count)
 from router.lifecycle.served_model import ServedModel, build_served, model_config
+from router.lifecycle.settings import (ENGINE_PARAMETERS, PARAMETERS, SETTINGS, ChatPrompt,
+                                       check_keys, checked)
 
 log = logging.getLogger("tgi.router")
 

@@ -12,28 +12,28 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.shards.step_types import NewBatch, ShardRequest
-from router.scheduler.batcher import Batcher
-from router.kv.block_allocator import BlockAllocator
-from router.inputs.chat_template import ChatTemplate
-from router.config import RouterConfig
-from router.errors import ModelStateError, SessionBusyError, UnhealthyError
-from router.inputs.generation_config import GenerationDefaults
-from router.core.generation import Infer
-from router.telemetry.metrics import Metrics
-from router.lifecycle.registry import STOPPED
-from router.lifecycle.settings import ChatPrompt
 from router import VERSION
+from router.config import RouterConfig
+from router.core.generation import Infer
+from router.errors import ModelStateError, SessionBusyError, UnhealthyError
+from router.inputs.chat_template import ChatTemplate
+from router.inputs.generation_config import GenerationDefaults
+from router.inputs.tokenizer import RouterTokenizer
+from router.inputs.validation import TokenLimits, ValidationLimits
+from router.kv.block_allocator import BlockAllocator
 from router.kv.prefix_cache import PrefixCache
 from router.kv.sessions import Session, SessionBusy
+from router.lifecycle.registry import STOPPED
+from router.lifecycle.settings import ChatPrompt
+from router.scheduler.batcher import Batcher
+from router.scheduler.policy import SchedulingLimits
 from router.scheduler.recovery import RecoveryPolicy
 from router.scheduler.request_queue import RequestQueue
-from router.scheduler.policy import SchedulingLimits
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 from router.shards.client import ShardedClient, ShardError
 from router.shards.convert import ShardInfo
-from router.inputs.tokenizer import RouterTokenizer
-from router.inputs.validation import TokenLimits, ValidationLimits
+from router.shards.step_types import NewBatch, ShardRequest
+from router.telemetry.metrics import Metrics
 
 log = logging.getLogger("tgi.router")
 

@@ -19,18 +19,18 @@ import logging
 import time
 from collections.abc import Callable
 
-from router.scheduler.active_request import ActiveRequest
-from router.shards.step_types import CachedBatch, NewBatch, ShardRequest
-from router.kv.block_allocator import BlockAllocator
 from router.errors import GenerationError, RouterError
+from router.kv.block_allocator import BlockAllocator
+from router.kv.sessions import SessionLimits, SessionStore
+from router.scheduler.active_request import ActiveRequest
 from router.scheduler.failures import FailureFanOut
-from router.telemetry.metrics import Metrics
+from router.scheduler.policy import ChunkedPrefill, SchedulingLimits
 from router.scheduler.recovery import RecoveryPolicy, ShardRecovery, shutting_down
 from router.scheduler.request_queue import BatchPlan, RequestQueue
 from router.scheduler.running_requests import RunningRequests
-from router.scheduler.policy import ChunkedPrefill, SchedulingLimits
-from router.kv.sessions import SessionLimits, SessionStore
 from router.scheduler.steps import NOTHING_SENT, ShardSteps
+from router.shards.step_types import CachedBatch, NewBatch, ShardRequest
+from router.telemetry.metrics import Metrics
 
 log = logging.getLogger("tgi.router.batcher")
 

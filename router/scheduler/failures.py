@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 
-from router.scheduler.active_request import ActiveRequest
-from router.shards.step_types import Rejection, RequestFailedInShard
 from router.errors import GenerationError, RouterError
-from router.telemetry.metrics import Metrics
+from router.scheduler.active_request import ActiveRequest
 from router.scheduler.request_queue import RequestQueue
 from router.scheduler.running_requests import RunningRequests
+from router.shards.step_types import Rejection, RequestFailedInShard
+from router.telemetry.metrics import Metrics
 
 log = logging.getLogger("tgi.router.failures")
 

@@ -13,8 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from router.scheduler.active_request import ActiveRequest
 from router.errors import RouterError, UnhealthyError
+from router.scheduler.active_request import ActiveRequest
 from router.scheduler.request_queue import RequestQueue
 from router.scheduler.running_requests import RunningRequests
 

@@ -6,11 +6,11 @@ import logging
 import time
 from collections.abc import Iterable
 
-from router.scheduler.active_request import ActiveRequest
 from router.kv.block_allocator import BlockAllocator
-from router.telemetry.metrics import Metrics
 from router.kv.prefix_cache import PrefixCache
 from router.kv.sessions import SessionStore
+from router.scheduler.active_request import ActiveRequest
+from router.telemetry.metrics import Metrics
 
 log = logging.getLogger("tgi.router.running")
 

@@ -11,14 +11,14 @@ from collections.abc import Awaitable, Callable
 from opentelemetry.trace import Link, SpanKind
 
 from proto.tracing import tracer, tracing_enabled
-from router.scheduler.active_request import ActiveRequest, deliver
-from router.shards.step_types import CachedBatch, Generation, NewBatch, StepResult
-from router.scheduler.chunk_sizing import DecodeCost
 from router.errors import GenerationError, RouterError
+from router.scheduler.active_request import ActiveRequest, deliver
+from router.scheduler.chunk_sizing import DecodeCost
 from router.scheduler.failures import FailureFanOut
-from router.telemetry.metrics import Metrics
 from router.scheduler.running_requests import RunningRequests
 from router.shards.client import ShardError
+from router.shards.step_types import CachedBatch, Generation, NewBatch, StepResult
+from router.telemetry.metrics import Metrics
 
 log = logging.getLogger("tgi.router.steps")
 _TRACER = tracer("tgi.router")

@@ -13,8 +13,8 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.tracing import inject_metadata, tracing_enabled
 from router.shards import convert
-from router.shards.step_types import CachedBatch, NewBatch, PreparedBatch, Rejection, StepResult
 from router.shards.convert import ShardInfo
+from router.shards.step_types import CachedBatch, NewBatch, PreparedBatch, Rejection, StepResult
 
 
 class ShardError(Exception):

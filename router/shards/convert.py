@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy
 
 from proto import generate_pb2 as pb
-from router.shards.step_types import (CachedBatch, Generation, NewBatch, Rejection, RequestFailedInShard,
-                          ShardRequest, StepResult, StepTimings)
 from router.schemas import FinalInfo, FinishReason, Token, TokenEvent
+from router.shards.step_types import (CachedBatch, Generation, NewBatch, Rejection,
+                                      RequestFailedInShard, ShardRequest, StepResult, StepTimings)
 
 log = logging.getLogger("tgi.router.shard_convert")
 

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from shard.kernels import (layer_ops, int4_matmul, bf16_matmul, native, paged_attention)
+from shard.kernels import bf16_matmul, int4_matmul, layer_ops, native, paged_attention
 from shard.layers.attention import LayerCache
 from shard.models.llama import LlamaForCausalLM
 

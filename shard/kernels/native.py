@@ -12,7 +12,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from shard.config import (KERNEL_MARCH_ENV, c_compiler, cache_root, cpu_flags, kernel_enabled, kernel_march)
+
+from shard.config import (KERNEL_MARCH_ENV, c_compiler, cache_root, cpu_flags, kernel_enabled,
+                          kernel_march)
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed import ParallelContext, all_reduce
-from shard.kernels import int4_matmul, bf16_matmul
+from shard.kernels import bf16_matmul, int4_matmul
 from shard.layers.precision import c_matmul_runs, cpu_has_bf16_kernels
-from shard.layers.quantize import (QuantizedWeight, c_int4, can_quantize, quantize,
-                                   quantized_linear)
+from shard.layers.quantize import QuantizedWeight, c_int4, can_quantize, quantize, quantized_linear
 from shard.weights import Weights
 
 # fbgemm's float16 GEMM is deprecated in favour of torch.ao's wrappers around the same kernel

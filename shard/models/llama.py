@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from shard.kernels import layer_ops
-from shard.layers.attention import (AttentionMetadata, LayerCache, paged_attention,
-                                    rotate_and_store)
+from shard.layers.attention import AttentionMetadata, LayerCache, paged_attention, rotate_and_store
 from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm

@@ -32,8 +32,8 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.generation.drivers import CoverageGenerator
 from schemathesis.generation.feedback import FeedbackSources
 from schemathesis.generation.overrides import Override
-from schemathesis.specs.openapi.checks import (
-    content_type_conformance, response_schema_conformance, status_code_conformance)
+from schemathesis.specs.openapi.checks import (content_type_conformance,
+                                               response_schema_conformance, status_code_conformance)
 
 from tests.e2e.server import launch
 
@@ -316,6 +316,8 @@ def _health(url: str) -> list[str]:
     return problems
 
 
+# its probes alone may take RUN_BUDGET_S (240 s) before it reports the ones left unanswered
+@pytest.mark.timeout(600)
 def test_fuzz_every_route(server):
     document_url = f"{server.url}/api-doc/openapi.json"
     schema = schemathesis.openapi.from_url(document_url, timeout=10)

@@ -46,8 +46,9 @@ def test_heads_that_do_not_divide_fail_before_any_process_starts(tiny_llama, tmp
 
 def _post_many(server, count, max_new_tokens, timeout=60):
     """Starts `count` requests in threads; returns futures of (status, body or exception)."""
-    import requests
     from concurrent.futures import ThreadPoolExecutor
+
+    import requests
 
     def one(i):
         body = {"inputs": f"Once upon a time {i}",

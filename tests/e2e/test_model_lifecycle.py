@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from benchmarks.shard_recovery import shard_pids
 from tests.e2e.server import launch
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -124,8 +125,8 @@ def test_the_default_model_is_listed_running(server):
 
 
 def test_pull_the_gguf_with_progress_start_it_beside_the_default_and_stop_it(server):
-    from launcher.prepare import fetch_default_gguf
     from launcher.model_cache import cache_root
+    from launcher.prepare import fetch_default_gguf
 
     gguf = fetch_default_gguf(cache_root())
     reply = requests.post(f"{server.url}/v1/models/pull", timeout=10,
@@ -189,7 +190,7 @@ def _without_chat_template(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama, tmp_path, wait_until):
+def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama, tmp_path):
     url = server.url
     plain = _without_chat_template(tiny_llama, tmp_path / "plain")
     pulled = requests.post(f"{url}/v1/models/pull", timeout=10,

@@ -118,8 +118,8 @@ async def test_errors_keep_their_codes_and_an_abandoned_stream_leaves_the_shard_
 
 
 async def test_the_routers_client_streams_a_call_from_a_real_shard(shard):
-    from router.shards.step_types import CachedBatch
     from router.shards.client import ShardClient, ShardedClient
+    from router.shards.step_types import CachedBatch
 
     client = ShardedClient([ShardClient(shard)])
     try:

@@ -11,6 +11,7 @@ import pytest
 import requests
 
 from tests.e2e.server import free_and_total_blocks, launch
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -65,9 +66,8 @@ def test_killed_rank_restarts_the_group_and_the_router_serves_again(tiny_llama, 
         url = server.url
         before = requests.post(f"{url}/generate", json=PROMPT, timeout=60).json()
         streams = [pool.submit(_stream, url, i) for i in range(4)]
-        deadline = time.monotonic() + 30
-        while _metric(url, "tgi_batch_current_size") == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: _metric(url, "tgi_batch_current_size") > 0,
+                   "the streams to be running", timeout=30)
         old_pids = server.shard_pids()
         os.kill(old_pids[1], signal.SIGKILL)
         killed_at = time.monotonic()
@@ -124,9 +124,8 @@ def test_a_stopped_rank_is_restarted_as_if_it_had_died(tiny_llama, tmp_path):
         url = server.url
         before = requests.post(f"{url}/generate", json=PROMPT, timeout=60).json()
         stream = pool.submit(_stream, url, 0)
-        deadline = time.monotonic() + 30
-        while _metric(url, "tgi_batch_current_size") == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: _metric(url, "tgi_batch_current_size") > 0,
+                   "the stream to be running", timeout=30)
         old_pids = server.shard_pids()
         stopped = old_pids[1]
         os.kill(stopped, signal.SIGSTOP)

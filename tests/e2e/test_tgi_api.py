@@ -170,8 +170,9 @@ def test_truncate_keeps_the_last_tokens(server):
 
 
 def test_watermark_is_detectable(server, tiny_llama):
-    from shard.watermark import z_score
     from tokenizers import Tokenizer
+
+    from shard.watermark import z_score
 
     tokenizer = Tokenizer.from_file(str(tiny_llama / "tokenizer.json"))
     prompt = "Once upon a time"

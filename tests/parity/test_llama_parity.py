@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from shard.distributed import ParallelContext
+from shard.kv_budget import KVCacheSpec
 from shard.loader import load_model
 from shard.model_runner import ModelRunner, PrefillSequence
 from tests.tiny_models import build_tiny_model
-from shard.kv_budget import KVCacheSpec
 
 BLOCK_SIZE = 4
 DECODE_STEPS = 16
@@ -89,7 +89,7 @@ def test_bf16_on_a_cpu_without_bf16_arithmetic_is_float32_math_on_the_bf16_value
     """The AVX2 path (forced here on any CPU): weights and KV cache stay bf16, activations and
     arithmetic are float32, so the result is transformers in float32 on the bf16-rounded weights,
     up to the bf16 rounding of the cached keys and values."""
-    from shard.layers import precision, linear
+    from shard.layers import linear, precision
 
     for module in (precision, linear):  # an AVX2 CPU where our C matmul does not build
         monkeypatch.setattr(module, "cpu_has_bf16_kernels", lambda: False)

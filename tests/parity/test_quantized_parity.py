@@ -10,12 +10,12 @@ from safetensors.torch import load_file, save_file
 
 from shard.distributed import ParallelContext
 from shard.kernels import int4_matmul
+from shard.kv_budget import KVCacheSpec
 from shard.layers import linear as linear_module
 from shard.layers.quantize import QUANTIZE_KINDS, dequantize, quantize, quantized_linear
 from shard.loader import load_model
 from shard.model_runner import ModelRunner, PrefillSequence
 from tests.tiny_models import build_tiny_model
-from shard.kv_budget import KVCacheSpec
 
 
 def _dequantized_copy(model_dir, out_dir, kind):

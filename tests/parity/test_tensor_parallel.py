@@ -22,8 +22,8 @@ def _free_port() -> int:
 
 def _run_rank(rank: int, world: int, port: int, model_dir: str, results):
     from shard.distributed import init_parallel
-    from shard.loader import load_model
     from shard.kv_budget import KVCacheSpec
+    from shard.loader import load_model
     from shard.model_runner import ModelRunner, PrefillSequence
 
     torch.set_num_threads(1)

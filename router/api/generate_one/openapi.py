@@ -1,8 +1,9 @@
 """generate-one's part of the OpenAPI document: /api/generate-one and /api/generate-batch."""
 from __future__ import annotations
 
+from router.http.openapi import (error_responses, float_schema, int_schema, json_content,
+                                 object_schema, ref)
 from router.inputs.field_ranges import INT32, UINT32
-from router.http.openapi import (error_responses, float_schema, int_schema, json_content, object_schema, ref)
 
 
 def _generate_one_schemas() -> dict:

@@ -15,15 +15,15 @@ from contextlib import aclosing
 
 from aiohttp import web
 
-from router.errors import RouterError, ValidationError
 from router.api.generate_one.request import GenerationConfig, Prompt, parse_batch, parse_one
+from router.errors import RouterError, ValidationError
 from router.http.json_body import read_object
-from router.telemetry.tracing import request_span
-from router.schemas import GenerateRequest, StoppingParams, TokenEvent
-from router.lifecycle.served_model import ServedModel
-from router.state import STATE, RouterState, served_model
 from router.http.sse import StreamFormat, serve_stream
 from router.inputs.validation import check_lengths
+from router.lifecycle.served_model import ServedModel
+from router.schemas import GenerateRequest, StoppingParams, TokenEvent
+from router.state import STATE, RouterState, served_model
+from router.telemetry.tracing import request_span
 
 
 class PlainTextStream(StreamFormat):

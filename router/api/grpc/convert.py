@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-
 from proto import api_pb2 as api
 from router.schemas import FinishReason, Token, TokenEvent
 

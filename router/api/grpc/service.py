@@ -13,19 +13,20 @@ from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto import api_pb2 as api
 from proto import api_pb2_grpc
 from router.api.grpc import convert
 from router.api.tgi import routes as tgi
-from router.errors import (IncompleteGenerationError, ModelNotFoundError, ModelStateError, RouterError, UnhealthyError, grpc_error_trailers, grpc_status_code)
-from router.telemetry.tracing import record_phases, request_span
+from router.errors import (IncompleteGenerationError, ModelNotFoundError, ModelStateError,
+                           RouterError, UnhealthyError, grpc_error_trailers, grpc_status_code)
+from router.inputs.validation import ValidatedGenerate
 from router.schemas import Timings
 from router.state import STATE, RouterState
-from router.inputs.validation import ValidatedGenerate
+from router.telemetry.tracing import record_phases, request_span
 
 log = logging.getLogger("tgi.router.grpc")
 

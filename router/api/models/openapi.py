@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from router.http.openapi import error_responses, json_content, object_schema, ref
 
-
 _MODEL_STATES = ["not_downloaded", "downloading", "downloaded", "starting", "running", "stopping",
                  "stopped"]
 

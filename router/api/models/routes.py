@@ -15,7 +15,8 @@ from aiohttp import web
 from router.errors import ERROR_BODY, ModelStateError, ValidationError, models_error_body
 from router.http.json_body import read_object
 from router.lifecycle.manager import ModelManager
-from router.lifecycle.registry import (BUSY, DOWNLOADING, RUNNING, ModelRecord, check_model_id, parameter_count)
+from router.lifecycle.registry import (BUSY, DOWNLOADING, RUNNING, ModelRecord, check_model_id,
+                                       parameter_count)
 from router.lifecycle.settings import SETTINGS, checked
 from router.state import STATE
 

@@ -8,22 +8,22 @@ import uuid
 
 from aiohttp import web
 
-from router.inputs import structured_output
-from router.api.tgi.routes import tokens_response
 from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
                                       openai_logprob, usage, without_stop)
-from router.errors import ValidationError
-from router.core.generation import GenerateResult
-from router.http.json_body import read_object
 from router.api.openai.request import (ChatOptions, build_request, choice_count, include_usage,
-                                   model_name, normalise_messages, render_chat,
-                                   sampling_and_stops, tool_plan, with_model_defaults)
-from router.schemas import FinishReason, GenerateRequest, Token, TokenEvent
-from router.lifecycle.served_model import ServedModel
-from router.state import served_model
+                                       model_name, normalise_messages, render_chat,
+                                       sampling_and_stops, tool_plan, with_model_defaults)
+from router.api.tgi.routes import tokens_response
+from router.core.generation import GenerateResult
+from router.errors import ValidationError
+from router.http.json_body import read_object
 from router.http.sse import openai_sse, serve_stream
+from router.inputs import structured_output
 from router.inputs.field_ranges import read_flag, read_number
 from router.inputs.seeds import copies
+from router.lifecycle.served_model import ServedModel
+from router.schemas import FinishReason, GenerateRequest, Token, TokenEvent
+from router.state import served_model
 
 
 def _token_logprob(token: Token) -> dict:

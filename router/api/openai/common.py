@@ -2,10 +2,10 @@
 rule, and the stream's error and end frames."""
 from __future__ import annotations
 
-from router.errors import RouterError, openai_stream_error_body
 from router import VERSION
-from router.schemas import FinishReason
+from router.errors import RouterError, openai_stream_error_body
 from router.http.sse import StreamFormat, openai_sse
+from router.schemas import FinishReason
 
 FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop",
           FinishReason.STOP_SEQUENCE: "stop"}

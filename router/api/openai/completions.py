@@ -10,17 +10,17 @@ from aiohttp import web
 
 from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
                                       openai_logprob, usage, without_stop)
-from router.inputs import structured_output
-from router.errors import ValidationError
-from router.core.generation import GenerateResult
-from router.http.json_body import read_object
 from router.api.openai.request import (build_request, choice_count, include_usage, model_name,
-                                   sampling_and_stops, with_model_defaults)
-from router.schemas import GenerateRequest, SamplingParams, TokenEvent
-from router.state import served_model
+                                       sampling_and_stops, with_model_defaults)
+from router.core.generation import GenerateResult
+from router.errors import ValidationError
+from router.http.json_body import read_object
 from router.http.sse import openai_sse, serve_stream
+from router.inputs import structured_output
 from router.inputs.field_ranges import read_flag, read_number
 from router.inputs.seeds import copies, seed_or_draw
+from router.schemas import GenerateRequest, SamplingParams, TokenEvent
+from router.state import served_model
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
 _FIM = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")

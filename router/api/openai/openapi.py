@@ -1,9 +1,9 @@
 """OpenAI's part of the OpenAPI document: chat and legacy completions, and /chat_tokenize."""
 from __future__ import annotations
 
-from router.inputs.field_ranges import INT32, UINT64
 from router.http.openapi import (LOGIT_BIAS, float_schema, int_schema, nullable, object_schema,
                                  post, ref)
+from router.inputs.field_ranges import INT32, UINT64
 
 
 def _openai_sampling() -> dict:

@@ -4,14 +4,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from router.errors import TemplateError, ValidationError
 from router.inputs import structured_output
 from router.inputs.chat_template import ChatTemplate
-from router.errors import TemplateError, ValidationError
-from router.lifecycle.settings import ChatPrompt
-from router.schemas import GenerateRequest, SamplingParams, StoppingParams
-from router.inputs.validation import ValidationLimits, check_lengths
 from router.inputs.field_ranges import FLOAT32_MAX, check_logit_bias, read_flag, read_number
 from router.inputs.seeds import seed_or_draw
+from router.inputs.validation import ValidationLimits, check_lengths
+from router.lifecycle.settings import ChatPrompt
+from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 

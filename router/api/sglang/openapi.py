@@ -1,8 +1,9 @@
 """SGLang's part of the OpenAPI document: its /generate body and its companion routes."""
 from __future__ import annotations
 
+from router.http.openapi import (LOGIT_BIAS, error_responses, float_schema, int_schema,
+                                 json_content, object_schema, ref)
 from router.inputs.field_ranges import INT32, UINT32, UINT64
-from router.http.openapi import (LOGIT_BIAS, error_responses, float_schema, int_schema, json_content, object_schema, ref)
 
 
 def _sglang_schemas() -> dict:

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy
 
-from router.inputs import structured_output
 from router.errors import ValidationError
-from router.schemas import GenerateRequest, SamplingParams, StoppingParams
-from router.inputs.tokenizer import RouterTokenizer
-from router.inputs.validation import ValidationLimits, check_lengths
+from router.inputs import structured_output
 from router.inputs.field_ranges import (F32, INT32, UINT32, UINT64, check_int, check_logit_bias,
                                         read_flag, read_number)
 from router.inputs.seeds import copies, draw_seed, seed_or_draw
+from router.inputs.tokenizer import RouterTokenizer
+from router.inputs.validation import ValidationLimits, check_lengths
+from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 
 INPUT_FIELDS = ("text", "input_ids", "input_embeds")
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default

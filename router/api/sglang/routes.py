@@ -21,18 +21,18 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from router import VERSION
+from router.api.sglang.request import SglangItem, is_sglang_body, parse_generate
 from router.api.tgi import routes as tgi
+from router.core.generation import FanOutStream
 from router.errors import (ERROR_BODY, OverloadedError, RouterError, UnhealthyError,
                            ValidationError, sglang_error_body)
 from router.http.json_body import read_object
-from router import VERSION
-from router.telemetry.tracing import request_span
+from router.http.sse import StreamFormat, openai_sse, serve_stream
 from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,
                             StoppingParams, Timings, Token, TokenEvent)
-from router.api.sglang.request import SglangItem, is_sglang_body, parse_generate
 from router.state import served_model
-from router.core.generation import FanOutStream
-from router.http.sse import StreamFormat, openai_sse, serve_stream
+from router.telemetry.tracing import request_span
 
 # rid -> the runs that carry it (n copies of one prompt share their rid)
 RUNNING = web.AppKey("sglang_running", dict)

@@ -1,10 +1,9 @@
 """TGI's part of the OpenAPI document: its generate parameters, responses and routes."""
 from __future__ import annotations
 
-from router.inputs.validation import INTEGER_WIRE_TYPES, PARAMETER_TYPES
 from router.http.openapi import (FINISH, error_responses, error_schema, float_schema, int_schema,
                                  json_content, nullable, post, ref)
-
+from router.inputs.validation import INTEGER_WIRE_TYPES, PARAMETER_TYPES
 
 # documented bounds (TGI's rules, checked in router.inputs.validation); the integers' ranges and formats
 # come from the wire types they travel in

@@ -7,16 +7,16 @@ import time
 
 from aiohttp import web
 
-from router.errors import BadRequestError, RouterError, ValidationError, tgi_error_body
 from router.core.generation import GenerateResult
+from router.errors import BadRequestError, RouterError, ValidationError, tgi_error_body
 from router.http.json_body import read_object
-from router.telemetry.metrics import render_models
-from router.telemetry.tracing import phase_span, record_phases, request_span
-from router.schemas import Timings, Token, TokenEvent
-from router.lifecycle.served_model import ServedModel
-from router.state import MODEL_HEADER, STATE, served_model
 from router.http.sse import StreamFormat, serve_stream, sse_data
 from router.inputs.validation import ValidatedGenerate, check_types, validate_generate
+from router.lifecycle.served_model import ServedModel
+from router.schemas import Timings, Token, TokenEvent
+from router.state import MODEL_HEADER, STATE, served_model
+from router.telemetry.metrics import render_models
+from router.telemetry.tracing import phase_span, record_phases, request_span
 
 
 def token_json(token: Token) -> dict:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from proto import launcher_watch
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -49,9 +50,8 @@ def test_a_child_stops_in_order_once_its_launcher_is_killed(tmp_path):
                                 stdout=subprocess.PIPE, text=True)
     try:
         child = int(launcher.stdout.readline())
-        deadline = time.monotonic() + 30
-        while "watching" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: "watching" in log.read_text(), "the child to watch its launcher",
+                   timeout=30)
         assert not _ended(child)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()

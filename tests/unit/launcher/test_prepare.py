@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from launcher import prepare
-from launcher.prepare import GGUF_NAME, MODEL_DIR_NAME, prepare_default_model
 from launcher.model_cache import ModelResolutionError, cache_root
+from launcher.prepare import GGUF_NAME, MODEL_DIR_NAME, prepare_default_model
 from tests.unit.launcher.tiny_gguf import write_tiny_gguf
 
 

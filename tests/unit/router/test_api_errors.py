@@ -6,20 +6,20 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from router.app import create_app, router_state
-from router.scheduler.batcher import Batcher
-from router.kv.block_allocator import BlockAllocator
-from router.inputs.chat_template import ChatTemplate
 from router.config import RouterConfig
-from router.inputs.validation import TokenLimits
 from router.core.generation import Infer
-from router.telemetry.metrics import Metrics
-from router.scheduler.request_queue import RequestQueue
-from router.scheduler.policy import SchedulingLimits
-from router.shards.convert import ShardInfo
-from router.lifecycle.served_model import ServedModel
+from router.inputs.chat_template import ChatTemplate
 from router.inputs.tokenizer import RouterTokenizer
-from router.inputs.validation import ValidationLimits
+from router.inputs.validation import TokenLimits, ValidationLimits
+from router.kv.block_allocator import BlockAllocator
+from router.lifecycle.served_model import ServedModel
+from router.scheduler.batcher import Batcher
+from router.scheduler.policy import SchedulingLimits
+from router.scheduler.request_queue import RequestQueue
+from router.shards.convert import ShardInfo
+from router.telemetry.metrics import Metrics
 from tests.fakes import FakeShardClient
+from tests.waiting import wait_until_async
 
 
 class HealthyFake(FakeShardClient):
@@ -97,7 +97,7 @@ async def test_overload_is_429_and_validation_is_answered_before_the_stream(tiny
     client = await _client(tiny_llama, fake, max_concurrent=1)
     try:
         slow = asyncio.ensure_future(client.post("/generate", json=_body(max_new_tokens=20)))
-        await asyncio.sleep(0.1)
+        await wait_until_async(lambda: fake.generated, "the slow request to be running")
         reply = await client.post("/generate_stream", json=_body())
         assert reply.status == 429
         assert await reply.json() == {"error": "Model is overloaded", "error_type": "overloaded"}

@@ -3,16 +3,17 @@ import asyncio
 
 import pytest
 
-from router.scheduler.batcher import Batcher
-from router.kv.block_allocator import BlockAllocator
-from router.scheduler.chunk_sizing import MIN_CHUNK_TOKENS
-from router.errors import GenerationError
 from router.core.generation import Infer
-from router.telemetry.metrics import Metrics
-from router.scheduler.request_queue import RequestQueue
+from router.errors import GenerationError
+from router.kv.block_allocator import BlockAllocator
+from router.scheduler.batcher import Batcher
+from router.scheduler.chunk_sizing import MIN_CHUNK_TOKENS
 from router.scheduler.policy import SchedulingLimits
+from router.scheduler.request_queue import RequestQueue
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
+from router.telemetry.metrics import Metrics
 from tests.fakes import FakeShardClient
+from tests.waiting import wait_until_async
 
 
 def _setup(client, *, num_blocks=200, max_batch_size=None, ratio=0.0, max_waiting_tokens=20,
@@ -388,7 +389,8 @@ async def test_one_decode_step_a_call_while_a_request_waits():
 
     async def scenario():
         first = asyncio.create_task(infer.generate(_request(max_new_tokens=40)))  # 12 blocks
-        await asyncio.sleep(0.02)
+        await wait_until_async(lambda: max(client.decode_steps_asked, default=0) > 1,
+                               "the first request's decode calls to take several steps")
         second = asyncio.create_task(infer.generate(_request(max_new_tokens=3)))  # 3 more
         while not len(batcher.queue):
             await asyncio.sleep(0)
@@ -425,7 +427,9 @@ async def test_a_batch_that_grew_is_timed_before_it_takes_several_steps_a_call()
 
     async def scenario():
         first = asyncio.create_task(infer.generate(_request(max_new_tokens=60)))
-        await asyncio.sleep(0.08)  # the lone stream's steps are timed: 3 ms
+        # the lone stream's steps are timed (3 ms): its calls take several
+        await wait_until_async(lambda: any(rows == 1 and steps > 1 for rows, steps in client.sized),
+                               "the lone stream's decode calls to take several steps")
         rest = [asyncio.create_task(infer.generate(_request(max_new_tokens=30)))
                 for _ in range(15)]
         await asyncio.gather(first, *rest)

@@ -1,5 +1,5 @@
 """A default model's shards that die while the router warms them up are waited for and warmed up
-again (router/served_model.build_served), where the router used to exit and end the launch."""
+again (router.lifecycle.served_model.build_served), where the router used to exit and end the launch."""
 from types import SimpleNamespace
 
 import pytest

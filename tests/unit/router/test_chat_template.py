@@ -1,9 +1,9 @@
 """Chat templates render in a sandbox; their errors are 422 template errors."""
 import pytest
 
-from router.inputs.chat_template import ChatTemplate
-from router.errors import TemplateError
 from router.api.openai.request import normalise_messages, render_chat
+from router.errors import TemplateError
+from router.inputs.chat_template import ChatTemplate
 
 
 def test_renders_with_tokens_tools_and_generation_prompt():

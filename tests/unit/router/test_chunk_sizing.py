@@ -1,5 +1,6 @@
 """Chunks of a long prompt are sized so each stalls the running streams by about one decode step."""
-from router.scheduler.chunk_sizing import FIRST_CHUNK_TOKENS, MIN_CHUNK_TOKENS, DecodeCost, chunk_tokens
+from router.scheduler.chunk_sizing import (FIRST_CHUNK_TOKENS, MIN_CHUNK_TOKENS, DecodeCost,
+                                           chunk_tokens)
 
 
 def test_nothing_decoding_takes_the_whole_budget():

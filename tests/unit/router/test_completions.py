@@ -96,8 +96,8 @@ async def test_streamed_chat_usage_counts_the_prompt_once_whatever_n(tiny_llama)
 def test_openai_routes_write_a_token_without_probability_as_minus_9999():
     """-inf (a grammar's masked alternative, or one past a vanishing temperature) reaches the
     router as None, which JSON writes null where OpenAI's schema wants a number."""
-    from router.api.openai.completions import _logprobs
     from router.api.openai.chat import _token_logprob
+    from router.api.openai.completions import _logprobs
 
     result = GenerateResult(tokens=[Token(5, "b", None), Token(6, "c", -0.25)],
                             top_tokens=[[Token(5, "b", None)], [Token(6, "c", -0.25)]],

@@ -12,6 +12,7 @@ from router.http import connections, json_body
 from router.http.json_body import read_object
 from router.http.middleware import error_middleware
 from tests.unit.router.test_api_errors import HealthyFake, _client
+from tests.waiting import wait_until_async
 
 
 async def _echo(request: web.Request) -> web.Response:
@@ -46,7 +47,8 @@ async def test_connections_past_the_ceiling_get_a_503_and_the_rest_are_served():
     runner, listener, port = await _serve(ceiling=3)
     try:
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
-        await asyncio.sleep(0.05)
+        await wait_until_async(lambda: len(runner.server.connections) == 3,
+                               "the listener to hold the 3 connections")
         for _ in range(3):  # with a request sent, the answer still arrives before the close
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -56,7 +58,8 @@ async def test_connections_past_the_ceiling_get_a_503_and_the_rest_are_served():
             writer.close()
         # one of the held connections leaves: a new one is served
         held[0][1].close()
-        await asyncio.sleep(0.1)
+        await wait_until_async(lambda: len(runner.server.connections) == 2,
+                               "the listener to let the closed connection go")
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b'POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 8\r\nConnection: close'
                      b'\r\n\r\n{"a": 1}')

@@ -5,20 +5,20 @@ import asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from router.scheduler.active_request import ActiveRequest, deliver
-from router.shards.step_types import Rejection
-from router.kv.block_allocator import BlockAllocator
 from router.errors import GenerationError, IncompleteGenerationError, RouterError
-from router.scheduler.failures import FailureFanOut
-from router.telemetry.metrics import Metrics
 from router.http.middleware import error_middleware
+from router.http.sse import StreamFormat, serve_stream
+from router.kv.block_allocator import BlockAllocator
 from router.kv.prefix_cache import PrefixCache
+from router.scheduler.active_request import ActiveRequest, deliver
+from router.scheduler.failures import FailureFanOut
+from router.scheduler.policy import ChunkedPrefill, SchedulingLimits
 from router.scheduler.request_queue import RequestQueue
 from router.scheduler.running_requests import RunningRequests
-from router.scheduler.policy import ChunkedPrefill, SchedulingLimits
 from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,
                             StoppingParams, Token, TokenEvent)
-from router.http.sse import StreamFormat, serve_stream
+from router.shards.step_types import Rejection
+from router.telemetry.metrics import Metrics
 
 
 def _setup(prefix=False):

@@ -10,18 +10,19 @@ import asyncio
 
 import pytest
 
-from router.scheduler import batcher as batcher_module
-from router.shards.step_types import RequestFailedInShard
-from router.scheduler.batcher import Batcher
-from router.kv.block_allocator import BlockAllocator
-from router.errors import GenerationError, UnhealthyError
 from router.core.generation import Infer
-from router.telemetry.metrics import Metrics
+from router.errors import GenerationError, UnhealthyError
+from router.kv.block_allocator import BlockAllocator
+from router.scheduler import batcher as batcher_module
+from router.scheduler.batcher import Batcher
+from router.scheduler.policy import SchedulingLimits
 from router.scheduler.recovery import RecoveryPolicy
 from router.scheduler.request_queue import RequestQueue
-from router.scheduler.policy import SchedulingLimits
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
+from router.shards.step_types import RequestFailedInShard
+from router.telemetry.metrics import Metrics
 from tests.fakes import FakeShardClient
+from tests.waiting import wait_until_async
 
 POISON = 99  # the first prompt token of the request a test makes fail
 
@@ -259,7 +260,7 @@ async def test_requests_waiting_for_shards_that_do_not_come_back_get_503():
 
     async def scenario():
         first = asyncio.create_task(infer.generate(_request(3)))
-        await asyncio.sleep(0.1)
+        await wait_until_async(lambda: not batcher.healthy, "the loss of the shards to be found")
         assert not batcher.healthy
         later = asyncio.create_task(infer.generate(_request(3)))
         return await asyncio.gather(first, later, return_exceptions=True)
@@ -291,7 +292,7 @@ async def test_a_router_stopping_while_the_shards_are_away_answers_the_waiting_w
 
     async def scenario():
         waiting = asyncio.create_task(infer.generate(_request(3)))
-        await asyncio.sleep(0.1)
+        await wait_until_async(lambda: not batcher.healthy, "the loss of the shards to be found")
         assert not batcher.healthy
         batcher.stop_waiting()
         return await asyncio.gather(waiting, return_exceptions=True)
@@ -344,7 +345,7 @@ async def test_a_long_prompt_refused_by_the_shard_mid_chunks_stops_chunking_and_
 
     async def scenario():
         short = asyncio.create_task(infer.generate(_request(20)))
-        await asyncio.sleep(0.005)
+        await wait_until_async(lambda: client.generated, "the short request to be running")
         long = asyncio.gather(infer.generate(_request(4, first_token=POISON, length=150)),
                               return_exceptions=True)
         results = [await short, (await long)[0]]

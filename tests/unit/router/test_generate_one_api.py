@@ -3,6 +3,7 @@ defaults, and request_id sessions that continue from the blocks they kept."""
 import asyncio
 
 from tests.unit.router.test_api_errors import HealthyFake, _client
+from tests.waiting import wait_until_async
 
 
 def _one(request_id="s1", prompt="hello", **fields):
@@ -88,12 +89,14 @@ async def test_missing_fields_come_from_the_server_defaults(tiny_llama):
         await client.close()
 
 
-async def test_a_second_call_on_a_running_id_is_a_409_and_bad_bodies_are_4xx(tiny_llama):
-    client = await _client(tiny_llama, HealthyFake(step_delay=0.02))
+async def test_a_second_call_on_a_running_id_is_a_409_and_bad_bodies_are_4xx(
+        tiny_llama):
+    fake = HealthyFake(step_delay=0.02)
+    client = await _client(tiny_llama, fake)
     try:
         running = asyncio.ensure_future(client.post("/api/generate-one", json=_one(
             stream_response=False, generation_config={"max_new_tokens": 20})))
-        await asyncio.sleep(0.1)
+        await wait_until_async(lambda: fake.generated, "the first call to be running")
         busy = await client.post("/api/generate-one", json=_one(stream_response=False))
         assert busy.status == 409 and "still running" in (await busy.json())["error"]
         assert (await running).status == 200

@@ -15,13 +15,12 @@ from proto import api_pb2_grpc
 from router import errors
 from router.api.grpc import convert
 from router.api.grpc import service as grpc_service
-from router.inputs.validation import TokenLimits
 from router.errors import ValidationError
+from router.inputs.tokenizer import RouterTokenizer
+from router.inputs.validation import (INTEGER_WIRE_TYPES, PARAMETER_TYPES, TokenLimits,
+                                      ValidatedGenerate, ValidationLimits, validate_generate)
 from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,
                             StoppingParams, Token, TokenEvent)
-from router.inputs.tokenizer import RouterTokenizer
-from router.inputs.validation import (INTEGER_WIRE_TYPES, PARAMETER_TYPES, ValidatedGenerate,
-                               ValidationLimits, validate_generate)
 from tests.tiny_models import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from router.api.openapi import openapi_document
 from router.inputs.json_text import MAX_DEPTH
-from router.http.openapi import openapi_document
 from tests.loop_gaps import LoopGaps
 from tests.unit.router.test_api_errors import HealthyFake, _body, _client
 

@@ -4,8 +4,10 @@ import json
 import pytest
 
 from router.errors import InvalidModelIdError, ModelNotFoundError, ModelStateError, ValidationError
-from router.lifecycle.registry import (DOWNLOADING, RUNNING, STARTING, STOPPED, ModelRecord, ModelRegistry, check_model_id, directory_for, parameter_count)
-from router.lifecycle.settings import (PARAMETERS, SETTINGS, ChatPrompt, checked)
+from router.lifecycle.registry import (DOWNLOADING, RUNNING, STARTING, STOPPED, ModelRecord,
+                                       ModelRegistry, check_model_id, directory_for,
+                                       parameter_count)
+from router.lifecycle.settings import PARAMETERS, SETTINGS, ChatPrompt, checked
 
 
 @pytest.mark.parametrize("model_id", ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", "a.b_c-d",

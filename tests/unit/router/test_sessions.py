@@ -3,8 +3,8 @@ by count, share of the pool and TTL, and a session without blocks keeps its toke
 import pytest
 
 from router.kv.block_allocator import BlockAllocator
-from router.scheduler.request_queue import QueueEntry, RequestQueue
 from router.kv.sessions import SessionBusy, SessionLimits, SessionStore
+from router.scheduler.request_queue import QueueEntry, RequestQueue
 
 
 class Clock:

@@ -9,15 +9,15 @@ import json
 import numpy
 import pytest
 
+from router.api.openapi import openapi_document
+from router.api.sglang.request import LogprobOptions, SglangItem, is_sglang_body, parse_generate
 from router.api.sglang.routes import Run
-from router.http.openapi import openapi_document
-from router.schemas import FinalInfo, FinishReason, Timings, Token, TokenEvent
-from router.api.sglang.request import LogprobOptions, SglangItem, claims, parse_generate
-from router.inputs.tokenizer import RouterTokenizer
-from router.inputs.validation import ValidationLimits
-from router.inputs.validation import TokenLimits
 from router.errors import ValidationError
+from router.inputs.tokenizer import RouterTokenizer
+from router.inputs.validation import TokenLimits, ValidationLimits
+from router.schemas import FinalInfo, FinishReason, Timings, Token, TokenEvent
 from tests.unit.router.test_api_errors import HealthyFake, _client
+from tests.waiting import wait_until_async
 
 
 def _sglang(max_new_tokens=3, **fields):
@@ -173,8 +173,8 @@ async def test_conversion_uses_sglangs_defaults(tiny_llama):
     first, second = batch.items
     assert first.logprobs.enabled and first.request.prefill_logprobs
     assert not second.logprobs.enabled and not second.request.prefill_logprobs
-    assert claims({"text": "a"}) and claims({"input_ids": [1]}) and claims({"input_embeds": []})
-    assert not claims({"inputs": "a", "text": "b"}) and not claims({})
+    assert is_sglang_body({"text": "a"}) and is_sglang_body({"input_ids": [1]}) and is_sglang_body({"input_embeds": []})
+    assert not is_sglang_body({"inputs": "a", "text": "b"}) and not is_sglang_body({})
     with pytest.raises(ValidationError, match="exceeds the maximum"):
         await parse_generate({"text": ["a"] * 5}, tokenizer, _limits(), 4, 8)
 
@@ -375,10 +375,11 @@ async def test_abort_request_ends_it_with_abort_and_frees_its_blocks(tiny_llama,
 
 
 async def test_a_running_rid_cannot_be_reused(tiny_llama):
-    client = await _client(tiny_llama, HealthyFake(step_delay=0.02))
+    fake = HealthyFake(step_delay=0.02)
+    client = await _client(tiny_llama, fake)
     try:
         first = asyncio.ensure_future(client.post("/generate", json=_sglang(20, rid="same")))
-        await asyncio.sleep(0.1)
+        await wait_until_async(lambda: fake.generated, "the first request to be running")
         second = await client.post("/generate", json=_sglang(rid="same"))
         assert second.status == 422 and "already running" in (await second.json())["error"][
             "message"]
@@ -397,8 +398,9 @@ async def test_companion_routes(tiny_llama):
         server = await (await client.get("/get_server_info")).json()
         assert server["max_total_num_tokens"] > 0 and server["version"]
         assert (await client.post("/flush_cache")).status == 200
+        seen = len(fake.generated)  # /health_generate's request
         busy = asyncio.ensure_future(client.post("/generate", json=_sglang(20)))
-        await asyncio.sleep(0.1)
+        await wait_until_async(lambda: len(fake.generated) > seen, "the request to be running")
         reply = await client.post("/flush_cache")
         assert reply.status == 400 and "not be performed" in await reply.text()
         assert (await busy).status == 200

@@ -6,10 +6,10 @@ import asyncio
 import pytest
 
 from proto import generate_pb2 as pb
-from router.shards import convert
-from router.shards.step_types import CachedBatch, NewBatch, ShardRequest
 from router.schemas import FinishReason, GenerateRequest, SamplingParams, StoppingParams
+from router.shards import convert
 from router.shards.client import ShardedClient, ShardError
+from router.shards.step_types import CachedBatch, NewBatch, ShardRequest
 
 
 def _shard_request(rid, *, seed=0, chunk_len=None):

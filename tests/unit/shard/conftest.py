@@ -3,8 +3,8 @@ import platform
 
 import pytest
 
-from shard.layers import precision
 from shard.kernels import native
+from shard.layers import precision
 
 
 @pytest.fixture(params=[True, False], ids=["native-bf16", "widened-bf16"])

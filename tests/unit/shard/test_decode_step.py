@@ -5,16 +5,15 @@ import weakref
 import pytest
 import torch
 
-from shard.distributed import ParallelContext
-from shard.loader import load_model
 from shard import model_runner as model_runner_module
+from shard.distributed import ParallelContext
+from shard.kernels import bf16_matmul, int4_matmul, layer_ops, llama_decode_step, paged_attention
 from shard.kernels.compiled_decode import CompiledDecode
-from shard.layers import precision, linear
-from shard.kernels import (layer_ops, int4_matmul, bf16_matmul, paged_attention)
-from shard.model_runner import ModelRunner, PrefillSequence
-from shard.kernels import llama_decode_step
-from tests.tiny_models import build_tiny_model
 from shard.kv_budget import KVCacheSpec, allocate_kv_cache
+from shard.layers import linear, precision
+from shard.loader import load_model
+from shard.model_runner import ModelRunner, PrefillSequence
+from tests.tiny_models import build_tiny_model
 
 
 def _runner(model_dir, dtype=torch.bfloat16, compile_decode=False, quantize=None,

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from shard.kernels import int4_matmul, bf16_matmul
+from shard.kernels import bf16_matmul, int4_matmul
 from shard.layers.linear import LinearWeight, c_int4_runs, linear
 
 

@@ -3,12 +3,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shard.kernels import bf16_matmul
 from shard.layers import linear as linear_module
 from shard.layers import precision
-from shard.kernels import bf16_matmul
-from shard.layers.precision import (activation_dtype, c_matmul_runs, compute_dtype,
-                                     cpu_has_bf16_kernels)
 from shard.layers.linear import LinearWeight, linear
+from shard.layers.precision import (activation_dtype, c_matmul_runs, compute_dtype,
+                                    cpu_has_bf16_kernels)
 
 
 def _weights():

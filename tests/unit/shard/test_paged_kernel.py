@@ -139,8 +139,8 @@ def test_without_a_c_compiler_the_pytorch_path_stays(tmp_path, monkeypatch, capl
 def test_prefill_rows_through_the_kernel_match_pytorchs_prefill(dtype, bf16_kernels):
     """A fresh prompt and one continuing 6 cached tokens, each new token a row of the kernel
     reading the cache up to itself, against PyTorch's attention sequence by sequence."""
-    from shard.layers.attention import paged_attention, store_kv
     from shard.attention_inputs import prefill_metadata as _metadata
+    from shard.layers.attention import paged_attention, store_kv
 
     torch.manual_seed(1)
     heads, kv_heads, head_dim, block_size = 6, 2, 64, 4

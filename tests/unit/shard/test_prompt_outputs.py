@@ -8,7 +8,6 @@ import torch
 from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion
 
 
-
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     return make_engine(tiny_llama)
