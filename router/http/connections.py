@@ -101,8 +101,8 @@ class ConnectionCeiling:
 
 class QuietAcceptErrors:
     """A loop exception handler that logs asyncio's "socket.accept() out of system resource"
-    once a minute, one line and no traceback, and hands everything else to the default handler.
-    (Python 3.11 logs it with a traceback for every retry, which filled 86 MB of log in 20 s.)"""
+    once a minute, one line and no traceback, and hands everything else to the default handler
+    (Python 3.11 logs a traceback for every retry, which fills the log within seconds)."""
 
     def __init__(self, every: float = 60.0):
         self.every = every

@@ -45,8 +45,8 @@ async def read_object(request) -> dict:
         error = BadRequestError(f"Failed to read the request body: {err}")
         error.close_connection = True
         raise error from None
-    # checking a body of megabytes walks every value in Python (0.5 s for a million numbers):
-    # off the event loop, which serves every other request meanwhile
+    # checking a body of megabytes walks every value in Python: off the event loop, which serves
+    # every other request meanwhile
     body = parse_json(raw) if len(raw) < _INLINE_BYTES else await asyncio.to_thread(parse_json, raw)
     if not isinstance(body, dict):
         raise BadRequestError("Failed to deserialize the JSON body into the target type: expected "

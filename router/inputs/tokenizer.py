@@ -58,7 +58,7 @@ class RouterTokenizer:
 
         def encode():
             # encode_batch lets go of the GIL while it works; encode holds it, so a long text
-            # stalled the event loop for as long as it took (1.4 s for 1.8 MB) even from a thread
+            # would stall the event loop for as long as it takes, even from a thread
             return read(self.tokenizer.encode_batch([text],
                                                     add_special_tokens=add_special_tokens)[0])
 

@@ -10,9 +10,8 @@ from router.scheduler.chunk_sizing import chunk_tokens
 
 # A decode call of several steps holds back a request arriving meanwhile and hands the streams
 # their tokens in bursts: several are asked only while nothing waits, and no more than fit in
-# this long at the measured step cost. On the default model (benchmarks/RESULTS.md): one stream's
-# 5-11 ms steps take 4, eight streams' 15 ms steps 3, 32 streams' 37 ms steps one; 25 ms left
-# bf16's one stream at 1-2 and eight streams at one, 16-38% and 10% fewer tokens/s.
+# this long at the measured step cost (why 50 ms: benchmarks/RESULTS.md, "Several decode steps
+# a call").
 MULTI_STEP_CALL_S = 0.05
 
 
@@ -51,8 +50,8 @@ class SchedulingLimits:
         while anything waits (a queued request or a long prompt's next chunk) or before a step was
         measured; else as many as fit in MULTI_STEP_CALL_S, up to max_decode_steps (the batcher
         takes one step after every prefill, so a batch that grew is timed before it takes more).
-        Each call costs a round trip to the shards and back through the router (1-1.5 ms on a
-        2-core CPU): at small batches, a tenth to a quarter of a step."""
+        Each call costs a round trip to the shards and back through the router, at small batches
+        a sizeable part of a step."""
         if self.max_decode_steps <= 1 or waiting or not step_s:
             return 1
         return max(1, min(self.max_decode_steps, int(MULTI_STEP_CALL_S / step_s)))
