@@ -12,10 +12,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 # The environment variables a shard reads, all read here (docs/operations.md lists them)
 CACHE_ENV = "TGI_PY_CACHE"
-KERNEL_MARCH_ENV = "TGI_PY_KERNEL_MARCH"  # -march for the C kernels instead of the host's
+# builds the C kernels for this -march instead of the host's (e.g. x86-64-v3: as an AVX2-only CPU
+# builds them, to run that form on a newer CPU)
+KERNEL_MARCH_ENV = "TGI_PY_KERNEL_MARCH"
 # the launcher's ledger of the CPU KV pools its shard groups hold (shard/kv_budget.py's PoolLedger)
 KV_LEDGER_ENV = "TGI_PY_KV_LEDGER"
-# glibc's own malloc settings: when any is set, the shard leaves glibc's allocator alone
+# glibc's own malloc settings: a person who set any has chosen, and the shard leaves glibc's
+# allocator alone
 MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
               "MALLOC_MMAP_MAX_", "LD_PRELOAD")
 

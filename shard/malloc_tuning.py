@@ -9,7 +9,7 @@ import ctypes.util
 import logging
 import platform
 
-from shard.config import MALLOC_ENV, malloc_set_by_hand
+from shard.config import malloc_set_by_hand
 
 log = logging.getLogger(__name__)
 
@@ -19,8 +19,6 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 # reused from the heap (a long prefill's largest ones stay mmapped, as they were)
 MMAP_THRESHOLD = 32 * 1024 * 1024
 TRIM_THRESHOLD = 1024 * 1024 * 1024
-# a person who set glibc's own variables has chosen: they are left alone
-ENVIRONMENT = MALLOC_ENV
 
 
 def _libc() -> ctypes.CDLL | None:

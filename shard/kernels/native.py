@@ -13,15 +13,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from shard.config import (KERNEL_MARCH_ENV, c_compiler, cache_root, cpu_flags, kernel_enabled,
+from shard.config import (c_compiler, cache_root, cpu_flags, kernel_enabled,
                           kernel_march)
 
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).resolve().parent
-# builds the kernels for this -march instead of the host's (e.g. x86-64-v3: as an AVX2-only CPU
-# builds them, to run that form on a newer CPU)
-MARCH_ENV = KERNEL_MARCH_ENV
 
 
 def cache_dir() -> Path:

@@ -52,7 +52,7 @@ class Run:
     ids_logprobs: list[list[float | None]] = field(default_factory=list)  # per output token
     hidden_states: list = field(default_factory=list)  # the prompt's rows, then one per step
     final: FinalInfo | None = None
-    stream: FanOutStream = field(default_factory=FanOutStream)  # aborts it alone
+    stream: FanOutStream = field(init=False)  # its stream in the fan-out: aborts it alone
     # streamed: each event's frame, made as it is recorded (the run may have recorded later
     # events, several a decode call, before the writer gets to this one); `frame_index` is the
     # index a frame carries in a batch
@@ -60,7 +60,7 @@ class Run:
     frame_index: int | None = None
 
     def __post_init__(self) -> None:
-        self.stream.timings = self.timings
+        self.stream = FanOutStream(timings=self.timings)
 
     def stream_frames(self, index: int | None) -> None:
         self.frames, self.frame_index = deque(), index

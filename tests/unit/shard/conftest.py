@@ -3,6 +3,7 @@ import platform
 
 import pytest
 
+from shard.config import KERNEL_MARCH_ENV
 from shard.kernels import native
 from shard.layers import precision
 
@@ -27,5 +28,5 @@ def avx2_build(tmp_path_factory, monkeypatch):
     if platform.machine() not in ("x86_64", "AMD64") or not (
             {"avx2", "fma"} <= set(native.cpu_flags().split())):
         pytest.skip("this CPU cannot run an AVX2 build")
-    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    monkeypatch.setenv(KERNEL_MARCH_ENV, "x86-64-v3")
     monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx2-kernels"))

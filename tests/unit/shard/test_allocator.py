@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shard import malloc_tuning as allocator
+from shard.config import MALLOC_ENV
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def _in_a_fresh_process(env_extra: dict) -> str:
     """What keep_freed_memory answers in a process of its own (the settings are process-wide)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in (*allocator.ENVIRONMENT, "GLIBC_TUNABLES")}
+           if k not in (*MALLOC_ENV, "GLIBC_TUNABLES")}
     code = "from shard.malloc_tuning import keep_freed_memory; print(keep_freed_memory())"
     return subprocess.run([sys.executable, "-c", code], env={**env, **env_extra}, cwd=ROOT,
                           check=True, capture_output=True, text=True).stdout.strip()
@@ -38,7 +38,7 @@ def test_freed_memory_goes_back_to_the_system_once_asked():
     """Under the raised trim threshold 256 MiB of freed heap blocks stay resident until
     return_freed_memory gives them back."""
     env = {k: v for k, v in os.environ.items()
-           if k not in (*allocator.ENVIRONMENT, "GLIBC_TUNABLES")}
+           if k not in (*MALLOC_ENV, "GLIBC_TUNABLES")}
     code = """
 from shard.malloc_tuning import keep_freed_memory, return_freed_memory
 def resident():
