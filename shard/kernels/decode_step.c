@@ -29,7 +29,8 @@ typedef int (*attention_fn)(const void *key_cache, const void *value_cache, int 
                             const int64_t *block_tables, int64_t table_stride,
                             const int64_t *context_lens, int64_t batch, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, void *out, int out_is_bf16);
+                            float scale, int64_t window, float softcap, void *out,
+                            int out_is_bf16);
 typedef int (*matmul_fn)(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
                          const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *out,
                          int64_t out_stride);
@@ -123,9 +124,10 @@ int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int6
                             buf->qk, w->key_cache, w->value_cache, 1, slot_blocks, slot_offsets,
                             m->num_blocks, m->block_size) != 0)
             return -1;
+        /* no sliding window, no soft cap: models with either take the eager step */
         if (k->attention(w->key_cache, w->value_cache, 1, buf->qk, 1, qk_width, block_tables,
                          table_stride, context_lens, batch, m->heads, m->kv_heads, d,
-                         m->block_size, m->scale, buf->attention, 1) != 0)
+                         m->block_size, m->scale, 0, 0.0f, buf->attention, 1) != 0)
             return -2;
         LINEAR(buf->attention, batch, q_width, w->o, w->o_int4, w->o_bias, buf->projected,
                m->hidden);

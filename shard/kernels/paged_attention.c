@@ -10,6 +10,10 @@
  * head_dim]: float32 or bf16 each (the arithmetic is float32: bf16 queries are widened, a bf16
  * output is rounded to nearest even, as PyTorch's conversions do).
  * Query heads that share a key/value head are adjacent (head h reads kv head h / (heads / kv_heads)).
+ *
+ * A sliding window (window > 0) keeps a sequence's last `window` tokens only: the older rows are
+ * not even read. A soft cap (softcap > 0) bounds each scaled score to softcap * tanh(score /
+ * softcap) before the softmax (Gemma 2's attention logits).
  */
 #include <math.h>
 #include <stdint.h>
@@ -157,16 +161,23 @@ static inline void axpy(float weight, const float *row, float *out, int64_t dim)
     for (; d < dim; d++) out[d] += weight * row[d];
 }
 
-/* offsets[t]: where token t's row for kv head `kv` starts in the cache, in elements (keys and
- * values share their layout), walking the block table a block at a time. */
-static inline void row_offsets(const int64_t *table, int64_t length, int64_t kv,
+/* offsets[t - first]: where token t's row (first <= t < end) for kv head `kv` starts in the cache,
+ * in elements (keys and values share their layout), walking the block table a block at a time. */
+static inline void row_offsets(const int64_t *table, int64_t first, int64_t end, int64_t kv,
                                int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
                                int64_t *offsets) {
-    for (int64_t start = 0, i = 0; start < length; start += block_size, i++) {
-        int64_t base = (table[i] * num_kv_heads + kv) * block_size * head_dim;
-        int64_t count = length - start < block_size ? length - start : block_size;
-        for (int64_t j = 0; j < count; j++) offsets[start + j] = base + j * head_dim;
+    for (int64_t t = first; t < end;) {
+        const int64_t block = t / block_size;
+        int64_t at = ((table[block] * num_kv_heads + kv) * block_size + t - block * block_size)
+                     * head_dim;
+        const int64_t block_end = (block + 1) * block_size < end ? (block + 1) * block_size : end;
+        for (; t < block_end; t++, at += head_dim) offsets[t - first] = at;
     }
+}
+
+/* The rows a sequence of `length` tokens attends over: its last `window` ones (0: all). */
+static inline int64_t window_start(int64_t length, int64_t window) {
+    return window > 0 && length > window ? length - window : 0;
 }
 
 #ifdef VECTOR_AVX2
@@ -328,12 +339,14 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                            const int64_t *block_tables, int64_t table_stride,
                            const int64_t *context_lens, int64_t batch, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                           void *out, int out_is_bf16) {
+                           int64_t window, float softcap, void *out, int out_is_bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const size_t element = cache_is_bf16 ? 2 : 4;
-    int64_t longest = 0;
-    for (int64_t b = 0; b < batch; b++)
-        if (context_lens[b] > longest) longest = context_lens[b];
+    int64_t longest = 0;  /* the most rows a sequence attends over */
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t rows = context_lens[b] - window_start(context_lens[b], window);
+        if (rows > longest) longest = rows;
+    }
     int failed = 0;
 
 #pragma omp parallel
@@ -355,7 +368,9 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
 #pragma omp for collapse(2) schedule(static)
             for (int64_t b = 0; b < batch; b++) {
                 for (int64_t kv = 0; kv < num_kv_heads; kv++) {
-                    const int64_t length = context_lens[b];
+                    /* rows are numbered from the window's first: row t is token first + t */
+                    const int64_t first = window_start(context_lens[b], window);
+                    const int64_t length = context_lens[b] - first;
                     const int64_t *table = block_tables + b * table_stride;
                     const int64_t query_at = b * query_stride + kv * group * head_dim;
                     const int64_t out_at = (b * num_heads + kv * group) * head_dim;
@@ -366,7 +381,8 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                         q = group_queries;
                     }
                     float *o = out_is_bf16 ? group_out : (float *)out + out_at;
-                    row_offsets(table, length, kv, num_kv_heads, block_size, head_dim, offsets);
+                    row_offsets(table, first, first + length, kv, num_kv_heads, block_size,
+                                head_dim, offsets);
                     const int64_t row_bytes = head_dim * (int64_t)element;
                     for (int64_t t = 0; t < PREFETCH_AHEAD && t < length; t++)
                         prefetch_row((const char *)key_cache + offsets[t] * element, row_bytes);
@@ -408,6 +424,9 @@ int paged_decode_attention(const void *key_cache, const void *value_cache, int c
                     }
                     for (int64_t g = 0; g < group; g++) {
                         float *s = scores + g * longest;
+                        if (softcap > 0.0f)
+                            for (int64_t t = 0; t < length; t++)
+                                s[t] = softcap * tanhf(s[t] / softcap);
                         float top = s[0];
 #pragma omp simd reduction(max : top)
                         for (int64_t t = 1; t < length; t++) top = s[t] > top ? s[t] : top;

@@ -29,7 +29,7 @@ def load_kernel() -> ctypes.CDLL | None:
     fn = library.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ctypes.c_int, ptr, ctypes.c_int, i64, ptr, i64, ptr, i64, i64, i64,
-                   i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+                   i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
     return library
 
@@ -42,9 +42,12 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, *, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """q [B, heads, d] (one token per sequence) -> [B, heads * d], attending over context_lens[b]
-    tokens of sequence b read through block_tables [B, blocks] (both int64).
+    tokens of sequence b read through block_tables [B, blocks] (both int64): its last `window` ones
+    only, when given (the older ones are not read), with each scaled score soft-capped to
+    softcap * tanh(score / softcap), when given.
 
     The arithmetic is float32 on every CPU, whichever of float32 and bf16 the query and the cache
     are: the kernel widens bf16 queries, keys and values in registers (exact, and no slower than
@@ -66,7 +69,8 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         key_cache.data_ptr(), value_cache.data_ptr(), int(key_cache.dtype == torch.bfloat16),
         queries.data_ptr(), int(queries.dtype == torch.bfloat16), queries.stride(0),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, num_heads, num_kv_heads,
-        head_dim, block_size, scale, out.data_ptr(), int(out.dtype == torch.bfloat16))
+        head_dim, block_size, scale, window or 0, softcap or 0.0, out.data_ptr(),
+        int(out.dtype == torch.bfloat16))
     if status != 0:
         raise MemoryError("decode attention could not allocate its scratch buffers")
     return out.to(q.dtype)
@@ -75,12 +79,13 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
 @torch.library.custom_op("tgi::paged_decode_attention", mutates_args=())
 def paged_decode_attention_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                               block_tables: torch.Tensor, context_lens: torch.Tensor,
-                              scale: float) -> torch.Tensor:
+                              scale: float, window: int, softcap: float) -> torch.Tensor:
     """paged_decode_attention as an operator: what a compiled step calls (a compiler cannot see
-    into the kernel's raw pointers)."""
-    return paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale)
+    into the kernel's raw pointers). window and softcap 0: none."""
+    return paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale,
+                                  window=window or None, softcap=softcap or None)
 
 
 @paged_decode_attention_op.register_fake
-def _(q, key_cache, value_cache, block_tables, context_lens, scale):
+def _(q, key_cache, value_cache, block_tables, context_lens, scale, window, softcap):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -181,9 +181,9 @@ def test_a_prefill_forward_gives_the_same_logits_whichever_path_each_sequence_ta
     kernel_calls = []
     original = paged_attention.paged_decode_attention
 
-    def counting(q, *args):
+    def counting(q, *args, **kwargs):
         kernel_calls.append(q.shape[0])
-        return original(q, *args)
+        return original(q, *args, **kwargs)
 
     monkeypatch.setattr(paged_attention, "paged_decode_attention", counting)
 
