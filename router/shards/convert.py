@@ -39,6 +39,7 @@ class ShardInfo:
     hidden_size: int  # the width of a row of input embeddings and of hidden states
     speculate: int = 0  # draft tokens a decode step may verify per request (0: none)
     vocab_size: int = 0  # the model's token ids are below it (0: not said)
+    architecture: str = ""  # config.json's, e.g. "LlamaForCausalLM" ("": not said)
 
 
 def shard_info(reply: pb.InfoResponse) -> ShardInfo:
@@ -48,7 +49,7 @@ def shard_info(reply: pb.InfoResponse) -> ShardInfo:
                      support_chunking=reply.support_chunking,
                      use_prefix_caching=reply.use_prefix_caching,
                      hidden_size=reply.hidden_size, speculate=reply.speculate,
-                     vocab_size=reply.vocab_size)
+                     vocab_size=reply.vocab_size, architecture=reply.architecture)
 
 
 # ---- to the shards -----------------------------------------------------------------------------

@@ -69,9 +69,12 @@ def _address(function) -> int:
 def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str | None:
     """Why this model's decode step cannot run in C here, or None: it runs where every piece of
     the eager step is one of our kernels (a bf16 model and KV cache on a CPU whose build has all
-    of them, one rank, no PyTorch quantized kernels, no bias after a row-parallel projection)."""
-    if type(model) is not LlamaForCausalLM:
-        return f"{type(model).__name__} is not the Llama family's model"
+    of them, one rank, no PyTorch quantized kernels, no bias after a row-parallel projection, no
+    sliding window)."""
+    if not getattr(type(model), "llama_layout", False):
+        return f"{type(model).__name__} is not laid out as the Llama family's model"
+    if any(getattr(layer.self_attn, "window", None) is not None for layer in model.layers):
+        return "its layers attend over a sliding window (Mistral's), the C loop over whole contexts"
     if model.activation_dtype != torch.bfloat16:
         return f"activations are {model.activation_dtype}, not bf16"
     if not cache or any(c.key.dtype != torch.bfloat16 or c.key.device.type != "cpu"

@@ -189,8 +189,44 @@ class ColumnParallelLinear(nn.Module):
             bias_t = torch.cat([weights.get_sharded(f"{p}.bias", dim=0) for p in prefixes], dim=0)
         return cls(weight, bias_t, weights.quantize, weights.dtype)
 
+    @classmethod
+    def load_fused(cls, weights: Weights, prefix: str, sizes: list[int], *, bias: bool,
+                   row_order: torch.Tensor | None = None) -> "ColumnParallelLinear":
+        """One checkpoint tensor that stacks several projections of `sizes` rows (Phi-3's qkv_proj,
+        gate_up_proj): each part is split across ranks on its own, so rank r holds [q_r; k_r; v_r]
+        as `load` gives it from separate tensors. `row_order`: the rows of this rank's weight in
+        the order the layer holds them (a model that lays out its heads' dimensions its own way)."""
+        weight = fused_rows(weights, f"{prefix}.weight", sizes, as_stored=weights.quantizing)
+        bias_t = fused_rows(weights, f"{prefix}.bias", sizes) if bias else None
+        if row_order is not None:
+            row_order = row_order.to(weight.device)
+            weight = weight[row_order].contiguous()
+            bias_t = None if bias_t is None else bias_t[row_order].contiguous()
+        return cls(weight, bias_t, weights.quantize, weights.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.prepared)
+
+
+def fused_rows(weights: Weights, name: str, sizes: list[int], *,
+               as_stored: bool = False) -> torch.Tensor:
+    """This rank's 1/world_size of each part of `name`, whose rows stack parts of `sizes` rows,
+    concatenated in the parts' order; only those rows are read."""
+    rows = weights.shape(name)[0]
+    if sum(sizes) != rows:
+        raise ValueError(f"{name}: {rows} rows, not the {' + '.join(map(str, sizes))} of the "
+                         "projections the config describes")
+    ctx = weights.parallel
+    parts, start = [], 0
+    for size in sizes:
+        if size % ctx.world_size:
+            raise ValueError(f"{name}: a part of {size} rows does not divide by "
+                             f"{ctx.world_size} shards")
+        block = size // ctx.world_size
+        first = start + ctx.rank * block
+        parts.append(weights.get_rows(name, first, first + block, as_stored=as_stored))
+        start += size
+    return torch.cat(parts)
 
 
 class RowParallelLinear(nn.Module):

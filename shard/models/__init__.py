@@ -19,19 +19,36 @@ ARCHITECTURES: dict[str, ArchitectureEntry] = {
     "MistralForCausalLM": ArchitectureEntry(*_LLAMA),
     # Qwen2 puts a bias on q/k/v (never on o) and names no attention_bias in its config.
     "Qwen2ForCausalLM": ArchitectureEntry(*_LLAMA, config_defaults={"qkv_bias_default": True}),
+    "Qwen3ForCausalLM": ArchitectureEntry("shard.models.qwen3", "Qwen3ForCausalLM", "Qwen3Config"),
+    "Qwen3MoeForCausalLM": ArchitectureEntry("shard.models.qwen3_moe", "Qwen3MoeForCausalLM",
+                                             "Qwen3MoeConfig"),
+    "Gemma2ForCausalLM": ArchitectureEntry("shard.models.gemma", "GemmaForCausalLM", "GemmaConfig",
+                                           config_defaults={"generation": 2}),
+    "Gemma3ForCausalLM": ArchitectureEntry("shard.models.gemma", "GemmaForCausalLM", "GemmaConfig",
+                                           config_defaults={"generation": 3}),
+    # Gemma 3's multimodal checkpoints (4B and up), served text-only: their language model
+    "Gemma3ForConditionalGeneration": ArchitectureEntry(
+        "shard.models.gemma", "GemmaForCausalLM", "GemmaConfig", config_defaults={"generation": 3}),
+    "Phi3ForCausalLM": ArchitectureEntry("shard.models.phi3", "Phi3ForCausalLM", "Phi3Config"),
 }
+
+
+def architecture_of(config: dict) -> str:
+    """The first of a config.json's `architectures` served here, or a ValueError naming what is
+    supported. Torch-free: the launcher refuses a model with it before any shard starts."""
+    names = config.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return name
+    raise ValueError(f"architecture {names} is not supported; supported: {sorted(ARCHITECTURES)}")
 
 
 def load_model_class(config: dict):
     """(model class, parsed config) for a config.json, or a ValueError naming what is supported."""
     import importlib
 
-    names = config.get("architectures") or []
-    for name in names:
-        entry = ARCHITECTURES.get(name)
-        if entry is not None:
-            module = importlib.import_module(entry.module)
-            config_class = getattr(module, entry.config_class)
-            parsed = config_class.from_dict(config, **entry.config_defaults)
-            return getattr(module, entry.model_class), parsed
-    raise ValueError(f"architecture {names} is not supported; supported: {sorted(ARCHITECTURES)}")
+    entry = ARCHITECTURES[architecture_of(config)]
+    module = importlib.import_module(entry.module)
+    config_class = getattr(module, entry.config_class)
+    parsed = config_class.from_dict(config, **entry.config_defaults)
+    return getattr(module, entry.model_class), parsed

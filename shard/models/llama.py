@@ -12,10 +12,11 @@ from torch import nn
 
 from shard.kernels import layer_ops
 from shard.layers.attention import AttentionMetadata, LayerCache, paged_attention, rotate_and_store
-from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shard.layers.embedding import VocabParallelEmbedding
 from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding
+from shard.models.decoder import DecoderLM, load_lm_head
 from shard.partition import RankHeads
 from shard.weights import Weights
 
@@ -37,6 +38,8 @@ class LlamaConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    # Mistral's: each query sees the last sliding_window positions, itself included; None: all
+    sliding_window: int | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict, *, qkv_bias_default: bool = False) -> "LlamaConfig":
@@ -63,7 +66,26 @@ class LlamaConfig:
             qkv_bias=attention_bias,
             o_bias=bool(cfg.get("attention_bias")),
             mlp_bias=cfg.get("mlp_bias", False),
+            sliding_window=_sliding_window(cfg),
         )
+
+
+def _sliding_window(cfg: dict) -> int | None:
+    """Mistral's sliding_window (absent or null: none). Qwen2 configs carry one with
+    use_sliding_window false, which turns it off; on, it would slide only from layer
+    max_window_layers on, which these layers do not do: refused rather than served wrongly."""
+    window = cfg.get("sliding_window")
+    # transformers' Qwen2Config defaults use_sliding_window to false; Mistral's has no such switch
+    if not window or not cfg.get("use_sliding_window", cfg.get("model_type") != "qwen2"):
+        return None
+    if cfg.get("max_window_layers", 0) > 0:  # Qwen2's
+        if cfg["max_window_layers"] >= cfg["num_hidden_layers"]:
+            return None  # no layer slides
+        raise ValueError(f"a sliding window on layers {cfg['max_window_layers']} and up only "
+                         "(use_sliding_window with max_window_layers) is not supported")
+    # a window as long as the model's context leaves every key in view: no window, which keeps
+    # the plain attention paths (and the C decode step)
+    return window if window < cfg.get("max_position_embeddings", 4096) else None
 
 
 class LlamaAttention(nn.Module):
@@ -73,6 +95,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = heads.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.window = cfg.sliding_window
         self.qkv_proj = ColumnParallelLinear.load(
             weights, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"], bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", bias=cfg.o_bias)
@@ -81,7 +104,7 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = rotate_and_store(self.qkv_proj(hidden), angles, self.num_heads,
                                    self.num_kv_heads, self.head_dim, cache, meta)
-        return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale))
+        return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale, window=self.window))
 
 
 class LlamaMLP(nn.Module):
@@ -120,8 +143,12 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderLM):
     """`heads` are this rank's share (shard.partition); `weights` hands out this rank's slices."""
+
+    # the layout shard/kernels/llama_decode_step.py reads: fused qkv and gate_up projections,
+    # rms norms, silu MLP, one rotary table, no norms or caps inside attention
+    llama_layout = True
 
     def __init__(self, cfg: LlamaConfig, heads: RankHeads, weights: Weights):
         super().__init__()
@@ -135,28 +162,5 @@ class LlamaForCausalLM(nn.Module):
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(weights.get("model.norm.weight"), cfg.rms_norm_eps,
                             weights.activation_dtype)
-        if cfg.tie_word_embeddings or not weights.has("lm_head.weight"):
-            self.lm_head = ParallelLMHead.tied(self.embed_tokens, weights,
-                                               "model.embed_tokens.weight", cfg.vocab_size)
-        else:
-            self.lm_head = ParallelLMHead.load(weights, "lm_head.weight", cfg.vocab_size)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> the vectors the first layer reads [T, hidden]."""
-        return self.embed_tokens(input_ids).to(self.activation_dtype)
-
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                meta: AttentionMetadata, logit_index: torch.Tensor | None = None) -> torch.Tensor:
-        """embeds [T, hidden], positions [T] -> the final normed hidden states of the rows in
-        logit_index (all T without it), which `logits` turns into scores."""
-        hidden, residual = embeds.to(self.activation_dtype), None
-        angles = self.rotary(positions)
-        for layer, cache in zip(self.layers, caches):
-            hidden, residual = layer(hidden, residual, angles, cache, meta)
-        if logit_index is not None:
-            hidden = hidden[logit_index]
-            residual = residual[logit_index] if residual is not None else None
-        return self.norm(hidden) if residual is None else self.norm.add_norm(hidden, residual)[0]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        self.lm_head = load_lm_head(weights, self.embed_tokens, tied=cfg.tie_word_embeddings,
+                                    vocab_size=cfg.vocab_size)

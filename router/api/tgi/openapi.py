@@ -101,7 +101,11 @@ def schemas() -> dict:
                                        for k in ("id", "text", "start", "stop")}},
         "TokenizeResponse": {"type": "array", "items": ref("SimpleToken")},
         "Info": {"type": "object", "required": ["model_id", "max_input_tokens", "max_total_tokens",
-                                                "router", "version"]},
+                                                "router", "version"],
+                 "properties": {"model_architecture": {
+                     "type": "string", "example": "LlamaForCausalLM",
+                     "description": "The config.json architecture the shards serve (not in "
+                                    "TGI's /info)"}}},
         "ErrorResponse": error_schema(),
     }
 

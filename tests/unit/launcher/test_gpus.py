@@ -56,7 +56,8 @@ def test_a_group_gets_distinct_gpus_the_others_use_least():
 @pytest.fixture
 def launched(monkeypatch, tmp_path):
     """A supervisor on a machine with four GPUs whose children are recorded, not started."""
-    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 10,
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                      "num_attention_heads": 10,
                                                       "num_key_value_heads": 10}))
     started = []
     monkeypatch.setattr(shard_group, "spawn", lambda name, argv, env, json: started.append(env))

@@ -55,6 +55,17 @@ def ragged_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def phi3_dir(tmp_path_factory):
+    """Phi-3 laid out as Llama once loaded: fused checkpoint tensors, LongRoPE, partial rotation
+    (Phi-4-mini's 0.75) carried in the rotary tables."""
+    from tests.parity.test_phi3_parity import build_tiny_phi3
+
+    tokenizer_dir = build_tiny_model(tmp_path_factory.mktemp("phi3-tokenizer"))
+    return build_tiny_phi3(tmp_path_factory.mktemp("phi3"), tokenizer_dir, longrope=True,
+                           partial=0.75)
+
+
 def _assert_steps_agree(runner: ModelRunner, ids, lens, tables) -> None:
     """One C step and one eager step from the same cache: the same logits, hidden states and
     cache writes, bit for bit (the cache is left as the eager step wrote it)."""
@@ -92,13 +103,14 @@ def kernel_build(request, monkeypatch):
         load.cache_clear()
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "ragged"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "ragged", "phi3"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, ragged_dir, architecture, batch,
-                                      kernel_build):
-    """Llama, and Qwen2's biased q/k/v projections; contexts of different lengths across several
-    blocks, two steps in a row (the second reads the keys the first wrote)."""
-    runner = _runner({"llama": tiny_llama, "qwen2": qwen2_dir, "ragged": ragged_dir}[architecture])
+def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, ragged_dir, phi3_dir, architecture,
+                                      batch, kernel_build):
+    """Llama, Qwen2's biased q/k/v projections and Phi-3; contexts of different lengths across
+    several blocks, two steps in a row (the second reads the keys the first wrote)."""
+    runner = _runner({"llama": tiny_llama, "qwen2": qwen2_dir, "ragged": ragged_dir,
+                      "phi3": phi3_dir}[architecture])
     if kernel_build == "avx2":
         assert bf16_matmul.load_library().bf16_matmul_supported() == bf16_matmul.AVX2_FORM
         assert runner.model.activation_dtype == torch.bfloat16

@@ -25,3 +25,12 @@ def test_a_config_without_key_value_heads_has_as_many_as_attention_heads():
 def test_the_launcher_can_use_it_without_importing_torch():
     code = "import sys, shard.partition; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_multimodal_config_splits_its_text_models_heads():
+    config = {"text_config": {"num_attention_heads": 8, "num_key_value_heads": 4}}
+    assert split_heads_of(config, 2) == RankHeads(4, 2)
+    with pytest.raises(ValueError):
+        split_heads_of(config, 3)
+    # heads left to the family's defaults: the shard checks once its config class has read them
+    assert split_heads_of({"text_config": {"hidden_size": 2560}}, 2) is None
