@@ -88,7 +88,7 @@ def main() -> None:
 
     from launcher.prepare import prepare_default_model
 
-    model_dir = args.model_dir or prepare_default_model()
+    model_dir = args.model_dir or prepare_default_model(dtype="float32")
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     streams = [prompt_text(tokenizer, 128, i) for i in range(args.streams)]
     long_prompt = prompt_text(tokenizer, args.long_tokens, 99)

@@ -224,7 +224,7 @@ def main() -> None:
     if args.model_dir is None:
         from launcher.prepare import prepare_default_model
 
-        args.model_dir = prepare_default_model()
+        args.model_dir = prepare_default_model(dtype="float32")
     results = asyncio.run(bench(args))
     print_tables(results)
     if args.json:

@@ -78,7 +78,7 @@ def main() -> None:
     if args.model_dir is None:
         from launcher.prepare import prepare_default_model
 
-        args.model_dir = prepare_default_model()
+        args.model_dir = prepare_default_model(dtype="float32")
     engine = _engine(args.model_dir, getattr(torch, args.dtype),
                      num_blocks=(args.batch + 2) * (-(-(args.steps + 64) // 16)) + 2)
     decode_seconds(engine, args.batch, args.steps, False)  # warm-up: allocator, caches, threads

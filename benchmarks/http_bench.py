@@ -292,7 +292,7 @@ def main() -> None:
 
     from launcher.prepare import prepare_default_model
 
-    model_dir = args.model_dir or prepare_default_model()
+    model_dir = args.model_dir or prepare_default_model(dtype="float32")
     if args.layers is not None:
         model_dir = cut_to_layers(model_dir, args.layers)
         args.model_dir = model_dir  # the server below serves the cut model

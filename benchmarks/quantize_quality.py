@@ -96,7 +96,7 @@ def main() -> None:
     if args.model_dir is None:
         from launcher.prepare import prepare_default_model
 
-        args.model_dir = prepare_default_model()
+        args.model_dir = prepare_default_model(dtype="float32")
     dtype = getattr(torch, args.dtype)
     rows = {}
     reference = None

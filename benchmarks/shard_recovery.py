@@ -100,7 +100,7 @@ def main() -> None:
     model_dir = args.model_dir
     if model_dir is None:
         from launcher.prepare import prepare_default_model
-        model_dir = str(prepare_default_model())
+        model_dir = str(prepare_default_model(dtype="float32"))
     rank = args.num_shard - 1 if args.rank is None else args.rank
     process, url = start_server(args.dtype, [
         "--model-id", model_dir, "--num-shard", str(args.num_shard),

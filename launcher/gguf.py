@@ -1,51 +1,37 @@
-"""GGUF (llama.cpp's format) -> a Hugging Face Llama directory: float32 safetensors, config, tokenizer.
+"""GGUF (llama.cpp's format) -> a Hugging Face model directory: safetensors, config, tokenizer.
 
-Weights are read with the `gguf` package and dequantised to float32. llama.cpp's converter permutes
-the rows of q_proj and k_proj so that its rope rotates interleaved (even, odd) pairs; we undo it so
-that Hugging Face's rotate-half rope applies.
+Weights are dequantised with the `gguf` package a slice of rows at a time and streamed into
+bfloat16 (or, when asked, float32) safetensors shards, so that converting takes about one slice of
+memory whatever the model's size. llama.cpp's converter changed some weights on the way in (see
+gguf_architectures.py); each slice is changed back before it is written.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from launcher import safetensors_stream as st
+from launcher.gguf_architectures import (Architecture, GGUFError, Metadata, architecture,
+                                         hf_tensor_name, special_token_ids)
+from launcher.gguf_file import GGUFFile, TensorInfo, read_gguf
+
 # Bump when the files written change: directories from an older converter are converted again.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 MARKER = ".complete"
-
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                 "output": "lm_head"}
-
-
-class GGUFError(ValueError):
-    pass
-
-
-def hf_tensor_name(gguf_name: str) -> str:
-    base, _, suffix = gguf_name.rpartition(".")
-    if base == "rope_freqs":
-        raise GGUFError("this GGUF scales rope with a rope_freqs tensor (Llama 3.1 style), "
-                        "which the converter does not support")
-    if base.startswith("blk."):
-        _, layer, kind = base.split(".", 2)
-        if kind not in _LAYER_NAMES:
-            raise GGUFError(f"unknown GGUF tensor {gguf_name!r}")
-        return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
-    if base not in _GLOBAL_NAMES:
-        raise GGUFError(f"unknown GGUF tensor {gguf_name!r}")
-    return f"{_GLOBAL_NAMES[base]}.{suffix}"
+DTYPES = {"bfloat16": "BF16", "float32": "F32"}
+# Rows are dequantised this many values at a time (4 MB in float32): dequantisation makes a few
+# temporaries of this size, and a whole embedding table (a GB in float32) never exists at once.
+# Larger slices are no faster, and leave more freed memory that the allocator keeps.
+CHUNK_ELEMENTS = 1 << 20
 
 
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -55,118 +41,145 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+@dataclass(frozen=True, slots=True)
+class TensorJob:
+    """One GGUF tensor, what it is called in Hugging Face's checkpoint and how to restore it."""
+    tensor: TensorInfo
+    spec: st.TensorSpec
+    heads: int = 0  # > 0: undo llama.cpp's rope permutation over this many heads
+    offset: float = 0.0  # subtracted from every value (Gemma's norms)
+
+    @property
+    def rows(self) -> int:
+        return self.spec.shape[0] if len(self.spec.shape) >= 2 else 1
+
+    @property
+    def rows_per_chunk(self) -> int:
+        shape = self.spec.shape
+        if len(shape) < 2:
+            return 1
+        row = math.prod(shape[1:])
+        # the permutation is within each head: slices hold whole heads
+        step = shape[0] // self.heads if self.heads else 1
+        return max(step, CHUNK_ELEMENTS // row // step * step)
 
 
-def _float32_value(value) -> float:
-    """GGUF stores floats as float32: 1e-5 reads back as 9.99999974e-06; keep the short spelling."""
-    return float(str(np.float32(value)))
+def plan_tensors(model: GGUFFile, arch: Architecture, config: dict, dtype: str) -> list[TensorJob]:
+    jobs = []
+    for tensor in model.tensors:
+        name = hf_tensor_name(tensor.name, arch)
+        heads = 0
+        if arch.permute_qk and name.endswith("q_proj.weight"):
+            heads = config["num_attention_heads"]
+        elif arch.permute_qk and name.endswith("k_proj.weight"):
+            heads = config["num_key_value_heads"]
+        offset = arch.norm_offset if name.endswith("norm.weight") else 0.0
+        spec = st.TensorSpec(name, tensor.shape, DTYPES[dtype])
+        jobs.append(TensorJob(tensor, spec, heads, offset))
+    return jobs
 
 
-def llama_config(reader) -> dict:
-    """config.json for the GGUF's metadata (only the llama architecture)."""
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"GGUF architecture {arch!r} is not supported (only llama)")
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
-    head_dim = int(_field(reader, "llama.attention.key_length", hidden // heads))
-    if int(_field(reader, "llama.rope.dimension_count", head_dim)) != head_dim:
-        raise GGUFError("rope over part of each head is not supported by Hugging Face's Llama")
-    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "rms_norm_eps": _float32_value(
-            _field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _float32_value(_field(reader, "llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, "llama.context_length", 4096)),
-        # ggml shapes are reversed: token_embd is [hidden, vocab]
-        "vocab_size": shapes["token_embd.weight"][-1],
-        "tie_word_embeddings": "output.weight" not in shapes,
-        "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
-        "torch_dtype": "float32",
-    }
-    config.update(special_token_ids(reader))
-    scaling = rope_scaling(reader)
-    if scaling:
-        config["rope_scaling"] = scaling
-    return config
-
-
-def special_token_ids(reader) -> dict:
-    ids = {"bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-           "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-           "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id")}
-    return {name: int(value) for name, value in ids.items() if value is not None}
-
-
-def rope_scaling(reader) -> dict | None:
-    kind = _field(reader, "llama.rope.scaling.type")
-    if not kind or kind == "none":
-        return None
-    scaling = {"rope_type": kind,
-               "factor": _float32_value(_field(reader, "llama.rope.scaling.factor", 1.0))}
-    original = _field(reader, "llama.rope.scaling.original_context_length")
-    if original:
-        scaling["original_max_position_embeddings"] = int(original)
-    return scaling
-
-
-def dequantize_tensor(tensor) -> np.ndarray:
-    """float32 in PyTorch's (out_features, in_features) order: ggml's shape reversed."""
+def read_rows(file, job: TensorJob, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of a tensor as stored (values, or ggml's blocks as bytes). Read from the
+    file rather than through a memory map: mapped pages count in the process's resident memory
+    until the kernel takes them back, so a map read end to end looks like the whole model held."""
     import gguf
 
+    tensor, shape = job.tensor, job.spec.shape
+    row_bytes = tensor.nbytes // job.rows
+    buffer = np.empty((stop - start) * row_bytes, dtype=np.uint8)
+    file.seek(tensor.offset + start * row_bytes)
+    view, filled = memoryview(buffer), 0
+    while filled < buffer.nbytes:  # a raw read may return less than asked
+        got = file.readinto(view[filled:])
+        if not got:
+            raise GGUFError(f"tensor {tensor.name}: the file ends inside its data")
+        filled += got
+    rows_shape = (stop - start, *shape[1:]) if len(shape) >= 2 else shape
+    kind = gguf.GGMLQuantizationType(tensor.ggml_type)
+    if kind == gguf.GGMLQuantizationType.F32:
+        return buffer.view(np.float32).reshape(rows_shape)
+    if kind == gguf.GGMLQuantizationType.F16:
+        return buffer.view(np.float16).reshape(rows_shape)
+    return buffer.reshape(gguf.quants.quant_shape_to_byte_shape(rows_shape, kind))
+
+
+def dequantize_rows(tensor: TensorInfo, stored: np.ndarray) -> np.ndarray:
+    import gguf
+
+    kind = gguf.GGMLQuantizationType(tensor.ggml_type)
     try:
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        return np.asarray(gguf.quants.dequantize(stored, kind), dtype=np.float32)
     except NotImplementedError as err:
-        raise GGUFError(f"tensor {tensor.name}: cannot dequantise {tensor.tensor_type.name} "
+        raise GGUFError(f"tensor {tensor.name}: cannot dequantise {kind.name} "
                         f"({err or 'not implemented in the gguf package'})") from None
-    shape = [int(d) for d in reversed(tensor.shape)]
-    return np.asarray(array, dtype=np.float32).reshape(shape)
 
 
-def convert_weights(reader, config: dict, out_file: Path, progress=None) -> None:
-    """Every tensor, dequantised to float32 under its Hugging Face name, into one safetensors file;
-    `progress(bytes read, bytes in all)` of the GGUF's tensor data after each tensor."""
+def tensor_bytes(file, job: TensorJob, progress) -> Iterator[memoryview]:
+    """The tensor in Hugging Face's layout and the target dtype, a slice of rows at a time;
+    `progress(GGUF bytes)` after each slice."""
     import torch
-    from safetensors.torch import save_file
+
+    rows, step = job.rows, job.rows_per_chunk
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        stored = read_rows(file, job, start, stop)
+        values = dequantize_rows(job.tensor, stored)
+        if job.heads:
+            values = unpermute_rope_rows(values, (stop - start) * job.heads // rows)
+        if job.offset:
+            values = values - np.float32(job.offset)
+        if job.spec.dtype == "BF16":
+            # torch rounds to nearest even; numpy has no bfloat16
+            values = torch.from_numpy(np.require(values, requirements=["C", "W"]))
+            yield memoryview(values.to(torch.bfloat16).view(torch.int16).numpy()).cast("B")
+        else:
+            yield memoryview(np.ascontiguousarray(values, dtype="<f4")).cast("B")
+        progress(stored.nbytes)
+
+
+def convert_weights(model: GGUFFile, arch: Architecture, config: dict, out_dir: Path,
+                    dtype: str, progress=None) -> None:
+    """Every tensor under its Hugging Face name into safetensors shards (and their index when
+    there are several); `progress(bytes read, bytes in all)` of the GGUF's tensor data."""
     from tqdm import tqdm
 
-    tensors = {}
-    total, done = sum(int(t.n_bytes) for t in reader.tensors), 0
-    for tensor in tqdm(reader.tensors, desc="Converting GGUF weights", unit="tensor",
-                       file=sys.stderr):
-        name = hf_tensor_name(tensor.name)
-        array = dequantize_tensor(tensor)
-        if name.endswith("q_proj.weight"):
-            array = unpermute_rope_rows(array, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            array = unpermute_rope_rows(array, config["num_key_value_heads"])
-        # a copy: dequantize may hand back a read-only view of the memory-mapped file
-        tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
-        done += int(tensor.n_bytes)
+    jobs = plan_tensors(model, arch, config, dtype)
+    by_name = {job.spec.name: job for job in jobs}
+    shards = st.plan_shards([job.spec for job in jobs], st.MAX_SHARD_BYTES)
+    names = st.shard_file_names(len(shards))
+    total, done = sum(t.nbytes for t in model.tensors), 0
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
         if progress is not None:
             progress(done, total)
-    save_file(tensors, str(out_file), metadata={"format": "pt"})
+
+    bar = tqdm(total=len(jobs), desc="Converting GGUF weights", unit="tensor", file=sys.stderr)
+    with open(model.path, "rb", buffering=0) as file, bar:
+        for shard, name in zip(shards, names):
+            def chunks(shard=shard):
+                for spec in shard:
+                    yield tensor_bytes(file, by_name[spec.name], advance)
+                    bar.update()
+
+            st.write_shard(out_dir / name, shard, chunks(), metadata={"format": "pt"})
+    if len(shards) > 1:
+        st.write_index(out_dir, shards, names)
 
 
-def write_model_files(reader, out_dir: Path, progress=None) -> dict:
-    """model.safetensors, config.json and generation_config.json: everything but the tokenizer."""
-    config = llama_config(reader)
-    convert_weights(reader, config, out_dir / "model.safetensors", progress)
+def write_model_files(model: GGUFFile | Path, out_dir: Path, progress=None, *,
+                      dtype: str = "bfloat16") -> dict:
+    """The weights, config.json and generation_config.json: everything but the tokenizer."""
+    model = model if isinstance(model, GGUFFile) else read_gguf(model)
+    meta = Metadata.of(model)
+    arch = architecture(meta)
+    config = arch.config(meta) | special_token_ids(meta) | {"torch_dtype": _check_dtype(dtype)}
+    convert_weights(model, arch, config, out_dir, dtype, progress)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": config.get("bos_token_id"),
-                  "eos_token_id": config.get("eos_token_id"),
-                  "pad_token_id": config.get("pad_token_id")}
-    generation = {k: v for k, v in generation.items() if v is not None}
+    generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+                  if key in config}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return config
 
@@ -191,30 +204,54 @@ def write_tokenizer(gguf_path: Path, out_dir: Path, *, chat_template: str | None
     config_path.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
 
 
-def is_converted(out_dir: Path) -> bool:
-    """True when `out_dir` holds a finished conversion by this converter version."""
-    try:
-        marker = json.loads((out_dir / MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(marker, dict) and marker.get("converter_version") == CONVERTER_VERSION
-
-
-def convert_gguf(gguf_path: Path, out_dir: Path, progress=None) -> Path:
-    """Converts into a staging directory renamed into place: a half-done run never looks complete.
-    `progress(done, total)` follows the weights (bytes of the GGUF's tensor data)."""
+def quantization_name(gguf_path: Path) -> str:
+    """llama.cpp's name for how the file is quantised ("Q4_K_M", "Q4_1"), "" when it does not say.
+    Reads the header alone (gguf-py's reader would parse the whole vocabulary into objects)."""
     import gguf
 
+    file_type = read_gguf(gguf_path).metadata.get("general.file_type")
+    if file_type is None:
+        return ""
+    try:
+        return gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
+    except ValueError:
+        return str(file_type)
+
+
+def _check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"GGUF conversion writes {' or '.join(DTYPES)}, not {dtype!r}")
+    return dtype
+
+
+def is_converted(out_dir: Path, dtype: str = "bfloat16") -> bool:
+    """True when `out_dir` holds a finished conversion by this converter version into `dtype`."""
+    _check_dtype(dtype)
+    try:
+        marker = json.loads((Path(out_dir) / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(marker, dict) and marker.get("converter_version") == CONVERTER_VERSION
+            and marker.get("dtype") == dtype)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress=None, *,
+                 dtype: str = "bfloat16") -> Path:
+    """Converts into a staging directory renamed into place: a half-done run never looks complete.
+    `progress(done, total)` follows the weights (bytes of the GGUF's tensor data)."""
+    _check_dtype(dtype)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = gguf.GGUFReader(str(gguf_path))
+    model = read_gguf(gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        config = write_model_files(reader, staging, progress)
-        write_tokenizer(gguf_path, staging, chat_template=_field(reader, "tokenizer.chat_template"),
+        config = write_model_files(model, staging, progress, dtype=dtype)
+        write_tokenizer(gguf_path, staging,
+                        chat_template=model.metadata.get("tokenizer.chat_template"),
                         max_length=config["max_position_embeddings"])
         (staging / MARKER).write_text(json.dumps(
-            {"converter_version": CONVERTER_VERSION, "source": str(gguf_path.resolve())}) + "\n")
+            {"converter_version": CONVERTER_VERSION, "dtype": dtype,
+             "source": str(gguf_path.resolve())}) + "\n")
         _publish(staging, out_dir)
     finally:
         if staging.exists():

