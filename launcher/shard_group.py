@@ -124,8 +124,12 @@ class ShardGroup:
                  tracing_argv: list[str], json_output: bool, quantize: str = "",
                  speculate: int = 0, compile_decode: bool = False,
                  cuda_graphs: str = DEFAULT_CUDA_GRAPHS, memory_fraction: float = 1.0,
-                 kv_ledger: str = ""):
+                 kv_ledger: str = "", extra_argv: list[str] | None = None,
+                 extra_env: dict[str, str] | None = None):
         self.spec = spec
+        # the rest of the launcher's shard settings (rope override, watermark, kernels off)
+        self.extra_argv = extra_argv or []
+        self.extra_env = extra_env or {}
         self.memory_fraction = memory_fraction
         self.kv_ledger = kv_ledger  # where the launcher's groups write down their CPU KV pools
         self.cuda_graphs = cuda_graphs
@@ -164,6 +168,7 @@ class ShardGroup:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
             if self.kv_ledger:
                 env[KV_LEDGER_ENV] = self.kv_ledger
+            env.update(self.extra_env)
             argv = [sys.executable, "-m", "shard", "--model-path", str(spec.model_dir),
                     "--uds-path", spec.uds_prefix, "--dtype", spec.dtype,
                     "--device", spec.device, "--block-size", str(self.block_size),
@@ -171,7 +176,7 @@ class ShardGroup:
                     "--compile-decode", str(int(self.compile_decode)),
                     "--cuda-graphs", self.cuda_graphs,
                     "--memory-fraction", str(self.memory_fraction),
-                    *self.tracing_argv]
+                    *self.tracing_argv, *self.extra_argv]
             if spec.grpc_host:
                 argv += ["--grpc-address", f"{spec.grpc_host}:{spec.grpc_base_port + rank}"]
             name = f"{spec.label} shard {rank}" if spec.label else f"shard {rank}"

@@ -29,21 +29,29 @@ from launcher.gpus import pick_gpus, visible_gpus
 from launcher.liveness import Liveness
 from launcher.logs import say
 from launcher.shard_group import Child, GroupSpec, LaunchError, ShardGroup, death, spawn, terminate
+from shard.models import architecture_of
 from shard.partition import split_heads_of
 
 __all__ = ["LaunchError", "Supervisor", "check_shardable"]
 
 
 def check_shardable(model_dir: Path, num_shard: int) -> None:
-    """Fails before any process starts when the heads cannot be split over `num_shard` ranks."""
+    """Fails before any process starts when the shards do not serve the model's architecture, or
+    its heads cannot be split over `num_shard` ranks."""
+    path = model_dir / "config.json"
     try:
-        config = json.loads((model_dir / "config.json").read_text())
+        config = json.loads(path.read_text())
+        # the sentence a shard would die with when it loads, naming the architectures served
+        architecture_of(config)
+    except (ValueError, OSError, AttributeError) as err:  # AttributeError: not a JSON object
+        raise LaunchError(f"{path} does not describe a model this server serves: {err}") from None
+    try:
         split_heads_of(config, num_shard)
-    except (ValueError, OSError) as err:
+    except ValueError as err:
         raise LaunchError(f"--num-shard {num_shard}: {err}") from None
     except (KeyError, TypeError, AttributeError) as err:  # a config.json of another shape
-        raise LaunchError(f"{model_dir / 'config.json'} does not describe a model this server "
-                          f"serves ({type(err).__name__}: {err})") from None
+        raise LaunchError(f"{path} does not describe a model this server serves "
+                          f"({type(err).__name__}: {err})") from None
 
 
 def _free_port() -> int:
@@ -135,6 +143,9 @@ class Supervisor:
                            memory_fraction=self.config.cuda_memory_fraction,
                            kv_ledger=self.kv_ledger,
                            tracing_argv=self.config.shard_tracing_argv(),
+                           extra_argv=self.config.shard_settings_argv(
+                               default_model=name == self.model_name),
+                           extra_env=self.config.shard_env(),
                            json_output=self.config.json_output)
         return group
 

@@ -3,12 +3,17 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import json
 import logging
 import signal
 import sys
 
+from aiohttp import web
+
 from proto.launcher_watch import watch_launcher
 from proto.tracing import init_tracing, shutdown_tracing
+from router.api.openapi import openapi_document
+from router.api.tgi import routes as tgi
 from router.app import build_state, create_app
 from router.config import log_level, parse_args
 from router.http import connections
@@ -25,6 +30,12 @@ async def serve(argv: list[str] | None) -> int:
     state = await build_state(config)
     app = create_app(state)
     runner, listener = await connections.start_listening(app, config.hostname, config.port)
+    metrics_runner = None
+    if config.prometheus_port is not None:
+        metrics_runner = web.AppRunner(tgi.metrics_app(state), access_log=None)
+        await metrics_runner.setup()
+        await web.TCPSite(metrics_runner, config.hostname, config.prometheus_port).start()
+        log.info("metrics also on http://%s:%d/metrics", config.hostname, config.prometheus_port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -36,12 +47,18 @@ async def serve(argv: list[str] | None) -> int:
     for served in list(state.models.served.values()):
         served.batcher.stop_waiting()
     listener.close()
+    if metrics_runner is not None:
+        await metrics_runner.cleanup()
     await runner.cleanup()
     shutdown_tracing()
     return 1 if state.fatal.is_set() else 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["print-schema"]:  # TGI's router subcommand: the OpenAPI document
+        print(json.dumps(openapi_document(), indent=2))
+        return 0
     # `kill -USR1 <pid>` prints every thread's stack: how to see where a stuck process is
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=log_level(),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from router.errors import RouterError
 from router.inputs.generation_config import GenerationDefaults, check_config
+from router.inputs.reasoning import check_parser
 from router.kv.sessions import SessionLimits
 
 
@@ -23,6 +24,9 @@ class RouterConfig:
                                       "Unix socket of shard rank 0; the others are discovered.")
     hostname: str = _opt("0.0.0.0", "Address to listen on.")
     port: int = _opt(8080, "HTTP port.")
+    prometheus_port: int = _opt(None, "Also serve GET /metrics on this port, on --hostname "
+                                      "(TGI's flag; TGI listens on 9000 by default, tgi-py only "
+                                      "when asked). /metrics stays on --port too.")
     grpc_port: int = _opt(None, "Port of the public gRPC API (proto/api.proto: Generate, "
                                 "GenerateStream, Tokenize, Info, Health, with grpc.health.v1 and "
                                 "server reflection), on --hostname; unset: no gRPC server.")
@@ -55,6 +59,14 @@ class RouterConfig:
                                              "as it ends; on the CPU a call's come together. "
                                              "1: a call per step, as TGI.")
     max_client_batch_size: int = _opt(4, "Most inputs in one client request.")
+    tokenizer_config_path: str = _opt(None, "A tokenizer_config.json to take the chat template "
+                                            "and the special tokens (bos, eos) from, in place of "
+                                            "the model directory's (TGI's flag; the default "
+                                            "model only).")
+    disable_grammar_support: bool = _opt(False, "Refuse, with a 422, every request that "
+                                                "constrains its output: TGI's grammar, OpenAI's "
+                                                "response_format and tools, SGLang's json_schema, "
+                                                "regex and ebnf (TGI's flag).")
     validation_workers: int = _opt(2, "Threads that tokenise and validate requests.")
     prefix_caching: str = _opt("on", "Reuse the KV blocks of prompt prefixes already computed "
                                      "(on/off).")
@@ -62,8 +74,14 @@ class RouterConfig:
                               "'Authorization: Bearer <key>', and every gRPC call but health "
                               "checks and reflection the metadata 'authorization: Bearer <key>'.")
     cors_allow_origin: str = _opt(None, "Comma-separated origins allowed by CORS ('*' for any); "
-                                        "unset sends no CORS headers.")
+                                        "unset sends no CORS headers. tgi-launcher also takes "
+                                        "the flag once per origin, as TGI does.")
     payload_limit: int = _opt(2_000_000, "Largest request body in bytes; larger ones get 413.")
+    reasoning_parser: str = _opt(None, "Split a chat answer's thinking into "
+                                       "message.reasoning_content (delta.reasoning_content when "
+                                       "streamed), its answer staying in content: think (for "
+                                       "<think>...</think> models; deepseek_r1 and qwen3, vLLM's "
+                                       "names, are the same rule). Unset: content holds it all.")
     otlp_endpoint: str = _opt(None, "OTLP gRPC endpoint (http://host:4317) to export trace spans to.")
     otlp_service_name: str = _opt("tgi-py.router", "service.name of the exported spans.")
     # /api/generate-one|batch: what a call's generation_config gets for a field it leaves out
@@ -105,12 +123,26 @@ class RouterConfig:
             raise ValueError(f"--max-concurrent-requests {self.max_concurrent_requests} must be >= 1")
         if self.prefix_caching not in ("on", "off"):
             raise ValueError(f"--prefix-caching {self.prefix_caching!r} must be on or off")
+        check_parser(self.reasoning_parser)
+        if self.validation_workers < 1:
+            raise ValueError(f"--validation-workers {self.validation_workers} must be at least 1")
+        for name in ("prometheus_port", "grpc_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 65536:
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be a port number "
+                                 "(1-65535)")
+        if self.prometheus_port is not None and self.prometheus_port in (self.port,
+                                                                          self.grpc_port):
+            raise ValueError(f"--prometheus-port {self.prometheus_port} is also the HTTP --port "
+                             "or the --grpc-port; pick another (GET /metrics is on --port "
+                             "already)")
+        if self.tokenizer_config_path and not os.path.isfile(self.tokenizer_config_path):
+            raise ValueError(f"--tokenizer-config-path {self.tokenizer_config_path}: no such "
+                             "file")
         if self.payload_limit < 1:
             raise ValueError(f"--payload-limit {self.payload_limit} must be a positive byte count")
         if self.shard_recovery_timeout <= 0:
             raise ValueError(f"--shard-recovery-timeout {self.shard_recovery_timeout} must be > 0")
-        if self.grpc_port is not None and not 0 < self.grpc_port < 65536:
-            raise ValueError(f"--grpc-port {self.grpc_port} must be a port number (1-65535)")
         if self.grpc_port == self.port:
             raise ValueError(f"--grpc-port {self.grpc_port} is also the HTTP --port; pick another")
         if not 1 <= self.max_decode_steps_per_call <= 64:
@@ -157,11 +189,18 @@ def log_level() -> str:
     return os.environ.get("LOG_LEVEL", "INFO").upper()
 
 
+# TGI's router names the tokenizer --tokenizer-name (a Hub id or a directory; here a directory)
+_ALIASES = {"tokenizer_path": ["--tokenizer-name"]}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(RouterConfig):
-        flag = f"--{f.name.replace('_', '-')}"
+        flags = [f"--{f.name.replace('_', '-')}", *_ALIASES.get(f.name, [])]
+        if f.type == "bool":
+            parser.add_argument(*flags, action="store_true", help=f.metadata.get("help"))
+            continue
         kind = {"int": int, "float": float}.get(f.type, str)
-        parser.add_argument(flag, type=kind, default=f.default, help=f.metadata.get("help"))
+        parser.add_argument(*flags, type=kind, default=f.default, help=f.metadata.get("help"))
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:

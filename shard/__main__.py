@@ -16,6 +16,7 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.launcher_watch import watch_launcher
 from proto.tracing import init_tracing, shutdown_tracing
+from shard import watermark
 from shard.config import (DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype, local_topology,
                           log_level, parse_args, parse_cuda_graphs)
 from shard.distributed import all_gather_strings, init_parallel
@@ -47,7 +48,14 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
         raise ValueError(f"--quantize {config.quantize} runs CPU kernels only: serve on the CPU "
                          "(--device cpu) or without --quantize")
     loaded = load_model(Path(config.model_path), dtype=dtype, device=device, parallel=parallel,
-                        quantize=config.quantize or None)
+                        quantize=config.quantize or None, rope_scaling=config.rope_override())
+    log.info("rank %d loaded %s as %s (%s on %s)", config.rank, config.model_path,
+             loaded.architecture, dtype_name, device)
+    if config.rope_scaling:
+        log.info("rope scaling %s, factor %s (the launcher's --rope-scaling): context %d",
+                 config.rope_scaling, config.rope_factor, loaded.config.max_position_embeddings)
+    watermark.configure(watermark.WatermarkSettings(config.watermark_gamma,
+                                                    config.watermark_delta))
     if config.quantize:
         _log_quantized(loaded.model, config.quantize, dtype_name)
     return_freed_memory()
@@ -70,7 +78,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
         block_size=config.block_size, model_id=config.model_path, world_size=config.world_size,
         eos_token_ids=sorted(loaded.eos_token_ids),
         max_position_embeddings=cfg.max_position_embeddings, hidden_size=cfg.hidden_size,
-        vocab_size=engine.vocab_size)
+        vocab_size=engine.vocab_size, architecture=loaded.architecture)
     # ranks on other machines are reached over TCP; each says where, the others learn it here
     urls = all_gather_strings(config.grpc_address or f"unix://{config.socket_path}", parallel)
     return engine, info, urls

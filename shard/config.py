@@ -17,6 +17,8 @@ CACHE_ENV = "TGI_PY_CACHE"
 KERNEL_MARCH_ENV = "TGI_PY_KERNEL_MARCH"
 # the launcher's ledger of the CPU KV pools its shard groups hold (shard/kv_budget.py's PoolLedger)
 KV_LEDGER_ENV = "TGI_PY_KV_LEDGER"
+# every C kernel off: their PyTorch equivalents run instead (TGI's flag for its custom kernels)
+DISABLE_KERNELS_ENV = "DISABLE_CUSTOM_KERNELS"
 # glibc's own malloc settings: a person who set any has chosen, and the shard leaves glibc's
 # allocator alone
 MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
@@ -30,7 +32,11 @@ def cache_root() -> Path:
 
 
 def kernel_enabled(switch_env: str) -> bool:
-    """A C kernel's switch (TGI_PY_MATMUL_KERNEL, TGI_PY_INT4_KERNEL, ...): on unless "0"."""
+    """A C kernel's switch (TGI_PY_MATMUL_KERNEL, TGI_PY_INT4_KERNEL, ...): on unless "0", or
+    unless DISABLE_CUSTOM_KERNELS (TGI's variable, set by the launcher's --disable-custom-kernels)
+    turns every one off."""
+    if os.environ.get(DISABLE_KERNELS_ENV, "").lower() in ("1", "true", "yes"):
+        return False
     return os.environ.get(switch_env, "1") != "0"
 
 
@@ -150,6 +156,15 @@ class ShardConfig:
         "help": "OTLP gRPC endpoint to export trace spans to (unset: no tracing)."})
     otlp_service_name: str = field(default="tgi-py.shard", metadata={
         "help": "service.name of the exported spans."})
+    rope_scaling: str = field(default="", metadata={
+        "help": "linear: override the checkpoint's rope scaling with a linear one of --rope-factor "
+                "(the launcher's --rope-scaling/--rope-factor); empty: the checkpoint's own."})
+    rope_factor: float = field(default=1.0, metadata={
+        "help": "Factor of --rope-scaling linear; the model's context grows by as much."})
+    watermark_gamma: float = field(default=0.5, metadata={
+        "help": "Share of the vocabulary on each green list of the watermark."})
+    watermark_delta: float = field(default=2.0, metadata={
+        "help": "What the watermark adds to each green token's logit."})
     rank: int = field(default=0, metadata={"help": "Tensor-parallel rank (env RANK)."})
     world_size: int = field(default=1, metadata={"help": "Tensor-parallel world size (env WORLD_SIZE)."})
     master_addr: str = field(default="127.0.0.1", metadata={"help": "Rendezvous address (env MASTER_ADDR)."})
@@ -168,8 +183,20 @@ class ShardConfig:
                              "most 1")
         if self.block_size < 1:
             raise ValueError(f"--block-size {self.block_size} must be at least 1")
+        if self.rope_scaling not in ("", "linear") or self.rope_factor <= 0:
+            raise ValueError(f"--rope-scaling {self.rope_scaling!r} --rope-factor "
+                             f"{self.rope_factor}: linear (or nothing) and a factor above 0")
+        if not 0 < self.watermark_gamma < 1 or self.watermark_delta < 0:
+            raise ValueError(f"--watermark-gamma {self.watermark_gamma} must be between 0 and 1 "
+                             f"and --watermark-delta {self.watermark_delta} at least 0")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+
+    def rope_override(self) -> dict | None:
+        """The rope scaling that replaces the checkpoint's, in config.json's form; None: none."""
+        if not self.rope_scaling:
+            return None
+        return {"rope_type": self.rope_scaling, "factor": self.rope_factor}
 
     @property
     def socket_path(self) -> str:

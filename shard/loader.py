@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer
 
 from shard.distributed import ParallelContext
-from shard.models import load_model_class
+from shard.models import architecture_of, load_model_class
 from shard.partition import RankHeads, split_heads
 from shard.weights import Weights
 
@@ -22,12 +22,17 @@ class LoadedModel:
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
     special_token_ids: frozenset[int]
+    architecture: str  # the config.json architecture served, e.g. "LlamaForCausalLM"
 
 
 def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
-               parallel: ParallelContext, quantize: str | None = None) -> LoadedModel:
+               parallel: ParallelContext, quantize: str | None = None,
+               rope_scaling: dict | None = None) -> LoadedModel:
+    """`rope_scaling` (the launcher's --rope-scaling/--rope-factor) replaces the checkpoint's."""
     model_dir = Path(model_dir)
     raw_config = json.loads((model_dir / "config.json").read_text())
+    if rope_scaling is not None:
+        raw_config = with_rope_scaling(raw_config, rope_scaling)
     model_class, config = load_model_class(raw_config)
     heads = split_heads(config.num_attention_heads, config.num_key_value_heads,
                         parallel.world_size)
@@ -36,7 +41,20 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     special = frozenset(i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special)
     return LoadedModel(model, config, heads, tokenizer, eos_token_ids(model_dir, raw_config, tokenizer),
-                       special)
+                       special, architecture_of(raw_config))
+
+
+def with_rope_scaling(config: dict, scaling: dict) -> dict:
+    """config.json as if it had been saved with `scaling` ({"rope_type": "linear", "factor": f}).
+    The context grows by the factor: a linear scaling of f maps f times as many positions onto
+    the angles the model was trained on, and the rotary table covers max_position_embeddings."""
+    config = {**config, "rope_scaling": dict(scaling)}
+    if isinstance(config.get("rope_parameters"), dict):  # transformers 5's home for it
+        config["rope_parameters"] = {**config["rope_parameters"], **scaling}
+    factor = float(scaling.get("factor", 1.0))
+    if factor > 1 and config.get("max_position_embeddings"):
+        config["max_position_embeddings"] = int(config["max_position_embeddings"] * factor)
+    return config
 
 
 def eos_token_ids(model_dir: Path, config: dict, tokenizer: Tokenizer) -> frozenset[int]:

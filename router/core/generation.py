@@ -63,10 +63,13 @@ _FAILURE_LABELS = {"validation": "validation", "overloaded": "overloaded",
 
 
 class Infer:
-    def __init__(self, batcher: Batcher, metrics: Metrics, *, max_concurrent_requests: int):
+    def __init__(self, batcher: Batcher, metrics: Metrics, *, max_concurrent_requests: int,
+                 grammar_support: bool = True):
         self.batcher = batcher
         self.metrics = metrics
         self.max_concurrent_requests = max_concurrent_requests
+        # False (--disable-grammar-support): constrained requests are refused, as TGI refuses them
+        self.grammar_support = grammar_support
         self.in_flight = 0
         self._ids = itertools.count()
 
@@ -84,6 +87,8 @@ class Infer:
             raise
 
     def _admit(self, request: GenerateRequest, session: Session | None) -> ActiveRequest:
+        if request.grammar is not None and not self.grammar_support:
+            raise ValidationError("grammar is not supported")  # TGI's words
         if self.in_flight >= self.max_concurrent_requests:
             raise OverloadedError()
         item = ActiveRequest(id=next(self._ids), input_length=request.input_length,

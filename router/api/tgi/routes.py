@@ -10,11 +10,12 @@ from aiohttp import web
 from router.core.generation import GenerateResult
 from router.errors import BadRequestError, RouterError, ValidationError, tgi_error_body
 from router.http.json_body import read_object
+from router.http.middleware import error_middleware
 from router.http.sse import StreamFormat, serve_stream, sse_data
 from router.inputs.validation import ValidatedGenerate, check_types, validate_generate
 from router.lifecycle.served_model import ServedModel
 from router.schemas import Timings, Token, TokenEvent
-from router.state import MODEL_HEADER, STATE, served_model
+from router.state import MODEL_HEADER, STATE, RouterState, served_model
 from router.telemetry.metrics import render_models
 from router.telemetry.tracing import phase_span, record_phases, request_span
 
@@ -255,6 +256,15 @@ async def metrics(request: web.Request) -> web.Response:
         body = render_models({name: model.metrics for name, model
                               in request.app[STATE].models.served.items()})
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def metrics_app(state: RouterState) -> web.Application:
+    """What --prometheus-port serves: GET /metrics, the same as on the main port."""
+    app = web.Application()
+    app.middlewares.append(error_middleware)
+    app[STATE] = state
+    app.router.add_get("/metrics", metrics)
+    return app
 
 
 def register(app: web.Application) -> None:
