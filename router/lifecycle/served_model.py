@@ -74,6 +74,8 @@ class ServedModel:
             "model_id": self.model_name,
             "model_sha": None, "model_pipeline_tag": "text-generation",
             "model_dtype": self.shard_info.dtype, "model_device_type": self.shard_info.device_type,
+            # not in TGI's /info: which of the shards' model families serves
+            "model_architecture": self.shard_info.architecture,
             "max_concurrent_requests": config.max_concurrent_requests,
             "max_best_of": config.max_best_of, "max_stop_sequences": config.max_stop_sequences,
             "max_input_tokens": self.limits.max_input_tokens,
@@ -219,6 +221,7 @@ def model_config(config: RouterConfig, *, model_id: str, model_dir: str, master_
     socket, and the limits its `settings` give (the rest derived from the model, as at start)."""
     return dataclasses.replace(
         config, model_id=model_id, tokenizer_path=model_dir, master_shard_uds_path=master_socket,
+        tokenizer_config_path=None,  # the default model's
         max_input_tokens=None, max_total_tokens=settings.get("ctx_len"),
         max_batch_prefill_tokens=None, max_batch_size=settings.get("n_parallel"),
         max_batch_total_tokens=settings.get("max_batch_total_tokens"))
@@ -298,9 +301,19 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
     batcher = Batcher(client, queue, allocator, scheduling, metrics,
                       recovery_policy(client, config, limits, allocator),
                       session_limits=config.session_limits())
-    infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests)
+    infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests,
+                  grammar_support=not config.disable_grammar_support)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens, shard_info.vocab_size)
     return ServedModel(config, tokenizer, client, shard_info, limits, validation_limits,
-                       allocator, batcher, infer, metrics,
-                       ChatTemplate.from_model_dir(config.tokenizer_path))
+                       allocator, batcher, infer, metrics, chat_template(config))
+
+
+def chat_template(config: RouterConfig) -> ChatTemplate | None:
+    """The model's chat template. One that does not compile is said once here, and the chat
+    routes answer its error as a 422: the rest of the API serves the model all the same."""
+    template = ChatTemplate.from_model_dir(config.tokenizer_path, config.tokenizer_config_path)
+    if template is not None and template.error is not None:
+        log.warning("%s: %s; the chat routes answer 422 until the template is fixed, the other "
+                    "routes serve", config.model_id or config.tokenizer_path, template.error)
+    return template

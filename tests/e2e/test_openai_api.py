@@ -168,7 +168,7 @@ def test_completions_and_models(server, client):
     streamed = list(client.completions.create(model="m", prompt="The capital of France is",
                                               max_tokens=5, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == single.choices[0].text
-    assert [m.id for m in client.models.list().data] == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
     body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
     assert_matches("CompletionFinal", _raw(server, "/v1/completions", body))
     for chunk in _chunks(server, "/v1/completions", {**body, "stream": True}):
@@ -275,3 +275,42 @@ def test_logit_bias_bans_and_forces_tokens(client, real_model_dir):
         client.completions.create(model="m", prompt=prompt, max_tokens=3,
                                   logit_bias={"49152": 1})
     assert "vocabulary size of 49152" in caught.value.response.json()["error"]  # TGI's shape
+
+
+def test_chat_template_kwargs_are_checked_and_passed(server):
+    ok = requests.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "messages": ASK, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
+    assert ok.status_code == 200, ok.text
+    for kwargs, message in ((["x"], "`chat_template_kwargs` must be an object"),
+                            ({"messages": []}, "cannot set 'messages'")):
+        reply = requests.post(f"{server.url}/v1/chat/completions", timeout=30,
+                              json={"messages": ASK, "chat_template_kwargs": kwargs})
+        assert reply.status_code == 422
+        assert message in reply.json()["error"]
+
+
+def test_a_template_that_does_not_compile_leaves_the_other_routes_serving(tiny_llama, tmp_path):
+    """The router starts (with --reasoning-parser, forwarded by the launcher), says once why the
+    template is broken, serves /generate and answers chat with the template's error."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m.content }}\n{% endfor %}{% endif %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    launched = launch(["--model-id", str(model)], tmp_path / "launch",
+                      extra=["--reasoning-parser", "think"])
+    try:
+        generated = requests.post(f"{launched.url}/generate", timeout=60, json={
+            "inputs": "The quick", "parameters": {"max_new_tokens": 3}})
+        assert generated.status_code == 200, generated.text
+        chat = requests.post(f"{launched.url}/v1/chat/completions", timeout=60,
+                             json={"messages": ASK, "max_tokens": 3})
+        assert chat.status_code == 422
+        assert chat.json() == {"error": "Template error: the model's chat template does not "
+                                        "compile: Encountered unknown tag 'endif'. (line 2)",
+                               "error_type": "template_error"}
+    finally:
+        assert launched.stop() == 0, launched.log()
+    assert launched.log().count("chat template does not compile") == 1

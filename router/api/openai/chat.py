@@ -10,9 +10,10 @@ from aiohttp import web
 
 from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
                                       openai_logprob, usage, without_stop)
-from router.api.openai.request import (ChatOptions, build_request, choice_count, include_usage,
-                                       model_name, normalise_messages, render_chat,
-                                       sampling_and_stops, tool_plan, with_model_defaults)
+from router.api.openai.request import (ChatOptions, build_request, chat_template_kwargs,
+                                       choice_count, include_usage, model_name,
+                                       normalise_messages, render_chat, sampling_and_stops,
+                                       tool_plan, with_model_defaults)
 from router.api.tgi.routes import tokens_response
 from router.core.generation import GenerateResult
 from router.errors import ValidationError
@@ -20,6 +21,7 @@ from router.http.json_body import read_object
 from router.http.sse import openai_sse, serve_stream
 from router.inputs import structured_output
 from router.inputs.field_ranges import read_flag, read_number
+from router.inputs.reasoning import ThinkSplitter, split_reasoning, starts_in_reasoning
 from router.inputs.seeds import copies
 from router.lifecycle.served_model import ServedModel
 from router.schemas import FinishReason, GenerateRequest, Token, TokenEvent
@@ -47,24 +49,34 @@ def _tool_message(text: str) -> tuple[dict, str]:
                      "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}]}, "tool_calls"
 
 
-def _message(result: GenerateResult, expects_call: bool, stops: list[str]) -> tuple[dict, str]:
+def _message(result: GenerateResult, expects_call: bool, stops: list[str],
+             reasoning: bool | None = None) -> tuple[dict, str]:
+    """`reasoning`: None without --reasoning-parser, else whether the output begins inside the
+    thinking block (router.inputs.reasoning)."""
     finish = FINISH[result.final.finish_reason]
     if expects_call and result.final.finish_reason is not FinishReason.LENGTH:
         try:
             return _tool_message(result.final.text)
         except (json.JSONDecodeError, KeyError, TypeError):
             pass  # not a complete call: answer with the text as it is
-    return {"role": "assistant",
-            "content": without_stop(result.final.text, result.final, stops)}, finish
+    text = without_stop(result.final.text, result.final, stops)
+    if reasoning is None:
+        return {"role": "assistant", "content": text}, finish
+    thought, answer = split_reasoning(text, reasoning)
+    return {"role": "assistant", "content": answer, "reasoning_content": thought}, finish
 
 
 class _Chat:
-    """One chat request, validated: what to generate and how to answer."""
+    """One chat request, validated: what to generate and how to answer. `reasoning`: None when
+    the output is not split (no --reasoning-parser, or a grammar shapes all of it: tools and
+    response_format leave no room to think), else whether it begins inside the thinking block."""
 
-    def __init__(self, request: GenerateRequest, options: ChatOptions, expects_call: bool):
+    def __init__(self, request: GenerateRequest, options: ChatOptions, expects_call: bool,
+                 reasoning: bool | None = None):
         self.request = request
         self.options = options
         self.expects_call = expects_call
+        self.reasoning = reasoning
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -83,7 +95,7 @@ def _chat_prompt(state, body: dict):
     if plan.grammar and response_format:
         raise ValidationError("`response_format` and `tools` cannot be used together")
     prompt = render_chat(state.chat_template, messages, plan.functions, allow_text=plan.allow_text,
-                         fallback=state.chat_prompt)
+                         fallback=state.chat_prompt, template_kwargs=chat_template_kwargs(body))
     return plan, response_format, prompt
 
 
@@ -109,7 +121,10 @@ async def _validate_chat(state, body: dict) -> _Chat:
     options = ChatOptions(n=choice_count(body, state.config.max_client_batch_size),
                           stream=read_flag(body, "stream"), include_usage=include_usage(body),
                           logprobs=logprobs, top_logprobs=top_logprobs)
-    return _Chat(request, options, plan.expects_call)
+    reasoning = None
+    if state.config.reasoning_parser and request.grammar is None:
+        reasoning = starts_in_reasoning(prompt)
+    return _Chat(request, options, plan.expects_call, reasoning)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -124,7 +139,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     results = await state.infer.generate_many(requests)
     choices = []
     for index, result in enumerate(results):
-        message, finish = _message(result, chat.expects_call, chat.request.stopping.stop_sequences)
+        message, finish = _message(result, chat.expects_call, chat.request.stopping.stop_sequences,
+                                   chat.reasoning)
         choices.append({"index": index, "message": message, "finish_reason": finish,
                         "logprobs": _chat_logprobs(result) if chat.options.logprobs else None})
     completion = sum(r.final.generated_tokens for r in results)
@@ -141,6 +157,8 @@ class ChatStream(OpenAIStream):
         self.n = n
         self.completion_tokens = 0
         self.holdbacks = [StopHoldback(chat.request.stopping.stop_sequences) for _ in range(n)]
+        self.splitters = [ThinkSplitter(chat.reasoning) if chat.reasoning is not None else None
+                          for _ in range(n)]
         # a tool call's tokens go out together at its end: their logprobs wait with them
         self.call_logprobs: list[list[dict]] = [[] for _ in range(n)]
 
@@ -151,7 +169,7 @@ class ChatStream(OpenAIStream):
         if event.final is not None:
             self.completion_tokens += event.final.generated_tokens
         choice = _chat_chunk(self.chat, index, event, self.holdbacks[index],
-                             self.call_logprobs[index])
+                             self.call_logprobs[index], self.splitters[index])
         return [self._chunk(choices=[choice])] if choice is not None else []
 
     def closing(self) -> list[bytes]:
@@ -162,7 +180,7 @@ class ChatStream(OpenAIStream):
 
 
 def _chat_chunk(chat: _Chat, index: int, event, holdback: StopHoldback,
-                call_logprobs: list[dict]) -> dict | None:
+                call_logprobs: list[dict], splitter: ThinkSplitter | None = None) -> dict | None:
     logprobs = None
     if chat.options.logprobs:
         logprobs = {"content": [{**_token_logprob(event.token),
@@ -184,8 +202,17 @@ def _chat_chunk(chat: _Chat, index: int, event, holdback: StopHoldback,
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     finish = FINISH[event.final.finish_reason] if event.final is not None else None
     text = holdback.text(event.token.text, event.final)
-    return {"index": index, "delta": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish}
+    delta = {"role": "assistant", "content": text}
+    if splitter is not None:
+        # a chunk per token still (its logprobs go with it), its text split: TGI's delta schema
+        # wants a content string, "" while the model thinks
+        thought, delta["content"] = splitter.feed(text)
+        if event.final is not None:
+            held_thought, held_answer = splitter.finish()
+            thought, delta["content"] = thought + held_thought, delta["content"] + held_answer
+        if thought:
+            delta["reasoning_content"] = thought
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 async def chat_tokenize(request: web.Request) -> web.Response:

@@ -46,13 +46,25 @@ def _openai_schemas() -> dict:
             "type": "object", "required": ["role"]}}, **_openai_sampling(),
             logprobs=nullable("boolean"), top_logprobs={**int_schema(INT32, minimum=0),
                                                          "nullable": True},
-            tools=nullable("array"), tool_choice={}, response_format=nullable("object")),
+            tools=nullable("array"), tool_choice={}, response_format=nullable("object"),
+            chat_template_kwargs=nullable(
+                "object", additionalProperties=True,
+                description="vLLM's and SGLang's extension: more variables for the model's chat "
+                            "template, e.g. {\"enable_thinking\": false} for Qwen3's; they may "
+                            "replace the special tokens (bos_token, ...), not messages, tools, "
+                            "add_generation_prompt, continue_final_message, chat_template or "
+                            "tokenize (a 422)")),
         "ChatCompletion": object_schema(["id", "created", "model", "system_fingerprint", "choices",
                                    "usage"], **envelope, usage=usage,
                                   choices={"type": "array", "items": object_schema(
                                       ["index", "message", "finish_reason"], index=integer,
-                                      message={"type": "object"}, finish_reason=string,
-                                      logprobs=nullable("object"))}),
+                                      message={"type": "object", "properties": {
+                                          "role": string, "content": nullable("string"),
+                                          "reasoning_content": nullable(
+                                              "string", description="with --reasoning-parser: "
+                                              "the model's thinking (content: the answer after "
+                                              "it); streamed as delta.reasoning_content")}},
+                                      finish_reason=string, logprobs=nullable("object"))}),
         "CompletionRequest": object_schema(["prompt"], model=string, prompt={}, suffix=nullable("string"),
                                      echo=nullable("boolean"), **_openai_sampling(),
                                      logprobs={**int_schema(INT32, minimum=0), "nullable": True},

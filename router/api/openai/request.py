@@ -203,10 +203,40 @@ def tool_prompt(functions: list[dict], *, allow_text: bool) -> str:
             f"{text_option}.\nFunctions: {listed}")
 
 
+# what the router gives the template itself (messages, tools, add_generation_prompt) and what
+# vLLM refuses (chat_template, tokenize: the model's template is the one rendered); a request's
+# chat_template_kwargs naming one is a 422, not a value quietly replaced or ignored
+_TEMPLATE_OWN_VARIABLES = ("messages", "tools", "add_generation_prompt", "continue_final_message",
+                           "chat_template", "tokenize")
+
+
+def chat_template_kwargs(body: dict) -> dict:
+    """vLLM's and SGLang's `chat_template_kwargs`: more variables for the chat template (Qwen3's
+    `enable_thinking`, ...); as in transformers they may replace the special tokens (bos_token)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValidationError("`chat_template_kwargs` must be an object of template variables")
+    for key in kwargs:
+        if key in _TEMPLATE_OWN_VARIABLES:
+            raise ValidationError(
+                f"`chat_template_kwargs` cannot set {key!r}: the request's messages, tools and "
+                "add_generation_prompt are the router's to give the template, and it renders the "
+                "model's own template")
+    documents = kwargs.get("documents")
+    if documents is not None and (not isinstance(documents, list) or not all(
+            isinstance(d, dict) for d in documents)):  # what apply_chat_template refuses
+        raise ValidationError("`chat_template_kwargs.documents` must be a list of objects "
+                              "({\"title\": ..., \"text\": ...})")
+    return kwargs
+
+
 def render_chat(template: ChatTemplate | None, messages: list[dict],
                 functions: list[dict] | None, *, allow_text: bool = False,
-                fallback: ChatPrompt | None = None) -> str:
-    """The prompt of a chat: the model's template, else Jan's prompt pieces (`fallback`)."""
+                fallback: ChatPrompt | None = None, template_kwargs: dict | None = None) -> str:
+    """The prompt of a chat: the model's template, else Jan's prompt pieces (`fallback`, which
+    has no variables for `template_kwargs`)."""
     if template is None and fallback is None:
         raise TemplateError("this model has no chat template")
     if functions and (template is None or not template.knows_tools):
@@ -218,7 +248,11 @@ def render_chat(template: ChatTemplate | None, messages: list[dict],
             messages = [{"role": "system", "content": instruction}, *messages]
     if template is None:
         return fallback.render(messages)
-    return template.render(messages, add_generation_prompt=True, tools=functions)
+    # the tools as the request gives them (and transformers' get_json_schema makes them): what
+    # templates that list tools print
+    tools = [{"type": "function", "function": f} for f in functions] if functions else None
+    return template.render(messages, add_generation_prompt=True, tools=tools,
+                           extra=template_kwargs)
 
 
 def build_request(prompt: str, input_ids: list[int], body: dict, limits: ValidationLimits, *,
