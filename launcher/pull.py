@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.gguf import convert_gguf
+from launcher.gguf import convert_gguf, quantization_name
 from launcher.hub import allow_patterns, weight_files
 from launcher.known_models import KNOWN_MODELS, known_model
 from launcher.model_cache import ModelResolutionError, cache_root
@@ -111,16 +111,7 @@ def _copy_directory(source: Path, staging: Path, progress: Progress) -> str:
 
 
 def _convert(gguf_path: Path, staging: Path, progress: Progress, dtype: str) -> str:
-    import gguf
-
-    file_type = gguf.GGUFReader(str(gguf_path)).fields.get("general.file_type")
-    quantization = ""
-    if file_type is not None:
-        try:
-            quantization = gguf.LlamaFileType(int(file_type.contents())).name.removeprefix(
-                "MOSTLY_")
-        except ValueError:
-            quantization = str(file_type.contents())
+    quantization = quantization_name(gguf_path)
     out = staging / "model"
     convert_gguf(gguf_path, out, progress=lambda done, total: progress("converting", done, total),
                  dtype=dtype)

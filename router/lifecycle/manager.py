@@ -119,8 +119,8 @@ class ModelManager:
     def pull(self, body: dict) -> ModelRecord:
         source = body.get("model")
         if not isinstance(source, str) or not source.strip():
-            raise ValidationError("`model` must name what to pull: a local model directory, a "
-                                  ".gguf file or a Hugging Face Hub id")
+            raise ValidationError("`model` must name what to pull: a short name (gemma3-270m), a "
+                                  "local model directory, a .gguf file or a Hugging Face Hub id")
         for key in body:
             if key not in ("model", "id", "name"):
                 raise ValidationError(f"`{key}` is not supported by /v1/models/pull; it takes "

@@ -32,8 +32,8 @@ def _model_schemas() -> dict:
         "ModelStateError": object_schema(["error", "error_type", "state"], error=string,
                                    error_type=string, state=state),
         "NamedModel": object_schema(["model"], model=string),
-        "PullRequest": object_schema(["model"], model={**string, "description": "a local model "
-                                                 "directory, a .gguf file or a Hub id"},
+        "PullRequest": object_schema(["model"], model={**string, "description": "a short name, a "
+                                                 "local model directory, a .gguf file or a Hub id"},
                                id=string, name=string),
         "ModelPatch": {"type": "object", "properties": dict(
             settings=obj, parameters=obj, engine_parameters=obj, name=string,
