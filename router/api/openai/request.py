@@ -102,9 +102,7 @@ def _message_text(message: dict, index: int) -> str:
                               "{\"type\": \"function\", \"function\": {\"name\": ..., "
                               "\"arguments\": ...}} objects")
     if content is None:
-        if calls:  # an assistant turn that called tools, written as the calls themselves
-            return json.dumps([c.get("function", c) for c in calls], ensure_ascii=False)
-        return ""
+        return ""  # an assistant turn that called tools: see _calls_as_text
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -118,6 +116,18 @@ def _message_text(message: dict, index: int) -> str:
             parts.append(str(part.get("text", "")))
         return "".join(parts)
     raise ValidationError(f"messages[{index}].content must be a string or a list of parts")
+
+
+def _calls_as_text(message: dict) -> dict:
+    """An assistant turn that called tools and said nothing, for a prompt that cannot show
+    `tool_calls` (a template that never reads them, Jan's prompt pieces): the calls as its text.
+    Templates that read them (Qwen3's, Llama 3.1's...) get the turn as it came, as vLLM and
+    transformers pass it, and would otherwise show the calls twice."""
+    calls = message.get("tool_calls")
+    if message["content"] or not calls:
+        return message
+    return {**message, "content": json.dumps([c.get("function", c) for c in calls],
+                                             ensure_ascii=False)}
 
 
 def normalise_messages(messages) -> list[dict]:
@@ -246,6 +256,8 @@ def render_chat(template: ChatTemplate | None, messages: list[dict],
                         *messages[1:]]
         else:
             messages = [{"role": "system", "content": instruction}, *messages]
+    if template is None or "tool_calls" not in template.source:
+        messages = [_calls_as_text(m) for m in messages]
     if template is None:
         return fallback.render(messages)
     # the tools as the request gives them (and transformers' get_json_schema makes them): what

@@ -190,3 +190,24 @@ def test_qwen3_templates_see_the_requests_tools_and_kwargs_as_transformers_gives
                        [WEATHER["function"]], template_kwargs={"enable_thinking": False})
     assert ours == theirs
     assert ours.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_tool_call_turn_is_shown_once_by_a_template_that_reads_tool_calls():
+    from router.api.openai.request import normalise_messages, render_chat
+    from router.inputs.chat_template import ChatTemplate
+
+    call = {"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}
+    messages = normalise_messages([
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny"}])
+    reads_calls = ChatTemplate(
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}</call>{% endfor %}\n"
+        "{% endfor %}")
+    prompt = render_chat(reads_calls, messages, None)
+    # (trim_blocks, as transformers renders, drops the newline after each endfor)
+    assert prompt == "user:Weather in Oslo?assistant:<call>weather</call>tool:sunny"
+    # a template that never reads tool_calls sees the calls as the turn's text
+    plain = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }}\n{% endfor %}")
+    assert '"name": "weather"' in render_chat(plain, messages, None).splitlines()[1]
