@@ -9,6 +9,7 @@ from pathlib import Path
 from launcher.config import LauncherConfig, parse_args
 from launcher.dotenv import load_dotenv
 from launcher.environment import environment_report
+from launcher.gguf_architectures import GGUFError
 from launcher.logs import say
 from launcher.prepare import conversion_dtype
 from launcher.resolve import (DEFAULT_MODEL_ID, ModelResolutionError, check_remote_code,
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             convert_dtype=conversion_dtype(config.dtype, config.quantize, config.device))
         check_remote_code(model_dir, trust_remote_code=config.trust_remote_code)
         check_shardable(model_dir, config.num_shard)
-    except (ModelResolutionError, LaunchError) as err:
+    except (ModelResolutionError, LaunchError, GGUFError) as err:
         say(str(err), json_output=config.json_output, level="ERROR")
         return 1
     return Supervisor(config, model_dir, config.model_id or DEFAULT_MODEL_ID).run()

@@ -373,7 +373,8 @@ _REPEATED = {"cors_allow_origin"}
 
 def _env_default(name: str, default):
     value = None if name in _NOT_FROM_ENV else os.environ.get(name.upper())
-    return default if value is None else value
+    # empty counts as unset: compose files write VAR=${VAR} for variables the user may not set
+    return default if value is None or value == "" else value
 
 
 def _flags(name: str) -> list[str]:

@@ -53,6 +53,13 @@ class _Cursor:
         self.pos += struct.calcsize("<" + fmt)
         return values if len(values) > 1 else values[0]
 
+    def unpack_many(self, count: int, fmt: str) -> tuple:
+        """`count` values of one format, as a tuple whatever the count (unpack gives one bare)."""
+        if not count:
+            return ()
+        values = self.unpack(f"{count}{fmt}")
+        return values if count > 1 else (values,)
+
     def string(self) -> str:
         length = self.unpack("Q")
         raw = self.buffer[self.pos:self.pos + length]
@@ -69,7 +76,7 @@ class _Cursor:
         if value_type == _ARRAY:
             element_type, count = self.unpack("IQ")
             if element_type in _SCALARS:
-                return list(self.unpack(f"{count}{_SCALARS[element_type]}")) if count else []
+                return list(self.unpack_many(count, _SCALARS[element_type]))
             return [self.value(element_type) for _ in range(count)]
         raise GGUFError(f"{self.path}: unknown GGUF metadata value type {value_type}")
 

@@ -27,11 +27,13 @@ CONVERSION_SUFFIXES = {"bfloat16": "bf16", "float32": "f32"}
 def conversion_dtype(dtype: str | None, quantize: str | None, device: str) -> str:
     """The dtype a GGUF is converted to for shards started with these flags.
 
-    float32 where the shards serve float32 (--dtype float32, or no --dtype on a CPU without AVX2:
-    shard.config.default_dtype) and under --quantize, which quantises best from the GGUF's values
-    as they are (a 4-bit block's values are exact in float32, rounded off its grid in bf16);
-    bfloat16 otherwise: half the disk and memory, and what the shards compute in anyway."""
-    if quantize or dtype == "float32":
+    float32 where the shards serve float32 or float16 (--dtype, or no --dtype on a CPU without
+    AVX2: shard.config.default_dtype; float16 keeps three more mantissa bits than bf16, lost if
+    rounded through it) and under --quantize, which quantises best from the GGUF's values as they
+    are (a 4-bit block's values are exact in float32, rounded off its grid in bf16); bfloat16
+    otherwise: half the disk and memory, and what the shards compute in anyway. (No --dtype on
+    CUDA is bfloat16: a GPU without bf16 arithmetic then serves float16 from bf16 weights.)"""
+    if quantize or dtype in ("float32", "float16"):
         return "float32"
     if dtype is None and device != "cuda" and not cpu_has_avx2():
         return "float32"

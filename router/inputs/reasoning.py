@@ -27,9 +27,10 @@ def check_parser(name: str | None) -> None:
 
 
 def starts_in_reasoning(prompt: str) -> bool:
-    """Whether the output begins inside the thinking block: not when the prompt's last think tag
-    closes one (the template wrote an empty block: thinking is off)."""
-    return prompt.rfind(CLOSE) <= prompt.rfind(OPEN)  # both -1: no tag, thinking is on
+    """Whether the output begins inside the thinking block: not when the prompt ends by closing
+    one (the template wrote an empty block: thinking is off, as Qwen3's enable_thinking=false
+    does). Only the end counts: a user's message may quote the tags."""
+    return not prompt.rstrip().endswith(CLOSE)
 
 
 def _held(text: str, tags: tuple[str, ...]) -> int:

@@ -254,3 +254,44 @@ def test_a_truncated_or_foreign_file_is_refused_before_converting(tiny, tmp_path
     cut.write_bytes(b"")
     with pytest.raises(GGUFError, match="not a GGUF file"):
         conversion.read_gguf(cut)
+
+
+def test_a_one_element_array_and_a_bad_file_read_as_such(tmp_path):
+    """A numeric array of one element is a list of one (a one-layer model's per-layer arrays);
+    a file that is no GGUF is a GGUFError, which the launcher reports in one line."""
+    import gguf
+
+    from launcher.gguf_architectures import GGUFError
+    from launcher.gguf_file import read_gguf
+
+    path = tmp_path / "one.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("llama.attention.head_count", [4])
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    metadata = read_gguf(path).metadata
+    assert metadata["llama.attention.head_count"] == [4]
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all, just some bytes")
+    with pytest.raises(GGUFError):
+        read_gguf(bad)
+
+
+def test_the_launcher_refuses_a_file_that_is_no_gguf_in_one_line(tmp_path, monkeypatch, capfd):
+    import faulthandler
+    import signal
+
+    from launcher.__main__ import main
+
+    monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all, just some bytes")
+    try:
+        assert main(["--model-id", str(bad), "--device", "cpu"]) == 1
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)  # main's, writing to this test's stderr
+    said = capfd.readouterr().err
+    assert "not a GGUF file" in said and "Traceback" not in said

@@ -436,3 +436,15 @@ async def test_prometheus_port_serves_the_metrics(tiny_llama):
     finally:
         await metrics.close()
         await client.close()
+
+
+@pytest.mark.parametrize("name", ["MAX_INPUT_LENGTH", "ROPE_FACTOR", "PROMETHEUS_PORT",
+                                  "USAGE_STATS", "NUM_SHARD", "MAX_TOTAL_TOKENS"])
+def test_an_empty_environment_variable_is_unset(monkeypatch, name):
+    """Compose files write VAR=${VAR}: set but empty where the user set nothing."""
+    monkeypatch.setenv(name, "")
+    assert parse_args([]) == parse_args([])
+    monkeypatch.delenv(name)
+    unset = parse_args([])
+    monkeypatch.setenv(name, "")
+    assert parse_args([]) == unset

@@ -69,6 +69,9 @@ def test_the_prompts_last_think_tag_says_where_the_output_begins():
     assert starts_in_reasoning("<｜Assistant｜><think>\n")  # R1's template opens the block
     assert not starts_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3, off
     assert starts_in_reasoning("earlier <think>x</think> turn, then <think>\n")
+    # a user quoting the closing tag does not switch thinking off: only the prompt's end counts
+    assert starts_in_reasoning("<|im_start|>user\nWhat does </think> mean?<|im_end|>\n"
+                               "<|im_start|>assistant\n")
 
 
 def test_unknown_parser_names_are_refused_at_start_with_the_list():
