@@ -119,15 +119,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, heads: RankHeads, weights: Weights, prefix: str):
+    """Pre-norm attention then MLP. Families with Llama's norms and residual stream (Qwen3,
+    Phi-3) give their own `attention` and `mlp` blocks (else Llama's)."""
+
+    def __init__(self, cfg: LlamaConfig, heads: RankHeads, weights: Weights, prefix: str, *,
+                 attention: nn.Module | None = None, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(weights.get(f"{prefix}.input_layernorm.weight"),
                                        cfg.rms_norm_eps, weights.activation_dtype)
-        self.self_attn = LlamaAttention(cfg, heads, weights, f"{prefix}.self_attn")
+        self.self_attn = (attention if attention is not None
+                          else LlamaAttention(cfg, heads, weights, f"{prefix}.self_attn"))
         self.post_attention_layernorm = RMSNorm(
             weights.get(f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps,
             weights.activation_dtype)
-        self.mlp = LlamaMLP(cfg, weights, f"{prefix}.mlp")
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, weights, f"{prefix}.mlp")
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, angles: RotaryAngles,
                 cache: LayerCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding, partial_rotary_order, rope_type
 from shard.models.decoder import DecoderLM, load_lm_head
+from shard.models.llama import LlamaDecoderLayer
 from shard.partition import RankHeads
 from shard.weights import Weights
 
@@ -127,30 +128,6 @@ class Phi3MLP(nn.Module):
         return self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
-class Phi3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Phi3Config, heads: RankHeads, weights: Weights, prefix: str):
-        super().__init__()
-        self.input_layernorm = RMSNorm(weights.get(f"{prefix}.input_layernorm.weight"),
-                                       cfg.rms_norm_eps, weights.activation_dtype)
-        self.self_attn = Phi3Attention(cfg, heads, weights, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(
-            weights.get(f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps,
-            weights.activation_dtype)
-        self.mlp = Phi3MLP(cfg, weights, f"{prefix}.mlp")
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, angles: RotaryAngles,
-                cache: LayerCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """As LlamaDecoderLayer: returns this layer's output and the residual stream it joins
-        (each add fused with the norm that reads its result)."""
-        if residual is None:
-            normed, residual = self.input_layernorm(hidden), hidden
-        else:
-            normed, residual = self.input_layernorm.add_norm(hidden, residual)
-        attention = self.self_attn(normed, angles, cache, meta)
-        normed, residual = self.post_attention_layernorm.add_norm(attention, residual)
-        return self.mlp(normed), residual
-
-
 class Phi3ForCausalLM(DecoderLM):
     """`heads` are this rank's share (shard.partition); `weights` hands out this rank's slices."""
 
@@ -167,7 +144,10 @@ class Phi3ForCausalLM(DecoderLM):
                                       cfg.rope_scaling, weights.activation_dtype, weights.device,
                                       rotary_dim=cfg.rotary_dim)
         self.layers = nn.ModuleList(
-            Phi3DecoderLayer(cfg, heads, weights, f"model.layers.{i}")
+            LlamaDecoderLayer(cfg, heads, weights, f"model.layers.{i}",
+                              attention=Phi3Attention(cfg, heads, weights,
+                                                      f"model.layers.{i}.self_attn"),
+                              mlp=Phi3MLP(cfg, weights, f"model.layers.{i}.mlp"))
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(weights.get("model.norm.weight"), cfg.rms_norm_eps,
                             weights.activation_dtype)

@@ -16,7 +16,7 @@ from shard.layers.embedding import VocabParallelEmbedding
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding
 from shard.models.decoder import DecoderLM, load_lm_head
-from shard.models.llama import LlamaAttention, LlamaConfig, LlamaMLP
+from shard.models.llama import LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaMLP
 from shard.partition import RankHeads
 from shard.weights import Weights
 
@@ -90,30 +90,6 @@ class Qwen3Attention(LlamaAttention):
         return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale, window=self.window))
 
 
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config, heads: RankHeads, weights: Weights, prefix: str,
-                 mlp: nn.Module, window: int | None):
-        super().__init__()
-        self.input_layernorm = RMSNorm(weights.get(f"{prefix}.input_layernorm.weight"),
-                                       cfg.rms_norm_eps, weights.activation_dtype)
-        self.self_attn = Qwen3Attention(cfg, heads, weights, f"{prefix}.self_attn", window)
-        self.post_attention_layernorm = RMSNorm(
-            weights.get(f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps,
-            weights.activation_dtype)
-        self.mlp = mlp
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, angles: RotaryAngles,
-                cache: LayerCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """As LlamaDecoderLayer: this layer's output and the residual stream it joins next."""
-        if residual is None:
-            normed, residual = self.input_layernorm(hidden), hidden
-        else:
-            normed, residual = self.input_layernorm.add_norm(hidden, residual)
-        attention = self.self_attn(normed, angles, cache, meta)
-        normed, residual = self.post_attention_layernorm.add_norm(attention, residual)
-        return self.mlp(normed), residual
-
-
 class Qwen3ForCausalLM(DecoderLM):
     """The interface of LlamaForCausalLM; `build_mlp` makes each layer's feed-forward block."""
 
@@ -125,9 +101,11 @@ class Qwen3ForCausalLM(DecoderLM):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling, weights.activation_dtype, weights.device)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(cfg, heads, weights, f"model.layers.{i}",
-                              self.build_mlp(cfg, weights, f"model.layers.{i}.mlp", i),
-                              cfg.layer_windows[i])
+            LlamaDecoderLayer(cfg, heads, weights, f"model.layers.{i}",
+                              attention=Qwen3Attention(cfg, heads, weights,
+                                                       f"model.layers.{i}.self_attn",
+                                                       cfg.layer_windows[i]),
+                              mlp=self.build_mlp(cfg, weights, f"model.layers.{i}.mlp", i))
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(weights.get("model.norm.weight"), cfg.rms_norm_eps,
                             weights.activation_dtype)
