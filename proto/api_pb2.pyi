@@ -205,7 +205,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_sha", "model_pipeline_tag", "model_dtype", "model_device_type", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "shard_recovery_timeout", "waiting_served_ratio", "max_waiting_tokens", "max_batch_size", "prefix_caching", "validation_workers", "max_client_batch_size", "router", "version", "sha", "docker_label", "generation_defaults", "session_ttl", "max_sessions", "session_kv_share", "speculate", "max_decode_steps_per_call", "model_architecture")
+    __slots__ = ("model_id", "model_sha", "model_pipeline_tag", "model_dtype", "model_device_type", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "shard_recovery_timeout", "waiting_served_ratio", "max_waiting_tokens", "max_batch_size", "prefix_caching", "validation_workers", "max_client_batch_size", "router", "version", "sha", "docker_label", "generation_defaults", "session_ttl", "max_sessions", "session_kv_share", "speculate", "max_decode_steps_per_call", "model_architecture", "lora_adapters")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     MODEL_PIPELINE_TAG_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,7 @@ class InfoResponse(_message.Message):
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
     MAX_DECODE_STEPS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
     MODEL_ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_sha: str
     model_pipeline_tag: str
@@ -266,7 +267,32 @@ class InfoResponse(_message.Message):
     speculate: int
     max_decode_steps_per_call: int
     model_architecture: str
-    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_pipeline_tag: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., shard_recovery_timeout: _Optional[float] = ..., waiting_served_ratio: _Optional[float] = ..., max_waiting_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., validation_workers: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., router: _Optional[str] = ..., version: _Optional[str] = ..., sha: _Optional[str] = ..., docker_label: _Optional[str] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ..., session_ttl: _Optional[float] = ..., max_sessions: _Optional[int] = ..., session_kv_share: _Optional[float] = ..., speculate: _Optional[int] = ..., max_decode_steps_per_call: _Optional[int] = ..., model_architecture: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_pipeline_tag: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., shard_recovery_timeout: _Optional[float] = ..., waiting_served_ratio: _Optional[float] = ..., max_waiting_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., validation_workers: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., router: _Optional[str] = ..., version: _Optional[str] = ..., sha: _Optional[str] = ..., docker_label: _Optional[str] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ..., session_ttl: _Optional[float] = ..., max_sessions: _Optional[int] = ..., session_kv_share: _Optional[float] = ..., speculate: _Optional[int] = ..., max_decode_steps_per_call: _Optional[int] = ..., model_architecture: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "parent", "source", "path", "rank", "alpha", "scaling", "target_modules", "base_model", "created")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    SCALING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    parent: str
+    source: str
+    path: str
+    rank: int
+    alpha: float
+    scaling: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    base_model: str
+    created: int
+    def __init__(self, name: _Optional[str] = ..., parent: _Optional[str] = ..., source: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., scaling: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., base_model: _Optional[str] = ..., created: _Optional[int] = ...) -> None: ...
 
 class GenerationDefaults(_message.Message):
     __slots__ = ("num_beams", "do_sample", "temperature", "top_p", "top_k", "max_new_tokens", "repetition_penalty", "length_penalty")

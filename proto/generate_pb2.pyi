@@ -373,3 +373,35 @@ class WarmupResponse(_message.Message):
     max_total_tokens: int
     num_blocks: int
     def __init__(self, max_supported_total_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("rank", "alpha", "scaling", "target_modules", "base_model")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    SCALING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    scaling: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    base_model: str
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., scaling: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., base_model: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

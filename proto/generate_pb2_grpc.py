@@ -79,6 +79,16 @@ class TextGenerationServiceStub:
                 request_serializer=proto_dot_generate__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=proto_dot_generate__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/tgi.shard.v1.TextGenerationService/LoadAdapter',
+                request_serializer=proto_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_generate__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/tgi.shard.v1.TextGenerationService/UnloadAdapter',
+                request_serializer=proto_dot_generate__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_generate__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -149,6 +159,24 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Loads a LoRA adapter (PEFT's adapter_config.json and adapter_model.safetensors, or .bin, in a
+        local directory) under a name that Request.adapter_id then gives. INVALID_ARGUMENT, with the
+        reason, for an adapter this model cannot take (nothing changes then); ALREADY_EXISTS for a
+        name already loaded. The router calls every rank; each keeps its own slices.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Frees a loaded adapter. NOT_FOUND for a name not loaded; FAILED_PRECONDITION while a batch
+        the shard holds has a request on it (the router drains those first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +224,16 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.DecodeStream,
                     request_deserializer=proto_dot_generate__pb2.DecodeRequest.FromString,
                     response_serializer=proto_dot_generate__pb2.DecodeResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=proto_dot_generate__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=proto_dot_generate__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=proto_dot_generate__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=proto_dot_generate__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -441,6 +479,60 @@ class TextGenerationService:
             '/tgi.shard.v1.TextGenerationService/DecodeStream',
             proto_dot_generate__pb2.DecodeRequest.SerializeToString,
             proto_dot_generate__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tgi.shard.v1.TextGenerationService/LoadAdapter',
+            proto_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+            proto_dot_generate__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tgi.shard.v1.TextGenerationService/UnloadAdapter',
+            proto_dot_generate__pb2.UnloadAdapterRequest.SerializeToString,
+            proto_dot_generate__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
