@@ -39,6 +39,8 @@ class NewRequest:
     return_hidden_states: bool = False
     num_beams: int = 1
     length_penalty: float = 1.0
+    adapter: str | None = None  # a loaded LoRA adapter's name; None: the base model
+    adapter_slot: int = -1  # its slot in the model's AdapterSet, once admitted
 
     @property
     def prompt_length(self) -> int:
@@ -69,6 +71,7 @@ class RequestState:
     return_hidden_states: bool = False
     beams: Beams | None = None  # a beam-search request: its beams and their blocks
     drafter: Drafter | None = None  # with speculation: its n-gram drafts and how they fare
+    adapter_slot: int = -1  # the LoRA adapter every forward of it applies (-1: none)
 
     @property
     def output_ids(self) -> list[int]:
@@ -93,6 +96,16 @@ class Batch:
     @property
     def num_blocks(self) -> int:
         return sum(len(r.blocks) for r in self.requests)
+
+    def adapter_slots(self, rows_per_request: list[int] | None = None) -> torch.Tensor | None:
+        """The LoRA slot of each forward row (a request's, repeated over its `rows_per_request`
+        rows: beams, draft tokens), or None when no request has an adapter."""
+        slots = [r.adapter_slot for r in self.requests]
+        if all(slot < 0 for slot in slots):
+            return None
+        if rows_per_request is not None:
+            slots = [slot for slot, n in zip(slots, rows_per_request) for _ in range(n)]
+        return torch.tensor(slots, dtype=torch.long, device=self.seq_lens.device)
 
 
 def new_batch(batch_id: int, requests: list[NewRequest], device: torch.device, *,
@@ -125,7 +138,8 @@ def _request_state(request: NewRequest, device: torch.device, eos_token_ids: fro
                         logprob_token_ids=list(request.logprob_token_ids),
                         return_hidden_states=request.return_hidden_states,
                         beams=_beams(request, device, eos_token_ids, block_size),
-                        drafter=Drafter() if speculate else None)
+                        drafter=Drafter() if speculate else None,
+                        adapter_slot=request.adapter_slot)
 
 
 def _beams(request: NewRequest, device: torch.device, eos_token_ids: frozenset[int],

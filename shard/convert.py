@@ -41,8 +41,6 @@ def new_request(r: pb.Request, hidden_size: int) -> NewRequest:
         if kind is None:  # a newer router's type: that request alone is refused
             raise ValueError(f"grammar type {r.parameters.grammar_type} is not known to this shard")
         grammar = (kind, r.parameters.grammar)
-    if r.HasField("adapter_id"):
-        raise ValueError("LoRA adapters are not supported by this shard")
     stopping = r.stopping_parameters
     embeds = None
     if r.input_embeds:
@@ -62,7 +60,8 @@ def new_request(r: pb.Request, hidden_size: int) -> NewRequest:
         grammar=grammar, chunk_len=r.chunk_len if r.HasField("chunk_len") else None,
         input_embeds=embeds, logprob_token_ids=list(r.logprob_token_ids),
         prefill_top_n_tokens=r.prefill_top_n_tokens, return_hidden_states=r.return_hidden_states,
-        num_beams=max(r.num_beams, 1), length_penalty=r.length_penalty)
+        num_beams=max(r.num_beams, 1), length_penalty=r.length_penalty,
+        adapter=r.adapter_id or None)
 
 
 def tokens(run: TokenRun) -> pb.Tokens:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from shard import speculative_step
+from shard.adapters.adapter_set import LoadedAdapter
 from shard.admission import ModelLimits, admit
 from shard.batch_state import (Batch, NewRequest, block_table_tensor, concatenate_batches,
                                filter_batch, new_batch, sample_batch)
@@ -24,6 +25,10 @@ from shard.outputs import (CachedBatch, Generation, StepResult, WarmupResult, af
 
 
 class BatchNotFound(KeyError):
+    pass
+
+
+class AdapterInUse(RuntimeError):
     pass
 
 
@@ -104,7 +109,9 @@ class Engine:
             raise ValueError("a chunk that stops short of its prompt's end must be prefilled alone")
         if cached_batch_id is not None and cached_batch_id not in self.batches:
             raise BatchNotFound(cached_batch_id)
+        requests, unknown = self._with_adapter_slots(requests)
         requests, rejected = admit(requests, self.limits, self.runner.num_blocks, self.grammars)
+        rejected = unknown + rejected
         if not requests:  # nothing new to compute: the riding batch takes a plain step
             result = (self.decode([cached_batch_id]) if cached_batch_id is not None
                       else StepResult([], None))
@@ -145,6 +152,34 @@ class Engine:
         self.batches[batch.id] = batch
         return self._info(batch)
 
+    def load_adapter(self, name: str, path: str) -> LoadedAdapter:
+        """AdapterError (nothing changed) for an adapter this model cannot take; AdapterExists."""
+        return self.runner.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """KeyError for a name not loaded; AdapterInUse while a batch held here uses it."""
+        slot = self.runner.adapters.slot_of(name)
+        users = [r.id for b in self.batches.values() for r in b.requests if r.adapter_slot == slot]
+        if users:
+            raise AdapterInUse(f"adapter {name!r} is in use by requests {users[:8]}")
+        self.runner.adapters.unload(name)
+
+    def _with_adapter_slots(self, requests: list[NewRequest]
+                            ) -> tuple[list[NewRequest], list[tuple[int, str]]]:
+        """The requests whose adapter is loaded (its slot set on them), and (id, why) of the
+        others."""
+        kept, rejected = [], []
+        for request in requests:
+            if request.adapter is not None:
+                try:
+                    request.adapter_slot = self.runner.adapters.slot_of(request.adapter)
+                except KeyError:
+                    rejected.append((request.id, f"LoRA adapter {request.adapter!r} is not "
+                                                 "loaded on this shard"))
+                    continue
+            kept.append(request)
+        return kept, rejected
+
     def clear(self, batch_id: int | None = None) -> None:
         if batch_id is None:
             self.batches.clear()
@@ -175,13 +210,15 @@ class Engine:
         before = time.perf_counter_ns()
         if verifies:
             rows = speculative_step.verify_rows(batch, drafts, self.runner.device)
-            out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables)
+            out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables,
+                                     rows.adapter_slots)
             forward_ns = time.perf_counter_ns() - before
             generations = speculative_step.accept(batch, drafts, out.logits, out.hidden,
                                                   self.vocab)
         else:  # nothing to verify: a plain step, at a plain step's cost
             rows, first = self._decode_rows(batch)
-            out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables)
+            out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables,
+                                     rows.adapter_slots)
             forward_ns = time.perf_counter_ns() - before
             generations = self._step_rows(batch, out.logits, out.hidden, first)
         accepted = 0
@@ -245,7 +282,8 @@ class Engine:
         row per beam, and for each request the index of its first row. A beam about to write into
         a block it shares gets its own copy first."""
         if not any(state.beams is not None for state in batch.requests):
-            return DecodeRows(batch.next_input_ids, batch.seq_lens, batch.block_tables), None
+            return DecodeRows(batch.next_input_ids, batch.seq_lens, batch.block_tables,
+                              batch.adapter_slots()), None
         ids, lengths = batch.next_input_ids.tolist(), batch.seq_lens.tolist()
         tables = batch.block_tables.tolist()
         rows_ids, rows_lengths, rows_tables, first, copies = [], [], [], [], []
@@ -263,9 +301,11 @@ class Engine:
                 rows_tables.append(table)
         self.runner.copy_blocks(copies)
         device = self.runner.device
+        rows_per_request = [end - start for start, end in zip(first, first[1:] + [len(rows_ids)])]
         return DecodeRows(torch.tensor(rows_ids, dtype=torch.long, device=device),
                           torch.tensor(rows_lengths, dtype=torch.long, device=device),
-                          block_table_tensor(rows_tables, device)), first
+                          block_table_tensor(rows_tables, device),
+                          batch.adapter_slots(rows_per_request)), first
 
     def _step_rows(self, batch: Batch, logits: torch.Tensor, hidden: torch.Tensor,
                    first: list[int] | None) -> list[Generation]:
@@ -302,7 +342,8 @@ def _sequence(request: NewRequest) -> PrefillSequence:
            else request.prompt_length)
     if request.input_embeds is not None:
         return PrefillSequence([], request.cache_len, request.blocks,
-                               request.input_embeds[request.cache_len:end])
+                               request.input_embeds[request.cache_len:end],
+                               adapter_slot=request.adapter_slot)
     return PrefillSequence(request.input_ids[request.cache_len:end], request.cache_len,
-                           request.blocks)
+                           request.blocks, adapter_slot=request.adapter_slot)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shard.adapters.adapter_set import AdapterSet
 from shard.attention_inputs import (decode_metadata, pad_blocks, prefill_metadata,
                                     route_short_contexts, static_decode_metadata)
 from shard.kernels import llama_decode_step, paged_attention
@@ -44,6 +45,7 @@ class DecodeRows:
     input_ids: torch.Tensor  # [B]
     seq_lens: torch.Tensor  # [B]
     block_tables: torch.Tensor  # [B, max_blocks]
+    adapter_slots: torch.Tensor | None = None  # [B] each row's LoRA slot (-1: none); None: none
 
 
 class DecodePath(enum.Enum):
@@ -61,6 +63,7 @@ class PrefillSequence:
     start: int  # tokens of this sequence already in the cache (position of token_ids[0])
     blocks: list[int]
     embeds: torch.Tensor | None = None  # [n, hidden]: given vectors in place of token_ids
+    adapter_slot: int = -1  # the LoRA adapter of every token (-1: none)
 
     @property
     def length(self) -> int:
@@ -75,6 +78,8 @@ class ModelRunner:
         shard.kernels.cuda_graphs); `new_capture` replaces the CUDA capture (tests emulate it on the
         CPU)."""
         self.model = model
+        # the LoRA adapters loaded on it; the C decode step reads them as model.adapters
+        self.adapters = model.adapters = AdapterSet(model)
         self.spec = spec
         self.device = spec.device
         self.world_size = world_size
@@ -168,7 +173,8 @@ class ModelRunner:
             num_decode = len(decode.input_ids)
             embeds, positions, logit_rows = self._ride_along(decode, meta, embeds, positions,
                                                              logit_rows)
-        hidden = self.model(embeds, positions, self.cache, meta, logit_rows)
+        with self.adapters.applied(_token_slots(seqs, decode, self.device)):
+            hidden = self.model(embeds, positions, self.cache, meta, logit_rows)
         logits = self.model.logits(hidden)
         return _prefill_output(logits, hidden, query_lens, all_logits_rows, num_decode)
 
@@ -215,28 +221,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
-               block_tables: torch.Tensor) -> DecodeOutput:
-        """One token per sequence at position seq_lens -> logits [B, vocab] and hidden states."""
+               block_tables: torch.Tensor,
+               adapter_slots: torch.Tensor | None = None) -> DecodeOutput:
+        """One token per sequence at position seq_lens -> logits [B, vocab] and hidden states;
+        row i with the update of LoRA slot adapter_slots[i] (-1: none)."""
         width = self._graph_width(seq_lens)
-        path = self.decode_path(input_ids.shape[0], width)
+        path = self.decode_path(input_ids.shape[0], width, adapters=adapter_slots is not None)
         if path is DecodePath.C_STEP:
-            out = self.c_step(input_ids, seq_lens, block_tables)
+            out = self.c_step(input_ids, seq_lens, block_tables, row_slots=adapter_slots)
         elif path is DecodePath.CUDA_GRAPHS:
             out = self.graphs(input_ids, seq_lens, block_tables, width)
         elif path is DecodePath.COMPILED:  # it runs the eager forward itself if it fails
             out = self.decode_step(input_ids, seq_lens, block_tables)
         else:
-            out = self._decode_forward(input_ids, seq_lens, block_tables)
+            with self.adapters.applied(adapter_slots):
+                out = self._decode_forward(input_ids, seq_lens, block_tables)
         return DecodeOutput(*out)
 
-    def decode_path(self, rows: int, width: int = 0) -> DecodePath:
+    def decode_path(self, rows: int, width: int = 0, *, adapters: bool = False) -> DecodePath:
         """The one place a decode step's path is chosen, for `rows` rows whose contexts need
-        `width` block-table columns (_graph_width): the C step where allocate built one (only
-        where neither a compiled step nor CUDA graphs were asked for); else a captured graph
-        that holds the step (none after a failed capture); else the compiled step while it
-        serves (it turns itself off on a failure); else the eager forward."""
-        if self.c_step is not None:
+        `width` block-table columns (_graph_width), some with LoRA `adapters`: the C step where
+        allocate built one (only where neither a compiled step nor CUDA graphs were asked for;
+        with adapters, where the LoRA kernel built); else, without adapters (neither records
+        their updates), a captured graph that holds the step (none after a failed capture), or
+        the compiled step while it serves (it turns itself off on a failure); else the eager
+        forward."""
+        if self.c_step is not None and (not adapters or self.c_step.takes_adapters):
             return DecodePath.C_STEP
+        if adapters:
+            return DecodePath.EAGER
         if self.graphs is not None and self.graphs.bucket(rows, width) is not None:
             return DecodePath.CUDA_GRAPHS
         if isinstance(self.decode_step, CompiledDecode) and self.decode_step.active:
@@ -267,6 +280,21 @@ class ModelRunner:
         """The decode forward a CUDA graph records (see static_decode_metadata)."""
         return self._forward_rows(input_ids, seq_lens,
                                   static_decode_metadata(seq_lens, block_tables, self.spec))
+
+
+def _token_slots(seqs: list[PrefillSequence], decode: DecodeRows | None,
+                 device: torch.device) -> torch.Tensor | None:
+    """The LoRA slot of every row of a prefill forward (a riding batch's rows first), or None
+    when no row has an adapter."""
+    riding = decode.adapter_slots if decode is not None else None
+    if riding is None and all(s.adapter_slot < 0 for s in seqs):
+        return None
+    parts = [] if decode is None else [
+        riding if riding is not None
+        else torch.full((len(decode.input_ids),), -1, dtype=torch.long, device=device)]
+    parts += [torch.full((s.length,), s.adapter_slot, dtype=torch.long, device=device)
+              for s in seqs]
+    return torch.cat(parts)
 
 
 def _prefill_inputs(seqs: list[PrefillSequence], query_lens: list[int], all_logits_rows: set[int],

@@ -16,7 +16,9 @@ from proto.tracing import extract_metadata, tracer, tracing_enabled
 from shard import convert
 from shard.config import ShardConfig
 from shard.distributed import CollectiveFailed
-from shard.engine import BatchNotFound, Engine
+from shard.adapters.adapter_set import AdapterExists
+from shard.adapters.peft_files import AdapterError
+from shard.engine import AdapterInUse, BatchNotFound, Engine
 
 log = logging.getLogger("tgi.shard")
 _TRACER = tracer("tgi.shard")
@@ -144,6 +146,40 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
                                  span="prefill")
         result.rejected = rejected + result.rejected
         return convert.step_response(result, pb.PrefillResponse)
+
+    async def LoadAdapter(self, request, context):
+        if not request.name or not request.path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "LoadAdapter needs an adapter name and a directory")
+        try:
+            loaded = await self._in_worker(self.engine.load_adapter, request.name, request.path)
+        except AdapterExists as err:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err))
+        except AdapterError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except (MemoryError, torch.OutOfMemoryError) as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"not enough memory for adapter {request.name!r}: {err}")
+        log.info("loaded LoRA adapter %s (rank %d, %s) from %s", loaded.name, loaded.rank,
+                 ", ".join(loaded.target_modules), request.path)
+        return pb.LoadAdapterResponse(rank=loaded.rank, alpha=loaded.alpha,
+                                      scaling=loaded.scaling,
+                                      target_modules=loaded.target_modules,
+                                      base_model=loaded.base_model)
+
+    async def UnloadAdapter(self, request, context):
+        try:
+            await self._in_worker(self.engine.unload_adapter, request.name)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no LoRA adapter named {request.name!r} is loaded")
+        except AdapterInUse as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        log.info("unloaded LoRA adapter %s", request.name)
+        return pb.UnloadAdapterResponse()
+
+    async def _in_worker(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def _decode_args(self, request, context) -> tuple[list[int], int]:
         """A DecodeRequest's batch ids and the steps the call may take."""

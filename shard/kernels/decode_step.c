@@ -11,6 +11,10 @@
  *
  * Everything is bf16 (activations, weights in bf16_matmul's packed layout, the KV cache); rows are
  * contiguous.
+ *
+ * LoRA adapters (shard/layers/lora.py): where a step has row slots, each projection's output gets
+ * its parts' updates (lora.c) right after its matmul, before anything reads it, as the eager
+ * linear layers add them.
  */
 #include <stdint.h>
 
@@ -39,6 +43,11 @@ typedef int (*int4_matmul_fn)(const uint16_t *x, int64_t m, int64_t k, int64_t x
                               const uint8_t *packed, int64_t n, const uint16_t *bias,
                               uint16_t *out, int64_t out_stride);
 
+typedef int (*lora_add_fn)(const uint16_t *x, int64_t rows, int64_t in, int64_t x_stride,
+                           const int64_t *row_slots, const uint16_t *a, const uint16_t *bt,
+                           const int64_t *ranks, int64_t num_slots, int64_t max_rank,
+                           int64_t width, uint16_t *out, int64_t out_stride);
+
 typedef struct {
     rms_norm_fn rms_norm;
     silu_mul_fn silu_mul;
@@ -46,7 +55,25 @@ typedef struct {
     attention_fn attention;
     matmul_fn matmul;
     int4_matmul_fn int4_matmul; /* NULL where no layer is int4 */
+    lora_add_fn lora_add;       /* NULL where the LoRA kernel did not build (no step has slots) */
 } kernels_t;
+
+/* the adapters' update of one checkpoint module a projection computes (a LoraPart): a
+ * [num_slots, max_rank, in], bt [num_slots, max_rank, width], ranks [num_slots], written to the
+ * projection's columns offset .. offset + width; a NULL where there is none */
+typedef struct {
+    const uint16_t *a, *bt;
+    const int64_t *ranks;
+    int64_t num_slots, max_rank, offset, width;
+} lora_part_t;
+
+/* where each projection's parts sit in layer_t.lora, and how many it may have: q, k, v (or one
+ * for a fused checkpoint tensor); o; gate, up (or one); down */
+#define LORA_QKV 0
+#define LORA_O 3
+#define LORA_GATE_UP 4
+#define LORA_DOWN 6
+#define LORA_PARTS 7
 
 /* one decoder layer's weights (each matrix in the bf16 matmul's layout, or NULL there and in the
  * int4 matmul's form where the layer is int4; biases NULL where the model has none) and cache */
@@ -55,6 +82,7 @@ typedef struct {
     const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     void *key_cache, *value_cache;
     const uint8_t *qkv_int4, *o_int4, *gate_up_int4, *down_int4;
+    lora_part_t lora[LORA_PARTS];
 } layer_t;
 
 typedef struct {
@@ -89,6 +117,30 @@ static int linear(const kernels_t *k, const void *x, int64_t batch, int64_t in,
             return -2;                                                                             \
     } while (0)
 
+/* out [batch, n] (a projection's output for x [batch, in]) plus the updates of its parts
+ * lora[first .. first + count) for each row's slot; nothing without row slots */
+static int add_lora(const kernels_t *k, const lora_part_t *lora, int first, int count,
+                    const int64_t *row_slots, const void *x, int64_t batch, int64_t in, void *out,
+                    int64_t n) {
+    if (!row_slots)
+        return 0;
+    for (int p = first; p < first + count; p++) {
+        const lora_part_t *part = &lora[p];
+        if (part->a && k->lora_add(x, batch, in, in, row_slots, part->a, part->bt, part->ranks,
+                                   part->num_slots, part->max_rank, part->width,
+                                   (uint16_t *)out + part->offset, n) != 0)
+            return -2;
+    }
+    return 0;
+}
+
+/* a LoRA update that fails (its scratch) ends the step */
+#define LORA(...)                                                                                  \
+    do {                                                                                           \
+        if (add_lora(k, w->lora, __VA_ARGS__) != 0)                                                \
+            return -2;                                                                             \
+    } while (0)
+
 /* the residual buffer an add writes to: not the one it reads */
 static void *other(const buffers_t *buf, const void *residual) {
     return residual == buf->residual[0] ? buf->residual[1] : buf->residual[0];
@@ -97,12 +149,14 @@ static void *other(const buffers_t *buf, const void *residual) {
 /* embeds [batch, hidden] -> hidden_out [batch, hidden] (the final norm's output) and logits
  * [batch, vocab_rows]. cos/sin [batch, head_dim] are each token's angles; the new keys and values go
  * to (slot_blocks, slot_offsets); attention reads context_lens[b] tokens through block_tables.
- * Returns 0, -1 for a KV slot outside the cache (nothing of that layer written), -2 when attention
- * or a matmul could not allocate its scratch. */
+ * row_slots [batch]: each row's LoRA slot (-1: none), or NULL: no LoRA this step.
+ * Returns 0, -1 for a KV slot outside the cache (nothing of that layer written), -2 when attention,
+ * a matmul or a LoRA update could not allocate its scratch. */
 int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int64_t batch,
                 const void *embeds, const void *cos, const void *sin, const int64_t *slot_blocks,
                 const int64_t *slot_offsets, const int64_t *block_tables, int64_t table_stride,
-                const int64_t *context_lens, void *hidden_out, void *logits) {
+                const int64_t *context_lens, void *hidden_out, void *logits,
+                const int64_t *row_slots) {
     const int64_t d = m->head_dim, qkv_width = (m->heads + 2 * m->kv_heads) * d;
     const int64_t q_width = m->heads * d, qk_width = (m->heads + m->kv_heads) * d;
     const void *hidden = embeds;
@@ -120,6 +174,7 @@ int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int6
         }
         LINEAR(buf->normed, batch, m->hidden, w->qkv, w->qkv_int4, w->qkv_bias, buf->qkv,
                qkv_width);
+        LORA(LORA_QKV, 3, row_slots, buf->normed, batch, m->hidden, buf->qkv, qkv_width);
         if (k->rotary_store(buf->qkv, qkv_width, cos, sin, batch, m->heads, m->kv_heads, d, 1,
                             buf->qk, w->key_cache, w->value_cache, 1, slot_blocks, slot_offsets,
                             m->num_blocks, m->block_size) != 0)
@@ -131,15 +186,19 @@ int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int6
             return -2;
         LINEAR(buf->attention, batch, q_width, w->o, w->o_int4, w->o_bias, buf->projected,
                m->hidden);
+        LORA(LORA_O, 1, row_slots, buf->attention, batch, q_width, buf->projected, m->hidden);
         summed = other(buf, residual);
         k->rms_norm(buf->projected, residual, summed, w->post_norm, buf->normed, batch, m->hidden,
                     m->eps, 1);
         residual = summed;
         LINEAR(buf->normed, batch, m->hidden, w->gate_up, w->gate_up_int4, w->gate_up_bias,
                buf->gate_up, 2 * m->intermediate);
+        LORA(LORA_GATE_UP, 2, row_slots, buf->normed, batch, m->hidden, buf->gate_up,
+             2 * m->intermediate);
         k->silu_mul(buf->gate_up, buf->act, batch, m->intermediate, 1);
         LINEAR(buf->act, batch, m->intermediate, w->down, w->down_int4, w->down_bias,
                buf->projected, m->hidden);
+        LORA(LORA_DOWN, 1, row_slots, buf->act, batch, m->intermediate, buf->projected, m->hidden);
         hidden = buf->projected;
     }
     void *summed = other(buf, residual);

@@ -1,7 +1,8 @@
 """A Llama-family decode step as one C call (shard/kernels/decode_step.c) on the CPU: the kernels the
 eager forward calls, in its order on its inputs, so its logits are the eager step's bit for bit without
-the Python and dispatch around them. Where it does not apply `unsupported_reason` says why;
-TGI_PY_DECODE_STEP=0 switches it off.
+the Python and dispatch around them, LoRA adapters' updates included (shard/kernels/lora.c, the
+eager layers' kernel). Where it does not apply `unsupported_reason` says why; TGI_PY_DECODE_STEP=0
+switches it off.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import functools
 
 import torch
 
-from shard.kernels import bf16_matmul, int4_matmul, layer_ops, native, paged_attention
+from shard.kernels import bf16_matmul, int4_matmul, layer_ops, lora, native, paged_attention
 from shard.layers.attention import LayerCache
 from shard.models.llama import LlamaForCausalLM
 
@@ -23,14 +24,25 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 class _Kernels(ctypes.Structure):
     _fields_ = [("rms_norm", _ptr), ("silu_mul", _ptr), ("rotary_store", _ptr),
-                ("attention", _ptr), ("matmul", _ptr), ("int4_matmul", _ptr)]
+                ("attention", _ptr), ("matmul", _ptr), ("int4_matmul", _ptr),
+                ("lora_add", _ptr)]
+
+
+class _LoraPart(ctypes.Structure):
+    _fields_ = [("a", _ptr), ("bt", _ptr), ("ranks", _ptr), ("num_slots", _i64),
+                ("max_rank", _i64), ("offset", _i64), ("width", _i64)]
+
+
+# each projection's first entry in a layer's LoRA parts (decode_step.c's LORA_*) and its room
+_LORA_ROOM = {"qkv_proj": (0, 3), "o_proj": (3, 1), "gate_up_proj": (4, 2), "down_proj": (6, 1)}
+_LORA_PARTS = 7
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
         "down", "down_bias", "key_cache", "value_cache", "qkv_int4", "o_int4", "gate_up_int4",
-        "down_int4")]
+        "down_int4")] + [("lora", _LoraPart * _LORA_PARTS)]
 
 
 class _Model(ctypes.Structure):
@@ -57,7 +69,7 @@ def load_library() -> ctypes.CDLL | None:
         return None
     library.decode_step.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Model),
                                     ctypes.POINTER(_Buffers), _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
-                                    _ptr, _i64, _ptr, _ptr, _ptr]
+                                    _ptr, _i64, _ptr, _ptr, _ptr, _ptr]
     library.decode_step.restype = ctypes.c_int
     return library
 
@@ -90,6 +102,11 @@ def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str |
         attention, mlp = layer.self_attn, layer.mlp
         if attention.o_proj.bias is not None or mlp.down_proj.bias is not None:
             return "a bias after a row-parallel projection is a separate bf16 add in eager steps"
+        for linear, (_, room) in zip(_projections(layer), _LORA_ROOM.values()):
+            source = getattr(linear, "lora_source", None)
+            if source is not None and len(source.parts) > room:
+                return (f"a projection computes {len(source.parts)} checkpoint modules that "
+                        f"adapters may change (the C loop takes {room})")
     if model.lm_head.prepared.tiled is None:
         return "the head runs another kernel than our C bf16 matmul (the C loop takes no other)"
     any_int4 = False
@@ -149,7 +166,12 @@ class DecodeStep:
             _address(paged_attention.load_kernel().paged_decode_attention),
             _address(bf16_matmul.load_library().bf16_matmul),
             _address(int4_matmul.load_library().int4_matmul)
-            if int4_matmul.load_library() is not None else None)
+            if int4_matmul.load_library() is not None else None,
+            _address(lora.load_library().lora_add) if lora.load_library() is not None else None)
+        # whether steps with LoRA adapters can run here (the eager layers' PyTorch path otherwise)
+        self.takes_adapters = self._kernels.lora_add is not None
+        self._lora_version: int | None = None  # the adapter set's version the parts were set for
+        self._lora_parts: list = []  # what the parts' pointers point into
         d = self.head_dim
         # the widths of the step's activations, in _BUFFERS' order, laid end to end in one scratch
         # row block per batch row: each buffer starts at batch * (the widths before it)
@@ -161,9 +183,11 @@ class DecodeStep:
         self._run = load_library().decode_step
 
     def __call__(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
-                 block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_tables: torch.Tensor, row_slots: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per sequence at position seq_lens -> (logits [B, vocab] float32, the final
-        normed hidden states [B, hidden]), as the eager step returns them."""
+        normed hidden states [B, hidden]), as the eager step returns them; row i with the update
+        of LoRA slot row_slots[i] of the model's adapters (-1: none)."""
         batch = input_ids.shape[0]
         # the C loop reads `batch` entries of each through raw pointers
         if (input_ids.dim() != 1 or seq_lens.shape != (batch,) or block_tables.dim() != 2
@@ -179,6 +203,8 @@ class DecodeStep:
         slot_blocks = tables.gather(1, (seq_lens // self.block_size).unsqueeze(1)).squeeze(1)
         slot_blocks = slot_blocks.contiguous()
         slot_offsets = (seq_lens % self.block_size).contiguous()
+        self._follow_adapters()
+        slots = None if row_slots is None else self._lora_slots(row_slots, batch)
         scratch = torch.empty(batch * self._scratch_width, dtype=torch.bfloat16)
         base, row = scratch.data_ptr(), batch * scratch.element_size()
         buffers = _Buffers(*(base + row * start for start in self._starts))
@@ -189,12 +215,81 @@ class DecodeStep:
             ctypes.byref(buffers), batch, embeds.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
             tables.data_ptr(), tables.stride(0), context_lens.data_ptr(), hidden.data_ptr(),
-            logits.data_ptr())
+            logits.data_ptr(), None if slots is None else slots.data_ptr())
         if status == -1:
             raise IndexError("a KV slot lies outside the cache")
         if status != 0:
-            raise MemoryError("decode attention or a matmul could not allocate its scratch buffers")
+            raise MemoryError("decode attention, a matmul or a LoRA update could not allocate its "
+                              "scratch buffers")
         return logits[:, : self.model.lm_head.vocab_size].float(), hidden
+
+    def _lora_slots(self, row_slots: torch.Tensor, batch: int) -> torch.Tensor | None:
+        """row_slots as the C loop reads them (int64 [batch]), or None where no layer holds an
+        adapter's update."""
+        if not self._lora_parts:
+            return None
+        if not self.takes_adapters:
+            raise RuntimeError("LoRA updates need the C LoRA kernel in the C decode step (it did "
+                               "not build or is switched off): run such steps eagerly")
+        if row_slots.shape != (batch,):
+            raise ValueError(f"decode step: {tuple(row_slots.shape)} adapter slots for {batch} "
+                             "rows")
+        return row_slots.to(torch.int64).contiguous()
+
+    def _follow_adapters(self) -> None:
+        """The layers' parts set again after every load and unload (every step looks: after
+        the last unload, the freed stacks are let go even if no adapter row ever comes)."""
+        adapters = getattr(self.model, "adapters", None)
+        if adapters is not None and adapters.version != self._lora_version:
+            self._set_lora_parts()
+            self._lora_version = adapters.version
+
+    def _set_lora_parts(self) -> None:
+        """Every layer's LoRA parts from its projections' `.lora` (a LoraTarget or None)."""
+        d = self.head_dim
+        q_width, qkv_width = self.heads * d, (self.heads + 2 * self.kv_heads) * d
+        # each projection's (inputs, outputs), in _LORA_ROOM's order
+        shapes = ((self.hidden, qkv_width), (q_width, self.hidden),
+                  (self.hidden, 2 * self.intermediate), (self.intermediate, self.hidden))
+        held = []
+        for layer, entry in zip(self.model.layers, self._layers):
+            for linear, (first, room), shape in zip(_projections(layer), _LORA_ROOM.values(),
+                                                    shapes):
+                target = getattr(linear, "lora", None)
+                parts = [] if target is None else target.parts
+                assert len(parts) <= room, "unsupported_reason refuses more parts"
+                for index in range(room):
+                    part = parts[index] if index < len(parts) else None
+                    entry.lora[first + index] = _lora_part(part, *shape)
+                    if part is not None and part.a.numel() > 0:
+                        held.append((part.a, part.bt, part.ranks))
+        self._lora_parts = held
+
+
+def _projections(layer) -> tuple:
+    """A layer's projections, in _LORA_ROOM's order."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)
+
+
+def _lora_part(part, inputs: int, outputs: int) -> _LoraPart:
+    """A LoraPart of a projection of `inputs` -> `outputs` features as the C loop reads it (an
+    empty entry for None or stacks without room); ValueError where its tensors do not fit the
+    pointers the loop follows."""
+    if part is None or part.a.numel() == 0:
+        return _LoraPart()
+    a, bt, ranks = part.a, part.bt, part.ranks
+    if (a.dtype != torch.bfloat16 or bt.dtype != torch.bfloat16 or ranks.dtype != torch.int64
+            or not (a.is_contiguous() and bt.is_contiguous() and ranks.is_contiguous())
+            or a.dim() != 3 or a.shape[2] != inputs
+            or bt.shape != (a.shape[0], a.shape[1], part.width) or ranks.shape != a.shape[:1]
+            or part.offset < 0 or part.offset + part.width > outputs):
+        raise ValueError(f"LoRA part {part.name}: a {a.dtype} {tuple(a.shape)}, bt {bt.dtype} "
+                         f"{tuple(bt.shape)}, ranks {ranks.dtype} {tuple(ranks.shape)}, columns "
+                         f"{part.offset}..{part.offset + part.width} do not fit a projection of "
+                         f"{inputs} -> {outputs} features")
+    return _LoraPart(a.data_ptr(), bt.data_ptr(), ranks.data_ptr(), a.shape[0], a.shape[1],
+                     part.offset, part.width)
 
 
 def _bias(prepared) -> int | None:

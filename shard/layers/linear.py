@@ -14,6 +14,7 @@ from torch import nn
 
 from shard.distributed import ParallelContext, all_reduce
 from shard.kernels import bf16_matmul, int4_matmul
+from shard.layers.lora import CheckpointPart, LoraSource, LoraTarget
 from shard.layers.precision import c_matmul_runs, cpu_has_bf16_kernels
 from shard.layers.quantize import QuantizedWeight, c_int4, can_quantize, quantize, quantized_linear
 from shard.weights import Weights
@@ -179,6 +180,10 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.prepared = LinearWeight.prepare(weight, self.bias, quantize_kind, model_dtype)
+        # where LoRA adapters may change this layer (set by `load`: checkpoint modules), and the
+        # adapters' update once one does
+        self.lora_source: LoraSource | None = None
+        self.lora: LoraTarget | None = None
 
     @classmethod
     def load(cls, weights: Weights, prefixes: list[str], *, bias: bool) -> "ColumnParallelLinear":
@@ -187,7 +192,11 @@ class ColumnParallelLinear(nn.Module):
         bias_t = None
         if bias:
             bias_t = torch.cat([weights.get_sharded(f"{p}.bias", dim=0) for p in prefixes], dim=0)
-        return cls(weight, bias_t, weights.quantize, weights.dtype)
+        layer = cls(weight, bias_t, weights.quantize, weights.dtype)
+        layer.lora_source = _lora_source(
+            weights, [CheckpointPart(p, [weights.shape(f"{p}.weight")[0]]) for p in prefixes],
+            layer.prepared.in_features, row_parallel=False)
+        return layer
 
     @classmethod
     def load_fused(cls, weights: Weights, prefix: str, sizes: list[int], *, bias: bool,
@@ -202,10 +211,15 @@ class ColumnParallelLinear(nn.Module):
             row_order = row_order.to(weight.device)
             weight = weight[row_order].contiguous()
             bias_t = None if bias_t is None else bias_t[row_order].contiguous()
-        return cls(weight, bias_t, weights.quantize, weights.dtype)
+        layer = cls(weight, bias_t, weights.quantize, weights.dtype)
+        layer.lora_source = _lora_source(weights, [CheckpointPart(prefix, list(sizes))],
+                                         layer.prepared.in_features, row_parallel=False,
+                                         row_order=row_order)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.prepared)
+        out = linear(x, self.prepared)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
 
 def fused_rows(weights: Weights, name: str, sizes: list[int], *,
@@ -239,15 +253,30 @@ class RowParallelLinear(nn.Module):
         self.parallel = parallel
         self.prepared = LinearWeight.prepare(weight, quantize_kind=quantize_kind,
                                              model_dtype=model_dtype)
+        self.lora_source: LoraSource | None = None  # as ColumnParallelLinear's
+        self.lora: LoraTarget | None = None
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, *, bias: bool) -> "RowParallelLinear":
         weight = weights.get_sharded(f"{prefix}.weight", dim=1, as_stored=weights.quantizing)
         bias_t = weights.get(f"{prefix}.bias") if bias else None
-        return cls(weight, bias_t, weights.parallel, weights.quantize, weights.dtype)
+        layer = cls(weight, bias_t, weights.parallel, weights.quantize, weights.dtype)
+        out_rows, full_in = weights.shape(f"{prefix}.weight")
+        layer.lora_source = _lora_source(weights, [CheckpointPart(prefix, [out_rows])], full_in,
+                                         row_parallel=True)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(linear(x, self.prepared), self.parallel)
+        out = linear(x, self.prepared)
+        if self.lora is not None:  # this rank's share of the update joins its partial sum
+            out = self.lora.add_to(x, out)
+        out = all_reduce(out, self.parallel)
         if self.bias is not None:
             out = out + self.bias
         return out
+
+
+def _lora_source(weights: Weights, parts: list[CheckpointPart], in_features: int, *,
+                 row_parallel: bool, row_order: torch.Tensor | None = None) -> LoraSource:
+    return LoraSource(parts, in_features, row_parallel, weights.parallel, weights.dtype,
+                      weights.device, row_order)

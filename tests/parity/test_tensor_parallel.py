@@ -20,7 +20,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_rank(rank: int, world: int, port: int, model_dir: str, results):
+def _run_rank(rank: int, world: int, port: int, model_dir: str, results,
+              adapter_dir: str | None = None):
     from shard.distributed import init_parallel
     from shard.kv_budget import KVCacheSpec
     from shard.loader import load_model
@@ -35,13 +36,19 @@ def _run_rank(rank: int, world: int, port: int, model_dir: str, results):
                                                    cfg.num_key_value_heads // world, cfg.head_dim,
                                                    4, torch.float32, torch.device("cpu")))
     runner.allocate(16)
-    last = runner.prefill([PrefillSequence(p, 0, b) for p, b in zip(PROMPTS, BLOCKS)]).last
+    # with an adapter: the first sequence takes it, the second is the base model's
+    slots = [-1, -1]
+    if adapter_dir is not None:
+        slots[0] = runner.adapters.load("lora", adapter_dir).slot
+    last = runner.prefill([PrefillSequence(p, 0, b, adapter_slot=s)
+                           for p, b, s in zip(PROMPTS, BLOCKS, slots)]).last
     logits = [last]
     next_ids = last.argmax(-1)
     seq_lens = torch.tensor([len(p) for p in PROMPTS])
     tables = torch.tensor([b + [0] * (5 - len(b)) for b in BLOCKS])
     for _ in range(DECODE_STEPS):
-        step = runner.decode(next_ids, seq_lens, tables).logits
+        step = runner.decode(next_ids, seq_lens, tables,
+                             torch.tensor(slots) if adapter_dir is not None else None).logits
         logits.append(step)
         next_ids, seq_lens = step.argmax(-1), seq_lens + 1
     results[rank] = torch.stack(logits)
@@ -49,12 +56,14 @@ def _run_rank(rank: int, world: int, port: int, model_dir: str, results):
         torch.distributed.destroy_process_group()
 
 
-def _logits(model_dir, world: int) -> list[torch.Tensor]:
+def _logits(model_dir, world: int, adapter_dir=None) -> list[torch.Tensor]:
     results = mp.Manager().dict() if world > 1 else {}
+    adapter = None if adapter_dir is None else str(adapter_dir)
     if world == 1:
-        _run_rank(0, 1, 0, str(model_dir), results)
+        _run_rank(0, 1, 0, str(model_dir), results, adapter)
     else:
-        mp.spawn(_run_rank, args=(world, _free_port(), str(model_dir), results), nprocs=world)
+        mp.spawn(_run_rank, args=(world, _free_port(), str(model_dir), results, adapter),
+                 nprocs=world)
     return [results[r] for r in range(world)]
 
 
@@ -63,6 +72,22 @@ def test_sharded_logits_equal_one_shard(tmp_path, world, heads, kv_heads):
     model_dir = build_tiny_model(tmp_path / "model", num_heads=heads, num_kv_heads=kv_heads)
     (single,) = _logits(model_dir, 1)
     for rank_logits in _logits(model_dir, world):
+        assert (rank_logits - single).abs().max().item() <= 1e-4
+
+
+def test_sharded_lora_equals_one_shard(tmp_path):
+    """Each rank holds its slices of the adapter (lora_B split as a column-parallel layer's rows,
+    lora_A as a row-parallel layer's columns); the logits equal one shard's, and the adapter's
+    row differs from the base model's."""
+    from tests.lora_adapters import build_adapter
+
+    model_dir = build_tiny_model(tmp_path / "model", num_heads=4, num_kv_heads=2)
+    adapter_dir = build_adapter(model_dir, tmp_path / "adapter", rank=8, alpha=16, std=0.1)
+    (single,) = _logits(model_dir, 1, adapter_dir)
+    (base,) = _logits(model_dir, 1)
+    assert (single[0, 0] - base[0, 0]).abs().max().item() > 0.05
+    assert torch.equal(single[0, 1], base[0, 1])
+    for rank_logits in _logits(model_dir, 2, adapter_dir):
         assert (rank_logits - single).abs().max().item() <= 1e-4
 
 

@@ -7,12 +7,14 @@ import torch
 
 from shard import model_runner as model_runner_module
 from shard.distributed import ParallelContext
-from shard.kernels import bf16_matmul, int4_matmul, layer_ops, llama_decode_step, paged_attention
+from shard.kernels import (bf16_matmul, int4_matmul, layer_ops, llama_decode_step, lora,
+                           paged_attention)
 from shard.kernels.compiled_decode import CompiledDecode
 from shard.kv_budget import KVCacheSpec, allocate_kv_cache
 from shard.layers import linear, precision
 from shard.loader import load_model
 from shard.model_runner import ModelRunner, PrefillSequence
+from tests.lora_adapters import ATTENTION, build_adapter
 from tests.tiny_models import build_tiny_model
 
 
@@ -66,26 +68,30 @@ def phi3_dir(tmp_path_factory):
                            partial=0.75)
 
 
-def _assert_steps_agree(runner: ModelRunner, ids, lens, tables) -> None:
-    """One C step and one eager step from the same cache: the same logits, hidden states and
-    cache writes, bit for bit (the cache is left as the eager step wrote it)."""
+def _assert_steps_agree(runner: ModelRunner, ids, lens, tables,
+                        row_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One C step and one eager step from the same cache (each row with the update of its LoRA
+    slot where row_slots are given): the same logits, hidden states and cache writes, bit for bit
+    (the cache is left as the eager step wrote it). The C step's logits."""
     before = [(c.key.clone(), c.value.clone()) for c in runner.cache]
     with torch.inference_mode():
-        logits, hidden = runner.c_step(ids, lens, tables)
+        logits, hidden = runner.c_step(ids, lens, tables, row_slots=row_slots)
         written = [(c.key.clone(), c.value.clone()) for c in runner.cache]
         for c, (k, v) in zip(runner.cache, before):
             c.key.copy_(k)
             c.value.copy_(v)
-        eager_logits, eager_hidden = runner._decode_forward(ids, lens, tables)
+        with runner.adapters.applied(row_slots):
+            eager_logits, eager_hidden = runner._decode_forward(ids, lens, tables)
     assert logits.dtype == eager_logits.dtype == torch.float32
     assert torch.equal(logits, eager_logits)
     assert torch.equal(hidden, eager_hidden)
     assert all(torch.equal(k, c.key) and torch.equal(v, c.value)
                for (k, v), c in zip(written, runner.cache))
+    return logits
 
 
 _LIBRARIES = (layer_ops.load_library, paged_attention.load_kernel, bf16_matmul.load_library,
-              int4_matmul.load_library, llama_decode_step.load_library)
+              int4_matmul.load_library, llama_decode_step.load_library, lora.load_library)
 
 
 @pytest.fixture(params=["native", "avx2"])
@@ -161,7 +167,8 @@ def test_runner_decodes_through_the_c_step(tiny_llama, monkeypatch):
     _needs_c_step(runner)
     calls = []
     step = runner.c_step
-    monkeypatch.setattr(runner, "c_step", lambda *args: calls.append(args) or step(*args))
+    monkeypatch.setattr(runner, "c_step",
+                        lambda *args, **kwargs: calls.append(args) or step(*args, **kwargs))
     runner.prefill([PrefillSequence(token_ids=[5, 6, 7], start=0, blocks=[1, 2])])
     out = runner.decode(torch.tensor([9]), torch.tensor([3]), torch.tensor([[1, 2]]))
     assert len(calls) == 1 and out.logits.shape[0] == 1
@@ -245,3 +252,72 @@ def test_a_cpu_pool_takes_memory_as_its_blocks_are_written():
     assert float(layer.key[7].float().mean()) == 1.5 and float(layer.value[blocks - 1].sum()) == -2048
     assert not layer.key[6].any() and not pool[0].value.any()
     assert resident_mib() - before < 64 + 2 * 128  # the two full layers read, one block written
+
+
+_PHI3_LINEAR = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "ragged", "phi3", "int4"])
+def test_c_step_with_lora_adapters_equals_the_eager_step(tiny_llama, ragged_dir, phi3_dir,
+                                                         architecture, kernel_build, tmp_path):
+    """Two adapters (every projection at rank 8; attention alone at rank 4, so some parts have a
+    rank-0 slot) mixed with base rows in one batch, Phi-3's fused q/k/v and gate/up parts and
+    int4 layers among them; then after unloading one (the stacks' pointers set again) and both
+    (no update at all)."""
+    model_dir = {"llama": tiny_llama, "ragged": ragged_dir, "phi3": phi3_dir,
+                 "int4": tiny_llama}[architecture]
+    targets = _PHI3_LINEAR if architecture == "phi3" else None
+    if architecture == "int4" and (int4_matmul.load_library() is None or not linear.c_int4_runs()):
+        pytest.skip("the C int4 matmul does not run here")
+    runner = _runner(model_dir, quantize="int4" if architecture == "int4" else None)
+    _needs_c_step(runner)
+    if lora.load_library() is None:
+        pytest.skip("the C LoRA kernel did not build")
+    assert runner.c_step.takes_adapters
+    attention = targets[:2] if targets else ATTENTION
+    for name, rank, only in (("one", 8, targets), ("two", 4, attention)):
+        path = build_adapter(model_dir, tmp_path / name, rank=rank, alpha=2 * rank, targets=only,
+                             seed=rank, std=0.1)
+        runner.adapters.load(name, path)
+    batch = 6
+    torch.manual_seed(7)
+    seqs = [PrefillSequence(token_ids=torch.randint(3, 300, (4 + 3 * b,)).tolist(), start=0,
+                            blocks=list(range(1 + 6 * b, 7 + 6 * b))) for b in range(batch)]
+    runner.prefill(seqs)
+    tables = torch.tensor([s.blocks for s in seqs])
+    lens = torch.tensor([s.length for s in seqs])
+    ids = torch.randint(3, 300, (batch,))
+    slots = torch.tensor([runner.adapters.slot_of("one"), -1, runner.adapters.slot_of("two"),
+                          runner.adapters.slot_of("one"), -1, runner.adapters.slot_of("two")])
+    with torch.inference_mode():
+        base_logits, _ = runner.c_step(ids, lens, tables)
+    with_lora = _assert_steps_agree(runner, ids, lens, tables, slots)
+    is_base = slots < 0
+    assert torch.equal(with_lora[is_base], base_logits[is_base])
+    assert all(not torch.equal(with_lora[i], base_logits[i]) for i in range(batch) if slots[i] >= 0)
+    # one row alone gets the bits it gets in the mixed batch
+    alone = _assert_steps_agree(runner, ids[:1], lens[:1], tables[:1], slots[:1])
+    assert torch.equal(alone[0], with_lora[0])
+
+    runner.adapters.unload("one")
+    slots[slots == 0] = -1
+    _assert_steps_agree(runner, ids, lens, tables, slots)
+    runner.adapters.unload("two")
+    no_adapters = _assert_steps_agree(runner, ids, lens, tables, torch.full((batch,), -1))
+    assert torch.equal(no_adapters, base_logits)
+
+
+def test_without_the_lora_kernel_the_c_step_refuses_adapters(tiny_llama, monkeypatch, tmp_path):
+    """TGI_PY_LORA_KERNEL=0: the C step says it takes no adapters, and refuses a step that has
+    some rather than leave their updates out."""
+    monkeypatch.setattr(lora, "load_library", lambda: None)
+    runner = _runner(tiny_llama)
+    _needs_c_step(runner)
+    assert not runner.c_step.takes_adapters
+    runner.adapters.load("one", build_adapter(tiny_llama, tmp_path / "one", rank=4))
+    runner.prefill([PrefillSequence(token_ids=[5, 6, 7], start=0, blocks=[1, 2])])
+    args = (torch.tensor([9]), torch.tensor([3]), torch.tensor([[1, 2]]))
+    with torch.inference_mode():
+        runner.c_step(*args)
+        with pytest.raises(RuntimeError):
+            runner.c_step(*args, row_slots=torch.tensor([runner.adapters.slot_of("one")]))

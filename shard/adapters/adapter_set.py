@@ -1,0 +1,189 @@
+"""The LoRA adapters loaded on one model: a slot per adapter, its updates placed in the linear layers
+it changes (this rank's slices of them), and the slot of each row of the forward running now."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shard.adapters.peft_files import AdapterError, read_adapter
+from shard.layers.lora import LoraPart, LoraRows, LoraTarget
+
+# the largest rank served; the stacks of every layer an adapter changes are as wide as the largest
+# rank loaded, so one adapter of a huge rank would slow every request that uses any adapter
+MAX_RANK = 64
+
+
+class AdapterExists(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class LoadedAdapter:
+    name: str
+    slot: int
+    rank: int
+    alpha: float
+    scaling: float
+    target_modules: list[str]
+    base_model: str
+
+
+@dataclass(slots=True)
+class _Placement:
+    linear: nn.Module
+    part: int  # index into linear.lora_source.parts
+    a: torch.Tensor  # [rank, this rank's inputs]
+    bt: torch.Tensor  # [rank, this rank's output rows of the part], scaling folded in
+
+
+class AdapterSet:
+    def __init__(self, model: nn.Module):
+        # checkpoint module name -> (the linear layer computing it, which of its parts)
+        self._modules: dict[str, tuple[nn.Module, int]] = {}
+        for module in model.modules():
+            source = getattr(module, "lora_source", None)
+            if source is not None:
+                for index, part in enumerate(source.parts):
+                    self._modules[part.name] = (module, index)
+        self.adapters: dict[str, LoadedAdapter] = {}
+        self.version = 0  # bumped on every load and unload: the stacks may have moved
+        self.rows: LoraRows | None = None  # the forward running now
+        self._slots = 0  # the stacks' room
+        self._rank = 0
+        self._targets: list[nn.Module] = []  # the linear layers holding a LoraTarget
+
+    @property
+    def supported(self) -> bool:
+        return bool(self._modules)
+
+    def slot_of(self, name: str) -> int:
+        """KeyError for a name not loaded."""
+        return self.adapters[name].slot
+
+    def load(self, name: str, path: str | Path) -> LoadedAdapter:
+        """Reads and places an adapter; AdapterError (nothing changed) when it cannot serve here."""
+        if name in self.adapters:
+            raise AdapterExists(f"an adapter named {name!r} is already loaded")
+        if not self._modules:
+            raise AdapterError("this model's layers take no LoRA adapters")
+        adapter = read_adapter(path)
+        placements = [self._placement(path, module, update)
+                      for module, update in sorted(adapter.modules.items())]
+        rank = max(p.a.shape[0] for p in placements)
+        slot = next(i for i in range(len(self.adapters) + 1)
+                    if i not in {a.slot for a in self.adapters.values()})
+        try:
+            self._grow(max(self._slots, slot + 1), max(self._rank, rank))
+            for placement in placements:
+                part = self._target(placement.linear).parts[placement.part]
+                r = placement.a.shape[0]
+                part.a[slot, :r] = placement.a.to(part.a.dtype)
+                part.bt[slot, :r] = placement.bt.to(part.bt.dtype)
+                part.ranks[slot] = r
+        except BaseException:  # out of memory half-way: the slot must not keep what it got
+            self._clear(slot)
+            raise
+        finally:  # the stacks may have moved, even when the load failed
+            self.version += 1
+        loaded = LoadedAdapter(name, slot, adapter.rank, adapter.alpha, adapter.scaling,
+                               adapter.target_modules, adapter.base_model)
+        self.adapters[name] = loaded
+        return loaded
+
+    def unload(self, name: str) -> None:
+        """KeyError for a name not loaded."""
+        self._clear(self.adapters.pop(name).slot)
+        if not self.adapters:  # the layers go back to costing nothing
+            for linear in self._targets:
+                linear.lora = None
+            self._targets, self._slots, self._rank = [], 0, 0
+        self.version += 1
+
+    @contextmanager
+    def applied(self, slots: torch.Tensor | None) -> Iterator[None]:
+        """Row i of the forward run inside gets the update of adapter slot slots[i] (-1: none)."""
+        if slots is None or not self.adapters:
+            yield
+            return
+        self.rows = LoraRows(slots)
+        try:
+            yield
+        finally:
+            self.rows = None
+
+    def _clear(self, slot: int) -> None:
+        for linear in self._targets:
+            for part in linear.lora.parts:
+                if slot < part.ranks.shape[0]:
+                    part.a[slot].zero_()
+                    part.bt[slot].zero_()
+                    part.ranks[slot] = 0
+
+    def _current_rows(self) -> LoraRows | None:
+        return self.rows
+
+    def _placement(self, path, module: str, update) -> _Placement:
+        if module not in self._modules:
+            kinds = sorted({name.rsplit(".", 1)[-1] for name in self._modules})
+            raise AdapterError(f"{path}: it changes {module}, which is not a projection of this "
+                               f"model that adapters may change ({', '.join(kinds)} of its "
+                               "layers)")
+        if update.rank > MAX_RANK:
+            raise AdapterError(f"{path}: {module} has rank {update.rank}; ranks up to {MAX_RANK} "
+                               "are served")
+        linear, index = self._modules[module]
+        source = linear.lora_source
+        part = source.parts[index]
+        inputs, outputs = update.a.shape[1], update.b.shape[0]
+        if inputs != source.in_features or outputs != source.full_rows(part):
+            raise AdapterError(
+                f"{path}: {module} maps {inputs} inputs to {outputs} outputs in the adapter but "
+                f"{source.in_features} to {source.full_rows(part)} in this model: the adapter "
+                "was trained on another base model")
+        world = source.parallel.world_size
+        if source.row_parallel and inputs % world:
+            raise AdapterError(f"{path}: {module}'s {inputs} inputs do not divide by {world} "
+                               "shards")
+        a = source.local_columns(update.a.float())
+        bt = (source.local_rows(part, update.b.float()) * update.scaling).T
+        return _Placement(linear, index, a.contiguous(), bt.contiguous())
+
+    def _target(self, linear: nn.Module) -> LoraTarget:
+        """The layer's LoraTarget, made (empty, as wide as the stacks) the first time."""
+        if linear.lora is None:
+            source, parts, offset = linear.lora_source, [], 0
+            for part in source.parts:
+                width = part_width(source, part)
+                parts.append(LoraPart(
+                    part.name, offset, width,
+                    torch.zeros(self._slots, self._rank, local_inputs(source), dtype=source.dtype,
+                                device=source.device),
+                    torch.zeros(self._slots, self._rank, width, dtype=source.dtype,
+                                device=source.device),
+                    torch.zeros(self._slots, dtype=torch.int64, device=source.device)))
+                offset += width
+            linear.lora = LoraTarget(parts, self._current_rows)
+            self._targets.append(linear)
+        return linear.lora
+
+    def _grow(self, slots: int, rank: int) -> None:
+        if (slots, rank) == (self._slots, self._rank):
+            return
+        for linear in self._targets:
+            linear.lora.parts = [part.resized(slots, rank) for part in linear.lora.parts]
+        self._slots, self._rank = slots, rank
+
+
+def part_width(source, part) -> int:
+    """The output rows of `part` this rank computes."""
+    return sum(part.sizes) if source.row_parallel else sum(part.sizes) // source.parallel.world_size
+
+
+def local_inputs(source) -> int:
+    return (source.in_features // source.parallel.world_size if source.row_parallel
+            else source.in_features)

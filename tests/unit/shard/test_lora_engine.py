@@ -1,0 +1,109 @@
+"""LoRA adapters through the engine: requests name adapters, a batch mixes them with the base,
+beams and draft tokens carry their request's adapter, unknown names and busy unloads refused."""
+import pytest
+
+from shard.engine import AdapterInUse
+from tests.engine_helpers import (BlockPool, make_engine, request, run_to_completion,
+                                  steps_to_completion)
+from tests.lora_adapters import ATTENTION, build_adapter, greedy_reference, reference_model
+from tests.tiny_models import build_tiny_model
+
+PROMPTS = [[5, 17, 42, 99, 3], [11, 12, 13], [200, 201, 202, 203, 204, 205], [7, 8, 9, 10]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-engine")
+    model_dir = build_tiny_model(root / "model", num_heads=4, num_kv_heads=2)
+    return model_dir, {
+        "one": build_adapter(model_dir, root / "one", rank=8, alpha=16, seed=1, std=0.1),
+        "two": build_adapter(model_dir, root / "two", rank=4, alpha=8, targets=ATTENTION,
+                             seed=2, std=0.1),
+    }
+
+
+def _requests(pool, adapters, **params):
+    out = []
+    for i, (prompt, adapter) in enumerate(zip(PROMPTS, adapters)):
+        r = request(i + 1, prompt, pool.take(len(prompt) + 12, 4), max_new_tokens=10,
+                    ignore_eos=True, **params)
+        r.adapter = adapter
+        out.append(r)
+    return out
+
+
+def test_mixed_batch_equals_peft_and_each_request_alone(tiny):
+    model_dir, adapters = tiny
+    engine = make_engine(model_dir)
+    for name, path in adapters.items():
+        engine.load_adapter(name, str(path))
+    choice = ["one", None, "two", "one"]
+    together = run_to_completion(engine, _requests(BlockPool(512), choice))
+    for i, (prompt, adapter) in enumerate(zip(PROMPTS, choice)):
+        alone = run_to_completion(engine, [_requests(BlockPool(512), choice)[i]], batch_id=9)
+        assert alone[i + 1] == together[i + 1]
+        reference = reference_model(model_dir, adapters[adapter] if adapter else None)
+        assert together[i + 1] == greedy_reference(reference, prompt, 10)
+    # the adapters change the text (else this test would prove nothing)
+    base = run_to_completion(engine, _requests(BlockPool(512), [None] * 4))
+    assert base[1] != together[1] and base[3] != together[3]
+
+
+def test_beams_and_speculation_carry_the_adapter(tiny):
+    model_dir, adapters = tiny
+    plain = make_engine(model_dir)
+    drafting = make_engine(model_dir, speculate=2)
+    for engine in (plain, drafting):
+        engine.load_adapter("one", str(adapters["one"]))
+    choice = ["one", None, "one", None]
+    assert (run_to_completion(drafting, _requests(BlockPool(512), choice))
+            == run_to_completion(plain, _requests(BlockPool(512), choice)))
+    # beam search: each beam row is its request's; alone it answers as in the mixed batch
+    def beamed(adapters, only=None):
+        pool = BlockPool(512)
+        requests = _requests(pool, adapters)
+        for r in requests:  # each beam writes its own blocks past the prompt
+            r.num_beams, r.blocks = 2, pool.take(3 * (r.prompt_length + 12), 4)
+            r.ignore_eos = False  # beam search takes none
+        if only is not None:
+            requests = [requests[only]]
+        texts = {}
+        for out in steps_to_completion(plain, requests, batch_id=5):
+            texts.update({g.request_id: g.generated_text.token_ids for g in out.generations
+                          if g.generated_text is not None})
+        return texts
+
+    mixed = beamed(choice)
+    assert mixed[1] == beamed(choice, only=0)[1] and mixed[2] == beamed(choice, only=1)[2]
+    assert mixed[1] != beamed([None] * 4)[1]
+
+
+def test_unknown_adapter_refuses_that_request_alone(tiny):
+    model_dir, adapters = tiny
+    engine = make_engine(model_dir)
+    engine.load_adapter("one", str(adapters["one"]))
+    requests = _requests(BlockPool(512), ["one", "nope", None, "one"])
+    out = engine.prefill(1, requests)
+    assert [rid for rid, _ in out.rejected] == [2]
+    assert "'nope' is not loaded" in out.rejected[0][1]
+    assert sorted(out.batch.request_ids) == [1, 3, 4]
+
+
+def test_unload_waits_for_no_request_and_frees_the_layers(tiny):
+    model_dir, adapters = tiny
+    engine = make_engine(model_dir)
+    engine.load_adapter("one", str(adapters["one"]))
+    out = engine.prefill(1, _requests(BlockPool(512), ["one", None, None, None]))
+    with pytest.raises(AdapterInUse):
+        engine.unload_adapter("one")
+    engine.clear(out.batch.id)
+    engine.unload_adapter("one")
+    with pytest.raises(KeyError):
+        engine.unload_adapter("one")
+    layers = engine.runner.model.layers
+    assert all(layer.self_attn.qkv_proj.lora is None for layer in layers)
+    # loaded again, it serves as before
+    engine.load_adapter("one", str(adapters["one"]))
+    again = run_to_completion(engine, _requests(BlockPool(512), ["one"] * 4))
+    reference = reference_model(model_dir, adapters["one"])
+    assert again[1] == greedy_reference(reference, PROMPTS[0], 10)
