@@ -17,6 +17,7 @@ from router.api.openai import completions
 from router.api.sglang import routes as sglang
 from router.api.tgi import routes as tgi
 from router.config import RouterConfig
+from router.errors import RouterError
 from router.http.middleware import api_key_middleware, error_middleware, install_cors
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.model_host import ModelHostClient
@@ -48,7 +49,21 @@ def router_state(config: RouterConfig, default: ServedModel) -> RouterState:
 
 async def build_state(config: RouterConfig) -> RouterState:
     # the launcher restarts a default group that dies while it is warmed up: wait for it
-    return router_state(config, await build_served(config, through_restarts=True))
+    state = router_state(config, await build_served(config, through_restarts=True))
+    await load_startup_adapters(state)
+    return state
+
+
+async def load_startup_adapters(state: RouterState) -> None:
+    """--lora-adapters, into the default model, after its warm-up and before serving; one that
+    cannot be loaded stops the router with the reason (a ValueError, as a bad flag does)."""
+    adapters = state.models.default.adapters
+    for name, path in state.config.lora_adapter_dirs():
+        try:
+            await adapters.load(name, path)
+        except RouterError as err:
+            await state.models.close()
+            raise ValueError(f"--lora-adapters {name}={path}: {err.message}") from None
 
 
 def create_app(state: RouterState) -> web.Application:

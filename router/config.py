@@ -16,6 +16,24 @@ def _opt(default, help_text: str):
     return field(default=default, metadata={"help": help_text})
 
 
+# a LoRA adapter's name is only ever compared, never made a path: any printable text, as TGI
+# names an adapter by its id or directory; without quotes and backslashes, a Prometheus label
+MAX_ADAPTER_NAME_CHARS = 512
+RESERVED_ADAPTER_NAMES = ("tgi",)  # what an OpenAI request gives when it means "the model"
+
+
+def adapter_name_problem(name: object) -> str | None:
+    """Why `name` cannot name a LoRA adapter, or None (the launcher checks --lora-adapters with
+    it before any shard starts; the router, every name it is given)."""
+    if (not isinstance(name, str) or not name or len(name) > MAX_ADAPTER_NAME_CHARS
+            or not name.isprintable() or name != name.strip() or '"' in name or "\\" in name
+            or name in RESERVED_ADAPTER_NAMES):
+        return (f"invalid adapter name {str(name)[:200]!r}: printable text of at most "
+                f"{MAX_ADAPTER_NAME_CHARS} characters, without quotes, backslashes or spaces at "
+                "its ends, and not 'tgi'")
+    return None
+
+
 @dataclass(slots=True)
 class RouterConfig:
     tokenizer_path: str = _opt(None, "Model directory holding tokenizer.json (and config files).")
@@ -115,6 +133,10 @@ class RouterConfig:
     default_model_device: str = _opt("auto", "device of models started without ngl 0.")
     autostart: str = _opt("false", "true: models running when the registry was last saved "
                                    "start again.")
+    lora_adapters: str = _opt(None, "LoRA adapters to load into the default model before "
+                                    "serving: name=directory pairs, comma separated (a bare "
+                                    "directory is named after itself). tgi-launcher resolves "
+                                    "its --lora-adapters (Hub ids too) to this.")
 
     def __post_init__(self):
         if not self.tokenizer_path:
@@ -160,6 +182,7 @@ class RouterConfig:
         if self.default_do_sample not in ("true", "false"):
             raise ValueError(f"--default-do-sample {self.default_do_sample!r} must be true or "
                              "false")
+        self.lora_adapter_dirs()  # its syntax, said at start
         try:
             check_config(self.generation_defaults())
         except RouterError as err:
@@ -172,6 +195,25 @@ class RouterConfig:
             top_k=self.default_top_k, max_new_tokens=self.default_max_new_tokens,
             repetition_penalty=self.default_repetition_penalty,
             length_penalty=self.default_length_penalty)
+
+    def lora_adapter_dirs(self) -> list[tuple[str, str]]:
+        """--lora-adapters as (name, directory) pairs, in order."""
+        pairs: list[tuple[str, str]] = []
+        for item in (self.lora_adapters or "").split(","):
+            item = item.strip()
+            if not item:
+                continue
+            name, sep, path = item.partition("=")
+            if not sep:
+                name, path = os.path.basename(item.rstrip("/")), item
+            name, path = name.strip(), path.strip()
+            if not name or not path:
+                raise ValueError(f"--lora-adapters item {item!r}: write name=/path/to/adapter")
+            if name in (n for n, _ in pairs):
+                raise ValueError(f"--lora-adapters names {name!r} twice; give each adapter its "
+                                 "own name")
+            pairs.append((name, path))
+        return pairs
 
     def session_limits(self) -> SessionLimits:
         return SessionLimits(max_sessions=self.max_sessions, kv_share=self.session_kv_share,

@@ -30,6 +30,29 @@ class ValidationError(RouterError):
     prefix = "Input validation error: "
 
 
+class UnknownAdapterError(ValidationError, LookupError):
+    """A request names a LoRA adapter the model has not loaded (or is unloading). A 422 as it
+    is; the OpenAI and SGLang routes answer it in their own status."""
+
+    def __init__(self, name: str, loaded: list[str]):
+        listed = (f"the loaded adapters are: {', '.join(loaded)}" if loaded
+                  else "no LoRA adapters are loaded")
+        super().__init__(f"adapter {str(name)[:200]!r} is not loaded; {listed}")
+        self.adapter = name
+
+
+class AdapterError(RouterError):
+    """A LoRA adapter cannot be loaded or unloaded as asked: a bad directory, a name in use, an
+    adapter the shards refuse (the message says which). 400, as vLLM answers them."""
+
+    status = 400
+    error_type = "adapter"
+
+    def __init__(self, message: str, *, status: int = 400):
+        super().__init__(message)
+        self.status = status  # 424 when the shards failed the call rather than refused it
+
+
 class OverloadedError(RouterError):
     status = 429
     error_type = "overloaded"

@@ -62,6 +62,7 @@ class GenerateRequest:
     return_hidden_states: bool = False
     num_beams: int = 1  # > 1: beam search, whose whole answer comes with the last event
     length_penalty: float = 1.0
+    adapter_id: str | None = None  # a loaded LoRA adapter's name; None: the base model
 
     @property
     def input_length(self) -> int:

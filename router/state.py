@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from router.config import RouterConfig
-from router.lifecycle.manager import ModelManager
+from router.errors import ModelNotFoundError
+from router.lifecycle.manager import UNNAMED_MODELS, ModelManager
 from router.lifecycle.served_model import ServedModel
 
 # names the model of a request whose body cannot (TGI's, SGLang's and generate-one's routes)
@@ -36,3 +37,22 @@ def served_model(request: web.Request, name: str | None = None) -> ServedModel:
     if name is None:
         name = request.headers.get(MODEL_HEADER)
     return request.app[STATE].served(name)
+
+
+def model_and_adapter(request: web.Request, name: str | None) -> tuple[ServedModel, str | None]:
+    """An OpenAI body's `model`: a LoRA adapter's name gives its base model and the adapter
+    (models and adapters share one namespace); any other name is served_model's, no adapter."""
+    models = request.app[STATE].models
+    found = models.adapter_model(name)
+    if found is not None:
+        return found
+    served = served_model(request, name)
+    loaded = served.adapters.names()
+    # while one model runs any name reaches it, as in TGI; but once it serves adapters, a name
+    # that is neither the model nor one of them is most likely a mistyped adapter, whose answer
+    # from the base model would read like the adapter's
+    if loaded and name not in UNNAMED_MODELS and name not in models.served:
+        raise ModelNotFoundError(f"model {str(name)[:200]!r} not found: neither the model "
+                                 f"{served.model_name!r} nor one of its LoRA adapters "
+                                 f"({', '.join(loaded)})")
+    return served, None

@@ -6,6 +6,7 @@ import asyncio
 
 from router.schemas import FinalInfo, FinishReason, Token, TokenEvent
 from router.shards.client import ShardError
+from router.shards.convert import AdapterInfo
 from router.shards.step_types import (CachedBatch, Generation, NewBatch, PreparedBatch, Rejection,
                                       ShardRequest, StepResult, StepTimings)
 
@@ -32,6 +33,11 @@ class FakeShardClient:
         self.untranslatable = lambda request: None
         # a generation that cannot be read back: (request, token count) -> the error, or None
         self.unreadable = lambda request, count: None
+        # LoRA adapters loaded (name -> directory), as LoadAdapter left them; a request naming
+        # another is refused alone, as the shard refuses it
+        self.adapters: dict[str, str] = {}
+        # an adapter the shard cannot take: (name, path) -> the reason, or None to load it
+        self.refuse_adapter = lambda name, path: None
 
     async def _maybe_fail(self, method: str) -> None:
         await asyncio.sleep(self.step_delay)
@@ -108,7 +114,8 @@ class FakeShardClient:
         if running is not None:
             self.calls.append(("step", running.id))
         await self._maybe_fail("prefill")
-        refused = [Rejection(r.id, why) for r in requests if (why := self.refuse(r)) is not None]
+        refused = [Rejection(r.id, why) for r in requests
+                   if (why := self.refuse(r) or self._unknown_adapter(r)) is not None]
         taken = [r for r in requests if r.id not in {x.request_id for x in refused}]
         result = await self._prefill_taken(batch.id, taken, running, partial)
         result.rejected[:0] = refused
@@ -178,6 +185,27 @@ class FakeShardClient:
         assert set(request_ids) <= set(self.batches[batch_id])
         self.batches[batch_id] = list(request_ids)
         return CachedBatch(batch_id, list(request_ids))
+
+    def _unknown_adapter(self, request: ShardRequest) -> str | None:
+        name = request.request.adapter_id
+        return None if name is None or name in self.adapters else f"adapter {name!r} is not loaded"
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        self.calls.append(("load_adapter", (name, path)))
+        if name in self.adapters:
+            raise ShardError(f"adapter {name!r} is already loaded", "ALREADY_EXISTS")
+        reason = self.refuse_adapter(name, path)
+        if reason is not None:
+            raise ShardError(reason, "INVALID_ARGUMENT")
+        self.adapters[name] = path
+        return AdapterInfo(rank=8, alpha=16.0, scaling=2.0, target_modules=("q_proj", "v_proj"),
+                           base_model="tiny")
+
+    async def unload_adapter(self, name: str) -> None:
+        self.calls.append(("unload_adapter", name))
+        if name not in self.adapters:
+            raise ShardError(f"adapter {name!r} is not loaded", "NOT_FOUND")
+        del self.adapters[name]
 
     async def clear_cache(self, batch_id: int | None = None) -> None:
         self.calls.append(("clear", batch_id))

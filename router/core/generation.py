@@ -16,6 +16,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+from router.core.adapter_use import AdapterUse
 from router.errors import IncompleteGenerationError, OverloadedError, RouterError, ValidationError
 from router.inputs.seeds import copies
 from router.kv.sessions import Session
@@ -71,6 +72,8 @@ class Infer:
         # False (--disable-grammar-support): constrained requests are refused, as TGI refuses them
         self.grammar_support = grammar_support
         self.in_flight = 0
+        # the LoRA adapters requests may name, and each one's requests in flight
+        self.adapters = AdapterUse()
         self._ids = itertools.count()
 
     def record_failure(self, error: RouterError) -> None:
@@ -91,10 +94,13 @@ class Infer:
             raise ValidationError("grammar is not supported")  # TGI's words
         if self.in_flight >= self.max_concurrent_requests:
             raise OverloadedError()
+        # validated against the loaded adapters already; one being unloaded since is refused
+        self.adapters.check(request.adapter_id)
         item = ActiveRequest(id=next(self._ids), input_length=request.input_length,
                              max_new_tokens=request.stopping.max_new_tokens,
                              prompt_ids=None if request.computes_whole_prompt
                              else request.input_ids,
+                             adapter_id=request.adapter_id,
                              request=request, span_context=current_span_context())
         if request.num_beams > 1:
             item.kv_rows, item.kv_row_slack = request.num_beams, self.batcher.allocator.block_size
@@ -117,7 +123,7 @@ class Infer:
             # the best beam's keys and values need not be in the blocks any more: none are kept
             blocks = item.allocation.block_ids if item.request.num_beams == 1 else []
             sessions.keep(session, item.request.input_ids + item.generated_ids, final.text,
-                          blocks)
+                          blocks, adapter_id=item.adapter_id)
 
         item.on_final = keep
 
@@ -134,6 +140,9 @@ class Infer:
         metrics = self.metrics
         metrics.input_length.observe(request.input_length)
         metrics.max_new_tokens.observe(request.stopping.max_new_tokens)
+        if request.adapter_id is not None:
+            metrics.counters.inc("tgi_request_adapter_count", adapter=request.adapter_id)
+        self.adapters.enter(request.adapter_id)
         self.in_flight += 1
         timings.queued_at = time.monotonic()
         metrics.validation_duration.observe(timings.queued_at - timings.started_at)
@@ -159,6 +168,7 @@ class Infer:
             if not item.is_done:
                 self.batcher.cancel(item)
             self.in_flight -= 1
+            self.adapters.leave(request.adapter_id)
 
     def _record_success(self, timings: Timings, final: FinalInfo) -> None:
         timings.finished_at = time.monotonic()

@@ -2,6 +2,7 @@
 
 A field left out takes the server's default (GenerationDefaults: launcher flags, their environment
 variables, or a .env file); numbers go through field_ranges' checks as on the other APIs.
+`adapter_id` (a LoRA adapter's name) is ours: the spec has no such field, and no default.
 """
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ class GenerationConfig:
     max_new_tokens: int | None
     repetition_penalty: float
     length_penalty: float
+    # extension: a loaded LoRA adapter's name, "" for the base model; None (left out) is the
+    # base model on a new session and the session's own adapter on a later call
+    adapter_id: str | None = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -77,6 +81,11 @@ def parse_config(value, defaults: GenerationDefaults) -> GenerationConfig:
     if "max_new_tokens" in given:
         out["max_new_tokens"] = check_int("generation_config.max_new_tokens",
                                           given["max_new_tokens"], UINT32)
+    if "adapter_id" in given:
+        if not isinstance(given["adapter_id"], str):
+            raise ValidationError("`generation_config.adapter_id` must be a string: a loaded "
+                                  "LoRA adapter's name")
+        out["adapter_id"] = given["adapter_id"]
     config = replace(config, **out)
     check_config(config)
     return config

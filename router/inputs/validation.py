@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Protocol
 
-from router.errors import ValidationError
+from router.errors import UnknownAdapterError, ValidationError
 from router.inputs.field_ranges import INT32, UINT32, UINT64, check_float, check_int
 from router.inputs.seeds import seed_or_draw
 from router.inputs.structured_output import from_tgi
 from router.inputs.tokenizer import RouterTokenizer
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
+
+
+
+class AdapterRegistry(Protocol):
+    """What validation reads of a served model's adapters (router.lifecycle.adapters)."""
+
+    def check(self, name: str) -> None: ...  # UnknownAdapterError for a name not loaded
 
 DEFAULT_MAX_NEW_TOKENS = 100
 
@@ -160,9 +168,24 @@ def _best_of(params: dict, limits: ValidationLimits, stream: bool) -> int:
     return best_of
 
 
+def chosen_adapter(name: str | None, adapters: AdapterRegistry | None) -> str | None:
+    """The LoRA adapter a request names: None (the base model) for None or "", else a loaded
+    adapter's name; UnknownAdapterError (a 422) for a name the model has not loaded. TGI falls
+    back to the base model for an unknown id; we refuse it, since an answer from the wrong
+    weights would look like a right one (docs/apis.md)."""
+    if not name:
+        return None
+    if adapters is None:  # a model without a registry has loaded none
+        raise UnknownAdapterError(name, [])
+    adapters.check(name)
+    return name
+
+
 async def validate_generate(body: dict, tokenizer: RouterTokenizer, limits: ValidationLimits,
-                            *, stream: bool = False) -> ValidatedGenerate:
-    """The TGI body {inputs, parameters} -> a request the batcher can schedule."""
+                            *, stream: bool = False,
+                            adapters: AdapterRegistry | None = None) -> ValidatedGenerate:
+    """The TGI body {inputs, parameters} -> a request the batcher can schedule; `adapters`: the
+    served model's, which `parameters.adapter_id` must name one of."""
     inputs = body.get("inputs")
     if not isinstance(inputs, str):
         raise _type_error("inputs", inputs, "a string") if "inputs" in body else \
@@ -174,11 +197,10 @@ async def validate_generate(body: dict, tokenizer: RouterTokenizer, limits: Vali
     if not isinstance(raw, dict):  # [], "", 0 and false too, as serde refuses them
         raise _type_error("parameters", raw, "an object")
     params = check_types(raw)
+    adapter_id = chosen_adapter(params.get("adapter_id"), adapters)
     grammar = None
     if params.get("grammar") is not None:  # compiling one may take a while: off the event loop
         grammar = await asyncio.to_thread(from_tgi, params["grammar"])
-    if params.get("adapter_id") is not None:
-        raise ValidationError("`adapter_id` is not supported: this server loads no LoRA adapters")
     best_of = _best_of(params, limits, stream)
     decoder_input_details = params.get("decoder_input_details", False)
     if stream and decoder_input_details:
@@ -210,7 +232,8 @@ async def validate_generate(body: dict, tokenizer: RouterTokenizer, limits: Vali
         inputs=inputs, input_ids=input_ids, sampling=sampling,
         stopping=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=[s for s in stop if s],
                                 ignore_eos=bool(params.get("ignore_eos", False))),
-        top_n_tokens=top_n, prefill_logprobs=decoder_input_details, grammar=grammar)
+        top_n_tokens=top_n, prefill_logprobs=decoder_input_details, grammar=grammar,
+        adapter_id=adapter_id)
     return ValidatedGenerate(request, best_of, details=bool(params.get("details", False)),
                              return_full_text=params.get("return_full_text"),
                              decoder_input_details=decoder_input_details)

@@ -1,9 +1,11 @@
 """Reuse of computed prompt blocks: full KV blocks keyed by a hash chained to their predecessor.
 
 A block's key covers every token before it, so equal keys mean equal prefixes (the tokens are kept
-and compared as well, so a hash collision can never share wrong keys and values). The cache holds one
-reference to each block it knows; a block only the cache holds is evicted least-recently-used when
-the pool runs short. Pure: no I/O.
+and compared as well, so a hash collision can never share wrong keys and values). A LoRA adapter
+changes every key and value a prompt computes, so a request on an adapter starts its chain from
+the adapter's name and matches only prefixes computed by that adapter (the base model's chain
+starts from nothing, as it always has). The cache holds one reference to each block it knows; a
+block only the cache holds is evicted least-recently-used when the pool runs short. Pure: no I/O.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class CachedBlock:
     block_id: int
     tokens: tuple[int, ...]
     parent_key: int | None
+    adapter_id: str | None = None  # the LoRA adapter that computed it (None: the base model)
 
 
 class PrefixCache:
@@ -30,9 +33,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def _keys(self, token_ids: list[int]):
-        """(key, parent key, tokens) of each full block of `token_ids`."""
-        parent = None
+    def _keys(self, token_ids: list[int], adapter_id: str | None):
+        """(key, parent key, tokens) of each full block of `token_ids`, computed by the base
+        model or by `adapter_id`."""
+        parent = None if adapter_id is None else hash(("lora", adapter_id))
         size = self.block_size
         for start in range(0, len(token_ids) - size + 1, size):
             tokens = tuple(token_ids[start:start + size])
@@ -44,26 +48,36 @@ class PrefixCache:
         """Forgets every block without letting go of them: for a pool about to be reset."""
         self._blocks.clear()
 
-    def match(self, token_ids: list[int]) -> list[int]:
-        """Block ids of the longest cached prefix of full blocks; the caller gets a reference to each."""
+    def match(self, token_ids: list[int], *, adapter_id: str | None = None) -> list[int]:
+        """Block ids of the longest cached prefix of full blocks that `adapter_id` (None: the
+        base model) computed; the caller gets a reference to each."""
         found = []
-        for key, _, tokens in self._keys(token_ids):
+        for key, _, tokens in self._keys(token_ids, adapter_id):
             block = self._blocks.get(key)
-            if block is None or block.tokens != tokens:
+            if block is None or block.tokens != tokens or block.adapter_id != adapter_id:
                 break
             self._blocks.move_to_end(key)
             found.append(block.block_id)
         self.allocator.incref(found)
         return found
 
-    def insert(self, token_ids: list[int], block_ids: list[int]) -> None:
-        """Remembers the full blocks of a computed prompt (block_ids[i] holds its i-th block)."""
-        for (key, parent, tokens), block_id in zip(self._keys(token_ids), block_ids):
+    def insert(self, token_ids: list[int], block_ids: list[int], *,
+               adapter_id: str | None = None) -> None:
+        """Remembers the full blocks of a prompt computed by `adapter_id` (None: the base
+        model); block_ids[i] holds its i-th block."""
+        for (key, parent, tokens), block_id in zip(self._keys(token_ids, adapter_id), block_ids):
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 continue
-            self._blocks[key] = CachedBlock(block_id, tokens, parent)
+            self._blocks[key] = CachedBlock(block_id, tokens, parent, adapter_id)
             self.allocator.incref([block_id])
+
+    def forget_adapter(self, adapter_id: str) -> None:
+        """Lets go of every block `adapter_id` computed: it is unloaded, and an adapter loaded
+        later under its name may compute other keys and values. A request still holding one of
+        them keeps its own reference."""
+        for key in [k for k, b in self._blocks.items() if b.adapter_id == adapter_id]:
+            self.allocator.decref([self._blocks.pop(key).block_id])
 
     def evict(self, needed: int) -> int:
         """Frees up to `needed` blocks that only the cache holds, least recently used first."""

@@ -6,7 +6,9 @@ generated one, whose keys and values are computed by the next call). Sessions to
 a share of the pool; past it, when the pool runs short, or once idle past the TTL, the least
 recently used idle session lets go of its blocks. A session without blocks keeps its tokens: its
 next call computes them again (the same answer, later). Past `max_sessions`, once a call ends
-with its session kept, the least recently used idle session is forgotten. Pure: no I/O.
+with its session kept, the least recently used idle session is forgotten. A session keeps the LoRA
+adapter its generation ran with: its keys and values are that adapter's, so a later call continues
+with it and may not name another (SessionAdapterConflict). Pure: no I/O.
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ class SessionBusy(Exception):
     """A call on this request_id is still running."""
 
 
+class SessionAdapterConflict(Exception):
+    """A call names another LoRA adapter than the one its session's generation ran with."""
+
+
 @dataclass(eq=False, slots=True)
 class Session:
     key: SessionKey
@@ -41,6 +47,7 @@ class Session:
     computed: int = 0
     last_used: float = 0.0
     busy: bool = False  # a call runs on it: no other call may take it
+    adapter_id: str | None = None  # the LoRA adapter its generation ran with (None: the base)
     # what the running call's generation left, applied when the call succeeds (end): until
     # then the session is as it was, so a call that fails afterwards changes nothing
     pending: Session | None = None
@@ -49,6 +56,16 @@ class Session:
     def started(self) -> bool:
         """Whether a generation ran (a later call continues it; the prompt is then ignored)."""
         return bool(self.token_ids)
+
+    def adapter_for(self, asked: str | None, *, named: bool) -> str | None:
+        """The adapter a call runs with: `asked` when the session has not started; else its
+        own, which a call that `named` an adapter (`asked`, None for the base model) must
+        repeat (SessionAdapterConflict otherwise)."""
+        if not self.started:
+            return asked
+        if named and asked != self.adapter_id:
+            raise SessionAdapterConflict(self.adapter_id)
+        return self.adapter_id
 
 
 class SessionStore:
@@ -96,6 +113,7 @@ class SessionStore:
                 self._release(session.blocks)
                 session.token_ids, session.blocks = pending.token_ids, pending.blocks
                 session.computed, session.text = pending.computed, pending.text
+                session.adapter_id = pending.adapter_id
             else:
                 self._release(pending.blocks)
         session.busy = False
@@ -110,10 +128,10 @@ class SessionStore:
         self._fit_budget()
 
     def keep(self, session: Session, token_ids: list[int], added_text: str,
-             block_ids: list[int]) -> None:
+             block_ids: list[int], *, adapter_id: str | None = None) -> None:
         """A call's generation finished: `token_ids` (the history and the new ids) and the blocks
-        holding them (not those past the computed tokens) are kept for the session, pending the
-        call's success (end)."""
+        holding them (not those past the computed tokens), computed with `adapter_id`, are kept
+        for the session, pending the call's success (end)."""
         computed = len(token_ids) - 1
         kept = block_ids[:self.allocator.blocks_needed(computed)]
         self.allocator.incref(kept)
@@ -121,7 +139,7 @@ class SessionStore:
         if session.pending is not None:
             self._release(session.pending.blocks)
         session.pending = Session(session.key, session.prompt, session.text + added_text,
-                                  list(token_ids), kept, computed)
+                                  list(token_ids), kept, computed, adapter_id=adapter_id)
 
     def release_blocks(self, needed: int) -> int:
         """Sessions let go of their blocks, least recently used first and idle ones before busy
@@ -144,6 +162,15 @@ class SessionStore:
             if session.last_used > deadline:
                 break  # ordered by last use: the rest are more recent
             if not session.busy and session.blocks:
+                self._drop_blocks(session)
+
+    def release_adapter(self, adapter_id: str) -> None:
+        """Sessions of `adapter_id` let go of their blocks: it is unloaded (no request on it is
+        queued or running), and an adapter loaded later under its name would compute other keys
+        and values. Their tokens stay: a next call computes them again, if the name is loaded
+        again by then."""
+        for session in list(self._sessions.values()):
+            if session.adapter_id == adapter_id and session.blocks:
                 self._drop_blocks(session)
 
     def clear_blocks(self) -> None:

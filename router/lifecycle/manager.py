@@ -14,8 +14,10 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from router.errors import (ModelHostMissingError, ModelNotFoundError, ModelStartError,
-                           ModelStateError, OverloadedError, RouterError, ValidationError)
+from router.errors import (InvalidModelIdError, ModelHostMissingError, ModelNotFoundError,
+                           ModelStartError, ModelStateError, OverloadedError, RouterError,
+                           UnknownAdapterError, ValidationError)
+from router.lifecycle.adapters import AdapterEntry
 from router.lifecycle.model_host import ModelHostClient, ModelHostError
 from router.lifecycle.registry import (BUSY, DOWNLOADED, DOWNLOADING, NOT_DOWNLOADED, RUNNING,
                                        SERVABLE, STARTING, STOPPED, STOPPING, ModelRecord,
@@ -28,7 +30,7 @@ from router.lifecycle.settings import (ENGINE_PARAMETERS, PARAMETERS, SETTINGS, 
 log = logging.getLogger("tgi.router")
 
 # the TGI routes name no model; OpenAI clients of TGI send any name, often "tgi"
-_UNNAMED = (None, "", "tgi")
+UNNAMED_MODELS = (None, "", "tgi")  # names that mean "the model", whatever its id
 DRAIN_TIMEOUT_S = 60.0  # how long a stop waits for the model's requests in flight
 LOST_GROUP_CHECK_S = 2.0  # how often models whose shards are lost are asked about
 MAX_PULLS = 4  # pulls at once: each holds one of the model host's workers (launcher/model_host.py)
@@ -48,6 +50,7 @@ class ModelManager:
         self.default_id: str | None = None
         self._moves: dict[str, asyncio.Task] = {}  # a start or stop under way, by model id
         self._pulls: set[asyncio.Task] = set()
+        self._adapter_fetches: dict[str, asyncio.Lock] = {}  # by cache directory name
         self._closing = False
 
     def _check_host(self) -> None:
@@ -63,7 +66,7 @@ class ModelManager:
         registry when its name is a valid id (a path given as --model-id is served unrecorded)."""
         model_id = served.model_name
         self.default_id = model_id
-        self.served[model_id] = served
+        self._serve(model_id, served)
         try:
             check_model_id(model_id)
         except RouterError:
@@ -80,19 +83,28 @@ class ModelManager:
         self._apply(record, served)
         self.registry.add(record)
 
+    def _serve(self, model_id: str, served: ServedModel) -> None:
+        """`served` answers under `model_id`; its adapters may come from the Hub through the
+        model host, and take no name another model or adapter has."""
+        self.served[model_id] = served
+        adapters = served.adapters
+        if self.host is not None and self.registry.directory is not None:
+            adapters.fetch = self._fetch_adapter
+        adapters.name_taken = lambda name: self._name_use(name, served)
+
     def served_model(self, name: str | None) -> ServedModel:
         """The running model a request names: 404 when no model has that name, 409 when it is
         not running. While one model runs, a name nobody knows is that model, as TGI ignores
         the name (models merely on disk do not change how a one-model server answers)."""
         if name in self.served:
             return self.served[name]
-        if name not in _UNNAMED and name in self.registry.records:
+        if name not in UNNAMED_MODELS and name in self.registry.records:
             state = self.registry.records[name].state
             advice = (f"pull it with POST /v1/models/pull, then start it with PUT "
                       f"/v1/models/{name}/start" if state == NOT_DOWNLOADED
                       else f"start it with PUT /v1/models/{name}/start")
             raise ModelStateError(f"model {name!r} is {state}, not running: {advice}", state)
-        if name not in _UNNAMED and len(self.served) > 1:
+        if name not in UNNAMED_MODELS and len(self.served) > 1:
             raise ModelNotFoundError(f"model {str(name)[:200]!r} not found: GET /v1/models lists "
                                      "the models this server knows")
         if self.default_id in self.served:
@@ -109,6 +121,66 @@ class ModelManager:
     @property
     def default(self) -> ServedModel | None:
         return self.served.get(self.default_id)
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+
+    def adapter_model(self, name: str | None) -> tuple[ServedModel, str] | None:
+        """The running model that has a LoRA adapter named `name` (loaded, or being unloaded:
+        its requests then hear that it is not loaded), and the name; None when none has."""
+        if not isinstance(name, str) or not name:
+            return None
+        for served in self.served.values():
+            if name in served.adapters.names():
+                return served, name
+        return None
+
+    def adapter_names(self) -> list[str]:
+        return sorted(n for served in self.served.values() for n in served.adapters.names())
+
+    async def load_adapter(self, name: str, source: str, *,
+                           model: str | None = None) -> tuple[ServedModel, AdapterEntry]:
+        """Loads an adapter into `model` (the default model, or the one running model, when
+        None; 404/409 as served_model answers)."""
+        served = self.served_model(model)
+        return served, await served.adapters.load(name, source)
+
+    async def unload_adapter(self, name: str) -> ServedModel:
+        """Unloads adapter `name` from the model that has it; UnknownAdapterError if none."""
+        found = self.adapter_model(name)
+        if found is None:
+            raise UnknownAdapterError(name, self.adapter_names())
+        await found[0].adapters.unload(name)
+        return found[0]
+
+    def _name_use(self, name: str, loading_into: ServedModel) -> str | None:
+        """What else `name` names, if anything: a model, or another model's adapter."""
+        if name in self.served or name in self.registry.records:
+            return "the id of a model"
+        for model_id, served in self.served.items():
+            if served is not loading_into and served.adapters.has(name):
+                return f"an adapter of model {model_id!r}"
+        return None
+
+    def _check_not_adapter(self, model_id: str) -> None:
+        found = self.adapter_model(model_id)
+        if found is not None:
+            raise InvalidModelIdError(f"{model_id!r} is the name of a LoRA adapter of model "
+                                      f"{found[0].model_name!r}: models and adapters share the "
+                                      "names a request's `model` gives; pick another id")
+
+    async def _fetch_adapter(self, hub_id: str, revision: str | None) -> str:
+        """A Hub adapter's directory in the cache (<registry>/adapters/<org%2Fname[@rev]>),
+        fetched by the launcher the first time."""
+        name = hub_id.replace("/", "%2F") + (f"@{revision.replace('/', '%2F')}" if revision
+                                             else "")
+        target = self.registry.directory / "adapters" / name
+        # two loads of one Hub id under two names: the second waits for the first's pull
+        async with self._adapter_fetches.setdefault(name, asyncio.Lock()):
+            if not (target / "adapter_config.json").is_file():
+                async for _ in self.host.pull(hub_id, str(target), revision=revision,
+                                              adapter=True):
+                    pass
+        return str(target)
 
     def _apply(self, record: ModelRecord, served: ServedModel) -> None:
         served.request_defaults = dict(record.parameters)
@@ -127,6 +199,7 @@ class ModelManager:
                                       "model, id and name")
         given = body.get("id")
         model_id = check_model_id(_id_of(source) if given is None else given)
+        self._check_not_adapter(model_id)
         if len(source) > 4096 or not source.isprintable():
             raise ValidationError("`model` must be a path or a Hub id of at most 4096 printable "
                                   "characters")
@@ -207,6 +280,7 @@ class ModelManager:
         if record.state in (RUNNING, STARTING):
             return record
         self._check_host()
+        self._check_not_adapter(record.id)
         before = record.state
         self._check_context(record)
         self.registry.move(record, STARTING, allowed_from=SERVABLE, action="start")
@@ -235,7 +309,7 @@ class ModelManager:
             raise
         self._apply(record, served)
         served.start(self.supervise)
-        self.served[record.id] = served
+        self._serve(record.id, served)
         self.registry.move(record, RUNNING, allowed_from=(STARTING,), action="run")
         log.info("model %s is running", record.id)
         return record

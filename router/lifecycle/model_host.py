@@ -19,10 +19,13 @@ class ModelHostClient:
         self.channel = grpc.aio.insecure_channel(f"unix://{socket_path}")
         self.stub = pb_grpc.ModelHostStub(self.channel)
 
-    async def pull(self, source: str, target_dir: str) -> AsyncIterator[pb.PullProgress]:
+    async def pull(self, source: str, target_dir: str, *, revision: str | None = None,
+                   adapter: bool = False) -> AsyncIterator[pb.PullProgress]:
+        """A model's files (converted to what the shards serve), or with `adapter` a LoRA
+        adapter's as they are, into `target_dir`; progress as it goes."""
         try:
-            async for progress in self.stub.Pull(pb.PullRequest(source=source,
-                                                                target_dir=target_dir)):
+            async for progress in self.stub.Pull(pb.PullRequest(
+                    source=source, target_dir=target_dir, revision=revision, adapter=adapter)):
                 yield progress
         except grpc.aio.AioRpcError as err:
             raise ModelHostError(err.details() or err.code().name) from None

@@ -9,20 +9,22 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from router import VERSION
 from router.config import RouterConfig
 from router.core.generation import Infer
-from router.errors import ModelStateError, SessionBusyError, UnhealthyError
+from router.errors import ModelStateError, SessionBusyError, UnhealthyError, ValidationError
 from router.inputs.chat_template import ChatTemplate
 from router.inputs.generation_config import GenerationDefaults
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import TokenLimits, ValidationLimits
 from router.kv.block_allocator import BlockAllocator
 from router.kv.prefix_cache import PrefixCache
-from router.kv.sessions import Session, SessionBusy
+from router.kv.sessions import Session, SessionAdapterConflict, SessionBusy
+from router.lifecycle.adapters import AdapterRegistry
 from router.lifecycle.registry import STOPPED
 from router.lifecycle.settings import ChatPrompt
 from router.scheduler.batcher import Batcher
@@ -55,6 +57,12 @@ class ServedModel:
     request_defaults: dict = field(default_factory=dict)
     chat_prompt: ChatPrompt = field(default_factory=ChatPrompt)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    adapters: AdapterRegistry = None  # its LoRA adapters; made in __post_init__ unless given
+
+    def __post_init__(self):
+        if self.adapters is None:
+            self.adapters = AdapterRegistry(self.client, self.infer.adapters, self.batcher,
+                                            self.metrics, parent=self.model_name)
 
     @property
     def model_name(self) -> str:
@@ -96,6 +104,8 @@ class ServedModel:
             "generation_defaults": self.generation_defaults.as_json(),
             "session_ttl": config.session_ttl, "max_sessions": config.max_sessions,
             "session_kv_share": config.session_kv_share,
+            # not in TGI's /info: the LoRA adapters loaded (a request names one by `name`)
+            "lora_adapters": self.adapters.info_json(),
             "router": "tgi-py-router", "version": VERSION, "sha": None, "docker_label": None,
         }
 
@@ -115,6 +125,26 @@ class ServedModel:
             return self.batcher.sessions.begin(key, prompt)
         except SessionBusy:
             raise SessionBusyError(f"a call on request_id {key[1]!r} is still running") from None
+
+    def session_adapter(self, session: Session, asked: str | None, *,
+                        named: bool | None = None) -> str | None:
+        """The LoRA adapter a call on `session` runs with ("" is None: the base model). A new
+        session's is `asked`, which must be loaded; a started one keeps its own, and a call
+        that names another (`named`: it gave the field; by default, whether `asked` is set)
+        is a 422."""
+        asked = asked or None
+        named = asked is not None if named is None else named
+        try:
+            adapter = session.adapter_for(asked, named=named)
+        except SessionAdapterConflict:
+            started = (f"adapter {session.adapter_id!r}" if session.adapter_id is not None
+                       else "the base model (no adapter)")
+            raise ValidationError(
+                f"request_id {session.key[1]!r} was started with {started}; a call cannot "
+                "change its adapter: leave adapter_id out, or start a new request_id") from None
+        if adapter is not None:
+            self.adapters.check(adapter)
+        return adapter
 
     def end_session(self, session: Session, succeeded: bool) -> None:
         """Lets go of a session; it keeps the call's text only when the call `succeeded`."""
@@ -200,16 +230,21 @@ async def warm_up(client: ShardedClient, config: RouterConfig, limits: TokenLimi
 
 
 def recovery_policy(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
-                    allocator: BlockAllocator) -> RecoveryPolicy:
+                    allocator: BlockAllocator,
+                    reload_adapters: Callable[[], Awaitable[None]] | None = None
+                    ) -> RecoveryPolicy:
     """How the router gets a model's shards back after the launcher restarted them: the same
-    socket, the same model and limits, a short warm-up that allocates the pool at its size, and
-    empty caches."""
+    socket, the same model and limits, a short warm-up that allocates the pool at its size,
+    empty caches, and its LoRA adapters loaded again (`reload_adapters`) before any request runs."""
 
     async def reconnect() -> int:
         await client.reconnect(config.master_shard_uds_path, timeout=2.0)
         await client.clear_cache()
-        return await warm_up(client, config, limits, allocator.block_size,
-                             known_pool_blocks=allocator.num_blocks)
+        num_blocks = await warm_up(client, config, limits, allocator.block_size,
+                                   known_pool_blocks=allocator.num_blocks)
+        if reload_adapters is not None:
+            await reload_adapters()
+        return num_blocks
 
     return RecoveryPolicy(reconnect=reconnect, is_alive=client.is_same_group_alive,
                           timeout=config.shard_recovery_timeout)
@@ -222,6 +257,7 @@ def model_config(config: RouterConfig, *, model_id: str, model_dir: str, master_
     return dataclasses.replace(
         config, model_id=model_id, tokenizer_path=model_dir, master_shard_uds_path=master_socket,
         tokenizer_config_path=None,  # the default model's
+        lora_adapters=None,  # the default model's: another loads its own at run time
         max_input_tokens=None, max_total_tokens=settings.get("ctx_len"),
         max_batch_prefill_tokens=None, max_batch_size=settings.get("n_parallel"),
         max_batch_total_tokens=settings.get("max_batch_total_tokens"))
@@ -298,15 +334,22 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
     if config.prefix_caching == "on" and shard_info.use_prefix_caching:
         prefix_cache = PrefixCache(allocator)
     queue = RequestQueue(allocator, prefix_cache, chunking=shard_info.support_chunking)
+    served: ServedModel | None = None  # the recovery reloads its adapters once it exists
+
+    async def reload_adapters() -> None:
+        if served is not None:
+            await served.adapters.reload_all()
+
     batcher = Batcher(client, queue, allocator, scheduling, metrics,
-                      recovery_policy(client, config, limits, allocator),
+                      recovery_policy(client, config, limits, allocator, reload_adapters),
                       session_limits=config.session_limits())
     infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests,
                   grammar_support=not config.disable_grammar_support)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens, shard_info.vocab_size)
-    return ServedModel(config, tokenizer, client, shard_info, limits, validation_limits,
-                       allocator, batcher, infer, metrics, chat_template(config))
+    served = ServedModel(config, tokenizer, client, shard_info, limits, validation_limits,
+                         allocator, batcher, infer, metrics, chat_template(config))
+    return served
 
 
 def chat_template(config: RouterConfig) -> ChatTemplate | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from router.errors import GenerationError, RouterError
@@ -111,6 +112,20 @@ class Batcher:
         cache.evict(len(cache))
         self.running.update_gauges()
         return len(cache) == 0
+
+    def requests_by_adapter(self) -> tuple[Counter[str], Counter[str]]:
+        """(waiting, running) requests on each LoRA adapter, running ones until the shards let
+        go of them; the base model's are not counted."""
+        waiting = Counter(i.adapter_id for i in self.queue.entries() if i.adapter_id is not None)
+        running = Counter(i.adapter_id for i in self.running.all() if i.adapter_id is not None)
+        return waiting, running
+
+    def forget_adapter(self, adapter_id: str) -> None:
+        """An unloaded adapter's cached prompt blocks and sessions' blocks are let go of."""
+        if self.queue.prefix_cache is not None:
+            self.queue.prefix_cache.forget_adapter(adapter_id)
+        self.sessions.release_adapter(adapter_id)
+        self.running.update_gauges()
 
     def expire_sessions(self) -> None:
         """Sessions idle past their TTL let go of their blocks."""

@@ -32,6 +32,7 @@ class QueueEntry:
     queued_at: float = field(default_factory=time.monotonic)
     allocation: BlockAllocation | None = None
     prompt_ids: list[int] | None = None  # offered to the prefix cache (None: never cached)
+    adapter_id: str | None = None  # its LoRA adapter: it shares cached prefixes of that one only
     cache_len: int = 0  # prompt tokens whose keys and values come from the prefix cache
     held_prefix: HeldPrefix | None = None  # where its prompt's start is, before the prefix cache
     attempts: int = 0  # times it was sent to the shards (a shard failure may send it back here)
@@ -87,7 +88,7 @@ class RequestQueue(Generic[E]):
             return list(held.blocks), held.computed
         if self.prefix_cache is None or entry.prompt_ids is None:
             return [], 0
-        shared = self.prefix_cache.match(entry.prompt_ids)
+        shared = self.prefix_cache.match(entry.prompt_ids, adapter_id=entry.adapter_id)
         while shared and len(shared) * self.allocator.block_size >= entry.input_length:
             self.allocator.decref([shared.pop()])
         return shared, len(shared) * self.allocator.block_size

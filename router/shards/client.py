@@ -13,12 +13,17 @@ from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.tracing import inject_metadata, tracing_enabled
 from router.shards import convert
-from router.shards.convert import ShardInfo
+from router.shards.convert import AdapterInfo, ShardInfo
 from router.shards.step_types import CachedBatch, NewBatch, PreparedBatch, Rejection, StepResult
 
 
 class ShardError(Exception):
-    """A shard call failed; the message is the shard's own."""
+    """A shard call failed; the message is the shard's own, `code` its gRPC status's name
+    (INVALID_ARGUMENT, ...; None when the call never got an answer)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class ShardClient:
@@ -36,7 +41,7 @@ class ShardClient:
         try:
             return await getattr(self.stub, method)(message, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as err:
-            raise ShardError(err.details() or err.code().name) from None
+            raise ShardError(err.details() or err.code().name, err.code().name) from None
 
     async def stream(self, method: str, message, metadata=None) -> AsyncIterator:
         """A server-streaming call's messages; closing the iterator cancels the call."""
@@ -187,6 +192,34 @@ class ShardedClient:
         reply = await self._all("FilterBatch",
                                 pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids))
         return convert.cached_batch(reply.batch)
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Loads the LoRA adapter in directory `path` under `name` on every rank. When a rank
+        refuses it, the ranks that took it let go of it again, so that all agree, and the
+        refusal is raised (the first rank's that refused, in rank order)."""
+        request = pb.LoadAdapterRequest(name=name, path=path)
+        replies = await asyncio.gather(*(c.call("LoadAdapter", request) for c in self.clients),
+                                       return_exceptions=True)
+        failures = [r for r in replies if isinstance(r, BaseException)]
+        if not failures:
+            return convert.adapter_info(replies[0])
+        loaded = [c for c, r in zip(self.clients, replies) if not isinstance(r, BaseException)]
+        await asyncio.gather(*(c.call("UnloadAdapter", pb.UnloadAdapterRequest(name=name))
+                               for c in loaded), return_exceptions=True)
+        first = failures[0]
+        raise first if isinstance(first, ShardError) else ShardError(str(first))
+
+    async def unload_adapter(self, name: str) -> None:
+        """Frees adapter `name` on every rank; a rank that does not have it (NOT_FOUND: it
+        restarted, or a load failed half-way) is already where the others go."""
+        request = pb.UnloadAdapterRequest(name=name)
+        replies = await asyncio.gather(*(c.call("UnloadAdapter", request) for c in self.clients),
+                                       return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, ShardError) and reply.code == "NOT_FOUND":
+                continue
+            if isinstance(reply, BaseException):
+                raise reply if isinstance(reply, ShardError) else ShardError(str(reply))
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))

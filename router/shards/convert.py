@@ -52,6 +52,22 @@ def shard_info(reply: pb.InfoResponse) -> ShardInfo:
                      vocab_size=reply.vocab_size, architecture=reply.architecture)
 
 
+@dataclass(slots=True, frozen=True)
+class AdapterInfo:
+    """What the shards read of a LoRA adapter they loaded (LoadAdapterResponse)."""
+
+    rank: int
+    alpha: float
+    scaling: float  # what its update is multiplied by: alpha / rank (or / sqrt(rank), rsLoRA)
+    target_modules: tuple[str, ...]  # PEFT's names of the projections it changes, sorted
+    base_model: str  # base_model_name_or_path of its config ("": not said)
+
+
+def adapter_info(reply: pb.LoadAdapterResponse) -> AdapterInfo:
+    return AdapterInfo(rank=reply.rank, alpha=reply.alpha, scaling=reply.scaling,
+                       target_modules=tuple(reply.target_modules), base_model=reply.base_model)
+
+
 # ---- to the shards -----------------------------------------------------------------------------
 
 def request_message(shard_request: ShardRequest) -> pb.Request:
@@ -77,7 +93,7 @@ def request_message(shard_request: ShardRequest) -> pb.Request:
         input_embeds=request.input_embeds or b"", logprob_token_ids=request.logprob_token_ids,
         prefill_top_n_tokens=request.prefill_top_n_tokens,
         return_hidden_states=request.return_hidden_states, num_beams=request.num_beams,
-        length_penalty=request.length_penalty)
+        length_penalty=request.length_penalty, adapter_id=request.adapter_id)
 
 
 def batch_message(batch: NewBatch) -> tuple[pb.Batch, list[Rejection]]:

@@ -5,9 +5,11 @@ counters are kept and written here; histograms and gauges use prometheus_client 
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 # TGI's duration buckets: 35 geometric steps from 150 microseconds, x1.5 each
 DURATION_BUCKETS = tuple(0.00015 * 1.5 ** i for i in range(35))
@@ -28,6 +30,11 @@ class _Counters:
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
         _, names = self._docs[name]
         self._values[name][tuple(labels[n] for n in names)] += amount
+
+    def forget(self, name: str, **labels: str) -> None:
+        """Drops one labelled series (an unloaded adapter's: names come and go at run time)."""
+        _, names = self._docs[name]
+        self._values[name].pop(tuple(labels[n] for n in names), None)
 
     def value(self, name: str, **labels: str) -> float:
         _, names = self._docs[name]
@@ -58,6 +65,9 @@ class Metrics:
         c.declare("tgi_prefix_cache_hits", "Prompt tokens served from the prefix cache")
         c.declare("tgi_speculation_draft_tokens", "Draft tokens decode steps verified (--speculate)")
         c.declare("tgi_speculation_accepted_tokens", "Draft tokens that became output tokens")
+        # not TGI's (its metrics carry no adapter): requests that named a LoRA adapter
+        c.declare("tgi_request_adapter_count", "Requests admitted on a LoRA adapter, by adapter",
+                  ("adapter",))
         r = self.registry
 
         def duration(name, doc, labels=()):
@@ -110,6 +120,11 @@ class Metrics:
         self.speculation_acceptance_rate = Gauge(
             "tgi_speculation_acceptance_rate",
             "Share of the draft tokens verified so far that were accepted", registry=r)
+        self.adapters_loaded = Gauge("tgi_lora_adapters_loaded", "LoRA adapters loaded",
+                                     registry=r)
+        # (waiting, running) requests by LoRA adapter, read when scraped (the scheduler's)
+        self.adapter_requests: Callable[[], tuple[Counter, Counter]] | None = None
+        r.register(_AdapterRequests(self))
 
     def observe_speculation(self, drafted: int, accepted: int) -> None:
         self.counters.inc("tgi_speculation_draft_tokens", drafted)
@@ -120,6 +135,29 @@ class Metrics:
 
     def render(self) -> bytes:
         return self.counters.render().encode() + generate_latest(self.registry)
+
+
+class _AdapterRequests:
+    """tgi_queue_size and tgi_batch_current_size per LoRA adapter (not TGI's): counted from the
+    scheduler's requests when scraped, one sample per adapter that has any."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def describe(self) -> list:
+        return []  # collected lazily: the registry must not call collect() at registration
+
+    def collect(self):
+        source = self.metrics.adapter_requests
+        waiting, running = source() if source is not None else (Counter(), Counter())
+        for name, doc, counts in (
+                ("tgi_adapter_queue_size", "Requests waiting, by LoRA adapter", waiting),
+                ("tgi_adapter_batch_current_size", "Requests in the running batch, by LoRA "
+                                                   "adapter", running)):
+            family = GaugeMetricFamily(name, doc, labels=["adapter"])
+            for adapter, count in sorted(counts.items()):
+                family.add_metric([adapter], count)
+            yield family
 
 
 def render_models(models: dict[str, Metrics]) -> bytes:

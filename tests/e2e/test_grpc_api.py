@@ -248,6 +248,8 @@ def test_tokenize_and_info_equal_http(server, stub):
             assert MessageToDict(getattr(info, name), preserving_proto_field_name=True,
                                  always_print_fields_with_no_presence=True) == {
                 k: v for k, v in value.items() if v is not None}, name
+        elif isinstance(value, list) and name == "lora_adapters":
+            assert [item.name for item in getattr(info, name)] == [v["name"] for v in value]
         else:
             assert getattr(info, name) == value, name
 

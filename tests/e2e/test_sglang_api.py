@@ -248,11 +248,14 @@ def test_abort_request_frees_the_blocks_and_companion_routes(server):
 
 
 def test_refusals_name_what_is_not_supported(server):
-    for fields, words in (({"lora_path": "x"}, "LoRA"),
-                          ({"custom_logit_processor": "x"}, "serialized Python"),
+    for fields, words in (({"custom_logit_processor": "x"}, "serialized Python"),
                           ({"image_data": "a.png"}, "text only"),
                           ({"input_embeds": [[0.0]], "text": None}, "hidden size")):
         reply = post(server, "/generate", {"text": "Hi", **fields})
         assert reply.status_code == 422 and words in reply.json()["error"]["message"]
     neither = post(server, "/generate", {"prompt": "Hi"})
     assert neither.status_code == 422 and "`text`" in neither.json()["error"]
+    # SGLang answers an adapter it has not loaded with a 400
+    unknown = post(server, "/generate", {"text": "Hi", "lora_path": "x"})
+    assert unknown.status_code == 400 and "adapter 'x' is not loaded" in \
+        unknown.json()["error"]["message"]

@@ -55,7 +55,7 @@ RULES = [
     ({"grammar": {"type": "regex", "value": "[a-z"}}, "grammar is not valid: "),
     ({"grammar": {"type": "json", "value": {"type": "nonsense"}}}, "grammar is not valid: "),
     ({"grammar": {"type": "ebnf", "value": "x"}}, "grammar type 'ebnf' is not supported"),
-    ({"adapter_id": "my-lora"}, "`adapter_id` is not supported"),
+    ({"adapter_id": "my-lora"}, "adapter 'my-lora' is not loaded"),
     ({"temperature": "hot"}, "Failed to deserialize the JSON body into the target type: "
                              "parameters.temperature"),
     ({"max_new_tokens": -1}, "parameters.max_new_tokens: invalid value"),
@@ -283,7 +283,7 @@ def test_openapi_document_describes_every_route_we_serve(server):
     # the Jan/Cortex lifecycle routes change what is served: test_model_lifecycle drives them
     lifecycle = {"/v1/models/{model_id}", "/v1/models/{model_id}/start",
                  "/v1/models/{model_id}/stop", "/v1/models/start", "/v1/models/stop",
-                 "/v1/models/pull"}
+                 "/v1/models/pull", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
     assert set(doc["paths"]) == served | lifecycle
     assert set(doc["paths"]["/v1/models/{model_id}"]) == {"get", "patch", "delete"}
     model_id = requests.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]

@@ -17,7 +17,11 @@ def _generate_one_schemas() -> dict:
         top_k={**int_schema(INT32, minimum=0), "description": "0: off"},
         max_new_tokens=int_schema(UINT32, minimum=1),
         repetition_penalty=float_schema(minimum=0, exclusiveMinimum=True),
-        length_penalty=float_schema(minimum=-10, maximum=10))
+        length_penalty=float_schema(minimum=-10, maximum=10),
+        adapter_id={**string, "description": (
+            "ours, not in the spec: a loaded LoRA adapter's name (\"\": the base model; a name "
+            "not loaded is a 422). A session keeps the adapter it started with: a later call "
+            "leaves this out or names the same one, else a 422")})
     config["additionalProperties"] = False
     for schema in config["properties"].values():
         schema["nullable"] = True

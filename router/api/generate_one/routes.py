@@ -61,7 +61,12 @@ def _begin(state: ServedModel, request: web.Request, prompt: Prompt):
 
 
 async def _request(state: ServedModel, session, config: GenerationConfig) -> GenerateRequest:
-    """The core request of one call: the prompt, or on a continuation every token so far."""
+    """The core request of one call: the prompt, or on a continuation every token so far, with
+    the session's LoRA adapter (its KV blocks were computed with it: a continuation that names
+    another is a 422)."""
+    # "" names the base model: on a session started with an adapter, that is another adapter
+    adapter_id = state.session_adapter(session, config.adapter_id,
+                                       named=config.adapter_id is not None)
     if session.started:
         input_ids, inputs = session.token_ids, session.prompt + session.text
         if len(input_ids) > state.limits.max_input_tokens:
@@ -78,7 +83,8 @@ async def _request(state: ServedModel, session, config: GenerationConfig) -> Gen
     max_new_tokens = check_lengths(len(input_ids), config.max_new_tokens, state.limits)
     return GenerateRequest(inputs=inputs, input_ids=list(input_ids), sampling=config.sampling(),
                            stopping=StoppingParams(max_new_tokens=max_new_tokens),
-                           num_beams=config.num_beams, length_penalty=config.length_penalty)
+                           num_beams=config.num_beams, length_penalty=config.length_penalty,
+                           adapter_id=adapter_id)
 
 
 def _before(session, only_new_tokens: bool) -> str:

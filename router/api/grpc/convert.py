@@ -94,7 +94,9 @@ def info_response(info: dict) -> api.InfoResponse:
     known = api.InfoResponse.DESCRIPTOR.fields_by_name
     fields = {k: v for k, v in info.items() if k in known and v is not None}
     defaults = fields.pop("generation_defaults", None)
+    adapters = fields.pop("lora_adapters", [])
     reply = api.InfoResponse(**fields)
+    reply.lora_adapters.extend(api.LoraAdapter(**adapter) for adapter in adapters)
     if defaults is not None:
         reply.generation_defaults.CopyFrom(api.GenerationDefaults(
             **{k: v for k, v in defaults.items() if v is not None}))

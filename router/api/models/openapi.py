@@ -1,4 +1,5 @@
-"""The model routes' part of the OpenAPI document (Jan's and Cortex's /v1/models family)."""
+"""The model routes' part of the OpenAPI document (Jan's and Cortex's /v1/models family, and vLLM's
+LoRA adapter routes)."""
 from __future__ import annotations
 
 from router.http.openapi import error_responses, json_content, object_schema, ref
@@ -21,7 +22,7 @@ def _model_schemas() -> dict:
     return {
         "Model": model,
         "ModelList": object_schema(["object", "data"], object=string,
-                             data={"type": "array", "items": ref("Model")}),
+                             data={"type": "array", "items": ref("ModelOrAdapter")}),
         "GetModelResponse": {**model, "required": [*model["required"], "engine_parameters",
                                                    "model_parameters"],
                              "properties": {**model["properties"], "model_parameters": obj}},
@@ -38,6 +39,43 @@ def _model_schemas() -> dict:
         "ModelPatch": {"type": "object", "properties": dict(
             settings=obj, parameters=obj, engine_parameters=obj, name=string,
             description=string)},
+        **_adapter_schemas(model),
+    }
+
+
+def _adapter_schemas(model: dict) -> dict:
+    """LoRA adapters: vLLM's load/unload bodies, Cortex's start body naming an adapter's files,
+    and an adapter's item in GET /v1/models (vLLM's `root` and `parent` beside Jan's fields)."""
+    string = {"type": "string"}
+    return {
+        "LoadLoraAdapterRequest": object_schema(
+            ["lora_name", "lora_path"], lora_name={**string, "description": "the adapter's name: "
+                                                   "requests give it as `model`, adapter_id or "
+                                                   "lora_path; not a model's id"},
+            lora_path={**string, "description": "a local PEFT adapter directory "
+                                                "(adapter_config.json, adapter_model.safetensors) "
+                                                "or a Hub id, org/name[@revision]"},
+            model={**string, "description": "the base model to load it into (not vLLM's); "
+                                            "default: the default model"}),
+        "UnloadLoraAdapterRequest": object_schema(["lora_name"], lora_name=string),
+        "StartRequest": object_schema(
+            ["model"], model={**string, "description": "a model's id, or the name to load an "
+                                                       "adapter under"},
+            lora_path={**string, "description": "an adapter's directory or Hub id: loads a LoRA "
+                                                "adapter (`source` is the same)"},
+            source=string, parent={**string, "description": "the base model of the adapter "
+                                                            "(`base_model` is the same)"},
+            base_model=string),
+        "AdapterStateResponse": object_schema(["id", "object", "state"], id=string, object=string,
+                                              state=string, parent=string),
+        "OpenAIError": object_schema(["error"], error=object_schema(
+            ["message", "type", "http_status_code"], message=string, type=string,
+            http_status_code={"type": "integer"})),
+        "ModelOrAdapter": {**model, "properties": {
+            **model["properties"],
+            "root": {**string, "description": "an adapter's: the path or Hub id it was loaded "
+                                              "from"},
+            "parent": {**string, "description": "an adapter's: the id of its base model"}}},
     }
 
 
@@ -58,7 +96,7 @@ def _model_paths() -> dict:
         "/v1/models": {"get": {"summary": "The models this server knows (OpenAI's list, with "
                                           "Jan's fields)", "responses": answer("ModelList")}},
         "/v1/models/{model_id}": {
-            "get": {"summary": "One model", "parameters": model_id,
+            "get": {"summary": "One model, or a loaded LoRA adapter", "parameters": model_id,
                     "responses": answer("GetModelResponse", 400, 404)},
             "delete": {"summary": "Forget a model (and delete the files it pulled)",
                        "parameters": model_id,
@@ -74,16 +112,38 @@ def _model_paths() -> dict:
             "parameters": model_id,
             "responses": answer("ModelStateResponse", 400, 404, 503, conflict=True)}},
         "/v1/models/start": {"post": {
-            "summary": "Cortex's start", **body("NamedModel"),
+            "summary": "Cortex's start; with lora_path (or source), loads a LoRA adapter under "
+                       "`model` into `parent` (or the default model)", **body("StartRequest"),
             "responses": answer("ModelStateResponse", 400, 404, 413, 422, 424, 503,
                                 conflict=True)}},
         "/v1/models/stop": {"post": {
-            "summary": "Cortex's stop", **body("NamedModel"),
+            "summary": "Cortex's stop; a LoRA adapter's name unloads it once no request uses it",
+            **body("NamedModel"),
             "responses": answer("ModelStateResponse", 400, 404, 413, 422, 503, conflict=True)}},
         "/v1/models/pull": {"post": {
             "summary": "Fetch a model; answers at once, progress in its state and metadata",
             **body("PullRequest"),
             "responses": answer("ModelStateResponse", 400, 413, 422, 503, conflict=True)}},
+        **_adapter_paths(),
+    }
+
+
+def _adapter_paths() -> dict:
+    def route(summary: str, request: str, errors: tuple[int, ...]) -> dict:
+        return {"post": {
+            "summary": summary,
+            "requestBody": {"required": True, **json_content(ref(request))},
+            "responses": {"200": {"description": "vLLM's plain-text success line", "content": {
+                "text/plain": {"schema": {"type": "string"}}}},
+                **error_responses(*errors, shape="OpenAIError")}}}
+
+    return {
+        "/v1/load_lora_adapter": route(
+            "vLLM's: load a LoRA adapter under a name (400: a bad name, path or adapter, or a "
+            "name in use)", "LoadLoraAdapterRequest", (400, 404, 409, 413, 422, 424, 503)),
+        "/v1/unload_lora_adapter": route(
+            "vLLM's: refuse the adapter to new requests, wait for those using it, unload it",
+            "UnloadLoraAdapterRequest", (400, 404, 413, 422, 424)),
     }
 
 

@@ -1,8 +1,10 @@
 """The Jan/Cortex model routes: list, get, pull, start, stop, patch and delete models.
 
 `GET /v1/models` is OpenAI's list too: each item carries OpenAI's four fields and Jan's Model
-fields. Ids may contain one '/', raw or percent-encoded (%2F); aiohttp decodes the path before
-routing, so both reach the same handler and the id is checked after decoding.
+fields; loaded LoRA adapters are listed beside the models, and start, stop and delete load and
+unload them (router/api/models/adapters.py). Ids may contain one '/', raw or percent-encoded
+(%2F); aiohttp decodes the path before routing, so both reach the same handler and the id is
+checked after decoding.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from router.api.models import adapters
 from router.errors import ERROR_BODY, ModelStateError, ValidationError, models_error_body
 from router.http.json_body import read_object
 from router.lifecycle.manager import ModelManager
@@ -123,6 +126,7 @@ async def list_models(request: web.Request) -> web.Response:
     data = [model_json(r) for r in records.values()]
     data += [model_json(_unrecorded(name, served)) for name, served in manager.served.items()
              if name not in records]
+    data += adapters.adapter_items(manager)
     return web.json_response({"object": "list", "data": data})
 
 
@@ -132,11 +136,18 @@ async def get_model(request: web.Request) -> web.Response:
     if name in manager.served and name not in manager.registry.records:
         return web.json_response(_get_json(_unrecorded(name, manager.served[name]),
                                            manager.served[name]))
+    adapter = adapters.find_adapter(manager, name)
+    if adapter is not None:
+        return web.json_response(adapter)
     record = manager.registry.get(_model_id(request))
     return web.json_response(_get_json(record, manager.served.get(record.id)))
 
 
 async def delete_model(request: web.Request) -> web.Response:
+    name = request.match_info["model_id"]
+    if _manager(request).adapter_model(name) is not None:  # an adapter goes when unloaded
+        await adapters.stop_adapter(_manager(request), name)
+        return web.json_response({"id": name, "object": "model", "deleted": True})
     model_id = _model_id(request)
     await _manager(request).delete(model_id)
     return web.json_response({"id": model_id, "object": "model", "deleted": True})
@@ -150,10 +161,16 @@ async def patch_model(request: web.Request) -> web.Response:
 
 
 async def start_model(request: web.Request) -> web.Response:
+    name = request.match_info["model_id"]
+    if _manager(request).adapter_model(name) is not None:  # loaded: it runs
+        return web.json_response({"id": name, "object": "model", "state": "running"})
     return _state_reply(await _manager(request).start(_model_id(request)))
 
 
 async def stop_model(request: web.Request) -> web.Response:
+    name = request.match_info["model_id"]
+    if _manager(request).adapter_model(name) is not None:
+        return web.json_response(await adapters.stop_adapter(_manager(request), name))
     return _state_reply(await _manager(request).stop(_model_id(request)))
 
 
@@ -161,9 +178,13 @@ async def start_named(request: web.Request) -> web.Response:
     """Cortex's POST /v1/models/start {"model": id, ...}: its other fields are the model's
     settings (ctx_len, n_parallel, ngl, ...), kept as a PATCH would keep them."""
     body = await read_object(request)
+    manager = _manager(request)
+    if any(key in body for key in adapters.SOURCE_FIELDS):  # an adapter's files: load it
+        return await adapters.start_adapter(manager, body)
+    if manager.adapter_model(body.get("model")) is not None and len(body) == 1:  # it runs
+        return web.json_response({"id": body["model"], "object": "model", "state": "running"})
     model_id = check_model_id(body.get("model"))
     settings = {key: value for key, value in body.items() if key != "model"}
-    manager = _manager(request)
     if settings:
         record = manager.registry.get(model_id)
         wanted = checked("settings", settings, SETTINGS)
@@ -180,6 +201,8 @@ async def stop_named(request: web.Request) -> web.Response:
     for key in body:
         if key != "model":
             raise ValidationError(f"`{key}` is not supported by /v1/models/stop; it takes model")
+    if _manager(request).adapter_model(body.get("model")) is not None:
+        return web.json_response(await adapters.stop_adapter(_manager(request), body["model"]))
     return _state_reply(await _manager(request).stop(check_model_id(body.get("model"))))
 
 
@@ -210,3 +233,4 @@ def register(app: web.Application) -> None:
               ("PATCH", "/v1/models/{model_id:.+}", patch_model)]
     for method, path, handler in routes:
         app.router.add_route(method, path, _answering_errors_in_models_shape(handler))
+    adapters.register(app)

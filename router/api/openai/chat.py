@@ -9,7 +9,7 @@ import uuid
 from aiohttp import web
 
 from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
-                                      openai_logprob, usage, without_stop)
+                                      adapter_as_model, openai_logprob, usage, without_stop)
 from router.api.openai.request import (ChatOptions, build_request, chat_template_kwargs,
                                        choice_count, include_usage, model_name,
                                        normalise_messages, render_chat, sampling_and_stops,
@@ -23,9 +23,9 @@ from router.inputs import structured_output
 from router.inputs.field_ranges import read_flag, read_number
 from router.inputs.reasoning import ThinkSplitter, split_reasoning, starts_in_reasoning
 from router.inputs.seeds import copies
-from router.lifecycle.served_model import ServedModel
+from router.inputs.validation import chosen_adapter
 from router.schemas import FinishReason, GenerateRequest, Token, TokenEvent
-from router.state import served_model
+from router.state import model_and_adapter
 
 
 def _token_logprob(token: Token) -> dict:
@@ -69,19 +69,21 @@ def _message(result: GenerateResult, expects_call: bool, stops: list[str],
 class _Chat:
     """One chat request, validated: what to generate and how to answer. `reasoning`: None when
     the output is not split (no --reasoning-parser, or a grammar shapes all of it: tools and
-    response_format leave no room to think), else whether it begins inside the thinking block."""
+    response_format leave no room to think), else whether it begins inside the thinking block.
+    `model`: the name the answer gives, the LoRA adapter's when `model` named one (vLLM's)."""
 
     def __init__(self, request: GenerateRequest, options: ChatOptions, expects_call: bool,
-                 reasoning: bool | None = None):
+                 reasoning: bool | None = None, *, model: str):
         self.request = request
+        self.model = model
         self.options = options
         self.expects_call = expects_call
         self.reasoning = reasoning
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def envelope(self, state, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": state.model_name,
+    def envelope(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": FINGERPRINT}
 
 
@@ -104,8 +106,9 @@ def _chat_request_parts(state, body: dict):
     return *_chat_prompt(state, body), sampling_and_stops(body, state.validation_limits)
 
 
-async def _validate_chat(state, body: dict) -> _Chat:
+async def _validate_chat(state, body: dict, adapter_id: str | None) -> _Chat:
     limits = state.validation_limits
+    chosen_adapter(adapter_id, state.adapters)  # one being unloaded is refused from the start
     plan, response_format, prompt, parsed = await asyncio.to_thread(_chat_request_parts, state,
                                                                     body)
     input_ids = await state.tokenizer.encode_async(prompt, add_special_tokens=False,
@@ -117,26 +120,28 @@ async def _validate_chat(state, body: dict) -> _Chat:
     request = build_request(prompt, input_ids, body, limits,
                             default_max_tokens=state.request_defaults.get("token_limit"),
                             top_n_tokens=top_logprobs, grammar_spec=plan.grammar or response_format,
-                            parsed=parsed)
+                            parsed=parsed, adapter_id=adapter_id)
     options = ChatOptions(n=choice_count(body, state.config.max_client_batch_size),
                           stream=read_flag(body, "stream"), include_usage=include_usage(body),
                           logprobs=logprobs, top_logprobs=top_logprobs)
     reasoning = None
     if state.config.reasoning_parser and request.grammar is None:
         reasoning = starts_in_reasoning(prompt)
-    return _Chat(request, options, plan.expects_call, reasoning)
+    return _Chat(request, options, plan.expects_call, reasoning,
+                 model=adapter_id or state.model_name)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_object(request)
-    state = served_model(request, model_name(body))
+    state, adapter_id = model_and_adapter(request, model_name(body))
     body = with_model_defaults(body, state.request_defaults)
-    chat = await state.infer.count_request(_validate_chat(state, body))
-    requests = copies(chat.request, chat.options.n)
-    if chat.options.stream:
-        return await serve_stream(request, state.infer.stream_many(requests),
-                                  ChatStream(state, chat, len(requests)), streams=len(requests))
-    results = await state.infer.generate_many(requests)
+    with adapter_as_model():
+        chat = await state.infer.count_request(_validate_chat(state, body, adapter_id))
+        requests = copies(chat.request, chat.options.n)
+        if chat.options.stream:
+            return await serve_stream(request, state.infer.stream_many(requests),
+                                      ChatStream(chat, len(requests)), streams=len(requests))
+        results = await state.infer.generate_many(requests)
     choices = []
     for index, result in enumerate(results):
         message, finish = _message(result, chat.expects_call, chat.request.stopping.stop_sequences,
@@ -144,15 +149,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         choices.append({"index": index, "message": message, "finish_reason": finish,
                         "logprobs": _chat_logprobs(result) if chat.options.logprobs else None})
     completion = sum(r.final.generated_tokens for r in results)
-    return web.json_response({**chat.envelope(state, "chat.completion"), "choices": choices,
+    return web.json_response({**chat.envelope("chat.completion"), "choices": choices,
                               "usage": usage(chat.request.input_length, completion)})
 
 
 class ChatStream(OpenAIStream):
     """chat.completion.chunk per token (a tool call in one chunk at the end), then the usage."""
 
-    def __init__(self, state: ServedModel, chat: _Chat, n: int):
-        self.state = state
+    def __init__(self, chat: _Chat, n: int):
         self.chat = chat
         self.n = n
         self.completion_tokens = 0
@@ -163,7 +167,7 @@ class ChatStream(OpenAIStream):
         self.call_logprobs: list[list[dict]] = [[] for _ in range(n)]
 
     def _chunk(self, **fields) -> bytes:
-        return openai_sse({**self.chat.envelope(self.state, "chat.completion.chunk"), **fields})
+        return openai_sse({**self.chat.envelope("chat.completion.chunk"), **fields})
 
     def event(self, index: int, event: TokenEvent) -> list[bytes]:
         if event.final is not None:
@@ -218,7 +222,7 @@ def _chat_chunk(chat: _Chat, index: int, event, holdback: StopHoldback,
 async def chat_tokenize(request: web.Request) -> web.Response:
     """TGI's /chat_tokenize: a chat request's prompt as the template renders it, and its tokens."""
     body = await read_object(request)
-    state = served_model(request, model_name(body))
+    state, _ = model_and_adapter(request, model_name(body))  # an adapter's: its model's template
     _, _, prompt = await asyncio.to_thread(_chat_prompt, state, body)
     ids, offsets = await state.tokenizer.encode_offsets_async(prompt, add_special_tokens=False)
     return await tokens_response(prompt, ids, offsets, templated_text=prompt)

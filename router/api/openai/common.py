@@ -1,15 +1,32 @@
 """What OpenAI's chat and legacy completion routes share: finish reasons, usage, the stop-sequence
-rule, and the stream's error and end frames."""
+rule, the stream's error and end frames, and a `model` that names a LoRA adapter."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from router import VERSION
-from router.errors import RouterError, openai_stream_error_body
+from router.errors import (ModelNotFoundError, RouterError, UnknownAdapterError,
+                           openai_stream_error_body)
 from router.http.sse import StreamFormat, openai_sse
 from router.schemas import FinishReason
 
 FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop",
           FinishReason.STOP_SEQUENCE: "stop"}
 FINGERPRINT = f"{VERSION}-tgi-py"
+
+
+@contextmanager
+def adapter_as_model() -> Iterator[None]:
+    """Inside it, an adapter that stopped being loaded after the request's `model` found it (an
+    unload meanwhile) is a 404 model_not_found, as that `model` would be a moment later: to
+    these routes an adapter is a model (vLLM's rule)."""
+    try:
+        yield
+    except UnknownAdapterError as err:
+        raise ModelNotFoundError(f"model {err.adapter[:200]!r} not found: it was a LoRA adapter, "
+                                 "unloaded since; GET /v1/models lists the models and adapters "
+                                 "this server knows") from None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

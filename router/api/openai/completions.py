@@ -9,7 +9,7 @@ from dataclasses import replace
 from aiohttp import web
 
 from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
-                                      openai_logprob, usage, without_stop)
+                                      adapter_as_model, openai_logprob, usage, without_stop)
 from router.api.openai.request import (build_request, choice_count, include_usage, model_name,
                                        sampling_and_stops, with_model_defaults)
 from router.core.generation import GenerateResult
@@ -19,8 +19,9 @@ from router.http.sse import openai_sse, serve_stream
 from router.inputs import structured_output
 from router.inputs.field_ranges import read_flag, read_number
 from router.inputs.seeds import copies, seed_or_draw
+from router.inputs.validation import chosen_adapter
 from router.schemas import GenerateRequest, SamplingParams, TokenEvent
-from router.state import served_model
+from router.state import model_and_adapter
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
 _FIM = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
@@ -54,8 +55,9 @@ def _own_seed(sampling: SamplingParams, body: dict) -> SamplingParams:
                                                else None))
 
 
-async def _validate(state, body: dict):
+async def _validate(state, body: dict, adapter_id: str | None):
     limits = state.validation_limits
+    chosen_adapter(adapter_id, state.adapters)  # one being unloaded is refused from the start
     logprobs = body.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                  or not 0 <= logprobs <= limits.max_top_n_tokens):
@@ -89,7 +91,8 @@ async def _validate(state, body: dict):
         base = build_request(prompt, input_ids, body, limits, default_max_tokens=default_max,
                              top_n_tokens=logprobs or 0, grammar_spec=constraint,
                              prefill_logprobs=echo and logprobs is not None,
-                             parsed=(_own_seed(sampling, body), list(stop)))
+                             parsed=(_own_seed(sampling, body), list(stop)),
+                             adapter_id=adapter_id)
         requests += copies(base, candidates)
     return requests, echo, logprobs, n, candidates
 
@@ -128,21 +131,24 @@ def _logprobs(result: GenerateResult, echo: bool, prompt_length: int) -> dict:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_object(request)
-    state = served_model(request, model_name(body))
+    state, adapter_id = model_and_adapter(request, model_name(body))
     body = with_model_defaults(body, state.request_defaults)
-    requests, echo, logprobs, n, candidates = await state.infer.count_request(_validate(state, body))
-    envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": state.model_name,
-                "system_fingerprint": FINGERPRINT}
-    # each prompt once, however many choices it has (as OpenAI and vLLM count)
-    prompt_tokens = sum(r.input_length for r in requests[::candidates])
-    stream, with_usage = read_flag(body, "stream"), include_usage(body)
-    if stream:
-        form = CompletionStream(requests, envelope, echo=echo, prompt_tokens=prompt_tokens,
-                                with_usage=with_usage)
-        return await serve_stream(request, state.infer.stream_many(requests), form,
-                                  streams=len(requests))
-    results = await state.infer.generate_many(requests)
+    with adapter_as_model():
+        requests, echo, logprobs, n, candidates = await state.infer.count_request(
+            _validate(state, body, adapter_id))
+        # the adapter's name when `model` named one, as vLLM answers
+        envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                    "created": int(time.time()), "model": adapter_id or state.model_name,
+                    "system_fingerprint": FINGERPRINT}
+        # each prompt once, however many choices it has (as OpenAI and vLLM count)
+        prompt_tokens = sum(r.input_length for r in requests[::candidates])
+        stream, with_usage = read_flag(body, "stream"), include_usage(body)
+        if stream:
+            form = CompletionStream(requests, envelope, echo=echo, prompt_tokens=prompt_tokens,
+                                    with_usage=with_usage)
+            return await serve_stream(request, state.infer.stream_many(requests), form,
+                                      streams=len(requests))
+        results = await state.infer.generate_many(requests)
     completion_tokens = sum(r.final.generated_tokens for r in results)  # every candidate's
     requests, results = _best(requests, results, n, candidates)
     choices = [{"index": i, "text": (r.inputs if echo else "") + without_stop(

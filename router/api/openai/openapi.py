@@ -1,8 +1,8 @@
 """OpenAI's part of the OpenAPI document: chat and legacy completions, and /chat_tokenize."""
 from __future__ import annotations
 
-from router.http.openapi import (LOGIT_BIAS, float_schema, int_schema, nullable, object_schema,
-                                 post, ref)
+from router.http.openapi import (LOGIT_BIAS, error_responses, float_schema, int_schema, nullable,
+                                 object_schema, post, ref)
 from router.inputs.field_ranges import INT32, UINT64
 
 
@@ -34,6 +34,13 @@ def _openai_sampling() -> dict:
                         "properties": {"include_usage": {"type": "boolean", "nullable": True}}})
 
 
+# `model` of both routes' requests (and of their answers)
+_MODEL = {"type": "string", "description": (
+    "a served model's id, or a loaded LoRA adapter's name: then its base model generates with the "
+    "adapter, and the answer's `model` is the adapter's name (as vLLM answers). While one model "
+    "runs, a name that is neither is that model; once several run, a 404 model_not_found")}
+
+
 def _openai_schemas() -> dict:
     string, integer = {"type": "string"}, {"type": "integer"}
     envelope = dict(id=string, object=string, created=integer, model=string,
@@ -42,7 +49,7 @@ def _openai_schemas() -> dict:
     return {
         "Usage": object_schema(["prompt_tokens", "completion_tokens", "total_tokens"],
                          prompt_tokens=integer, completion_tokens=integer, total_tokens=integer),
-        "ChatRequest": object_schema(["messages"], model=string, messages={"type": "array", "items": {
+        "ChatRequest": object_schema(["messages"], model=_MODEL, messages={"type": "array", "items": {
             "type": "object", "required": ["role"]}}, **_openai_sampling(),
             logprobs=nullable("boolean"), top_logprobs={**int_schema(INT32, minimum=0),
                                                          "nullable": True},
@@ -65,7 +72,7 @@ def _openai_schemas() -> dict:
                                               "the model's thinking (content: the answer after "
                                               "it); streamed as delta.reasoning_content")}},
                                       finish_reason=string, logprobs=nullable("object"))}),
-        "CompletionRequest": object_schema(["prompt"], model=string, prompt={}, suffix=nullable("string"),
+        "CompletionRequest": object_schema(["prompt"], model=_MODEL, prompt={}, suffix=nullable("string"),
                                      echo=nullable("boolean"), **_openai_sampling(),
                                      logprobs={**int_schema(INT32, minimum=0), "nullable": True},
                                      best_of={**int_schema(INT32, minimum=1), "nullable": True,
@@ -91,14 +98,22 @@ def schemas() -> dict:
     }
 
 
+def _by_model(path: dict) -> dict:
+    """A route whose `model` picks the model or adapter: 404 when it names none of them, 409
+    when the model is not running."""
+    path["post"]["responses"].update(error_responses(404, 409))
+    return path
+
+
 def paths() -> dict:
     return {
-        "/chat_tokenize": post("Tokenize a chat request: the text its template renders, and its "
-                                "tokens", "ChatRequest", ref("ChatTokenizeResponse")),
-        "/v1/chat/completions": post("OpenAI chat completion (stream: true for chunks)",
-                                      "ChatRequest", ref("ChatCompletion"),
-                                      stream_on_request=True),
-        "/v1/completions": post("OpenAI text completion (stream: true for chunks)",
-                                 "CompletionRequest", ref("CompletionFinal"),
-                                 stream_on_request=True),
+        "/chat_tokenize": _by_model(post(
+            "Tokenize a chat request: the text its template renders, and its tokens",
+            "ChatRequest", ref("ChatTokenizeResponse"))),
+        "/v1/chat/completions": _by_model(post(
+            "OpenAI chat completion (stream: true for chunks; `model` may name a LoRA adapter)",
+            "ChatRequest", ref("ChatCompletion"), stream_on_request=True)),
+        "/v1/completions": _by_model(post(
+            "OpenAI text completion (stream: true for chunks; `model` may name a LoRA adapter)",
+            "CompletionRequest", ref("CompletionFinal"), stream_on_request=True)),
     }

@@ -64,7 +64,8 @@ def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingPa
 
 
 def model_name(body: dict) -> str | None:
-    """The model a body names (router/state.served_model finds it)."""
+    """The model a body names: a served model's id or a loaded LoRA adapter's name
+    (router/state.model_and_adapter finds it)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ValidationError("`model` must be a string")
@@ -271,9 +272,10 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
                   default_max_tokens: int | None, top_n_tokens: int = 0,
                   grammar_spec: tuple[str, str] | None = None,
                   prefill_logprobs: bool = False,
-                  parsed: tuple[SamplingParams, list[str]]) -> GenerateRequest:
+                  parsed: tuple[SamplingParams, list[str]],
+                  adapter_id: str | None = None) -> GenerateRequest:
     """`parsed`: sampling_and_stops(body, limits), which the caller reads off the event loop
-    (a logit_bias may be 100,000 entries)."""
+    (a logit_bias may be 100,000 entries); `adapter_id`: the LoRA adapter `model` named."""
     sampling, stop = parsed
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
@@ -295,4 +297,4 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
     return GenerateRequest(inputs=prompt, input_ids=input_ids, sampling=sampling,
                            stopping=stopping,
                            top_n_tokens=top_n_tokens, prefill_logprobs=prefill_logprobs,
-                           grammar=grammar_spec)
+                           grammar=grammar_spec, adapter_id=adapter_id)

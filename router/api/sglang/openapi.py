@@ -59,7 +59,14 @@ def _sglang_schemas() -> dict:
                                           "probabilities come back at every position"},
         return_hidden_states={**per_prompt(boolean), "description": (
             "meta_info.hidden_states: the prompt's final hidden states (one row per position) "
-            "as the first entry, then one vector per later token")})
+            "as the first entry, then one vector per later token")},
+        lora_path={**per_prompt({**string, "nullable": True}), "description": (
+            "the LoRA adapter to generate with: a loaded adapter's name, or the directory it "
+            "was loaded from; for a batch, one for every prompt or a list of one per prompt "
+            "(null: the base model). One not loaded is a 400")},
+        lora_id={**per_prompt({**string, "nullable": True}), "description": (
+            "a loaded LoRA adapter's name (as lora_path takes it); with lora_path, both must "
+            "name the same adapter")})
     request["anyOf"] = [{"required": ["text"]}, {"required": ["input_ids"]},
                         {"required": ["input_embeds"]}]
     logprob = {"type": "array", "items": {}, "minItems": 3, "maxItems": 3,

@@ -3,16 +3,19 @@
 SGLang's defaults differ from TGI's: temperature 1.0 samples and 0 is greedy, top_k -1 is off,
 max_new_tokens is 128, and a stop string is trimmed from the text unless `no_stop_trim`. Every
 number goes through router.inputs.field_ranges's ranges as on the other APIs. A field this server cannot honour
-yet is a 422 that says so, never silently dropped; so is a field SGLang does not know.
+yet is a 422 that says so, never silently dropped; so is a field SGLang does not know. A LoRA
+adapter the model has not loaded (`lora_path`, `lora_id`) is a 400, as SGLang answers it.
 """
 from __future__ import annotations
 
 import asyncio
 import uuid
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy
 
+from router.api.sglang.lora import prompt_adapters
 from router.errors import ValidationError
 from router.inputs import structured_output
 from router.inputs.field_ranges import (F32, INT32, UINT32, UINT64, check_int, check_logit_bias,
@@ -22,15 +25,16 @@ from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import ValidationLimits, check_lengths
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 
+if TYPE_CHECKING:
+    from router.lifecycle.adapters import AdapterRegistry
+
 INPUT_FIELDS = ("text", "input_ids", "input_embeds")
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
 MAX_LOGPROB_TOKEN_IDS = 1024  # ids per position in token_ids_logprob: bounds the answer's size
 
-# top-level fields that need work elsewhere first (the shards, adapters): refused, with the reason
+# top-level fields that need work elsewhere first (the shards): refused, with the reason
 _NOT_YET = {
-    "lora_path": "`lora_path` is not supported: this server loads no LoRA adapters yet",
-    "lora_id": "`lora_id` is not supported: this server loads no LoRA adapters yet",
     "custom_logit_processor": "`custom_logit_processor` is refused: it is serialized Python from "
                               "the client, which this server never runs",
     "session_params": "`session_params` is not supported yet",
@@ -43,7 +47,7 @@ _NOT_YET = {
 _TEXT_ONLY = ("image_data", "audio_data", "video_data", "modalities")
 _TOP_LEVEL = {*INPUT_FIELDS, *_NOT_YET, *_TEXT_ONLY, "sampling_params", "rid", "stream",
               "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
-              "return_text_in_logprobs", "return_hidden_states"}
+              "return_text_in_logprobs", "return_hidden_states", "lora_path", "lora_id"}
 
 _SAMPLING_NOT_YET = {
     "structural_tag": "`structural_tag` is not supported yet (json_schema, regex and ebnf are)",
@@ -334,9 +338,11 @@ def _rids(body: dict, count: int) -> list[str]:
 
 
 async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: ValidationLimits,
-                         max_batch: int, hidden_size: int) -> SglangBatch:
+                         max_batch: int, hidden_size: int, *,
+                         adapters: AdapterRegistry | None = None) -> SglangBatch:
     """The whole body -> one GenerateRequest per prompt and copy, in batch-major order.
-    `hidden_size` is the width of a row of `input_embeds`."""
+    `hidden_size` is the width of a row of `input_embeds`; `adapters`: the model's LoRA
+    adapters, which `lora_path` / `lora_id` choose from."""
     check_fields(body)
     prompts, batch, field_name = _prompts(body)
     if len(prompts) > max_batch:
@@ -348,6 +354,7 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
         if len(params) != len(prompts):
             raise ValidationError(f"`sampling_params` holds {len(params)} objects for "
                                   f"{len(prompts)} prompts")
+    adapter_ids = prompt_adapters(body, len(prompts), adapters)
     vocab_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def parse_all() -> list[_Sampling]:
@@ -409,7 +416,7 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
             skip_special_tokens=asked.skip_special_tokens, grammar=asked.grammar,
             input_embeds=embeds, embeds_rows=rows, logprob_token_ids=logprobs.token_ids,
             prefill_top_n_tokens=logprobs.top_n if logprobs.enabled and logprobs.start_len >= 0
-            else 0, return_hidden_states=bool(hidden))
+            else 0, return_hidden_states=bool(hidden), adapter_id=adapter_ids[index])
         for request in copies(base, asked.n):
             items.append(SglangItem(request, rids[index], logprobs, asked.no_stop_trim,
                                     bool(hidden)))

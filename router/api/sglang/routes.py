@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from router import VERSION
+from router.api.sglang.lora import SglangBadRequest
 from router.api.sglang.request import SglangItem, is_sglang_body, parse_generate
 from router.api.tgi import routes as tgi
 from router.core.generation import FanOutStream
 from router.errors import (ERROR_BODY, OverloadedError, RouterError, UnhealthyError,
-                           ValidationError, sglang_error_body)
+                           UnknownAdapterError, ValidationError, sglang_error_body)
 from router.http.json_body import read_object
 from router.http.sse import StreamFormat, openai_sse, serve_stream
 from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,
@@ -215,7 +216,10 @@ async def generate(request: web.Request, body: dict) -> web.StreamResponse:
     """POST /generate with an SGLang body; errors in SGLang's `{"error": {"message"}}` shape."""
     request[ERROR_BODY] = sglang_error_body  # the error middleware answers in it
     with request_span("sglang_generate", request.headers):
-        return await _generate(request, body)
+        try:
+            return await _generate(request, body)
+        except UnknownAdapterError as err:  # unloaded after validation: SGLang's 400 still
+            raise SglangBadRequest(err.message) from None
 
 
 async def _generate(request: web.Request, body: dict) -> web.StreamResponse:
@@ -223,7 +227,7 @@ async def _generate(request: web.Request, body: dict) -> web.StreamResponse:
     started = time.monotonic()
     batch = await state.infer.count_request(parse_generate(
         body, state.tokenizer, state.validation_limits, state.config.max_client_batch_size,
-        state.shard_info.hidden_size))
+        state.shard_info.hidden_size, adapters=state.adapters))
     running = request.app[RUNNING]
     rids = list(dict.fromkeys(item.rid for item in batch.items))
     taken = [rid for rid in rids if rid in running]

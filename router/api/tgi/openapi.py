@@ -19,6 +19,9 @@ _PARAMETER_LIMITS = {
     "top_p": {"minimum": 0, "maximum": 1, "exclusiveMinimum": True, "exclusiveMaximum": True},
     "typical_p": {"minimum": 0, "maximum": 1, "exclusiveMinimum": True, "exclusiveMaximum": True},
     "stop": {"items": {"type": "string"}, "maxItems": 4},
+    "adapter_id": {"description": "a loaded LoRA adapter's name (GET /info lists them); null or "
+                                  "\"\" is the base model; a name not loaded is a 422 (TGI "
+                                  "would use the base model)"},
 }
 
 
@@ -63,7 +66,7 @@ def _generate_path() -> dict:
                                {"type": "array", "items": ref("SglangGenerateResponse")}]}
     errors = {str(s): {"description": "Error", **json_content(
         {"oneOf": [ref("ErrorResponse"), ref("SglangErrorResponse")]})}
-        for s in (413, 422, 424, 429, 500, 503)}
+        for s in (400, 413, 422, 424, 429, 500, 503)}  # 400: SGLang's, an adapter not loaded
     return {"post": {
         "summary": "Generate text: TGI's request (`inputs`) or SGLang's (`text` / `input_ids` / "
                    "`input_embeds`; "
@@ -105,7 +108,26 @@ def schemas() -> dict:
                  "properties": {"model_architecture": {
                      "type": "string", "example": "LlamaForCausalLM",
                      "description": "The config.json architecture the shards serve (not in "
-                                    "TGI's /info)"}}},
+                                    "TGI's /info)"},
+                     "lora_adapters": {
+                         "type": "array", "items": ref("LoraAdapterInfo"),
+                         "description": "The LoRA adapters loaded (not in TGI's /info); a "
+                                        "request names one by its name"}}},
+        "LoraAdapterInfo": {
+            "type": "object",
+            "required": ["name", "parent", "source", "rank", "alpha", "target_modules"],
+            "properties": {
+                "name": {"type": "string"},
+                "parent": {"type": "string", "description": "the base model's id"},
+                "source": {"type": "string", "description": "the path or Hub id it came from"},
+                "path": {"type": "string", "description": "the directory the shards read"},
+                "rank": {"type": "integer"}, "alpha": {"type": "number"},
+                "scaling": {"type": "number", "description": "alpha / rank, or alpha / "
+                                                             "sqrt(rank) with rsLoRA"},
+                "target_modules": {"type": "array", "items": {"type": "string"}},
+                "base_model": {"type": "string", "description": "its config's "
+                                                                "base_model_name_or_path"},
+                "created": {"type": "integer"}}},
         "ErrorResponse": error_schema(),
     }
 

@@ -31,8 +31,9 @@ def prefill_json(token: Token) -> dict:
 async def validate(state: ServedModel, body: dict, *, stream: bool) -> ValidatedGenerate:
     """TGI's parameters object, validated and counted (shared with the gRPC API)."""
     with phase_span("validation"):
-        return await state.infer.count_request(validate_generate(body, state.tokenizer,
-                                                           state.validation_limits, stream=stream))
+        return await state.infer.count_request(validate_generate(
+            body, state.tokenizer, state.validation_limits, stream=stream,
+            adapters=state.adapters))
 
 
 def _sequence_details(result: GenerateResult, *, with_prefill: bool) -> dict:

@@ -1,0 +1,199 @@
+"""LoRA adapters over HTTP with the real app over a scripted shard: vLLM's load and unload routes,
+the /v1/models routes, /info, /metrics, and the adapters given at start (--lora-adapters)."""
+from urllib.parse import quote
+
+import pytest
+
+from router.app import load_startup_adapters
+from router.errors import UnknownAdapterError, ValidationError
+from router.state import STATE
+from tests.unit.router.adapter_helpers import make_adapter_dir
+from tests.unit.router.test_api_errors import HealthyFake, _client
+
+
+async def _load(client, name, path, **extra):
+    return await client.post("/v1/load_lora_adapter",
+                             json={"lora_name": name, "lora_path": str(path), **extra})
+
+
+async def test_vllm_routes_load_list_and_unload_an_adapter(tiny_llama, tmp_path):
+    fake = HealthyFake()
+    client = await _client(tiny_llama, fake)
+    try:
+        path = make_adapter_dir(tmp_path, "sql")
+        reply = await _load(client, "sql-lora", path)
+        assert reply.status == 200
+        assert await reply.text() == "Success: LoRA adapter 'sql-lora' added successfully."
+        assert fake.adapters == {"sql-lora": str(path.resolve())}
+
+        listed = (await (await client.get("/v1/models")).json())["data"]
+        item = next(m for m in listed if m["id"] == "sql-lora")
+        assert {k: item[k] for k in ("object", "owned_by", "root", "parent", "type", "state")} \
+            == {"object": "model", "owned_by": "tgi-py", "root": str(path),
+                "parent": tiny_llama.name, "type": "lora", "state": "running"}
+        assert item["metadata"]["rank"] == 8 and item["assets"] == [str(path.resolve())]
+        assert await (await client.get("/v1/models/sql-lora")).json() == item
+        info = await (await client.get("/info")).json()
+        assert [a["name"] for a in info["lora_adapters"]] == ["sql-lora"]
+        assert info["lora_adapters"][0]["parent"] == tiny_llama.name
+
+        again = await _load(client, "sql-lora", path)
+        assert again.status == 400
+        assert (await again.json())["error"]["message"] == \
+            "The lora adapter 'sql-lora' has already been loaded."
+
+        reply = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql-lora"})
+        assert reply.status == 200
+        assert await reply.text() == "Success: LoRA adapter 'sql-lora' removed successfully."
+        assert fake.adapters == {}
+        assert (await (await client.get("/info")).json())["lora_adapters"] == []
+        listed = (await (await client.get("/v1/models")).json())["data"]
+        assert "sql-lora" not in {m["id"] for m in listed}
+        gone = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql-lora"})
+        assert gone.status == 404
+        error = (await gone.json())["error"]
+        assert error["http_status_code"] == 404 and "'sql-lora' is not loaded" in error["message"]
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"lora_name": "x"}, 400, "Both 'lora_name' and 'lora_path' must be provided."),
+    ({"lora_name": "x", "lora_path": "/no/such/dir"}, 400, "no adapter directory"),
+    ({"lora_name": "x", "lora_path": "org/x"}, 400, "need tgi-launcher's model host"),
+    ({"lora_name": "a\"b", "lora_path": "/tmp"}, 400, "invalid adapter name"),
+    ({"lora_name": "x", "lora_path": "/tmp", "load_inplace": True}, 400, "`load_inplace`"),
+    ({"lora_name": "x", "lora_path": "/tmp", "model": "other"}, 404, "not found"),
+])
+async def test_bad_loads_are_4xx_in_openai_shape_and_change_nothing(tiny_llama, body, status,
+                                                                    words):
+    fake = HealthyFake()
+    client = await _client(tiny_llama, fake)
+    try:
+        client.server.app[STATE].models.served["other-model"] = \
+            client.server.app[STATE].models.default  # two run: `model` must name one
+        reply = await client.post("/v1/load_lora_adapter", json=body)
+        assert reply.status == status
+        error = (await reply.json())["error"]
+        assert words in error["message"] and error["http_status_code"] == status
+        assert fake.adapters == {}
+    finally:
+        await client.close()
+
+
+async def test_an_adapter_the_shards_refuse_is_a_400_with_their_reason(tiny_llama, tmp_path):
+    fake = HealthyFake()
+    fake.refuse_adapter = lambda name, path: "base model 'other/model' does not match"
+    client = await _client(tiny_llama, fake)
+    try:
+        reply = await _load(client, "a", make_adapter_dir(tmp_path))
+        assert reply.status == 400
+        assert "does not match" in (await reply.json())["error"]["message"]
+        assert (await client.get("/v1/models/a")).status == 404
+    finally:
+        await client.close()
+
+
+async def test_adapters_and_models_share_one_namespace(tiny_llama, tmp_path):
+    fake = HealthyFake()
+    client = await _client(tiny_llama, fake)
+    try:
+        path = make_adapter_dir(tmp_path)
+        reply = await _load(client, tiny_llama.name, path)
+        assert reply.status == 400 and "is the id of a model" in await reply.text()
+        assert (await _load(client, "lora-a", path)).status == 200
+        pull = await client.post("/v1/models/pull", json={"model": "/x", "id": "lora-a"})
+        assert pull.status == 400 and "name of a LoRA adapter" in await pull.text()
+        manager = client.server.app[STATE].models
+        assert manager.adapter_model("lora-a")[1] == "lora-a"
+        assert manager.adapter_model(tiny_llama.name) is None
+    finally:
+        await client.close()
+
+
+async def test_cortex_model_routes_load_and_unload_an_adapter(tiny_llama, tmp_path):
+    fake = HealthyFake()
+    client = await _client(tiny_llama, fake)
+    try:
+        path = make_adapter_dir(tmp_path)
+        start = await client.post("/v1/models/start", json={
+            "model": "jan-lora", "lora_path": str(path), "parent": tiny_llama.name})
+        assert start.status == 200, await start.text()
+        assert await start.json() == {"id": "jan-lora", "object": "model", "state": "running",
+                                      "parent": tiny_llama.name}
+        again = await client.post("/v1/models/start", json={"model": "jan-lora"})
+        assert (await again.json())["state"] == "running"
+        stop = await client.post("/v1/models/stop", json={"model": "jan-lora"})
+        assert await stop.json() == {"id": "jan-lora", "object": "model", "state": "stopped"}
+        assert fake.adapters == {}
+        await client.post("/v1/models/start", json={"model": "b", "source": str(path)})
+        deleted = await client.delete("/v1/models/b")
+        assert (await deleted.json())["deleted"] is True and fake.adapters == {}
+        # TGI names an adapter given as a directory by that directory: no model id, all the same
+        await client.post("/v1/models/start", json={"model": str(path), "lora_path": str(path)})
+        encoded = quote(str(path), safe="")
+        assert (await client.get(f"/v1/models/{encoded}")).status == 200
+        stopped = await client.put(f"/v1/models/{encoded}/stop")
+        assert (await stopped.json())["state"] == "stopped" and fake.adapters == {}
+        bad = await client.post("/v1/models/start", json={"model": "c", "lora_path": 3})
+        assert bad.status == 400 and (await bad.json())["error_type"] == "adapter"
+    finally:
+        await client.close()
+
+
+async def test_metrics_show_the_loaded_adapters(tiny_llama, tmp_path):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        await _load(client, "a", make_adapter_dir(tmp_path))
+        text = await (await client.get("/metrics")).text()
+        assert "tgi_lora_adapters_loaded 1.0" in text
+    finally:
+        await client.close()
+
+
+async def test_adapters_given_at_start_are_loaded_and_a_bad_one_stops_the_router(
+        tiny_llama, tmp_path):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        state = client.server.app[STATE]
+        good = make_adapter_dir(tmp_path, "good")
+        state.config.lora_adapters = f"first={good}, {good}"
+        await load_startup_adapters(state)
+        assert state.models.default.adapters.names() == ["first", "good"]
+        state.config.lora_adapters = f"third={tmp_path / 'missing'}"
+        with pytest.raises(ValueError, match="--lora-adapters third=.*no adapter directory"):
+            await load_startup_adapters(state)
+    finally:
+        await client.close()
+
+
+def test_the_flag_s_syntax_is_checked_at_start(tiny_llama):
+    from router.config import RouterConfig
+    config = RouterConfig(tokenizer_path=str(tiny_llama), lora_adapters="a=/x/a,/y/b/,")
+    assert config.lora_adapter_dirs() == [("a", "/x/a"), ("b", "/y/b/")]
+    for bad, words in (("a=", "write name=/path"), ("a=/x,a=/y", "names 'a' twice")):
+        with pytest.raises(ValueError, match=words):
+            RouterConfig(tokenizer_path=str(tiny_llama), lora_adapters=bad)
+
+
+async def test_a_session_keeps_its_adapter_and_a_call_naming_another_is_a_422(tiny_llama,
+                                                                            tmp_path):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        served = client.server.app[STATE].models.default
+        await served.adapters.load("a", str(make_adapter_dir(tmp_path)))
+        session = served.begin_session(("", "chat"), "hi")
+        session.token_ids, session.adapter_id = [1, 2], "a"  # as its first call left it
+        assert served.session_adapter(session, None) == "a"
+        assert served.session_adapter(session, "a") == "a"
+        with pytest.raises(ValidationError, match="'chat' was started with adapter 'a'; a call "
+                                                  "cannot change its adapter"):
+            served.session_adapter(session, "b")
+        with pytest.raises(ValidationError, match="started with adapter 'a'"):
+            served.session_adapter(session, "", named=True)
+        fresh = served.begin_session(("", "new"), "hi")
+        with pytest.raises(UnknownAdapterError):
+            served.session_adapter(fresh, "b")
+        assert served.session_adapter(fresh, "") is None
+    finally:
+        await client.close()
