@@ -6,6 +6,7 @@ import signal
 import sys
 from pathlib import Path
 
+from launcher.adapters import resolve_adapters
 from launcher.config import LauncherConfig, parse_args
 from launcher.dotenv import load_dotenv
 from launcher.environment import environment_report
@@ -36,10 +37,15 @@ def main(argv: list[str] | None = None) -> int:
             convert_dtype=conversion_dtype(config.dtype, config.quantize, config.device))
         check_remote_code(model_dir, trust_remote_code=config.trust_remote_code)
         check_shardable(model_dir, config.num_shard)
+        # as TGI downloads its adapters beside the model: a bad one ends the start before any
+        # shard does. Every machine resolves them: its shards load what the router names.
+        adapter_dirs = resolve_adapters(config.adapter_specs(),
+                                        hub_cache=config.huggingface_hub_cache)
     except (ModelResolutionError, LaunchError, GGUFError) as err:
         say(str(err), json_output=config.json_output, level="ERROR")
         return 1
-    return Supervisor(config, model_dir, config.model_id or DEFAULT_MODEL_ID).run()
+    return Supervisor(config, model_dir, config.model_id or DEFAULT_MODEL_ID,
+                      adapter_dirs=adapter_dirs).run()
 
 
 def model_source(config: LauncherConfig) -> str | None:

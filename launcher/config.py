@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.adapters import AdapterSpec, parse_lora_adapters
 from launcher.gpus import visible_gpus
 from launcher.known_models import DEFAULT_MODEL, short_names_help
 from launcher.model_cache import cache_root
@@ -18,7 +19,9 @@ from shard.config import (DEFAULT_CUDA_GRAPHS, DISABLE_KERNELS_ENV, DTYPES, QUAN
 # router fields the launcher fills itself rather than taking from the user
 _DERIVED_ROUTER_FIELDS = {"tokenizer_path", "master_shard_uds_path", "model_id",
                           "model_host_uds_path", "model_registry_dir", "default_model_dtype",
-                          "default_model_device", "autostart"}
+                          "default_model_device", "autostart",
+                          # the launcher's own flag, resolved to directories (launcher/adapters.py)
+                          "lora_adapters"}
 
 
 def _opt(default, help_text: str, *, compat: bool = False):
@@ -129,6 +132,16 @@ class LauncherConfig:
                                                     "tokenizer.json), served in place of "
                                                     "fetching --model-id, which then only names "
                                                     "the model (TGI's flag).")
+    lora_adapters: str | None = _opt(None, "LoRA adapters to serve beside the model (TGI's "
+                                           "flag), comma-separated: `id` (a local adapter "
+                                           "directory, or a Hub id fetched at start), "
+                                           "`id@revision` (a Hub id at that revision) or "
+                                           "`name=path` (a local directory served as `name`). "
+                                           "A request picks one by its name (the id itself, "
+                                           "for the first two forms) in adapter_id (OpenAI: "
+                                           "model; SGLang: lora_path). Each must hold PEFT's "
+                                           "adapter_config.json and adapter_model.safetensors "
+                                           "(or .bin).")
     max_input_length: int | None = _opt(None, "TGI's older name of --max-input-tokens; giving "
                                               "both is an error.")
     rope_scaling: str | None = _opt(None, "Replace the checkpoint's rope scaling (TGI's flag; the "
@@ -177,8 +190,6 @@ class LauncherConfig:
                        compat=True)
     ngrok_authtoken: str | None = _opt(None, "Used by --ngrok only (refused).", compat=True)
     ngrok_edge: str | None = _opt(None, "Used by --ngrok only (refused).", compat=True)
-    lora_adapters: str | None = _opt(None, "Refused: LoRA adapters are not supported yet (a "
-                                           "request's adapter_id is refused too).", compat=True)
     router: dict = field(default_factory=dict)  # RouterConfig fields given on the command line
 
     def __post_init__(self):
@@ -254,10 +265,7 @@ class LauncherConfig:
         if self.ngrok:
             raise ValueError("--ngrok: tgi-py opens no ngrok tunnel (it reaches out to no "
                              "service); put a tunnel or proxy of your own in front of --port")
-        if self.lora_adapters:
-            raise ValueError(f"--lora-adapters {self.lora_adapters}: LoRA adapters are not "
-                             "supported yet; serve a model with the adapter merged into its "
-                             "weights instead")
+        self.adapter_specs()  # a malformed entry ends the start now, before any download
         if self.usage_stats not in ("on", "off", "no-stack"):
             raise ValueError(f"--usage-stats {self.usage_stats!r} must be on, off or no-stack "
                              "(tgi-py sends nothing, whichever)")
@@ -303,6 +311,11 @@ class LauncherConfig:
     def registry_dir(self) -> Path:
         return Path(self.model_registry_dir).expanduser() if self.model_registry_dir \
             else cache_root() / "registry"
+
+    def adapter_specs(self) -> list[AdapterSpec]:
+        """--lora-adapters' entries, parsed (launcher/adapters.py)."""
+        return parse_lora_adapters(self.lora_adapters,
+                                   model_id=self.model_id or DEFAULT_MODEL.name)
 
     def shard_tracing_argv(self) -> list[str]:
         """The router's OTLP settings, shared with the shards as TGI does."""

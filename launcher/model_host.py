@@ -1,6 +1,6 @@
 """The launcher's ModelHost service (proto/model_host.proto): what the router asks of it to pull, start
-and stop models. It runs in gRPC's worker threads beside the supervisor's watch loop; the shard
-groups it starts are the supervisor's to watch once they listen."""
+and stop models, and to pull LoRA adapters. It runs in gRPC's worker threads beside the supervisor's
+watch loop; the shard groups it starts are the supervisor's to watch once they listen."""
 from __future__ import annotations
 
 import queue
@@ -15,7 +15,7 @@ import grpc
 from launcher.config import LauncherConfig
 from launcher.model_cache import ModelResolutionError
 from launcher.prepare import conversion_dtype
-from launcher.pull import pull
+from launcher.pull import pull, pull_adapter
 from launcher.shard_group import LaunchError
 from proto import model_host_pb2 as pb
 from proto import model_host_pb2_grpc as pb_grpc
@@ -51,12 +51,20 @@ class ModelHostService(pb_grpc.ModelHostServicer):
         def work() -> None:
             try:
                 config = self.supervisor.config
-                outcome["pulled"] = pull(
-                    request.source, Path(request.target_dir), progress,
-                    revision=request.revision or None, hub_cache=config.huggingface_hub_cache,
-                    # as the launcher's own model: what its flags serve (a model started later
-                    # with another dtype is served from this conversion all the same)
-                    convert_dtype=conversion_dtype(config.dtype, config.quantize, config.device))
+                if request.adapter:  # its files as they are: nothing to convert
+                    outcome["pulled"] = pull_adapter(
+                        request.source, Path(request.target_dir), progress,
+                        revision=request.revision or None,
+                        hub_cache=config.huggingface_hub_cache)
+                else:
+                    outcome["pulled"] = pull(
+                        request.source, Path(request.target_dir), progress,
+                        revision=request.revision or None,
+                        hub_cache=config.huggingface_hub_cache,
+                        # as the launcher's own model: what its flags serve (a model started
+                        # later with another dtype is served from this conversion all the same)
+                        convert_dtype=conversion_dtype(config.dtype, config.quantize,
+                                                       config.device))
             except (ModelResolutionError, ValueError, OSError) as err:
                 outcome["error"] = str(err)
             except Exception as err:  # a converter bug is this pull's failure, not the launcher's

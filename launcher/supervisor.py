@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from launcher.adapters import router_adapters_argv
 from launcher.config import LauncherConfig
 from launcher.gpus import pick_gpus, visible_gpus
 from launcher.liveness import Liveness
@@ -61,10 +62,13 @@ def _free_port() -> int:
 
 
 class Supervisor:
-    def __init__(self, config: LauncherConfig, model_dir: Path, model_name: str):
+    def __init__(self, config: LauncherConfig, model_dir: Path, model_name: str, *,
+                 adapter_dirs: dict[str, Path] | None = None):
         self.config = config
         self.model_dir = model_dir
         self.model_name = model_name
+        # --lora-adapters resolved: {name: local directory}, which the router loads
+        self.adapter_dirs = adapter_dirs or {}
         self.router: Child | None = None
         self.groups: dict[str, ShardGroup] = {}  # by model id
         self.lock = threading.Lock()  # groups is shared with the model host's threads
@@ -182,7 +186,8 @@ class Supervisor:
                 "--model-host-uds-path", self.host_socket,
                 "--model-registry-dir", str(self.config.registry_dir()),
                 "--default-model-dtype", self.config.dtype or "",
-                "--default-model-device", self.config.device]
+                "--default-model-device", self.config.device,
+                *router_adapters_argv(self.adapter_dirs)]
         self.router = spawn("router", argv, dict(os.environ), self.config.json_output)
         self._wait_until("router ready", self._router_healthy)
 

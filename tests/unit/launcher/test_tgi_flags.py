@@ -69,7 +69,7 @@ TGI_FLAGS = [
     ([("--tokenizer-config-path", "TOKENIZER_CONFIG")], None),
     ([("--disable-grammar-support", None)], None),
     ([("--max-client-batch-size", "8")], None),
-    ([("--lora-adapters", "org/adapter1,org/adapter2")], REFUSED),
+    ([("--lora-adapters", "org/adapter1,org/adapter2")], None),
     ([("--usage-stats", "off")], None),
     ([("--usage-stats", "no-stack")], None),
     ([("--disable-usage-stats", None)], None),
