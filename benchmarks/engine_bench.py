@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -47,9 +48,12 @@ class ShardDriver:
         self.next_id = 0
         self.token_span = min(1000, vocab_size - 10)  # ids 10.. inside any vocabulary
 
-    def batch(self, batch_size: int, prompt_length: int, new_tokens: int) -> tuple[pb.Batch, list]:
+    def batch(self, batch_size: int, prompt_length: int, new_tokens: int,
+              adapters: Sequence[str | None] = ()) -> tuple[pb.Batch, list]:
+        """Request i on LoRA adapter adapters[i % len(adapters)] (None: the base model); all on
+        the base model when `adapters` is empty."""
         requests, held = [], []
-        for _ in range(batch_size):
+        for i in range(batch_size):
             count = -(-(prompt_length + new_tokens) // self.block_size)
             blocks = [self.free.pop() for _ in range(count)]
             held.append(blocks)
@@ -59,7 +63,8 @@ class ShardDriver:
                 parameters=pb.NextTokenChooserParameters(),
                 stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=new_tokens,
                                                                   ignore_eos_token=True),
-                blocks=blocks, skip_special_tokens=True))
+                blocks=blocks, skip_special_tokens=True,
+                adapter_id=adapters[i % len(adapters)] if adapters else None))
             self.next_id += 1
         self.next_id += 1
         return pb.Batch(id=self.next_id, requests=requests, size=batch_size), held
@@ -69,10 +74,11 @@ class ShardDriver:
             self.free.extend(blocks)
 
 
-async def run_prefill(driver: ShardDriver, batch_size: int, prompt_length: int, repeats: int):
+async def run_prefill(driver: ShardDriver, batch_size: int, prompt_length: int, repeats: int,
+                      adapters: Sequence[str | None] = ()):
     latencies = []
     for _ in range(repeats):
-        batch, held = driver.batch(batch_size, prompt_length, 2)
+        batch, held = driver.batch(batch_size, prompt_length, 2, adapters)
         started = time.perf_counter()
         reply = await driver.stub.Prefill(pb.PrefillRequest(batch=batch))
         latencies.append(time.perf_counter() - started)
@@ -83,8 +89,8 @@ async def run_prefill(driver: ShardDriver, batch_size: int, prompt_length: int, 
 
 
 async def run_decode(driver: ShardDriver, batch_size: int, prompt_length: int, steps: int,
-                     warmup: int):
-    batch, held = driver.batch(batch_size, prompt_length, steps + warmup + 1)
+                     warmup: int, adapters: Sequence[str | None] = ()):
+    batch, held = driver.batch(batch_size, prompt_length, steps + warmup + 1, adapters)
     reply = await driver.stub.Prefill(pb.PrefillRequest(batch=batch))
     _check_admitted(reply, batch_size)
     cached = reply.batch

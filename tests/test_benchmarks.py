@@ -28,6 +28,29 @@ def test_engine_benchmark(tiny_llama, tmp_path):
     assert all(row["tokens_per_s"] > 0 for row in figures["decode"])
 
 
+def test_lora_benchmark(tiny_llama, tmp_path):
+    """Every scenario timed at every batch size, each against the base, and issue 33's bounds
+    stated at 32 streams."""
+    out = _run(["benchmarks/lora_bench.py", "--model-dir", str(tiny_llama), "--rank", "4",
+                "--batch-sizes", "2,32", "--decode-prompt", "8", "--steps", "2", "--warmup", "1",
+                "--prefill-prompt", "8", "--prefill-repeats", "1", "--rounds", "1",
+                "--adapter-cache", str(tmp_path / "adapters"), "--json",
+                str(tmp_path / "lora.json")], tmp_path)
+    assert "at 32 streams, 1 adapter (rank 4) cost" in out and "at most 25%):" in out
+    figures = json.loads((tmp_path / "lora.json").read_text())
+    decode = {(r["scenario"], r["batch"]): r for r in figures["rows"] if r["kind"] == "decode"}
+    assert set(decode) == {(s, b) for s in ("base", "base_loaded", "one", "four") for b in (2, 32)}
+    assert all(r["tokens_per_s"] > 0 for r in decode.values())
+    assert decode[("base", 32)]["cost_percent"] == 0
+    # the adapters' batches against the base batch decoding beside them, step for step
+    assert all("cost_beside_percent" in decode[(s, b)] for s in ("one", "four") for b in (2, 32))
+    assert {(r["scenario"], r["batch"]) for r in figures["rows"] if r["kind"] == "prefill"} == {
+        (s, 4) for s in ("base", "base_loaded", "one", "four")}
+    assert [(b["scenario"], b["limit_percent"]) for b in figures["bounds"]] == [("one", 15),
+                                                                               ("four", 25)]
+    assert len(list((tmp_path / "adapters").glob("*/r4-seed*/adapter_model.safetensors"))) == 4
+
+
 def test_grammar_overhead_benchmark(tiny_llama, tmp_path):
     out = _run(["benchmarks/grammar_overhead.py", "--model-dir", str(tiny_llama), "--dtype",
                 "float32", "--batch", "2", "--steps", "4", "--repeats", "1", "--json",
