@@ -57,10 +57,6 @@ class AdapterSet:
         self._rank = 0
         self._targets: list[nn.Module] = []  # the linear layers holding a LoraTarget
 
-    @property
-    def supported(self) -> bool:
-        return bool(self._modules)
-
     def slot_of(self, name: str) -> int:
         """KeyError for a name not loaded."""
         return self.adapters[name].slot
