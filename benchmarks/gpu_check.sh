@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need an NVIDIA GPU, as one device run of at most about seven minutes (a
-# session's device time is short; the stages' timeouts add up to 420 s): CUDA graphs against
-# eager steps, prefill attention over a cached prefix, the launcher serving a tiny model on CUDA
+# session's device time is short; the stages' timeouts add up to 440 s): CUDA graphs against
+# eager steps, prefill attention over a cached prefix, LoRA adapters in a mixed batch, the launcher serving a tiny model on CUDA
 # over HTTP (its router streaming each decode step: DecodeStream), and decode steps of a
 # SmolLM2-shaped model timed without and with CUDA graphs.
 #   here, once:  bash scripts/gpu-wheels.sh      (the packages the GPU image lacks, into .whl/)
@@ -21,8 +21,8 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_dev
       '| transformers', transformers.__version__)"
 status=0
 echo "== CUDA graphs against eager steps (tiny model), the launcher and DecodeStream on CUDA"
-timeout 220 python3 -m pytest -q -p no:cacheprovider tests/unit/shard/test_cuda_graphs.py \
-    tests/unit/shard/test_attention_dtypes.py tests/unit/shard/test_server_errors.py tests/e2e/test_shard_decode_stream.py \
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/unit/shard/test_cuda_graphs.py \
+    tests/unit/shard/test_attention_dtypes.py tests/unit/shard/test_lora_engine.py tests/unit/shard/test_server_errors.py tests/e2e/test_shard_decode_stream.py \
     tests/e2e/test_launcher_tiny.py -k "not compiled" 2>&1 | tee "$out/tests.log" | tail -25 \
     || status=1
 echo "== tests: status $status"

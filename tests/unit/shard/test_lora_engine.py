@@ -1,6 +1,7 @@
 """LoRA adapters through the engine: requests name adapters, a batch mixes them with the base,
 beams and draft tokens carry their request's adapter, unknown names and busy unloads refused."""
 import pytest
+import torch
 
 from shard.engine import AdapterInUse
 from tests.engine_helpers import (BlockPool, make_engine, request, run_to_completion,
@@ -107,3 +108,22 @@ def test_unload_waits_for_no_request_and_frees_the_layers(tiny):
     again = run_to_completion(engine, _requests(BlockPool(512), ["one"] * 4))
     reference = reference_model(model_dir, adapters["one"])
     assert again[1] == greedy_reference(reference, PROMPTS[0], 10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cuda_graphs", [None, [1, 2, 4]], ids=["eager", "graphs-captured"])
+def test_mixed_batch_on_cuda_gives_the_cpu_tokens(tiny, cuda_graphs):
+    """The masked-matmul path on a GPU; an engine with CUDA graphs captured runs adapter batches
+    eagerly (its graphs hold no adapter updates) and still gives the same tokens."""
+    model_dir, adapters = tiny
+    choice = ["one", None, "two", "one"]
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        engine = make_engine(model_dir, device=device,
+                             cuda_graphs=cuda_graphs if device == "cuda" else None)
+        for name, path in adapters.items():
+            engine.load_adapter(name, str(path))
+        tokens[device] = run_to_completion(engine, _requests(BlockPool(512), choice))
+        tokens[device, "base"] = run_to_completion(engine, _requests(BlockPool(512), [None] * 4))
+    assert tokens["cuda"] == tokens["cpu"]
+    assert tokens["cuda", "base"] == tokens["cpu", "base"]
