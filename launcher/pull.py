@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from launcher.hub import allow_patterns, weight_files
 from launcher.known_models import KNOWN_MODELS, known_model
 from launcher.model_cache import ModelResolutionError, cache_root
 from launcher.prepare import fetch_gguf
+from launcher.progress_log import ProgressLog, directory_size, watching_size
 from launcher.resolve import check_model_dir
 from shard.checkpoint_files import CheckpointError, checkpoint_files
 
@@ -42,16 +42,13 @@ class Pulled:
     size_bytes: int
 
 
-def directory_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def pull(source: str, target_dir: Path, progress: Progress, *, revision: str | None = None,
          hub_cache: str | None = None, convert_dtype: str = "bfloat16",
          cache_dir: Path | None = None) -> Pulled:
     """`convert_dtype`: what a GGUF is converted to (launcher.prepare.conversion_dtype);
     `cache_dir`: where a known model's GGUF is kept (default: the launcher's cache)."""
     target_dir = Path(target_dir)
+    progress = _logged(progress, f"pull of {source}")
     with _staged(target_dir) as staging:
         path = Path(source).expanduser()
         known = known_model(source)
@@ -84,12 +81,24 @@ def pull_adapter(source: str, target_dir: Path, progress: Progress, *,
     from a local adapter directory, or a Hub id downloaded first into the Hugging Face cache
     (launcher/adapters.py)."""
     target_dir = Path(target_dir)
+    progress = _logged(progress, f"pull of adapter {source}")
     spec = AdapterSpec(source, source, revision)
     with _staged(target_dir) as staging:
         if is_hub_source(spec):
             progress("downloading", 0, 0)  # the sizes are known once the files are there
         _copy_files(adapter_files(resolve_adapter(spec, hub_cache=hub_cache)), staging, progress)
     return Pulled("peft", "", directory_size(target_dir))
+
+
+def _logged(progress: Progress, what: str) -> Progress:
+    """`progress`, and the same told in the launcher's log."""
+    log = ProgressLog(what)
+
+    def both(stage: str, done: int, total: int) -> None:
+        log(stage, done, total)
+        progress(stage, done, total)
+
+    return both
 
 
 @contextmanager
@@ -166,21 +175,11 @@ def _download(repo_id: str, staging: Path, progress: Progress, revision: str | N
         wanted = list(filter_repo_objects(info.siblings or [], allow_patterns=patterns,
                                           key=lambda sibling: sibling.rfilename))
         total = sum(s.size or 0 for s in wanted)
-        finished = threading.Event()
-
-        def watch():
-            while not finished.wait(0.5):
-                progress("downloading", min(directory_size(staging), total), total)
-
-        watcher = threading.Thread(target=watch, daemon=True)
         progress("downloading", 0, total)
-        watcher.start()
-        try:
+        with watching_size(staging, lambda landed: progress("downloading", min(landed, total),
+                                                            total)):
             snapshot_download(repo_id, revision=revision, cache_dir=hub_cache,
                               local_dir=str(staging), allow_patterns=patterns)
-        finally:
-            finished.set()
-            watcher.join()
         shutil.rmtree(staging / ".cache", ignore_errors=True)  # huggingface_hub's bookkeeping
         progress("downloading", total, total)
     except Exception as err:  # offline, unknown repo, no network: all end the same way for a user

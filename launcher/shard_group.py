@@ -16,6 +16,7 @@ from pathlib import Path
 
 from launcher.logs import relay
 from proto.launcher_watch import LAUNCHER_PID_ENV
+from proto.logs import child_log_environment
 from shard.config import DEFAULT_CUDA_GRAPHS, KV_LEDGER_ENV
 
 # How long (busy-wait iterations) a shard's idle OpenMP threads spin before they sleep, where the
@@ -56,8 +57,10 @@ def death(child: Child) -> str:
 
 def spawn(name: str, argv: list[str], env: dict[str, str], json_output: bool) -> Child:
     # own session: a Ctrl-C in the terminal reaches only the launcher, which stops children in
-    # order; and a child stops itself once this launcher is gone (proto.launcher_watch)
-    env = {**env, LAUNCHER_PID_ENV: str(os.getpid())}
+    # order; and a child stops itself once this launcher is gone (proto.launcher_watch). It logs
+    # as the launcher does, under the name its lines are relayed with.
+    env = {**env, LAUNCHER_PID_ENV: str(os.getpid()),
+           **child_log_environment(json_output=json_output, source=name)}
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                start_new_session=True)
     child = Child(name, process)

@@ -35,6 +35,10 @@ from shard.partition import split_heads_of
 
 __all__ = ["LaunchError", "Supervisor", "check_shardable"]
 
+# the router's /health is this machine's own: never asked through http_proxy and its kind, which
+# urllib honours (a proxy cannot reach 127.0.0.1 here, and start-up would wait out its timeout)
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
 
 def check_shardable(model_dir: Path, num_shard: int) -> None:
     """Fails before any process starts when the shards do not serve the model's architecture, or
@@ -198,7 +202,7 @@ class Supervisor:
     def _router_healthy(self) -> bool:
         url = f"http://{self._router_host()}:{self.config.port}/health"
         try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
+            with _DIRECT.open(url, timeout=2) as reply:
                 return reply.status == 200
         except (urllib.error.URLError, OSError):
             return False

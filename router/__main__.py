@@ -11,12 +11,13 @@ import sys
 from aiohttp import web
 
 from proto.launcher_watch import watch_launcher
+from proto.logs import configure_logging, is_json_output, log_source
 from proto.tracing import init_tracing, shutdown_tracing
 from router.api.openapi import openapi_document
 from router.api.tgi import routes as tgi
 from router.app import build_state, create_app
 from router.config import log_level, parse_args
-from router.http import connections
+from router.http import access_log, connections
 
 log = logging.getLogger("tgi.router")
 
@@ -32,7 +33,9 @@ async def serve(argv: list[str] | None) -> int:
     runner, listener = await connections.start_listening(app, config.hostname, config.port)
     metrics_runner = None
     if config.prometheus_port is not None:
-        metrics_runner = web.AppRunner(tgi.metrics_app(state), access_log=None)
+        metrics_app = tgi.metrics_app(state)
+        access_log.install(metrics_app)
+        metrics_runner = web.AppRunner(metrics_app, access_log=None)
         await metrics_runner.setup()
         await web.TCPSite(metrics_runner, config.hostname, config.prometheus_port).start()
         log.info("metrics also on http://%s:%d/metrics", config.hostname, config.prometheus_port)
@@ -61,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # `kill -USR1 <pid>` prints every thread's stack: how to see where a stuck process is
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    logging.basicConfig(level=log_level(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_logging(log_level(), json_output=is_json_output(), source=log_source("router"))
     try:
         return asyncio.run(serve(argv))
     except ValueError as err:

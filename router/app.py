@@ -16,8 +16,10 @@ from router.api.openai import chat as openai
 from router.api.openai import completions
 from router.api.sglang import routes as sglang
 from router.api.tgi import routes as tgi
+from router.api.ui import routes as ui
 from router.config import RouterConfig
 from router.errors import RouterError
+from router.http import access_log
 from router.http.middleware import api_key_middleware, error_middleware, install_cors
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.model_host import ModelHostClient
@@ -28,7 +30,7 @@ from router.state import STATE, RouterState
 # Every API the router serves: each module turns its wire format into core requests and the core's
 # events into its wire format, and registers itself (routes, or a server of its own).
 API_MODULES = (tgi, sglang, openai, completions, invocations, generate_one, models, grpc_service,
-               openapi)
+               openapi, ui)
 
 log = logging.getLogger("tgi.router")
 
@@ -74,6 +76,7 @@ def create_app(state: RouterState) -> web.Application:
         app.middlewares.append(api_key_middleware(config.api_key))
     if config.cors_allow_origin:
         install_cors(app, config.cors_allow_origin)
+    access_log.install(app)  # outermost: it logs the answers of the middlewares above
     app[STATE] = state
     for api in API_MODULES:
         api.register(app)

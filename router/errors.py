@@ -2,7 +2,9 @@
 body each API answers an error in, and the gRPC status each maps to."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import grpc
 from aiohttp import web
@@ -12,6 +14,7 @@ class RouterError(Exception):
     status = 500
     error_type = "internal"
     prefix = ""
+    param: str | None = None  # the request field at fault, where known (OpenAI's error `param`)
     headers: dict[str, str] = {}  # sent with the error's HTTP answer
     # the connection cannot serve another request after this answer (a body aiohttp cannot read)
     close_connection = False
@@ -24,10 +27,33 @@ class RouterError(Exception):
         return f"{self.prefix}{self.message}"
 
 
+# the field a validation message opens with, as the router's do where one field is at fault:
+# "`temperature` must be ...", "messages[2].role must be ...", "tools[0]: ..."
+_LEADING_FIELD = re.compile(r"`([^`\s]+)`|([a-z_]+\[\d+\][\w.\[\]]*)")
+
+
 class ValidationError(RouterError):
+    """`param`: the field at fault; by default the one the message opens with, if any."""
+
     status = 422
     error_type = "validation"
     prefix = "Input validation error: "
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        leading = _LEADING_FIELD.match(message)
+        self.param = param or (leading and (leading[1] or leading[2]))
+
+
+@contextmanager
+def about_field(param: str) -> Iterator[None]:
+    """ValidationErrors raised inside it are about `param`: an OpenAI route's name for a check
+    worded in TGI's (`inputs`, `max_new_tokens`)."""
+    try:
+        yield
+    except ValidationError as err:
+        err.param = param
+        raise
 
 
 class UnknownAdapterError(ValidationError, LookupError):
@@ -85,6 +111,26 @@ class UnhealthyError(RouterError):
 
     def __init__(self, message: str = "unhealthy"):
         super().__init__(message)
+
+
+class AuthenticationError(RouterError):
+    """--api-key is set and the request does not carry it."""
+
+    status = 401
+    error_type = "authentication"
+
+    def __init__(self):
+        super().__init__("Unauthorized: a valid 'Authorization: Bearer <key>' header is required")
+
+
+class HTTPError(RouterError):
+    """aiohttp's own refusals (no such route, a method the route does not take)."""
+
+    error_type = "http"
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class PayloadTooLargeError(RouterError):
@@ -167,6 +213,25 @@ def openai_stream_error_body(error: RouterError) -> dict:
                       "http_status_code": error.status}}
 
 
+def _openai_error_type(status: int) -> str:
+    """OpenAI's `type` for an error of this HTTP status."""
+    if status == 401:
+        return "authentication_error"
+    if status == 429:
+        return "rate_limit_exceeded"
+    if status < 500 and status != 424:  # 424: a shard failed the generation, not the request
+        return "invalid_request_error"
+    return "server_error"
+
+
+def openai_error_body(error: RouterError) -> dict:
+    """OpenAI's error object, for OpenAI's SDKs on the /v1 routes: their exceptions' text is
+    `message`, and they expose type, param and code. `code` is TGI's error_type (OpenAI's own
+    `model_not_found` among them), so an SDK reads all that TGI's shape says."""
+    return {"error": {"message": str(error), "type": _openai_error_type(error.status),
+                      "param": error.param, "code": error.error_type}}
+
+
 def sglang_error_body(error: RouterError) -> dict:
     return {"error": {"message": str(error), "type": error.error_type, "code": error.status}}
 
@@ -180,7 +245,8 @@ def models_error_body(error: RouterError) -> dict:
 
 
 # a handler of another API's shape sets request[ERROR_BODY] to its own body function, which the
-# error middleware then uses for what the handler lets through (TGI's shape otherwise)
+# error middleware then uses for what the handler lets through (TGI's shape otherwise; an OpenAI
+# SDK on a /v1 route gets openai_error_body whatever the route: router.http.middleware)
 ERROR_BODY = web.RequestKey("error_body", Callable[[RouterError], dict])
 
 

@@ -11,6 +11,7 @@ from router.config import RouterConfig
 from router.errors import ModelNotFoundError
 from router.lifecycle.manager import UNNAMED_MODELS, ModelManager
 from router.lifecycle.served_model import ServedModel
+from router.telemetry.request_record import current_record
 
 # names the model of a request whose body cannot (TGI's, SGLang's and generate-one's routes)
 MODEL_HEADER = "X-Model-Id"
@@ -36,7 +37,15 @@ def served_model(request: web.Request, name: str | None = None) -> ServedModel:
     header names; the default model when neither does. 404 or 409 in the caller's error shape."""
     if name is None:
         name = request.headers.get(MODEL_HEADER)
-    return request.app[STATE].served(name)
+    return _noted(request.app[STATE].served(name))
+
+
+def _noted(served: ServedModel) -> ServedModel:
+    """`served`, named in the access log's record of the request."""
+    record = current_record()
+    if record is not None:
+        record.model = served.model_name
+    return served
 
 
 def model_and_adapter(request: web.Request, name: str | None) -> tuple[ServedModel, str | None]:
@@ -45,7 +54,7 @@ def model_and_adapter(request: web.Request, name: str | None) -> tuple[ServedMod
     models = request.app[STATE].models
     found = models.adapter_model(name)
     if found is not None:
-        return found
+        return _noted(found[0]), found[1]
     served = served_model(request, name)
     loaded = served.adapters.names()
     # while one model runs any name reaches it, as in TGI; but once it serves adapters, a name

@@ -15,6 +15,7 @@ import torch
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
 from proto.launcher_watch import watch_launcher
+from proto.logs import configure_logging, is_json_output, log_source
 from proto.tracing import init_tracing, shutdown_tracing
 from shard import watermark
 from shard.config import (DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype, local_topology,
@@ -180,8 +181,7 @@ async def serve(config: ShardConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 <pid>` prints every thread's stack: how to see where a stuck process is
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    logging.basicConfig(level=log_level(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_logging(log_level(), json_output=is_json_output(), source=log_source("shard"))
     try:
         config = parse_args(argv)
     except ValueError as err:

@@ -9,6 +9,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests import openapi_schemas  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
+from tests.unit.logging_helpers import process_logging_undone  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -43,3 +44,9 @@ def real_model_dir() -> Path:
     from launcher.prepare import prepare_default_model
 
     return prepare_default_model(dtype="float32")
+
+
+@pytest.fixture(autouse=True)
+def _logging_undone():
+    with process_logging_undone():
+        yield

@@ -35,11 +35,19 @@ def openapi_document() -> dict:
                 **error_responses(413, 422, 424, 429, 500, 503)}}},
         "/api-doc/openapi.json": {"get": {"summary": "This document", "responses": {
             "200": {"description": "OK"}}}},
+        "/docs": {"get": _page("Swagger UI over this document")},
     })
+    paths["/"]["get"] = _page("The chat playground (beside TGI's POST /)")
     return {"openapi": "3.0.3",
             "info": {"title": "tgi-py", "version": VERSION,
                      "description": "Text Generation Inference's API, served by tgi-py"},
             "paths": paths, "components": {"schemas": schemas}}
+
+
+def _page(summary: str) -> dict:
+    """A page for a browser (router/api/ui)."""
+    return {"summary": summary, "responses": {"200": {"description": "OK", "content": {
+        "text/html": {"schema": {"type": "string"}}}}}}
 
 
 async def serve_document(request: web.Request) -> web.Response:

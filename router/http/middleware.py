@@ -1,4 +1,5 @@
-"""HTTP middlewares: errors in the {error, error_type} envelope, API key, CORS."""
+"""HTTP middlewares: errors in each API's envelope (TGI's {error, error_type} by default),
+API key, CORS."""
 from __future__ import annotations
 
 import asyncio
@@ -7,12 +8,24 @@ import logging
 
 from aiohttp import web
 
-from router.errors import ERROR_BODY, PayloadTooLargeError, RouterError, tgi_error_body
+from router.errors import (ERROR_BODY, AuthenticationError, HTTPError, PayloadTooLargeError,
+                           RouterError, openai_error_body, tgi_error_body)
 
 log = logging.getLogger("tgi.router")
 
 # open without a key, as in TGI: probes and scrapers carry no credentials
 _PUBLIC_PATHS = {"/health", "/metrics"}
+# the pages at / and /docs and their files (router/api/ui): a page must load before it can ask
+# for the key. GET only: POST / is TGI's generate route
+_PUBLIC_PAGES = {"/", "/docs"}
+_PUBLIC_PAGE_PREFIXES = ("/ui/", "/docs/")
+
+
+def _is_public(request: web.Request) -> bool:
+    if request.path in _PUBLIC_PATHS or request.method == "OPTIONS":
+        return True
+    return request.method in ("GET", "HEAD") and (
+        request.path in _PUBLIC_PAGES or request.path.startswith(_PUBLIC_PAGE_PREFIXES))
 
 
 @web.middleware
@@ -29,7 +42,7 @@ async def error_middleware(request: web.Request, handler):
     except web.HTTPException as err:
         if err.status < 400:
             raise
-        return web.json_response({"error": err.reason, "error_type": "http"}, status=err.status)
+        return _error_response(request, HTTPError(err.reason, err.status))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
@@ -38,9 +51,18 @@ async def error_middleware(request: web.Request, handler):
 
 
 def _error_response(request: web.Request, err: RouterError) -> web.Response:
-    """`err` in the error body of the route's API (request[ERROR_BODY], TGI's by default)."""
-    body = request.get(ERROR_BODY, tgi_error_body)
+    """`err` in OpenAI's error body to an OpenAI SDK on a /v1 route, else in the body of the
+    route's API (request[ERROR_BODY], TGI's by default)."""
+    body = openai_error_body if _is_openai_sdk(request) else request.get(ERROR_BODY, tgi_error_body)
     return web.json_response(body(err), status=err.status, headers=err.headers)
+
+
+def _is_openai_sdk(request: web.Request) -> bool:
+    """OpenAI's SDKs (Stainless-built) send x-stainless-* headers, and put only OpenAI's
+    error.message in their exceptions' text; other clients of /v1 (TGI's, huggingface_hub)
+    read TGI's {"error", "error_type"}."""
+    return request.path.startswith("/v1/") and any(
+        name.lower().startswith("x-stainless-") for name in request.headers)
 
 
 def api_key_middleware(api_key: str):
@@ -48,13 +70,11 @@ def api_key_middleware(api_key: str):
 
     @web.middleware
     async def check_key(request: web.Request, handler):
-        if request.path in _PUBLIC_PATHS or request.method == "OPTIONS":
+        if _is_public(request):
             return await handler(request)
         given = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(given, expected):
-            return web.json_response({"error": "Unauthorized: a valid 'Authorization: Bearer <key>' "
-                                               "header is required", "error_type": "authentication"},
-                                     status=401)
+            return _error_response(request, AuthenticationError())
         return await handler(request)
 
     return check_key

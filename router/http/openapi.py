@@ -54,3 +54,28 @@ def post(summary: str, request: str, response: dict, *, stream: bool = False,
 
 def object_schema(required: list[str], **properties) -> dict:
     return {"type": "object", "required": required, "properties": properties}
+
+
+# the error body an OpenAI SDK (its x-stainless-* headers) gets on every /v1 route
+# (router.errors.openai_error_body); `code` is TGI's error_type
+def sdk_error_schema() -> dict:
+    return object_schema(["error"], error=object_schema(
+        ["message", "type", "param", "code"], message={"type": "string"},
+        type={"type": "string", "enum": ["invalid_request_error", "authentication_error",
+                                         "rate_limit_exceeded", "server_error"]},
+        param=nullable("string", description="the request field at fault, where known"),
+        code={"type": "string"}))
+
+
+def or_sdk_error(paths: dict) -> dict:
+    """`paths` with each /v1 route's error answers either in the route's own body or, to an
+    OpenAI SDK, in OpenAISDKError."""
+    for path, operations in paths.items():
+        if not path.startswith("/v1/"):
+            continue
+        for operation in operations.values():
+            for status, response in operation["responses"].items():
+                if int(status) >= 400:
+                    content = response["content"]["application/json"]
+                    content["schema"] = {"oneOf": [content["schema"], ref("OpenAISDKError")]}
+    return paths

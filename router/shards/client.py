@@ -34,7 +34,10 @@ class ShardClient:
         self.channel = grpc.aio.insecure_channel(
             self.target,
             options=[("grpc.max_receive_message_length", 2**31 - 1),
-                     ("grpc.max_send_message_length", 2**31 - 1)])
+                     ("grpc.max_send_message_length", 2**31 - 1),
+                     # shards are ours, on this machine or a peer: gRPC would send a TCP
+                     # target through http_proxy (or grpc_proxy, https_proxy) where one is set
+                     ("grpc.enable_http_proxy", 0)])
         self.stub = pb_grpc.TextGenerationServiceStub(self.channel)
 
     async def call(self, method: str, message, timeout: float | None = None, metadata=None):

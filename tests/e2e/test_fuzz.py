@@ -39,7 +39,7 @@ from tests.e2e.server import launch
 
 pytestmark = pytest.mark.e2e
 
-NUM_FUZZ_EXAMPLES = 100  # per operation and generation mode, on top of the coverage phase
+NUM_FUZZ_EXAMPLES = 60  # per operation and generation mode, on top of the coverage phase
 NUM_WORKERS = 4
 MAX_CONCURRENT_REQUESTS = 8  # above NUM_WORKERS: a 429 would hide the case it answers
 REQUEST_TIMEOUT_S = 15.0

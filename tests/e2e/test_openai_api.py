@@ -233,6 +233,20 @@ def test_completion_suffix_without_fim_tokens_is_a_clear_422(server):
     assert "fill-in-the-middle" in reply.json()["error"]
 
 
+def test_the_sdk_reads_why_a_request_is_refused_and_plain_clients_keep_tgi_shape(server, client):
+    import openai
+
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
+        client.chat.completions.create(model="anything", messages=ASK, max_tokens=5000)
+    assert "must be <= 1024" in str(caught.value), "the model's length, in the exception's text"
+    assert caught.value.body == {"message": caught.value.body["message"], "code": "validation",
+                                 "type": "invalid_request_error", "param": "max_tokens"}
+    reply = requests.post(f"{server.url}/v1/chat/completions", timeout=60,
+                          json={"messages": ASK, "max_tokens": 5000})
+    assert reply.status_code == 422
+    assert reply.json() == {"error": caught.value.body["message"], "error_type": "validation"}
+
+
 def test_vllm_ignore_eos_and_min_tokens_extensions(server, client):
     """Load generators send vLLM's extensions to every OpenAI server: a greedy answer that ends at
     EOS early runs to max_tokens with ignore_eos, and past min_tokens with min_tokens."""
@@ -274,7 +288,8 @@ def test_logit_bias_bans_and_forces_tokens(client, real_model_dir):
     with pytest.raises(openai.UnprocessableEntityError) as caught:
         client.completions.create(model="m", prompt=prompt, max_tokens=3,
                                   logit_bias={"49152": 1})
-    assert "vocabulary size of 49152" in caught.value.response.json()["error"]  # TGI's shape
+    assert "vocabulary size of 49152" in str(caught.value)  # OpenAI's shape, to the SDK
+    assert caught.value.param == "logit_bias"
 
 
 def test_chat_template_kwargs_are_checked_and_passed(server):

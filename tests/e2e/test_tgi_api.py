@@ -276,7 +276,8 @@ def test_openapi_document_describes_every_route_we_serve(server):
     doc = requests.get(f"{server.url}/api-doc/openapi.json", timeout=10).json()
     served = {"/", "/generate", "/generate_stream", "/tokenize", "/chat_tokenize", "/invocations",
               "/health", "/info", "/metrics",
-              "/api-doc/openapi.json", "/v1/chat/completions", "/v1/completions", "/v1/models",
+              "/api-doc/openapi.json", "/docs", "/v1/chat/completions", "/v1/completions",
+              "/v1/models",
               # SGLang's companion routes (its /generate shares TGI's path)
               "/abort_request", "/flush_cache", "/health_generate", "/get_model_info",
               "/get_server_info", "/api/generate-one", "/api/generate-batch"}

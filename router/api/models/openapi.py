@@ -2,7 +2,7 @@
 LoRA adapter routes)."""
 from __future__ import annotations
 
-from router.http.openapi import error_responses, json_content, object_schema, ref
+from router.http.openapi import error_responses, json_content, object_schema, or_sdk_error, ref
 
 _MODEL_STATES = ["not_downloaded", "downloading", "downloaded", "starting", "running", "stopping",
                  "stopped"]
@@ -152,4 +152,4 @@ def schemas() -> dict:
 
 
 def paths() -> dict:
-    return _model_paths()
+    return or_sdk_error(_model_paths())

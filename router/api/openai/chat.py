@@ -16,7 +16,7 @@ from router.api.openai.request import (ChatOptions, build_request, chat_template
                                        tool_plan, with_model_defaults)
 from router.api.tgi.routes import tokens_response
 from router.core.generation import GenerateResult
-from router.errors import ValidationError
+from router.errors import ValidationError, about_field
 from router.http.json_body import read_object
 from router.http.sse import openai_sse, serve_stream
 from router.inputs import structured_output
@@ -111,8 +111,9 @@ async def _validate_chat(state, body: dict, adapter_id: str | None) -> _Chat:
     chosen_adapter(adapter_id, state.adapters)  # one being unloaded is refused from the start
     plan, response_format, prompt, parsed = await asyncio.to_thread(_chat_request_parts, state,
                                                                     body)
-    input_ids = await state.tokenizer.encode_async(prompt, add_special_tokens=False,
-                                                   max_tokens=limits.tokens.max_input_tokens)
+    with about_field("messages"):  # the prompt's length, which the messages make
+        input_ids = await state.tokenizer.encode_async(prompt, add_special_tokens=False,
+                                                       max_tokens=limits.tokens.max_input_tokens)
     logprobs = read_flag(body, "logprobs")
     top_logprobs = read_number(body, "top_logprobs", 0, limits.max_top_n_tokens, integer=True) or 0
     if top_logprobs and not logprobs:
@@ -120,7 +121,7 @@ async def _validate_chat(state, body: dict, adapter_id: str | None) -> _Chat:
     request = build_request(prompt, input_ids, body, limits,
                             default_max_tokens=state.request_defaults.get("token_limit"),
                             top_n_tokens=top_logprobs, grammar_spec=plan.grammar or response_format,
-                            parsed=parsed, adapter_id=adapter_id)
+                            parsed=parsed, adapter_id=adapter_id, prompt_field="messages")
     options = ChatOptions(n=choice_count(body, state.config.max_client_batch_size),
                           stream=read_flag(body, "stream"), include_usage=include_usage(body),
                           logprobs=logprobs, top_logprobs=top_logprobs)

@@ -13,7 +13,7 @@ from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHol
 from router.api.openai.request import (build_request, choice_count, include_usage, model_name,
                                        sampling_and_stops, with_model_defaults)
 from router.core.generation import GenerateResult
-from router.errors import ValidationError
+from router.errors import ValidationError, about_field
 from router.http.json_body import read_object
 from router.http.sse import openai_sse, serve_stream
 from router.inputs import structured_output
@@ -83,8 +83,9 @@ async def _validate(state, body: dict, adapter_id: str | None):
     requests = []
     for text in _prompts(body, state.config.max_client_batch_size):
         prompt = _with_suffix(text, suffix, state.tokenizer)
-        input_ids = await state.tokenizer.encode_async(prompt,
-                                                       max_tokens=limits.tokens.max_input_tokens)
+        with about_field("prompt"):
+            input_ids = await state.tokenizer.encode_async(
+                prompt, max_tokens=limits.tokens.max_input_tokens)
         if not input_ids:
             raise ValidationError("`prompt` cannot be empty")
         default_max = state.request_defaults.get("token_limit", DEFAULT_MAX_TOKENS)
@@ -92,7 +93,7 @@ async def _validate(state, body: dict, adapter_id: str | None):
                              top_n_tokens=logprobs or 0, grammar_spec=constraint,
                              prefill_logprobs=echo and logprobs is not None,
                              parsed=(_own_seed(sampling, body), list(stop)),
-                             adapter_id=adapter_id)
+                             adapter_id=adapter_id, prompt_field="prompt")
         requests += copies(base, candidates)
     return requests, echo, logprobs, n, candidates
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from router.http.openapi import (LOGIT_BIAS, error_responses, float_schema, int_schema, nullable,
-                                 object_schema, post, ref)
+                                 object_schema, or_sdk_error, post, ref, sdk_error_schema)
 from router.inputs.field_ranges import INT32, UINT64
 
 
@@ -92,6 +92,7 @@ def _openai_schemas() -> dict:
 def schemas() -> dict:
     return {
         **_openai_schemas(),
+        "OpenAISDKError": sdk_error_schema(),
         "ChatTokenizeResponse": object_schema(["tokenize_response", "templated_text"],
                                               tokenize_response=ref("TokenizeResponse"),
                                               templated_text={"type": "string"}),
@@ -106,7 +107,7 @@ def _by_model(path: dict) -> dict:
 
 
 def paths() -> dict:
-    return {
+    return or_sdk_error({
         "/chat_tokenize": _by_model(post(
             "Tokenize a chat request: the text its template renders, and its tokens",
             "ChatRequest", ref("ChatTokenizeResponse"))),
@@ -116,4 +117,4 @@ def paths() -> dict:
         "/v1/completions": _by_model(post(
             "OpenAI text completion (stream: true for chunks; `model` may name a LoRA adapter)",
             "CompletionRequest", ref("CompletionFinal"), stream_on_request=True)),
-    }
+    })

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from router.errors import TemplateError, ValidationError
+from router.errors import TemplateError, ValidationError, about_field
 from router.inputs import structured_output
 from router.inputs.chat_template import ChatTemplate
 from router.inputs.field_ranges import FLOAT32_MAX, check_logit_bias, read_flag, read_number
@@ -273,20 +273,22 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
                   grammar_spec: tuple[str, str] | None = None,
                   prefill_logprobs: bool = False,
                   parsed: tuple[SamplingParams, list[str]],
-                  adapter_id: str | None = None) -> GenerateRequest:
+                  adapter_id: str | None = None, prompt_field: str) -> GenerateRequest:
     """`parsed`: sampling_and_stops(body, limits), which the caller reads off the event loop
-    (a logit_bias may be 100,000 entries); `adapter_id`: the LoRA adapter `model` named."""
+    (a logit_bias may be 100,000 entries); `adapter_id`: the LoRA adapter `model` named;
+    `prompt_field`: the body's field the prompt comes from (an error's `param`)."""
     sampling, stop = parsed
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
-    if max_tokens is not None:
-        max_tokens = read_number({"max_tokens": max_tokens}, "max_tokens", 1, 2**31 - 1, integer=True)
-    elif default_max_tokens is not None:
+    asked = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
+             else "max_tokens")
+    max_tokens = read_number(body, asked, 1, 2**31 - 1, integer=True)
+    if max_tokens is None and default_max_tokens is not None:
         max_tokens = min(default_max_tokens, limits.tokens.max_total_tokens - len(input_ids))
-    else:
+    elif max_tokens is None:
         max_tokens = limits.tokens.max_total_tokens - len(input_ids)
-    max_tokens = check_lengths(len(input_ids), max(max_tokens, 1), limits.tokens)
+    # OpenAI's name for what check_lengths refuses in TGI's words: the prompt, or the length asked
+    too_long = prompt_field if len(input_ids) > limits.tokens.max_input_tokens else asked
+    with about_field(too_long):
+        max_tokens = check_lengths(len(input_ids), max(max_tokens, 1), limits.tokens)
     # vLLM's extensions, which load generators send to every OpenAI-compatible server
     min_tokens = read_number(body, "min_tokens", 0, 2**31 - 1, integer=True) or 0
     if min_tokens > max_tokens:

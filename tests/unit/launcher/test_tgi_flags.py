@@ -190,8 +190,10 @@ def test_sharded_true_takes_every_visible_gpu_and_needs_two(monkeypatch):
     monkeypatch.setattr(launcher_config, "visible_gpus", lambda environ: ["0"])
     with pytest.raises(ValueError, match="1 GPU"):
         parse_args(["--sharded", "true"])
+    assert parse_args(["--sharded", "FALSE"]).num_shard == 1  # any case, as TGI's clap
+    monkeypatch.setenv("SHARDED", "yes please")  # argparse checks the flag, the config its variable
     with pytest.raises(ValueError, match="must be true or false"):
-        parse_args(["--sharded", "yes please"])
+        parse_args([])
 
 
 def test_kv_cache_dtype_is_the_models_dtype():

@@ -1,0 +1,1 @@
+"""The pages for people: a chat playground at GET / and Swagger UI at /docs."""
