@@ -115,12 +115,12 @@ def _check_admitted(reply, batch_size: int) -> None:
 
 def start_shard(model_dir: Path, dtype: str, socket_prefix: str,
                 quantize: str = "", compile_decode: bool = False, device: str = "auto",
-                cuda_graphs: str = "0") -> subprocess.Popen:
+                cuda_graphs: str = "0", kv_cache_dtype: str = "") -> subprocess.Popen:
     process = subprocess.Popen([sys.executable, "-m", "shard", "--model-path", str(model_dir),
                                 "--uds-path", socket_prefix, "--dtype", dtype,
                                 "--quantize", quantize, "--device", device,
                                 "--compile-decode", str(int(compile_decode)),
-                                "--cuda-graphs", cuda_graphs],
+                                "--cuda-graphs", cuda_graphs, "--kv-cache-dtype", kv_cache_dtype],
                                cwd=Path(__file__).resolve().parents[1],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
@@ -142,7 +142,7 @@ def resident_mib(pid: int) -> float:
 async def bench(args) -> dict:
     socket_prefix = os.path.join(tempfile.mkdtemp(), "bench")
     shard = start_shard(args.model_dir, args.dtype, socket_prefix, args.quantize,
-                        args.compile_decode, args.device, args.cuda_graphs)
+                        args.compile_decode, args.device, args.cuda_graphs, args.kv_cache_dtype)
     try:
         channel = grpc.aio.insecure_channel(f"unix://{socket_prefix}-0")
         stub = pb_grpc.TextGenerationServiceStub(channel)
@@ -161,6 +161,8 @@ async def bench(args) -> dict:
         driver = ShardDriver(stub, info.block_size, warm.num_blocks, vocab_size)
         results = {"device": info.device_type, "dtype": info.dtype, "quantize": args.quantize,
                    "compile_decode": args.compile_decode, "cuda_graphs": args.cuda_graphs,
+                   "kv_cache_dtype": args.kv_cache_dtype or info.dtype,
+                   "num_blocks": warm.num_blocks, "decode_prompt": args.decode_prompt,
                    "resident_mib_after_load": loaded_mib,
                    "prefill": [], "decode": []}
         await run_decode(driver, 1, 16, 4, 2)  # process warm-up
@@ -186,6 +188,7 @@ def print_tables(results: dict) -> None:
     print(f"device {results['device']}, dtype {results['dtype']}"
           + (f", weights {results['quantize']}" if results.get('quantize') else "")
           + (", compiled decode step" if results.get("compile_decode") else "")
+          + (f", KV cache {results['kv_cache_dtype']}" if results.get("kv_cache_dtype") else "")
           + (f", CUDA graphs {results['cuda_graphs']}"
              if results["device"] == "cuda" and results.get("cuda_graphs", "0") != "0" else "")
           + f", resident after load {results['resident_mib_after_load']:.0f} MiB")
@@ -194,7 +197,8 @@ def print_tables(results: dict) -> None:
         lat = row["latency_s"]
         print(f"{'':<8}{row['batch']:>6}{row['prompt']:>8}{lat['p50'] * 1e3:>10.1f}"
               f"{lat['p90'] * 1e3:>10.1f}{row['tokens_per_s']:>10.0f}")
-    print(f"\n{'decode':<8}{'batch':>6}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'tok/s':>10}")
+    print(f"\ndecode steps after {results.get('decode_prompt', 128)}-token prompts")
+    print(f"{'decode':<8}{'batch':>6}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'tok/s':>10}")
     for row in results["decode"]:
         lat = row["latency_s"]
         print(f"{'':<8}{row['batch']:>6}{lat['p50'] * 1e3:>10.1f}{lat['p90'] * 1e3:>10.1f}"
@@ -215,6 +219,9 @@ def main() -> None:
     parser.add_argument("--quantize", default="", choices=["", "int8", "int4"],
                         help="weight-only quantization of the shard's linear layers")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--kv-cache-dtype", default="", choices=["", "int8"],
+                        help="int8: the shard's 8-bit KV cache (the shard's flag); empty: the "
+                             "model's dtype")
     parser.add_argument("--cuda-graphs", default="0",
                         help="batch sizes the shard captures CUDA graphs for (the shard's flag; "
                              "0: eager steps); compare 0 with 1,2,4,8,16,32 on a GPU")

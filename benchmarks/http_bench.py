@@ -43,8 +43,11 @@ def prompt_text(tokenizer, length: int, variant: int) -> str:
     words, ids = [str(variant)], []
     index = variant
     while len(ids) < length:
-        words.append(WORDS[index % len(WORDS)])
-        index += variant % 7 + 1
+        # a word is at least a token: as many words as tokens missing, then one encode (a
+        # prompt of thousands of tokens in one or two), the text cut to `length` tokens
+        for _ in range(length - len(ids)):
+            words.append(WORDS[index % len(WORDS)])
+            index += variant % 7 + 1
         ids = tokenizer.encode(" ".join(words)).ids
     return tokenizer.decode(ids[:length])
 
@@ -150,7 +153,8 @@ async def one_request(session, url: str, prompt: str, new_tokens: int,
 
 async def load(url: str, prompts: list[str], concurrency: int, new_tokens: int,
                prompt_tokens: int, *, route: str = "generate_stream", model: str = "tgi-py",
-               warm_up: str | None = None) -> dict:
+               warm_up: str | None = None, warm: bool = True) -> dict:
+    """`warm`: one request (`warm_up`, else the first prompt) before the timed ones."""
     semaphore = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=3600)
 
@@ -160,7 +164,8 @@ async def load(url: str, prompts: list[str], concurrency: int, new_tokens: int,
                 return await one_request(session, url, prompt, new_tokens, prompt_tokens,
                                          route=route, model=model)
 
-        await bounded(warm_up or prompts[0])
+        if warm:
+            await bounded(warm_up or prompts[0])
         before = await speculation_counts(session, url)
         started = time.perf_counter()
         results = await asyncio.gather(*(bounded(p) for p in prompts))
@@ -176,6 +181,8 @@ async def load(url: str, prompts: list[str], concurrency: int, new_tokens: int,
             "ttft_s": {q: percentile(ttfts, q) for q in (50, 90, 99)},
             "itl_s": {q: percentile(itls, q) for q in (50, 90, 99)},
             "tpot_s": percentile(tpots, 50) if tpots else 0.0,
+            # in the prompts' order: the first `concurrency` arrived together (a wave)
+            "request_ttft_s": ttfts,
             "speculation": None if before is None or after is None else {
                 "draft_tokens": after[0] - before[0], "accepted_tokens": after[1] - before[1]}}
 
@@ -235,11 +242,18 @@ def wait_until_ready(process: subprocess.Popen, probe_url: str, timeout: float, 
 ROUTES = ("generate_stream", "completions")
 
 
-def start_peer(command: str, url: str) -> subprocess.Popen:
-    process = subprocess.Popen(command, shell=True, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+def start_peer(command: str, url: str, *, timeout: float = 900, log: Path | None = None,
+               env: dict | None = None) -> subprocess.Popen:
+    """`log`: a file for the peer's output (default: dropped); `env`: its environment."""
+    output = open(log, "wb") if log is not None else subprocess.DEVNULL
+    try:
+        process = subprocess.Popen(command, shell=True, stdout=output, stderr=subprocess.STDOUT,
+                                   start_new_session=True, env=env)
+    finally:
+        if log is not None:
+            output.close()
     # a first start may build the peer's environment
-    wait_until_ready(process, f"{url.rstrip('/')}/v1/models", 900, f"the peer ({command})")
+    wait_until_ready(process, f"{url.rstrip('/')}/v1/models", timeout, f"the peer ({command})")
     return process
 
 

@@ -269,25 +269,32 @@ class LauncherConfig:
         if self.quantize and self.device == "cuda":
             raise ValueError(f"--quantize {self.quantize} runs CPU kernels only: serve with "
                              "--device cpu (or auto on a machine without a GPU)")
+        if self.kv_cache_dtype == KV_INT8 and self.device == "cuda":
+            raise ValueError("--kv-cache-dtype int8 is read by CPU kernels only: serve with "
+                             "--device cpu, or leave --kv-cache-dtype out on CUDA")
+        if self.kv_cache_dtype == KV_INT8 and self.compile_decode:
+            raise ValueError("--kv-cache-dtype int8 with --compile-decode: the compiled step "
+                             "does not read an int8 cache's scales; leave one of them out")
         self._check_tgi_flags()
         # the router's flags are checked now, not once the shards have spent minutes loading
         RouterConfig(tokenizer_path=".",
                      **{name: value for name, value in self.router.items() if value is not None})
 
     def _take_kv_cache_dtype(self) -> None:
-        """--kv-cache-dtype: the model's dtype is the cache's, so it may only name that one."""
+        """--kv-cache-dtype: int8 (the shards' 8-bit cache), or the model's dtype, which is the
+        cache's anyway, so it may only name that one."""
         kv = self.kv_cache_dtype or None
         self.kv_cache_dtype = kv
-        if kv is None:
+        if kv is None or kv == KV_INT8:
             return
         if kv in _FP8_KV:
-            raise ValueError(f"--kv-cache-dtype {kv}: no FP8 KV cache is implemented (the cache "
-                             "is kept in the model's dtype, which the attention kernels read); "
-                             "leave it out, or give the model's dtype "
-                             f"({', '.join(DTYPES)})")
+            raise ValueError(f"--kv-cache-dtype {kv}: no FP8 KV cache is implemented; int8 is "
+                             "tgi-py's 8-bit KV cache (int8 with a scale per token and head, "
+                             "on the CPU): give --kv-cache-dtype int8, or leave it out for the "
+                             f"model's dtype ({', '.join(DTYPES)})")
         if kv not in DTYPES:
-            raise ValueError(f"--kv-cache-dtype {kv!r} is not one of {', '.join(DTYPES)} (or "
-                             f"TGI's {', '.join(_FP8_KV)}, which are not implemented)")
+            raise ValueError(f"--kv-cache-dtype {kv!r} is not one of {', '.join(DTYPES)} or "
+                             f"{KV_INT8} (TGI's {', '.join(_FP8_KV)} are not implemented)")
         if self.dtype is None:
             self.dtype = kv
         elif self.dtype != kv:
@@ -361,9 +368,12 @@ class LauncherConfig:
                 "--otlp-service-name", f"{name}.shard" if name else "tgi-py.shard"]
 
     def shard_settings_argv(self, *, default_model: bool) -> list[str]:
-        """The shards' part of TGI's model flags: the watermark for every model, the rope
-        override for the default model only (another model's checkpoint is another's)."""
+        """The shards' part of TGI's model flags: the int8 KV cache and the watermark for every
+        model, the rope override for the default model only (another model's checkpoint is
+        another's)."""
         argv = []
+        if self.kv_cache_dtype == KV_INT8:
+            argv += ["--kv-cache-dtype", KV_INT8]
         if self.watermark_gamma is not None:
             argv += ["--watermark-gamma", str(self.watermark_gamma)]
         if self.watermark_delta is not None:

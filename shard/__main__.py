@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -48,6 +49,9 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
     if config.quantize and device.type != "cpu":
         raise ValueError(f"--quantize {config.quantize} runs CPU kernels only: serve on the CPU "
                          "(--device cpu) or without --quantize")
+    if config.kv_cache_dtype and device.type != "cpu":  # --device auto found a GPU
+        raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} is read by CPU kernels only: "
+                         "serve on the CPU (--device cpu) or without --kv-cache-dtype")
     loaded = load_model(Path(config.model_path), dtype=dtype, device=device, parallel=parallel,
                         quantize=config.quantize or None, rope_scaling=config.rope_override())
     log.info("rank %d loaded %s as %s (%s on %s)", config.rank, config.model_path,
@@ -62,7 +66,11 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
     return_freed_memory()
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim,
-                       config.block_size, dtype, device)
+                       config.block_size, dtype, device, int8=config.kv_cache_dtype == "int8")
+    if spec.int8:
+        log.info("KV cache: int8 with a float32 scale per token and KV head, %d bytes a block "
+                 "(%d in %s)", spec.bytes_per_block,
+                 dataclasses.replace(spec, int8=False).bytes_per_block, dtype_name)
     cuda_graphs = parse_cuda_graphs(config.cuda_graphs)
     if cuda_graphs and device.type != "cuda" and config.cuda_graphs != DEFAULT_CUDA_GRAPHS:
         log.warning("--cuda-graphs %s: CUDA graphs are captured on CUDA devices only; this shard "

@@ -82,6 +82,7 @@ def cpu_flags() -> str:
         pass
     return ""
 QUANTIZE_KINDS = ("int8", "int4")  # shard.layers.quantize (this module must not import torch)
+KV_CACHE_DTYPES = ("int8",)  # besides the model's own: shard.layers.kv_int8
 DEFAULT_CUDA_GRAPHS = "1,2,4,8,16,32"  # TGI's --cuda-graphs default
 
 
@@ -135,6 +136,9 @@ class ShardConfig:
     quantize: str = field(default="", metadata={
         "help": "Weight-only quantization of the linear layers on the CPU: int8 or int4 "
                 "(empty: none)."})
+    kv_cache_dtype: str = field(default="", metadata={
+        "help": "int8: keys and values cached as int8 with a float32 scale per token and KV head "
+                "(CPU only, not with --compile-decode); empty: the model's dtype."})
     grpc_address: str = field(default="", metadata={
         "help": "Also serve on this TCP host:port, the address the router reaches this rank at "
                 "from another machine (tensor parallelism across machines); empty: the unix "
@@ -177,6 +181,15 @@ class ShardConfig:
             raise ValueError(f"--quantize {self.quantize!r} is not one of {QUANTIZE_KINDS}")
         if self.speculate < 0:
             raise ValueError(f"--speculate {self.speculate} must be at least 0")
+        if self.kv_cache_dtype not in ("", *KV_CACHE_DTYPES):
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of "
+                             f"{KV_CACHE_DTYPES} (or empty: the model's dtype)")
+        if self.kv_cache_dtype and self.device == "cuda":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is read by CPU kernels "
+                             "only: --device cpu, or no --kv-cache-dtype on CUDA")
+        if self.kv_cache_dtype and self.compile_decode:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} with --compile-decode 1: "
+                             "the compiled step does not read the cache's scales; drop one")
         parse_cuda_graphs(self.cuda_graphs)  # a bad list fails at start, not at warm-up
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"--memory-fraction {self.memory_fraction} must be above 0 and at "

@@ -20,19 +20,33 @@ class KVCacheSpec:
     num_kv_heads: int  # on this rank
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's (activations'), and the cache's unless int8
     device: torch.device
+    # keys and values as int8 with a float32 scale per (token, kv head) (shard.layers.kv_int8;
+    # --kv-cache-dtype int8): a row of d values takes d + 4 bytes, not d * dtype.itemsize
+    int8: bool = False
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return torch.int8 if self.int8 else self.dtype
 
     @property
     def bytes_per_block(self) -> int:
-        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
-                * self.dtype.itemsize)
+        row = self.head_dim + 4 if self.int8 else self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * row
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[LayerCache]:
     shape = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
-    return [LayerCache(zeroed(shape, spec.dtype, spec.device),
-                       zeroed(shape, spec.dtype, spec.device))
+    if not spec.int8:
+        return [LayerCache(zeroed(shape, spec.dtype, spec.device),
+                           zeroed(shape, spec.dtype, spec.device))
+                for _ in range(spec.num_layers)]
+    scales = shape[:3]
+    return [LayerCache(zeroed(shape, torch.int8, spec.device),
+                       zeroed(shape, torch.int8, spec.device),
+                       key_scale=zeroed(scales, torch.float32, spec.device),
+                       value_scale=zeroed(scales, torch.float32, spec.device))
             for _ in range(spec.num_layers)]
 
 

@@ -85,7 +85,14 @@ class ModelRunner:
         self.world_size = world_size
         self.cache: list[LayerCache] = []
         self.num_blocks = 0
-        self.paged_kernel = paged_attention.supports(spec.device, spec.dtype)
+        if spec.int8 and spec.device.type != "cpu":
+            raise ValueError("an int8 KV cache is read by the CPU kernels and PyTorch's CPU path "
+                             f"only, not on {spec.device.type}: leave --kv-cache-dtype out there")
+        if spec.int8 and (compile_decode or (cuda_graphs and new_capture is not None)):
+            raise ValueError("an int8 KV cache with a compiled decode step or CUDA graphs: neither "
+                             "reads its scales; leave --kv-cache-dtype int8 or --compile-decode "
+                             "out")
+        self.paged_kernel = paged_attention.supports(spec.device, spec.cache_dtype)
         self.decode_step = self._decode_forward
         self.c_step: llama_decode_step.DecodeStep | None = None  # built with each pool (see allocate)
         self.graphs: GraphedDecode | None = None  # captured with each pool (see warm_decode)
@@ -218,6 +225,9 @@ class ModelRunner:
         for layer in self.cache:
             layer.key[destination] = layer.key[source]
             layer.value[destination] = layer.value[source]
+            if layer.is_int8:
+                layer.key_scale[destination] = layer.key_scale[source]
+                layer.value_scale[destination] = layer.value_scale[source]
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,

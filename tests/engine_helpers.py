@@ -21,14 +21,15 @@ def make_engine(model_dir: Path, *, block_size: int = 4, num_blocks: int = 512,
                 dtype: torch.dtype = torch.float32, speculate: int = 0,
                 compile_decode: bool = False, device: str = "cpu",
                 cuda_graphs: list[int] | None = None, new_capture=None,
-                max_total_tokens: int = 0) -> Engine:
+                max_total_tokens: int = 0, kv_int8: bool = False) -> Engine:
     """An engine with its pool allocated and its decode step warmed (compiled or captured, when
-    asked: `cuda_graphs` on a CUDA device, or anywhere with `new_capture`)."""
+    asked: `cuda_graphs` on a CUDA device, or anywhere with `new_capture`); `kv_int8`: an int8 KV
+    cache (--kv-cache-dtype int8)."""
     loaded = load_model(model_dir, dtype=dtype, device=torch.device(device),
                         parallel=ParallelContext())
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size,
-                       dtype, torch.device(device))
+                       dtype, torch.device(device), int8=kv_int8)
     runner = ModelRunner(loaded.model, spec, compile_decode=compile_decode,
                          cuda_graphs=cuda_graphs, new_capture=new_capture)
     runner.allocate(num_blocks)

@@ -17,13 +17,16 @@ def _run(args: list[str], tmp_path) -> str:
     return done.stdout
 
 
-def test_engine_benchmark(tiny_llama, tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["", "int8"], ids=["model-dtype-kv", "int8-kv"])
+def test_engine_benchmark(tiny_llama, tmp_path, kv_cache_dtype):
     out = _run(["benchmarks/engine_bench.py", "--model-dir", str(tiny_llama), "--dtype", "float32",
                 "--batch-sizes", "1,4", "--prefill-batch-sizes", "1", "--prompt-lengths", "16",
                 "--decode-prompt", "8", "--steps", "4", "--warmup", "1", "--prefill-repeats", "1",
-                "--json", str(tmp_path / "engine.json")], tmp_path)
+                "--kv-cache-dtype", kv_cache_dtype, "--json", str(tmp_path / "engine.json")],
+               tmp_path)
     assert "decode" in out and "tok/s" in out
     figures = json.loads((tmp_path / "engine.json").read_text())
+    assert figures["kv_cache_dtype"] == (kv_cache_dtype or "float32")
     assert [row["batch"] for row in figures["decode"]] == [1, 4]
     assert all(row["tokens_per_s"] > 0 for row in figures["decode"])
 
@@ -117,6 +120,58 @@ def test_http_benchmark_against_a_peer(tiny_llama, tmp_path):
     with pytest.raises(urllib.error.URLError) as stopped:  # the peer was stopped
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
     assert isinstance(stopped.value.reason, ConnectionRefusedError)
+
+
+@pytest.mark.e2e
+def test_peer_benchmark(tiny_llama, tmp_path):
+    """One run: ours in bf16, then both peers (here tgi-py standing in for vLLM and llama.cpp,
+    started by scripts taking the real ones' arguments), each stopped before the next; the
+    ratios, and vLLM's --max-model-len raised in a copy of its script where the work needs it."""
+    from tests.e2e.server import free_port
+
+    def peer_script(name: str, extra: str = "") -> Path:
+        script = tmp_path / f"{name}.sh"
+        script.write_text(
+            f"{extra}\nexec {sys.executable} -m launcher --model-id {tiny_llama} --port $2 "
+            f"--hostname 127.0.0.1 --shard-uds-path /tmp/tgi-py-peer-$2 --master-port "
+            f"{free_port()} --model-registry-dir {tmp_path / name} --dtype float32\n")
+        return script
+
+    out = _run(["benchmarks/peer_bench.py", "--model-dir", str(tiny_llama), "--skip", "int4",
+                "--concurrency", "1,2", "--prompt-tokens", "8", "--new-tokens", "4",
+                "--requests-per-stream", "1", "--min-requests", "1", "--gguf", "/dev/null",
+                "--vllm-script", str(peer_script("vllm", "# --max-model-len 8")),
+                "--llamacpp-script", str(peer_script("llamacpp")), "--log-dir", str(tmp_path),
+                "--json", str(tmp_path / "p.json")], tmp_path)
+    # the fake vLLM script's --max-model-len 8 raised to 8 + 4 tokens and 64 of room
+    assert "tgi-py bf16 / vLLM-CPU bf16" in out and "--max-model-len 76" in out
+    figures = json.loads((tmp_path / "p.json").read_text())
+    assert list(figures["servers"]) == ["bf16", "vllm", "llamacpp"]
+    for server in figures["servers"].values():
+        assert "error" not in server
+        assert [(r["concurrency"], r["requests"], r["output_tokens"]) for r in server["runs"]] == [
+            (1, 1, 4), (2, 2, 8)]
+        assert all(r["wave_ttft_p50_s"] > 0 for r in server["runs"])
+    assert {(r["ours"], r["peer"], r["concurrency"]) for r in figures["ratios"]} == {
+        ("bf16", "vllm", 1), ("bf16", "vllm", 2)}
+    assert [t["target"] for t in figures["targets"]] == ["bf16 TPOT p50 at 1 stream"]
+
+
+@pytest.mark.e2e
+def test_peer_benchmark_long(tiny_llama, tmp_path):
+    """--long: the decode step against the context, then long prompts and the wide short runs."""
+    out = _run(["benchmarks/peer_bench.py", "--model-dir", str(tiny_llama), "--long", "--skip",
+                "vllm", "--long-concurrency", "1", "--long-prompt-tokens", "24",
+                "--long-new-tokens", "6", "--wide-concurrency", "3", "--prompt-tokens", "8",
+                "--new-tokens", "4", "--requests-per-stream", "1", "--min-requests", "1",
+                "--context-lengths", "8,40", "--context-steps", "2", "--context-rounds", "2",
+                "--json", str(tmp_path / "p.json")], tmp_path)
+    assert "decode step p50" in out
+    figures = json.loads((tmp_path / "p.json").read_text())
+    assert [row["context"] for row in figures["context"]] == [8, 40]
+    runs = figures["servers"]["bf16"]["runs"]
+    assert [(r["workload"], r["concurrency"], r["output_tokens"]) for r in runs] == [
+        ("long", 1, 6), ("short", 3, 12)]
 
 
 @pytest.mark.e2e

@@ -10,7 +10,8 @@
  * step's bit for bit.
  *
  * Everything is bf16 (activations, weights in bf16_matmul's packed layout, the KV cache); rows are
- * contiguous.
+ * contiguous. An int8 KV cache (model_t.kv_int8: int8 rows with a float32 scale each beside them,
+ * shard/layers/kv_int8.py) is written and read by the int8 forms of the same two kernels.
  *
  * LoRA adapters (shard/layers/lora.py): where a step has row slots, each projection's output gets
  * its parts' updates (lora.c) right after its matmul, before anything reads it, as the eager
@@ -35,6 +36,21 @@ typedef int (*attention_fn)(const void *key_cache, const void *value_cache, int 
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                             float scale, int64_t window, float softcap, void *out,
                             int out_is_bf16);
+typedef int (*rotary_store_int8_fn)(const void *qkv, int64_t qkv_stride, const void *cos,
+                                    const void *sin, int64_t tokens, int64_t num_heads,
+                                    int64_t num_kv_heads, int64_t head_dim, int bf16,
+                                    void *qk_out, void *key_cache, void *value_cache,
+                                    float *key_scales, float *value_scales,
+                                    const int64_t *slot_blocks, const int64_t *slot_offsets,
+                                    int64_t num_blocks, int64_t block_size);
+typedef int (*attention_int8_fn)(const void *key_cache, const void *value_cache,
+                                 const float *key_scales, const float *value_scales,
+                                 const void *queries, int queries_are_bf16, int64_t query_stride,
+                                 const int64_t *block_tables, int64_t table_stride,
+                                 const int64_t *context_lens, int64_t batch, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                 float scale, int64_t window, float softcap, void *out,
+                                 int out_is_bf16);
 typedef int (*matmul_fn)(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
                          const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *out,
                          int64_t out_stride);
@@ -56,6 +72,8 @@ typedef struct {
     matmul_fn matmul;
     int4_matmul_fn int4_matmul; /* NULL where no layer is int4 */
     lora_add_fn lora_add;       /* NULL where the LoRA kernel did not build (no step has slots) */
+    rotary_store_int8_fn rotary_store_int8; /* the int8 cache's forms (model_t.kv_int8) */
+    attention_int8_fn attention_int8;
 } kernels_t;
 
 /* the adapters' update of one checkpoint module a projection computes (a LoraPart): a
@@ -83,6 +101,7 @@ typedef struct {
     void *key_cache, *value_cache;
     const uint8_t *qkv_int4, *o_int4, *gate_up_int4, *down_int4;
     lora_part_t lora[LORA_PARTS];
+    float *key_scale, *value_scale; /* an int8 cache's scales; NULL otherwise */
 } layer_t;
 
 typedef struct {
@@ -92,6 +111,7 @@ typedef struct {
     const void *final_norm;
     const uint16_t *lm_head;
     const layer_t *layer;
+    int64_t kv_int8; /* 1: the KV cache is int8 with scales (layer_t.key_scale, value_scale) */
 } model_t;
 
 /* the step's activations, each [batch, width] */
@@ -175,15 +195,28 @@ int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int6
         LINEAR(buf->normed, batch, m->hidden, w->qkv, w->qkv_int4, w->qkv_bias, buf->qkv,
                qkv_width);
         LORA(LORA_QKV, 3, row_slots, buf->normed, batch, m->hidden, buf->qkv, qkv_width);
-        if (k->rotary_store(buf->qkv, qkv_width, cos, sin, batch, m->heads, m->kv_heads, d, 1,
-                            buf->qk, w->key_cache, w->value_cache, 1, slot_blocks, slot_offsets,
-                            m->num_blocks, m->block_size) != 0)
-            return -1;
-        /* no sliding window, no soft cap: models with either take the eager step */
-        if (k->attention(w->key_cache, w->value_cache, 1, buf->qk, 1, qk_width, block_tables,
-                         table_stride, context_lens, batch, m->heads, m->kv_heads, d,
-                         m->block_size, m->scale, 0, 0.0f, buf->attention, 1) != 0)
-            return -2;
+        if (m->kv_int8) {
+            if (k->rotary_store_int8(buf->qkv, qkv_width, cos, sin, batch, m->heads, m->kv_heads,
+                                     d, 1, buf->qk, w->key_cache, w->value_cache, w->key_scale,
+                                     w->value_scale, slot_blocks, slot_offsets, m->num_blocks,
+                                     m->block_size) != 0)
+                return -1;
+            if (k->attention_int8(w->key_cache, w->value_cache, w->key_scale, w->value_scale,
+                                  buf->qk, 1, qk_width, block_tables, table_stride, context_lens,
+                                  batch, m->heads, m->kv_heads, d, m->block_size, m->scale, 0,
+                                  0.0f, buf->attention, 1) != 0)
+                return -2;
+        } else {
+            if (k->rotary_store(buf->qkv, qkv_width, cos, sin, batch, m->heads, m->kv_heads, d,
+                                1, buf->qk, w->key_cache, w->value_cache, 1, slot_blocks,
+                                slot_offsets, m->num_blocks, m->block_size) != 0)
+                return -1;
+            /* no sliding window, no soft cap: models with either take the eager step */
+            if (k->attention(w->key_cache, w->value_cache, 1, buf->qk, 1, qk_width, block_tables,
+                             table_stride, context_lens, batch, m->heads, m->kv_heads, d,
+                             m->block_size, m->scale, 0, 0.0f, buf->attention, 1) != 0)
+                return -2;
+        }
         LINEAR(buf->attention, batch, q_width, w->o, w->o_int4, w->o_bias, buf->projected,
                m->hidden);
         LORA(LORA_O, 1, row_slots, buf->attention, batch, q_width, buf->projected, m->hidden);

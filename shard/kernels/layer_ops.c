@@ -232,6 +232,80 @@ int rotary_store(const void *qkv, int64_t qkv_stride, const void *cos, const voi
     return 0;
 }
 
+/* `dim` values of a tensor as an int8 cache row with its scale (shard/layers/kv_int8.py): the
+ * scale max|x| / 127, each value divided by it and rounded to nearest even, as quantize_rows does
+ * in PyTorch (the same float32 operations, so the same bytes) */
+static inline __attribute__((always_inline)) void
+quantize_row(const void *src, int64_t at, int8_t *cache, int64_t cache_at, float *scales,
+             int64_t scale_at, int64_t dim, const int bf16) {
+    float top = 0.0f;
+#pragma omp simd reduction(max : top)
+    for (int64_t i = 0; i < dim; i++) {
+        const float magnitude = fabsf(load(src, at + i, bf16));
+        top = magnitude > top ? magnitude : top;
+    }
+    const float scale = top / 127.0f;
+    const float divisor = scale > 0.0f ? scale : 1.0f; /* a zero row stays zeros */
+    scales[scale_at] = scale;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) {
+        float r = rintf(load(src, at + i, bf16) / divisor);
+        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        cache[cache_at + i] = (int8_t)r;
+    }
+}
+
+static inline __attribute__((always_inline)) void
+rotary_store_token_int8(const void *qkv, int64_t qkv_stride, const void *cos, const void *sin,
+                        int64_t t, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                        void *qk_out, int8_t *key_cache, int8_t *value_cache, float *key_scales,
+                        float *value_scales, const int64_t *slot_blocks,
+                        const int64_t *slot_offsets, int64_t block_size, const int bf16) {
+    const int64_t rotated = num_heads + num_kv_heads;
+    const int64_t row = t * qkv_stride, angle_at = t * head_dim;
+    for (int64_t h = 0; h < rotated; h++)
+        rotate_head(qkv, row + h * head_dim, cos, sin, angle_at, head_dim, qk_out,
+                    (t * rotated + h) * head_dim, bf16);
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        /* scales [blocks, kv_heads, block_size]; the cache's rows are head_dim times that */
+        const int64_t slot = (slot_blocks[t] * num_kv_heads + h) * block_size + slot_offsets[t];
+        quantize_row(qk_out, (t * rotated + num_heads + h) * head_dim, key_cache, slot * head_dim,
+                     key_scales, slot, head_dim, bf16);
+        quantize_row(qkv, row + (rotated + h) * head_dim, value_cache, slot * head_dim,
+                     value_scales, slot, head_dim, bf16);
+    }
+}
+
+/* rotary_store into an int8 cache: key_cache/value_cache [num_blocks, num_kv_heads, block_size,
+ * head_dim] int8 with key_scales/value_scales [num_blocks, num_kv_heads, block_size] float32, each
+ * key quantized from the rotated key written to qk_out (rounded to the activations' dtype, as the
+ * PyTorch path stores it). Returns 0, or -1 (nothing written) when a slot lies outside the cache. */
+int rotary_store_int8(const void *qkv, int64_t qkv_stride, const void *cos, const void *sin,
+                      int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int bf16, void *qk_out, void *key_cache, void *value_cache,
+                      float *key_scales, float *value_scales, const int64_t *slot_blocks,
+                      const int64_t *slot_offsets, int64_t num_blocks, int64_t block_size) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slot_blocks[t] < 0 || slot_blocks[t] >= num_blocks || slot_offsets[t] < 0
+            || slot_offsets[t] >= block_size)
+            return -1;
+    const int parallel = tokens * qkv_stride >= PARALLEL_MIN_ELEMENTS;
+    if (bf16) {
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t t = 0; t < tokens; t++)
+            rotary_store_token_int8(qkv, qkv_stride, cos, sin, t, num_heads, num_kv_heads,
+                                    head_dim, qk_out, key_cache, value_cache, key_scales,
+                                    value_scales, slot_blocks, slot_offsets, block_size, 1);
+    } else {
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t t = 0; t < tokens; t++)
+            rotary_store_token_int8(qkv, qkv_stride, cos, sin, t, num_heads, num_kv_heads,
+                                    head_dim, qk_out, key_cache, value_cache, key_scales,
+                                    value_scales, slot_blocks, slot_offsets, block_size, 0);
+    }
+    return 0;
+}
+
 /* ---- The greedy choice of the next token --------------------------------------------------- */
 
 static inline void greedy_row(const float *scores, int64_t vocab, int64_t *id, float *logprob) {

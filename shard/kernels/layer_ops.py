@@ -32,6 +32,9 @@ def load_library() -> ctypes.CDLL | None:
     library.rotary_store.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, flag, ptr, ptr, ptr,
                                      flag, ptr, ptr, i64, i64]
     library.rotary_store.restype = ctypes.c_int
+    library.rotary_store_int8.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, flag, ptr, ptr,
+                                          ptr, ptr, ptr, ptr, ptr, i64, i64]
+    library.rotary_store_int8.restype = ctypes.c_int
     library.greedy_pick.argtypes = [ptr, i64, i64, ptr, ptr]
     for fn in (library.rms_norm, library.silu_mul, library.greedy_pick):
         fn.restype = None
@@ -89,13 +92,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, slot_blocks: torch.Tensor,
-                 slot_offsets: torch.Tensor) -> torch.Tensor | None:
+                 slot_offsets: torch.Tensor, *, key_scale: torch.Tensor | None = None,
+                 value_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """The rotated queries and keys [T, num_heads + num_kv_heads, head_dim] of qkv [T, (num_heads
     + 2 num_kv_heads) * head_dim], with the keys and values written to their cache slots; None
     where the fused form does not apply (the caller then rotates and stores in PyTorch).
-    cos/sin [T, head_dim] are each token's angles (shard.layers.rotary)."""
+    cos/sin [T, head_dim] are each token's angles (shard.layers.rotary). An int8 cache comes with
+    its scales [blocks, kv_heads, block_size] (shard.layers.kv_int8), which the rows' get."""
     lib = _fused(qkv, cos, sin)
-    if (lib is None or key_cache.device.type != "cpu" or key_cache.dtype not in _DTYPES
+    is_int8 = key_cache.dtype == torch.int8
+    if (lib is None or key_cache.device.type != "cpu"
+            or key_cache.dtype not in (*_DTYPES, torch.int8)
             or value_cache.dtype != key_cache.dtype or value_cache.shape != key_cache.shape
             or not key_cache.is_contiguous() or not value_cache.is_contiguous()
             or slot_blocks.dtype != torch.int64 or slot_offsets.dtype != torch.int64
@@ -111,11 +118,25 @@ def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_he
                          f"{tokens} slots do not fit {num_heads} heads over {num_kv_heads} of "
                          f"{head_dim} dims")
     qk = qkv.new_empty(tokens, num_heads + num_kv_heads, head_dim)
-    status = lib.rotary_store(
-        qkv.data_ptr(), qkv.shape[1], cos.data_ptr(), sin.data_ptr(), tokens, num_heads,
-        num_kv_heads, head_dim, int(qkv.dtype == torch.bfloat16), qk.data_ptr(),
-        key_cache.data_ptr(), value_cache.data_ptr(), int(key_cache.dtype == torch.bfloat16),
-        slot_blocks.data_ptr(), slot_offsets.data_ptr(), num_blocks, block_size)
+    if is_int8:
+        # the C writes go through raw pointers: the scales must be the cache's own layout
+        for scales in (key_scale, value_scale):
+            if (scales is None or scales.dtype != torch.float32 or not scales.is_contiguous()
+                    or scales.shape != key_cache.shape[:3]):
+                raise ValueError(f"rotary_store: an int8 cache {tuple(key_cache.shape)} needs "
+                                 "float32 scales of its first three dimensions")
+        status = lib.rotary_store_int8(
+            qkv.data_ptr(), qkv.shape[1], cos.data_ptr(), sin.data_ptr(), tokens, num_heads,
+            num_kv_heads, head_dim, int(qkv.dtype == torch.bfloat16), qk.data_ptr(),
+            key_cache.data_ptr(), value_cache.data_ptr(), key_scale.data_ptr(),
+            value_scale.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(), num_blocks,
+            block_size)
+    else:
+        status = lib.rotary_store(
+            qkv.data_ptr(), qkv.shape[1], cos.data_ptr(), sin.data_ptr(), tokens, num_heads,
+            num_kv_heads, head_dim, int(qkv.dtype == torch.bfloat16), qk.data_ptr(),
+            key_cache.data_ptr(), value_cache.data_ptr(), int(key_cache.dtype == torch.bfloat16),
+            slot_blocks.data_ptr(), slot_offsets.data_ptr(), num_blocks, block_size)
     if status != 0:
         raise IndexError("a KV slot lies outside the cache")
     return qk

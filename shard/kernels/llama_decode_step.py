@@ -25,7 +25,7 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 class _Kernels(ctypes.Structure):
     _fields_ = [("rms_norm", _ptr), ("silu_mul", _ptr), ("rotary_store", _ptr),
                 ("attention", _ptr), ("matmul", _ptr), ("int4_matmul", _ptr),
-                ("lora_add", _ptr)]
+                ("lora_add", _ptr), ("rotary_store_int8", _ptr), ("attention_int8", _ptr)]
 
 
 class _LoraPart(ctypes.Structure):
@@ -42,7 +42,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
         "down", "down_bias", "key_cache", "value_cache", "qkv_int4", "o_int4", "gate_up_int4",
-        "down_int4")] + [("lora", _LoraPart * _LORA_PARTS)]
+        "down_int4")] + [("lora", _LoraPart * _LORA_PARTS), ("key_scale", _ptr),
+                         ("value_scale", _ptr)]
 
 
 class _Model(ctypes.Structure):
@@ -50,7 +51,7 @@ class _Model(ctypes.Structure):
                 ("head_dim", _i64), ("intermediate", _i64), ("vocab_rows", _i64),
                 ("num_blocks", _i64), ("block_size", _i64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("final_norm", _ptr), ("lm_head", _ptr),
-                ("layer", ctypes.POINTER(_Layer))]
+                ("layer", ctypes.POINTER(_Layer)), ("kv_int8", _i64)]
 
 
 _BUFFERS = ("residual0", "residual1", "normed", "qkv", "qk", "attention", "projected", "gate_up",
@@ -80,19 +81,22 @@ def _address(function) -> int:
 
 def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str | None:
     """Why this model's decode step cannot run in C here, or None: it runs where every piece of
-    the eager step is one of our kernels (a bf16 model and KV cache on a CPU whose build has all
-    of them, one rank, no PyTorch quantized kernels, no bias after a row-parallel projection, no
-    sliding window)."""
+    the eager step is one of our kernels (a bf16 model, a bf16 or int8 KV cache, on a CPU whose
+    build has all of them, one rank, no PyTorch quantized kernels, no bias after a row-parallel
+    projection, no sliding window)."""
     if not getattr(type(model), "llama_layout", False):
         return f"{type(model).__name__} is not laid out as the Llama family's model"
     if any(getattr(layer.self_attn, "window", None) is not None for layer in model.layers):
         return "its layers attend over a sliding window (Mistral's), the C loop over whole contexts"
     if model.activation_dtype != torch.bfloat16:
         return f"activations are {model.activation_dtype}, not bf16"
-    if not cache or any(c.key.dtype != torch.bfloat16 or c.key.device.type != "cpu"
+    if not cache or any(c.key.dtype not in (torch.bfloat16, torch.int8)
+                        or c.key.device.type != "cpu"
                         or not c.key.is_contiguous() or not c.value.is_contiguous()
+                        or (c.is_int8 and not (c.key_scale.is_contiguous()
+                                               and c.value_scale.is_contiguous()))
                         for c in cache):
-        return "the KV cache is not a contiguous bf16 CPU cache"
+        return "the KV cache is not a contiguous bf16 or int8 CPU cache"
     if model.lm_head.parallel.is_sharded:
         return "tensor-parallel ranks all-reduce between the kernels"
     for layer in model.layers:
@@ -153,13 +157,16 @@ class DecodeStep:
                 _bias(mlp.gate_up_proj.prepared), _tiled(mlp.down_proj.prepared), None,
                 layer_cache.key.data_ptr(), layer_cache.value.data_ptr(),
                 *(_int4(linear.prepared) for linear in (
-                    attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))))
+                    attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                key_scale=_pointer(layer_cache.key_scale),
+                value_scale=_pointer(layer_cache.value_scale)))
         self._layers = (_Layer * len(layers))(*layers)
         self._cache = cache  # the pointers above stay valid while the pool lives
         self._model = _Model(
             len(layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
             self.vocab_rows, cache[0].key.shape[0], self.block_size, model.norm.eps, first.scale,
-            model.norm.weight.data_ptr(), _tiled(model.lm_head.prepared), self._layers)
+            model.norm.weight.data_ptr(), _tiled(model.lm_head.prepared), self._layers,
+            int(cache[0].is_int8))
         ops = layer_ops.load_library()
         self._kernels = _Kernels(
             _address(ops.rms_norm), _address(ops.silu_mul), _address(ops.rotary_store),
@@ -167,7 +174,9 @@ class DecodeStep:
             _address(bf16_matmul.load_library().bf16_matmul),
             _address(int4_matmul.load_library().int4_matmul)
             if int4_matmul.load_library() is not None else None,
-            _address(lora.load_library().lora_add) if lora.load_library() is not None else None)
+            _address(lora.load_library().lora_add) if lora.load_library() is not None else None,
+            _address(ops.rotary_store_int8),
+            _address(paged_attention.load_kernel().paged_decode_attention_int8))
         # whether steps with LoRA adapters can run here (the eager layers' PyTorch path otherwise)
         self.takes_adapters = self._kernels.lora_add is not None
         self._lora_version: int | None = None  # the adapter set's version the parts were set for
@@ -290,6 +299,10 @@ def _lora_part(part, inputs: int, outputs: int) -> _LoraPart:
                          f"{inputs} -> {outputs} features")
     return _LoraPart(a.data_ptr(), bt.data_ptr(), ranks.data_ptr(), a.shape[0], a.shape[1],
                      part.offset, part.width)
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
 def _bias(prepared) -> int | None:

@@ -31,19 +31,25 @@ def load_kernel() -> ctypes.CDLL | None:
     fn.argtypes = [ptr, ptr, ctypes.c_int, ptr, ctypes.c_int, i64, ptr, i64, ptr, i64, i64, i64,
                    i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn = library.paged_decode_attention_int8
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, i64, ptr, i64, ptr, i64, i64, i64, i64,
+                   i64, ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
     return library
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode attention over a KV cache of this device and dtype runs in the kernel."""
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    """Whether decode attention over a KV cache of this device and dtype (int8: with its scales)
+    runs in the kernel."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.int8)
             and load_kernel() is not None)
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, *, window: int | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None, key_scales: torch.Tensor | None = None,
+                           value_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, heads, d] (one token per sequence) -> [B, heads * d], attending over context_lens[b]
     tokens of sequence b read through block_tables [B, blocks] (both int64): its last `window` ones
     only, when given (the older ones are not read), with each scaled score soft-capped to
@@ -52,25 +58,40 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     The arithmetic is float32 on every CPU, whichever of float32 and bf16 the query and the cache
     are: the kernel widens bf16 queries, keys and values in registers (exact, and no slower than
     reading them), so a bf16-capable CPU gains nothing from bf16 products here. Out in q's dtype
-    (a bf16 output rounded once, from float32, as `.to()` rounds)."""
+    (a bf16 output rounded once, from float32, as `.to()` rounds).
+
+    An int8 cache comes with key_scales and value_scales [num_blocks, kv_heads, block_size]
+    float32: each row stands for its int8 values times its scale (shard.layers.kv_int8)."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
-    # the kernel reads the caches through raw pointers as float32 or bf16 rows of this layout
-    assert key_cache.dtype in (torch.float32, torch.bfloat16), key_cache.dtype
+    # the kernel reads the caches through raw pointers as float32, bf16 or int8 rows of this layout
+    assert key_cache.dtype in (torch.float32, torch.bfloat16, torch.int8), key_cache.dtype
     assert value_cache.dtype == key_cache.dtype and value_cache.shape == key_cache.shape
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    is_int8 = key_cache.dtype == torch.int8
+    if is_int8:
+        for scales in (key_scales, value_scales):
+            assert scales is not None and scales.dtype == torch.float32
+            assert scales.shape == key_cache.shape[:3] and scales.is_contiguous()
     queries = q if q.dtype in (torch.float32, torch.bfloat16) else q.float()
     if queries.stride(2) != 1 or queries.stride(1) != head_dim:
         queries = queries.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
     out = torch.empty(batch, num_heads * head_dim, dtype=queries.dtype)
-    status = load_kernel().paged_decode_attention(
-        key_cache.data_ptr(), value_cache.data_ptr(), int(key_cache.dtype == torch.bfloat16),
-        queries.data_ptr(), int(queries.dtype == torch.bfloat16), queries.stride(0),
-        tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, num_heads, num_kv_heads,
-        head_dim, block_size, scale, window or 0, softcap or 0.0, out.data_ptr(),
-        int(out.dtype == torch.bfloat16))
+    kernel = load_kernel()
+    rest = (queries.data_ptr(), int(queries.dtype == torch.bfloat16), queries.stride(0),
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, num_heads, num_kv_heads,
+            head_dim, block_size, scale, window or 0, softcap or 0.0, out.data_ptr(),
+            int(out.dtype == torch.bfloat16))
+    if is_int8:
+        status = kernel.paged_decode_attention_int8(
+            key_cache.data_ptr(), value_cache.data_ptr(), key_scales.data_ptr(),
+            value_scales.data_ptr(), *rest)
+    else:
+        status = kernel.paged_decode_attention(
+            key_cache.data_ptr(), value_cache.data_ptr(), int(key_cache.dtype == torch.bfloat16),
+            *rest)
     if status != 0:
         raise MemoryError("decode attention could not allocate its scratch buffers")
     return out.to(q.dtype)

@@ -13,6 +13,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from shard.kernels import layer_ops
 from shard.kernels import paged_attention as paged_kernel
+from shard.layers import kv_int8
 from shard.layers.precision import attention_dtype
 from shard.layers.rotary import RotaryAngles, apply_rotary
 
@@ -72,6 +73,22 @@ class LayerCache:
     # context of a sequence gathers into [kv_heads, tokens, head_dim] without a transpose copy
     key: torch.Tensor
     value: torch.Tensor
+    # an int8 cache's float32 scales [num_blocks, kv_heads, block_size], one a row
+    # (shard.layers.kv_int8); None for a cache in the model's dtype
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
+
+    @property
+    def is_int8(self) -> bool:
+        return self.key_scale is not None
+
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, kv_heads, blocks * block_size, d] of each sequence's context
+        (gather_index): the cache's rows, or an int8 cache's dequantized to float32."""
+        if self.key_scale is None:
+            return gather_blocks(self.key, index), gather_blocks(self.value, index)
+        return (kv_int8.gather_dequantized(self.key, self.key_scale, index),
+                kv_int8.gather_dequantized(self.value, self.value_scale, index))
 
 
 def rotate_and_store(qkv: torch.Tensor, angles: RotaryAngles, num_heads: int, num_kv_heads: int,
@@ -82,7 +99,8 @@ def rotate_and_store(qkv: torch.Tensor, angles: RotaryAngles, num_heads: int, nu
     qk_size = (num_heads + num_kv_heads) * head_dim
     v = qkv[:, qk_size:].view(-1, num_kv_heads, head_dim)
     qk = layer_ops.rotary_store(qkv, angles.cos, angles.sin, num_heads, num_kv_heads, head_dim,
-                            cache.key, cache.value, meta.slot_blocks, meta.slot_offsets)
+                            cache.key, cache.value, meta.slot_blocks, meta.slot_offsets,
+                            key_scale=cache.key_scale, value_scale=cache.value_scale)
     if qk is None:
         # queries and keys sit side by side: one rotation covers both
         qk = apply_rotary(qkv[:, :qk_size].view(-1, num_heads + num_kv_heads, head_dim), angles)
@@ -91,7 +109,12 @@ def rotate_and_store(qkv: torch.Tensor, angles: RotaryAngles, num_heads: int, nu
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> None:
-    """Writes the new tokens' keys and values [T, kv_heads, d] to their cache slots."""
+    """Writes the new tokens' keys and values [T, kv_heads, d] to their cache slots (an int8
+    cache's quantized, with their scales)."""
+    if cache.is_int8:
+        kv_int8.store_rows(cache.key, cache.key_scale, k, meta.slot_blocks, meta.slot_offsets)
+        kv_int8.store_rows(cache.value, cache.value_scale, v, meta.slot_blocks, meta.slot_offsets)
+        return
     # float32 activations over a bf16 cache on CPUs without bf16 arithmetic
     cache.key[meta.slot_blocks, :, meta.slot_offsets] = k.to(cache.key.dtype)
     cache.value[meta.slot_blocks, :, meta.slot_offsets] = v.to(cache.value.dtype)
@@ -126,9 +149,11 @@ def _decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadat
                       window: int | None, softcap: float | None) -> torch.Tensor:
     if meta.decode_context_lens is not None:
         args = (q, cache.key, cache.value, meta.decode_tables, meta.decode_context_lens, scale)
-        if torch.compiler.is_compiling():  # the operator takes 0 for none
+        if torch.compiler.is_compiling():  # the operator takes 0 for none (and no int8 cache)
             return paged_kernel.paged_decode_attention_op(*args, window or 0, softcap or 0.0)
-        return paged_kernel.paged_decode_attention(*args, window=window, softcap=softcap)
+        return paged_kernel.paged_decode_attention(*args, window=window, softcap=softcap,
+                                                   key_scales=cache.key_scale,
+                                                   value_scales=cache.value_scale)
     groups = meta.decode_groups
     if len(groups) == 1 and groups[0].rows is None:
         return _attend_group(q, cache, groups[0], scale, window, softcap)
@@ -144,8 +169,7 @@ def _attend_group(q: torch.Tensor, cache: LayerCache, group: DecodeGroup, scale:
     """One query per sequence: two batched matmuls beat a flash kernel at this shape on CPU."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = cache.key.shape[1]
-    keys = gather_blocks(cache.key, group.gather_index)  # [G, kv, L, d]
-    values = gather_blocks(cache.value, group.gather_index)
+    keys, values = cache.gather(group.gather_index)  # [G, kv, L, d]
     # the heads sharing a key/value head are adjacent
     queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     visible = group.mask
@@ -185,7 +209,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
     starts = layout.query_starts
     through_kernel = [False] * len(layout.cached_lens)
     # the kernel reads the keys from the cache: for a fresh prompt, the ones PyTorch uses only when
-    # the cache holds them unrounded (activations in the cache's dtype)
+    # the cache holds them unrounded (activations in the cache's dtype; never an int8 cache's)
     if layout.row_tables is not None and q.dtype == cache.key.dtype:
         through_kernel = layout.kernel_sequences
         if all(through_kernel):
@@ -221,8 +245,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
         else:
             context = cached + end - start
             index = gather_index(meta.block_tables[b:b + 1], context, cache.key.shape)
-            keys = gather_blocks(cache.key, index)[:, :, :context]
-            values = gather_blocks(cache.value, index)[:, :, :context]
+            keys, values = cache.gather(index)
+            keys, values = keys[:, :, :context], values[:, :, :context]
             # query i sits at position cached + i and sees keys 0..cached + i: the causal mask
             # aligned to the lower right, which CUDA's flash and memory-efficient kernels take
             # without a mask in memory (a boolean one sends SDPA to its math kernel there)
@@ -251,8 +275,9 @@ def _windowed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
         block_size = cache.key.shape[2]
         offset = first // block_size * block_size
         index = gather_index(block_table, context, cache.key.shape)[:, :, offset // block_size:]
-        keys = gather_blocks(cache.key, index)[:, :, :context - offset]  # [1, kv, keys, d]
-        values = gather_blocks(cache.value, index)[:, :, :context - offset]
+        keys, values = cache.gather(index)
+        keys = keys[:, :, :context - offset]  # [1, kv, keys, d]
+        values = values[:, :, :context - offset]
     key_positions = torch.arange(offset, context, device=q.device)
     query_positions = torch.arange(cached, context, device=q.device).unsqueeze(1)
     visible = key_positions <= query_positions  # [n, keys]

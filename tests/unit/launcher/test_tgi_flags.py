@@ -203,6 +203,33 @@ def test_kv_cache_dtype_is_the_models_dtype():
         parse_args(["--kv-cache-dtype", "float16", "--dtype", "bfloat16"])
 
 
+def test_kv_cache_dtype_int8_goes_to_every_shard_and_refuses_what_cannot_read_it():
+    config = parse_args(["--kv-cache-dtype", "int8"])
+    assert config.kv_cache_dtype == "int8" and config.dtype is None  # the model keeps its dtype
+    for default_model in (True, False):
+        argv = config.shard_settings_argv(default_model=default_model)
+        assert argv[argv.index("--kv-cache-dtype") + 1] == "int8"
+    assert "--kv-cache-dtype" not in parse_args([]).shard_settings_argv(default_model=True)
+    with pytest.raises(ValueError, match="int8 is read by CPU kernels only"):
+        parse_args(["--kv-cache-dtype", "int8", "--device", "cuda"])
+    with pytest.raises(ValueError, match="int8 with --compile-decode"):
+        parse_args(["--kv-cache-dtype", "int8", "--compile-decode"])
+    with pytest.raises(ValueError, match="no FP8 KV cache is implemented; int8 is tgi-py's 8-bit"):
+        parse_args(["--kv-cache-dtype", "fp8_e4m3fn"])
+
+
+def test_the_shard_takes_kv_cache_dtype_int8_and_refuses_the_same():
+    from shard.config import parse_args as shard_args
+    assert shard_args(["--model-path", "m", "--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+    assert shard_args(["--model-path", "m"]).kv_cache_dtype == ""
+    for extra, reason in ((["--kv-cache-dtype", "fp8_e5m2"], "not one of"),
+                          (["--kv-cache-dtype", "int8", "--device", "cuda"], "CPU kernels only"),
+                          (["--kv-cache-dtype", "int8", "--compile-decode", "1"],
+                           "--compile-decode")):
+        with pytest.raises(ValueError, match=reason):
+            shard_args(["--model-path", "m", *extra])
+
+
 def test_cors_origins_are_given_once_each_as_in_tgi(monkeypatch):
     config = parse_args(["--cors-allow-origin", "https://a", "--cors-allow-origin", "https://b"])
     argv = config.router_argv(tokenizer_path="/m", model_id="m")

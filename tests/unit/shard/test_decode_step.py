@@ -19,12 +19,12 @@ from tests.tiny_models import build_tiny_model
 
 
 def _runner(model_dir, dtype=torch.bfloat16, compile_decode=False, quantize=None,
-            blocks=64) -> ModelRunner:
+            blocks=64, kv_int8=False) -> ModelRunner:
     loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
                         parallel=ParallelContext(), quantize=quantize)
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim, 4, dtype,
-                       torch.device("cpu"))
+                       torch.device("cpu"), int8=kv_int8)
     runner = ModelRunner(loaded.model, spec, compile_decode=compile_decode)
     runner.allocate(blocks)
     return runner
@@ -73,21 +73,29 @@ def _assert_steps_agree(runner: ModelRunner, ids, lens, tables,
     """One C step and one eager step from the same cache (each row with the update of its LoRA
     slot where row_slots are given): the same logits, hidden states and cache writes, bit for bit
     (the cache is left as the eager step wrote it). The C step's logits."""
-    before = [(c.key.clone(), c.value.clone()) for c in runner.cache]
+    before = [_cache_tensors(c, clone=True) for c in runner.cache]
     with torch.inference_mode():
         logits, hidden = runner.c_step(ids, lens, tables, row_slots=row_slots)
-        written = [(c.key.clone(), c.value.clone()) for c in runner.cache]
-        for c, (k, v) in zip(runner.cache, before):
-            c.key.copy_(k)
-            c.value.copy_(v)
+        written = [_cache_tensors(c, clone=True) for c in runner.cache]
+        for c, saved in zip(runner.cache, before):
+            for tensor, old in zip(_cache_tensors(c), saved):
+                tensor.copy_(old)
         with runner.adapters.applied(row_slots):
             eager_logits, eager_hidden = runner._decode_forward(ids, lens, tables)
     assert logits.dtype == eager_logits.dtype == torch.float32
     assert torch.equal(logits, eager_logits)
     assert torch.equal(hidden, eager_hidden)
-    assert all(torch.equal(k, c.key) and torch.equal(v, c.value)
-               for (k, v), c in zip(written, runner.cache))
+    assert all(torch.equal(a, b) for saved, c in zip(written, runner.cache)
+               for a, b in zip(saved, _cache_tensors(c)))
     return logits
+
+
+def _cache_tensors(layer, clone=False) -> list[torch.Tensor]:
+    """A layer's keys and values, and an int8 cache's scales."""
+    tensors = [layer.key, layer.value]
+    if layer.is_int8:
+        tensors += [layer.key_scale, layer.value_scale]
+    return [t.clone() for t in tensors] if clone else tensors
 
 
 _LIBRARIES = (layer_ops.load_library, paged_attention.load_kernel, bf16_matmul.load_library,
@@ -132,6 +140,25 @@ def test_c_step_equals_the_eager_step(tiny_llama, qwen2_dir, ragged_dir, phi3_di
         lens = lens.int()
         tables = torch.cat([tables.int(), tables.int()], 1)[:, :7]
         assert batch == 1 or not tables.is_contiguous()
+    for step in range(2):
+        _assert_steps_agree(runner, torch.randint(3, 300, (batch,)), lens + step, tables)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "ragged"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_c_step_over_an_int8_cache_equals_the_eager_step(tiny_llama, ragged_dir, architecture,
+                                                         batch, kernel_build):
+    """--kv-cache-dtype int8: the C step writes the same int8 rows and scales and reads them
+    into the same logits as the eager step."""
+    runner = _runner({"llama": tiny_llama, "ragged": ragged_dir}[architecture], kv_int8=True)
+    _needs_c_step(runner)
+    assert runner.c_step is not None and runner.cache[0].key.dtype == torch.int8
+    torch.manual_seed(batch)
+    seqs = [PrefillSequence(token_ids=torch.randint(3, 300, (5 + 3 * b,)).tolist(), start=0,
+                            blocks=list(range(1 + 7 * b, 8 + 7 * b))) for b in range(batch)]
+    runner.prefill(seqs)
+    tables = torch.tensor([s.blocks for s in seqs])
+    lens = torch.tensor([s.length for s in seqs])
     for step in range(2):
         _assert_steps_agree(runner, torch.randint(3, 300, (batch,)), lens + step, tables)
 
