@@ -530,10 +530,12 @@ static int attend_all(call_t *c, int64_t batch, const int format) {
 
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * ((size_t)(group * longest + 8 * head_dim
-                                                         + 2 * group * head_dim) + scale_rows)
-                               + sizeof(int64_t) * (size_t)longest);
-        if (!scores) {
+        /* the int64 offsets first: after an odd count of floats they would be misaligned */
+        int64_t *scratch = malloc(sizeof(int64_t) * (size_t)longest
+                                  + sizeof(float) * ((size_t)(group * longest + 8 * head_dim
+                                                              + 2 * group * head_dim) + scale_rows));
+        float *scores = scratch ? (float *)(scratch + longest) : NULL;
+        if (!scratch) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -546,7 +548,7 @@ static int attend_all(call_t *c, int64_t batch, const int format) {
             w.group_out = w.group_queries + group * head_dim;
             w.key_row_scales = w.group_out + group * head_dim;
             w.value_row_scales = w.key_row_scales + scale_rows / 2;
-            w.offsets = (int64_t *)(w.key_row_scales + scale_rows);
+            w.offsets = scratch;
 #pragma omp for collapse(2) schedule(static)
             for (int64_t b = 0; b < batch; b++)
                 for (int64_t kv = 0; kv < c->num_kv_heads; kv++) {
@@ -558,7 +560,7 @@ static int attend_all(call_t *c, int64_t batch, const int format) {
                         attend(c, &w, b, kv, FORMAT_F32);
                 }
         }
-        free(scores);
+        free(scratch);
     }
     return failed ? -1 : 0;
 }

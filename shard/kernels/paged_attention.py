@@ -65,14 +65,20 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     # the kernel reads the caches through raw pointers as float32, bf16 or int8 rows of this layout
-    assert key_cache.dtype in (torch.float32, torch.bfloat16, torch.int8), key_cache.dtype
-    assert value_cache.dtype == key_cache.dtype and value_cache.shape == key_cache.shape
-    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    # checked, not asserted: the C kernel reads through these tensors' raw pointers
+    if key_cache.dtype not in (torch.float32, torch.bfloat16, torch.int8):
+        raise ValueError(f"the paged kernel reads float32, bfloat16 or int8 caches, not "
+                         f"{key_cache.dtype}")
+    if (value_cache.dtype != key_cache.dtype or value_cache.shape != key_cache.shape
+            or not key_cache.is_contiguous() or not value_cache.is_contiguous()):
+        raise ValueError("the key and value caches must be contiguous, of one dtype and shape")
     is_int8 = key_cache.dtype == torch.int8
     if is_int8:
         for scales in (key_scales, value_scales):
-            assert scales is not None and scales.dtype == torch.float32
-            assert scales.shape == key_cache.shape[:3] and scales.is_contiguous()
+            if (scales is None or scales.dtype != torch.float32
+                    or scales.shape != key_cache.shape[:3] or not scales.is_contiguous()):
+                raise ValueError("an int8 cache needs contiguous float32 scales shaped "
+                                 f"{tuple(key_cache.shape[:3])}")
     queries = q if q.dtype in (torch.float32, torch.bfloat16) else q.float()
     if queries.stride(2) != 1 or queries.stride(1) != head_dim:
         queries = queries.contiguous()
