@@ -12,7 +12,7 @@ packages=(protobuf grpcio grpcio-health-checking grpcio-reflection llguidance gg
           opentelemetry-api opentelemetry-sdk opentelemetry-proto
           opentelemetry-semantic-conventions opentelemetry-exporter-otlp-common
           opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-grpc
-          googleapis-common-protos pytest-asyncio)
+          googleapis-common-protos pytest-asyncio python-json-logger python-dotenv swagger-ui-bundle)
 pinned=()
 for name in "${packages[@]}"; do
     version=$("$python" -m pip show "$name" | sed -n 's/^Version: //p')
