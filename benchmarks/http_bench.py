@@ -158,7 +158,10 @@ async def load(url: str, prompts: list[str], concurrency: int, new_tokens: int,
     semaphore = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=3600)
 
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # a connection per request: llama-server closes idle keep-alive connections, which aiohttp
+    # then fails to write to; every server gets the same, and a loopback connect costs little
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         async def bounded(prompt):
             async with semaphore:
                 return await one_request(session, url, prompt, new_tokens, prompt_tokens,
