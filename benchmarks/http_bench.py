@@ -146,6 +146,8 @@ async def one_request(session, url: str, prompt: str, new_tokens: int,
     path, body = request_body(route, prompt, new_tokens, prompt_tokens, model)
     started = time.perf_counter()
     stamps, tokens = await token_stamps(session, url, body, path=path)
+    if not stamps:  # the workload asks for exactly new_tokens: a server that sent none failed it
+        raise RuntimeError(f"{url}{path} streamed no text for a request of {new_tokens} tokens")
     ttft = stamps[0] - started
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
     return ttft, itl, tokens

@@ -470,10 +470,6 @@ def parse_args(argv: list[str] | None = None) -> LauncherConfig:
     args = vars(build_parser().parse_args(argv))
     router = {k.removeprefix("router."): v for k, v in args.items() if k.startswith("router.")}
     own = {k: v for k, v in args.items() if not k.startswith("router.")}
-    for name in ("block_size", "master_port", "graceful_termination_timeout",
-                 "max_shard_restarts", "shard_restart_window", "shard_hang_timeout",
-                 "speculate"):
-        own[name] = int(own[name])
     for f in forwarded_router_fields():
         if f.name in _REPEATED:
             given = router.get(f.name)

@@ -27,9 +27,11 @@ def check_dotenv(text: str, source: str = ".env") -> None:
     """Refuses a line python-dotenv cannot parse, and a bare name (python-dotenv would skip it)."""
     for binding in parse_stream(io.StringIO(text)):
         if binding.error or (binding.key is not None and binding.value is None):
-            line = binding.original.string.splitlines()[0] if binding.original.string else ""
-            raise ValueError(f"{source}:{binding.original.line}: expected KEY=VALUE, got "
-                             f"{line!r}")
+            # python-dotenv's binding begins with the blank lines before it
+            lines = binding.original.string.splitlines() or [""]
+            blank = next((i for i, line in enumerate(lines) if line.strip()), 0)
+            raise ValueError(f"{source}:{binding.original.line + blank}: expected KEY=VALUE, "
+                             f"got {lines[blank]!r}")
 
 
 def load_dotenv(path: Path) -> list[str]:

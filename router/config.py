@@ -301,9 +301,15 @@ def flag_help(f: dataclasses.Field) -> str:
     return f"{f.metadata['help']} [default: {shown}] [{source}]"
 
 
+def _empty_is_unset(kind):
+    """An optional flag given empty is unset, as before its choices were checked (a script's
+    `--quantize "$QUANTIZE"`)."""
+    return lambda text: None if text == "" else kind(text)
+
+
 class _OrEmpty(tuple):
-    """A flag's choices that also take "", which --help does not list: an optional flag given
-    empty is unset, as before its choices were checked (a script's `--quantize "$QUANTIZE"`)."""
+    """A flag's choices that also take unset (None: the flag given empty), which --help does not
+    list."""
 
     def __new__(cls, choices):
         made = super().__new__(cls, choices)
@@ -311,7 +317,7 @@ class _OrEmpty(tuple):
         return made
 
     def __contains__(self, value) -> bool:
-        return value == "" or value in self.choices
+        return value is None or value in self.choices
 
 
 def flag_arguments(f: dataclasses.Field, *, default) -> dict:
@@ -324,6 +330,8 @@ def flag_arguments(f: dataclasses.Field, *, default) -> dict:
     kind = {"int": int, "float": float}.get(f.type.removesuffix(" | None"), str)
     if choices == TRUE_FALSE:
         kind = str.lower
+    if choices is not None and f.default is None:
+        kind = _empty_is_unset(kind)
     arguments = {"type": kind, "default": env_value(f, default), "help": flag_help(f)}
     if choices is not None:
         arguments["choices"] = _OrEmpty(choices) if f.default is None else choices

@@ -142,7 +142,6 @@ class Infer:
         if record is not None:
             record.generation_started(request.input_ids, request.input_length,
                                       request.adapter_id)
-        num_generated = 0  # events seen, for a stream that ends before its final one
         metrics = self.metrics
         metrics.input_length.observe(request.input_length)
         metrics.max_new_tokens.observe(request.stopping.max_new_tokens)
@@ -158,14 +157,10 @@ class Infer:
                 event = await item.events.get()
                 if isinstance(event, RouterError):
                     self.record_failure(event)
-                    if record is not None:
-                        record.error_type = event.error_type
                     raise event
                 if timings.batched_at == 0.0:
                     timings.batched_at = item.batched_at
                     timings.cached_tokens = item.cache_len
-                # a beam search's final event stands for all its tokens
-                num_generated = event.final.generated_tokens if event.final else num_generated + 1
                 yield event
                 if event.final is not None:
                     self._record_success(timings, event.final)
@@ -179,8 +174,8 @@ class Infer:
                 self.batcher.cancel(item)
             self.in_flight -= 1
             self.adapters.leave(request.adapter_id)
-            if record is not None:
-                record.generated_tokens += num_generated
+            if record is not None:  # what the shards generated (a beam's final list whole)
+                record.generated_tokens += len(item.generated_ids)
 
     def _record_success(self, timings: Timings, final: FinalInfo) -> None:
         timings.finished_at = time.monotonic()

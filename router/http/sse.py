@@ -15,6 +15,7 @@ from aiohttp import web
 
 from router.errors import GenerationError, IncompleteGenerationError, RouterError
 from router.schemas import TokenEvent
+from router.telemetry.request_record import current_record
 
 log = logging.getLogger("tgi.router.streaming")
 
@@ -80,13 +81,16 @@ async def serve_stream(request: web.Request, events: AsyncIterator[tuple[int, To
                 raise IncompleteGenerationError("Incomplete generation stream")
             await _write(response, form.closing())
         except RouterError as err:
+            _note_error(err)
             if not await _report(request, response, form.error(err)):
                 return response
         except ConnectionResetError:  # the client went away: nobody to tell, nothing to log
             return response  # (events.aclose below frees what its requests held)
         except Exception as err:  # a bug: the client still hears of it in the stream's own shape
             log.exception("stream failed after it opened")
-            frame = form.error(GenerationError(f"{type(err).__name__}: {err}"))
+            failure = GenerationError(f"{type(err).__name__}: {err}")
+            _note_error(failure)
+            frame = form.error(failure)
             if not await _report(request, response, frame):
                 return response
         await _write(response, form.done())
@@ -111,3 +115,10 @@ async def _report(request: web.Request, response: web.StreamResponse,
 async def _write(response: web.StreamResponse, frames: list[bytes]) -> None:
     for frame in frames:
         await response.write(frame)
+
+
+def _note_error(err: RouterError) -> None:
+    """The access log's line says why a stream that answered 200 failed."""
+    record = current_record()
+    if record is not None:
+        record.error_type = err.error_type

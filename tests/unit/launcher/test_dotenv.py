@@ -70,6 +70,9 @@ def test_a_line_that_is_not_a_setting_is_an_error_naming_it(tmp_path):
         check_dotenv("A=1\nnot a setting\n")
     with pytest.raises(ValueError, match=r"\.env:3: expected KEY=VALUE, got 'PORT'"):
         check_dotenv("A=1\n# a name alone is skipped by python-dotenv\nPORT\n")
+    # python-dotenv folds the blank lines before a binding into it: the line named is the bad one
+    with pytest.raises(ValueError, match=r"\.env:4: expected KEY=VALUE, got 'not a setting'"):
+        check_dotenv("A=1\n\n\nnot a setting\n")
     path = tmp_path / ".env"
     path.write_text("SOMETHING_NEW_1=1\nnot a setting\n")
     with pytest.raises(ValueError, match=re.escape(f"{path}:2: expected KEY=VALUE")):

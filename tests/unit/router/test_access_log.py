@@ -190,6 +190,21 @@ async def test_probes_are_logged_at_debug_unless_they_fail(tiny_llama, access):
                                                        ("/metrics", logging.DEBUG)]
 
 
+async def test_a_failing_probe_is_logged_at_info(tiny_llama, access):
+    from router.shards.client import ShardError
+
+    class SickFake(HealthyFake):
+        async def health(self):
+            raise ShardError("rank 0 does not answer")
+
+    client = await _client(tiny_llama, SickFake())
+    try:
+        assert (await client.get("/health")).status == 503
+    finally:
+        await client.close()
+    assert [(r.path, r.status, r.levelno) for r in access()] == [("/health", 503, logging.INFO)]
+
+
 async def test_a_file_is_logged_with_the_status_it_was_sent_with(tiny_llama, access):
     """A file answer picks 304 (revalidated) or 416 (a range past its end) as it is sent."""
     client = await _client(tiny_llama, HealthyFake())

@@ -5,7 +5,9 @@ import { ApiError, call, errorMessage, setKeyAsker, sseData } from "./client.js"
 const $ = (id) => document.getElementById(id);
 const TRANSIENT_STATES = new Set(["downloading", "starting", "stopping"]);
 
-const history = []; // this chat's messages, the system prompt left out
+// this chat's messages, the system prompt left out; a new chat is a new array, so an answer
+// still ending adds to the chat it belongs to
+let history = [];
 let answering = null; // the AbortController of the answer being streamed
 let refreshTimer = null;
 
@@ -156,6 +158,7 @@ function showStats({ started, firstAt, lastAt, tokens }) {
 }
 
 async function streamAnswer(view, signal) {
+  const chat = history;
   const stats = { started: performance.now(), firstAt: 0, lastAt: 0, tokens: 0 };
   let text = "";
   let usage = null;
@@ -182,7 +185,7 @@ async function streamAnswer(view, signal) {
     }
   } finally {
     // what came before an error or the stop button stays in the chat
-    if (text) history.push({ role: "assistant", content: text });
+    if (text) chat.push({ role: "assistant", content: text });
     if (usage?.completion_tokens) stats.tokens = usage.completion_tokens;
     showStats(stats);
   }
@@ -201,7 +204,8 @@ async function send(event) {
   clearError();
   $("prompt").value = "";
   $("stats").textContent = "";
-  history.push({ role: "user", content: prompt });
+  const chat = history;
+  chat.push({ role: "user", content: prompt });
   addMessage("user", prompt);
   const view = addMessage("assistant");
   const controller = new AbortController();
@@ -215,7 +219,7 @@ async function send(event) {
     }
     view.message.classList.add("failed");
     view.content.textContent ||= error.message;
-    if (history.at(-1)?.role === "user") history.pop(); // unanswered: a retry sends it again
+    if (chat.at(-1)?.role === "user") chat.pop(); // unanswered: a retry sends it again
     throw error;
   } finally {
     setAnswering(null);
@@ -224,7 +228,7 @@ async function send(event) {
 
 function newChat() {
   answering?.abort();
-  history.length = 0;
+  history = [];
   $("messages").replaceChildren();
   $("stats").textContent = "";
   clearError();
