@@ -269,3 +269,27 @@ def test_matmul_benchmark_of_a_decode_step(tmp_path):
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| 1 ")
             or line.startswith("| 3 ")]
     assert [r[1].strip() for r in rows] == ["1", "3"] and all(float(r[2]) > 0 for r in rows)
+
+
+def test_machine_limits_benchmark(tiny_llama, tmp_path):
+    """The machine's bandwidth and multiply-add rate, and the floors they set for the model: a
+    decode step's bytes over the bandwidth, a wave's prefill operations over the rate."""
+    out = _run(["benchmarks/machine_limits.py", "--model-dir", str(tiny_llama), "--buffer-mb", "8",
+                "--repeats", "1", "--fma-rounds", "100000", "--json", str(tmp_path / "m.json")],
+               tmp_path)
+    assert "GB/s" in out and "GFLOP/s" in out and "TTFT p50 at least" in out
+    figures = json.loads((tmp_path / "m.json").read_text())
+    bandwidth = figures["read"][-1]["best_gb_s"]
+    gflops = figures["fma"][-1]["best_gflop_s"]
+    assert bandwidth > 0 and gflops > 0
+    config = json.loads((tiny_llama / "config.json").read_text())
+    head = config["vocab_size"] * config["hidden_size"]
+    assert figures["head_weights"] == head
+    floors = figures["floors"]
+    step_bytes = 2 * (figures["layer_weights"] + head)
+    assert math.isclose(floors["decode_step_mb"]["bf16"], step_bytes / 1e6)
+    assert math.isclose(floors["decode_step_floor_ms"]["bf16"], step_bytes / bandwidth / 1e6)
+    wave = floors["wave"]
+    flops = 32 * (128 * 2 * figures["layer_weights"] + 2 * head)
+    assert math.isclose(wave["all_prefilled_s"], flops / gflops / 1e9)
+    assert wave["all_prefilled_s"] / 2 < wave["ttft_p50_floor_s"] < wave["all_prefilled_s"]
