@@ -6,21 +6,23 @@
  * Packing, per block of 16 output features and group of 32 inputs (384 bytes, blocks after one
  * another, a block's groups in order): 8 x 32 bytes of 4-bit values, byte [i][f][e] holding input
  * 2i + e of feature f in its low half and input 2(i + 8) + e in its high half, then the 16 scales
- * and the 16 minimums. Widened to 16-bit lanes, masked and or-ed with 0x4300, a half is the bf16
- * of 128 + q (bf16 holds 128..143 exactly), in VDPBF16PS's operand layout ([16 features][2
- * inputs]). So a group's dot product D = sum (128 + q) x comes from 16 VDPBF16PS per row, and the
- * row's result gains scale * D + (low - 128 scale) * X, X the row's sum of the group's inputs.
+ * and the 16 minimums.
  *
- * Rounding: D and X in float32 (each product exact, the sums rounded), the group's terms added in
- * float32, the result rounded once to bf16. The 128 offset costs about 7 bits of D's float32
- * precision, far below the 4-bit weights' own error.
+ * AVX-512 BF16: widened to 16-bit lanes, masked and or-ed with 0x4300, a half is the bf16 of
+ * 128 + q (bf16 holds 128..143 exactly), in VDPBF16PS's operand layout ([16 features][2 inputs]).
+ * So a group's dot product D = sum (128 + q) x comes from 16 VDPBF16PS per row, and the row's
+ * result gains scale * D + (low - 128 scale) * X, X the row's sum of the group's inputs. D and X
+ * in float32 (each product exact, the sums rounded), the group's terms added in float32, the
+ * result rounded once to bf16. The 128 offset costs about 7 bits of D's float32 precision, far
+ * below the 4-bit weights' own error. Past TILE_MAX_ROWS rows (prefills, large decode batches),
+ * where the arithmetic, not reading the weights, sets the time, each thread unpacks a few blocks
+ * at a time into the bf16 matmul's layout, the bf16 of q * scale + low (a float32 product, then a
+ * float32 sum: built with -ffp-contract=off, so no compiler fuses them), and runs that kernel's
+ * tiles (bf16_tiles.h) over the rows: a large batch gets what a bf16 layer of those weights
+ * gives, bit for bit.
  *
- * Past TILE_MAX_ROWS rows (prefills, large decode batches), where the arithmetic, not reading the
- * weights, sets the time, each thread unpacks a few blocks at a time into the bf16 matmul's
- * layout, the bf16 of q * scale + low (a float32 product, then a float32 sum: built with
- * -ffp-contract=off, so no compiler fuses them), and runs that kernel's tiles (bf16_tiles.h) over
- * the rows: the layers hold the 4-bit form alone, and a large batch gets what a bf16 layer of
- * those weights gives, bit for bit.
+ * AVX2 (no bf16 arithmetic): integer dot products against the rows rounded to int8, for every
+ * batch size (see the AVX2 section below).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,8 +30,10 @@
 
 #include "bf16.h"
 #include "matmul_isa.h"
-#if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
+#if defined(HAVE_DPBF16)
 #include "bf16_tiles.h"
+#elif defined(HAVE_AVX2_FMA)
+#include "bf16_store.h"
 #endif
 
 #define GROUP 32 /* input features sharing a scale and a minimum */
@@ -37,26 +41,30 @@
 #define PARALLEL_MIN_WORK (1 << 16)
 /* how many groups (384 bytes each) ahead a tile asks for its blocks' lines */
 #define PREFETCH_GROUPS 4
+#if defined(HAVE_DPBF16)
 /* up to how many rows the 4-bit tiles below run. A decode step's matmuls of SmolLM2's 30 layers,
  * weights streamed from memory (benchmarks/matmul_bench.py --step), against the bf16 matmul's
  * time: AVX-512 BF16 tiles 0.51x at 1 row, 0.82x at 8, 0.94-0.99x at 12-16, 1.06-1.13x at 24-32,
- * where unpacking took 1.17-1.29x at 12-32 rows and 1.05-1.14x at 48-128; AVX2 tiles 0.86-0.98x
- * at 2-4 rows, 1.08-1.12x at 8-16, unpacking 1.22-1.85x there and 1.04-1.10x at 32-64 */
-#if defined(HAVE_DPBF16)
+ * where unpacking took 1.17-1.29x at 12-32 rows and 1.05-1.14x at 48-128. (AVX2's integer tiles
+ * take every batch: 0.45-0.52x the bf16 matmul's time at 1-8 rows, 0.65-0.80x at 64-4,096.) */
 #define TILE_MAX_ROWS 32
-#else
-#define TILE_MAX_ROWS 16
-#endif
 /* rows a pass over the unpacked blocks takes (their inputs stay in L2 or L3 while each thread
  * unpacks its blocks once a pass) */
 #define UNPACKED_ROWS_PER_PASS 256
 /* blocks a thread unpacks at a time: the widest bf16 tile at many rows */
 #define STRIP_BLOCKS 3
+#else
+/* no limit: every batch runs the integer tiles */
+#define TILE_MAX_ROWS 0
+/* rows the integer tiles take against each thread's blocks before the next rows (their int8 form
+ * stays in L2 meanwhile) */
+#define ROWS_PER_PASS 256
+#endif
 
 /* 1: AVX-512 BF16 dot products; 2: float32 FMAs on AVX2; 0: no kernel in this build */
 int int4_matmul_supported(void) { return matmul_form(); }
 
-/* up to how many rows a call runs the 4-bit tiles (more: the unpacked blocks) */
+/* up to how many rows a call runs the 4-bit tiles (more: the unpacked blocks); 0: every batch */
 int int4_matmul_tile_rows(void) { return TILE_MAX_ROWS; }
 
 int64_t int4_matmul_packed_bytes(int64_t n, int64_t k) {
@@ -199,137 +207,141 @@ __attribute__((noinline)) static void unpack_block(const uint8_t *block, int64_t
 
 #elif defined(HAVE_AVX2_FMA)
 
-/* AVX2: a block's 16 features as four vectors of 4 features x (even input, odd input), the layout
- * of the bf16 matmul's AVX2 form. From each 32 bytes of a group (pair i of every feature in the low
- * half-bytes, pair i + 8 in the high ones), 8 bytes are zero-extended to a vector, the half-bytes
- * converted to float32 and multiplied by the features' scales (so each weight is q * scale, and
- * the group's minimum comes in once, as minimum * the row's input sum); the row's pair of inputs
- * is broadcast as one 64-bit value. */
+/* AVX2: integer dot products, as llama.cpp multiplies Q4_1 by its Q8_1 activations. Each row's
+ * group of 32 inputs is held as int8 (the group's largest magnitude as 127, xq = round(x * 127 /
+ * max), d = max / 127), so a weight's q times an input is one VPMADDUBSW lane: the 32 bytes i of a
+ * group, masked (low halves: inputs 2i, 2i + 1 of the 16 features) or shifted and masked (high
+ * halves: inputs 16 + 2i, 17 + 2i), against the row's pair of int8 inputs broadcast, give each
+ * feature's sum of two products in 16 bits (at most 2 x 15 x 127), eight of them added in 16 bits
+ * (at most 30,480) for the low halves and eight for the high ones. A group then adds
+ * scale * d * D + low * X to each feature, D the integer dot product and X the row's exact sum of
+ * the group's inputs. Three times fewer instructions a weight than float32 FMAs on the widened
+ * nibbles, which held the 4-bit form to 2-3x bf16's arithmetic time on AVX2. The cost: each
+ * input's rounding to 1/254 of its group's largest magnitude (the bound in
+ * tests/unit/shard/test_int4_kernel.py), an error llama.cpp's 4-bit models carry too. */
 
-#define DEFINE_TILE(MR)                                                                            \
-    static void tile_##MR(const float *x, int64_t x_stride, const float *x_sums,                \
-                          int64_t groups, const uint8_t *block, int64_t col, int64_t n,          \
-                          const uint16_t *bias, uint16_t *out, int64_t out_stride) {             \
-        const __m256i nibble = _mm256_set1_epi32(15);                                            \
-        /* lane 2f + e of a vector of 4 features takes feature f's scale or minimum */           \
-        const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);                         \
-        __m256 sums[MR][4];                                                                      \
-        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
-            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) sums[r][v] = _mm256_setzero_ps(); \
-        for (int64_t g = 0; g < groups; g++) {                                                   \
-            const uint8_t *at = block + g * GROUP_BYTES;                                         \
-            const float *factors = (const float *)(at + BLOCK * GROUP / 2);                      \
-            _mm_prefetch((const char *)((uintptr_t)at + PREFETCH_GROUPS * GROUP_BYTES),          \
-                         _MM_HINT_T0);                                                           \
-            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) {                                \
-                const __m256 scale = _mm256_permutevar8x32_ps(                                   \
-                    _mm256_castps128_ps256(_mm_loadu_ps(factors + 4 * v)), twice);               \
-                const __m256 low = _mm256_permutevar8x32_ps(                                     \
-                    _mm256_castps128_ps256(_mm_loadu_ps(factors + BLOCK + 4 * v)), twice);       \
-                /* the minimum times each row's input sum, once a group */                       \
-                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                             \
-                    sums[r][v] = _mm256_fmadd_ps(low, _mm256_set1_ps(0.5f * x_sums[r * groups   \
-                                                 + g]), sums[r][v]);                             \
-                for (int i = 0; i < 8; i++) {                                                    \
-                    uint64_t eight;                                                              \
-                    memcpy(&eight, at + i * 32 + v * 8, sizeof eight);                           \
-                    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)eight)); \
-                    const __m256 first = _mm256_mul_ps(                                          \
-                        _mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble)), scale);             \
-                    const __m256 second = _mm256_mul_ps(                                         \
-                        _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), scale);                 \
-                    _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                       \
-                        const float *in = x + r * x_stride + g * GROUP + 2 * i;                 \
-                        sums[r][v] = _mm256_fmadd_ps(first, _mm256_castpd_ps(                   \
-                            _mm256_broadcast_sd((const double *)in)), sums[r][v]);               \
-                        sums[r][v] = _mm256_fmadd_ps(second, _mm256_castpd_ps(                  \
-                            _mm256_broadcast_sd((const double *)(in + 16))), sums[r][v]);        \
-                    }                                                                            \
-                }                                                                                \
-            }                                                                                    \
-        }                                                                                        \
-        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
-            store_block(sums[r], bias, col, (int)(n - col), out + r * out_stride);               \
-    }
-
-DEFINE_TILE(2)
-
-/* One row: the group's dot products in their own sums, scaled once a group (no multiply per
- * weight); 4 sums, 4 dot sums, two weights and two broadcasts fit the 16 registers. */
-static void tile_1(const float *x, int64_t x_stride, const float *x_sums, int64_t groups,
-                   const uint8_t *block, int64_t col, int64_t n, const uint16_t *bias,
-                   uint16_t *out, int64_t out_stride) {
-    (void)x_stride, (void)out_stride;
-    const __m256i nibble = _mm256_set1_epi32(15);
-    const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-    __m256 sums[4];
-    for (int v = 0; v < 4; v++)
-        sums[v] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *at = block + g * GROUP_BYTES;
-        const float *factors = (const float *)(at + BLOCK * GROUP / 2);
-        _mm_prefetch((const char *)((uintptr_t)at + PREFETCH_GROUPS * GROUP_BYTES), _MM_HINT_T0);
-        __m256 dot[4];
-        _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) dot[v] = _mm256_setzero_ps();
-        for (int i = 0; i < 8; i++) {
-            const float *in = x + g * GROUP + 2 * i;
-            const __m256 first_in = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)in));
-            const __m256 second_in =
-                _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(in + 16)));
-            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) {
-                uint64_t eight;
-                memcpy(&eight, at + i * 32 + v * 8, sizeof eight);
-                const __m256i bytes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)eight));
-                dot[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble)),
-                                         first_in, dot[v]);
-                dot[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)),
-                                         second_in, dot[v]);
-            }
-        }
-        const __m256 half_sum = _mm256_set1_ps(0.5f * x_sums[g]);
-        _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) {
-            const __m256 scale = _mm256_permutevar8x32_ps(
-                _mm256_castps128_ps256(_mm_loadu_ps(factors + 4 * v)), twice);
-            const __m256 low = _mm256_permutevar8x32_ps(
-                _mm256_castps128_ps256(_mm_loadu_ps(factors + BLOCK + 4 * v)), twice);
-            sums[v] = _mm256_fmadd_ps(scale, dot[v], _mm256_fmadd_ps(low, half_sum, sums[v]));
-        }
-    }
-    store_block(sums, bias, col, (int)(n - col), out);
+/* int16 lanes f of the low and high sums -> float32 features [0-3, 8-11] and [4-7, 12-15] */
+static inline __attribute__((always_inline)) void
+widen_dots(__m256i low_sums, __m256i high_sums, __m256 *first, __m256 *second) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    *first = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpacklo_epi16(low_sums, high_sums), ones));
+    *second = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpackhi_epi16(low_sums, high_sums), ones));
 }
 
-
-/* a block's groups -> the bf16 matmul's layout of its weights ([pairs][16 features][2 inputs]):
- * the 32 bytes i of group g hold pair 16g + i in their low halves and 16g + i + 8 in the high
- * ones, already in feature-major, input-minor order; 8 bytes (4 features) at a time. Out of line:
- * inlined next to the panel tiles, its constants took registers and GCC spilled a sum to the
- * stack there (2.2x slower) */
-__attribute__((noinline)) static void unpack_block(const uint8_t *block, int64_t groups,
-                                                   uint16_t *to) {
-    const __m256i nibble = _mm256_set1_epi32(15);
-    const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *at = block + g * GROUP_BYTES;
-        const float *factors = (const float *)(at + BLOCK * GROUP / 2);
-        for (int v = 0; v < 4; v++) {
-            const __m256 scale = _mm256_permutevar8x32_ps(
-                _mm256_castps128_ps256(_mm_loadu_ps(factors + 4 * v)), twice);
-            const __m256 low = _mm256_permutevar8x32_ps(
-                _mm256_castps128_ps256(_mm_loadu_ps(factors + BLOCK + 4 * v)), twice);
-            for (int i = 0; i < 8; i++) {
-                uint64_t eight;
-                memcpy(&eight, at + i * 32 + v * 8, sizeof eight);
-                const __m256i bytes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)eight));
-                const __m256 first = _mm256_add_ps(
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble)), scale), low);
-                const __m256 second = _mm256_add_ps(
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), scale), low);
-                _mm_storeu_si128((__m128i *)(to + (16 * g + i) * 2 * BLOCK + 8 * v),
-                                 round_to_bf16(first));
-                _mm_storeu_si128((__m128i *)(to + (16 * g + i + 8) * 2 * BLOCK + 8 * v),
-                                 round_to_bf16(second));
-            }
+/* 16 features' sums in widen_dots's order ([0-3, 8-11], [4-7, 12-15]) -> bf16 out[col..] */
+static inline __attribute__((always_inline)) void
+store_features(__m256 first, __m256 second, const uint16_t *bias, int64_t col, int valid,
+               uint16_t *out) {
+    __m256 halves[2] = {_mm256_permute2f128_ps(first, second, 0x20),
+                        _mm256_permute2f128_ps(first, second, 0x31)};
+    for (int h = 0; h < 2 && valid > 8 * h; h++) {
+        const int64_t at = col + 8 * h;
+        if (valid - 8 * h >= 8) {
+            __m256 sums = halves[h];
+            if (bias)
+                sums = _mm256_add_ps(sums, widen_8(bias + at));
+            _mm_storeu_si128((__m128i *)(out + at), round_to_bf16(sums));
+            continue;
         }
+        float feature[8];
+        _mm256_storeu_ps(feature, halves[h]);
+        for (int i = 0; i < valid - 8 * h; i++)
+            out[at + i] = float_to_bf16(feature[i] + (bias ? bf16_to_float(bias[at + i]) : 0.0f));
+    }
+}
+
+/* MR rows x one block: xq [MR][k] int8 rows x_stride apart, their groups' d and input sums
+ * [MR][groups] */
+#define DEFINE_TILE(MR)                                                                            \
+    static void tile_##MR(const int8_t *xq, int64_t x_stride, const float *x_scales,            \
+                          const float *x_sums, int64_t groups, const uint8_t *block, int64_t col, \
+                          int64_t n, const uint16_t *bias, uint16_t *out, int64_t out_stride) {  \
+        const __m256i nibble = _mm256_set1_epi8(15);                                             \
+        __m256 first[MR], second[MR];                                                            \
+        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
+            first[r] = second[r] = _mm256_setzero_ps();                                          \
+        for (int64_t g = 0; g < groups; g++) {                                                   \
+            const uint8_t *at = block + g * GROUP_BYTES;                                         \
+            _Pragma("GCC unroll 6") for (int line = 0; line < GROUP_BYTES / 64; line++)          \
+                _mm_prefetch((const char *)((uintptr_t)at                                        \
+                             + (uintptr_t)(PREFETCH_GROUPS * GROUP_BYTES + line * 64)),           \
+                             _MM_HINT_T0);                                                       \
+            __m256i low_sums[MR], high_sums[MR];                                                 \
+            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                 \
+                low_sums[r] = high_sums[r] = _mm256_setzero_si256();                             \
+            _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                \
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(at + i * 32));        \
+                const __m256i low = _mm256_and_si256(bytes, nibble);                             \
+                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);     \
+                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                           \
+                    int16_t pair, high_pair;                                                     \
+                    memcpy(&pair, xq + r * x_stride + g * GROUP + 2 * i, sizeof pair);           \
+                    memcpy(&high_pair, xq + r * x_stride + g * GROUP + 16 + 2 * i,               \
+                           sizeof high_pair);                                                    \
+                    low_sums[r] = _mm256_add_epi16(                                              \
+                        low_sums[r], _mm256_maddubs_epi16(low, _mm256_set1_epi16(pair)));        \
+                    high_sums[r] = _mm256_add_epi16(                                             \
+                        high_sums[r], _mm256_maddubs_epi16(high, _mm256_set1_epi16(high_pair))); \
+                }                                                                                \
+            }                                                                                    \
+            const float *factors = (const float *)(at + BLOCK * GROUP / 2);                      \
+            const __m256 scale_0 = _mm256_loadu_ps(factors), scale_1 = _mm256_loadu_ps(factors + 8); \
+            const __m256 low_0 = _mm256_loadu_ps(factors + BLOCK);                               \
+            const __m256 low_1 = _mm256_loadu_ps(factors + BLOCK + 8);                           \
+            /* in widen_dots's order */                                                          \
+            const __m256 scale_a = _mm256_permute2f128_ps(scale_0, scale_1, 0x20);               \
+            const __m256 scale_b = _mm256_permute2f128_ps(scale_0, scale_1, 0x31);               \
+            const __m256 low_a = _mm256_permute2f128_ps(low_0, low_1, 0x20);                     \
+            const __m256 low_b = _mm256_permute2f128_ps(low_0, low_1, 0x31);                     \
+            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                               \
+                __m256 dot_a, dot_b;                                                             \
+                widen_dots(low_sums[r], high_sums[r], &dot_a, &dot_b);                           \
+                const __m256 d = _mm256_set1_ps(x_scales[r * groups + g]);                       \
+                const __m256 sum = _mm256_set1_ps(x_sums[r * groups + g]);                       \
+                first[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_a, dot_a), d,                     \
+                                           _mm256_fmadd_ps(low_a, sum, first[r]));               \
+                second[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_b, dot_b), d,                    \
+                                            _mm256_fmadd_ps(low_b, sum, second[r]));             \
+            }                                                                                    \
+        }                                                                                        \
+        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
+            store_features(first[r], second[r], bias, col, (int)(n - col), out + r * out_stride); \
+    }
+
+DEFINE_TILE(1) DEFINE_TILE(2) DEFINE_TILE(4)
+
+typedef void (*tile_fn)(const int8_t *, int64_t, const float *, const float *, int64_t,
+                        const uint8_t *, int64_t, int64_t, const uint16_t *, uint16_t *, int64_t);
+
+/* by rows in the tile: 1, 2, 4 */
+static const tile_fn TILES[3] = {tile_1, tile_2, tile_4};
+
+/* a row [k] of bf16 -> its int8 form (xq [k]), each group's d and the sum of its inputs as
+ * rounded, d x (sum of xq) ([k / 32]): with that sum the minimum's term, too, multiplies the
+ * rounded inputs, so the result is the weights times the rounded inputs (half the error, at most,
+ * of the exact sum beside q's term: q * scale spans twice what a centred weight does) */
+static void quantize_row(const uint16_t *x, int64_t k, int8_t *xq, float *x_scales,
+                         float *x_sums) {
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        float values[GROUP], largest = 0.0f;
+        int finite = 1;
+        for (int i = 0; i < GROUP; i++) {
+            values[i] = bf16_to_float(x[g * GROUP + i]);
+            const float magnitude = values[i] < 0 ? -values[i] : values[i];
+            finite &= magnitude <= 3.4e38f; /* false for infinities and NaNs */
+            largest = magnitude > largest ? magnitude : largest;
+        }
+        const float inverse = largest > 0.0f && finite ? 127.0f / largest : 0.0f;
+        int32_t total = 0;
+        for (int i = 0; i < GROUP; i++) {
+            const int8_t value = (int8_t)__builtin_nearbyintf(values[i] * inverse);
+            xq[g * GROUP + i] = value;
+            total += value;
+        }
+        const float d = largest / 127.0f;
+        /* a group with an infinity or a NaN gives NaNs, as a float32 product would */
+        x_scales[g] = finite ? d : __builtin_nanf("");
+        x_sums[g] = finite ? d * (float)total : __builtin_nanf("");
     }
 }
 
@@ -337,10 +349,9 @@ __attribute__((noinline)) static void unpack_block(const uint8_t *block, int64_t
 
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
 
-/* the calling thread's scratch for a call (its rows' group sums or widened rows, the threads'
- * float32 panels) and each thread's unpacked blocks: grown as needed and kept, as calls repeat
- * the same few sizes (at most UNPACKED_ROWS_PER_PASS rows of the widest input, or a decode
- * batch's rows and sums; STRIP_BLOCKS blocks) */
+/* the calling thread's scratch for a call (its rows' group sums, or on AVX2 their int8 form too)
+ * and each thread's unpacked blocks: grown as needed and kept, as calls repeat the same few sizes
+ * (STRIP_BLOCKS blocks) */
 static __thread void *call_scratch, *strip_scratch;
 static __thread size_t call_capacity, strip_capacity;
 
@@ -355,17 +366,14 @@ static void *grown(void **buffer, size_t *capacity, size_t bytes) {
     return *buffer;
 }
 
-/* the rows of a pass against blocks [first, last), STRIP_BLOCKS blocks unpacked at a time into
- * `unpacked`; on AVX2 the rows are widened to float32 and `panel` is the thread's float32 panel */
 #ifdef HAVE_DPBF16
-typedef uint16_t pass_row_t;
-#else
-typedef float pass_row_t;
-#endif
-static void unpacked_pass(const pass_row_t *x, int64_t rows, int64_t x_stride,
+
+/* the rows of a pass against blocks [first, last), STRIP_BLOCKS blocks unpacked at a time into
+ * `unpacked` */
+static void unpacked_pass(const uint16_t *x, int64_t rows, int64_t x_stride,
                           const uint8_t *packed, int64_t groups, int64_t n,
                           const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t first,
-                          int64_t last, uint16_t *unpacked, float *panel) {
+                          int64_t last, uint16_t *unpacked) {
     const int64_t pairs = groups * GROUP / 2;
     for (int64_t b = first; b < last; b += STRIP_BLOCKS) {
         const int nr = last - b < STRIP_BLOCKS ? (int)(last - b) : STRIP_BLOCKS;
@@ -374,18 +382,8 @@ static void unpacked_pass(const pass_row_t *x, int64_t rows, int64_t x_stride,
                          unpacked + j * pairs * 2 * BLOCK);
         /* the strip as the whole weight of its own: its columns from b * BLOCK */
         const uint16_t *strip_bias = bias ? bias + b * BLOCK : 0;
-#ifdef HAVE_DPBF16
-        (void)panel;
         bf16_blocks(x, rows, x_stride, unpacked, pairs, n - b * BLOCK, strip_bias,
                     out + b * BLOCK, out_stride, 0, nr);
-#else
-        if (rows >= PANEL_MIN_ROWS)
-            bf16_blocks_panel(x, rows, x_stride, unpacked, pairs, n - b * BLOCK, strip_bias,
-                              out + b * BLOCK, out_stride, 0, nr, panel);
-        else
-            bf16_blocks(x, rows, x_stride, unpacked, pairs, n - b * BLOCK, strip_bias,
-                        out + b * BLOCK, out_stride, 0, nr);
-#endif
     }
 }
 
@@ -395,20 +393,8 @@ static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_st
                            int64_t out_stride) {
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP, pairs = k / 2;
     const size_t strip_bytes = (size_t)(STRIP_BLOCKS * pairs * 2 * BLOCK) * sizeof(uint16_t);
-    const int parallel = m * n * k >= PARALLEL_MIN_WORK;
     int failed = 0;
-#ifdef HAVE_AVX2_FMA
-    /* a pass's rows widened to float32, then a panel per thread */
-    const int64_t pass_elements = (m < UNPACKED_ROWS_PER_PASS ? m : UNPACKED_ROWS_PER_PASS) * k;
-    const int64_t panel_stride = pairs * 2 * BLOCK;
-    float *wide = grown(&call_scratch, &call_capacity,
-                        (size_t)(pass_elements + (parallel ? omp_get_max_threads() : 1)
-                                 * panel_stride) * sizeof(float));
-    if (!wide)
-        return -2;
-    float *panels = wide + pass_elements;
-#endif
-#pragma omp parallel if (parallel)
+#pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
     {
         const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
         const int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads;
@@ -417,26 +403,16 @@ static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_st
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t r = 0; r < m; r += UNPACKED_ROWS_PER_PASS) {
+        for (int64_t r = 0; r < m && unpacked; r += UNPACKED_ROWS_PER_PASS) {
             const int64_t rows = m - r < UNPACKED_ROWS_PER_PASS ? m - r : UNPACKED_ROWS_PER_PASS;
-#ifdef HAVE_DPBF16
-            if (unpacked)
-                unpacked_pass(x + r * x_stride, rows, x_stride, packed, groups, n, bias,
-                              out + r * out_stride, out_stride, first, last, unpacked, 0);
-#else
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < rows; i++)
-                widen_row(x + (r + i) * x_stride, k, wide + i * k);
-            /* (the loop's barrier: every row is widened before any thread reads them) */
-            if (unpacked)
-                unpacked_pass(wide, rows, k, packed, groups, n, bias, out + r * out_stride,
-                              out_stride, first, last, unpacked, panels + thread * panel_stride);
-#pragma omp barrier
-#endif
+            unpacked_pass(x + r * x_stride, rows, x_stride, packed, groups, n, bias,
+                          out + r * out_stride, out_stride, first, last, unpacked);
         }
     }
     return failed ? -2 : 0;
 }
+
+#endif
 
 #endif
 
@@ -451,10 +427,10 @@ int int4_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
         return 0;
     if (k <= 0 || k % GROUP)
         return -1;
-    if (m > TILE_MAX_ROWS)
-        return unpacked_matmul(x, m, k, x_stride, packed, n, bias, out, out_stride);
 #endif
 #ifdef HAVE_DPBF16
+    if (m > TILE_MAX_ROWS)
+        return unpacked_matmul(x, m, k, x_stride, packed, n, bias, out, out_stride);
     float *x_sums = grown(&call_scratch, &call_capacity, (size_t)(m * groups) * sizeof(float));
     if (!x_sums)
         return -2;
@@ -481,35 +457,32 @@ int int4_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
     }
     return 0;
 #elif defined(HAVE_AVX2_FMA)
-    /* the rows widened to float32, then each row's group sums */
-    float *wide =
-        grown(&call_scratch, &call_capacity, (size_t)(m * k + m * groups) * sizeof(float));
-    if (!wide)
+    /* the rows' int8 form, then each group's d and input sum */
+    int8_t *xq = grown(&call_scratch, &call_capacity,
+                       (size_t)(m * k) + (size_t)(2 * m * groups) * sizeof(float) + 64);
+    if (!xq)
         return -2;
-    float *x_sums = wide + m * k;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < groups; g++) {
-            float sum = 0.0f;
-            for (int i = 0; i < GROUP; i++) {
-                const float value = bf16_to_float(x[r * x_stride + g * GROUP + i]);
-                wide[r * k + g * GROUP + i] = value;
-                sum += value;
-            }
-            x_sums[r * groups + g] = sum;
-        }
+    float *x_scales = (float *)(xq + (m * k + 63) / 64 * 64), *x_sums = x_scales + m * groups;
 #pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
     {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            quantize_row(x + r * x_stride, k, xq + r * k, x_scales + r * groups,
+                         x_sums + r * groups);
+        /* (the loop's barrier: every row is ready before any thread reads them) */
         const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
         const int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads;
-        for (int64_t b = first; b < last; b++) {
-            const uint8_t *block = packed + b * groups * GROUP_BYTES;
-            int64_t r = 0;
-            for (; r + 2 <= m; r += 2)
-                tile_2(wide + r * k, k, x_sums + r * groups, groups, block, b * BLOCK, n, bias,
-                       out + r * out_stride, out_stride);
-            if (r < m)
-                tile_1(wide + r * k, k, x_sums + r * groups, groups, block, b * BLOCK, n, bias,
-                       out + r * out_stride, out_stride);
+        for (int64_t pass = 0; pass < m; pass += ROWS_PER_PASS) {
+            const int64_t end = m - pass < ROWS_PER_PASS ? m : pass + ROWS_PER_PASS;
+            const int level = end - pass >= 4 ? 2 : end - pass >= 2 ? 1 : 0;
+            for (int64_t b = first; b < last; b++) {
+                int64_t r = pass;
+                for (int lv = level; lv >= 0; lv--)
+                    for (; r + (1 << lv) <= end; r += 1 << lv)
+                        TILES[lv](xq + r * k, k, x_scales + r * groups, x_sums + r * groups,
+                                  groups, packed + b * groups * GROUP_BYTES, b * BLOCK, n, bias,
+                                  out + r * out_stride, out_stride);
+            }
         }
     }
     return 0;

@@ -71,13 +71,16 @@ def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tenso
     return packed
 
 
-def tile_rows() -> int:
-    """Up to how many rows a call multiplies by the 4-bit form (more: by unpacked bf16 blocks)."""
-    return load_library().int4_matmul_tile_rows()
+def tile_rows() -> int | None:
+    """Up to how many rows a call multiplies by the 4-bit form (more: by unpacked bf16 blocks), or
+    None where every batch does (AVX2's integer tiles)."""
+    return load_library().int4_matmul_tile_rows() or None
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., k] -> x W^T + bias [..., n] for W packed by `pack`, bias contiguous bf16 or None;
     x is rounded to bf16 first, the result comes back in x's dtype. Past `tile_rows()` rows the
-    result is the bf16 matmul's on the bf16 of `restore`'s weights, bit for bit."""
+    result is the bf16 matmul's on the bf16 of `restore`'s weights, bit for bit. On AVX2 every row
+    is first rounded to int8 a group of 32 inputs (to 1/127 of the group's largest magnitude), as
+    llama.cpp's 4-bit matmuls round theirs."""
     return bf16_matmul.run_on_rows(load_library().int4_matmul, x, packed, n, bias)

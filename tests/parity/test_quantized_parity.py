@@ -80,12 +80,13 @@ def test_quantized_model_equals_transformers_on_the_weights_it_stands_for(tmp_pa
 def test_a_bf16_int4_model_through_our_kernel_is_the_model_its_4_bit_form_stands_for(tmp_path):
     """Where our C int4 kernel runs, a bf16 model's int4 layers hold its form (a float32 scale and
     minimum per 32 weights) alone: decode rows multiply by it, the prompt's rows (more than its
-    tiles take) by the bf16 weights it stands for, unpacked on the fly, and both are, within bf16
-    rounding, transformers on those weights."""
+    tiles take) by the bf16 weights it stands for, unpacked on the fly (on AVX2 every row by the
+    4-bit form, rounded to int8 first), and both are, within that rounding and bf16's,
+    transformers on those weights."""
     import transformers
 
     if not linear_module.c_int4_runs():
-        pytest.skip("the C int4 matmul needs AVX-512 BF16 and a C compiler")
+        pytest.skip("the C int4 matmul needs AVX-512 BF16 or AVX2, and a C compiler")
     model_dir = build_tiny_model(tmp_path / "model", num_heads=4, num_kv_heads=2,
                                  attention_bias=True)
     loaded = load_model(model_dir, dtype=torch.bfloat16, device=torch.device("cpu"),
@@ -109,8 +110,9 @@ def test_a_bf16_int4_model_through_our_kernel_is_the_model_its_4_bit_form_stands
                                                    cfg.head_dim, 4, torch.bfloat16,
                                                    torch.device("cpu")))
     runner.allocate(32)
-    # more rows than the 4-bit tiles take: the prompt multiplies by unpacked blocks
-    prompt = [5, 17, 42, 99, 3, 250, 7, 11, 60, 61] * (int4_matmul.tile_rows() // 10 + 1)
+    # more rows than the 4-bit tiles take: the prompt multiplies by unpacked blocks (on AVX2, by
+    # the tiles: they take every batch)
+    prompt = [5, 17, 42, 99, 3, 250, 7, 11, 60, 61] * ((int4_matmul.tile_rows() or 30) // 10 + 1)
     table = list(range(31, 31 - (len(prompt) + 3) // 4 - 1, -1))
     logits = runner.prefill([PrefillSequence(prompt, 0, table)]).last
     plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir,

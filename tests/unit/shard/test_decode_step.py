@@ -167,11 +167,11 @@ def test_c_step_over_an_int8_cache_equals_the_eager_step(tiny_llama, ragged_dir,
 def test_c_step_with_int4_layers_equals_the_eager_step(tiny_llama, qwen2_dir, architecture,
                                                        kernel_build):
     """--quantize int4 where our int4 kernel runs: batches up to its tile rows multiply the 4-bit
-    forms, larger ones the bf16 weights they stand for (unpacked on the fly), in both steps
-    alike."""
+    forms, larger ones the bf16 weights they stand for (unpacked on the fly; on AVX2 every batch
+    the 4-bit forms), in both steps alike."""
     if int4_matmul.load_library() is None:
         pytest.skip("the C int4 matmul needs AVX-512 BF16 or AVX2, and a C compiler")
-    tiles = int4_matmul.tile_rows()
+    tiles = int4_matmul.tile_rows() or 8
     runner = _runner({"llama": tiny_llama, "qwen2": qwen2_dir}[architecture], quantize="int4",
                      blocks=2 * tiles + 4)
     if linear.c_int4_runs():  # int4 layers must not cost the C step
