@@ -82,7 +82,8 @@ class RouterConfig:
     max_batch_prefill_tokens: int = _opt(None, "Prompt tokens per prefill. A longer prompt is "
                                                "prefilled in chunks of at most this size, each "
                                                "carrying a decode step of the running batch.",
-                                         shown="--max-input-tokens + 50")
+                                         shown="--max-input-tokens + 50; at most 512 on "
+                                               "CPU shards")
     max_batch_total_tokens: int = _opt(None, "Tokens of KV cache in all.",
                                        shown="sized by the shards from free memory")
     waiting_served_ratio: float = _opt(0.3, "Waiting/running ratio that interrupts decoding to "

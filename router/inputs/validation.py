@@ -38,6 +38,12 @@ PARAMETER_TYPES = {
 }
 # the Rust type of each integer field in TGI's GenerateParameters (usize is 64-bit); every one of
 # them also fits the protobuf field that carries it to the shards (top_k > 0 fits its uint32)
+# The prefill budget's default where the shards run on CPUs and chunk. Prefill is compute-bound there
+# from a few hundred tokens on (benchmarks/matmul_bench.py: about the same time a row at 256 rows as
+# at 4,096), so a budget this small costs no throughput while a wave of prompts arriving together
+# starts streaming in turns instead of all at the end (32 prompts of 128 tokens: TTFT p50 6.4 s with
+# TGI's budget, 4.3 s with this one; 256 was slower again, benchmarks/RESULTS.md).
+CPU_PREFILL_TOKENS = 512
 INTEGER_WIRE_TYPES = {"best_of": UINT64, "max_new_tokens": UINT32, "seed": UINT64,
                       "top_k": INT32, "top_n_tokens": UINT32, "truncate": UINT64}
 
@@ -53,11 +59,15 @@ class TokenLimits:
     @classmethod
     def resolve(cls, *, max_input_tokens: int | None, max_total_tokens: int | None,
                 max_batch_prefill_tokens: int | None, max_position_embeddings: int,
-                chunking: bool = False) -> "TokenLimits":
-        """The flags' values (None or 0: unset) against the model's context."""
+                chunking: bool = False, device_type: str = "cuda") -> "TokenLimits":
+        """The flags' values (None or 0: unset) against the model's context and the shards'
+        device (the prefill budget's default: TGI's, or CPU_PREFILL_TOKENS on chunking CPUs)."""
         total = max_total_tokens or min(4096, max_position_embeddings)
         max_input = max_input_tokens or min(4095, total - 1)
-        prefill = max_batch_prefill_tokens or max_input + 50
+        default_prefill = max_input + 50
+        if chunking and device_type == "cpu":
+            default_prefill = min(default_prefill, CPU_PREFILL_TOKENS)
+        prefill = max_batch_prefill_tokens or default_prefill
         if max_input >= total:
             raise ValueError(f"max_input_tokens ({max_input}) must be < max_total_tokens ({total})")
         if prefill < max_input and not chunking:

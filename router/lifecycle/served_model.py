@@ -318,7 +318,7 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
         max_input_tokens=config.max_input_tokens, max_total_tokens=config.max_total_tokens,
         max_batch_prefill_tokens=config.max_batch_prefill_tokens,
         max_position_embeddings=shard_info.max_position_embeddings,
-        chunking=shard_info.support_chunking)
+        chunking=shard_info.support_chunking, device_type=shard_info.device_type)
     num_blocks = await warm_up(client, config, limits, shard_info.block_size)
     allocator = BlockAllocator(num_blocks, shard_info.block_size)
     capacity = allocator.num_usable_blocks * allocator.block_size

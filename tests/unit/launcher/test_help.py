@@ -72,7 +72,8 @@ def test_a_router_flag_says_the_same_in_the_launcher_and_the_router():
 def test_computed_defaults_say_what_they_are_computed_from():
     helps = {_long(a): a.help for a in _flags(launcher_parser())}
     assert "[default: min(4095, context - 1)" in helps["--max-input-tokens"]
-    assert "[default: --max-input-tokens + 50]" in helps["--max-batch-prefill-tokens"]
+    assert ("[default: --max-input-tokens + 50; at most 512 on CPU shards]"
+            in helps["--max-batch-prefill-tokens"])
     assert "[default: bfloat16 on a CPU with AVX2" in helps["--dtype"]
     assert "[default: 8080] [env: PORT]" in helps["--port"]
     assert "[flag only]" in helps["--nnodes"]
