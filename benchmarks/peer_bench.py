@@ -113,7 +113,7 @@ def vllm_script(script: Path, needed: int) -> tuple[Path, str | None]:
 def start(name: str, args, workloads: list[Workload], notes: list[str]):
     """Starts one server; returns (process, url, model name to send, command)."""
     if name in ("bf16", "int4"):
-        extra = ["--max-batch-prefill-tokens", "4096", *args.server_arg]
+        extra = list(args.server_arg)  # the launcher's defaults otherwise
         if name == "int4":
             extra += ["--quantize", "int4"]
         if args.model_dir is not None:

@@ -36,14 +36,14 @@ PARAMETER_TYPES = {
     # extension (vLLM and SGLang have it): keep generating past EOS, for benchmarks
     "ignore_eos": "boolean",
 }
-# the Rust type of each integer field in TGI's GenerateParameters (usize is 64-bit); every one of
-# them also fits the protobuf field that carries it to the shards (top_k > 0 fits its uint32)
 # The prefill budget's default where the shards run on CPUs and chunk. Prefill is compute-bound there
 # from a few hundred tokens on (benchmarks/matmul_bench.py: about the same time a row at 256 rows as
 # at 4,096), so a budget this small costs no throughput while a wave of prompts arriving together
 # starts streaming in turns instead of all at the end (32 prompts of 128 tokens: TTFT p50 6.4 s with
 # TGI's budget, 4.3 s with this one; 256 was slower again, benchmarks/RESULTS.md).
 CPU_PREFILL_TOKENS = 512
+# the Rust type of each integer field in TGI's GenerateParameters (usize is 64-bit); every one of
+# them also fits the protobuf field that carries it to the shards (top_k > 0 fits its uint32)
 INTEGER_WIRE_TYPES = {"best_of": UINT64, "max_new_tokens": UINT32, "seed": UINT64,
                       "top_k": INT32, "top_n_tokens": UINT32, "truncate": UINT64}
 

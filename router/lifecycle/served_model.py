@@ -205,7 +205,10 @@ def warmup_batch(limits: TokenLimits, max_batch_size: int | None,
 
 async def warm_up(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
                   block_size: int, *, known_pool_blocks: int | None = None) -> int:
-    """Runs the largest batch the router may send; returns the KV pool's size in blocks.
+    """Runs the largest batch of prompts the scheduler forms (the prefill budget's); returns the
+    KV pool's size in blocks. A prompt that cannot be chunked (prefill log-probs, hidden states,
+    input embeddings) over a smaller budget than --max-input-tokens still goes alone, in one
+    forward, as TGI sends it.
 
     With `known_pool_blocks` (a restarted group of the same model, limits and machine, whose
     first warm-up already ran the largest batch), one short request checks that the model runs

@@ -61,7 +61,7 @@
 #define ROWS_PER_PASS 256
 #endif
 
-/* 1: AVX-512 BF16 dot products; 2: float32 FMAs on AVX2; 0: no kernel in this build */
+/* 1: AVX-512 BF16 dot products; 2: integer dot products on AVX2; 0: no kernel in this build */
 int int4_matmul_supported(void) { return matmul_form(); }
 
 /* up to how many rows a call runs the 4-bit tiles (more: the unpacked blocks); 0: every batch */
@@ -214,8 +214,8 @@ __attribute__((noinline)) static void unpack_block(const uint8_t *block, int64_t
  * halves: inputs 16 + 2i, 17 + 2i), against the row's pair of int8 inputs broadcast, give each
  * feature's sum of two products in 16 bits (at most 2 x 15 x 127), eight of them added in 16 bits
  * (at most 30,480) for the low halves and eight for the high ones. A group then adds
- * scale * d * D + low * X to each feature, D the integer dot product and X the row's exact sum of
- * the group's inputs. Three times fewer instructions a weight than float32 FMAs on the widened
+ * scale * d * D + low * X to each feature, D the integer dot product and X the sum of the
+ * group's inputs as rounded, d * (sum of xq). Three times fewer instructions a weight than float32 FMAs on the widened
  * nibbles, which held the 4-bit form to 2-3x bf16's arithmetic time on AVX2. The cost: each
  * input's rounding to 1/254 of its group's largest magnitude (the bound in
  * tests/unit/shard/test_int4_kernel.py), an error llama.cpp's 4-bit models carry too. */
@@ -331,10 +331,12 @@ static void quantize_row(const uint16_t *x, int64_t k, int8_t *xq, float *x_scal
             finite &= magnitude <= 3.4e38f; /* false for infinities and NaNs */
             largest = magnitude > largest ? magnitude : largest;
         }
-        const float inverse = largest > 0.0f && finite ? 127.0f / largest : 0.0f;
+        /* x / largest first: 127 / largest overflows for the smallest subnormals */
+        const int usable = finite && largest > 0.0f;
         int32_t total = 0;
         for (int i = 0; i < GROUP; i++) {
-            const int8_t value = (int8_t)__builtin_nearbyintf(values[i] * inverse);
+            const int8_t value =
+                usable ? (int8_t)__builtin_nearbyintf(values[i] / largest * 127.0f) : 0;
             xq[g * GROUP + i] = value;
             total += value;
         }

@@ -1,6 +1,7 @@
 """The C int4 matmul (shard/kernels/int4_matmul.c) on AVX-512 BF16 or AVX2 CPUs: `--quantize int4`
-layers of a bf16 model hold its form alone (GGUF's Q4_1 groups), decode-size batches multiplied by it
-directly and larger ones by the bf16 matmul's tiles over blocks unpacked on the fly (`restore`'s weights).
+layers of a bf16 model hold its form alone (GGUF's Q4_1 groups). On AVX-512 BF16 decode-size batches
+multiply by it directly and larger ones by the bf16 matmul's tiles over blocks unpacked on the fly
+(`restore`'s weights); on AVX2 every batch multiplies by it in integers, its rows rounded to int8.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ SOURCE = native.KERNELS / "int4_matmul.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off"]
 ENABLED_ENV = "TGI_PY_INT4_KERNEL"
 GROUP = 32
-# what int4_matmul_supported says: VDPBF16PS dot products, or float32 FMAs on AVX2
+# what int4_matmul_supported says: VDPBF16PS dot products, or integer dot products on AVX2
 DPBF16_FORM, AVX2_FORM = 1, 2
 
 
