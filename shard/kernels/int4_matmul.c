@@ -354,8 +354,12 @@ static void quantize_row(const uint16_t *x, int64_t k, int8_t *xq, float *x_scal
 /* the calling thread's scratch for a call (its rows' group sums, or on AVX2 their int8 form too)
  * and each thread's unpacked blocks: grown as needed and kept, as calls repeat the same few sizes
  * (STRIP_BLOCKS blocks) */
-static __thread void *call_scratch, *strip_scratch;
-static __thread size_t call_capacity, strip_capacity;
+static __thread void *call_scratch;
+static __thread size_t call_capacity;
+#ifdef HAVE_DPBF16
+static __thread void *strip_scratch;
+static __thread size_t strip_capacity;
+#endif
 
 static void *grown(void **buffer, size_t *capacity, size_t bytes) {
     if (bytes > *capacity) {
