@@ -331,12 +331,12 @@ static void quantize_row(const uint16_t *x, int64_t k, int8_t *xq, float *x_scal
             finite &= magnitude <= 3.4e38f; /* false for infinities and NaNs */
             largest = magnitude > largest ? magnitude : largest;
         }
-        /* x / largest first: 127 / largest overflows for the smallest subnormals */
+        /* in double: 127 / largest overflows a float for the smallest subnormals */
         const int usable = finite && largest > 0.0f;
+        const double inverse = usable ? 127.0 / largest : 0.0;
         int32_t total = 0;
         for (int i = 0; i < GROUP; i++) {
-            const int8_t value =
-                usable ? (int8_t)__builtin_nearbyintf(values[i] / largest * 127.0f) : 0;
+            const int8_t value = usable ? (int8_t)__builtin_nearbyint(values[i] * inverse) : 0;
             xq[g * GROUP + i] = value;
             total += value;
         }
