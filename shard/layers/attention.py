@@ -1,7 +1,8 @@
-"""Paged attention: keys and values live in fixed-size blocks; each sequence reads its own through a block
-table. Decode attends for the whole batch at once, prefill sequence by sequence (over its own keys, or
-its context in the cache when it continues cached tokens). Every path takes a sliding window (a
-query sees its last `window` positions, itself included) and a soft cap on the scores (Gemma 2's).
+"""Paged attention: keys and values in fixed-size blocks, each sequence's found by its block table.
+
+Decode attends for the whole batch at once, prefill sequence by sequence (over its own keys, or its
+context in the cache when it continues cached tokens). Every path takes a sliding window (a query
+sees its last `window` positions, itself included) and a soft cap on the scores (Gemma 2's).
 """
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ class PrefillLayout:
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """Sequences of similar context length, attended together with their contexts padded to the
-    longest: one group per step when lengths are alike, more when a long context would otherwise
-    make every short one gather and score its length."""
+    """Decoding sequences of similar context length, attended together padded to the longest.
+
+    One group per step when lengths are alike, more when a long context would otherwise make every
+    short one gather and score its length."""
 
     rows: torch.Tensor | None  # [G] rows of the batch in this group; None: the whole batch
     gather_index: torch.Tensor  # [G, kv_heads, blocks]: rows of the flattened cache to gather
@@ -83,8 +85,9 @@ class LayerCache:
         return self.key_scale is not None
 
     def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [B, kv_heads, blocks * block_size, d] of each sequence's context
-        (gather_index): the cache's rows, or an int8 cache's dequantized to float32."""
+        """Keys and values [B, kv_heads, blocks * block_size, d] of each sequence's context.
+
+        Read at gather_index's rows: the cache's rows, or an int8 cache's dequantized to float32."""
         if self.key_scale is None:
             return gather_blocks(self.key, index), gather_blocks(self.value, index)
         return (kv_int8.gather_dequantized(self.key, self.key_scale, index),
@@ -94,7 +97,9 @@ class LayerCache:
 def rotate_and_store(qkv: torch.Tensor, angles: RotaryAngles, num_heads: int, num_kv_heads: int,
                      head_dim: int, cache: LayerCache, meta: AttentionMetadata
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [T, (heads + 2 kv_heads) * d], a fused projection's output -> q [T, heads, d] and k
+    """Rotary queries and keys of a fused qkv projection, with k and v written to their cache slots.
+
+    qkv [T, (heads + 2 kv_heads) * d], a fused projection's output -> q [T, heads, d] and k
     [T, kv_heads, d] rotated, v [T, kv_heads, d]; k and v written to their cache slots."""
     qk_size = (num_heads + num_kv_heads) * head_dim
     v = qkv[:, qk_size:].view(-1, num_kv_heads, head_dim)
@@ -109,8 +114,9 @@ def rotate_and_store(qkv: torch.Tensor, angles: RotaryAngles, num_heads: int, nu
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> None:
-    """Writes the new tokens' keys and values [T, kv_heads, d] to their cache slots (an int8
-    cache's quantized, with their scales)."""
+    """The cache write of the new tokens' keys and values [T, kv_heads, d] to their slots.
+
+    An int8 cache's are quantized, with their scales."""
     if cache.is_int8:
         kv_int8.store_rows(cache.key, cache.key_scale, k, meta.slot_blocks, meta.slot_offsets)
         kv_int8.store_rows(cache.value, cache.value_scale, v, meta.slot_blocks, meta.slot_offsets)
@@ -123,8 +129,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, meta: Attentio
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                     meta: AttentionMetadata, scale: float, *, window: int | None = None,
                     softcap: float | None = None) -> torch.Tensor:
-    """q [T, heads, d], k/v [T, kv_heads, d] (already in the cache: rotate_and_store) ->
-    attention output [T, heads * d].
+    """Attention of new tokens over the paged cache: q [T, heads, d] -> output [T, heads * d].
+
+    k/v [T, kv_heads, d] are already in the cache (rotate_and_store).
 
     window: the query at position p sees the keys at p - window + 1 .. p only (transformers'
     sliding_window); softcap: each scaled score s becomes softcap * tanh(s / softcap) before the
@@ -184,7 +191,9 @@ def _attend_group(q: torch.Tensor, cache: LayerCache, group: DecodeGroup, scale:
 
 def _grouped_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        visible: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
-    """queries [B, kv_heads, rows, d] (the rows of a key/value head: the query heads sharing it,
+    """Attention of each key/value head's query rows over its keys, grouped by head.
+
+    queries [B, kv_heads, rows, d] (the rows of a key/value head: the query heads sharing it,
     and their tokens), keys and values [B, kv_heads, L, d], `visible` broadcasting to the scores
     [B, kv_heads, rows, L] -> [B, kv_heads, rows, d] in the dtype of the matmuls."""
     # one dtype for both matmuls (no-op casts when it is theirs already): float32 for a bf16 cache
@@ -259,10 +268,12 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
 def _windowed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       block_table: torch.Tensor, cached: int, scale: float, window: int | None,
                       softcap: float | None) -> torch.Tensor:
-    """One sequence's new tokens q [n, heads, d] (k, v [n, kv_heads, d]) at positions cached ..
-    cached + n - 1, each seeing the keys of its window -> [n, heads * d]. A window alone is a
-    mask SDPA takes; a soft cap changes the scores inside it, so that attention runs here by hand,
-    a slice of queries at a time (its float32 scores are [heads, rows, keys])."""
+    """One sequence's prefill attention under a sliding window and a soft cap, computed by hand.
+
+    The new tokens q [n, heads, d] (k, v [n, kv_heads, d]) at positions cached .. cached + n - 1,
+    each seeing the keys of its window -> [n, heads * d]. A window alone is a mask SDPA takes; a
+    soft cap changes the scores inside it, so that attention runs here by hand, a slice of queries
+    at a time (its float32 scores are [heads, rows, keys])."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     context = cached + n
@@ -309,9 +320,11 @@ def _windowed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
 
 def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
           mask: CausalBias | torch.Tensor | None, scale: float, gqa: bool) -> torch.Tensor:
-    """Causal attention (`mask`: a causal bias, or a boolean [queries, keys] one of the keys each
-    query sees; a square causal one when None) in attention_dtype of the query and keys, which may
-    differ (cached keys are in the cache's dtype); out in the query's dtype."""
+    """Causal SDPA of queries over keys that may be in another dtype; out in the query's dtype.
+
+    `mask`: a causal bias, or a boolean [queries, keys] one of the keys each query sees; a square
+    causal one when None. The arithmetic is in attention_dtype of the query and keys, which may
+    differ (cached keys are in the cache's dtype)."""
     wide = attention_dtype(queries.dtype, keys.dtype, queries.device)
     if mask is not None and gqa and queries.device.type == "cuda":
         keys, values = expand_kv_heads(keys, values, queries.shape[1])
@@ -324,16 +337,19 @@ def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def expand_kv_heads(keys: torch.Tensor, values: torch.Tensor,
                     num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, kv_heads, L, d] -> [B, heads, L, d], each key/value head beside the query heads that
-    share it. A lower-right causal mask reaches CUDA's kernels without SDPA's GQA handling, so
-    their heads must match; the copy is the context's keys, not a score matrix."""
+    """Keys and values repeated per query head: [B, kv_heads, L, d] -> [B, heads, L, d].
+
+    Each key/value head lands beside the query heads that share it. A lower-right causal mask
+    reaches CUDA's kernels without SDPA's GQA handling, so their heads must match; the copy is the
+    context's keys, not a score matrix."""
     repeats = num_heads // keys.shape[1]
     return keys.repeat_interleave(repeats, dim=1), values.repeat_interleave(repeats, dim=1)
 
 
 def gather_index(block_tables: torch.Tensor, length: int, cache_shape) -> torch.Tensor:
-    """Rows of the flattened [blocks * kv_heads, block_size, d] cache holding `length` tokens of each
-    sequence, as [B, kv_heads, blocks]."""
+    """The cache rows [B, kv_heads, blocks] holding `length` tokens of each sequence.
+
+    Rows of the flattened [blocks * kv_heads, block_size, d] cache."""
     _, num_kv_heads, block_size, _ = cache_shape
     needed = -(-length // block_size)
     heads = torch.arange(num_kv_heads, device=block_tables.device).view(1, -1, 1)

@@ -69,8 +69,10 @@ class ParallelLMHead(nn.Module):
     @classmethod
     def tied(cls, embedding: VocabParallelEmbedding, weights: Weights, name: str,
              vocab_size: int) -> "ParallelLMHead":
-        """The embedding's matrix as the head. Quantized, the head holds its own quantized copy
-        and the embedding lookup keeps the full-precision rows."""
+        """A head that shares the embedding's matrix.
+
+        Quantized, the head holds its own quantized copy and the embedding lookup keeps the
+        full-precision rows."""
         if weights.quantizing:
             return cls.load(weights, name, vocab_size)
         return cls(embedding.weight, vocab_size, embedding.parallel)

@@ -37,8 +37,9 @@ QUANTIZED_MAX_ROWS = 4
 
 
 def c_int4_runs() -> bool:
-    """Whether int4 layers of a bf16 model take our C int4 kernel here (its AVX-512 BF16 or AVX2
-    form), alone: it multiplies decode-size batches by the 4-bit form and larger ones by our bf16
+    """Whether int4 layers of a bf16 model take our C int4 kernel here (AVX-512 BF16 or AVX2 form).
+
+    It runs alone: it multiplies decode-size batches by the 4-bit form and larger ones by our bf16
     matmul's tiles over blocks it unpacks. Where our bf16 matmul does not run (AMX, AVX-512
     without BF16, TGI_PY_MATMUL_KERNEL=0), neither does it: oneDNN's kernels were not measured
     against those tiles there."""
@@ -61,12 +62,13 @@ def quantized_kernel_rows() -> int:
 
 @dataclass(slots=True)
 class LinearWeight:
-    """A weight [out_features, in_features] (and bias) in the form this CPU multiplies fastest,
-    chosen once by `prepare`: our C kernels' `tiled` or int4 `quantized` forms, oneDNN's `packed`
-    layout, float copies (`half`, `widened`) where bf16 arithmetic is emulated, PyTorch's int8/int4
-    `quantized` kernels for small batches, else `weight` as stored (float32, and every GPU). A
-    packed or quantized form replaces the checkpoint's layout (`weight` None), which would double
-    the layer's memory."""
+    """A weight [out_features, in_features] (and bias) in the form this CPU multiplies fastest.
+
+    The form is chosen once by `prepare`: our C kernels' `tiled` or int4 `quantized` forms,
+    oneDNN's `packed` layout, float copies (`half`, `widened`) where bf16 arithmetic is emulated,
+    PyTorch's int8/int4 `quantized` kernels for small batches, else `weight` as stored (float32,
+    and every GPU). A packed or quantized form replaces the checkpoint's layout (`weight` None),
+    which would double the layer's memory."""
 
     out_features: int
     in_features: int
@@ -97,7 +99,9 @@ class LinearWeight:
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 quantize_kind: str | None = None, model_dtype: torch.dtype | None = None
                 ) -> "LinearWeight":
-        """`model_dtype`: what the model holds weights in, when `weight` arrives as stored to be
+        """The weight in its fastest form on this device.
+
+        `model_dtype`: what the model holds weights in, when `weight` arrives as stored to be
         quantized."""
         shape = {"out_features": weight.shape[0], "in_features": weight.shape[1]}
         if quantize_kind and weight.device.type == "cpu" and can_quantize(weight, quantize_kind):
@@ -201,10 +205,12 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def load_fused(cls, weights: Weights, prefix: str, sizes: list[int], *, bias: bool,
                    row_order: torch.Tensor | None = None) -> "ColumnParallelLinear":
-        """One checkpoint tensor that stacks several projections of `sizes` rows (Phi-3's qkv_proj,
-        gate_up_proj): each part is split across ranks on its own, so rank r holds [q_r; k_r; v_r]
-        as `load` gives it from separate tensors. `row_order`: the rows of this rank's weight in
-        the order the layer holds them (a model that lays out its heads' dimensions its own way)."""
+        """A layer from one checkpoint tensor that stacks several projections of `sizes` rows.
+
+        Such as Phi-3's qkv_proj and gate_up_proj: each part is split across ranks on its own, so
+        rank r holds [q_r; k_r; v_r] as `load` gives it from separate tensors. `row_order`: the rows
+        of this rank's weight in the order the layer holds them (a model that lays out its heads'
+        dimensions its own way)."""
         weight = fused_rows(weights, f"{prefix}.weight", sizes, as_stored=weights.quantizing)
         bias_t = fused_rows(weights, f"{prefix}.bias", sizes) if bias else None
         if row_order is not None:
@@ -224,8 +230,9 @@ class ColumnParallelLinear(nn.Module):
 
 def fused_rows(weights: Weights, name: str, sizes: list[int], *,
                as_stored: bool = False) -> torch.Tensor:
-    """This rank's 1/world_size of each part of `name`, whose rows stack parts of `sizes` rows,
-    concatenated in the parts' order; only those rows are read."""
+    """This rank's rows of a fused tensor: its 1/world_size of each part, concatenated in order.
+
+    `name`'s rows stack parts of `sizes` rows; only this rank's rows are read."""
     rows = weights.shape(name)[0]
     if sum(sizes) != rows:
         raise ValueError(f"{name}: {rows} rows, not the {' + '.join(map(str, sizes))} of the "

@@ -19,9 +19,10 @@ from shard.kernels import lora as lora_kernel
 
 @dataclass(slots=True)
 class CheckpointPart:
-    """A checkpoint module whose output rows a column-parallel layer computes: `name` (such as
-    model.layers.0.self_attn.q_proj) and the full sizes of the projections its tensor stacks
-    (one, or several for a fused tensor such as Phi-3's qkv_proj)."""
+    """A checkpoint module whose output rows a column-parallel layer computes.
+
+    `name` (such as model.layers.0.self_attn.q_proj) and the full sizes of the projections its
+    tensor stacks (one, or several for a fused tensor such as Phi-3's qkv_proj)."""
 
     name: str
     sizes: list[int]
@@ -29,8 +30,10 @@ class CheckpointPart:
 
 @dataclass(slots=True)
 class LoraSource:
-    """What a linear layer tells adapters about itself: the checkpoint modules it computes, how
-    its weight is split across ranks, and the dtype its weights are held in."""
+    """What a linear layer tells adapters about itself.
+
+    The checkpoint modules it computes, how its weight is split across ranks, and the dtype its
+    weights are held in."""
 
     parts: list[CheckpointPart]
     in_features: int  # the full input width (a row-parallel rank holds 1/world_size of it)
@@ -65,8 +68,9 @@ class LoraSource:
 
 @dataclass(slots=True)
 class LoraRows:
-    """The adapter slot of each row of one forward (-1: the base model), and what the PyTorch
-    path derives from them once per forward."""
+    """The adapter slot of each row of one forward (-1: the base model).
+
+    With what the PyTorch path derives from them once per forward."""
 
     slots: torch.Tensor  # int64 [rows]
     _present: torch.Tensor | None = None
@@ -80,8 +84,10 @@ class LoraRows:
         return self._present
 
     def mask(self, rank: int, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, present * rank]: 1 where a column of the stacked present adapters belongs to
-        the row's own adapter, else 0."""
+        """The [rows, present * rank] mask of each row's own adapter among the stacked present ones.
+
+        1 where a column of the stacked present adapters belongs to the row's own adapter, else 0.
+        """
         key = (rank, dtype)
         if key not in self._masks:
             owns = self.slots.unsqueeze(1) == self.present().unsqueeze(0)  # [rows, present]
@@ -91,10 +97,12 @@ class LoraRows:
 
 @dataclass(slots=True)
 class LoraPart:
-    """The adapters' update of one checkpoint module, stacked by slot: `a` [slots, rank, in],
-    `bt` [slots, rank, width] (lora_B transposed, times the adapter's scaling), `ranks` [slots]
-    (0 where the slot's adapter does not change this module). Rows past an adapter's own rank
-    are zeros. It writes columns offset .. offset + width of the layer's output."""
+    """The adapters' update of one checkpoint module, stacked by slot.
+
+    `a` [slots, rank, in], `bt` [slots, rank, width] (lora_B transposed, times the adapter's
+    scaling), `ranks` [slots] (0 where the slot's adapter does not change this module). Rows past
+    an adapter's own rank are zeros. It writes columns offset .. offset + width of the layer's
+    output."""
 
     name: str
     offset: int
@@ -117,16 +125,19 @@ class LoraPart:
 
 
 class LoraTarget:
-    """The LoRA parts of one linear layer and the rows of the forward running now (set by the
-    model's AdapterSet)."""
+    """The LoRA parts of one linear layer and the rows of the forward running now.
+
+    The rows are set by the model's AdapterSet."""
 
     def __init__(self, parts: list[LoraPart], rows_of):
         self.parts = parts
         self._rows_of = rows_of  # () -> LoraRows | None: the current forward's rows
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out (the base layer's output for x, [rows, out_features]) with each row's adapter
-        update added; out itself where no row has one."""
+        """The base layer's output with each row's adapter update added.
+
+        out is the base layer's output for x, [rows, out_features]; out itself comes back where no
+        row has an adapter."""
         rows = self._rows_of()
         if rows is None:
             return out

@@ -1,5 +1,7 @@
-"""A sparse Mixture-of-Experts feed-forward block: a router picks top_k experts per token and the
-token's output is their SwiGLU outputs weighted by the router's probabilities (Qwen3-MoE).
+"""A sparse Mixture-of-Experts feed-forward block (Qwen3-MoE), expert-parallel across ranks.
+
+A router picks top_k experts per token and the token's output is their SwiGLU outputs weighted
+by the router's probabilities.
 
 Expert parallel across tensor-parallel ranks: rank r holds whole experts, a contiguous 1/world_size
 of them, and the router replicated; every rank routes every token (they all hold the full hidden
@@ -54,8 +56,9 @@ class Expert(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Routes each token to top_k experts and sums their outputs weighted by the router
-    (transformers' Qwen3MoeSparseMoeBlock), over this rank's experts, then across the ranks."""
+    """A MoE block: each token's top_k experts' outputs, summed weighted by the router.
+
+    As transformers' Qwen3MoeSparseMoeBlock, over this rank's experts, then across the ranks."""
 
     def __init__(self, router: LocalLinear, experts: list[Expert], *, first_expert: int,
                  num_experts: int, top_k: int, norm_topk_prob: bool, parallel: ParallelContext):
@@ -71,7 +74,9 @@ class SparseMoeBlock(nn.Module):
     @classmethod
     def load(cls, weights: Weights, prefix: str, *, num_experts: int, top_k: int,
              intermediate_size: int, norm_topk_prob: bool) -> "SparseMoeBlock":
-        """`prefix`.gate.weight [E, hidden] is the router. The experts come per expert, as the Hub
+        """The block from `prefix`, with only this rank's experts read.
+
+        `prefix`.gate.weight [E, hidden] is the router. The experts come per expert, as the Hub
         stores them (`prefix`.experts.{e}.gate_proj/up_proj/down_proj.weight), or fused as
         transformers 5 holds them in memory and saves them with save_original_format=False
         (`prefix`.experts.gate_up_proj [E, 2 * inter, hidden], gate rows first, and
@@ -95,9 +100,10 @@ class SparseMoeBlock(nn.Module):
                    norm_topk_prob=norm_topk_prob, parallel=weights.parallel)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, top_k] in x's dtype, experts [T, top_k]) as transformers'
-        Qwen3MoeTopKRouter computes them: softmax in float32 over every expert, the top_k,
-        renormalised to sum to one with norm_topk_prob."""
+        """The router's choice: x [T, hidden] -> (weights [T, top_k], experts [T, top_k]).
+
+        The weights are in x's dtype, as transformers' Qwen3MoeTopKRouter computes them: softmax in
+        float32 over every expert, the top_k, renormalised to sum to one with norm_topk_prob."""
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_weights, top_experts = torch.topk(probs, self.top_k, dim=-1)
@@ -143,8 +149,10 @@ class SparseMoeBlock(nn.Module):
 
     def _every_expert(self, x: torch.Tensor, weights: torch.Tensor,
                       experts: torch.Tensor) -> torch.Tensor:
-        """Each of this rank's experts over every row, weighted by the router's weight for it
-        (zero where the row did not choose it): the same sum, with shapes fixed by x alone."""
+        """The weighted sum of this rank's experts over every row, with shapes fixed by x alone.
+
+        Each expert runs over every row, weighted by the router's weight for it (zero where the row
+        did not choose it): the same sum as routing only the chosen rows."""
         out = torch.zeros_like(x)
         for index, expert in enumerate(self.experts, start=self.first_expert):
             chosen = experts == index  # [T, top_k], one True at most a row
@@ -155,8 +163,9 @@ class SparseMoeBlock(nn.Module):
 
 def _expert_weights(weights: Weights, prefix: str, num_experts: int, experts: range, inter: int,
                     hidden: int):
-    """(gate_up [2 * inter, hidden], down [hidden, inter]) of each expert in `experts`, in the
-    model dtype, or as stored when the layers quantize them (see Weights.quantizing)."""
+    """The (gate_up [2 * inter, hidden], down [hidden, inter]) weights of each expert in `experts`.
+
+    In the model dtype, or as stored when the layers quantize them (see Weights.quantizing)."""
     as_stored = weights.quantizing
     fused = f"{prefix}.gate_up_proj"
     if weights.has(fused):

@@ -18,6 +18,7 @@ class RMSNorm(nn.Module):
         return layer_ops.rms_norm(x, self.weight, self.eps)[0]
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the norm of x + residual, x + residual): a layer's output joins the residual stream
-        and the next step reads it normed, in one pass."""
+        """The residual sum and its norm in one pass: (norm of x + residual, x + residual).
+
+        A layer's output joins the residual stream and the next step reads it normed."""
         return layer_ops.rms_norm(x, self.weight, self.eps, residual)

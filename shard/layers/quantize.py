@@ -1,6 +1,7 @@
-"""Weight-only int8 and int4 forms of a linear weight, multiplied by PyTorch's packed CPU kernels: a
-small batch's step is bound by reading the weights, so fewer bytes per weight is a faster step.
-Activations stay in floating point.
+"""Weight-only int8 and int4 forms of a linear weight, multiplied by PyTorch's packed CPU kernels.
+
+A small batch's step is bound by reading the weights, so fewer bytes per weight is a faster
+step. Activations stay in floating point.
 """
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ class QuantizedWeight:
 
 def quantize(weight: torch.Tensor, kind: str, dtype: torch.dtype
              ) -> tuple[QuantizedWeight, torch.Tensor]:
-    """`weight` [out, in] in `kind`'s form, multiplied in `dtype` (bf16 or float32), and the float32
-    weight that form stands for (the scales rounded to `dtype` as the kernel reads them)."""
+    """`weight` [out, in] in `kind`'s form, and the float32 weight that form stands for.
+
+    The form is multiplied in `dtype` (bf16 or float32); the float32 weight has the scales rounded
+    to `dtype` as the kernel reads them."""
     if kind == "int8":
         return _int8(weight.float(), dtype)
     if kind == "int4":
@@ -45,9 +48,11 @@ def quantize(weight: torch.Tensor, kind: str, dtype: torch.dtype
 
 
 def can_quantize(weight: torch.Tensor, kind: str) -> bool:
-    """Whether `kind`'s kernel takes this shape: int4 groups must tile the input features, and the
-    int8 kernel reads past the end of rows whose input features are not a multiple of 16 (wrong
-    values or a crash, seen for 8, 20, 40, ...): both are held to multiples of 32."""
+    """Whether `kind`'s kernel takes this weight's shape.
+
+    int4 groups must tile the input features, and the int8 kernel reads past the end of rows whose
+    input features are not a multiple of 16 (wrong values or a crash, seen for 8, 20, 40, ...): both
+    are held to multiples of 32."""
     if weight.shape[1] % INT4_GROUP:
         return False
     return kind != "int4" or weight.shape[0] % _INT4_ROW_TILE == 0
@@ -78,16 +83,20 @@ def _int4(weight: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
 
 
 def c_int4(weight: torch.Tensor) -> QuantizedWeight:
-    """`weight` [out, in] in the C int4 kernel's form (a float32 scale and minimum per group of 32,
-    GGUF's Q4_1 layout; int4_matmul.restore gives the weight it stands for)."""
+    """`weight` [out, in] in the C int4 kernel's form.
+
+    A float32 scale and minimum per group of 32, GGUF's Q4_1 layout; int4_matmul.restore gives the
+    weight it stands for."""
     q, scale, low = int4_matmul.quantize(weight)
     return QuantizedWeight("int4", int4_matmul.pack(q, scale, low), None, weight.shape[0],
                            torch.bfloat16, kernel="c")
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """x [rows, in] -> x W^T [rows, out] in x's dtype, by PyTorch's kernels (a form in our C int4
-    kernel's layout multiplies through shard.layers.linear)."""
+    """A quantized linear layer by PyTorch's kernels: x [rows, in] -> x W^T [rows, out].
+
+    In x's dtype. A form in our C int4 kernel's layout multiplies through shard.layers.linear
+    instead."""
     inputs = x.to(w.dtype).contiguous()
     if w.kind == "int8":
         out = torch.ops.aten._weight_int8pack_mm(inputs, w.data, w.scales)

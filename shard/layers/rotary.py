@@ -1,5 +1,7 @@
-"""Rotary position embedding: cos/sin tables for every position, with the checkpoints' frequency
-scalings (linear, Llama 3, Phi-3's LongRoPE) and partial rotation (the first part of each head)."""
+"""Rotary position embedding: cos/sin tables for every position.
+
+With the checkpoints' frequency scalings (linear, Llama 3, Phi-3's LongRoPE) and partial
+rotation (the first part of each head)."""
 from __future__ import annotations
 
 import math
@@ -19,8 +21,9 @@ def rope_type(scaling: dict | None) -> str:
 
 
 def inverse_frequencies(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """The per-pair rotation frequencies of `dim` rotated dimensions, adjusted by the checkpoint's
-    rope scaling, if any (LongRoPE has two sets: position_angles)."""
+    """The per-pair rotation frequencies of `dim` rotated dimensions.
+
+    Adjusted by the checkpoint's rope scaling, if any (LongRoPE has two sets: position_angles)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     kind = rope_type(scaling)
     if kind == "default":
@@ -44,8 +47,9 @@ def inverse_frequencies(dim: int, theta: float, scaling: dict | None) -> torch.T
 
 def position_angles(dim: int, max_positions: int, theta: float, scaling: dict | None
                     ) -> tuple[torch.Tensor, float]:
-    """The angles [max_positions, dim / 2] of every position, and the factor that scales their
-    cos and sin (LongRoPE's attention factor; 1 for the others)."""
+    """Every position's angles [max_positions, dim / 2], and a factor scaling their cos and sin.
+
+    The factor is LongRoPE's attention factor; 1 for the others."""
     positions = torch.arange(max_positions, dtype=torch.float32)
     if rope_type(scaling) != "longrope":
         return torch.outer(positions, inverse_frequencies(dim, theta, scaling)), 1.0
@@ -106,7 +110,9 @@ class RotaryAngles:
 
 
 class RotaryEmbedding(nn.Module):
-    """`rotary_dim` below head_dim: only that many dimensions of each head rotate, in the order of
+    """The rotary position embedding of a model's query and key heads.
+
+    `rotary_dim` below head_dim: only that many dimensions of each head rotate, in the order of
     partial_rotary_order, which the model gives its query and key heads."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
