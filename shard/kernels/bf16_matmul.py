@@ -1,6 +1,7 @@
-"""The C bf16 matmul (shard/kernels/bf16_matmul.c) for CPUs with AVX-512 BF16 or AVX2, built on first use;
-where it runs (shard.layers.precision.c_matmul_runs), bf16 linear layers keep their weights in its packed
-layout (shard.layers.linear).
+"""The C bf16 matmul (shard/kernels/bf16_matmul.c) for CPUs with AVX-512 BF16 or AVX2.
+
+Built on first use; where it runs (shard.layers.precision.c_matmul_runs), bf16 linear layers keep
+their weights in its packed layout (shard.layers.linear).
 """
 from __future__ import annotations
 
@@ -61,9 +62,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., k] -> x W^T + bias [..., n], W packed by `pack`, bias contiguous bf16 or None; the
-    arithmetic is bf16's (an input of another dtype is rounded to bf16 first), the result in x's
-    dtype."""
+    """The C bf16 linear layer: x [..., k] -> x W^T + bias [..., n], for W packed by `pack`.
+
+    bias is contiguous bf16 or None; the arithmetic is bf16's (an input of another dtype is rounded
+    to bf16 first), the result in x's dtype."""
     if torch.compiler.is_compiling():
         return bf16_matmul_op(x, packed, n, bias)
     return run_on_rows(load_library().bf16_matmul, x, packed, n, bias)
@@ -71,10 +73,11 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
 
 def run_on_rows(kernel, x: torch.Tensor, packed: torch.Tensor, n: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., k] -> [..., n] through a C matmul with bf16_matmul's signature (this one's or the
-    int4 kernel's): x's rows rounded to bf16 and made contiguous where they are not, the result
-    back in x's dtype. A shape the kernel does not take is a ValueError, scratch it could not
-    allocate a MemoryError."""
+    """A C matmul with bf16_matmul's signature run over x [..., k] -> [..., n].
+
+    The kernel is this one's or the int4 kernel's: x's rows are rounded to bf16 and made contiguous
+    where they are not, the result comes back in x's dtype. A shape the kernel does not take is a
+    ValueError, scratch it could not allocate a MemoryError."""
     k = x.shape[-1]
     rows = x.reshape(-1, k).to(torch.bfloat16)
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
@@ -93,8 +96,9 @@ def run_on_rows(kernel, x: torch.Tensor, packed: torch.Tensor, n: int,
 @torch.library.custom_op("tgi::bf16_matmul", mutates_args=())
 def bf16_matmul_op(x: torch.Tensor, packed: torch.Tensor, n: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
-    """`matmul` as an operator: what a compiled step calls (a compiler cannot see into the
-    kernel's raw pointers)."""
+    """`matmul` as an operator: what a compiled step calls.
+
+    A compiler cannot see into the kernel's raw pointers."""
     return matmul(x, packed, n, bias)
 
 

@@ -1,7 +1,9 @@
-"""The C int4 matmul (shard/kernels/int4_matmul.c) on AVX-512 BF16 or AVX2 CPUs: `--quantize int4`
-layers of a bf16 model hold its form alone (GGUF's Q4_1 groups). On AVX-512 BF16 decode-size batches
-multiply by it directly and larger ones by the bf16 matmul's tiles over blocks unpacked on the fly
-(`restore`'s weights); on AVX2 every batch multiplies by it in integers, its rows rounded to int8.
+"""The C int4 matmul (shard/kernels/int4_matmul.c) on AVX-512 BF16 or AVX2 CPUs.
+
+`--quantize int4` layers of a bf16 model hold its form alone (GGUF's Q4_1 groups). On AVX-512 BF16
+decode-size batches multiply by it directly and larger ones by the bf16 matmul's tiles over blocks
+unpacked on the fly (`restore`'s weights); on AVX2 every batch multiplies by it in integers, its
+rows rounded to int8.
 """
 from __future__ import annotations
 
@@ -41,10 +43,11 @@ def load_library() -> ctypes.CDLL | None:
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """weight [n, k] (k a multiple of 32) -> q [n, k] uint8 in 0..15, scale and low [n, k / 32]
-    float32, with weight ~ q * scale + low per group of 32 (the minimum and 1/15 of the range).
-    No q * scale + low is subnormal (the kernel's bf16 rounding flushes those): a subnormal minimum
-    stands as 0, and a scale is at least 1e-12."""
+    """A weight's 4-bit groups: weight [n, k] -> (q, scale, low), weight ~ q * scale + low per 32.
+
+    k is a multiple of 32; q [n, k] uint8 in 0..15, scale and low [n, k / 32] float32 (the minimum
+    and 1/15 of the range of each group of 32). No q * scale + low is subnormal (the kernel's bf16
+    rounding flushes those): a subnormal minimum stands as 0, and a scale is at least 1e-12."""
     n, k = weight.shape
     groups = weight.float().reshape(n, k // GROUP, GROUP)
     low = groups.amin(dim=-1)
@@ -73,15 +76,17 @@ def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tenso
 
 
 def tile_rows() -> int | None:
-    """Up to how many rows a call multiplies by the 4-bit form (more: by unpacked bf16 blocks), or
+    """Up to how many rows a call multiplies by the 4-bit form (more: by unpacked bf16 blocks).
+
     None where every batch does (AVX2's integer tiles)."""
     return load_library().int4_matmul_tile_rows() or None
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., k] -> x W^T + bias [..., n] for W packed by `pack`, bias contiguous bf16 or None;
-    x is rounded to bf16 first, the result comes back in x's dtype. Past `tile_rows()` rows the
-    result is the bf16 matmul's on the bf16 of `restore`'s weights, bit for bit. On AVX2 every row
-    is first rounded to int8 a group of 32 inputs (to 1/127 of the group's largest magnitude), as
-    llama.cpp's 4-bit matmuls round theirs."""
+    """The C int4 linear layer: x [..., k] -> x W^T + bias [..., n], for W packed by `pack`.
+
+    bias is contiguous bf16 or None; x is rounded to bf16 first, the result comes back in x's dtype.
+    Past `tile_rows()` rows the result is the bf16 matmul's on the bf16 of `restore`'s weights, bit
+    for bit. On AVX2 every row is first rounded to int8 a group of 32 inputs (to 1/127 of the
+    group's largest magnitude), as llama.cpp's 4-bit matmuls round theirs."""
     return bf16_matmul.run_on_rows(load_library().int4_matmul, x, packed, n, bias)

@@ -1,6 +1,7 @@
-"""A decoder layer's element-wise steps (RMS norm, rotary and KV cache writes, SiLU-and-multiply), each
-one C call (shard/kernels/layer_ops.c) on the CPU where PyTorch eager dispatches several ops, rounding
-where those ops round.
+"""A decoder layer's element-wise steps in C: RMS norm, rotary, KV cache writes, SiLU-and-multiply.
+
+Each is one C call (shard/kernels/layer_ops.c) on the CPU where PyTorch eager dispatches several
+ops, rounding where those ops round.
 """
 from __future__ import annotations
 
@@ -42,9 +43,11 @@ def load_library() -> ctypes.CDLL | None:
 
 
 def _fused(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The library, when these tensors can go through it; else None, and the op keeps its
-    PyTorch form: no library (no C compiler, TGI_PY_FUSED_OPS=0), off the CPU, dtypes other than
-    float32 and bf16, or while torch.compile traces a step (inductor fuses the PyTorch form)."""
+    """The library, when these tensors can go through it; else None.
+
+    With None the op keeps its PyTorch form: no library (no C compiler, TGI_PY_FUSED_OPS=0), off the
+    CPU, dtypes other than float32 and bf16, or while torch.compile traces a step (inductor fuses
+    the PyTorch form)."""
     # called a few hundred times a decode step: plain attribute checks, no generator
     if torch.compiler.is_compiling():
         return None
@@ -94,11 +97,13 @@ def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_he
                  value_cache: torch.Tensor, slot_blocks: torch.Tensor,
                  slot_offsets: torch.Tensor, *, key_scale: torch.Tensor | None = None,
                  value_scale: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The rotated queries and keys [T, num_heads + num_kv_heads, head_dim] of qkv [T, (num_heads
-    + 2 num_kv_heads) * head_dim], with the keys and values written to their cache slots; None
-    where the fused form does not apply (the caller then rotates and stores in PyTorch).
-    cos/sin [T, head_dim] are each token's angles (shard.layers.rotary). An int8 cache comes with
-    its scales [blocks, kv_heads, block_size] (shard.layers.kv_int8), which the rows' get."""
+    """Rotated queries and keys [T, num_heads + num_kv_heads, head_dim], keys and values cached.
+
+    qkv is [T, (num_heads + 2 num_kv_heads) * head_dim]; the keys and values are written to their
+    cache slots. None where the fused form does not apply (the caller then rotates and stores in
+    PyTorch). cos/sin [T, head_dim] are each token's angles (shard.layers.rotary). An int8 cache
+    comes with its scales [blocks, kv_heads, block_size] (shard.layers.kv_int8), which the rows'
+    get."""
     lib = _fused(qkv, cos, sin)
     is_int8 = key_cache.dtype == torch.int8
     if (lib is None or key_cache.device.type != "cpu"
@@ -143,9 +148,10 @@ def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_he
 
 
 def greedy_pick(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(argmax, log_softmax at the argmax) of each row of float32 scores [rows, vocab], in two
-    passes over each row and without writing the log-probabilities of the whole vocabulary; None
-    where the fused form does not apply (the caller computes log_softmax)."""
+    """(argmax, log_softmax at the argmax) of each row of float32 scores [rows, vocab].
+
+    In two passes over each row and without writing the log-probabilities of the whole vocabulary;
+    None where the fused form does not apply (the caller computes log_softmax)."""
     if scores.dtype != torch.float32 or scores.dim() != 2 or _fused(scores) is None:
         return None
     rows, vocab = scores.shape

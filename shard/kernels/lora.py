@@ -1,6 +1,8 @@
-"""The C LoRA kernel (shard/kernels/lora.c): each row of a bf16 batch gets the update of its own
-adapter slot, added in place to a linear layer's output; built on first use. Where it does not build
-(or TGI_PY_LORA_KERNEL=0) shard.layers.lora computes the updates in PyTorch.
+"""The C LoRA kernel (shard/kernels/lora.c): each bf16 row's own adapter update, added in place.
+
+Each row of a bf16 batch gets the update of its own adapter slot, added in place to a linear
+layer's output; built on first use. Where it does not build (or TGI_PY_LORA_KERNEL=0)
+shard.layers.lora computes the updates in PyTorch.
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ def load_library() -> ctypes.CDLL | None:
 
 def add(x: torch.Tensor, out: torch.Tensor, row_slots: torch.Tensor, a: torch.Tensor,
         bt: torch.Tensor, ranks: torch.Tensor, offset: int, width: int) -> None:
-    """out[i, offset:offset + width] += sum_{r < ranks[s]} (x[i] . a[s, r]) bt[s, r], s =
+    """Each row's adapter update added in place to a linear layer's output.
+
+    out[i, offset:offset + width] += sum_{r < ranks[s]} (x[i] . a[s, r]) bt[s, r], s =
     row_slots[i], in place (float32 sums, one rounding to bf16); rows whose slot is -1 (or any
     slot outside a's) are left as they are.
 
@@ -58,8 +62,10 @@ def add(x: torch.Tensor, out: torch.Tensor, row_slots: torch.Tensor, a: torch.Te
 
 def _check(x: torch.Tensor, out: torch.Tensor, row_slots: torch.Tensor, a: torch.Tensor,
            bt: torch.Tensor, ranks: torch.Tensor, offset: int, width: int) -> None:
-    """The kernel reads and writes through raw pointers: anything that does not fit is refused
-    here (cheaply: the eager layers call this for every part of every projection)."""
+    """The check that tensors fit the kernel, which reads and writes through raw pointers.
+
+    Anything that does not fit is refused here, cheaply: the eager layers call this for every part
+    of every projection."""
     bf16, i64 = torch.bfloat16, torch.int64
     if not (x.dtype == out.dtype == a.dtype == bt.dtype == bf16
             and row_slots.dtype == ranks.dtype == i64):

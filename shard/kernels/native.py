@@ -1,6 +1,7 @@
-"""C sources of shard/kernels built for this CPU on first use (cached by source, compiler, flags and CPU
-flags: once per machine), and loaded with ctypes. Without a compiler, or when a build fails, the caller
-logs why and keeps its PyTorch path.
+"""C sources of shard/kernels built for this CPU on first use, and loaded with ctypes.
+
+Builds are cached by source, compiler, flags and CPU flags: once per machine. Without a compiler,
+or when a build fails, the caller logs why and keeps its PyTorch path.
 """
 from __future__ import annotations
 
@@ -48,9 +49,10 @@ def _build(source: Path, compiler: str, flags: list[str]) -> Path:
 
 def load_library(source: Path, flags: list[str], enabled_env: str,
                  fallback: str) -> ctypes.CDLL | None:
-    """The compiled library, or None: switched off (`enabled_env`=0), no C compiler, or a failed
-    build, the last two logged with `fallback` (what runs instead). `-march=native` in `flags`
-    becomes TGI_PY_KERNEL_MARCH's value where that is set."""
+    """The compiled library, or None: switched off, no C compiler, or a failed build.
+
+    Switched off is `enabled_env`=0; the last two are logged with `fallback` (what runs instead).
+    `-march=native` in `flags` becomes TGI_PY_KERNEL_MARCH's value where that is set."""
     if not kernel_enabled(enabled_env):
         return None
     march = kernel_march()

@@ -1,6 +1,7 @@
-"""The C decode-attention kernel (shard/kernels/paged_attention.c), built for this CPU on first use: it
-reads each key and value once where it lies in the paged cache, where PyTorch first gathers every
-context into a contiguous copy.
+"""The C decode-attention kernel (shard/kernels/paged_attention.c), built for this CPU on first use.
+
+It reads each key and value once where it lies in the paged cache, where PyTorch first gathers
+every context into a contiguous copy.
 """
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def load_kernel() -> ctypes.CDLL | None:
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode attention over a KV cache of this device and dtype (int8: with its scales)
-    runs in the kernel."""
+    """Whether decode attention over a KV cache of this device and dtype runs in the kernel.
+
+    An int8 cache runs with its scales."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.int8)
             and load_kernel() is not None)
 
@@ -50,10 +52,12 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            scale: float, *, window: int | None = None,
                            softcap: float | None = None, key_scales: torch.Tensor | None = None,
                            value_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, heads, d] (one token per sequence) -> [B, heads * d], attending over context_lens[b]
-    tokens of sequence b read through block_tables [B, blocks] (both int64): its last `window` ones
-    only, when given (the older ones are not read), with each scaled score soft-capped to
-    softcap * tanh(score / softcap), when given.
+    """Decode attention over the paged cache: q [B, heads, d] -> [B, heads * d].
+
+    One query token per sequence; sequence b attends over context_lens[b] tokens read through
+    block_tables [B, blocks] (both int64): its last `window` ones only, when given (the older ones
+    are not read), with each scaled score soft-capped to softcap * tanh(score / softcap), when
+    given.
 
     The arithmetic is float32 on every CPU, whichever of float32 and bf16 the query and the cache
     are: the kernel widens bf16 queries, keys and values in registers (exact, and no slower than
@@ -107,8 +111,9 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
 def paged_decode_attention_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                               block_tables: torch.Tensor, context_lens: torch.Tensor,
                               scale: float, window: int, softcap: float) -> torch.Tensor:
-    """paged_decode_attention as an operator: what a compiled step calls (a compiler cannot see
-    into the kernel's raw pointers). window and softcap 0: none."""
+    """paged_decode_attention as an operator: what a compiled step calls.
+
+    A compiler cannot see into the kernel's raw pointers. window and softcap 0: none."""
     return paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale,
                                   window=window or None, softcap=softcap or None)
 
