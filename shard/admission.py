@@ -1,6 +1,7 @@
-"""Which of a prefill's requests the shard admits: each check refuses one request's bad data (ids
-past the vocabulary, blocks it does not hold, a grammar this vocabulary cannot follow) without
-failing the others."""
+"""Which of a prefill's requests the shard admits.
+
+Each check refuses one request's bad data (ids past the vocabulary, blocks it does not hold, a
+grammar this vocabulary cannot follow) without failing the others."""
 from __future__ import annotations
 
 import math
@@ -25,9 +26,10 @@ class ModelLimits:
 
 def admit(requests: list[NewRequest], limits: ModelLimits, pool_blocks: int,
           grammars: GrammarFactory) -> tuple[list[NewRequest], list[tuple[int, str]]]:
-    """The requests this shard can compute, and (id, why) of each it refuses (a refused one must
-    not fail a running batch riding in the same forward either). A kept request's grammar is
-    compiled here, once its last chunk comes."""
+    """The requests this shard can compute, and (id, why) of each it refuses.
+
+    A refused one must not fail a running batch riding in the same forward either. A kept request's
+    grammar is compiled here, once its last chunk comes."""
     kept, rejected = [], []
     for request in requests:
         try:

@@ -1,6 +1,7 @@
-"""The attention metadata of a forward (shard.layers.attention): where each new token's keys and
-values go and which cached ones each row reads, for a prefill, an eager decode step and a CUDA
-graph's fixed-shape step."""
+"""The attention metadata of a forward (shard.layers.attention).
+
+Where each new token's keys and values go and which cached ones each row reads, for a prefill, an
+eager decode step and a CUDA graph's fixed-shape step."""
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,10 @@ def prefill_metadata(block_tables: torch.Tensor, positions: torch.Tensor, query_
 def route_short_contexts(meta: AttentionMetadata, block_tables: torch.Tensor,
                          positions: torch.Tensor, query_lens: list[int],
                          context_lens: list[int]) -> None:
-    """Marks the sequences whose attention runs in the C kernel (see PREFILL_KERNEL_MAX_CONTEXT),
-    each new token a row of its own, where the kernel runs."""
+    """The marking of the sequences whose attention runs in the C kernel.
+
+    See PREFILL_KERNEL_MAX_CONTEXT. Where the kernel runs, each new token of those sequences becomes
+    a row of its own."""
     short = [c <= PREFILL_KERNEL_MAX_CONTEXT for c in context_lens]
     if not any(short):
         return
@@ -83,8 +86,9 @@ def decode_metadata(seq_lens: torch.Tensor, block_tables: torch.Tensor, spec: KV
 
 def static_decode_metadata(seq_lens: torch.Tensor, block_tables: torch.Tensor,
                            spec: KVCacheSpec) -> AttentionMetadata:
-    """Decode metadata with every shape fixed by its inputs' and nothing read back to the host
-    (what a CUDA graph records): each row attends over its table's full width, masked past its
+    """Decode metadata with every shape fixed by its inputs' and nothing read back to the host.
+
+    What a CUDA graph records: each row attends over its table's full width, masked past its
     context."""
     context_lens = seq_lens + 1
     width = block_tables.shape[1]

@@ -1,5 +1,6 @@
-"""Per-request and per-batch state kept on the shard between steps; a new batch, filter, concatenate and
-sampling a batch's next tokens as functions."""
+"""Per-request and per-batch state kept on the shard between steps.
+
+A new batch, filter, concatenate and sampling a batch's next tokens are functions over it."""
 from __future__ import annotations
 
 import math
@@ -98,8 +99,9 @@ class Batch:
         return sum(len(r.blocks) for r in self.requests)
 
     def adapter_slots(self, rows_per_request: list[int] | None = None) -> torch.Tensor | None:
-        """The LoRA slot of each forward row (a request's, repeated over its `rows_per_request`
-        rows: beams, draft tokens), or None when no request has an adapter."""
+        """The LoRA slot of each forward row, or None when no request has an adapter.
+
+        A request's slot is repeated over its `rows_per_request` rows (beams, draft tokens)."""
         slots = [r.adapter_slot for r in self.requests]
         if all(slot < 0 for slot in slots):
             return None
@@ -160,8 +162,10 @@ def _beams(request: NewRequest, device: torch.device, eos_token_ids: frozenset[i
 
 
 def sample_batch(logits: torch.Tensor, batch: Batch) -> SampleOutput:
-    """Each row's next token from logits [B, vocab], with what its request's sampling reads of
-    its state: the ids a penalty or watermark counts, the ids its stop criteria ban."""
+    """Each row's next token from logits [B, vocab].
+
+    With what its request's sampling reads of its state: the ids a penalty or watermark counts and
+    the ids its stop criteria ban."""
     history = None
     if needs_history(batch.sampling):
         history = [(r.prompt_ids, r.output_ids) for r in batch.requests]

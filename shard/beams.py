@@ -1,5 +1,7 @@
-"""Beam search for one request, scored as `transformers` scores it, the KV blocks of its beams (copy
-on write, within the request's own blocks), and a step of the search."""
+"""Beam search for one request, scored as `transformers` scores it.
+
+With the KV blocks of its beams (copy on write, within the request's own blocks), and a step of
+the search."""
 from __future__ import annotations
 
 import logging
@@ -56,8 +58,10 @@ class BeamSearch:
         return len(self.running)
 
     def step(self, logprobs: torch.Tensor) -> list[int]:
-        """logprobs [width, vocab] of each running beam's next token -> the parent of each new
-        beam (an index into the old beams). Sets `done` when the search is over."""
+        """One step of the search: logprobs [width, vocab] -> the parent of each new beam.
+
+        logprobs are each running beam's next token's; a parent is an index into the old beams. Sets
+        `done` when the search is over."""
         k = self.options.num_beams
         vocab = logprobs.shape[1]
         scores = self.scores if self.scores is not None else torch.zeros(1, device=logprobs.device)
@@ -108,8 +112,10 @@ class BeamSearch:
         del self.finished[self.options.num_beams:]
 
     def _can_improve(self, generated: int) -> bool:
-        """transformers' early-stop heuristic: the best running beam, at the current length, must
-        beat the worst of num_beams finished hypotheses (always, while there are fewer)."""
+        """transformers' early-stop heuristic: whether the search can still improve.
+
+        The best running beam, at the current length, must beat the worst of num_beams finished
+        hypotheses (always, while there are fewer)."""
         if len(self.finished) < self.options.num_beams:
             return True
         best_running = float(self.scores.max()) / self._length_factor(generated)
@@ -119,8 +125,9 @@ class BeamSearch:
         return generated ** self.options.length_penalty
 
     def _warp(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """transformers' sampling warpers, applied to log-probabilities as its beam sampling does:
-        each keeps at least 1 + (EOS ids) tokens, so that a beam can always go on."""
+        """transformers' sampling warpers, applied to log-probabilities as its beam sampling does.
+
+        Each keeps at least 1 + (EOS ids) tokens, so that a beam can always go on."""
         options = self.options
         if not options.do_sample:
             return logprobs
@@ -141,15 +148,18 @@ class BeamSearch:
 
 
 class BeamBlocks:
-    """The block tables of a request's beams over the blocks the router reserved for it (enough
-    for k whole sequences). Beams that descend from one parent share its blocks, counted per
-    block; a shared block is copied only when a beam is about to write into it, and a reordering
-    only rearranges the tables."""
+    """The block tables of a request's beams over the blocks the router reserved for it.
+
+    The router reserves enough for k whole sequences. Beams that descend from one parent share its
+    blocks, counted per block; a shared block is copied only when a beam is about to write into it,
+    and a reordering only rearranges the tables."""
 
     def __init__(self, table: list[int], spare: list[int], block_size: int):
-        """`table`: the prompt's blocks. They hold one reference more than the beams do, so a
-        beam never writes into them in place nor hands them out again: they may be another's
-        too (a request_id session's, until the call succeeds; the prefix cache's)."""
+        """The blocks of a request's beams, starting from the prompt's `table` and the `spare` ones.
+
+        `table`: the prompt's blocks. They hold one reference more than the beams do, so a beam
+        never writes into them in place nor hands them out again: they may be another's too (a
+        request_id session's, until the call succeeds; the prefix cache's)."""
         self.block_size = block_size
         self.tables = [list(table)]
         self.free = list(reversed(spare))  # pop() hands out the lowest first
@@ -166,9 +176,10 @@ class BeamBlocks:
         self.tables = tables
 
     def prepare_writes(self, position: int) -> list[tuple[int, int]]:
-        """Makes the block each beam writes `position` into its own: a new block when the table
-        ends before it, a copy of a shared one. Returns the (source, destination) blocks whose
-        keys and values must be copied before the forward."""
+        """The (source, destination) blocks whose keys and values to copy before the forward.
+
+        Makes the block each beam writes `position` into its own: a new block when the table ends
+        before it, a copy of a shared one."""
         index = position // self.block_size
         copies = []
         for table in self.tables:
@@ -200,8 +211,9 @@ class Beams:
 
 
 def advance(beams: Beams, logits: torch.Tensor, request_id: int) -> list[int] | None:
-    """One step of a request's search over its beams' logits [width, vocab]; once the search is
-    over, the ids of its best hypothesis (None before)."""
+    """One step of a request's search over its beams' logits [width, vocab].
+
+    Once the search is over, it returns the ids of its best hypothesis (None before)."""
     try:
         parents = beams.search.step(torch.log_softmax(logits.float(), dim=-1))
         beams.blocks.reorder(parents)

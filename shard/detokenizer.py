@@ -1,6 +1,7 @@
-"""Incremental detokenisation: the text each new token adds, never splitting a UTF-8 character. A
-request's final text is the concatenation of what it emitted (plus `flush`), so a stream and the final
-answer always agree.
+"""Incremental detokenisation: the text each new token adds, never splitting a UTF-8 character.
+
+A request's final text is the concatenation of what it emitted (plus `flush`), so a stream and the
+final answer always agree.
 """
 from __future__ import annotations
 
@@ -27,10 +28,12 @@ class DetokenizerState:
 
 def decode_next(decoder: Decoder, ids: list[int], state: DetokenizerState,
                 skip_special_tokens: bool) -> str:
-    """Text added by ids[state.read_offset:]; advances `state` when it emits. A token decoded
-    alone loses context (leading spaces, multi-byte characters spread over byte-fallback tokens),
-    so this decodes a short window ending at it and emits what the window gained; while the window
-    ends in an incomplete character (U+FFFD), nothing, and the bytes come out with a later token."""
+    """The text added by ids[state.read_offset:]; advances `state` when it emits.
+
+    A token decoded alone loses context (leading spaces, multi-byte characters spread over
+    byte-fallback tokens), so this decodes a short window ending at it and emits what the window
+    gained; while the window ends in an incomplete character (U+FFFD), nothing, and the bytes come
+    out with a later token."""
     before = decoder.decode(ids[state.prefix_offset:state.read_offset],
                             skip_special_tokens=skip_special_tokens)
     after = decoder.decode(ids[state.prefix_offset:], skip_special_tokens=skip_special_tokens)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 class CollectiveFailed(RuntimeError):
     """A collective between the ranks failed: a peer died, or stalled past the group's timeout.
+
     The process group is then closed for good (gloo answers every later call with "Application
     timeout caused pair closure"), so only a new group of processes recovers."""
 

@@ -1,6 +1,8 @@
-"""Token post-processing: each chosen token appended, detokenised and checked for a stop, and the
-Generation the router receives built from it (top tokens, asked ids' log-probabilities, hidden states,
-a finished beam search's answer); the prompt's own scores."""
+"""Token post-processing: each chosen token appended, detokenised, checked for a stop, and reported.
+
+The Generation the router receives is built from each token (top tokens, asked ids'
+log-probabilities, hidden states, a finished beam search's answer); the prompt's own scores are
+computed here too."""
 from __future__ import annotations
 
 import math
@@ -35,7 +37,8 @@ class Vocabulary:
 def step_generations(batch: Batch, output: SampleOutput, hidden: list[torch.Tensor | None],
                      logits: torch.Tensor, vocab: Vocabulary, first: list[int] | None = None
                      ) -> list[Generation | None]:
-    """Appends each row's token, detokenises it, checks stopping (a Python loop by nature).
+    """Each row's token appended, detokenised and checked for stopping (a Python loop by nature).
+
     `hidden` holds, per row, the final hidden states this step computed for it; `logits` and
     `first` are the step's rows (see Engine._decode_rows), which a beam-search request reads all
     of (its generation is None until its search ends)."""
@@ -95,8 +98,9 @@ def _token_generation(batch: Batch, row: int, token: int, logprob: float,
 
 
 def _beam_answer(state: RequestState, best: list[int], vocab: Vocabulary) -> Generation:
-    """A finished beam search's generation: the best hypothesis, its text decoded as a stream of
-    it would have been."""
+    """A finished beam search's generation: the best hypothesis.
+
+    Its text is decoded as a stream of it would have been."""
     tokenizer = vocab.tokenizer
     text = []
     for token in best:
@@ -118,8 +122,10 @@ def _beam_answer(state: RequestState, best: list[int], vocab: Vocabulary) -> Gen
 
 
 def prompt_scores(request: NewRequest, logits: torch.Tensor, vocab: Vocabulary) -> PromptScores:
-    """Prompt tokens with log p(token | earlier tokens), and the top tokens and the asked ids'
-    log-probabilities at each position; the first position has none (NaN, empty)."""
+    """Prompt tokens with log p(token | earlier tokens), the top tokens and asked ids' logprobs.
+
+    The top tokens and the asked ids' log-probabilities come at each position; the first position
+    has none (NaN, empty)."""
     ids = request.input_ids
     computed = ids[request.cache_len:]
     skipped = len(ids) - len(computed) + 1  # positions before the first scored one
@@ -150,9 +156,10 @@ def prompt_scores(request: NewRequest, logits: torch.Tensor, vocab: Vocabulary) 
 
 
 def grammar_error(matcher) -> str | None:
-    """Why a request's grammar can go no further (llguidance gives up on a grammar its lexer
-    finds too complex only as it meets it), or None. Its mask then allows only the end, which
-    would have ended the request as if the answer were complete."""
+    """Why a request's grammar can go no further, or None.
+
+    llguidance gives up on a grammar its lexer finds too complex only as it meets it. Its mask then
+    allows only the end, which would have ended the request as if the answer were complete."""
     if matcher is None or not matcher.is_error():
         return None
     reason = matcher.get_error().strip().splitlines() or ["unknown"]

@@ -1,5 +1,7 @@
-"""Grammar-constrained decoding with llguidance (lazy token masks, no per-grammar precompilation, broad
-JSON Schema coverage): a matcher per constrained request, one mask pass per step.
+"""Grammar-constrained decoding with llguidance: a matcher per constrained request.
+
+llguidance gives lazy token masks, no per-grammar precompilation and broad JSON Schema coverage;
+one mask pass per step.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def grammar_source(kind: str, value: str) -> str:
-    """llguidance's grammar text for a JSON schema (compact JSON output), a regex or an EBNF
-    (GBNF or Lark) grammar."""
+    """llguidance's grammar text for a JSON schema, a regex or an EBNF (GBNF or Lark) grammar.
+
+    A JSON schema's grammar asks for compact JSON output."""
     if kind == GRAMMAR_JSON:
         schema = json.loads(value) if isinstance(value, str) else value
         # no free whitespace: a small model can otherwise pad JSON with blank lines forever

@@ -1,5 +1,4 @@
-"""The KV pool: its blocks' layout, its allocation, and how many bytes (and blocks) it may take on this
-device."""
+"""The KV pool: blocks' layout, allocation, and how many bytes (and blocks) it may take here."""
 from __future__ import annotations
 
 import math
@@ -51,10 +50,12 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[LayerCache]:
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of zeros. On the CPU its memory is an anonymous mapping, which the kernel fills
-    with zeros page by page as it is first written: a pool sized for the most the server may
-    hold (30% of the available memory by default) takes memory as its blocks are used, where
-    torch.zeros would write, and keep resident, every page at start."""
+    """A tensor of zeros whose memory, on the CPU, is taken as it is first written.
+
+    On the CPU its memory is an anonymous mapping, which the kernel fills with zeros page by page as
+    it is first written: a pool sized for the most the server may hold (30% of the available memory
+    by default) takes memory as its blocks are used, where torch.zeros would write, and keep
+    resident, every page at start."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
@@ -76,19 +77,21 @@ def available_bytes(device: torch.device) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PoolLedger:
-    """Where shards on one machine write down the CPU KV pools they hold. A pool is mapped, not
-    written, at start (zeroed): its pages count as used only once its blocks are
-    first written, so a second model sizing its pool from the free memory would count the first
-    one's pool as free, and several busy models could together outgrow the RAM. Each shard
-    takes the others' pools off what is free before taking its share."""
+    """Where shards on one machine write down the CPU KV pools they hold.
+
+    A pool is mapped, not written, at start (zeroed): its pages count as used only once its blocks
+    are first written, so a second model sizing its pool from the free memory would count the first
+    one's pool as free, and several busy models could together outgrow the RAM. Each shard takes the
+    others' pools off what is free before taking its share."""
 
     directory: Path
     group: str  # the shard group (its socket prefix): its own ranks size together, not after
 
     @classmethod
     def from_environment(cls, group: str) -> "PoolLedger | None":
-        """The ledger the launcher named (a directory, one file per shard process: "<pid>
-        <group> <bytes>"), or None for a shard started alone."""
+        """The ledger the launcher named, or None for a shard started alone.
+
+        The ledger is a directory, one file per shard process: "<pid> <group> <bytes>"."""
         directory = kv_ledger_dir()
         return cls(directory, group) if directory else None
 
@@ -154,8 +157,9 @@ def kv_budget_bytes(device: torch.device, memory_fraction: float, world_size: in
 
 def budget_blocks(device: torch.device, memory_fraction: float, world_size: int,
                   bytes_per_block: int, ledger: PoolLedger | None = None) -> int:
-    """KV blocks this rank's pool may hold, after the pools other shard groups hold (`ledger`,
-    on the CPU)."""
+    """The number of KV blocks this rank's pool may hold.
+
+    After the pools other shard groups hold (`ledger`, on the CPU)."""
     others = ledger.held_by_others() if ledger is not None else 0
     budget = kv_budget_bytes(device, memory_fraction, world_size, held_by_others=others)
     return budget // bytes_per_block

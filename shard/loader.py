@@ -46,6 +46,7 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
 
 def with_rope_scaling(config: dict, scaling: dict) -> dict:
     """config.json as if it had been saved with `scaling` ({"rope_type": "linear", "factor": f}).
+
     The context grows by the factor: a linear scaling of f maps f times as many positions onto
     the angles the model was trained on, and the rotary table covers max_position_embeddings."""
     config = {**config, "rope_scaling": dict(scaling)}

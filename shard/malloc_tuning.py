@@ -1,6 +1,7 @@
-"""glibc's allocator, tuned for a process that allocates and frees large tensors every step: freed memory
-stays in the process for the next op, where by default a prefill's activations are mmapped, unmapped and
-faulted in anew on every op (benchmarks/RESULTS.md).
+"""glibc's allocator, tuned for a process that allocates and frees large tensors every step.
+
+Freed memory stays in the process for the next op, where by default a prefill's activations are
+mmapped, unmapped and faulted in anew on every op (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def return_freed_memory() -> bool:
-    """Gives what is free in glibc's heap back to the system (malloc_trim); whether it could.
+    """The return of what is free in glibc's heap to the system (malloc_trim); whether it could.
+
     Called once the model is loaded: the checkpoint's and quantization's temporaries, freed by
     then, would otherwise stay resident under the raised trim threshold (up to 1 GiB)."""
     libc = _libc()
@@ -47,8 +49,10 @@ def return_freed_memory() -> bool:
 
 
 def keep_freed_memory() -> bool:
-    """Raises glibc's mmap and trim thresholds; whether it did (not glibc, or set by hand: no).
-    The memory kept is at most the largest set of activations the process ever held at once."""
+    """The raise of glibc's mmap and trim thresholds; whether it did.
+
+    Not glibc, or set by hand: no. The memory kept is at most the largest set of activations the
+    process ever held at once."""
     if malloc_set_by_hand():
         return False
     libc = _libc()

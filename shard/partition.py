@@ -26,8 +26,9 @@ def split_heads(num_heads: int, num_kv_heads: int, world_size: int) -> RankHeads
 
 
 def split_heads_of(config: dict, world_size: int) -> RankHeads | None:
-    """split_heads for a config.json (key/value heads default to the attention heads). A
-    multimodal config's text model is its text_config, whose heads may be left to the family's
+    """split_heads for a config.json (key/value heads default to the attention heads).
+
+    A multimodal config's text model is its text_config, whose heads may be left to the family's
     defaults: None then, and the shard applies the rule once its model class has read them."""
     text = config.get("text_config") or config
     if "num_attention_heads" not in text and text is not config:

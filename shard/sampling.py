@@ -1,5 +1,6 @@
-"""Batched next-token choice: each request's parameters as rows of tensors, one pass over the batch
-(`sample` lists its steps).
+"""Batched next-token choice: each request's parameters as rows of tensors, one pass over the batch.
+
+`sample` lists its steps.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from shard.watermark import apply_watermark
 
 @dataclass(slots=True)
 class SamplingParams:
-    """The router's SamplingParams (router/schemas.py) as the shard reads it from the proto; the
-    two processes share no code, and the shard adds top_n_tokens, which its sampler computes."""
+    """The router's SamplingParams (router/schemas.py) as the shard reads it from the proto.
+
+    The two processes share no code, and the shard adds top_n_tokens, which its sampler computes."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -148,7 +150,9 @@ class SampleOutput:
 def sample(logits: torch.Tensor, batch: SamplingBatch,
            token_ids: list[tuple[list[int], list[int]]] | None = None,
            banned: list[frozenset[int]] | None = None) -> SampleOutput:
-    """Chooses one token per row of logits [B, vocab]. Steps, in order:
+    """The choice of one token per row of logits [B, vocab].
+
+    Steps, in order:
       0. logit_bias, then watermark (green-list bias, for the rows that ask);
       1. repetition penalty (prompt and output tokens), frequency and presence penalties (output
          tokens), then each constrained row's grammar mask, then the banned ids (min_new_tokens);
@@ -198,10 +202,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
 
 def _ban(scores: torch.Tensor, banned: list[frozenset[int]], grammars: list | None,
          owned: bool) -> torch.Tensor:
-    """-inf for each row's banned ids, except in a row they would leave with nothing (a grammar
-    that allows only its end: the request ends there). In place on `scores` when `owned` (a
-    tensor sample made), else on a copy: a step pays a few small writes, not a pass over the
-    whole [B, vocab] scores."""
+    """The scores with -inf for each row's banned ids, unless that would leave the row nothing.
+
+    A row they would leave with nothing has a grammar that allows only its end: the request ends
+    there. In place on `scores` when `owned` (a tensor sample made), else on a copy: a step pays a
+    few small writes, not a pass over the whole [B, vocab] scores."""
     vocab = scores.shape[1]
     pairs = [(row, token) for row, tokens in enumerate(banned) for token in tokens if token < vocab]
     if not pairs:

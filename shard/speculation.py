@@ -1,6 +1,8 @@
-"""N-gram (prompt-lookup) drafts for speculative decoding: a request's next tokens guessed from what
-followed its latest suffix earlier in its own text, and how many of them are worth a row of the forward
-(shard.speculative_step verifies them).
+"""N-gram (prompt-lookup) drafts for speculative decoding.
+
+A request's next tokens are guessed from what followed its latest suffix earlier in its own text,
+and drafted as far as they are worth a row of the forward each (shard.speculative_step verifies
+them).
 """
 from __future__ import annotations
 
@@ -13,15 +15,19 @@ MIN_NGRAM = 1
 
 @dataclass(slots=True)
 class NgramIndex:
-    """Where each n-gram (MIN_NGRAM <= n <= MAX_NGRAM) of a sequence last ended, kept up to date
-    as the sequence grows: a lookup costs a few dictionary reads, not a scan of the sequence."""
+    """Where each n-gram (MIN_NGRAM <= n <= MAX_NGRAM) of a sequence last ended.
+
+    Kept up to date as the sequence grows: a lookup costs a few dictionary reads, not a scan of the
+    sequence."""
 
     last_end: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # positions whose n-grams are recorded
 
     def propose(self, ids: list[int], count: int) -> list[int]:
-        """Up to `count` tokens that followed the latest earlier occurrence of the longest suffix
-        of `ids` that occurred before; [] when none did (or `count` is 0)."""
+        """Up to `count` tokens that followed the latest earlier occurrence of a suffix of `ids`.
+
+        The suffix looked up is the longest one of `ids` that occurred before; [] when none did, or
+        when `count` is 0."""
         if count <= 0:
             return []
         # the n-grams ending at the last token are recorded only on the next call: the suffix
@@ -51,19 +57,22 @@ PRIOR_HITS, PRIOR_CHECKS = 1.0, 2.0
 
 
 def acceptance_threshold(batch_rows: int, ratio: float = ROW_COST_RATIO) -> float:
-    """The chance of being accepted a draft token needs for its row to pay: a row costs b and
-    yields that chance in tokens, while the step yields batch_rows tokens for a + b x batch_rows;
-    it pays when the chance exceeds batch_rows / (a / b + batch_rows)."""
+    """The chance of being accepted a draft token needs for its row to pay.
+
+    A row costs b and yields that chance in tokens, while the step yields batch_rows tokens for
+    a + b x batch_rows; it pays when the chance exceeds batch_rows / (a / b + batch_rows)."""
     return batch_rows / (ratio + batch_rows)
 
 
 @dataclass(slots=True)
 class Drafter:
-    """One request's drafts and how well its guesses have done. A draft's i-th token is accepted
-    only if the i - 1 before it were, so with a guess holding with chance p it is accepted with
-    chance p^i: the request drafts as many tokens as keep p^i above the step's threshold (none
-    when even the first does not), and still checks, for free, whether the guess it did not send
-    would have held, so that a request that starts repeating itself drafts again."""
+    """One request's drafts and how well its guesses have done.
+
+    A draft's i-th token is accepted only if the i - 1 before it were, so with a guess holding with
+    chance p it is accepted with chance p^i: the request drafts as many tokens as keep p^i above the
+    step's threshold (none when even the first does not), and still checks, for free, whether the
+    guess it did not send would have held, so that a request that starts repeating itself drafts
+    again."""
 
     index: NgramIndex = field(default_factory=NgramIndex)
     hits: float = 0.0  # guesses that held, decayed step by step
@@ -83,9 +92,11 @@ class Drafter:
         return proposal[:length]
 
     def observe(self, draft: list[int], chosen: list[int]) -> int:
-        """Records the step: the draft's tokens checked until the first that did not hold, or
-        the unsent guess. Returns how many draft tokens were accepted (chosen as drafted, the
-        last of them too when the request stopped on it)."""
+        """The record of one step's outcome; returns how many draft tokens were accepted.
+
+        The draft's tokens are checked until the first that did not hold, or the unsent guess.
+        Accepted tokens were chosen as drafted, the last of them too when the request stopped on it.
+        """
         accepted = 0
         if draft:
             while accepted < min(len(draft), len(chosen)) and draft[accepted] == chosen[accepted]:

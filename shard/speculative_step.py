@@ -1,5 +1,7 @@
-"""A speculative decode step: each request's n-gram drafts (shard.speculation) verified in one forward,
-and its tokens chosen position by position as plain steps would have chosen them."""
+"""A speculative decode step: each request's n-gram drafts verified in one forward.
+
+The drafts come from shard.speculation; each request's tokens are chosen position by position as
+plain steps would have chosen them."""
 from __future__ import annotations
 
 import torch
@@ -12,8 +14,9 @@ from shard.speculation import acceptance_threshold
 
 
 def drafts(batch: Batch, speculate: int) -> list[list[int]] | None:
-    """Each request's draft tokens for this step (maybe none), or None for a plain step
-    (speculation off, or a beam search in the batch)."""
+    """Each request's draft tokens for this step (maybe none), or None for a plain step.
+
+    None when speculation is off, or a beam search is in the batch."""
     if not speculate or any(s.beams is not None for s in batch.requests):
         return None
     threshold = acceptance_threshold(len(batch.requests))
@@ -31,8 +34,10 @@ def drafts(batch: Batch, speculate: int) -> list[list[int]] | None:
 
 
 def verify_rows(batch: Batch, drafted: list[list[int]], device: torch.device) -> DecodeRows:
-    """One row per token to verify: a request's next input, then each draft token at the
-    position after it, each reading the request's blocks up to its own position."""
+    """The forward's rows to verify drafts: one per token to verify.
+
+    A request's next input, then each draft token at the position after it, each reading the
+    request's blocks up to its own position."""
     ids, lengths = batch.next_input_ids.tolist(), batch.seq_lens.tolist()
     rows_ids, rows_lengths, owners = [], [], []
     for row, draft in enumerate(drafted):
@@ -48,10 +53,11 @@ def verify_rows(batch: Batch, drafted: list[list[int]], device: torch.device) ->
 
 def accept(batch: Batch, drafted: list[list[int]], logits: torch.Tensor, hidden: torch.Tensor,
            vocab: Vocabulary) -> list[Generation]:
-    """Chooses tokens position by position, as plain steps would have: at each position the
-    requests still in the run sample from its logits (penalties, grammar, seeded draws and
-    stopping see exactly the tokens before it), and a request goes on to its next position
-    only while its chosen token is the draft token that position was computed from."""
+    """The tokens chosen position by position over verified drafts, as plain steps would have.
+
+    At each position the requests still in the run sample from its logits (penalties, grammar,
+    seeded draws and stopping see exactly the tokens before it), and a request goes on to its next
+    position only while its chosen token is the draft token that position was computed from."""
     first, offset = [], 0
     for draft in drafted:
         first.append(offset)
@@ -95,8 +101,9 @@ def observe(batch: Batch, drafted: list[list[int]], generations: list[Generation
 
 
 def _rows_of(batch: Batch, rows: list[int]) -> Batch:
-    """The listed rows' requests and sampling state, for choosing their tokens alone (the tensors
-    a forward reads are left out: the step already ran)."""
+    """The listed rows' requests and sampling state, for choosing their tokens alone.
+
+    The tensors a forward reads are left out: the step already ran."""
     return Batch(id=batch.id, requests=[batch.requests[r] for r in rows],
                  block_tables=batch.block_tables, seq_lens=batch.seq_lens,
                  next_input_ids=batch.next_input_ids, sampling=batch.sampling.select(rows))

@@ -40,8 +40,10 @@ class StopCriteria:
         return None
 
     def banned_ids(self) -> frozenset[int]:
-        """Ids the next token may not be: the end-of-sequence ones (stop_token_ids included)
-        while fewer than min_new_tokens were generated, as vLLM's and SGLang's min_tokens."""
+        """Ids the next token may not be.
+
+        The end-of-sequence ones (stop_token_ids included) while fewer than min_new_tokens were
+        generated, as vLLM's and SGLang's min_tokens."""
         return self.eos_token_ids if self.num_generated < self.min_new_tokens else frozenset()
 
     def _check_stop_sequences(self, text: str) -> FinishReason | None:

@@ -1,5 +1,7 @@
-"""Kirchenbauer et al.'s green-list watermark (arXiv 2301.10226): the previous token seeds a "green list"
-of the vocabulary whose logits get +delta, and a z-test on the share of green tokens detects it.
+"""Kirchenbauer et al.'s green-list watermark (arXiv 2301.10226).
+
+The previous token seeds a "green list" of the vocabulary whose logits get +delta, and a z-test on
+the share of green tokens detects it.
 
 gamma (the green share) and delta are the shard's, set once at start (`configure`, from the
 launcher's --watermark-gamma/--watermark-delta, TGI's flags): a detector must use the same gamma.

@@ -12,9 +12,11 @@ from shard.layers.precision import activation_dtype
 
 
 class Weights:
-    """An index of tensor name -> file over the checkpoint's safetensors files: those its
-    model.safetensors.index.json names, else model.safetensors, else every *.safetensors
-    (shard.checkpoint_files: a stray consolidated.safetensors beside the shards is never opened)."""
+    """An index of tensor name -> file over the checkpoint's safetensors files.
+
+    The files are those its model.safetensors.index.json names, else model.safetensors, else every
+    *.safetensors (shard.checkpoint_files: a stray consolidated.safetensors beside the shards is
+    never opened)."""
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                  parallel: ParallelContext, quantize: str | None = None):
@@ -47,8 +49,10 @@ class Weights:
 
     @property
     def quantizing(self) -> bool:
-        """Linear weights are read as stored (a GGUF's float32 values hold its 4-bit blocks
-        exactly; rounding them to bf16 first would move them off the grid int4 recovers)."""
+        """Whether linear weights are read as stored.
+
+        A GGUF's float32 values hold its 4-bit blocks exactly; rounding them to bf16 first would
+        move them off the grid int4 recovers."""
         return bool(self.quantize)
 
     def get(self, name: str) -> torch.Tensor:
@@ -61,8 +65,9 @@ class Weights:
         return self._place(self._slice(name)[start:stop], as_stored)
 
     def get_sharded(self, name: str, dim: int, *, as_stored: bool = False) -> torch.Tensor:
-        """This rank's contiguous 1/world_size of `name` along `dim` (which must divide evenly), in
-        the model dtype or, `as_stored`, in the checkpoint's."""
+        """This rank's contiguous 1/world_size of `name` along `dim` (which must divide evenly).
+
+        In the model dtype or, `as_stored`, in the checkpoint's."""
         ctx = self.parallel
         view = self._slice(name)
         size = view.get_shape()[dim]

@@ -1,3 +1,4 @@
-"""LoRA adapters on the shard: PEFT's files read and checked against the model (peft_files), and
-the set loaded on a model, one slot each, whose updates its linear layers add row by row
-(adapter_set; the arithmetic is shard/layers/lora.py)."""
+"""LoRA adapters on the shard: PEFT's files (peft_files), the set loaded on a model (adapter_set).
+
+PEFT's files are read and checked against the model; the set loaded on a model holds one slot per
+adapter, whose updates its linear layers add row by row (the arithmetic is shard/layers/lora.py)."""

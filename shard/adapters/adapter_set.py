@@ -1,5 +1,7 @@
-"""The LoRA adapters loaded on one model: a slot per adapter, its updates placed in the linear layers
-it changes (this rank's slices of them), and the slot of each row of the forward running now."""
+"""The LoRA adapters loaded on one model, a slot per adapter.
+
+Each adapter's updates are placed in the linear layers it changes (this rank's slices of them),
+and the set holds the slot of each row of the forward running now."""
 from __future__ import annotations
 
 from collections.abc import Iterator

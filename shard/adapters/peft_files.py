@@ -1,5 +1,6 @@
-"""A LoRA adapter as PEFT saves it: adapter_config.json and adapter_model.safetensors (or .bin), read
-into its per-module lora_A / lora_B pairs and scalings, or refused with the reason."""
+"""A LoRA adapter as PEFT saves it: adapter_config.json and adapter_model.safetensors (or .bin).
+
+Read into its per-module lora_A / lora_B pairs and scalings, or refused with the reason."""
 from __future__ import annotations
 
 import json
