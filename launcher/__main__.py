@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def model_source(config: LauncherConfig) -> str | None:
-    """What holds the model's files: --weights-cache-override (TGI's flag) where given, and
-    --model-id then only names the model; else --model-id."""
+    """What holds the model's files: --weights-cache-override where given, else --model-id.
+
+    --weights-cache-override is TGI's flag; where it is given, --model-id only names the model."""
     if config.weights_cache_override:
         # absolute: a relative directory that does not exist must not be taken for a Hub id
         return str(Path(config.weights_cache_override).expanduser().resolve())

@@ -1,6 +1,7 @@
-"""LoRA adapters: --lora-adapters' entries (TGI's syntax), each resolved to a local directory
-holding PEFT's adapter_config.json and adapter_model.safetensors (or .bin), and the router's
-argument naming them.
+"""LoRA adapters: --lora-adapters' entries (TGI's syntax) resolved to local directories.
+
+Each entry is resolved to a local directory holding PEFT's adapter_config.json and
+adapter_model.safetensors (or .bin); the module also builds the router's argument naming them.
 
 An entry is `id` (a local directory, or a Hub id downloaded, those two files alone, into the
 Hugging Face cache as a Hub model is: launcher/resolve.py), `id@revision` (a Hub id at that
@@ -84,8 +85,9 @@ def _parse_entry(entry: str) -> AdapterSpec:
 
 
 def adapter_files(path: Path) -> list[Path]:
-    """[adapter_config.json, the weights file] of an adapter directory, or the error naming what
-    it lacks."""
+    """[adapter_config.json, the weights file] of an adapter directory.
+
+    Or the error naming what it lacks."""
     config = path / ADAPTER_CONFIG
     if not config.is_file():
         raise ModelResolutionError(f"{path} holds no {ADAPTER_CONFIG}: not a PEFT LoRA adapter")
@@ -134,18 +136,20 @@ def resolve_adapters(specs: list[AdapterSpec], *, hub_cache: str | None = None) 
 
 
 def router_adapters_argv(directories: dict[str, Path]) -> list[str]:
-    """The router's `--lora-adapters name=/abs/dir,...`: split on ',', then each entry on its
-    FIRST '=' (names hold none; a path may)."""
+    """The router's `--lora-adapters name=/abs/dir,...` argument.
+
+    The router splits it on ',', then each entry on its FIRST '=' (names hold none; a path may)."""
     if not directories:
         return []
     return [FLAG, ",".join(f"{name}={directory}" for name, directory in directories.items())]
 
 
 def download_adapter(repo_id: str, revision: str | None, hub_cache: str | None) -> Path:
-    """The Hub repository's adapter_config.json and adapter_model.safetensors (else .bin) in the
-    Hugging Face cache, nothing else; the snapshot directory holding them. HF_TOKEN and
-    HF_HUB_OFFLINE act as for a model (huggingface_hub reads them): offline, only the cache
-    answers."""
+    """The snapshot directory of a Hub adapter's files, downloaded into the Hugging Face cache.
+
+    The Hub repository's adapter_config.json and adapter_model.safetensors (else .bin), nothing
+    else. HF_TOKEN and HF_HUB_OFFLINE act as for a model (huggingface_hub reads them): offline, only
+    the cache answers."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, RemoteEntryNotFoundError
 

@@ -80,9 +80,11 @@ def plan_tensors(model: GGUFFile, arch: Architecture, config: dict, dtype: str) 
 
 
 def read_rows(file, job: TensorJob, start: int, stop: int) -> np.ndarray:
-    """Rows [start, stop) of a tensor as stored (values, or ggml's blocks as bytes). Read from the
-    file rather than through a memory map: mapped pages count in the process's resident memory
-    until the kernel takes them back, so a map read end to end looks like the whole model held."""
+    """Rows [start, stop) of a tensor as stored (values, or ggml's blocks as bytes).
+
+    Read from the file rather than through a memory map: mapped pages count in the process's
+    resident memory until the kernel takes them back, so a map read end to end looks like the whole
+    model held."""
     import gguf
 
     tensor, shape = job.tensor, job.spec.shape
@@ -116,8 +118,9 @@ def dequantize_rows(tensor: TensorInfo, stored: np.ndarray) -> np.ndarray:
 
 
 def tensor_bytes(file, job: TensorJob, progress) -> Iterator[memoryview]:
-    """The tensor in Hugging Face's layout and the target dtype, a slice of rows at a time;
-    `progress(GGUF bytes)` after each slice."""
+    """The tensor in Hugging Face's layout and the target dtype, a slice of rows at a time.
+
+    `progress(GGUF bytes)` is called after each slice."""
     import torch
 
     rows, step = job.rows, job.rows_per_chunk
@@ -140,8 +143,10 @@ def tensor_bytes(file, job: TensorJob, progress) -> Iterator[memoryview]:
 
 def convert_weights(model: GGUFFile, arch: Architecture, config: dict, out_dir: Path,
                     dtype: str, progress=None) -> None:
-    """Every tensor under its Hugging Face name into safetensors shards (and their index when
-    there are several); `progress(bytes read, bytes in all)` of the GGUF's tensor data."""
+    """Every tensor under its Hugging Face name, written into safetensors shards.
+
+    With their index when there are several; `progress(bytes read, bytes in all)` of the GGUF's
+    tensor data."""
     from tqdm import tqdm
 
     jobs = plan_tensors(model, arch, config, dtype)
@@ -206,6 +211,7 @@ def write_tokenizer(gguf_path: Path, out_dir: Path, *, chat_template: str | None
 
 def quantization_name(gguf_path: Path) -> str:
     """llama.cpp's name for how the file is quantised ("Q4_K_M", "Q4_1"), "" when it does not say.
+
     Reads the header alone (gguf-py's reader would parse the whole vocabulary into objects)."""
     import gguf
 
@@ -237,7 +243,9 @@ def is_converted(out_dir: Path, dtype: str = "bfloat16") -> bool:
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress=None, *,
                  dtype: str = "bfloat16") -> Path:
-    """Converts into a staging directory renamed into place: a half-done run never looks complete.
+    """A GGUF converted into a model directory at `out_dir`, which it returns.
+
+    Converts into a staging directory renamed into place: a half-done run never looks complete.
     `progress(done, total)` follows the weights (bytes of the GGUF's tensor data)."""
     _check_dtype(dtype)
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)

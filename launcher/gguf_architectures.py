@@ -1,5 +1,7 @@
-"""What differs between the architectures a GGUF can hold: tensor names, what llama.cpp's converter
-did to the weights, and the config.json transformers needs for the same model.
+"""What differs between the architectures a GGUF can hold.
+
+Tensor names, what llama.cpp's converter did to the weights, and the config.json transformers
+needs for the same model.
 
 transformers' own GGUF loader (modeling_gguf_pytorch_utils.py) is the reference for the weights:
 only llama's q/k rows are permuted, and every Gemma norm is stored as 1 + weight (Hugging Face's
@@ -159,16 +161,20 @@ def qwen3_config(meta: Metadata) -> dict:
 
 
 def _query_pre_attn_scalar(config: dict, big_layer_count: int) -> int:
-    """llama.cpp scales queries by 1/sqrt(hidden / heads) for the 27B Gemma (which it recognises by
-    its layer count) and by 1/sqrt(head_dim) otherwise; the GGUF does not store it."""
+    """Gemma's query_pre_attn_scalar as llama.cpp applies it; the GGUF does not store it.
+
+    llama.cpp scales queries by 1/sqrt(hidden / heads) for the 27B Gemma (which it recognises by its
+    layer count) and by 1/sqrt(head_dim) otherwise."""
     if config["num_hidden_layers"] == big_layer_count:
         return config["hidden_size"] // config["num_attention_heads"]
     return config["head_dim"]
 
 
 def _layer_types(meta: Metadata, layers: int, default_period: int) -> list[str]:
-    """Every `period`-th layer attends to everything, the others to a sliding window (llama.cpp's
-    swa pattern), or per layer from the GGUF when it lists them (true: sliding)."""
+    """Each layer's attention: full or a sliding window (llama.cpp's swa pattern).
+
+    Every `period`-th layer attends to everything, the others to a sliding window, or per layer from
+    the GGUF when it lists them (true: sliding)."""
     pattern = meta.get("attention.sliding_window_pattern", default_period)
     if isinstance(pattern, list):
         if len(pattern) != layers:
@@ -205,9 +211,11 @@ def gemma2_config(meta: Metadata) -> dict:
 
 
 def gemma3_config(meta: Metadata) -> dict:
-    """Gemma 3's text model as its Hub checkpoints spell it (rope_theta for the full-attention
-    layers, rope_local_base_freq for the sliding ones, a rope_scaling that applies to the full
-    ones only): transformers turns these into its per-layer-type rope_parameters."""
+    """Gemma 3's text model config as its Hub checkpoints spell it.
+
+    rope_theta for the full-attention layers, rope_local_base_freq for the sliding ones, a
+    rope_scaling that applies to the full ones only: transformers turns these into its
+    per-layer-type rope_parameters."""
     config = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
               **_gemma_common(meta)}
     config.update({
@@ -250,8 +258,10 @@ def special_token_ids(meta: Metadata) -> dict:
 
 
 def _gemma_turn_end(meta: Metadata) -> int | None:
-    """A Gemma chat model ends its turn with <end_of_turn>, not <eos>: with a chat template that
-    writes it, generation must stop there too (a base model has no template and keeps <eos>)."""
+    """The id of <end_of_turn>, where a Gemma chat model's generation must stop too.
+
+    A Gemma chat model ends its turn with <end_of_turn>, not <eos>: with a chat template that writes
+    it, generation must stop there too (a base model has no template and keeps <eos>)."""
     template = meta.general("tokenizer.chat_template") or ""
     if not meta.arch.startswith("gemma") or "<end_of_turn>" not in template:
         return None

@@ -1,10 +1,11 @@
-"""Which shards stopped answering: a shard that hangs (stopped by SIGSTOP, swapped out, wedged)
-does not exit, so waiting for deaths alone left its requests waiting as long as it hung, and a
-tensor-parallel peer waiting on it failed its collective for good at the group's timeout, while
-/health said 200. Each rank's Health (answered by the shard's gRPC thread, not by its engine, so a
-long step does not count as a hang) is asked every few seconds from a thread of its own; a rank
-that has not answered for `timeout` seconds is stuck, and the supervisor restarts its group as it
-restarts the group of a dead one."""
+"""Which shards stopped answering: a hung shard's group is restarted as a dead one's is.
+
+A shard that hangs (stopped by SIGSTOP, swapped out, wedged) does not exit, so waiting for deaths
+alone left its requests waiting as long as it hung, and a tensor-parallel peer waiting on it failed
+its collective for good at the group's timeout, while /health said 200. Each rank's Health
+(answered by the shard's gRPC thread, not by its engine, so a long step does not count as a hang)
+is asked every few seconds from a thread of its own; a rank that has not answered for `timeout`
+seconds is stuck, and the supervisor restarts its group as it restarts the group of a dead one."""
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,10 @@ def health_probe(socket_path: str, timeout: float) -> bool:
 
 
 class Liveness:
-    """Since when each watched process has failed every probe. `targets()` lists what to watch
-    now, as (process id, socket path) pairs: the supervised groups' running ranks."""
+    """Since when each watched process has failed every probe.
+
+    `targets()` lists what to watch now, as (process id, socket path) pairs: the supervised groups'
+    running ranks."""
 
     def __init__(self, targets: Callable[[], list[tuple[int, str]]], timeout: float, *,
                  every: float = 2.0, probe: Probe = health_probe,
@@ -73,8 +76,9 @@ class Liveness:
         self.last_round = self.clock()
 
     def silent_for(self, pid: int) -> float | None:
-        """Seconds `pid` has failed every probe, once past the timeout; else None. Silence is
-        only what probes saw: while the probing itself lags (this launcher stopped, its
+        """Seconds `pid` has failed every probe, once past the timeout; else None.
+
+        Silence is only what probes saw: while the probing itself lags (this launcher stopped, its
         container paused), nobody is judged."""
         since = self.failing_since.get(pid)
         if since is None or self.clock() - self.last_round > 2 * self.every + self.round_time:

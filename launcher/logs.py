@@ -1,5 +1,6 @@
-"""The launcher's log: its own records (proto/logs.py: text, or JSON with --json-output), and its
-children's output relayed line by line.
+"""The launcher's log: its own records and its children's output relayed line by line.
+
+Its own records are proto/logs.py's: text, or JSON with --json-output.
 
 A child formats its own records (the launcher tells it how: proto.logs.child_log_environment). In
 text, each line is relayed behind the child's name; in JSON, a child's JSON record passes as it
@@ -29,9 +30,10 @@ _handler: logging.Handler | None = None
 
 
 def configure(json_output: bool) -> None:
-    """The launcher's records on stderr, from INFO up, and the libraries' from WARNING up (the
-    Hub client logs each HTTP request at INFO); call once at start (say() does, for a caller
-    that did not)."""
+    """The setup of the launcher's logging on stderr; call once at start.
+
+    The launcher's records from INFO up, and the libraries' from WARNING up (the Hub client logs
+    each HTTP request at INFO); say() calls it for a caller that did not."""
     global _handler
     if _handler is not None:
         logging.getLogger().removeHandler(_handler)
@@ -66,8 +68,9 @@ def _json_record(line: str) -> dict | None:
 
 
 def relayed_line(source: str, line: str, *, json_output: bool) -> tuple[str, list[str]]:
-    """(what the launcher writes for a child's `line`, the lines it keeps of it for the child's
-    last words: a JSON record's message and traceback, as text)."""
+    """(what the launcher writes for a child's `line`, the lines it keeps of it for its last words).
+
+    The lines kept for the child's last words are a JSON record's message and traceback, as text."""
     if not json_output:
         return f"[{source}] {line}", [line]
     record = _json_record(line)

@@ -1,6 +1,8 @@
-"""The launcher's ModelHost service (proto/model_host.proto): what the router asks of it to pull, start
-and stop models, and to pull LoRA adapters. It runs in gRPC's worker threads beside the supervisor's
-watch loop; the shard groups it starts are the supervisor's to watch once they listen."""
+"""The launcher's ModelHost service (proto/model_host.proto), which the router calls.
+
+What the router asks of it to pull, start and stop models, and to pull LoRA adapters. It runs in
+gRPC's worker threads beside the supervisor's watch loop; the shard groups it starts are the
+supervisor's to watch once they listen."""
 from __future__ import annotations
 
 import queue
@@ -22,8 +24,9 @@ from proto import model_host_pb2_grpc as pb_grpc
 
 
 class GroupHost(Protocol):
-    """What the service needs of the supervisor (launcher/supervisor.py), named here so that the
-    two modules do not import each other."""
+    """What the service needs of the supervisor (launcher/supervisor.py).
+
+    Named here so that the two modules do not import each other."""
     config: LauncherConfig
 
     def start_group(self, name: str, model_dir: Path, *, num_shard: int, dtype: str,

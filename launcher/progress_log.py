@@ -1,6 +1,8 @@
-"""A long step of the launcher (a model's download, its conversion) told as log records rather
-than a terminal's progress bar, so that a JSON log gets records too: one when a stage starts, one
-per tenth of the way or every few seconds, whichever comes first, and one when it is done.
+"""A long step of the launcher (a model's download, its conversion) told as log records.
+
+Log records rather than a terminal's progress bar, so that a JSON log gets records too: one when
+a stage starts, one per tenth of the way or every few seconds, whichever comes first, and one when
+it is done.
 
     smollm2-135m-instruct: downloading 41 MB / 98 MB (42%)
 """
@@ -19,8 +21,9 @@ _MB = 10**6
 
 
 class ProgressLog:
-    """A progress callback, `(stage, bytes done, bytes total)`, that logs what it is told about
-    `what`; safe to call from several threads."""
+    """A progress callback, `(stage, bytes done, bytes total)`, logging what it is told of `what`.
+
+    Safe to call from several threads."""
 
     def __init__(self, what: str, *, every_s: float = 5.0, fraction_step: float = 0.1,
                  clock: Callable[[], float] = time.monotonic):
@@ -83,9 +86,10 @@ def directory_size(path: Path) -> int:
 @contextmanager
 def watching_size(directory: Path, report: Callable[[int], None], *,
                   every_s: float = 0.5) -> Iterator[None]:
-    """Calls `report(the most bytes seen under directory)` every `every_s` seconds while the
-    block runs: the progress of a download that another program (pip, huggingface_hub) writes
-    there, and may clear before it ends."""
+    """A block during which `report` is told the most bytes seen under `directory`.
+
+    It is called every `every_s` seconds while the block runs: the progress of a download that
+    another program (pip, huggingface_hub) writes there, and may clear before it ends."""
     finished = threading.Event()
 
     def watch():

@@ -45,7 +45,9 @@ class Pulled:
 def pull(source: str, target_dir: Path, progress: Progress, *, revision: str | None = None,
          hub_cache: str | None = None, convert_dtype: str = "bfloat16",
          cache_dir: Path | None = None) -> Pulled:
-    """`convert_dtype`: what a GGUF is converted to (launcher.prepare.conversion_dtype);
+    """A model source fetched into `target_dir` (see the module's head for the kinds of source).
+
+    `convert_dtype`: what a GGUF is converted to (launcher.prepare.conversion_dtype);
     `cache_dir`: where a known model's GGUF is kept (default: the launcher's cache)."""
     target_dir = Path(target_dir)
     progress = _logged(progress, f"pull of {source}")
@@ -77,8 +79,9 @@ def pull(source: str, target_dir: Path, progress: Progress, *, revision: str | N
 
 def pull_adapter(source: str, target_dir: Path, progress: Progress, *,
                  revision: str | None = None, hub_cache: str | None = None) -> Pulled:
-    """A LoRA adapter's adapter_config.json and weights file, as they are, into `target_dir`:
-    from a local adapter directory, or a Hub id downloaded first into the Hugging Face cache
+    """A LoRA adapter's adapter_config.json and weights file, as they are, into `target_dir`.
+
+    From a local adapter directory, or a Hub id downloaded first into the Hugging Face cache
     (launcher/adapters.py)."""
     target_dir = Path(target_dir)
     progress = _logged(progress, f"pull of adapter {source}")
@@ -103,8 +106,9 @@ def _logged(progress: Progress, what: str) -> Progress:
 
 @contextmanager
 def _staged(target_dir: Path) -> Iterator[Path]:
-    """A staging directory beside `target_dir`, renamed to it once the block ends without an
-    error and dropped otherwise: the directory appears complete or not at all."""
+    """A staging directory beside `target_dir`, renamed to it once the block ends without an error.
+
+    It is dropped otherwise: the directory appears complete or not at all."""
     if target_dir.exists():
         raise ModelResolutionError(f"{target_dir} already exists")
     target_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -162,9 +166,10 @@ def _convert(gguf_path: Path, staging: Path, progress: Progress, dtype: str) -> 
 
 def _download(repo_id: str, staging: Path, progress: Progress, revision: str | None,
               hub_cache: str | None) -> str:
-    """snapshot_download into the staging directory of the files the checkpoint needs (its
-    index's weight files only: launcher/hub.py); progress is what has landed on disk against the
-    sizes the Hub lists for those files."""
+    """snapshot_download into the staging directory of the files the checkpoint needs.
+
+    Those are its index's weight files only (launcher/hub.py); progress is what has landed on disk
+    against the sizes the Hub lists for those files."""
     try:
         from huggingface_hub import HfApi, snapshot_download
         from huggingface_hub.utils import filter_repo_objects

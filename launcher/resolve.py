@@ -87,8 +87,10 @@ def resolve_model(model_id: str | None, *, revision: str | None = None,
 
 
 def _from_hub(model_id: str, revision: str | None, hub_cache: str | None) -> Path:
-    """The repository's checkpoint at `revision`: its config, tokenizer and template files and
-    exactly the weight files its index names (launcher/hub.py)."""
+    """The repository's checkpoint at `revision`, with only the files a checkpoint needs.
+
+    Its config, tokenizer and template files and exactly the weight files its index names
+    (launcher/hub.py)."""
     # HF_HUB_OFFLINE is read by huggingface_hub itself: offline, only the local cache answers
     try:
         from huggingface_hub import snapshot_download

@@ -36,8 +36,9 @@ class TensorSpec:
 
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int = MAX_SHARD_BYTES
                 ) -> list[list[TensorSpec]]:
-    """Tensors in order, a new shard whenever the next one would overflow the current (a tensor
-    larger than the limit gets a shard of its own)."""
+    """The tensors' split into shards: in order, a new shard whenever the next one would overflow.
+
+    A tensor larger than the limit gets a shard of its own."""
     shards: list[list[TensorSpec]] = [[]]
     size = 0
     for spec in specs:
@@ -57,8 +58,9 @@ def shard_file_names(count: int) -> list[str]:
 
 
 def header_bytes(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
-    """Length prefix and JSON header, padded with spaces so that the data starts 8-byte aligned
-    (what safetensors itself writes)."""
+    """A safetensors header: length prefix and JSON header, padded to align the data.
+
+    Padded with spaces so that the data starts 8-byte aligned (what safetensors itself writes)."""
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for spec in specs:

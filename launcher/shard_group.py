@@ -69,8 +69,9 @@ def spawn(name: str, argv: list[str], env: dict[str, str], json_output: bool) ->
 
 
 def kill(children: list[Child], say) -> None:
-    """SIGKILL to each child's whole process group (a shard's compiler, say), then reaped. A
-    leader that already died may leave members behind: its group is killed all the same (its id
+    """SIGKILL to each child's whole process group (a shard's compiler, say), then reaped.
+
+    A leader that already died may leave members behind: its group is killed all the same (its id
     cannot be reused while a member lives)."""
     for child in children:
         try:

@@ -1,5 +1,7 @@
-"""Starts the default model's shards and the router as child processes, waits until they serve, serves
-the router's model-lifecycle calls (launcher/model_host.py), and stops everything together.
+"""The launcher's supervisor: the default model's shards and the router as child processes.
+
+It starts them, waits until they serve, serves the router's model-lifecycle calls
+(launcher/model_host.py), and stops everything together.
 
 Every model that runs has a shard group of its own. A shard that exits gets its whole group
 restarted (every rank: the survivors wait in collectives for a peer that is gone), up to
@@ -41,8 +43,10 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def check_shardable(model_dir: Path, num_shard: int) -> None:
-    """Fails before any process starts when the shards do not serve the model's architecture, or
-    its heads cannot be split over `num_shard` ranks."""
+    """The check, before any process starts, that `num_shard` shards can serve the model.
+
+    It fails when the shards do not serve the model's architecture, or its heads cannot be split
+    over `num_shard` ranks."""
     path = model_dir / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -90,8 +94,9 @@ class Supervisor:
 
     @property
     def kv_ledger(self) -> str:
-        """The directory where this launcher's shards write down their CPU KV pools, so that
-        each model's pool is sized from what the others leave (shard/kv_budget.py)."""
+        """The directory where this launcher's shards write down their CPU KV pools.
+
+        So that each model's pool is sized from what the others leave (shard/kv_budget.py)."""
         return f"{self.config.shard_uds_path}-kv-ledger"
 
     def run(self) -> int:
@@ -136,9 +141,10 @@ class Supervisor:
     def _group(self, name: str, model_dir: Path, num_shard: int, dtype: str | None, device: str,
                *, uds_prefix: str, master_port: int, label: str,
                ranks_here: int | None = None) -> ShardGroup:
-        """A shard group's processes, not yet started; on GPUs, its ranks (`ranks_here` of them
-        on this machine, every one by default) get the GPUs the other groups use least. Called
-        with the lock held, or before any other group exists."""
+        """A shard group's processes, not yet started.
+
+        On GPUs, its ranks (`ranks_here` of them on this machine, every one by default) get the GPUs
+        the other groups use least. Called with the lock held, or before any other group exists."""
         # no dtype: "", each shard takes its device's default
         device, gpus = self._placement(name, device, ranks_here or num_shard)
         spec = GroupSpec(name, model_dir, num_shard, dtype or "", device, uds_prefix,
@@ -209,9 +215,10 @@ class Supervisor:
 
     def _wait_until(self, what: str, ready, *, group: ShardGroup | None = None,
                     timeout: float = 600.0) -> None:
-        """Waits for `ready`; a death of the router or of `group` is an error, as is a signal or
-        the timeout. Without a group, supervised groups are watched meanwhile as `_watch` does
-        (a shard that dies while the router starts is restarted, or ends the launch)."""
+        """The wait for `ready`, failed by the router's or `group`'s death, a signal or the timeout.
+
+        Without a group, supervised groups are watched meanwhile as `_watch` does (a shard that dies
+        while the router starts is restarted, or ends the launch)."""
         deadline = time.monotonic() + timeout
         while not ready():
             if self.router is not None and self.router.exited() is not None:
@@ -249,8 +256,9 @@ class Supervisor:
                     self._restart(group, *stuck)
 
     def _running_shards(self) -> list[tuple[int, str]]:
-        """What the liveness thread asks: (pid, socket) of each running rank of the supervised
-        groups on this machine whose socket is up."""
+        """What the liveness thread asks: (pid, socket) of each running rank whose socket is up.
+
+        The ranks are those of the supervised groups on this machine."""
         with self.lock:
             groups = [g for g in self.groups.values() if g.supervised]
             return [(child.process.pid, group.socket_path(rank))
@@ -269,8 +277,10 @@ class Supervisor:
         return None
 
     def _restart(self, group: ShardGroup, dead: Child, why: str | None = None) -> None:
-        """Restarts every rank of a group when one died (or, `why`, hangs); past the budget,
-        stops the group (and, for the default model, everything). Called with the lock held."""
+        """The restart of every rank of a group when one died (or, `why`, hangs).
+
+        Past the budget it stops the group (and, for the default model, everything). Called with the
+        lock held."""
         config = self.config
         what = why or death(dead)  # with the dead child's last lines
         if config.nnodes > 1 and group.spec.name == self.model_name:
@@ -302,8 +312,10 @@ class Supervisor:
 
     def start_group(self, name: str, model_dir: Path, *, num_shard: int, dtype: str | None,
                     device: str) -> str:
-        """Starts a model's shard group and returns rank 0's socket once every rank listens;
-        a group already running answers at once."""
+        """Rank 0's socket of a model's shard group, started and listening on every rank.
+
+        Starts the group and returns once every rank listens; a group already running answers at
+        once."""
         check_shardable(model_dir, num_shard)
         with self.lock:
             existing = self.groups.get(name)
