@@ -42,8 +42,8 @@ class GGUFFile:
 
 
 class _Cursor:
-    def __init__(self, buffer, path: Path):
-        self.buffer, self.pos, self.path = buffer, 0, path
+    def __init__(self, buffer, path: Path, pos: int = 0):
+        self.buffer, self.pos, self.path = buffer, pos, path
 
     def unpack(self, fmt: str):
         try:
@@ -99,10 +99,9 @@ def read_gguf(path: Path) -> GGUFFile:
     if path.stat().st_size < 24:  # magic, version and counts: an empty file cannot be mapped
         raise GGUFError(f"{path} is not a GGUF file (too short)")
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as blob:
-        cursor = _Cursor(blob, path)
         if blob[:4] != b"GGUF":
             raise GGUFError(f"{path} is not a GGUF file (no GGUF magic bytes)")
-        cursor.pos = 4
+        cursor = _Cursor(blob, path, pos=4)
         version, tensor_count, kv_count = cursor.unpack("IQQ")
         if version not in _VERSIONS:
             raise GGUFError(f"{path} is GGUF v{version}; only v2 and v3 are read")

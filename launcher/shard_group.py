@@ -149,6 +149,14 @@ class ShardGroup:
         # False while the caller that started it waits for it: a death then is that caller's error
         self.supervised = False
 
+    def supervise(self) -> None:
+        """Marks the group started: from now on a death is the supervisor's to handle."""
+        self.supervised = True
+
+    def stop_supervising(self) -> None:
+        """Marks the group as going away: a death now is expected, not restarted."""
+        self.supervised = False
+
     def socket_path(self, rank: int) -> str:
         return f"{self.spec.uds_prefix}-{rank}"
 

@@ -119,7 +119,7 @@ class Supervisor:
                 self.groups[self.model_name] = default
             default.spawn()
             self._wait_until("shards ready", default.ready, group=default)
-            default.supervised = True
+            default.supervise()
             if config.shard_hang_timeout > 0:
                 self.liveness = Liveness(self._running_shards, config.shard_hang_timeout)
                 self.liveness.start()
@@ -347,7 +347,7 @@ class Supervisor:
             if isinstance(err, Exception) and not isinstance(err, LaunchError):
                 raise LaunchError(f"the shards of {name} could not start: {err}") from err
             raise
-        group.supervised = True
+        group.supervise()
         return group.master_socket
 
     def group_names(self) -> list[str]:
@@ -358,7 +358,7 @@ class Supervisor:
         with self.lock:
             group = self.groups.pop(name, None)
             if group is not None:
-                group.supervised = False
+                group.stop_supervising()
         if group is not None:
             self._say(f"stopping the shards of {name}")
             group.stop(self.config.graceful_termination_timeout, self._say)
