@@ -1,5 +1,4 @@
-"""The launcher's side of its children's lifetime: a router or shard started by tgi-launcher ends
-when the launcher does, however the launcher ended.
+"""Ends a router or shard started by tgi-launcher when the launcher ends, however it ended.
 
 Children run in sessions of their own (a Ctrl-C reaches the launcher alone, which stops them in
 order), so a launcher killed with SIGKILL would leave them serving with nobody to restart a shard
@@ -20,9 +19,11 @@ LAUNCHER_PID_ENV = "TGI_PY_LAUNCHER_PID"  # set by the launcher in each child's 
 
 
 def watch_launcher(*, every: float = 1.0, grace: float = 30.0) -> threading.Thread | None:
-    """When this process was started by tgi-launcher, a daemon thread that sends this process
-    SIGTERM once the launcher is gone (this process was handed to another parent), and ends it
-    `grace` seconds later if the SIGTERM did not. None when no launcher started this process."""
+    """Starts a daemon thread that stops this process once the launcher that started it is gone.
+
+    The thread sends this process SIGTERM once the launcher is gone (this process was handed to
+    another parent), and ends it `grace` seconds later if the SIGTERM did not. None when no
+    launcher started this process."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if not launcher or not launcher.isdigit():
         return None

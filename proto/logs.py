@@ -1,7 +1,9 @@
-"""How tgi-py's processes log on stderr: readable lines, or with --json-output one JSON object per
-record, a traceback inside its record (`exc_info`), with the same keys in the launcher, the router
-and the shards: timestamp, level, name (the logger), message, source (the process), and a record's
-own fields (the access log's status, tokens...).
+"""How tgi-py's processes log on stderr: readable lines, or one JSON object per record.
+
+With --json-output each record is one JSON object, a traceback inside its record (`exc_info`),
+with the same keys in the launcher, the router and the shards: timestamp, level, name (the
+logger), message, source (the process), and a record's own fields (the access log's status,
+tokens...).
 
 Every process formats its own records; tgi-launcher only relays its children's lines. It tells each
 child the choice in JSON_OUTPUT (the variable of its own --json-output, which a router or a shard
@@ -58,9 +60,10 @@ class StderrHandler(logging.StreamHandler):
 
 def configure_logging(level: str | int, *, json_output: bool, source: str,
                       text_format: str = TEXT_FORMAT) -> logging.Handler:
-    """Logs every record from `level` up on stderr, as text or as JSON; returns the handler
-    (removed from the root logger to undo this). In JSON an uncaught exception, in the main
-    thread or another, is one record too, and so is a Python warning."""
+    """Logs every record from `level` up on stderr, as text or as JSON; returns the handler.
+
+    Removing the handler from the root logger undoes this. In JSON an uncaught exception, in the
+    main thread or another, is one record too, and so is a Python warning."""
     handler = StderrHandler()
     handler.setFormatter(json_formatter(source) if json_output
                          else logging.Formatter(text_format))

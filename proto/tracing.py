@@ -1,4 +1,4 @@
-"""Trace context across the router↔shard contract: OTLP export set-up and W3C traceparent in gRPC metadata.
+"""Trace context across the router↔shard contract: OTLP export and W3C traceparent in gRPC metadata.
 
 Both sides of the contract use it, so it lives with the contract. Without an endpoint nothing is
 exported and every helper is a cheap no-op.
