@@ -57,7 +57,7 @@ def object_schema(required: list[str], **properties) -> dict:
 
 
 # the error body an OpenAI SDK (its x-stainless-* headers) gets on every /v1 route
-# (router.errors.openai_error_body); `code` is TGI's error_type
+# (router.api.openai.errors.openai_error_body); `code` is TGI's error_type
 def sdk_error_schema() -> dict:
     return object_schema(["error"], error=object_schema(
         ["message", "type", "param", "code"], message={"type": "string"},

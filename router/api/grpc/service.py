@@ -21,8 +21,9 @@ from proto import api_pb2 as api
 from proto import api_pb2_grpc
 from router.api.grpc import convert
 from router.api.tgi import routes as tgi
+from router.api.grpc.status import grpc_error_trailers, grpc_status_code
 from router.errors import (IncompleteGenerationError, ModelNotFoundError, ModelStateError,
-                           RouterError, UnhealthyError, grpc_error_trailers, grpc_status_code)
+                           RouterError, UnhealthyError)
 from router.inputs.validation import ValidatedGenerate
 from router.schemas import Timings
 from router.state import STATE, RouterState

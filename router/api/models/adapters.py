@@ -11,8 +11,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from router.errors import (ERROR_BODY, AdapterError, ModelNotFoundError, UnknownAdapterError,
-                           openai_stream_error_body)
+from router.api.models.errors import lora_error_body
+from router.errors import AdapterError, ModelNotFoundError, UnknownAdapterError
+from router.http.middleware import ERROR_BODY
 from router.http.json_body import read_object
 from router.lifecycle.adapters import AdapterEntry
 from router.lifecycle.manager import ModelManager
@@ -138,7 +139,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
 def _answering_errors_in_openai_shape(handler):
     @functools.wraps(handler)
     async def wrapped(request: web.Request) -> web.StreamResponse:
-        request[ERROR_BODY] = openai_stream_error_body  # OpenAI's error object, as vLLM's
+        request[ERROR_BODY] = lora_error_body  # OpenAI's error object, as vLLM's
         return await handler(request)
     return wrapped
 

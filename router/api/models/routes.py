@@ -15,7 +15,9 @@ from pathlib import Path
 from aiohttp import web
 
 from router.api.models import adapters
-from router.errors import ERROR_BODY, ModelStateError, ValidationError, models_error_body
+from router.api.models.errors import models_error_body
+from router.errors import ModelStateError, ValidationError
+from router.http.middleware import ERROR_BODY
 from router.http.json_body import read_object
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.registry import (BUSY, DOWNLOADING, RUNNING, ModelRecord, check_model_id,
@@ -215,7 +217,7 @@ async def pull(request: web.Request) -> web.Response:
 
 
 def _answering_errors_in_models_shape(handler):
-    """The model routes answer errors in their body (router.errors.models_error_body)."""
+    """The model routes answer errors in their body (router.api.models.errors.models_error_body)."""
     @functools.wraps(handler)
     async def wrapped(request: web.Request) -> web.Response:
         request[ERROR_BODY] = models_error_body

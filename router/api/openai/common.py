@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from router import VERSION
-from router.errors import (ModelNotFoundError, RouterError, UnknownAdapterError,
-                           openai_stream_error_body)
+from router.api.openai.errors import openai_stream_error_body
+from router.errors import ModelNotFoundError, RouterError, UnknownAdapterError
 from router.http.sse import StreamFormat, openai_sse
 from router.schemas import FinishReason
 

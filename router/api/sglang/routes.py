@@ -26,8 +26,10 @@ from router.api.sglang.lora import SglangBadRequest
 from router.api.sglang.request import SglangItem, is_sglang_body, parse_generate
 from router.api.tgi import routes as tgi
 from router.core.generation import FanOutStream
-from router.errors import (ERROR_BODY, OverloadedError, RouterError, UnhealthyError,
-                           UnknownAdapterError, ValidationError, sglang_error_body)
+from router.api.sglang.errors import sglang_error_body
+from router.errors import (OverloadedError, RouterError, UnhealthyError, UnknownAdapterError,
+                           ValidationError)
+from router.http.middleware import ERROR_BODY
 from router.http.json_body import read_object
 from router.http.sse import StreamFormat, openai_sse, serve_stream
 from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,

@@ -8,9 +8,10 @@ import time
 from aiohttp import web
 
 from router.core.generation import GenerateResult
-from router.errors import BadRequestError, RouterError, ValidationError, tgi_error_body
+from router.api.tgi.errors import tgi_error_body
+from router.errors import BadRequestError, RouterError, ValidationError
 from router.http.json_body import read_object
-from router.http.middleware import error_middleware
+from router.http.middleware import ErrorBodies, error_middleware
 from router.http.sse import StreamFormat, serve_stream, sse_data
 from router.inputs.validation import ValidatedGenerate, check_types, validate_generate
 from router.lifecycle.served_model import ServedModel
@@ -262,7 +263,7 @@ async def metrics(request: web.Request) -> web.Response:
 def metrics_app(state: RouterState) -> web.Application:
     """What --prometheus-port serves: GET /metrics, the same as on the main port."""
     app = web.Application()
-    app.middlewares.append(error_middleware)
+    app.middlewares.append(error_middleware(ErrorBodies(tgi_error_body)))
     app[STATE] = state
     app.router.add_get("/metrics", metrics)
     return app
