@@ -3,13 +3,16 @@ directory it was loaded from) and `lora_id` (a name), once for every prompt or o
 What SGLang refuses here it answers with a 400, and so do we."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from router.errors import UnknownAdapterError, ValidationError
-from router.inputs.validation import chosen_adapter
+from router.inputs.validation import AdapterRegistry, chosen_adapter
 
-if TYPE_CHECKING:
-    from router.lifecycle.adapters import AdapterRegistry
+
+class LoadedAdapters(AdapterRegistry, Protocol):
+    """What SGLang's routes read of a served model's adapters (router.lifecycle.adapters)."""
+
+    def resolve_path(self, path: str) -> str | None: ...  # the open adapter loaded from `path`
 
 
 class SglangBadRequest(ValidationError):
@@ -32,7 +35,7 @@ def _lora_values(body: dict, name: str, count: int) -> list[str | None]:
     return values
 
 
-def _adapter(value: str | None, name: str, adapters: AdapterRegistry | None) -> str | None:
+def _adapter(value: str | None, name: str, adapters: LoadedAdapters | None) -> str | None:
     """A loaded adapter's name, given as itself or (`lora_path`) as the directory it was loaded
     from, as SGLang's lora_path names an adapter by the path it was loaded under."""
     try:
@@ -47,7 +50,7 @@ def _adapter(value: str | None, name: str, adapters: AdapterRegistry | None) -> 
 
 
 def prompt_adapters(body: dict, count: int,
-                    adapters: AdapterRegistry | None) -> list[str | None]:
+                    adapters: LoadedAdapters | None) -> list[str | None]:
     """Each prompt's LoRA adapter (None: the base model), by `lora_path` or `lora_id` (SGLang's
     newer field, a name); both given must name the same adapter."""
     chosen = []
