@@ -137,7 +137,7 @@ class ShardedClient:
         """The batch's message, and the requests that could not be put into it (each fails
         alone, before anything is sent)."""
         message, rejected = convert.batch_message(batch)
-        return PreparedBatch(batch.without({r.request_id for r in rejected}), message), rejected
+        return PreparedBatch([r.id for r in message.requests], message), rejected
 
     async def prefill(self, prepared: PreparedBatch,
                       running: CachedBatch | None = None) -> StepResult:

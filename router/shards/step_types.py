@@ -28,17 +28,15 @@ class NewBatch:
     max_tokens: int  # KV tokens the batch may reach (prompts and every new token)
     max_blocks: int  # the longest block table in it
 
-    def without(self, request_ids: set[int]) -> NewBatch:
-        return NewBatch(self.id, [r for r in self.requests if r.id not in request_ids],
-                        self.max_tokens, self.max_blocks)
-
 
 @dataclass(slots=True)
 class PreparedBatch:
-    """A NewBatch as the shard client will send it: the requests that could be put into a
-    message, and that message (opaque here: only the client reads it)."""
+    """A NewBatch as the shard client will send it.
 
-    batch: NewBatch
+    `message` is opaque here (only the client reads it); `request_ids` are the requests that could
+    be put into it."""
+
+    request_ids: list[int]
     message: object = None
 
 
