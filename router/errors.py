@@ -47,7 +47,9 @@ class ValidationError(RouterError):
 
 @contextmanager
 def about_field(param: str) -> Iterator[None]:
-    """ValidationErrors raised inside it are about `param`: an OpenAI route's name for a check
+    """Inside it, ValidationErrors are about `param`.
+
+    ValidationErrors raised inside it are about `param`: an OpenAI route's name for a check
     worded in TGI's (`inputs`, `max_new_tokens`)."""
     try:
         yield
@@ -57,8 +59,9 @@ def about_field(param: str) -> Iterator[None]:
 
 
 class UnknownAdapterError(ValidationError, LookupError):
-    """A request names a LoRA adapter the model has not loaded (or is unloading). A 422 as it
-    is; the OpenAI and SGLang routes answer it in their own status."""
+    """A request names a LoRA adapter the model has not loaded (or is unloading).
+
+    A 422 as it is; the OpenAI and SGLang routes answer it in their own status."""
 
     def __init__(self, name: str, loaded: list[str]):
         listed = (f"the loaded adapters are: {', '.join(loaded)}" if loaded
@@ -68,7 +71,9 @@ class UnknownAdapterError(ValidationError, LookupError):
 
 
 class AdapterError(RouterError):
-    """A LoRA adapter cannot be loaded or unloaded as asked: a bad directory, a name in use, an
+    """A LoRA adapter cannot be loaded or unloaded as asked (400, as vLLM answers).
+
+    A LoRA adapter cannot be loaded or unloaded as asked: a bad directory, a name in use, an
     adapter the shards refuse (the message says which). 400, as vLLM answers them."""
 
     status = 400

@@ -99,7 +99,9 @@ def api_key_middleware(api_key: str, bodies: ErrorBodies):
 
 
 def install_cors(app: web.Application, allowed: str) -> None:
-    """A middleware answering preflights, and CORS headers on every answer to an allowed origin
+    """Installs CORS: preflights answered, and headers on every allowed answer.
+
+    A middleware answering preflights, and CORS headers on every answer to an allowed origin
     as it is prepared (on_response_prepare): a stream's too, whose headers go out before its
     handler returns. Outermost, so that a preflight needs no key."""
     origins = {o.strip() for o in allowed.split(",") if o.strip()}

@@ -85,7 +85,9 @@ def model_json(record: ModelRecord) -> dict:
 
 
 def _get_json(record: ModelRecord, served) -> dict:
-    """Jan's GetModelResponse: the Model object plus its engine and model parameters, with the
+    """Jan's GetModelResponse for a model.
+
+    Jan's GetModelResponse: the Model object plus its engine and model parameters, with the
     values in force for a running model."""
     settings = dict(record.settings)
     if served is not None:
@@ -177,7 +179,9 @@ async def stop_model(request: web.Request) -> web.Response:
 
 
 async def start_named(request: web.Request) -> web.Response:
-    """Cortex's POST /v1/models/start {"model": id, ...}: its other fields are the model's
+    """Cortex's POST /v1/models/start {"model": id, ...}.
+
+    Cortex's POST /v1/models/start {"model": id, ...}: its other fields are the model's
     settings (ctx_len, n_parallel, ngl, ...), kept as a PATCH would keep them."""
     body = await read_object(request)
     manager = _manager(request)

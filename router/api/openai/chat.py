@@ -51,7 +51,9 @@ def _tool_message(text: str) -> tuple[dict, str]:
 
 def _message(result: GenerateResult, expects_call: bool, stops: list[str],
              reasoning: bool | None = None) -> tuple[dict, str]:
-    """`reasoning`: None without --reasoning-parser, else whether the output begins inside the
+    """A choice's message object, and its text.
+
+    `reasoning`: None without --reasoning-parser, else whether the output begins inside the
     thinking block (router.inputs.reasoning)."""
     finish = FINISH[result.final.finish_reason]
     if expects_call and result.final.finish_reason is not FinishReason.LENGTH:
@@ -67,10 +69,12 @@ def _message(result: GenerateResult, expects_call: bool, stops: list[str],
 
 
 class _Chat:
-    """One chat request, validated: what to generate and how to answer. `reasoning`: None when
-    the output is not split (no --reasoning-parser, or a grammar shapes all of it: tools and
-    response_format leave no room to think), else whether it begins inside the thinking block.
-    `model`: the name the answer gives, the LoRA adapter's when `model` named one (vLLM's)."""
+    """One chat request, validated: what to generate and how to answer.
+
+    `reasoning`: None when the output is not split (no --reasoning-parser, or a grammar shapes all
+    of it: tools and response_format leave no room to think), else whether it begins inside the
+    thinking block. `model`: the name the answer gives, the LoRA adapter's when `model` named one
+    (vLLM's)."""
 
     def __init__(self, request: GenerateRequest, options: ChatOptions, expects_call: bool,
                  reasoning: bool | None = None, *, model: str):
@@ -88,7 +92,9 @@ class _Chat:
 
 
 def _chat_prompt(served, body: dict):
-    """(the tool plan, the response format's grammar, the prompt): the slow part of reading a
+    """A chat body's tool plan, response-format grammar and prompt.
+
+    (the tool plan, the response format's grammar, the prompt): the slow part of reading a
     chat, whose messages, tools and schemas a body of megabytes can make take a second, so it runs
     in a worker thread, not on the event loop that serves every other request."""
     messages = normalise_messages(body.get("messages"))

@@ -211,8 +211,9 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
                          max_batch: int, hidden_size: int, *,
                          adapters: LoadedAdapters | None = None) -> SglangBatch:
     """The whole body -> one GenerateRequest per prompt and copy, in batch-major order.
-    `hidden_size` is the width of a row of `input_embeds`; `adapters`: the model's LoRA
-    adapters, which `lora_path` / `lora_id` choose from."""
+
+    `hidden_size` is the width of a row of `input_embeds`; `adapters`: the model's LoRA adapters,
+    which `lora_path` / `lora_id` choose from."""
     check_fields(body)
     prompts, batch, field_name = _prompts(body)
     if len(prompts) > max_batch:

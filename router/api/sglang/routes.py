@@ -1,4 +1,6 @@
-"""SGLang's native API: `POST /generate` with `text` / `input_ids`, and its companion routes
+"""SGLang's native API: POST /generate and its companion routes.
+
+SGLang's native API: `POST /generate` with `text` / `input_ids`, and its companion routes
 (/abort_request, /flush_cache, /health_generate, /get_model_info, /get_server_info).
 
 TGI and SGLang share the path `POST /generate`. TGI's module owns the route and keeps a short list
@@ -102,7 +104,9 @@ class Run:
         return self.stream.aborted
 
     def arrived(self, event: TokenEvent) -> None:
-        """An event as the core hands it over (the writer may lag behind): recorded, and framed
+        """Records an event as the core hands it over.
+
+        An event as the core hands it over (the writer may lag behind): recorded, and framed
         when streamed; an aborted run's last event is framed only."""
         if not self.aborted:
             self.record(event)
@@ -190,14 +194,18 @@ class Run:
 
 
 def _events(infer, runs: list[Run]) -> AsyncIterator[tuple[int, TokenEvent]]:
-    """(index, event) of every run as they arrive, through the core's fan-out (each run abortable
+    """(index, event) of every run as they arrive.
+
+    (index, event) of every run as they arrive, through the core's fan-out (each run abortable
     alone; an aborted run ends with an event of its own)."""
     return infer.stream_many([run.request for run in runs], streams=[run.stream for run in runs],
                              on_event=lambda index, event: runs[index].arrived(event))
 
 
 class SglangStream(StreamFormat):
-    """`data: {"text": <text so far>, "meta_info": {...}}` per token, `data: [DONE]` at the end;
+    """SGLang's stream: a `data:` frame per token, `data: [DONE]` at the end.
+
+    `data: {"text": <text so far>, "meta_info": {...}}` per token, `data: [DONE]` at the end;
     a batch's events carry the `index` of their generation (each frame made as its event was
     recorded: Run.keep_frame)."""
 
