@@ -14,13 +14,15 @@ from router.api.grpc import service as grpc_service
 from router.api.models import routes as models
 from router.api.openai import chat as openai
 from router.api.openai import completions
+from router.api.openai.errors import is_openai_sdk, openai_error_body
 from router.api.sglang import routes as sglang
 from router.api.tgi import routes as tgi
+from router.api.tgi.errors import tgi_error_body
 from router.api.ui import routes as ui
 from router.config import RouterConfig
 from router.errors import RouterError
 from router.http import access_log
-from router.http.middleware import api_key_middleware, error_middleware, install_cors
+from router.http.middleware import ErrorBodies, api_key_middleware, error_middleware, install_cors
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.model_host import ModelHostClient
 from router.lifecycle.registry import ModelRegistry
@@ -31,6 +33,9 @@ from router.state import STATE, RouterState
 # events into its wire format, and registers itself (routes, or a server of its own).
 API_MODULES = (tgi, sglang, openai, completions, invocations, generate_one, models, grpc_service,
                openapi, ui)
+
+# errors in TGI's body, a route's own where its API has one, and OpenAI's to an OpenAI SDK on /v1
+ERROR_BODIES = ErrorBodies(tgi_error_body, overrides=((is_openai_sdk, openai_error_body),))
 
 log = logging.getLogger("tgi.router")
 
@@ -71,9 +76,9 @@ async def load_startup_adapters(state: RouterState) -> None:
 def create_app(state: RouterState) -> web.Application:
     config = state.config
     app = web.Application(client_max_size=config.payload_limit)
-    app.middlewares.append(error_middleware)
+    app.middlewares.append(error_middleware(ERROR_BODIES))
     if config.api_key:
-        app.middlewares.append(api_key_middleware(config.api_key))
+        app.middlewares.append(api_key_middleware(config.api_key, ERROR_BODIES))
     if config.cors_allow_origin:
         install_cors(app, config.cors_allow_origin)
     access_log.install(app)  # outermost: it logs the answers of the middlewares above

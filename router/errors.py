@@ -1,13 +1,13 @@
-"""The router's errors, all of them: each knows its HTTP status and TGI error_type; below them, the
-body each API answers an error in, and the gRPC status each maps to."""
+"""The router's typed errors: each knows its HTTP status and TGI error_type.
+
+Each API answers them in its own body (router/api/*/errors.py); the public gRPC API maps them to
+its statuses (router/api/grpc/status.py).
+"""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-
-import grpc
-from aiohttp import web
 
 
 class RouterError(Exception):
@@ -47,7 +47,9 @@ class ValidationError(RouterError):
 
 @contextmanager
 def about_field(param: str) -> Iterator[None]:
-    """ValidationErrors raised inside it are about `param`: an OpenAI route's name for a check
+    """Inside it, ValidationErrors are about `param`.
+
+    ValidationErrors raised inside it are about `param`: an OpenAI route's name for a check
     worded in TGI's (`inputs`, `max_new_tokens`)."""
     try:
         yield
@@ -57,8 +59,9 @@ def about_field(param: str) -> Iterator[None]:
 
 
 class UnknownAdapterError(ValidationError, LookupError):
-    """A request names a LoRA adapter the model has not loaded (or is unloading). A 422 as it
-    is; the OpenAI and SGLang routes answer it in their own status."""
+    """A request names a LoRA adapter the model has not loaded (or is unloading).
+
+    A 422 as it is; the OpenAI and SGLang routes answer it in their own status."""
 
     def __init__(self, name: str, loaded: list[str]):
         listed = (f"the loaded adapters are: {', '.join(loaded)}" if loaded
@@ -68,7 +71,9 @@ class UnknownAdapterError(ValidationError, LookupError):
 
 
 class AdapterError(RouterError):
-    """A LoRA adapter cannot be loaded or unloaded as asked: a bad directory, a name in use, an
+    """A LoRA adapter cannot be loaded or unloaded as asked (400, as vLLM answers).
+
+    A LoRA adapter cannot be loaded or unloaded as asked: a bad directory, a name in use, an
     adapter the shards refuse (the message says which). 400, as vLLM answers them."""
 
     status = 400
@@ -198,84 +203,3 @@ class ModelHostMissingError(RouterError):
 
     def __init__(self, reason: str = "this router runs without tgi-launcher's model host"):
         super().__init__(f"models cannot be pulled, started or stopped: {reason}")
-
-
-# -- the body of an error in each API's shape
-
-def tgi_error_body(error: RouterError) -> dict:
-    """TGI's `{"error", "error_type"}`: TGI's routes, generate-one's, and every route by default."""
-    return {"error": str(error), "error_type": error.error_type}
-
-
-def openai_stream_error_body(error: RouterError) -> dict:
-    """The last `data:` frame of an OpenAI stream that failed after it opened."""
-    return {"error": {"message": str(error), "type": error.error_type,
-                      "http_status_code": error.status}}
-
-
-def _openai_error_type(status: int) -> str:
-    """OpenAI's `type` for an error of this HTTP status."""
-    if status == 401:
-        return "authentication_error"
-    if status == 429:
-        return "rate_limit_exceeded"
-    if status < 500 and status != 424:  # 424: a shard failed the generation, not the request
-        return "invalid_request_error"
-    return "server_error"
-
-
-def openai_error_body(error: RouterError) -> dict:
-    """OpenAI's error object, for OpenAI's SDKs on the /v1 routes: their exceptions' text is
-    `message`, and they expose type, param and code. `code` is TGI's error_type (OpenAI's own
-    `model_not_found` among them), so an SDK reads all that TGI's shape says."""
-    return {"error": {"message": str(error), "type": _openai_error_type(error.status),
-                      "param": error.param, "code": error.error_type}}
-
-
-def sglang_error_body(error: RouterError) -> dict:
-    return {"error": {"message": str(error), "type": error.error_type, "code": error.status}}
-
-
-def models_error_body(error: RouterError) -> dict:
-    """The model routes': TGI's fields, and a 409 names the model's current state."""
-    body = tgi_error_body(error)
-    if isinstance(error, ModelStateError):
-        body["state"] = error.state
-    return body
-
-
-# a handler of another API's shape sets request[ERROR_BODY] to its own body function, which the
-# error middleware then uses for what the handler lets through (TGI's shape otherwise; an OpenAI
-# SDK on a /v1 route gets openai_error_body whatever the route: router.http.middleware)
-ERROR_BODY = web.RequestKey("error_body", Callable[[RouterError], dict])
-
-
-# -- the public gRPC API's statuses
-
-# TGI's HTTP status -> gRPC code. 424 (a shard failed during the generation) is INTERNAL, not
-# UNAVAILABLE: clients and proxies retry UNAVAILABLE on their own, and a request that crashed the
-# shards would crash the restarted group again. 503 is UNAVAILABLE: the shards are restarting or
-# the server is shutting down, so trying again later (Retry-After in the trailers) is right.
-GRPC_STATUS_CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    404: grpc.StatusCode.NOT_FOUND,
-    408: grpc.StatusCode.DEADLINE_EXCEEDED,
-    409: grpc.StatusCode.FAILED_PRECONDITION,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    422: grpc.StatusCode.INVALID_ARGUMENT,
-    424: grpc.StatusCode.INTERNAL,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    500: grpc.StatusCode.INTERNAL,
-    503: grpc.StatusCode.UNAVAILABLE,
-}
-
-
-def grpc_status_code(error: RouterError) -> grpc.StatusCode:
-    return GRPC_STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL)
-
-
-def grpc_error_trailers(error: RouterError) -> tuple[tuple[str, str], ...]:
-    """TGI's error_type, and the HTTP answer's headers (Retry-After), as trailing metadata."""
-    return (("tgi-error-type", error.error_type),
-            *((name.lower(), value) for name, value in error.headers.items()))

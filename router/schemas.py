@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 
 class FinishReason(str, enum.Enum):
-    """TGI's JSON names; the shard's FinishReason is numbered as the proto's (a table in
+    """Why a generation ended, in TGI's JSON names.
+
+    TGI's JSON names; the shard's FinishReason is numbered as the proto's (a table in
     router.shards.convert maps one to the other)."""
 
     LENGTH = "length"
@@ -16,7 +18,9 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(slots=True)
 class SamplingParams:
-    """As validation leaves them; the shard has its own SamplingParams (the processes share no
+    """A request's sampling parameters, as validation leaves them.
+
+    As validation leaves them; the shard has its own SamplingParams (the processes share no
     code, only the proto)."""
 
     temperature: float = 1.0
@@ -70,7 +74,9 @@ class GenerateRequest:
 
     @property
     def computes_whole_prompt(self) -> bool:
-        """Whether every prompt position must be computed here: its ids are not all there is to
+        """Whether every prompt position must be computed here.
+
+        Whether every prompt position must be computed here: its ids are not all there is to
         know (embeddings), or what it asks of the prompt is not in the prefix cache's blocks."""
         return (self.prefill_logprobs or self.return_hidden_states
                 or self.input_embeds is not None)

@@ -95,12 +95,15 @@ class FakeShardClient:
         """As the real client: the requests whose message cannot be built are left out."""
         untranslatable = [Rejection(r.id, f"ValueError: {err}", err) for r in batch.requests
                           if (err := self.untranslatable(r)) is not None]
-        return PreparedBatch(batch.without({r.request_id for r in untranslatable})), untranslatable
+        left_out = {r.request_id for r in untranslatable}
+        sent = NewBatch(batch.id, [r for r in batch.requests if r.id not in left_out],
+                        batch.max_tokens, batch.max_blocks)  # the fake's message
+        return PreparedBatch([r.id for r in sent.requests], sent), untranslatable
 
     async def prefill(self, prepared: PreparedBatch,
                       running: CachedBatch | None = None) -> StepResult:
         """A running batch takes its step in the same call and the complete new requests join it."""
-        batch = prepared.batch
+        batch = prepared.message
         requests = batch.requests
         assert requests, "a prefill with no request is never sent"
         first = requests[0]

@@ -1,5 +1,8 @@
-"""The OpenAPI document of what this router serves: each API family contributes its part
-(its package's openapi.py), assembled here with the routes no single family owns."""
+"""The OpenAPI document of what this router serves.
+
+The OpenAPI document of what this router serves: each API family contributes its part
+(its package's openapi.py), assembled here with the routes no single family owns.
+"""
 from __future__ import annotations
 
 from aiohttp import web

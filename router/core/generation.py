@@ -1,9 +1,9 @@
-"""The generation core every API adapter calls: admission (429 past the concurrency limit), one
+"""The generation core every API module calls: admission (429 past the concurrency limit), one
 request's event stream with cancellation on exit, n requests fanned out (merged streams, each
 abortable alone, or all results, the others cancelled when one fails), and the request-level
 metrics every API shares.
 
-An adapter turns its wire format into GenerateRequests and these events into its wire format; it
+An API module turns its wire format into GenerateRequests and these events into its wire format; it
 never sees the queue, the shards or the KV blocks.
 """
 from __future__ import annotations

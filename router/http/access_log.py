@@ -1,4 +1,6 @@
-"""The access log: one line per HTTP request, once it is answered (a stream once it ends, or once
+"""The access log: one line per HTTP request, once it is answered.
+
+The access log: one line per HTTP request, once it is answered (a stream once it ends, or once
 its client went away), on the logger "tgi.access", and the request's id on every answer.
 
     POST /generate 200 0.412s input_tokens=5 generated_tokens=20 model=smollm2 request_id=9f2c...
@@ -35,7 +37,9 @@ _MAX_PATH_LENGTH = 512
 
 
 def request_id_of(request: web.Request) -> str:
-    """The client's id when it is 1-128 printable characters without spaces (it goes into log
+    """The request's id: the client's when it is fit for a log line, else a new one.
+
+    The client's id when it is 1-128 printable characters without spaces (it goes into log
     lines as it is), else a new one."""
     given = request.headers.get(REQUEST_ID_HEADER, "")
     if 0 < len(given) <= MAX_REQUEST_ID_LENGTH and all("!" <= c <= "~" for c in given):
@@ -44,7 +48,9 @@ def request_id_of(request: web.Request) -> str:
 
 
 def install(app: web.Application) -> None:
-    """Outermost middleware (it sees the answers error_middleware makes of errors, the API key's
+    """Installs the access log as the outermost middleware.
+
+    Outermost middleware (it sees the answers error_middleware makes of errors, the API key's
     401s and CORS preflights) and the id on every answer as its headers go out."""
     app.middlewares.insert(0, access_log_middleware)
     app.on_response_prepare.append(_add_request_id)

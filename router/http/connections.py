@@ -1,4 +1,6 @@
-"""The HTTP listener's guards against connections that hold the process without asking anything:
+"""The HTTP listener's guards against connections that hold the process.
+
+The HTTP listener's guards against connections that hold the process without asking anything:
 a ceiling on open connections below the file-descriptor limit, and a quiet log when the limit is
 reached anyway or a request cannot be parsed.
 
@@ -6,7 +8,8 @@ Each connection costs a file descriptor. Without a ceiling, enough idle connecti
 out of them: every other client was locked out, and asyncio's accept loop logged a traceback per
 retry (tens of thousands a second) until the connections went away. Idle and half-sent requests
 are closed by aiohttp's keep-alive timeout (KEEPALIVE_TIMEOUT, which also runs from a connection's
-start), and a body that does not arrive by the request-body timeout of json_body."""
+start), and a body that does not arrive by the request-body timeout of json_body.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +32,9 @@ _RESERVED_FILES = 256
 
 
 def raise_file_limit() -> int:
-    """Raises this process's soft limit on open files to its hard limit, as servers do; returns
+    """Raises this process's soft limit on open files to its hard limit.
+
+    Raises this process's soft limit on open files to its hard limit, as servers do; returns
     the soft limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft < hard:
@@ -54,9 +59,11 @@ _REFUSAL_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: applica
 
 
 class _Refusal(asyncio.Protocol):
-    """A connection over the ceiling: a 503 in TGI's shape, then closed. The close waits a moment
-    (the client's request, unread, would otherwise make the kernel reset the connection, and the
-    reset can overtake the answer), unless many refusals are waiting already."""
+    """A connection over the ceiling: a 503 in TGI's shape, then closed.
+
+    The close waits a moment (the client's request, unread, would otherwise make the kernel reset
+    the connection, and the reset can overtake the answer), unless many refusals are waiting
+    already."""
 
     waiting = 0  # refusals in their moment, each holding a descriptor
     MOST_WAITING = 64
@@ -84,7 +91,9 @@ class _Refusal(asyncio.Protocol):
 
 
 class ConnectionCeiling:
-    """The listener's protocol factory: aiohttp's request handlers up to `ceiling` open
+    """The listener's protocol factory, refusing connections past `ceiling`.
+
+    The listener's protocol factory: aiohttp's request handlers up to `ceiling` open
     connections, a refusal beyond."""
 
     def __init__(self, server: web.Server, ceiling: int):
@@ -100,7 +109,9 @@ class ConnectionCeiling:
 
 
 class QuietAcceptErrors:
-    """A loop exception handler that logs asyncio's "socket.accept() out of system resource"
+    """A loop exception handler that logs failed accepts once a minute.
+
+    A loop exception handler that logs asyncio's "socket.accept() out of system resource"
     once a minute, one line and no traceback, and hands everything else to the default handler
     (Python 3.11 logs a traceback for every retry, which fills the log within seconds)."""
 
@@ -123,7 +134,9 @@ class QuietAcceptErrors:
 
 
 class ClientMistakes(logging.Filter):
-    """Makes aiohttp's record of a request it could not parse (a head over 8 KB, a bad chunk size,
+    """Logs a request aiohttp could not parse as one warning line.
+
+    Makes aiohttp's record of a request it could not parse (a head over 8 KB, a bad chunk size,
     both Content-Length and Transfer-Encoding) one warning line: it was an ERROR with a traceback
     for each such request, the client's mistake and not the server's."""
 
@@ -146,7 +159,9 @@ def quiet_client_mistakes() -> None:
 async def start_listening(app: web.Application, host: str, port: int, *,
                           keepalive_timeout: float = KEEPALIVE_TIMEOUT,
                           ceiling: int | None = None) -> tuple[web.AppRunner, asyncio.Server]:
-    """Serves `app` on host:port with the guards above; the ceiling defaults to what the file
+    """Serves `app` on host:port with the guards above.
+
+    Serves `app` on host:port with the guards above; the ceiling defaults to what the file
     limit (raised to its hard limit) allows. Stop with listener.close(), then runner.cleanup(),
     which drains and closes the connections."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,

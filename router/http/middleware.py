@@ -1,15 +1,19 @@
-"""HTTP middlewares: errors in each API's envelope (TGI's {error, error_type} by default),
-API key, CORS."""
+"""HTTP middlewares: errors answered in each API's body, the API key, CORS.
+
+The bodies are the API packages' (router/api/*/errors.py), given by whoever builds the
+application (router/app.py): this layer sits below them and imports none.
+"""
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 
-from router.errors import (ERROR_BODY, AuthenticationError, HTTPError, PayloadTooLargeError,
-                           RouterError, openai_error_body, tgi_error_body)
+from router.errors import AuthenticationError, HTTPError, PayloadTooLargeError, RouterError
 
 log = logging.getLogger("tgi.router")
 
@@ -28,44 +32,58 @@ def _is_public(request: web.Request) -> bool:
         request.path in _PUBLIC_PAGES or request.path.startswith(_PUBLIC_PAGE_PREFIXES))
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except RouterError as err:
-        response = _error_response(request, err)
-        if err.close_connection:
-            response.force_close()
-        return response
-    except web.HTTPRequestEntityTooLarge as err:
-        return _error_response(request, PayloadTooLargeError(err.text))
-    except web.HTTPException as err:
-        if err.status < 400:
+ErrorBody = Callable[[RouterError], dict]
+# a handler of an API with its own error body sets request[ERROR_BODY] to it, and the error
+# middleware answers what the handler lets through in it
+ERROR_BODY = web.RequestKey("error_body", ErrorBody)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorBodies:
+    """Which body an error is answered in: an override's, the handler's, else the default.
+
+    `overrides` are (test of the request, body) pairs that win over the route's own body, such as
+    OpenAI's for an OpenAI SDK on any /v1 route."""
+
+    default: ErrorBody
+    overrides: tuple[tuple[Callable[[web.Request], bool], ErrorBody], ...] = ()
+
+    def response(self, request: web.Request, err: RouterError) -> web.Response:
+        """`err` answered in the body that fits the request."""
+        body = next((body for applies, body in self.overrides if applies(request)),
+                    request.get(ERROR_BODY, self.default))
+        return web.json_response(body(err), status=err.status, headers=err.headers)
+
+
+def error_middleware(bodies: ErrorBodies):
+    """A middleware answering every error a handler raises in the body `bodies` picks."""
+
+    @web.middleware
+    async def answer_errors(request: web.Request, handler):
+        try:
+            return await handler(request)
+        except RouterError as err:
+            response = bodies.response(request, err)
+            if err.close_connection:
+                response.force_close()
+            return response
+        except web.HTTPRequestEntityTooLarge as err:
+            return bodies.response(request, PayloadTooLargeError(err.text))
+        except web.HTTPException as err:
+            if err.status < 400:
+                raise
+            return bodies.response(request, HTTPError(err.reason, err.status))
+        except (asyncio.CancelledError, ConnectionResetError):
             raise
-        return _error_response(request, HTTPError(err.reason, err.status))
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error_response(request, RouterError("Internal server error"))
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return bodies.response(request, RouterError("Internal server error"))
+
+    return answer_errors
 
 
-def _error_response(request: web.Request, err: RouterError) -> web.Response:
-    """`err` in OpenAI's error body to an OpenAI SDK on a /v1 route, else in the body of the
-    route's API (request[ERROR_BODY], TGI's by default)."""
-    body = openai_error_body if _is_openai_sdk(request) else request.get(ERROR_BODY, tgi_error_body)
-    return web.json_response(body(err), status=err.status, headers=err.headers)
-
-
-def _is_openai_sdk(request: web.Request) -> bool:
-    """OpenAI's SDKs (Stainless-built) send x-stainless-* headers, and put only OpenAI's
-    error.message in their exceptions' text; other clients of /v1 (TGI's, huggingface_hub)
-    read TGI's {"error", "error_type"}."""
-    return request.path.startswith("/v1/") and any(
-        name.lower().startswith("x-stainless-") for name in request.headers)
-
-
-def api_key_middleware(api_key: str):
+def api_key_middleware(api_key: str, bodies: ErrorBodies):
+    """A middleware refusing, with a 401 in the body `bodies` picks, a request without the key."""
     expected = f"Bearer {api_key}".encode()
 
     @web.middleware
@@ -74,14 +92,16 @@ def api_key_middleware(api_key: str):
             return await handler(request)
         given = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(given, expected):
-            return _error_response(request, AuthenticationError())
+            return bodies.response(request, AuthenticationError())
         return await handler(request)
 
     return check_key
 
 
 def install_cors(app: web.Application, allowed: str) -> None:
-    """A middleware answering preflights, and CORS headers on every answer to an allowed origin
+    """Installs CORS: preflights answered, and headers on every allowed answer.
+
+    A middleware answering preflights, and CORS headers on every answer to an allowed origin
     as it is prepared (on_response_prepare): a stream's too, whose headers go out before its
     handler returns. Outermost, so that a preflight needs no key."""
     origins = {o.strip() for o in allowed.split(",") if o.strip()}

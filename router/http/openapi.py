@@ -1,5 +1,8 @@
-"""Pieces of the OpenAPI document every API family's part is built from (router/api/*/openapi.py
-contribute the parts; router/api/openapi.py assembles them)."""
+"""Pieces every API family's part of the OpenAPI document is built from.
+
+Pieces of the OpenAPI document every API family's part is built from (router/api/*/openapi.py
+contribute the parts; router/api/openapi.py assembles them).
+"""
 from __future__ import annotations
 
 from router.inputs.field_ranges import FLOAT32_MAX, IntType
@@ -57,7 +60,7 @@ def object_schema(required: list[str], **properties) -> dict:
 
 
 # the error body an OpenAI SDK (its x-stainless-* headers) gets on every /v1 route
-# (router.errors.openai_error_body); `code` is TGI's error_type
+# (router.api.openai.errors.openai_error_body); `code` is TGI's error_type
 def sdk_error_schema() -> dict:
     return object_schema(["error"], error=object_schema(
         ["message", "type", "param", "code"], message={"type": "string"},
@@ -68,7 +71,9 @@ def sdk_error_schema() -> dict:
 
 
 def or_sdk_error(paths: dict) -> dict:
-    """`paths` with each /v1 route's error answers either in the route's own body or, to an
+    """`paths` with each /v1 route's errors also in OpenAI SDK's body.
+
+    `paths` with each /v1 route's error answers either in the route's own body or, to an
     OpenAI SDK, in OpenAISDKError."""
     for path, operations in paths.items():
         if not path.startswith("/v1/"):

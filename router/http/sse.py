@@ -21,8 +21,10 @@ log = logging.getLogger("tgi.router.streaming")
 
 
 def sse_data(payload: dict | str, *, openai: bool = False) -> bytes:
-    """One event. TGI's routes write `data:{...}`; OpenAI's write `data: {...}` and end with
-    `data: [DONE]`, which some clients compare byte for byte."""
+    """One event.
+
+    TGI's routes write `data:{...}`; OpenAI's write `data: {...}` and end with `data: [DONE]`, which
+    some clients compare byte for byte."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
                                                                separators=(",", ":"))
     return f"data: {data}\n\n".encode() if openai else f"data:{data}\n\n".encode()
@@ -48,7 +50,9 @@ class StreamFormat:
         return []
 
     def error(self, err: RouterError) -> bytes | None:
-        """The frame that reports `err`; None for a format that cannot say it (plain text): the
+        """The frame that reports `err`; None for a format that cannot say it.
+
+        The frame that reports `err`; None for a format that cannot say it (plain text): the
         connection is then cut, so the client sees a broken stream, never a short clean one."""
         raise NotImplementedError
 

@@ -1,3 +1,6 @@
-"""What a request asks, checked before it is queued: field ranges and readers, TGI's validation,
+"""What a request asks, checked before it is queued.
+
+What a request asks, checked before it is queued: field ranges and readers, TGI's validation,
 structured-output grammars, seeds, generation_config, JSON text, the tokenizer and the chat
-template."""
+template.
+"""

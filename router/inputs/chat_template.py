@@ -1,10 +1,13 @@
-"""The model's chat template, rendered as transformers' apply_chat_template renders it: the same
+"""The model's chat template, rendered as transformers renders it.
+
+The model's chat template, rendered as transformers' apply_chat_template renders it: the same
 sandboxed Jinja2 environment (trim_blocks, lstrip_blocks, loopcontrols, `{% generation %}`,
 raise_exception, strftime_now, its tojson, dict and namespace) and the same variables (the
 messages without their null fields, tools, documents, add_generation_prompt, the special tokens).
 
 A template that does not compile is kept with its error: the chat routes answer it as a 422 while
-every other route serves, where raising would end the router at start."""
+every other route serves, where raising would end the router at start.
+"""
 from __future__ import annotations
 
 import json
@@ -51,8 +54,9 @@ class _TemplateDict:
 
 
 class _TemplateNamespace(jinja2.utils.Namespace):
-    """Jinja's namespace refusing underscore names, as transformers': no way to CPython's
-    insides."""
+    """Jinja's namespace refusing underscore names, as transformers' does.
+
+    A template then has no way to CPython's insides."""
 
     def __init__(*args, **kwargs):  # Jinja's signature trick: `namespace(self=...)` still works
         self, args = args[0], args[1:]
@@ -74,7 +78,9 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
 
 class _GenerationTag(jinja2.ext.Extension):
-    """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens for
+    """transformers' `{% generation %}` tag: its body renders as it is.
+
+    transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens for
     training masks): the body renders as it is, as apply_chat_template renders it."""
 
     tags = {"generation"}
@@ -101,7 +107,9 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 def _template_message(message: dict) -> dict:
-    """A message as transformers hands it to the template: its null fields dropped (templates test
+    """A message as transformers hands it to the template.
+
+    A message as transformers hands it to the template: its null fields dropped (templates test
     whether a key is there), its reasoning under every name templates read it by."""
     message = {key: value for key, value in message.items() if value is not None}
     reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
@@ -153,7 +161,9 @@ class ChatTemplate:
     @classmethod
     def from_model_dir(cls, model_dir: str,
                        config_file: str | None = None) -> "ChatTemplate | None":
-        """`config_file`: the tokenizer_config.json to read in place of the directory's
+        """The chat template of a model directory; None if it has none.
+
+        `config_file`: the tokenizer_config.json to read in place of the directory's
         (--tokenizer-config-path)."""
         directory = Path(model_dir)
         config_path = Path(config_file) if config_file else directory / "tokenizer_config.json"
@@ -173,7 +183,9 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
                tools: list[dict] | None = None, extra: dict | None = None) -> str:
-        """The prompt; `extra`: more template variables (a request's chat_template_kwargs), which
+        """The prompt of `messages`, as the template renders it.
+
+        The prompt; `extra`: more template variables (a request's chat_template_kwargs), which
         may replace the special tokens as in transformers, never the variables named here."""
         if self.template is None:
             raise TemplateError(self.error)

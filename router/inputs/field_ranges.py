@@ -1,4 +1,6 @@
-"""Request fields read and checked: the ranges of the types they travel in (the shards' protobuf,
+"""Request fields read and checked against the ranges of the types they travel in.
+
+Request fields read and checked: the ranges of the types they travel in (the shards' protobuf,
 TGI's Rust types), and the readers every API uses for optional numbers and booleans.
 
 A value that passes an API's documented bounds must still fit the field that carries it: protobuf
@@ -60,7 +62,9 @@ def float32(value: float) -> float:
 
 
 def check_float(path: str, value) -> float:
-    """`value` as the float32 it travels as: finite, and rounded as the shards will read it, so
+    """`value` as the float32 it travels as.
+
+    `value` as the float32 it travels as: finite, and rounded as the shards will read it, so
     that a bound checked after this holds for what they use (1e-46 is 0 there, as for serde's
     f32)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -76,7 +80,9 @@ def check_float(path: str, value) -> float:
 
 
 def check_logit_bias(path: str, value, vocab_size: int = 0) -> dict[int, float]:
-    """OpenAI's logit_bias, {"<token id>": bias in [-100, 100]}, as {id: float32 bias}, each id
+    """OpenAI's logit_bias as {token id: float32 bias}, checked.
+
+    OpenAI's logit_bias, {"<token id>": bias in [-100, 100]}, as {id: float32 bias}, each id
     below the model's `vocab_size` (when known: else the shard refuses the request)."""
     if value is None:
         return {}
@@ -103,7 +109,9 @@ F32 = "f32"  # read_number's `wire` for a float field
 
 
 def read_flag(body: dict, name: str, default: bool = False, *, path: str | None = None) -> bool:
-    """An optional boolean: null is the default, anything but true or false is a 422 naming
+    """An optional boolean field.
+
+    An optional boolean: null is the default, anything but true or false is a 422 naming
     `path` (the field's name unless given)."""
     value = body.get(name)
     if value is None:

@@ -33,7 +33,9 @@ def _finite_float(text: str) -> float:
 
 
 def loads(text: str):
-    """`text` as a JSON value, or a JSONError naming what is wrong with it (for a request body,
+    """`text` as a JSON value, or a JSONError naming what is wrong with it.
+
+    `text` as a JSON value, or a JSONError naming what is wrong with it (for a request body,
     and for JSON a body carries as a string, such as a JSON schema)."""
     try:
         value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
@@ -60,7 +62,9 @@ def parse_json(raw: bytes):
 
 
 def check_structure(value) -> None:
-    """Nesting depth at most MAX_DEPTH, and every string encodable as UTF-8 (JSON's `\\ud800`
+    """Checks nesting depth and that every string is valid Unicode.
+
+    Nesting depth at most MAX_DEPTH, and every string encodable as UTF-8 (JSON's `\\ud800`
     escapes decode to lone surrogates, which no tokenizer or protobuf string accepts)."""
     stack = [(value, 1)]
     while stack:

@@ -1,4 +1,6 @@
-"""--reasoning-parser: a chat answer's reasoning (`reasoning_content`) split from its answer
+"""--reasoning-parser: a chat answer's reasoning split from its content.
+
+--reasoning-parser: a chat answer's reasoning (`reasoning_content`) split from its answer
 (`content`), for models that think between `<think>` and `</think>` (DeepSeek R1, Qwen3, QwQ).
 
 One rule, vLLM's `deepseek_r1` (its `qwen3` is the same where they differ in nothing a template
@@ -10,7 +12,8 @@ output the answer, as vLLM's serving layer decides from the prompt (`prompt_is_r
 
 The split runs incrementally for streams (ThinkSplitter), holding back at most a tag's length of
 text that could begin a tag, so a token boundary inside `</think>` changes nothing: the whole
-answer's split is the stream's pieces joined."""
+answer's split is the stream's pieces joined.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +30,9 @@ def check_parser(name: str | None) -> None:
 
 
 def starts_in_reasoning(prompt: str) -> bool:
-    """Whether the output begins inside the thinking block: not when the prompt ends by closing
+    """Whether the output begins inside the thinking block.
+
+    Whether the output begins inside the thinking block: not when the prompt ends by closing
     one (the template wrote an empty block: thinking is off, as Qwen3's enable_thinking=false
     does). Only the end counts: a user's message may quote the tags."""
     return not prompt.rstrip().endswith(CLOSE)
@@ -43,7 +48,9 @@ def _held(text: str, tags: tuple[str, ...]) -> int:
 
 @dataclass(slots=True)
 class ThinkSplitter:
-    """One choice's output, fed as it streams: each feed answers (reasoning, content) that may go
+    """Splits one choice's streamed output into reasoning and content.
+
+    One choice's output, fed as it streams: each feed answers (reasoning, content) that may go
     out now; finish answers what was held back."""
 
     in_reasoning: bool = True

@@ -1,5 +1,8 @@
-"""Sampling seeds: a request the client gave no seed draws its own, and each of n copies of a
-request (OpenAI's `n`, best_of, SGLang's `n`) samples with a seed of its own."""
+"""Sampling seeds: drawn when none is given, and one per copy of a request.
+
+Sampling seeds: a request the client gave no seed draws its own, and each of n copies of a
+request (OpenAI's `n`, best_of, SGLang's `n`) samples with a seed of its own.
+"""
 from __future__ import annotations
 
 import random
@@ -20,7 +23,9 @@ def seed_or_draw(seed: int | None) -> int:
 
 
 def copies(request: GenerateRequest, n: int) -> list[GenerateRequest]:
-    """n copies of `request`, the i-th seeded with its seed + i: sampled copies differ, and a
+    """n copies of `request`, each with a seed of its own.
+
+    n copies of `request`, the i-th seeded with its seed + i: sampled copies differ, and a
     client's seed reproduces every one of them."""
     return [request] + [replace(request, sampling=replace(request.sampling,
                                                           seed=(request.sampling.seed + i) % SEEDS))

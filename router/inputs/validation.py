@@ -60,7 +60,9 @@ class TokenLimits:
     def resolve(cls, *, max_input_tokens: int | None, max_total_tokens: int | None,
                 max_batch_prefill_tokens: int | None, max_position_embeddings: int,
                 chunking: bool = False, device_type: str = "cuda") -> "TokenLimits":
-        """The flags' values (None or 0: unset) against the model's context and the shards'
+        """The token limits from the flags, the model's context and the shards' device.
+
+        The flags' values (None or 0: unset) against the model's context and the shards'
         device (the prefill budget's default: TGI's, or CPU_PREFILL_TOKENS on chunking CPUs)."""
         total = max_total_tokens or min(4096, max_position_embeddings)
         max_input = max_input_tokens or min(4095, total - 1)
@@ -179,7 +181,9 @@ def _best_of(params: dict, limits: ValidationLimits, stream: bool) -> int:
 
 
 def chosen_adapter(name: str | None, adapters: AdapterRegistry | None) -> str | None:
-    """The LoRA adapter a request names: None (the base model) for None or "", else a loaded
+    """The LoRA adapter a request names (None: the base model).
+
+    The LoRA adapter a request names: None (the base model) for None or "", else a loaded
     adapter's name; UnknownAdapterError (a 422) for a name the model has not loaded. TGI falls
     back to the base model for an unknown id; we refuse it, since an answer from the wrong
     weights would look like a right one (docs/apis.md)."""
@@ -194,7 +198,9 @@ def chosen_adapter(name: str | None, adapters: AdapterRegistry | None) -> str | 
 async def validate_generate(body: dict, tokenizer: RouterTokenizer, limits: ValidationLimits,
                             *, stream: bool = False,
                             adapters: AdapterRegistry | None = None) -> ValidatedGenerate:
-    """The TGI body {inputs, parameters} -> a request the batcher can schedule; `adapters`: the
+    """The TGI body {inputs, parameters} -> a validated request.
+
+    The TGI body {inputs, parameters} -> a request the batcher can schedule; `adapters`: the
     served model's, which `parameters.adapter_id` must name one of."""
     inputs = body.get("inputs")
     if not isinstance(inputs, str):

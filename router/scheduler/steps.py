@@ -57,7 +57,7 @@ class ShardSteps:
         prepared, untranslatable = self.client.prepare(batch)
         for rejection in untranslatable:
             self.failures.rejected(rejection)
-        if not prepared.batch.requests:
+        if not prepared.request_ids:
             return NOTHING_SENT
         items = [i for i in items if not i.is_done]
         riding = [running] if running is not None else []

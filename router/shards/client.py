@@ -18,7 +18,9 @@ from router.shards.step_types import CachedBatch, NewBatch, PreparedBatch, Rejec
 
 
 class ShardError(Exception):
-    """A shard call failed; the message is the shard's own, `code` its gRPC status's name
+    """A shard call failed.
+
+    A shard call failed; the message is the shard's own, `code` its gRPC status's name
     (INVALID_ARGUMENT, ...; None when the call never got an answer)."""
 
     def __init__(self, message: str, code: str | None = None):
@@ -28,7 +30,9 @@ class ShardError(Exception):
 
 class ShardClient:
     def __init__(self, target: str):
-        """`target`: a gRPC target as a shard's service discovery gives it (`unix:///path` for a
+        """A client of one rank at `target`.
+
+        `target`: a gRPC target as a shard's service discovery gives it (`unix:///path` for a
         rank on this machine, `host:port` for one on another), or an absolute socket path."""
         self.target = f"unix://{target}" if target.startswith("/") else target
         self.channel = grpc.aio.insecure_channel(
@@ -93,8 +97,9 @@ class ShardedClient:
         await asyncio.gather(*(c.close() for c in old))
 
     async def is_same_group_alive(self, timeout: float = 2.0) -> bool:
-        """Whether every rank answers and is still the process the router connected to. Never
-        raises: the batching loop asks it, and a broken channel only means "no"."""
+        """Whether every rank answers and is still the process the router connected to.
+
+        Never raises: the batching loop asks it, and a broken channel only means "no"."""
         try:
             return await _instance_ids(self.clients, timeout) == self.instance_ids
         except Exception:
@@ -127,17 +132,21 @@ class ShardedClient:
         await self._all("ClearCache", request)
 
     async def warmup(self, batch: NewBatch, **limits: int) -> int:
-        """Runs the warm-up batch on every rank; returns the KV pool's size in blocks (the
+        """Runs the warm-up batch on every rank; returns the KV pool's size in blocks.
+
+        Runs the warm-up batch on every rank; returns the KV pool's size in blocks (the
         smallest rank's: every rank must fit)."""
         request = convert.warmup_message(batch, **limits)
         replies = await asyncio.gather(*(c.call("Warmup", request) for c in self.clients))
         return min(r.num_blocks for r in replies)
 
     def prepare(self, batch: NewBatch) -> tuple[PreparedBatch, list[Rejection]]:
-        """The batch's message, and the requests that could not be put into it (each fails
+        """The batch's message, and the requests that could not be put into it.
+
+        The batch's message, and the requests that could not be put into it (each fails
         alone, before anything is sent)."""
         message, rejected = convert.batch_message(batch)
-        return PreparedBatch(batch.without({r.request_id for r in rejected}), message), rejected
+        return PreparedBatch([r.id for r in message.requests], message), rejected
 
     async def prefill(self, prepared: PreparedBatch,
                       running: CachedBatch | None = None) -> StepResult:
@@ -149,7 +158,9 @@ class ShardedClient:
 
     async def decode(self, batches: list[CachedBatch], max_steps: int = 1,
                      on_step: Callable[[StepResult], None] | None = None) -> StepResult:
-        """Up to `max_steps` steps back to back (the shards stop after one where a request
+        """Up to `max_steps` decode steps back to back.
+
+        Up to `max_steps` steps back to back (the shards stop after one where a request
         finished). With `on_step`, every step but the last is handed to it as it ends (streamed
         from the shards), and the result holds the last step's generations with the whole
         call's steps and times; without, every step's tokens come in the result."""
@@ -168,7 +179,9 @@ class ShardedClient:
 
     async def _streamed(self, request: pb.DecodeRequest,
                         on_step: Callable[[StepResult], None]) -> list:
-        """DecodeStream on rank 0, its steps handed to on_step as they come, and Decode on the
+        """DecodeStream on rank 0 and Decode on the others.
+
+        DecodeStream on rank 0, its steps handed to on_step as they come, and Decode on the
         other ranks (they compute the same steps; only rank 0's tokens are read): every rank's
         last message, rank order. An error in on_step is the router's own and is raised as it
         is; the calls are cancelled then."""
@@ -197,9 +210,10 @@ class ShardedClient:
         return convert.cached_batch(reply.batch)
 
     async def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        """Loads the LoRA adapter in directory `path` under `name` on every rank. When a rank
-        refuses it, the ranks that took it let go of it again, so that all agree, and the
-        refusal is raised (the first rank's that refused, in rank order)."""
+        """Loads the LoRA adapter in directory `path` under `name` on every rank.
+
+        When a rank refuses it, the ranks that took it let go of it again, so that all agree, and
+        the refusal is raised (the first rank's that refused, in rank order)."""
         request = pb.LoadAdapterRequest(name=name, path=path)
         replies = await asyncio.gather(*(c.call("LoadAdapter", request) for c in self.clients),
                                        return_exceptions=True)
@@ -213,7 +227,9 @@ class ShardedClient:
         raise first if isinstance(first, ShardError) else ShardError(str(first))
 
     async def unload_adapter(self, name: str) -> None:
-        """Frees adapter `name` on every rank; a rank that does not have it (NOT_FOUND: it
+        """Frees adapter `name` on every rank.
+
+        Frees adapter `name` on every rank; a rank that does not have it (NOT_FOUND: it
         restarted, or a load failed half-way) is already where the others go."""
         request = pb.UnloadAdapterRequest(name=name)
         replies = await asyncio.gather(*(c.call("UnloadAdapter", request) for c in self.clients),

@@ -28,17 +28,15 @@ class NewBatch:
     max_tokens: int  # KV tokens the batch may reach (prompts and every new token)
     max_blocks: int  # the longest block table in it
 
-    def without(self, request_ids: set[int]) -> NewBatch:
-        return NewBatch(self.id, [r for r in self.requests if r.id not in request_ids],
-                        self.max_tokens, self.max_blocks)
-
 
 @dataclass(slots=True)
 class PreparedBatch:
-    """A NewBatch as the shard client will send it: the requests that could be put into a
-    message, and that message (opaque here: only the client reads it)."""
+    """A NewBatch as the shard client will send it.
 
-    batch: NewBatch
+    `message` is opaque here (only the client reads it); `request_ids` are the requests that could
+    be put into it."""
+
+    request_ids: list[int]
     message: object = None
 
 
@@ -52,13 +50,17 @@ class CachedBatch:
 
 
 class RequestFailedInShard(Exception):
-    """The shard ended a request it could not go on with (the proto's Generation.error, such as
+    """The shard ended a request it could not go on with.
+
+    The shard ended a request it could not go on with (the proto's Generation.error, such as
     a grammar its lexer gave up on): that request fails with the shard's reason."""
 
 
 @dataclass(slots=True)
 class Generation:
-    """One request's step: its events (one per token; several when speculation accepted drafts),
+    """One request's step: its events, or why they could not be read back.
+
+    One request's step: its events (one per token; several when speculation accepted drafts),
     or why they could not be read back (which fails that request alone). The shard's Generation
     holds raw token runs; this one is already read."""
 
@@ -69,8 +71,10 @@ class Generation:
 
 @dataclass(slots=True)
 class Rejection:
-    """A request the step did not take; the others went on. `error` is set when it could not
-    even be put into a message for the shards (a router bug), else the shard refused it."""
+    """A request the step did not take; the others went on.
+
+    `error` is set when it could not even be put into a message for the shards (a router bug), else
+    the shard refused it."""
 
     request_id: int
     reason: str
@@ -87,6 +91,7 @@ class StepTimings:
 @dataclass(slots=True)
 class StepResult:
     """What one prefill or decode step produced; `batch` is None when nothing is left running.
+
     The shard's StepResult is the same step on the other side of the proto."""
 
     generations: list[Generation] = field(default_factory=list)

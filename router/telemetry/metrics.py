@@ -138,7 +138,9 @@ class Metrics:
 
 
 class _AdapterRequests:
-    """tgi_queue_size and tgi_batch_current_size per LoRA adapter (not TGI's): counted from the
+    """Queued and running requests per LoRA adapter, counted when scraped.
+
+    tgi_queue_size and tgi_batch_current_size per LoRA adapter (not TGI's): counted from the
     scheduler's requests when scraped, one sample per adapter that has any."""
 
     def __init__(self, metrics: Metrics):
@@ -161,7 +163,9 @@ class _AdapterRequests:
 
 
 def render_models(models: dict[str, Metrics]) -> bytes:
-    """One exposition for several models: one model's metrics as they are (what a one-model
+    """One Prometheus exposition for several models.
+
+    One exposition for several models: one model's metrics as they are (what a one-model
     server has always shown); several models' samples each labelled `model`, one family each."""
     if len(models) == 1:
         return next(iter(models.values())).render()
@@ -182,8 +186,9 @@ def render_models(models: dict[str, Metrics]) -> bytes:
 
 
 def _labelled(sample: str, model: str) -> str:
-    """`name{a="b"} 1` -> `name{model="m",a="b"} 1`. Pulled ids need no escaping; a default
-    model given as a path may hold any character."""
+    """`name{a="b"} 1` -> `name{model="m",a="b"} 1`.
+
+    Pulled ids need no escaping; a default model given as a path may hold any character."""
     model = model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     name, brace, rest = sample.partition("{")
     if brace:

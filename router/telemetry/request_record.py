@@ -1,7 +1,10 @@
-"""What one HTTP request did, for its access-log line (router/http/access_log.py): the middleware
+"""What one HTTP request did, for its access-log line.
+
+What one HTTP request did, for its access-log line (router/http/access_log.py): the middleware
 makes the record and makes it current for the request's handler; the layers that learn a part of
 it fill it in (router.state the model a request names, the generation core its tokens and its
-LoRA adapter), wherever the handler's calls and the tasks they start take them."""
+LoRA adapter), wherever the handler's calls and the tasks they start take them.
+"""
 from __future__ import annotations
 
 from contextvars import ContextVar
@@ -23,7 +26,9 @@ class RequestRecord:
 
     def generation_started(self, prompt: object, input_length: int,
                            adapter_id: str | None) -> None:
-        """A core request started; `prompt` (its input ids) counts once however many copies
+        """Records that a core request started.
+
+        A core request started; `prompt` (its input ids) counts once however many copies
         of it are generated."""
         self.num_generations += 1
         if id(prompt) not in self._prompt_ids:
@@ -37,7 +42,9 @@ _CURRENT: ContextVar[RequestRecord | None] = ContextVar("request_record", defaul
 
 
 def current_record() -> RequestRecord | None:
-    """The record of the HTTP request being handled; None outside one (the gRPC API, tests that
+    """The record of the HTTP request being handled.
+
+    The record of the HTTP request being handled; None outside one (the gRPC API, tests that
     call the core directly)."""
     return _CURRENT.get()
 

@@ -38,7 +38,9 @@ def current_span_context():
 
 
 def record_phases(timings: Timings) -> None:
-    """Queue and inference spans under the current request span, written once the request ended
+    """Queue and inference spans under the current request span.
+
+    Queue and inference spans under the current request span, written once the request ended
     (their times are known only then)."""
     if not tracing_enabled():
         return

@@ -70,7 +70,7 @@ def test_router_imports_point_down():
     assert not upward, "imports against the layering:\n" + "\n".join(upward)
 
 
-def test_adapters_reach_the_scheduler_only_through_the_served_model():
+def test_api_modules_reach_the_scheduler_only_through_the_served_model():
     """No API module touches the batcher, the queue, the allocator or the session store."""
     reaching = [f"{path.relative_to(ROOT)} -> {target}"
                 for path in sorted((ROOT / "router" / "api").rglob("*.py"))

@@ -1,5 +1,8 @@
-"""The public gRPC API's messages (proto/api.proto) <-> TGI's JSON body and the router's types; pure
-functions, used by router/api/grpc/service.py (errors' statuses: router.errors)."""
+"""The public gRPC API's messages <-> TGI's JSON body and the router's types.
+
+The public gRPC API's messages (proto/api.proto) <-> TGI's JSON body and the router's types; pure
+functions, used by router/api/grpc/service.py (errors' statuses: router.errors).
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -19,7 +22,9 @@ _FINISH_REASONS = {
 
 
 def generate_body(request: api.GenerateRequest) -> dict:
-    """TGI's JSON body {inputs, parameters} holding the parameters that are set, and only those, so
+    """TGI's JSON body {inputs, parameters}, with only the parameters that are set.
+
+    TGI's JSON body {inputs, parameters} holding the parameters that are set, and only those, so
     that router.inputs.validation applies TGI's defaults and rules to them as it does to JSON."""
     parameters = {}
     for field, value in request.parameters.ListFields():

@@ -1,4 +1,6 @@
-"""The public gRPC API (proto/api.proto) beside the HTTP one: Generate, GenerateStream, Tokenize,
+"""The public gRPC API (proto/api.proto), served beside the HTTP one.
+
+The public gRPC API (proto/api.proto) beside the HTTP one: Generate, GenerateStream, Tokenize,
 Info and Health through the same validation, queue, batching, cancellation, metrics and API key,
 with the standard grpc.health.v1.Health service and server reflection. On when --grpc-port is set.
 """
@@ -21,8 +23,9 @@ from proto import api_pb2 as api
 from proto import api_pb2_grpc
 from router.api.grpc import convert
 from router.api.tgi import routes as tgi
+from router.api.grpc.status import grpc_error_trailers, grpc_status_code
 from router.errors import (IncompleteGenerationError, ModelNotFoundError, ModelStateError,
-                           RouterError, UnhealthyError, grpc_error_trailers, grpc_status_code)
+                           RouterError, UnhealthyError)
 from router.inputs.validation import ValidatedGenerate
 from router.schemas import Timings
 from router.state import STATE, RouterState
@@ -87,7 +90,9 @@ class _Undecodable:
 
 
 def _decoder(message_class):
-    """`message_class.FromString`, which hands the servicer an _Undecodable rather than raise: grpc
+    """`message_class.FromString` that hands the servicer an _Undecodable rather than raise.
+
+    `message_class.FromString`, which hands the servicer an _Undecodable rather than raise: grpc
     answered a raising deserializer with UNKNOWN and logged a traceback per call."""
     def decode(data: bytes):
         try:
@@ -99,7 +104,9 @@ def _decoder(message_class):
 
 
 def add_service(servicer, server: grpc.aio.Server) -> None:
-    """The TextGeneration service's methods on `server`, as the generated
+    """Adds the TextGeneration service's methods to `server`, decoding with _decoder.
+
+    The TextGeneration service's methods on `server`, as the generated
     add_TextGenerationServicer_to_server adds them, with requests decoded by _decoder."""
     service = api.DESCRIPTOR.services_by_name["TextGeneration"]
     handlers = {}
@@ -116,7 +123,9 @@ def add_service(servicer, server: grpc.aio.Server) -> None:
 
 
 def _rpc(method):
-    """A RouterError ends the call with its gRPC status and TGI's message (its error_type and
+    """Ends a call that raised with the gRPC status of its error.
+
+    A RouterError ends the call with its gRPC status and TGI's message (its error_type and
     Retry-After in the trailers); anything else is logged and INTERNAL. A request that did not
     decode is INVALID_ARGUMENT."""
 
@@ -204,7 +213,9 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class StandardHealth(health_pb2_grpc.HealthServicer):
-    """grpc.health.v1.Health for the server ("") and tgi.v1.TextGeneration, in step with the Health
+    """grpc.health.v1.Health, in step with the Health RPC.
+
+    grpc.health.v1.Health for the server ("") and tgi.v1.TextGeneration, in step with the Health
     RPC: Check runs the same check live, and a task re-runs it every HEALTH_REFRESH_S for Watch
     streams. From shutdown on it answers NOT_SERVING, and a Watch stream ends once it has said so
     (grpc_health's own servicer keeps it open, which holds the server's graceful stop for its whole
@@ -268,7 +279,9 @@ class StandardHealth(health_pb2_grpc.HealthServicer):
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Every call but health checks and reflection needs metadata `authorization: Bearer <key>`:
+    """Refuses a call without the API key, except health checks and reflection.
+
+    Every call but health checks and reflection needs metadata `authorization: Bearer <key>`:
     exactly what the HTTP API's Authorization header must hold (router/http/middleware.py)."""
 
     def __init__(self, api_key: str):
@@ -305,7 +318,9 @@ def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 # ---- the server's life inside the aiohttp app's --------------------------------------------------
 
 class GrpcServer:
-    """Starts with the app, stops taking calls when it shuts down (draining beside HTTP), and is
+    """The gRPC server, started and stopped with the app.
+
+    Starts with the app, stops taking calls when it shuts down (draining beside HTTP), and is
     gone at cleanup, before the batching loop stops."""
 
     def __init__(self, state: RouterState):

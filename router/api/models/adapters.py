@@ -1,4 +1,6 @@
-"""LoRA adapters over the HTTP API: vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`,
+"""LoRA adapters over the HTTP API: vLLM's load and unload routes, and /v1/models items.
+
+LoRA adapters over the HTTP API: vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`,
 and the adapter items of the `/v1/models` routes (router/api/models/routes.py).
 
 An adapter is listed as vLLM lists one (`root`: where it came from, `parent`: its base model), with
@@ -11,8 +13,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from router.errors import (ERROR_BODY, AdapterError, ModelNotFoundError, UnknownAdapterError,
-                           openai_stream_error_body)
+from router.api.models.errors import lora_error_body
+from router.errors import AdapterError, ModelNotFoundError, UnknownAdapterError
+from router.http.middleware import ERROR_BODY
 from router.http.json_body import read_object
 from router.lifecycle.adapters import AdapterEntry
 from router.lifecycle.manager import ModelManager
@@ -38,7 +41,9 @@ def _source_url(source: str) -> str:
 
 
 def adapter_json(entry: AdapterEntry, parent: str) -> dict:
-    """vLLM's model card of an adapter (id, object, created, owned_by, root, parent), with Jan's
+    """An adapter's item in /v1/models: vLLM's model card with Jan's Model fields.
+
+    vLLM's model card of an adapter (id, object, created, owned_by, root, parent), with Jan's
     Model fields: an adapter runs while it is loaded."""
     return {
         "id": entry.name, "object": "model", "created": entry.created, "owned_by": _OWNER,
@@ -79,7 +84,9 @@ def _string_field(body: dict, key: str, *, required: bool) -> str | None:
 
 
 async def start_adapter(manager: ModelManager, body: dict) -> web.Response:
-    """Cortex's POST /v1/models/start naming an adapter's files: {"model": name, "lora_path"
+    """Cortex's POST /v1/models/start naming an adapter's files.
+
+    Cortex's POST /v1/models/start naming an adapter's files: {"model": name, "lora_path"
     (or "source"), "parent" (or "base_model"): the model to load it into, else the default}."""
     for key in body:
         if key not in ("model", *SOURCE_FIELDS, *PARENT_FIELDS):
@@ -107,7 +114,9 @@ async def stop_adapter(manager: ModelManager, name: str) -> dict:
 # ---- vLLM's routes -------------------------------------------------------------------------------
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
-    """vLLM's {"lora_name", "lora_path"}; `model` (not vLLM's) picks the base model when several
+    """vLLM's POST /v1/load_lora_adapter.
+
+    vLLM's {"lora_name", "lora_path"}; `model` (not vLLM's) picks the base model when several
     run. Answers vLLM's plain-text success line."""
     body = await read_object(request)
     for key in body:
@@ -138,7 +147,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
 def _answering_errors_in_openai_shape(handler):
     @functools.wraps(handler)
     async def wrapped(request: web.Request) -> web.StreamResponse:
-        request[ERROR_BODY] = openai_stream_error_body  # OpenAI's error object, as vLLM's
+        request[ERROR_BODY] = lora_error_body  # OpenAI's error object, as vLLM's
         return await handler(request)
     return wrapped
 

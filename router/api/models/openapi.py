@@ -1,5 +1,8 @@
-"""The model routes' part of the OpenAPI document (Jan's and Cortex's /v1/models family, and vLLM's
-LoRA adapter routes)."""
+"""The model routes' part of the OpenAPI document.
+
+The model routes' part of the OpenAPI document (Jan's and Cortex's /v1/models family, and vLLM's
+LoRA adapter routes).
+"""
 from __future__ import annotations
 
 from router.http.openapi import error_responses, json_content, object_schema, or_sdk_error, ref
@@ -9,7 +12,9 @@ _MODEL_STATES = ["not_downloaded", "downloading", "downloaded", "starting", "run
 
 
 def _model_schemas() -> dict:
-    """Jan/Cortex's model objects (router/api/models/routes.py); settings and parameters are checked by
+    """The schemas of Jan's and Cortex's model objects.
+
+    Jan/Cortex's model objects (router/api/models/routes.py); settings and parameters are checked by
     router/lifecycle/settings.py."""
     string, integer, obj = {"type": "string"}, {"type": "integer"}, {"type": "object"}
     state = {"type": "string", "enum": _MODEL_STATES}
@@ -44,7 +49,9 @@ def _model_schemas() -> dict:
 
 
 def _adapter_schemas(model: dict) -> dict:
-    """LoRA adapters: vLLM's load/unload bodies, Cortex's start body naming an adapter's files,
+    """The schemas of the LoRA adapter routes' bodies and items.
+
+    LoRA adapters: vLLM's load/unload bodies, Cortex's start body naming an adapter's files,
     and an adapter's item in GET /v1/models (vLLM's `root` and `parent` beside Jan's fields)."""
     string = {"type": "string"}
     return {

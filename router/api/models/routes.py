@@ -15,7 +15,9 @@ from pathlib import Path
 from aiohttp import web
 
 from router.api.models import adapters
-from router.errors import ERROR_BODY, ModelStateError, ValidationError, models_error_body
+from router.api.models.errors import models_error_body
+from router.errors import ModelStateError, ValidationError
+from router.http.middleware import ERROR_BODY
 from router.http.json_body import read_object
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.registry import (BUSY, DOWNLOADING, RUNNING, ModelRecord, check_model_id,
@@ -83,7 +85,9 @@ def model_json(record: ModelRecord) -> dict:
 
 
 def _get_json(record: ModelRecord, served) -> dict:
-    """Jan's GetModelResponse: the Model object plus its engine and model parameters, with the
+    """Jan's GetModelResponse for a model.
+
+    Jan's GetModelResponse: the Model object plus its engine and model parameters, with the
     values in force for a running model."""
     settings = dict(record.settings)
     if served is not None:
@@ -175,7 +179,9 @@ async def stop_model(request: web.Request) -> web.Response:
 
 
 async def start_named(request: web.Request) -> web.Response:
-    """Cortex's POST /v1/models/start {"model": id, ...}: its other fields are the model's
+    """Cortex's POST /v1/models/start {"model": id, ...}.
+
+    Cortex's POST /v1/models/start {"model": id, ...}: its other fields are the model's
     settings (ctx_len, n_parallel, ngl, ...), kept as a PATCH would keep them."""
     body = await read_object(request)
     manager = _manager(request)
@@ -215,7 +221,7 @@ async def pull(request: web.Request) -> web.Response:
 
 
 def _answering_errors_in_models_shape(handler):
-    """The model routes answer errors in their body (router.errors.models_error_body)."""
+    """The model routes answer errors in their body (router.api.models.errors.models_error_body)."""
     @functools.wraps(handler)
     async def wrapped(request: web.Request) -> web.Response:
         request[ERROR_BODY] = models_error_body

@@ -51,7 +51,9 @@ def _tool_message(text: str) -> tuple[dict, str]:
 
 def _message(result: GenerateResult, expects_call: bool, stops: list[str],
              reasoning: bool | None = None) -> tuple[dict, str]:
-    """`reasoning`: None without --reasoning-parser, else whether the output begins inside the
+    """A choice's message object, and its text.
+
+    `reasoning`: None without --reasoning-parser, else whether the output begins inside the
     thinking block (router.inputs.reasoning)."""
     finish = FINISH[result.final.finish_reason]
     if expects_call and result.final.finish_reason is not FinishReason.LENGTH:
@@ -67,10 +69,12 @@ def _message(result: GenerateResult, expects_call: bool, stops: list[str],
 
 
 class _Chat:
-    """One chat request, validated: what to generate and how to answer. `reasoning`: None when
-    the output is not split (no --reasoning-parser, or a grammar shapes all of it: tools and
-    response_format leave no room to think), else whether it begins inside the thinking block.
-    `model`: the name the answer gives, the LoRA adapter's when `model` named one (vLLM's)."""
+    """One chat request, validated: what to generate and how to answer.
+
+    `reasoning`: None when the output is not split (no --reasoning-parser, or a grammar shapes all
+    of it: tools and response_format leave no room to think), else whether it begins inside the
+    thinking block. `model`: the name the answer gives, the LoRA adapter's when `model` named one
+    (vLLM's)."""
 
     def __init__(self, request: GenerateRequest, options: ChatOptions, expects_call: bool,
                  reasoning: bool | None = None, *, model: str):
@@ -87,8 +91,10 @@ class _Chat:
                 "system_fingerprint": FINGERPRINT}
 
 
-def _chat_prompt(state, body: dict):
-    """(the tool plan, the response format's grammar, the prompt): the slow part of reading a
+def _chat_prompt(served, body: dict):
+    """A chat body's tool plan, response-format grammar and prompt.
+
+    (the tool plan, the response format's grammar, the prompt): the slow part of reading a
     chat, whose messages, tools and schemas a body of megabytes can make take a second, so it runs
     in a worker thread, not on the event loop that serves every other request."""
     messages = normalise_messages(body.get("messages"))
@@ -96,53 +102,53 @@ def _chat_prompt(state, body: dict):
     response_format = structured_output.from_response_format(body.get("response_format"))
     if plan.grammar and response_format:
         raise ValidationError("`response_format` and `tools` cannot be used together")
-    prompt = render_chat(state.chat_template, messages, plan.functions, allow_text=plan.allow_text,
-                         fallback=state.chat_prompt, template_kwargs=chat_template_kwargs(body))
+    prompt = render_chat(served.chat_template, messages, plan.functions, allow_text=plan.allow_text,
+                         fallback=served.chat_prompt, template_kwargs=chat_template_kwargs(body))
     return plan, response_format, prompt
 
 
-def _chat_request_parts(state, body: dict):
+def _chat_request_parts(served, body: dict):
     """_chat_prompt's, and the sampling fields (whose logit_bias may be 100,000 entries)."""
-    return *_chat_prompt(state, body), sampling_and_stops(body, state.validation_limits)
+    return *_chat_prompt(served, body), sampling_and_stops(body, served.validation_limits)
 
 
-async def _validate_chat(state, body: dict, adapter_id: str | None) -> _Chat:
-    limits = state.validation_limits
-    chosen_adapter(adapter_id, state.adapters)  # one being unloaded is refused from the start
-    plan, response_format, prompt, parsed = await asyncio.to_thread(_chat_request_parts, state,
+async def _validate_chat(served, body: dict, adapter_id: str | None) -> _Chat:
+    limits = served.validation_limits
+    chosen_adapter(adapter_id, served.adapters)  # one being unloaded is refused from the start
+    plan, response_format, prompt, parsed = await asyncio.to_thread(_chat_request_parts, served,
                                                                     body)
     with about_field("messages"):  # the prompt's length, which the messages make
-        input_ids = await state.tokenizer.encode_async(prompt, add_special_tokens=False,
+        input_ids = await served.tokenizer.encode_async(prompt, add_special_tokens=False,
                                                        max_tokens=limits.tokens.max_input_tokens)
     logprobs = read_flag(body, "logprobs")
     top_logprobs = read_number(body, "top_logprobs", 0, limits.max_top_n_tokens, integer=True) or 0
     if top_logprobs and not logprobs:
         raise ValidationError("`top_logprobs` needs `logprobs: true`")
     request = build_request(prompt, input_ids, body, limits,
-                            default_max_tokens=state.request_defaults.get("token_limit"),
+                            default_max_tokens=served.request_defaults.get("token_limit"),
                             top_n_tokens=top_logprobs, grammar_spec=plan.grammar or response_format,
                             parsed=parsed, adapter_id=adapter_id, prompt_field="messages")
-    options = ChatOptions(n=choice_count(body, state.config.max_client_batch_size),
+    options = ChatOptions(n=choice_count(body, served.config.max_client_batch_size),
                           stream=read_flag(body, "stream"), include_usage=include_usage(body),
                           logprobs=logprobs, top_logprobs=top_logprobs)
     reasoning = None
-    if state.config.reasoning_parser and request.grammar is None:
+    if served.config.reasoning_parser and request.grammar is None:
         reasoning = starts_in_reasoning(prompt)
     return _Chat(request, options, plan.expects_call, reasoning,
-                 model=adapter_id or state.model_name)
+                 model=adapter_id or served.model_name)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_object(request)
-    state, adapter_id = model_and_adapter(request, model_name(body))
-    body = with_model_defaults(body, state.request_defaults)
+    served, adapter_id = model_and_adapter(request, model_name(body))
+    body = with_model_defaults(body, served.request_defaults)
     with adapter_as_model():
-        chat = await state.infer.count_request(_validate_chat(state, body, adapter_id))
+        chat = await served.infer.count_request(_validate_chat(served, body, adapter_id))
         requests = copies(chat.request, chat.options.n)
         if chat.options.stream:
-            return await serve_stream(request, state.infer.stream_many(requests),
+            return await serve_stream(request, served.infer.stream_many(requests),
                                       ChatStream(chat, len(requests)), streams=len(requests))
-        results = await state.infer.generate_many(requests)
+        results = await served.infer.generate_many(requests)
     choices = []
     for index, result in enumerate(results):
         message, finish = _message(result, chat.expects_call, chat.request.stopping.stop_sequences,
@@ -223,9 +229,9 @@ def _chat_chunk(chat: _Chat, index: int, event, holdback: StopHoldback,
 async def chat_tokenize(request: web.Request) -> web.Response:
     """TGI's /chat_tokenize: a chat request's prompt as the template renders it, and its tokens."""
     body = await read_object(request)
-    state, _ = model_and_adapter(request, model_name(body))  # an adapter's: its model's template
-    _, _, prompt = await asyncio.to_thread(_chat_prompt, state, body)
-    ids, offsets = await state.tokenizer.encode_offsets_async(prompt, add_special_tokens=False)
+    served, _ = model_and_adapter(request, model_name(body))  # an adapter's: its model's template
+    _, _, prompt = await asyncio.to_thread(_chat_prompt, served, body)
+    ids, offsets = await served.tokenizer.encode_offsets_async(prompt, add_special_tokens=False)
     return await tokens_response(prompt, ids, offsets, templated_text=prompt)
 
 

@@ -1,13 +1,16 @@
-"""What OpenAI's chat and legacy completion routes share: finish reasons, usage, the stop-sequence
-rule, the stream's error and end frames, and a `model` that names a LoRA adapter."""
+"""What OpenAI's chat and legacy completion routes share.
+
+What OpenAI's chat and legacy completion routes share: finish reasons, usage, the stop-sequence
+rule, the stream's error and end frames, and a `model` that names a LoRA adapter.
+"""
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from router import VERSION
-from router.errors import (ModelNotFoundError, RouterError, UnknownAdapterError,
-                           openai_stream_error_body)
+from router.api.openai.errors import openai_stream_error_body
+from router.errors import ModelNotFoundError, RouterError, UnknownAdapterError
 from router.http.sse import StreamFormat, openai_sse
 from router.schemas import FinishReason
 
@@ -18,7 +21,9 @@ FINGERPRINT = f"{VERSION}-tgi-py"
 
 @contextmanager
 def adapter_as_model() -> Iterator[None]:
-    """Inside it, an adapter that stopped being loaded after the request's `model` found it (an
+    """Inside it, an adapter unloaded meanwhile is a 404 model_not_found.
+
+    Inside it, an adapter that stopped being loaded after the request's `model` found it (an
     unload meanwhile) is a 404 model_not_found, as that `model` would be a moment later: to
     these routes an adapter is a model (vLLM's rule)."""
     try:
@@ -54,7 +59,9 @@ def without_stop(text: str, final, stop_sequences: list[str]) -> str:
 
 
 class StopHoldback:
-    """One streamed choice's text without its stop sequence, as the whole answer's is: a stop
+    """One streamed choice's text, without its stop sequence.
+
+    One streamed choice's text without its stop sequence, as the whole answer's is: a stop
     sequence can span tokens, so the end of the text that could begin one waits for the next
     token (vLLM holds its streams back alike) and is dropped if the sequence completes."""
 
@@ -76,7 +83,9 @@ class StopHoldback:
 
 
 def _overlap(text: str, stop: str) -> int:
-    """The length of the longest end of `text` that begins `stop`, shorter than `stop`: the
+    """The length of the longest end of `text` that begins `stop`.
+
+    The length of the longest end of `text` that begins `stop`, shorter than `stop`: the
     prefix function over stop's beginning, a separator and text's end, linear in their length
     (a stop sequence may be thousands of characters)."""
     tail = text[len(text) - min(len(text), len(stop) - 1):]

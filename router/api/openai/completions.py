@@ -49,15 +49,17 @@ def _with_suffix(prompt: str, suffix: str | None, tokenizer) -> str:
 
 
 def _own_seed(sampling: SamplingParams, body: dict) -> SamplingParams:
-    """A prompt's copy of the body's sampling: without a `seed`, a draw of its own, so that the
+    """A prompt's copy of the body's sampling, with a seed of its own.
+
+    A prompt's copy of the body's sampling: without a `seed`, a draw of its own, so that the
     same prompt twice gives two samples, as two requests would."""
     return replace(sampling, seed=seed_or_draw(sampling.seed if body.get("seed") is not None
                                                else None))
 
 
-async def _validate(state, body: dict, adapter_id: str | None):
-    limits = state.validation_limits
-    chosen_adapter(adapter_id, state.adapters)  # one being unloaded is refused from the start
+async def _validate(served, body: dict, adapter_id: str | None):
+    limits = served.validation_limits
+    chosen_adapter(adapter_id, served.adapters)  # one being unloaded is refused from the start
     logprobs = body.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                  or not 0 <= logprobs <= limits.max_top_n_tokens):
@@ -67,7 +69,7 @@ async def _validate(state, body: dict, adapter_id: str | None):
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise ValidationError("`suffix` must be a string")
-    n = choice_count(body, state.config.max_client_batch_size)
+    n = choice_count(body, served.config.max_client_batch_size)
     best_of = read_number(body, "best_of", 1, limits.max_best_of, integer=True)
     if best_of is not None and best_of < n:
         raise ValidationError(f"`best_of` must be >= `n`. Given: {best_of} < {n}")
@@ -81,14 +83,14 @@ async def _validate(state, body: dict, adapter_id: str | None):
     # read once for every prompt, off the event loop (a logit_bias may be 100,000 entries)
     sampling, stop = await asyncio.to_thread(sampling_and_stops, body, limits)
     requests = []
-    for text in _prompts(body, state.config.max_client_batch_size):
-        prompt = _with_suffix(text, suffix, state.tokenizer)
+    for text in _prompts(body, served.config.max_client_batch_size):
+        prompt = _with_suffix(text, suffix, served.tokenizer)
         with about_field("prompt"):
-            input_ids = await state.tokenizer.encode_async(
+            input_ids = await served.tokenizer.encode_async(
                 prompt, max_tokens=limits.tokens.max_input_tokens)
         if not input_ids:
             raise ValidationError("`prompt` cannot be empty")
-        default_max = state.request_defaults.get("token_limit", DEFAULT_MAX_TOKENS)
+        default_max = served.request_defaults.get("token_limit", DEFAULT_MAX_TOKENS)
         base = build_request(prompt, input_ids, body, limits, default_max_tokens=default_max,
                              top_n_tokens=logprobs or 0, grammar_spec=constraint,
                              prefill_logprobs=echo and logprobs is not None,
@@ -100,7 +102,9 @@ async def _validate(state, body: dict, adapter_id: str | None):
 
 def _best(requests: list[GenerateRequest], results: list[GenerateResult], n: int,
           candidates: int) -> tuple[list[GenerateRequest], list[GenerateResult]]:
-    """Of each prompt's candidates, the n with the highest log-probability per token (OpenAI's
+    """The n best of each prompt's candidates, most likely first.
+
+    Of each prompt's candidates, the n with the highest log-probability per token (OpenAI's
     rule for best_of), most likely first."""
     if candidates == n:
         return requests, results
@@ -132,14 +136,14 @@ def _logprobs(result: GenerateResult, echo: bool, prompt_length: int) -> dict:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_object(request)
-    state, adapter_id = model_and_adapter(request, model_name(body))
-    body = with_model_defaults(body, state.request_defaults)
+    served, adapter_id = model_and_adapter(request, model_name(body))
+    body = with_model_defaults(body, served.request_defaults)
     with adapter_as_model():
-        requests, echo, logprobs, n, candidates = await state.infer.count_request(
-            _validate(state, body, adapter_id))
+        requests, echo, logprobs, n, candidates = await served.infer.count_request(
+            _validate(served, body, adapter_id))
         # the adapter's name when `model` named one, as vLLM answers
         envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                    "created": int(time.time()), "model": adapter_id or state.model_name,
+                    "created": int(time.time()), "model": adapter_id or served.model_name,
                     "system_fingerprint": FINGERPRINT}
         # each prompt once, however many choices it has (as OpenAI and vLLM count)
         prompt_tokens = sum(r.input_length for r in requests[::candidates])
@@ -147,9 +151,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if stream:
             form = CompletionStream(requests, envelope, echo=echo, prompt_tokens=prompt_tokens,
                                     with_usage=with_usage)
-            return await serve_stream(request, state.infer.stream_many(requests), form,
+            return await serve_stream(request, served.infer.stream_many(requests), form,
                                       streams=len(requests))
-        results = await state.infer.generate_many(requests)
+        results = await served.infer.generate_many(requests)
     completion_tokens = sum(r.final.generated_tokens for r in results)  # every candidate's
     requests, results = _best(requests, results, n, candidates)
     choices = [{"index": i, "text": (r.inputs if echo else "") + without_stop(

@@ -64,7 +64,9 @@ def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingPa
 
 
 def model_name(body: dict) -> str | None:
-    """The model a body names: a served model's id or a loaded LoRA adapter's name
+    """The model a body names.
+
+    The model a body names: a served model's id or a loaded LoRA adapter's name
     (router/state.model_and_adapter finds it)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -120,7 +122,9 @@ def _message_text(message: dict, index: int) -> str:
 
 
 def _calls_as_text(message: dict) -> dict:
-    """An assistant turn that called tools and said nothing, for a prompt that cannot show
+    """An assistant turn's tool calls as its text, for a prompt that cannot show them.
+
+    An assistant turn that called tools and said nothing, for a prompt that cannot show
     `tool_calls` (a template that never reads them, Jan's prompt pieces): the calls as its text.
     Templates that read them (Qwen3's, Llama 3.1's...) get the turn as it came, as vLLM and
     transformers pass it, and would otherwise show the calls twice."""
@@ -222,7 +226,9 @@ _TEMPLATE_OWN_VARIABLES = ("messages", "tools", "add_generation_prompt", "contin
 
 
 def chat_template_kwargs(body: dict) -> dict:
-    """vLLM's and SGLang's `chat_template_kwargs`: more variables for the chat template (Qwen3's
+    """vLLM's and SGLang's `chat_template_kwargs`, checked.
+
+    vLLM's and SGLang's `chat_template_kwargs`: more variables for the chat template (Qwen3's
     `enable_thinking`, ...); as in transformers they may replace the special tokens (bos_token)."""
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
@@ -246,7 +252,9 @@ def chat_template_kwargs(body: dict) -> dict:
 def render_chat(template: ChatTemplate | None, messages: list[dict],
                 functions: list[dict] | None, *, allow_text: bool = False,
                 fallback: ChatPrompt | None = None, template_kwargs: dict | None = None) -> str:
-    """The prompt of a chat: the model's template, else Jan's prompt pieces (`fallback`, which
+    """The prompt of a chat.
+
+    The prompt of a chat: the model's template, else Jan's prompt pieces (`fallback`, which
     has no variables for `template_kwargs`)."""
     if template is None and fallback is None:
         raise TemplateError("this model has no chat template")
@@ -274,7 +282,9 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
                   prefill_logprobs: bool = False,
                   parsed: tuple[SamplingParams, list[str]],
                   adapter_id: str | None = None, prompt_field: str) -> GenerateRequest:
-    """`parsed`: sampling_and_stops(body, limits), which the caller reads off the event loop
+    """A chat body -> its validated GenerateRequest.
+
+    `parsed`: sampling_and_stops(body, limits), which the caller reads off the event loop
     (a logit_bias may be 100,000 entries); `adapter_id`: the LoRA adapter `model` named;
     `prompt_field`: the body's field the prompt comes from (an error's `param`)."""
     sampling, stop = parsed

@@ -1,26 +1,36 @@
-"""SGLang's choice of LoRA adapter per prompt: `lora_path` (a loaded adapter's name, or the
+"""SGLang's choice of LoRA adapter per prompt: `lora_path` and `lora_id`.
+
+SGLang's choice of LoRA adapter per prompt: `lora_path` (a loaded adapter's name, or the
 directory it was loaded from) and `lora_id` (a name), once for every prompt or one per prompt.
-What SGLang refuses here it answers with a 400, and so do we."""
+What SGLang refuses here it answers with a 400, and so do we.
+"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from router.errors import UnknownAdapterError, ValidationError
-from router.inputs.validation import chosen_adapter
+from router.inputs.validation import AdapterRegistry, chosen_adapter
 
-if TYPE_CHECKING:
-    from router.lifecycle.adapters import AdapterRegistry
+
+class LoadedAdapters(AdapterRegistry, Protocol):
+    """What SGLang's routes read of a served model's adapters (router.lifecycle.adapters)."""
+
+    def resolve_path(self, path: str) -> str | None: ...  # the open adapter loaded from `path`
 
 
 class SglangBadRequest(ValidationError):
-    """What SGLang answers with a 400 where our other validation errors are 422s: a LoRA adapter
+    """A validation error SGLang answers with a 400.
+
+    What SGLang answers with a 400 where our other validation errors are 422s: a LoRA adapter
     it has not loaded, a `lora_path` list that is not one entry per prompt."""
 
     status = 400
 
 
 def _lora_values(body: dict, name: str, count: int) -> list[str | None]:
-    """`lora_path` or `lora_id`: one value for every prompt, or (a batch) a list of one per
+    """`lora_path` or `lora_id`, one value per prompt.
+
+    `lora_path` or `lora_id`: one value for every prompt, or (a batch) a list of one per
     prompt; null and "" are the base model."""
     value = body.get(name)
     values = value if isinstance(value, list) else [value] * count
@@ -32,8 +42,10 @@ def _lora_values(body: dict, name: str, count: int) -> list[str | None]:
     return values
 
 
-def _adapter(value: str | None, name: str, adapters: AdapterRegistry | None) -> str | None:
-    """A loaded adapter's name, given as itself or (`lora_path`) as the directory it was loaded
+def _adapter(value: str | None, name: str, adapters: LoadedAdapters | None) -> str | None:
+    """A loaded adapter's name, given as itself or as its directory.
+
+    A loaded adapter's name, given as itself or (`lora_path`) as the directory it was loaded
     from, as SGLang's lora_path names an adapter by the path it was loaded under."""
     try:
         return chosen_adapter(value, adapters)
@@ -47,8 +59,10 @@ def _adapter(value: str | None, name: str, adapters: AdapterRegistry | None) -> 
 
 
 def prompt_adapters(body: dict, count: int,
-                    adapters: AdapterRegistry | None) -> list[str | None]:
-    """Each prompt's LoRA adapter (None: the base model), by `lora_path` or `lora_id` (SGLang's
+                    adapters: LoadedAdapters | None) -> list[str | None]:
+    """Each prompt's LoRA adapter (None: the base model).
+
+    Each prompt's LoRA adapter (None: the base model), by `lora_path` or `lora_id` (SGLang's
     newer field, a name); both given must name the same adapter."""
     chosen = []
     for index, (path, name) in enumerate(zip(_lora_values(body, "lora_path", count),

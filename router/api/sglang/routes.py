@@ -1,4 +1,6 @@
-"""SGLang's native API: `POST /generate` with `text` / `input_ids`, and its companion routes
+"""SGLang's native API: POST /generate and its companion routes.
+
+SGLang's native API: `POST /generate` with `text` / `input_ids`, and its companion routes
 (/abort_request, /flush_cache, /health_generate, /get_model_info, /get_server_info).
 
 TGI and SGLang share the path `POST /generate`. TGI's module owns the route and keeps a short list
@@ -26,8 +28,10 @@ from router.api.sglang.lora import SglangBadRequest
 from router.api.sglang.request import SglangItem, is_sglang_body, parse_generate
 from router.api.tgi import routes as tgi
 from router.core.generation import FanOutStream
-from router.errors import (ERROR_BODY, OverloadedError, RouterError, UnhealthyError,
-                           UnknownAdapterError, ValidationError, sglang_error_body)
+from router.api.sglang.errors import sglang_error_body
+from router.errors import (OverloadedError, RouterError, UnhealthyError, UnknownAdapterError,
+                           ValidationError)
+from router.http.middleware import ERROR_BODY
 from router.http.json_body import read_object
 from router.http.sse import StreamFormat, openai_sse, serve_stream
 from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,
@@ -100,7 +104,9 @@ class Run:
         return self.stream.aborted
 
     def arrived(self, event: TokenEvent) -> None:
-        """An event as the core hands it over (the writer may lag behind): recorded, and framed
+        """Records an event as the core hands it over.
+
+        An event as the core hands it over (the writer may lag behind): recorded, and framed
         when streamed; an aborted run's last event is framed only."""
         if not self.aborted:
             self.record(event)
@@ -188,14 +194,18 @@ class Run:
 
 
 def _events(infer, runs: list[Run]) -> AsyncIterator[tuple[int, TokenEvent]]:
-    """(index, event) of every run as they arrive, through the core's fan-out (each run abortable
+    """(index, event) of every run as they arrive.
+
+    (index, event) of every run as they arrive, through the core's fan-out (each run abortable
     alone; an aborted run ends with an event of its own)."""
     return infer.stream_many([run.request for run in runs], streams=[run.stream for run in runs],
                              on_event=lambda index, event: runs[index].arrived(event))
 
 
 class SglangStream(StreamFormat):
-    """`data: {"text": <text so far>, "meta_info": {...}}` per token, `data: [DONE]` at the end;
+    """SGLang's stream: a `data:` frame per token, `data: [DONE]` at the end.
+
+    `data: {"text": <text so far>, "meta_info": {...}}` per token, `data: [DONE]` at the end;
     a batch's events carry the `index` of their generation (each frame made as its event was
     recorded: Run.keep_frame)."""
 
@@ -223,17 +233,17 @@ async def generate(request: web.Request, body: dict) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, body: dict) -> web.StreamResponse:
-    state = served_model(request)
+    served = served_model(request)
     started = time.monotonic()
-    batch = await state.infer.count_request(parse_generate(
-        body, state.tokenizer, state.validation_limits, state.config.max_client_batch_size,
-        state.shard_info.hidden_size, adapters=state.adapters))
+    batch = await served.infer.count_request(parse_generate(
+        body, served.tokenizer, served.validation_limits, served.config.max_client_batch_size,
+        served.shard_info.hidden_size, adapters=served.adapters))
     running = request.app[RUNNING]
     rids = list(dict.fromkeys(item.rid for item in batch.items))
     taken = [rid for rid in rids if rid in running]
     if taken:
         error = ValidationError(f"a request with rid {taken[0]!r} is already running")
-        state.infer.record_failure(error)
+        served.infer.record_failure(error)
         raise error
     runs = [Run(item, Timings(started_at=started)) for item in batch.items]
     for run in runs:
@@ -242,9 +252,9 @@ async def _generate(request: web.Request, body: dict) -> web.StreamResponse:
         if batch.stream:
             for index, run in enumerate(runs):
                 run.stream_frames(index if batch.as_list else None)
-            return await serve_stream(request, _events(state.infer, runs),
+            return await serve_stream(request, _events(served.infer, runs),
                                       SglangStream(runs), streams=len(runs))
-        async for _ in _events(state.infer, runs):
+        async for _ in _events(served.infer, runs):
             pass
         outputs = [run.output() for run in runs]
         return web.json_response(outputs if batch.as_list else outputs[0])
@@ -271,25 +281,25 @@ async def abort_request(request: web.Request) -> web.Response:
 
 async def flush_cache(request: web.Request) -> web.Response:
     """Drops the prefix cache, only when no request is in flight (as SGLang: 400 otherwise)."""
-    state = served_model(request)
+    served = served_model(request)
     message = ("Cache flushed.\nPlease check backend logs for more details. (When there are "
                "running or waiting requests, the operation will not be performed.)\n")
-    if state.infer.in_flight:
+    if served.infer.in_flight:
         return web.Response(status=400, text=message)
-    if not state.flush_prefix_cache():
+    if not served.flush_prefix_cache():
         return web.Response(status=400, text=message)
     return web.Response(status=200, text=message)
 
 
 async def health_generate(request: web.Request) -> web.Response:
     """Health that runs one real token through the queue, the scheduler and the shards."""
-    state = served_model(request)
-    await state.check_health()
-    input_ids = state.tokenizer.encode("Hi") or [0]
+    served = served_model(request)
+    await served.check_health()
+    input_ids = served.tokenizer.encode("Hi") or [0]
     probe = GenerateRequest(inputs="Hi", input_ids=input_ids, sampling=SamplingParams(),
                             stopping=StoppingParams(max_new_tokens=1, ignore_eos=True))
     try:
-        await state.infer.generate(probe)
+        await served.infer.generate(probe)
     except OverloadedError:
         pass  # busy at its concurrency limit is alive: a restart would only lose requests
     except RouterError as err:
@@ -298,21 +308,21 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 async def get_model_info(request: web.Request) -> web.Response:
-    state = served_model(request)
-    return web.json_response({"model_path": state.model_name,
-                              "tokenizer_path": state.config.tokenizer_path,
+    served = served_model(request)
+    return web.json_response({"model_path": served.model_name,
+                              "tokenizer_path": served.config.tokenizer_path,
                               "is_generation": True, "preferred_sampling_params": None,
                               "weight_version": "default",
-                              # ours: the width of an input_embeds row and of a hidden state
-                              "hidden_size": state.shard_info.hidden_size})
+                              # ours: the width of an input_embeds row and of a hidden served
+                              "hidden_size": served.shard_info.hidden_size})
 
 
 async def get_server_info(request: web.Request) -> web.Response:
-    state = served_model(request)
+    served = served_model(request)
     return web.json_response({
-        **state.info_json(), "model_path": state.model_name,
-        "tokenizer_path": state.config.tokenizer_path,
-        "max_total_num_tokens": state.kv_capacity_tokens, "page_size": state.kv_block_size,
+        **served.info_json(), "model_path": served.model_name,
+        "tokenizer_path": served.config.tokenizer_path,
+        "max_total_num_tokens": served.kv_capacity_tokens, "page_size": served.kv_block_size,
         "version": VERSION})
 
 

@@ -8,9 +8,10 @@ import time
 from aiohttp import web
 
 from router.core.generation import GenerateResult
-from router.errors import BadRequestError, RouterError, ValidationError, tgi_error_body
+from router.api.tgi.errors import tgi_error_body
+from router.errors import BadRequestError, RouterError, ValidationError
 from router.http.json_body import read_object
-from router.http.middleware import error_middleware
+from router.http.middleware import ErrorBodies, error_middleware
 from router.http.sse import StreamFormat, serve_stream, sse_data
 from router.inputs.validation import ValidatedGenerate, check_types, validate_generate
 from router.lifecycle.served_model import ServedModel
@@ -28,12 +29,12 @@ def prefill_json(token: Token) -> dict:
     return {"id": token.id, "text": token.text, "logprob": token.logprob}
 
 
-async def validate(state: ServedModel, body: dict, *, stream: bool) -> ValidatedGenerate:
+async def validate(served: ServedModel, body: dict, *, stream: bool) -> ValidatedGenerate:
     """TGI's parameters object, validated and counted (shared with the gRPC API)."""
     with phase_span("validation"):
-        return await state.infer.count_request(validate_generate(
-            body, state.tokenizer, state.validation_limits, stream=stream,
-            adapters=state.adapters))
+        return await served.infer.count_request(validate_generate(
+            body, served.tokenizer, served.validation_limits, stream=stream,
+            adapters=served.adapters))
 
 
 def _sequence_details(result: GenerateResult, *, with_prefill: bool) -> dict:
@@ -48,11 +49,11 @@ def _sequence_details(result: GenerateResult, *, with_prefill: bool) -> dict:
     return details
 
 
-def _timing_headers(state, validated: ValidatedGenerate, timings: Timings, generated: int) -> dict:
+def _timing_headers(served, validated: ValidatedGenerate, timings: Timings, generated: int) -> dict:
     inference = timings.finished_at - timings.batched_at
     ms = lambda seconds: str(int(seconds * 1000))  # noqa: E731
     return {
-        "x-compute-type": state.compute_type, "x-compute-time": f"{inference:.6f}",
+        "x-compute-type": served.compute_type, "x-compute-time": f"{inference:.6f}",
         "x-compute-characters": str(len(validated.request.inputs)),
         "x-total-time": ms(timings.finished_at - timings.started_at),
         "x-validation-time": ms(timings.queued_at - timings.started_at),
@@ -65,10 +66,10 @@ def _timing_headers(state, validated: ValidatedGenerate, timings: Timings, gener
 
 
 async def _generate_payload(request: web.Request, body: dict, *, full_text_default: bool):
-    state = served_model(request)
+    served = served_model(request)
     timings = Timings(started_at=time.monotonic())
-    validated = await validate(state, body, stream=False)
-    best, others = await state.infer.generate_best_of(validated.request, validated.best_of,
+    validated = await validate(served, body, stream=False)
+    best, others = await served.infer.generate_best_of(validated.request, validated.best_of,
                                                       timings)
     prefix = validated.output_prefix(full_text_default)
     payload = {"generated_text": prefix + best.final.text}
@@ -80,7 +81,7 @@ async def _generate_payload(request: web.Request, body: dict, *, full_text_defau
                  **_sequence_details(r, with_prefill=True)} for r in others]
         payload["details"] = details
     record_phases(best.timings)
-    headers = _timing_headers(state, validated, best.timings, best.final.generated_tokens)
+    headers = _timing_headers(served, validated, best.timings, best.final.generated_tokens)
     return payload, headers
 
 
@@ -132,12 +133,12 @@ async def compat_generate(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, body: dict, *, full_text_default: bool
                   ) -> web.StreamResponse:
-    state = served_model(request)
+    served = served_model(request)
     timings = Timings(started_at=time.monotonic())
-    validated = await validate(state, body, stream=True)
+    validated = await validate(served, body, stream=True)
     form = TgiStream(validated, validated.output_prefix(full_text_default), timings)
-    return await serve_stream(request, state.infer.stream_many([validated.request], timings), form,
-                              headers={"x-compute-type": state.compute_type,
+    return await serve_stream(request, served.infer.stream_many([validated.request], timings), form,
+                              headers={"x-compute-type": served.compute_type,
                                        "x-compute-characters": str(len(validated.request.inputs))})
 
 
@@ -176,7 +177,7 @@ def _stream_json(event: TokenEvent, index: int, validated: ValidatedGenerate, pr
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    state = served_model(request)
+    served = served_model(request)
     body = await read_object(request)
     inputs = body.get("inputs")
     if not isinstance(inputs, str):
@@ -189,7 +190,7 @@ async def tokenize(request: web.Request) -> web.Response:
             raise BadRequestError("Failed to deserialize the JSON body into the target type: "
                                   "parameters: expected an object")
         truncate = check_types({"truncate": parameters.get("truncate")}).get("truncate")
-    ids, offsets = await state.tokenizer.encode_offsets_async(inputs)
+    ids, offsets = await served.tokenizer.encode_offsets_async(inputs)
     if truncate is not None and truncate < len(ids):  # TGI keeps the last tokens, as /generate
         ids, offsets = ids[len(ids) - truncate:], offsets[len(offsets) - truncate:]
     return await tokens_response(inputs, ids, offsets)
@@ -205,7 +206,9 @@ _SLICE = 1024  # tokens a json.dumps call
 
 
 def simple_tokens_json(text: str, ids: list[int], offsets: list[tuple[int, int]]) -> str:
-    """simple_tokens(...) as JSON, written a slice at a time: json.dumps holds the interpreter
+    """simple_tokens(...) as JSON, written a slice at a time.
+
+    simple_tokens(...) as JSON, written a slice at a time: json.dumps holds the interpreter
     for the whole of one call, tens of milliseconds per megabyte, and no other thread runs."""
     parts = [json.dumps(simple_tokens(text, ids[start:start + _SLICE],
                                       offsets[start:start + _SLICE]))[1:-1]
@@ -215,7 +218,9 @@ def simple_tokens_json(text: str, ids: list[int], offsets: list[tuple[int, int]]
 
 async def tokens_response(text: str, ids: list[int], offsets: list[tuple[int, int]], *,
                           templated_text: str | None = None) -> web.Response:
-    """The tokens' JSON answer (in /chat_tokenize's object when templated_text is given), made in
+    """The tokens' JSON answer, made in a worker thread.
+
+    The tokens' JSON answer (in /chat_tokenize's object when templated_text is given), made in
     a worker thread: for a prompt of a megabyte it is tens of megabytes, whose building held the
     event loop (and every other request) for seconds."""
     def build() -> bytes:
@@ -230,17 +235,19 @@ async def tokens_response(text: str, ids: list[int], offsets: list[tuple[int, in
 
 
 async def health(request: web.Request) -> web.Response:
-    """The model the X-Model-Id header names, or else every running model, answers (one that
+    """GET /health: the named model, or every running model, answers.
+
+    The model the X-Model-Id header names, or else every running model, answers (one that
     stops while it is asked is no longer the server's to report)."""
     if request.headers.get(MODEL_HEADER) is not None:
         await served_model(request).check_health()
     else:
-        served = request.app[STATE].models.served
-        for name, model in list(served.items()):
+        running = request.app[STATE].models.served
+        for name, model in list(running.items()):
             try:
                 await model.check_health()
             except Exception:
-                if served.get(name) is model:
+                if running.get(name) is model:
                     raise
     return web.Response(status=200)
 
@@ -262,7 +269,7 @@ async def metrics(request: web.Request) -> web.Response:
 def metrics_app(state: RouterState) -> web.Application:
     """What --prometheus-port serves: GET /metrics, the same as on the main port."""
     app = web.Application()
-    app.middlewares.append(error_middleware)
+    app.middlewares.append(error_middleware(ErrorBodies(tgi_error_body)))
     app[STATE] = state
     app.router.add_get("/metrics", metrics)
     return app

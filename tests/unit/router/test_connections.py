@@ -10,7 +10,8 @@ from aiohttp import web
 
 from router.http import connections, json_body
 from router.http.json_body import read_object
-from router.http.middleware import error_middleware
+from router.api.tgi.errors import tgi_error_body
+from router.http.middleware import ErrorBodies, error_middleware
 from tests.unit.router.test_api_errors import HealthyFake, _client
 from tests.waiting import wait_until_async
 
@@ -20,7 +21,7 @@ async def _echo(request: web.Request) -> web.Response:
 
 
 async def _serve(**options):
-    app = web.Application(client_max_size=1000, middlewares=[error_middleware])
+    app = web.Application(client_max_size=1000, middlewares=[error_middleware(ErrorBodies(tgi_error_body))])
     app.router.add_post("/echo", _echo)
     runner, listener = await connections.start_listening(app, "127.0.0.1", 0, **options)
     return runner, listener, listener.sockets[0].getsockname()[1]

@@ -6,7 +6,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from router.errors import GenerationError, IncompleteGenerationError, RouterError
-from router.http.middleware import error_middleware
+from router.api.tgi.errors import tgi_error_body
+from router.http.middleware import ErrorBodies, error_middleware
 from router.http.sse import StreamFormat, serve_stream
 from router.kv.block_allocator import BlockAllocator
 from router.kv.prefix_cache import PrefixCache
@@ -156,7 +157,7 @@ async def _serve(events_factory, streams=1):
     async def handler(request):
         return await serve_stream(request, events_factory(), _Lines(), streams=streams)
 
-    app = web.Application(middlewares=[error_middleware])
+    app = web.Application(middlewares=[error_middleware(ErrorBodies(tgi_error_body))])
     app.router.add_get("/", handler)
     client = TestClient(TestServer(app))
     await client.start_server()

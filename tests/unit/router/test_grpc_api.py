@@ -15,6 +15,7 @@ from proto import api_pb2_grpc
 from router import errors
 from router.api.grpc import convert
 from router.api.grpc import service as grpc_service
+from router.api.grpc import status
 from router.errors import ValidationError
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import (INTEGER_WIRE_TYPES, PARAMETER_TYPES, TokenLimits,
@@ -127,8 +128,8 @@ async def test_a_valid_request_reaches_the_shards_as_json_does(tokenizer):
     (errors.RouterError("x"), grpc.StatusCode.INTERNAL),
 ])
 def test_error_status_codes(error, code):
-    assert errors.grpc_status_code(error) == code
-    trailers = dict(errors.grpc_error_trailers(error))
+    assert status.grpc_status_code(error) == code
+    trailers = dict(status.grpc_error_trailers(error))
     assert trailers["tgi-error-type"] == error.error_type
     assert ("retry-after" in trailers) == ("Retry-After" in error.headers)
 
@@ -136,7 +137,7 @@ def test_error_status_codes(error, code):
 def test_every_status_the_router_answers_has_a_code():
     statuses = {cls.status for cls in vars(errors).values()
                 if isinstance(cls, type) and issubclass(cls, errors.RouterError)}
-    assert statuses <= set(errors.GRPC_STATUS_CODES)
+    assert statuses <= set(status.GRPC_STATUS_CODES)
 
 
 # ---- an in-process server over a scripted core ---------------------------------------------------

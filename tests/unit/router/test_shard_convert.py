@@ -98,7 +98,7 @@ def test_the_client_leaves_out_the_requests_that_cannot_be_translated():
     client = ShardedClient([_RecordingRank()])
     batch = NewBatch(1, [_shard_request(0), _shard_request(1, seed=-1), _shard_request(2)], 10, 2)
     prepared, rejected = client.prepare(batch)
-    assert [r.id for r in prepared.batch.requests] == [0, 2]
+    assert prepared.request_ids == [0, 2]
     assert [r.id for r in prepared.message.requests] == [0, 2]
     assert [r.request_id for r in rejected] == [1]
 
