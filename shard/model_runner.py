@@ -14,9 +14,10 @@ import torch
 from shard.adapters.adapter_set import AdapterSet
 from shard.attention_inputs import (decode_metadata, pad_blocks, prefill_metadata,
                                     route_short_contexts, static_decode_metadata)
-from shard.kernels import llama_decode_step, paged_attention
-from shard.kernels.compiled_decode import CompiledDecode, unsupported_reason
-from shard.kernels.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
+from shard.decode_paths import c_step
+from shard.decode_paths.compiled import CompiledDecode, unsupported_reason
+from shard.decode_paths.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
+from shard.kernels import paged_attention
 from shard.kv_budget import KVCacheSpec, allocate_kv_cache
 from shard.layers.attention import AttentionMetadata, LayerCache
 
@@ -51,9 +52,9 @@ class DecodeRows:
 class DecodePath(enum.Enum):
     """The step that computes a decode (ModelRunner.decode_path chooses)."""
 
-    C_STEP = "c_step"  # shard.kernels.llama_decode_step: the whole step in one C call
-    CUDA_GRAPHS = "cuda_graphs"  # shard.kernels.cuda_graphs: a captured graph replayed
-    COMPILED = "compiled"  # shard.kernels.compiled_decode: the torch.compile'd forward
+    C_STEP = "c_step"  # shard.decode_paths.c_step: the whole step in one C call
+    CUDA_GRAPHS = "cuda_graphs"  # shard.decode_paths.cuda_graphs: a captured graph replayed
+    COMPILED = "compiled"  # shard.decode_paths.compiled: the torch.compile'd forward
     EAGER = "eager"  # the forward layer by layer in PyTorch
 
 
@@ -75,7 +76,7 @@ class ModelRunner:
                  world_size: int = 1, cuda_graphs: list[int] | None = None,
                  new_capture: Callable[[torch.device], Capture] | None = None):
         """cuda_graphs: batch sizes to capture the decode step for on CUDA (see
-        shard.kernels.cuda_graphs); `new_capture` replaces the CUDA capture (tests emulate it on the
+        shard.decode_paths.cuda_graphs); `new_capture` replaces the CUDA capture (tests emulate it on the
         CPU)."""
         self.model = model
         # the LoRA adapters loaded on it; the C decode step reads them as model.adapters
@@ -94,7 +95,7 @@ class ModelRunner:
                              "out")
         self.paged_kernel = paged_attention.supports(spec.device, spec.cache_dtype)
         self.decode_step = self._decode_forward
-        self.c_step: llama_decode_step.DecodeStep | None = None  # built with each pool (see allocate)
+        self.c_step: c_step.DecodeStep | None = None  # built with each pool (see allocate)
         self.graphs: GraphedDecode | None = None  # captured with each pool (see warm_decode)
         if cuda_graphs and (spec.device.type == "cuda" or new_capture is not None):
             self.graphs = GraphedDecode(self._static_decode_forward, cuda_graphs, spec.device,
@@ -110,7 +111,7 @@ class ModelRunner:
                 log.warning("the decode step is not compiled: %s", reason)
 
     def warm_decode(self, max_total_tokens: int = 0) -> None:
-        """Compiles the decode step now, when it is to be compiled (see shard.kernels.compiled_decode),
+        """Compiles the decode step now, when it is to be compiled (see shard.decode_paths.compiled),
         or captures its CUDA graphs for requests of up to max_total_tokens (prompt and output;
         0: unknown, no graphs)."""
         if isinstance(self.decode_step, CompiledDecode):
@@ -155,9 +156,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # a compiled step or CUDA graphs asked for run instead
         if not isinstance(self.decode_step, CompiledDecode) and self.graphs is None:
-            reason = llama_decode_step.unsupported_reason(self.model, self.cache)
+            reason = c_step.unsupported_reason(self.model, self.cache)
             if reason is None:
-                self.c_step = llama_decode_step.DecodeStep(self.model, self.cache)
+                self.c_step = c_step.DecodeStep(self.model, self.cache)
             else:
                 log.info("decode steps run layer by layer: %s", reason)
 

@@ -151,7 +151,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(DecoderLM):
     """`heads` are this rank's share (shard.partition); `weights` hands out this rank's slices."""
 
-    # the layout shard/kernels/llama_decode_step.py reads: fused qkv and gate_up projections,
+    # the layout shard/decode_paths/c_step.py reads: fused qkv and gate_up projections,
     # rms norms, silu MLP, one rotary table, no norms or caps inside attention
     llama_layout = True
 
