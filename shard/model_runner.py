@@ -79,8 +79,7 @@ class ModelRunner:
         shard.decode_paths.cuda_graphs); `new_capture` replaces the CUDA capture (tests emulate it on the
         CPU)."""
         self.model = model
-        # the LoRA adapters loaded on it; the C decode step reads them as model.adapters
-        self.adapters = model.adapters = AdapterSet(model)
+        self.adapters = AdapterSet(model)  # the LoRA adapters loaded on it
         self.spec = spec
         self.device = spec.device
         self.world_size = world_size
@@ -156,9 +155,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # a compiled step or CUDA graphs asked for run instead
         if not isinstance(self.decode_step, CompiledDecode) and self.graphs is None:
-            reason = c_step.unsupported_reason(self.model, self.cache)
+            layout = self.model.decode_layout()
+            reason = c_step.unsupported_reason(layout, self.cache)
             if reason is None:
-                self.c_step = c_step.DecodeStep(self.model, self.cache)
+                self.c_step = c_step.DecodeStep(layout, self.cache, self.adapters)
             else:
                 log.info("decode steps run layer by layer: %s", reason)
 

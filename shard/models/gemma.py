@@ -22,6 +22,7 @@ from shard.layers.attention import AttentionMetadata, LayerCache, paged_attentio
 from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding
+from shard.models.decode_layout import GELU_TANH, GEMMA_NORM, DecodeLayout
 from shard.partition import RankHeads
 from shard.weights import Weights
 
@@ -319,6 +320,18 @@ class GemmaForCausalLM(nn.Module):
             hidden = hidden[logit_index]
             residual = residual[logit_index] if residual is not None else None
         return self.norm(hidden) if residual is None else self.norm.add_norm(hidden, residual)[0]
+
+    def decode_layout(self) -> DecodeLayout:
+        """Gemma's layer, which is not Llama's: what sets it apart, for the C decode step."""
+        tables = list(self.rotary.values())
+        return DecodeLayout(
+            family=type(self).__name__, activation_dtype=self.activation_dtype,
+            hidden_size=self.config.hidden_size, embed=self.embed,
+            rotary=tables[0] if len(tables) == 1 else None, layers=(), final_norm=self.norm,
+            lm_head=self.lm_head, norm=GEMMA_NORM, mlp=GELU_TANH,
+            qk_norm=self.config.generation == 3,
+            attention_softcap=self.layers[0].self_attn.softcap,
+            logit_softcap=self.config.final_logit_softcapping)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

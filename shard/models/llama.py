@@ -16,6 +16,7 @@ from shard.layers.embedding import VocabParallelEmbedding
 from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding
+from shard.models.decode_layout import DecodeLayout, LayerWeights
 from shard.models.decoder import DecoderLM, load_lm_head
 from shard.partition import RankHeads
 from shard.weights import Weights
@@ -147,13 +148,27 @@ class LlamaDecoderLayer(nn.Module):
         normed, residual = self.post_attention_layernorm.add_norm(attention, residual)
         return self.mlp(normed), residual
 
+    def decode_weights(self) -> LayerWeights:
+        """This layer's modules as the C decode step reads them (its MLP a gated one)."""
+        attention, mlp = self.self_attn, self.mlp
+        return LayerWeights(self.input_layernorm, self.post_attention_layernorm,
+                            attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj,
+                            attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                            attention.scale, attention.window)
+
+
+def llama_decode_layout(model: DecoderLM, *, dense: bool = True, **departures) -> DecodeLayout:
+    """The DecodeLayout of a model built of LlamaDecoderLayers; `departures` name what its layers
+    compute beyond Llama's (DecodeLayout's fields), `dense` False where some MLPs are experts."""
+    return DecodeLayout(
+        family=type(model).__name__, activation_dtype=model.activation_dtype,
+        hidden_size=model.config.hidden_size, embed=model.embed, rotary=model.rotary,
+        layers=tuple(layer.decode_weights() for layer in model.layers) if dense else (),
+        final_norm=model.norm, lm_head=model.lm_head, **departures)
+
 
 class LlamaForCausalLM(DecoderLM):
     """`heads` are this rank's share (shard.partition); `weights` hands out this rank's slices."""
-
-    # the layout shard/decode_paths/c_step.py reads: fused qkv and gate_up projections,
-    # rms norms, silu MLP, one rotary table, no norms or caps inside attention
-    llama_layout = True
 
     def __init__(self, cfg: LlamaConfig, heads: RankHeads, weights: Weights):
         super().__init__()
@@ -169,3 +184,7 @@ class LlamaForCausalLM(DecoderLM):
                             weights.activation_dtype)
         self.lm_head = load_lm_head(weights, self.embed_tokens, tied=cfg.tie_word_embeddings,
                                     vocab_size=cfg.vocab_size)
+
+    def decode_layout(self) -> DecodeLayout:
+        """Llama's layer, the one the C decode step computes."""
+        return llama_decode_layout(self)

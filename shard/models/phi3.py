@@ -16,7 +16,8 @@ from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding, partial_rotary_order, rope_type
 from shard.models.decoder import DecoderLM, load_lm_head
-from shard.models.llama import LlamaDecoderLayer
+from shard.models.decode_layout import DecodeLayout
+from shard.models.llama import LlamaDecoderLayer, llama_decode_layout
 from shard.partition import RankHeads
 from shard.weights import Weights
 
@@ -131,10 +132,6 @@ class Phi3MLP(nn.Module):
 class Phi3ForCausalLM(DecoderLM):
     """`heads` are this rank's share (shard.partition); `weights` hands out this rank's slices."""
 
-    # once loaded, Llama's layout (see LlamaForCausalLM): partial rotation and LongRoPE live in the
-    # rotary tables, so the C decode step serves it where it serves Llama
-    llama_layout = True
-
     def __init__(self, cfg: Phi3Config, heads: RankHeads, weights: Weights):
         super().__init__()
         self.config = cfg
@@ -153,3 +150,7 @@ class Phi3ForCausalLM(DecoderLM):
                             weights.activation_dtype)
         self.lm_head = load_lm_head(weights, self.embed_tokens, tied=cfg.tie_word_embeddings,
                                     vocab_size=cfg.vocab_size)
+
+    def decode_layout(self) -> DecodeLayout:
+        """Llama's layer once loaded: partial rotation and LongRoPE live in the rotary table."""
+        return llama_decode_layout(self)

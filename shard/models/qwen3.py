@@ -16,7 +16,9 @@ from shard.layers.embedding import VocabParallelEmbedding
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding
 from shard.models.decoder import DecoderLM, load_lm_head
-from shard.models.llama import LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaMLP
+from shard.models.decode_layout import DecodeLayout
+from shard.models.llama import (LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaMLP,
+                                llama_decode_layout)
 from shard.partition import RankHeads
 from shard.weights import Weights
 
@@ -114,3 +116,7 @@ class Qwen3ForCausalLM(DecoderLM):
 
     def build_mlp(self, cfg: Qwen3Config, weights: Weights, prefix: str, layer: int) -> nn.Module:
         return LlamaMLP(cfg, weights, prefix)
+
+    def decode_layout(self) -> DecodeLayout:
+        """Llama's layer with each query and key head normed."""
+        return llama_decode_layout(self, qk_norm=True)
