@@ -91,6 +91,23 @@ def cpu_has_avx2() -> bool:
     return "avx2" in cpu_flags().split()
 
 
+def device_refusal(device: str, *, quantize: str | None = None,
+                   kv_cache_dtype: str | None = None) -> str | None:
+    """Why --quantize or --kv-cache-dtype cannot run on `device` (a device type), or None.
+
+    Both run CPU kernels only. "auto" passes: the shard chooses the CPU for --quantize, and
+    asks again once it knows its device."""
+    if device in ("cpu", "auto"):
+        return None
+    if quantize:
+        return (f"--quantize {quantize} runs CPU kernels only, not on {device}: serve on the "
+                "CPU (--device cpu, or auto on a machine without a GPU) or without --quantize")
+    if kv_cache_dtype in KV_CACHE_DTYPES:  # the model's own dtype runs anywhere
+        return (f"--kv-cache-dtype {kv_cache_dtype} is read by CPU kernels only, not on "
+                f"{device}: serve on the CPU (--device cpu) or without --kv-cache-dtype")
+    return None
+
+
 def parse_cuda_graphs(text: str) -> list[int]:
     """`--cuda-graphs`: comma-separated batch sizes, or 0 (or nothing) for none."""
     try:
@@ -184,9 +201,9 @@ class ShardConfig:
         if self.kv_cache_dtype not in ("", *KV_CACHE_DTYPES):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of "
                              f"{KV_CACHE_DTYPES} (or empty: the model's dtype)")
-        if self.kv_cache_dtype and self.device == "cuda":
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is read by CPU kernels "
-                             "only: --device cpu, or no --kv-cache-dtype on CUDA")
+        refusal = device_refusal(self.device, kv_cache_dtype=self.kv_cache_dtype)
+        if refusal is not None:
+            raise ValueError(refusal)
         if self.kv_cache_dtype and self.compile_decode:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} with --compile-decode 1: "
                              "the compiled step does not read the cache's scales; drop one")

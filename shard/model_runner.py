@@ -14,6 +14,7 @@ import torch
 from shard.adapters.adapter_set import AdapterSet
 from shard.attention_inputs import (decode_metadata, pad_blocks, prefill_metadata,
                                     route_short_contexts, static_decode_metadata)
+from shard.config import device_refusal
 from shard.decode_paths import c_step
 from shard.decode_paths.compiled import CompiledDecode, unsupported_reason
 from shard.decode_paths.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
@@ -85,9 +86,9 @@ class ModelRunner:
         self.world_size = world_size
         self.cache: list[LayerCache] = []
         self.num_blocks = 0
-        if spec.int8 and spec.device.type != "cpu":
-            raise ValueError("an int8 KV cache is read by the CPU kernels and PyTorch's CPU path "
-                             f"only, not on {spec.device.type}: leave --kv-cache-dtype out there")
+        refusal = device_refusal(spec.device.type, kv_cache_dtype="int8" if spec.int8 else None)
+        if refusal is not None:
+            raise ValueError(refusal)
         if spec.int8 and (compile_decode or (cuda_graphs and new_capture is not None)):
             raise ValueError("an int8 KV cache with a compiled decode step or CUDA graphs: neither "
                              "reads its scales; leave --kv-cache-dtype int8 or --compile-decode "
