@@ -130,8 +130,9 @@ def _log_quantized(model: torch.nn.Module, quantize: str, dtype_name: str) -> No
 
 
 def _default_dtype(config: ShardConfig, device: torch.device, parallel) -> str:
-    """The device's default dtype (no --dtype given), the same on every rank: ranks on machines
-    whose defaults differ would exchange activations of different dtypes."""
+    """The device's default dtype (no --dtype given), the same on every rank.
+
+    Ranks on machines whose defaults differ would exchange activations of different dtypes."""
     dtype_name = default_dtype(device.type, config.model_path)
     if (dtype_name == "bfloat16" and device.type == "cuda"
             and torch.cuda.get_device_capability(device) < (8, 0)):

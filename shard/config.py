@@ -26,15 +26,17 @@ MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PA
 
 
 def cache_root() -> Path:
-    """Where prepared models, downloads, the registry and built kernels live: TGI_PY_CACHE, else
-    ~/.cache/tgi-py."""
+    """Where prepared models, downloads, the registry and built kernels live.
+
+    TGI_PY_CACHE, else ~/.cache/tgi-py."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tgi-py").expanduser()
 
 
 def kernel_enabled(switch_env: str) -> bool:
-    """A C kernel's switch (TGI_PY_MATMUL_KERNEL, TGI_PY_INT4_KERNEL, ...): on unless "0", or
-    unless DISABLE_CUSTOM_KERNELS (TGI's variable, set by the launcher's --disable-custom-kernels)
-    turns every one off."""
+    """A C kernel's switch (TGI_PY_MATMUL_KERNEL, TGI_PY_INT4_KERNEL, ...).
+
+    On unless "0", or unless DISABLE_CUSTOM_KERNELS (TGI's variable, set by the launcher's
+    --disable-custom-kernels) turns every one off."""
     if os.environ.get(DISABLE_KERNELS_ENV, "").lower() in ("1", "true", "yes"):
         return False
     return os.environ.get(switch_env, "1") != "0"
@@ -54,8 +56,9 @@ def kv_ledger_dir() -> Path | None:
 
 
 def local_topology(config: "ShardConfig") -> tuple[int, int]:
-    """(this rank's index, ranks) on this machine: across machines the global rank is not this
-    machine's GPU index (the launcher says which)."""
+    """(this rank's index, ranks) on this machine.
+
+    Across machines the global rank is not this machine's GPU index (the launcher says which)."""
     return (int(os.environ.get("LOCAL_RANK", config.rank)),
             int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size)))
 
@@ -66,8 +69,9 @@ def log_level() -> str:
 
 
 def malloc_set_by_hand() -> bool:
-    """Whether the environment sets glibc's malloc (its variables, its tunables, or a preloaded
-    allocator)."""
+    """Whether the environment sets glibc's malloc.
+
+    By its variables, its tunables, or a preloaded allocator."""
     return (any(name in os.environ for name in MALLOC_ENV)
             or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""))
 

@@ -197,9 +197,11 @@ class DecodeStep:
     def __call__(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                  block_tables: torch.Tensor, row_slots: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per sequence at position seq_lens -> (logits [B, vocab] float32, the final
-        normed hidden states [B, hidden]), as the eager step returns them; row i with the update
-        of LoRA slot row_slots[i] of the model's adapters (-1: none)."""
+        """One token per sequence at position seq_lens -> (logits, final hidden states).
+
+        Logits [B, vocab] float32 and the final normed hidden states [B, hidden], as the eager
+        step returns them; row i with the update of LoRA slot row_slots[i] of the model's
+        adapters (-1: none)."""
         batch = input_ids.shape[0]
         # the C loop reads `batch` entries of each through raw pointers
         if (input_ids.dim() != 1 or seq_lens.shape != (batch,) or block_tables.dim() != 2
@@ -236,8 +238,9 @@ class DecodeStep:
         return logits[:, : self.layout.lm_head.vocab_size].float(), hidden
 
     def _lora_slots(self, row_slots: torch.Tensor, batch: int) -> torch.Tensor | None:
-        """row_slots as the C loop reads them (int64 [batch]), or None where no layer holds an
-        adapter's update."""
+        """row_slots as the C loop reads them (int64 [batch]).
+
+        None where no layer holds an adapter's update."""
         if not self._lora_parts:
             return None
         if not self.takes_adapters:
@@ -249,8 +252,10 @@ class DecodeStep:
         return row_slots.to(torch.int64).contiguous()
 
     def _follow_adapters(self) -> None:
-        """The layers' parts set again after every load and unload (every step looks: after
-        the last unload, the freed stacks are let go even if no adapter row ever comes)."""
+        """The layers' LoRA parts set again after every load and unload of an adapter.
+
+        Every step looks: after the last unload, the freed stacks are let go even if no adapter
+        row ever comes."""
         if self.adapters.version != self._lora_version:
             self._set_lora_parts()
             self._lora_version = self.adapters.version
@@ -278,8 +283,9 @@ class DecodeStep:
 
 
 def _lora_part(part, inputs: int, outputs: int) -> _LoraPart:
-    """A LoraPart of a projection of `inputs` -> `outputs` features as the C loop reads it (an
-    empty entry for None or stacks without room); ValueError where its tensors do not fit the
+    """A LoraPart of a projection of `inputs` -> `outputs` features as the C loop reads it.
+
+    An empty entry for None or stacks without room; ValueError where its tensors do not fit the
     pointers the loop follows."""
     if part is None or part.a.numel() == 0:
         return _LoraPart()

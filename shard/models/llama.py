@@ -72,9 +72,11 @@ class LlamaConfig:
 
 
 def _sliding_window(cfg: dict) -> int | None:
-    """Mistral's sliding_window (absent or null: none). Qwen2 configs carry one with
-    use_sliding_window false, which turns it off; on, it would slide only from layer
-    max_window_layers on, which these layers do not do: refused rather than served wrongly."""
+    """Mistral's sliding_window (absent or null: none).
+
+    Qwen2 configs carry one with use_sliding_window false, which turns it off; on, it would slide
+    only from layer max_window_layers on, which these layers do not do: refused rather than served
+    wrongly."""
     window = cfg.get("sliding_window")
     # transformers' Qwen2Config defaults use_sliding_window to false; Mistral's has no such switch
     if not window or not cfg.get("use_sliding_window", cfg.get("model_type") != "qwen2"):
@@ -120,8 +122,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention then MLP. Families with Llama's norms and residual stream (Qwen3,
-    Phi-3) give their own `attention` and `mlp` blocks (else Llama's)."""
+    """Pre-norm attention then MLP.
+
+    Families with Llama's norms and residual stream (Qwen3, Phi-3) give their own `attention` and
+    `mlp` blocks (else Llama's)."""
 
     def __init__(self, cfg: LlamaConfig, heads: RankHeads, weights: Weights, prefix: str, *,
                  attention: nn.Module | None = None, mlp: nn.Module | None = None):
@@ -137,9 +141,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, angles: RotaryAngles,
                 cache: LayerCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the previous layer's output, not yet added to the residual stream (the
-        embeddings at the first layer, with no residual). Returns this layer's output and the
-        stream it is to be added to: each add is fused with the norm that reads its result."""
+        """This layer's output and the residual stream it is to be added to.
+
+        hidden: the previous layer's output, not yet added to the residual stream (the embeddings
+        at the first layer, with no residual). Each add is fused with the norm that reads its
+        result."""
         if residual is None:
             normed, residual = self.input_layernorm(hidden), hidden
         else:
@@ -158,8 +164,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def llama_decode_layout(model: DecoderLM, *, dense: bool = True, **departures) -> DecodeLayout:
-    """The DecodeLayout of a model built of LlamaDecoderLayers; `departures` name what its layers
-    compute beyond Llama's (DecodeLayout's fields), `dense` False where some MLPs are experts."""
+    """The DecodeLayout of a model built of LlamaDecoderLayers.
+
+    `departures` name what its layers compute beyond Llama's (DecodeLayout's fields), `dense` False
+    where some MLPs are experts."""
     return DecodeLayout(
         family=type(model).__name__, activation_dtype=model.activation_dtype,
         hidden_size=model.config.hidden_size, embed=model.embed, rotary=model.rotary,

@@ -1,6 +1,7 @@
-"""Phi-3 (Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini): Llama's decoder layer with q/k/v and gate/up
-each stored as one fused tensor, LongRoPE frequency scaling, an optional sliding window and, in
-Phi-4-mini, rotation of only part of each head.
+"""Phi-3 (Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini).
+
+Llama's decoder layer with q/k/v and gate/up each stored as one fused tensor, LongRoPE frequency
+scaling, an optional sliding window and, in Phi-4-mini, rotation of only part of each head.
 """
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ class Phi3Config:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "Phi3Config":
-        """config.json as transformers' Phi3Config reads it: its older form (rope_scaling, with
-        type "su" or "longrope", rope_theta and partial_rotary_factor beside it) or the newer
-        (rope_parameters holding them all)."""
+        """config.json as transformers' Phi3Config reads it.
+
+        Its older form (rope_scaling, with type "su" or "longrope", rope_theta and
+        partial_rotary_factor beside it) or the newer (rope_parameters holding them all)."""
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"Phi-3 with hidden_act {cfg['hidden_act']!r} is not supported "
                              "(supported: silu)")
@@ -109,8 +111,10 @@ class Phi3Attention(nn.Module):
 
 
 def _query_key_order(cfg: Phi3Config, heads: RankHeads) -> torch.Tensor:
-    """The rows of a rank's fused [q; k; v] weight with each query and key head's dimensions in
-    partial_rotary_order (values keep theirs: they do not rotate)."""
+    """The rows of a rank's fused [q; k; v] weight, its heads' dimensions in rotation order.
+
+    Each query and key head's dimensions in partial_rotary_order (values keep theirs: they do not
+    rotate)."""
     d = cfg.head_dim
     within = partial_rotary_order(d, cfg.rotary_dim)
     rotated = heads.num_heads + heads.num_kv_heads

@@ -1,5 +1,7 @@
-"""Qwen3-MoE: Qwen3's attention with a sparse Mixture-of-Experts block (shard.layers.moe) in place
-of the MLP on its sparse layers, and no shared expert.
+"""Qwen3-MoE.
+
+Qwen3's attention with a sparse Mixture-of-Experts block (shard.layers.moe) in place of the MLP on
+its sparse layers, and no shared expert.
 
 Which layers are sparse, as transformers decides: not those in mlp_only_layers, and among the rest
 every decoder_sparse_step-th (all of them at the default step of 1). The others keep a dense MLP of
