@@ -215,7 +215,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--compile-decode", action="store_true",
                         help="the shard compiles its decode step at warm-up (see "
-                             "shard/kernels/compiled_decode.py)")
+                             "shard/decode_paths/compiled.py)")
     parser.add_argument("--quantize", default="", choices=["", "int8", "int4"],
                         help="weight-only quantization of the shard's linear layers")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

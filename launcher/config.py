@@ -15,7 +15,7 @@ from router import VERSION
 from router.config import (ENV_HELP, TRUE_FALSE, RouterConfig, env_value, flag_arguments,
                            setting)
 from shard.config import (DEFAULT_CUDA_GRAPHS, DISABLE_KERNELS_ENV, DTYPES, QUANTIZE_KINDS,
-                          parse_cuda_graphs)
+                          device_refusal, parse_cuda_graphs)
 
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -266,12 +266,10 @@ class LauncherConfig:
         if not 0.0 < self.cuda_memory_fraction <= 1.0:
             raise ValueError(f"--cuda-memory-fraction {self.cuda_memory_fraction} must be "
                              "above 0 and at most 1")
-        if self.quantize and self.device == "cuda":
-            raise ValueError(f"--quantize {self.quantize} runs CPU kernels only: serve with "
-                             "--device cpu (or auto on a machine without a GPU)")
-        if self.kv_cache_dtype == KV_INT8 and self.device == "cuda":
-            raise ValueError("--kv-cache-dtype int8 is read by CPU kernels only: serve with "
-                             "--device cpu, or leave --kv-cache-dtype out on CUDA")
+        refusal = device_refusal(self.device, quantize=self.quantize,
+                                 kv_cache_dtype=self.kv_cache_dtype)
+        if refusal is not None:
+            raise ValueError(refusal)
         if self.kv_cache_dtype == KV_INT8 and self.compile_decode:
             raise ValueError("--kv-cache-dtype int8 with --compile-decode: the compiled step "
                              "does not read an int8 cache's scales; leave one of them out")

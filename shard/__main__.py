@@ -19,8 +19,8 @@ from proto.launcher_watch import watch_launcher
 from proto.logs import configure_logging, is_json_output, log_source
 from proto.tracing import init_tracing, shutdown_tracing
 from shard import watermark
-from shard.config import (DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype, local_topology,
-                          log_level, parse_args, parse_cuda_graphs)
+from shard.config import (DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype, device_refusal,
+                          local_topology, log_level, parse_args, parse_cuda_graphs)
 from shard.distributed import all_gather_strings, init_parallel
 from shard.engine import Engine
 from shard.kv_budget import KVCacheSpec, PoolLedger
@@ -46,12 +46,11 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
                              device=device)
     dtype_name = config.dtype or _default_dtype(config, device, parallel)
     dtype = getattr(torch, dtype_name)
-    if config.quantize and device.type != "cpu":
-        raise ValueError(f"--quantize {config.quantize} runs CPU kernels only: serve on the CPU "
-                         "(--device cpu) or without --quantize")
-    if config.kv_cache_dtype and device.type != "cpu":  # --device auto found a GPU
-        raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} is read by CPU kernels only: "
-                         "serve on the CPU (--device cpu) or without --kv-cache-dtype")
+    # asked again now that the device is known: --device auto may have found a GPU
+    refusal = device_refusal(device.type, quantize=config.quantize,
+                             kv_cache_dtype=config.kv_cache_dtype)
+    if refusal is not None:
+        raise ValueError(refusal)
     loaded = load_model(Path(config.model_path), dtype=dtype, device=device, parallel=parallel,
                         quantize=config.quantize or None, rope_scaling=config.rope_override())
     log.info("rank %d loaded %s as %s (%s on %s)", config.rank, config.model_path,
@@ -131,8 +130,9 @@ def _log_quantized(model: torch.nn.Module, quantize: str, dtype_name: str) -> No
 
 
 def _default_dtype(config: ShardConfig, device: torch.device, parallel) -> str:
-    """The device's default dtype (no --dtype given), the same on every rank: ranks on machines
-    whose defaults differ would exchange activations of different dtypes."""
+    """The device's default dtype (no --dtype given), the same on every rank.
+
+    Ranks on machines whose defaults differ would exchange activations of different dtypes."""
     dtype_name = default_dtype(device.type, config.model_path)
     if (dtype_name == "bfloat16" and device.type == "cuda"
             and torch.cuda.get_device_capability(device) < (8, 0)):

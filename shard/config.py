@@ -26,15 +26,17 @@ MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PA
 
 
 def cache_root() -> Path:
-    """Where prepared models, downloads, the registry and built kernels live: TGI_PY_CACHE, else
-    ~/.cache/tgi-py."""
+    """Where prepared models, downloads, the registry and built kernels live.
+
+    TGI_PY_CACHE, else ~/.cache/tgi-py."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tgi-py").expanduser()
 
 
 def kernel_enabled(switch_env: str) -> bool:
-    """A C kernel's switch (TGI_PY_MATMUL_KERNEL, TGI_PY_INT4_KERNEL, ...): on unless "0", or
-    unless DISABLE_CUSTOM_KERNELS (TGI's variable, set by the launcher's --disable-custom-kernels)
-    turns every one off."""
+    """A C kernel's switch (TGI_PY_MATMUL_KERNEL, TGI_PY_INT4_KERNEL, ...).
+
+    On unless "0", or unless DISABLE_CUSTOM_KERNELS (TGI's variable, set by the launcher's
+    --disable-custom-kernels) turns every one off."""
     if os.environ.get(DISABLE_KERNELS_ENV, "").lower() in ("1", "true", "yes"):
         return False
     return os.environ.get(switch_env, "1") != "0"
@@ -54,8 +56,9 @@ def kv_ledger_dir() -> Path | None:
 
 
 def local_topology(config: "ShardConfig") -> tuple[int, int]:
-    """(this rank's index, ranks) on this machine: across machines the global rank is not this
-    machine's GPU index (the launcher says which)."""
+    """(this rank's index, ranks) on this machine.
+
+    Across machines the global rank is not this machine's GPU index (the launcher says which)."""
     return (int(os.environ.get("LOCAL_RANK", config.rank)),
             int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size)))
 
@@ -66,8 +69,9 @@ def log_level() -> str:
 
 
 def malloc_set_by_hand() -> bool:
-    """Whether the environment sets glibc's malloc (its variables, its tunables, or a preloaded
-    allocator)."""
+    """Whether the environment sets glibc's malloc.
+
+    By its variables, its tunables, or a preloaded allocator."""
     return (any(name in os.environ for name in MALLOC_ENV)
             or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""))
 
@@ -89,6 +93,23 @@ DEFAULT_CUDA_GRAPHS = "1,2,4,8,16,32"  # TGI's --cuda-graphs default
 def cpu_has_avx2() -> bool:
     """x86 CPUs with AVX2 (AVX-512 ones included), from /proc/cpuinfo's flags."""
     return "avx2" in cpu_flags().split()
+
+
+def device_refusal(device: str, *, quantize: str | None = None,
+                   kv_cache_dtype: str | None = None) -> str | None:
+    """Why --quantize or --kv-cache-dtype cannot run on `device` (a device type), or None.
+
+    Both run CPU kernels only. "auto" passes: the shard chooses the CPU for --quantize, and
+    asks again once it knows its device."""
+    if device in ("cpu", "auto"):
+        return None
+    if quantize:
+        return (f"--quantize {quantize} runs CPU kernels only, not on {device}: serve on the "
+                "CPU (--device cpu, or auto on a machine without a GPU) or without --quantize")
+    if kv_cache_dtype in KV_CACHE_DTYPES:  # the model's own dtype runs anywhere
+        return (f"--kv-cache-dtype {kv_cache_dtype} is read by CPU kernels only, not on "
+                f"{device}: serve on the CPU (--device cpu) or without --kv-cache-dtype")
+    return None
 
 
 def parse_cuda_graphs(text: str) -> list[int]:
@@ -184,9 +205,9 @@ class ShardConfig:
         if self.kv_cache_dtype not in ("", *KV_CACHE_DTYPES):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of "
                              f"{KV_CACHE_DTYPES} (or empty: the model's dtype)")
-        if self.kv_cache_dtype and self.device == "cuda":
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is read by CPU kernels "
-                             "only: --device cpu, or no --kv-cache-dtype on CUDA")
+        refusal = device_refusal(self.device, kv_cache_dtype=self.kv_cache_dtype)
+        if refusal is not None:
+            raise ValueError(refusal)
         if self.kv_cache_dtype and self.compile_decode:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} with --compile-decode 1: "
                              "the compiled step does not read the cache's scales; drop one")

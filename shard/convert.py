@@ -6,7 +6,7 @@ import torch
 from proto import generate_pb2 as pb
 from shard.batch_state import NewRequest
 from shard.grammar_matcher import GRAMMAR_EBNF, GRAMMAR_JSON, GRAMMAR_REGEX
-from shard.outputs import CachedBatch, Generation, StepResult, TokenRun
+from shard.outputs import BatchInfo, RequestOutput, StepOutput, TokenRun
 from shard.sampling import SamplingParams
 from shard.stopping import FinishReason
 
@@ -68,7 +68,7 @@ def tokens(run: TokenRun) -> pb.Tokens:
     return pb.Tokens(ids=run.ids, logprobs=run.logprobs, texts=run.texts, is_special=run.is_special)
 
 
-def generation(g: Generation) -> pb.Generation:
+def generation(g: RequestOutput) -> pb.Generation:
     message = pb.Generation(request_id=g.request_id, tokens=tokens(g.tokens),
                             top_tokens=[tokens(t) for t in g.top_tokens],
                             token_ids_logprobs=g.token_ids_logprobs)
@@ -90,12 +90,12 @@ def generation(g: Generation) -> pb.Generation:
     return message
 
 
-def cached_batch(info: CachedBatch) -> pb.CachedBatch:
+def cached_batch(info: BatchInfo) -> pb.CachedBatch:
     return pb.CachedBatch(id=info.id, request_ids=info.request_ids, size=len(info.request_ids),
                           max_tokens=info.max_tokens, current_tokens=info.current_tokens)
 
 
-def step_response(result: StepResult, message_class):
+def step_response(result: StepOutput, message_class):
     response = message_class(generations=[generation(g) for g in result.generations],
                              forward_ns=result.forward_ns, decode_ns=result.decode_ns,
                              total_ns=result.total_ns)

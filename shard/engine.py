@@ -20,7 +20,7 @@ from shard.grammar_matcher import GrammarFactory
 from shard.kv_budget import PoolLedger, budget_blocks
 from shard.loader import LoadedModel
 from shard.model_runner import DecodeRows, ModelRunner, PrefillSequence
-from shard.outputs import (CachedBatch, Generation, StepResult, WarmupResult, after_steps,
+from shard.outputs import (BatchInfo, RequestOutput, StepOutput, WarmupResult, after_steps,
                            merge_steps)
 
 
@@ -100,7 +100,7 @@ class Engine:
         return WarmupResult(num_blocks=num_blocks, block_size=block_size)
 
     def prefill(self, batch_id: int, requests: list[NewRequest],
-                cached_batch_id: int | None = None) -> StepResult:
+                cached_batch_id: int | None = None) -> StepOutput:
         """Computes new prompts (or one chunk of a long one); with `cached_batch_id`, that running
         batch also takes its next step in the same forward and the new requests join it."""
         start = time.perf_counter_ns()
@@ -114,20 +114,20 @@ class Engine:
         rejected = unknown + rejected
         if not requests:  # nothing new to compute: the riding batch takes a plain step
             result = (self.decode([cached_batch_id]) if cached_batch_id is not None
-                      else StepResult([], None))
+                      else StepOutput([], None))
             result.rejected = rejected
             return result
         running = self._pop(cached_batch_id) if cached_batch_id is not None else None
         batch, generations, forward_ns = self._prefill_step(requests, batch_id, running)
         if batch is None:
-            return StepResult([], None, forward_ns=forward_ns, decode_ns=0,
+            return StepOutput([], None, forward_ns=forward_ns, decode_ns=0,
                               total_ns=time.perf_counter_ns() - start, rejected=rejected)
         result = self._finish_step(batch, generations, start, forward_ns)
         result.rejected = rejected
         return result
 
     def decode(self, batch_ids: list[int], max_steps: int = 1,
-               on_step: Callable[[StepResult], None] | None = None) -> StepResult:
+               on_step: Callable[[StepOutput], None] | None = None) -> StepOutput:
         """Up to `max_steps` decode steps of the batches (merged), back to back: one call's
         round trip for several tokens when nothing else is due. It stops after a step in which a
         request finished (the router drops it before the next), and takes one step when
@@ -145,7 +145,7 @@ class Engine:
                 result = after_steps(result, self._decode_step([result.batch.id]))
         return result
 
-    def filter(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
+    def filter(self, batch_id: int, request_ids: list[int]) -> BatchInfo:
         if not request_ids:
             raise ValueError("FilterBatch needs at least one request id; use ClearCache to drop a batch")
         batch = filter_batch(self._pop(batch_id), request_ids)
@@ -188,14 +188,14 @@ class Engine:
 
     # ---- steps ------------------------------------------------------------------------------
 
-    def _may_step_again(self, result: StepResult) -> bool:
+    def _may_step_again(self, result: StepOutput) -> bool:
         if result.batch is None or self.speculate:
             return False
         if any(g.generated_text is not None for g in result.generations):
             return False
         return not any(s.beams is not None for s in self.batches[result.batch.id].requests)
 
-    def _decode_step(self, batch_ids: list[int]) -> StepResult:
+    def _decode_step(self, batch_ids: list[int]) -> StepOutput:
         start = time.perf_counter_ns()
         batches = [self._pop(i) for i in batch_ids]
         concat_ns = None
@@ -267,14 +267,14 @@ class Engine:
         return (batches[0] if len(batches) == 1 else concatenate_batches(batches),
                 generations, forward_ns)
 
-    def _finish_step(self, batch: Batch, generations: list[Generation], start: int,
-                     forward_ns: int) -> StepResult:
+    def _finish_step(self, batch: Batch, generations: list[RequestOutput], start: int,
+                     forward_ns: int) -> StepOutput:
         decode_ns = time.perf_counter_ns() - start - forward_ns
         info = None
         if any(r.finish_reason is None for r in batch.requests):
             self.batches[batch.id] = batch
             info = self._info(batch)
-        return StepResult(generations, info, forward_ns=forward_ns, decode_ns=decode_ns,
+        return StepOutput(generations, info, forward_ns=forward_ns, decode_ns=decode_ns,
                           total_ns=time.perf_counter_ns() - start)
 
     def _decode_rows(self, batch: Batch) -> tuple[DecodeRows, list[int] | None]:
@@ -308,7 +308,7 @@ class Engine:
                           batch.adapter_slots(rows_per_request)), first
 
     def _step_rows(self, batch: Batch, logits: torch.Tensor, hidden: torch.Tensor,
-                   first: list[int] | None) -> list[Generation]:
+                   first: list[int] | None) -> list[RequestOutput]:
         """The decode step's outputs (rows from _decode_rows) -> each request's generation."""
         batch.seq_lens = batch.seq_lens + 1
         row_logits, row_hidden = logits, hidden
@@ -330,8 +330,8 @@ class Engine:
         except KeyError:
             raise BatchNotFound(f"batch {batch_id} is not in the shard's cache") from None
 
-    def _info(self, batch: Batch) -> CachedBatch:
-        return CachedBatch(id=batch.id, request_ids=batch.request_ids,
+    def _info(self, batch: Batch) -> BatchInfo:
+        return BatchInfo(id=batch.id, request_ids=batch.request_ids,
                            max_tokens=batch.num_blocks * self.block_size,
                            current_tokens=len(batch.requests))
 

@@ -15,7 +15,7 @@ from shard.batch_state import Batch, NewRequest, RequestState
 from shard.beams import advance as advance_beams
 from shard.detokenizer import decode_next, flush
 from shard.grammar_matcher import advance
-from shard.outputs import GeneratedText, Generation, PromptScores, TokenRun
+from shard.outputs import GeneratedText, PromptScores, RequestOutput, TokenRun
 from shard.sampling import SampleOutput
 from shard.stopping import FinishReason
 
@@ -36,9 +36,14 @@ class Vocabulary:
 
 def step_generations(batch: Batch, output: SampleOutput, hidden: list[torch.Tensor | None],
                      logits: torch.Tensor, vocab: Vocabulary, first: list[int] | None = None
+<<<<<<< HEAD
                      ) -> list[Generation | None]:
     """Each row's token appended, detokenised and checked for stopping (a Python loop by nature).
 
+=======
+                     ) -> list[RequestOutput | None]:
+    """Appends each row's token, detokenises it, checks stopping (a Python loop by nature).
+>>>>>>> wt-shard
     `hidden` holds, per row, the final hidden states this step computed for it; `logits` and
     `first` are the step's rows (see Engine._decode_rows), which a beam-search request reads all
     of (its generation is None until its search ends)."""
@@ -70,7 +75,7 @@ def step_generations(batch: Batch, output: SampleOutput, hidden: list[torch.Tens
 
 
 def _token_generation(batch: Batch, row: int, token: int, logprob: float,
-                      vocab: Vocabulary) -> Generation:
+                      vocab: Vocabulary) -> RequestOutput:
     """The row's request takes `token`: its text, and its end when it stops here."""
     state = batch.requests[row]
     tokenizer = vocab.tokenizer
@@ -94,13 +99,19 @@ def _token_generation(batch: Batch, row: int, token: int, logprob: float,
         generated = GeneratedText("".join(state.text), state.stop.num_generated, reason,
                                   params.seed if params.do_sample else None)
     tokens = TokenRun([token], [logprob], [text], [token in vocab.special_token_ids])
-    return Generation(state.id, tokens, generated_text=generated, error=broken)
+    return RequestOutput(state.id, tokens, generated_text=generated, error=broken)
 
 
+<<<<<<< HEAD
 def _beam_answer(state: RequestState, best: list[int], vocab: Vocabulary) -> Generation:
     """A finished beam search's generation: the best hypothesis.
 
     Its text is decoded as a stream of it would have been."""
+=======
+def _beam_answer(state: RequestState, best: list[int], vocab: Vocabulary) -> RequestOutput:
+    """A finished beam search's generation: the best hypothesis, its text decoded as a stream of
+    it would have been."""
+>>>>>>> wt-shard
     tokenizer = vocab.tokenizer
     text = []
     for token in best:
@@ -116,7 +127,7 @@ def _beam_answer(state: RequestState, best: list[int], vocab: Vocabulary) -> Gen
                               token_ids=best)
     last = best[-1]
     # one run for the whole answer: all of its text arrives with this step
-    return Generation(state.id, TokenRun([last], [math.nan], [text],
+    return RequestOutput(state.id, TokenRun([last], [math.nan], [text],
                                          [last in vocab.special_token_ids]),
                       generated_text=generated)
 

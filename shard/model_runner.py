@@ -1,5 +1,7 @@
-"""Runs the model's forwards over the KV cache it owns: a prefill's sequences (a running batch riding
-along) and decode steps, each by the path `ModelRunner.decode_path` chooses; logits for the rows asked.
+"""Runs the model's forwards over the KV cache it owns.
+
+A prefill's sequences (a running batch riding along) and decode steps, each by the path
+`ModelRunner.decode_path` chooses; logits for the rows asked.
 """
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ import torch
 from shard.adapters.adapter_set import AdapterSet
 from shard.attention_inputs import (decode_metadata, pad_blocks, prefill_metadata,
                                     route_short_contexts, static_decode_metadata)
-from shard.kernels import llama_decode_step, paged_attention
-from shard.kernels.compiled_decode import CompiledDecode, unsupported_reason
-from shard.kernels.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
+from shard.config import device_refusal
+from shard.decode_paths import c_step
+from shard.decode_paths.compiled import CompiledDecode, unsupported_reason
+from shard.decode_paths.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
+from shard.kernels import paged_attention
 from shard.kv_budget import KVCacheSpec, allocate_kv_cache
 from shard.layers.attention import AttentionMetadata, LayerCache
 
@@ -51,9 +55,9 @@ class DecodeRows:
 class DecodePath(enum.Enum):
     """The step that computes a decode (ModelRunner.decode_path chooses)."""
 
-    C_STEP = "c_step"  # shard.kernels.llama_decode_step: the whole step in one C call
-    CUDA_GRAPHS = "cuda_graphs"  # shard.kernels.cuda_graphs: a captured graph replayed
-    COMPILED = "compiled"  # shard.kernels.compiled_decode: the torch.compile'd forward
+    C_STEP = "c_step"  # shard.decode_paths.c_step: the whole step in one C call
+    CUDA_GRAPHS = "cuda_graphs"  # shard.decode_paths.cuda_graphs: a captured graph replayed
+    COMPILED = "compiled"  # shard.decode_paths.compiled: the torch.compile'd forward
     EAGER = "eager"  # the forward layer by layer in PyTorch
 
 
@@ -74,27 +78,28 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: KVCacheSpec, *, compile_decode: bool = False,
                  world_size: int = 1, cuda_graphs: list[int] | None = None,
                  new_capture: Callable[[torch.device], Capture] | None = None):
-        """cuda_graphs: batch sizes to capture the decode step for on CUDA (see
-        shard.kernels.cuda_graphs); `new_capture` replaces the CUDA capture (tests emulate it on the
-        CPU)."""
+        """A runner of `model` over a KV cache laid out as `spec` (allocated by `allocate`).
+
+        cuda_graphs: batch sizes to capture the decode step for on CUDA (see
+        shard.decode_paths.cuda_graphs); `new_capture` replaces the CUDA capture (tests emulate it
+        on the CPU)."""
         self.model = model
-        # the LoRA adapters loaded on it; the C decode step reads them as model.adapters
-        self.adapters = model.adapters = AdapterSet(model)
+        self.adapters = AdapterSet(model)  # the LoRA adapters loaded on it
         self.spec = spec
         self.device = spec.device
         self.world_size = world_size
         self.cache: list[LayerCache] = []
         self.num_blocks = 0
-        if spec.int8 and spec.device.type != "cpu":
-            raise ValueError("an int8 KV cache is read by the CPU kernels and PyTorch's CPU path "
-                             f"only, not on {spec.device.type}: leave --kv-cache-dtype out there")
+        refusal = device_refusal(spec.device.type, kv_cache_dtype="int8" if spec.int8 else None)
+        if refusal is not None:
+            raise ValueError(refusal)
         if spec.int8 and (compile_decode or (cuda_graphs and new_capture is not None)):
             raise ValueError("an int8 KV cache with a compiled decode step or CUDA graphs: neither "
                              "reads its scales; leave --kv-cache-dtype int8 or --compile-decode "
                              "out")
         self.paged_kernel = paged_attention.supports(spec.device, spec.cache_dtype)
         self.decode_step = self._decode_forward
-        self.c_step: llama_decode_step.DecodeStep | None = None  # built with each pool (see allocate)
+        self.c_step: c_step.DecodeStep | None = None  # built with each pool (see allocate)
         self.graphs: GraphedDecode | None = None  # captured with each pool (see warm_decode)
         if cuda_graphs and (spec.device.type == "cuda" or new_capture is not None):
             self.graphs = GraphedDecode(self._static_decode_forward, cuda_graphs, spec.device,
@@ -110,9 +115,10 @@ class ModelRunner:
                 log.warning("the decode step is not compiled: %s", reason)
 
     def warm_decode(self, max_total_tokens: int = 0) -> None:
-        """Compiles the decode step now, when it is to be compiled (see shard.kernels.compiled_decode),
-        or captures its CUDA graphs for requests of up to max_total_tokens (prompt and output;
-        0: unknown, no graphs)."""
+        """Compiles the decode step, or captures its CUDA graphs, now, when either was asked for.
+
+        Compiled: see shard.decode_paths.compiled. The graphs are captured for requests of up to
+        max_total_tokens (prompt and output; 0: unknown, no graphs)."""
         if isinstance(self.decode_step, CompiledDecode):
             with torch.inference_mode():
                 self.decode_step.warm(tables_width=1)
@@ -155,16 +161,18 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # a compiled step or CUDA graphs asked for run instead
         if not isinstance(self.decode_step, CompiledDecode) and self.graphs is None:
-            reason = llama_decode_step.unsupported_reason(self.model, self.cache)
+            layout = self.model.decode_layout()
+            reason = c_step.unsupported_reason(layout, self.cache)
             if reason is None:
-                self.c_step = llama_decode_step.DecodeStep(self.model, self.cache)
+                self.c_step = c_step.DecodeStep(layout, self.cache, self.adapters)
             else:
                 log.info("decode steps run layer by layer: %s", reason)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[PrefillSequence], *, all_logits_rows: set[int] = frozenset(),
                 decode: DecodeRows | None = None) -> PrefillOutput:
-        """Computes the sequences' tokens (and, with `decode`, one step of a running batch);
+        """Computes the sequences' tokens (and, with `decode`, one step of a running batch).
+
         `all_logits_rows` are the sequences whose every position (not only the last) comes back.
 
         With `decode`, a running batch's next tokens ride in the same forward (TGI's chunking): the
@@ -188,8 +196,9 @@ class ModelRunner:
     def _ride_along(self, decode: DecodeRows, meta: AttentionMetadata, embeds: torch.Tensor,
                     positions: torch.Tensor, logit_rows: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A running batch's next tokens put before the prefill's: its rows in the embeddings,
-        positions, metadata (in place) and logit rows."""
+        """A running batch's next tokens put before the prefill's.
+
+        Its rows in the embeddings, positions, metadata (in place) and logit rows."""
         num_decode = len(decode.input_ids)
         part = decode_metadata(decode.seq_lens, decode.block_tables, self.spec, self.paged_kernel)
         embeds = torch.cat([self.model.embed(decode.input_ids), embeds])
@@ -216,8 +225,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies the keys and values of block `source` into block `destination`, per pair
-        (a beam about to write into a block it shares)."""
+        """Copies the keys and values of block `source` into block `destination`, per pair.
+
+        A beam about to write into a block it shares does so."""
         if not pairs:
             return
         source = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
@@ -233,8 +243,9 @@ class ModelRunner:
     def decode(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                block_tables: torch.Tensor,
                adapter_slots: torch.Tensor | None = None) -> DecodeOutput:
-        """One token per sequence at position seq_lens -> logits [B, vocab] and hidden states;
-        row i with the update of LoRA slot adapter_slots[i] (-1: none)."""
+        """One token per sequence at position seq_lens -> logits [B, vocab] and hidden states.
+
+        Row i with the update of LoRA slot adapter_slots[i] (-1: none)."""
         width = self._graph_width(seq_lens)
         path = self.decode_path(input_ids.shape[0], width, adapters=adapter_slots is not None)
         if path is DecodePath.C_STEP:
@@ -249,13 +260,14 @@ class ModelRunner:
         return DecodeOutput(*out)
 
     def decode_path(self, rows: int, width: int = 0, *, adapters: bool = False) -> DecodePath:
-        """The one place a decode step's path is chosen, for `rows` rows whose contexts need
-        `width` block-table columns (_graph_width), some with LoRA `adapters`: the C step where
-        allocate built one (only where neither a compiled step nor CUDA graphs were asked for;
-        with adapters, where the LoRA kernel built); else, without adapters (neither records
-        their updates), a captured graph that holds the step (none after a failed capture), or
-        the compiled step while it serves (it turns itself off on a failure); else the eager
-        forward."""
+        """The one place a decode step's path is chosen.
+
+        For `rows` rows whose contexts need `width` block-table columns (_graph_width), some with
+        LoRA `adapters`: the C step where allocate built one (only where neither a compiled step
+        nor CUDA graphs were asked for; with adapters, where the LoRA kernel built); else, without
+        adapters (neither records their updates), a captured graph that holds the step (none
+        after a failed capture), or the compiled step while it serves (it turns itself off on a
+        failure); else the eager forward."""
         if self.c_step is not None and (not adapters or self.c_step.takes_adapters):
             return DecodePath.C_STEP
         if adapters:
@@ -267,9 +279,10 @@ class ModelRunner:
         return DecodePath.EAGER
 
     def _graph_width(self, seq_lens: torch.Tensor) -> int:
-        """The block-table columns the longest context needs, where a CUDA graph may take the
-        step (one host sync: the previous step's sampling has already waited for the device);
-        0 elsewhere, which no graph holds."""
+        """The block-table columns the longest context needs, where a CUDA graph may take the step.
+
+        One host sync: the previous step's sampling has already waited for the device. 0
+        elsewhere, which no graph holds."""
         if self.c_step is not None or self.graphs is None or not self.graphs.captured:
             return 0
         return (int(seq_lens.max()) + 1 + self.spec.block_size - 1) // self.spec.block_size
@@ -294,8 +307,9 @@ class ModelRunner:
 
 def _token_slots(seqs: list[PrefillSequence], decode: DecodeRows | None,
                  device: torch.device) -> torch.Tensor | None:
-    """The LoRA slot of every row of a prefill forward (a riding batch's rows first), or None
-    when no row has an adapter."""
+    """The LoRA slot of every row of a prefill forward (a riding batch's rows first).
+
+    None when no row has an adapter."""
     riding = decode.adapter_slots if decode is not None else None
     if riding is None and all(s.adapter_slot < 0 for s in seqs):
         return None
@@ -310,8 +324,9 @@ def _token_slots(seqs: list[PrefillSequence], decode: DecodeRows | None,
 def _prefill_inputs(seqs: list[PrefillSequence], query_lens: list[int], all_logits_rows: set[int],
                     block_size: int, paged_kernel: bool, device: torch.device
                     ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-    """A prefill's positions, attention metadata and the rows whose logits come back (every
-    position of the sequences in all_logits_rows, the last of the others)."""
+    """A prefill's positions, attention metadata and the rows whose logits come back.
+
+    The rows are every position of the sequences in all_logits_rows, the last of the others."""
     context_lens = [s.start + n for s, n in zip(seqs, query_lens)]
     positions = torch.cat([torch.arange(s.start, c, dtype=torch.long, device=device)
                            for s, c in zip(seqs, context_lens)])

@@ -1,5 +1,9 @@
-"""What a step returns to the router, as plain dataclasses (convert.py maps them to protobuf), and how a
-later step's tokens add to an earlier one's."""
+"""What an engine step returns, as dataclasses convert.py maps to protobuf; how later steps add up.
+
+The names differ from the protobuf messages they become (RequestOutput -> Generation, BatchInfo ->
+CachedBatch, StepOutput -> PrefillResponse or DecodeResponse) and from the router's types read back
+from those messages (router/shards/step_types.py).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,7 +40,9 @@ class PromptScores:
 
 
 @dataclass(slots=True)
-class Generation:
+class RequestOutput:
+    """What one request got from a step: its new tokens, and its end where it ended."""
+
     request_id: int
     tokens: TokenRun
     prompt: PromptScores | None = None
@@ -48,7 +54,9 @@ class Generation:
 
 
 @dataclass(slots=True)
-class CachedBatch:
+class BatchInfo:
+    """A batch the engine keeps between steps, as the router sees it: its id and its requests."""
+
     id: int
     request_ids: list[int]
     max_tokens: int
@@ -56,9 +64,11 @@ class CachedBatch:
 
 
 @dataclass(slots=True)
-class StepResult:
-    generations: list[Generation]
-    batch: CachedBatch | None
+class StepOutput:
+    """One prefill or decode call's outputs: each request's, the batch kept, times and counts."""
+
+    generations: list[RequestOutput]
+    batch: BatchInfo | None
     forward_ns: int = 0
     decode_ns: int = 0
     total_ns: int = 0
@@ -79,7 +89,7 @@ class WarmupResult:
         return (self.num_blocks - 1) * self.block_size  # block 0 pads block tables: never handed out
 
 
-def extend(generation: Generation, more: Generation) -> None:
+def extend(generation: RequestOutput, more: RequestOutput) -> None:
     """Appends a later position's token (and all it carries) to a request's generation."""
     for name in ("ids", "logprobs", "texts", "is_special"):
         getattr(generation.tokens, name).extend(getattr(more.tokens, name))
@@ -90,7 +100,7 @@ def extend(generation: Generation, more: Generation) -> None:
     generation.generated_text = more.generated_text
 
 
-def after_steps(earlier: StepResult, later: StepResult) -> StepResult:
+def after_steps(earlier: StepOutput, later: StepOutput) -> StepOutput:
     """`later`, the next step of the same batch, counting `earlier`'s steps and times."""
     later.forward_ns += earlier.forward_ns
     later.decode_ns += earlier.decode_ns
@@ -101,9 +111,10 @@ def after_steps(earlier: StepResult, later: StepResult) -> StepResult:
     return later
 
 
-def merge_steps(earlier: StepResult, later: StepResult) -> StepResult:
-    """`earlier` followed by `later`, the next step of the same batch: each request's tokens (with
-    all they carry) in order, the last step's batch and finish."""
+def merge_steps(earlier: StepOutput, later: StepOutput) -> StepOutput:
+    """`earlier` followed by `later`, the next step of the same batch, as one step's outputs.
+
+    Each request's tokens (with all they carry) in order, the last step's batch and finish."""
     generations = {g.request_id: g for g in earlier.generations}
     for step in later.generations:
         if step.request_id in generations:

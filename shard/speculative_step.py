@@ -9,7 +9,7 @@ import torch
 from shard.batch_state import Batch, sample_batch
 from shard.generations import Vocabulary, step_generations
 from shard.model_runner import DecodeRows
-from shard.outputs import Generation, extend
+from shard.outputs import RequestOutput, extend
 from shard.speculation import acceptance_threshold
 
 
@@ -52,7 +52,7 @@ def verify_rows(batch: Batch, drafted: list[list[int]], device: torch.device) ->
 
 
 def accept(batch: Batch, drafted: list[list[int]], logits: torch.Tensor, hidden: torch.Tensor,
-           vocab: Vocabulary) -> list[Generation]:
+           vocab: Vocabulary) -> list[RequestOutput]:
     """The tokens chosen position by position over verified drafts, as plain steps would have.
 
     At each position the requests still in the run sample from its logits (penalties, grammar,
@@ -62,7 +62,7 @@ def accept(batch: Batch, drafted: list[list[int]], logits: torch.Tensor, hidden:
     for draft in drafted:
         first.append(offset)
         offset += 1 + len(draft)
-    merged: dict[int, Generation] = {}
+    merged: dict[int, RequestOutput] = {}
     emitted = [0] * len(drafted)
     last = [0] * len(drafted)
     pending, position = list(range(len(drafted))), 0
@@ -92,7 +92,7 @@ def accept(batch: Batch, drafted: list[list[int]], logits: torch.Tensor, hidden:
     return [merged[row] for row in range(len(drafted))]
 
 
-def observe(batch: Batch, drafted: list[list[int]], generations: list[Generation]) -> int:
+def observe(batch: Batch, drafted: list[list[int]], generations: list[RequestOutput]) -> int:
     """Each request's record of guesses (sent or only checked); the draft tokens accepted."""
     accepted = 0
     for state, draft, generation in zip(batch.requests, drafted, generations):

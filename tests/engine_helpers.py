@@ -13,7 +13,7 @@ from shard.engine import Engine
 from shard.kv_budget import KVCacheSpec
 from shard.loader import load_model
 from shard.model_runner import ModelRunner
-from shard.outputs import StepResult
+from shard.outputs import StepOutput
 from shard.sampling import SamplingParams
 
 
@@ -61,7 +61,7 @@ def request(rid: int, input_ids: list[int], blocks: list[int], *, max_new_tokens
 
 
 def steps_to_completion(engine: Engine, requests: list[NewRequest], batch_id: int = 1
-                        ) -> Iterator[StepResult]:
+                        ) -> Iterator[StepOutput]:
     """Prefills `requests` together, then decodes, filtering finished ones as the router does;
     yields each step's result."""
     out = engine.prefill(batch_id, requests)

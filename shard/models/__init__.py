@@ -34,8 +34,10 @@ ARCHITECTURES: dict[str, ArchitectureEntry] = {
 
 
 def architecture_of(config: dict) -> str:
-    """The first of a config.json's `architectures` served here, or a ValueError naming what is
-    supported. Torch-free: the launcher refuses a model with it before any shard starts."""
+    """The first of a config.json's `architectures` served here.
+
+    A ValueError names what is supported. Torch-free: the launcher refuses a model with it before
+    any shard starts."""
     names = config.get("architectures") or []
     for name in names:
         if name in ARCHITECTURES:

@@ -1,6 +1,9 @@
-"""What the pre-norm decoder families share once their layers are built: one rotary table for every
-layer, a residual stream each layer's output joins through the next norm, a final norm and an LM
-head (tied to the embeddings where the checkpoint says so or holds none of its own)."""
+"""What the pre-norm decoder families share once their layers are built.
+
+One rotary table for every layer, a residual stream each layer's output joins through the next norm,
+a final norm and an LM head (tied to the embeddings where the checkpoint says so or holds none of
+its own).
+"""
 from __future__ import annotations
 
 import torch
@@ -19,7 +22,9 @@ def load_lm_head(weights: Weights, embed_tokens: VocabParallelEmbedding, *, tied
 
 
 class DecoderLM(nn.Module):
-    """A subclass builds `embed_tokens`, `rotary`, `layers` (each called as
+    """A pre-norm decoder's forward over the modules a subclass builds.
+
+    A subclass builds `embed_tokens`, `rotary`, `layers` (each called as
     layer(hidden, residual, angles, cache, meta) -> (output, residual)), `norm`, `lm_head` and
     `activation_dtype`."""
 
@@ -29,8 +34,9 @@ class DecoderLM(nn.Module):
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                 meta: AttentionMetadata, logit_index: torch.Tensor | None = None) -> torch.Tensor:
-        """embeds [T, hidden], positions [T] -> the final normed hidden states of the rows in
-        logit_index (all T without it), which `logits` turns into scores."""
+        """embeds [T, hidden], positions [T] -> the final normed hidden states.
+
+        Those of the rows in logit_index (all T without it), which `logits` turns into scores."""
         hidden, residual = embeds.to(self.activation_dtype), None
         angles = self.rotary(positions)
         for layer, cache in zip(self.layers, caches):

@@ -1,5 +1,7 @@
-"""Gemma 2 and Gemma 3 (text): decoder layers over paged attention, as transformers'
-modeling_gemma2.py and modeling_gemma3.py compute them.
+"""Gemma 2 and Gemma 3 (text).
+
+Decoder layers over paged attention, as transformers' modeling_gemma2.py and modeling_gemma3.py
+compute them.
 
 What sets them apart from Llama: layers alternate between sliding-window attention and global
 attention (Gemma 3 with its own rope base per kind); each layer normalises four times, before and
@@ -22,6 +24,7 @@ from shard.layers.attention import AttentionMetadata, LayerCache, paged_attentio
 from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding
+from shard.models.decode_layout import GELU_TANH, GEMMA_NORM, DecodeLayout
 from shard.partition import RankHeads
 from shard.weights import Weights
 
@@ -120,10 +123,12 @@ class GemmaConfig:
 
 
 def rope_by_layer_type(cfg: dict, generation: int) -> dict[str, dict]:
-    """Each layer type's rope parameters, read as transformers reads them: Gemma 2 has one set for
-    every layer (`rope_parameters`, or the older `rope_scaling` and `rope_theta`); Gemma 3 one per
-    type (`rope_parameters` keyed by layer type, or the older `rope_theta` and `rope_scaling` for
-    global layers and `rope_local_base_freq` for sliding ones)."""
+    """Each layer type's rope parameters, read as transformers reads them.
+
+    Gemma 2 has one set for every layer (`rope_parameters`, or the older `rope_scaling` and
+    `rope_theta`); Gemma 3 one per type (`rope_parameters` keyed by layer type, or the older
+    `rope_theta` and `rope_scaling` for global layers and `rope_local_base_freq` for sliding
+    ones)."""
     if generation == 2:
         params = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
         params.setdefault("rope_theta", cfg.get("rope_theta", _GEMMA2_THETA))
@@ -137,10 +142,12 @@ def rope_by_layer_type(cfg: dict, generation: int) -> dict[str, dict]:
 
 
 class GemmaRMSNorm(nn.Module):
-    """Gemma's RMS norm: the normed rows times (1 + weight), both in float32, rounded to the
-    activations' dtype once at the end (Llama's rounds the normed rows before scaling). The 1 +
-    is folded into the weight at load time, in float32; float32 activations then take the same
-    fused op as Llama's norm (shard.kernels.layer_ops), which computes exactly this."""
+    """Gemma's RMS norm.
+
+    The normed rows times (1 + weight), both in float32, rounded to the activations' dtype once at
+    the end (Llama's rounds the normed rows before scaling). The 1 + is folded into the weight at
+    load time, in float32; float32 activations then take the same fused op as Llama's norm
+    (shard.kernels.layer_ops), which computes exactly this."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -202,8 +209,9 @@ class GemmaAttention(nn.Module):
         return self.o_proj(out)
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv with each query and key head normed (before rotation, as Gemma 3 does), in the
-        fused layout rotate_and_store reads."""
+        """qkv with each query and key head normed (before rotation, as Gemma 3 does).
+
+        In the fused layout rotate_and_store reads."""
         tokens, d = qkv.shape[0], self.head_dim
         q_size, k_size = self.num_heads * d, self.num_kv_heads * d
         q = self.q_norm(qkv[:, :q_size].reshape(-1, d)).view(tokens, q_size)
@@ -241,11 +249,12 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, angles: RotaryAngles,
                 cache: LayerCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the previous layer's output, not yet added to the residual stream (the
-        embeddings at the first layer, with no residual). Returns this layer's output and the
-        stream it is to be added to. Gemma norms a sublayer's output before adding it to the
-        stream, so each add is fused with the norm that reads its sum: the next sublayer's input
-        norm, as in Llama."""
+        """This layer's output and the residual stream it is to be added to.
+
+        hidden: the previous layer's output, not yet added to the residual stream (the embeddings
+        at the first layer, with no residual). Gemma norms a sublayer's output before adding it
+        to the stream, so each add is fused with the norm that reads its sum: the next sublayer's
+        input norm, as in Llama."""
         if residual is None:
             normed, residual = self.input_layernorm(hidden), hidden
         else:
@@ -256,8 +265,10 @@ class GemmaDecoderLayer(nn.Module):
 
 
 def _checkpoint_prefix(weights: Weights) -> str:
-    """Where the language model's tensors sit: a causal LM's `model.`, or inside a Gemma 3
-    multimodal checkpoint (as transformers 5 saves it, or as the Hub's files were saved before)."""
+    """Where the language model's tensors sit.
+
+    A causal LM's `model.`, or inside a Gemma 3 multimodal checkpoint (as transformers 5 saves it,
+    or as the Hub's files were saved before)."""
     for prefix in ("model.", "model.language_model.", "language_model.model."):
         if weights.has(f"{prefix}embed_tokens.weight"):
             return prefix
@@ -302,15 +313,17 @@ class GemmaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead.load(weights, head, cfg.vocab_size)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> the vectors the first layer reads [T, hidden], scaled by
-        sqrt(hidden_size). Vectors a request gives in place of ids skip this, as transformers'
-        inputs_embeds do."""
+        """input_ids [T] -> the vectors the first layer reads [T, hidden].
+
+        Scaled by sqrt(hidden_size). Vectors a request gives in place of ids skip this, as
+        transformers' inputs_embeds do."""
         return self.embed_tokens(input_ids).to(self.activation_dtype) * self.normalizer
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                 meta: AttentionMetadata, logit_index: torch.Tensor | None = None) -> torch.Tensor:
-        """embeds [T, hidden], positions [T] -> the final normed hidden states of the rows in
-        logit_index (all T without it), which `logits` turns into scores."""
+        """embeds [T, hidden], positions [T] -> the final normed hidden states.
+
+        Those of the rows in logit_index (all T without it), which `logits` turns into scores."""
         hidden, residual = embeds.to(self.activation_dtype), None
         angles = {kind: rotary(positions) for kind, rotary in self.rotary.items()}
         for layer, cache in zip(self.layers, caches):
@@ -319,6 +332,18 @@ class GemmaForCausalLM(nn.Module):
             hidden = hidden[logit_index]
             residual = residual[logit_index] if residual is not None else None
         return self.norm(hidden) if residual is None else self.norm.add_norm(hidden, residual)[0]
+
+    def decode_layout(self) -> DecodeLayout:
+        """Gemma's layer, which is not Llama's: what sets it apart, for the C decode step."""
+        tables = list(self.rotary.values())
+        return DecodeLayout(
+            family=type(self).__name__, activation_dtype=self.activation_dtype,
+            hidden_size=self.config.hidden_size, embed=self.embed,
+            rotary=tables[0] if len(tables) == 1 else None, layers=(), final_norm=self.norm,
+            lm_head=self.lm_head, norm=GEMMA_NORM, mlp=GELU_TANH,
+            qk_norm=self.config.generation == 3,
+            attention_softcap=self.layers[0].self_attn.softcap,
+            logit_softcap=self.config.final_logit_softcapping)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

@@ -16,6 +16,7 @@ from shard.layers.embedding import VocabParallelEmbedding
 from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding
+from shard.models.decode_layout import DecodeLayout, LayerWeights
 from shard.models.decoder import DecoderLM, load_lm_head
 from shard.partition import RankHeads
 from shard.weights import Weights
@@ -71,9 +72,11 @@ class LlamaConfig:
 
 
 def _sliding_window(cfg: dict) -> int | None:
-    """Mistral's sliding_window (absent or null: none). Qwen2 configs carry one with
-    use_sliding_window false, which turns it off; on, it would slide only from layer
-    max_window_layers on, which these layers do not do: refused rather than served wrongly."""
+    """Mistral's sliding_window (absent or null: none).
+
+    Qwen2 configs carry one with use_sliding_window false, which turns it off; on, it would slide
+    only from layer max_window_layers on, which these layers do not do: refused rather than served
+    wrongly."""
     window = cfg.get("sliding_window")
     # transformers' Qwen2Config defaults use_sliding_window to false; Mistral's has no such switch
     if not window or not cfg.get("use_sliding_window", cfg.get("model_type") != "qwen2"):
@@ -119,8 +122,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention then MLP. Families with Llama's norms and residual stream (Qwen3,
-    Phi-3) give their own `attention` and `mlp` blocks (else Llama's)."""
+    """Pre-norm attention then MLP.
+
+    Families with Llama's norms and residual stream (Qwen3, Phi-3) give their own `attention` and
+    `mlp` blocks (else Llama's)."""
 
     def __init__(self, cfg: LlamaConfig, heads: RankHeads, weights: Weights, prefix: str, *,
                  attention: nn.Module | None = None, mlp: nn.Module | None = None):
@@ -136,9 +141,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, angles: RotaryAngles,
                 cache: LayerCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the previous layer's output, not yet added to the residual stream (the
-        embeddings at the first layer, with no residual). Returns this layer's output and the
-        stream it is to be added to: each add is fused with the norm that reads its result."""
+        """This layer's output and the residual stream it is to be added to.
+
+        hidden: the previous layer's output, not yet added to the residual stream (the embeddings
+        at the first layer, with no residual). Each add is fused with the norm that reads its
+        result."""
         if residual is None:
             normed, residual = self.input_layernorm(hidden), hidden
         else:
@@ -147,13 +154,29 @@ class LlamaDecoderLayer(nn.Module):
         normed, residual = self.post_attention_layernorm.add_norm(attention, residual)
         return self.mlp(normed), residual
 
+    def decode_weights(self) -> LayerWeights:
+        """This layer's modules as the C decode step reads them (its MLP a gated one)."""
+        attention, mlp = self.self_attn, self.mlp
+        return LayerWeights(self.input_layernorm, self.post_attention_layernorm,
+                            attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj,
+                            attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                            attention.scale, attention.window)
+
+
+def llama_decode_layout(model: DecoderLM, *, dense: bool = True, **departures) -> DecodeLayout:
+    """The DecodeLayout of a model built of LlamaDecoderLayers.
+
+    `departures` name what its layers compute beyond Llama's (DecodeLayout's fields), `dense` False
+    where some MLPs are experts."""
+    return DecodeLayout(
+        family=type(model).__name__, activation_dtype=model.activation_dtype,
+        hidden_size=model.config.hidden_size, embed=model.embed, rotary=model.rotary,
+        layers=tuple(layer.decode_weights() for layer in model.layers) if dense else (),
+        final_norm=model.norm, lm_head=model.lm_head, **departures)
+
 
 class LlamaForCausalLM(DecoderLM):
     """`heads` are this rank's share (shard.partition); `weights` hands out this rank's slices."""
-
-    # the layout shard/kernels/llama_decode_step.py reads: fused qkv and gate_up projections,
-    # rms norms, silu MLP, one rotary table, no norms or caps inside attention
-    llama_layout = True
 
     def __init__(self, cfg: LlamaConfig, heads: RankHeads, weights: Weights):
         super().__init__()
@@ -169,3 +192,7 @@ class LlamaForCausalLM(DecoderLM):
                             weights.activation_dtype)
         self.lm_head = load_lm_head(weights, self.embed_tokens, tied=cfg.tie_word_embeddings,
                                     vocab_size=cfg.vocab_size)
+
+    def decode_layout(self) -> DecodeLayout:
+        """Llama's layer, the one the C decode step computes."""
+        return llama_decode_layout(self)

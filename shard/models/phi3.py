@@ -1,6 +1,7 @@
-"""Phi-3 (Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini): Llama's decoder layer with q/k/v and gate/up
-each stored as one fused tensor, LongRoPE frequency scaling, an optional sliding window and, in
-Phi-4-mini, rotation of only part of each head.
+"""Phi-3 (Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini).
+
+Llama's decoder layer with q/k/v and gate/up each stored as one fused tensor, LongRoPE frequency
+scaling, an optional sliding window and, in Phi-4-mini, rotation of only part of each head.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding, partial_rotary_order, rope_type
 from shard.models.decoder import DecoderLM, load_lm_head
-from shard.models.llama import LlamaDecoderLayer
+from shard.models.decode_layout import DecodeLayout
+from shard.models.llama import LlamaDecoderLayer, llama_decode_layout
 from shard.partition import RankHeads
 from shard.weights import Weights
 
@@ -40,9 +42,10 @@ class Phi3Config:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "Phi3Config":
-        """config.json as transformers' Phi3Config reads it: its older form (rope_scaling, with
-        type "su" or "longrope", rope_theta and partial_rotary_factor beside it) or the newer
-        (rope_parameters holding them all)."""
+        """config.json as transformers' Phi3Config reads it.
+
+        Its older form (rope_scaling, with type "su" or "longrope", rope_theta and
+        partial_rotary_factor beside it) or the newer (rope_parameters holding them all)."""
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"Phi-3 with hidden_act {cfg['hidden_act']!r} is not supported "
                              "(supported: silu)")
@@ -108,8 +111,10 @@ class Phi3Attention(nn.Module):
 
 
 def _query_key_order(cfg: Phi3Config, heads: RankHeads) -> torch.Tensor:
-    """The rows of a rank's fused [q; k; v] weight with each query and key head's dimensions in
-    partial_rotary_order (values keep theirs: they do not rotate)."""
+    """The rows of a rank's fused [q; k; v] weight, its heads' dimensions in rotation order.
+
+    Each query and key head's dimensions in partial_rotary_order (values keep theirs: they do not
+    rotate)."""
     d = cfg.head_dim
     within = partial_rotary_order(d, cfg.rotary_dim)
     rotated = heads.num_heads + heads.num_kv_heads
@@ -131,10 +136,6 @@ class Phi3MLP(nn.Module):
 class Phi3ForCausalLM(DecoderLM):
     """`heads` are this rank's share (shard.partition); `weights` hands out this rank's slices."""
 
-    # once loaded, Llama's layout (see LlamaForCausalLM): partial rotation and LongRoPE live in the
-    # rotary tables, so the C decode step serves it where it serves Llama
-    llama_layout = True
-
     def __init__(self, cfg: Phi3Config, heads: RankHeads, weights: Weights):
         super().__init__()
         self.config = cfg
@@ -153,3 +154,7 @@ class Phi3ForCausalLM(DecoderLM):
                             weights.activation_dtype)
         self.lm_head = load_lm_head(weights, self.embed_tokens, tied=cfg.tie_word_embeddings,
                                     vocab_size=cfg.vocab_size)
+
+    def decode_layout(self) -> DecodeLayout:
+        """Llama's layer once loaded: partial rotation and LongRoPE live in the rotary table."""
+        return llama_decode_layout(self)

@@ -1,5 +1,7 @@
-"""Qwen3: the Llama decoder layer with an RMS norm over each query and key head before the rotation,
-and sliding-window attention on the layers its config names (none unless use_sliding_window).
+"""Qwen3.
+
+The Llama decoder layer with an RMS norm over each query and key head before the rotation, and
+sliding-window attention on the layers its config names (none unless use_sliding_window).
 
 The Mixture-of-Experts variant (shard.models.qwen3_moe) builds on these classes, swapping the MLP.
 """
@@ -16,7 +18,9 @@ from shard.layers.embedding import VocabParallelEmbedding
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding
 from shard.models.decoder import DecoderLM, load_lm_head
-from shard.models.llama import LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaMLP
+from shard.models.decode_layout import DecodeLayout
+from shard.models.llama import (LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaMLP,
+                                llama_decode_layout)
 from shard.partition import RankHeads
 from shard.weights import Weights
 
@@ -36,24 +40,28 @@ class Qwen3Config(LlamaConfig):
 
 
 def llama_fields(cfg: dict, **defaults) -> dict:
-    """The fields a config.json gives LlamaConfig, for a config class that extends it. The sliding
-    window is left out (LlamaConfig's is one window on every layer, Mistral's): Qwen3's are per
-    layer, in layer_windows."""
+    """The fields a config.json gives LlamaConfig, for a config class that extends it.
+
+    The sliding window is left out (LlamaConfig's is one window on every layer, Mistral's): Qwen3's
+    are per layer, in layer_windows."""
     windowless = {key: value for key, value in cfg.items() if key not in _WINDOW_KEYS}
     base = LlamaConfig.from_dict(windowless, **defaults)
     return {f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaConfig)}
 
 
 def sliding_window(cfg: dict) -> int | None:
-    """The window of the sliding layers: none unless use_sliding_window (Qwen3's configs name a
-    sliding_window they do not use)."""
+    """The window of the sliding layers.
+
+    None unless use_sliding_window (Qwen3's configs name a sliding_window they do not use)."""
     return cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
 
 
 def qwen3_layer_windows(cfg: dict) -> tuple[int | None, ...]:
-    """Each layer's window as transformers' Qwen3 sets it: the layers `layer_types` marks
-    "sliding_attention", or without layer_types those from max_window_layers on, slide over
-    sliding_window when use_sliding_window is set; every other layer attends to everything."""
+    """Each layer's window as transformers' Qwen3 sets it.
+
+    The layers `layer_types` marks "sliding_attention", or without layer_types those from
+    max_window_layers on, slide over sliding_window when use_sliding_window is set; every other
+    layer attends to everything."""
     window = sliding_window(cfg)
     layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
@@ -114,3 +122,7 @@ class Qwen3ForCausalLM(DecoderLM):
 
     def build_mlp(self, cfg: Qwen3Config, weights: Weights, prefix: str, layer: int) -> nn.Module:
         return LlamaMLP(cfg, weights, prefix)
+
+    def decode_layout(self) -> DecodeLayout:
+        """Llama's layer with each query and key head normed."""
+        return llama_decode_layout(self, qk_norm=True)

@@ -1,5 +1,7 @@
-"""Qwen3-MoE: Qwen3's attention with a sparse Mixture-of-Experts block (shard.layers.moe) in place
-of the MLP on its sparse layers, and no shared expert.
+"""Qwen3-MoE.
+
+Qwen3's attention with a sparse Mixture-of-Experts block (shard.layers.moe) in place of the MLP on
+its sparse layers, and no shared expert.
 
 Which layers are sparse, as transformers decides: not those in mlp_only_layers, and among the rest
 every decoder_sparse_step-th (all of them at the default step of 1). The others keep a dense MLP of
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from shard.layers.moe import SparseMoeBlock
-from shard.models.llama import LlamaMLP
+from shard.models.decode_layout import EXPERTS, DecodeLayout
+from shard.models.llama import LlamaMLP, llama_decode_layout
 from shard.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, llama_fields, sliding_window
 from shard.weights import Weights
 
@@ -54,3 +57,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                                    top_k=cfg.num_experts_per_tok,
                                    intermediate_size=cfg.moe_intermediate_size,
                                    norm_topk_prob=cfg.norm_topk_prob)
+
+    def decode_layout(self) -> DecodeLayout:
+        """Qwen3's layer with experts in place of some MLPs."""
+        return llama_decode_layout(self, dense=False, qk_norm=True, mlp=EXPERTS)

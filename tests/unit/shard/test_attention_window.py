@@ -298,16 +298,16 @@ def test_a_window_or_cap_that_attends_to_nothing_is_refused(window, softcap):
 def test_the_c_decode_step_leaves_sliding_window_models_to_the_eager_step(tiny_llama):
     """The C step passes no window to its attention: a Llama whose layers have one (Mistral's
     sliding_window) is turned away with the reason."""
+    from shard.decode_paths import c_step
     from shard.distributed import ParallelContext
-    from shard.kernels import llama_decode_step
     from shard.loader import load_model
 
     loaded = load_model(tiny_llama, dtype=torch.bfloat16, device=torch.device("cpu"),
                         parallel=ParallelContext())
     cache = [LayerCache(torch.zeros(4, 2, 4, loaded.config.head_dim, dtype=torch.bfloat16),
                         torch.zeros(4, 2, 4, loaded.config.head_dim, dtype=torch.bfloat16))]
-    before = llama_decode_step.unsupported_reason(loaded.model, cache)
+    before = c_step.unsupported_reason(loaded.model.decode_layout(), cache)
     assert before is None or "sliding window" not in before
     for layer in loaded.model.layers:
         layer.self_attn.window = 4
-    assert "sliding window" in llama_decode_step.unsupported_reason(loaded.model, cache)
+    assert "sliding window" in c_step.unsupported_reason(loaded.model.decode_layout(), cache)

@@ -4,7 +4,7 @@ import logging
 import pytest
 import torch
 
-from shard.kernels.compiled_decode import CompiledDecode, unsupported_reason
+from shard.decode_paths.compiled import CompiledDecode, unsupported_reason
 from shard.layers.precision import cpu_has_bf16_kernels
 from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shard.config import parse_cuda_graphs
-from shard.kernels.cuda_graphs import GraphedDecode, width_buckets
+from shard.decode_paths.cuda_graphs import GraphedDecode, width_buckets
 from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion
 
 
@@ -230,7 +230,7 @@ def test_without_a_longest_request_or_when_capture_fails_steps_run_eagerly(tiny_
 
 
 def test_buckets_gathering_too_much_are_left_to_eager_steps(monkeypatch):
-    from shard.kernels import cuda_graphs
+    from shard.decode_paths import cuda_graphs
 
     monkeypatch.setattr(cuda_graphs, "MAX_GATHER_BYTES", 64)
     capture = EmulatedCapture()

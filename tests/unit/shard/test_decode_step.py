@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from shard import model_runner as model_runner_module
+from shard.decode_paths import c_step
+from shard.decode_paths.compiled import CompiledDecode
 from shard.distributed import ParallelContext
-from shard.kernels import (bf16_matmul, int4_matmul, layer_ops, llama_decode_step, lora,
-                           paged_attention)
-from shard.kernels.compiled_decode import CompiledDecode
+from shard.kernels import bf16_matmul, int4_matmul, layer_ops, lora, paged_attention
 from shard.kv_budget import KVCacheSpec, allocate_kv_cache
 from shard.layers import linear, precision
 from shard.loader import load_model
@@ -31,7 +31,7 @@ def _runner(model_dir, dtype=torch.bfloat16, compile_decode=False, quantize=None
 
 
 def _needs_c_step(runner: ModelRunner) -> None:
-    reason = llama_decode_step.unsupported_reason(runner.model, runner.cache)
+    reason = c_step.unsupported_reason(runner.model.decode_layout(), runner.cache)
     if reason is not None:
         pytest.skip(f"no C decode step here: {reason}")
 
@@ -99,7 +99,7 @@ def _cache_tensors(layer, clone=False) -> list[torch.Tensor]:
 
 
 _LIBRARIES = (layer_ops.load_library, paged_attention.load_kernel, bf16_matmul.load_library,
-              int4_matmul.load_library, llama_decode_step.load_library, lora.load_library)
+              int4_matmul.load_library, c_step.load_library, lora.load_library)
 
 
 @pytest.fixture(params=["native", "avx2"])
@@ -175,7 +175,7 @@ def test_c_step_with_int4_layers_equals_the_eager_step(tiny_llama, qwen2_dir, ar
     runner = _runner({"llama": tiny_llama, "qwen2": qwen2_dir}[architecture], quantize="int4",
                      blocks=2 * tiles + 4)
     if linear.c_int4_runs():  # int4 layers must not cost the C step
-        assert llama_decode_step.unsupported_reason(runner.model, runner.cache) is None
+        assert c_step.unsupported_reason(runner.model.decode_layout(), runner.cache) is None
     _needs_c_step(runner)
     own = [m.prepared for m in runner.model.layers.modules() if hasattr(m, "prepared")]
     assert own and all(p.quantized.kernel == "c" for p in own)
@@ -212,11 +212,11 @@ def test_a_slot_outside_the_cache_raises(tiny_llama):
 def test_float32_models_and_switched_off_builds_keep_the_eager_step(tiny_llama, monkeypatch):
     runner = _runner(tiny_llama, dtype=torch.float32)
     assert runner.c_step is None
-    assert "bf16" in llama_decode_step.unsupported_reason(runner.model, runner.cache)
-    monkeypatch.setattr(llama_decode_step, "load_library", lambda: None)
+    assert "bf16" in c_step.unsupported_reason(runner.model.decode_layout(), runner.cache)
+    monkeypatch.setattr(c_step, "load_library", lambda: None)
     runner = _runner(tiny_llama)
     assert runner.c_step is None
-    assert llama_decode_step.unsupported_reason(runner.model, runner.cache) is not None
+    assert c_step.unsupported_reason(runner.model.decode_layout(), runner.cache) is not None
 
 
 def test_a_compiled_step_asked_for_is_what_runs(tiny_llama):
@@ -348,3 +348,23 @@ def test_without_the_lora_kernel_the_c_step_refuses_adapters(tiny_llama, monkeyp
         runner.c_step(*args)
         with pytest.raises(RuntimeError):
             runner.c_step(*args, row_slots=torch.tensor([runner.adapters.slot_of("one")]))
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "qwen3_moe", "gemma2", "gemma3"])
+def test_families_that_declare_another_layer_keep_the_eager_step(tiny_llama, tmp_path,
+                                                                 architecture):
+    """The C step serves the families that declare Llama's layer (Llama, Qwen2, Mistral without
+    a window, Phi-3: the tests above); the others declare what sets them apart."""
+    from tests.parity.test_gemma_parity import build_tiny_gemma
+    from tests.parity.test_qwen3_parity import build_tiny_qwen3
+
+    if architecture.startswith("qwen3"):
+        model_dir = build_tiny_qwen3(tmp_path, moe=architecture == "qwen3_moe",
+                                     tokenizer_from=tiny_llama)
+    else:
+        model_dir = build_tiny_gemma(tmp_path, int(architecture[-1]))
+    runner = _runner(model_dir)
+    layout = runner.model.decode_layout()
+    assert layout.departures() and runner.c_step is None
+    reason = c_step.unsupported_reason(layout, runner.cache)
+    assert reason.startswith(type(runner.model).__name__)

@@ -1,8 +1,10 @@
-"""A Llama-family decode step as one C call (shard/kernels/decode_step.c) on the CPU: the kernels the
-eager forward calls, in its order on its inputs, so its logits are the eager step's bit for bit without
-the Python and dispatch around them, LoRA adapters' updates included (shard/kernels/lora.c, the
-eager layers' kernel). Where it does not apply `unsupported_reason` says why; TGI_PY_DECODE_STEP=0
-switches it off.
+"""A decode step of Llama's layer as one C call on the CPU (shard/kernels/decode_step.c).
+
+It calls the kernels the eager forward calls, in its order on its inputs, so its logits are the
+eager step's bit for bit without the Python and dispatch around them, LoRA adapters' updates
+included (shard/kernels/lora.c, the eager layers' kernel). It sees a model only through the
+DecodeLayout its family declares (shard.models.decode_layout). Where it does not apply
+`unsupported_reason` says why; TGI_PY_DECODE_STEP=0 switches it off.
 """
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import functools
 
 import torch
 
+from shard.adapters.adapter_set import AdapterSet
 from shard.kernels import bf16_matmul, int4_matmul, layer_ops, lora, native, paged_attention
 from shard.layers.attention import LayerCache
-from shard.models.llama import LlamaForCausalLM
+from shard.models.decode_layout import DecodeLayout
 
 SOURCE = native.KERNELS / "decode_step.c"
 FLAGS = ["-O2", "-shared", "-fPIC"]
@@ -79,17 +82,21 @@ def _address(function) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value
 
 
-def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str | None:
-    """Why this model's decode step cannot run in C here, or None: it runs where every piece of
-    the eager step is one of our kernels (a bf16 model, a bf16 or int8 KV cache, on a CPU whose
-    build has all of them, one rank, no PyTorch quantized kernels, no bias after a row-parallel
-    projection, no sliding window)."""
-    if not getattr(type(model), "llama_layout", False):
-        return f"{type(model).__name__} is not laid out as the Llama family's model"
-    if any(getattr(layer.self_attn, "window", None) is not None for layer in model.layers):
+def unsupported_reason(layout: DecodeLayout, cache: list[LayerCache]) -> str | None:
+    """Why a model's decode step, as its family declares it, cannot run in C here, or None.
+
+    It runs where the model computes Llama's layer and every piece of the eager step is one of
+    our kernels: a bf16 model, a bf16 or int8 KV cache, on a CPU whose build has all of them, one
+    rank, no PyTorch quantized kernels, no bias after a row-parallel projection, no sliding
+    window."""
+    departures = layout.departures()
+    if departures:
+        return (f"{layout.family} computes {', '.join(departures)} (the C loop computes Llama's "
+                "layer)")
+    if any(layer.window is not None for layer in layout.layers):
         return "its layers attend over a sliding window (Mistral's), the C loop over whole contexts"
-    if model.activation_dtype != torch.bfloat16:
-        return f"activations are {model.activation_dtype}, not bf16"
+    if layout.activation_dtype != torch.bfloat16:
+        return f"activations are {layout.activation_dtype}, not bf16"
     if not cache or any(c.key.dtype not in (torch.bfloat16, torch.int8)
                         or c.key.device.type != "cpu"
                         or not c.key.is_contiguous() or not c.value.is_contiguous()
@@ -97,27 +104,24 @@ def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str |
                                                and c.value_scale.is_contiguous()))
                         for c in cache):
         return "the KV cache is not a contiguous bf16 or int8 CPU cache"
-    if model.lm_head.parallel.is_sharded:
+    if layout.lm_head.parallel.is_sharded:
         return "tensor-parallel ranks all-reduce between the kernels"
-    for layer in model.layers:
-        if layer.input_layernorm.eps != model.norm.eps or (
-                layer.post_attention_layernorm.eps != model.norm.eps):
+    eps = layout.final_norm.eps
+    for layer in layout.layers:
+        if layer.input_norm.eps != eps or layer.post_attention_norm.eps != eps:
             return "the norms' epsilons differ (the C loop takes one)"
-        attention, mlp = layer.self_attn, layer.mlp
-        if attention.o_proj.bias is not None or mlp.down_proj.bias is not None:
+        if layer.o_proj.bias is not None or layer.down_proj.bias is not None:
             return "a bias after a row-parallel projection is a separate bf16 add in eager steps"
-        for linear, (_, room) in zip(_projections(layer), _LORA_ROOM.values()):
-            source = getattr(linear, "lora_source", None)
+        for linear, (_, room) in zip(layer.projections, _LORA_ROOM.values()):
+            source = linear.lora_source
             if source is not None and len(source.parts) > room:
                 return (f"a projection computes {len(source.parts)} checkpoint modules that "
                         f"adapters may change (the C loop takes {room})")
-    if model.lm_head.prepared.tiled is None:
+    if layout.lm_head.prepared.tiled is None:
         return "the head runs another kernel than our C bf16 matmul (the C loop takes no other)"
     any_int4 = False
-    for module in model.modules():
-        prepared = getattr(module, "prepared", None)
-        if prepared is None:
-            continue
+    linears = [layout.lm_head] + [p for layer in layout.layers for p in layer.projections]
+    for prepared in (linear.prepared for linear in linears):
         own_int4 = prepared.int4_form is not None
         any_int4 = any_int4 or own_int4
         if not own_int4 and (prepared.tiled is None or prepared.quantized_rows):
@@ -135,37 +139,36 @@ def unsupported_reason(model: torch.nn.Module, cache: list[LayerCache]) -> str |
 
 
 class DecodeStep:
-    """Runs decode steps of one model over one KV cache pool (a new pool needs a new DecodeStep)."""
+    """Runs decode steps of one model over one KV cache pool (a new pool needs a new DecodeStep).
 
-    def __init__(self, model: LlamaForCausalLM, cache: list[LayerCache]):
-        cfg = model.config
-        first = model.layers[0].self_attn
-        self.model = model
+    `adapters` are the LoRA adapters loaded on the model, whose updates rows may ask for."""
+
+    def __init__(self, layout: DecodeLayout, cache: list[LayerCache], adapters: AdapterSet):
+        first = layout.layers[0]
+        self.layout = layout
+        self.adapters = adapters
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
-        self.hidden = cfg.hidden_size
-        self.intermediate = model.layers[0].mlp.down_proj.prepared.in_features
-        self.vocab_rows = model.lm_head.prepared.out_features
+        self.hidden = layout.hidden_size
+        self.intermediate = first.down_proj.prepared.in_features
+        self.vocab_rows = layout.lm_head.prepared.out_features
         self.block_size = cache[0].key.shape[2]
         layers = []
-        for layer, layer_cache in zip(model.layers, cache):
-            attention, mlp = layer.self_attn, layer.mlp
+        for layer, layer_cache in zip(layout.layers, cache):
+            qkv, o, gate_up, down = (linear.prepared for linear in layer.projections)
             layers.append(_Layer(
-                layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(),
-                _tiled(attention.qkv_proj.prepared), _bias(attention.qkv_proj.prepared),
-                _tiled(attention.o_proj.prepared), None, _tiled(mlp.gate_up_proj.prepared),
-                _bias(mlp.gate_up_proj.prepared), _tiled(mlp.down_proj.prepared), None,
-                layer_cache.key.data_ptr(), layer_cache.value.data_ptr(),
-                *(_int4(linear.prepared) for linear in (
-                    attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                layer.input_norm.weight.data_ptr(), layer.post_attention_norm.weight.data_ptr(),
+                _tiled(qkv), _bias(qkv), _tiled(o), None, _tiled(gate_up), _bias(gate_up),
+                _tiled(down), None, layer_cache.key.data_ptr(), layer_cache.value.data_ptr(),
+                *(_int4(prepared) for prepared in (qkv, o, gate_up, down)),
                 key_scale=_pointer(layer_cache.key_scale),
                 value_scale=_pointer(layer_cache.value_scale)))
         self._layers = (_Layer * len(layers))(*layers)
         self._cache = cache  # the pointers above stay valid while the pool lives
+        norm = layout.final_norm
         self._model = _Model(
             len(layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
-            self.vocab_rows, cache[0].key.shape[0], self.block_size, model.norm.eps, first.scale,
-            model.norm.weight.data_ptr(), _tiled(model.lm_head.prepared), self._layers,
+            self.vocab_rows, cache[0].key.shape[0], self.block_size, norm.eps, first.scale,
+            norm.weight.data_ptr(), _tiled(layout.lm_head.prepared), self._layers,
             int(cache[0].is_int8))
         ops = layer_ops.load_library()
         self._kernels = _Kernels(
@@ -194,17 +197,19 @@ class DecodeStep:
     def __call__(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                  block_tables: torch.Tensor, row_slots: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per sequence at position seq_lens -> (logits [B, vocab] float32, the final
-        normed hidden states [B, hidden]), as the eager step returns them; row i with the update
-        of LoRA slot row_slots[i] of the model's adapters (-1: none)."""
+        """One token per sequence at position seq_lens -> (logits, final hidden states).
+
+        Logits [B, vocab] float32 and the final normed hidden states [B, hidden], as the eager
+        step returns them; row i with the update of LoRA slot row_slots[i] of the model's
+        adapters (-1: none)."""
         batch = input_ids.shape[0]
         # the C loop reads `batch` entries of each through raw pointers
         if (input_ids.dim() != 1 or seq_lens.shape != (batch,) or block_tables.dim() != 2
                 or block_tables.shape[0] != batch or block_tables.shape[1] == 0):
             raise ValueError(f"decode step: {tuple(input_ids.shape)} tokens, {tuple(seq_lens.shape)} "
                              f"positions and {tuple(block_tables.shape)} block tables disagree")
-        embeds = self.model.embed(input_ids).contiguous()
-        angles = self.model.rotary(seq_lens)
+        embeds = self.layout.embed(input_ids).contiguous()
+        angles = self.layout.rotary(seq_lens)
         cos, sin = angles.cos.contiguous(), angles.sin.contiguous()
         tables = block_tables.to(torch.int64).contiguous()
         seq_lens = seq_lens.to(torch.int64)
@@ -230,11 +235,12 @@ class DecodeStep:
         if status != 0:
             raise MemoryError("decode attention, a matmul or a LoRA update could not allocate its "
                               "scratch buffers")
-        return logits[:, : self.model.lm_head.vocab_size].float(), hidden
+        return logits[:, : self.layout.lm_head.vocab_size].float(), hidden
 
     def _lora_slots(self, row_slots: torch.Tensor, batch: int) -> torch.Tensor | None:
-        """row_slots as the C loop reads them (int64 [batch]), or None where no layer holds an
-        adapter's update."""
+        """row_slots as the C loop reads them (int64 [batch]).
+
+        None where no layer holds an adapter's update."""
         if not self._lora_parts:
             return None
         if not self.takes_adapters:
@@ -246,12 +252,13 @@ class DecodeStep:
         return row_slots.to(torch.int64).contiguous()
 
     def _follow_adapters(self) -> None:
-        """The layers' parts set again after every load and unload (every step looks: after
-        the last unload, the freed stacks are let go even if no adapter row ever comes)."""
-        adapters = getattr(self.model, "adapters", None)
-        if adapters is not None and adapters.version != self._lora_version:
+        """The layers' LoRA parts set again after every load and unload of an adapter.
+
+        Every step looks: after the last unload, the freed stacks are let go even if no adapter
+        row ever comes."""
+        if self.adapters.version != self._lora_version:
             self._set_lora_parts()
-            self._lora_version = adapters.version
+            self._lora_version = self.adapters.version
 
     def _set_lora_parts(self) -> None:
         """Every layer's LoRA parts from its projections' `.lora` (a LoraTarget or None)."""
@@ -261,10 +268,10 @@ class DecodeStep:
         shapes = ((self.hidden, qkv_width), (q_width, self.hidden),
                   (self.hidden, 2 * self.intermediate), (self.intermediate, self.hidden))
         held = []
-        for layer, entry in zip(self.model.layers, self._layers):
-            for linear, (first, room), shape in zip(_projections(layer), _LORA_ROOM.values(),
+        for layer, entry in zip(self.layout.layers, self._layers):
+            for linear, (first, room), shape in zip(layer.projections, _LORA_ROOM.values(),
                                                     shapes):
-                target = getattr(linear, "lora", None)
+                target = linear.lora
                 parts = [] if target is None else target.parts
                 assert len(parts) <= room, "unsupported_reason refuses more parts"
                 for index in range(room):
@@ -275,15 +282,10 @@ class DecodeStep:
         self._lora_parts = held
 
 
-def _projections(layer) -> tuple:
-    """A layer's projections, in _LORA_ROOM's order."""
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)
-
-
 def _lora_part(part, inputs: int, outputs: int) -> _LoraPart:
-    """A LoraPart of a projection of `inputs` -> `outputs` features as the C loop reads it (an
-    empty entry for None or stacks without room); ValueError where its tensors do not fit the
+    """A LoraPart of a projection of `inputs` -> `outputs` features as the C loop reads it.
+
+    An empty entry for None or stacks without room; ValueError where its tensors do not fit the
     pointers the loop follows."""
     if part is None or part.a.numel() == 0:
         return _LoraPart()

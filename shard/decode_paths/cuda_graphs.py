@@ -1,6 +1,7 @@
-"""The decode step replayed from CUDA graphs, one captured per batch-size and table-width bucket: for a
-small batch a step's few hundred kernel launches, not its arithmetic, set its time, and a replay is one
-launch. A step no graph holds runs eagerly.
+"""The decode step replayed from CUDA graphs, one captured per batch-size and table-width bucket.
+
+For a small batch a step's few hundred kernel launches, not its arithmetic, set its time, and a
+replay is one launch. A step no graph holds runs eagerly.
 """
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ def width_buckets(max_width: int) -> list[int]:
 
 
 class CudaGraphCapture:
-    """Records steps as CUDA graphs on `device`, all in one memory pool of their own: the graphs
-    never replay at once, so their activations can share memory. Each graph's outputs stay
-    allocated (live tensors, which no later capture reuses), but its next replay writes them
+    """Records steps as CUDA graphs on `device`, all in one memory pool of their own.
+
+    The graphs never replay at once, so their activations can share memory. Each graph's outputs
+    stay allocated (live tensors, which no later capture reuses), but its next replay writes them
     again: that is why a replay's results are copied before the next replay."""
 
     def __init__(self, device: torch.device):
@@ -83,10 +85,12 @@ class GraphedDecode:
 
     def __init__(self, step: Step, batch_sizes: list[int], device: torch.device, *,
                  block_bytes: int, new_capture: Callable[[torch.device], Capture] = CudaGraphCapture):
-        """block_bytes: the keys and values of one KV block of one layer, which a step gathers
-        per row and table column. new_capture: how a graph is captured; tests on the CPU pass one
-        that replays the function on the same buffers, which holds this class to the contract a
-        CUDA graph imposes."""
+        """Steps of `step` for `batch_sizes` rows, captured on `device` by `new_capture`.
+
+        block_bytes: the keys and values of one KV block of one layer, which a step gathers per
+        row and table column. new_capture: how a graph is captured; tests on the CPU pass one that
+        replays the function on the same buffers, which holds this class to the contract a CUDA
+        graph imposes."""
         self.step = step
         self.batch_sizes = sorted(batch_sizes)
         self.device = device
@@ -96,8 +100,9 @@ class GraphedDecode:
         self.graphs: dict[tuple[int, int], CapturedStep] = {}
 
     def capture(self, max_width: int) -> None:
-        """Captures the buckets for tables up to max_width blocks (the longest request's),
-        largest first, so the pool is sized once by the largest; a bucket whose attention would
+        """Captures the buckets for tables up to max_width blocks (the longest request's).
+
+        Largest first, so the pool is sized once by the largest; a bucket whose attention would
         gather more than MAX_GATHER_BYTES a layer is left to eager steps. The steps captured
         write into block 0 only. On failure no graph is kept and the error is raised."""
         self.release()
@@ -142,8 +147,9 @@ class GraphedDecode:
 
     def __call__(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                  block_tables: torch.Tensor, width: int) -> Outputs | None:
-        """One step of these rows, reading `width` columns of their tables (enough to cover
-        every context); None when no graph holds the step (the caller runs it eagerly)."""
+        """One step of these rows from a graph, or None when none holds it (then run eagerly).
+
+        It reads `width` columns of their tables, enough to cover every context."""
         rows = input_ids.shape[0]
         graph = self.bucket(rows, width)
         if graph is None:

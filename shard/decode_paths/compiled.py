@@ -1,6 +1,8 @@
-"""The decode step compiled with torch.compile (inductor's C++ backend on the CPU), warmed at start-up:
-inductor fuses the thousands of small ops an eager step dispatches into a few loops per layer. Where
-compiling is not possible or a step would need a new graph, the step runs eagerly and the log says why.
+"""The decode step compiled with torch.compile (inductor's C++ backend on the CPU) at warm-up.
+
+Inductor fuses the thousands of small ops an eager step dispatches into a few loops per layer.
+Where compiling is not possible or a step would need a new graph, the step runs eagerly and the
+log says why.
 """
 from __future__ import annotations
 
@@ -35,9 +37,11 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device, world_size:
 
 
 def _configure_compiler() -> None:
-    """Inductor lowers mkldnn::_linear_pointwise (and fuses it with the adds around it) only for
+    """Sets inductor up to call oneDNN's prepacked linear op as an external kernel.
+
+    Inductor lowers mkldnn::_linear_pointwise (and fuses it with the adds around it) only for
     weights it prepacked itself in a frozen graph; ours are prepacked at load time and arrive as
-    graph inputs, where the lowering fails. The op is called as an external kernel instead."""
+    graph inputs, where the lowering fails."""
     from torch._inductor import lowering
     from torch._inductor.fx_passes import mkldnn_fusion
 
@@ -70,9 +74,10 @@ class CompiledDecode:
         self.active = False  # set once warmed; cleared for good on the first failure
 
     def warm(self, tables_width: int) -> None:
-        """Compiles the two graphs (one row; several rows) with a step over block 0, which never
-        holds a request's keys; from then on a step that would need another graph raises (every
-        guard is still checked) instead of compiling in the middle of serving."""
+        """Compiles the two graphs (one row; several rows) with a step over block 0.
+
+        Block 0 never holds a request's keys. From then on a step that would need another graph
+        raises (every guard is still checked) instead of compiling in the middle of serving."""
         width = max(tables_width, MIN_TABLE_WIDTH)
         torch.compiler.set_stance("default")  # a pool allocated again is warmed again
         self.active = False
