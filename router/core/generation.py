@@ -97,28 +97,31 @@ class Infer:
             raise OverloadedError()
         # validated against the loaded adapters already; one being unloaded since is refused
         self.adapters.check(request.adapter_id)
+        held_prefix, on_final = self._bind(request, session) if session else (None, None)
         item = ActiveRequest(id=next(self._ids), input_length=request.input_length,
                              max_new_tokens=request.stopping.max_new_tokens,
                              prompt_ids=None if request.computes_whole_prompt
                              else request.input_ids,
-                             adapter_id=request.adapter_id,
-                             request=request, span_context=current_span_context())
+                             adapter_id=request.adapter_id, held_prefix=held_prefix,
+                             request=request, span_context=current_span_context(),
+                             on_final=on_final)
         if request.num_beams > 1:
             item.kv_rows, item.kv_row_slack = request.num_beams, self.batcher.allocator.block_size
-        if session is not None:
-            self._bind(item, session)
         allocator = self.batcher.allocator
         if allocator.blocks_needed(item.kv_tokens) > allocator.num_usable_blocks:
             raise ValidationError(f"the request needs {item.kv_tokens} tokens of KV cache but the "
                                   f"server holds {allocator.num_usable_blocks * allocator.block_size}")
         return item
 
-    def _bind(self, item: ActiveRequest, session: Session) -> None:
-        """The request continues `session` (its prompt is the session's tokens): the blocks the
-        session holds stand in for their prefill, and at the end the session keeps the new ones."""
+    def _bind(self, request: GenerateRequest, session: Session):
+        """(held prefix, final hook) of a request that continues `session`.
+
+        Its prompt is the session's tokens: the blocks the session holds stand in for their
+        prefill, and at the end the session keeps the new ones.
+        """
         sessions = self.batcher.sessions
-        if session.token_ids == item.request.input_ids:  # its blocks are read when planned
-            item.held_prefix = session
+        # its blocks are read when planned
+        held_prefix = session if session.token_ids == request.input_ids else None
 
         def keep(item: ActiveRequest, final: FinalInfo) -> None:
             # the best beam's keys and values need not be in the blocks any more: none are kept
@@ -126,7 +129,7 @@ class Infer:
             sessions.keep(session, item.request.input_ids + item.generated_ids, final.text,
                           blocks, adapter_id=item.adapter_id)
 
-        item.on_final = keep
+        return held_prefix, keep
 
     async def stream(self, request: GenerateRequest, timings: Timings | None = None, *,
                      session: Session | None = None) -> AsyncIterator[TokenEvent]:

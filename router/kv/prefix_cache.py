@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from router.kv.block_allocator import BlockAllocator
+from router.kv.block_allocator import BlockPool
 
 
 @dataclass(slots=True)
@@ -24,11 +24,12 @@ class CachedBlock:
 
 
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator):
-        self.allocator = allocator
-        self.block_size = allocator.block_size
+    """Cached prompt blocks by chained key; a reclaimer of the allocator (evict)."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.block_size = pool.block_size
         self._blocks: OrderedDict[int, CachedBlock] = OrderedDict()  # key -> block, LRU first
-        allocator.reclaim = self.evict
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -58,7 +59,7 @@ class PrefixCache:
                 break
             self._blocks.move_to_end(key)
             found.append(block.block_id)
-        self.allocator.incref(found)
+        self.pool.incref(found)
         return found
 
     def insert(self, token_ids: list[int], block_ids: list[int], *,
@@ -70,14 +71,14 @@ class PrefixCache:
                 self._blocks.move_to_end(key)
                 continue
             self._blocks[key] = CachedBlock(block_id, tokens, parent, adapter_id)
-            self.allocator.incref([block_id])
+            self.pool.incref([block_id])
 
     def forget_adapter(self, adapter_id: str) -> None:
         """Lets go of every block `adapter_id` computed: it is unloaded, and an adapter loaded
         later under its name may compute other keys and values. A request still holding one of
         them keeps its own reference."""
         for key in [k for k, b in self._blocks.items() if b.adapter_id == adapter_id]:
-            self.allocator.decref([self._blocks.pop(key).block_id])
+            self.pool.decref([self._blocks.pop(key).block_id])
 
     def evict(self, needed: int) -> int:
         """Frees up to `needed` blocks that only the cache holds, least recently used first."""
@@ -86,8 +87,8 @@ class PrefixCache:
             if freed >= needed:
                 break
             block = self._blocks[key]
-            if self.allocator.ref_count(block.block_id) == 1:
+            if self.pool.ref_count(block.block_id) == 1:
                 del self._blocks[key]
-                self.allocator.decref([block.block_id])
+                self.pool.decref([block.block_id])
                 freed += 1
         return freed

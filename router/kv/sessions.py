@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.kv.block_allocator import BlockAllocator
+from router.kv.block_allocator import BlockPool
 
 SessionKey = tuple[str, str]  # (who: a digest of the caller's API key, or "", request_id)
 
@@ -69,9 +69,9 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, allocator: BlockAllocator, limits: SessionLimits = SessionLimits(), *,
+    def __init__(self, pool: BlockPool, limits: SessionLimits = SessionLimits(), *,
                  clock: Callable[[], float] = time.monotonic):
-        self.allocator = allocator
+        self.pool = pool
         self.max_sessions = limits.max_sessions
         self.kv_share = limits.kv_share
         self.ttl = limits.ttl
@@ -102,7 +102,7 @@ class SessionStore:
 
     @property
     def max_blocks(self) -> int:
-        return int(self.kv_share * self.allocator.num_usable_blocks)  # the pool may be resized
+        return int(self.kv_share * self.pool.num_usable_blocks)  # the pool may be resized
 
     def end(self, session: Session, succeeded: bool) -> None:
         """The call is over: what it generated becomes the session's if the client got it all
@@ -133,8 +133,8 @@ class SessionStore:
         holding them (not those past the computed tokens), computed with `adapter_id`, are kept
         for the session, pending the call's success (end)."""
         computed = len(token_ids) - 1
-        kept = block_ids[:self.allocator.blocks_needed(computed)]
-        self.allocator.incref(kept)
+        kept = block_ids[:self.pool.blocks_needed(computed)]
+        self.pool.incref(kept)
         self.held_blocks += len(kept)
         if session.pending is not None:
             self._release(session.pending.blocks)
@@ -184,14 +184,14 @@ class SessionStore:
     # ---- internals ----------------------------------------------------------------------------
 
     def _release(self, blocks: list[int]) -> None:
-        self.allocator.decref(blocks)
+        self.pool.decref(blocks)
         self.held_blocks -= len(blocks)
 
     def _drop_blocks(self, session: Session) -> int:
-        before = self.allocator.num_free_blocks
+        before = self.pool.num_free_blocks
         self._release(session.blocks)
         session.blocks, session.computed = [], 0
-        return self.allocator.num_free_blocks - before
+        return self.pool.num_free_blocks - before
 
     def _fit_budget(self) -> None:
         for session in list(self._sessions.values()):

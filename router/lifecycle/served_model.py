@@ -21,8 +21,8 @@ from router.inputs.chat_template import ChatTemplate
 from router.inputs.generation_config import GenerationDefaults
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import TokenLimits, ValidationLimits
+from router.kv.accounting import kv_accounting
 from router.kv.block_allocator import BlockAllocator
-from router.kv.prefix_cache import PrefixCache
 from router.kv.sessions import Session, SessionAdapterConflict, SessionBusy
 from router.lifecycle.adapters import AdapterRegistry
 from router.lifecycle.registry import STOPPED
@@ -175,7 +175,7 @@ class ServedModel:
         """Stops the batching loop; a request still in flight fails with a 503, and one that
         reaches the queue from now on (it was validating when the stop began) with a 409."""
         name = self.model_name
-        self.batcher.closed = lambda: ModelStateError(f"model {name!r} stopped", STOPPED)
+        self.batcher.close(lambda: ModelStateError(f"model {name!r} stopped", STOPPED))
         self.batcher.stop_waiting()
         for task in self.tasks:
             task.cancel()
@@ -323,7 +323,11 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
         max_position_embeddings=shard_info.max_position_embeddings,
         chunking=shard_info.support_chunking, device_type=shard_info.device_type)
     num_blocks = await warm_up(client, config, limits, shard_info.block_size)
-    allocator = BlockAllocator(num_blocks, shard_info.block_size)
+    kv = kv_accounting(num_blocks, shard_info.block_size,
+                       prefix_caching=config.prefix_caching == "on"
+                       and shard_info.use_prefix_caching,
+                       session_limits=config.session_limits())
+    allocator = kv.allocator
     capacity = allocator.num_usable_blocks * allocator.block_size
     scheduling = SchedulingLimits(
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_batch_total_tokens=capacity,
@@ -333,10 +337,7 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
         stream_decode_steps=shard_info.device_type == "cuda")
     metrics = Metrics(max_input_tokens=limits.max_input_tokens,
                       max_total_tokens=limits.max_total_tokens)
-    prefix_cache = None
-    if config.prefix_caching == "on" and shard_info.use_prefix_caching:
-        prefix_cache = PrefixCache(allocator)
-    queue = RequestQueue(allocator, prefix_cache, chunking=shard_info.support_chunking)
+    queue = RequestQueue(allocator, kv.prefix_cache, chunking=shard_info.support_chunking)
     served: ServedModel | None = None  # the recovery reloads its adapters once it exists
 
     async def reload_adapters() -> None:
@@ -345,7 +346,7 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
 
     batcher = Batcher(client, queue, allocator, scheduling, metrics,
                       recovery_policy(client, config, limits, allocator, reload_adapters),
-                      session_limits=config.session_limits())
+                      sessions=kv.sessions)
     infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests,
                   grammar_support=not config.disable_grammar_support)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,

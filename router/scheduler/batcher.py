@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from router.errors import GenerationError, RouterError
 from router.kv.block_allocator import BlockAllocator
-from router.kv.sessions import SessionLimits, SessionStore
+from router.kv.sessions import SessionStore
 from router.scheduler.active_request import ActiveRequest
 from router.scheduler.failures import FailureFanOut
 from router.scheduler.policy import ChunkedPrefill, SchedulingLimits
@@ -57,8 +57,8 @@ NO_PREFILL = PrefillStep(ran=False)
 class Batcher:
     def __init__(self, client, queue: RequestQueue[ActiveRequest], allocator: BlockAllocator,
                  limits: SchedulingLimits, metrics: Metrics,
-                 recovery: RecoveryPolicy | None = None,
-                 session_limits: SessionLimits = SessionLimits()):
+                 recovery: RecoveryPolicy | None = None, *,
+                 sessions: SessionStore | None = None):
         self.client = client
         self.queue = queue
         self.allocator = allocator
@@ -67,9 +67,10 @@ class Batcher:
         metrics.kv_total_blocks.set(allocator.num_usable_blocks)
         metrics.kv_free_blocks.set(allocator.num_free_blocks)
         metrics.batch_max_total_tokens.set(allocator.num_usable_blocks * allocator.block_size)
-        self.sessions = SessionStore(allocator, session_limits)
-        self._reclaim_from_sessions_too(allocator)
-        self.running = RunningRequests(allocator, queue.prefix_cache, metrics, self.sessions)
+        # request_id sessions' blocks (router.kv.sessions), let go of when the pool is reset or
+        # an adapter unloaded; None where no API keeps sessions
+        self.sessions = sessions
+        self.running = RunningRequests(allocator, queue.prefix_cache, metrics, sessions)
         self.failures = FailureFanOut(self.running, queue, metrics)
         # without a policy (tests, one-off tools) a lost shard fails requests and nothing waits
         self.recovery = None
@@ -81,21 +82,8 @@ class Batcher:
                                 stream_steps=limits.stream_decode_steps)
         self.chunked: ChunkedPrefill | None = None  # the long prompt being prefilled in chunks
         self._wake = asyncio.Event()
-        # set when the model is going away: the error a request reaching submit() gets instead
-        self.closed: Callable[[], RouterError] | None = None
-
-    def _reclaim_from_sessions_too(self, allocator: BlockAllocator) -> None:
-        """When the pool runs short, prompts only the prefix cache holds go first, then the
-        blocks of idle sessions (least recently used first)."""
-        from_cache = allocator.reclaim
-
-        def reclaim(needed: int) -> int:
-            freed = from_cache(needed) if from_cache is not None else 0
-            if freed < needed:
-                freed += self.sessions.release_blocks(needed - freed)
-            return freed
-
-        allocator.reclaim = reclaim
+        # set by close(), when the model is going away: makes the error submit() raises instead
+        self._refusal: Callable[[], RouterError] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -103,9 +91,16 @@ class Batcher:
 
     # ---- API side ---------------------------------------------------------------------------
 
+    def close(self, refusal: Callable[[], RouterError]) -> None:
+        """Refuses new requests: from now on submit() raises `refusal()`, a fresh error each time.
+
+        The model is going away, and no loop will read the queue any more.
+        """
+        self._refusal = refusal
+
     def submit(self, item: ActiveRequest) -> None:
-        if self.closed is not None:  # no loop reads the queue any more
-            raise self.closed()
+        if self._refusal is not None:
+            raise self._refusal()
         self.queue.append(item)
         self.metrics.queue_size.set(len(self.queue))
         self._wake.set()
@@ -137,7 +132,8 @@ class Batcher:
         """An unloaded adapter's cached prompt blocks and sessions' blocks are let go of."""
         if self.queue.prefix_cache is not None:
             self.queue.prefix_cache.forget_adapter(adapter_id)
-        self.sessions.release_adapter(adapter_id)
+        if self.sessions is not None:
+            self.sessions.release_adapter(adapter_id)
         self.running.update_gauges()
 
     def expire_sessions(self) -> None:

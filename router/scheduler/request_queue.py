@@ -84,13 +84,13 @@ class RequestQueue(Generic[E]):
         choose the first new token)."""
         held = entry.held_prefix
         if held is not None and held.blocks:
-            self.allocator.incref(held.blocks)
+            self.allocator.pool.incref(held.blocks)
             return list(held.blocks), held.computed
         if self.prefix_cache is None or entry.prompt_ids is None:
             return [], 0
         shared = self.prefix_cache.match(entry.prompt_ids, adapter_id=entry.adapter_id)
         while shared and len(shared) * self.allocator.block_size >= entry.input_length:
-            self.allocator.decref([shared.pop()])
+            self.allocator.pool.decref([shared.pop()])
         return shared, len(shared) * self.allocator.block_size
 
     def remove(self, entry: E) -> bool:
@@ -137,7 +137,7 @@ class RequestQueue(Generic[E]):
             if prefill_tokens + uncached <= prefill_token_budget or alone:
                 allocation = self.allocator.allocate(entry.kv_tokens, shared=shared)
             if allocation is None:
-                self.allocator.decref(shared)
+                self.allocator.pool.decref(shared)
                 break
             entry.allocation, entry.cache_len = allocation, cached
             chosen.append(self._entries.popleft())

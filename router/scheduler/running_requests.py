@@ -76,7 +76,7 @@ class RunningRequests:
     def reset_pool(self, num_blocks: int) -> None:
         """The shards restarted with an empty pool of `num_blocks`: every holder of a block was
         failed or sent back to the queue, and the cached prefixes name nothing now."""
-        self.allocator.reset(num_blocks)
+        self.allocator.pool.reset(num_blocks)
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         if self.sessions is not None:  # their tokens stay: their next calls compute them again

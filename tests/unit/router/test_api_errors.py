@@ -11,7 +11,7 @@ from router.core.generation import Infer
 from router.inputs.chat_template import ChatTemplate
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import TokenLimits, ValidationLimits
-from router.kv.block_allocator import BlockAllocator
+from router.kv.accounting import kv_accounting
 from router.lifecycle.served_model import ServedModel
 from router.scheduler.batcher import Batcher
 from router.scheduler.policy import SchedulingLimits
@@ -37,10 +37,11 @@ async def _client(tiny_llama, fake, *, max_concurrent=8, max_total_tokens=128, v
     max_input = max_total_tokens // 2
     limits = TokenLimits(max_input_tokens=max_input, max_total_tokens=max_total_tokens,
                          max_batch_prefill_tokens=max(256, max_total_tokens))
-    allocator = BlockAllocator(max(200, max_total_tokens // 2), 4)
+    kv = kv_accounting(max(200, max_total_tokens // 2), 4, prefix_caching=False)
+    allocator = kv.allocator
     metrics = Metrics(max_input_tokens=max_input, max_total_tokens=max_total_tokens)
     batcher = Batcher(fake, RequestQueue(allocator), allocator,
-                      SchedulingLimits(256, 800, 0.3, 20, None), metrics)
+                      SchedulingLimits(256, 800, 0.3, 20, None), metrics, sessions=kv.sessions)
     served = ServedModel(config, RouterTokenizer(str(tiny_llama)), fake,
                          ShardInfo(dtype="float32", device_type="cpu", world_size=1, block_size=4,
                                    max_position_embeddings=max_total_tokens,
