@@ -19,9 +19,9 @@ from typing import TypeVar
 from router.core.adapter_use import AdapterUse
 from router.errors import IncompleteGenerationError, OverloadedError, RouterError, ValidationError
 from router.inputs.seeds import copies
-from router.kv.sessions import Session
 from router.scheduler.active_request import ActiveRequest
 from router.scheduler.batcher import Batcher
+from router.scheduler.request_queue import HeldPrefix
 from router.schemas import FinalInfo, FinishReason, GenerateRequest, Timings, Token, TokenEvent
 from router.telemetry.metrics import Metrics
 from router.telemetry.request_record import current_record
@@ -39,6 +39,15 @@ class GenerateResult:
     @property
     def logprob_sum(self) -> float:
         return sum(t.logprob or 0.0 for t in self.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """What a request continues and where its result goes (a request_id session's)."""
+
+    held_prefix: HeldPrefix | None  # blocks holding its prompt's start, read when it is planned
+    # handed the final event's info while the request still holds its blocks
+    on_final: Callable[[ActiveRequest, FinalInfo], None]
 
 
 T = TypeVar("T")
@@ -90,21 +99,22 @@ class Infer:
             self.record_failure(err)
             raise
 
-    def _admit(self, request: GenerateRequest, session: Session | None) -> ActiveRequest:
+    def _admit(self, request: GenerateRequest, continuation: Continuation | None
+               ) -> ActiveRequest:
         if request.grammar is not None and not self.grammar_support:
             raise ValidationError("grammar is not supported")  # TGI's words
         if self.in_flight >= self.max_concurrent_requests:
             raise OverloadedError()
         # validated against the loaded adapters already; one being unloaded since is refused
         self.adapters.check(request.adapter_id)
-        held_prefix, on_final = self._bind(request, session) if session else (None, None)
         item = ActiveRequest(id=next(self._ids), input_length=request.input_length,
                              max_new_tokens=request.stopping.max_new_tokens,
                              prompt_ids=None if request.computes_whole_prompt
                              else request.input_ids,
-                             adapter_id=request.adapter_id, held_prefix=held_prefix,
-                             request=request, span_context=current_span_context(),
-                             on_final=on_final)
+                             adapter_id=request.adapter_id, request=request,
+                             span_context=current_span_context(),
+                             held_prefix=continuation and continuation.held_prefix,
+                             on_final=continuation and continuation.on_final)
         if request.num_beams > 1:
             item.kv_rows, item.kv_row_slack = request.num_beams, self.batcher.allocator.block_size
         allocator = self.batcher.allocator
@@ -113,31 +123,15 @@ class Infer:
                                   f"server holds {allocator.num_usable_blocks * allocator.block_size}")
         return item
 
-    def _bind(self, request: GenerateRequest, session: Session):
-        """(held prefix, final hook) of a request that continues `session`.
-
-        Its prompt is the session's tokens: the blocks the session holds stand in for their
-        prefill, and at the end the session keeps the new ones.
-        """
-        sessions = self.batcher.sessions
-        # its blocks are read when planned
-        held_prefix = session if session.token_ids == request.input_ids else None
-
-        def keep(item: ActiveRequest, final: FinalInfo) -> None:
-            # the best beam's keys and values need not be in the blocks any more: none are kept
-            blocks = item.allocation.block_ids if item.request.num_beams == 1 else []
-            sessions.keep(session, item.request.input_ids + item.generated_ids, final.text,
-                          blocks, adapter_id=item.adapter_id)
-
-        return held_prefix, keep
-
     async def stream(self, request: GenerateRequest, timings: Timings | None = None, *,
-                     session: Session | None = None) -> AsyncIterator[TokenEvent]:
+                     continuation: Continuation | None = None) -> AsyncIterator[TokenEvent]:
         """Events of one request; leaving the iteration early cancels it and frees what it held.
-        With `session` (router.kv.sessions), the request continues it and it keeps the result."""
+
+        With `continuation`, the request continues a request_id session, which keeps the result.
+        """
         timings = timings or Timings(started_at=time.monotonic())
         try:
-            item = self._admit(request, session)
+            item = self._admit(request, continuation)
         except RouterError as err:
             self.record_failure(err)
             raise
@@ -192,9 +186,9 @@ class Infer:
         metrics.generated_tokens.observe(final.generated_tokens)
 
     async def generate(self, request: GenerateRequest, timings: Timings | None = None, *,
-                       session: Session | None = None) -> GenerateResult:
+                       continuation: Continuation | None = None) -> GenerateResult:
         result = GenerateResult(timings=timings or Timings(started_at=time.monotonic()))
-        async for event in self.stream(request, result.timings, session=session):
+        async for event in self.stream(request, result.timings, continuation=continuation):
             result.tokens.append(event.token)
             result.top_tokens.append(event.top_tokens)
             if event.prefill is not None:
@@ -209,13 +203,17 @@ class Infer:
 
     async def generate_many(self, requests: list[GenerateRequest],
                             timings: Timings | None = None, *,
-                            sessions: list[Session] | None = None) -> list[GenerateResult]:
-        """Every request's result, in order; when one fails (or the caller goes away) the others
-        are cancelled and free what they held. `sessions`: one per request (see stream)."""
-        sessions = sessions or [None] * len(requests)
+                            continuations: list[Continuation] | None = None
+                            ) -> list[GenerateResult]:
+        """Every request's result, in order; when one fails the others are cancelled.
+
+        A caller that goes away cancels them all; each frees what it held. `continuations`: one
+        per request (see stream).
+        """
+        continuations = continuations or [None] * len(requests)
         tasks = [asyncio.ensure_future(self.generate(r, replace(timings) if timings else None,
-                                                     session=s))
-                 for r, s in zip(requests, sessions)]
+                                                     continuation=c))
+                 for r, c in zip(requests, continuations)]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:

@@ -16,16 +16,16 @@ from pathlib import Path
 from router import VERSION
 from router.config import RouterConfig
 from router.core.generation import Infer
-from router.errors import ModelStateError, SessionBusyError, UnhealthyError, ValidationError
+from router.errors import ModelStateError, UnhealthyError
 from router.inputs.chat_template import ChatTemplate
 from router.inputs.generation_config import GenerationDefaults
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import TokenLimits, ValidationLimits
 from router.kv.accounting import kv_accounting
 from router.kv.block_allocator import BlockAllocator
-from router.kv.sessions import Session, SessionAdapterConflict, SessionBusy
 from router.lifecycle.adapters import AdapterRegistry
 from router.lifecycle.registry import STOPPED
+from router.lifecycle.sessions import RequestSessions
 from router.lifecycle.settings import ChatPrompt
 from router.scheduler.batcher import Batcher
 from router.scheduler.policy import SchedulingLimits
@@ -58,6 +58,8 @@ class ServedModel:
     chat_prompt: ChatPrompt = field(default_factory=ChatPrompt)
     tasks: list[asyncio.Task] = field(default_factory=list)
     adapters: AdapterRegistry = None  # its LoRA adapters; made in __post_init__ unless given
+    # its request_id sessions (generate-one/batch); build_served makes them with the KV pool
+    sessions: RequestSessions = None
 
     def __post_init__(self):
         if self.adapters is None:
@@ -118,41 +120,6 @@ class ServedModel:
     def kv_block_size(self) -> int:
         return self.allocator.block_size
 
-    def begin_session(self, key: tuple[str, str], prompt: str) -> Session:
-        """The request_id session of `key`, held by the caller until end_session; a 409 while
-        another call holds it."""
-        try:
-            return self.batcher.sessions.begin(key, prompt)
-        except SessionBusy:
-            raise SessionBusyError(f"a call on request_id {key[1]!r} is still running") from None
-
-    def session_adapter(self, session: Session, asked: str | None, *,
-                        named: bool | None = None) -> str | None:
-        """The LoRA adapter a call on `session` runs with ("" is None: the base model). A new
-        session's is `asked`, which must be loaded; a started one keeps its own, and a call
-        that names another (`named`: it gave the field; by default, whether `asked` is set)
-        is a 422."""
-        asked = asked or None
-        named = asked is not None if named is None else named
-        try:
-            adapter = session.adapter_for(asked, named=named)
-        except SessionAdapterConflict:
-            started = (f"adapter {session.adapter_id!r}" if session.adapter_id is not None
-                       else "the base model (no adapter)")
-            raise ValidationError(
-                f"request_id {session.key[1]!r} was started with {started}; a call cannot "
-                "change its adapter: leave adapter_id out, or start a new request_id") from None
-        if adapter is not None:
-            self.adapters.check(adapter)
-        return adapter
-
-    def end_session(self, session: Session, succeeded: bool) -> None:
-        """Lets go of a session; it keeps the call's text only when the call `succeeded`."""
-        self.batcher.sessions.end(session, succeeded)
-
-    def expire_sessions(self) -> None:
-        self.batcher.expire_sessions()
-
     def flush_prefix_cache(self) -> bool:
         """Lets go of every cached prompt block no request holds; whether the cache is empty."""
         return self.batcher.flush_prefix_cache()
@@ -168,8 +135,11 @@ class ServedModel:
             raise UnhealthyError() from None
 
     def start(self, supervise) -> None:
-        """Runs the batching loop, under `supervise` (a coroutine wrapper)."""
+        """Runs the batching loop, under `supervise` (a coroutine wrapper), and session expiry."""
         self.tasks.append(asyncio.create_task(supervise(self.batcher.run())))
+        if self.sessions is not None:
+            every = max(min(self.config.session_ttl / 4, 5.0), 0.05)
+            self.tasks.append(asyncio.create_task(self.sessions.expire_every(every)))
 
     async def close(self) -> None:
         """Stops the batching loop; a request still in flight fails with a 503, and one that
@@ -351,8 +321,11 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
                   grammar_support=not config.disable_grammar_support)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens, shard_info.vocab_size)
+    sessions = RequestSessions(kv.sessions, infer, tokenizer, limits,
+                               refresh_gauges=batcher.running.update_gauges)
     served = ServedModel(config, tokenizer, client, shard_info, limits, validation_limits,
-                         allocator, batcher, infer, metrics, chat_template(config))
+                         allocator, batcher, infer, metrics, chat_template(config),
+                         sessions=sessions)
     return served
 
 

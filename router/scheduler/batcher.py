@@ -136,11 +136,6 @@ class Batcher:
             self.sessions.release_adapter(adapter_id)
         self.running.update_gauges()
 
-    def expire_sessions(self) -> None:
-        """Sessions idle past their TTL let go of their blocks."""
-        self.sessions.expire()
-        self.running.update_gauges()
-
     def fail_everything(self, error: RouterError) -> None:
         """The model is going away (its loop already stopped): every request, running or
         queued, hears `error` and lets go of its blocks."""
