@@ -1,9 +1,10 @@
-"""The generation core every API adapter calls: admission (429 past the concurrency limit), one
-request's event stream with cancellation on exit, n requests fanned out (merged streams, each
-abortable alone, or all results, the others cancelled when one fails), and the request-level
-metrics every API shares.
+"""The generation core every API calls: admission, event streams, fan-out, request metrics.
 
-An adapter turns its wire format into GenerateRequests and these events into its wire format; it
+Admission answers 429 past the concurrency limit; one request's event stream is cancelled on exit; n
+requests fan out (merged streams, each abortable alone, or all results, the others cancelled when
+one fails); the request-level metrics are those every API shares.
+
+An API package turns its wire format into GenerateRequests and these events into its wire format; it
 never sees the queue, the shards or the KV blocks.
 """
 from __future__ import annotations
@@ -55,8 +56,11 @@ T = TypeVar("T")
 
 @dataclass(eq=False)
 class FanOutStream:
-    """One stream of a fan-out (Infer.stream_many): `abort()` ends it alone, the others go on; it
-    then ends with an event of its own whose final holds what it had generated (reason: length)."""
+    """One stream of a fan-out (Infer.stream_many); `abort()` ends it alone, the others go on.
+
+    It then ends with an event of its own whose final holds what it had generated (reason:
+    length).
+    """
 
     timings: Timings | None = None  # its own; a copy of the fan-out's when None
     aborted: bool = False
@@ -107,6 +111,8 @@ class Infer:
             raise OverloadedError()
         # validated against the loaded adapters already; one being unloaded since is refused
         self.adapters.check(request.adapter_id)
+        allocator = self.batcher.allocator
+        beams = request.num_beams > 1  # a row of KV per beam, each rounded up to whole blocks
         item = ActiveRequest(id=next(self._ids), input_length=request.input_length,
                              max_new_tokens=request.stopping.max_new_tokens,
                              prompt_ids=None if request.computes_whole_prompt
@@ -114,10 +120,9 @@ class Infer:
                              adapter_id=request.adapter_id, request=request,
                              span_context=current_span_context(),
                              held_prefix=continuation and continuation.held_prefix,
-                             on_final=continuation and continuation.on_final)
-        if request.num_beams > 1:
-            item.kv_rows, item.kv_row_slack = request.num_beams, self.batcher.allocator.block_size
-        allocator = self.batcher.allocator
+                             on_final=continuation and continuation.on_final,
+                             kv_rows=request.num_beams if beams else 1,
+                             kv_row_slack=allocator.block_size if beams else 0)
         if allocator.blocks_needed(item.kv_tokens) > allocator.num_usable_blocks:
             raise ValidationError(f"the request needs {item.kv_tokens} tokens of KV cache but the "
                                   f"server holds {allocator.num_usable_blocks * allocator.block_size}")
@@ -226,10 +231,12 @@ class Infer:
                           *, streams: list[FanOutStream] | None = None,
                           on_event: Callable[[int, TokenEvent], None] | None = None
                           ) -> AsyncIterator[tuple[int, TokenEvent]]:
-        """(index of the request, event) from every request's stream as the events arrive; the
-        first error is raised and leaving early cancels every stream. `streams`: one handle per
-        request, to abort it alone; `on_event` sees each event as it arrives, before the reader
-        does (who may lag several events behind)."""
+        """(index of the request, event) from every request's stream as the events arrive.
+
+        The first error is raised and leaving early cancels every stream. `streams`: one
+        handle per request, to abort it alone; `on_event` sees each event as it arrives,
+        before the reader does (who may lag several events behind).
+        """
         if len(requests) == 1 and streams is None and on_event is None:
             # no tasks and no hop through a queue for the common case
             async with aclosing(self.stream(requests[0], timings)) as events:
@@ -285,8 +292,11 @@ class Infer:
 
     async def generate_best_of(self, request: GenerateRequest, best_of: int, timings: Timings
                                ) -> tuple[GenerateResult, list[GenerateResult]]:
-        """(the answer, the other sequences). With best_of > 1, that many sampled sequences with
-        their own seeds (copies); the most likely (summed log-prob) wins."""
+        """(the answer, the other sequences) of a request, sampled best_of times.
+
+        With best_of > 1, that many sampled sequences with their own seeds (copies); the
+        most likely (summed log-prob) wins.
+        """
         if best_of == 1:
             return await self.generate(request, timings), []
         results = await self.generate_many(copies(request, best_of), timings)

@@ -35,8 +35,10 @@ class PrefixCache:
         return len(self._blocks)
 
     def _keys(self, token_ids: list[int], adapter_id: str | None):
-        """(key, parent key, tokens) of each full block of `token_ids`, computed by the base
-        model or by `adapter_id`."""
+        """(key, parent key, tokens) of each full block of `token_ids`.
+
+        As computed by the base model, or by `adapter_id`.
+        """
         parent = None if adapter_id is None else hash(("lora", adapter_id))
         size = self.block_size
         for start in range(0, len(token_ids) - size + 1, size):
@@ -50,8 +52,10 @@ class PrefixCache:
         self._blocks.clear()
 
     def match(self, token_ids: list[int], *, adapter_id: str | None = None) -> list[int]:
-        """Block ids of the longest cached prefix of full blocks that `adapter_id` (None: the
-        base model) computed; the caller gets a reference to each."""
+        """Block ids of the longest cached prefix of full blocks; the caller holds each once more.
+
+        Only prefixes that `adapter_id` computed (None: the base model) match.
+        """
         found = []
         for key, _, tokens in self._keys(token_ids, adapter_id):
             block = self._blocks.get(key)
@@ -64,8 +68,10 @@ class PrefixCache:
 
     def insert(self, token_ids: list[int], block_ids: list[int], *,
                adapter_id: str | None = None) -> None:
-        """Remembers the full blocks of a prompt computed by `adapter_id` (None: the base
-        model); block_ids[i] holds its i-th block."""
+        """Remembers the full blocks of a prompt; block_ids[i] holds its i-th block.
+
+        They were computed by `adapter_id` (None: the base model).
+        """
         for (key, parent, tokens), block_id in zip(self._keys(token_ids, adapter_id), block_ids):
             if key in self._blocks:
                 self._blocks.move_to_end(key)
@@ -74,9 +80,11 @@ class PrefixCache:
             self.pool.incref([block_id])
 
     def forget_adapter(self, adapter_id: str) -> None:
-        """Lets go of every block `adapter_id` computed: it is unloaded, and an adapter loaded
-        later under its name may compute other keys and values. A request still holding one of
-        them keeps its own reference."""
+        """Lets go of every block `adapter_id` computed.
+
+        It is unloaded, and an adapter loaded later under its name may compute other keys
+        and values. A request still holding one of them keeps its own reference.
+        """
         for key in [k for k, b in self._blocks.items() if b.adapter_id == adapter_id]:
             self.pool.decref([self._blocks.pop(key).block_id])
 

@@ -35,8 +35,10 @@ class SessionCall:
     succeeded: bool = False  # the client got everything: the sessions keep what was generated
 
     def before(self, index: int, *, only_new_tokens: bool) -> str:
-        """What precedes the new text in an answer: nothing, or the prompt and all generated
-        before (a session's text changes only when the call ends)."""
+        """What precedes the new text in an answer: nothing, or the prompt and all generated before.
+
+        A session's text changes only when the call ends.
+        """
         session = self.sessions[index]
         return "" if only_new_tokens else session.prompt + session.text
 
@@ -97,7 +99,7 @@ class RequestSessions:
                 self.end(session, call.succeeded)
 
     def begin(self, key: SessionKey, prompt: str) -> Session:
-        """The session of `key`, held by the caller until end(); a 409 while another call holds it."""
+        """The session of `key`, held until end(); a 409 while another call holds it."""
         try:
             return self.store.begin(key, prompt)
         except SessionBusy:

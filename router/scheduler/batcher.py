@@ -122,8 +122,10 @@ class Batcher:
         return len(cache) == 0
 
     def requests_by_adapter(self) -> tuple[Counter[str], Counter[str]]:
-        """(waiting, running) requests on each LoRA adapter, running ones until the shards let
-        go of them; the base model's are not counted."""
+        """(waiting, running) requests on each LoRA adapter; the base model's are not counted.
+
+        Running ones count until the shards let go of them.
+        """
         waiting = Counter(i.adapter_id for i in self.queue.entries() if i.adapter_id is not None)
         running = Counter(i.adapter_id for i in self.running.all() if i.adapter_id is not None)
         return waiting, running
@@ -137,8 +139,10 @@ class Batcher:
         self.running.update_gauges()
 
     def fail_everything(self, error: RouterError) -> None:
-        """The model is going away (its loop already stopped): every request, running or
-        queued, hears `error` and lets go of its blocks."""
+        """The model is going away: every request, running or queued, hears `error`.
+
+        Its loop already stopped; each request lets go of its blocks.
+        """
         self.failures.fail_running(error)
         for item in self.queue.entries():
             self.queue.remove(item)
@@ -165,8 +169,10 @@ class Batcher:
             self._batch_gauges([])
 
     async def _wait_for_work(self) -> None:
-        """Sleeps until a request arrives; meanwhile checks that the shards did not restart (a
-        restarted group has an empty cache and must be warmed up before it serves)."""
+        """Sleeps until a request arrives; meanwhile checks that the shards did not restart.
+
+        A restarted group has an empty cache and must be warmed up before it serves.
+        """
         while True:
             if self.recovery is None:
                 await self._wake.wait()
@@ -332,8 +338,10 @@ class Batcher:
         return _left_running(await self.steps.after_step(outcome.result, "prefill"), None)
 
     async def _lose_shards(self, error: RouterError) -> None:
-        """The shard group is gone: its requests are failed or sent back to the queue, then the
-        loop waits for the restarted group."""
+        """The shard group is gone: its requests are failed or re-queued, then the loop waits.
+
+        It waits for the restarted group.
+        """
         stopping = self.recovery.stopping
         self.failures.shards_lost(shutting_down() if stopping else error,
                                   max_attempts=self.recovery.policy.max_attempts,

@@ -1,10 +1,11 @@
-"""`POST /api/generate-one` and `POST /api/generate-batch`: plain-text answers, and `request_id`
-sessions that continue a generation from its cached keys and values.
+"""`POST /api/generate-one` and `POST /api/generate-batch`: plain-text answers over sessions.
+
+A `request_id` session continues a generation from its cached keys and values.
 
 The routes parse the body and format the answer; the served model's sessions
 (router/lifecycle/sessions.py) hold a call's sessions, make its requests and keep what they
-generated. A session is keyed by the caller's credentials and the id. Errors are TGI's
-`{"error", "error_type"}`, answered by the error middleware as on every route.
+generated. A session is keyed by the caller's credentials and the id. Errors are TGI's `{"error",
+"error_type"}`, answered by the error middleware as on every route.
 """
 from __future__ import annotations
 
