@@ -37,7 +37,7 @@ class Vocabulary:
 def step_generations(batch: Batch, output: SampleOutput, hidden: list[torch.Tensor | None],
                      logits: torch.Tensor, vocab: Vocabulary, first: list[int] | None = None
 <<<<<<< HEAD
-                     ) -> list[Generation | None]:
+                     ) -> list[RequestOutput | None]:
     """Each row's token appended, detokenised and checked for stopping (a Python loop by nature).
 
 =======
@@ -103,7 +103,7 @@ def _token_generation(batch: Batch, row: int, token: int, logprob: float,
 
 
 <<<<<<< HEAD
-def _beam_answer(state: RequestState, best: list[int], vocab: Vocabulary) -> Generation:
+def _beam_answer(state: RequestState, best: list[int], vocab: Vocabulary) -> RequestOutput:
     """A finished beam search's generation: the best hypothesis.
 
     Its text is decoded as a stream of it would have been."""

@@ -1,7 +1,8 @@
-"""The generation core every API module calls: admission (429 past the concurrency limit), one
-request's event stream with cancellation on exit, n requests fanned out (merged streams, each
-abortable alone, or all results, the others cancelled when one fails), and the request-level
-metrics every API shares.
+"""The generation core every API module calls: admission, event streams, fan-out, request metrics.
+
+Admission answers 429 past the concurrency limit; one request's event stream is cancelled on exit; n
+requests fan out (merged streams, each abortable alone, or all results, the others cancelled when
+one fails); the request-level metrics are those every API shares.
 
 An API module turns its wire format into GenerateRequests and these events into its wire format; it
 never sees the queue, the shards or the KV blocks.
@@ -19,9 +20,9 @@ from typing import TypeVar
 from router.core.adapter_use import AdapterUse
 from router.errors import IncompleteGenerationError, OverloadedError, RouterError, ValidationError
 from router.inputs.seeds import copies
-from router.kv.sessions import Session
 from router.scheduler.active_request import ActiveRequest
 from router.scheduler.batcher import Batcher
+from router.scheduler.request_queue import HeldPrefix
 from router.schemas import FinalInfo, FinishReason, GenerateRequest, Timings, Token, TokenEvent
 from router.telemetry.metrics import Metrics
 from router.telemetry.request_record import current_record
@@ -41,13 +42,25 @@ class GenerateResult:
         return sum(t.logprob or 0.0 for t in self.tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """What a request continues and where its result goes (a request_id session's)."""
+
+    held_prefix: HeldPrefix | None  # blocks holding its prompt's start, read when it is planned
+    # handed the final event's info while the request still holds its blocks
+    on_final: Callable[[ActiveRequest, FinalInfo], None]
+
+
 T = TypeVar("T")
 
 
 @dataclass(eq=False)
 class FanOutStream:
-    """One stream of a fan-out (Infer.stream_many): `abort()` ends it alone, the others go on; it
-    then ends with an event of its own whose final holds what it had generated (reason: length)."""
+    """One stream of a fan-out (Infer.stream_many); `abort()` ends it alone, the others go on.
+
+    It then ends with an event of its own whose final holds what it had generated (reason:
+    length).
+    """
 
     timings: Timings | None = None  # its own; a copy of the fan-out's when None
     aborted: bool = False
@@ -90,51 +103,40 @@ class Infer:
             self.record_failure(err)
             raise
 
-    def _admit(self, request: GenerateRequest, session: Session | None) -> ActiveRequest:
+    def _admit(self, request: GenerateRequest, continuation: Continuation | None
+               ) -> ActiveRequest:
         if request.grammar is not None and not self.grammar_support:
             raise ValidationError("grammar is not supported")  # TGI's words
         if self.in_flight >= self.max_concurrent_requests:
             raise OverloadedError()
         # validated against the loaded adapters already; one being unloaded since is refused
         self.adapters.check(request.adapter_id)
+        allocator = self.batcher.allocator
+        beams = request.num_beams > 1  # a row of KV per beam, each rounded up to whole blocks
         item = ActiveRequest(id=next(self._ids), input_length=request.input_length,
                              max_new_tokens=request.stopping.max_new_tokens,
                              prompt_ids=None if request.computes_whole_prompt
                              else request.input_ids,
-                             adapter_id=request.adapter_id,
-                             request=request, span_context=current_span_context())
-        if request.num_beams > 1:
-            item.kv_rows, item.kv_row_slack = request.num_beams, self.batcher.allocator.block_size
-        if session is not None:
-            self._bind(item, session)
-        allocator = self.batcher.allocator
+                             adapter_id=request.adapter_id, request=request,
+                             span_context=current_span_context(),
+                             held_prefix=continuation and continuation.held_prefix,
+                             on_final=continuation and continuation.on_final,
+                             kv_rows=request.num_beams if beams else 1,
+                             kv_row_slack=allocator.block_size if beams else 0)
         if allocator.blocks_needed(item.kv_tokens) > allocator.num_usable_blocks:
             raise ValidationError(f"the request needs {item.kv_tokens} tokens of KV cache but the "
                                   f"server holds {allocator.num_usable_blocks * allocator.block_size}")
         return item
 
-    def _bind(self, item: ActiveRequest, session: Session) -> None:
-        """The request continues `session` (its prompt is the session's tokens): the blocks the
-        session holds stand in for their prefill, and at the end the session keeps the new ones."""
-        sessions = self.batcher.sessions
-        if session.token_ids == item.request.input_ids:  # its blocks are read when planned
-            item.held_prefix = session
-
-        def keep(item: ActiveRequest, final: FinalInfo) -> None:
-            # the best beam's keys and values need not be in the blocks any more: none are kept
-            blocks = item.allocation.block_ids if item.request.num_beams == 1 else []
-            sessions.keep(session, item.request.input_ids + item.generated_ids, final.text,
-                          blocks, adapter_id=item.adapter_id)
-
-        item.on_final = keep
-
     async def stream(self, request: GenerateRequest, timings: Timings | None = None, *,
-                     session: Session | None = None) -> AsyncIterator[TokenEvent]:
+                     continuation: Continuation | None = None) -> AsyncIterator[TokenEvent]:
         """Events of one request; leaving the iteration early cancels it and frees what it held.
-        With `session` (router.kv.sessions), the request continues it and it keeps the result."""
+
+        With `continuation`, the request continues a request_id session, which keeps the result.
+        """
         timings = timings or Timings(started_at=time.monotonic())
         try:
-            item = self._admit(request, session)
+            item = self._admit(request, continuation)
         except RouterError as err:
             self.record_failure(err)
             raise
@@ -189,9 +191,9 @@ class Infer:
         metrics.generated_tokens.observe(final.generated_tokens)
 
     async def generate(self, request: GenerateRequest, timings: Timings | None = None, *,
-                       session: Session | None = None) -> GenerateResult:
+                       continuation: Continuation | None = None) -> GenerateResult:
         result = GenerateResult(timings=timings or Timings(started_at=time.monotonic()))
-        async for event in self.stream(request, result.timings, session=session):
+        async for event in self.stream(request, result.timings, continuation=continuation):
             result.tokens.append(event.token)
             result.top_tokens.append(event.top_tokens)
             if event.prefill is not None:
@@ -206,13 +208,17 @@ class Infer:
 
     async def generate_many(self, requests: list[GenerateRequest],
                             timings: Timings | None = None, *,
-                            sessions: list[Session] | None = None) -> list[GenerateResult]:
-        """Every request's result, in order; when one fails (or the caller goes away) the others
-        are cancelled and free what they held. `sessions`: one per request (see stream)."""
-        sessions = sessions or [None] * len(requests)
+                            continuations: list[Continuation] | None = None
+                            ) -> list[GenerateResult]:
+        """Every request's result, in order; when one fails the others are cancelled.
+
+        A caller that goes away cancels them all; each frees what it held. `continuations`: one
+        per request (see stream).
+        """
+        continuations = continuations or [None] * len(requests)
         tasks = [asyncio.ensure_future(self.generate(r, replace(timings) if timings else None,
-                                                     session=s))
-                 for r, s in zip(requests, sessions)]
+                                                     continuation=c))
+                 for r, c in zip(requests, continuations)]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:
@@ -225,10 +231,12 @@ class Infer:
                           *, streams: list[FanOutStream] | None = None,
                           on_event: Callable[[int, TokenEvent], None] | None = None
                           ) -> AsyncIterator[tuple[int, TokenEvent]]:
-        """(index of the request, event) from every request's stream as the events arrive; the
-        first error is raised and leaving early cancels every stream. `streams`: one handle per
-        request, to abort it alone; `on_event` sees each event as it arrives, before the reader
-        does (who may lag several events behind)."""
+        """(index of the request, event) from every request's stream as the events arrive.
+
+        The first error is raised and leaving early cancels every stream. `streams`: one
+        handle per request, to abort it alone; `on_event` sees each event as it arrives,
+        before the reader does (who may lag several events behind).
+        """
         if len(requests) == 1 and streams is None and on_event is None:
             # no tasks and no hop through a queue for the common case
             async with aclosing(self.stream(requests[0], timings)) as events:
@@ -284,8 +292,11 @@ class Infer:
 
     async def generate_best_of(self, request: GenerateRequest, best_of: int, timings: Timings
                                ) -> tuple[GenerateResult, list[GenerateResult]]:
-        """(the answer, the other sequences). With best_of > 1, that many sampled sequences with
-        their own seeds (copies); the most likely (summed log-prob) wins."""
+        """(the answer, the other sequences) of a request, sampled best_of times.
+
+        With best_of > 1, that many sampled sequences with their own seeds (copies); the
+        most likely (summed log-prob) wins.
+        """
         if best_of == 1:
             return await self.generate(request, timings), []
         results = await self.generate_many(copies(request, best_of), timings)

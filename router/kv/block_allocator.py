@@ -1,12 +1,17 @@
-"""Paged-KV block accounting: which blocks are free, and how many holders each used block has.
+"""Paged-KV block accounting: the pool of blocks and their holders, and the allocator over it.
 
 Block 0 is never handed out: the shards pad block tables with it. Blocks are reference-counted so that
 a prefix, a beam or a fork can share them; a block returns to the free list when its last holder lets go.
+The pool is made first, so that what holds blocks besides requests (the prefix cache, sessions) can
+be made over it and then given to the allocator as its reclaimers.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+# frees up to the given number of blocks that only it holds; returns how many it freed
+Reclaimer = Callable[[int], int]
 
 
 @dataclass(slots=True)
@@ -16,16 +21,19 @@ class BlockAllocation:
     is_freed: bool = False
 
 
-class BlockAllocator:
+class BlockPool:
+    """The KV pool's blocks: which are free, and how many holders each used block has."""
+
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
-        # asked for blocks when the free list is short (the prefix cache evicts); returns how many
-        self.reclaim: Callable[[int], int] | None = None
         self.reset(num_blocks)
 
     def reset(self, num_blocks: int) -> None:
-        """Every block free, in a pool of `num_blocks` (the shards were restarted: their caches
-        are empty); allocations made before must not be freed afterwards."""
+        """Every block free, in a pool of `num_blocks`.
+
+        For shards restarted with empty caches: allocations made before must not be freed
+        afterwards.
+        """
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -44,24 +52,14 @@ class BlockAllocator:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) <= len(self._free)
-
-    def allocate(self, num_tokens: int, *, shared: list[int] = ()) -> BlockAllocation | None:
-        """Blocks for `num_tokens` tokens, or None when the pool cannot hold them now.
-
-        `shared` are blocks the caller already holds a reference to (a cached prefix); they come
-        first and only the rest is taken from the free list.
-        """
-        count = self.blocks_needed(max(num_tokens, 1)) - len(shared)
-        if count > len(self._free) and self.reclaim is not None:
-            self.reclaim(count - len(self._free))
+    def take(self, count: int) -> list[int] | None:
+        """`count` free blocks, one holder each; None when fewer are free."""
         if count > len(self._free):
             return None
         block_ids = [self._free.pop() for _ in range(max(count, 0))]
         for block in block_ids:
             self._refs[block] = 1
-        return BlockAllocation(list(shared) + block_ids, num_tokens)
+        return block_ids
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
@@ -77,9 +75,57 @@ class BlockAllocator:
             if self._refs[block] == 0:
                 self._free.append(block)
 
+
+class BlockAllocator:
+    """Requests' allocations from the pool; when it runs short, `reclaimers` are asked in order."""
+
+    def __init__(self, pool: BlockPool, reclaimers: Sequence[Reclaimer] = ()):
+        self.pool = pool
+        # the router's order: prompts only the prefix cache holds, then idle sessions' blocks
+        self.reclaimers = tuple(reclaimers)
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.pool.num_usable_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return self.pool.blocks_needed(num_tokens)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) <= self.pool.num_free_blocks
+
+    def allocate(self, num_tokens: int, *, shared: list[int] = ()) -> BlockAllocation | None:
+        """Blocks for `num_tokens` tokens, or None when the pool cannot hold them now.
+
+        `shared` are blocks the caller already holds a reference to (a cached prefix); they come
+        first and only the rest is taken from the free list.
+        """
+        count = self.blocks_needed(max(num_tokens, 1)) - len(shared)
+        short = count - self.pool.num_free_blocks
+        for reclaim in self.reclaimers:
+            if short <= 0:
+                break
+            short -= reclaim(short)
+        block_ids = self.pool.take(count)
+        if block_ids is None:
+            return None
+        return BlockAllocation(list(shared) + block_ids, num_tokens)
+
     def share(self, allocation: BlockAllocation) -> BlockAllocation:
         """A second holder of the same blocks (for forks and beams)."""
-        self.incref(allocation.block_ids)
+        self.pool.incref(allocation.block_ids)
         return BlockAllocation(list(allocation.block_ids), allocation.num_tokens)
 
     def free(self, allocation: BlockAllocation) -> None:
@@ -87,4 +133,4 @@ class BlockAllocator:
         if allocation.is_freed:
             return
         allocation.is_freed = True
-        self.decref(allocation.block_ids)
+        self.pool.decref(allocation.block_ids)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from router.kv.block_allocator import BlockAllocator
+from router.kv.block_allocator import BlockPool
 
 
 @dataclass(slots=True)
@@ -24,18 +24,21 @@ class CachedBlock:
 
 
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator):
-        self.allocator = allocator
-        self.block_size = allocator.block_size
+    """Cached prompt blocks by chained key; a reclaimer of the allocator (evict)."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.block_size = pool.block_size
         self._blocks: OrderedDict[int, CachedBlock] = OrderedDict()  # key -> block, LRU first
-        allocator.reclaim = self.evict
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def _keys(self, token_ids: list[int], adapter_id: str | None):
-        """(key, parent key, tokens) of each full block of `token_ids`, computed by the base
-        model or by `adapter_id`."""
+        """(key, parent key, tokens) of each full block of `token_ids`.
+
+        As computed by the base model, or by `adapter_id`.
+        """
         parent = None if adapter_id is None else hash(("lora", adapter_id))
         size = self.block_size
         for start in range(0, len(token_ids) - size + 1, size):
@@ -49,8 +52,10 @@ class PrefixCache:
         self._blocks.clear()
 
     def match(self, token_ids: list[int], *, adapter_id: str | None = None) -> list[int]:
-        """Block ids of the longest cached prefix of full blocks that `adapter_id` (None: the
-        base model) computed; the caller gets a reference to each."""
+        """Block ids of the longest cached prefix of full blocks; the caller holds each once more.
+
+        Only prefixes that `adapter_id` computed (None: the base model) match.
+        """
         found = []
         for key, _, tokens in self._keys(token_ids, adapter_id):
             block = self._blocks.get(key)
@@ -58,26 +63,30 @@ class PrefixCache:
                 break
             self._blocks.move_to_end(key)
             found.append(block.block_id)
-        self.allocator.incref(found)
+        self.pool.incref(found)
         return found
 
     def insert(self, token_ids: list[int], block_ids: list[int], *,
                adapter_id: str | None = None) -> None:
-        """Remembers the full blocks of a prompt computed by `adapter_id` (None: the base
-        model); block_ids[i] holds its i-th block."""
+        """Remembers the full blocks of a prompt; block_ids[i] holds its i-th block.
+
+        They were computed by `adapter_id` (None: the base model).
+        """
         for (key, parent, tokens), block_id in zip(self._keys(token_ids, adapter_id), block_ids):
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 continue
             self._blocks[key] = CachedBlock(block_id, tokens, parent, adapter_id)
-            self.allocator.incref([block_id])
+            self.pool.incref([block_id])
 
     def forget_adapter(self, adapter_id: str) -> None:
-        """Lets go of every block `adapter_id` computed: it is unloaded, and an adapter loaded
-        later under its name may compute other keys and values. A request still holding one of
-        them keeps its own reference."""
+        """Lets go of every block `adapter_id` computed.
+
+        It is unloaded, and an adapter loaded later under its name may compute other keys
+        and values. A request still holding one of them keeps its own reference.
+        """
         for key in [k for k, b in self._blocks.items() if b.adapter_id == adapter_id]:
-            self.allocator.decref([self._blocks.pop(key).block_id])
+            self.pool.decref([self._blocks.pop(key).block_id])
 
     def evict(self, needed: int) -> int:
         """Frees up to `needed` blocks that only the cache holds, least recently used first."""
@@ -86,8 +95,8 @@ class PrefixCache:
             if freed >= needed:
                 break
             block = self._blocks[key]
-            if self.allocator.ref_count(block.block_id) == 1:
+            if self.pool.ref_count(block.block_id) == 1:
                 del self._blocks[key]
-                self.allocator.decref([block.block_id])
+                self.pool.decref([block.block_id])
                 freed += 1
         return freed

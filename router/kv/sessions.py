@@ -1,14 +1,17 @@
-"""Sessions of /api/generate-one|batch: a request_id's tokens, and the KV blocks that hold them,
-kept after its generation so that the id's next call continues without computing them again.
+"""Sessions of /api/generate-one|batch: a request_id's tokens, and the KV blocks that hold them.
 
-A session holds one reference to each block covering its computed tokens (all but the last
-generated one, whose keys and values are computed by the next call). Sessions together hold at most
-a share of the pool; past it, when the pool runs short, or once idle past the TTL, the least
-recently used idle session lets go of its blocks. A session without blocks keeps its tokens: its
-next call computes them again (the same answer, later). Past `max_sessions`, once a call ends
-with its session kept, the least recently used idle session is forgotten. A session keeps the LoRA
-adapter its generation ran with: its keys and values are that adapter's, so a later call continues
-with it and may not name another (SessionAdapterConflict). Pure: no I/O.
+They are kept after its generation so that the id's next call continues without computing them
+again.
+
+A session holds one reference to each block covering its computed tokens (all but the last generated
+one, whose keys and values are computed by the next call). Sessions together hold at most a share of
+the pool; past it, when the pool runs short, or once idle past the TTL, the least recently used idle
+session lets go of its blocks. A session without blocks keeps its tokens: its next call computes
+them again (the same answer, later). Past `max_sessions`, once a call ends with its session kept,
+the least recently used idle session is forgotten. A session keeps the LoRA adapter its generation
+ran with: its keys and values are that adapter's, so a later call continues with it and may not name
+another (SessionAdapterConflict). Pure: no I/O. The call's side of a session is
+router/lifecycle/sessions.py.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.kv.block_allocator import BlockAllocator
+from router.kv.block_allocator import BlockPool
 
 SessionKey = tuple[str, str]  # (who: a digest of the caller's API key, or "", request_id)
 
@@ -58,9 +61,11 @@ class Session:
         return bool(self.token_ids)
 
     def adapter_for(self, asked: str | None, *, named: bool) -> str | None:
-        """The adapter a call runs with: `asked` when the session has not started; else its
-        own, which a call that `named` an adapter (`asked`, None for the base model) must
-        repeat (SessionAdapterConflict otherwise)."""
+        """The adapter a call runs with: `asked` when the session has not started, else its own.
+
+        A call that `named` an adapter (`asked`, None for the base model) must repeat the
+        session's own (SessionAdapterConflict otherwise).
+        """
         if not self.started:
             return asked
         if named and asked != self.adapter_id:
@@ -69,9 +74,9 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, allocator: BlockAllocator, limits: SessionLimits = SessionLimits(), *,
+    def __init__(self, pool: BlockPool, limits: SessionLimits = SessionLimits(), *,
                  clock: Callable[[], float] = time.monotonic):
-        self.allocator = allocator
+        self.pool = pool
         self.max_sessions = limits.max_sessions
         self.kv_share = limits.kv_share
         self.ttl = limits.ttl
@@ -102,11 +107,13 @@ class SessionStore:
 
     @property
     def max_blocks(self) -> int:
-        return int(self.kv_share * self.allocator.num_usable_blocks)  # the pool may be resized
+        return int(self.kv_share * self.pool.num_usable_blocks)  # the pool may be resized
 
     def end(self, session: Session, succeeded: bool) -> None:
-        """The call is over: what it generated becomes the session's if the client got it all
-        (`succeeded`), else the session stays as it was before the call."""
+        """The call is over: what it generated becomes the session's if the client got it all.
+
+        Unless it `succeeded`, the session stays as it was before the call.
+        """
         pending, session.pending = session.pending, None
         if pending is not None:
             if succeeded:
@@ -129,12 +136,15 @@ class SessionStore:
 
     def keep(self, session: Session, token_ids: list[int], added_text: str,
              block_ids: list[int], *, adapter_id: str | None = None) -> None:
-        """A call's generation finished: `token_ids` (the history and the new ids) and the blocks
-        holding them (not those past the computed tokens), computed with `adapter_id`, are kept
-        for the session, pending the call's success (end)."""
+        """A call's generation finished: its tokens and blocks are kept, pending the call's end.
+
+        `token_ids` (the history and the new ids) and the blocks holding them (not those
+        past the computed tokens), computed with `adapter_id`, become the session's if the
+        call succeeds (end).
+        """
         computed = len(token_ids) - 1
-        kept = block_ids[:self.allocator.blocks_needed(computed)]
-        self.allocator.incref(kept)
+        kept = block_ids[:self.pool.blocks_needed(computed)]
+        self.pool.incref(kept)
         self.held_blocks += len(kept)
         if session.pending is not None:
             self._release(session.pending.blocks)
@@ -142,10 +152,12 @@ class SessionStore:
                                   list(token_ids), kept, computed, adapter_id=adapter_id)
 
     def release_blocks(self, needed: int) -> int:
-        """Sessions let go of their blocks, least recently used first and idle ones before busy
-        ones, until `needed` blocks are free again or none is left; returns how many became free
-        (the allocator's reclaim). A busy session's call, waiting, then computes its tokens
-        again; running, it holds the blocks it needs itself."""
+        """Sessions let go of blocks until `needed` are free again; returns how many became free.
+
+        Least recently used first and idle ones before busy ones, until none is left (the
+        allocator's reclaimer). A busy session's call, waiting, then computes its tokens
+        again; running, it holds the blocks it needs itself.
+        """
         freed = 0
         for busy in (False, True):
             for session in list(self._sessions.values()):
@@ -165,10 +177,12 @@ class SessionStore:
                 self._drop_blocks(session)
 
     def release_adapter(self, adapter_id: str) -> None:
-        """Sessions of `adapter_id` let go of their blocks: it is unloaded (no request on it is
-        queued or running), and an adapter loaded later under its name would compute other keys
-        and values. Their tokens stay: a next call computes them again, if the name is loaded
-        again by then."""
+        """Sessions of `adapter_id` let go of their blocks.
+
+        It is unloaded (no request on it is queued or running), and an adapter loaded later
+        under its name would compute other keys and values. Their tokens stay: a next call
+        computes them again, if the name is loaded again by then.
+        """
         for session in list(self._sessions.values()):
             if session.adapter_id == adapter_id and session.blocks:
                 self._drop_blocks(session)
@@ -184,14 +198,14 @@ class SessionStore:
     # ---- internals ----------------------------------------------------------------------------
 
     def _release(self, blocks: list[int]) -> None:
-        self.allocator.decref(blocks)
+        self.pool.decref(blocks)
         self.held_blocks -= len(blocks)
 
     def _drop_blocks(self, session: Session) -> int:
-        before = self.allocator.num_free_blocks
+        before = self.pool.num_free_blocks
         self._release(session.blocks)
         session.blocks, session.computed = [], 0
-        return self.allocator.num_free_blocks - before
+        return self.pool.num_free_blocks - before
 
     def _fit_budget(self) -> None:
         for session in list(self._sessions.values()):

@@ -16,16 +16,16 @@ from pathlib import Path
 from router import VERSION
 from router.config import RouterConfig
 from router.core.generation import Infer
-from router.errors import ModelStateError, SessionBusyError, UnhealthyError, ValidationError
+from router.errors import ModelStateError, UnhealthyError
 from router.inputs.chat_template import ChatTemplate
 from router.inputs.generation_config import GenerationDefaults
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import TokenLimits, ValidationLimits
+from router.kv.accounting import kv_accounting
 from router.kv.block_allocator import BlockAllocator
-from router.kv.prefix_cache import PrefixCache
-from router.kv.sessions import Session, SessionAdapterConflict, SessionBusy
 from router.lifecycle.adapters import AdapterRegistry
 from router.lifecycle.registry import STOPPED
+from router.lifecycle.sessions import RequestSessions
 from router.lifecycle.settings import ChatPrompt
 from router.scheduler.batcher import Batcher
 from router.scheduler.policy import SchedulingLimits
@@ -58,6 +58,8 @@ class ServedModel:
     chat_prompt: ChatPrompt = field(default_factory=ChatPrompt)
     tasks: list[asyncio.Task] = field(default_factory=list)
     adapters: AdapterRegistry = None  # its LoRA adapters; made in __post_init__ unless given
+    # its request_id sessions (generate-one/batch); build_served makes them with the KV pool
+    sessions: RequestSessions = None
 
     def __post_init__(self):
         if self.adapters is None:
@@ -118,41 +120,6 @@ class ServedModel:
     def kv_block_size(self) -> int:
         return self.allocator.block_size
 
-    def begin_session(self, key: tuple[str, str], prompt: str) -> Session:
-        """The request_id session of `key`, held by the caller until end_session; a 409 while
-        another call holds it."""
-        try:
-            return self.batcher.sessions.begin(key, prompt)
-        except SessionBusy:
-            raise SessionBusyError(f"a call on request_id {key[1]!r} is still running") from None
-
-    def session_adapter(self, session: Session, asked: str | None, *,
-                        named: bool | None = None) -> str | None:
-        """The LoRA adapter a call on `session` runs with ("" is None: the base model). A new
-        session's is `asked`, which must be loaded; a started one keeps its own, and a call
-        that names another (`named`: it gave the field; by default, whether `asked` is set)
-        is a 422."""
-        asked = asked or None
-        named = asked is not None if named is None else named
-        try:
-            adapter = session.adapter_for(asked, named=named)
-        except SessionAdapterConflict:
-            started = (f"adapter {session.adapter_id!r}" if session.adapter_id is not None
-                       else "the base model (no adapter)")
-            raise ValidationError(
-                f"request_id {session.key[1]!r} was started with {started}; a call cannot "
-                "change its adapter: leave adapter_id out, or start a new request_id") from None
-        if adapter is not None:
-            self.adapters.check(adapter)
-        return adapter
-
-    def end_session(self, session: Session, succeeded: bool) -> None:
-        """Lets go of a session; it keeps the call's text only when the call `succeeded`."""
-        self.batcher.sessions.end(session, succeeded)
-
-    def expire_sessions(self) -> None:
-        self.batcher.expire_sessions()
-
     def flush_prefix_cache(self) -> bool:
         """Lets go of every cached prompt block no request holds; whether the cache is empty."""
         return self.batcher.flush_prefix_cache()
@@ -168,14 +135,17 @@ class ServedModel:
             raise UnhealthyError() from None
 
     def start(self, supervise) -> None:
-        """Runs the batching loop, under `supervise` (a coroutine wrapper)."""
+        """Runs the batching loop, under `supervise` (a coroutine wrapper), and session expiry."""
         self.tasks.append(asyncio.create_task(supervise(self.batcher.run())))
+        if self.sessions is not None:
+            every = max(min(self.config.session_ttl / 4, 5.0), 0.05)
+            self.tasks.append(asyncio.create_task(self.sessions.expire_every(every)))
 
     async def close(self) -> None:
         """Stops the batching loop; a request still in flight fails with a 503, and one that
         reaches the queue from now on (it was validating when the stop began) with a 409."""
         name = self.model_name
-        self.batcher.closed = lambda: ModelStateError(f"model {name!r} stopped", STOPPED)
+        self.batcher.close(lambda: ModelStateError(f"model {name!r} stopped", STOPPED))
         self.batcher.stop_waiting()
         for task in self.tasks:
             task.cancel()
@@ -323,7 +293,11 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
         max_position_embeddings=shard_info.max_position_embeddings,
         chunking=shard_info.support_chunking, device_type=shard_info.device_type)
     num_blocks = await warm_up(client, config, limits, shard_info.block_size)
-    allocator = BlockAllocator(num_blocks, shard_info.block_size)
+    kv = kv_accounting(num_blocks, shard_info.block_size,
+                       prefix_caching=config.prefix_caching == "on"
+                       and shard_info.use_prefix_caching,
+                       session_limits=config.session_limits())
+    allocator = kv.allocator
     capacity = allocator.num_usable_blocks * allocator.block_size
     scheduling = SchedulingLimits(
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_batch_total_tokens=capacity,
@@ -333,10 +307,7 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
         stream_decode_steps=shard_info.device_type == "cuda")
     metrics = Metrics(max_input_tokens=limits.max_input_tokens,
                       max_total_tokens=limits.max_total_tokens)
-    prefix_cache = None
-    if config.prefix_caching == "on" and shard_info.use_prefix_caching:
-        prefix_cache = PrefixCache(allocator)
-    queue = RequestQueue(allocator, prefix_cache, chunking=shard_info.support_chunking)
+    queue = RequestQueue(allocator, kv.prefix_cache, chunking=shard_info.support_chunking)
     served: ServedModel | None = None  # the recovery reloads its adapters once it exists
 
     async def reload_adapters() -> None:
@@ -345,13 +316,16 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
 
     batcher = Batcher(client, queue, allocator, scheduling, metrics,
                       recovery_policy(client, config, limits, allocator, reload_adapters),
-                      session_limits=config.session_limits())
+                      sessions=kv.sessions)
     infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests,
                   grammar_support=not config.disable_grammar_support)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens, shard_info.vocab_size)
+    sessions = RequestSessions(kv.sessions, infer, tokenizer, limits,
+                               refresh_gauges=batcher.running.update_gauges)
     served = ServedModel(config, tokenizer, client, shard_info, limits, validation_limits,
-                         allocator, batcher, infer, metrics, chat_template(config))
+                         allocator, batcher, infer, metrics, chat_template(config),
+                         sessions=sessions)
     return served
 
 

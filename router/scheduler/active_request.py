@@ -1,5 +1,8 @@
-"""One request from submission to its last event: what the queue plans with, plus what the API
-side reads (`events`) and the marks the scheduler leaves on it."""
+"""One request from submission to its last event.
+
+What the queue plans with, plus what the API side reads (`events`) and the marks the scheduler
+leaves on it.
+"""
 from __future__ import annotations
 
 import asyncio

@@ -19,17 +19,19 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from router.errors import GenerationError, RouterError
 from router.kv.block_allocator import BlockAllocator
-from router.kv.sessions import SessionLimits, SessionStore
+from router.kv.sessions import SessionStore
 from router.scheduler.active_request import ActiveRequest
 from router.scheduler.failures import FailureFanOut
 from router.scheduler.policy import ChunkedPrefill, SchedulingLimits
 from router.scheduler.recovery import RecoveryPolicy, ShardRecovery, shutting_down
 from router.scheduler.request_queue import BatchPlan, RequestQueue
 from router.scheduler.running_requests import RunningRequests
-from router.scheduler.steps import NOTHING_SENT, ShardSteps
+from router.scheduler.steps import (Failed, NothingSent, Prefilled, Ran, ShardSteps, ShardsLost,
+                                    StepOutcome)
 from router.shards.step_types import CachedBatch, NewBatch, ShardRequest
 from router.telemetry.metrics import Metrics
 
@@ -39,11 +41,24 @@ log = logging.getLogger("tgi.router.batcher")
 IDLE_PROBE_S = 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillStep:
+    """What the prefill between two decode steps did, when it did not lose the shards."""
+
+    ran: bool  # a prefill ran (a new batch, or a long prompt's chunk)
+    batch: CachedBatch | None = None  # the batch it left
+    # `batch` is the running batch after its decode step, taken in the prefill's forward
+    is_running: bool = False
+
+
+NO_PREFILL = PrefillStep(ran=False)
+
+
 class Batcher:
     def __init__(self, client, queue: RequestQueue[ActiveRequest], allocator: BlockAllocator,
                  limits: SchedulingLimits, metrics: Metrics,
-                 recovery: RecoveryPolicy | None = None,
-                 session_limits: SessionLimits = SessionLimits()):
+                 recovery: RecoveryPolicy | None = None, *,
+                 sessions: SessionStore | None = None):
         self.client = client
         self.queue = queue
         self.allocator = allocator
@@ -52,37 +67,23 @@ class Batcher:
         metrics.kv_total_blocks.set(allocator.num_usable_blocks)
         metrics.kv_free_blocks.set(allocator.num_free_blocks)
         metrics.batch_max_total_tokens.set(allocator.num_usable_blocks * allocator.block_size)
-        self.sessions = SessionStore(allocator, session_limits)
-        self._reclaim_from_sessions_too(allocator)
-        self.running = RunningRequests(allocator, queue.prefix_cache, metrics, self.sessions)
+        # request_id sessions' blocks (router.kv.sessions), let go of when the pool is reset or
+        # an adapter unloaded; None where no API keeps sessions
+        self.sessions = sessions
+        self.running = RunningRequests(allocator, queue.prefix_cache, metrics, sessions)
         self.failures = FailureFanOut(self.running, queue, metrics)
-        self.steps = ShardSteps(client, metrics, self.running, self.failures,
-                                stream_steps=limits.stream_decode_steps)
-        self.chunked: ChunkedPrefill | None = None  # the long prompt being prefilled in chunks
-        self._wake = asyncio.Event()
-        # set when the model is going away: the error a request reaching submit() gets instead
-        self.closed: Callable[[], RouterError] | None = None
-        # counts losses of the shard group: a batch id from before one names nothing any more
-        self.shard_generation = 0
         # without a policy (tests, one-off tools) a lost shard fails requests and nothing waits
         self.recovery = None
         if recovery is not None:
             self.recovery = ShardRecovery(recovery, queue, self.running,
                                           self.failures.fail_waiting)
-            self.steps.is_lost, self.steps.lose_shards = self.recovery.is_lost, self._lose_shards
-
-    def _reclaim_from_sessions_too(self, allocator: BlockAllocator) -> None:
-        """When the pool runs short, prompts only the prefix cache holds go first, then the
-        blocks of idle sessions (least recently used first)."""
-        from_cache = allocator.reclaim
-
-        def reclaim(needed: int) -> int:
-            freed = from_cache(needed) if from_cache is not None else 0
-            if freed < needed:
-                freed += self.sessions.release_blocks(needed - freed)
-            return freed
-
-        allocator.reclaim = reclaim
+        self.steps = ShardSteps(client, metrics, self.running, self.failures,
+                                is_lost=self.recovery.is_lost if self.recovery else None,
+                                stream_steps=limits.stream_decode_steps)
+        self.chunked: ChunkedPrefill | None = None  # the long prompt being prefilled in chunks
+        self._wake = asyncio.Event()
+        # set by close(), when the model is going away: makes the error submit() raises instead
+        self._refusal: Callable[[], RouterError] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -90,9 +91,16 @@ class Batcher:
 
     # ---- API side ---------------------------------------------------------------------------
 
+    def close(self, refusal: Callable[[], RouterError]) -> None:
+        """Refuses new requests: from now on submit() raises `refusal()`, a fresh error each time.
+
+        The model is going away, and no loop will read the queue any more.
+        """
+        self._refusal = refusal
+
     def submit(self, item: ActiveRequest) -> None:
-        if self.closed is not None:  # no loop reads the queue any more
-            raise self.closed()
+        if self._refusal is not None:
+            raise self._refusal()
         self.queue.append(item)
         self.metrics.queue_size.set(len(self.queue))
         self._wake.set()
@@ -114,8 +122,10 @@ class Batcher:
         return len(cache) == 0
 
     def requests_by_adapter(self) -> tuple[Counter[str], Counter[str]]:
-        """(waiting, running) requests on each LoRA adapter, running ones until the shards let
-        go of them; the base model's are not counted."""
+        """(waiting, running) requests on each LoRA adapter; the base model's are not counted.
+
+        Running ones count until the shards let go of them.
+        """
         waiting = Counter(i.adapter_id for i in self.queue.entries() if i.adapter_id is not None)
         running = Counter(i.adapter_id for i in self.running.all() if i.adapter_id is not None)
         return waiting, running
@@ -124,17 +134,15 @@ class Batcher:
         """An unloaded adapter's cached prompt blocks and sessions' blocks are let go of."""
         if self.queue.prefix_cache is not None:
             self.queue.prefix_cache.forget_adapter(adapter_id)
-        self.sessions.release_adapter(adapter_id)
-        self.running.update_gauges()
-
-    def expire_sessions(self) -> None:
-        """Sessions idle past their TTL let go of their blocks."""
-        self.sessions.expire()
+        if self.sessions is not None:
+            self.sessions.release_adapter(adapter_id)
         self.running.update_gauges()
 
     def fail_everything(self, error: RouterError) -> None:
-        """The model is going away (its loop already stopped): every request, running or
-        queued, hears `error` and lets go of its blocks."""
+        """The model is going away: every request, running or queued, hears `error`.
+
+        Its loop already stopped; each request lets go of its blocks.
+        """
         self.failures.fail_running(error)
         for item in self.queue.entries():
             self.queue.remove(item)
@@ -161,8 +169,10 @@ class Batcher:
             self._batch_gauges([])
 
     async def _wait_for_work(self) -> None:
-        """Sleeps until a request arrives; meanwhile checks that the shards did not restart (a
-        restarted group has an empty cache and must be warmed up before it serves)."""
+        """Sleeps until a request arrives; meanwhile checks that the shards did not restart.
+
+        A restarted group has an empty cache and must be warmed up before it serves.
+        """
         while True:
             if self.recovery is None:
                 await self._wake.wait()
@@ -181,29 +191,31 @@ class Batcher:
         # step, so that several are sized from what a step of this batch costs
         unmeasured = True
         while True:
-            generation = self.shard_generation
-            did_prefill, new, stepped = await self._prefill_next(running, waited_tokens)
-            if generation != self.shard_generation:
-                # the shards were lost during that step: `running` died with them
-                running, waited_tokens = None, 0
+            prefill = await self._prefill_next(running, waited_tokens)
+            if await self._lost(prefill):
+                running, waited_tokens = None, 0  # `running` died with the shards
                 continue
-            if did_prefill:
+            if prefill.ran:
                 waited_tokens = 0
                 unmeasured = True
-            if stepped:
+            if prefill.is_running:
                 # it took its decode step inside the prefill's forward
-                running = new
+                running = prefill.batch
                 self._batch_gauges([running] if running is not None else [])
                 continue
-            batches = [b for b in (running, new) if b is not None]
+            batches = [b for b in (running, prefill.batch) if b is not None]
             if not batches:
-                if did_prefill:
+                if prefill.ran:
                     continue  # a long prompt's chunks, with nothing decoding meanwhile
                 break
             self._batch_gauges(batches)
             steps = 1 if unmeasured else self.limits.decode_steps(
                 self.steps.last_step_s, waiting=len(self.queue) > 0 or self.chunked is not None)
-            running = await self.steps.decode(batches, steps)  # None when the shards were lost
+            decoded = await self.steps.decode(batches, steps)
+            if await self._lost(decoded):
+                running, waited_tokens = None, 0
+                continue
+            running = _left_running(decoded, None)
             unmeasured = False
             # the wait is counted in tokens passed, as --max-waiting-tokens is named (TGI adds one
             # per step even when speculating): a speculative step passes as many as the request
@@ -214,19 +226,31 @@ class Batcher:
         self.metrics.batch_current_size.set(sum(len(b.request_ids) for b in batches))
         self.metrics.batch_current_max_tokens.set(sum(b.max_tokens for b in batches))
 
+    async def _lost(self, outcome: PrefillStep | StepOutcome) -> bool:
+        """Whether a step lost the shard group; the one place such a loss is handled.
+
+        The group's requests are failed or sent back to the queue, and the loop waits for the
+        restarted group.
+        """
+        if not isinstance(outcome, ShardsLost):
+            return False
+        await self._lose_shards(outcome.error)
+        return True
+
     async def _prefill_next(self, running: CachedBatch | None, waited_tokens: int
-                            ) -> tuple[bool, CachedBatch | None, bool]:
-        """One prefill between two decode steps, if any is due: the next chunk of a long prompt,
-        else a new batch from the queue. Returns (whether a prefill ran, the batch it made,
-        whether that is the running batch after a step taken in the same forward)."""
+                            ) -> PrefillStep | ShardsLost:
+        """One prefill between two decode steps, if any is due.
+
+        The next chunk of a long prompt, else a new batch from the queue.
+        """
         running_size = len(running.request_ids) if running is not None else 0
         if self.chunked is not None:
             if running_size:
                 self.metrics.counters.inc("tgi_batch_concat", reason="chunking")
-            return True, await self._prefill_chunk(running), running is not None
+            return _prefill_step(await self._prefill_chunk(running), running)
         plan = self._next_plan(running_size=running_size, waited_tokens=waited_tokens)
         if plan is None:
-            return False, None, False
+            return NO_PREFILL
         if running_size:
             self.metrics.counters.inc("tgi_batch_concat", reason=self.limits.join_reason(
                 waited_tokens, chunking=self.queue.chunking))
@@ -234,10 +258,10 @@ class Batcher:
             (item,) = plan.entries
             self.running.start([item])
             self.chunked = ChunkedPrefill(item, next_start=item.cache_len)
-            return True, await self._prefill_chunk(running), running is not None
+            return _prefill_step(await self._prefill_chunk(running), running)
         # shards that chunk take the running batch's step in the same forward (TGI's cached_batch)
         riding = running if self.queue.chunking else None
-        return True, await self._prefill(plan, riding), riding is not None
+        return _prefill_step(await self._prefill(plan, riding), riding)
 
     def _next_plan(self, *, running_size: int, waited_tokens: int
                    ) -> BatchPlan[ActiveRequest] | None:
@@ -253,11 +277,13 @@ class Batcher:
             self.running.update_gauges()
         return plan
 
-    async def _prefill_chunk(self, running: CachedBatch | None) -> CachedBatch | None:
-        """The next chunk of the long prompt being prefilled, with the running batch taking its
-        decode step in the same forward. Returns the running batch after that step (joined by the
-        prompt's request after its last chunk), or, with nothing running, the batch the last chunk
-        makes."""
+    async def _prefill_chunk(self, running: CachedBatch | None) -> CachedBatch | None | ShardsLost:
+        """The next chunk of the long prompt being prefilled, the running batch riding along.
+
+        The running batch takes its decode step in the same forward. Returns the running batch
+        after that step (joined by the prompt's request after its last chunk), or, with nothing
+        running, the batch the last chunk makes.
+        """
         chunk = self.chunked
         item = chunk.item
         if item.is_cancelled:
@@ -273,17 +299,16 @@ class Batcher:
                                                   chunk_len=None if is_last else size)],
                          max_tokens=item.kv_tokens, max_blocks=len(item.allocation.block_ids))
         started = time.monotonic()
-        result = await self.steps.prefill(batch, [item], running)
-        if result is None:
+        outcome = await self.steps.prefill(batch, [item], running)
+        if not isinstance(outcome, Prefilled):
             self.chunked = None
-            return None
-        if result is NOTHING_SENT:
-            self.chunked = None
-            return running
+            return _left_running(outcome, running)
         elapsed = time.monotonic() - started
         if item.is_done:  # refused: no more chunks
             self.chunked = None
-            return await self.steps.after_step(result, "prefill") if running is not None else None
+            if running is None:
+                return None
+            return _left_running(await self.steps.after_step(outcome.result, "prefill"), None)
         if is_last:
             self.chunked = None
             self.running.remember_prompts([item])
@@ -292,30 +317,31 @@ class Batcher:
             log.debug("prefill chunk of %d tokens at %d: %.3f s", size, start, elapsed)
             if running is None:
                 return None
-        return await self.steps.after_step(result, "prefill")
+        return _left_running(await self.steps.after_step(outcome.result, "prefill"), None)
 
     async def _prefill(self, plan: BatchPlan[ActiveRequest],
-                       running: CachedBatch | None = None) -> CachedBatch | None:
-        """New requests; with `running`, that batch takes its decode step in the same forward and
-        the result is it, joined by the new requests."""
+                       running: CachedBatch | None = None) -> CachedBatch | None | ShardsLost:
+        """New requests, and with `running`, that batch's decode step in the same forward.
+
+        The result is then `running`, joined by the new requests.
+        """
         items = plan.entries
         self.running.start(items)
         batch = NewBatch(id=plan.batch_id, requests=[_shard_request(i) for i in items],
                          max_tokens=plan.max_tokens,
                          max_blocks=max(len(i.allocation.block_ids) for i in items))
-        result = await self.steps.prefill(batch, items, running)
-        if result is None:
-            return None
-        if result is NOTHING_SENT:
-            return running
+        outcome = await self.steps.prefill(batch, items, running)
+        if not isinstance(outcome, Prefilled):
+            return _left_running(outcome, running)
         # a refused request computed nothing worth caching (and its blocks are free)
         self.running.remember_prompts([i for i in items if not i.is_done])
-        return await self.steps.after_step(result, "prefill")
+        return _left_running(await self.steps.after_step(outcome.result, "prefill"), None)
 
     async def _lose_shards(self, error: RouterError) -> None:
-        """The shard group is gone: its requests are failed or sent back to the queue, then the
-        loop waits for the restarted group."""
-        self.shard_generation += 1
+        """The shard group is gone: its requests are failed or re-queued, then the loop waits.
+
+        It waits for the restarted group.
+        """
         stopping = self.recovery.stopping
         self.failures.shards_lost(shutting_down() if stopping else error,
                                   max_attempts=self.recovery.policy.max_attempts,
@@ -331,6 +357,33 @@ class Batcher:
         except Exception as err:  # called from the loop's last guard: nothing may escape it
             log.error("could not clear the shards' batches: %s", err)
         self.running.update_gauges()
+
+
+def _left_running(outcome: StepOutcome, running: CachedBatch | None
+                  ) -> CachedBatch | None | ShardsLost:
+    """What is left running after a step's outcome.
+
+    The batch a step that ran left; `running` when nothing was sent; nothing when the step failed
+    (the shards dropped it); a loss is passed on.
+    """
+    match outcome:
+        case Ran(batch):
+            return batch
+        case NothingSent():
+            return running
+        case Failed():
+            return None
+        case ShardsLost():
+            return outcome
+    raise AssertionError(f"a prefill's result must go through after_step: {outcome!r}")
+
+
+def _prefill_step(left: CachedBatch | None | ShardsLost, running: CachedBatch | None
+                  ) -> PrefillStep | ShardsLost:
+    """A prefill that ran, leaving `left`; it is the running batch when one rode along."""
+    if isinstance(left, ShardsLost):
+        return left
+    return PrefillStep(ran=True, batch=left, is_running=running is not None)
 
 
 def _shard_request(item: ActiveRequest, *, cache_len: int | None = None,

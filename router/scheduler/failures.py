@@ -37,9 +37,11 @@ class FailureFanOut:
         self.running.release(item.id)
 
     def generation_failed(self, item: ActiveRequest, err: Exception) -> None:
-        """Its generation could not be read back, or the shard ended it as one it cannot go on
-        with: it fails now; the next filter drops it from the shards' batch and frees its
-        blocks."""
+        """A request whose generation failed in the shard or could not be read back: it fails now.
+
+        The shard ended it as one it cannot go on with, or its generation could not be read
+        back. The next filter drops it from the shards' batch and frees its blocks.
+        """
         if isinstance(err, RequestFailedInShard):
             log.warning("the shards ended request %d: %s", item.id, err)
             self._tell(item, GenerationError(str(err)))
@@ -63,9 +65,12 @@ class FailureFanOut:
         self.metrics.queue_size.set(len(self.queue))
 
     def shards_lost(self, error: RouterError, *, max_attempts: int, may_retry: bool) -> None:
-        """The shard group is gone with every batch: the requests that received nothing go back
-        to the front of the queue (at most `max_attempts` runs in all: one that kills the shards
-        each time must not use up their restarts); the others hear `error`."""
+        """The shard group is gone with every batch: some requests go back to the queue.
+
+        The requests that received nothing go back to the front of the queue (at most
+        `max_attempts` runs in all: one that kills the shards each time must not use up
+        their restarts); the others hear `error`.
+        """
         retry = [item for item in self.running.all()
                  if may_retry and item.is_live and item.delivered == 0
                  and item.attempts < max_attempts]

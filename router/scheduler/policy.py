@@ -1,5 +1,8 @@
-"""The scheduling policy, pure: how many new requests may join the running batch, and how large
-the next chunk of a long prompt is (TGI's waiting_served_ratio / max_waiting_tokens rules)."""
+"""The scheduling policy, pure: who joins the running batch, how large a prompt's next chunk is.
+
+How many new requests may join the running batch, and how large the next chunk of a long prompt is
+(TGI's waiting_served_ratio / max_waiting_tokens rules).
+"""
 from __future__ import annotations
 
 import math
@@ -31,12 +34,15 @@ class SchedulingLimits:
 
     def join_bounds(self, running_size: int, waited_tokens: int, *, chunking: bool = False
                     ) -> tuple[int | None, int | None]:
-        """(min, max) new requests for the next prefill. While the running batch has passed
-        fewer than max_waiting_tokens tokens (per request: one a step, or several with
-        speculation) since the last prefill, a prefill that interrupts it must bring at least
-        waiting_served_ratio × its size; max_batch_size caps the sum. With shards that chunk
-        (TGI's rule) there is no minimum: a new request's prefill carries the running batch's
-        step, so it costs them no step of their own and joins as soon as it fits."""
+        """(min, max) new requests for the next prefill.
+
+        While the running batch has passed fewer than max_waiting_tokens tokens (per
+        request: one a step, or several with speculation) since the last prefill, a prefill
+        that interrupts it must bring at least waiting_served_ratio × its size;
+        max_batch_size caps the sum. With shards that chunk (TGI's rule) there is no
+        minimum: a new request's prefill carries the running batch's step, so it costs them
+        no step of their own and joins as soon as it fits.
+        """
         min_size = None
         if running_size and not chunking and waited_tokens < self.max_waiting_tokens:
             min_size = max(1, math.floor(running_size * self.waiting_served_ratio))
@@ -46,12 +52,14 @@ class SchedulingLimits:
         return min_size, max_size
 
     def decode_steps(self, step_s: float | None, *, waiting: bool) -> int:
-        """Decode steps the next call may run, `step_s` what a step of this batch took last: one
-        while anything waits (a queued request or a long prompt's next chunk) or before a step was
-        measured; else as many as fit in MULTI_STEP_CALL_S, up to max_decode_steps (the batcher
-        takes one step after every prefill, so a batch that grew is timed before it takes more).
-        Each call costs a round trip to the shards and back through the router, at small batches
-        a sizeable part of a step."""
+        """Decode steps the next call may run, `step_s` what a step of this batch took last.
+
+        One while anything waits (a queued request or a long prompt's next chunk) or before
+        a step was measured; else as many as fit in MULTI_STEP_CALL_S, up to
+        max_decode_steps (the batcher takes one step after every prefill, so a batch that
+        grew is timed before it takes more). Each call costs a round trip to the shards and
+        back through the router, at small batches a sizeable part of a step.
+        """
         if self.max_decode_steps <= 1 or waiting or not step_s:
             return 1
         return max(1, min(self.max_decode_steps, int(MULTI_STEP_CALL_S / step_s)))

@@ -59,15 +59,19 @@ class ShardRecovery:
         self.stopping = False
 
     async def is_lost(self) -> bool:
-        """Whether the group no longer answers, or answers with other processes; asked twice:
-        one slow answer must not cost a warm-up and the prefix cache."""
+        """Whether the group no longer answers, or answers with other processes.
+
+        Asked twice: one slow answer must not cost a warm-up and the prefix cache.
+        """
         is_alive = self.policy.is_alive
         return not await is_alive() and not await is_alive()
 
     def stop(self) -> None:
-        """The router is stopping: requests queued for shards that are not there will never
-        run; they get a 503 now (and so do those of a loss found later) instead of holding the
-        shutdown until its grace period ends. With the shards there, queued requests drain."""
+        """The router is stopping: requests queued for shards that are not there get a 503 now.
+
+        They would never run; so do those of a loss found later, instead of holding the
+        shutdown until its grace period ends. With the shards there, queued requests drain.
+        """
         self.stopping = True
         if not self.healthy:
             self._expire_waiting(time.monotonic())

@@ -15,8 +15,11 @@ from router.kv.prefix_cache import PrefixCache
 
 
 class HeldPrefix(Protocol):
-    """Blocks that hold the keys and values of a prompt's first `computed` tokens, read when the
-    entry is planned (a request_id session's: router.kv.sessions; it may have let go of them)."""
+    """Blocks that hold the keys and values of a prompt's first `computed` tokens.
+
+    Read when the entry is planned (a request_id session's: router.kv.sessions; it may have let
+    go of them).
+    """
 
     blocks: list[int]
     computed: int
@@ -79,18 +82,20 @@ class RequestQueue(Generic[E]):
         return list(self._entries)
 
     def _cached_prefix(self, entry: E) -> tuple[list[int], int]:
-        """(blocks holding the start of the entry's prompt, a reference to each taken for the
-        caller; tokens they hold), leaving at least one prompt token to compute (its logits
-        choose the first new token)."""
+        """(blocks holding the start of the entry's prompt, tokens they hold).
+
+        A reference to each block is taken for the caller; at least one prompt token is left
+        to compute (its logits choose the first new token).
+        """
         held = entry.held_prefix
         if held is not None and held.blocks:
-            self.allocator.incref(held.blocks)
+            self.allocator.pool.incref(held.blocks)
             return list(held.blocks), held.computed
         if self.prefix_cache is None or entry.prompt_ids is None:
             return [], 0
         shared = self.prefix_cache.match(entry.prompt_ids, adapter_id=entry.adapter_id)
         while shared and len(shared) * self.allocator.block_size >= entry.input_length:
-            self.allocator.decref([shared.pop()])
+            self.allocator.pool.decref([shared.pop()])
         return shared, len(shared) * self.allocator.block_size
 
     def remove(self, entry: E) -> bool:
@@ -137,7 +142,7 @@ class RequestQueue(Generic[E]):
             if prefill_tokens + uncached <= prefill_token_budget or alone:
                 allocation = self.allocator.allocate(entry.kv_tokens, shared=shared)
             if allocation is None:
-                self.allocator.decref(shared)
+                self.allocator.pool.decref(shared)
                 break
             entry.allocation, entry.cache_len = allocation, cached
             chosen.append(self._entries.popleft())
@@ -155,8 +160,10 @@ class RequestQueue(Generic[E]):
         return BatchPlan(self.new_batch_id(), chosen, prefill_tokens, max_tokens, chunk_len)
 
     def put_back(self, chosen: list[E]) -> None:
-        """Entries taken but never computed (a plan not made, a step the shards lost): their
-        blocks go back, they go first again, in their order."""
+        """Entries taken but never computed go back first, in their order; their blocks are freed.
+
+        A plan not made, or a step the shards lost.
+        """
         for entry in reversed(chosen):
             if entry.allocation is not None:
                 self.allocator.free(entry.allocation)

@@ -1,5 +1,8 @@
-"""The requests the shards hold, by id, and the KV blocks each one holds: blocks are freed exactly
-once, when a request leaves; a computed prompt's full blocks are offered to the prefix cache."""
+"""The requests the shards hold, by id, and the KV blocks each one holds.
+
+Blocks are freed exactly once, when a request leaves; a computed prompt's full blocks are offered to
+the prefix cache.
+"""
 from __future__ import annotations
 
 import logging
@@ -74,9 +77,12 @@ class RunningRequests:
                 self.metrics.counters.inc("tgi_prefix_cache_hits", item.cache_len)
 
     def reset_pool(self, num_blocks: int) -> None:
-        """The shards restarted with an empty pool of `num_blocks`: every holder of a block was
-        failed or sent back to the queue, and the cached prefixes name nothing now."""
-        self.allocator.reset(num_blocks)
+        """The shards restarted with an empty pool of `num_blocks` blocks.
+
+        Every holder of a block was failed or sent back to the queue, and the cached
+        prefixes name nothing now.
+        """
+        self.allocator.pool.reset(num_blocks)
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         if self.sessions is not None:  # their tokens stay: their next calls compute them again

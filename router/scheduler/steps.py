@@ -1,12 +1,16 @@
-"""One shard step and its aftermath: the call, timed and counted as TGI counts them (tgi_batch_*)
-and traced when tracing is on; its events handed to their requests; the finished and cancelled
-requests dropped from the shards' batch; and, when it fails, the failure fanned out to the
-requests it carried (or, when the shard group itself is gone, handed to recovery)."""
+"""One shard step and its aftermath, answered as a StepOutcome.
+
+The call is timed and counted as TGI counts them (tgi_batch_*) and traced when tracing is on; its
+events are handed to their requests; the finished and cancelled requests are dropped from the
+shards' batch. When it fails, the failure reaches the requests it carried (Failed), unless the shard
+group itself is gone (ShardsLost: the batcher hands the requests to recovery).
+"""
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from opentelemetry.trace import Link, SpanKind
 
@@ -24,13 +28,52 @@ log = logging.getLogger("tgi.router.steps")
 _TRACER = tracer("tgi.router")
 
 
-# prefill's answer when no request of the batch could be sent: no step ran, `running` is as it was
-NOTHING_SENT = StepResult()
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """A prefill ran; its events wait for after_step (the batcher first remembers its prompts)."""
+
+    result: StepResult
+
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    """A step ran and its events were handed out; `running` is what is left of its batch."""
+
+    running: CachedBatch | None
+
+
+@dataclass(frozen=True, slots=True)
+class NothingSent:
+    """No request of a prefill could be sent: no step ran, the running batch is as it was."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The step failed: its requests heard `error`, and the shards' batches were cleared."""
+
+    error: RouterError
+
+
+@dataclass(frozen=True, slots=True)
+class ShardsLost:
+    """The shard group is gone with every batch; its requests are left to the batcher's recovery."""
+
+    error: RouterError
+
+
+NOTHING_SENT = NothingSent()
+# prefill answers Prefilled, NothingSent, Failed or ShardsLost; decode and after_step answer Ran,
+# Failed or ShardsLost
+StepOutcome = Prefilled | Ran | NothingSent | Failed | ShardsLost
+IsLost = Callable[[], Awaitable[bool]]
 
 
 class ShardSteps:
+    """Runs prefill and decode steps on the shards and answers each with a StepOutcome."""
+
     def __init__(self, client, metrics: Metrics, running: RunningRequests,
-                 failures: FailureFanOut, *, stream_steps: bool = False):
+                 failures: FailureFanOut, *, is_lost: IsLost | None = None,
+                 stream_steps: bool = False):
         self.client = client
         self.stream_steps = stream_steps  # see SchedulingLimits.stream_decode_steps
         self.metrics = metrics
@@ -39,21 +82,22 @@ class ShardSteps:
         self.decode_cost = DecodeCost()
         self.last_step_s: float | None = None  # a step of the last decode call, unsmoothed
         self.last_step_tokens = 1  # most tokens one request got from the last decode step
-        # set by the batcher when a lost group can come back: whether the group is gone (the
-        # same question the idle probe asks), and what to do then (fail or re-queue everything,
-        # wait for the restart)
-        self.is_lost: Callable[[], Awaitable[bool]] | None = None
-        self.lose_shards: Callable[[RouterError], Awaitable[None]] | None = None
+        # whether the shard group is gone (recovery's question, asked after a failed step); None
+        # when a lost group never comes back: its requests simply fail
+        self.is_lost = is_lost
 
     def requests_in(self, batches: list[CachedBatch]) -> list[ActiveRequest]:
         return self.running.of(rid for b in batches for rid in b.request_ids)
 
     async def prefill(self, batch: NewBatch, items: list[ActiveRequest],
-                      running: CachedBatch | None) -> StepResult | None:
-        """One Prefill of `items`, with `running` taking its decode step in the same forward. On
-        failure the new requests and the riding batch fail together (the shard dropped both) and
-        None is returned. A request that cannot be put into a message, or that the shards refuse,
-        fails alone; when none is left to send, nothing is and NOTHING_SENT is returned."""
+                      running: CachedBatch | None
+                      ) -> Prefilled | NothingSent | Failed | ShardsLost:
+        """One Prefill of `items`, with `running` taking its decode step in the same forward.
+
+        On failure the new requests and the riding batch fail together (the shard dropped both).
+        A request that cannot be put into a message, or that the shards refuse, fails alone; when
+        none is left to send, nothing is (NothingSent).
+        """
         prepared, untranslatable = self.client.prepare(batch)
         for rejection in untranslatable:
             self.failures.rejected(rejection)
@@ -67,15 +111,18 @@ class ShardSteps:
 
         result = await self._timed("prefill", self.client.prefill(prepared, running), all_items)
         if isinstance(result, ShardError):
-            await self._fail(all_items(), [batch.id] + [b.id for b in riding], result)
-            return None
+            return await self._fail(all_items(), [batch.id] + [b.id for b in riding], result)
         for rejection in result.rejected:
             self.failures.rejected(rejection)
-        return result
+        return Prefilled(result)
 
-    async def decode(self, batches: list[CachedBatch], max_steps: int = 1) -> CachedBatch | None:
-        """A call of up to max_steps steps; with stream_steps each step's tokens reach their
-        requests as the step ends, else all of them when the call does."""
+    async def decode(self, batches: list[CachedBatch], max_steps: int = 1
+                     ) -> Ran | Failed | ShardsLost:
+        """A call of up to max_steps steps.
+
+        With stream_steps each step's tokens reach their requests as the step ends, else all of
+        them when the call does.
+        """
         handed = []  # the steps handed over before the call's end (a token each per request)
 
         def on_step(step: StepResult) -> None:
@@ -85,8 +132,7 @@ class ShardSteps:
         call = self.client.decode(batches, max_steps, on_step if self.stream_steps else None)
         result = await self._timed("decode", call, lambda: self.requests_in(batches))
         if isinstance(result, ShardError):
-            await self._fail(self.requests_in(batches), [b.id for b in batches], result)
-            return None
+            return await self._fail(self.requests_in(batches), [b.id for b in batches], result)
         if result.draft_tokens:
             self.metrics.observe_speculation(result.draft_tokens, result.accepted_tokens)
         # at least one: a step whose every generation failed to be read still passed a token
@@ -94,8 +140,8 @@ class ShardSteps:
                                                         for g in result.generations)])
         return await self.after_step(result, "decode")
 
-    async def after_step(self, result: StepResult, method: str) -> CachedBatch | None:
-        """Delivers the step's events and returns what is left running of its batch."""
+    async def after_step(self, result: StepResult, method: str) -> Ran | Failed | ShardsLost:
+        """Delivers the step's events and drops what finished from the shards' batch."""
         started = time.monotonic()
         try:
             return await self._deliver_and_filter(result)
@@ -115,15 +161,15 @@ class ShardSteps:
                 for event in generation.events:
                     deliver(item, event)
 
-    async def _deliver_and_filter(self, result: StepResult) -> CachedBatch | None:
+    async def _deliver_and_filter(self, result: StepResult) -> Ran | Failed | ShardsLost:
         self._deliver(result.generations)
         if result.batch is None:
             for generation in result.generations:
                 self.running.release(generation.request_id)
-            return None
+            return Ran(None)
         return await self._filter(result.batch)
 
-    async def _filter(self, batch: CachedBatch) -> CachedBatch | None:
+    async def _filter(self, batch: CachedBatch) -> Ran | Failed | ShardsLost:
         """Drops finished and cancelled requests from the shards' batch and frees their blocks."""
         live = []
         for rid in batch.request_ids:
@@ -135,31 +181,38 @@ class ShardSteps:
         try:
             if not live:
                 await self.client.clear_cache(batch.id)
-                return None
+                return Ran(None)
             if len(live) == len(batch.request_ids):
-                return batch
-            return await self.client.filter_batch(batch.id, live)
+                return Ran(batch)
+            return Ran(await self.client.filter_batch(batch.id, live))
         except ShardError as err:
-            await self._fail(self.running.of(live), [batch.id], err)
-            return None
+            return await self._fail(self.running.of(live), [batch.id], err)
 
-    async def _fail(self, items: list[ActiveRequest], batch_ids: list[int], err: Exception) -> None:
+    async def _fail(self, items: list[ActiveRequest], batch_ids: list[int], err: Exception
+                    ) -> Failed | ShardsLost:
+        """What a failed call means: the shard group is gone, or the step failed.
+
+        Gone: nothing is failed here. Failed: `items` hear the error and the shards let go of
+        `batch_ids`.
+        """
         log.error("shard step failed for %d requests: %s", len(items), err)
         error = err if isinstance(err, RouterError) else GenerationError(str(err))
         if self.is_lost is not None and await self.is_lost():
-            await self.lose_shards(error)
-            return
+            return ShardsLost(error)
         self.failures.fail(items, error)
         for batch_id in batch_ids:
             try:
                 await self.client.clear_cache(batch_id)
             except ShardError as clear_err:
                 log.error("could not clear batch %d: %s", batch_id, clear_err)
+        return Failed(error)
 
     async def _timed(self, method: str, call: Awaitable[StepResult],
                      riders: Callable[[], list[ActiveRequest]]) -> StepResult | ShardError:
         """Awaits one step ("prefill" or "decode"); a ShardError is returned, not raised.
-        `riders` lists the requests in the step (asked only when tracing)."""
+
+        `riders` lists the requests in the step (asked only when tracing).
+        """
         metrics = self.metrics
         metrics.counters.inc("tgi_batch_inference_count", method=method)
         started = time.monotonic()

@@ -11,8 +11,9 @@ from router.core.generation import Infer
 from router.inputs.chat_template import ChatTemplate
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import TokenLimits, ValidationLimits
-from router.kv.block_allocator import BlockAllocator
+from router.kv.accounting import kv_accounting
 from router.lifecycle.served_model import ServedModel
+from router.lifecycle.sessions import RequestSessions
 from router.scheduler.batcher import Batcher
 from router.scheduler.policy import SchedulingLimits
 from router.scheduler.request_queue import RequestQueue
@@ -37,19 +38,24 @@ async def _client(tiny_llama, fake, *, max_concurrent=8, max_total_tokens=128, v
     max_input = max_total_tokens // 2
     limits = TokenLimits(max_input_tokens=max_input, max_total_tokens=max_total_tokens,
                          max_batch_prefill_tokens=max(256, max_total_tokens))
-    allocator = BlockAllocator(max(200, max_total_tokens // 2), 4)
+    kv = kv_accounting(max(200, max_total_tokens // 2), 4, prefix_caching=False)
+    allocator = kv.allocator
     metrics = Metrics(max_input_tokens=max_input, max_total_tokens=max_total_tokens)
     batcher = Batcher(fake, RequestQueue(allocator), allocator,
-                      SchedulingLimits(256, 800, 0.3, 20, None), metrics)
-    served = ServedModel(config, RouterTokenizer(str(tiny_llama)), fake,
+                      SchedulingLimits(256, 800, 0.3, 20, None), metrics, sessions=kv.sessions)
+    tokenizer = RouterTokenizer(str(tiny_llama))
+    infer = Infer(batcher, metrics, max_concurrent_requests=max_concurrent)
+    sessions = RequestSessions(kv.sessions, infer, tokenizer, limits,
+                               refresh_gauges=batcher.running.update_gauges)
+    served = ServedModel(config, tokenizer, fake,
                          ShardInfo(dtype="float32", device_type="cpu", world_size=1, block_size=4,
                                    max_position_embeddings=max_total_tokens,
                                    support_chunking=False,
                                    use_prefix_caching=False, hidden_size=8,
                                    vocab_size=vocab_size), limits,
                          ValidationLimits(limits, 2, 4, 5, vocab_size), allocator, batcher,
-                         Infer(batcher, metrics, max_concurrent_requests=max_concurrent), metrics,
-                         ChatTemplate.from_model_dir(str(tiny_llama)))
+                         infer, metrics, ChatTemplate.from_model_dir(str(tiny_llama)),
+                         sessions=sessions)
     client = TestClient(TestServer(create_app(router_state(config, served))))
     await client.start_server()
     return client

@@ -5,7 +5,7 @@ import pytest
 
 from router.core.generation import Infer
 from router.errors import GenerationError
-from router.kv.block_allocator import BlockAllocator
+from router.kv.block_allocator import BlockAllocator, BlockPool
 from router.scheduler.batcher import Batcher
 from router.scheduler.chunk_sizing import MIN_CHUNK_TOKENS
 from router.scheduler.policy import SchedulingLimits
@@ -18,7 +18,7 @@ from tests.waiting import wait_until_async
 
 def _setup(client, *, num_blocks=200, max_batch_size=None, ratio=0.0, max_waiting_tokens=20,
            chunking=False, max_decode_steps=1, stream_decode_steps=False):
-    allocator = BlockAllocator(num_blocks, 4)
+    allocator = BlockAllocator(BlockPool(num_blocks, 4))
     limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
                               waiting_served_ratio=ratio,
                               max_waiting_tokens=max_waiting_tokens,
@@ -144,7 +144,7 @@ async def test_with_shards_that_chunk_a_lone_request_joins_at_once_whatever_the_
 
 async def test_a_long_prompt_is_prefilled_in_chunks_that_carry_the_running_batch():
     client = FakeShardClient(step_delay=0.002)
-    allocator = BlockAllocator(400, 4)
+    allocator = BlockAllocator(BlockPool(400, 4))
     limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
                               waiting_served_ratio=0.0, max_waiting_tokens=20, max_batch_size=None)
     metrics = Metrics(max_input_tokens=1000, max_total_tokens=2000)
@@ -177,7 +177,7 @@ async def test_a_long_prompt_is_prefilled_in_chunks_that_carry_the_running_batch
 
 
 def _chunking_setup(client):
-    allocator = BlockAllocator(400, 4)
+    allocator = BlockAllocator(BlockPool(400, 4))
     limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
                               waiting_served_ratio=0.0, max_waiting_tokens=20, max_batch_size=None)
     metrics = Metrics(max_input_tokens=1000, max_total_tokens=2000)

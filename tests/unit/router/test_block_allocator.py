@@ -1,10 +1,10 @@
 import random
 
-from router.kv.block_allocator import BlockAllocator
+from router.kv.block_allocator import BlockAllocator, BlockPool
 
 
 def test_block_zero_is_never_handed_out_and_counts_add_up():
-    allocator = BlockAllocator(num_blocks=9, block_size=4)
+    allocator = BlockAllocator(BlockPool(num_blocks=9, block_size=4))
     a = allocator.allocate(10)  # 3 blocks
     b = allocator.allocate(16)  # 4 blocks
     assert 0 not in a.block_ids + b.block_ids
@@ -18,7 +18,7 @@ def test_block_zero_is_never_handed_out_and_counts_add_up():
 
 
 def test_shared_blocks_return_only_when_every_holder_lets_go():
-    allocator = BlockAllocator(num_blocks=5, block_size=2)
+    allocator = BlockAllocator(BlockPool(num_blocks=5, block_size=2))
     first = allocator.allocate(4)
     second = allocator.share(first)
     allocator.free(first)
@@ -29,7 +29,7 @@ def test_shared_blocks_return_only_when_every_holder_lets_go():
 
 def test_no_leak_after_many_random_rounds():
     rng = random.Random(0)
-    allocator = BlockAllocator(num_blocks=64, block_size=16)
+    allocator = BlockAllocator(BlockPool(num_blocks=64, block_size=16))
     held = []
     for _ in range(5000):
         if held and rng.random() < 0.5:

@@ -9,7 +9,7 @@ from router.errors import GenerationError, IncompleteGenerationError, RouterErro
 from router.api.tgi.errors import tgi_error_body
 from router.http.middleware import ErrorBodies, error_middleware
 from router.http.sse import StreamFormat, serve_stream
-from router.kv.block_allocator import BlockAllocator
+from router.kv.block_allocator import BlockAllocator, BlockPool
 from router.kv.prefix_cache import PrefixCache
 from router.scheduler.active_request import ActiveRequest, deliver
 from router.scheduler.failures import FailureFanOut
@@ -23,8 +23,9 @@ from router.telemetry.metrics import Metrics
 
 
 def _setup(prefix=False):
-    allocator = BlockAllocator(40, 4)
-    cache = PrefixCache(allocator) if prefix else None
+    pool = BlockPool(40, 4)
+    cache = PrefixCache(pool) if prefix else None
+    allocator = BlockAllocator(pool, [cache.evict] if cache is not None else [])
     metrics = Metrics(max_input_tokens=100, max_total_tokens=200)
     queue = RequestQueue(allocator, cache)
     running = RunningRequests(allocator, cache, metrics)

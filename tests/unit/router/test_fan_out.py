@@ -25,7 +25,7 @@ class _ScriptedInfer(Infer):
         self.failing, self.held = set(failing), set(held)
         self.cancelled: list[int] = []
 
-    async def stream(self, request, timings=None, *, session=None):
+    async def stream(self, request, timings=None, *, continuation=None):
         seed, count = request.sampling.seed, request.stopping.max_new_tokens
         try:
             for i in range(count):

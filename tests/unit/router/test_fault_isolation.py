@@ -12,7 +12,7 @@ import pytest
 
 from router.core.generation import Infer
 from router.errors import GenerationError, UnhealthyError
-from router.kv.block_allocator import BlockAllocator
+from router.kv.block_allocator import BlockAllocator, BlockPool
 from router.scheduler import batcher as batcher_module
 from router.scheduler.batcher import Batcher
 from router.scheduler.policy import SchedulingLimits
@@ -28,7 +28,7 @@ POISON = 99  # the first prompt token of the request a test makes fail
 
 
 def _setup(client, *, chunking=False, recovery=None, num_blocks=200):
-    allocator = BlockAllocator(num_blocks, 4)
+    allocator = BlockAllocator(BlockPool(num_blocks, 4))
     limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
                               waiting_served_ratio=0.0, max_waiting_tokens=20, max_batch_size=None)
     metrics = Metrics(max_input_tokens=100, max_total_tokens=200)

@@ -10,7 +10,8 @@ from proto import generate_pb2 as pb
 from router.config import RouterConfig
 from router.core.generation import Infer
 from router.errors import AdapterError, UnknownAdapterError
-from router.kv.block_allocator import BlockAllocator
+from router.kv.block_allocator import BlockAllocator, BlockPool
+from router.kv.accounting import kv_accounting
 from router.kv.prefix_cache import PrefixCache
 from router.kv.sessions import SessionAdapterConflict, SessionStore
 from router.lifecycle.adapters import AdapterRegistry
@@ -30,10 +31,10 @@ from tests.waiting import wait_until_async
 
 
 def _stack(fake: FakeShardClient):
-    allocator = BlockAllocator(64, 4)
+    kv = kv_accounting(64, 4, prefix_caching=True)
     metrics = Metrics(max_input_tokens=32, max_total_tokens=64)
-    batcher = Batcher(fake, RequestQueue(allocator, PrefixCache(allocator)), allocator,
-                      SchedulingLimits(256, 200, 0.3, 20, None), metrics)
+    batcher = Batcher(fake, RequestQueue(kv.allocator, kv.prefix_cache), kv.allocator,
+                      SchedulingLimits(256, 200, 0.3, 20, None), metrics, sessions=kv.sessions)
     infer = Infer(batcher, metrics, max_concurrent_requests=8)
     registry = AdapterRegistry(fake, infer.adapters, batcher, metrics, parent="base")
     return registry, infer, batcher, metrics
@@ -223,7 +224,7 @@ async def test_the_recovery_reloads_adapters_after_the_warm_up():
 
     limits = TokenLimits(max_input_tokens=8, max_total_tokens=16, max_batch_prefill_tokens=16)
     policy = recovery_policy(fake, RouterConfig(tokenizer_path="."), limits,
-                             BlockAllocator(32, 4), reload)
+                             BlockAllocator(BlockPool(32, 4)), reload)
     assert await policy.reconnect() == 32
     assert reloaded == [["reconnect", "clear", "warmup"]]
 
@@ -280,8 +281,9 @@ def test_the_shard_message_carries_the_adapter_and_the_base_model_none():
 # ---- caches ------------------------------------------------------------------------------------
 
 def test_a_cached_prefix_is_reused_only_by_requests_of_the_same_adapter():
-    allocator = BlockAllocator(40, 4)
-    cache = PrefixCache(allocator)
+    pool = BlockPool(40, 4)
+    cache = PrefixCache(pool)
+    allocator = BlockAllocator(pool, [cache.evict])
     prompt = list(range(12))
     base, on_a = allocator.allocate(12), allocator.allocate(12)
     cache.insert(prompt, base.block_ids)
@@ -290,7 +292,7 @@ def test_a_cached_prefix_is_reused_only_by_requests_of_the_same_adapter():
     assert cache.match(prompt) == base.block_ids
     assert cache.match(prompt, adapter_id="a") == on_a.block_ids
     assert cache.match(prompt, adapter_id="b") == []
-    allocator.decref(base.block_ids + on_a.block_ids)  # the matches' references
+    pool.decref(base.block_ids + on_a.block_ids)  # the matches' references
     # the base model's chain is what it always was: seeded with nothing
     assert next(cache._keys(prompt, None))[0] == hash((None, tuple(range(4))))
     allocator.free(base)
@@ -302,8 +304,9 @@ def test_a_cached_prefix_is_reused_only_by_requests_of_the_same_adapter():
 
 
 def test_the_queue_plans_a_request_with_its_adapter_s_prefix_only():
-    allocator = BlockAllocator(40, 4)
-    cache = PrefixCache(allocator)
+    pool = BlockPool(40, 4)
+    cache = PrefixCache(pool)
+    allocator = BlockAllocator(pool, [cache.evict])
     queue = RequestQueue(allocator, cache)
     prompt = list(range(12))
     computed = allocator.allocate(12)
@@ -318,8 +321,9 @@ def test_the_queue_plans_a_request_with_its_adapter_s_prefix_only():
 
 
 def test_a_session_continues_with_its_adapter_and_refuses_another():
-    allocator = BlockAllocator(20, 4)
-    store = SessionStore(allocator)
+    pool = BlockPool(20, 4)
+    store = SessionStore(pool)
+    allocator = BlockAllocator(pool, [store.release_blocks])
     session = store.begin(("", "id"), "hello")
     assert session.adapter_for("a", named=True) == "a"  # not started: the call's choice
     blocks = allocator.allocate(8)

@@ -182,18 +182,18 @@ async def test_a_session_keeps_its_adapter_and_a_call_naming_another_is_a_422(ti
     try:
         served = client.server.app[STATE].models.default
         await served.adapters.load("a", str(make_adapter_dir(tmp_path)))
-        session = served.begin_session(("", "chat"), "hi")
+        session = served.sessions.begin(("", "chat"), "hi")
         session.token_ids, session.adapter_id = [1, 2], "a"  # as its first call left it
-        assert served.session_adapter(session, None) == "a"
-        assert served.session_adapter(session, "a") == "a"
+        assert served.sessions.adapter_for(session, None) == "a"
+        assert served.sessions.adapter_for(session, "a") == "a"
         with pytest.raises(ValidationError, match="'chat' was started with adapter 'a'; a call "
                                                   "cannot change its adapter"):
-            served.session_adapter(session, "b")
+            served.sessions.adapter_for(session, "b")
         with pytest.raises(ValidationError, match="started with adapter 'a'"):
-            served.session_adapter(session, "", named=True)
-        fresh = served.begin_session(("", "new"), "hi")
+            served.sessions.adapter_for(session, "", named=True)
+        fresh = served.sessions.begin(("", "new"), "hi")
         with pytest.raises(UnknownAdapterError):
-            served.session_adapter(fresh, "b")
-        assert served.session_adapter(fresh, "") is None
+            served.sessions.adapter_for(fresh, "b")
+        assert served.sessions.adapter_for(fresh, "") is None
     finally:
         await client.close()

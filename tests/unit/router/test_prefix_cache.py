@@ -1,12 +1,13 @@
 """Prefix cache: chained block keys, references, LRU eviction, and the queue's use of it."""
-from router.kv.block_allocator import BlockAllocator
+from router.kv.block_allocator import BlockAllocator, BlockPool
 from router.kv.prefix_cache import PrefixCache
 from router.scheduler.request_queue import QueueEntry, RequestQueue
 
 
 def _setup(num_blocks=20, block_size=4):
-    allocator = BlockAllocator(num_blocks, block_size)
-    return allocator, PrefixCache(allocator)
+    pool = BlockPool(num_blocks, block_size)
+    cache = PrefixCache(pool)
+    return BlockAllocator(pool, [cache.evict]), cache
 
 
 def test_match_returns_the_longest_cached_prefix_of_full_blocks():
@@ -32,12 +33,12 @@ def test_cached_blocks_outlive_their_request_and_are_evicted_lru_when_needed():
     cache.insert(list(range(100, 108)), second.block_ids)
     allocator.free(second)
     assert cache.match(list(range(8)))  # touches the first prompt: now most recently used
-    allocator.decref(first.block_ids)
+    allocator.pool.decref(first.block_ids)
     big = allocator.allocate(16)  # needs 4 blocks; 2 free: evicts the least recently used two
     assert big is not None
     assert cache.match(list(range(100, 108))) == []
     assert cache.match(list(range(8))) == first.block_ids
-    allocator.decref(first.block_ids)
+    allocator.pool.decref(first.block_ids)
     allocator.free(big)
     assert cache.evict(10) == 2
     assert allocator.num_free_blocks == allocator.num_usable_blocks

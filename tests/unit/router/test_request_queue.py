@@ -1,10 +1,10 @@
 """Queue budgets: prefill tokens, KV tokens, batch size, minimum size and FIFO order."""
-from router.kv.block_allocator import BlockAllocator
+from router.kv.block_allocator import BlockAllocator, BlockPool
 from router.scheduler.request_queue import QueueEntry, RequestQueue
 
 
 def _queue(num_blocks=1000, block_size=1):
-    return RequestQueue(BlockAllocator(num_blocks, block_size))
+    return RequestQueue(BlockAllocator(BlockPool(num_blocks, block_size)))
 
 
 def _entry(i, input_length=10, max_new_tokens=10):
@@ -36,7 +36,7 @@ def test_head_of_line_is_not_overtaken():
 
 
 def test_a_prompt_over_the_whole_budget_goes_alone_in_chunks():
-    queue = RequestQueue(BlockAllocator(1000, 1), chunking=True)
+    queue = RequestQueue(BlockAllocator(BlockPool(1000, 1)), chunking=True)
     queue.append(QueueEntry(id=0, input_length=300, max_new_tokens=5, prompt_ids=[1] * 300))
     queue.append(_entry(1, input_length=5))
     plan = _next(queue, prefill_token_budget=100)

@@ -2,7 +2,7 @@
 by count, share of the pool and TTL, and a session without blocks keeps its tokens."""
 import pytest
 
-from router.kv.block_allocator import BlockAllocator
+from router.kv.block_allocator import BlockAllocator, BlockPool
 from router.kv.sessions import SessionBusy, SessionLimits, SessionStore
 from router.scheduler.request_queue import QueueEntry, RequestQueue
 
@@ -15,10 +15,12 @@ class Clock:
         return self.now
 
 
-def _store(num_blocks=41, **limits):
-    allocator = BlockAllocator(num_blocks, 4)  # 40 usable blocks of 4 tokens
+def _store(num_blocks=41, *, reclaims=False, **limits):
+    """(allocator, store, clock); with `reclaims`, the store is the allocator's reclaimer."""
+    pool = BlockPool(num_blocks, 4)  # 40 usable blocks of 4 tokens
     clock = Clock()
-    return allocator, SessionStore(allocator, SessionLimits(**limits), clock=clock), clock
+    store = SessionStore(pool, SessionLimits(**limits), clock=clock)
+    return BlockAllocator(pool, [store.release_blocks] if reclaims else []), store, clock
 
 
 def _finish(allocator, store, key, prompt_len, generated):
@@ -37,7 +39,7 @@ def test_a_session_keeps_the_blocks_of_its_computed_tokens_only():
     session = _finish(allocator, store, ("", "a"), prompt_len=6, generated=3)
     # 9 tokens, 8 computed (the last generated one never was): 2 blocks of 4
     assert session.computed == 8 and len(session.blocks) == 2 and session.text == "new"
-    assert all(allocator.ref_count(b) == 1 for b in session.blocks)
+    assert all(allocator.pool.ref_count(b) == 1 for b in session.blocks)
     assert allocator.num_free_blocks == 40 - 2
     again = _finish(allocator, store, ("", "a"), prompt_len=0, generated=2)
     assert again is session and session.computed == 10 and len(session.blocks) == 3
@@ -77,8 +79,7 @@ def test_share_of_the_pool_is_kept_by_releasing_the_least_recently_used():
 
 
 def test_a_short_pool_reclaims_idle_sessions_blocks_first_then_busy_ones():
-    allocator, store, _ = _store(num_blocks=9, kv_share=1.0)  # 8 usable
-    allocator.reclaim = store.release_blocks
+    allocator, store, _ = _store(num_blocks=9, reclaims=True, kv_share=1.0)  # 8 usable
     idle = _finish(allocator, store, ("", "idle"), prompt_len=9, generated=4)  # 12: 3 blocks
     busy = _finish(allocator, store, ("", "busy"), prompt_len=9, generated=4)
     store.begin(("", "busy"), "p")
@@ -109,9 +110,9 @@ def test_the_queue_plans_a_continuation_from_the_blocks_its_session_holds():
                             token_budget=1000)
     assert plan.entries == [entry] and entry.cache_len == 8 and plan.prefill_tokens == 1
     assert entry.allocation.block_ids[:2] == session.blocks
-    assert all(allocator.ref_count(b) == 2 for b in session.blocks)
+    assert all(allocator.pool.ref_count(b) == 2 for b in session.blocks)
     queue.put_back([entry])  # a lost step: the session still holds its blocks
-    assert all(allocator.ref_count(b) == 1 for b in session.blocks)
+    assert all(allocator.pool.ref_count(b) == 1 for b in session.blocks)
 
 
 def test_a_call_that_fails_after_its_generation_leaves_the_session_as_it_was():

@@ -431,7 +431,7 @@ async def test_flush_cache_lets_go_of_every_cached_block(tiny_llama):
     try:
         state = client.server.app[STATE].models.default
         allocator = state.allocator
-        cache = PrefixCache(allocator)
+        cache = PrefixCache(allocator.pool)
         state.batcher.queue.prefix_cache = cache
         state.batcher.running.prefix_cache = cache
         idle = allocator.num_free_blocks
