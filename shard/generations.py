@@ -36,14 +36,9 @@ class Vocabulary:
 
 def step_generations(batch: Batch, output: SampleOutput, hidden: list[torch.Tensor | None],
                      logits: torch.Tensor, vocab: Vocabulary, first: list[int] | None = None
-<<<<<<< HEAD
                      ) -> list[RequestOutput | None]:
     """Each row's token appended, detokenised and checked for stopping (a Python loop by nature).
 
-=======
-                     ) -> list[RequestOutput | None]:
-    """Appends each row's token, detokenises it, checks stopping (a Python loop by nature).
->>>>>>> wt-shard
     `hidden` holds, per row, the final hidden states this step computed for it; `logits` and
     `first` are the step's rows (see Engine._decode_rows), which a beam-search request reads all
     of (its generation is None until its search ends)."""
@@ -102,16 +97,10 @@ def _token_generation(batch: Batch, row: int, token: int, logprob: float,
     return RequestOutput(state.id, tokens, generated_text=generated, error=broken)
 
 
-<<<<<<< HEAD
 def _beam_answer(state: RequestState, best: list[int], vocab: Vocabulary) -> RequestOutput:
     """A finished beam search's generation: the best hypothesis.
 
     Its text is decoded as a stream of it would have been."""
-=======
-def _beam_answer(state: RequestState, best: list[int], vocab: Vocabulary) -> RequestOutput:
-    """A finished beam search's generation: the best hypothesis, its text decoded as a stream of
-    it would have been."""
->>>>>>> wt-shard
     tokenizer = vocab.tokenizer
     text = []
     for token in best:

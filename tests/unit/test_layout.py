@@ -90,3 +90,101 @@ def test_api_families_do_not_import_each_other_but_tgi():
             if len(parts) > 2 and parts[1] == "api" and parts[2] not in (family, "tgi"):
                 crossing.append(f"{path.relative_to(ROOT)} -> {target}")
     assert not crossing, "\n".join(crossing)
+
+
+# ---- what every module of the three processes keeps to ---------------------------------------
+
+PROCESS_PACKAGES = ("router", "shard", "launcher", "proto")
+MAX_MODULE_LINES = 400
+
+
+def _modules() -> list[Path]:
+    return [path for package in PROCESS_PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
+            if not path.name.endswith(("_pb2.py", "_pb2_grpc.py", "_pb2.pyi"))]
+
+
+def test_no_module_is_over_400_lines():
+    long = [f"{path.relative_to(ROOT)}: {n} lines" for path in _modules()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, "\n".join(long)
+
+
+def _docstring_problem(text: str) -> str | None:
+    lines = text.split("\n")
+    if len(lines[0]) > 100:
+        return "its first line is over 100 characters"
+    if len(lines) > 1 and lines[1].strip():
+        return "its first sentence runs on past the first line"
+    return None
+
+
+def test_docstrings_open_with_one_short_line():
+    """A docstring's first line alone says what the thing is; detail follows a blank line."""
+    found = []
+    for path in _modules():
+        tree = ast.parse(path.read_text())
+        defined = [n for n in ast.walk(tree)
+                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+        for node in [tree, *defined]:
+            text = ast.get_docstring(node, clean=True)
+            problem = text and _docstring_problem(text)
+            if problem:
+                name = getattr(node, "name", "the module")
+                found.append(f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 1)} {name}: {problem}")
+    assert not found, f"{len(found)} docstrings:\n" + "\n".join(found)
+
+
+# Attributes that code outside a class may set on its objects: state records and foreign types whose
+# interface is attribute assignment. Anything else an object depends on is given to its constructor.
+FOREIGN_ATTRIBUTES = {
+    "argtypes", "restype",  # ctypes: a C function's signature
+    "msg", "args", "exc_info", "exc_text", "levelno", "levelname",  # logging.LogRecord in a filter
+    "model_max_length",  # a transformers tokenizer's limit, written into the converted files
+}
+
+
+def _dataclass_fields() -> set[str]:
+    """Every field name of a dataclass defined in the three processes' packages."""
+    names = set()
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    "dataclass" in ast.unparse(d) for d in node.decorator_list):
+                names |= {s.target.id for s in node.body
+                          if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    return names
+
+
+def _proto_fields() -> set[str]:
+    """Every field name of a protobuf message of proto/*.proto."""
+    import re
+    field = re.compile(r"^\s*(?:repeated\s+|optional\s+)?[\w.]+\s+(\w+)\s*=\s*\d+\s*[;\[]", re.M)
+    return {m[1] for proto in (ROOT / "proto").glob("*.proto") for m in field.finditer(proto.read_text())}
+
+
+def _assigned_attributes(tree: ast.AST):
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for part in ast.walk(target):
+                if isinstance(part, ast.Attribute) and isinstance(part.ctx, ast.Store):
+                    yield node, part
+
+
+def test_objects_are_not_wired_from_outside():
+    """Only an object's own methods set its attributes, apart from state records' fields.
+
+    A constructor shows what an object depends on: a callback or collaborator assigned from
+    outside after it is made (`allocator.reclaim = ...`, `batcher.closed = lambda ...`) hides it."""
+    allowed = _dataclass_fields() | _proto_fields() | FOREIGN_ATTRIBUTES
+    found = []
+    for path in _modules():
+        for node, attribute in _assigned_attributes(ast.parse(path.read_text())):
+            owner = attribute.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if attribute.attr in allowed:
+                continue
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:90]}")
+    assert not found, "attributes set from outside their class:\n" + "\n".join(found)
