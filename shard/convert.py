@@ -1,4 +1,6 @@
-"""Protobuf messages <-> the engine's dataclasses; with server.py, the only shard module that knows proto."""
+"""Protobuf messages <-> the engine's dataclasses.
+
+With server.py, the only shard module that knows proto."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,7 @@
-"""The shard's cache of batches (id -> Batch) and its prefill and decode steps, which call each
-stage's module (admission, generations, speculative_step, beams); plain dataclasses in and out, so
-the gRPC servicer stays a thin converter.
+"""The shard's engine: its cache of batches (id -> Batch) and its prefill and decode steps.
+
+The steps call each stage's module (admission, generations, speculative_step, beams); plain
+dataclasses go in and out, so the gRPC servicer stays a thin converter.
 """
 from __future__ import annotations
 
@@ -68,8 +69,9 @@ class Engine:
 
     def warmup(self, requests: list[NewRequest], max_batch_total_tokens: int,
                max_total_tokens: int = 0) -> WarmupResult:
-        """Runs the largest prefill once, then sizes the KV pool (tokens asked, or a memory
-        budget) and prepares the decode step for requests of up to max_total_tokens (compiled or
+        """Warm-up: the largest prefill once, then the KV pool sized and the decode step prepared.
+
+        The KV pool is sized from the tokens asked, or a memory budget; the step is prepared the decode step for requests of up to max_total_tokens (compiled or
         captured, where it is to be)."""
         block_size = self.block_size
         next_block = 1
@@ -101,8 +103,9 @@ class Engine:
 
     def prefill(self, batch_id: int, requests: list[NewRequest],
                 cached_batch_id: int | None = None) -> StepOutput:
-        """Computes new prompts (or one chunk of a long one); with `cached_batch_id`, that running
-        batch also takes its next step in the same forward and the new requests join it."""
+        """A prefill step: new prompts, or one chunk of a long one.
+
+        With `cached_batch_id`, that running batch also takes its next step in the same forward and the new requests join it."""
         start = time.perf_counter_ns()
         is_chunk = any(r.is_partial_chunk for r in requests)
         if is_chunk and len(requests) != 1:
@@ -128,8 +131,9 @@ class Engine:
 
     def decode(self, batch_ids: list[int], max_steps: int = 1,
                on_step: Callable[[StepOutput], None] | None = None) -> StepOutput:
-        """Up to `max_steps` decode steps of the batches (merged), back to back: one call's
-        round trip for several tokens when nothing else is due. It stops after a step in which a
+        """Up to `max_steps` decode steps of the batches (merged), back to back.
+
+        One call's round trip for several tokens when nothing else is due. It stops after a step in which a
         request finished (the router drops it before the next), and takes one step when
         speculating or when the batch holds a beam-search request (their steps are not plain
         ones). Each step's tokens are added to their requests' Generations, as speculation's
@@ -166,8 +170,7 @@ class Engine:
 
     def _with_adapter_slots(self, requests: list[NewRequest]
                             ) -> tuple[list[NewRequest], list[tuple[int, str]]]:
-        """The requests whose adapter is loaded (its slot set on them), and (id, why) of the
-        others."""
+        """The requests whose adapter is loaded (its slot set on them), and (id, why) of the rest."""
         kept, rejected = [], []
         for request in requests:
             if request.adapter is not None:
@@ -233,8 +236,10 @@ class Engine:
 
     def _prefill_step(self, requests: list[NewRequest], batch_id: int = 0,
                       running: Batch | None = None):
-        """-> (the batch to keep: the new requests, the running one, or both merged under the
-        running one's id; None when a partial chunk ran alone), generations, forward time."""
+        """One prefill forward: (the batch to keep, its outputs, the forward's time).
+
+        The batch to keep is the new requests, the running one, or both merged under the running
+        one's id; None when a partial chunk ran alone."""
         is_chunk = any(r.is_partial_chunk for r in requests)
         seqs = [_sequence(r) for r in requests]
         # a partial chunk computes keys and values only: its token comes with the last chunk
@@ -278,8 +283,9 @@ class Engine:
                           total_ns=time.perf_counter_ns() - start)
 
     def _decode_rows(self, batch: Batch) -> tuple[DecodeRows, list[int] | None]:
-        """The rows a decode step of `batch` computes, and None; with beam-search requests, one
-        row per beam, and for each request the index of its first row. A beam about to write into
+        """The rows a decode step of `batch` computes, and None when they are its requests.
+
+        With beam-search requests, one row per beam, and for each request the index of its first row. A beam about to write into
         a block it shares gets its own copy first."""
         if not any(state.beams is not None for state in batch.requests):
             return DecodeRows(batch.next_input_ids, batch.seq_lens, batch.block_tables,

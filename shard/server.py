@@ -40,8 +40,9 @@ MAX_STEPS_PER_CALL = 64
 
 
 def _allocation_failed(err: BaseException) -> bool:
-    """Whether a step failed for memory outside the caching allocator (which raises
-    OutOfMemoryError): cuBLAS and NCCL report theirs as a plain RuntimeError."""
+    """Whether a step failed for memory outside the caching allocator.
+
+    The caching allocator raises OutOfMemoryError; cuBLAS and NCCL report theirs as a plain RuntimeError."""
     text = str(err)
     return "out of memory" in text.lower() or "ALLOC_FAILED" in text
 
@@ -89,7 +90,9 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
 
     def _device_lost(self) -> bool:
-        """After a failed step on CUDA: whether the device still runs work. A sticky error (a
+        """After a failed step on CUDA: whether the device still runs work.
+
+        A sticky error (a
         device-side assert, an illegal address) fails every later call, and only a new process
         recovers; a shape or argument error leaves the device as it was."""
         try:
@@ -193,8 +196,9 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         return convert.step_response(result, pb.DecodeResponse)
 
     async def DecodeStream(self, request, context):
-        """Decode, each step sent as it ends (converted here while the engine thread computes
-        the next one)."""
+        """Decode, each step sent as it ends.
+
+        A step is converted here while the engine thread computes the next one."""
         batch_ids, steps = await self._decode_args(request, context)
         loop = asyncio.get_running_loop()
         ended: asyncio.Queue = asyncio.Queue()
