@@ -71,8 +71,8 @@ class Engine:
                max_total_tokens: int = 0) -> WarmupResult:
         """Warm-up: the largest prefill once, then the KV pool sized and the decode step prepared.
 
-        The KV pool is sized from the tokens asked, or a memory budget; the step is prepared the decode step for requests of up to max_total_tokens (compiled or
-        captured, where it is to be)."""
+        The KV pool is sized from the tokens asked, or a memory budget; the decode step is prepared
+        for requests of up to max_total_tokens (compiled or captured, where it is to be)."""
         block_size = self.block_size
         next_block = 1
         for request in requests:
@@ -105,7 +105,8 @@ class Engine:
                 cached_batch_id: int | None = None) -> StepOutput:
         """A prefill step: new prompts, or one chunk of a long one.
 
-        With `cached_batch_id`, that running batch also takes its next step in the same forward and the new requests join it."""
+        With `cached_batch_id`, that running batch also takes its next step in the same forward and
+        the new requests join it."""
         start = time.perf_counter_ns()
         is_chunk = any(r.is_partial_chunk for r in requests)
         if is_chunk and len(requests) != 1:
@@ -133,8 +134,8 @@ class Engine:
                on_step: Callable[[StepOutput], None] | None = None) -> StepOutput:
         """Up to `max_steps` decode steps of the batches (merged), back to back.
 
-        One call's round trip for several tokens when nothing else is due. It stops after a step in which a
-        request finished (the router drops it before the next), and takes one step when
+        One call's round trip for several tokens when nothing else is due. It stops after a step in
+        which a request finished (the router drops it before the next), and takes one step when
         speculating or when the batch holds a beam-search request (their steps are not plain
         ones). Each step's tokens are added to their requests' Generations, as speculation's
         accepted tokens are; with `on_step`, every step but the last is handed to it instead as
@@ -170,7 +171,7 @@ class Engine:
 
     def _with_adapter_slots(self, requests: list[NewRequest]
                             ) -> tuple[list[NewRequest], list[tuple[int, str]]]:
-        """The requests whose adapter is loaded (its slot set on them), and (id, why) of the rest."""
+        """The requests whose adapter is loaded (their slot set), and (id, why) of the rest."""
         kept, rejected = [], []
         for request in requests:
             if request.adapter is not None:
@@ -285,8 +286,8 @@ class Engine:
     def _decode_rows(self, batch: Batch) -> tuple[DecodeRows, list[int] | None]:
         """The rows a decode step of `batch` computes, and None when they are its requests.
 
-        With beam-search requests, one row per beam, and for each request the index of its first row. A beam about to write into
-        a block it shares gets its own copy first."""
+        With beam-search requests, one row per beam, and for each request the index of its first
+        row. A beam about to write into a block it shares gets its own copy first."""
         if not any(state.beams is not None for state in batch.requests):
             return DecodeRows(batch.next_input_ids, batch.seq_lens, batch.block_tables,
                               batch.adapter_slots()), None

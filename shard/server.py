@@ -42,7 +42,8 @@ MAX_STEPS_PER_CALL = 64
 def _allocation_failed(err: BaseException) -> bool:
     """Whether a step failed for memory outside the caching allocator.
 
-    The caching allocator raises OutOfMemoryError; cuBLAS and NCCL report theirs as a plain RuntimeError."""
+    The caching allocator raises OutOfMemoryError; cuBLAS and NCCL report theirs as a plain
+    RuntimeError."""
     text = str(err)
     return "out of memory" in text.lower() or "ALLOC_FAILED" in text
 
@@ -92,9 +93,8 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     def _device_lost(self) -> bool:
         """After a failed step on CUDA: whether the device still runs work.
 
-        A sticky error (a
-        device-side assert, an illegal address) fails every later call, and only a new process
-        recovers; a shape or argument error leaves the device as it was."""
+        A sticky error (a device-side assert, an illegal address) fails every later call, and only
+        a new process recovers; a shape or argument error leaves the device as it was."""
         try:
             torch.cuda.synchronize(self.engine.runner.device)
             torch.zeros(1, device=self.engine.runner.device).item()
