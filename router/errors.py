@@ -19,9 +19,11 @@ class RouterError(Exception):
     # the connection cannot serve another request after this answer (a body aiohttp cannot read)
     close_connection = False
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, *, close_connection: bool = False):
         super().__init__(message)
         self.message = message
+        if close_connection:
+            self.close_connection = True
 
     def __str__(self) -> str:
         return f"{self.prefix}{self.message}"
@@ -44,6 +46,10 @@ class ValidationError(RouterError):
         leading = _LEADING_FIELD.match(message)
         self.param = param or (leading and (leading[1] or leading[2]))
 
+    def blame(self, param: str) -> None:
+        """Names `param` as the field at fault, in place of the one found in the message."""
+        self.param = param
+
 
 @contextmanager
 def about_field(param: str) -> Iterator[None]:
@@ -54,7 +60,7 @@ def about_field(param: str) -> Iterator[None]:
     try:
         yield
     except ValidationError as err:
-        err.param = param
+        err.blame(param)
         raise
 
 

@@ -25,9 +25,8 @@ async def read_object(request) -> dict:
     if request.content_length is not None and request.content_length > limit:
         # refused before reading: the client need not send a body that will not be read, and the
         # connection closes, as the rest of the body would come next on it
-        error = PayloadTooLargeError(f"Maximum request body size {limit} exceeded.")
-        error.close_connection = True
-        raise error
+        raise PayloadTooLargeError(f"Maximum request body size {limit} exceeded.",
+                                   close_connection=True)
     size = request.content_length if request.content_length is not None else limit
     allowed = BODY_TIMEOUT + size / SLOWEST_BODY_RATE  # 60 s, and 31 s more for 2 MB
     try:
@@ -37,17 +36,15 @@ async def read_object(request) -> dict:
         raise
     except TimeoutError:
         request.content.feed_eof()  # as below: what was not read stays unread
-        error = RequestTimeoutError(f"the request body did not arrive within {allowed:.0f} s")
-        error.close_connection = True
-        raise error from None
+        raise RequestTimeoutError(f"the request body did not arrive within {allowed:.0f} s",
+                                  close_connection=True) from None
     except Exception as err:  # a body its Content-Encoding does not decode (RequestPayloadError)
         # the rest of the body stays unreadable: the connection closes after the answer, and
         # aiohttp, told the body ended, does not read on into the same error (which it logged
         # as a traceback per request)
         request.content.feed_eof()
-        error = BadRequestError(f"Failed to read the request body: {err}")
-        error.close_connection = True
-        raise error from None
+        raise BadRequestError(f"Failed to read the request body: {err}",
+                              close_connection=True) from None
     # checking a body of megabytes walks every value in Python: off the event loop, which serves
     # every other request meanwhile
     body = parse_json(raw) if len(raw) < _INLINE_BYTES else await asyncio.to_thread(parse_json, raw)

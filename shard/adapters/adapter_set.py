@@ -98,7 +98,7 @@ class AdapterSet:
         self._clear(self.adapters.pop(name).slot)
         if not self.adapters:  # the layers go back to costing nothing
             for linear in self._targets:
-                linear.lora = None
+                linear.detach_lora()
             self._targets, self._slots, self._rank = [], 0, 0
         self.version += 1
 
@@ -165,7 +165,7 @@ class AdapterSet:
                                 device=source.device),
                     torch.zeros(self._slots, dtype=torch.int64, device=source.device)))
                 offset += width
-            linear.lora = LoraTarget(parts, self._current_rows)
+            linear.attach_lora(LoraTarget(parts, self._current_rows))
             self._targets.append(linear)
         return linear.lora
 

@@ -172,7 +172,26 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-class ColumnParallelLinear(nn.Module):
+class _LoraHost(nn.Module):
+    """A linear layer LoRA adapters may change: where from (`lora_source`), and their update."""
+
+    def __init__(self, lora_source: LoraSource | None):
+        super().__init__()
+        # where adapters may change this layer (checkpoint modules; None: nowhere), and the
+        # adapters' update once one does
+        self.lora_source = lora_source
+        self.lora: LoraTarget | None = None
+
+    def attach_lora(self, target: LoraTarget) -> None:
+        """Adds the adapters' update `target` to every forward from now on."""
+        self.lora = target
+
+    def detach_lora(self) -> None:
+        """Forwards cost nothing for adapters again: the last one was unloaded."""
+        self.lora = None
+
+
+class ColumnParallelLinear(_LoraHost):
     """y = x W^T + b with the rows of W (output features) split across ranks.
 
     Several checkpoint tensors may be fused into one matmul (q/k/v, gate/up): each is split on its own
@@ -180,14 +199,11 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 quantize_kind: str | None = None, model_dtype: torch.dtype | None = None):
-        super().__init__()
+                 quantize_kind: str | None = None, model_dtype: torch.dtype | None = None,
+                 lora_source: LoraSource | None = None):
+        super().__init__(lora_source)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.prepared = LinearWeight.prepare(weight, self.bias, quantize_kind, model_dtype)
-        # where LoRA adapters may change this layer (set by `load`: checkpoint modules), and the
-        # adapters' update once one does
-        self.lora_source: LoraSource | None = None
-        self.lora: LoraTarget | None = None
 
     @classmethod
     def load(cls, weights: Weights, prefixes: list[str], *, bias: bool) -> "ColumnParallelLinear":
@@ -196,11 +212,10 @@ class ColumnParallelLinear(nn.Module):
         bias_t = None
         if bias:
             bias_t = torch.cat([weights.get_sharded(f"{p}.bias", dim=0) for p in prefixes], dim=0)
-        layer = cls(weight, bias_t, weights.quantize, weights.dtype)
-        layer.lora_source = _lora_source(
+        lora_source = _lora_source(
             weights, [CheckpointPart(p, [weights.shape(f"{p}.weight")[0]]) for p in prefixes],
-            layer.prepared.in_features, row_parallel=False)
-        return layer
+            weight.shape[1], row_parallel=False)
+        return cls(weight, bias_t, weights.quantize, weights.dtype, lora_source)
 
     @classmethod
     def load_fused(cls, weights: Weights, prefix: str, sizes: list[int], *, bias: bool,
@@ -217,11 +232,9 @@ class ColumnParallelLinear(nn.Module):
             row_order = row_order.to(weight.device)
             weight = weight[row_order].contiguous()
             bias_t = None if bias_t is None else bias_t[row_order].contiguous()
-        layer = cls(weight, bias_t, weights.quantize, weights.dtype)
-        layer.lora_source = _lora_source(weights, [CheckpointPart(prefix, list(sizes))],
-                                         layer.prepared.in_features, row_parallel=False,
-                                         row_order=row_order)
-        return layer
+        lora_source = _lora_source(weights, [CheckpointPart(prefix, list(sizes))],
+                                   weight.shape[1], row_parallel=False, row_order=row_order)
+        return cls(weight, bias_t, weights.quantize, weights.dtype, lora_source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.prepared)
@@ -250,28 +263,26 @@ def fused_rows(weights: Weights, name: str, sizes: list[int], *,
     return torch.cat(parts)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_LoraHost):
     """y = sum over ranks of x_r W_r^T, then + b once: W's columns (input features) are split."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parallel: ParallelContext,
-                 quantize_kind: str | None = None, model_dtype: torch.dtype | None = None):
-        super().__init__()
+                 quantize_kind: str | None = None, model_dtype: torch.dtype | None = None,
+                 lora_source: LoraSource | None = None):
+        super().__init__(lora_source)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.parallel = parallel
         self.prepared = LinearWeight.prepare(weight, quantize_kind=quantize_kind,
                                              model_dtype=model_dtype)
-        self.lora_source: LoraSource | None = None  # as ColumnParallelLinear's
-        self.lora: LoraTarget | None = None
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, *, bias: bool) -> "RowParallelLinear":
         weight = weights.get_sharded(f"{prefix}.weight", dim=1, as_stored=weights.quantizing)
         bias_t = weights.get(f"{prefix}.bias") if bias else None
-        layer = cls(weight, bias_t, weights.parallel, weights.quantize, weights.dtype)
         out_rows, full_in = weights.shape(f"{prefix}.weight")
-        layer.lora_source = _lora_source(weights, [CheckpointPart(prefix, [out_rows])], full_in,
-                                         row_parallel=True)
-        return layer
+        lora_source = _lora_source(weights, [CheckpointPart(prefix, [out_rows])], full_in,
+                                   row_parallel=True)
+        return cls(weight, bias_t, weights.parallel, weights.quantize, weights.dtype, lora_source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.prepared)
