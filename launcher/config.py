@@ -12,8 +12,8 @@ from launcher.gpus import visible_gpus
 from launcher.known_models import DEFAULT_MODEL, short_names_help
 from launcher.model_cache import cache_root
 from router import VERSION
-from router.config import (ENV_HELP, TRUE_FALSE, RouterConfig, env_value, flag_arguments,
-                           setting)
+from router.config import router_config, router_fields
+from router.config.flags import ENV_HELP, TRUE_FALSE, env_value, flag_arguments, setting
 from shard.config import (DEFAULT_CUDA_GRAPHS, DISABLE_KERNELS_ENV, DTYPES, QUANTIZE_KINDS,
                           parse_cuda_graphs)
 
@@ -222,7 +222,7 @@ class LauncherConfig:
                                        shown="none")
     ngrok_edge: str | None = _opt(None, "Used by --ngrok only (refused).", compat=True,
                                   shown="none")
-    router: dict = field(default_factory=dict)  # RouterConfig fields given on the command line
+    router: dict = field(default_factory=dict)  # router settings given on the command line
 
     def __post_init__(self):
         self.num_shard = shard_count(self.sharded, self.num_shard, self.device)
@@ -277,8 +277,8 @@ class LauncherConfig:
                              "does not read an int8 cache's scales; leave one of them out")
         self._check_tgi_flags()
         # the router's flags are checked now, not once the shards have spent minutes loading
-        RouterConfig(tokenizer_path=".",
-                     **{name: value for name, value in self.router.items() if value is not None})
+        router_config({"tokenizer_path": ".",
+                       **{name: value for name, value in self.router.items() if value is not None}})
 
     def _take_kv_cache_dtype(self) -> None:
         """--kv-cache-dtype: int8 (the shards' 8-bit cache), or the model's dtype, which is the
@@ -427,7 +427,7 @@ _REPEATED = {"cors_allow_origin"}
 
 def forwarded_router_fields() -> list[dataclasses.Field]:
     """The router's flags the launcher takes and forwards; it gives the others itself."""
-    return [f for f in dataclasses.fields(RouterConfig) if not f.metadata.get("set_by_launcher")]
+    return [f for f in router_fields() if not f.metadata.get("set_by_launcher")]
 
 
 def _flags(name: str) -> list[str]:

@@ -1,7 +1,8 @@
 """The LoRA adapters one running model has loaded: names, files, and what the shards read of them.
 
-`served.adapters` of each ServedModel. A load finds the adapter's directory (a local one, or a Hub
-id the launcher's model host fetches into the models cache: `fetch`), checks its files, and asks
+`served.adapters` of each ServedModel, an AdapterStore. A load finds the adapter's directory (a
+local one, or a Hub id the launcher's model host fetches into the models cache: `links.fetch`),
+checks its files, and asks
 every shard rank to load it; the name then opens in the generation core's gate
 (router/core/adapter_use.py). An unload closes the name at once, waits until no queued or running
 request uses it, and frees it on every rank. A restarted shard group has none: `reload_all` loads
@@ -17,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.config import adapter_name_problem
+from router.config.server import adapter_name_problem
 from router.core.adapter_use import AdapterUse
 from router.errors import AdapterError, UnhealthyError, UnknownAdapterError
 from router.scheduler.batcher import Batcher
@@ -35,6 +36,19 @@ BUSY_RETRY_S = 10.0  # how long an unload retries while a shard batch still hold
 
 # (Hub id, revision or None) -> the local directory the launcher fetched it into
 Fetch = Callable[[str, str | None], Awaitable[str]]
+
+
+def _no_other_use(name: str) -> str | None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterLinks:
+    """What an adapter store asks of the server beyond its own model (the model manager's)."""
+
+    fetch: Fetch | None = None  # Hub ids through the launcher (None: local directories only)
+    # what else a name names, if anything: a model, or another model's adapter
+    name_taken: Callable[[str], str | None] = _no_other_use
 
 
 @dataclass(slots=True)
@@ -89,18 +103,17 @@ def local_directory(source: str) -> Path | None:
     return path.resolve()
 
 
-class AdapterRegistry:
+class AdapterStore:
+    """One model's LoRA adapters: load, unload, reload after a restart, and what requests see."""
+
     def __init__(self, client: ShardedClient, use: AdapterUse, batcher: Batcher,
-                 metrics: Metrics, *, parent: str):
+                 metrics: Metrics, *, parent: str, links: AdapterLinks = AdapterLinks()):
         self.client = client
         self.use = use
         self.batcher = batcher
         self.metrics = metrics
         self.parent = parent  # the base model's id, as /v1/models lists it
-        # set by the model manager: Hub ids through the launcher (None: local directories only),
-        # and whether a name is taken by a model or another model's adapter
-        self.fetch: Fetch | None = None
-        self.name_taken: Callable[[str], str | None] = lambda name: None
+        self.links = links
         self._entries: dict[str, AdapterEntry] = {}
         self._loading: set[str] = set()
         self._unloads: dict[str, asyncio.Task] = {}
@@ -108,7 +121,6 @@ class AdapterRegistry:
         # unload never interleave on the ranks
         self._shard_calls = asyncio.Lock()
         metrics.adapters_loaded.set(0)
-        metrics.adapter_requests = batcher.requests_by_adapter
 
     # ---- what requests see ------------------------------------------------------------------
 
@@ -157,7 +169,7 @@ class AdapterRegistry:
                                "4096 characters")
         if self.has(name):
             raise AdapterError(f"The lora adapter {name!r} has already been loaded.")
-        taken = self.name_taken(name)
+        taken = self.links.name_taken(name)
         if taken is not None:
             raise AdapterError(f"{name!r} is {taken}: adapters and models share the names a "
                                "request's `model` gives; pick another name")
@@ -188,11 +200,11 @@ class AdapterRegistry:
         if path is not None:
             return path
         match = HUB_ID.fullmatch(source)
-        if self.fetch is None:
+        if self.links.fetch is None:
             raise AdapterError(f"{source!r} is no local directory, and Hub ids need tgi-launcher's "
                                "model host (this router runs without it): give a directory")
         try:
-            fetched = await self.fetch(match.group(1), match.group(2))
+            fetched = await self.links.fetch(match.group(1), match.group(2))
         except AdapterError:
             raise
         except Exception as err:  # noqa: BLE001 (the launcher's reason is the answer)

@@ -6,15 +6,14 @@ pool) and closed when it stops; the API modules look one up by name (router/stat
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 
 from router import VERSION
-from router.config import RouterConfig
+from router.config.model import ModelSettings
 from router.core.generation import Infer
 from router.errors import ModelStateError, SessionBusyError, UnhealthyError, ValidationError
 from router.inputs.chat_template import ChatTemplate
@@ -24,7 +23,8 @@ from router.inputs.validation import TokenLimits, ValidationLimits
 from router.kv.block_allocator import BlockAllocator
 from router.kv.prefix_cache import PrefixCache
 from router.kv.sessions import Session, SessionAdapterConflict, SessionBusy
-from router.lifecycle.adapters import AdapterRegistry
+from router.lifecycle.adapters import AdapterLinks, AdapterStore
+from router.lifecycle.limits import resolve_limits
 from router.lifecycle.registry import STOPPED
 from router.lifecycle.settings import ChatPrompt
 from router.scheduler.batcher import Batcher
@@ -42,7 +42,7 @@ log = logging.getLogger("tgi.router")
 
 @dataclass
 class ServedModel:
-    config: RouterConfig  # the router's, with this model's directory, socket and limits
+    config: ModelSettings
     tokenizer: RouterTokenizer
     client: ShardedClient
     shard_info: ShardInfo
@@ -57,12 +57,15 @@ class ServedModel:
     request_defaults: dict = field(default_factory=dict)
     chat_prompt: ChatPrompt = field(default_factory=ChatPrompt)
     tasks: list[asyncio.Task] = field(default_factory=list)
-    adapters: AdapterRegistry = None  # its LoRA adapters; made in __post_init__ unless given
+    adapters: AdapterStore = None  # its LoRA adapters; made in __post_init__ unless given
+    # what its adapter store, when made here, asks of the server: Hub fetches, names in use
+    adapter_links: InitVar[AdapterLinks] = AdapterLinks()
 
-    def __post_init__(self):
+    def __post_init__(self, adapter_links: AdapterLinks):
         if self.adapters is None:
-            self.adapters = AdapterRegistry(self.client, self.infer.adapters, self.batcher,
-                                            self.metrics, parent=self.model_name)
+            self.adapters = AdapterStore(self.client, self.infer.adapters, self.batcher,
+                                         self.metrics, parent=self.model_name,
+                                         links=adapter_links)
 
     @property
     def model_name(self) -> str:
@@ -203,7 +206,7 @@ def warmup_batch(limits: TokenLimits, max_batch_size: int | None,
     return NewBatch(id=0, requests=requests, max_tokens=0, max_blocks=0)
 
 
-async def warm_up(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
+async def warm_up(client: ShardedClient, config: ModelSettings, limits: TokenLimits,
                   block_size: int, *, known_pool_blocks: int | None = None) -> int:
     """Runs the largest batch of prompts the scheduler forms (the prefill budget's); returns the
     KV pool's size in blocks. A prompt that cannot be chunked (prefill log-probs, hidden states,
@@ -232,7 +235,7 @@ async def warm_up(client: ShardedClient, config: RouterConfig, limits: TokenLimi
     return num_blocks
 
 
-def recovery_policy(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
+def recovery_policy(client: ShardedClient, config: ModelSettings, limits: TokenLimits,
                     allocator: BlockAllocator,
                     reload_adapters: Callable[[], Awaitable[None]] | None = None
                     ) -> RecoveryPolicy:
@@ -253,34 +256,24 @@ def recovery_policy(client: ShardedClient, config: RouterConfig, limits: TokenLi
                           timeout=config.shard_recovery_timeout)
 
 
-def model_config(config: RouterConfig, *, model_id: str, model_dir: str, master_socket: str,
-                 settings: dict) -> RouterConfig:
-    """The router's settings for a model started through the model routes: its own directory,
-    socket, and the limits its `settings` give (the rest derived from the model, as at start)."""
-    return dataclasses.replace(
-        config, model_id=model_id, tokenizer_path=model_dir, master_shard_uds_path=master_socket,
-        tokenizer_config_path=None,  # the default model's
-        lora_adapters=None,  # the default model's: another loads its own at run time
-        max_input_tokens=None, max_total_tokens=settings.get("ctx_len"),
-        max_batch_prefill_tokens=None, max_batch_size=settings.get("n_parallel"),
-        max_batch_total_tokens=settings.get("max_batch_total_tokens"))
-
-
 _now = time.monotonic  # build_served's clock (tests move it)
 # seconds a restarted group may take to load, as long as the launcher waits for one to start
 GROUP_START_WAIT = 600.0
 
 
-async def build_served(config: RouterConfig, *, through_restarts: bool = False) -> ServedModel:
-    """Connects to a model's shards, warms them up, and builds its scheduler. `through_restarts`:
-    a group that dies meanwhile (the launcher restarts it) is waited for while it loads, up to
-    the launcher's own bound on a start (GROUP_START_WAIT), and warmed up again; else its death is
-    the error."""
+async def build_served(config: ModelSettings, *, through_restarts: bool = False,
+                       adapter_links: AdapterLinks = AdapterLinks()) -> ServedModel:
+    """Connects to a model's shards, warms them up, and builds its scheduler.
+
+    `through_restarts`: a group that dies meanwhile (the launcher restarts it) is waited for while
+    it loads, up to the launcher's own bound on a start (GROUP_START_WAIT), and warmed up again;
+    else its death is the error. `adapter_links`: what its adapter store asks of the server.
+    """
     deadline = None  # none until the group is found gone: a first warm-up may take minutes
     while True:
         client = await _connect(config, deadline)
         try:
-            return await _build(config, client)
+            return await _build(config, client, adapter_links)
         except ShardError as err:
             lost = not await client.is_same_group_alive()
             await client.close()
@@ -298,7 +291,7 @@ async def build_served(config: RouterConfig, *, through_restarts: bool = False) 
             raise
 
 
-async def _connect(config: RouterConfig, deadline: float | None) -> ShardedClient:
+async def _connect(config: ModelSettings, deadline: float | None) -> ShardedClient:
     """A client of the group; with a deadline, retried until then while its shards start."""
     while True:
         try:
@@ -309,7 +302,8 @@ async def _connect(config: RouterConfig, deadline: float | None) -> ShardedClien
             await asyncio.sleep(0.5)
 
 
-async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
+async def _build(config: ModelSettings, client: ShardedClient,
+                 adapter_links: AdapterLinks) -> ServedModel:
     tokenizer = RouterTokenizer(config.tokenizer_path, workers=config.validation_workers)
     await client.clear_cache()
     shard_info = await client.info()
@@ -317,11 +311,7 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
         log.warning("the shards chunk prefills: --waiting-served-ratio and --max-waiting-tokens "
                     "are ignored (as in TGI); a new request's prefill carries the running "
                     "batch's step, and it joins as soon as it fits")
-    limits = TokenLimits.resolve(
-        max_input_tokens=config.max_input_tokens, max_total_tokens=config.max_total_tokens,
-        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
-        max_position_embeddings=shard_info.max_position_embeddings,
-        chunking=shard_info.support_chunking, device_type=shard_info.device_type)
+    limits = resolve_limits(config, shard_info)
     num_blocks = await warm_up(client, config, limits, shard_info.block_size)
     allocator = BlockAllocator(num_blocks, shard_info.block_size)
     capacity = allocator.num_usable_blocks * allocator.block_size
@@ -331,8 +321,10 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
         max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size,
         max_decode_steps=config.max_decode_steps_per_call,
         stream_decode_steps=shard_info.device_type == "cuda")
+    batcher: Batcher | None = None  # the metrics count requests by adapter from it, once made
     metrics = Metrics(max_input_tokens=limits.max_input_tokens,
-                      max_total_tokens=limits.max_total_tokens)
+                      max_total_tokens=limits.max_total_tokens,
+                      adapter_requests=lambda: batcher.requests_by_adapter())
     prefix_cache = None
     if config.prefix_caching == "on" and shard_info.use_prefix_caching:
         prefix_cache = PrefixCache(allocator)
@@ -351,11 +343,12 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens, shard_info.vocab_size)
     served = ServedModel(config, tokenizer, client, shard_info, limits, validation_limits,
-                         allocator, batcher, infer, metrics, chat_template(config))
+                         allocator, batcher, infer, metrics, chat_template(config),
+                         adapter_links=adapter_links)
     return served
 
 
-def chat_template(config: RouterConfig) -> ChatTemplate | None:
+def chat_template(config: ModelSettings) -> ChatTemplate | None:
     """The model's chat template. One that does not compile is said once here, and the chat
     routes answer its error as a 422: the rest of the API serves the model all the same."""
     template = ChatTemplate.from_model_dir(config.tokenizer_path, config.tokenizer_config_path)

@@ -153,7 +153,7 @@ async def generate_batch(request: web.Request) -> web.Response:
 
 
 async def _expire_sessions(state: RouterState) -> None:
-    every = max(min(state.config.session_ttl / 4, 5.0), 0.05)
+    every = max(min(state.models.model_defaults.session_ttl / 4, 5.0), 0.05)
     while True:
         await asyncio.sleep(every)
         for served in list(state.models.served.values()):

@@ -9,7 +9,7 @@ from router.errors import UnknownAdapterError, ValidationError
 from router.inputs.validation import chosen_adapter
 
 if TYPE_CHECKING:
-    from router.lifecycle.adapters import AdapterRegistry
+    from router.lifecycle.adapters import AdapterStore
 
 
 class SglangBadRequest(ValidationError):
@@ -32,7 +32,7 @@ def _lora_values(body: dict, name: str, count: int) -> list[str | None]:
     return values
 
 
-def _adapter(value: str | None, name: str, adapters: AdapterRegistry | None) -> str | None:
+def _adapter(value: str | None, name: str, adapters: AdapterStore | None) -> str | None:
     """A loaded adapter's name, given as itself or (`lora_path`) as the directory it was loaded
     from, as SGLang's lora_path names an adapter by the path it was loaded under."""
     try:
@@ -47,7 +47,7 @@ def _adapter(value: str | None, name: str, adapters: AdapterRegistry | None) -> 
 
 
 def prompt_adapters(body: dict, count: int,
-                    adapters: AdapterRegistry | None) -> list[str | None]:
+                    adapters: AdapterStore | None) -> list[str | None]:
     """Each prompt's LoRA adapter (None: the base model), by `lora_path` or `lora_id` (SGLang's
     newer field, a name); both given must name the same adapter."""
     chosen = []

@@ -26,7 +26,7 @@ from router.inputs.validation import ValidationLimits, check_lengths
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
 
 if TYPE_CHECKING:
-    from router.lifecycle.adapters import AdapterRegistry
+    from router.lifecycle.adapters import AdapterStore
 
 INPUT_FIELDS = ("text", "input_ids", "input_embeds")
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -339,7 +339,7 @@ def _rids(body: dict, count: int) -> list[str]:
 
 async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: ValidationLimits,
                          max_batch: int, hidden_size: int, *,
-                         adapters: AdapterRegistry | None = None) -> SglangBatch:
+                         adapters: AdapterStore | None = None) -> SglangBatch:
     """The whole body -> one GenerateRequest per prompt and copy, in batch-major order.
     `hidden_size` is the width of a row of `input_embeds`; `adapters`: the model's LoRA
     adapters, which `lora_path` / `lora_id` choose from."""

@@ -249,15 +249,15 @@ def test_a_router_flag_without_value_is_forwarded_as_one():
     from router.config import parse_args as router_args
 
     assert router_args(["--tokenizer-path", "/m", "--disable-grammar-support"]) \
-        .disable_grammar_support
-    assert not router_args(["--tokenizer-path", "/m"]).disable_grammar_support
+        .model.disable_grammar_support
+    assert not router_args(["--tokenizer-path", "/m"]).model.disable_grammar_support
 
 
 def test_tgis_router_names_its_tokenizer_tokenizer_name_and_prints_its_schema(capsys):
     from router.__main__ import main as router_main
     from router.config import parse_args as router_args
 
-    assert router_args(["--tokenizer-name", "/models/m"]).tokenizer_path == "/models/m"
+    assert router_args(["--tokenizer-name", "/models/m"]).model.tokenizer_path == "/models/m"
     assert router_main(["print-schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
     assert "/generate" in schema["paths"]
@@ -369,7 +369,8 @@ async def _served_app(tiny_llama, **settings):
     from aiohttp.test_utils import TestClient, TestServer
 
     from router.app import create_app, router_state
-    from router.config import RouterConfig
+    from router.config.model import ModelSettings
+    from router.config.server import ServerSettings
     from router.lifecycle import served_model
     from router.shards.convert import ShardInfo
     from tests.fakes import FakeShardClient
@@ -392,13 +393,14 @@ async def _served_app(tiny_llama, **settings):
     async def warm_up(client, config, limits, block_size, **_):
         return 200
 
-    config = RouterConfig(tokenizer_path=str(tiny_llama), **settings)
+    config = ModelSettings(tokenizer_path=str(tiny_llama), **settings)
+    state = router_state(ServerSettings(), config)
     original, served_model.warm_up = served_model.warm_up, warm_up
     try:
-        served = await served_model._build(config, Shards())
+        served = await served_model._build(config, Shards(), state.models.adapter_links)
     finally:
         served_model.warm_up = original
-    state = router_state(config, served)
+    state.models.add_default(served)
     client = TestClient(TestServer(create_app(state)))
     await client.start_server()
     return client, state
