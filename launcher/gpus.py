@@ -2,6 +2,7 @@
 launcher sees, the least used first, instead of all starting at GPU 0."""
 from __future__ import annotations
 
+import os
 import subprocess
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -34,3 +35,26 @@ def pick_gpus(gpus: list[str], in_use: Iterable[str], count: int) -> tuple[str, 
     load = Counter(in_use)
     chosen = sorted(range(len(gpus)), key=lambda index: (load[gpus[index]], index))[:count]
     return tuple(gpus[index] for index in sorted(chosen))
+
+
+def shard_count(sharded: str | None, num_shard: int | None, device: str) -> int:
+    """--num-shard as TGI resolves it with --sharded, except that without either it is 1 (TGI
+    takes every visible GPU)."""
+    sharded = (sharded or "").lower()
+    if sharded not in ("", "true", "false"):
+        raise ValueError(f"--sharded {sharded!r} must be true or false")
+    if sharded != "true":
+        return 1 if num_shard is None else num_shard
+    if num_shard is not None:
+        if num_shard <= 1:
+            raise ValueError(f"--sharded true with --num-shard {num_shard}: a sharded model "
+                             "needs at least 2 shards")
+        return num_shard
+    gpus = [] if device == "cpu" else visible_gpus(os.environ)
+    if len(gpus) < 2:
+        where = ("this launcher serves on the CPU (--device cpu)" if device == "cpu"
+                 else f"{len(gpus)} GPU(s) are visible")
+        raise ValueError(f"--sharded true without --num-shard splits the model over every "
+                         f"visible GPU, and {where}. On the CPU give --num-shard N instead: N "
+                         "processes then share the cores, each holding 1/N of the weights.")
+    return len(gpus)

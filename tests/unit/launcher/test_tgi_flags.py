@@ -175,9 +175,9 @@ def test_max_input_length_is_the_old_name_of_max_input_tokens():
 
 
 def test_sharded_true_takes_every_visible_gpu_and_needs_two(monkeypatch):
-    from launcher import config as launcher_config
+    from launcher import gpus
 
-    monkeypatch.setattr(launcher_config, "visible_gpus", lambda environ: ["0", "1", "2"])
+    monkeypatch.setattr(gpus, "visible_gpus", lambda environ: ["0", "1", "2"])
     assert parse_args(["--sharded", "true"]).num_shard == 3
     assert parse_args(["--sharded", "false"]).num_shard == 1
     assert parse_args(["--sharded", "false", "--num-shard", "2"]).num_shard == 2  # as TGI
@@ -187,7 +187,7 @@ def test_sharded_true_takes_every_visible_gpu_and_needs_two(monkeypatch):
     with pytest.raises(ValueError, match=r"serves on the CPU \(--device cpu\). On the CPU give "
                                          "--num-shard N"):
         parse_args(["--sharded", "true", "--device", "cpu"])
-    monkeypatch.setattr(launcher_config, "visible_gpus", lambda environ: ["0"])
+    monkeypatch.setattr(gpus, "visible_gpus", lambda environ: ["0"])
     with pytest.raises(ValueError, match="1 GPU"):
         parse_args(["--sharded", "true"])
     assert parse_args(["--sharded", "FALSE"]).num_shard == 1  # any case, as TGI's clap
