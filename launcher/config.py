@@ -1,4 +1,7 @@
-"""The launcher's settings: its own flags plus the router's, each declared once, TGI's names and env vars."""
+"""The launcher's settings: its own flags, TGI's names and variables, and the router's it takes.
+
+The router's flags are declared once, in router/config/, and taken through launcher/router_flags.py.
+"""
 from __future__ import annotations
 
 import argparse
@@ -22,8 +25,10 @@ DEVICES = ("cpu", "cuda", "auto")
 
 
 def _opt(default, help_text: str, *, compat: bool = False, **kwargs):
-    """A flag (router.config.setting); `compat`: one tgi-py takes only because TGI has it
-    (--help lists those apart)."""
+    """A launcher flag's field (router.config.flags.setting).
+
+    `compat`: one tgi-py takes only because TGI has it (--help lists those apart).
+    """
     return setting(default, help_text, compat=compat, **kwargs)
 
 
@@ -325,9 +330,11 @@ class LauncherConfig:
                 "--otlp-service-name", f"{name}.shard" if name else "tgi-py.shard"]
 
     def shard_settings_argv(self, *, default_model: bool) -> list[str]:
-        """The shards' part of TGI's model flags: the int8 KV cache and the watermark for every
-        model, the rope override for the default model only (another model's checkpoint is
-        another's)."""
+        """The shards' part of TGI's model flags, as shard flags.
+
+        The int8 KV cache and the watermark for every model, the rope override for the default
+        model only (another model's checkpoint is another's).
+        """
         argv = []
         if self.kv_cache_dtype == KV_INT8:
             argv += ["--kv-cache-dtype", KV_INT8]

@@ -1,5 +1,8 @@
-"""Which GPUs a shard group's ranks run on: several models served at once spread over the GPUs the
-launcher sees, the least used first, instead of all starting at GPU 0."""
+"""Which GPUs a shard group's ranks run on, and how many ranks --sharded asks for.
+
+Several models served at once spread over the GPUs the launcher sees, the least used first,
+instead of all starting at GPU 0.
+"""
 from __future__ import annotations
 
 import os
@@ -10,9 +13,11 @@ from itertools import takewhile
 
 
 def visible_gpus(environ: Mapping[str, str]) -> list[str]:
-    """The GPUs this launcher may use, as CUDA_VISIBLE_DEVICES entries: that variable's own when
-    set (up to a "-1", past which CUDA sees none), else every GPU `nvidia-smi -L` lists by index;
-    none without the driver."""
+    """The GPUs this launcher may use, as CUDA_VISIBLE_DEVICES entries.
+
+    That variable's own when set (up to a "-1", past which CUDA sees none), else every GPU
+    `nvidia-smi -L` lists by index; none without the driver.
+    """
     listed = environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return list(takewhile(lambda gpu: gpu != "-1",
@@ -28,8 +33,10 @@ def visible_gpus(environ: Mapping[str, str]) -> list[str]:
 
 
 def pick_gpus(gpus: list[str], in_use: Iterable[str], count: int) -> tuple[str, ...]:
-    """`count` distinct GPUs of `gpus` holding the fewest ranks of other groups (`in_use`: one
-    entry per rank), the first listed on a tie, in their listed order."""
+    """`count` distinct GPUs of `gpus` holding the fewest ranks of other groups.
+
+    `in_use`: one entry per rank. The first listed wins a tie; the result is in listed order.
+    """
     if count > len(gpus):
         raise ValueError(f"{count} shard(s) on CUDA need as many GPUs: {len(gpus)} visible")
     load = Counter(in_use)
@@ -38,8 +45,10 @@ def pick_gpus(gpus: list[str], in_use: Iterable[str], count: int) -> tuple[str, 
 
 
 def shard_count(sharded: str | None, num_shard: int | None, device: str) -> int:
-    """--num-shard as TGI resolves it with --sharded, except that without either it is 1 (TGI
-    takes every visible GPU)."""
+    """--num-shard as TGI resolves it with --sharded.
+
+    Except that without either it is 1 (TGI takes every visible GPU).
+    """
     sharded = (sharded or "").lower()
     if sharded not in ("", "true", "false"):
         raise ValueError(f"--sharded {sharded!r} must be true or false")

@@ -79,8 +79,10 @@ def check_name(name: object) -> str:
 
 
 def local_directory(source: str) -> Path | None:
-    """The directory `source` names, or None when it reads as a Hub id; AdapterError when it
-    is a path with no adapter there (checked before any shard is asked)."""
+    """The directory `source` names, or None when it reads as a Hub id.
+
+    AdapterError when it is a path with no adapter there (checked before any shard is asked).
+    """
     looks_local = source.startswith(("/", "./", "../", "~")) or not HUB_ID.fullmatch(source)
     try:
         path = Path(source).expanduser()
@@ -160,9 +162,11 @@ class AdapterStore:
     # ---- load and unload --------------------------------------------------------------------
 
     async def load(self, name: str, source: str) -> AdapterEntry:
-        """Loads `source` (a local adapter directory, or a Hub id fetched by the launcher) under
-        `name` on every rank. AdapterError (400) for a bad name, source or adapter, and for a
-        name in use; nothing changes then."""
+        """Loads `source` under `name` on every rank.
+
+        `source`: a local adapter directory, or a Hub id fetched by the launcher. AdapterError
+        (400) for a bad name, source or adapter, and for a name in use; nothing changes then.
+        """
         check_name(name)
         if not isinstance(source, str) or not source.strip() or len(source) > 4096:
             raise AdapterError("the adapter's path must be a directory or a Hub id of at most "
@@ -234,9 +238,12 @@ class AdapterStore:
             raise _load_error(name, err) from None
 
     async def unload(self, name: str) -> None:
-        """Refuses `name` to new requests at once, waits until no queued or running request
-        uses it, then frees it on every rank. UnknownAdapterError when it is not loaded. An
-        unload under way is joined; a caller that goes away leaves it running to its end."""
+        """Unloads `name` once no queued or running request uses it.
+
+        It is refused to new requests at once, then freed on every rank once no request uses
+        it. UnknownAdapterError when it is not loaded. An unload under way is joined; a caller
+        that goes away leaves it running to its end.
+        """
         task = self._unloads.get(name)
         if task is None:
             if name not in self._entries:
@@ -285,9 +292,12 @@ class AdapterStore:
             await asyncio.sleep(POLL_S)
 
     async def reload_all(self) -> None:
-        """Loads every adapter into a restarted shard group (which has none) before requests run
-        on it. An adapter the new group refuses (its files gone meanwhile) is dropped, with the
-        reason logged; a group that fails the call (gone again) raises, to be retried."""
+        """Loads every adapter into a restarted shard group (which has none).
+
+        Done before requests run on it. An adapter the new group refuses (its files gone
+        meanwhile) is dropped, with the reason logged; a group that fails the call (gone again)
+        raises, to be retried.
+        """
         async with self._shard_calls:
             for entry in self.entries():
                 try:

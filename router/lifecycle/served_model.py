@@ -208,8 +208,9 @@ def warmup_batch(limits: TokenLimits, max_batch_size: int | None,
 
 async def warm_up(client: ShardedClient, config: ModelSettings, limits: TokenLimits,
                   block_size: int, *, known_pool_blocks: int | None = None) -> int:
-    """Runs the largest batch of prompts the scheduler forms (the prefill budget's); returns the
-    KV pool's size in blocks. A prompt that cannot be chunked (prefill log-probs, hidden states,
+    """Runs the largest batch of prompts the scheduler forms; returns the KV pool's size in blocks.
+
+    The batch is the prefill budget's. A prompt that cannot be chunked (prefill log-probs, hidden states,
     input embeddings) over a smaller budget than --max-input-tokens still goes alone, in one
     forward, as TGI sends it.
 
@@ -239,9 +240,12 @@ def recovery_policy(client: ShardedClient, config: ModelSettings, limits: TokenL
                     allocator: BlockAllocator,
                     reload_adapters: Callable[[], Awaitable[None]] | None = None
                     ) -> RecoveryPolicy:
-    """How the router gets a model's shards back after the launcher restarted them: the same
-    socket, the same model and limits, a short warm-up that allocates the pool at its size,
-    empty caches, and its LoRA adapters loaded again (`reload_adapters`) before any request runs."""
+    """How the router gets a model's shards back after the launcher restarted them.
+
+    The same socket, the same model and limits, a short warm-up that allocates the pool at its
+    size, empty caches, and its LoRA adapters loaded again (`reload_adapters`) before any
+    request runs.
+    """
 
     async def reconnect() -> int:
         await client.reconnect(config.master_shard_uds_path, timeout=2.0)
@@ -349,8 +353,11 @@ async def _build(config: ModelSettings, client: ShardedClient,
 
 
 def chat_template(config: ModelSettings) -> ChatTemplate | None:
-    """The model's chat template. One that does not compile is said once here, and the chat
-    routes answer its error as a 422: the rest of the API serves the model all the same."""
+    """The model's chat template.
+
+    One that does not compile is said once here, and the chat routes answer its error as a 422:
+    the rest of the API serves the model all the same.
+    """
     template = ChatTemplate.from_model_dir(config.tokenizer_path, config.tokenizer_config_path)
     if template is not None and template.error is not None:
         log.warning("%s: %s; the chat routes answer 422 until the template is fixed, the other "

@@ -160,8 +160,11 @@ def check_keys(group: str, given: dict, table: dict) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
-    """Jan's prompt pieces, for a model without a chat template: pre_prompt, then each message
-    after its role's prefix, then the assistant's prefix to answer after."""
+    """Jan's prompt pieces, for a model without a chat template.
+
+    pre_prompt, then each message after its role's prefix, then the assistant's prefix to answer
+    after.
+    """
 
     pre_prompt: str = ""
     system_prompt: str = "SYSTEM: "
