@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.model_cache import ModelResolutionError
-from router.config import adapter_name_problem
+from router.config.server import adapter_name_problem
 
 ADAPTER_CONFIG = "adapter_config.json"
 # PEFT's weight files, in the order they are taken: safetensors where a source has both

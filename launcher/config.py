@@ -1,19 +1,23 @@
-"""The launcher's settings: its own flags plus the router's, each declared once, TGI's names and env vars."""
+"""The launcher's settings: its own flags, TGI's names and variables, and the router's it takes.
+
+The router's flags are declared once, in router/config/, and taken through launcher/router_flags.py.
+"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.adapters import AdapterSpec, parse_lora_adapters
-from launcher.gpus import visible_gpus
+from launcher.gpus import shard_count
 from launcher.known_models import DEFAULT_MODEL, short_names_help
+from launcher.kv_and_quantize import FP8_KV, KV_INT8, TGI_QUANTIZE, Choices, kv_cache_dtype
 from launcher.model_cache import cache_root
 from router import VERSION
-from router.config import (ENV_HELP, TRUE_FALSE, RouterConfig, env_value, flag_arguments,
-                           setting)
+from launcher.router_flags import (add_router_flags, check_router_flags, read_router_flags,
+                                   router_flags_argv)
+from router.config.flags import ENV_HELP, TRUE_FALSE, flag_arguments, setting
 from shard.config import (DEFAULT_CUDA_GRAPHS, DISABLE_KERNELS_ENV, DTYPES, QUANTIZE_KINDS,
                           device_refusal, parse_cuda_graphs)
 
@@ -21,35 +25,11 @@ DEVICES = ("cpu", "cuda", "auto")
 
 
 def _opt(default, help_text: str, *, compat: bool = False, **kwargs):
-    """A flag (router.config.setting); `compat`: one tgi-py takes only because TGI has it
-    (--help lists those apart)."""
+    """A launcher flag's field (router.config.flags.setting).
+
+    `compat`: one tgi-py takes only because TGI has it (--help lists those apart).
+    """
     return setting(default, help_text, compat=compat, **kwargs)
-
-
-class _Choices(tuple):
-    """A flag's values, which --help and argparse's refusal offer; `in` also lets through
-    `refused`, TGI's values that LauncherConfig refuses with its reason (argparse's "invalid
-    choice" would not say why)."""
-
-    def __new__(cls, offered, refused):
-        choices = super().__new__(cls, offered)
-        choices.refused = frozenset(refused)
-        return choices
-
-    def __contains__(self, value) -> bool:
-        return tuple.__contains__(self, value) or value in self.refused
-
-
-# TGI's --quantize kinds, none of which tgi-py implements: why each is refused
-_TGI_QUANTIZE = {
-    **dict.fromkeys(("awq", "gptq", "marlin", "exl2", "compressed-tensors"),
-                    "it needs a checkpoint quantized by that method, and tgi-py loads "
-                    "unquantized (or GGUF) checkpoints only"),
-    **dict.fromkeys(("eetq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8"),
-                    "its kernels are not part of tgi-py"),
-}
-_FP8_KV = ("fp8_e4m3fn", "fp8_e5m2")  # TGI's --kv-cache-dtype values
-KV_INT8 = "int8"  # tgi-py's 8-bit KV cache (shard/layers/kv_int8.py)
 
 
 @dataclass(slots=True)
@@ -83,7 +63,7 @@ class LauncherConfig:
                                             "must equal it when it is. TGI's fp8_e4m3fn and "
                                             "fp8_e5m2 are refused: int8 is tgi-py's 8-bit cache.",
                                       shown="the model's dtype (--dtype)",
-                                      choices=_Choices((*DTYPES, KV_INT8), _FP8_KV))
+                                      choices=Choices((*DTYPES, KV_INT8), FP8_KV))
     device: str = _opt("auto", "Where the shards run; auto: a GPU where one is visible (and "
                                "--quantize is not given), else the CPU.", choices=DEVICES)
     quantize: str | None = _opt(None, "Weight-only quantization of the linear layers (and the LM "
@@ -94,7 +74,7 @@ class LauncherConfig:
                                       "where they pay. TGI's kinds (awq, gptq, marlin, exl2, "
                                       "compressed-tensors, eetq, bitsandbytes*, fp8) are "
                                       "refused.", shown="none",
-                                choices=_Choices(QUANTIZE_KINDS, _TGI_QUANTIZE))
+                                choices=Choices(QUANTIZE_KINDS, TGI_QUANTIZE))
     speculate: int = _opt(0, "Speculative decoding: up to this many draft tokens per request and "
                              "step, guessed from the request's own text (n-gram prompt lookup) "
                              "and verified in the same forward; the output is the one without. "
@@ -175,7 +155,7 @@ class LauncherConfig:
                                           "(max_position_embeddings) grows F times. dynamic "
                                           "(NTK) is refused: not implemented.",
                                     shown="none: the checkpoint's own",
-                                    choices=_Choices(("linear",), ("dynamic",)))
+                                    choices=Choices(("linear",), ("dynamic",)))
     rope_factor: float | None = _opt(None, "Factor of --rope-scaling; alone, it means linear, as "
                                            "in TGI.", shown="1")
     watermark_gamma: float | None = _opt(None, "Share of the vocabulary on each green list of "
@@ -222,7 +202,7 @@ class LauncherConfig:
                                        shown="none")
     ngrok_edge: str | None = _opt(None, "Used by --ngrok only (refused).", compat=True,
                                   shown="none")
-    router: dict = field(default_factory=dict)  # RouterConfig fields given on the command line
+    router: dict = field(default_factory=dict)  # router settings given on the command line
 
     def __post_init__(self):
         self.num_shard = shard_count(self.sharded, self.num_shard, self.device)
@@ -252,10 +232,10 @@ class LauncherConfig:
             raise ValueError(f"--speculate {self.speculate} must be at least 0")
         if self.quantize == "":
             self.quantize = None  # QUANTIZE= in the environment: none, as the shard reads it
-        if self.quantize in _TGI_QUANTIZE:
+        if self.quantize in TGI_QUANTIZE:
             raise ValueError(f"--quantize {self.quantize} is not one of "
                              f"{', '.join(QUANTIZE_KINDS)} (tgi-py's own): TGI's {self.quantize} "
-                             f"is not implemented, {_TGI_QUANTIZE[self.quantize]}. int8 and "
+                             f"is not implemented, {TGI_QUANTIZE[self.quantize]}. int8 and "
                              "int4 quantize an unquantized model's weights as it loads, on the "
                              "CPU.")
         if self.quantize is not None and self.quantize not in QUANTIZE_KINDS:
@@ -275,29 +255,11 @@ class LauncherConfig:
                              "does not read an int8 cache's scales; leave one of them out")
         self._check_tgi_flags()
         # the router's flags are checked now, not once the shards have spent minutes loading
-        RouterConfig(tokenizer_path=".",
-                     **{name: value for name, value in self.router.items() if value is not None})
+        check_router_flags(self.router)
 
     def _take_kv_cache_dtype(self) -> None:
-        """--kv-cache-dtype: int8 (the shards' 8-bit cache), or the model's dtype, which is the
-        cache's anyway, so it may only name that one."""
-        kv = self.kv_cache_dtype or None
-        self.kv_cache_dtype = kv
-        if kv is None or kv == KV_INT8:
-            return
-        if kv in _FP8_KV:
-            raise ValueError(f"--kv-cache-dtype {kv}: no FP8 KV cache is implemented; int8 is "
-                             "tgi-py's 8-bit KV cache (int8 with a scale per token and head, "
-                             "on the CPU): give --kv-cache-dtype int8, or leave it out for the "
-                             f"model's dtype ({', '.join(DTYPES)})")
-        if kv not in DTYPES:
-            raise ValueError(f"--kv-cache-dtype {kv!r} is not one of {', '.join(DTYPES)} or "
-                             f"{KV_INT8} (TGI's {', '.join(_FP8_KV)} are not implemented)")
-        if self.dtype is None:
-            self.dtype = kv
-        elif self.dtype != kv:
-            raise ValueError(f"--kv-cache-dtype {kv} with --dtype {self.dtype}: the KV cache is "
-                             "kept in the model's dtype; give one of them, or the same twice")
+        """--kv-cache-dtype checked, and the model's --dtype it implies taken."""
+        self.kv_cache_dtype, self.dtype = kv_cache_dtype(self.kv_cache_dtype, self.dtype)
 
     def _check_tgi_flags(self) -> None:
         """TGI's flags that mean something here made ready, and those that cannot refused."""
@@ -366,9 +328,11 @@ class LauncherConfig:
                 "--otlp-service-name", f"{name}.shard" if name else "tgi-py.shard"]
 
     def shard_settings_argv(self, *, default_model: bool) -> list[str]:
-        """The shards' part of TGI's model flags: the int8 KV cache and the watermark for every
-        model, the rope override for the default model only (another model's checkpoint is
-        another's)."""
+        """The shards' part of TGI's model flags, as shard flags.
+
+        The int8 KV cache and the watermark for every model, the rope override for the default
+        model only (another model's checkpoint is another's).
+        """
         argv = []
         if self.kv_cache_dtype == KV_INT8:
             argv += ["--kv-cache-dtype", KV_INT8]
@@ -387,45 +351,10 @@ class LauncherConfig:
         argv = ["--tokenizer-path", tokenizer_path, "--model-id", model_id,
                 "--master-shard-uds-path", f"{self.shard_uds_path}-0",
                 "--autostart", "true" if self.autostart else "false"]
-        for name, value in self.router.items():
-            if value is None or value is False:
-                continue
-            flag = f"--{name.replace('_', '-')}"
-            argv += [flag] if value is True else [flag, str(value)]
-        return argv
-
-
-def shard_count(sharded: str | None, num_shard: int | None, device: str) -> int:
-    """--num-shard as TGI resolves it with --sharded, except that without either it is 1 (TGI
-    takes every visible GPU)."""
-    sharded = (sharded or "").lower()
-    if sharded not in ("", "true", "false"):
-        raise ValueError(f"--sharded {sharded!r} must be true or false")
-    if sharded != "true":
-        return 1 if num_shard is None else num_shard
-    if num_shard is not None:
-        if num_shard <= 1:
-            raise ValueError(f"--sharded true with --num-shard {num_shard}: a sharded model "
-                             "needs at least 2 shards")
-        return num_shard
-    gpus = [] if device == "cpu" else visible_gpus(os.environ)
-    if len(gpus) < 2:
-        where = ("this launcher serves on the CPU (--device cpu)" if device == "cpu"
-                 else f"{len(gpus)} GPU(s) are visible")
-        raise ValueError(f"--sharded true without --num-shard splits the model over every "
-                         f"visible GPU, and {where}. On the CPU give --num-shard N instead: N "
-                         "processes then share the cores, each holding 1/N of the weights.")
-    return len(gpus)
+        return argv + router_flags_argv(self.router)
 
 
 _SHORT = {"port": "-p", "env": "-e", "graceful_termination_timeout": "-g"}  # TGI's short flags
-# given once per origin, as TGI takes it; the router takes them comma-separated
-_REPEATED = {"cors_allow_origin"}
-
-
-def forwarded_router_fields() -> list[dataclasses.Field]:
-    """The router's flags the launcher takes and forwards; it gives the others itself."""
-    return [f for f in dataclasses.fields(RouterConfig) if not f.metadata.get("set_by_launcher")]
 
 
 def _flags(name: str) -> list[str]:
@@ -451,25 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name != "router":
             target = compat if f.metadata["compat"] else parser
             target.add_argument(*_flags(f.name), **flag_arguments(f, default=f.default))
-    group = parser.add_argument_group("router", "Forwarded to the router (tgi-router takes them "
-                                      "too, with the same variables).")
-    for f in forwarded_router_fields():
-        # unset stays None, so that only what the user gave is forwarded
-        arguments = flag_arguments(f, default=None)
-        if "type" in arguments and "choices" not in arguments:  # choices show as {on,off}
-            arguments["metavar"] = f.name.upper()
-        if f.name in _REPEATED:  # the environment's value is read in parse_args
-            arguments.update(action="append", default=None)
-        group.add_argument(*_flags(f.name), dest=f"router.{f.name}", **arguments)
+    add_router_flags(parser, _flags)
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> LauncherConfig:
-    args = vars(build_parser().parse_args(argv))
-    router = {k.removeprefix("router."): v for k, v in args.items() if k.startswith("router.")}
-    own = {k: v for k, v in args.items() if not k.startswith("router.")}
-    for f in forwarded_router_fields():
-        if f.name in _REPEATED:
-            given = router.get(f.name)
-            router[f.name] = ",".join(given) if given else env_value(f, None)
+    """tgi-launcher's settings from `argv` and the environment."""
+    own, router = read_router_flags(vars(build_parser().parse_args(argv)))
     return LauncherConfig(**own, router=router)

@@ -36,7 +36,7 @@ class GroupHost(Protocol):
 
     def group_names(self) -> list[str]: ...
 
-MAX_PULLS = 4  # the router's limit too (router/lifecycle/manager.py)
+MAX_PULLS = 4  # the router's limit too (router/lifecycle/pulls.py)
 _PROGRESS_INTERVAL = 0.2  # seconds between two progress messages of one pull
 
 

@@ -27,18 +27,19 @@ async def serve(argv: list[str] | None) -> int:
     # is gone; before that handler exists, SIGTERM just ends it
     watch_launcher()
     config = parse_args(argv)
-    init_tracing(config.otlp_service_name, config.otlp_endpoint)
+    server = config.server
+    init_tracing(server.otlp_service_name, server.otlp_endpoint)
     state = await build_state(config)
     app = create_app(state)
-    runner, listener = await connections.start_listening(app, config.hostname, config.port)
+    runner, listener = await connections.start_listening(app, server.hostname, server.port)
     metrics_runner = None
-    if config.prometheus_port is not None:
+    if server.prometheus_port is not None:
         metrics_app = tgi.metrics_app(state)
         access_log.install(metrics_app)
         metrics_runner = web.AppRunner(metrics_app, access_log=None)
         await metrics_runner.setup()
-        await web.TCPSite(metrics_runner, config.hostname, config.prometheus_port).start()
-        log.info("metrics also on http://%s:%d/metrics", config.hostname, config.prometheus_port)
+        await web.TCPSite(metrics_runner, server.hostname, server.prometheus_port).start()
+        log.info("metrics also on http://%s:%d/metrics", server.hostname, server.prometheus_port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

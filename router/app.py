@@ -1,5 +1,8 @@
-"""The aiohttp application: routes, error middleware, and start-up (the default model's shards
-connected, warmed up and scheduled; the model registry loaded)."""
+"""The aiohttp application: routes, middlewares, start-up and shutdown.
+
+At start-up the default model's shards are connected, warmed up and scheduled, and the model
+registry loaded.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -20,13 +23,15 @@ from router.api.tgi import routes as tgi
 from router.api.tgi.errors import tgi_error_body
 from router.api.ui import routes as ui
 from router.config import RouterConfig
+from router.config.model import ModelSettings
+from router.config.server import ServerSettings
 from router.errors import RouterError
 from router.http import access_log
 from router.http.middleware import ErrorBodies, api_key_middleware, error_middleware, install_cors
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.model_host import ModelHostClient
 from router.lifecycle.registry import ModelRegistry
-from router.lifecycle.served_model import ServedModel, build_served
+from router.lifecycle.served_model import build_served
 from router.state import STATE, RouterState
 
 # Every API the router serves: each module turns its wire format into core requests and the core's
@@ -40,30 +45,39 @@ ERROR_BODIES = ErrorBodies(tgi_error_body, overrides=((is_openai_sdk, openai_err
 log = logging.getLogger("tgi.router")
 
 
-def router_state(config: RouterConfig, default: ServedModel) -> RouterState:
-    """The router's state around its default model, with the registry and model host that
-    tgi-launcher gave it (none when the router runs alone)."""
+def router_state(server: ServerSettings, model_defaults: ModelSettings) -> RouterState:
+    """The router's state before its default model runs (state.models.add_default adds it).
+
+    Its registry and model host are what tgi-launcher gave it (none when the router runs alone);
+    `model_defaults`: the settings every model starts from, the default model's.
+    """
     fatal = asyncio.Event()
-    registry = ModelRegistry(Path(config.model_registry_dir) if config.model_registry_dir
+    registry = ModelRegistry(Path(server.model_registry_dir) if server.model_registry_dir
                              else None)
-    host = ModelHostClient(config.model_host_uds_path) if config.model_host_uds_path else None
-    manager = ModelManager(config, registry, host, supervise=lambda coro: _supervise(coro, fatal),
-                           default_dtype=config.default_model_dtype,
-                           default_device=config.default_model_device)
-    manager.add_default(default)
-    return RouterState(config, manager, fatal=fatal)
+    host = ModelHostClient(server.model_host_uds_path) if server.model_host_uds_path else None
+    manager = ModelManager(model_defaults, registry, host,
+                           supervise=lambda coro: _supervise(coro, fatal),
+                           default_dtype=server.default_model_dtype,
+                           default_device=server.default_model_device)
+    return RouterState(server, manager, fatal=fatal)
 
 
 async def build_state(config: RouterConfig) -> RouterState:
+    """The router's state with its default model warmed up and its LoRA adapters loaded."""
+    state = router_state(config.server, config.model)
     # the launcher restarts a default group that dies while it is warmed up: wait for it
-    state = router_state(config, await build_served(config, through_restarts=True))
+    state.models.add_default(await build_served(config.model, through_restarts=True,
+                                                adapter_links=state.models.adapter_links))
     await load_startup_adapters(state)
     return state
 
 
 async def load_startup_adapters(state: RouterState) -> None:
-    """--lora-adapters, into the default model, after its warm-up and before serving; one that
-    cannot be loaded stops the router with the reason (a ValueError, as a bad flag does)."""
+    """--lora-adapters, loaded into the default model after its warm-up and before serving.
+
+    One that cannot be loaded stops the router with the reason (a ValueError, as a bad flag
+    does).
+    """
     adapters = state.models.default.adapters
     for name, path in state.config.lora_adapter_dirs():
         try:
@@ -74,6 +88,7 @@ async def load_startup_adapters(state: RouterState) -> None:
 
 
 def create_app(state: RouterState) -> web.Application:
+    """The application serving `state`: every API's routes, and its models' start and stop."""
     config = state.config
     app = web.Application(client_max_size=config.payload_limit)
     app.middlewares.append(error_middleware(ERROR_BODIES))

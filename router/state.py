@@ -1,5 +1,8 @@
-"""What a running router holds, as every API module sees it (`request.app[STATE]`): its settings and
-the models it serves; `served_model(request)` is the running model a request names."""
+"""What a running router holds, as every API module sees it: its settings and the models it serves.
+
+`request.app[STATE]` is the RouterState; `served_model(request)` is the running model a request
+names.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +10,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from router.config import RouterConfig
+from router.config.server import ServerSettings
 from router.errors import ModelNotFoundError
 from router.lifecycle.manager import UNNAMED_MODELS, ModelManager
 from router.lifecycle.served_model import ServedModel
@@ -19,7 +22,9 @@ MODEL_HEADER = "X-Model-Id"
 
 @dataclass
 class RouterState:
-    config: RouterConfig
+    """The router's settings, its models, and its own tasks."""
+
+    config: ServerSettings
     models: ModelManager
     tasks: list[asyncio.Task] = field(default_factory=list)
     # set when a batching loop dies: the process must exit rather than leave requests hanging
@@ -33,8 +38,10 @@ STATE = web.AppKey("state", RouterState)
 
 
 def served_model(request: web.Request, name: str | None = None) -> ServedModel:
-    """The running model `name` (an OpenAI body's `model`) or, without one, the X-Model-Id
-    header names; the default model when neither does. 404 or 409 in the caller's error shape."""
+    """The running model `name` (an OpenAI body's `model`) or, without one, X-Model-Id names.
+
+    The default model when neither does; 404 or 409 in the caller's error shape.
+    """
     if name is None:
         name = request.headers.get(MODEL_HEADER)
     return _noted(request.app[STATE].served(name))
@@ -49,8 +56,11 @@ def _noted(served: ServedModel) -> ServedModel:
 
 
 def model_and_adapter(request: web.Request, name: str | None) -> tuple[ServedModel, str | None]:
-    """An OpenAI body's `model`: a LoRA adapter's name gives its base model and the adapter
-    (models and adapters share one namespace); any other name is served_model's, no adapter."""
+    """The model and LoRA adapter an OpenAI body's `model` names.
+
+    A LoRA adapter's name gives its base model and the adapter (models and adapters share one
+    namespace); any other name is served_model's, with no adapter.
+    """
     models = request.app[STATE].models
     found = models.adapter_model(name)
     if found is not None:

@@ -36,12 +36,6 @@ PARAMETER_TYPES = {
     # extension (vLLM and SGLang have it): keep generating past EOS, for benchmarks
     "ignore_eos": "boolean",
 }
-# The prefill budget's default where the shards run on CPUs and chunk. Prefill is compute-bound there
-# from a few hundred tokens on (benchmarks/matmul_bench.py: about the same time a row at 256 rows as
-# at 4,096), so a budget this small costs no throughput while a wave of prompts arriving together
-# starts streaming in turns instead of all at the end (32 prompts of 128 tokens: TTFT p50 6.4 s with
-# TGI's budget, 4.3 s with this one; 256 was slower again, benchmarks/RESULTS.md).
-CPU_PREFILL_TOKENS = 512
 # the Rust type of each integer field in TGI's GenerateParameters (usize is 64-bit); every one of
 # them also fits the protobuf field that carries it to the shards (top_k > 0 fits its uint32)
 INTEGER_WIRE_TYPES = {"best_of": UINT64, "max_new_tokens": UINT32, "seed": UINT64,
@@ -50,35 +44,11 @@ INTEGER_WIRE_TYPES = {"best_of": UINT64, "max_new_tokens": UINT32, "seed": UINT6
 
 @dataclass(slots=True)
 class TokenLimits:
-    """Limits resolved at start from the flags and what the shards report."""
+    """A model's token limits (router/lifecycle/limits.py resolves them at start)."""
 
     max_input_tokens: int
     max_total_tokens: int
     max_batch_prefill_tokens: int
-
-    @classmethod
-    def resolve(cls, *, max_input_tokens: int | None, max_total_tokens: int | None,
-                max_batch_prefill_tokens: int | None, max_position_embeddings: int,
-                chunking: bool = False, device_type: str = "cuda") -> "TokenLimits":
-        """The token limits from the flags, the model's context and the shards' device.
-
-        The flags' values (None or 0: unset) against the model's context and the shards'
-        device (the prefill budget's default: TGI's, or CPU_PREFILL_TOKENS on chunking CPUs)."""
-        total = max_total_tokens or min(4096, max_position_embeddings)
-        max_input = max_input_tokens or min(4095, total - 1)
-        default_prefill = max_input + 50
-        if chunking and device_type == "cpu":
-            default_prefill = min(default_prefill, CPU_PREFILL_TOKENS)
-        prefill = max_batch_prefill_tokens or default_prefill
-        if max_input >= total:
-            raise ValueError(f"max_input_tokens ({max_input}) must be < max_total_tokens ({total})")
-        if prefill < max_input and not chunking:
-            raise ValueError(f"max_batch_prefill_tokens ({prefill}) < max_input_tokens ({max_input}); "
-                             "raise the first")
-        if total > max_position_embeddings:
-            raise ValueError(f"max_total_tokens ({total}) exceeds the model's context "
-                             f"({max_position_embeddings})")
-        return cls(max_input, total, prefill)
 
 
 @dataclass(slots=True)

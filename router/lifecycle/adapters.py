@@ -1,7 +1,8 @@
 """The LoRA adapters one running model has loaded: names, files, and what the shards read of them.
 
-`served.adapters` of each ServedModel. A load finds the adapter's directory (a local one, or a Hub
-id the launcher's model host fetches into the models cache: `fetch`), checks its files, and asks
+`served.adapters` of each ServedModel, an AdapterStore. A load finds the adapter's directory (a
+local one, or a Hub id the launcher's model host fetches into the models cache: `links.fetch`),
+checks its files, and asks
 every shard rank to load it; the name then opens in the generation core's gate
 (router/core/adapter_use.py). An unload closes the name at once, waits until no queued or running
 request uses it, and frees it on every rank. A restarted shard group has none: `reload_all` loads
@@ -17,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.config import adapter_name_problem
+from router.config.server import adapter_name_problem
 from router.core.adapter_use import AdapterUse
 from router.errors import AdapterError, UnhealthyError, UnknownAdapterError
 from router.scheduler.batcher import Batcher
@@ -35,6 +36,19 @@ BUSY_RETRY_S = 10.0  # how long an unload retries while a shard batch still hold
 
 # (Hub id, revision or None) -> the local directory the launcher fetched it into
 Fetch = Callable[[str, str | None], Awaitable[str]]
+
+
+def _no_other_use(name: str) -> str | None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterLinks:
+    """What an adapter store asks of the server beyond its own model (the model manager's)."""
+
+    fetch: Fetch | None = None  # Hub ids through the launcher (None: local directories only)
+    # what else a name names, if anything: a model, or another model's adapter
+    name_taken: Callable[[str], str | None] = _no_other_use
 
 
 @dataclass(slots=True)
@@ -65,8 +79,10 @@ def check_name(name: object) -> str:
 
 
 def local_directory(source: str) -> Path | None:
-    """The directory `source` names, or None when it reads as a Hub id; AdapterError when it
-    is a path with no adapter there (checked before any shard is asked)."""
+    """The directory `source` names, or None when it reads as a Hub id.
+
+    AdapterError when it is a path with no adapter there (checked before any shard is asked).
+    """
     looks_local = source.startswith(("/", "./", "../", "~")) or not HUB_ID.fullmatch(source)
     try:
         path = Path(source).expanduser()
@@ -89,18 +105,17 @@ def local_directory(source: str) -> Path | None:
     return path.resolve()
 
 
-class AdapterRegistry:
+class AdapterStore:
+    """One model's LoRA adapters: load, unload, reload after a restart, and what requests see."""
+
     def __init__(self, client: ShardedClient, use: AdapterUse, batcher: Batcher,
-                 metrics: Metrics, *, parent: str):
+                 metrics: Metrics, *, parent: str, links: AdapterLinks = AdapterLinks()):
         self.client = client
         self.use = use
         self.batcher = batcher
         self.metrics = metrics
         self.parent = parent  # the base model's id, as /v1/models lists it
-        # set by the model manager: Hub ids through the launcher (None: local directories only),
-        # and whether a name is taken by a model or another model's adapter
-        self.fetch: Fetch | None = None
-        self.name_taken: Callable[[str], str | None] = lambda name: None
+        self.links = links
         self._entries: dict[str, AdapterEntry] = {}
         self._loading: set[str] = set()
         self._unloads: dict[str, asyncio.Task] = {}
@@ -108,7 +123,6 @@ class AdapterRegistry:
         # unload never interleave on the ranks
         self._shard_calls = asyncio.Lock()
         metrics.adapters_loaded.set(0)
-        metrics.adapter_requests = batcher.requests_by_adapter
 
     # ---- what requests see ------------------------------------------------------------------
 
@@ -148,16 +162,18 @@ class AdapterRegistry:
     # ---- load and unload --------------------------------------------------------------------
 
     async def load(self, name: str, source: str) -> AdapterEntry:
-        """Loads `source` (a local adapter directory, or a Hub id fetched by the launcher) under
-        `name` on every rank. AdapterError (400) for a bad name, source or adapter, and for a
-        name in use; nothing changes then."""
+        """Loads `source` under `name` on every rank.
+
+        `source`: a local adapter directory, or a Hub id fetched by the launcher. AdapterError
+        (400) for a bad name, source or adapter, and for a name in use; nothing changes then.
+        """
         check_name(name)
         if not isinstance(source, str) or not source.strip() or len(source) > 4096:
             raise AdapterError("the adapter's path must be a directory or a Hub id of at most "
                                "4096 characters")
         if self.has(name):
             raise AdapterError(f"The lora adapter {name!r} has already been loaded.")
-        taken = self.name_taken(name)
+        taken = self.links.name_taken(name)
         if taken is not None:
             raise AdapterError(f"{name!r} is {taken}: adapters and models share the names a "
                                "request's `model` gives; pick another name")
@@ -188,11 +204,11 @@ class AdapterRegistry:
         if path is not None:
             return path
         match = HUB_ID.fullmatch(source)
-        if self.fetch is None:
+        if self.links.fetch is None:
             raise AdapterError(f"{source!r} is no local directory, and Hub ids need tgi-launcher's "
                                "model host (this router runs without it): give a directory")
         try:
-            fetched = await self.fetch(match.group(1), match.group(2))
+            fetched = await self.links.fetch(match.group(1), match.group(2))
         except AdapterError:
             raise
         except Exception as err:  # noqa: BLE001 (the launcher's reason is the answer)
@@ -222,9 +238,12 @@ class AdapterRegistry:
             raise _load_error(name, err) from None
 
     async def unload(self, name: str) -> None:
-        """Refuses `name` to new requests at once, waits until no queued or running request
-        uses it, then frees it on every rank. UnknownAdapterError when it is not loaded. An
-        unload under way is joined; a caller that goes away leaves it running to its end."""
+        """Unloads `name` once no queued or running request uses it.
+
+        It is refused to new requests at once, then freed on every rank once no request uses
+        it. UnknownAdapterError when it is not loaded. An unload under way is joined; a caller
+        that goes away leaves it running to its end.
+        """
         task = self._unloads.get(name)
         if task is None:
             if name not in self._entries:
@@ -273,9 +292,12 @@ class AdapterRegistry:
             await asyncio.sleep(POLL_S)
 
     async def reload_all(self) -> None:
-        """Loads every adapter into a restarted shard group (which has none) before requests run
-        on it. An adapter the new group refuses (its files gone meanwhile) is dropped, with the
-        reason logged; a group that fails the call (gone again) raises, to be retried."""
+        """Loads every adapter into a restarted shard group (which has none).
+
+        Done before requests run on it. An adapter the new group refuses (its files gone
+        meanwhile) is dropped, with the reason logged; a group that fails the call (gone again)
+        raises, to be retried.
+        """
         async with self._shard_calls:
             for entry in self.entries():
                 try:

@@ -1,5 +1,7 @@
-"""The router's side of the launcher's ModelHost service (proto/model_host.proto): fetch a model's
-files, start and stop the shard group of a model."""
+"""The router's side of the launcher's ModelHost service (proto/model_host.proto).
+
+Fetch a model's files, start and stop the shard group of a model.
+"""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -21,8 +23,11 @@ class ModelHostClient:
 
     async def pull(self, source: str, target_dir: str, *, revision: str | None = None,
                    adapter: bool = False) -> AsyncIterator[pb.PullProgress]:
-        """A model's files (converted to what the shards serve), or with `adapter` a LoRA
-        adapter's as they are, into `target_dir`; progress as it goes."""
+        """Fetches a model's or an adapter's files into `target_dir`; progress as it goes.
+
+        A model's are converted to what the shards serve; with `adapter`, a LoRA adapter's are
+        kept as they are.
+        """
         try:
             async for progress in self.stub.Pull(pb.PullRequest(
                     source=source, target_dir=target_dir, revision=revision, adapter=adapter)):

@@ -1,5 +1,7 @@
-"""The models this server knows: where each one's files are, its state, its settings and request
-defaults, kept in a JSON file under the cache directory so that it survives a restart.
+"""The models this server knows, kept in a JSON file under the cache directory.
+
+Where each one's files are, its state, its settings and request defaults, kept so that they
+survive a restart.
 
 States follow Jan/Cortex: not_downloaded -> downloading -> downloaded -> starting -> running ->
 stopping -> stopped (and stopped -> starting again). A move the table does not allow is a 409 that
@@ -43,8 +45,10 @@ def check_model_id(model_id: object) -> str:
 
 
 def directory_for(models_dir: Path, model_id: str) -> Path:
-    """<models_dir>/<id with '/' as '%2F'>: one level, and no id can name another's directory
-    ('%' is not allowed in ids)."""
+    """A model's directory: <models_dir>/<id with '/' as '%2F'>.
+
+    One level, and no id can name another's directory ('%' is not allowed in ids).
+    """
     path = models_dir / check_model_id(model_id).replace("/", "%2F")
     if path.resolve().parent != models_dir.resolve():
         raise InvalidModelIdError(f"invalid model id {model_id!r}")
@@ -75,8 +79,11 @@ class ModelRecord:
 
     @classmethod
     def from_json(cls, data: dict) -> "ModelRecord":
-        """A record read back from the registry file; a TypeError or a ValidationError when a
-        hand-edited entry holds what the server would trip over later."""
+        """A record read back from the registry file.
+
+        A TypeError or a ValidationError when a hand-edited entry holds what the server would
+        trip over later.
+        """
         known = {f.name for f in fields(cls)}
         record = cls(**{k: v for k, v in data.items() if k in known})
         for name, kinds in _FIELD_TYPES.items():
@@ -111,8 +118,10 @@ class ModelRegistry:
             self._sweep_staging()
 
     def _lock(self, directory: Path) -> bool:
-        """One server per registry: two writing one file would undo each other's changes. A
-        second server on the same directory serves its --model-id without a registry."""
+        """Holds the registry for this server alone: two writing one file would undo each other's.
+
+        A second server on the same directory serves its --model-id without a registry.
+        """
         try:
             directory.mkdir(parents=True, exist_ok=True)
             lock_file = open(directory / "lock", "a")  # noqa: SIM115 (held for the process)
@@ -222,8 +231,10 @@ class ModelRegistry:
 
 
 def parameter_count(model_dir: str | Path) -> int:
-    """The weights' element count, read from the safetensors headers (8 bytes of length, then
-    JSON): Jan's metadata.size ("135M"); 0 when a header cannot be read."""
+    """The weights' element count, Jan's metadata.size ("135M"); 0 when a header cannot be read.
+
+    Read from the safetensors headers (8 bytes of length, then JSON).
+    """
     total = 0
     try:
         for path in Path(model_dir).glob("*.safetensors"):

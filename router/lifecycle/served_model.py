@@ -6,15 +6,14 @@ pool) and closed when it stops; the API modules look one up by name (router/stat
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 
 from router import VERSION
-from router.config import RouterConfig
+from router.config.model import ModelSettings
 from router.core.generation import Infer
 from router.errors import ModelStateError, UnhealthyError
 from router.inputs.chat_template import ChatTemplate
@@ -23,7 +22,8 @@ from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import TokenLimits, ValidationLimits
 from router.kv.accounting import kv_accounting
 from router.kv.block_allocator import BlockAllocator
-from router.lifecycle.adapters import AdapterRegistry
+from router.lifecycle.adapters import AdapterLinks, AdapterStore
+from router.lifecycle.limits import resolve_limits
 from router.lifecycle.registry import STOPPED
 from router.lifecycle.sessions import RequestSessions
 from router.lifecycle.settings import ChatPrompt
@@ -42,7 +42,7 @@ log = logging.getLogger("tgi.router")
 
 @dataclass
 class ServedModel:
-    config: RouterConfig  # the router's, with this model's directory, socket and limits
+    config: ModelSettings
     tokenizer: RouterTokenizer
     client: ShardedClient
     shard_info: ShardInfo
@@ -57,14 +57,17 @@ class ServedModel:
     request_defaults: dict = field(default_factory=dict)
     chat_prompt: ChatPrompt = field(default_factory=ChatPrompt)
     tasks: list[asyncio.Task] = field(default_factory=list)
-    adapters: AdapterRegistry = None  # its LoRA adapters; made in __post_init__ unless given
+    adapters: AdapterStore = None  # its LoRA adapters; made in __post_init__ unless given
     # its request_id sessions (generate-one/batch); build_served makes them with the KV pool
     sessions: RequestSessions = None
+    # what its adapter store, when made here, asks of the server: Hub fetches, names in use
+    adapter_links: InitVar[AdapterLinks] = AdapterLinks()
 
-    def __post_init__(self):
+    def __post_init__(self, adapter_links: AdapterLinks):
         if self.adapters is None:
-            self.adapters = AdapterRegistry(self.client, self.infer.adapters, self.batcher,
-                                            self.metrics, parent=self.model_name)
+            self.adapters = AdapterStore(self.client, self.infer.adapters, self.batcher,
+                                         self.metrics, parent=self.model_name,
+                                         links=adapter_links)
 
     @property
     def model_name(self) -> str:
@@ -173,10 +176,11 @@ def warmup_batch(limits: TokenLimits, max_batch_size: int | None,
     return NewBatch(id=0, requests=requests, max_tokens=0, max_blocks=0)
 
 
-async def warm_up(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
+async def warm_up(client: ShardedClient, config: ModelSettings, limits: TokenLimits,
                   block_size: int, *, known_pool_blocks: int | None = None) -> int:
-    """Runs the largest batch of prompts the scheduler forms (the prefill budget's); returns the
-    KV pool's size in blocks. A prompt that cannot be chunked (prefill log-probs, hidden states,
+    """Runs the largest batch of prompts the scheduler forms; returns the KV pool's size in blocks.
+
+    The batch is the prefill budget's. A prompt that cannot be chunked (prefill log-probs, hidden states,
     input embeddings) over a smaller budget than --max-input-tokens still goes alone, in one
     forward, as TGI sends it.
 
@@ -202,13 +206,16 @@ async def warm_up(client: ShardedClient, config: RouterConfig, limits: TokenLimi
     return num_blocks
 
 
-def recovery_policy(client: ShardedClient, config: RouterConfig, limits: TokenLimits,
+def recovery_policy(client: ShardedClient, config: ModelSettings, limits: TokenLimits,
                     allocator: BlockAllocator,
                     reload_adapters: Callable[[], Awaitable[None]] | None = None
                     ) -> RecoveryPolicy:
-    """How the router gets a model's shards back after the launcher restarted them: the same
-    socket, the same model and limits, a short warm-up that allocates the pool at its size,
-    empty caches, and its LoRA adapters loaded again (`reload_adapters`) before any request runs."""
+    """How the router gets a model's shards back after the launcher restarted them.
+
+    The same socket, the same model and limits, a short warm-up that allocates the pool at its
+    size, empty caches, and its LoRA adapters loaded again (`reload_adapters`) before any
+    request runs.
+    """
 
     async def reconnect() -> int:
         await client.reconnect(config.master_shard_uds_path, timeout=2.0)
@@ -223,34 +230,24 @@ def recovery_policy(client: ShardedClient, config: RouterConfig, limits: TokenLi
                           timeout=config.shard_recovery_timeout)
 
 
-def model_config(config: RouterConfig, *, model_id: str, model_dir: str, master_socket: str,
-                 settings: dict) -> RouterConfig:
-    """The router's settings for a model started through the model routes: its own directory,
-    socket, and the limits its `settings` give (the rest derived from the model, as at start)."""
-    return dataclasses.replace(
-        config, model_id=model_id, tokenizer_path=model_dir, master_shard_uds_path=master_socket,
-        tokenizer_config_path=None,  # the default model's
-        lora_adapters=None,  # the default model's: another loads its own at run time
-        max_input_tokens=None, max_total_tokens=settings.get("ctx_len"),
-        max_batch_prefill_tokens=None, max_batch_size=settings.get("n_parallel"),
-        max_batch_total_tokens=settings.get("max_batch_total_tokens"))
-
-
 _now = time.monotonic  # build_served's clock (tests move it)
 # seconds a restarted group may take to load, as long as the launcher waits for one to start
 GROUP_START_WAIT = 600.0
 
 
-async def build_served(config: RouterConfig, *, through_restarts: bool = False) -> ServedModel:
-    """Connects to a model's shards, warms them up, and builds its scheduler. `through_restarts`:
-    a group that dies meanwhile (the launcher restarts it) is waited for while it loads, up to
-    the launcher's own bound on a start (GROUP_START_WAIT), and warmed up again; else its death is
-    the error."""
+async def build_served(config: ModelSettings, *, through_restarts: bool = False,
+                       adapter_links: AdapterLinks = AdapterLinks()) -> ServedModel:
+    """Connects to a model's shards, warms them up, and builds its scheduler.
+
+    `through_restarts`: a group that dies meanwhile (the launcher restarts it) is waited for while
+    it loads, up to the launcher's own bound on a start (GROUP_START_WAIT), and warmed up again;
+    else its death is the error. `adapter_links`: what its adapter store asks of the server.
+    """
     deadline = None  # none until the group is found gone: a first warm-up may take minutes
     while True:
         client = await _connect(config, deadline)
         try:
-            return await _build(config, client)
+            return await _build(config, client, adapter_links)
         except ShardError as err:
             lost = not await client.is_same_group_alive()
             await client.close()
@@ -268,7 +265,7 @@ async def build_served(config: RouterConfig, *, through_restarts: bool = False) 
             raise
 
 
-async def _connect(config: RouterConfig, deadline: float | None) -> ShardedClient:
+async def _connect(config: ModelSettings, deadline: float | None) -> ShardedClient:
     """A client of the group; with a deadline, retried until then while its shards start."""
     while True:
         try:
@@ -279,7 +276,8 @@ async def _connect(config: RouterConfig, deadline: float | None) -> ShardedClien
             await asyncio.sleep(0.5)
 
 
-async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
+async def _build(config: ModelSettings, client: ShardedClient,
+                 adapter_links: AdapterLinks) -> ServedModel:
     tokenizer = RouterTokenizer(config.tokenizer_path, workers=config.validation_workers)
     await client.clear_cache()
     shard_info = await client.info()
@@ -287,11 +285,7 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
         log.warning("the shards chunk prefills: --waiting-served-ratio and --max-waiting-tokens "
                     "are ignored (as in TGI); a new request's prefill carries the running "
                     "batch's step, and it joins as soon as it fits")
-    limits = TokenLimits.resolve(
-        max_input_tokens=config.max_input_tokens, max_total_tokens=config.max_total_tokens,
-        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
-        max_position_embeddings=shard_info.max_position_embeddings,
-        chunking=shard_info.support_chunking, device_type=shard_info.device_type)
+    limits = resolve_limits(config, shard_info)
     num_blocks = await warm_up(client, config, limits, shard_info.block_size)
     kv = kv_accounting(num_blocks, shard_info.block_size,
                        prefix_caching=config.prefix_caching == "on"
@@ -305,8 +299,10 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
         max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size,
         max_decode_steps=config.max_decode_steps_per_call,
         stream_decode_steps=shard_info.device_type == "cuda")
+    batcher: Batcher | None = None  # the metrics count requests by adapter from it, once made
     metrics = Metrics(max_input_tokens=limits.max_input_tokens,
-                      max_total_tokens=limits.max_total_tokens)
+                      max_total_tokens=limits.max_total_tokens,
+                      adapter_requests=lambda: batcher.requests_by_adapter())
     queue = RequestQueue(allocator, kv.prefix_cache, chunking=shard_info.support_chunking)
     served: ServedModel | None = None  # the recovery reloads its adapters once it exists
 
@@ -325,13 +321,16 @@ async def _build(config: RouterConfig, client: ShardedClient) -> ServedModel:
                                refresh_gauges=batcher.running.update_gauges)
     served = ServedModel(config, tokenizer, client, shard_info, limits, validation_limits,
                          allocator, batcher, infer, metrics, chat_template(config),
-                         sessions=sessions)
+                         sessions=sessions, adapter_links=adapter_links)
     return served
 
 
-def chat_template(config: RouterConfig) -> ChatTemplate | None:
-    """The model's chat template. One that does not compile is said once here, and the chat
-    routes answer its error as a 422: the rest of the API serves the model all the same."""
+def chat_template(config: ModelSettings) -> ChatTemplate | None:
+    """The model's chat template.
+
+    One that does not compile is said once here, and the chat routes answer its error as a 422:
+    the rest of the API serves the model all the same.
+    """
     template = ChatTemplate.from_model_dir(config.tokenizer_path, config.tokenizer_config_path)
     if template is not None and template.error is not None:
         log.warning("%s: %s; the chat routes answer 422 until the template is fixed, the other "

@@ -5,10 +5,12 @@ stored as numbers. A key this server would not act on is refused, never stored a
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from router.config.model import ModelSettings
 from router.errors import ValidationError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -90,6 +92,54 @@ ENGINE_PARAMETERS = {key: _text for key in ("pre_prompt", "system_prompt", "user
                                              "ai_prompt")}
 
 
+def model_settings(defaults: ModelSettings, *, model_id: str, model_dir: str, master_socket: str,
+                   settings: dict) -> ModelSettings:
+    """The settings of a model started through the model routes, from `defaults` (the flags').
+
+    Its own directory and socket, and the limits its registry `settings` give; the limits they
+    leave out are derived from the model when it starts (router/lifecycle/limits.py), not taken
+    from the flags, which are the default model's.
+    """
+    return dataclasses.replace(
+        defaults, model_id=model_id, tokenizer_path=model_dir, master_shard_uds_path=master_socket,
+        tokenizer_config_path=None,  # the default model's
+        max_input_tokens=None, max_total_tokens=settings.get("ctx_len"),
+        max_batch_prefill_tokens=None, max_batch_size=settings.get("n_parallel"),
+        max_batch_total_tokens=settings.get("max_batch_total_tokens"))
+
+
+def patched(record: object, body: dict) -> dict:
+    """What a PATCH `body` changes in a model's `record`, by field; a 422 for what it cannot.
+
+    A group (settings, parameters, engine_parameters) is merged into the record's: a key set to
+    null is removed, and must be a key the group takes too.
+    """
+    tables = {"settings": SETTINGS, "parameters": PARAMETERS,
+              "engine_parameters": ENGINE_PARAMETERS}
+    for key in body:
+        if key not in (*tables, "name", "description"):
+            raise ValidationError(f"`{key}` cannot be changed; PATCH takes "
+                                  f"{', '.join(tables)}, name and description")
+    changes = {}
+    for group, table in tables.items():
+        if group in body:
+            given = body[group]
+            if isinstance(given, dict):  # a key set to null is removed: it must exist too
+                check_keys(group, given, table)
+            removed = [k for k, v in (given or {}).items() if v is None] \
+                if isinstance(given, dict) else []
+            kept = {k: v for k, v in given.items() if v is not None} \
+                if isinstance(given, dict) else given
+            merged = {**getattr(record, group), **checked(group, kept, table)}
+            changes[group] = {k: v for k, v in merged.items() if k not in removed}
+    for key in ("name", "description"):
+        if key in body:
+            if not isinstance(body[key], str) or len(body[key]) > 1000:
+                raise ValidationError(f"`{key}` must be a string of at most 1000 characters")
+            changes[key] = body[key]
+    return changes
+
+
 def checked(group: str, given: object, table: dict) -> dict:
     """`given` with every value checked; an unknown key or a bad value is a 422."""
     if given is None:
@@ -110,8 +160,11 @@ def check_keys(group: str, given: dict, table: dict) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
-    """Jan's prompt pieces, for a model without a chat template: pre_prompt, then each message
-    after its role's prefix, then the assistant's prefix to answer after."""
+    """Jan's prompt pieces, for a model without a chat template.
+
+    pre_prompt, then each message after its role's prefix, then the assistant's prefix to answer
+    after.
+    """
 
     pre_prompt: str = ""
     system_prompt: str = "SYSTEM: "

@@ -51,7 +51,8 @@ class _Counters:
 
 
 class Metrics:
-    def __init__(self, *, max_input_tokens: int, max_total_tokens: int):
+    def __init__(self, *, max_input_tokens: int, max_total_tokens: int,
+                 adapter_requests: Callable[[], tuple[Counter, Counter]] | None = None):
         self.registry = CollectorRegistry()
         self.counters = _Counters()
         c = self.counters
@@ -123,7 +124,7 @@ class Metrics:
         self.adapters_loaded = Gauge("tgi_lora_adapters_loaded", "LoRA adapters loaded",
                                      registry=r)
         # (waiting, running) requests by LoRA adapter, read when scraped (the scheduler's)
-        self.adapter_requests: Callable[[], tuple[Counter, Counter]] | None = None
+        self.adapter_requests = adapter_requests
         r.register(_AdapterRequests(self))
 
     def observe_speculation(self, drafted: int, accepted: int) -> None:

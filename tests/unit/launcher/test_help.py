@@ -8,7 +8,8 @@ import re
 import pytest
 
 from launcher.config import build_parser as launcher_parser
-from launcher.config import forwarded_router_fields, parse_args
+from launcher.config import parse_args
+from launcher.router_flags import forwarded_router_fields
 from router.config import build_parser as router_parser
 
 HELP_TAIL = re.compile(r" \[default: (?P<default>[^\]]+)\] \[(?:env: (?P<env>[A-Z0-9_]+)|"

@@ -222,7 +222,7 @@ def test_the_router_gets_name_equals_absolute_directory_pairs(monkeypatch, peft_
         "org/a": str(peft_adapter), "mine": "/data/x=y"}
     assert argv.count("--lora-adapters") == 1
     router = router_args(argv[argv.index("-m") + 2:])  # as the router reads its flags
-    assert router.lora_adapter_dirs() == [("org/a", str(peft_adapter)), ("mine", "/data/x=y")]
+    assert router.server.lora_adapter_dirs() == [("org/a", str(peft_adapter)), ("mine", "/data/x=y")]
     assert router_adapters_argv({}) == []
 
 

@@ -175,9 +175,9 @@ def test_max_input_length_is_the_old_name_of_max_input_tokens():
 
 
 def test_sharded_true_takes_every_visible_gpu_and_needs_two(monkeypatch):
-    from launcher import config as launcher_config
+    from launcher import gpus
 
-    monkeypatch.setattr(launcher_config, "visible_gpus", lambda environ: ["0", "1", "2"])
+    monkeypatch.setattr(gpus, "visible_gpus", lambda environ: ["0", "1", "2"])
     assert parse_args(["--sharded", "true"]).num_shard == 3
     assert parse_args(["--sharded", "false"]).num_shard == 1
     assert parse_args(["--sharded", "false", "--num-shard", "2"]).num_shard == 2  # as TGI
@@ -187,7 +187,7 @@ def test_sharded_true_takes_every_visible_gpu_and_needs_two(monkeypatch):
     with pytest.raises(ValueError, match=r"serves on the CPU \(--device cpu\). On the CPU give "
                                          "--num-shard N"):
         parse_args(["--sharded", "true", "--device", "cpu"])
-    monkeypatch.setattr(launcher_config, "visible_gpus", lambda environ: ["0"])
+    monkeypatch.setattr(gpus, "visible_gpus", lambda environ: ["0"])
     with pytest.raises(ValueError, match="1 GPU"):
         parse_args(["--sharded", "true"])
     assert parse_args(["--sharded", "FALSE"]).num_shard == 1  # any case, as TGI's clap
@@ -249,15 +249,15 @@ def test_a_router_flag_without_value_is_forwarded_as_one():
     from router.config import parse_args as router_args
 
     assert router_args(["--tokenizer-path", "/m", "--disable-grammar-support"]) \
-        .disable_grammar_support
-    assert not router_args(["--tokenizer-path", "/m"]).disable_grammar_support
+        .model.disable_grammar_support
+    assert not router_args(["--tokenizer-path", "/m"]).model.disable_grammar_support
 
 
 def test_tgis_router_names_its_tokenizer_tokenizer_name_and_prints_its_schema(capsys):
     from router.__main__ import main as router_main
     from router.config import parse_args as router_args
 
-    assert router_args(["--tokenizer-name", "/models/m"]).tokenizer_path == "/models/m"
+    assert router_args(["--tokenizer-name", "/models/m"]).model.tokenizer_path == "/models/m"
     assert router_main(["print-schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
     assert "/generate" in schema["paths"]
@@ -369,7 +369,8 @@ async def _served_app(tiny_llama, **settings):
     from aiohttp.test_utils import TestClient, TestServer
 
     from router.app import create_app, router_state
-    from router.config import RouterConfig
+    from router.config.model import ModelSettings
+    from router.config.server import ServerSettings
     from router.lifecycle import served_model
     from router.shards.convert import ShardInfo
     from tests.fakes import FakeShardClient
@@ -392,13 +393,14 @@ async def _served_app(tiny_llama, **settings):
     async def warm_up(client, config, limits, block_size, **_):
         return 200
 
-    config = RouterConfig(tokenizer_path=str(tiny_llama), **settings)
+    config = ModelSettings(tokenizer_path=str(tiny_llama), **settings)
+    state = router_state(ServerSettings(), config)
     original, served_model.warm_up = served_model.warm_up, warm_up
     try:
-        served = await served_model._build(config, Shards())
+        served = await served_model._build(config, Shards(), state.models.adapter_links)
     finally:
         served_model.warm_up = original
-    state = router_state(config, served)
+    state.models.add_default(served)
     client = TestClient(TestServer(create_app(state)))
     await client.start_server()
     return client, state

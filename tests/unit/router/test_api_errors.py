@@ -6,7 +6,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from router.app import create_app, router_state
-from router.config import RouterConfig
+from router.config import router_config
 from router.core.generation import Infer
 from router.inputs.chat_template import ChatTemplate
 from router.inputs.tokenizer import RouterTokenizer
@@ -33,8 +33,10 @@ class HealthyFake(FakeShardClient):
 
 async def _client(tiny_llama, fake, *, max_concurrent=8, max_total_tokens=128, vocab_size=0,
                   **options) -> TestClient:
-    config = RouterConfig(tokenizer_path=str(tiny_llama), max_concurrent_requests=max_concurrent,
-                          **options)
+    settings = router_config({"tokenizer_path": str(tiny_llama),
+                              "max_concurrent_requests": max_concurrent, **options})
+    config = settings.model
+    state = router_state(settings.server, config)
     max_input = max_total_tokens // 2
     limits = TokenLimits(max_input_tokens=max_input, max_total_tokens=max_total_tokens,
                          max_batch_prefill_tokens=max(256, max_total_tokens))
@@ -55,8 +57,9 @@ async def _client(tiny_llama, fake, *, max_concurrent=8, max_total_tokens=128, v
                                    vocab_size=vocab_size), limits,
                          ValidationLimits(limits, 2, 4, 5, vocab_size), allocator, batcher,
                          infer, metrics, ChatTemplate.from_model_dir(str(tiny_llama)),
-                         sessions=sessions)
-    client = TestClient(TestServer(create_app(router_state(config, served))))
+                         sessions=sessions, adapter_links=state.models.adapter_links)
+    state.models.add_default(served)
+    client = TestClient(TestServer(create_app(state)))
     await client.start_server()
     return client
 

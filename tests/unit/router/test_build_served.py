@@ -32,7 +32,7 @@ def _script(monkeypatch, outcomes):
         handed.append(_Client(alive=outcome != "dies"))
         return handed[-1]
 
-    async def build(config, client):
+    async def build(config, client, adapter_links):
         if outcomes[len(handed) - 1] in ("dies", "refuses"):
             raise ShardError("Stream removed (Socket closed)")
         return "served"

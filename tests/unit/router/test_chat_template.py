@@ -100,12 +100,12 @@ async def test_a_template_that_does_not_compile_fails_the_chat_routes_only(tiny_
 
 def test_the_router_says_once_at_start_that_the_template_does_not_compile(tiny_llama, tmp_path,
                                                                            caplog):
-    from router.config import RouterConfig
+    from router.config.model import ModelSettings
     from router.lifecycle.served_model import chat_template
 
     directory = _model_with_template(tiny_llama, tmp_path / "m", BROKEN)
     with caplog.at_level("WARNING", logger="tgi.router"):
-        template = chat_template(RouterConfig(tokenizer_path=str(directory), model_id="tiny"))
+        template = chat_template(ModelSettings(tokenizer_path=str(directory), model_id="tiny"))
     assert template.error.endswith("(line 2)")
     (record,) = caplog.records
     assert record.getMessage().startswith("tiny: the model's chat template does not compile")

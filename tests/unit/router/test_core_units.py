@@ -127,10 +127,10 @@ def test_join_bounds_follow_waiting_served_ratio_and_max_batch_size():
 
 
 def test_the_join_rule_counts_as_set_only_when_a_flag_leaves_its_default():
-    from router.config import RouterConfig
-    assert not RouterConfig(tokenizer_path="/m").sets_join_rule()
-    assert RouterConfig(tokenizer_path="/m", waiting_served_ratio=1.2).sets_join_rule()
-    assert RouterConfig(tokenizer_path="/m", max_waiting_tokens=5).sets_join_rule()
+    from router.config.model import ModelSettings
+    assert not ModelSettings(tokenizer_path="/m").sets_join_rule()
+    assert ModelSettings(tokenizer_path="/m", waiting_served_ratio=1.2).sets_join_rule()
+    assert ModelSettings(tokenizer_path="/m", max_waiting_tokens=5).sets_join_rule()
 
 
 def test_a_chunked_prefill_advances_to_its_last_chunk():

@@ -136,14 +136,14 @@ async def test_a_second_call_on_a_running_id_is_a_409_and_bad_bodies_are_4xx(
 def test_out_of_range_server_defaults_stop_the_router_at_start():
     import pytest
 
-    from router.config import RouterConfig
+    from router.config.model import ModelSettings
 
     for options, words in (({"default_temperature": 0.0}, "temperature"),
                            ({"default_num_beams": 0}, "num_beams"),
                            ({"default_do_sample": "yes"}, "true or false"),
                            ({"session_kv_share": 2.0}, "--session-kv-share")):
         with pytest.raises(ValueError, match=words):
-            RouterConfig(tokenizer_path="/m", **options)
+            ModelSettings(tokenizer_path="/m", **options)
 
 
 async def test_a_batch_is_bounded_by_max_client_batch_size(tiny_llama):

@@ -7,14 +7,14 @@ from collections import Counter
 import pytest
 
 from proto import generate_pb2 as pb
-from router.config import RouterConfig
+from router.config.model import ModelSettings
 from router.core.generation import Infer
 from router.errors import AdapterError, UnknownAdapterError
 from router.kv.block_allocator import BlockAllocator, BlockPool
 from router.kv.accounting import kv_accounting
 from router.kv.prefix_cache import PrefixCache
 from router.kv.sessions import SessionAdapterConflict, SessionStore
-from router.lifecycle.adapters import AdapterRegistry
+from router.lifecycle.adapters import AdapterLinks, AdapterStore
 from router.lifecycle.served_model import recovery_policy
 from router.scheduler.batcher import Batcher
 from router.scheduler.policy import SchedulingLimits
@@ -30,13 +30,15 @@ from tests.unit.router.adapter_helpers import make_adapter_dir
 from tests.waiting import wait_until_async
 
 
-def _stack(fake: FakeShardClient):
+def _stack(fake: FakeShardClient, links: AdapterLinks = AdapterLinks()):
     kv = kv_accounting(64, 4, prefix_caching=True)
-    metrics = Metrics(max_input_tokens=32, max_total_tokens=64)
+    batcher = None
+    metrics = Metrics(max_input_tokens=32, max_total_tokens=64,
+                      adapter_requests=lambda: batcher.requests_by_adapter())
     batcher = Batcher(fake, RequestQueue(kv.allocator, kv.prefix_cache), kv.allocator,
                       SchedulingLimits(256, 200, 0.3, 20, None), metrics, sessions=kv.sessions)
     infer = Infer(batcher, metrics, max_concurrent_requests=8)
-    registry = AdapterRegistry(fake, infer.adapters, batcher, metrics, parent="base")
+    registry = AdapterStore(fake, infer.adapters, batcher, metrics, parent="base", links=links)
     return registry, infer, batcher, metrics
 
 
@@ -99,9 +101,10 @@ async def test_names_in_use_and_bad_names_are_refused(tmp_path):
         with pytest.raises(AdapterError, match="invalid adapter name"):
             await registry.load(bad, path)
     await registry.load("/adapters/as/tgi/names/them", path)  # TGI: a directory is its name
-    registry.name_taken = lambda name: "the id of a model" if name == "base" else None
+    taken, *_ = _stack(fake, AdapterLinks(
+        name_taken=lambda name: "the id of a model" if name == "base" else None))
     with pytest.raises(AdapterError, match="'base' is the id of a model"):
-        await registry.load("base", path)
+        await taken.load("base", path)
     assert fake.adapters.keys() == {"a", "/adapters/as/tgi/names/them"}
 
 
@@ -128,7 +131,7 @@ async def test_a_hub_id_needs_the_model_host_and_is_loaded_from_what_it_fetched(
         fetched.append((hub_id, revision))
         return str(make_adapter_dir(tmp_path, "fetched"))
 
-    registry.fetch = fetch
+    registry, *_ = _stack(fake, AdapterLinks(fetch=fetch))
     entry = await registry.load("hub", "org/adapter@v1")
     assert fetched == [("org/adapter", "v1")]
     assert entry.source == "org/adapter@v1" and entry.path.endswith("fetched")
@@ -136,7 +139,7 @@ async def test_a_hub_id_needs_the_model_host_and_is_loaded_from_what_it_fetched(
     async def failing(hub_id, revision):
         raise RuntimeError("404 Client Error: repository not found")
 
-    registry.fetch = failing
+    registry, *_ = _stack(fake, AdapterLinks(fetch=failing))
     with pytest.raises(AdapterError, match="fetching adapter 'org/missing' failed: 404"):
         await registry.load("missing", "org/missing")
 
@@ -223,7 +226,7 @@ async def test_the_recovery_reloads_adapters_after_the_warm_up():
         reloaded.append([name for name, _ in fake.calls])
 
     limits = TokenLimits(max_input_tokens=8, max_total_tokens=16, max_batch_prefill_tokens=16)
-    policy = recovery_policy(fake, RouterConfig(tokenizer_path="."), limits,
+    policy = recovery_policy(fake, ModelSettings(tokenizer_path="."), limits,
                              BlockAllocator(BlockPool(32, 4)), reload)
     assert await policy.reconnect() == 32
     assert reloaded == [["reconnect", "clear", "warmup"]]
@@ -395,7 +398,7 @@ class _Batcher:
 def _registry(shards):
     from router.core.adapter_use import AdapterUse
 
-    return AdapterRegistry(shards, AdapterUse(), _Batcher(),
+    return AdapterStore(shards, AdapterUse(), _Batcher(),
                            Metrics(max_input_tokens=10, max_total_tokens=20), parent="m")
 
 

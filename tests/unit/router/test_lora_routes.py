@@ -168,12 +168,12 @@ async def test_adapters_given_at_start_are_loaded_and_a_bad_one_stops_the_router
 
 
 def test_the_flag_s_syntax_is_checked_at_start(tiny_llama):
-    from router.config import RouterConfig
-    config = RouterConfig(tokenizer_path=str(tiny_llama), lora_adapters="a=/x/a,/y/b/,")
+    from router.config.server import ServerSettings
+    config = ServerSettings(lora_adapters="a=/x/a,/y/b/,")
     assert config.lora_adapter_dirs() == [("a", "/x/a"), ("b", "/y/b/")]
     for bad, words in (("a=", "write name=/path"), ("a=/x,a=/y", "names 'a' twice")):
         with pytest.raises(ValueError, match=words):
-            RouterConfig(tokenizer_path=str(tiny_llama), lora_adapters=bad)
+            ServerSettings(lora_adapters=bad)
 
 
 async def test_a_session_keeps_its_adapter_and_a_call_naming_another_is_a_422(tiny_llama,

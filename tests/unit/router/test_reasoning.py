@@ -6,7 +6,7 @@ import json
 import pytest
 
 from launcher.config import parse_args as launcher_args
-from router.config import RouterConfig
+from router.config.model import ModelSettings
 from router.inputs.reasoning import (CLOSE, PARSERS, ThinkSplitter, check_parser, split_reasoning,
                                      starts_in_reasoning)
 from tests.unit.router.test_api_errors import HealthyFake, _client
@@ -77,9 +77,9 @@ def test_the_prompts_last_think_tag_says_where_the_output_begins():
 def test_unknown_parser_names_are_refused_at_start_with_the_list():
     for name in PARSERS:
         check_parser(name)
-        assert RouterConfig(tokenizer_path="x", reasoning_parser=name).reasoning_parser == name
+        assert ModelSettings(tokenizer_path="x", reasoning_parser=name).reasoning_parser == name
     with pytest.raises(ValueError, match="'granite' is not one of think, deepseek_r1, qwen3"):
-        RouterConfig(tokenizer_path="x", reasoning_parser="granite")
+        ModelSettings(tokenizer_path="x", reasoning_parser="granite")
     # the launcher takes the flag and hands it to the router
     argv = launcher_args(["--reasoning-parser", "qwen3"]).router_argv(tokenizer_path="m",
                                                                        model_id="m")

@@ -1,13 +1,17 @@
 """The token limits resolved at start from the flags, the model's context and the shards."""
 import pytest
 
-from router.inputs.validation import CPU_PREFILL_TOKENS, TokenLimits
+from router.config.model import ModelSettings
+from router.inputs.validation import TokenLimits
+from router.lifecycle.limits import CPU_PREFILL_TOKENS, resolve_limits
+from router.shards.convert import ShardInfo
 
 
-def _resolve(**overrides) -> TokenLimits:
-    args = dict(max_input_tokens=None, max_total_tokens=None, max_batch_prefill_tokens=None,
-                max_position_embeddings=8192, chunking=True, device_type="cpu")
-    return TokenLimits.resolve(**{**args, **overrides})
+def _resolve(*, chunking=True, device_type="cpu", **settings) -> TokenLimits:
+    info = ShardInfo(dtype="float32", device_type=device_type, world_size=1, block_size=16,
+                     max_position_embeddings=8192, support_chunking=chunking,
+                     use_prefix_caching=True, hidden_size=8)
+    return resolve_limits(ModelSettings(tokenizer_path="/m", **settings), info)
 
 
 def test_tgi_defaults_from_the_context():

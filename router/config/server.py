@@ -1,0 +1,120 @@
+"""The server's settings: everything about the router process rather than one model it serves.
+
+Where it listens (HTTP, /metrics, gRPC), who may call it (API key, CORS, body size), where its spans
+go, and what tgi-launcher gives it to manage models (its model host, the registry, the defaults of
+models started later, the default model's LoRA adapters).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from router.config.flags import TRUE_FALSE, set_by_launcher, setting
+
+# a LoRA adapter's name is only ever compared, never made a path: any printable text, as TGI
+# names an adapter by its id or directory; without quotes and backslashes, a Prometheus label
+MAX_ADAPTER_NAME_CHARS = 512
+RESERVED_ADAPTER_NAMES = ("tgi",)  # what an OpenAI request gives when it means "the model"
+
+
+def adapter_name_problem(name: object) -> str | None:
+    """Why `name` cannot name a LoRA adapter, or None.
+
+    The launcher checks --lora-adapters with it before any shard starts; the router, every name
+    it is given.
+    """
+    if (not isinstance(name, str) or not name or len(name) > MAX_ADAPTER_NAME_CHARS
+            or not name.isprintable() or name != name.strip() or '"' in name or "\\" in name
+            or name in RESERVED_ADAPTER_NAMES):
+        return (f"invalid adapter name {str(name)[:200]!r}: printable text of at most "
+                f"{MAX_ADAPTER_NAME_CHARS} characters, without quotes, backslashes or spaces at "
+                "its ends, and not 'tgi'")
+    return None
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """The router process's settings (tgi-router's flags that are about no one model)."""
+
+    hostname: str = setting("0.0.0.0", "Address to listen on.")
+    port: int = setting(8080, "HTTP port.")
+    prometheus_port: int = setting(None, "Also serve GET /metrics on this port, on --hostname "
+                                         "(TGI's flag; TGI listens on 9000 by default, tgi-py "
+                                         "only when asked). /metrics stays on --port too.",
+                                   shown="none: /metrics on --port only")
+    grpc_port: int = setting(None, "Port of the public gRPC API (proto/api.proto: Generate, "
+                                   "GenerateStream, Tokenize, Info, Health, with grpc.health.v1 "
+                                   "and server reflection), on --hostname.",
+                             shown="none: no gRPC server")
+    api_key: str = setting(None, "When set, every route but /health, /metrics and the pages "
+                                 "(GET / and /docs, which ask for the key) needs "
+                                 "'Authorization: Bearer <key>', and every gRPC call but health "
+                                 "checks and reflection the metadata 'authorization: Bearer "
+                                 "<key>'.", shown="none: no key asked")
+    cors_allow_origin: str = setting(None, "Comma-separated origins allowed by CORS ('*' for "
+                                           "any). tgi-launcher also takes the flag once per "
+                                           "origin, as TGI does.", shown="none: no CORS headers")
+    payload_limit: int = setting(2_000_000, "Largest request body in bytes; larger ones get "
+                                            "413.")
+    otlp_endpoint: str = setting(None, "OTLP gRPC endpoint (http://host:4317) to export trace "
+                                       "spans to.", shown="none: no spans exported")
+    otlp_service_name: str = setting("tgi-py.router", "service.name of the exported spans.")
+    # set by tgi-launcher: the model lifecycle routes (pull, start, stop) go through its model host
+    model_host_uds_path: str = set_by_launcher(None, "Unix socket of the launcher's model "
+                                                     "host.", shown="none: models cannot be "
+                                                                    "pulled, started or stopped")
+    model_registry_dir: str = set_by_launcher(None, "Directory of the model registry.",
+                                              shown="none: nothing is persisted")
+    default_model_dtype: str = set_by_launcher("", "dtype of models started without one in "
+                                                   "their settings.",
+                                               shown="each shard's default for its device, "
+                                                     "bfloat16 on a CPU with AVX2")
+    default_model_device: str = set_by_launcher("auto", "device of models started without ngl "
+                                                        "0.", choices=("cpu", "cuda", "auto"))
+    autostart: str = set_by_launcher("false", "true: models running when the registry was last "
+                                              "saved start again.", choices=TRUE_FALSE)
+    lora_adapters: str = set_by_launcher(None, "LoRA adapters to load into the default model "
+                                               "before serving: name=directory pairs, comma "
+                                               "separated (a bare directory is named after "
+                                               "itself). tgi-launcher resolves its "
+                                               "--lora-adapters (Hub ids too) to this.",
+                                         shown="none")
+
+    def __post_init__(self):
+        for name in ("prometheus_port", "grpc_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 65536:
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be a port number "
+                                 "(1-65535)")
+        if self.prometheus_port is not None and self.prometheus_port in (self.port,
+                                                                          self.grpc_port):
+            raise ValueError(f"--prometheus-port {self.prometheus_port} is also the HTTP --port "
+                             "or the --grpc-port; pick another (GET /metrics is on --port "
+                             "already)")
+        if self.payload_limit < 1:
+            raise ValueError(f"--payload-limit {self.payload_limit} must be a positive byte count")
+        if self.grpc_port == self.port:
+            raise ValueError(f"--grpc-port {self.grpc_port} is also the HTTP --port; pick another")
+        self.autostart = self.autostart.lower()
+        if self.autostart not in ("true", "false"):
+            raise ValueError(f"--autostart {self.autostart!r} must be true or false")
+        self.lora_adapter_dirs()  # its syntax, said at start
+
+    def lora_adapter_dirs(self) -> list[tuple[str, str]]:
+        """--lora-adapters as (name, directory) pairs, in order."""
+        pairs: list[tuple[str, str]] = []
+        for item in (self.lora_adapters or "").split(","):
+            item = item.strip()
+            if not item:
+                continue
+            name, sep, path = item.partition("=")
+            if not sep:
+                name, path = os.path.basename(item.rstrip("/")), item
+            name, path = name.strip(), path.strip()
+            if not name or not path:
+                raise ValueError(f"--lora-adapters item {item!r}: write name=/path/to/adapter")
+            if name in (n for n, _ in pairs):
+                raise ValueError(f"--lora-adapters names {name!r} twice; give each adapter its "
+                                 "own name")
+            pairs.append((name, path))
+        return pairs
