@@ -12,9 +12,9 @@ class Choices(tuple):
     """
 
     def __new__(cls, offered, refused):
-        choices = super().__new__(cls, offered)
-        choices.refused = frozenset(refused)
-        return choices
+        self = super().__new__(cls, offered)
+        self.refused = frozenset(refused)
+        return self
 
     def __contains__(self, value) -> bool:
         return tuple.__contains__(self, value) or value in self.refused

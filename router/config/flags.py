@@ -85,9 +85,9 @@ class _OrEmpty(tuple):
     """
 
     def __new__(cls, choices):
-        made = super().__new__(cls, choices)
-        made.choices = choices
-        return made
+        self = super().__new__(cls, choices)
+        self.choices = choices
+        return self
 
     def __contains__(self, value) -> bool:
         return value is None or value in self.choices

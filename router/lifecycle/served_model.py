@@ -145,8 +145,10 @@ class ServedModel:
             self.tasks.append(asyncio.create_task(self.sessions.expire_every(every)))
 
     async def close(self) -> None:
-        """Stops the batching loop; a request still in flight fails with a 503, and one that
-        reaches the queue from now on (it was validating when the stop began) with a 409."""
+        """Stops the batching loop and refuses what still arrives.
+
+        A request still in flight fails with a 503, and one that reaches the queue from now on (it
+        was validating when the stop began) with a 409."""
         name = self.model_name
         self.batcher.close(lambda: ModelStateError(f"model {name!r} stopped", STOPPED))
         self.batcher.stop_waiting()
