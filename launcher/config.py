@@ -19,7 +19,7 @@ from launcher.router_flags import (add_router_flags, check_router_flags, read_ro
                                    router_flags_argv)
 from router.config.flags import ENV_HELP, TRUE_FALSE, flag_arguments, setting
 from shard.config import (DEFAULT_CUDA_GRAPHS, DISABLE_KERNELS_ENV, DTYPES, QUANTIZE_KINDS,
-                          device_refusal, parse_cuda_graphs)
+                          decode_path_refusal, device_refusal, parse_cuda_graphs)
 
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -250,9 +250,9 @@ class LauncherConfig:
                                  kv_cache_dtype=self.kv_cache_dtype)
         if refusal is not None:
             raise ValueError(refusal)
-        if self.kv_cache_dtype == KV_INT8 and self.compile_decode:
-            raise ValueError("--kv-cache-dtype int8 with --compile-decode: the compiled step "
-                             "does not read an int8 cache's scales; leave one of them out")
+        refusal = decode_path_refusal(self.kv_cache_dtype, compile_decode=self.compile_decode)
+        if refusal is not None:
+            raise ValueError(refusal)
         self._check_tgi_flags()
         # the router's flags are checked now, not once the shards have spent minutes loading
         check_router_flags(self.router)

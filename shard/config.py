@@ -112,6 +112,18 @@ def device_refusal(device: str, *, quantize: str | None = None,
     return None
 
 
+def decode_path_refusal(kv_cache_dtype: str | None, *, compile_decode: bool,
+                        cuda_graphs: bool = False) -> str | None:
+    """Why the chosen decode paths cannot read a KV cache of `kv_cache_dtype`, or None.
+
+    Neither the compiled decode step nor a captured CUDA graph reads an int8 cache's scales."""
+    if kv_cache_dtype in KV_CACHE_DTYPES and (compile_decode or cuda_graphs):
+        return (f"--kv-cache-dtype {kv_cache_dtype} with --compile-decode or CUDA graphs: "
+                "neither the compiled decode step nor a captured graph reads the cache's scales; "
+                "leave one of them out")
+    return None
+
+
 def parse_cuda_graphs(text: str) -> list[int]:
     """`--cuda-graphs`: comma-separated batch sizes, or 0 (or nothing) for none."""
     try:
@@ -208,9 +220,9 @@ class ShardConfig:
         refusal = device_refusal(self.device, kv_cache_dtype=self.kv_cache_dtype)
         if refusal is not None:
             raise ValueError(refusal)
-        if self.kv_cache_dtype and self.compile_decode:
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} with --compile-decode 1: "
-                             "the compiled step does not read the cache's scales; drop one")
+        refusal = decode_path_refusal(self.kv_cache_dtype, compile_decode=self.compile_decode)
+        if refusal is not None:
+            raise ValueError(refusal)
         parse_cuda_graphs(self.cuda_graphs)  # a bad list fails at start, not at warm-up
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"--memory-fraction {self.memory_fraction} must be above 0 and at "

@@ -16,7 +16,7 @@ import torch
 from shard.adapters.adapter_set import AdapterSet
 from shard.attention_inputs import (decode_metadata, pad_blocks, prefill_metadata,
                                     route_short_contexts, static_decode_metadata)
-from shard.config import device_refusal
+from shard.config import decode_path_refusal, device_refusal
 from shard.decode_paths import c_step
 from shard.decode_paths.compiled import CompiledDecode, unsupported_reason
 from shard.decode_paths.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
@@ -93,10 +93,10 @@ class ModelRunner:
         refusal = device_refusal(spec.device.type, kv_cache_dtype="int8" if spec.int8 else None)
         if refusal is not None:
             raise ValueError(refusal)
-        if spec.int8 and (compile_decode or (cuda_graphs and new_capture is not None)):
-            raise ValueError("an int8 KV cache with a compiled decode step or CUDA graphs: neither "
-                             "reads its scales; leave --kv-cache-dtype int8 or --compile-decode "
-                             "out")
+        refusal = decode_path_refusal("int8" if spec.int8 else None, compile_decode=compile_decode,
+                                      cuda_graphs=bool(cuda_graphs and new_capture is not None))
+        if refusal is not None:
+            raise ValueError(refusal)
         self.paged_kernel = paged_attention.supports(spec.device, spec.cache_dtype)
         self.decode_step = self._decode_forward
         self.c_step: c_step.DecodeStep | None = None  # built with each pool (see allocate)
