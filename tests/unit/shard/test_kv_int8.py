@@ -10,6 +10,7 @@ from shard.kernels import layer_ops, paged_attention
 from shard.kv_budget import KVCacheSpec, allocate_kv_cache, budget_blocks
 from shard.layers import kv_int8
 from shard.layers.attention import DecodeGroup, LayerCache, _attend_group, gather_index
+from shard.layers.precision import compute_dtype
 from shard.layers.rotary import apply_rotary
 from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion
 
@@ -261,10 +262,13 @@ def test_logits_over_an_int8_cache_are_close(tiny_llama, dtype):
                              torch.tensor([blocks]))
         results.append((first.last.float(), second.last.float(), step.logits.float()))
     (fresh, chunk, step), (fresh8, chunk8, step8) = results
-    # a fresh prompt attends over its own keys, not the cache (float32: the C kernel's order of
-    # sums where the float cache's prefill takes it, SDPA's over the int8 cache)
-    torch.testing.assert_close(fresh8, fresh, rtol=0, atol=1e-6)
     largest = float(chunk.abs().max())
+    # a fresh prompt attends over its own keys, not the cache: only the order of sums differs (the
+    # C kernel's where the float cache's prefill takes it, SDPA's over the int8 cache), which
+    # float32 arithmetic keeps to 1e-6 and bf16 arithmetic (AVX-512 BF16 CPUs) rounds to about a
+    # bf16 unit (measured 0.6% of the largest logit)
+    bf16_math = compute_dtype(dtype, torch.device("cpu")) == torch.bfloat16
+    torch.testing.assert_close(fresh8, fresh, rtol=0, atol=0.01 * largest if bf16_math else 1e-6)
     for ours, reference in ((chunk8, chunk), (step8, step)):
         difference = float((ours - reference).abs().max())
         # measured: 0.2% of the largest logit in float32, 0.6% in bf16 (about a bf16 unit)
