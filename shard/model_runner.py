@@ -161,8 +161,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # a compiled step or CUDA graphs asked for run instead
         if not isinstance(self.decode_step, CompiledDecode) and self.graphs is None:
-            layout = self.model.decode_layout()
-            reason = c_step.unsupported_reason(layout, self.cache)
+            declare = getattr(self.model, "decode_layout", None)
+            layout = declare() if declare is not None else None
+            reason = (c_step.unsupported_reason(layout, self.cache) if layout is not None
+                      else "the model family declares no decode layout")
             if reason is None:
                 self.c_step = c_step.DecodeStep(layout, self.cache, self.adapters)
             else:

@@ -301,7 +301,9 @@ async def _build(config: ModelSettings, client: ShardedClient,
         max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size,
         max_decode_steps=config.max_decode_steps_per_call,
         stream_decode_steps=shard_info.device_type == "cuda")
-    batcher: Batcher | None = None  # the metrics count requests by adapter from it, once made
+    # the metrics count requests by adapter from the batcher, made below: they are read only when
+    # scraped, once the model serves
+    batcher: Batcher | None = None
     metrics = Metrics(max_input_tokens=limits.max_input_tokens,
                       max_total_tokens=limits.max_total_tokens,
                       adapter_requests=lambda: batcher.requests_by_adapter())

@@ -1,7 +1,7 @@
 """The public gRPC API's messages <-> TGI's JSON body and the router's types.
 
-The public gRPC API's messages (proto/api.proto) <-> TGI's JSON body and the router's types; pure
-functions, used by router/api/grpc/service.py (errors' statuses: router.errors).
+Pure functions over proto/api.proto's messages, used by router/api/grpc/service.py (errors'
+statuses: router/api/grpc/status.py).
 """
 from __future__ import annotations
 

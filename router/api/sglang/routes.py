@@ -313,7 +313,7 @@ async def get_model_info(request: web.Request) -> web.Response:
                               "tokenizer_path": served.config.tokenizer_path,
                               "is_generation": True, "preferred_sampling_params": None,
                               "weight_version": "default",
-                              # ours: the width of an input_embeds row and of a hidden served
+                              # ours: the width of an input_embeds row and of a hidden state
                               "hidden_size": served.shard_info.hidden_size})
 
 
