@@ -21,9 +21,9 @@ LAUNCHER_PID_ENV = "TGI_PY_LAUNCHER_PID"  # set by the launcher in each child's 
 def watch_launcher(*, every: float = 1.0, grace: float = 30.0) -> threading.Thread | None:
     """Starts a daemon thread that stops this process once the launcher that started it is gone.
 
-    The thread sends this process SIGTERM once the launcher is gone (this process was handed to
-    another parent), and ends it `grace` seconds later if the SIGTERM did not. None when no
-    launcher started this process."""
+    The thread sends SIGTERM when that happens (this process was handed to another parent), and ends
+    the process `grace` seconds later if the SIGTERM did not. None when no launcher started this
+    process."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if not launcher or not launcher.isdigit():
         return None

@@ -55,8 +55,7 @@ class ValidationError(RouterError):
 def about_field(param: str) -> Iterator[None]:
     """Inside it, ValidationErrors are about `param`.
 
-    ValidationErrors raised inside it are about `param`: an OpenAI route's name for a check
-    worded in TGI's (`inputs`, `max_new_tokens`)."""
+    `param` is an OpenAI route's name for a check worded in TGI's (`inputs`, `max_new_tokens`)."""
     try:
         yield
     except ValidationError as err:
@@ -79,8 +78,7 @@ class UnknownAdapterError(ValidationError, LookupError):
 class AdapterError(RouterError):
     """A LoRA adapter cannot be loaded or unloaded as asked (400, as vLLM answers).
 
-    A LoRA adapter cannot be loaded or unloaded as asked: a bad directory, a name in use, an
-    adapter the shards refuse (the message says which). 400, as vLLM answers them."""
+    A bad directory, a name in use, an adapter the shards refuse (the message says which)."""
 
     status = 400
     error_type = "adapter"

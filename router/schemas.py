@@ -76,8 +76,8 @@ class GenerateRequest:
     def computes_whole_prompt(self) -> bool:
         """Whether every prompt position must be computed here.
 
-        Whether every prompt position must be computed here: its ids are not all there is to
-        know (embeddings), or what it asks of the prompt is not in the prefix cache's blocks."""
+        It must when its ids are not all there is to know (embeddings), or what it asks of the
+        prompt is not in the prefix cache's blocks."""
         return (self.prefill_logprobs or self.return_hidden_states
                 or self.input_embeds is not None)
 

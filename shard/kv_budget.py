@@ -52,10 +52,9 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[LayerCache]:
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of zeros whose memory, on the CPU, is taken as it is first written.
 
-    On the CPU its memory is an anonymous mapping, which the kernel fills with zeros page by page as
-    it is first written: a pool sized for the most the server may hold (30% of the available memory
-    by default) takes memory as its blocks are used, where torch.zeros would write, and keep
-    resident, every page at start."""
+    There it is an anonymous mapping, which the kernel fills with zeros page by page: a pool sized
+    for the most the server may hold (30% of the available memory by default) takes memory as its
+    blocks are used, where torch.zeros would write, and keep resident, every page at start."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)

@@ -1,8 +1,7 @@
 """TGI's /invocations (SageMaker's route), dispatched by the body's fields.
 
-TGI's /invocations (SageMaker's route): one body, served by the route its fields name, as
-TGI's untagged SagemakerRequest reads it: `inputs` is POST /'s, `messages` chat's, `prompt`
-the legacy completions'.
+One body, served by the route its fields name, as TGI's untagged SagemakerRequest reads it: `inputs`
+is POST /'s, `messages` chat's, `prompt` the legacy completions'.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The OpenAPI document of what this router serves.
 
-The OpenAPI document of what this router serves: each API family contributes its part
-(its package's openapi.py), assembled here with the routes no single family owns.
+Each API family contributes its part (its package's openapi.py), assembled here with the routes no
+single family owns.
 """
 from __future__ import annotations
 

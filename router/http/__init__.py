@@ -1,5 +1,5 @@
 """HTTP plumbing every route shares.
 
-HTTP plumbing every route shares: middlewares, the connection guards, reading a JSON body,
-Server-Sent Events, and the OpenAPI document's building blocks.
+Middlewares, the connection guards, reading a JSON body, Server-Sent Events, and the OpenAPI
+document's building blocks.
 """

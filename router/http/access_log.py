@@ -1,7 +1,7 @@
 """The access log: one line per HTTP request, once it is answered.
 
-The access log: one line per HTTP request, once it is answered (a stream once it ends, or once
-its client went away), on the logger "tgi.access", and the request's id on every answer.
+A stream's line comes once it ends, or once its client went away; lines go to the logger
+"tgi.access", and every answer carries the request's id.
 
     POST /generate 200 0.412s input_tokens=5 generated_tokens=20 model=smollm2 request_id=9f2c...
 
@@ -39,8 +39,7 @@ _MAX_PATH_LENGTH = 512
 def request_id_of(request: web.Request) -> str:
     """The request's id: the client's when it is fit for a log line, else a new one.
 
-    The client's id when it is 1-128 printable characters without spaces (it goes into log
-    lines as it is), else a new one."""
+    Fit: 1-128 printable characters without spaces, since it goes into log lines as it is."""
     given = request.headers.get(REQUEST_ID_HEADER, "")
     if 0 < len(given) <= MAX_REQUEST_ID_LENGTH and all("!" <= c <= "~" for c in given):
         return given

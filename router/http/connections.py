@@ -1,8 +1,7 @@
 """The HTTP listener's guards against connections that hold the process.
 
-The HTTP listener's guards against connections that hold the process without asking anything:
-a ceiling on open connections below the file-descriptor limit, and a quiet log when the limit is
-reached anyway or a request cannot be parsed.
+Those connections ask nothing. The guards: a ceiling on open connections below the file-descriptor
+limit, and a quiet log when the limit is reached anyway or a request cannot be parsed.
 
 Each connection costs a file descriptor. Without a ceiling, enough idle connections ran the router
 out of them: every other client was locked out, and asyncio's accept loop logged a traceback per
@@ -34,8 +33,7 @@ _RESERVED_FILES = 256
 def raise_file_limit() -> int:
     """Raises this process's soft limit on open files to its hard limit.
 
-    Raises this process's soft limit on open files to its hard limit, as servers do; returns
-    the soft limit now in force."""
+    As servers do; returns the soft limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft < hard:
         try:
@@ -93,8 +91,7 @@ class _Refusal(asyncio.Protocol):
 class ConnectionCeiling:
     """The listener's protocol factory, refusing connections past `ceiling`.
 
-    The listener's protocol factory: aiohttp's request handlers up to `ceiling` open
-    connections, a refusal beyond."""
+    It makes aiohttp's request handlers up to `ceiling` open connections."""
 
     def __init__(self, server: web.Server, ceiling: int):
         self.server = server
@@ -111,9 +108,9 @@ class ConnectionCeiling:
 class QuietAcceptErrors:
     """A loop exception handler that logs failed accepts once a minute.
 
-    A loop exception handler that logs asyncio's "socket.accept() out of system resource"
-    once a minute, one line and no traceback, and hands everything else to the default handler
-    (Python 3.11 logs a traceback for every retry, which fills the log within seconds)."""
+    Failed accepts: asyncio's "socket.accept() out of system resource", logged as one line and no
+    traceback; everything else goes to the default handler (Python 3.11 logs a traceback for every
+    retry, which fills the log within seconds)."""
 
     def __init__(self, every: float = 60.0):
         self.every = every
@@ -136,9 +133,9 @@ class QuietAcceptErrors:
 class ClientMistakes(logging.Filter):
     """Logs a request aiohttp could not parse as one warning line.
 
-    Makes aiohttp's record of a request it could not parse (a head over 8 KB, a bad chunk size,
-    both Content-Length and Transfer-Encoding) one warning line: it was an ERROR with a traceback
-    for each such request, the client's mistake and not the server's."""
+    Such as a head over 8 KB, a bad chunk size, or both Content-Length and Transfer-Encoding.
+    aiohttp's record of one was an ERROR with a traceback, for the client's mistake and not the
+    server's."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
@@ -161,9 +158,8 @@ async def start_listening(app: web.Application, host: str, port: int, *,
                           ceiling: int | None = None) -> tuple[web.AppRunner, asyncio.Server]:
     """Serves `app` on host:port with the guards above.
 
-    Serves `app` on host:port with the guards above; the ceiling defaults to what the file
-    limit (raised to its hard limit) allows. Stop with listener.close(), then runner.cleanup(),
-    which drains and closes the connections."""
+    The ceiling defaults to what the file limit (raised to its hard limit) allows. Stop with
+    listener.close(), then runner.cleanup(), which drains and closes the connections."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            keepalive_timeout=keepalive_timeout)
     await runner.setup()

@@ -1,7 +1,7 @@
 """An HTTP request's body read as a JSON object.
 
-An HTTP request's body read as a JSON object: size and time limits, then the parse of
-router.inputs.json_text (off the event loop for a large body).
+Size and time limits, then the parse of router.inputs.json_text (off the event loop for a large
+body).
 """
 from __future__ import annotations
 

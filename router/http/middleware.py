@@ -101,9 +101,9 @@ def api_key_middleware(api_key: str, bodies: ErrorBodies):
 def install_cors(app: web.Application, allowed: str) -> None:
     """Installs CORS: preflights answered, and headers on every allowed answer.
 
-    A middleware answering preflights, and CORS headers on every answer to an allowed origin
-    as it is prepared (on_response_prepare): a stream's too, whose headers go out before its
-    handler returns. Outermost, so that a preflight needs no key."""
+    A middleware answers preflights; it is outermost, so that a preflight needs no key. The headers
+    go on every answer to an allowed origin as it is prepared (on_response_prepare): a stream's too,
+    whose headers go out before its handler returns."""
     origins = {o.strip() for o in allowed.split(",") if o.strip()}
 
     def allow(origin: str | None) -> str | None:

@@ -1,7 +1,6 @@
 """Pieces every API family's part of the OpenAPI document is built from.
 
-Pieces of the OpenAPI document every API family's part is built from (router/api/*/openapi.py
-contribute the parts; router/api/openapi.py assembles them).
+router/api/*/openapi.py contribute the parts; router/api/openapi.py assembles them.
 """
 from __future__ import annotations
 
@@ -73,8 +72,7 @@ def sdk_error_schema() -> dict:
 def or_sdk_error(paths: dict) -> dict:
     """`paths` with each /v1 route's errors also in OpenAI SDK's body.
 
-    `paths` with each /v1 route's error answers either in the route's own body or, to an
-    OpenAI SDK, in OpenAISDKError."""
+    Each error answer is either in the route's own body or, to an OpenAI SDK, in OpenAISDKError."""
     for path, operations in paths.items():
         if not path.startswith("/v1/"):
             continue

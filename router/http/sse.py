@@ -52,8 +52,8 @@ class StreamFormat:
     def error(self, err: RouterError) -> bytes | None:
         """The frame that reports `err`; None for a format that cannot say it.
 
-        The frame that reports `err`; None for a format that cannot say it (plain text): the
-        connection is then cut, so the client sees a broken stream, never a short clean one."""
+        Plain text cannot: the connection is then cut, so the client sees a broken stream, never a
+        short clean one."""
         raise NotImplementedError
 
     def done(self) -> list[bytes]:

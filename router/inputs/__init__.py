@@ -1,6 +1,5 @@
 """What a request asks, checked before it is queued.
 
-What a request asks, checked before it is queued: field ranges and readers, TGI's validation,
-structured-output grammars, seeds, generation_config, JSON text, the tokenizer and the chat
-template.
+Field ranges and readers, TGI's validation, structured-output grammars, seeds, generation_config,
+JSON text, the tokenizer and the chat template.
 """

@@ -1,9 +1,9 @@
 """The model's chat template, rendered as transformers renders it.
 
-The model's chat template, rendered as transformers' apply_chat_template renders it: the same
-sandboxed Jinja2 environment (trim_blocks, lstrip_blocks, loopcontrols, `{% generation %}`,
-raise_exception, strftime_now, its tojson, dict and namespace) and the same variables (the
-messages without their null fields, tools, documents, add_generation_prompt, the special tokens).
+As transformers' apply_chat_template renders it: the same sandboxed Jinja2 environment (trim_blocks,
+lstrip_blocks, loopcontrols, `{% generation %}`, raise_exception, strftime_now, its tojson, dict and
+namespace) and the same variables (the messages without their null fields, tools, documents,
+add_generation_prompt, the special tokens).
 
 A template that does not compile is kept with its error: the chat routes answer it as a 422 while
 every other route serves, where raising would end the router at start.
@@ -80,8 +80,8 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 class _GenerationTag(jinja2.ext.Extension):
     """transformers' `{% generation %}` tag: its body renders as it is.
 
-    transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens for
-    training masks): the body renders as it is, as apply_chat_template renders it."""
+    `{% generation %}...{% endgeneration %}` marks the assistant's tokens for training masks;
+    apply_chat_template too renders its body as it is."""
 
     tags = {"generation"}
 
@@ -109,8 +109,8 @@ def _environment() -> ImmutableSandboxedEnvironment:
 def _template_message(message: dict) -> dict:
     """A message as transformers hands it to the template.
 
-    A message as transformers hands it to the template: its null fields dropped (templates test
-    whether a key is there), its reasoning under every name templates read it by."""
+    Its null fields dropped (templates test whether a key is there), its reasoning under every name
+    templates read it by."""
     message = {key: value for key, value in message.items() if value is not None}
     reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
     if reasoning is not None:

@@ -1,7 +1,7 @@
 """Request fields read and checked against the ranges of the types they travel in.
 
-Request fields read and checked: the ranges of the types they travel in (the shards' protobuf,
-TGI's Rust types), and the readers every API uses for optional numbers and booleans.
+The types are the shards' protobuf and TGI's Rust types; the readers are those every API uses for
+optional numbers and booleans.
 
 A value that passes an API's documented bounds must still fit the field that carries it: protobuf
 raises on an out-of-range integer deep inside the batching loop, far from the request that sent it.
@@ -64,9 +64,8 @@ def float32(value: float) -> float:
 def check_float(path: str, value) -> float:
     """`value` as the float32 it travels as.
 
-    `value` as the float32 it travels as: finite, and rounded as the shards will read it, so
-    that a bound checked after this holds for what they use (1e-46 is 0 there, as for serde's
-    f32)."""
+    Finite, and rounded as the shards will read it, so that a bound checked after this holds for
+    what they use (1e-46 is 0 there, as for serde's f32)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _deserialize_error(path, f"invalid type: {type(value).__name__} {value!r}, "
                                        "expected f32")
@@ -82,8 +81,8 @@ def check_float(path: str, value) -> float:
 def check_logit_bias(path: str, value, vocab_size: int = 0) -> dict[int, float]:
     """OpenAI's logit_bias as {token id: float32 bias}, checked.
 
-    OpenAI's logit_bias, {"<token id>": bias in [-100, 100]}, as {id: float32 bias}, each id
-    below the model's `vocab_size` (when known: else the shard refuses the request)."""
+    It arrives as {"<token id>": bias in [-100, 100]}; each id must be below the model's
+    `vocab_size` (when known: else the shard refuses the request)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -111,8 +110,8 @@ F32 = "f32"  # read_number's `wire` for a float field
 def read_flag(body: dict, name: str, default: bool = False, *, path: str | None = None) -> bool:
     """An optional boolean field.
 
-    An optional boolean: null is the default, anything but true or false is a 422 naming
-    `path` (the field's name unless given)."""
+    Null is the default, anything but true or false is a 422 naming `path` (the field's name unless
+    given)."""
     value = body.get(name)
     if value is None:
         return default

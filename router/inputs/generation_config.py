@@ -1,6 +1,6 @@
 """transformers' `generation_config` as generate-one takes it.
 
-transformers' `generation_config` as generate-one takes it: the server's defaults, a call's values.
+It holds the server's defaults and a call's values.
 
 A field left out takes the server's default (GenerationDefaults: launcher flags, their environment
 variables, or a .env file); numbers go through field_ranges' checks as on the other APIs.

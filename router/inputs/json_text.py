@@ -35,8 +35,7 @@ def _finite_float(text: str) -> float:
 def loads(text: str):
     """`text` as a JSON value, or a JSONError naming what is wrong with it.
 
-    `text` as a JSON value, or a JSONError naming what is wrong with it (for a request body,
-    and for JSON a body carries as a string, such as a JSON schema)."""
+    For a request body, and for JSON a body carries as a string, such as a JSON schema."""
     try:
         value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except JSONError:

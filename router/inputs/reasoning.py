@@ -1,7 +1,7 @@
 """--reasoning-parser: a chat answer's reasoning split from its content.
 
---reasoning-parser: a chat answer's reasoning (`reasoning_content`) split from its answer
-(`content`), for models that think between `<think>` and `</think>` (DeepSeek R1, Qwen3, QwQ).
+The reasoning goes in `reasoning_content`, the content (the answer) in `content`; for models that
+think between `<think>` and `</think>` (DeepSeek R1, Qwen3, QwQ).
 
 One rule, vLLM's `deepseek_r1` (its `qwen3` is the same where they differ in nothing a template
 decides): the output is reasoning up to the first `</think>`, and the answer after it; a `<think>`
@@ -32,9 +32,9 @@ def check_parser(name: str | None) -> None:
 def starts_in_reasoning(prompt: str) -> bool:
     """Whether the output begins inside the thinking block.
 
-    Whether the output begins inside the thinking block: not when the prompt ends by closing
-    one (the template wrote an empty block: thinking is off, as Qwen3's enable_thinking=false
-    does). Only the end counts: a user's message may quote the tags."""
+    It does unless the prompt ends by closing one (the template wrote an empty block: thinking is
+    off, as Qwen3's enable_thinking=false does). Only the end counts: a user's message may quote the
+    tags."""
     return not prompt.rstrip().endswith(CLOSE)
 
 

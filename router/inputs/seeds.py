@@ -25,8 +25,8 @@ def seed_or_draw(seed: int | None) -> int:
 def copies(request: GenerateRequest, n: int) -> list[GenerateRequest]:
     """n copies of `request`, each with a seed of its own.
 
-    n copies of `request`, the i-th seeded with its seed + i: sampled copies differ, and a
-    client's seed reproduces every one of them."""
+    The i-th is seeded with its seed + i: sampled copies differ, and a client's seed reproduces
+    every one of them."""
     return [request] + [replace(request, sampling=replace(request.sampling,
                                                           seed=(request.sampling.seed + i) % SEEDS))
                         for i in range(1, n)]

@@ -39,8 +39,8 @@ class RouterTokenizer:
                            max_tokens: int | None = None) -> list[int]:
         """The text's ids; one longer than max_tokens is refused without encoding it.
 
-        The text's ids; with max_tokens, a text that must have more is refused without encoding
-        it (a prompt of megabytes costs seconds of tokeniser time)."""
+        Refused only with max_tokens given, for a text that must have more ids: a prompt of
+        megabytes costs seconds of tokeniser time."""
         if max_tokens is not None and (fewest := self.fewest_tokens(text)) > max_tokens:
             raise ValidationError(f"`inputs` must have less than {max_tokens} tokens. "
                                   f"Given: at least {fewest}")
@@ -55,8 +55,7 @@ class RouterTokenizer:
     async def _encoded(self, text: str, add_special_tokens: bool, read):
         """read(the text's encoding), off the event loop for a long text.
 
-        read(the text's encoding), off the event loop for a long text: the lists it reads out
-        are built there too."""
+        The lists it reads out are built there too."""
         if len(text) < 2048:  # short prompts cost less than a thread hop
             return read(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
@@ -75,9 +74,9 @@ class RouterTokenizer:
 def max_token_bytes(spec: dict) -> int | None:
     """The most input bytes one token can stand for, where the tokenizer bounds it.
 
-    The most input bytes one token can stand for, where the tokenizer's JSON `spec` guarantees a
-    bound: byte-level BPE with no normaliser and pre-tokenizers that drop nothing, where each
-    vocabulary character is one input byte. None for any other tokenizer."""
+    The tokenizer's JSON `spec` guarantees a bound for byte-level BPE with no normaliser and
+    pre-tokenizers that drop nothing, where each vocabulary character is one input byte. None for
+    any other tokenizer."""
     model = spec.get("model") or {}
     if spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("fuse_unk"):
         return None  # (fused, one unknown token stands for any number of bytes)

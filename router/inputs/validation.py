@@ -153,10 +153,9 @@ def _best_of(params: dict, limits: ValidationLimits, stream: bool) -> int:
 def chosen_adapter(name: str | None, adapters: AdapterRegistry | None) -> str | None:
     """The LoRA adapter a request names (None: the base model).
 
-    The LoRA adapter a request names: None (the base model) for None or "", else a loaded
-    adapter's name; UnknownAdapterError (a 422) for a name the model has not loaded. TGI falls
-    back to the base model for an unknown id; we refuse it, since an answer from the wrong
-    weights would look like a right one (docs/apis.md)."""
+    None for None or "", else a loaded adapter's name; UnknownAdapterError (a 422) for a name the
+    model has not loaded. TGI falls back to the base model for an unknown id; we refuse it, since an
+    answer from the wrong weights would look like a right one (docs/apis.md)."""
     if not name:
         return None
     if adapters is None:  # a model without a registry has loaded none
@@ -170,8 +169,8 @@ async def validate_generate(body: dict, tokenizer: RouterTokenizer, limits: Vali
                             adapters: AdapterRegistry | None = None) -> ValidatedGenerate:
     """The TGI body {inputs, parameters} -> a validated request.
 
-    The TGI body {inputs, parameters} -> a request the batcher can schedule; `adapters`: the
-    served model's, which `parameters.adapter_id` must name one of."""
+    The request is one the batcher can schedule; `adapters`: the served model's, which
+    `parameters.adapter_id` must name one of."""
     inputs = body.get("inputs")
     if not isinstance(inputs, str):
         raise _type_error("inputs", inputs, "a string") if "inputs" in body else \

@@ -1,7 +1,7 @@
 """The scheduling policy, pure: who joins the running batch, how large a prompt's next chunk is.
 
-How many new requests may join the running batch, and how large the next chunk of a long prompt is
-(TGI's waiting_served_ratio / max_waiting_tokens rules).
+How many new requests may join, by TGI's waiting_served_ratio / max_waiting_tokens rules; the chunks
+are a long prompt's.
 """
 from __future__ import annotations
 

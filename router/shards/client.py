@@ -20,8 +20,8 @@ from router.shards.step_types import CachedBatch, NewBatch, PreparedBatch, Rejec
 class ShardError(Exception):
     """A shard call failed.
 
-    A shard call failed; the message is the shard's own, `code` its gRPC status's name
-    (INVALID_ARGUMENT, ...; None when the call never got an answer)."""
+    The message is the shard's own, `code` its gRPC status's name (INVALID_ARGUMENT, ...; None when
+    the call never got an answer)."""
 
     def __init__(self, message: str, code: str | None = None):
         super().__init__(message)
@@ -134,8 +134,7 @@ class ShardedClient:
     async def warmup(self, batch: NewBatch, **limits: int) -> int:
         """Runs the warm-up batch on every rank; returns the KV pool's size in blocks.
 
-        Runs the warm-up batch on every rank; returns the KV pool's size in blocks (the
-        smallest rank's: every rank must fit)."""
+        The smallest rank's: every rank must fit."""
         request = convert.warmup_message(batch, **limits)
         replies = await asyncio.gather(*(c.call("Warmup", request) for c in self.clients))
         return min(r.num_blocks for r in replies)
@@ -143,8 +142,7 @@ class ShardedClient:
     def prepare(self, batch: NewBatch) -> tuple[PreparedBatch, list[Rejection]]:
         """The batch's message, and the requests that could not be put into it.
 
-        The batch's message, and the requests that could not be put into it (each fails
-        alone, before anything is sent)."""
+        Each fails alone, before anything is sent."""
         message, rejected = convert.batch_message(batch)
         return PreparedBatch([r.id for r in message.requests], message), rejected
 
@@ -160,10 +158,10 @@ class ShardedClient:
                      on_step: Callable[[StepResult], None] | None = None) -> StepResult:
         """Up to `max_steps` decode steps back to back.
 
-        Up to `max_steps` steps back to back (the shards stop after one where a request
-        finished). With `on_step`, every step but the last is handed to it as it ends (streamed
-        from the shards), and the result holds the last step's generations with the whole
-        call's steps and times; without, every step's tokens come in the result."""
+        The shards stop after one where a request finished. With `on_step`, every step but the last
+        is handed to it as it ends (streamed from the shards), and the result holds the last step's
+        generations with the whole call's steps and times; without, every step's tokens come in the
+        result."""
         request = pb.DecodeRequest(batches=[convert.cached_batch_message(b) for b in batches],
                                    max_steps=max_steps)
         if on_step is None or max_steps <= 1:
@@ -181,10 +179,9 @@ class ShardedClient:
                         on_step: Callable[[StepResult], None]) -> list:
         """DecodeStream on rank 0 and Decode on the others.
 
-        DecodeStream on rank 0, its steps handed to on_step as they come, and Decode on the
-        other ranks (they compute the same steps; only rank 0's tokens are read): every rank's
-        last message, rank order. An error in on_step is the router's own and is raised as it
-        is; the calls are cancelled then."""
+        Rank 0's steps are handed to on_step as they come; the other ranks compute the same steps,
+        and only rank 0's tokens are read. Returns every rank's last message, rank order. An error
+        in on_step is the router's own and is raised as it is; the calls are cancelled then."""
         metadata = inject_metadata() if tracing_enabled() else None
         others = [asyncio.ensure_future(c.call("Decode", request, None, metadata))
                   for c in self.clients[1:]]
@@ -229,8 +226,8 @@ class ShardedClient:
     async def unload_adapter(self, name: str) -> None:
         """Frees adapter `name` on every rank.
 
-        Frees adapter `name` on every rank; a rank that does not have it (NOT_FOUND: it
-        restarted, or a load failed half-way) is already where the others go."""
+        A rank that does not have it (NOT_FOUND: it restarted, or a load failed half-way) is already
+        where the others go."""
         request = pb.UnloadAdapterRequest(name=name)
         replies = await asyncio.gather(*(c.call("UnloadAdapter", request) for c in self.clients),
                                        return_exceptions=True)

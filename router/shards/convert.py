@@ -99,9 +99,9 @@ def request_message(shard_request: ShardRequest) -> pb.Request:
 def batch_message(batch: NewBatch) -> tuple[pb.Batch, list[Rejection]]:
     """The batch's message, and the requests that could not be translated.
 
-    The batch's message, without the requests that could not be translated (returned as
-    rejections, each with the error). A value the wire cannot carry raises when its message is
-    built (protobuf checks ranges and UTF-8 there), so it fails its own request, not the call."""
+    The message leaves those requests out; they come back as rejections, each with the error. A
+    value the wire cannot carry raises when its message is built (protobuf checks ranges and UTF-8
+    there), so it fails its own request, not the call."""
     messages, rejected = [], []
     for shard_request in batch.requests:
         try:
@@ -166,8 +166,7 @@ def _generation(generation: pb.Generation, hidden_size: int) -> Generation:
 def generation_events(generation: pb.Generation, hidden_size: int) -> list[TokenEvent]:
     """One event per token of the generation.
 
-    One event per token of the generation: what was learnt of the prompt comes with the first,
-    the final answer with the last."""
+    What was learnt of the prompt comes with the first, the final answer with the last."""
     tokens = generation.tokens
     count = len(tokens.ids)
     if not count:

@@ -52,17 +52,17 @@ class CachedBatch:
 class RequestFailedInShard(Exception):
     """The shard ended a request it could not go on with.
 
-    The shard ended a request it could not go on with (the proto's Generation.error, such as
-    a grammar its lexer gave up on): that request fails with the shard's reason."""
+    The proto's Generation.error, such as a grammar its lexer gave up on: that request fails with
+    the shard's reason."""
 
 
 @dataclass(slots=True)
 class Generation:
     """One request's step: its events, or why they could not be read back.
 
-    One request's step: its events (one per token; several when speculation accepted drafts),
-    or why they could not be read back (which fails that request alone). The shard's Generation
-    holds raw token runs; this one is already read."""
+    Its events are one per token, several when speculation accepted drafts. A failure to read them
+    back fails that request alone. The shard's Generation holds raw token runs; this one is already
+    read."""
 
     request_id: int
     events: list[TokenEvent]

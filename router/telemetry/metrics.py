@@ -141,8 +141,8 @@ class Metrics:
 class _AdapterRequests:
     """Queued and running requests per LoRA adapter, counted when scraped.
 
-    tgi_queue_size and tgi_batch_current_size per LoRA adapter (not TGI's): counted from the
-    scheduler's requests when scraped, one sample per adapter that has any."""
+    Samples of tgi_queue_size and tgi_batch_current_size labelled by adapter (not TGI's), from the
+    scheduler's requests: one per adapter that has any."""
 
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
@@ -166,8 +166,8 @@ class _AdapterRequests:
 def render_models(models: dict[str, Metrics]) -> bytes:
     """One Prometheus exposition for several models.
 
-    One exposition for several models: one model's metrics as they are (what a one-model
-    server has always shown); several models' samples each labelled `model`, one family each."""
+    One model's metrics as they are (what a one-model server has always shown); several models'
+    samples each labelled `model`, one family each."""
     if len(models) == 1:
         return next(iter(models.values())).render()
     families: dict[str, list[str]] = {}

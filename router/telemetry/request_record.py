@@ -1,9 +1,9 @@
 """What one HTTP request did, for its access-log line.
 
-What one HTTP request did, for its access-log line (router/http/access_log.py): the middleware
-makes the record and makes it current for the request's handler; the layers that learn a part of
-it fill it in (router.state the model a request names, the generation core its tokens and its
-LoRA adapter), wherever the handler's calls and the tasks they start take them.
+The line is router/http/access_log.py's. The middleware makes the record and makes it current for
+the request's handler; the layers that learn a part of it fill it in (router.state the model a
+request names, the generation core its tokens and its LoRA adapter), wherever the handler's calls
+and the tasks they start take them.
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ class RequestRecord:
                            adapter_id: str | None) -> None:
         """Records that a core request started.
 
-        A core request started; `prompt` (its input ids) counts once however many copies
-        of it are generated."""
+        `prompt` (its input ids) counts once however many copies of it are generated."""
         self.num_generations += 1
         if id(prompt) not in self._prompt_ids:
             self._prompt_ids.add(id(prompt))
@@ -44,8 +43,7 @@ _CURRENT: ContextVar[RequestRecord | None] = ContextVar("request_record", defaul
 def current_record() -> RequestRecord | None:
     """The record of the HTTP request being handled.
 
-    The record of the HTTP request being handled; None outside one (the gRPC API, tests that
-    call the core directly)."""
+    None outside one (the gRPC API, tests that call the core directly)."""
     return _CURRENT.get()
 
 

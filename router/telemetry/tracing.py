@@ -40,8 +40,7 @@ def current_span_context():
 def record_phases(timings: Timings) -> None:
     """Queue and inference spans under the current request span.
 
-    Queue and inference spans under the current request span, written once the request ended
-    (their times are known only then)."""
+    Written once the request ended (their times are known only then)."""
     if not tracing_enabled():
         return
     span = trace.get_current_span()

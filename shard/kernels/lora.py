@@ -1,8 +1,8 @@
 """The C LoRA kernel (shard/kernels/lora.c): each bf16 row's own adapter update, added in place.
 
-Each row of a bf16 batch gets the update of its own adapter slot, added in place to a linear
-layer's output; built on first use. Where it does not build (or TGI_PY_LORA_KERNEL=0)
-shard.layers.lora computes the updates in PyTorch.
+The update is that of the row's adapter slot, added to a linear layer's output; the kernel is built
+on first use. Where it does not build (or TGI_PY_LORA_KERNEL=0) shard.layers.lora computes the
+updates in PyTorch.
 """
 from __future__ import annotations
 

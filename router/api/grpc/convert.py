@@ -24,8 +24,8 @@ _FINISH_REASONS = {
 def generate_body(request: api.GenerateRequest) -> dict:
     """TGI's JSON body {inputs, parameters}, with only the parameters that are set.
 
-    TGI's JSON body {inputs, parameters} holding the parameters that are set, and only those, so
-    that router.inputs.validation applies TGI's defaults and rules to them as it does to JSON."""
+    Unset ones are left out so that router.inputs.validation applies TGI's defaults and rules to
+    them as it does to JSON."""
     parameters = {}
     for field, value in request.parameters.ListFields():
         if field.name == "grammar":

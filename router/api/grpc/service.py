@@ -1,8 +1,8 @@
 """The public gRPC API (proto/api.proto), served beside the HTTP one.
 
-The public gRPC API (proto/api.proto) beside the HTTP one: Generate, GenerateStream, Tokenize,
-Info and Health through the same validation, queue, batching, cancellation, metrics and API key,
-with the standard grpc.health.v1.Health service and server reflection. On when --grpc-port is set.
+Generate, GenerateStream, Tokenize, Info and Health through the same validation, queue, batching,
+cancellation, metrics and API key, with the standard grpc.health.v1.Health service and server
+reflection. On when --grpc-port is set.
 """
 from __future__ import annotations
 
@@ -92,8 +92,7 @@ class _Undecodable:
 def _decoder(message_class):
     """`message_class.FromString` that hands the servicer an _Undecodable rather than raise.
 
-    `message_class.FromString`, which hands the servicer an _Undecodable rather than raise: grpc
-    answered a raising deserializer with UNKNOWN and logged a traceback per call."""
+    grpc answered a raising deserializer with UNKNOWN and logged a traceback per call."""
     def decode(data: bytes):
         try:
             return message_class.FromString(data)
@@ -106,8 +105,7 @@ def _decoder(message_class):
 def add_service(servicer, server: grpc.aio.Server) -> None:
     """Adds the TextGeneration service's methods to `server`, decoding with _decoder.
 
-    The TextGeneration service's methods on `server`, as the generated
-    add_TextGenerationServicer_to_server adds them, with requests decoded by _decoder."""
+    As the generated add_TextGenerationServicer_to_server adds them."""
     service = api.DESCRIPTOR.services_by_name["TextGeneration"]
     handlers = {}
     for method in service.methods:
@@ -125,9 +123,8 @@ def add_service(servicer, server: grpc.aio.Server) -> None:
 def _rpc(method):
     """Ends a call that raised with the gRPC status of its error.
 
-    A RouterError ends the call with its gRPC status and TGI's message (its error_type and
-    Retry-After in the trailers); anything else is logged and INTERNAL. A request that did not
-    decode is INVALID_ARGUMENT."""
+    For a RouterError, with TGI's message (its error_type and Retry-After in the trailers); anything
+    else is logged and INTERNAL. A request that did not decode is INVALID_ARGUMENT."""
 
     @functools.wraps(method)
     async def handle(self, request, context: grpc.aio.ServicerContext):
@@ -215,11 +212,10 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class StandardHealth(health_pb2_grpc.HealthServicer):
     """grpc.health.v1.Health, in step with the Health RPC.
 
-    grpc.health.v1.Health for the server ("") and tgi.v1.TextGeneration, in step with the Health
-    RPC: Check runs the same check live, and a task re-runs it every HEALTH_REFRESH_S for Watch
-    streams. From shutdown on it answers NOT_SERVING, and a Watch stream ends once it has said so
-    (grpc_health's own servicer keeps it open, which holds the server's graceful stop for its whole
-    grace period)."""
+    For the server ("") and tgi.v1.TextGeneration: Check runs the same check live, and a task
+    re-runs it every HEALTH_REFRESH_S for Watch streams. From shutdown on it answers NOT_SERVING,
+    and a Watch stream ends once it has said so (grpc_health's own servicer keeps it open, which
+    holds the server's graceful stop for its whole grace period)."""
 
     SERVICES = (health.OVERALL_HEALTH, SERVICE)
 
@@ -281,8 +277,8 @@ class StandardHealth(health_pb2_grpc.HealthServicer):
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses a call without the API key, except health checks and reflection.
 
-    Every call but health checks and reflection needs metadata `authorization: Bearer <key>`:
-    exactly what the HTTP API's Authorization header must hold (router/http/middleware.py)."""
+    The key goes in metadata `authorization: Bearer <key>`: exactly what the HTTP API's
+    Authorization header must hold (router/http/middleware.py)."""
 
     def __init__(self, api_key: str):
         self.expected = f"Bearer {api_key}".encode()

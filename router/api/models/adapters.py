@@ -1,7 +1,7 @@
 """LoRA adapters over the HTTP API: vLLM's load and unload routes, and /v1/models items.
 
-LoRA adapters over the HTTP API: vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`,
-and the adapter items of the `/v1/models` routes (router/api/models/routes.py).
+The routes are vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`; the items are the
+adapter items of the `/v1/models` routes (router/api/models/routes.py).
 
 An adapter is listed as vLLM lists one (`root`: where it came from, `parent`: its base model), with
 Jan's Model fields beside them; it is loaded and unloaded through the lifecycle's ModelManager.
@@ -43,8 +43,8 @@ def _source_url(source: str) -> str:
 def adapter_json(entry: AdapterEntry, parent: str) -> dict:
     """An adapter's item in /v1/models: vLLM's model card with Jan's Model fields.
 
-    vLLM's model card of an adapter (id, object, created, owned_by, root, parent), with Jan's
-    Model fields: an adapter runs while it is loaded."""
+    The card's fields: id, object, created, owned_by, root, parent. By Jan's fields, an adapter runs
+    while it is loaded."""
     return {
         "id": entry.name, "object": "model", "created": entry.created, "owned_by": _OWNER,
         "root": entry.source, "parent": parent,
@@ -86,8 +86,8 @@ def _string_field(body: dict, key: str, *, required: bool) -> str | None:
 async def start_adapter(manager: ModelManager, body: dict) -> web.Response:
     """Cortex's POST /v1/models/start naming an adapter's files.
 
-    Cortex's POST /v1/models/start naming an adapter's files: {"model": name, "lora_path"
-    (or "source"), "parent" (or "base_model"): the model to load it into, else the default}."""
+    Its body: {"model": name, "lora_path" (or "source"), "parent" (or "base_model"): the model to
+    load it into, else the default}."""
     for key in body:
         if key not in ("model", *SOURCE_FIELDS, *PARENT_FIELDS):
             raise AdapterError(f"`{key}` is not supported when /v1/models/start loads an "

@@ -1,7 +1,6 @@
 """The model routes' part of the OpenAPI document.
 
-The model routes' part of the OpenAPI document (Jan's and Cortex's /v1/models family, and vLLM's
-LoRA adapter routes).
+Jan's and Cortex's /v1/models family, and vLLM's LoRA adapter routes.
 """
 from __future__ import annotations
 

@@ -181,8 +181,8 @@ async def stop_model(request: web.Request) -> web.Response:
 async def start_named(request: web.Request) -> web.Response:
     """Cortex's POST /v1/models/start {"model": id, ...}.
 
-    Cortex's POST /v1/models/start {"model": id, ...}: its other fields are the model's
-    settings (ctx_len, n_parallel, ngl, ...), kept as a PATCH would keep them."""
+    Its other fields are the model's settings (ctx_len, n_parallel, ngl, ...), kept as a PATCH would
+    keep them."""
     body = await read_object(request)
     manager = _manager(request)
     if any(key in body for key in adapters.SOURCE_FIELDS):  # an adapter's files: load it

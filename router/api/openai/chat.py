@@ -94,9 +94,9 @@ class _Chat:
 def _chat_prompt(served, body: dict):
     """A chat body's tool plan, response-format grammar and prompt.
 
-    (the tool plan, the response format's grammar, the prompt): the slow part of reading a
-    chat, whose messages, tools and schemas a body of megabytes can make take a second, so it runs
-    in a worker thread, not on the event loop that serves every other request."""
+    Returned in that order. This is the slow part of reading a chat, whose messages, tools and
+    schemas a body of megabytes can make take a second, so it runs in a worker thread, not on the
+    event loop that serves every other request."""
     messages = normalise_messages(body.get("messages"))
     plan = tool_plan(body)
     response_format = structured_output.from_response_format(body.get("response_format"))

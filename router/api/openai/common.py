@@ -1,7 +1,7 @@
 """What OpenAI's chat and legacy completion routes share.
 
-What OpenAI's chat and legacy completion routes share: finish reasons, usage, the stop-sequence
-rule, the stream's error and end frames, and a `model` that names a LoRA adapter.
+Finish reasons, usage, the stop-sequence rule, the stream's error and end frames, and a `model` that
+names a LoRA adapter.
 """
 from __future__ import annotations
 
@@ -23,9 +23,8 @@ FINGERPRINT = f"{VERSION}-tgi-py"
 def adapter_as_model() -> Iterator[None]:
     """Inside it, an adapter unloaded meanwhile is a 404 model_not_found.
 
-    Inside it, an adapter that stopped being loaded after the request's `model` found it (an
-    unload meanwhile) is a 404 model_not_found, as that `model` would be a moment later: to
-    these routes an adapter is a model (vLLM's rule)."""
+    Meanwhile: after the request's `model` found it. The 404 is what that `model` would get a moment
+    later: to these routes an adapter is a model (vLLM's rule)."""
     try:
         yield
     except UnknownAdapterError as err:
@@ -61,9 +60,9 @@ def without_stop(text: str, final, stop_sequences: list[str]) -> str:
 class StopHoldback:
     """One streamed choice's text, without its stop sequence.
 
-    One streamed choice's text without its stop sequence, as the whole answer's is: a stop
-    sequence can span tokens, so the end of the text that could begin one waits for the next
-    token (vLLM holds its streams back alike) and is dropped if the sequence completes."""
+    The same text as the whole answer's: a stop sequence can span tokens, so the end of the text
+    that could begin one waits for the next token (vLLM holds its streams back alike) and is dropped
+    if the sequence completes."""
 
     def __init__(self, stop_sequences: list[str]):
         self.stops = [s for s in stop_sequences if s]
@@ -85,9 +84,8 @@ class StopHoldback:
 def _overlap(text: str, stop: str) -> int:
     """The length of the longest end of `text` that begins `stop`.
 
-    The length of the longest end of `text` that begins `stop`, shorter than `stop`: the
-    prefix function over stop's beginning, a separator and text's end, linear in their length
-    (a stop sequence may be thousands of characters)."""
+    Always shorter than `stop`; computed by the prefix function over stop's beginning, a separator
+    and text's end, linear in their length (a stop sequence may be thousands of characters)."""
     tail = text[len(text) - min(len(text), len(stop) - 1):]
     if not tail:
         return 0

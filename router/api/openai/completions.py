@@ -51,8 +51,8 @@ def _with_suffix(prompt: str, suffix: str | None, tokenizer) -> str:
 def _own_seed(sampling: SamplingParams, body: dict) -> SamplingParams:
     """A prompt's copy of the body's sampling, with a seed of its own.
 
-    A prompt's copy of the body's sampling: without a `seed`, a draw of its own, so that the
-    same prompt twice gives two samples, as two requests would."""
+    The seed is a draw of its own where the body has no `seed`, so that the same prompt twice gives
+    two samples, as two requests would."""
     return replace(sampling, seed=seed_or_draw(sampling.seed if body.get("seed") is not None
                                                else None))
 
@@ -104,8 +104,7 @@ def _best(requests: list[GenerateRequest], results: list[GenerateResult], n: int
           candidates: int) -> tuple[list[GenerateRequest], list[GenerateResult]]:
     """The n best of each prompt's candidates, most likely first.
 
-    Of each prompt's candidates, the n with the highest log-probability per token (OpenAI's
-    rule for best_of), most likely first."""
+    The n with the highest log-probability per token (OpenAI's rule for best_of)."""
     if candidates == n:
         return requests, results
     kept_requests, kept_results = [], []

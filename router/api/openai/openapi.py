@@ -102,8 +102,7 @@ def schemas() -> dict:
 def _by_model(path: dict) -> dict:
     """A route whose `model` picks the model or adapter, with its 404 and 409.
 
-    A route whose `model` picks the model or adapter: 404 when it names none of them, 409
-    when the model is not running."""
+    404 when it names none of them, 409 when the model is not running."""
     path["post"]["responses"].update(error_responses(404, 409))
     return path
 

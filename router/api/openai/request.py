@@ -66,8 +66,8 @@ def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingPa
 def model_name(body: dict) -> str | None:
     """The model a body names.
 
-    The model a body names: a served model's id or a loaded LoRA adapter's name
-    (router/state.model_and_adapter finds it)."""
+    A served model's id or a loaded LoRA adapter's name (router/state.model_and_adapter finds
+    it)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ValidationError("`model` must be a string")
@@ -124,10 +124,10 @@ def _message_text(message: dict, index: int) -> str:
 def _calls_as_text(message: dict) -> dict:
     """An assistant turn's tool calls as its text, for a prompt that cannot show them.
 
-    An assistant turn that called tools and said nothing, for a prompt that cannot show
-    `tool_calls` (a template that never reads them, Jan's prompt pieces): the calls as its text.
-    Templates that read them (Qwen3's, Llama 3.1's...) get the turn as it came, as vLLM and
-    transformers pass it, and would otherwise show the calls twice."""
+    For a turn that called tools and said nothing, and a prompt that cannot show `tool_calls` (a
+    template that never reads them, Jan's prompt pieces). Templates that read them (Qwen3's, Llama
+    3.1's...) get the turn as it came, as vLLM and transformers pass it, and would otherwise show
+    the calls twice."""
     calls = message.get("tool_calls")
     if message["content"] or not calls:
         return message
@@ -228,8 +228,8 @@ _TEMPLATE_OWN_VARIABLES = ("messages", "tools", "add_generation_prompt", "contin
 def chat_template_kwargs(body: dict) -> dict:
     """vLLM's and SGLang's `chat_template_kwargs`, checked.
 
-    vLLM's and SGLang's `chat_template_kwargs`: more variables for the chat template (Qwen3's
-    `enable_thinking`, ...); as in transformers they may replace the special tokens (bos_token)."""
+    More variables for the chat template (Qwen3's `enable_thinking`, ...); as in transformers they
+    may replace the special tokens (bos_token)."""
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         return {}
@@ -254,8 +254,8 @@ def render_chat(template: ChatTemplate | None, messages: list[dict],
                 fallback: ChatPrompt | None = None, template_kwargs: dict | None = None) -> str:
     """The prompt of a chat.
 
-    The prompt of a chat: the model's template, else Jan's prompt pieces (`fallback`, which
-    has no variables for `template_kwargs`)."""
+    The model's template, else Jan's prompt pieces (`fallback`, which has no variables for
+    `template_kwargs`)."""
     if template is None and fallback is None:
         raise TemplateError("this model has no chat template")
     if functions and (template is None or not template.knows_tools):

@@ -1,8 +1,8 @@
 """SGLang's choice of LoRA adapter per prompt: `lora_path` and `lora_id`.
 
-SGLang's choice of LoRA adapter per prompt: `lora_path` (a loaded adapter's name, or the
-directory it was loaded from) and `lora_id` (a name), once for every prompt or one per prompt.
-What SGLang refuses here it answers with a 400, and so do we.
+`lora_path` is a loaded adapter's name, or the directory it was loaded from; `lora_id` a name.
+Either comes once for every prompt or one per prompt. What SGLang refuses here it answers with a
+400, and so do we.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ class LoadedAdapters(AdapterRegistry, Protocol):
 class SglangBadRequest(ValidationError):
     """A validation error SGLang answers with a 400.
 
-    What SGLang answers with a 400 where our other validation errors are 422s: a LoRA adapter
-    it has not loaded, a `lora_path` list that is not one entry per prompt."""
+    Our other validation errors are 422s. These are a LoRA adapter it has not loaded, and a
+    `lora_path` list that is not one entry per prompt."""
 
     status = 400
 
@@ -30,8 +30,8 @@ class SglangBadRequest(ValidationError):
 def _lora_values(body: dict, name: str, count: int) -> list[str | None]:
     """`lora_path` or `lora_id`, one value per prompt.
 
-    `lora_path` or `lora_id`: one value for every prompt, or (a batch) a list of one per
-    prompt; null and "" are the base model."""
+    Given as one value for every prompt, or (a batch) a list of one per prompt; null and "" are the
+    base model."""
     value = body.get(name)
     values = value if isinstance(value, list) else [value] * count
     if not all(v is None or isinstance(v, str) for v in values):
@@ -45,8 +45,8 @@ def _lora_values(body: dict, name: str, count: int) -> list[str | None]:
 def _adapter(value: str | None, name: str, adapters: LoadedAdapters | None) -> str | None:
     """A loaded adapter's name, given as itself or as its directory.
 
-    A loaded adapter's name, given as itself or (`lora_path`) as the directory it was loaded
-    from, as SGLang's lora_path names an adapter by the path it was loaded under."""
+    The directory comes in `lora_path`, as SGLang's lora_path names an adapter by the path it was
+    loaded under."""
     try:
         return chosen_adapter(value, adapters)
     except UnknownAdapterError as err:
@@ -62,8 +62,8 @@ def prompt_adapters(body: dict, count: int,
                     adapters: LoadedAdapters | None) -> list[str | None]:
     """Each prompt's LoRA adapter (None: the base model).
 
-    Each prompt's LoRA adapter (None: the base model), by `lora_path` or `lora_id` (SGLang's
-    newer field, a name); both given must name the same adapter."""
+    By `lora_path` or `lora_id` (SGLang's newer field, a name); both given must name the same
+    adapter."""
     chosen = []
     for index, (path, name) in enumerate(zip(_lora_values(body, "lora_path", count),
                                              _lora_values(body, "lora_id", count))):

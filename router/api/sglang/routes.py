@@ -1,7 +1,7 @@
 """SGLang's native API: POST /generate and its companion routes.
 
-SGLang's native API: `POST /generate` with `text` / `input_ids`, and its companion routes
-(/abort_request, /flush_cache, /health_generate, /get_model_info, /get_server_info).
+`POST /generate` takes `text` / `input_ids`; the companion routes are /abort_request, /flush_cache,
+/health_generate, /get_model_info and /get_server_info.
 
 TGI and SGLang share the path `POST /generate`. TGI's module owns the route and keeps a short list
 of other dialects (`tgi.GENERATE_DIALECTS`); `register` adds SGLang's (`is_sglang_body`, `generate`) to it.
@@ -106,8 +106,8 @@ class Run:
     def arrived(self, event: TokenEvent) -> None:
         """Records an event as the core hands it over.
 
-        An event as the core hands it over (the writer may lag behind): recorded, and framed
-        when streamed; an aborted run's last event is framed only."""
+        The writer may lag behind. The event is framed too when streamed; an aborted run's last
+        event is framed only."""
         if not self.aborted:
             self.record(event)
         self.keep_frame()
@@ -196,8 +196,8 @@ class Run:
 def _events(infer, runs: list[Run]) -> AsyncIterator[tuple[int, TokenEvent]]:
     """(index, event) of every run as they arrive.
 
-    (index, event) of every run as they arrive, through the core's fan-out (each run abortable
-    alone; an aborted run ends with an event of its own)."""
+    Through the core's fan-out (each run abortable alone; an aborted run ends with an event of its
+    own)."""
     return infer.stream_many([run.request for run in runs], streams=[run.stream for run in runs],
                              on_event=lambda index, event: runs[index].arrived(event))
 
@@ -205,9 +205,8 @@ def _events(infer, runs: list[Run]) -> AsyncIterator[tuple[int, TokenEvent]]:
 class SglangStream(StreamFormat):
     """SGLang's stream: a `data:` frame per token, `data: [DONE]` at the end.
 
-    `data: {"text": <text so far>, "meta_info": {...}}` per token, `data: [DONE]` at the end;
-    a batch's events carry the `index` of their generation (each frame made as its event was
-    recorded: Run.keep_frame)."""
+    Each frame is `data: {"text": <text so far>, "meta_info": {...}}`; a batch's events carry the
+    `index` of their generation (each frame made as its event was recorded: Run.keep_frame)."""
 
     def __init__(self, runs: list[Run]):
         self.runs = runs

@@ -208,8 +208,8 @@ _SLICE = 1024  # tokens a json.dumps call
 def simple_tokens_json(text: str, ids: list[int], offsets: list[tuple[int, int]]) -> str:
     """simple_tokens(...) as JSON, written a slice at a time.
 
-    simple_tokens(...) as JSON, written a slice at a time: json.dumps holds the interpreter
-    for the whole of one call, tens of milliseconds per megabyte, and no other thread runs."""
+    json.dumps holds the interpreter for the whole of one call, tens of milliseconds per megabyte,
+    and no other thread runs."""
     parts = [json.dumps(simple_tokens(text, ids[start:start + _SLICE],
                                       offsets[start:start + _SLICE]))[1:-1]
              for start in range(0, len(ids), _SLICE)]
@@ -220,9 +220,8 @@ async def tokens_response(text: str, ids: list[int], offsets: list[tuple[int, in
                           templated_text: str | None = None) -> web.Response:
     """The tokens' JSON answer, made in a worker thread.
 
-    The tokens' JSON answer (in /chat_tokenize's object when templated_text is given), made in
-    a worker thread: for a prompt of a megabyte it is tens of megabytes, whose building held the
-    event loop (and every other request) for seconds."""
+    In /chat_tokenize's object when templated_text is given. For a prompt of a megabyte it is tens
+    of megabytes, whose building held the event loop (and every other request) for seconds."""
     def build() -> bytes:
         tokens = simple_tokens_json(text, ids, offsets)
         if templated_text is None:
@@ -237,8 +236,8 @@ async def tokens_response(text: str, ids: list[int], offsets: list[tuple[int, in
 async def health(request: web.Request) -> web.Response:
     """GET /health: the named model, or every running model, answers.
 
-    The model the X-Model-Id header names, or else every running model, answers (one that
-    stops while it is asked is no longer the server's to report)."""
+    The X-Model-Id header names the model. One that stops while it is asked is no longer the
+    server's to report."""
     if request.headers.get(MODEL_HEADER) is not None:
         await served_model(request).check_health()
     else:

@@ -1,8 +1,8 @@
 """GET / (a chat playground) and GET /docs (Swagger UI).
 
-GET / (a chat playground over the OpenAI and model routes) and GET /docs (Swagger UI over
-/api-doc/openapi.json): files shipped in this package and in swagger_ui_bundle, so a browser
-needs nothing but this server. TGI's POST / stays TGI's (router/api/tgi/routes.py).
+The playground runs over the OpenAI and model routes, Swagger UI over /api-doc/openapi.json: files
+shipped in this package and in swagger_ui_bundle, so a browser needs nothing but this server. TGI's
+POST / stays TGI's (router/api/tgi/routes.py).
 """
 from __future__ import annotations
 
