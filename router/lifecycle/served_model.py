@@ -53,13 +53,13 @@ class ServedModel:
     infer: Infer
     metrics: Metrics
     chat_template: ChatTemplate | None
+    # its request_id sessions (generate-one/batch), made with the KV pool
+    sessions: RequestSessions
     # Jan's per-model request defaults (router.lifecycle.settings.PARAMETERS) and chat prompt pieces
     request_defaults: dict = field(default_factory=dict)
     chat_prompt: ChatPrompt = field(default_factory=ChatPrompt)
     tasks: list[asyncio.Task] = field(default_factory=list)
     adapters: AdapterStore = None  # its LoRA adapters; made in __post_init__ unless given
-    # its request_id sessions (generate-one/batch); build_served makes them with the KV pool
-    sessions: RequestSessions = None
     # what its adapter store, when made here, asks of the server: Hub fetches, names in use
     adapter_links: InitVar[AdapterLinks] = AdapterLinks()
 
