@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = resolve_model(
             model_source(config), revision=config.revision,
             hub_cache=config.huggingface_hub_cache,
-            convert_dtype=conversion_dtype(config.dtype, config.quantize, config.device))
+            convert_dtype=conversion_dtype(config.dtype, config.quantize))
         check_remote_code(model_dir, trust_remote_code=config.trust_remote_code)
         check_shardable(model_dir, config.num_shard)
         # as TGI downloads its adapters beside the model: a bad one ends the start before any

@@ -8,6 +8,7 @@ gguf_architectures.py); each slice is changed back before it is written.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -23,11 +24,19 @@ from launcher import safetensors_stream as st
 from launcher.gguf_architectures import (Architecture, GGUFError, Metadata, architecture,
                                          hf_tensor_name, special_token_ids)
 from launcher.gguf_file import GGUFFile, TensorInfo, read_gguf
+from shard.layers.ggml_quants import BLOCKS_KEY, SERVED_TYPES, row_bytes
+
+log = logging.getLogger("tgi.launcher")
 
 # Bump when the files written change: directories from an older converter are converted again.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 MARKER = ".complete"
 DTYPES = {"bfloat16": "BF16", "float32": "F32"}
+# the conversion that keeps each tensor as stored: quantized blocks as bytes the shards serve
+# (shard/layers/ggml_quants.py), float tensors in their own dtype
+NATIVE = "gguf"
+CONVERSIONS = (*DTYPES, NATIVE)
+_FLOAT_TYPES = ("F32", "F16", "BF16")
 # Rows are dequantised this many values at a time (4 MB in float32): dequantisation makes a few
 # temporaries of this size, and a whole embedding table (a GB in float32) never exists at once.
 # Larger slices are no faster, and leave more freed memory that the allocator keeps.
@@ -48,6 +57,11 @@ class TensorJob:
     spec: st.TensorSpec
     heads: int = 0  # > 0: undo llama.cpp's rope permutation over this many heads
     offset: float = 0.0  # subtracted from every value (Gemma's norms)
+    blocks: str = ""  # the ggml type of a tensor written as its stored blocks
+
+    @property
+    def columns(self) -> int:
+        return self.tensor.shape[-1]
 
     @property
     def rows(self) -> int:
@@ -55,7 +69,7 @@ class TensorJob:
 
     @property
     def rows_per_chunk(self) -> int:
-        shape = self.spec.shape
+        shape = self.tensor.shape
         if len(shape) < 2:
             return 1
         row = math.prod(shape[1:])
@@ -74,9 +88,30 @@ def plan_tensors(model: GGUFFile, arch: Architecture, config: dict, dtype: str) 
         elif arch.permute_qk and name.endswith("k_proj.weight"):
             heads = config["num_key_value_heads"]
         offset = arch.norm_offset if name.endswith("norm.weight") else 0.0
-        spec = st.TensorSpec(name, tensor.shape, DTYPES[dtype])
-        jobs.append(TensorJob(tensor, spec, heads, offset))
+        if dtype == NATIVE:
+            spec, blocks = _native_spec(name, tensor, offset)
+        else:
+            spec, blocks = st.TensorSpec(name, tensor.shape, DTYPES[dtype]), ""
+        jobs.append(TensorJob(tensor, spec, heads, offset, blocks))
     return jobs
+
+
+def _native_spec(name: str, tensor: TensorInfo, offset: float) -> tuple[st.TensorSpec, str]:
+    """How the native conversion writes a tensor: (its spec, its ggml type where kept as blocks).
+
+    A matrix of a served type stays its blocks ([rows, row bytes] of U8); a float tensor keeps
+    its dtype (float32 where an offset is taken off it); any other type is dequantized to
+    float32, which the log says."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType(tensor.ggml_type).name
+    if kind in SERVED_TYPES and len(tensor.shape) == 2:
+        return st.TensorSpec(name, (tensor.shape[0], row_bytes(kind, tensor.shape[1])), "U8"), kind
+    if kind in _FLOAT_TYPES:
+        return st.TensorSpec(name, tensor.shape, "F32" if offset else kind), ""
+    log.info("tensor %s: %s is not served as stored (served: %s); dequantized to float32",
+             tensor.name, kind, ", ".join(SERVED_TYPES))
+    return st.TensorSpec(name, tensor.shape, "F32"), ""
 
 
 def read_rows(file, job: TensorJob, start: int, stop: int) -> np.ndarray:
@@ -87,10 +122,10 @@ def read_rows(file, job: TensorJob, start: int, stop: int) -> np.ndarray:
     model held."""
     import gguf
 
-    tensor, shape = job.tensor, job.spec.shape
-    row_bytes = tensor.nbytes // job.rows
-    buffer = np.empty((stop - start) * row_bytes, dtype=np.uint8)
-    file.seek(tensor.offset + start * row_bytes)
+    tensor, shape = job.tensor, job.tensor.shape
+    stride = tensor.nbytes // job.rows
+    buffer = np.empty((stop - start) * stride, dtype=np.uint8)
+    file.seek(tensor.offset + start * stride)
     view, filled = memoryview(buffer), 0
     while filled < buffer.nbytes:  # a raw read may return less than asked
         got = file.readinto(view[filled:])
@@ -127,12 +162,21 @@ def tensor_bytes(file, job: TensorJob, progress) -> Iterator[memoryview]:
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         stored = read_rows(file, job, start, stop)
-        values = dequantize_rows(job.tensor, stored)
+        if job.blocks:  # the blocks as they are: rows of bytes, permuted like values
+            values = stored.reshape(stop - start, -1)
+        elif job.spec.dtype == "F16" and stored.dtype == np.float16:
+            values = stored
+        else:
+            values = dequantize_rows(job.tensor, stored)
         if job.heads:
             values = unpermute_rope_rows(values, (stop - start) * job.heads // rows)
         if job.offset:
             values = values - np.float32(job.offset)
-        if job.spec.dtype == "BF16":
+        if job.blocks:
+            yield memoryview(np.ascontiguousarray(values)).cast("B")
+        elif job.spec.dtype == "F16":
+            yield memoryview(np.ascontiguousarray(values, dtype="<f2")).cast("B")
+        elif job.spec.dtype == "BF16":
             # torch rounds to nearest even; numpy has no bfloat16
             values = torch.from_numpy(np.require(values, requirements=["C", "W"]))
             yield memoryview(values.to(torch.bfloat16).view(torch.int16).numpy()).cast("B")
@@ -169,7 +213,10 @@ def convert_weights(model: GGUFFile, arch: Architecture, config: dict, out_dir: 
                     yield tensor_bytes(file, by_name[spec.name], advance)
                     bar.update()
 
-            st.write_shard(out_dir / name, shard, chunks(), metadata={"format": "pt"})
+            blocks = {spec.name: [by_name[spec.name].blocks, by_name[spec.name].columns]
+                      for spec in shard if by_name[spec.name].blocks}
+            metadata = {"format": "pt"} | ({BLOCKS_KEY: json.dumps(blocks)} if blocks else {})
+            st.write_shard(out_dir / name, shard, chunks(), metadata=metadata)
     if len(shards) > 1:
         st.write_index(out_dir, shards, names)
 
@@ -181,6 +228,10 @@ def write_model_files(model: GGUFFile | Path, out_dir: Path, progress=None, *,
     meta = Metadata.of(model)
     arch = architecture(meta)
     config = arch.config(meta) | special_token_ids(meta) | {"torch_dtype": _check_dtype(dtype)}
+    if dtype == NATIVE:
+        # what the shards compute in by default; the blocks' types are said beside it
+        config |= {"torch_dtype": "bfloat16",
+                   "quantization_config": native_quantization(model, arch, config)}
     convert_weights(model, arch, config, out_dir, dtype, progress)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -213,9 +264,34 @@ def quantization_name(gguf_path: Path) -> str:
     """llama.cpp's name for how the file is quantised ("Q4_K_M", "Q4_1"), "" when it does not say.
 
     Reads the header alone (gguf-py's reader would parse the whole vocabulary into objects)."""
+    return file_type_name(read_gguf(gguf_path))
+
+
+def native_quantization(model: GGUFFile, arch: Architecture, config: dict) -> dict:
+    """config.json's quantization_config of a native conversion: the file's types, as served.
+
+    `tensor_types`: how many matrices of each ggml type are served as stored; `dequantized`:
+    those of types served as float32."""
     import gguf
 
-    file_type = read_gguf(gguf_path).metadata.get("general.file_type")
+    served: dict[str, int] = {}
+    dequantized: dict[str, int] = {}
+    for job in plan_tensors(model, arch, config, NATIVE):
+        kind = gguf.GGMLQuantizationType(job.tensor.ggml_type).name
+        if job.blocks:
+            served[kind] = served.get(kind, 0) + 1
+        elif kind not in _FLOAT_TYPES:
+            dequantized[kind] = dequantized.get(kind, 0) + 1
+    return {"quant_method": NATIVE, "file_type": file_type_name(model),
+            "tensor_types": dict(sorted(served.items())),
+            "dequantized": dict(sorted(dequantized.items()))}
+
+
+def file_type_name(model: GGUFFile) -> str:
+    """llama.cpp's name for how a file is quantised ("Q4_K_M", "Q4_1"), "" when it does not say."""
+    import gguf
+
+    file_type = model.metadata.get("general.file_type")
     if file_type is None:
         return ""
     try:
@@ -225,8 +301,8 @@ def quantization_name(gguf_path: Path) -> str:
 
 
 def _check_dtype(dtype: str) -> str:
-    if dtype not in DTYPES:
-        raise ValueError(f"GGUF conversion writes {' or '.join(DTYPES)}, not {dtype!r}")
+    if dtype not in CONVERSIONS:
+        raise ValueError(f"GGUF conversion writes {', '.join(CONVERSIONS)}, not {dtype!r}")
     return dtype
 
 

@@ -14,11 +14,10 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from launcher.gguf import convert_gguf, is_converted
+from launcher.gguf import NATIVE, convert_gguf, is_converted
 from launcher.known_models import DEFAULT_MODEL, KnownModel
 from launcher.model_cache import ModelResolutionError, cache_root
 from launcher.progress_log import ProgressLog, watching_size
-from shard.config import cpu_has_avx2
 
 log = logging.getLogger("tgi.launcher")
 
@@ -26,28 +25,27 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 # the two dtypes a GGUF is converted to, and the suffix of each conversion's directory: switching
 # --dtype or --quantize never converts the other one again
-CONVERSION_SUFFIXES = {"bfloat16": "bf16", "float32": "f32"}
+CONVERSION_SUFFIXES = {"bfloat16": "bf16", "float32": "f32", NATIVE: "gguf"}
 
 
-def conversion_dtype(dtype: str | None, quantize: str | None, device: str) -> str:
+def conversion_dtype(dtype: str | None, quantize: str | None) -> str:
     """The dtype a GGUF is converted to for shards started with these flags.
 
-    float32 where the shards serve float32 or float16 (--dtype, or no --dtype on a CPU without
-    AVX2: shard.config.default_dtype; float16 keeps three more mantissa bits than bf16, lost if
-    rounded through it) and under --quantize, which quantises best from the GGUF's values as they
-    are (a 4-bit block's values are exact in float32, rounded off its grid in bf16); bfloat16
-    otherwise: half the disk and memory, and what the shards compute in anyway. (No --dtype on
-    CUDA is bfloat16: a GPU without bf16 arithmetic then serves float16 from bf16 weights.)"""
+    Without --dtype or --quantize, "gguf": each tensor as stored, quantized blocks served by the
+    shards' kernels for their types (shard/layers/ggml_quants.py). Under --quantize, float32,
+    which quantises best from the GGUF's values as they are (a 4-bit block's values are exact in
+    float32, rounded off its grid in bf16); with --dtype, that dtype (float32 for float16, which
+    keeps three more mantissa bits than bf16, lost if rounded through it)."""
+    if dtype is None and not quantize:
+        return NATIVE
     if quantize or dtype in ("float32", "float16"):
-        return "float32"
-    if dtype is None and device != "cuda" and not cpu_has_avx2():
         return "float32"
     return "bfloat16"
 
 
 def conversion_dir(parent: Path, name: str, dtype: str) -> Path:
     if dtype not in CONVERSION_SUFFIXES:
-        raise ValueError(f"a GGUF converts to {' or '.join(CONVERSION_SUFFIXES)}, not {dtype!r}")
+        raise ValueError(f"a GGUF converts to {', '.join(CONVERSION_SUFFIXES)}, not {dtype!r}")
     return parent / f"{name}-{CONVERSION_SUFFIXES[dtype]}"
 
 

@@ -17,7 +17,7 @@ SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 # transformers' default is 5 GB; smaller shards keep a partial download or copy cheap to redo
 MAX_SHARD_BYTES = 2 * 10**9
-ITEM_SIZES = {"BF16": 2, "F16": 2, "F32": 4}
+ITEM_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,8 @@
 """Reads checkpoint tensors from safetensors files, whole or as this rank's slice, in the model dtype."""
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 import torch
@@ -8,7 +10,10 @@ from safetensors import safe_open
 
 from shard.checkpoint_files import checkpoint_files
 from shard.distributed import ParallelContext
+from shard.layers.ggml_quants import BLOCKS_KEY, BlockRows, column_bytes
 from shard.layers.precision import activation_dtype
+
+log = logging.getLogger(__name__)
 
 
 class Weights:
@@ -29,11 +34,17 @@ class Weights:
         self.parallel = parallel
         self._files = {}
         self._name_to_file: dict[str, Path] = {}
+        # a native GGUF conversion's tensors kept as blocks: name -> (ggml type, columns)
+        self.blocks: dict[str, tuple[str, int]] = {}
         for path in checkpoint_files(Path(model_dir)):
             handle = safe_open(str(path), framework="pt")
             self._files[path] = handle
             for name in handle.keys():
                 self._name_to_file[name] = path
+            listed = (handle.metadata() or {}).get(BLOCKS_KEY)
+            if listed:
+                self.blocks.update({name: (kind, int(columns))
+                                    for name, (kind, columns) in json.loads(listed).items()})
 
     def has(self, name: str) -> bool:
         return name in self._name_to_file
@@ -52,29 +63,58 @@ class Weights:
         """Whether linear weights are read as stored.
 
         A GGUF's float32 values hold its 4-bit blocks exactly; rounding them to bf16 first would
-        move them off the grid int4 recovers."""
-        return bool(self.quantize)
+        move them off the grid int4 recovers. A native GGUF's blocks are read as BlockRows."""
+        return bool(self.quantize) or bool(self.blocks)
+
+    def _read(self, name: str, rows: slice, as_stored: bool,
+              columns: tuple[int, int] | None = None):
+        """Rows (and `columns`, a range of values) of `name`, placed.
+
+        A block tensor's come as BlockRows where `as_stored`, else dequantized; where the columns
+        split its blocks, as their float32 values (the log says so)."""
+        view = self._slice(name)
+        if name not in self.blocks:
+            return self._place(view[rows] if columns is None
+                               else view[rows, columns[0]:columns[1]], as_stored)
+        kind, width = self.blocks[name]
+        data = None
+        if columns is not None:
+            try:
+                first, last = column_bytes(kind, *columns)
+                data, width = view[rows, first:last], columns[1] - columns[0]
+            except ValueError:
+                log.info("%s: columns %d..%d split its %s blocks; dequantized", name, *columns,
+                         kind)
+                values = BlockRows(kind, view[rows].to(self.device).contiguous(), width)
+                values = values.dequantize()[:, columns[0]:columns[1]].contiguous()
+                return values if as_stored else values.to(self.dtype)
+        blocks = BlockRows(kind, (view[rows] if data is None else data).to(self.device)
+                           .contiguous(), width)
+        return blocks if as_stored else blocks.dequantize(self.dtype)
 
     def get(self, name: str) -> torch.Tensor:
-        return self._place(self._slice(name)[:])
+        return self._read(name, slice(None), False)
 
     def shape(self, name: str) -> list[int]:
+        """The tensor's shape in values (a block tensor's rows and columns, not its bytes)."""
+        if name in self.blocks:
+            return [self._slice(name).get_shape()[0], self.blocks[name][1]]
         return list(self._slice(name).get_shape())
 
     def get_rows(self, name: str, start: int, stop: int, *, as_stored: bool = False) -> torch.Tensor:
-        return self._place(self._slice(name)[start:stop], as_stored)
+        return self._read(name, slice(start, stop), as_stored)
 
     def get_sharded(self, name: str, dim: int, *, as_stored: bool = False) -> torch.Tensor:
         """This rank's contiguous 1/world_size of `name` along `dim` (which must divide evenly).
 
         In the model dtype or, `as_stored`, in the checkpoint's."""
         ctx = self.parallel
-        view = self._slice(name)
-        size = view.get_shape()[dim]
+        size = self.shape(name)[dim]
         if size % ctx.world_size:
             raise ValueError(f"{name}: dimension {dim} of size {size} does not divide by "
                              f"{ctx.world_size} shards")
         block = size // ctx.world_size
         start, stop = ctx.rank * block, (ctx.rank + 1) * block
-        tensor = view[start:stop] if dim == 0 else view[:, start:stop]
-        return self._place(tensor, as_stored)
+        if dim == 0:
+            return self._read(name, slice(start, stop), as_stored)
+        return self._read(name, slice(None), as_stored, columns=(start, stop))

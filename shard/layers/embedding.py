@@ -6,43 +6,64 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed import ParallelContext, all_gather_last_dim, all_reduce
+from shard.layers.ggml_quants import BlockRows, BlockStack
 from shard.layers.linear import LinearWeight, linear
 from shard.weights import Weights
 
 
 def _vocab_slice(weights: Weights, name: str, *, as_stored: bool = False
-                 ) -> tuple[torch.Tensor, int]:
-    """This rank's rows of a [vocab, hidden] tensor, zero-padded so every rank holds as many."""
+                 ) -> tuple[torch.Tensor | BlockStack, int]:
+    """This rank's rows of a [vocab, hidden] tensor, zero-padded so every rank holds as many.
+
+    A GGUF's blocks, `as_stored`, as a BlockStack."""
     ctx = weights.parallel
     vocab = weights.shape(name)[0]
-    if not ctx.is_sharded:
-        return weights.get_rows(name, 0, vocab, as_stored=as_stored), 0
-    block = -(-vocab // ctx.world_size)
+    block = -(-vocab // ctx.world_size) if ctx.is_sharded else vocab
     start = ctx.rank * block
     part = weights.get_rows(name, start, min(start + block, vocab), as_stored=as_stored)
+    if isinstance(part, BlockRows):
+        part = BlockStack((part,))
+        return (part.padded(block) if part.rows < block else part), start
     if part.shape[0] < block:
         part = torch.cat([part, part.new_zeros(block - part.shape[0], part.shape[1])])
     return part.contiguous(), start
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, weight: torch.Tensor, start: int, parallel: ParallelContext):
+    """Rows of the embedding matrix by token id; a GGUF's blocks dequantized row by row."""
+
+    def __init__(self, weight: torch.Tensor | BlockStack, start: int, parallel: ParallelContext,
+                 dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        # a GGUF's blocks are held as stored (`blocks`), each lookup's rows dequantized to `dtype`
+        self.blocks = weight if isinstance(weight, BlockStack) else None
+        self.weight = (None if self.blocks is not None
+                       else nn.Parameter(weight, requires_grad=False))
+        self.dtype = dtype
         self.start = start
         self.parallel = parallel
 
     @classmethod
     def load(cls, weights: Weights, name: str) -> "VocabParallelEmbedding":
-        weight, start = _vocab_slice(weights, name)
-        return cls(weight, start, weights.parallel)
+        weight, start = _vocab_slice(weights, name, as_stored=name in weights.blocks)
+        return cls(weight, start, weights.parallel, weights.dtype)
+
+    @property
+    def rows(self) -> int:
+        return self.blocks.rows if self.blocks is not None else self.weight.shape[0]
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return F.embedding(ids, self.weight)
+        rows = self.blocks.take(ids.reshape(-1)).dequantize(self.dtype)
+        return rows.reshape(*ids.shape, rows.shape[-1])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.parallel.is_sharded:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        outside = (local < 0) | (local >= self.rows)
+        out = self._lookup(local.clamp(0, self.rows - 1))
         out = out.masked_fill(outside.unsqueeze(-1), 0)
         return all_reduce(out, self.parallel)
 

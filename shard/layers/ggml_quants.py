@@ -13,6 +13,9 @@ import torch
 
 # the K-quants' superblock of 256 values
 _QK_K = 256
+# the safetensors metadata key of a native GGUF conversion (launcher/gguf.py) that names each block
+# tensor's type and row length: {name: [type, columns]}
+BLOCKS_KEY = "gguf_blocks"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +70,81 @@ class BlockRows:
     def rows(self) -> int:
         return self.data.shape[0]
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.columns
+
     def groups(self) -> Groups:
         return groups_of(self.kind, self.data, self.columns)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.groups().restore().to(dtype)
+
+    def take(self, rows: torch.Tensor) -> "BlockRows":
+        """These rows (an index tensor) of the tensor."""
+        return BlockRows(self.kind, self.data[rows], self.columns)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStack:
+    """Block tensors stacked by rows: a fused projection's parts (q, k, v may differ in type)."""
+    parts: tuple[BlockRows, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(part.rows for part in self.parts)
+
+    @property
+    def columns(self) -> int:
+        return self.parts[0].columns
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.columns
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(part.kind for part in self.parts))
+
+    def groups(self, group: int | None = None) -> Groups:
+        """The parts' groups stacked, each regrouped to `group` (the smallest of theirs: None)."""
+        groups = [part.groups() for part in self.parts]
+        group = group or min(g.group for g in groups)
+        groups = [g.regrouped(group) for g in groups]
+        return Groups(torch.cat([g.q for g in groups]), torch.cat([g.scale for g in groups]),
+                      torch.cat([g.low for g in groups]), group)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([part.dequantize(dtype) for part in self.parts])
+
+    def take(self, rows: torch.Tensor) -> "BlockStack":
+        """These rows of a stack of one type (a model's own order of its fused rows)."""
+        if len(self.parts) != 1:
+            whole = BlockRows(self.kinds[0], torch.cat([p.data for p in self.parts]), self.columns)
+            if len(self.kinds) != 1:
+                raise ValueError(f"rows of {' and '.join(self.kinds)} blocks reordered as one")
+            return BlockStack((whole.take(rows),))
+        return BlockStack((self.parts[0].take(rows),))
+
+    def padded(self, rows: int) -> "BlockStack":
+        """The stack with rows of zero blocks (zero weights) added up to `rows`."""
+        last = self.parts[-1]
+        zeros = last.data.new_zeros(rows - self.rows, last.data.shape[1])
+        return BlockStack((*self.parts, BlockRows(last.kind, zeros, last.columns)))
+
+
+def join_rows(parts: list) -> "torch.Tensor | BlockStack":
+    """Row-stacked tensors: float tensors concatenated, block tensors as one BlockStack.
+
+    Where both come together, the blocks are dequantized to float32 and all concatenated."""
+    blocks = [p for p in parts if isinstance(p, (BlockRows, BlockStack))]
+    if not blocks:
+        return torch.cat(parts)
+    if len(blocks) == len(parts):
+        return BlockStack(tuple(r for p in parts
+                                for r in (p.parts if isinstance(p, BlockStack) else (p,))))
+    return torch.cat([p.dequantize() if isinstance(p, (BlockRows, BlockStack)) else p.float()
+                      for p in parts])
 
 
 def row_bytes(kind: str, columns: int) -> int:

@@ -14,6 +14,7 @@ from torch import nn
 
 from shard.distributed import ParallelContext, all_reduce
 from shard.kernels import bf16_matmul, int4_matmul
+from shard.layers.ggml_quants import BLOCK_TYPES, BlockRows, BlockStack, join_rows
 from shard.layers.lora import CheckpointPart, LoraSource, LoraTarget
 from shard.layers.precision import c_matmul_runs, cpu_has_bf16_kernels
 from shard.layers.quantize import QuantizedWeight, c_int4, can_quantize, quantize, quantized_linear
@@ -82,6 +83,19 @@ class LinearWeight:
     wide_bias: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
     quantized_rows: int = 0  # PyTorch's quantized kernels run for up to this many rows
+    # a GGUF's blocks where no kernel of ours takes them: dequantized at every call
+    blocks: BlockStack | None = None
+    block_kinds: tuple[str, ...] = ()  # the GGUF types the weight came in, in any form
+
+    @property
+    def form(self) -> str:
+        """What the layer multiplies by, for logs: "int4", "int8", "blocks" or the dtype."""
+        if self.blocks is not None:
+            return "blocks"
+        if self.quantized is not None:
+            return self.quantized.kind
+        return str(self.weight.dtype if self.weight is not None else torch.bfloat16
+                   ).removeprefix("torch.")
 
     @property
     def int4_form(self) -> torch.Tensor | None:
@@ -102,7 +116,9 @@ class LinearWeight:
         """The weight in its fastest form on this device.
 
         `model_dtype`: what the model holds weights in, when `weight` arrives as stored to be
-        quantized."""
+        quantized. A GGUF's blocks take our kernel for their types (from_blocks)."""
+        if isinstance(weight, (BlockRows, BlockStack)):
+            return cls.from_blocks(weight, bias, model_dtype)
         shape = {"out_features": weight.shape[0], "in_features": weight.shape[1]}
         if quantize_kind and weight.device.type == "cpu" and can_quantize(weight, quantize_kind):
             if (quantize_kind == "int4" and (model_dtype or weight.dtype) == torch.bfloat16
@@ -135,6 +151,28 @@ class LinearWeight:
                    widened=widened, wide_bias=wide_bias)
 
 
+    @classmethod
+    def from_blocks(cls, weight: BlockRows | BlockStack, bias: torch.Tensor | None = None,
+                    model_dtype: torch.dtype | None = None) -> "LinearWeight":
+        """A GGUF's blocks in our kernel's form for their types, their weights exactly.
+
+        4-bit types (Q4_0, Q4_1, Q4_K) take the C int4 kernel's form where it runs for a bf16
+        model; elsewhere (the 5-, 6- and 8-bit types, float32 models, CUDA) the blocks are held as
+        stored and dequantized a layer at a time."""
+        stack = weight if isinstance(weight, BlockStack) else BlockStack((weight,))
+        shape = {"out_features": stack.rows, "in_features": stack.columns}
+        kinds = stack.kinds
+        on_cpu = stack.parts[0].data.device.type == "cpu"
+        if (on_cpu and (model_dtype or torch.bfloat16) == torch.bfloat16 and c_int4_runs()
+                and all(BLOCK_TYPES[kind].bits == 4 for kind in kinds)):
+            groups = stack.groups()
+            packed = int4_matmul.pack(groups.q.to(torch.uint8), groups.scale, groups.low)
+            form = QuantizedWeight("int4", packed, None, stack.rows, torch.bfloat16, kernel="c")
+            return cls(**shape, bias=bias, tiled_bias=_bf16(bias), quantized=form,
+                       block_kinds=kinds)
+        return cls(**shape, bias=bias, blocks=stack, block_kinds=kinds)
+
+
 def _bf16(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.to(torch.bfloat16).contiguous()
 
@@ -150,6 +188,8 @@ def fbgemm_half_layout(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    if w.blocks is not None:
+        return F.linear(x, w.blocks.dequantize(x.dtype), w.bias)
     int4_form = w.int4_form
     if int4_form is not None:  # the bias inside, in float32
         return int4_matmul.matmul(x, int4_form, w.out_features, w.tiled_bias)
@@ -207,8 +247,8 @@ class ColumnParallelLinear(_LoraHost):
 
     @classmethod
     def load(cls, weights: Weights, prefixes: list[str], *, bias: bool) -> "ColumnParallelLinear":
-        weight = torch.cat([weights.get_sharded(f"{p}.weight", dim=0, as_stored=weights.quantizing)
-                            for p in prefixes], dim=0)
+        weight = join_rows([weights.get_sharded(f"{p}.weight", dim=0,
+                                                as_stored=weights.quantizing) for p in prefixes])
         bias_t = None
         if bias:
             bias_t = torch.cat([weights.get_sharded(f"{p}.bias", dim=0) for p in prefixes], dim=0)
@@ -229,8 +269,10 @@ class ColumnParallelLinear(_LoraHost):
         weight = fused_rows(weights, f"{prefix}.weight", sizes, as_stored=weights.quantizing)
         bias_t = fused_rows(weights, f"{prefix}.bias", sizes) if bias else None
         if row_order is not None:
-            row_order = row_order.to(weight.device)
-            weight = weight[row_order].contiguous()
+            if isinstance(weight, BlockStack):
+                weight = weight.take(row_order.to(weight.parts[0].data.device))
+            else:
+                weight = weight[row_order.to(weight.device)].contiguous()
             bias_t = None if bias_t is None else bias_t[row_order].contiguous()
         lora_source = _lora_source(weights, [CheckpointPart(prefix, list(sizes))],
                                    weight.shape[1], row_parallel=False, row_order=row_order)
@@ -260,7 +302,7 @@ def fused_rows(weights: Weights, name: str, sizes: list[int], *,
         first = start + ctx.rank * block
         parts.append(weights.get_rows(name, first, first + block, as_stored=as_stored))
         start += size
-    return torch.cat(parts)
+    return join_rows(parts)
 
 
 class RowParallelLinear(_LoraHost):

@@ -206,20 +206,16 @@ def test_gemma_chunks_join_as_the_assembler_package_joins_them(tmp_path):
         part.member for part in GEMMA3_270M.parts]
 
 
-@pytest.mark.parametrize("dtype, quantize, device, avx2, expected", [
-    (None, None, "auto", True, "bfloat16"),
-    (None, None, "cpu", False, "float32"),  # the shards default to float32 there
-    (None, None, "cuda", False, "bfloat16"),
-    ("float32", None, "auto", True, "float32"),
-    ("bfloat16", None, "cpu", False, "bfloat16"),
-    ("float16", None, "cuda", True, "float32"),  # float16 keeps bits bf16 would round off
-    (None, "int4", "cpu", True, "float32"),  # quantised from the GGUF's exact values
-    ("bfloat16", "int8", "cpu", True, "float32"),
+@pytest.mark.parametrize("dtype, quantize, expected", [
+    (None, None, "gguf"),  # quantized blocks served as stored
+    ("float32", None, "float32"),
+    ("bfloat16", None, "bfloat16"),
+    ("float16", None, "float32"),  # float16 keeps bits bf16 would round off
+    (None, "int4", "float32"),  # quantised from the GGUF's exact values
+    ("bfloat16", "int8", "float32"),
 ])
-def test_conversion_dtype_follows_what_the_shards_serve(monkeypatch, dtype, quantize, device,
-                                                        avx2, expected):
-    monkeypatch.setattr(prepare, "cpu_has_avx2", lambda: avx2)
-    assert conversion_dtype(dtype, quantize, device) == expected
+def test_conversion_dtype_follows_what_the_shards_serve(dtype, quantize, expected):
+    assert conversion_dtype(dtype, quantize) == expected
 
 
 def test_cache_root_comes_from_tgi_py_cache(monkeypatch, tmp_path):
