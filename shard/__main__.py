@@ -28,6 +28,7 @@ from shard.layers.precision import c_matmul_runs
 from shard.loader import load_model
 from shard.malloc_tuning import MMAP_THRESHOLD, keep_freed_memory, return_freed_memory
 from shard.model_runner import ModelRunner
+from shard.quantization_report import describe
 from shard.server import ShardServicer, engine_thread
 
 log = logging.getLogger("tgi.shard")
@@ -62,6 +63,9 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
                                                     config.watermark_delta))
     if config.quantize:
         _log_quantized(loaded.model, config.quantize, dtype_name)
+    quantization = describe(loaded.model, loaded.quantization_config, config.quantize or None)
+    if quantization and not config.quantize:
+        log.info("weights served as stored: %s", quantization)
     return_freed_memory()
     cfg = loaded.config
     spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim,
@@ -86,7 +90,8 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
         block_size=config.block_size, model_id=config.model_path, world_size=config.world_size,
         eos_token_ids=sorted(loaded.eos_token_ids),
         max_position_embeddings=cfg.max_position_embeddings, hidden_size=cfg.hidden_size,
-        vocab_size=engine.vocab_size, architecture=loaded.architecture)
+        vocab_size=engine.vocab_size, architecture=loaded.architecture,
+        quantization=quantization)
     # ranks on other machines are reached over TCP; each says where, the others learn it here
     urls = all_gather_strings(config.grpc_address or f"unix://{config.socket_path}", parallel)
     return engine, info, urls

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,8 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     special_token_ids: frozenset[int]
     architecture: str  # the config.json architecture served, e.g. "LlamaForCausalLM"
+    # config.json's, where the checkpoint is quantized (a native GGUF: its types)
+    quantization_config: dict = field(default_factory=dict)
 
 
 def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
@@ -41,7 +43,8 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     special = frozenset(i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special)
     return LoadedModel(model, config, heads, tokenizer, eos_token_ids(model_dir, raw_config, tokenizer),
-                       special, architecture_of(raw_config))
+                       special, architecture_of(raw_config),
+                       raw_config.get("quantization_config") or {})
 
 
 def with_rope_scaling(config: dict, scaling: dict) -> dict:

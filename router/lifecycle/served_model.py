@@ -87,8 +87,10 @@ class ServedModel:
             "model_id": self.model_name,
             "model_sha": None, "model_pipeline_tag": "text-generation",
             "model_dtype": self.shard_info.dtype, "model_device_type": self.shard_info.device_type,
-            # not in TGI's /info: which of the shards' model families serves
+            # not in TGI's /info: which of the shards' model families serves, and how its weights
+            # are held where not in model_dtype (a GGUF's types as served; None: all in it)
             "model_architecture": self.shard_info.architecture,
+            "quantization": self.shard_info.quantization or None,
             "max_concurrent_requests": config.max_concurrent_requests,
             "max_best_of": config.max_best_of, "max_stop_sequences": config.max_stop_sequences,
             "max_input_tokens": self.limits.max_input_tokens,

@@ -100,7 +100,10 @@ def _get_json(record: ModelRecord, served) -> dict:
             engine[key] = settings[key]
     engine["embedding"] = False
     model_parameters = {k: settings[k] for k in ("ctx_len", "ngl", "n_parallel") if k in settings}
-    return {**model_json(record), "engine_parameters": engine,
+    described = model_json(record)
+    if served is not None and served.shard_info.quantization:  # as the shards serve it
+        described["metadata"]["quantization"] = served.shard_info.quantization
+    return {**described, "engine_parameters": engine,
             "model_parameters": {**model_parameters, **record.parameters, "embedding": False}}
 
 

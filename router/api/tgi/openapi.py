@@ -109,6 +109,12 @@ def schemas() -> dict:
                      "type": "string", "example": "LlamaForCausalLM",
                      "description": "The config.json architecture the shards serve (not in "
                                     "TGI's /info)"},
+                     "quantization": {
+                         **nullable("string"),
+                         "example": "gguf Q4_K_M: Q4_K x 28 (int4 kernel), Q6_K x 9 (int8 kernel)",
+                         "description": "How the weights are held where not in model_dtype: a "
+                                        "GGUF's types as served, or --quantize's form; null: all "
+                                        "in model_dtype (not in TGI's /info)"},
                      "lora_adapters": {
                          "type": "array", "items": ref("LoraAdapterInfo"),
                          "description": "The LoRA adapters loaded (not in TGI's /info); a "

@@ -174,9 +174,9 @@ def test_full_conversion_matches_transformers_gguf_loading(tiny, tmp_path):
 
 
 def test_only_bfloat16_and_float32_are_written(tiny, tmp_path):
-    with pytest.raises(ValueError, match="bfloat16 or float32"):
+    with pytest.raises(ValueError, match="bfloat16, float32, gguf"):
         convert_gguf(tiny.path, tmp_path / "model", dtype="float16")
-    with pytest.raises(ValueError, match="bfloat16 or float32"):
+    with pytest.raises(ValueError, match="bfloat16, float32, gguf"):
         is_converted(tmp_path, dtype="int4")
     assert list(tmp_path.iterdir()) == []
 

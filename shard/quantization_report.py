@@ -1,0 +1,48 @@
+"""What a loaded model's weights are held in: a GGUF's types as served, or --quantize's form."""
+from __future__ import annotations
+
+from torch import nn
+
+from shard.layers.embedding import VocabParallelEmbedding
+
+# how a GGUF type's matrices are multiplied, as LinearWeight.form names it
+_KERNELS = {"int4": "int4 kernel", "int8": "int8 kernel", "blocks": "dequantized per layer"}
+
+
+def served_types(model: nn.Module) -> dict[str, dict[str, int]]:
+    """Each GGUF type the model holds -> {how it is served: how many matrices}.
+
+    Linear layers by their form (LinearWeight.form); an embedding held as blocks as "lookup"."""
+    served: dict[str, dict[str, int]] = {}
+    for module in model.modules():
+        prepared = getattr(module, "prepared", None)
+        kinds = getattr(prepared, "block_kinds", ())
+        for kind in kinds:
+            how = _KERNELS.get(prepared.form, prepared.form)
+            served.setdefault(kind, {}).setdefault(how, 0)
+            served[kind][how] += 1
+        if isinstance(module, VocabParallelEmbedding) and module.blocks is not None:
+            for kind in module.blocks.kinds:
+                served.setdefault(kind, {}).setdefault("embedding lookup", 0)
+                served[kind]["embedding lookup"] += 1
+    return served
+
+
+def describe(model: nn.Module, quantization: dict, quantize: str | None) -> str:
+    """One line for /info and the log: "" where the weights are the model's dtype.
+
+    A native GGUF: "gguf Q4_K_M: Q4_K x 28 (int4 kernel), Q6_K x 9 (int8 kernel), ..."; the
+    types the conversion dequantized follow; --quantize: its kind."""
+    if quantize:
+        return f"{quantize} (--quantize)"
+    served = served_types(model)
+    if not served:
+        return ""
+    parts = [f"{kind} x {count} ({how})" for kind, forms in sorted(served.items())
+             for how, count in sorted(forms.items())]
+    dequantized = quantization.get("dequantized") or {}
+    if dequantized:
+        parts.append("dequantized to float: " + ", ".join(
+            f"{kind} x {count}" for kind, count in sorted(dequantized.items())))
+    file_type = quantization.get("file_type")
+    return f"gguf{' ' + file_type if file_type else ''}: " + ", ".join(parts)
