@@ -27,8 +27,12 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 class _Kernels(ctypes.Structure):
     _fields_ = [("rms_norm", _ptr), ("silu_mul", _ptr), ("rotary_store", _ptr),
-                ("attention", _ptr), ("matmul", _ptr), ("int4_matmul", _ptr),
-                ("lora_add", _ptr), ("rotary_store_int8", _ptr), ("attention_int8", _ptr)]
+                ("attention", _ptr), ("lora_add", _ptr), ("rotary_store_int8", _ptr),
+                ("attention_int8", _ptr)]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("matmul", _ptr), ("weight", _ptr), ("bias", _ptr)]
 
 
 class _LoraPart(ctypes.Structure):
@@ -42,18 +46,17 @@ _LORA_PARTS = 7
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _ptr) for name in (
-        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
-        "down", "down_bias", "key_cache", "value_cache", "qkv_int4", "o_int4", "gate_up_int4",
-        "down_int4")] + [("lora", _LoraPart * _LORA_PARTS), ("key_scale", _ptr),
-                         ("value_scale", _ptr)]
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("key_cache", _ptr),
+                ("value_cache", _ptr), ("lora", _LoraPart * _LORA_PARTS), ("key_scale", _ptr),
+                ("value_scale", _ptr)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("vocab_rows", _i64),
                 ("num_blocks", _i64), ("block_size", _i64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("final_norm", _ptr), ("lm_head", _ptr),
+                ("scale", ctypes.c_float), ("final_norm", _ptr), ("lm_head", _Linear),
                 ("layer", ctypes.POINTER(_Layer)), ("kv_int8", _i64)]
 
 
@@ -117,21 +120,14 @@ def unsupported_reason(layout: DecodeLayout, cache: list[LayerCache]) -> str | N
             if source is not None and len(source.parts) > room:
                 return (f"a projection computes {len(source.parts)} checkpoint modules that "
                         f"adapters may change (the C loop takes {room})")
-    if layout.lm_head.prepared.tiled is None:
-        return "the head runs another kernel than our C bf16 matmul (the C loop takes no other)"
-    any_int4 = False
     linears = [layout.lm_head] + [p for layer in layout.layers for p in layer.projections]
-    for prepared in (linear.prepared for linear in linears):
-        own_int4 = prepared.int4_form is not None
-        any_int4 = any_int4 or own_int4
-        if not own_int4 and (prepared.tiled is None or prepared.quantized_rows):
-            return ("a linear layer runs another kernel than our C bf16 or int4 matmuls "
-                    "(PyTorch's quantized kernels, an odd input width, or a CPU where ours do "
-                    "not run: AMX, AVX-512 without BF16, no AVX2)")
+    if any(c_matmul(linear.prepared) is None for linear in linears):
+        return ("a linear layer runs another kernel than our C bf16, int4 or int8 matmuls "
+                "(PyTorch's quantized kernels, a GGUF's blocks dequantized per layer, an odd "
+                "input width, or a CPU where ours do not run: AMX, AVX-512 without BF16, no "
+                "AVX2)")
     for name, library in (("the fused layer ops", layer_ops.load_library()),
                           ("the attention kernel", paged_attention.load_kernel()),
-                          ("the bf16 matmul", bf16_matmul.load_library()),
-                          ("the int4 matmul", int4_matmul.load_library() if any_int4 else True),
                           ("the decode step", load_library())):
         if library is None:
             return f"{name} did not build or is switched off"
@@ -154,12 +150,10 @@ class DecodeStep:
         self.block_size = cache[0].key.shape[2]
         layers = []
         for layer, layer_cache in zip(layout.layers, cache):
-            qkv, o, gate_up, down = (linear.prepared for linear in layer.projections)
+            qkv, o, gate_up, down = (_linear(linear.prepared) for linear in layer.projections)
             layers.append(_Layer(
                 layer.input_norm.weight.data_ptr(), layer.post_attention_norm.weight.data_ptr(),
-                _tiled(qkv), _bias(qkv), _tiled(o), None, _tiled(gate_up), _bias(gate_up),
-                _tiled(down), None, layer_cache.key.data_ptr(), layer_cache.value.data_ptr(),
-                *(_int4(prepared) for prepared in (qkv, o, gate_up, down)),
+                qkv, o, gate_up, down, layer_cache.key.data_ptr(), layer_cache.value.data_ptr(),
                 key_scale=_pointer(layer_cache.key_scale),
                 value_scale=_pointer(layer_cache.value_scale)))
         self._layers = (_Layer * len(layers))(*layers)
@@ -168,15 +162,12 @@ class DecodeStep:
         self._model = _Model(
             len(layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
             self.vocab_rows, cache[0].key.shape[0], self.block_size, norm.eps, first.scale,
-            norm.weight.data_ptr(), _tiled(layout.lm_head.prepared), self._layers,
+            norm.weight.data_ptr(), _linear(layout.lm_head.prepared), self._layers,
             int(cache[0].is_int8))
         ops = layer_ops.load_library()
         self._kernels = _Kernels(
             _address(ops.rms_norm), _address(ops.silu_mul), _address(ops.rotary_store),
             _address(paged_attention.load_kernel().paged_decode_attention),
-            _address(bf16_matmul.load_library().bf16_matmul),
-            _address(int4_matmul.load_library().int4_matmul)
-            if int4_matmul.load_library() is not None else None,
             _address(lora.load_library().lora_add) if lora.load_library() is not None else None,
             _address(ops.rotary_store_int8),
             _address(paged_attention.load_kernel().paged_decode_attention_int8))
@@ -307,15 +298,23 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _bias(prepared) -> int | None:
-    return None if prepared.tiled_bias is None else prepared.tiled_bias.data_ptr()
+def c_matmul(prepared) -> tuple[int, torch.Tensor] | None:
+    """(the address of our C matmul for a layer's weight form, that form), or None.
+
+    None where the layer runs another kernel (PyTorch's quantized ones, a GGUF's blocks
+    dequantized per layer, float copies on CPUs where our matmuls do not run)."""
+    if prepared.quantized_rows:
+        return None
+    if prepared.int4_form is not None:
+        return _address(int4_matmul.load_library().int4_matmul), prepared.int4_form
+    if prepared.tiled is not None:
+        library = bf16_matmul.load_library()
+        return None if library is None else (_address(library.bf16_matmul), prepared.tiled)
+    return None
 
 
-def _int4(prepared) -> int | None:
-    """The layer's form for our C int4 kernel, or None."""
-    return None if prepared.int4_form is None else prepared.int4_form.data_ptr()
-
-
-def _tiled(prepared) -> int | None:
-    """The layer's weight in our bf16 matmul's layout, or None (it is int4: `_int4`)."""
-    return None if prepared.tiled is None else prepared.tiled.data_ptr()
+def _linear(prepared) -> _Linear:
+    """A layer as the C loop multiplies by it (unsupported_reason has checked it has a form)."""
+    matmul, form = c_matmul(prepared)
+    bias = None if prepared.tiled_bias is None else prepared.tiled_bias.data_ptr()
+    return _Linear(matmul, form.data_ptr(), bias)

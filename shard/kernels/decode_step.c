@@ -9,7 +9,8 @@
  * library built on its own), in the same order on the same buffers, so the results are the eager
  * step's bit for bit.
  *
- * Everything is bf16 (activations, weights in bf16_matmul's packed layout, the KV cache); rows are
+ * Everything is bf16 (activations, the KV cache) but the weights, each projection multiplied by the
+ * matmul of its own form (bf16_matmul's packed layout, int4's or int8's groups); rows are
  * contiguous. An int8 KV cache (model_t.kv_int8: int8 rows with a float32 scale each beside them,
  * shard/layers/kv_int8.py) is written and read by the int8 forms of the same two kernels.
  *
@@ -51,13 +52,11 @@ typedef int (*attention_int8_fn)(const void *key_cache, const void *value_cache,
                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                  float scale, int64_t window, float softcap, void *out,
                                  int out_is_bf16);
+/* every matmul of ours (bf16_matmul.c, int4_matmul.c, int8_matmul.c) takes its weight's own
+ * packed form through this one signature */
 typedef int (*matmul_fn)(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
-                         const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *out,
+                         const void *packed, int64_t n, const uint16_t *bias, uint16_t *out,
                          int64_t out_stride);
-
-typedef int (*int4_matmul_fn)(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
-                              const uint8_t *packed, int64_t n, const uint16_t *bias,
-                              uint16_t *out, int64_t out_stride);
 
 typedef int (*lora_add_fn)(const uint16_t *x, int64_t rows, int64_t in, int64_t x_stride,
                            const int64_t *row_slots, const uint16_t *a, const uint16_t *bt,
@@ -69,8 +68,6 @@ typedef struct {
     silu_mul_fn silu_mul;
     rotary_store_fn rotary_store;
     attention_fn attention;
-    matmul_fn matmul;
-    int4_matmul_fn int4_matmul; /* NULL where no layer is int4 */
     lora_add_fn lora_add;       /* NULL where the LoRA kernel did not build (no step has slots) */
     rotary_store_int8_fn rotary_store_int8; /* the int8 cache's forms (model_t.kv_int8) */
     attention_int8_fn attention_int8;
@@ -93,13 +90,19 @@ typedef struct {
 #define LORA_DOWN 6
 #define LORA_PARTS 7
 
-/* one decoder layer's weights (each matrix in the bf16 matmul's layout, or NULL there and in the
- * int4 matmul's form where the layer is int4; biases NULL where the model has none) and cache */
+/* a projection: the matmul of its weight's form (bf16, int4 or int8), that form, and its bias
+ * (NULL where the model has none) */
+typedef struct {
+    matmul_fn matmul;
+    const void *weight;
+    const uint16_t *bias;
+} linear_t;
+
+/* one decoder layer's projections and cache */
 typedef struct {
     const void *input_norm, *post_norm;
-    const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    linear_t qkv, o, gate_up, down;
     void *key_cache, *value_cache;
-    const uint8_t *qkv_int4, *o_int4, *gate_up_int4, *down_int4;
     lora_part_t lora[LORA_PARTS];
     float *key_scale, *value_scale; /* an int8 cache's scales; NULL otherwise */
 } layer_t;
@@ -109,7 +112,7 @@ typedef struct {
     int64_t num_blocks, block_size;
     float eps, scale;
     const void *final_norm;
-    const uint16_t *lm_head;
+    linear_t lm_head;
     const layer_t *layer;
     int64_t kv_int8; /* 1: the KV cache is int8 with scales (layer_t.key_scale, value_scale) */
 } model_t;
@@ -119,21 +122,17 @@ typedef struct {
     void *residual[2], *normed, *qkv, *qk, *attention, *projected, *gate_up, *act;
 } buffers_t;
 
-/* x [batch, in] -> out [batch, n] by the int4 form where the layer has one (it holds no bf16
- * weight then), else the bf16 one, as the eager step's linear layers do; nonzero where a kernel
- * could not allocate its scratch */
-static int linear(const kernels_t *k, const void *x, int64_t batch, int64_t in,
-                  const uint16_t *weight, const uint8_t *int4, const uint16_t *bias, void *out,
+/* x [batch, in] -> out [batch, n] by the projection's own matmul, as the eager step's linear
+ * layers multiply; nonzero where a kernel could not allocate its scratch */
+static int linear(const linear_t *w, const void *x, int64_t batch, int64_t in, void *out,
                   int64_t n) {
-    if (int4)
-        return k->int4_matmul(x, batch, in, in, int4, n, bias, out, n);
-    return k->matmul(x, batch, in, in, weight, n, bias, out, n);
+    return w->matmul(x, batch, in, in, w->weight, n, w->bias, out, n);
 }
 
 /* a matmul that fails ends the step */
 #define LINEAR(...)                                                                                \
     do {                                                                                           \
-        if (linear(k, __VA_ARGS__) != 0)                                                           \
+        if (linear(__VA_ARGS__) != 0)                                                              \
             return -2;                                                                             \
     } while (0)
 
@@ -192,8 +191,7 @@ int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int6
                         m->eps, 1);
             residual = summed;
         }
-        LINEAR(buf->normed, batch, m->hidden, w->qkv, w->qkv_int4, w->qkv_bias, buf->qkv,
-               qkv_width);
+        LINEAR(&w->qkv, buf->normed, batch, m->hidden, buf->qkv, qkv_width);
         LORA(LORA_QKV, 3, row_slots, buf->normed, batch, m->hidden, buf->qkv, qkv_width);
         if (m->kv_int8) {
             if (k->rotary_store_int8(buf->qkv, qkv_width, cos, sin, batch, m->heads, m->kv_heads,
@@ -217,20 +215,17 @@ int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int6
                              m->block_size, m->scale, 0, 0.0f, buf->attention, 1) != 0)
                 return -2;
         }
-        LINEAR(buf->attention, batch, q_width, w->o, w->o_int4, w->o_bias, buf->projected,
-               m->hidden);
+        LINEAR(&w->o, buf->attention, batch, q_width, buf->projected, m->hidden);
         LORA(LORA_O, 1, row_slots, buf->attention, batch, q_width, buf->projected, m->hidden);
         summed = other(buf, residual);
         k->rms_norm(buf->projected, residual, summed, w->post_norm, buf->normed, batch, m->hidden,
                     m->eps, 1);
         residual = summed;
-        LINEAR(buf->normed, batch, m->hidden, w->gate_up, w->gate_up_int4, w->gate_up_bias,
-               buf->gate_up, 2 * m->intermediate);
+        LINEAR(&w->gate_up, buf->normed, batch, m->hidden, buf->gate_up, 2 * m->intermediate);
         LORA(LORA_GATE_UP, 2, row_slots, buf->normed, batch, m->hidden, buf->gate_up,
              2 * m->intermediate);
         k->silu_mul(buf->gate_up, buf->act, batch, m->intermediate, 1);
-        LINEAR(buf->act, batch, m->intermediate, w->down, w->down_int4, w->down_bias,
-               buf->projected, m->hidden);
+        LINEAR(&w->down, buf->act, batch, m->intermediate, buf->projected, m->hidden);
         LORA(LORA_DOWN, 1, row_slots, buf->act, batch, m->intermediate, buf->projected, m->hidden);
         hidden = buf->projected;
     }
@@ -240,6 +235,6 @@ int decode_step(const kernels_t *k, const model_t *m, const buffers_t *buf, int6
     else
         k->rms_norm(hidden, residual, summed, m->final_norm, hidden_out, batch, m->hidden, m->eps,
                     1);
-    LINEAR(hidden_out, batch, m->hidden, m->lm_head, 0, 0, logits, m->vocab_rows);
+    LINEAR(&m->lm_head, hidden_out, batch, m->hidden, logits, m->vocab_rows);
     return 0;
 }
