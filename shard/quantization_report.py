@@ -10,7 +10,7 @@ _KERNELS = {"int4": "int4 kernel", "int8": "int8 kernel", "blocks": "dequantized
 
 
 def served_types(model: nn.Module) -> dict[str, dict[str, int]]:
-    """Each GGUF type the model holds -> {how it is served: how many matrices}.
+    """Each GGUF type the model holds -> {how it is served: how many layers}.
 
     Linear layers by their form (LinearWeight.form); an embedding held as blocks as "lookup"."""
     served: dict[str, dict[str, int]] = {}
@@ -31,18 +31,19 @@ def served_types(model: nn.Module) -> dict[str, dict[str, int]]:
 def describe(model: nn.Module, quantization: dict, quantize: str | None) -> str:
     """One line for /info and the log: "" where the weights are the model's dtype.
 
-    A native GGUF: "gguf Q4_K_M: Q4_K x 28 (int4 kernel), Q6_K x 9 (int8 kernel), ..."; the
-    types the conversion dequantized follow; --quantize: its kind."""
+    A native GGUF: "gguf Q4_K_M: Q4_K in 100 layers (int4 kernel), Q6_K in 29 (int8 kernel),
+    ..." (a fused projection counts once per type in it); the types the conversion dequantized
+    follow; --quantize: its kind."""
     if quantize:
         return f"{quantize} (--quantize)"
     served = served_types(model)
     if not served:
         return ""
-    parts = [f"{kind} x {count} ({how})" for kind, forms in sorted(served.items())
-             for how, count in sorted(forms.items())]
+    parts = [f"{kind} in {count} {'layer' if count == 1 else 'layers'} ({how})"
+             for kind, forms in sorted(served.items()) for how, count in sorted(forms.items())]
     dequantized = quantization.get("dequantized") or {}
     if dequantized:
         parts.append("dequantized to float: " + ", ".join(
-            f"{kind} x {count}" for kind, count in sorted(dequantized.items())))
+            f"{kind} x {count} tensors" for kind, count in sorted(dequantized.items())))
     file_type = quantization.get("file_type")
     return f"gguf{' ' + file_type if file_type else ''}: " + ", ".join(parts)

@@ -40,6 +40,7 @@ class ShardInfo:
     speculate: int = 0  # draft tokens a decode step may verify per request (0: none)
     vocab_size: int = 0  # the model's token ids are below it (0: not said)
     architecture: str = ""  # config.json's, e.g. "LlamaForCausalLM" ("": not said)
+    quantization: str = ""  # how weights are held where not in dtype ("": all in it)
 
 
 def shard_info(reply: pb.InfoResponse) -> ShardInfo:
@@ -49,7 +50,8 @@ def shard_info(reply: pb.InfoResponse) -> ShardInfo:
                      support_chunking=reply.support_chunking,
                      use_prefix_caching=reply.use_prefix_caching,
                      hidden_size=reply.hidden_size, speculate=reply.speculate,
-                     vocab_size=reply.vocab_size, architecture=reply.architecture)
+                     vocab_size=reply.vocab_size, architecture=reply.architecture,
+                     quantization=reply.quantization)
 
 
 @dataclass(slots=True, frozen=True)

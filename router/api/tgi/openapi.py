@@ -111,7 +111,8 @@ def schemas() -> dict:
                                     "TGI's /info)"},
                      "quantization": {
                          **nullable("string"),
-                         "example": "gguf Q4_K_M: Q4_K x 28 (int4 kernel), Q6_K x 9 (int8 kernel)",
+                         "example": "gguf Q4_K_M: Q4_K in 100 layers (int4 kernel), Q6_K in "
+                                    "29 layers (int8 kernel)",
                          "description": "How the weights are held where not in model_dtype: a "
                                         "GGUF's types as served, or --quantize's form; null: all "
                                         "in model_dtype (not in TGI's /info)"},

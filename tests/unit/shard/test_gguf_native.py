@@ -71,7 +71,7 @@ def test_float32_shards_serve_the_blocks_values_exactly(converted):
     assert torch.equal(ours, expected)
     served = served_types(loaded.model)
     assert set(served) == {"Q4_1", "Q8_0"} and "embedding lookup" in served["Q8_0"]
-    assert describe(loaded.model, loaded.quantization_config, None).startswith("gguf: Q4_1 x ")
+    assert describe(loaded.model, loaded.quantization_config, None).startswith("gguf: Q4_1 in ")
 
 
 def test_bf16_shards_stay_within_bf16_rounding_of_the_float32_model(converted):
