@@ -74,6 +74,11 @@ class BlockRows:
     def shape(self) -> tuple[int, int]:
         return self.rows, self.columns
 
+    @property
+    def bits(self) -> int:
+        """Bits of q: 4 for the types the int4 form holds, more for the int8 form's."""
+        return BLOCK_TYPES[self.kind].bits
+
     def groups(self) -> Groups:
         return groups_of(self.kind, self.data, self.columns)
 
@@ -87,7 +92,10 @@ class BlockRows:
 
 @dataclass(frozen=True, slots=True)
 class BlockStack:
-    """Block tensors stacked by rows: a fused projection's parts (q, k, v may differ in type)."""
+    """Block tensors stacked by rows: a fused projection's parts (q, k, v may differ in type).
+
+    A part is any quantized rows with BlockRows' interface (kind, rows, columns, bits, groups,
+    dequantize, take, data): a GGUF's blocks, or a quantized checkpoint's groups."""
     parts: tuple[BlockRows, ...]
 
     @property

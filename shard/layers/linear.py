@@ -14,7 +14,7 @@ from torch import nn
 
 from shard.distributed import ParallelContext, all_reduce
 from shard.kernels import bf16_matmul, int4_matmul
-from shard.layers.ggml_quants import BLOCK_TYPES, BlockRows, BlockStack, join_rows
+from shard.layers.ggml_quants import BlockRows, BlockStack, join_rows
 from shard.layers.lora import CheckpointPart, LoraSource, LoraTarget
 from shard.layers.precision import c_matmul_runs, cpu_has_bf16_kernels
 from shard.layers.quantize import QuantizedWeight, c_int4, can_quantize, quantize, quantized_linear
@@ -164,7 +164,7 @@ class LinearWeight:
         kinds = stack.kinds
         on_cpu = stack.parts[0].data.device.type == "cpu"
         if (on_cpu and (model_dtype or torch.bfloat16) == torch.bfloat16 and c_int4_runs()
-                and all(BLOCK_TYPES[kind].bits == 4 for kind in kinds)):
+                and all(part.bits == 4 for part in stack.parts)):
             groups = stack.groups()
             packed = int4_matmul.pack(groups.q.to(torch.uint8), groups.scale, groups.low)
             form = QuantizedWeight("int4", packed, None, stack.rows, torch.bfloat16, kernel="c")
