@@ -1,8 +1,13 @@
-"""What --quantize int8|int4 costs in quality, against the unquantized model in the same process:
-perplexity on a fixed text, and greedy agreement over a set of prompts (identical continuations, and
-the share of tokens before the first difference).
+"""What --quantize int8|int4 and a GGUF served as stored cost in quality, against the unquantized
+model in the same process: perplexity on a fixed text, and greedy agreement over a set of prompts
+(identical continuations, and the share of tokens before the first difference).
+
+The kind "gguf" is the model's GGUF served as stored (the launcher's default for a GGUF: its blocks
+through our kernels), beside the float32 dequantization of the same file, which the other kinds
+start from.
 
     python benchmarks/quantize_quality.py                     # SmolLM2-135M-Instruct, bf16
+    python benchmarks/quantize_quality.py --model gemma3-270m --kinds gguf
     python benchmarks/quantize_quality.py --model-dir DIR --dtype float32 --new-tokens 16
 """
 from __future__ import annotations
@@ -86,23 +91,37 @@ def greedy(runner, ids: list[int], new_tokens: int) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="an unquantized model directory (no kind gguf then)")
+    parser.add_argument("--model", default=None,
+                        help="a short name of the launcher's (default: the default model)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--kinds", default="int8,int4")
+    parser.add_argument("--kinds", default="int8,int4,gguf")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    native_dir = None
     if args.model_dir is None:
-        from launcher.prepare import prepare_default_model
+        from launcher.known_models import DEFAULT_MODEL, known_model
+        from launcher.prepare import prepare_known_model
 
-        args.model_dir = prepare_default_model(dtype="float32")
+        model = known_model(args.model) if args.model else DEFAULT_MODEL
+        args.model_dir = prepare_known_model(model, dtype="float32")
+        if "gguf" in kinds:
+            native_dir = prepare_known_model(model, dtype="gguf")
+    elif "gguf" in kinds:
+        kinds.remove("gguf")
     dtype = getattr(torch, args.dtype)
     rows = {}
     reference = None
     with torch.inference_mode():
-        for kind in [None, *args.kinds.split(",")]:
-            runner, tokenizer, positions = runner_for(args.model_dir, dtype, kind)
+        for kind in [None, *kinds]:
+            if kind == "gguf":
+                runner, tokenizer, positions = runner_for(native_dir, dtype, None)
+            else:
+                runner, tokenizer, positions = runner_for(args.model_dir, dtype, kind)
             text_ids = tokenizer.encode(TEXT).ids[:positions]
             prompts = [tokenizer.encode(p).ids for p in PROMPTS[:args.prompts]]
             answers = [greedy(runner, p, args.new_tokens) for p in prompts]

@@ -29,7 +29,7 @@ from shard.layers.ggml_quants import BLOCKS_KEY, SERVED_TYPES, row_bytes
 log = logging.getLogger("tgi.launcher")
 
 # Bump when the files written change: directories from an older converter are converted again.
-CONVERTER_VERSION = 4
+CONVERTER_VERSION = 3
 MARKER = ".complete"
 DTYPES = {"bfloat16": "BF16", "float32": "F32"}
 # the conversion that keeps each tensor as stored: quantized blocks as bytes the shards serve
