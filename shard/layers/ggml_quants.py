@@ -186,8 +186,9 @@ def _half(data: torch.Tensor, at: int) -> torch.Tensor:
 
 
 def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
-    """Bytes [blocks, chunks * width] -> values [blocks, chunks * 2 * width]: each chunk's low
-    halves, then its high halves (ggml's order of 4-bit values)."""
+    """Bytes [blocks, chunks * width] -> values [blocks, chunks * 2 * width], in ggml's order.
+
+    Each chunk's low halves, then its high halves."""
     blocks = qs.shape[0]
     chunks = qs.reshape(blocks, -1, 1, width)
     shifts = torch.tensor([0, 4], dtype=torch.uint8, device=qs.device).reshape(1, 1, 2, 1)
