@@ -146,10 +146,11 @@ def quantize_refusal(quantize: str | None, config: dict) -> str | None:
         return None
     if quantize in CHECKPOINT_QUANTIZE:
         if quant is None:
-            return (f"--quantize {quantize} serves a checkpoint quantized by {quantize}, but "
-                    f"config.json has no quantization_config"
-                    f"{' (a GGUF: its types are served as stored)' if method else ''}: leave "
-                    "--quantize out, or give int8 or int4 to quantize the weights as they load")
+            has = ("is a GGUF's (its types are served as stored)" if method
+                   else "is not in config.json (the checkpoint is unquantized)")
+            return (f"--quantize {quantize} serves a checkpoint quantized by {quantize}, but its "
+                    f"quantization_config {has}: leave --quantize out, or give int8 or int4 to "
+                    "quantize the weights as they load")
         accepted = CHECKPOINT_QUANTIZE[quantize]
         if quant.method not in accepted and method not in accepted:
             return (f"--quantize {quantize}, but the checkpoint's quantization_config."
