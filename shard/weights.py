@@ -90,6 +90,9 @@ class Weights:
         if prefix is not None:
             stored = read_stored(self.checkpoint_quant, self._slice, self.has, prefix, rows,
                                  columns).to(self.device)
+            if as_stored and stored.bits and stored.group % 32:
+                log.info("%s: this rank's inputs split its groups into runs of %d, not 32s; "
+                         "dequantized per call", name, stored.group)
             return stored if as_stored else stored.dequantize(self.dtype)
         view = self._slice(name)
         if name not in self.blocks:

@@ -146,7 +146,7 @@ def _fp8(quant, view, has, prefix, rows, columns, inputs):
     """FP8 values with their scale per tensor, row, or block, as a float32 scale per group."""
     data = view(f"{prefix}.weight")[rows[0]:rows[1], columns[0]:columns[1]]
     name = next(n for n in (f"{prefix}.weight_scale_inv", f"{prefix}.weight_scale") if has(n))
-    scale = view(name)[:].float()
+    scale = view(name)[...].float()  # [...]: a per-tensor scale may be 0-dimensional
     width = columns[1] - columns[0]
     if scale.numel() == 1:
         return FloatRows("FP8-tensor", data, scale.reshape(1, 1).expand(len(data), 1).clone(),

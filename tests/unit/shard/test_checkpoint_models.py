@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from shard.decode_paths.c_step import c_matmul
 from shard.distributed import ParallelContext
 from shard.kv_budget import KVCacheSpec
-from shard.layers.checkpoint_quants import integer_rows
+from shard.layers.checkpoint_quants import FloatRows, integer_rows
 from shard.layers.ggml_quants import BlockStack
 from shard.layers.linear import LinearWeight, c_int4_runs, linear
 from shard.loader import load_model
@@ -104,3 +104,12 @@ def test_fused_parts_in_different_orders_are_dequantized_per_call():
     same = BlockStack((_rows(3, act_order=False), _rows(4, act_order=False)))
     if c_int4_runs():
         assert LinearWeight.prepare(same, model_dtype=torch.bfloat16).int4_form is not None
+
+
+def test_fp8_rows_are_dequantized_per_call_in_the_activations_dtype():
+    data = (torch.randn(32, 64) * 40).to(torch.float8_e4m3fn)
+    rows = FloatRows("FP8-channel", data, torch.rand(32, 1) + 0.5, 64)
+    prepared = LinearWeight.prepare(rows, model_dtype=torch.bfloat16)
+    assert prepared.blocks is not None and prepared.block_kinds == ("FP8-channel",)
+    x = torch.randn(2, 64)
+    assert torch.equal(linear(x, prepared), F.linear(x, data.float() * rows.scale))

@@ -101,8 +101,8 @@ def test_fp8_weights_are_values_times_scales(tmp_path, layout):
     rng = np.random.default_rng(3)
     out, inputs = 200, 300  # blocks of 128 that do not divide the matrix
     weight = _fp8(rng, out, inputs)
-    shapes = {"tensor": (1,), "channel": (out, 1), "block": (2, 3)}
-    scale = torch.from_numpy(rng.random(shapes[layout]).astype(np.float32) + 0.01)
+    shapes = {"tensor": (), "channel": (out, 1), "block": (2, 3)}
+    scale = torch.tensor(rng.random(shapes[layout]).astype(np.float32) + 0.01)
     name = "weight_scale_inv" if layout == "block" else "weight_scale"
     config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     if layout == "block":
