@@ -16,8 +16,8 @@ from launcher.gguf_architectures import GGUFError
 from launcher.logs import configure as configure_logs
 from launcher.logs import say
 from launcher.prepare import conversion_dtype
-from launcher.resolve import (DEFAULT_MODEL_ID, ModelResolutionError, check_remote_code,
-                              resolve_model)
+from launcher.resolve import (DEFAULT_MODEL_ID, ModelResolutionError, check_quantization,
+                              check_remote_code, resolve_model)
 from launcher.supervisor import LaunchError, Supervisor, check_shardable
 
 
@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = resolve_model(
             model_source(config), revision=config.revision,
             hub_cache=config.huggingface_hub_cache,
-            convert_dtype=conversion_dtype(config.dtype, config.quantize))
+            convert_dtype=conversion_dtype(config.dtype, config.shard_quantize))
         check_remote_code(model_dir, trust_remote_code=config.trust_remote_code)
+        check_quantization(model_dir, config.quantize)
         check_shardable(model_dir, config.num_shard)
         # as TGI downloads its adapters beside the model: a bad one ends the start before any
         # shard does. Every machine resolves them: its shards load what the router names.

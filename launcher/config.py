@@ -12,7 +12,8 @@ from pathlib import Path
 from launcher.adapters import AdapterSpec, parse_lora_adapters
 from launcher.gpus import shard_count
 from launcher.known_models import DEFAULT_MODEL, short_names_help
-from launcher.kv_and_quantize import FP8_KV, KV_INT8, TGI_QUANTIZE, Choices, kv_cache_dtype
+from launcher.kv_and_quantize import (FP8_KV, KV_INT8, QUANTIZE_VALUES, TGI_QUANTIZE, Choices,
+                                      kv_cache_dtype, shard_quantize)
 from launcher.model_cache import cache_root
 from router import VERSION
 from launcher.router_flags import (add_router_flags, check_router_flags, read_router_flags,
@@ -71,10 +72,14 @@ class LauncherConfig:
                                       "and a minimum per 32 weights, with an int8 head). In bf16 "
                                       "int4 runs our own kernel, holding the 4-bit weights alone, "
                                       "where our bf16 matmul runs; elsewhere PyTorch's kernels "
-                                      "where they pay. TGI's kinds (awq, gptq, marlin, exl2, "
-                                      "compressed-tensors, eetq, bitsandbytes*, fp8) are "
-                                      "refused.", shown="none",
-                                choices=Choices(QUANTIZE_KINDS, TGI_QUANTIZE))
+                                      "where they pay. TGI's gptq, awq, marlin (a GPTQ or AWQ "
+                                      "checkpoint), compressed-tensors and fp8 name a quantized "
+                                      "checkpoint's own method, and are refused where its "
+                                      "config.json says otherwise; such a checkpoint is served "
+                                      "as its quantization_config says with or without them. "
+                                      "TGI's exl2, eetq and bitsandbytes* are refused.",
+                                shown="none: a quantized checkpoint as its config says",
+                                choices=Choices(QUANTIZE_VALUES, TGI_QUANTIZE))
     speculate: int = _opt(0, "Speculative decoding: up to this many draft tokens per request and "
                              "step, guessed from the request's own text (n-gram prompt lookup) "
                              "and verified in the same forward; the output is the one without. "
@@ -238,15 +243,15 @@ class LauncherConfig:
                              f"is not implemented, {TGI_QUANTIZE[self.quantize]}. int8 and "
                              "int4 quantize an unquantized model's weights as it loads, on the "
                              "CPU.")
-        if self.quantize is not None and self.quantize not in QUANTIZE_KINDS:
+        if self.quantize is not None and self.quantize not in QUANTIZE_VALUES:
             raise ValueError(f"--quantize {self.quantize!r} is not one of "
-                             f"{', '.join(QUANTIZE_KINDS)}")
+                             f"{', '.join(QUANTIZE_VALUES)}")
         parse_cuda_graphs(self.cuda_graphs)
         self.cuda_memory_fraction = float(self.cuda_memory_fraction)
         if not 0.0 < self.cuda_memory_fraction <= 1.0:
             raise ValueError(f"--cuda-memory-fraction {self.cuda_memory_fraction} must be "
                              "above 0 and at most 1")
-        refusal = device_refusal(self.device, quantize=self.quantize,
+        refusal = device_refusal(self.device, quantize=self.shard_quantize,
                                  kv_cache_dtype=self.kv_cache_dtype)
         if refusal is not None:
             raise ValueError(refusal)
@@ -304,6 +309,11 @@ class LauncherConfig:
         """The ranks of the default model this machine runs."""
         per_node = self.num_shard // self.nnodes
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+    @property
+    def shard_quantize(self) -> str | None:
+        """--quantize as the shards take it: tgi-py's own kinds (TGI's only check the model)."""
+        return shard_quantize(self.quantize)
 
     @property
     def port(self) -> int:

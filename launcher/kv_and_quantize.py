@@ -1,7 +1,8 @@
 """The values of --quantize and --kv-cache-dtype: tgi-py's, and TGI's it refuses with the reason."""
 from __future__ import annotations
 
-from shard.config import DTYPES
+from shard.config import DTYPES, QUANTIZE_KINDS
+from shard.quant_config import CHECKPOINT_QUANTIZE
 
 
 class Choices(tuple):
@@ -20,14 +21,23 @@ class Choices(tuple):
         return tuple.__contains__(self, value) or value in self.refused
 
 
-# TGI's --quantize kinds, none of which tgi-py implements: why each is refused
+# TGI's --quantize kinds that name the checkpoint's own quantization (shard/quant_config.py):
+# accepted where config.json's quantization_config is of that kind
+QUANTIZE_VALUES = (*QUANTIZE_KINDS, *CHECKPOINT_QUANTIZE)
+# TGI's --quantize kinds tgi-py does not implement: why each is refused
 TGI_QUANTIZE = {
-    **dict.fromkeys(("awq", "gptq", "marlin", "exl2", "compressed-tensors"),
-                    "it needs a checkpoint quantized by that method, and tgi-py loads "
-                    "unquantized (or GGUF) checkpoints only"),
-    **dict.fromkeys(("eetq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8"),
+    "exl2": "it needs exllamav2's checkpoint format, which tgi-py does not read",
+    **dict.fromkeys(("eetq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4"),
                     "its kernels are not part of tgi-py"),
 }
+
+
+def shard_quantize(quantize: str | None) -> str | None:
+    """What the shards quantize as they load: tgi-py's own kinds only.
+
+    TGI's checkpoint kinds only check the checkpoint (launcher.resolve.check_quantization): the
+    shards read its quantization_config themselves."""
+    return quantize if quantize in QUANTIZE_KINDS else None
 FP8_KV = ("fp8_e4m3fn", "fp8_e5m2")  # TGI's --kv-cache-dtype values
 KV_INT8 = "int8"  # tgi-py's 8-bit KV cache (shard/layers/kv_int8.py)
 

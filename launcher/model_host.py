@@ -66,7 +66,7 @@ class ModelHostService(pb_grpc.ModelHostServicer):
                         hub_cache=config.huggingface_hub_cache,
                         # as the launcher's own model: what its flags serve (a model started
                         # later with another dtype is served from this conversion all the same)
-                        convert_dtype=conversion_dtype(config.dtype, config.quantize))
+                        convert_dtype=conversion_dtype(config.dtype, config.shard_quantize))
             except (ModelResolutionError, ValueError, OSError) as err:
                 outcome["error"] = str(err)
             except Exception as err:  # a converter bug is this pull's failure, not the launcher's

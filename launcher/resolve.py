@@ -9,11 +9,12 @@ from launcher.hub import allow_patterns, weight_files
 from launcher.known_models import DEFAULT_MODEL, KNOWN_MODELS, known_model
 from launcher.model_cache import ModelResolutionError, cache_root
 from shard.checkpoint_files import CheckpointError, checkpoint_files
+from shard.quant_config import quantize_refusal
 
 # the name the default model is served under: its short name, which also selects it
 DEFAULT_MODEL_ID = DEFAULT_MODEL.name
 __all__ = ["DEFAULT_MODEL_ID", "ModelResolutionError", "cache_root", "check_model_dir",
-           "check_remote_code", "resolve_model"]
+           "check_quantization", "check_remote_code", "resolve_model"]
 
 
 def check_model_dir(path: Path) -> Path:
@@ -47,6 +48,17 @@ def check_remote_code(model_dir: Path, *, trust_remote_code: bool) -> None:
             f"{model_dir} ships its own modelling code (auto_map in config.json). tgi-py never runs "
             "it, but serving it with the built-in implementation of its architecture may not match "
             "that code: pass --trust-remote-code to accept.")
+
+
+def check_quantization(model_dir: Path, quantize: str | None) -> None:
+    """The checkpoint's quantization_config is one the shards serve, and --quantize agrees.
+
+    TGI's --quantize gptq/awq/marlin/compressed-tensors/fp8 must name the checkpoint's own method;
+    without --quantize a quantized checkpoint is served as its config says (as TGI and vLLM do)."""
+    path = model_dir / "config.json"
+    refusal = quantize_refusal(quantize, json.loads(path.read_text()))
+    if refusal is not None:
+        raise ModelResolutionError(f"{path}: {refusal}")
 
 
 def resolve_model(model_id: str | None, *, revision: str | None = None,

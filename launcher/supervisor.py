@@ -151,7 +151,7 @@ class Supervisor:
                          master_port, label, gpus=gpus)
         group = ShardGroup(spec,
                            block_size=self.config.block_size, master_addr=self.config.master_addr,
-                           quantize=self.config.quantize or "", speculate=self.config.speculate,
+                           quantize=self.config.shard_quantize or "", speculate=self.config.speculate,
                            compile_decode=self.config.compile_decode,
                            cuda_graphs=self.config.cuda_graphs,
                            memory_fraction=self.config.cuda_memory_fraction,

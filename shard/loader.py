@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 from shard.distributed import ParallelContext
 from shard.models import architecture_of, load_model_class
 from shard.partition import RankHeads, split_heads
+from shard.quant_config import checkpoint_quant
 from shard.weights import Weights
 
 
@@ -38,7 +39,8 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     model_class, config = load_model_class(raw_config)
     heads = split_heads(config.num_attention_heads, config.num_key_value_heads,
                         parallel.world_size)
-    weights = Weights(model_dir, dtype=dtype, device=device, parallel=parallel, quantize=quantize)
+    weights = Weights(model_dir, dtype=dtype, device=device, parallel=parallel, quantize=quantize,
+                      checkpoint_quant=checkpoint_quant(raw_config))
     model = model_class(config, heads, weights).eval()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     special = frozenset(i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special)

@@ -4,15 +4,17 @@ from __future__ import annotations
 from torch import nn
 
 from shard.layers.embedding import VocabParallelEmbedding
+from shard.quant_config import checkpoint_quant
 
 # how a GGUF type's matrices are multiplied, as LinearWeight.form names it
 _KERNELS = {"int4": "int4 kernel", "int8": "int8 kernel", "blocks": "dequantized per layer"}
 
 
 def served_types(model: nn.Module) -> dict[str, dict[str, int]]:
-    """Each GGUF type the model holds -> {how it is served: how many layers}.
+    """Each GGUF type (or quantized checkpoint's kind) the model holds -> {how: how many layers}.
 
-    Linear layers by their form (LinearWeight.form); an embedding held as blocks as "lookup"."""
+    Linear layers by their form (LinearWeight.form); an embedding held as blocks as "lookup".
+    A checkpoint's kind is its parts' (shard/layers/checkpoint_formats.py), e.g. GPTQ-4bit-g128."""
     served: dict[str, dict[str, int]] = {}
     for module in model.modules():
         prepared = getattr(module, "prepared", None)
@@ -33,12 +35,19 @@ def describe(model: nn.Module, quantization: dict, quantize: str | None) -> str:
 
     A native GGUF: "gguf Q4_K_M: Q4_K in 100 layers (int4 kernel), Q6_K in 29 (int8 kernel),
     ..." (a fused projection counts once per type in it); the types the conversion dequantized
-    follow; --quantize: its kind."""
+    follow; a quantized checkpoint: "gptq 4-bit g128: 112 layers (int4 kernel)"; --quantize:
+    its kind."""
     if quantize:
         return f"{quantize} (--quantize)"
     served = served_types(model)
     if not served:
         return ""
+    quant = checkpoint_quant({"quantization_config": quantization})
+    if quant is not None:
+        return f"{quant.summary()}: " + ", ".join(
+            f"{'' if len(served) == 1 else kind + ' in '}{count} "
+            f"{'layer' if count == 1 else 'layers'} ({how})"
+            for kind, forms in sorted(served.items()) for how, count in sorted(forms.items()))
     parts = [f"{kind} in {count} {'layer' if count == 1 else 'layers'} ({how})"
              for kind, forms in sorted(served.items()) for how, count in sorted(forms.items())]
     dequantized = quantization.get("dequantized") or {}

@@ -10,8 +10,10 @@ from safetensors import safe_open
 
 from shard.checkpoint_files import checkpoint_files
 from shard.distributed import ParallelContext
+from shard.layers.checkpoint_formats import read_stored, stored_prefix, stored_shape
 from shard.layers.ggml_quants import BLOCKS_KEY, BlockRows, column_bytes
 from shard.layers.precision import activation_dtype
+from shard.quant_config import CheckpointQuant
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +26,12 @@ class Weights:
     never opened)."""
 
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: torch.device,
-                 parallel: ParallelContext, quantize: str | None = None):
+                 parallel: ParallelContext, quantize: str | None = None,
+                 checkpoint_quant: CheckpointQuant | None = None):
         self.dtype = dtype
         self.quantize = quantize  # linear layers' weight-only form (shard.layers.quantize)
+        # how a quantized checkpoint stores its linear weights (config.json's quantization_config)
+        self.checkpoint_quant = checkpoint_quant
         # what the hidden states between the weights are held in: the weights' dtype, except bf16
         # on CPUs that only store it, where every matmul computes in float32 anyway
         self.activation_dtype = activation_dtype(dtype, device)
@@ -47,7 +52,14 @@ class Weights:
                                     for name, (kind, columns) in json.loads(listed).items()})
 
     def has(self, name: str) -> bool:
-        return name in self._name_to_file
+        return name in self._name_to_file or self._stored_prefix(name) is not None
+
+    def _stored_prefix(self, name: str) -> str | None:
+        """The layer prefix of a linear weight the quantized checkpoint stores in its own form."""
+        if self.checkpoint_quant is None:
+            return None
+        return stored_prefix(self.checkpoint_quant, name, self._name_to_file.__contains__,
+                             lambda n: self._slice(n).get_dtype())
 
     def _slice(self, name: str):
         if name not in self._name_to_file:
@@ -63,15 +75,25 @@ class Weights:
         """Whether linear weights are read as stored.
 
         A GGUF's float32 values hold its 4-bit blocks exactly; rounding them to bf16 first would
-        move them off the grid int4 recovers. A native GGUF's blocks are read as BlockRows."""
-        return bool(self.quantize) or bool(self.blocks)
+        move them off the grid int4 recovers. A native GGUF's blocks are read as BlockRows, a
+        quantized checkpoint's linear weights as QuantizedRows or FloatRows."""
+        return bool(self.quantize) or bool(self.blocks) or self.checkpoint_quant is not None
 
     def _read(self, name: str, rows: slice, as_stored: bool,
               columns: tuple[int, int] | None = None):
         """Rows (and `columns`, a range of values) of `name`, placed.
 
         A block tensor's come as BlockRows where `as_stored`, else dequantized; where the columns
-        split its blocks, as their float32 values (the log says so)."""
+        split its blocks, as their float32 values (the log says so). A quantized checkpoint's
+        linear weight comes in its groups (shard/layers/checkpoint_quants.py) where `as_stored`."""
+        prefix = self._stored_prefix(name)
+        if prefix is not None:
+            stored = read_stored(self.checkpoint_quant, self._slice, self.has, prefix, rows,
+                                 columns).to(self.device)
+            if as_stored and stored.bits and stored.group % 32:
+                log.info("%s: this rank's inputs split its groups into runs of %d, not 32s; "
+                         "dequantized per call", name, stored.group)
+            return stored if as_stored else stored.dequantize(self.dtype)
         view = self._slice(name)
         if name not in self.blocks:
             return self._place(view[rows] if columns is None
@@ -99,6 +121,9 @@ class Weights:
         """The tensor's shape in values (a block tensor's rows and columns, not its bytes)."""
         if name in self.blocks:
             return [self._slice(name).get_shape()[0], self.blocks[name][1]]
+        prefix = self._stored_prefix(name)
+        if prefix is not None:
+            return stored_shape(self.checkpoint_quant, self._slice, prefix)
         return list(self._slice(name).get_shape())
 
     def get_rows(self, name: str, start: int, stop: int, *, as_stored: bool = False) -> torch.Tensor:

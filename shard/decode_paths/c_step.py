@@ -123,9 +123,9 @@ def unsupported_reason(layout: DecodeLayout, cache: list[LayerCache]) -> str | N
     linears = [layout.lm_head] + [p for layer in layout.layers for p in layer.projections]
     if any(c_matmul(linear.prepared) is None for linear in linears):
         return ("a linear layer runs another kernel than our C bf16, int4 or int8 matmuls "
-                "(PyTorch's quantized kernels, a GGUF's blocks dequantized per layer, an odd "
-                "input width, or a CPU where ours do not run: AMX, AVX-512 without BF16, no "
-                "AVX2)")
+                "(PyTorch's quantized kernels, a GGUF's blocks dequantized per layer, inputs "
+                "permuted for act-order groups, an odd input width, or a CPU where ours do not "
+                "run: AMX, AVX-512 without BF16, no AVX2)")
     for name, library in (("the fused layer ops", layer_ops.load_library()),
                           ("the attention kernel", paged_attention.load_kernel()),
                           ("the decode step", load_library())):
@@ -302,8 +302,9 @@ def c_matmul(prepared) -> tuple[int, torch.Tensor] | None:
     """(the address of our C matmul for a layer's weight form, that form), or None.
 
     None where the layer runs another kernel (PyTorch's quantized ones, a GGUF's blocks
-    dequantized per layer, float copies on CPUs where our matmuls do not run)."""
-    if prepared.quantized_rows:
+    dequantized per layer, float copies on CPUs where our matmuls do not run), or permutes its
+    inputs first (a GPTQ act-order checkpoint's input_order), which the C loop does not."""
+    if prepared.quantized_rows or prepared.input_order is not None:
         return None
     if prepared.int4_form is not None:
         return _address(int4_matmul.load_library().int4_matmul), prepared.int4_form

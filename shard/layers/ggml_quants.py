@@ -89,13 +89,19 @@ class BlockRows:
         """These rows (an index tensor) of the tensor."""
         return BlockRows(self.kind, self.data[rows], self.columns)
 
+    @classmethod
+    def stacked(cls, parts: list["BlockRows"]) -> "BlockRows":
+        """Parts of one tensor as one."""
+        return BlockRows(parts[0].kind, torch.cat([p.data for p in parts]), parts[0].columns)
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStack:
     """Block tensors stacked by rows: a fused projection's parts (q, k, v may differ in type).
 
     A part is any quantized rows with BlockRows' interface (kind, rows, columns, bits, groups,
-    dequantize, take, data): a GGUF's blocks, or a quantized checkpoint's groups."""
+    dequantize, take, stacked, data): a GGUF's blocks, or a quantized checkpoint's
+    (shard/layers/checkpoint_quants.py, whose groups may be over permuted inputs)."""
     parts: tuple[BlockRows, ...]
 
     @property
@@ -128,9 +134,9 @@ class BlockStack:
     def take(self, rows: torch.Tensor) -> "BlockStack":
         """These rows of a stack of one type (a model's own order of its fused rows)."""
         if len(self.parts) != 1:
-            whole = BlockRows(self.kinds[0], torch.cat([p.data for p in self.parts]), self.columns)
             if len(self.kinds) != 1:
                 raise ValueError(f"rows of {' and '.join(self.kinds)} blocks reordered as one")
+            whole = type(self.parts[0]).stacked(list(self.parts))
             return BlockStack((whole.take(rows),))
         return BlockStack((self.parts[0].take(rows),))
 
@@ -144,14 +150,15 @@ class BlockStack:
 def join_rows(parts: list) -> "torch.Tensor | BlockStack":
     """Row-stacked tensors: float tensors concatenated, block tensors as one BlockStack.
 
-    Where both come together, the blocks are dequantized to float32 and all concatenated."""
-    blocks = [p for p in parts if isinstance(p, (BlockRows, BlockStack))]
+    Where both come together, the blocks are dequantized to float32 and all concatenated. Block
+    tensors are any quantized rows (BlockStack's parts), a GGUF's or a quantized checkpoint's."""
+    blocks = [p for p in parts if not isinstance(p, torch.Tensor)]
     if not blocks:
         return torch.cat(parts)
     if len(blocks) == len(parts):
         return BlockStack(tuple(r for p in parts
                                 for r in (p.parts if isinstance(p, BlockStack) else (p,))))
-    return torch.cat([p.dequantize() if isinstance(p, (BlockRows, BlockStack)) else p.float()
+    return torch.cat([p.float() if isinstance(p, torch.Tensor) else p.dequantize()
                       for p in parts])
 
 
@@ -179,8 +186,9 @@ def _half(data: torch.Tensor, at: int) -> torch.Tensor:
 
 
 def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
-    """Bytes [blocks, chunks * width] -> values [blocks, chunks * 2 * width]: each chunk's low
-    halves, then its high halves (ggml's order of 4-bit values)."""
+    """Bytes [blocks, chunks * width] -> values [blocks, chunks * 2 * width], in ggml's order.
+
+    Each chunk's low halves, then its high halves."""
     blocks = qs.shape[0]
     chunks = qs.reshape(blocks, -1, 1, width)
     shifts = torch.tensor([0, 4], dtype=torch.uint8, device=qs.device).reshape(1, 1, 2, 1)

@@ -14,6 +14,7 @@ from torch import nn
 
 from shard.distributed import ParallelContext, all_reduce
 from shard.kernels import bf16_matmul, int4_matmul
+from shard.layers.checkpoint_quants import same_order
 from shard.layers.ggml_quants import BlockRows, BlockStack, join_rows
 from shard.layers.lora import CheckpointPart, LoraSource, LoraTarget
 from shard.layers.precision import c_matmul_runs, cpu_has_bf16_kernels
@@ -83,9 +84,13 @@ class LinearWeight:
     wide_bias: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
     quantized_rows: int = 0  # PyTorch's quantized kernels run for up to this many rows
-    # a GGUF's blocks where no kernel of ours takes them: dequantized at every call
+    # a GGUF's blocks (or a quantized checkpoint's groups) where no kernel of ours takes them:
+    # dequantized at every call
     blocks: BlockStack | None = None
-    block_kinds: tuple[str, ...] = ()  # the GGUF types the weight came in, in any form
+    block_kinds: tuple[str, ...] = ()  # the GGUF types (or checkpoint kinds) it came in
+    # the inputs in the quantized form's column order (a GPTQ act-order checkpoint's groups made
+    # consecutive): x's columns are taken in this order at every call; None: as they come
+    input_order: torch.Tensor | None = None
 
     @property
     def form(self) -> str:
@@ -117,7 +122,7 @@ class LinearWeight:
 
         `model_dtype`: what the model holds weights in, when `weight` arrives as stored to be
         quantized. A GGUF's blocks take our kernel for their types (from_blocks)."""
-        if isinstance(weight, (BlockRows, BlockStack)):
+        if not isinstance(weight, torch.Tensor):  # a GGUF's or a quantized checkpoint's rows
             return cls.from_blocks(weight, bias, model_dtype)
         shape = {"out_features": weight.shape[0], "in_features": weight.shape[1]}
         if quantize_kind and weight.device.type == "cpu" and can_quantize(weight, quantize_kind):
@@ -154,23 +159,36 @@ class LinearWeight:
     @classmethod
     def from_blocks(cls, weight: BlockRows | BlockStack, bias: torch.Tensor | None = None,
                     model_dtype: torch.dtype | None = None) -> "LinearWeight":
-        """A GGUF's blocks in our kernel's form for their types, their weights exactly.
+        """A GGUF's blocks (or a quantized checkpoint's groups) in our kernel's form, exactly.
 
-        4-bit types (Q4_0, Q4_1, Q4_K) take the C int4 kernel's form where it runs for a bf16
-        model; elsewhere (the 5-, 6- and 8-bit types, float32 models, CUDA) the blocks are held as
-        stored and dequantized a layer at a time."""
+        4-bit parts (Q4_0, Q4_1, Q4_K; GPTQ, AWQ, compressed-tensors at 4 bits) take the C int4
+        kernel's form where it runs for a bf16 model, when their groups tile into 32 inputs and
+        every part takes its inputs in one order (act-order parts of a fused projection may not).
+        Elsewhere (other bits, FP8, float32 models, CUDA) the parts are held as stored and
+        dequantized a layer at a time."""
         stack = weight if isinstance(weight, BlockStack) else BlockStack((weight,))
         shape = {"out_features": stack.rows, "in_features": stack.columns}
         kinds = stack.kinds
         on_cpu = stack.parts[0].data.device.type == "cpu"
+        order = input_order(stack)
         if (on_cpu and (model_dtype or torch.bfloat16) == torch.bfloat16 and c_int4_runs()
-                and all(part.bits == 4 for part in stack.parts)):
-            groups = stack.groups()
+                and all(part.bits == 4 and getattr(part, "group", 32) % 32 == 0
+                        for part in stack.parts) and order is not False):
+            groups = stack.groups(32)
             packed = int4_matmul.pack(groups.q.to(torch.uint8), groups.scale, groups.low)
             form = QuantizedWeight("int4", packed, None, stack.rows, torch.bfloat16, kernel="c")
             return cls(**shape, bias=bias, tiled_bias=_bf16(bias), quantized=form,
-                       block_kinds=kinds)
+                       block_kinds=kinds, input_order=order)
         return cls(**shape, bias=bias, blocks=stack, block_kinds=kinds)
+
+
+def input_order(stack: BlockStack) -> torch.Tensor | None | bool:
+    """The parts' common order of inputs (None: as they come), False where they differ."""
+    orders = [getattr(part, "input_order", None) for part in stack.parts]
+    first = orders[0]
+    if any(not same_order(order, first) for order in orders[1:]):
+        return False
+    return first
 
 
 def _bf16(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -188,8 +206,10 @@ def fbgemm_half_layout(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-    if w.blocks is not None:
+    if w.blocks is not None:  # in the checkpoint's order of inputs
         return F.linear(x, w.blocks.dequantize(x.dtype), w.bias)
+    if w.input_order is not None:
+        x = x.index_select(-1, w.input_order)
     int4_form = w.int4_form
     if int4_form is not None:  # the bias inside, in float32
         return int4_matmul.matmul(x, int4_form, w.out_features, w.tiled_bias)

@@ -172,7 +172,7 @@ def test_quantize_is_refused_off_the_cpu_and_for_unknown_kinds():
     with pytest.raises(ValueError, match="--quantize int8 runs CPU kernels only"):
         LauncherConfig(quantize="int8", device="cuda")
     with pytest.raises(ValueError, match="is not one of"):
-        LauncherConfig(quantize="awq")
+        LauncherConfig(quantize="eetq")
     with pytest.raises(ValueError, match="is not one of"):
         ShardConfig(model_path="x", quantize="nf4")
 

@@ -21,9 +21,11 @@ TGI_FLAGS = [
     ([("--sharded", "true"), ("--num-shard", "2")], None),
     ([("--num-shard", "2")], None),
     ([("--quantize", "int8")], None),
+    # a quantized checkpoint's own method: checked against its config.json once it is found
+    *[([("--quantize", kind)], None)
+      for kind in ("awq", "compressed-tensors", "gptq", "marlin", "fp8")],
     *[([("--quantize", kind)], REFUSED)
-      for kind in ("awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bitsandbytes",
-                   "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8")],
+      for kind in ("eetq", "exl2", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4")],
     ([("--speculate", "2")], None),
     ([("--dtype", "bfloat16")], None),
     ([("--dtype", "float16")], None),

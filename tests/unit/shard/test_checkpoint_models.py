@@ -1,0 +1,115 @@
+"""A tiny Llama quantized by GPTQ or AWQ serves the logits of its dequantized weights."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shard.decode_paths.c_step import c_matmul
+from shard.distributed import ParallelContext
+from shard.kv_budget import KVCacheSpec
+from shard.layers.checkpoint_quants import FloatRows, integer_rows
+from shard.layers.ggml_quants import BlockStack
+from shard.layers.linear import LinearWeight, c_int4_runs, linear
+from shard.loader import load_model
+from shard.model_runner import ModelRunner, PrefillSequence
+from shard.quantization_report import describe, served_types
+from tests.quantized_checkpoints import quantized_model
+from tests.tiny_models import build_tiny_model
+
+SCHEMES = {"gptq-act-order": dict(method="gptq", act_order=True),
+           "gptq-8bit": dict(method="gptq", bits=8),
+           "awq": dict(method="awq")}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized")
+    source = build_tiny_model(root / "source")
+    made = {}
+    for name, scheme in SCHEMES.items():
+        quantized_model(source, root / name, root / f"{name}-reference", **scheme)
+        made[name] = root / name, root / f"{name}-reference"
+    return made
+
+
+def _prefill_logits(model_dir, dtype):
+    loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
+                        parallel=ParallelContext())
+    cfg = loaded.config
+    spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, dtype,
+                       torch.device("cpu"))
+    runner = ModelRunner(loaded.model, spec)
+    runner.allocate(16)
+    prompt = [5, 17, 42, 99, 3, 25, 7, 11, 30]
+    out = runner.prefill([PrefillSequence(prompt, 0, [0, 1, 2])], all_logits_rows={0})
+    return loaded, out.full[0].float()
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_float32_logits_are_the_dequantized_models(checkpoints, scheme):
+    quantized, reference = checkpoints[scheme]
+    loaded, ours = _prefill_logits(quantized, torch.float32)
+    _, expected = _prefill_logits(reference, torch.float32)
+    assert (ours - expected).abs().max() <= 1e-4
+    served = served_types(loaded.model)
+    assert len(served) == 1 and sum(sum(forms.values()) for forms in served.values()) == 3 * 4
+    line = describe(loaded.model, loaded.quantization_config, None)
+    method = SCHEMES[scheme]["method"]
+    bits = SCHEMES[scheme].get("bits", 4)
+    assert line == f"{method} {bits}-bit g32: 12 layers (dequantized per layer)"
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_bf16_logits_stay_within_bf16_rounding(checkpoints, scheme):
+    quantized, reference = checkpoints[scheme]
+    loaded, ours = _prefill_logits(quantized, torch.bfloat16)
+    _, bf16 = _prefill_logits(reference, torch.bfloat16)
+    _, expected = _prefill_logits(reference, torch.float32)
+    assert (ours - expected).abs().max() <= 2 * (bf16 - expected).abs().max() + 1e-2
+    if c_int4_runs() and scheme != "gptq-8bit":
+        line = describe(loaded.model, loaded.quantization_config, None)
+        # act order: q/k/v and gate/up permute their inputs each their own way
+        assert "(int4 kernel)" in line, line
+        if scheme == "gptq-act-order":
+            assert "(dequantized per layer)" in line, line
+
+
+def _rows(seed: int, *, act_order: bool):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (64, 128), generator=generator)
+    scale = torch.rand(64, 4, generator=generator).half().float()
+    zero = torch.randint(0, 16, (64, 4), generator=generator)
+    ids = torch.arange(128) // 32
+    if act_order:
+        ids = ids[torch.randperm(128, generator=generator)]
+    return integer_rows("GPTQ-4bit-g32", 4, q, scale, zero, ids)
+
+
+@pytest.mark.skipif(not c_int4_runs(), reason="the C int4 kernel does not run here")
+def test_an_act_order_layer_permutes_its_inputs_into_the_int4_form():
+    rows = _rows(0, act_order=True)
+    prepared = LinearWeight.prepare(rows, model_dtype=torch.bfloat16)
+    assert prepared.int4_form is not None and prepared.input_order is not None
+    assert c_matmul(prepared) is None  # the C decode step multiplies inputs as they come
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    expected = F.linear(x.float(), rows.dequantize())
+    assert torch.allclose(linear(x, prepared).float(), expected, atol=0.05, rtol=0.02)
+
+
+def test_fused_parts_in_different_orders_are_dequantized_per_call():
+    stack = BlockStack((_rows(1, act_order=True), _rows(2, act_order=True)))
+    prepared = LinearWeight.prepare(stack, model_dtype=torch.bfloat16)
+    assert prepared.blocks is stack and prepared.input_order is None
+    x = torch.randn(2, 128)
+    assert torch.equal(linear(x, prepared), F.linear(x, stack.dequantize()))
+    same = BlockStack((_rows(3, act_order=False), _rows(4, act_order=False)))
+    if c_int4_runs():
+        assert LinearWeight.prepare(same, model_dtype=torch.bfloat16).int4_form is not None
+
+
+def test_fp8_rows_are_dequantized_per_call_in_the_activations_dtype():
+    data = (torch.randn(32, 64) * 40).to(torch.float8_e4m3fn)
+    rows = FloatRows("FP8-channel", data, torch.rand(32, 1) + 0.5, 64)
+    prepared = LinearWeight.prepare(rows, model_dtype=torch.bfloat16)
+    assert prepared.blocks is not None and prepared.block_kinds == ("FP8-channel",)
+    x = torch.randn(2, 64)
+    assert torch.equal(linear(x, prepared), F.linear(x, data.float() * rows.scale))
