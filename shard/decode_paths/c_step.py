@@ -14,7 +14,8 @@ import functools
 import torch
 
 from shard.adapters.adapter_set import AdapterSet
-from shard.kernels import bf16_matmul, int4_matmul, layer_ops, lora, native, paged_attention
+from shard.kernels import (bf16_matmul, int4_matmul, int8_matmul, layer_ops, lora, native,
+                           paged_attention)
 from shard.layers.attention import LayerCache
 from shard.models.decode_layout import DecodeLayout
 
@@ -308,6 +309,8 @@ def c_matmul(prepared) -> tuple[int, torch.Tensor] | None:
         return None
     if prepared.int4_form is not None:
         return _address(int4_matmul.load_library().int4_matmul), prepared.int4_form
+    if prepared.int8_form is not None:
+        return _address(int8_matmul.load_library().int8_matmul), prepared.int8_form
     if prepared.tiled is not None:
         library = bf16_matmul.load_library()
         return None if library is None else (_address(library.bf16_matmul), prepared.tiled)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed import ParallelContext, all_reduce
-from shard.kernels import bf16_matmul, int4_matmul
+from shard.kernels import bf16_matmul, int4_matmul, int8_matmul
 from shard.layers.checkpoint_quants import same_order
 from shard.layers.ggml_quants import BlockRows, BlockStack, join_rows
 from shard.layers.lora import CheckpointPart, LoraSource, LoraTarget
@@ -46,6 +46,11 @@ def c_int4_runs() -> bool:
     without BF16, TGI_PY_MATMUL_KERNEL=0), neither does it: oneDNN's kernels were not measured
     against those tiles there."""
     return int4_matmul.load_library() is not None and c_matmul_runs()
+
+
+def c_int8_runs() -> bool:
+    """Whether a GGUF's 5-, 6- and 8-bit types take our C int8 kernel here (as c_int4_runs)."""
+    return int8_matmul.load_library() is not None and c_matmul_runs()
 
 
 def quantized_kernel_rows() -> int:
@@ -109,10 +114,16 @@ class LinearWeight:
         return quantized.data if quantized is not None and quantized.kernel == "c" else None
 
     @property
+    def int8_form(self) -> torch.Tensor | None:
+        """The weight in our C int8 kernel's grouped form, where the layer holds that alone."""
+        quantized = self.quantized
+        return quantized.data if quantized is not None and quantized.kernel == "c8" else None
+
+    @property
     def multiplies_quantized(self) -> bool:
         """Whether some batch size multiplies by the quantized form (not the weights it stands for)."""
-        return self.int4_form is not None or (self.quantized is not None
-                                              and self.quantized_rows > 0)
+        return (self.int4_form is not None or self.int8_form is not None
+                or (self.quantized is not None and self.quantized_rows > 0))
 
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -161,25 +172,34 @@ class LinearWeight:
                     model_dtype: torch.dtype | None = None) -> "LinearWeight":
         """A GGUF's blocks (or a quantized checkpoint's groups) in our kernel's form, exactly.
 
-        4-bit parts (Q4_0, Q4_1, Q4_K; GPTQ, AWQ, compressed-tensors at 4 bits) take the C int4
-        kernel's form where it runs for a bf16 model, when their groups tile into 32 inputs and
-        every part takes its inputs in one order (act-order parts of a fused projection may not).
-        Elsewhere (other bits, FP8, float32 models, CUDA) the parts are held as stored and
-        dequantized a layer at a time."""
+        In a bf16 model on the CPU, where our kernels run, and where every part takes its inputs
+        in one order (act-order parts of a fused projection may not): 4-bit parts (Q4_0, Q4_1,
+        Q4_K; GPTQ, AWQ, compressed-tensors at 4 bits) take the C int4 kernel's form when their
+        groups tile into 32 inputs, and the other integer grids (GGUF's 5-, 6- and 8-bit types,
+        8-bit checkpoints, a fused projection mixing them with 4-bit parts) the C int8 kernel's
+        (groups of 16 or 32). Elsewhere (FP8, float32 models, CUDA, CPUs without our kernels)
+        the parts are held as stored and dequantized a layer at a time."""
         stack = weight if isinstance(weight, BlockStack) else BlockStack((weight,))
         shape = {"out_features": stack.rows, "in_features": stack.columns}
         kinds = stack.kinds
-        on_cpu = stack.parts[0].data.device.type == "cpu"
         order = input_order(stack)
-        if (on_cpu and (model_dtype or torch.bfloat16) == torch.bfloat16 and c_int4_runs()
-                and all(part.bits == 4 and getattr(part, "group", 32) % 32 == 0
-                        for part in stack.parts) and order is not False):
-            groups = stack.groups(32)
+        kernels = (stack.parts[0].data.device.type == "cpu" and order is not False
+                   and (model_dtype or torch.bfloat16) == torch.bfloat16
+                   and all(0 < part.bits <= 8 for part in stack.parts))
+        groups = stack.groups() if kernels else None
+        if kernels and groups.group % 32 == 0:
+            groups = groups.regrouped(32)
+        if (kernels and c_int4_runs() and groups.group == 32
+                and all(part.bits == 4 for part in stack.parts)):
             packed = int4_matmul.pack(groups.q.to(torch.uint8), groups.scale, groups.low)
             form = QuantizedWeight("int4", packed, None, stack.rows, torch.bfloat16, kernel="c")
-            return cls(**shape, bias=bias, tiled_bias=_bf16(bias), quantized=form,
-                       block_kinds=kinds, input_order=order)
-        return cls(**shape, bias=bias, blocks=stack, block_kinds=kinds)
+        elif kernels and c_int8_runs() and groups.group in int8_matmul.GROUPS:
+            packed = int8_matmul.pack(groups.q, groups.scale, groups.low, groups.group)
+            form = QuantizedWeight("int8", packed, None, stack.rows, torch.bfloat16, kernel="c8")
+        else:
+            return cls(**shape, bias=bias, blocks=stack, block_kinds=kinds)
+        return cls(**shape, bias=bias, tiled_bias=_bf16(bias), quantized=form, block_kinds=kinds,
+                   input_order=order)
 
 
 def input_order(stack: BlockStack) -> torch.Tensor | None | bool:
@@ -213,6 +233,9 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     int4_form = w.int4_form
     if int4_form is not None:  # the bias inside, in float32
         return int4_matmul.matmul(x, int4_form, w.out_features, w.tiled_bias)
+    int8_form = w.int8_form
+    if int8_form is not None:
+        return int8_matmul.matmul(x, int8_form, w.out_features, w.tiled_bias)
     if w.quantized is not None and x.shape[0] <= w.quantized_rows:
         out = quantized_linear(x, w.quantized)
         return out if w.bias is None else out + w.bias.to(out.dtype)

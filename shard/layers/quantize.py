@@ -30,7 +30,8 @@ class QuantizedWeight:
     out_features: int
     dtype: torch.dtype  # what the kernel takes and gives: the scales' dtype
     # "pytorch": the packed kernels above; "c": int4 in shard.kernels.int4_matmul's form (its
-    # scales and minimums inside `data`)
+    # scales and minimums inside `data`); "c8": a GGUF's 5-, 6- and 8-bit groups in
+    # shard.kernels.int8_matmul's form
     kernel: str = "pytorch"
 
 
