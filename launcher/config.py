@@ -51,7 +51,10 @@ class LauncherConfig:
                                      "false: one shard unless --num-shard says otherwise.",
                                shown="false", choices=TRUE_FALSE)
     dtype: str | None = _opt(None, "Weights and KV cache dtype. Each shard picks its default once "
-                                   "its device is known.",
+                                   "its device is known. Without it (and without --quantize) a "
+                                   "GGUF's quantized tensors are served as stored, by our int4 "
+                                   "and int8 kernels on the CPU (dequantized a layer at a time "
+                                   "elsewhere); with it the GGUF is converted to that dtype.",
                              shown="bfloat16 on a CPU with AVX2, float32 on other CPUs; on CUDA "
                                    "float16, or bfloat16 for a checkpoint stored in bfloat16 "
                                    "(on a GPU with bf16 arithmetic)", choices=DTYPES)
