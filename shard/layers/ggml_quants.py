@@ -180,7 +180,7 @@ def column_bytes(kind: str, start: int, stop: int) -> tuple[int, int]:
             stop // block.block_values * block.block_bytes)
 
 
-def _half(data: torch.Tensor, at: int) -> torch.Tensor:
+def half(data: torch.Tensor, at: int) -> torch.Tensor:
     """The float16 at bytes [at, at + 2) of each block, as float32 [blocks, 1]."""
     return data[:, at:at + 2].contiguous().view(torch.float16).float()
 
@@ -201,7 +201,7 @@ def _high_bits(qh: torch.Tensor, count: int) -> torch.Tensor:
     return ((qh[:, :, None] >> shifts) & 1).reshape(qh.shape[0], -1)
 
 
-def _scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K's and Q5_K's 12 bytes of 6-bit scales and minimums -> two [blocks, 8] uint8."""
     d, m, m_d = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
     sc = torch.cat([d & 63, (m_d & 15) | ((d >> 2) & 48)], dim=1)
@@ -228,12 +228,12 @@ def groups_of(kind: str, data: torch.Tensor, columns: int) -> Groups:
 
 
 def _q4_0(b):
-    d = _half(b, 0)
+    d = half(b, 0)
     return _nibbles(b[:, 2:18], 16), d, -8 * d
 
 
 def _q4_1(b):
-    return _nibbles(b[:, 4:20], 16), _half(b, 0), _half(b, 2)
+    return _nibbles(b[:, 4:20], 16), half(b, 0), half(b, 2)
 
 
 def _q5(b, qh_at: int):
@@ -242,23 +242,23 @@ def _q5(b, qh_at: int):
 
 
 def _q5_0(b):
-    d = _half(b, 0)
+    d = half(b, 0)
     return _q5(b, 2), d, -16 * d
 
 
 def _q5_1(b):
-    return _q5(b, 4), _half(b, 0), _half(b, 2)
+    return _q5(b, 4), half(b, 0), half(b, 2)
 
 
 def _q8_0(b):
-    d = _half(b, 0)
+    d = half(b, 0)
     return b[:, 2:34].contiguous().view(torch.int8), d, torch.zeros_like(d)
 
 
 def _k_factors(b):
     """Q4_K's and Q5_K's scale (d * sc) and low (-(dmin * m)) per sub-block of 32: [blocks, 8]."""
-    sc, mins = _scale_min(b[:, 4:16])
-    return _half(b, 0) * sc.float(), -(_half(b, 2) * mins.float())
+    sc, mins = scale_min(b[:, 4:16])
+    return half(b, 0) * sc.float(), -(half(b, 2) * mins.float())
 
 
 def _q4_k(b):
@@ -278,7 +278,7 @@ def _q6_k(b):
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
     high_bits = ((b[:, 128:192].reshape(blocks, 2, 1, 32) >> shifts) & 3).reshape(blocks, -1)
     q = (low_bits | (high_bits << 4)).to(torch.int16) - 32
-    scale = _half(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()
+    scale = half(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()
     return q, scale, torch.zeros_like(scale)
 
 

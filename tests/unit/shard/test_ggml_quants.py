@@ -93,3 +93,29 @@ def test_rows_that_are_not_whole_blocks_are_refused():
         column_bytes("Q4_K", 0, 288)
     with pytest.raises(ValueError, match="bytes each"):
         groups_of("Q8_0", torch.zeros(2, 33, dtype=torch.uint8), 32)
+
+
+@pytest.mark.parametrize("kind", list(BLOCK_TYPES))
+def test_compact_factors_restore_the_same_weights(kind):
+    """Each type's own factors, widened as the kernels' compact modes widen them, stand for the
+    gguf package's dequantization."""
+    from shard.layers.ggml_factors import compact_factors
+
+    data = _random_blocks(kind, 4, 512, seed=7)
+    rows = BlockRows(kind, torch.from_numpy(np.array(data)), 512)
+    factors = compact_factors(rows)
+    q, fields = factors.q.float(), factors.fields
+    if factors.mode == "half":
+        group = 32
+        scale = fields["scale"].float()
+        low = fields["low"].float() if "low" in fields else torch.zeros_like(scale)
+    elif factors.mode == "k":
+        group = 32
+        scale = fields["d"].repeat_interleave(8, 1) * fields["sc"].float()
+        low = -(fields["dmin"].repeat_interleave(8, 1) * fields["m"].float())
+    else:
+        group = 16
+        scale = fields["d"].repeat_interleave(16, 1) * fields["sc"].float()
+        low = torch.zeros_like(scale)
+    restored = (q.reshape(4, -1, group) * scale[..., None] + low[..., None]).reshape(4, 512)
+    assert torch.equal(restored, _reference(kind, data).reshape(4, 512))
