@@ -2,15 +2,28 @@
  * features as w = q * scale + low (q in -128..127, scale and low float32: the product rounded,
  * then the sum), on CPUs with AVX-512 BF16 or AVX2. The form holds GGUF's 5-, 6- and 8-bit types
  * exactly (Q8_0: q * d; Q6_K: groups of 16; Q5_0, Q5_1, Q5_K: groups of 32), at 1 byte a weight
- * plus 8 bytes a group: decode-size batches, where reading the weights sets the time, multiply by
- * it directly.
+ * plus each group's factors, float32 or the type's own compact ones (8.5-8.75 bits a weight where
+ * float32 factors take 10-12: a Q4_K_M model's Q6_K quarter then fits near llama.cpp's size):
+ * decode-size batches, where reading the weights sets the time, multiply by it directly.
  *
- * Packing: a 64-byte header (int64 magic, group, k, n), then per block of 16 output features and
- * group (blocks after one another, a block's groups in order; features past n zeros, with scale
- * and low 0) G / 2 x 32 bytes of q, byte [i][f][e] holding input 2i + e of feature f (the bf16
- * matmul's [pairs][16 features][2 inputs] order), then the 16 scales and the 16 lows. The
- * header carries the group, which the matmul's signature (the int4 kernel's, as the C decode step
- * calls both) has no room for, and lets a call refuse a buffer packed for another shape.
+ * Packing: a 64-byte header (int64 magic, group, k, n, mode), then per block of 16 output features
+ * its units (blocks after one another; features past n zeros, factors 0). The mode says how a
+ * group's factors are held, GGUF's own forms where they fit in fewer bytes than float32 pairs:
+ *   F  (0): per group a float32 scale and low (16 of each): 8 bytes a group and feature;
+ *   H  (1): a float16 scale, low 0 (Q8_0; Q5_0 as q - 16): 2 bytes;
+ *   HL (2): a float16 scale and low (Q5_1): 4 bytes;
+ *   K6 (3): groups of 16, per superblock of 256 inputs a float32 d, per group an int8 sc:
+ *           scale d * sc (exact in float32: d is a float16's value), low 0 (Q6_K): 1 byte;
+ *   K5 (4): groups of 32, per superblock float32 d and dmin, per group uint8 sc and m:
+ *           scale d * sc, low -(dmin * m) (Q5_K): 2 bytes.
+ * A unit is one group (F, H, HL) or one superblock (K6, K5: its 16 d, and dmin for K5, first).
+ * Each group: G / 2 x 32 bytes of q, byte [i][f][e] holding input 2i + e of feature f (the bf16
+ * matmul's [pairs][16 features][2 inputs] order), then its factors for the 16 features, each
+ * kind 16 in a row (scales, then lows or m). The kernels compute a group's float32 scale and low
+ * vectors from these as they reach it, a few instructions a group, so every mode restores the
+ * same float32 weights as F would hold. The header carries the group and mode, which the matmul's
+ * signature (the int4 kernel's, as the C decode step calls both) has no room for, and lets a
+ * call refuse a buffer packed for another shape.
  *
  * AVX-512 BF16: integer dot products, each row's group of inputs held as int16 (multiples of d,
  * the group's largest magnitude / 32767, rounded to nearest: 2^-16 of that magnitude at most,
@@ -23,7 +36,7 @@
  * VDPBF16PS took five (sign-extend, widen to float32 twice, and narrow to bf16). Past TILE_MAX_ROWS rows (prefills),
  * each thread unpacks a few blocks at a time into the bf16 matmul's layout, the bf16 of
  * q * scale + low (a float32 product, then a float32 sum: built with -ffp-contract=off, so no
- * compiler fuses them), and runs that kernel's tiles (bf16_tiles.h) over the rows: a prefill gets
+ * compiler fuses them; no sum where the mode has no low), and runs that kernel's tiles (bf16_tiles.h) over the rows: a prefill gets
  * what a bf16 layer of those weights gives, bit for bit, as int4_matmul.c does.
  *
  * AVX2 (no bf16 arithmetic): every batch by the 8-bit form, q widened to float32 and multiplied by
@@ -45,8 +58,39 @@
 #define HEADER_BYTES 64
 /* "INT8PACK", little-endian: a header this library wrote */
 #define MAGIC 0x4b43415038544e49LL
-/* the bytes of one group of one block: the q of G inputs x 16 features, 16 scales, 16 lows */
-#define GROUP_BYTES(G) (BLOCK * (G) + 2 * BLOCK * 4)
+enum { MODE_F, MODE_H, MODE_HL, MODE_K6, MODE_K5, MODES };
+/* inputs of a K6 or K5 superblock */
+#define SUPER 256
+/* bytes of a group's factors for a block's 16 features (MODE compared as an int: the tiles pass
+ * an enum of their own) */
+#define FACTOR_BYTES(MODE)                                                                         \
+    ((int)(MODE) == MODE_F ? 128 : (int)(MODE) == MODE_H ? 32 : (int)(MODE) == MODE_HL ? 64      \
+     : (int)(MODE) == MODE_K6 ? 16 : 32)
+/* a block's bytes of one group: its q, then its factors */
+#define GROUP_BYTES(MODE, G) (BLOCK * (G) + FACTOR_BYTES(MODE))
+#define IS_K(MODE) ((int)(MODE) == MODE_K6 || (int)(MODE) == MODE_K5)
+/* groups a unit; the bytes before its first group (the superblock's float32 d, then dmin) */
+#define UNIT_GROUPS(MODE, G) (IS_K(MODE) ? SUPER / (G) : 1)
+#define HEAD_BYTES(MODE)                                                                           \
+    ((int)(MODE) == MODE_K6 ? 4 * BLOCK : (int)(MODE) == MODE_K5 ? 8 * BLOCK : 0)
+#define UNIT_BYTES(MODE, G) (HEAD_BYTES(MODE) + UNIT_GROUPS(MODE, G) * GROUP_BYTES(MODE, G))
+/* whether the mode's lows can be other than 0 (the others skip their term) */
+#define HAS_LOW(MODE) ((int)(MODE) == MODE_F || (int)(MODE) == MODE_HL || (int)(MODE) == MODE_K5)
+
+/* whether a mode holds groups of `group` over k inputs */
+static int valid_shape(int64_t k, int64_t group, int64_t mode) {
+    if (mode < 0 || mode >= MODES || (group != 16 && group != 32) || k <= 0)
+        return 0;
+    if ((mode == MODE_K6 && group != 16) || (mode == MODE_K5 && group != 32))
+        return 0;
+    return k % (group * UNIT_GROUPS(mode, group)) == 0;
+}
+
+/* a block's bytes: its units, one after another */
+static int64_t block_bytes(int64_t k, int group, int mode) {
+    return k / group / UNIT_GROUPS(mode, group) * UNIT_BYTES(mode, group);
+}
+
 #define PARALLEL_MIN_WORK (1 << 16)
 /* how many groups ahead a tile asks for its block's lines */
 #define PREFETCH_GROUPS 4
@@ -75,39 +119,83 @@ int int8_matmul_supported(void) { return matmul_form(); }
 /* up to how many rows a call runs the 8-bit tiles (more: the unpacked blocks); 0: every batch */
 int int8_matmul_tile_rows(void) { return TILE_MAX_ROWS; }
 
-/* -1 where the group is not 16 or 32 or k not a positive multiple of it */
-int64_t int8_matmul_packed_bytes(int64_t n, int64_t k, int64_t group) {
-    if ((group != 16 && group != 32) || k <= 0 || k % group || n <= 0)
+/* -1 where the mode does not hold groups of `group` over k inputs (F, H, HL: 16 or 32; K6: 16;
+ * K5: 32; k a multiple of the group, of 256 for K6 and K5) */
+int64_t int8_matmul_packed_bytes_mode(int64_t n, int64_t k, int64_t group, int64_t mode) {
+    if (!valid_shape(k, group, mode) || n <= 0)
         return -1;
-    return HEADER_BYTES + (n + BLOCK - 1) / BLOCK * (k / group) * GROUP_BYTES(group);
+    return HEADER_BYTES + (n + BLOCK - 1) / BLOCK * block_bytes(k, (int)group, (int)mode);
 }
 
-/* q [n, k], scale and low [n, k / group] -> out (int8_matmul_packed_bytes of them) */
-void int8_matmul_pack(const int8_t *q, const float *scale, const float *low, int64_t n, int64_t k,
-                      int64_t group, uint8_t *out) {
+/* mode F's bytes */
+int64_t int8_matmul_packed_bytes(int64_t n, int64_t k, int64_t group) {
+    return int8_matmul_packed_bytes_mode(n, k, group, MODE_F);
+}
+
+/* feature row's value [row, at] of a [n, columns] factor of `size` bytes a value (0 past n) */
+static void copy_factor(uint8_t *to, const void *factor, int size, int64_t row, int64_t n,
+                        int64_t columns, int64_t at) {
+    if (row < n)
+        memcpy(to, (const uint8_t *)factor + (row * columns + at) * size, size);
+    else
+        memset(to, 0, size);
+}
+
+/* q [n, k] and the mode's factors -> out (int8_matmul_packed_bytes_mode of them). F: a = scale,
+ * b = low, float32 [n, k / group]; H: a = scale float16 [n, k / group]; HL: a, b = scale, low
+ * float16; K6: a = d float32 [n, k / 256], b = sc int8 [n, k / 16]; K5: a = d, c = dmin float32
+ * [n, k / 256], b = sc, d = m uint8 [n, k / 32]. The factors are copied as they are. */
+void int8_matmul_pack_mode(const int8_t *q, const void *a, const void *b, const void *c,
+                           const void *d, int64_t n, int64_t k, int64_t group, int64_t mode,
+                           uint8_t *out) {
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / group;
-    const int64_t header[4] = {MAGIC, group, k, n};
+    const int64_t per_unit = UNIT_GROUPS(mode, group), supers = k / SUPER;
+    const int64_t header[5] = {MAGIC, group, k, n, mode};
+    /* bytes a value of each per-group factor (scale, then low or m): 4, 2 or 1 */
+    const int size = mode == MODE_F ? 4 : mode == MODE_H || mode == MODE_HL ? 2 : 1;
+    const int kinds = mode == MODE_H || mode == MODE_K6 ? 1 : 2;
     memset(out, 0, HEADER_BYTES);
     memcpy(out, header, sizeof header);
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        uint8_t *to = out + HEADER_BYTES + blk * block_bytes(k, (int)group, (int)mode);
         for (int64_t g = 0; g < groups; g++) {
-            uint8_t *to = out + HEADER_BYTES + (b * groups + g) * GROUP_BYTES(group);
+            if (g % per_unit == 0 && (mode == MODE_K6 || mode == MODE_K5))
+                for (int f = 0; f < BLOCK; f++) {
+                    copy_factor(to + 4 * f, a, 4, blk * BLOCK + f, n, supers, g / per_unit);
+                    if (mode == MODE_K5)
+                        copy_factor(to + 4 * (BLOCK + f), c, 4, blk * BLOCK + f, n, supers,
+                                    g / per_unit);
+                }
+            to += HEAD_BYTES(mode) * (g % per_unit == 0);
             for (int64_t i = 0; i < group / 2; i++)
                 for (int f = 0; f < BLOCK; f++)
                     for (int e = 0; e < 2; e++) {
-                        const int64_t row = b * BLOCK + f, col = g * group + 2 * i + e;
+                        const int64_t row = blk * BLOCK + f, col = g * group + 2 * i + e;
                         to[(i * BLOCK + f) * 2 + e] = row < n ? (uint8_t)q[row * k + col] : 0;
                     }
-            float *factors = (float *)(to + BLOCK * group);
-            for (int f = 0; f < BLOCK; f++) {
-                const int64_t row = b * BLOCK + f;
-                float s = row < n ? scale[row * groups + g] : 0.0f;
-                float l = row < n ? low[row * groups + g] : 0.0f;
-                memcpy(factors + f, &s, sizeof s);
-                memcpy(factors + BLOCK + f, &l, sizeof l);
-            }
+            to += BLOCK * group;
+            const void *factor[2] = {mode == MODE_K5 ? b : a, mode == MODE_K5 ? d : b};
+            if (mode == MODE_K6)
+                factor[0] = b;
+            for (int kind = 0; kind < kinds; kind++)
+                for (int f = 0; f < BLOCK; f++)
+                    copy_factor(to + (kind * BLOCK + f) * size, factor[kind], size,
+                                blk * BLOCK + f, n, groups, g);
+            to += kinds * BLOCK * size;
         }
+    }
+}
+
+/* q [n, k], scale and low [n, k / group] float32 -> out (int8_matmul_packed_bytes of them) */
+void int8_matmul_pack(const int8_t *q, const float *scale, const float *low, int64_t n, int64_t k,
+                      int64_t group, uint8_t *out) {
+    int8_matmul_pack_mode(q, scale, low, 0, 0, n, k, group, MODE_F, out);
+}
+
+/* the row of TILES for a mode and group: F, H, HL at 16 and 32, then K6 and K5 */
+static inline int tile_variant(int mode, int group) {
+    return mode <= MODE_HL ? 2 * mode + (group == 32) : mode == MODE_K6 ? 6 : 7;
 }
 
 #ifdef HAVE_DPBF16
@@ -121,69 +209,126 @@ static inline __attribute__((always_inline)) __m512i dot_words(__m512i acc, __m5
 #endif
 }
 
-/* MR rows (int16) x one block, groups of G: sums[r] over the groups so far, dot[c][r] the group's
- * integer dot products (CHAINS dependency chains a row, pairs alternating between them, so that
- * one or two rows are not held to VPDPWSSD's latency). Each 32 bytes of q, sign-extended, are
- * 16 features x 2 inputs in VPDPWSSD's operand layout; a row's pair of inputs is one broadcast.
- * One block at a time: one sequential stream of weights per thread, as int4_matmul.c measured
- * best at few rows. */
-#define DEFINE_TILE(MR, G)                                                                         \
-    static void tile_##MR##_##G(const int16_t *xq, int64_t x_stride, const float *x_scales,     \
-                                const float *x_sums, int64_t groups, const uint8_t *block,      \
-                                int64_t col, int64_t n, const uint16_t *bias, uint16_t *out,    \
-                                int64_t out_stride) {                                           \
-        enum { CHAINS = MR == 1 ? 4 : MR == 2 ? 2 : 1 };                                         \
+/* a superblock's d and dmin for 16 features (K6, K5; the other modes have none) */
+static inline __attribute__((always_inline)) void head_512(int mode, const uint8_t *unit,
+                                                           __m512 *d, __m512 *dmin) {
+    *d = *dmin = _mm512_setzero_ps();
+    if (mode == MODE_K6 || mode == MODE_K5)
+        *d = _mm512_loadu_ps((const float *)unit);
+    if (mode == MODE_K5)
+        *dmin = _mm512_loadu_ps((const float *)unit + BLOCK);
+}
+
+/* -x: the sign flipped, so -(+0) is -0 as -(dmin * m) is in Python */
+static inline __attribute__((always_inline)) __m512 negated_512(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x),
+                                                _mm512_set1_epi32((int)0x80000000u)));
+}
+
+/* a group's float32 scale and low for 16 features from its factors (`at`) and its superblock's
+ * d and dmin: float16s widened (exact), d * sc and dmin * m rounded as Python's float32 */
+static inline __attribute__((always_inline)) void
+factors_512(int mode, const uint8_t *at, __m512 d, __m512 dmin, __m512 *scale, __m512 *low) {
+    *low = _mm512_setzero_ps();
+    if (mode == MODE_F) {
+        *scale = _mm512_loadu_ps((const float *)at);
+        *low = _mm512_loadu_ps((const float *)at + BLOCK);
+    } else if (mode == MODE_H || mode == MODE_HL) {
+        *scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+        if (mode == MODE_HL)
+            *low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 2 * BLOCK)));
+    } else if (mode == MODE_K6) {
+        *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+                                      _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)at))));
+    } else {
+        const __m128i sc = _mm_loadu_si128((const __m128i *)at);
+        const __m128i m = _mm_loadu_si128((const __m128i *)(at + BLOCK));
+        *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+        *low = negated_512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m))));
+    }
+}
+
+/* MR rows (int16) x one block, groups of G, factors held as MODE: sums[r] over the groups so
+ * far, dot[c][r] the group's integer dot products (CHAINS dependency chains a row, pairs
+ * alternating between them, so that one or two rows are not held to VPDPWSSD's latency). Each
+ * 32 bytes of q, sign-extended, are 16 features x 2 inputs in VPDPWSSD's operand layout; a row's
+ * pair of inputs is one broadcast. One block at a time: one sequential stream of weights per
+ * thread, as int4_matmul.c measured best at few rows. A superblock's d and dmin are loaded once,
+ * each group's scale and low computed from them as the group is reached. */
+#define DEFINE_TILE(MR, G, MODE)                                                                   \
+    static void tile_##MR##_##G##_##MODE(const int16_t *xq, int64_t x_stride,                   \
+                                         const float *x_scales, const float *x_sums,            \
+                                         int64_t groups, const uint8_t *block, int64_t col,     \
+                                         int64_t n, const uint16_t *bias, uint16_t *out,        \
+                                         int64_t out_stride) {                                  \
+        enum { CHAINS = MR == 1 ? 4 : MR == 2 ? 2 : 1, M = MODE_##MODE,                          \
+               PER_UNIT = UNIT_GROUPS(M, G), STRIDE = GROUP_BYTES(M, G),                         \
+               /* a group's lines, and one more where superblocks have a head */                 \
+               LINES = (STRIDE + 63) / 64 + (HEAD_BYTES(M) > 0) };                               \
         __m512 sums[MR];                                                                         \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) sums[r] = _mm512_setzero_ps();     \
-        for (int64_t g = 0; g < groups; g++) {                                                   \
-            const uint8_t *at = block + g * GROUP_BYTES(G);                                      \
-            __m512i dot[CHAINS][MR];                                                             \
-            _Pragma("GCC unroll 4") for (int c = 0; c < CHAINS; c++)                             \
-                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                             \
-                    dot[c][r] = _mm512_setzero_si512();                                          \
-            /* the lines PREFETCH_GROUPS groups ahead (past the block's end: requested for       \
-             * nothing; prefetches do not fault, and the address is an integer) */               \
-            _Pragma("GCC unroll 10") for (int line = 0; line < GROUP_BYTES(G) / 64; line++)      \
-                _mm_prefetch((const char *)((uintptr_t)at                                        \
-                             + (uintptr_t)(PREFETCH_GROUPS * GROUP_BYTES(G) + line * 64)),        \
-                             _MM_HINT_T0);                                                       \
-            _Pragma("GCC unroll 16") for (int i = 0; i < (G) / 2; i++) {                         \
-                const __m512i w = _mm512_cvtepi8_epi16(                                          \
-                    _mm256_loadu_si256((const __m256i *)(at + i * 32)));                         \
-                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                           \
-                    int32_t pair;                                                                \
-                    memcpy(&pair, xq + r * x_stride + g * (G) + 2 * i, sizeof pair);             \
-                    dot[i % CHAINS][r] = dot_words(dot[i % CHAINS][r], w,                        \
-                                                   _mm512_set1_epi32(pair));                     \
+        for (int64_t u = 0; u < groups / PER_UNIT; u++) {                                        \
+            const uint8_t *unit = block + u * UNIT_BYTES(M, G);                                  \
+            __m512 d, dmin;                                                                      \
+            head_512(M, unit, &d, &dmin);                                                        \
+            for (int64_t g = u * PER_UNIT; g < (u + 1) * PER_UNIT; g++) {                        \
+                const uint8_t *at = unit + HEAD_BYTES(M) + (g - u * PER_UNIT) * STRIDE;          \
+                __m512i dot[CHAINS][MR];                                                         \
+                _Pragma("GCC unroll 4") for (int c = 0; c < CHAINS; c++)                         \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                         \
+                        dot[c][r] = _mm512_setzero_si512();                                      \
+                /* the lines PREFETCH_GROUPS groups ahead (past the block's end: requested for   \
+                 * nothing; prefetches do not fault, and the address is an integer) */           \
+                _Pragma("GCC unroll 10") for (int line = 0; line < LINES; line++)                \
+                    _mm_prefetch((const char *)((uintptr_t)at                                    \
+                                 + (uintptr_t)(PREFETCH_GROUPS * STRIDE + line * 64)),           \
+                                 _MM_HINT_T0);                                                   \
+                _Pragma("GCC unroll 16") for (int i = 0; i < (G) / 2; i++) {                     \
+                    const __m512i w = _mm512_cvtepi8_epi16(                                      \
+                        _mm256_loadu_si256((const __m256i *)(at + i * 32)));                     \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                       \
+                        int32_t pair;                                                            \
+                        memcpy(&pair, xq + r * x_stride + g * (G) + 2 * i, sizeof pair);         \
+                        dot[i % CHAINS][r] = dot_words(dot[i % CHAINS][r], w,                    \
+                                                       _mm512_set1_epi32(pair));                 \
+                    }                                                                            \
                 }                                                                                \
-            }                                                                                    \
-            const float *factors = (const float *)(at + BLOCK * (G));                            \
-            const __m512 scale = _mm512_loadu_ps(factors);                                       \
-            const __m512 low = _mm512_loadu_ps(factors + BLOCK);                                 \
-            _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                               \
-                __m512i d = dot[0][r];                                                           \
-                _Pragma("GCC unroll 4") for (int c = 1; c < CHAINS; c++)                         \
-                    d = _mm512_add_epi32(d, dot[c][r]);                                          \
-                const __m512 product = _mm512_mul_ps(                                            \
-                    _mm512_cvtepi32_ps(d), _mm512_set1_ps(x_scales[r * groups + g]));            \
-                sums[r] = _mm512_fmadd_ps(scale, product, sums[r]);                              \
-                sums[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(x_sums[r * groups + g]), sums[r]); \
+                __m512 scale, low;                                                               \
+                factors_512(M, at + BLOCK * (G), d, dmin, &scale, &low);                         \
+                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                           \
+                    __m512i dr = dot[0][r];                                                      \
+                    _Pragma("GCC unroll 4") for (int c = 1; c < CHAINS; c++)                     \
+                        dr = _mm512_add_epi32(dr, dot[c][r]);                                    \
+                    const __m512 product = _mm512_mul_ps(                                        \
+                        _mm512_cvtepi32_ps(dr), _mm512_set1_ps(x_scales[r * groups + g]));       \
+                    sums[r] = _mm512_fmadd_ps(scale, product, sums[r]);                          \
+                    if (HAS_LOW(M))                                                              \
+                        sums[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(x_sums[r * groups + g]),   \
+                                                  sums[r]);                                      \
+                }                                                                                \
             }                                                                                    \
         }                                                                                        \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
             store_block(sums[r], bias, col, (int)(n - col), out + r * out_stride);               \
     }
 
-DEFINE_TILE(1, 16) DEFINE_TILE(2, 16) DEFINE_TILE(4, 16) DEFINE_TILE(8, 16)
-DEFINE_TILE(1, 32) DEFINE_TILE(2, 32) DEFINE_TILE(4, 32) DEFINE_TILE(8, 32)
+/* the tiles of 1, 2, 4 and 8 rows for one group and mode, and their row of TILES */
+#define DEFINE_TILES(G, MODE)                                                                      \
+    DEFINE_TILE(1, G, MODE) DEFINE_TILE(2, G, MODE) DEFINE_TILE(4, G, MODE)                     \
+    DEFINE_TILE(8, G, MODE)
+#define TILE_ROW(G, MODE)                                                                          \
+    {tile_1_##G##_##MODE, tile_2_##G##_##MODE, tile_4_##G##_##MODE, tile_8_##G##_##MODE}
+DEFINE_TILES(16, F) DEFINE_TILES(32, F) DEFINE_TILES(16, H) DEFINE_TILES(32, H)
+DEFINE_TILES(16, HL) DEFINE_TILES(32, HL) DEFINE_TILES(16, K6) DEFINE_TILES(32, K5)
 #undef DEFINE_TILE
 
 typedef void (*tile_fn)(const int16_t *, int64_t, const float *, const float *, int64_t,
                         const uint8_t *, int64_t, int64_t, const uint16_t *, uint16_t *, int64_t);
 
-/* [group 16, 32][rows in the tile: 1, 2, 4, 8] */
-static const tile_fn TILES[2][4] = {{tile_1_16, tile_2_16, tile_4_16, tile_8_16},
-                                    {tile_1_32, tile_2_32, tile_4_32, tile_8_32}};
+/* [variant (tile_variant)][rows in the tile: 1, 2, 4, 8] */
+static const tile_fn TILES[8][4] = {TILE_ROW(16, F),  TILE_ROW(32, F),  TILE_ROW(16, H),
+                                    TILE_ROW(32, H),  TILE_ROW(16, HL), TILE_ROW(32, HL),
+                                    TILE_ROW(16, K6), TILE_ROW(32, K5)};
 
 /* a row [k] of bf16 -> its int16 form (xq [k]: each group's inputs as multiples of d, its largest
  * magnitude / 32767, rounded to nearest), each group's d and its inputs' sum as rounded,
@@ -235,28 +380,40 @@ static void quantize_row(const uint16_t *row, int64_t k, int group, int16_t *xq,
  * types is (their factors are float16 values or products of them and small integers, so every
  * q * scale + low is 0 or a multiple of 2^-24) */
 __attribute__((noinline)) static void unpack_block(const uint8_t *block, int64_t groups, int group,
-                                                   uint16_t *to) {
+                                                   int mode, uint16_t *to) {
     /* lane 2f + e of 16 float32 lanes takes feature f's factor: features 0-7, then 8-15 */
     const __m512i first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *at = block + g * GROUP_BYTES(group);
-        const float *factors = (const float *)(at + BLOCK * group);
-        const __m512 scale = _mm512_loadu_ps(factors), low = _mm512_loadu_ps(factors + BLOCK);
-        const __m512 scale_0 = _mm512_permutexvar_ps(first, scale);
-        const __m512 scale_1 = _mm512_permutexvar_ps(second, scale);
-        const __m512 low_0 = _mm512_permutexvar_ps(first, low);
-        const __m512 low_1 = _mm512_permutexvar_ps(second, low);
-        for (int i = 0; i < group / 2; i++) {
-            const __m512 q_0 = _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(at + i * 32))));
-            const __m512 q_1 = _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(at + i * 32 + 16))));
-            /* q * scale, rounded, then + low, rounded (no fused multiply-add: -ffp-contract=off) */
-            const __m512 w_0 = _mm512_add_ps(_mm512_mul_ps(q_0, scale_0), low_0);
-            const __m512 w_1 = _mm512_add_ps(_mm512_mul_ps(q_1, scale_1), low_1);
-            _mm512_storeu_si512((void *)(to + (g * group / 2 + i) * 2 * BLOCK),
-                                (__m512i)_mm512_cvtne2ps_pbh(w_1, w_0));
+    const int per_unit = UNIT_GROUPS(mode, group), stride = GROUP_BYTES(mode, group);
+    const int has_low = HAS_LOW(mode);
+    for (int64_t u = 0; u < groups / per_unit; u++) {
+        const uint8_t *unit = block + u * UNIT_BYTES(mode, group);
+        __m512 d, dmin;
+        head_512(mode, unit, &d, &dmin);
+        for (int64_t g = u * per_unit; g < (u + 1) * per_unit; g++) {
+            const uint8_t *at = unit + HEAD_BYTES(mode) + (g - u * per_unit) * stride;
+            __m512 scale, low;
+            factors_512(mode, at + BLOCK * group, d, dmin, &scale, &low);
+            const __m512 scale_0 = _mm512_permutexvar_ps(first, scale);
+            const __m512 scale_1 = _mm512_permutexvar_ps(second, scale);
+            const __m512 low_0 = _mm512_permutexvar_ps(first, low);
+            const __m512 low_1 = _mm512_permutexvar_ps(second, low);
+            for (int i = 0; i < group / 2; i++) {
+                const __m512 q_0 = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(at + i * 32))));
+                const __m512 q_1 = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(at + i * 32 + 16))));
+                /* q * scale, rounded, then + low, rounded (no fused multiply-add:
+                 * -ffp-contract=off); no sum where the low is 0, as `restore` has none (a -0
+                 * product stays -0) */
+                __m512 w_0 = _mm512_mul_ps(q_0, scale_0), w_1 = _mm512_mul_ps(q_1, scale_1);
+                if (has_low) {
+                    w_0 = _mm512_add_ps(w_0, low_0);
+                    w_1 = _mm512_add_ps(w_1, low_1);
+                }
+                _mm512_storeu_si512((void *)(to + (g * group / 2 + i) * 2 * BLOCK),
+                                    (__m512i)_mm512_cvtne2ps_pbh(w_1, w_0));
+            }
         }
     }
 }
@@ -268,60 +425,128 @@ static inline __attribute__((always_inline)) __m256 q_quarter(const uint8_t *at)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)at)));
 }
 
-/* 4 features' factors from `factors` -> lanes (f, even input), (f, odd input); `even_only`: the
- * odd lanes 0 (a low, added once a feature) */
-static inline __attribute__((always_inline)) __m256 spread(const float *factors, int even_only) {
+/* 4 features of 8 (quarter q: 0-3 or 4-7) -> lanes (f, even input), (f, odd input);
+ * `even_only`: the odd lanes 0 (a low, added once a feature) */
+static inline __attribute__((always_inline)) __m256 spread(__m256 eight, int q, int even_only) {
     const __m256 spread = _mm256_permutevar8x32_ps(
-        _mm256_castps128_ps256(_mm_loadu_ps(factors)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+        eight, q ? _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)
+                 : _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
     return even_only ? _mm256_blend_ps(spread, _mm256_setzero_ps(), 0xaa) : spread;
 }
 
-/* MR rows (widened to float32) x HALVES halves of a block (8 features each, from half `first`).
- * A half's pair of inputs is two vectors of 4 features x (even input, odd input), as
- * bf16_tiles.h's AVX2 tiles read the bf16 blocks; a row's pair of inputs is broadcast as one
- * 64-bit value and each feature's sum lies in two lanes until store_half adds them. 16 ymm
+/* 8 float16 -> float32 (exact) */
+static inline __attribute__((always_inline)) __m256 widen_halves(const uint8_t *at) {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
+#else
+    float values[8];
+    for (int i = 0; i < 8; i++) {
+        uint16_t bits;
+        memcpy(&bits, at + 2 * i, sizeof bits);
+        _Float16 half;
+        memcpy(&half, &bits, sizeof half);
+        values[i] = (float)half;
+    }
+    return _mm256_loadu_ps(values);
+#endif
+}
+
+/* 8 bytes -> float32, signed or not */
+static inline __attribute__((always_inline)) __m256 widen_bytes(const uint8_t *at, int is_signed) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)at);
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes)
+                                        : _mm256_cvtepu8_epi32(bytes));
+}
+
+/* the superblock's d and dmin for the 8 features of half `half` (K6, K5) */
+static inline __attribute__((always_inline)) void head_256(int mode, const uint8_t *unit, int half,
+                                                           __m256 *d, __m256 *dmin) {
+    *d = *dmin = _mm256_setzero_ps();
+    if (mode == MODE_K6 || mode == MODE_K5)
+        *d = _mm256_loadu_ps((const float *)unit + 8 * half);
+    if (mode == MODE_K5)
+        *dmin = _mm256_loadu_ps((const float *)unit + BLOCK + 8 * half);
+}
+
+/* a group's float32 scale and low for the 8 features of half `half`, as factors_512 */
+static inline __attribute__((always_inline)) void
+factors_256(int mode, const uint8_t *at, int half, __m256 d, __m256 dmin, __m256 *scale,
+            __m256 *low) {
+    *low = _mm256_setzero_ps();
+    if (mode == MODE_F) {
+        *scale = _mm256_loadu_ps((const float *)at + 8 * half);
+        *low = _mm256_loadu_ps((const float *)at + BLOCK + 8 * half);
+    } else if (mode == MODE_H || mode == MODE_HL) {
+        *scale = widen_halves(at + 16 * half);
+        if (mode == MODE_HL)
+            *low = widen_halves(at + 2 * BLOCK + 16 * half);
+    } else if (mode == MODE_K6) {
+        *scale = _mm256_mul_ps(d, widen_bytes(at + 8 * half, 1));
+    } else {
+        *scale = _mm256_mul_ps(d, widen_bytes(at + 8 * half, 0));
+        /* -(dmin * m): the sign flipped, so -(+0) is -0 */
+        *low = _mm256_xor_ps(_mm256_mul_ps(dmin, widen_bytes(at + BLOCK + 8 * half, 0)),
+                             _mm256_set1_ps(-0.0f));
+    }
+}
+
+/* MR rows (widened to float32) x HALVES halves of a block (8 features each, from half `first`),
+ * factors held as MODE. A half's pair of inputs is two vectors of 4 features x (even input, odd
+ * input), as bf16_tiles.h's AVX2 tiles read the bf16 blocks; a row's pair of inputs is broadcast
+ * as one 64-bit value and each feature's sum lies in two lanes until store_half adds them. 16 ymm
  * registers: 4 x MR x HALVES sums and dot products, two widened quarters, a broadcast. */
-#define DEFINE_TILE(MR, HALVES, G)                                                                 \
-    static void tile_##MR##_##HALVES##_##G(const float *x, int64_t x_stride, const float *x_sums, \
-                                           int64_t groups, const uint8_t *block, int first,     \
-                                           int64_t col, int64_t n, const uint16_t *bias,        \
-                                           uint16_t *out, int64_t out_stride) {                 \
+#define DEFINE_TILE(MR, HALVES, G, MODE)                                                           \
+    static void tile_##MR##_##HALVES##_##G##_##MODE(                                             \
+        const float *x, int64_t x_stride, const float *x_sums, int64_t groups,                   \
+        const uint8_t *block, int first, int64_t col, int64_t n, const uint16_t *bias,           \
+        uint16_t *out, int64_t out_stride) {                                                     \
+        enum { M = MODE_##MODE, PER_UNIT = UNIT_GROUPS(M, G), STRIDE = GROUP_BYTES(M, G),         \
+               LINES = (STRIDE + 63) / 64 + (HEAD_BYTES(M) > 0) };                               \
         __m256 sums[MR][HALVES][2];                                                              \
         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
             _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++)                             \
                 sums[r][h][0] = sums[r][h][1] = _mm256_setzero_ps();                             \
-        for (int64_t g = 0; g < groups; g++) {                                                   \
-            const uint8_t *at = block + g * GROUP_BYTES(G);                                      \
-            __m256 dot[MR][HALVES][2];                                                           \
-            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                 \
-                _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++)                         \
-                    dot[r][h][0] = dot[r][h][1] = _mm256_setzero_ps();                           \
-            _Pragma("GCC unroll 10") for (int line = 0; line < GROUP_BYTES(G) / 64; line++)      \
-                _mm_prefetch((const char *)((uintptr_t)at                                        \
-                             + (uintptr_t)(PREFETCH_GROUPS * GROUP_BYTES(G) + line * 64)),        \
-                             _MM_HINT_T0);                                                       \
-            _Pragma("GCC unroll 4") for (int i = 0; i < (G) / 2; i++)                            \
-                _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++)                         \
+        for (int64_t u = 0; u < groups / PER_UNIT; u++) {                                        \
+            const uint8_t *unit = block + u * UNIT_BYTES(M, G);                                  \
+            __m256 d[HALVES], dmin[HALVES];                                                      \
+            _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++)                             \
+                head_256(M, unit, first + h, &d[h], &dmin[h]);                                   \
+            for (int64_t g = u * PER_UNIT; g < (u + 1) * PER_UNIT; g++) {                        \
+                const uint8_t *at = unit + HEAD_BYTES(M) + (g - u * PER_UNIT) * STRIDE;          \
+                __m256 dot[MR][HALVES][2];                                                       \
+                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                             \
+                    _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++)                     \
+                        dot[r][h][0] = dot[r][h][1] = _mm256_setzero_ps();                       \
+                _Pragma("GCC unroll 10") for (int line = 0; line < LINES; line++)                \
+                    _mm_prefetch((const char *)((uintptr_t)at                                    \
+                                 + (uintptr_t)(PREFETCH_GROUPS * STRIDE + line * 64)),           \
+                                 _MM_HINT_T0);                                                   \
+                _Pragma("GCC unroll 4") for (int i = 0; i < (G) / 2; i++)                        \
+                    _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++)                     \
+                        _Pragma("GCC unroll 2") for (int q = 0; q < 2; q++) {                    \
+                            const __m256 w = q_quarter(at + i * 32 + (first + h) * 16 + q * 8);  \
+                            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {               \
+                                const __m256 in = _mm256_castpd_ps(_mm256_broadcast_sd(          \
+                                    (const double *)(x + r * x_stride + g * (G) + 2 * i)));      \
+                                dot[r][h][q] = _mm256_fmadd_ps(in, w, dot[r][h][q]);             \
+                            }                                                                    \
+                        }                                                                        \
+                _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++) {                       \
+                    __m256 scale, low;                                                           \
+                    factors_256(M, at + BLOCK * (G), first + h, d[h], dmin[h], &scale, &low);    \
                     _Pragma("GCC unroll 2") for (int q = 0; q < 2; q++) {                        \
-                        const __m256 w = q_quarter(at + i * 32 + (first + h) * 16 + q * 8);      \
+                        const __m256 scale_q = spread(scale, q, 0), low_q = spread(low, q, 1);   \
                         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                   \
-                            const __m256 in = _mm256_castpd_ps(_mm256_broadcast_sd(              \
-                                (const double *)(x + r * x_stride + g * (G) + 2 * i)));          \
-                            dot[r][h][q] = _mm256_fmadd_ps(in, w, dot[r][h][q]);                 \
+                            sums[r][h][q] = _mm256_fmadd_ps(scale_q, dot[r][h][q],               \
+                                                            sums[r][h][q]);                      \
+                            if (HAS_LOW(M))                                                      \
+                                sums[r][h][q] = _mm256_fmadd_ps(                                 \
+                                    low_q, _mm256_set1_ps(x_sums[r * groups + g]),               \
+                                    sums[r][h][q]);                                              \
                         }                                                                        \
                     }                                                                            \
-            const float *factors = (const float *)(at + BLOCK * (G));                            \
-            _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++)                             \
-                _Pragma("GCC unroll 2") for (int q = 0; q < 2; q++) {                            \
-                    const int f = (first + h) * 8 + q * 4;                                       \
-                    const __m256 scale = spread(factors + f, 0);                                 \
-                    const __m256 low = spread(factors + BLOCK + f, 1);                           \
-                    _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                       \
-                        sums[r][h][q] = _mm256_fmadd_ps(scale, dot[r][h][q], sums[r][h][q]);     \
-                        sums[r][h][q] = _mm256_fmadd_ps(                                         \
-                            low, _mm256_set1_ps(x_sums[r * groups + g]), sums[r][h][q]);         \
-                    }                                                                            \
                 }                                                                                \
+            }                                                                                    \
         }                                                                                        \
         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
             _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++) {                           \
@@ -332,16 +557,22 @@ static inline __attribute__((always_inline)) __m256 spread(const float *factors,
             }                                                                                    \
     }
 
-DEFINE_TILE(1, 2, 16) DEFINE_TILE(2, 1, 16) DEFINE_TILE(3, 1, 16)
-DEFINE_TILE(1, 2, 32) DEFINE_TILE(2, 1, 32) DEFINE_TILE(3, 1, 32)
+/* one row takes the whole block, two or three a half */
+#define DEFINE_TILES(G, MODE)                                                                      \
+    DEFINE_TILE(1, 2, G, MODE) DEFINE_TILE(2, 1, G, MODE) DEFINE_TILE(3, 1, G, MODE)
+#define TILE_ROW(G, MODE)                                                                          \
+    {tile_1_2_##G##_##MODE, tile_2_1_##G##_##MODE, tile_3_1_##G##_##MODE}
+DEFINE_TILES(16, F) DEFINE_TILES(32, F) DEFINE_TILES(16, H) DEFINE_TILES(32, H)
+DEFINE_TILES(16, HL) DEFINE_TILES(32, HL) DEFINE_TILES(16, K6) DEFINE_TILES(32, K5)
 #undef DEFINE_TILE
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const uint8_t *, int,
                         int64_t, int64_t, const uint16_t *, uint16_t *, int64_t);
 
-/* [group 16, 32][rows in the tile - 1]: one row takes the whole block, two or three a half */
-static const tile_fn TILES[2][3] = {{tile_1_2_16, tile_2_1_16, tile_3_1_16},
-                                    {tile_1_2_32, tile_2_1_32, tile_3_1_32}};
+/* [variant (tile_variant)][rows in the tile - 1] */
+static const tile_fn TILES[8][3] = {TILE_ROW(16, F),  TILE_ROW(32, F),  TILE_ROW(16, H),
+                                    TILE_ROW(32, H),  TILE_ROW(16, HL), TILE_ROW(32, HL),
+                                    TILE_ROW(16, K6), TILE_ROW(32, K5)};
 
 /* a row [k] of bf16 -> float32, and its groups' input sums */
 static void widen_row(const uint16_t *row, int64_t k, int group, float *wide, float *sums) {
@@ -389,14 +620,15 @@ static void *grown(void **buffer, size_t *capacity, size_t bytes) {
 /* the rows of a pass against blocks [first, last), STRIP_BLOCKS blocks unpacked at a time into
  * `unpacked` */
 static void unpacked_pass(const uint16_t *x, int64_t rows, int64_t x_stride, const uint8_t *packed,
-                          int64_t groups, int group, int64_t n, const uint16_t *bias,
+                          int64_t groups, int group, int mode, int64_t n, const uint16_t *bias,
                           uint16_t *out, int64_t out_stride, int64_t first, int64_t last,
                           uint16_t *unpacked) {
     const int64_t pairs = groups * group / 2;
     for (int64_t b = first; b < last; b += STRIP_BLOCKS) {
         const int nr = last - b < STRIP_BLOCKS ? (int)(last - b) : STRIP_BLOCKS;
         for (int j = 0; j < nr; j++)
-            unpack_block(packed + (b + j) * groups * GROUP_BYTES(group), groups, group,
+            unpack_block(packed + (b + j) * block_bytes(groups * group, group, mode), groups,
+                         group, mode,
                          unpacked + j * pairs * 2 * BLOCK);
         /* the strip as the whole weight of its own: its columns from b * BLOCK */
         const uint16_t *strip_bias = bias ? bias + b * BLOCK : 0;
@@ -407,8 +639,8 @@ static void unpacked_pass(const uint16_t *x, int64_t rows, int64_t x_stride, con
 
 /* more than TILE_MAX_ROWS rows: by the bf16 tiles over unpacked blocks */
 static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
-                           const uint8_t *packed, int group, int64_t n, const uint16_t *bias,
-                           uint16_t *out, int64_t out_stride) {
+                           const uint8_t *packed, int group, int mode, int64_t n,
+                           const uint16_t *bias, uint16_t *out, int64_t out_stride) {
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / group, pairs = k / 2;
     const size_t strip_bytes = (size_t)(STRIP_BLOCKS * pairs * 2 * BLOCK) * sizeof(uint16_t);
     int failed = 0;
@@ -423,7 +655,7 @@ static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_st
         }
         for (int64_t r = 0; r < m && unpacked; r += UNPACKED_ROWS_PER_PASS) {
             const int64_t rows = m - r < UNPACKED_ROWS_PER_PASS ? m - r : UNPACKED_ROWS_PER_PASS;
-            unpacked_pass(x + r * x_stride, rows, x_stride, packed, groups, group, n, bias,
+            unpacked_pass(x + r * x_stride, rows, x_stride, packed, groups, group, mode, n, bias,
                           out + r * out_stride, out_stride, first, last, unpacked);
         }
     }
@@ -440,21 +672,23 @@ static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_st
 int int8_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint8_t *packed,
                 int64_t n, const uint16_t *bias, uint16_t *out, int64_t out_stride) {
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
-    int64_t header[4];
+    int64_t header[5];
     memcpy(header, packed, sizeof header);
-    const int group = (int)header[1];
-    if (header[0] != MAGIC || (group != 16 && group != 32) || header[2] != k || header[3] != n
-        || k <= 0 || k % group)
+    if (header[0] != MAGIC || !valid_shape(k, header[1], header[4]) || header[2] != k
+        || header[3] != n)
         return -1;
+    const int group = (int)header[1], mode = (int)header[4];
     if (m <= 0)
         return 0;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / group;
     const uint8_t *weights = packed + HEADER_BYTES;
-    const int which = group == 32;
+    const int which = tile_variant(mode, group);
+    const int64_t stride = block_bytes(k, group, mode);
 #endif
 #ifdef HAVE_DPBF16
     if (m > TILE_MAX_ROWS)
-        return unpacked_matmul(x, m, k, x_stride, weights, group, n, bias, out, out_stride);
+        return unpacked_matmul(x, m, k, x_stride, weights, group, mode, n, bias, out,
+                               out_stride);
     /* the rows' int16 form, then each group's d and input sum */
     int16_t *xq = grown(&call_scratch, &call_capacity,
                         (size_t)(m * k) * sizeof(int16_t) + (size_t)(2 * m * groups) * sizeof(float));
@@ -474,7 +708,7 @@ int int8_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
             for (int lv = level; lv >= 0; lv--)
                 for (; r + (1 << lv) <= m; r += 1 << lv)
                     TILES[which][lv](xq + r * k, k, x_scales + r * groups, x_sums + r * groups,
-                                     groups, weights + b * groups * GROUP_BYTES(group),
+                                     groups, weights + b * stride,
                                      b * BLOCK, n, bias, out + r * out_stride, out_stride);
         }
     }
@@ -498,7 +732,7 @@ int int8_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
                 widen_row(x + (pass + i) * x_stride, k, group, wide + i * k, x_sums + i * groups);
             /* (the loop's barrier: every row is widened before any thread reads them) */
             for (int64_t b = first; b < last; b++) {
-                const uint8_t *block = weights + b * groups * GROUP_BYTES(group);
+                const uint8_t *block = weights + b * stride;
                 int64_t r = 0;
                 for (; r + 3 <= rows; r += 3)
                     for (int h = 0; h < 2; h++)

@@ -1,8 +1,10 @@
 """The C int8 matmul (shard/kernels/int8_matmul.c) against the weights its groups stand for."""
+import numpy as np
 import pytest
 import torch
 
 from shard.kernels import bf16_matmul, int8_matmul
+from shard.layers import ggml_quants
 
 ROWS = (1, 2, 3, 5, 8, 17, 33, 100, 300)
 
@@ -194,3 +196,187 @@ def test_a_row_with_an_infinity_or_a_nan_leaves_the_other_rows_alone(int8_build)
     assert not out[1:3].isfinite().any() and out[3].isfinite().all()
     for row in (0, 3):
         assert torch.equal(out[row], int8_matmul.matmul(x[row:row + 1], packed, 32, None)[0])
+
+
+# the compact factor modes, with the group each holds GGUF's types in
+COMPACT = {"H": 32, "H16": 16, "HL": 32, "HL16": 16, "K6": 16, "K5": 32}
+
+
+def halves(shape, generator, spread: float = 0.01) -> torch.Tensor:
+    """Random float16 factors (positive and negative, none subnormal)."""
+    values = torch.rand(shape, generator=generator) * spread + 1e-4
+    signs = torch.randint(0, 2, shape, generator=generator) * 2 - 1
+    return (values * signs).half()
+
+
+def compact(mode: str, n: int, k: int, seed: int):
+    """Random GGUF-like factors of `mode` packed: (packed, q, scale, low, group, restored), scale
+    and low the float32 factors they stand for (what mode F would hold)."""
+    generator = torch.Generator().manual_seed(seed)
+    group = COMPACT[mode]
+    if mode.startswith("H"):  # Q8_0 (q -128..127), Q5_0 (q - 16), Q5_1 (q 0..31, a low)
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int16, generator=generator)
+        q[:, 0], q[:, -1] = -128, 127
+        scale = halves((n, k // group), generator)
+        low = halves((n, k // group), generator, 0.1) if mode.startswith("HL") else None
+        packed = int8_matmul.pack_half(q, scale, group, low=low)
+        restored = int8_matmul.restore_half(q, scale, group, low=low)
+        low32 = torch.zeros(n, k // group) if low is None else low.float()
+        return packed, q, scale.float(), low32, group, restored
+    d = halves((n, k // 256), generator, 0.001).float()
+    if mode == "K6":
+        q = torch.randint(-32, 32, (n, k), dtype=torch.int16, generator=generator)
+        q[:, 0], q[:, -1] = -32, 31
+        sc = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=generator)
+        sc[:, 0], sc[:, -1] = -128, 127
+        return (int8_matmul.pack_k6(q, d, sc), q, int8_matmul.k6_scale(d, sc),
+                torch.zeros(n, k // 16), 16, int8_matmul.restore_k6(q, d, sc))
+    q = torch.randint(0, 32, (n, k), dtype=torch.int16, generator=generator)
+    q[:, 0], q[:, -1] = 0, 31
+    d = d.abs()
+    dmin = halves((n, k // 256), generator, 0.001).float().abs()
+    sc, m = (torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=generator)
+             for _ in range(2))
+    scale, low = int8_matmul.k5_factors(d, sc, dmin, m)
+    return (int8_matmul.pack_k5(q, d, sc, dmin, m), q, scale, low, 32,
+            int8_matmul.restore_k5(q, d, sc, dmin, m))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal float32 bit for bit (a -0 is not a +0)."""
+    return torch.equal(a.float().view(torch.int32), b.float().view(torch.int32))
+
+
+@pytest.mark.parametrize("mode", list(COMPACT))
+def test_compact_modes_restore_what_their_float32_factors_do_in_fewer_bytes(mode, int8_build):
+    """Each mode's `restore` is the float32 factors' (q * scale, rounded, + low), its header
+    records group, k, n and mode, and its bytes a weight are 8 bits plus the compact factors'."""
+    n, k = 40, 512
+    packed, q, scale, low, group, restored = compact(mode, n, k, seed=10)
+    assert torch.equal(restored, int8_matmul.restore(q, scale, low, group))
+    header = packed[:64].view(torch.int64)[:5].tolist()
+    modes = {"H": int8_matmul.MODE_H, "HL": int8_matmul.MODE_HL, "K6": int8_matmul.MODE_K6,
+             "K5": int8_matmul.MODE_K5}
+    assert header[1:] == [group, k, n, modes[mode.removesuffix("16")]]
+    factor_bits = {"H": 16 / 32, "H16": 16 / 16, "HL": 32 / 32, "HL16": 32 / 16,
+                   "K6": 8 / 16 + 32 / 256, "K5": 16 / 32 + 64 / 256}[mode]
+    assert (packed.numel() - 64) * 8 == 48 * k * (8 + factor_bits)  # 48: n in whole blocks
+
+
+@pytest.mark.parametrize("mode", list(COMPACT))
+def test_compact_modes_multiply_by_their_restored_weights(mode, int8_build):
+    """Every tile and path, tails of a block, bias or none: within `bound` of the exact product
+    by the restored weights, as mode F is."""
+    avx2_form = int8_matmul.load_library().int8_matmul_supported() == int8_matmul.AVX2_FORM
+    tiles = int8_matmul.tile_rows() or max(ROWS)
+    generator = torch.Generator().manual_seed(11)
+    for n in (16, 40):
+        for k in (256, 512):
+            packed, q, scale, low, group, restored = compact(mode, n, k, seed=n + k)
+            for bias in (None, torch.randn(n, generator=generator).bfloat16()):
+                for rows in ROWS:
+                    x = torch.randn(rows, k, generator=generator).bfloat16()
+                    out = int8_matmul.matmul(x, packed, n, bias)
+                    exact = x.double() @ restored.double().T
+                    if bias is not None:
+                        exact += bias.double()
+                    allowed = bound(x, q, scale, low, group, exact,
+                                    int16_rows=not avx2_form and rows <= tiles,
+                                    bf16_weights=rows > tiles)
+                    assert bool(((out.double() - exact).abs() <= allowed).all()), (n, k, rows)
+
+
+@pytest.mark.parametrize("mode", list(COMPACT))
+def test_compact_modes_past_the_tiles_are_the_bf16_matmul_on_the_restored_weights(mode,
+                                                                                  int8_build):
+    """The unpacked blocks of every mode: bit for bit the bf16 matmul's on the bf16 of `restore`'s
+    weights (not on AVX2: its tiles take every batch)."""
+    tiles = int8_matmul.tile_rows()
+    if tiles is None:
+        pytest.skip("AVX2: every batch multiplies by the 8-bit tiles")
+    generator = torch.Generator().manual_seed(12)
+    for n, k in ((40, 256), (200, 512)):
+        packed, *_, restored = compact(mode, n, k, seed=n * k)
+        bf16 = bf16_matmul.pack(restored.bfloat16())
+        for bias in (None, torch.randn(n, generator=generator).bfloat16()):
+            for rows in (tiles + 1, 300):
+                x = torch.randn(rows, k, generator=generator).bfloat16()
+                assert torch.equal(int8_matmul.matmul(x, packed, n, bias),
+                                   bf16_matmul.matmul(x, bf16, n, bias))
+
+
+def test_a_compact_header_for_another_shape_or_mode_is_a_value_error(int8_build):
+    """k, n, a mode the kernel does not know, or a superblock mode at another group: refused."""
+    packed = compact("K6", 32, 512, seed=13)[0]
+    for rows in (2, 200):
+        x = torch.randn(rows, 512).bfloat16()
+        assert int8_matmul.matmul(x, packed, 32, None).shape == (rows, 32)
+        with pytest.raises(ValueError):
+            int8_matmul.matmul(x, packed, 16, None)
+        with pytest.raises(ValueError):
+            int8_matmul.matmul(torch.randn(rows, 256).bfloat16(), packed, 32, None)
+        for at, value in ((4, 9), (4, -1), (1, 32)):  # mode 9, mode -1, K6 in groups of 32
+            altered = packed.clone()
+            altered[:64].view(torch.int64)[at] = value
+            with pytest.raises(ValueError):
+                int8_matmul.matmul(x, altered, 32, None)
+
+
+def test_compact_packs_refuse_what_their_modes_cannot_hold(int8_build):
+    generator = torch.Generator().manual_seed(14)
+    q = torch.randint(-32, 32, (16, 256), generator=generator)
+    d, sc = torch.ones(16, 1), torch.ones(16, 16, dtype=torch.int8)
+    with pytest.raises(ValueError):
+        int8_matmul.pack_k6(q + 32, d, sc)  # past 31
+    with pytest.raises(ValueError):
+        int8_matmul.pack_k6(q[:, :128], d, sc[:, :8])  # not whole superblocks
+    with pytest.raises(ValueError):
+        int8_matmul.pack_half(q, torch.ones(16, 8), 32)  # float32, not float16 scales
+    with pytest.raises(ValueError):
+        int8_matmul.pack_k5(q + 32, d, sc.view(torch.uint8)[:, :8], d,
+                            sc.view(torch.uint8)[:, :8])  # past 31, and not 0..31
+
+
+def random_blocks(kind: str, count: int, seed: int) -> torch.Tensor:
+    """`count` random blocks of a GGUF type: random bytes, float16 fields finite and normal."""
+    rng = np.random.default_rng(seed)
+    block = ggml_quants.BLOCK_TYPES[kind].block_bytes
+    data = rng.integers(0, 256, (count, block), dtype=np.uint8)
+    fields = {"Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[kind]
+    for at in fields:
+        values = rng.uniform(1e-4, 0.01, count) * rng.choice([-1, 1], count)
+        data[:, at:at + 2] = values.astype(np.float16).view(np.uint8).reshape(count, 2)
+    return torch.from_numpy(data)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q5_1", "Q6_K", "Q5_K"])
+def test_compact_factors_of_gguf_blocks_restore_gguf_dequantization(kind, int8_build):
+    """A GGUF type's own bytes taken apart into a mode's q and compact factors: `restore` and
+    the unpacked kernel's weights are `gguf`'s dequantization, bit for bit."""
+    gguf = pytest.importorskip("gguf")
+    n, k = 16, 512
+    data = random_blocks(kind, n * k // ggml_quants.BLOCK_TYPES[kind].block_values, seed=15)
+    expected = torch.from_numpy(gguf.quants.dequantize(
+        data.reshape(n, -1).numpy(), gguf.GGMLQuantizationType[kind]).copy())
+    q = ggml_quants.groups_of(kind, data.reshape(n, -1), k).q
+    half = lambda at: data[:, at:at + 2].contiguous().view(torch.float16)  # noqa: E731
+    if kind in ("Q8_0", "Q5_0", "Q5_1"):
+        q = q - 16 if kind == "Q5_0" else q
+        low = half(2).reshape(n, -1) if kind == "Q5_1" else None
+        restored = int8_matmul.restore_half(q, half(0).reshape(n, -1), 32, low=low)
+        packed = int8_matmul.pack_half(q, half(0).reshape(n, -1), 32, low=low)
+    elif kind == "Q6_K":
+        d = half(208).float().reshape(n, -1)
+        sc = data[:, 192:208].contiguous().view(torch.int8).reshape(n, -1)
+        restored, packed = int8_matmul.restore_k6(q, d, sc), int8_matmul.pack_k6(q, d, sc)
+    else:
+        d, dmin = half(0).float().reshape(n, -1), half(2).float().reshape(n, -1)
+        sc, m = (f.reshape(n, -1) for f in ggml_quants._scale_min(data[:, 4:16]))
+        restored = int8_matmul.restore_k5(q, d, sc, dmin, m)
+        packed = int8_matmul.pack_k5(q, d, sc, dmin, m)
+    assert same_bits(restored, expected)
+    tiles = int8_matmul.tile_rows()
+    if tiles is not None:  # the unpacked blocks: each weight's bf16 (an identity x picks them)
+        x = torch.eye(k, dtype=torch.bfloat16)[:tiles + 1]
+        assert torch.equal(int8_matmul.matmul(x, packed, n, None),
+                           expected.bfloat16().T[:tiles + 1])
