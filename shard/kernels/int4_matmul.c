@@ -1,12 +1,26 @@
 /* y = x W^T (+ b) for bf16 x [m, k] and a 4-bit W [n, k] (groups of 32 input features, each with a
- * float32 scale and minimum: w = q * scale + low, q in 0..15, GGUF's Q4_1 form), on CPUs with
- * AVX-512 BF16 or AVX2. Decode-size batches, where reading the weights sets the time, multiply by
- * the 4-bit form itself: a quarter of bf16's bytes for the values, plus 8 bytes a group.
+ * scale and a minimum: w = q * scale + low, q in 0..15, the product rounded to float32, then the
+ * sum), on CPUs with AVX-512 BF16 or AVX2. Decode-size batches, where reading the weights sets the
+ * time, multiply by the 4-bit form itself: a quarter of bf16's bytes for the values, plus the
+ * factors, held in one of three modes (a header says which):
+ *   F: float32 scale and low per group and feature (any factors: `--quantize int4`, GGUF's Q4_1
+ *      widened): 6 bits a weight.
+ *   K: GGUF's Q4_K in its own terms: per superblock of 256 inputs (8 groups) and feature, float32 d
+ *      and dmin; per group and feature 6-bit sc and m (a byte each); scale = d * sc and low =
+ *      -(dmin * m) in float32 (both exact: d is a float16's value, sc and m below 64): 4.75 bits.
+ *   H: float16 scale and low per group and feature (Q4_1; Q4_0 with low -8d), widened exactly: 5.
+ * Every path computes a group's float32 scale and low from the compact factors as it reaches the
+ * group, so each mode's weights are the same float32 values its `restore` (int4_matmul.py) gives.
  *
- * Packing, per block of 16 output features and group of 32 inputs (384 bytes, blocks after one
- * another, a block's groups in order): 8 x 32 bytes of 4-bit values, byte [i][f][e] holding input
- * 2i + e of feature f in its low half and input 2(i + 8) + e in its high half, then the 16 scales
- * and the 16 minimums.
+ * Packing: a 64-byte header (int64 magic, mode, k, n), then per block of 16 output features (blocks
+ * after one another; features past n zeros, with zero factors) its groups in order. A group's
+ * nibbles are 8 x 32 bytes, byte [i][f][e] holding input 2i + e of feature f in its low half and
+ * input 2(i + 8) + e in its high half. F: each group's nibbles, then its 16 scales and 16 lows
+ * (384 bytes). H: the same with float16 factors (320 bytes). K: per superblock its 16 d, 16 dmin
+ * (float32), sc [8 groups][16], m [8][16], then its 8 groups' nibbles (2,432 bytes: the factors
+ * first, so a tile reads d and dmin once a superblock). The header also lets a call refuse a
+ * buffer packed for another shape: the matmul's signature (bf16_matmul's, as the C decode step
+ * calls each kernel through one function-pointer type) has no room for the mode.
  *
  * AVX-512 BF16: widened to 16-bit lanes, masked and or-ed with 0x4300, a half is the bf16 of
  * 128 + q (bf16 holds 128..143 exactly), in VDPBF16PS's operand layout ([16 features][2 inputs]).
@@ -37,16 +51,36 @@
 #endif
 
 #define GROUP 32 /* input features sharing a scale and a minimum */
-#define GROUP_BYTES (BLOCK * GROUP / 2 + 2 * BLOCK * 4)
+#define HEADER_BYTES 64
+/* "INT4PACK", little-endian: a header this library wrote */
+#define MAGIC 0x4b43415034544e49LL
+enum { MODE_F = 0, MODE_K = 1, MODE_H = 2 };
+/* a group's 4-bit values of 16 features */
+#define NIBBLE_BYTES (BLOCK * GROUP / 2)
+#define F_GROUP_BYTES (NIBBLE_BYTES + 2 * BLOCK * 4)
+#define H_GROUP_BYTES (NIBBLE_BYTES + 2 * BLOCK * 2)
+/* groups of a K superblock, the bytes of its factors (d, dmin; sc, m) and of all of it */
+#define SUPER_GROUPS 8
+#define K_FACTOR_BYTES (2 * BLOCK * 4 + 2 * SUPER_GROUPS * BLOCK)
+#define K_SUPER_BYTES (K_FACTOR_BYTES + SUPER_GROUPS * NIBBLE_BYTES)
+/* a mode's bytes a group in a block's stream (K: a superblock's over its 8 groups, 304) and the
+ * groups a tile's loop takes at once (K: a superblock, its d and dmin read once) */
+#define STRIDE(MODE) ((MODE) == MODE_F ? F_GROUP_BYTES                                           \
+                      : (MODE) == MODE_H ? H_GROUP_BYTES : K_SUPER_BYTES / SUPER_GROUPS)
+#define SPAN(MODE) ((MODE) == MODE_K ? SUPER_GROUPS : 1)
+/* group j's nibbles of a span starting at `first` */
+#define NIBBLES(MODE, first, j) ((MODE) == MODE_K ? (first) + K_FACTOR_BYTES + (j) * NIBBLE_BYTES \
+                                 : (first))
 #define PARALLEL_MIN_WORK (1 << 16)
-/* how many groups (384 bytes each) ahead a tile asks for its blocks' lines */
+/* how many groups' bytes ahead a tile asks for its block's lines */
 #define PREFETCH_GROUPS 4
 #if defined(HAVE_DPBF16)
 /* up to how many rows the 4-bit tiles below run. A decode step's matmuls of SmolLM2's 30 layers,
  * weights streamed from memory (benchmarks/matmul_bench.py --step), against the bf16 matmul's
  * time: AVX-512 BF16 tiles 0.51x at 1 row, 0.82x at 8, 0.94-0.99x at 12-16, 1.06-1.13x at 24-32,
- * where unpacking took 1.17-1.29x at 12-32 rows and 1.05-1.14x at 48-128. (AVX2's integer tiles
- * take every batch: 0.45-0.52x the bf16 matmul's time at 1-8 rows, 0.65-0.80x at 64-4,096.) */
+ * where unpacking took 1.17-1.29x at 12-32 rows and 1.05-1.14x at 48-128 (mode F). (AVX2's
+ * integer tiles take every batch: 0.45-0.52x the bf16 matmul's time at 1-8 rows, 0.65-0.80x at
+ * 64-4,096.) */
 #define TILE_MAX_ROWS 32
 /* rows a pass over the unpacked blocks takes (their inputs stay in L2 or L3 while each thread
  * unpacks its blocks once a pass) */
@@ -67,141 +101,275 @@ int int4_matmul_supported(void) { return matmul_form(); }
 /* up to how many rows a call runs the 4-bit tiles (more: the unpacked blocks); 0: every batch */
 int int4_matmul_tile_rows(void) { return TILE_MAX_ROWS; }
 
-int64_t int4_matmul_packed_bytes(int64_t n, int64_t k) {
-    return (n + BLOCK - 1) / BLOCK * (k / GROUP) * GROUP_BYTES;
+/* 0 where mode, k and n make a packed weight (k whole groups; for K whole superblocks), else -1 */
+static int shape_check(int64_t mode, int64_t n, int64_t k) {
+    const int64_t inputs = mode == MODE_K ? SUPER_GROUPS * GROUP : GROUP;
+    return (mode == MODE_F || mode == MODE_K || mode == MODE_H) && n > 0 && k > 0 && k % inputs == 0
+               ? 0 : -1;
 }
 
-/* q [n, k] (values 0..15, one a byte), scale and low [n, k / 32] -> out (k a multiple of 32);
- * features past n are zeros with scale and minimum 0 */
+/* -1 where shape_check refuses them */
+int64_t int4_matmul_packed_bytes(int64_t n, int64_t k, int64_t mode) {
+    if (shape_check(mode, n, k))
+        return -1;
+    return HEADER_BYTES + (n + BLOCK - 1) / BLOCK * (k / GROUP) * STRIDE(mode);
+}
+
+static void write_header(int64_t mode, int64_t n, int64_t k, uint8_t *out) {
+    const int64_t header[4] = {MAGIC, mode, k, n};
+    memset(out, 0, HEADER_BYTES);
+    memcpy(out, header, sizeof header);
+}
+
+/* group g of block b of q [n, k] (values 0..15, one a byte) -> its NIBBLE_BYTES at `to` */
+static void pack_nibbles(const uint8_t *q, int64_t n, int64_t k, int64_t b, int64_t g,
+                         uint8_t *to) {
+    for (int i = 0; i < 8; i++)
+        for (int f = 0; f < BLOCK; f++)
+            for (int e = 0; e < 2; e++) {
+                const int64_t row = b * BLOCK + f, col = g * GROUP + 2 * i + e;
+                const uint8_t first = row < n ? q[row * k + col] & 15 : 0;
+                const uint8_t second = row < n ? q[row * k + col + 16] & 15 : 0;
+                to[(i * BLOCK + f) * 2 + e] = (uint8_t)(first | second << 4);
+            }
+}
+
+/* mode F: q [n, k], scale and low [n, k / 32] float32 -> out (int4_matmul_packed_bytes of them) */
 void int4_matmul_pack(const uint8_t *q, const float *scale, const float *low, int64_t n,
                       int64_t k, uint8_t *out) {
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
+    write_header(MODE_F, n, k, out);
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t g = 0; g < groups; g++) {
-            uint8_t *to = out + (b * groups + g) * GROUP_BYTES;
-            for (int i = 0; i < 8; i++)
-                for (int f = 0; f < BLOCK; f++)
-                    for (int e = 0; e < 2; e++) {
-                        const int64_t row = b * BLOCK + f, col = g * GROUP + 2 * i + e;
-                        const uint8_t first = row < n ? q[row * k + col] & 15 : 0;
-                        const uint8_t second = row < n ? q[row * k + col + 16] & 15 : 0;
-                        to[(i * BLOCK + f) * 2 + e] = (uint8_t)(first | second << 4);
-                    }
-            float *factors = (float *)(to + BLOCK * GROUP / 2);
+            uint8_t *to = out + HEADER_BYTES + (b * groups + g) * F_GROUP_BYTES;
+            pack_nibbles(q, n, k, b, g, to);
             for (int f = 0; f < BLOCK; f++) {
                 const int64_t row = b * BLOCK + f;
-                float s = row < n ? scale[row * groups + g] : 0.0f;
-                float l = row < n ? low[row * groups + g] : 0.0f;
-                memcpy(factors + f, &s, sizeof s);
-                memcpy(factors + BLOCK + f, &l, sizeof l);
+                const float s = row < n ? scale[row * groups + g] : 0.0f;
+                const float l = row < n ? low[row * groups + g] : 0.0f;
+                memcpy(to + NIBBLE_BYTES + 4 * f, &s, sizeof s);
+                memcpy(to + NIBBLE_BYTES + 4 * (BLOCK + f), &l, sizeof l);
             }
+        }
+}
+
+/* mode H: q [n, k], scale and low [n, k / 32] float16 bits -> out */
+void int4_matmul_pack_half(const uint8_t *q, const uint16_t *scale, const uint16_t *low,
+                           int64_t n, int64_t k, uint8_t *out) {
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
+    write_header(MODE_H, n, k, out);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *to = out + HEADER_BYTES + (b * groups + g) * H_GROUP_BYTES;
+            pack_nibbles(q, n, k, b, g, to);
+            for (int f = 0; f < BLOCK; f++) {
+                const int64_t row = b * BLOCK + f;
+                const uint16_t s = row < n ? scale[row * groups + g] : 0;
+                const uint16_t l = row < n ? low[row * groups + g] : 0;
+                memcpy(to + NIBBLE_BYTES + 2 * f, &s, sizeof s);
+                memcpy(to + NIBBLE_BYTES + 2 * (BLOCK + f), &l, sizeof l);
+            }
+        }
+}
+
+/* mode K: q [n, k], d and dmin [n, k / 256] float32, sc and m [n, k / 32] (0..63) -> out */
+void int4_matmul_pack_k(const uint8_t *q, const float *d, const uint8_t *sc, const float *dmin,
+                        const uint8_t *m, int64_t n, int64_t k, uint8_t *out) {
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
+    const int64_t supers = groups / SUPER_GROUPS;
+    write_header(MODE_K, n, k, out);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t s = 0; s < supers; s++) {
+            uint8_t *to = out + HEADER_BYTES + (b * supers + s) * K_SUPER_BYTES;
+            for (int f = 0; f < BLOCK; f++) {
+                const int64_t row = b * BLOCK + f;
+                const float scale = row < n ? d[row * supers + s] : 0.0f;
+                const float low = row < n ? dmin[row * supers + s] : 0.0f;
+                memcpy(to + 4 * f, &scale, sizeof scale);
+                memcpy(to + 4 * (BLOCK + f), &low, sizeof low);
+                for (int j = 0; j < SUPER_GROUPS; j++) {
+                    const int64_t g = s * SUPER_GROUPS + j;
+                    to[2 * BLOCK * 4 + j * BLOCK + f] = row < n ? sc[row * groups + g] & 63 : 0;
+                    to[2 * BLOCK * 4 + (SUPER_GROUPS + j) * BLOCK + f] =
+                        row < n ? m[row * groups + g] & 63 : 0;
+                }
+            }
+            for (int j = 0; j < SUPER_GROUPS; j++)
+                pack_nibbles(q, n, k, b, s * SUPER_GROUPS + j,
+                             to + K_FACTOR_BYTES + j * NIBBLE_BYTES);
         }
 }
 
 #ifdef HAVE_DPBF16
 
+/* group j's 16 scales and lows in float32, of a span (SPAN groups) starting at `first`; d and dmin
+ * its superblock's (mode K; unused otherwise) */
+static inline __attribute__((always_inline)) void
+factors_512(int mode, const uint8_t *first, int j, __m512 d, __m512 dmin, __m512 *scale,
+            __m512 *low) {
+    if (mode == MODE_F) {
+        *scale = _mm512_loadu_ps(first + NIBBLE_BYTES);
+        *low = _mm512_loadu_ps(first + NIBBLE_BYTES + 4 * BLOCK);
+    } else if (mode == MODE_H) {
+        *scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(first + NIBBLE_BYTES)));
+        *low = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(first + NIBBLE_BYTES + 2 * BLOCK)));
+    } else {
+        const uint8_t *sc = first + 2 * BLOCK * 4 + j * BLOCK;
+        const __m512 scs =
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sc)));
+        const __m512 ms = _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + SUPER_GROUPS * BLOCK))));
+        *scale = _mm512_mul_ps(d, scs);
+        /* -(dmin * m): a negation (a zero product's low is -0, as restore_k's is) */
+        *low = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, ms)),
+                                                    _mm512_set1_epi32(INT32_MIN)));
+    }
+}
+
+/* a span's d and dmin (mode K), else zeros */
+#define SPAN_FACTORS_512(MODE, first, d, dmin)                                                   \
+    const __m512 d = (MODE) == MODE_K ? _mm512_loadu_ps(first) : _mm512_setzero_ps();           \
+    const __m512 dmin = (MODE) == MODE_K ? _mm512_loadu_ps((first) + 4 * BLOCK)                   \
+                                         : _mm512_setzero_ps()
+
 /* MR rows x one block: sums[r] over the groups so far, dot[r] and dot_high[r] within the group (its
  * low and high halves apart: two dependency chains of 8, not one of 16). One block at a time: one
  * sequential stream of weights per thread ran 1.2-1.3x faster than tiles of 2-4 blocks
  * (interleaved streams) at 1-2 rows. 32 zmm registers: 3 x MR sums, 2 widened halves, 2
- * broadcasts, 3 constants. */
-#define DEFINE_TILE(MR)                                                                            \
-    static void tile_##MR(const uint16_t *x, int64_t x_stride, const float *x_sums,             \
-                          int64_t groups, const uint8_t *block, int64_t col, int64_t n,          \
-                          const uint16_t *bias, uint16_t *out, int64_t out_stride) {             \
+ * broadcasts, 3 constants (mode K's d and dmin reloaded where they do not fit). */
+#define DEFINE_TILE(MR, MODE)                                                                      \
+    static void tile_##MR##_##MODE(const uint16_t *x, int64_t x_stride, const float *x_sums,    \
+                                   int64_t groups, const uint8_t *block, int64_t col, int64_t n, \
+                                   const uint16_t *bias, uint16_t *out, int64_t out_stride) {    \
         const __m512i nibble = _mm512_set1_epi16(0x000f), offset = _mm512_set1_epi16(0x4300);   \
         const __m512 minus_128 = _mm512_set1_ps(-128.0f);                                       \
         __m512 sums[MR];                                                                         \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) sums[r] = _mm512_setzero_ps();     \
-        for (int64_t g = 0; g < groups; g++) {                                                   \
-            const uint8_t *at = block + g * GROUP_BYTES;                                         \
-            __m512 dot[MR], dot_high[MR];                                                        \
-            _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                 \
-                dot[r] = dot_high[r] = _mm512_setzero_ps();                                      \
-            /* the lines PREFETCH_GROUPS groups ahead (past the block's end: requested for       \
-             * nothing; prefetches do not fault, and the address is an integer) */               \
-            _Pragma("GCC unroll 6") for (int line = 0; line < GROUP_BYTES / 64; line++)          \
-                _mm_prefetch((const char *)((uintptr_t)at                                        \
-                             + (uintptr_t)(PREFETCH_GROUPS * GROUP_BYTES + line * 64)),           \
-                             _MM_HINT_T0);                                                       \
-            for (int i = 0; i < 8; i++) {                                                        \
-                const __m512i bytes = _mm512_cvtepu8_epi16(                                      \
-                    _mm256_loadu_si256((const __m256i *)(at + i * 32)));                         \
-                /* (bytes & 0xf) | 0x4300, and the same of bytes >> 4: bf16 of 128 + q */        \
-                const __m512bh low = (__m512bh)_mm512_ternarylogic_epi32(bytes, nibble, offset,  \
-                                                                         0xea);                  \
-                const __m512bh high = (__m512bh)_mm512_ternarylogic_epi32(                       \
-                    _mm512_srli_epi16(bytes, 4), nibble, offset, 0xea);                          \
-                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                           \
-                    int32_t first, second;                                                       \
-                    memcpy(&first, x + r * x_stride + g * GROUP + 2 * i, sizeof first);          \
-                    memcpy(&second, x + r * x_stride + g * GROUP + 2 * i + 16, sizeof second);   \
-                    dot[r] = _mm512_dpbf16_ps(dot[r], (__m512bh)_mm512_set1_epi32(first), low);  \
-                    dot_high[r] = _mm512_dpbf16_ps(dot_high[r],                                  \
-                                                   (__m512bh)_mm512_set1_epi32(second), high);   \
+        for (int64_t s = 0; s < groups; s += SPAN(MODE)) {                                       \
+            const uint8_t *first = block + s * STRIDE(MODE);                                     \
+            SPAN_FACTORS_512(MODE, first, d, dmin);                                              \
+            for (int j = 0; j < SPAN(MODE); j++) {                                               \
+                const int64_t g = s + j;                                                         \
+                const uint8_t *at = NIBBLES(MODE, first, j);                                     \
+                __m512 dot[MR], dot_high[MR];                                                    \
+                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                             \
+                    dot[r] = dot_high[r] = _mm512_setzero_ps();                                  \
+                /* the lines PREFETCH_GROUPS groups' bytes ahead (past the block's end:          \
+                 * requested for nothing; prefetches do not fault, and the address is an        \
+                 * integer) */                                                                   \
+                _Pragma("GCC unroll 6") for (int line = 0; line < (STRIDE(MODE) + 63) / 64;      \
+                                             line++)                                             \
+                    _mm_prefetch((const char *)((uintptr_t)block                                 \
+                                 + (uintptr_t)((g + PREFETCH_GROUPS) * STRIDE(MODE) + line * 64)), \
+                                 _MM_HINT_T0);                                                   \
+                for (int i = 0; i < 8; i++) {                                                    \
+                    const __m512i bytes = _mm512_cvtepu8_epi16(                                  \
+                        _mm256_loadu_si256((const __m256i *)(at + i * 32)));                     \
+                    /* (bytes & 0xf) | 0x4300, and the same of bytes >> 4: bf16 of 128 + q */    \
+                    const __m512bh low = (__m512bh)_mm512_ternarylogic_epi32(bytes, nibble,      \
+                                                                             offset, 0xea);      \
+                    const __m512bh high = (__m512bh)_mm512_ternarylogic_epi32(                   \
+                        _mm512_srli_epi16(bytes, 4), nibble, offset, 0xea);                      \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                       \
+                        int32_t lo, hi;                                                          \
+                        memcpy(&lo, x + r * x_stride + g * GROUP + 2 * i, sizeof lo);            \
+                        memcpy(&hi, x + r * x_stride + g * GROUP + 2 * i + 16, sizeof hi);       \
+                        dot[r] = _mm512_dpbf16_ps(dot[r], (__m512bh)_mm512_set1_epi32(lo), low); \
+                        dot_high[r] = _mm512_dpbf16_ps(dot_high[r],                              \
+                                                       (__m512bh)_mm512_set1_epi32(hi), high);   \
+                    }                                                                            \
                 }                                                                                \
-            }                                                                                    \
-            const float *factors = (const float *)(at + BLOCK * GROUP / 2);                      \
-            const __m512 scale = _mm512_loadu_ps(factors);                                       \
-            /* low - 128 scale: what each unit of the row's input sum adds */                    \
-            const __m512 base = _mm512_fmadd_ps(minus_128, scale,                                \
-                                                _mm512_loadu_ps(factors + BLOCK));               \
-            _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                               \
-                sums[r] = _mm512_fmadd_ps(scale, _mm512_add_ps(dot[r], dot_high[r]), sums[r]);   \
-                sums[r] = _mm512_fmadd_ps(base, _mm512_set1_ps(x_sums[r * groups + g]), sums[r]); \
+                __m512 scale, low;                                                               \
+                factors_512(MODE, first, j, d, dmin, &scale, &low);                              \
+                /* low - 128 scale: what each unit of the row's input sum adds */                \
+                const __m512 base = _mm512_fmadd_ps(minus_128, scale, low);                      \
+                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                           \
+                    sums[r] = _mm512_fmadd_ps(scale, _mm512_add_ps(dot[r], dot_high[r]),         \
+                                              sums[r]);                                          \
+                    sums[r] = _mm512_fmadd_ps(base, _mm512_set1_ps(x_sums[r * groups + g]),      \
+                                              sums[r]);                                          \
+                }                                                                                \
             }                                                                                    \
         }                                                                                        \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
             store_block(sums[r], bias, col, (int)(n - col), out + r * out_stride);               \
     }
 
-DEFINE_TILE(1) DEFINE_TILE(2) DEFINE_TILE(4) DEFINE_TILE(8)
+#define DEFINE_TILES(MODE) DEFINE_TILE(1, MODE) DEFINE_TILE(2, MODE) DEFINE_TILE(4, MODE)          \
+    DEFINE_TILE(8, MODE)
+DEFINE_TILES(MODE_F) DEFINE_TILES(MODE_K) DEFINE_TILES(MODE_H)
 
 typedef void (*tile_fn)(const uint16_t *, int64_t, const float *, int64_t, const uint8_t *,
                         int64_t, int64_t, const uint16_t *, uint16_t *, int64_t);
 
-/* by rows in the tile: 1, 2, 4, 8 */
-static const tile_fn TILES[4] = {tile_1, tile_2, tile_4, tile_8};
+/* by mode, then rows in the tile: 1, 2, 4, 8 */
+static const tile_fn TILES[3][4] = {{tile_1_MODE_F, tile_2_MODE_F, tile_4_MODE_F, tile_8_MODE_F},
+                                    {tile_1_MODE_K, tile_2_MODE_K, tile_4_MODE_K, tile_8_MODE_K},
+                                    {tile_1_MODE_H, tile_2_MODE_H, tile_4_MODE_H, tile_8_MODE_H}};
 
 /* a block's groups -> the bf16 matmul's layout of its weights ([pairs][16 features][2 inputs]):
  * the 32 bytes i of group g hold pair 16g + i in their low halves and 16g + i + 8 in the high
  * ones, already in feature-major, input-minor order. VCVTNE2PS2BF16 rounds as float_to_bf16
  * (to nearest, ties to even; a NaN quiet) except that it flushes subnormals, which no weight of
- * this form is (int4_kernel.quantize: a product is 0 or at least 1e-12, a minimum not subnormal) */
-__attribute__((noinline)) static void unpack_block(const uint8_t *block, int64_t groups,
-                                                   uint16_t *to) {
+ * these forms is (mode F: int4_kernel.quantize, a product is 0 or at least 1e-12, a minimum not
+ * subnormal; K and H: every factor, so every weight, is a multiple of float16's least
+ * subnormal, 2^-24) */
+static inline __attribute__((always_inline)) void unpack_groups(int mode, const uint8_t *block,
+                                                                int64_t groups, uint16_t *to) {
     const __m512i nibble = _mm512_set1_epi32(15);
     /* lane 2f + e of 16 float32 lanes takes feature f's factor: features 0-7, then 8-15 */
-    const __m512i first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *at = block + g * GROUP_BYTES;
-        const float *factors = (const float *)(at + BLOCK * GROUP / 2);
-        const __m512 scale = _mm512_loadu_ps(factors), low = _mm512_loadu_ps(factors + BLOCK);
-        const __m512 scale_0 = _mm512_permutexvar_ps(first, scale);
-        const __m512 scale_1 = _mm512_permutexvar_ps(second, scale);
-        const __m512 low_0 = _mm512_permutexvar_ps(first, low);
-        const __m512 low_1 = _mm512_permutexvar_ps(second, low);
-        for (int i = 0; i < 8; i++) {
-            /* features 0-7, then 8-15, one byte a lane */
-            const __m512i bytes_0 =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + i * 32)));
-            const __m512i bytes_1 =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + i * 32 + 16)));
-            /* q * scale, rounded, then + low, rounded (no fused multiply-add: -ffp-contract=off) */
+    const __m512i first_half = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i second_half = _mm512_add_epi32(first_half, _mm512_set1_epi32(8));
+    for (int64_t s = 0; s < groups; s += SPAN(mode)) {
+        const uint8_t *first = block + s * STRIDE(mode);
+        SPAN_FACTORS_512(mode, first, d, dmin);
+        for (int j = 0; j < SPAN(mode); j++) {
+            const int64_t g = s + j;
+            const uint8_t *at = NIBBLES(mode, first, j);
+            __m512 scale, low;
+            factors_512(mode, first, j, d, dmin, &scale, &low);
+            const __m512 scale_0 = _mm512_permutexvar_ps(first_half, scale);
+            const __m512 scale_1 = _mm512_permutexvar_ps(second_half, scale);
+            const __m512 low_0 = _mm512_permutexvar_ps(first_half, low);
+            const __m512 low_1 = _mm512_permutexvar_ps(second_half, low);
+            for (int i = 0; i < 8; i++) {
+                /* features 0-7, then 8-15, one byte a lane */
+                const __m512i bytes_0 =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + i * 32)));
+                const __m512i bytes_1 =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + i * 32 + 16)));
+                /* q * scale, rounded, then + low, rounded (no fused multiply-add:
+                 * -ffp-contract=off) */
 #define WEIGHTS(q, s, l) _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), s), l)
-            const __m512 low_half_0 = WEIGHTS(_mm512_and_si512(bytes_0, nibble), scale_0, low_0);
-            const __m512 low_half_1 = WEIGHTS(_mm512_and_si512(bytes_1, nibble), scale_1, low_1);
-            const __m512 high_half_0 = WEIGHTS(_mm512_srli_epi32(bytes_0, 4), scale_0, low_0);
-            const __m512 high_half_1 = WEIGHTS(_mm512_srli_epi32(bytes_1, 4), scale_1, low_1);
+                const __m512 low_half_0 =
+                    WEIGHTS(_mm512_and_si512(bytes_0, nibble), scale_0, low_0);
+                const __m512 low_half_1 =
+                    WEIGHTS(_mm512_and_si512(bytes_1, nibble), scale_1, low_1);
+                const __m512 high_half_0 = WEIGHTS(_mm512_srli_epi32(bytes_0, 4), scale_0, low_0);
+                const __m512 high_half_1 = WEIGHTS(_mm512_srli_epi32(bytes_1, 4), scale_1, low_1);
 #undef WEIGHTS
-            _mm512_storeu_si512((void *)(to + (16 * g + i) * 2 * BLOCK),
-                                (__m512i)_mm512_cvtne2ps_pbh(low_half_1, low_half_0));
-            _mm512_storeu_si512((void *)(to + (16 * g + i + 8) * 2 * BLOCK),
-                                (__m512i)_mm512_cvtne2ps_pbh(high_half_1, high_half_0));
+                _mm512_storeu_si512((void *)(to + (16 * g + i) * 2 * BLOCK),
+                                    (__m512i)_mm512_cvtne2ps_pbh(low_half_1, low_half_0));
+                _mm512_storeu_si512((void *)(to + (16 * g + i + 8) * 2 * BLOCK),
+                                    (__m512i)_mm512_cvtne2ps_pbh(high_half_1, high_half_0));
+            }
         }
     }
+}
+
+/* unpack_groups, its mode a constant in each case */
+__attribute__((noinline)) static void unpack_block(int mode, const uint8_t *block, int64_t groups,
+                                                   uint16_t *to) {
+    if (mode == MODE_F)
+        unpack_groups(MODE_F, block, groups, to);
+    else if (mode == MODE_K)
+        unpack_groups(MODE_K, block, groups, to);
+    else
+        unpack_groups(MODE_H, block, groups, to);
 }
 
 
@@ -250,71 +418,136 @@ store_features(__m256 first, __m256 second, const uint16_t *bias, int64_t col, i
     }
 }
 
+/* 8 float16s -> float32 */
+static inline __attribute__((always_inline)) __m256 widen_halves(const uint8_t *at) {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
+#else
+    /* (an AVX2 CPU without F16C: none known, but the build should not depend on it) */
+    float wide[8];
+    for (int i = 0; i < 8; i++) {
+        uint16_t h;
+        memcpy(&h, at + 2 * i, sizeof h);
+        const uint32_t sign = (uint32_t)(h >> 15) << 31, exponent = h >> 10 & 31;
+        const uint32_t mantissa = h & 1023;
+        float value = exponent == 31 ? (mantissa ? __builtin_nanf("") : __builtin_inff())
+                      : exponent ? __builtin_ldexpf((float)(mantissa | 1024), (int)exponent - 25)
+                                 : __builtin_ldexpf((float)mantissa, -24);
+        uint32_t bits;
+        memcpy(&bits, &value, sizeof bits);
+        bits |= sign;
+        memcpy(&wide[i], &bits, sizeof bits);
+    }
+    return _mm256_loadu_ps(wide);
+#endif
+}
+
+/* 8 bytes -> float32 */
+static inline __attribute__((always_inline)) __m256 widen_bytes(const uint8_t *at) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at)));
+}
+
+/* group j's scales and lows in float32 (features 0-7 in [0], 8-15 in [1]) of a span starting at
+ * `first`; d and dmin its superblock's (mode K) */
+static inline __attribute__((always_inline)) void
+factors_256(int mode, const uint8_t *first, int j, const __m256 *d, const __m256 *dmin,
+            __m256 *scale, __m256 *low) {
+    for (int h = 0; h < 2; h++) {
+        if (mode == MODE_F) {
+            scale[h] = _mm256_loadu_ps((const float *)(first + NIBBLE_BYTES) + 8 * h);
+            low[h] = _mm256_loadu_ps((const float *)(first + NIBBLE_BYTES) + BLOCK + 8 * h);
+        } else if (mode == MODE_H) {
+            scale[h] = widen_halves(first + NIBBLE_BYTES + 16 * h);
+            low[h] = widen_halves(first + NIBBLE_BYTES + 2 * BLOCK + 16 * h);
+        } else {
+            const uint8_t *sc = first + 2 * BLOCK * 4 + j * BLOCK + 8 * h;
+            scale[h] = _mm256_mul_ps(d[h], widen_bytes(sc));
+            /* -(dmin * m), as restore_k negates it */
+            low[h] = _mm256_xor_ps(_mm256_mul_ps(dmin[h], widen_bytes(sc + SUPER_GROUPS * BLOCK)),
+                                   _mm256_set1_ps(-0.0f));
+        }
+    }
+}
+
 /* MR rows x one block: xq [MR][k] int8 rows x_stride apart, their groups' d and input sums
  * [MR][groups] */
-#define DEFINE_TILE(MR)                                                                            \
-    static void tile_##MR(const int8_t *xq, int64_t x_stride, const float *x_scales,            \
-                          const float *x_sums, int64_t groups, const uint8_t *block, int64_t col, \
-                          int64_t n, const uint16_t *bias, uint16_t *out, int64_t out_stride) {  \
+#define DEFINE_TILE(MR, MODE)                                                                      \
+    static void tile_##MR##_##MODE(const int8_t *xq, int64_t x_stride, const float *x_scales,   \
+                                   const float *x_sums, int64_t groups, const uint8_t *block,   \
+                                   int64_t col, int64_t n, const uint16_t *bias, uint16_t *out,  \
+                                   int64_t out_stride) {                                         \
         const __m256i nibble = _mm256_set1_epi8(15);                                             \
         __m256 first[MR], second[MR];                                                            \
         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
             first[r] = second[r] = _mm256_setzero_ps();                                          \
-        for (int64_t g = 0; g < groups; g++) {                                                   \
-            const uint8_t *at = block + g * GROUP_BYTES;                                         \
-            _Pragma("GCC unroll 6") for (int line = 0; line < GROUP_BYTES / 64; line++)          \
-                _mm_prefetch((const char *)((uintptr_t)at                                        \
-                             + (uintptr_t)(PREFETCH_GROUPS * GROUP_BYTES + line * 64)),           \
-                             _MM_HINT_T0);                                                       \
-            __m256i low_sums[MR], high_sums[MR];                                                 \
-            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                 \
-                low_sums[r] = high_sums[r] = _mm256_setzero_si256();                             \
-            _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                \
-                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(at + i * 32));        \
-                const __m256i low = _mm256_and_si256(bytes, nibble);                             \
-                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);     \
-                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                           \
-                    int16_t pair, high_pair;                                                     \
-                    memcpy(&pair, xq + r * x_stride + g * GROUP + 2 * i, sizeof pair);           \
-                    memcpy(&high_pair, xq + r * x_stride + g * GROUP + 16 + 2 * i,               \
-                           sizeof high_pair);                                                    \
-                    low_sums[r] = _mm256_add_epi16(                                              \
-                        low_sums[r], _mm256_maddubs_epi16(low, _mm256_set1_epi16(pair)));        \
-                    high_sums[r] = _mm256_add_epi16(                                             \
-                        high_sums[r], _mm256_maddubs_epi16(high, _mm256_set1_epi16(high_pair))); \
+        for (int64_t s = 0; s < groups; s += SPAN(MODE)) {                                       \
+            const uint8_t *start = block + s * STRIDE(MODE);                                     \
+            __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {d[0], d[1]};    \
+            if ((MODE) == MODE_K)                                                                \
+                for (int h = 0; h < 2; h++) {                                                    \
+                    d[h] = _mm256_loadu_ps((const float *)start + 8 * h);                        \
+                    dmin[h] = _mm256_loadu_ps((const float *)start + BLOCK + 8 * h);             \
                 }                                                                                \
-            }                                                                                    \
-            const float *factors = (const float *)(at + BLOCK * GROUP / 2);                      \
-            const __m256 scale_0 = _mm256_loadu_ps(factors), scale_1 = _mm256_loadu_ps(factors + 8); \
-            const __m256 low_0 = _mm256_loadu_ps(factors + BLOCK);                               \
-            const __m256 low_1 = _mm256_loadu_ps(factors + BLOCK + 8);                           \
-            /* in widen_dots's order */                                                          \
-            const __m256 scale_a = _mm256_permute2f128_ps(scale_0, scale_1, 0x20);               \
-            const __m256 scale_b = _mm256_permute2f128_ps(scale_0, scale_1, 0x31);               \
-            const __m256 low_a = _mm256_permute2f128_ps(low_0, low_1, 0x20);                     \
-            const __m256 low_b = _mm256_permute2f128_ps(low_0, low_1, 0x31);                     \
-            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                               \
-                __m256 dot_a, dot_b;                                                             \
-                widen_dots(low_sums[r], high_sums[r], &dot_a, &dot_b);                           \
-                const __m256 d = _mm256_set1_ps(x_scales[r * groups + g]);                       \
-                const __m256 sum = _mm256_set1_ps(x_sums[r * groups + g]);                       \
-                first[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_a, dot_a), d,                     \
-                                           _mm256_fmadd_ps(low_a, sum, first[r]));               \
-                second[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_b, dot_b), d,                    \
-                                            _mm256_fmadd_ps(low_b, sum, second[r]));             \
+            for (int j = 0; j < SPAN(MODE); j++) {                                               \
+                const int64_t g = s + j;                                                         \
+                const uint8_t *at = NIBBLES(MODE, start, j);                                     \
+                _Pragma("GCC unroll 6") for (int line = 0; line < (STRIDE(MODE) + 63) / 64;      \
+                                             line++)                                             \
+                    _mm_prefetch((const char *)((uintptr_t)block                                 \
+                                 + (uintptr_t)((g + PREFETCH_GROUPS) * STRIDE(MODE) + line * 64)), \
+                                 _MM_HINT_T0);                                                   \
+                __m256i low_sums[MR], high_sums[MR];                                             \
+                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                             \
+                    low_sums[r] = high_sums[r] = _mm256_setzero_si256();                         \
+                _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                            \
+                    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(at + i * 32));    \
+                    const __m256i low = _mm256_and_si256(bytes, nibble);                         \
+                    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble); \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                       \
+                        int16_t pair, high_pair;                                                 \
+                        memcpy(&pair, xq + r * x_stride + g * GROUP + 2 * i, sizeof pair);       \
+                        memcpy(&high_pair, xq + r * x_stride + g * GROUP + 16 + 2 * i,           \
+                               sizeof high_pair);                                                \
+                        low_sums[r] = _mm256_add_epi16(                                          \
+                            low_sums[r], _mm256_maddubs_epi16(low, _mm256_set1_epi16(pair)));    \
+                        high_sums[r] = _mm256_add_epi16(                                         \
+                            high_sums[r],                                                        \
+                            _mm256_maddubs_epi16(high, _mm256_set1_epi16(high_pair)));           \
+                    }                                                                            \
+                }                                                                                \
+                __m256 scale[2], low[2];                                                         \
+                factors_256(MODE, start, j, d, dmin, scale, low);                                \
+                /* in widen_dots's order */                                                      \
+                const __m256 scale_a = _mm256_permute2f128_ps(scale[0], scale[1], 0x20);         \
+                const __m256 scale_b = _mm256_permute2f128_ps(scale[0], scale[1], 0x31);         \
+                const __m256 low_a = _mm256_permute2f128_ps(low[0], low[1], 0x20);               \
+                const __m256 low_b = _mm256_permute2f128_ps(low[0], low[1], 0x31);               \
+                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                           \
+                    __m256 dot_a, dot_b;                                                         \
+                    widen_dots(low_sums[r], high_sums[r], &dot_a, &dot_b);                       \
+                    const __m256 dx = _mm256_set1_ps(x_scales[r * groups + g]);                  \
+                    const __m256 sum = _mm256_set1_ps(x_sums[r * groups + g]);                   \
+                    first[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_a, dot_a), dx,                \
+                                               _mm256_fmadd_ps(low_a, sum, first[r]));           \
+                    second[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_b, dot_b), dx,               \
+                                                _mm256_fmadd_ps(low_b, sum, second[r]));         \
+                }                                                                                \
             }                                                                                    \
         }                                                                                        \
         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
             store_features(first[r], second[r], bias, col, (int)(n - col), out + r * out_stride); \
     }
 
-DEFINE_TILE(1) DEFINE_TILE(2) DEFINE_TILE(4)
+#define DEFINE_TILES(MODE) DEFINE_TILE(1, MODE) DEFINE_TILE(2, MODE) DEFINE_TILE(4, MODE)
+DEFINE_TILES(MODE_F) DEFINE_TILES(MODE_K) DEFINE_TILES(MODE_H)
 
 typedef void (*tile_fn)(const int8_t *, int64_t, const float *, const float *, int64_t,
                         const uint8_t *, int64_t, int64_t, const uint16_t *, uint16_t *, int64_t);
 
-/* by rows in the tile: 1, 2, 4 */
-static const tile_fn TILES[3] = {tile_1, tile_2, tile_4};
+/* by mode, then rows in the tile: 1, 2, 4 */
+static const tile_fn TILES[3][3] = {{tile_1_MODE_F, tile_2_MODE_F, tile_4_MODE_F},
+                                    {tile_1_MODE_K, tile_2_MODE_K, tile_4_MODE_K},
+                                    {tile_1_MODE_H, tile_2_MODE_H, tile_4_MODE_H}};
 
 /* a row [k] of bf16 -> its int8 form (xq [k]), each group's d and the sum of its inputs as
  * rounded, d x (sum of xq) ([k / 32]): with that sum the minimum's term, too, multiplies the
@@ -376,7 +609,7 @@ static void *grown(void **buffer, size_t *capacity, size_t bytes) {
 
 /* the rows of a pass against blocks [first, last), STRIP_BLOCKS blocks unpacked at a time into
  * `unpacked` */
-static void unpacked_pass(const uint16_t *x, int64_t rows, int64_t x_stride,
+static void unpacked_pass(const uint16_t *x, int64_t rows, int64_t x_stride, int mode,
                           const uint8_t *packed, int64_t groups, int64_t n,
                           const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t first,
                           int64_t last, uint16_t *unpacked) {
@@ -384,7 +617,7 @@ static void unpacked_pass(const uint16_t *x, int64_t rows, int64_t x_stride,
     for (int64_t b = first; b < last; b += STRIP_BLOCKS) {
         const int nr = last - b < STRIP_BLOCKS ? (int)(last - b) : STRIP_BLOCKS;
         for (int j = 0; j < nr; j++)
-            unpack_block(packed + (b + j) * groups * GROUP_BYTES, groups,
+            unpack_block(mode, packed + (b + j) * groups * STRIDE(mode), groups,
                          unpacked + j * pairs * 2 * BLOCK);
         /* the strip as the whole weight of its own: its columns from b * BLOCK */
         const uint16_t *strip_bias = bias ? bias + b * BLOCK : 0;
@@ -394,7 +627,7 @@ static void unpacked_pass(const uint16_t *x, int64_t rows, int64_t x_stride,
 }
 
 /* more than TILE_MAX_ROWS rows: by the bf16 tiles over unpacked blocks */
-static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, int mode,
                            const uint8_t *packed, int64_t n, const uint16_t *bias, uint16_t *out,
                            int64_t out_stride) {
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP, pairs = k / 2;
@@ -411,7 +644,7 @@ static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_st
         }
         for (int64_t r = 0; r < m && unpacked; r += UNPACKED_ROWS_PER_PASS) {
             const int64_t rows = m - r < UNPACKED_ROWS_PER_PASS ? m - r : UNPACKED_ROWS_PER_PASS;
-            unpacked_pass(x + r * x_stride, rows, x_stride, packed, groups, n, bias,
+            unpacked_pass(x + r * x_stride, rows, x_stride, mode, packed, groups, n, bias,
                           out + r * out_stride, out_stride, first, last, unpacked);
         }
     }
@@ -422,21 +655,26 @@ static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_st
 
 #endif
 
-/* x [m, k] with rows x_stride apart, packed by int4_matmul_pack, bias [n] or NULL -> out [m, n]
- * with rows out_stride apart. Returns 0, -1 where this build has no kernel (or k is not a
- * positive multiple of 32), -2 where its scratch could not be allocated. */
+/* x [m, k] with rows x_stride apart, packed by an int4_matmul_pack*, bias [n] or NULL -> out
+ * [m, n] with rows out_stride apart. Returns 0, -1 where this build has no kernel (or the header is
+ * not one of ours for this k and n), -2 where its scratch could not be allocated. */
 int int4_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const uint8_t *packed,
                 int64_t n, const uint16_t *bias, uint16_t *out, int64_t out_stride) {
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
-    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
-    if (m <= 0 || n <= 0)
-        return 0;
-    if (k <= 0 || k % GROUP)
+    int64_t header[4];
+    memcpy(header, packed, sizeof header);
+    const int mode = (int)header[1];
+    if (header[0] != MAGIC || shape_check(header[1], n, k) || header[2] != k || header[3] != n)
         return -1;
+    if (m <= 0)
+        return 0;
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
+    const int64_t block_bytes = groups * STRIDE(mode);
+    const uint8_t *weights = packed + HEADER_BYTES;
 #endif
 #ifdef HAVE_DPBF16
     if (m > TILE_MAX_ROWS)
-        return unpacked_matmul(x, m, k, x_stride, packed, n, bias, out, out_stride);
+        return unpacked_matmul(x, m, k, x_stride, mode, weights, n, bias, out, out_stride);
     float *x_sums = grown(&call_scratch, &call_capacity, (size_t)(m * groups) * sizeof(float));
     if (!x_sums)
         return -2;
@@ -456,9 +694,9 @@ int int4_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
             int64_t r = 0;
             for (int lv = level; lv >= 0; lv--)
                 for (; r + (1 << lv) <= m; r += 1 << lv)
-                    TILES[lv](x + r * x_stride, x_stride, x_sums + r * groups, groups,
-                              packed + b * groups * GROUP_BYTES, b * BLOCK, n, bias,
-                              out + r * out_stride, out_stride);
+                    TILES[mode][lv](x + r * x_stride, x_stride, x_sums + r * groups, groups,
+                                    weights + b * block_bytes, b * BLOCK, n, bias,
+                                    out + r * out_stride, out_stride);
         }
     }
     return 0;
@@ -485,9 +723,9 @@ int int4_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
                 int64_t r = pass;
                 for (int lv = level; lv >= 0; lv--)
                     for (; r + (1 << lv) <= end; r += 1 << lv)
-                        TILES[lv](xq + r * k, k, x_scales + r * groups, x_sums + r * groups,
-                                  groups, packed + b * groups * GROUP_BYTES, b * BLOCK, n, bias,
-                                  out + r * out_stride, out_stride);
+                        TILES[mode][lv](xq + r * k, k, x_scales + r * groups,
+                                        x_sums + r * groups, groups, weights + b * block_bytes,
+                                        b * BLOCK, n, bias, out + r * out_stride, out_stride);
             }
         }
     }
