@@ -51,10 +51,8 @@ class LauncherConfig:
                                      "false: one shard unless --num-shard says otherwise.",
                                shown="false", choices=TRUE_FALSE)
     dtype: str | None = _opt(None, "Weights and KV cache dtype. Each shard picks its default once "
-                                   "its device is known. Without it (and without --quantize) a "
-                                   "GGUF's quantized tensors are served as stored, by our int4 "
-                                   "and int8 kernels on the CPU (dequantized a layer at a time "
-                                   "elsewhere); with it the GGUF is converted to that dtype.",
+                                   "its device is known. Without it or --quantize a GGUF is "
+                                   "served as stored (docs/models.md); with it, converted.",
                              shown="bfloat16 on a CPU with AVX2, float32 on other CPUs; on CUDA "
                                    "float16, or bfloat16 for a checkpoint stored in bfloat16 "
                                    "(on a GPU with bf16 arithmetic)", choices=DTYPES)
@@ -75,12 +73,11 @@ class LauncherConfig:
                                       "and a minimum per 32 weights, with an int8 head). In bf16 "
                                       "int4 runs our own kernel, holding the 4-bit weights alone, "
                                       "where our bf16 matmul runs; elsewhere PyTorch's kernels "
-                                      "where they pay. TGI's gptq, awq, marlin (a GPTQ or AWQ "
-                                      "checkpoint), compressed-tensors and fp8 name a quantized "
-                                      "checkpoint's own method, and are refused where its "
-                                      "config.json says otherwise; such a checkpoint is served "
-                                      "as its quantization_config says with or without them. "
-                                      "TGI's exl2, eetq and bitsandbytes* are refused.",
+                                      "where they pay. TGI's gptq, awq, marlin, compressed-"
+                                      "tensors and fp8 name a checkpoint's own method (refused "
+                                      "where its quantization_config says otherwise; it is "
+                                      "served as that says without them too); exl2, eetq and "
+                                      "bitsandbytes* are refused.",
                                 shown="none: a quantized checkpoint as its config says",
                                 choices=Choices(QUANTIZE_VALUES, TGI_QUANTIZE))
     speculate: int = _opt(0, "Speculative decoding: up to this many draft tokens per request and "

@@ -144,10 +144,10 @@ def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, group: int) ->
 
 def pack_half(q: torch.Tensor, scale: torch.Tensor, group: int,
               low: torch.Tensor | None = None) -> torch.Tensor:
-    """q [n, k] (-128..127) with float16 scale, and low or none, [n, k / group]: 2 or 4 bytes a
-    group and feature where `pack` takes 8.
+    """Modes H and HL: q [n, k] (-128..127) with float16 scale, and low or none, [n, k / group].
 
-    Q8_0 (q, d), Q5_0 (q - 16, d) and Q5_1 (q, d, m) as GGUF holds them."""
+    2 or 4 bytes a group and feature where `pack` takes 8: Q8_0 (q, d), Q5_0 (q - 16, d) and Q5_1
+    (q, d, m) as GGUF holds them."""
     n, k = q.shape
     if group not in GROUPS or k == 0 or k % group or n == 0:
         raise ValueError(f"a {n} x {k} weight is not whole groups of 16 or 32 (group {group})")
@@ -160,7 +160,8 @@ def pack_half(q: torch.Tensor, scale: torch.Tensor, group: int,
 
 
 def pack_k6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
-    """Q6_K's q [n, k] (-32..31), d [n, k / 256] (float16 values) and sc int8 [n, k / 16]:
+    """Mode K6: Q6_K's q [n, k] (-32..31), d [n, k / 256] (float16 values), sc int8 [n, k / 16].
+
     1 byte a group of 16 and feature, and 4 a superblock."""
     n, k = q.shape
     if k == 0 or k % SUPER or n == 0:
@@ -174,8 +175,10 @@ def pack_k6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
 
 def pack_k5(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor,
             m: torch.Tensor) -> torch.Tensor:
-    """Q5_K's q [n, k] (0..31), d and dmin [n, k / 256] (float16 values), sc and m uint8
-    [n, k / 32] (6-bit): 2 bytes a group of 32 and feature, and 8 a superblock."""
+    """Mode K5: Q5_K's q [n, k] (0..31), d and dmin [n, k / 256], sc and m uint8 [n, k / 32].
+
+    d and dmin are float16 values, sc and m 6-bit: 2 bytes a group of 32 and feature, and 8 a
+    superblock."""
     n, k = q.shape
     if k == 0 or k % SUPER or n == 0:
         raise ValueError(f"a {n} x {k} weight is not whole superblocks of {SUPER}")

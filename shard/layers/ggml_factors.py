@@ -1,7 +1,6 @@
-"""A GGUF type's factors as stored (float16 scales, a superblock's scale times 6-bit ones), for the
-kernels' compact modes.
+"""A GGUF type's factors as stored, for the kernels' compact modes.
 
-The float32 (scale, low) per group of ggml_quants.Groups costs 2 bits a weight at groups of 32 and
+Float16 scales, or a superblock's scale times 6-bit ones. The float32 (scale, low) per group of ggml_quants.Groups costs 2 bits a weight at groups of 32 and
 4 at 16: a third more than a Q4_K_M file holds. The kernels' compact modes keep each type's own
 factors instead and compute scale and low from them in float32, as the `gguf` package does, so
 the weights are the same bit for bit:
@@ -32,8 +31,9 @@ def _per_row(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def compact_factors(rows: gq.BlockRows) -> CompactFactors | None:
-    """The rows' own factors, or None where they do not fit a compact mode (a float16 low of
-    Q4_0/Q5_0's -8d or -16d that overflows)."""
+    """The rows' own factors, or None where they do not fit a compact mode.
+
+    None: a float16 low of Q4_0's -8d that overflows."""
     kind, data = rows.kind, rows.data
     groups = rows.groups()
     count = data.shape[0]

@@ -16,6 +16,7 @@ from shard.distributed import ParallelContext, all_reduce
 from shard.kernels import bf16_matmul, int4_matmul, int8_matmul
 from shard.layers.checkpoint_quants import same_order
 from shard.layers.ggml_quants import BlockRows, BlockStack, join_rows
+from shard.layers.kernel_forms import kernel_form
 from shard.layers.lora import CheckpointPart, LoraSource, LoraTarget
 from shard.layers.precision import c_matmul_runs, cpu_has_bf16_kernels
 from shard.layers.quantize import QuantizedWeight, c_int4, can_quantize, quantize, quantized_linear
@@ -177,26 +178,18 @@ class LinearWeight:
         Q4_K; GPTQ, AWQ, compressed-tensors at 4 bits) take the C int4 kernel's form when their
         groups tile into 32 inputs, and the other integer grids (GGUF's 5-, 6- and 8-bit types,
         8-bit checkpoints, a fused projection mixing them with 4-bit parts) the C int8 kernel's
-        (groups of 16 or 32). Elsewhere (FP8, float32 models, CUDA, CPUs without our kernels)
-        the parts are held as stored and dequantized a layer at a time."""
+        (groups of 16 or 32), a GGUF's in its own factors where they fit (kernel_forms).
+        Elsewhere (FP8, float32 models, CUDA, CPUs without our kernels) the parts are held as
+        stored and dequantized a layer at a time."""
         stack = weight if isinstance(weight, BlockStack) else BlockStack((weight,))
         shape = {"out_features": stack.rows, "in_features": stack.columns}
         kinds = stack.kinds
         order = input_order(stack)
         kernels = (stack.parts[0].data.device.type == "cpu" and order is not False
-                   and (model_dtype or torch.bfloat16) == torch.bfloat16
-                   and all(0 < part.bits <= 8 for part in stack.parts))
-        groups = stack.groups() if kernels else None
-        if kernels and groups.group % 32 == 0:
-            groups = groups.regrouped(32)
-        if (kernels and c_int4_runs() and groups.group == 32
-                and all(part.bits == 4 for part in stack.parts)):
-            packed = int4_matmul.pack(groups.q.to(torch.uint8), groups.scale, groups.low)
-            form = QuantizedWeight("int4", packed, None, stack.rows, torch.bfloat16, kernel="c")
-        elif kernels and c_int8_runs() and groups.group in int8_matmul.GROUPS:
-            packed = int8_matmul.pack(groups.q, groups.scale, groups.low, groups.group)
-            form = QuantizedWeight("int8", packed, None, stack.rows, torch.bfloat16, kernel="c8")
-        else:
+                   and (model_dtype or torch.bfloat16) == torch.bfloat16)
+        form = kernel_form(stack, int4=kernels and c_int4_runs(),
+                           int8=kernels and c_int8_runs()) if kernels else None
+        if form is None:
             return cls(**shape, bias=bias, blocks=stack, block_kinds=kinds)
         return cls(**shape, bias=bias, tiled_bias=_bf16(bias), quantized=form, block_kinds=kinds,
                    input_order=order)
