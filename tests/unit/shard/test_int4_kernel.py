@@ -283,9 +283,9 @@ def test_gguf_blocks_in_their_own_factors_are_its_dequantization(kind, int4_buil
         return t.reshape(rows, -1)
 
     if kind == "Q4_K":
-        sc, m = ggml_quants._scale_min(b[:, 4:16])
+        sc, m = ggml_quants.scale_min(b[:, 4:16])
         q = ggml_quants._nibbles(b[:, 16:144], 32)
-        factors = [per_row(t) for t in (q, ggml_quants._half(b, 0), sc, ggml_quants._half(b, 2), m)]
+        factors = [per_row(t) for t in (q, ggml_quants.half(b, 0), sc, ggml_quants.half(b, 2), m)]
         packed, restored = int4_matmul.pack_k(*factors), int4_matmul.restore_k(*factors)
     else:
         scale = b[:, 0:2].contiguous().view(torch.float16)

@@ -371,7 +371,7 @@ def test_compact_factors_of_gguf_blocks_restore_gguf_dequantization(kind, int8_b
         restored, packed = int8_matmul.restore_k6(q, d, sc), int8_matmul.pack_k6(q, d, sc)
     else:
         d, dmin = half(0).float().reshape(n, -1), half(2).float().reshape(n, -1)
-        sc, m = (f.reshape(n, -1) for f in ggml_quants._scale_min(data[:, 4:16]))
+        sc, m = (f.reshape(n, -1) for f in ggml_quants.scale_min(data[:, 4:16]))
         restored = int8_matmul.restore_k5(q, d, sc, dmin, m)
         packed = int8_matmul.pack_k5(q, d, sc, dmin, m)
     assert same_bits(restored, expected)
