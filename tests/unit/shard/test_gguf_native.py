@@ -81,3 +81,20 @@ def test_bf16_shards_stay_within_bf16_rounding_of_the_float32_model(converted):
     _, expected = _prefill_logits(widened, torch.float32)
     # the blocks' own weights (exact) against bf16-rounded ones: no further from float32
     assert (ours - expected).abs().max() <= 2 * (bf16 - expected).abs().max() + 1e-2
+
+
+def test_a_type_not_served_as_stored_is_dequantized_with_a_log_line(caplog):
+    """Q2_K (and the other types the kernels do not take) are written as float32, said by name."""
+    import gguf
+
+    from launcher.gguf import _native_spec
+    from launcher.gguf_file import TensorInfo
+
+    kind = gguf.GGMLQuantizationType.Q2_K
+    tensor = TensorInfo("blk.0.ffn_down.weight", (64, 256), int(kind), 0, 64 * 84)
+    with caplog.at_level("INFO", logger="tgi.launcher"):
+        spec, blocks = _native_spec("model.layers.0.mlp.down_proj.weight", tensor, 0.0)
+    assert (spec.dtype, spec.shape, blocks) == ("F32", (64, 256), "")
+    assert "blk.0.ffn_down.weight: Q2_K is not served as stored" in caplog.text
+    q4 = TensorInfo("blk.0.ffn_up.weight", (64, 256), int(gguf.GGMLQuantizationType.Q4_K), 0, 0)
+    assert _native_spec("up", q4, 0.0) == (type(spec)("up", (64, 144), "U8"), "Q4_K")
