@@ -50,8 +50,10 @@ def _greedy_ours(model_dir, dtype=torch.float32):
 def reference_answers(gemma_dir):
     """transformers' greedy continuations on the float32 dequantization of the file."""
     import transformers
+    from tokenizers import Tokenizer
 
-    _, prompt_ids, _ = _greedy_ours(gemma_dir)
+    tokenizer = Tokenizer.from_file(str(gemma_dir / "tokenizer.json"))
+    prompt_ids = [tokenizer.encode(p).ids for p in PROMPTS]
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         gemma_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -75,12 +77,36 @@ def native_dir():
     return prepare_known_model(GEMMA3_270M, dtype="gguf")
 
 
-def test_the_file_served_as_stored_answers_as_transformers_in_float32(native_dir,
-                                                                      reference_answers):
-    """Its Q4_K, Q5_0, Q6_K and Q8_0 blocks dequantized a layer at a time (a float32 model):
-    transformers' greedy text on the same dequantized weights, every prompt."""
-    ours, _, _ = _greedy_ours(native_dir, torch.float32)
-    assert ours == reference_answers
+def _continued_logits(model_dir, dtype, reference_answers):
+    """Logits over each prompt followed by transformers' continuation, in one prefill each."""
+    from shard.distributed import ParallelContext
+    from shard.kv_budget import KVCacheSpec
+    from shard.loader import load_model
+    from shard.model_runner import ModelRunner, PrefillSequence
+
+    loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
+                        parallel=ParallelContext())
+    cfg = loaded.config
+    runner = ModelRunner(loaded.model, KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                   cfg.head_dim, 16, dtype, torch.device("cpu")))
+    runner.allocate(64)
+    out = []
+    for prompt, answer in zip(PROMPTS, reference_answers):
+        ids = loaded.tokenizer.encode(prompt).ids
+        logits = runner.prefill([PrefillSequence(ids + answer, 0, list(range(5)))],
+                                all_logits_rows={0}).full[0]
+        out.append((len(ids), logits.float()))
+    return loaded, out
+
+
+def test_the_file_served_as_stored_is_its_dequantization_in_float32(gemma_dir, native_dir,
+                                                                    reference_answers):
+    """Its Q4_K, Q5_0, Q6_K and Q8_0 blocks dequantized a layer at a time (a float32 model): the
+    logits of the float32 conversion of the same file, bit for bit."""
+    _, ours = _continued_logits(native_dir, torch.float32, reference_answers)
+    _, expected = _continued_logits(gemma_dir, torch.float32, reference_answers)
+    for (_, a), (_, b) in zip(ours, expected):
+        assert torch.equal(a, b)
 
 
 def test_the_file_served_as_stored_through_our_kernels_follows_transformers(native_dir,
@@ -90,27 +116,12 @@ def test_the_file_served_as_stored_through_our_kernels_follows_transformers(nati
     97.5%; the bf16 conversion of the same file: 98.8%). Free-running greedy text parts from
     transformers' at near-ties of bf16 arithmetic (2 of 5 continuations whole here, the bf16
     conversion 4 of 5)."""
-    from shard.distributed import ParallelContext
-    from shard.kv_budget import KVCacheSpec
-    from shard.loader import load_model
-    from shard.model_runner import ModelRunner, PrefillSequence
-
-    loaded = load_model(native_dir, dtype=torch.bfloat16, device=torch.device("cpu"),
-                        parallel=ParallelContext())
+    loaded, logits = _continued_logits(native_dir, torch.bfloat16, reference_answers)
     assert "Q6_K in 9 layers (int8 kernel)" in describe(loaded.model, loaded.quantization_config,
                                                         None)
-    cfg = loaded.config
-    runner = ModelRunner(loaded.model, KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                                   cfg.head_dim, 16, torch.bfloat16,
-                                                   torch.device("cpu")))
-    runner.allocate(64)
     agree = total = 0
-    for prompt, answer in zip(PROMPTS, reference_answers):
-        ids = loaded.tokenizer.encode(prompt).ids
-        sequence = ids + answer
-        logits = runner.prefill([PrefillSequence(sequence, 0, list(range(5)))],
-                                all_logits_rows={0}).full[0]
-        chosen = logits[len(ids) - 1:len(sequence) - 1].argmax(-1).tolist()
+    for (length, rows), answer in zip(logits, reference_answers):
+        chosen = rows[length - 1:length - 1 + len(answer)].argmax(-1).tolist()
         agree += sum(a == b for a, b in zip(chosen, answer))
         total += len(answer)
     assert agree / total >= 0.95, (agree, total)
