@@ -4,7 +4,7 @@ A step's cost and a server's memory depend on the shapes and the tensor types, n
 The types are llama.cpp's Q4_K_M choice (llama-quant.cpp): Q4_K everywhere but the output head
 (Q6_K; a tied embedding is the head) and attn_v and ffn_down in the layers it gives more bits (the
 first and last eighth, and every third one between), which are Q6_K. Blocks are random bytes with small factors (weights of
-a few hundredths), the vocabulary SmolLM2's padded with unused tokens to the shape's size.
+a few hundredths), the vocabulary SmolLM2's padded with plain tokens to the shape's size.
 
     python benchmarks/gguf_shapes.py --shape llama3.2-1b --out /tmp/llama-1b-q4_k_m.gguf
 """
@@ -95,7 +95,8 @@ def write(shape_name: str, out: Path, tokenizer_gguf: Path, seed: int = 0) -> Pa
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(str(source.get("tokenizer.ggml.pre", "default")))
     writer.add_token_list(tokens + [f"<|unused_{i}|>" for i in range(padding)])
-    writer.add_token_types(types + [gguf.TokenType.UNUSED] * padding)
+    # plain tokens: a random model picks them, and every server must print them as text
+    writer.add_token_types(types + [gguf.TokenType.NORMAL] * padding)
     writer.add_token_merges(list(source["tokenizer.ggml.merges"]))
     for key, add in (("bos_token_id", writer.add_bos_token_id),
                      ("eos_token_id", writer.add_eos_token_id),

@@ -293,3 +293,33 @@ def test_machine_limits_benchmark(tiny_llama, tmp_path):
     flops = 32 * (128 * 2 * figures["layer_weights"] + 2 * head)
     assert math.isclose(wave["all_prefilled_s"], flops / gflops / 1e9)
     assert wave["all_prefilled_s"] / 2 < wave["ttft_p50_floor_s"] < wave["all_prefilled_s"]
+
+
+@pytest.mark.real_model
+def test_synthetic_gguf_shapes_follow_llama_cpps_q4_k_m(tmp_path, monkeypatch):
+    """gguf_shapes writes llama.cpp's Q4_K_M types for a shape; the launcher serves the file."""
+    import gguf
+
+    from benchmarks import gguf_shapes
+    from launcher.gguf import convert_gguf
+    from launcher.gguf_file import read_gguf
+    from launcher.known_models import DEFAULT_MODEL
+    from launcher.model_cache import cache_root
+    from launcher.prepare import fetch_gguf
+
+    eight = {name: kind for name, _, kind in gguf_shapes.tensors(gguf_shapes.SHAPES["llama3-8b"])}
+    wide = [i for i in range(32) if eight[f"blk.{i}.ffn_down.weight"] == "Q6_K"]
+    assert wide == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert eight["output.weight"] == "Q6_K" and eight["blk.5.attn_q.weight"] == "Q4_K"
+    monkeypatch.setitem(gguf_shapes.SHAPES, "tiny", dict(hidden=256, layers=2, heads=4,
+                                                         kv_heads=2, ffn=512, vocab=50000,
+                                                         tied=True))
+    path = gguf_shapes.write("tiny", tmp_path / "tiny.gguf",
+                             fetch_gguf(DEFAULT_MODEL, cache_root()))
+    model = read_gguf(path)
+    kinds = {t.name: gguf.GGMLQuantizationType(t.ggml_type).name for t in model.tensors}
+    assert kinds["token_embd.weight"] == "Q6_K" and kinds["blk.0.ffn_up.weight"] == "Q4_K"
+    assert len(model.metadata["tokenizer.ggml.tokens"]) == 50000
+    converted = convert_gguf(path, tmp_path / "native", dtype="gguf")
+    config = json.loads((converted / "config.json").read_text())
+    assert config["quantization_config"]["file_type"] == "Q4_K_M"
