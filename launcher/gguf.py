@@ -100,8 +100,9 @@ def _native_spec(name: str, tensor: TensorInfo, offset: float) -> tuple[st.Tenso
     """How the native conversion writes a tensor: (its spec, its ggml type where kept as blocks).
 
     A matrix of a served type stays its blocks ([rows, row bytes] of U8); a float tensor keeps
-    its dtype (float32 where an offset is taken off it); any other type is dequantized to
-    float32, which the log says."""
+    its dtype (float32 where an offset is taken off it); anything else (another type, a stack of
+    MoE experts) is dequantized to bfloat16, as the bf16 conversion writes it, which the log
+    says."""
     import gguf
 
     kind = gguf.GGMLQuantizationType(tensor.ggml_type).name
@@ -109,9 +110,11 @@ def _native_spec(name: str, tensor: TensorInfo, offset: float) -> tuple[st.Tenso
         return st.TensorSpec(name, (tensor.shape[0], row_bytes(kind, tensor.shape[1])), "U8"), kind
     if kind in _FLOAT_TYPES:
         return st.TensorSpec(name, tensor.shape, "F32" if offset else kind), ""
-    log.info("tensor %s: %s is not served as stored (served: %s); dequantized to float32",
-             tensor.name, kind, ", ".join(SERVED_TYPES))
-    return st.TensorSpec(name, tensor.shape, "F32"), ""
+    why = ("a stack of experts is not" if kind in SERVED_TYPES
+           else f"{kind} is not")
+    log.info("tensor %s: %s served as stored (served: matrices of %s); dequantized to bfloat16",
+             tensor.name, why, ", ".join(SERVED_TYPES))
+    return st.TensorSpec(name, tensor.shape, "BF16"), ""
 
 
 def read_rows(file, job: TensorJob, start: int, stop: int) -> np.ndarray:
