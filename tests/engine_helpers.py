@@ -12,7 +12,7 @@ from shard.distributed import ParallelContext
 from shard.engine import Engine
 from shard.kv_budget import KVCacheSpec
 from shard.loader import load_model
-from shard.model_runner import ModelRunner
+from shard.model_runner import ModelRunner, PrefillSequence
 from shard.outputs import StepOutput
 from shard.sampling import SamplingParams
 
@@ -88,3 +88,18 @@ def run_to_completion(engine: Engine, requests: list[NewRequest], batch_id: int 
         for generation in out.generations:
             tokens[generation.request_id] += generation.tokens.ids
     return tokens
+
+
+def prefill_logits(model_dir: Path, dtype: torch.dtype,
+                   prompt: tuple[int, ...] = (5, 17, 42, 99, 3, 25, 7, 11, 30)):
+    """(the loaded model, float32 logits of every row of one prefill of `prompt`)."""
+    loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
+                        parallel=ParallelContext())
+    cfg = loaded.config
+    spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, dtype,
+                       torch.device("cpu"))
+    runner = ModelRunner(loaded.model, spec)
+    runner.allocate(16)
+    blocks = list(range(-(-len(prompt) // 4)))
+    out = runner.prefill([PrefillSequence(list(prompt), 0, blocks)], all_logits_rows={0})
+    return loaded, out.full[0].float()

@@ -141,10 +141,13 @@ class BlockStack:
         return BlockStack((self.parts[0].take(rows),))
 
     def padded(self, rows: int) -> "BlockStack":
-        """The stack with rows of zero blocks (zero weights) added up to `rows`."""
+        """The stack as one part with rows of zero blocks (zero weights) added up to `rows`.
+
+        An embedding's rank slice: one tensor, which every lookup indexes without joining parts."""
         last = self.parts[-1]
         zeros = last.data.new_zeros(rows - self.rows, last.data.shape[1])
-        return BlockStack((*self.parts, BlockRows(last.kind, zeros, last.columns)))
+        return BlockStack((BlockRows.stacked([*self.parts, BlockRows(last.kind, zeros,
+                                                                      last.columns)]),))
 
 
 def join_rows(parts: list) -> "torch.Tensor | BlockStack":

@@ -4,15 +4,12 @@ import torch
 import torch.nn.functional as F
 
 from shard.decode_paths.c_step import c_matmul
-from shard.distributed import ParallelContext
-from shard.kv_budget import KVCacheSpec
 from shard.layers.checkpoint_quants import FloatRows, integer_rows
 from shard.layers.ggml_quants import BlockStack
 from shard.layers.linear import LinearWeight, c_int4_runs, linear
-from shard.loader import load_model
-from shard.model_runner import ModelRunner, PrefillSequence
 from shard.quantization_report import describe, served_types
 from tests.quantized_checkpoints import quantized_model
+from tests.engine_helpers import prefill_logits
 from tests.tiny_models import build_tiny_model
 
 SCHEMES = {"gptq-act-order": dict(method="gptq", act_order=True),
@@ -31,24 +28,11 @@ def checkpoints(tmp_path_factory):
     return made
 
 
-def _prefill_logits(model_dir, dtype):
-    loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
-                        parallel=ParallelContext())
-    cfg = loaded.config
-    spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, dtype,
-                       torch.device("cpu"))
-    runner = ModelRunner(loaded.model, spec)
-    runner.allocate(16)
-    prompt = [5, 17, 42, 99, 3, 25, 7, 11, 30]
-    out = runner.prefill([PrefillSequence(prompt, 0, [0, 1, 2])], all_logits_rows={0})
-    return loaded, out.full[0].float()
-
-
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_float32_logits_are_the_dequantized_models(checkpoints, scheme):
     quantized, reference = checkpoints[scheme]
-    loaded, ours = _prefill_logits(quantized, torch.float32)
-    _, expected = _prefill_logits(reference, torch.float32)
+    loaded, ours = prefill_logits(quantized, torch.float32)
+    _, expected = prefill_logits(reference, torch.float32)
     assert (ours - expected).abs().max() <= 1e-4
     served = served_types(loaded.model)
     assert len(served) == 1 and sum(sum(forms.values()) for forms in served.values()) == 3 * 4
@@ -61,9 +45,9 @@ def test_float32_logits_are_the_dequantized_models(checkpoints, scheme):
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_bf16_logits_stay_within_bf16_rounding(checkpoints, scheme):
     quantized, reference = checkpoints[scheme]
-    loaded, ours = _prefill_logits(quantized, torch.bfloat16)
-    _, bf16 = _prefill_logits(reference, torch.bfloat16)
-    _, expected = _prefill_logits(reference, torch.float32)
+    loaded, ours = prefill_logits(quantized, torch.bfloat16)
+    _, bf16 = prefill_logits(reference, torch.bfloat16)
+    _, expected = prefill_logits(reference, torch.float32)
     assert (ours - expected).abs().max() <= 2 * (bf16 - expected).abs().max() + 1e-2
     if c_int4_runs() and scheme != "gptq-8bit":
         line = describe(loaded.model, loaded.quantization_config, None)

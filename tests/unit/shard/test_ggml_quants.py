@@ -119,3 +119,16 @@ def test_compact_factors_restore_the_same_weights(kind):
         low = torch.zeros_like(scale)
     restored = (q.reshape(4, -1, group) * scale[..., None] + low[..., None]).reshape(4, 512)
     assert torch.equal(restored, _reference(kind, data).reshape(4, 512))
+
+
+def test_a_padded_stack_is_one_part_with_zero_rows():
+    """An embedding's rank slice padded to the others' rows: one tensor for every lookup."""
+    from shard.layers.ggml_quants import BlockStack
+
+    data = torch.from_numpy(np.array(_random_blocks("Q8_0", 3, 64, seed=1)))
+    stack = BlockStack((BlockRows("Q8_0", data[:2], 64), BlockRows("Q8_0", data[2:], 64)))
+    padded = stack.padded(5)
+    assert len(padded.parts) == 1 and padded.rows == 5
+    values = padded.dequantize()
+    assert torch.equal(values[:3], stack.dequantize()) and not values[3:].any()
+    assert torch.equal(padded.take(torch.tensor([2, 4])).dequantize()[0], values[2])

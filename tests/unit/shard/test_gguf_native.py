@@ -7,12 +7,10 @@ from safetensors import safe_open
 
 from launcher.gguf import convert_gguf
 from shard.distributed import ParallelContext
-from shard.kv_budget import KVCacheSpec
 from shard.layers.ggml_quants import BLOCKS_KEY, BlockRows
-from shard.loader import load_model
-from shard.model_runner import ModelRunner, PrefillSequence
 from shard.quantization_report import describe, served_types
 from shard.weights import Weights
+from tests.engine_helpers import prefill_logits
 from tests.unit.launcher.tiny_gguf import write_tiny_gguf
 
 pytest.importorskip("gguf")
@@ -51,23 +49,10 @@ def test_blocks_are_written_as_stored_and_floats_in_their_dtype(converted):
             assert isinstance(weights.get_rows(name, 1, 3, as_stored=True), BlockRows)
 
 
-def _prefill_logits(model_dir, dtype):
-    loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
-                        parallel=ParallelContext())
-    cfg = loaded.config
-    spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, dtype,
-                       torch.device("cpu"))
-    runner = ModelRunner(loaded.model, spec)
-    runner.allocate(16)
-    prompt = [5, 17, 42, 99, 3, 25, 7, 11, 30]
-    out = runner.prefill([PrefillSequence(prompt, 0, [0, 1, 2])], all_logits_rows={0})
-    return loaded, out.full[0].float()
-
-
 def test_float32_shards_serve_the_blocks_values_exactly(converted):
     _, native, widened = converted
-    loaded, ours = _prefill_logits(native, torch.float32)
-    _, expected = _prefill_logits(widened, torch.float32)
+    loaded, ours = prefill_logits(native, torch.float32)
+    _, expected = prefill_logits(widened, torch.float32)
     assert torch.equal(ours, expected)
     served = served_types(loaded.model)
     assert set(served) == {"Q4_1", "Q8_0"} and "embedding lookup" in served["Q8_0"]
@@ -76,9 +61,9 @@ def test_float32_shards_serve_the_blocks_values_exactly(converted):
 
 def test_bf16_shards_stay_within_bf16_rounding_of_the_float32_model(converted):
     _, native, widened = converted
-    _, ours = _prefill_logits(native, torch.bfloat16)
-    _, bf16 = _prefill_logits(widened, torch.bfloat16)
-    _, expected = _prefill_logits(widened, torch.float32)
+    _, ours = prefill_logits(native, torch.bfloat16)
+    _, bf16 = prefill_logits(widened, torch.bfloat16)
+    _, expected = prefill_logits(widened, torch.float32)
     # the blocks' own weights (exact) against bf16-rounded ones: no further from float32
     assert (ours - expected).abs().max() <= 2 * (bf16 - expected).abs().max() + 1e-2
 
