@@ -15,6 +15,7 @@ from typing import Protocol
 import grpc
 
 from launcher.config import LauncherConfig
+from launcher.local_roots import pull_roots
 from launcher.model_cache import ModelResolutionError
 from launcher.prepare import conversion_dtype
 from launcher.pull import pull, pull_adapter
@@ -43,6 +44,7 @@ _PROGRESS_INTERVAL = 0.2  # seconds between two progress messages of one pull
 class ModelHostService(pb_grpc.ModelHostServicer):
     def __init__(self, supervisor: GroupHost):
         self.supervisor = supervisor
+        self.local_roots = pull_roots(supervisor.config)  # where a pull may read local files
 
     def Pull(self, request, context):
         updates: queue.Queue = queue.Queue()
@@ -66,7 +68,8 @@ class ModelHostService(pb_grpc.ModelHostServicer):
                         hub_cache=config.huggingface_hub_cache,
                         # as the launcher's own model: what its flags serve (a model started
                         # later with another dtype is served from this conversion all the same)
-                        convert_dtype=conversion_dtype(config.dtype, config.shard_quantize))
+                        convert_dtype=conversion_dtype(config.dtype, config.shard_quantize),
+                        allowed=self.local_roots)
             except (ModelResolutionError, ValueError, OSError) as err:
                 outcome["error"] = str(err)
             except Exception as err:  # a converter bug is this pull's failure, not the launcher's

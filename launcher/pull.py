@@ -26,6 +26,7 @@ from launcher.model_cache import ModelResolutionError, cache_root
 from launcher.prepare import fetch_gguf
 from launcher.progress_log import ProgressLog, directory_size, watching_size
 from launcher.resolve import check_model_dir
+from router.lifecycle.local_paths import REFUSAL, LocalRoots, is_path_like
 from shard.checkpoint_files import CheckpointError, checkpoint_files
 
 Progress = Callable[[str, int, int], None]  # (stage, bytes done, bytes total)
@@ -44,23 +45,29 @@ class Pulled:
 
 def pull(source: str, target_dir: Path, progress: Progress, *, revision: str | None = None,
          hub_cache: str | None = None, convert_dtype: str = "bfloat16",
-         cache_dir: Path | None = None) -> Pulled:
+         cache_dir: Path | None = None, allowed: LocalRoots = LocalRoots()) -> Pulled:
     """A model source fetched into `target_dir` (see the module's head for the kinds of source).
 
     `convert_dtype`: what a GGUF is converted to (launcher.prepare.conversion_dtype);
-    `cache_dir`: where a known model's GGUF is kept (default: the launcher's cache)."""
+    `cache_dir`: where a known model's GGUF is kept (default: the launcher's cache); `allowed`:
+    where local files may be read (router/lifecycle/local_paths.py). A path outside is refused
+    before anything there is looked at, in words that do not depend on what is there. A bare
+    name is a local directory only inside `allowed`; elsewhere it is a short name or a Hub id."""
     target_dir = Path(target_dir)
     progress = _logged(progress, f"pull of {source}")
+    path = Path(source).expanduser()
+    if is_path_like(source) and not allowed.allows(path):
+        raise ModelResolutionError(REFUSAL)
+    local = is_path_like(source) or (allowed.allows(path) and path.exists())
     with _staged(target_dir) as staging:
-        path = Path(source).expanduser()
         known = known_model(source)
-        if path.is_dir():
-            quantization = _copy_directory(path, staging, progress)
+        if local and path.is_dir():
+            quantization = _copy_directory(path, staging, progress, allowed)
             model_format = "safetensors"
-        elif path.suffix == ".gguf" and path.is_file():
+        elif local and path.suffix == ".gguf" and path.is_file():
             quantization = _convert(path, staging, progress, convert_dtype)
             model_format = "gguf"
-        elif source.startswith(("/", "./", "../", "~")) or path.suffix == ".gguf":
+        elif local:
             raise ModelResolutionError(f"{source} is neither a model directory nor a .gguf file")
         elif known is not None:
             if revision:
@@ -130,7 +137,14 @@ def _weights_dtype(model_dir: Path) -> str:
     return str(config.get("torch_dtype") or config.get("dtype") or "")
 
 
-def _copy_directory(source: Path, staging: Path, progress: Progress) -> str:
+def _copy_directory(source: Path, staging: Path, progress: Progress, allowed: LocalRoots) -> str:
+    # a link in an allowed directory to a file elsewhere is that file: refused before it is read
+    linked_out = sorted(f.name for pattern in (*_MODEL_FILES, "*.safetensors")
+                        for f in source.glob(pattern) if not allowed.allows(f))
+    if linked_out:
+        raise ModelResolutionError(f"{', '.join(linked_out)} in {source} lead outside the "
+                                   "directories local models may be pulled from "
+                                   "(--allowed-local-model-path)")
     try:
         weights = checkpoint_files(source)
     except CheckpointError as err:

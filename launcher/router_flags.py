@@ -12,8 +12,8 @@ from collections.abc import Callable
 from router.config import router_config, router_fields
 from router.config.flags import env_value, flag_arguments
 
-# given once per origin, as TGI takes it; the router takes them comma-separated
-_REPEATED = {"cors_allow_origin"}
+# given once per origin (as TGI takes it) or directory; the router takes them comma-separated
+_REPEATED = {"cors_allow_origin", "allowed_local_model_path"}
 _PREFIX = "router."  # the argparse dest of a router flag
 
 

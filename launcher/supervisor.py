@@ -30,6 +30,7 @@ from launcher.adapters import router_adapters_argv
 from launcher.config import LauncherConfig
 from launcher.gpus import pick_gpus, visible_gpus
 from launcher.liveness import Liveness
+from launcher.local_roots import pull_roots
 from launcher.logs import say
 from launcher.shard_group import Child, GroupSpec, LaunchError, ShardGroup, death, spawn, terminate
 from shard.models import architecture_of
@@ -197,7 +198,10 @@ class Supervisor:
                 "--model-registry-dir", str(self.config.registry_dir()),
                 "--default-model-dtype", self.config.dtype or "",
                 "--default-model-device", self.config.device,
-                *router_adapters_argv(self.adapter_dirs)]
+                *router_adapters_argv(self.adapter_dirs),
+                # what the model host allows, the flag's own directories among them: the last
+                # --allowed-local-model-path is the one the router keeps
+                "--allowed-local-model-path", pull_roots(self.config).as_flag()]
         self.router = spawn("router", argv, dict(os.environ), self.config.json_output)
         self._wait_until("router ready", self._router_healthy)
 

@@ -28,6 +28,7 @@ from router.config.server import ServerSettings
 from router.errors import RouterError
 from router.http import access_log
 from router.http.middleware import ErrorBodies, api_key_middleware, error_middleware, install_cors
+from router.lifecycle.local_paths import LocalRoots, split_paths
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.model_host import ModelHostClient
 from router.lifecycle.registry import ModelRegistry
@@ -58,7 +59,8 @@ def router_state(server: ServerSettings, model_defaults: ModelSettings) -> Route
     manager = ModelManager(model_defaults, registry, host,
                            supervise=lambda coro: _supervise(coro, fatal),
                            default_dtype=server.default_model_dtype,
-                           default_device=server.default_model_device)
+                           default_device=server.default_model_device,
+                           local_roots=LocalRoots.of(split_paths(server.allowed_local_model_path)))
     return RouterState(server, manager, fatal=fatal)
 
 

@@ -207,3 +207,12 @@ class ModelHostMissingError(RouterError):
 
     def __init__(self, reason: str = "this router runs without tgi-launcher's model host"):
         super().__init__(f"models cannot be pulled, started or stopped: {reason}")
+
+
+class LocalPathRefusedError(RouterError):
+    """A pull names a local path outside the directories the operator allows.
+
+    One message for any such path, so that the answer tells nothing of what lies there."""
+
+    status = 403
+    error_type = "local_path_refused"

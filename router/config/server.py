@@ -54,6 +54,13 @@ class ServerSettings:
     cors_allow_origin: str = setting(None, "Comma-separated origins allowed by CORS ('*' for "
                                            "any). tgi-launcher also takes the flag once per "
                                            "origin, as TGI does.", shown="none: no CORS headers")
+    allowed_local_model_path: str = setting(
+        None, "Directories under which POST /v1/models/pull may read a local model directory or "
+              ".gguf file, comma-separated (tgi-launcher also takes the flag once per "
+              "directory). A path is compared once its symlinks and '..' are resolved; any other "
+              "is refused with a 403 that says nothing of what lies there. tgi-launcher adds its "
+              "model cache (TGI_PY_CACHE), the model registry and its own --model-id.",
+        shown="none: only tgi-launcher's model cache, registry and --model-id")
     payload_limit: int = setting(2_000_000, "Largest request body in bytes; larger ones get "
                                             "413.")
     otlp_endpoint: str = setting(None, "OTLP gRPC endpoint (http://host:4317) to export trace "

@@ -19,6 +19,7 @@ from router.errors import (InvalidModelIdError, ModelHostMissingError, ModelNotF
                            ValidationError)
 from router.lifecycle.adapters import AdapterEntry, AdapterLinks
 from router.lifecycle.limits import check_context
+from router.lifecycle.local_paths import LocalRoots
 from router.lifecycle.model_host import ModelHostClient, ModelHostError
 from router.lifecycle.pulls import ModelPulls, check_host
 from router.lifecycle.registry import (BUSY, DOWNLOADED, NOT_DOWNLOADED, RUNNING, SERVABLE,
@@ -40,7 +41,7 @@ class ModelManager:
 
     def __init__(self, model_defaults: ModelSettings, registry: ModelRegistry,
                  host: ModelHostClient | None, *, supervise: Callable, default_dtype: str = "",
-                 default_device: str = "auto"):
+                 default_device: str = "auto", local_roots: LocalRoots = LocalRoots()):
         self.model_defaults = model_defaults  # what a model started later begins from
         self.registry = registry
         self.host = host
@@ -49,7 +50,7 @@ class ModelManager:
         self.default_device = default_device
         self.served: dict[str, ServedModel] = {}
         self.default_id: str | None = None
-        self.pulls = ModelPulls(registry, host)
+        self.pulls = ModelPulls(registry, host, local_roots=local_roots)
         # what every model's adapter store asks of the server: Hub adapters come through the
         # model host, and a name may not be a model's or another model's adapter's
         self.adapter_links = AdapterLinks(

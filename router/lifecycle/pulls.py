@@ -11,7 +11,9 @@ import shutil
 from collections.abc import Callable, Container
 from pathlib import Path
 
-from router.errors import ModelHostMissingError, ModelStateError, OverloadedError, ValidationError
+from router.errors import (LocalPathRefusedError, ModelHostMissingError, ModelStateError,
+                           OverloadedError, ValidationError)
+from router.lifecycle.local_paths import REFUSAL, LocalRoots, is_path_like
 from router.lifecycle.model_host import ModelHostClient
 from router.lifecycle.registry import (DOWNLOADED, DOWNLOADING, NOT_DOWNLOADED, RUNNING,
                                        ModelRecord, ModelRegistry, check_model_id, directory_for,
@@ -33,9 +35,11 @@ def check_host(registry: ModelRegistry, host: ModelHostClient | None) -> None:
 class ModelPulls:
     """The pulls under way, and the Hub adapters fetched into the registry's cache."""
 
-    def __init__(self, registry: ModelRegistry, host: ModelHostClient | None):
+    def __init__(self, registry: ModelRegistry, host: ModelHostClient | None, *,
+                 local_roots: LocalRoots = LocalRoots()):
         self.registry = registry
         self.host = host
+        self.local_roots = local_roots  # where a pull may read local files (local_paths.py)
         self.tasks: set[asyncio.Task] = set()
         self._adapter_fetches: dict[str, asyncio.Lock] = {}  # by cache directory name
 
@@ -64,6 +68,8 @@ class ModelPulls:
         if name is not None and (not isinstance(name, str) or len(name) > 1000):
             raise ValidationError("`name` must be a string of at most 1000 characters")
         check_host(self.registry, self.host)
+        if is_path_like(source) and not self.local_roots.allows(source):
+            raise LocalPathRefusedError(REFUSAL)
         if len(self.tasks) >= MAX_PULLS:
             raise OverloadedError(f"{MAX_PULLS} pulls are under way; try again when one ends")
         existing = self.registry.records.get(model_id)

@@ -105,12 +105,15 @@ def _generate(url: str, model: str | None, inputs: str, tokens: int = 12) -> req
 
 
 @pytest.fixture(scope="module")
-def server(real_model_dir, tmp_path_factory):
+def server(real_model_dir, tiny_llama, tmp_path_factory):
     registry = tmp_path_factory.mktemp("registry")
+    allowed = tmp_path_factory.mktemp("allowed")
     launched = launch(["--model-id", str(real_model_dir)], tmp_path_factory.mktemp("launch"),
                       extra=["--max-batch-total-tokens", "4096", "--model-registry-dir",
-                             str(registry)])
+                             str(registry), "--allowed-local-model-path", str(allowed),
+                             "--allowed-local-model-path", str(tiny_llama)])
     launched.registry = registry
+    launched.allowed = allowed
     yield launched
     assert launched.stop() == 0, launched.log()[-5000:]
     assert launched.processes_left() == []
@@ -191,9 +194,9 @@ def _without_chat_template(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama, tmp_path):
+def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama):
     url = server.url
-    plain = _without_chat_template(tiny_llama, tmp_path / "plain")
+    plain = _without_chat_template(tiny_llama, server.allowed / "plain")
     pulled = requests.post(f"{url}/v1/models/pull", timeout=10,
                            json={"model": str(plain), "id": "tests/tiny"})
     assert pulled.status_code == 200, pulled.text
@@ -303,12 +306,37 @@ def test_ids_cannot_escape_the_models_directory(server, tmp_path):
     assert not (tmp_path.parent / "escape").exists()
     assert not (server.registry / "escape").exists()
     missing = requests.post(f"{url}/v1/models/pull", timeout=10,
-                            json={"model": str(tmp_path / "nothing-here")})
+                            json={"model": str(server.allowed / "nothing-here")})
     assert missing.status_code == 200  # the pull fails on its own time, as a download would
     failed = _wait_state(url, "nothing-here", "not_downloaded")
     assert "neither a model directory" in failed["metadata"]["error"]
     assert requests.put(f"{url}/v1/models/nothing-here/start", timeout=10).status_code == 409
     assert requests.delete(f"{url}/v1/models/nothing-here", timeout=10).status_code == 200
+
+
+def test_local_pulls_only_under_the_allowed_directories(server, tiny_llama, tmp_path):
+    url, allowed = server.url, server.allowed
+    shutil.copytree(tiny_llama, tmp_path / "model")  # outside the allowed directories
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0)
+    evil = Path(f"{allowed}-evil")  # a prefix of the allowed directory's name is not under it
+    shutil.copytree(tiny_llama, evil / "model")
+    (allowed / "link").symlink_to(tmp_path / "model")
+    story = []  # the default model serves throughout
+    reader = threading.Thread(target=lambda: story.append(
+        _generate(url, None, "Once upon a time", tokens=40)))
+    reader.start()
+    answers = set()
+    for source in (tmp_path / "model", tmp_path / "missing", locked / "model", evil / "model",
+                   allowed / "link", f"{allowed}/../{evil.name}/model", "/etc", "~/x.gguf"):
+        reply = requests.post(f"{url}/v1/models/pull", json={"model": str(source), "id": "x"},
+                              timeout=10)
+        answers.add((reply.status_code, reply.text))
+    ((status, body),) = answers  # one answer, whatever lies there
+    assert status == 403 and "--allowed-local-model-path" in body, body
+    assert requests.get(f"{url}/v1/models/x", timeout=10).status_code == 404
+    reader.join(120)
+    assert story and story[0].status_code == 200, story
 
 
 def test_the_registry_survives_a_restart(tiny_llama, tmp_path):

@@ -12,6 +12,7 @@ from router.errors import RouterError
 GRPC_STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
     404: grpc.StatusCode.NOT_FOUND,
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
     409: grpc.StatusCode.FAILED_PRECONDITION,

@@ -129,7 +129,8 @@ def _model_paths() -> dict:
         "/v1/models/pull": {"post": {
             "summary": "Fetch a model; answers at once, progress in its state and metadata",
             **body("PullRequest"),
-            "responses": answer("ModelStateResponse", 400, 413, 422, 503, conflict=True)}},
+            "responses": answer("ModelStateResponse", 400, 403, 413, 422, 429, 503,
+                                conflict=True)}},
         **_adapter_paths(),
     }
 

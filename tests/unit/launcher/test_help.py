@@ -53,8 +53,8 @@ def test_every_flag_names_its_default_and_the_variable_it_reads(build, monkeypat
         text, value = _variable_value(action)
         monkeypatch.setenv(name, text)
         parsed = getattr(build().parse_args([]), action.dest)
-        if action.dest == "router.cors_allow_origin":  # the launcher reads it in parse_args
-            parsed = parse_args([]).router["cors_allow_origin"]
+        if action.dest in ("router.cors_allow_origin", "router.allowed_local_model_path"):
+            parsed = parse_args([]).router[action.dest.removeprefix("router.")]  # read there
         assert parsed == value, f"{flag} does not read {name}"
         monkeypatch.delenv(name)
 

@@ -10,6 +10,7 @@ from launcher import pull as pulling
 from launcher.known_models import GEMMA3_270M
 from launcher.model_cache import ModelResolutionError
 from launcher.pull import pull
+from router.lifecycle.local_paths import LocalRoots
 from shard.checkpoint_files import INDEX_NAME, checkpoint_files
 from tests.unit.launcher.fake_hub import SHARDS, FakeHub, write_sharded
 from tests.unit.launcher.tiny_gguf import write_tiny_gguf
@@ -33,7 +34,8 @@ def _names(path) -> list[str]:
 def test_a_directory_is_copied_without_its_stray_consolidated_file(tiny_llama, tmp_path):
     source = write_sharded(tiny_llama, tmp_path / "source")
     progress = Progress()
-    pulled = pull(str(source), tmp_path / "registry" / "m", progress)
+    pulled = pull(str(source), tmp_path / "registry" / "m", progress,
+                  allowed=LocalRoots.of([tmp_path]))
     target = tmp_path / "registry" / "m"
     assert "consolidated.safetensors" not in _names(target)
     assert sorted(p.name for p in checkpoint_files(target)) == list(SHARDS)
@@ -45,7 +47,8 @@ def test_a_directory_missing_a_shard_of_its_index_is_refused(tiny_llama, tmp_pat
     source = write_sharded(tiny_llama, tmp_path / "source")
     (source / SHARDS[0]).unlink()
     with pytest.raises(ModelResolutionError, match=rf"lacks {SHARDS[0]}, named by {INDEX_NAME}"):
-        pull(str(source), tmp_path / "registry" / "m", Progress())
+        pull(str(source), tmp_path / "registry" / "m", Progress(),
+             allowed=LocalRoots.of([tmp_path]))
     assert _names(tmp_path / "registry") == []  # no staging directory left behind
 
 
@@ -104,5 +107,6 @@ def test_a_directory_named_like_a_short_name_is_that_directory(fetched, tiny_lla
                                                                monkeypatch):
     monkeypatch.chdir(tmp_path)
     shutil.copytree(tiny_llama, tmp_path / "gemma3-270m")
-    assert pull("gemma3-270m", tmp_path / "registry" / "g", Progress()).format == "safetensors"
+    assert pull("gemma3-270m", tmp_path / "registry" / "g", Progress(),
+                allowed=LocalRoots.of([tmp_path])).format == "safetensors"
     assert fetched == []
