@@ -90,6 +90,7 @@ class ModelPulls:
         return record
 
     async def _pull(self, record: ModelRecord) -> None:
+        forgotten: list[str] = []
         try:
             async for progress in self.host.pull(record.source, record.model_dir):
                 record.bytes_done, record.bytes_total = progress.bytes_done, progress.bytes_total
@@ -101,11 +102,14 @@ class ModelPulls:
         except Exception as err:  # noqa: BLE001 (whatever went wrong is this pull's to report)
             record.state, record.error = NOT_DOWNLOADED, str(err) or type(err).__name__
             log.warning("pulling %s from %s failed: %s", record.id, record.source, err)
+            forgotten = self.registry.forget_failed_pulls()
+            if forgotten:
+                log.info("forgot the oldest failed pulls: %s", ", ".join(forgotten))
         except asyncio.CancelledError:
             record.state, record.error = NOT_DOWNLOADED, "the router stopped during the download"
             raise
         finally:
-            if self.registry.records.get(record.id) is record:
+            if forgotten or self.registry.records.get(record.id) is record:
                 self.registry.save()
 
     async def fetch_adapter(self, hub_id: str, revision: str | None) -> str:

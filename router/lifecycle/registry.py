@@ -31,6 +31,12 @@ STATES = (NOT_DOWNLOADED, DOWNLOADING, DOWNLOADED, STARTING, RUNNING, STOPPING, 
 SERVABLE = (DOWNLOADED, STOPPED)  # a model in these states may start
 BUSY = (DOWNLOADING, STARTING, RUNNING, STOPPING)  # a model in these states may not be deleted
 
+# failed pulls kept, the newest: each keeps its reason for the client that pulled, and without a
+# bound every pull of a bad source would grow the file rewritten on each change (400 failures made
+# it 226 KB). A count, not an age: it bounds the file however fast pulls fail, and a failure stays
+# readable until newer ones push it out, however slowly its client comes back to read it
+MAX_FAILED_PULLS = 16
+
 # an id is a name or an owner/name pair, as on the Hub; no segment may be "." or "..", which the
 # first character's class already rules out
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?")
@@ -182,6 +188,7 @@ class ModelRegistry:
             elif record.state in (STARTING, RUNNING, STOPPING):
                 record.state = STOPPED
             self.records[record.id] = record
+        self.forget_failed_pulls()
 
     def _sweep_staging(self) -> None:
         """A pull stopped mid-way (the launcher killed) leaves its staging directory behind."""
@@ -216,6 +223,17 @@ class ModelRegistry:
         self.records[record.id] = record
         self.save()
         return record
+
+    def forget_failed_pulls(self, keep: int = MAX_FAILED_PULLS) -> list[str]:
+        """Forgets all but the `keep` newest failed pulls (not_downloaded); their ids.
+
+        Newest by the time their pull began, which a pull of the same id again renews."""
+        failed = sorted((r for r in self.records.values() if r.state == NOT_DOWNLOADED),
+                        key=lambda record: record.created)
+        forgotten = [record.id for record in failed[:max(len(failed) - keep, 0)]]
+        for model_id in forgotten:
+            del self.records[model_id]
+        return forgotten
 
     def remove(self, model_id: str) -> None:
         self.records.pop(model_id, None)

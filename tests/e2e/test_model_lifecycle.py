@@ -314,7 +314,10 @@ def test_ids_cannot_escape_the_models_directory(server, tmp_path):
     assert requests.delete(f"{url}/v1/models/nothing-here", timeout=10).status_code == 200
 
 
-def test_local_pulls_only_under_the_allowed_directories(server, tiny_llama, tmp_path):
+def test_local_pulls_only_under_the_allowed_directories_and_failures_forgotten(
+        server, tiny_llama, tmp_path):
+    from router.lifecycle.registry import MAX_FAILED_PULLS
+
     url, allowed = server.url, server.allowed
     shutil.copytree(tiny_llama, tmp_path / "model")  # outside the allowed directories
     locked = tmp_path / "locked"
@@ -335,8 +338,22 @@ def test_local_pulls_only_under_the_allowed_directories(server, tiny_llama, tmp_
     ((status, body),) = answers  # one answer, whatever lies there
     assert status == 403 and "--allowed-local-model-path" in body, body
     assert requests.get(f"{url}/v1/models/x", timeout=10).status_code == 404
+
+    # pulls that fail inside it: only the newest failures are kept
+    ids = [f"gone-{n}" for n in range(MAX_FAILED_PULLS + 4)]
+    for model_id in ids:
+        body = {"model": str(allowed / model_id), "id": model_id}
+        wait_until(lambda: requests.post(f"{url}/v1/models/pull", json=body,
+                                         timeout=10).status_code != 429, "a free pull slot")
+    wait_until(lambda: all(m["state"] != "downloading" for m in requests.get(
+        f"{url}/v1/models", timeout=10).json()["data"]), "the pulls to fail")
+    saved = json.loads((server.registry / "models.json").read_text())["models"]
+    failed = [m["id"] for m in saved if m["state"] == "not_downloaded"]
+    assert len(failed) == MAX_FAILED_PULLS and ids[-1] in failed and ids[0] not in failed
     reader.join(120)
     assert story and story[0].status_code == 200, story
+    for model_id in failed:
+        requests.delete(f"{url}/v1/models/{model_id}", timeout=10)
 
 
 def test_the_registry_survives_a_restart(tiny_llama, tmp_path):
