@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from router.config.server import ServerSettings
-from router.errors import ModelNotFoundError
+from router.errors import ModelNotFoundError, ModelStateError, UnhealthyError
 from router.lifecycle.manager import UNNAMED_MODELS, ModelManager
 from router.lifecycle.served_model import ServedModel
 from router.telemetry.request_record import current_record
@@ -45,6 +45,43 @@ def served_model(request: web.Request, name: str | None = None) -> ServedModel:
     if name is None:
         name = request.headers.get(MODEL_HEADER)
     return _noted(request.app[STATE].served(name))
+
+
+async def healthy_model(state: RouterState, name: str | None) -> ServedModel:
+    """The model a health check asks about, once its shards have answered.
+
+    `name` (X-Model-Id) names it; None asks about the model a request naming none reaches: the
+    default model (while it is stopped, the one model running, if only one runs), or with no
+    default model any running one. A model that cannot serve, stopped or restarting, is the
+    UnhealthyError of a 503 with Retry-After, so that a load balancer stops sending what would
+    get 409s; a name no model has is served_model's 404.
+    """
+    models = state.models
+    try:
+        served = models.served_model(name)
+    except ModelStateError as err:
+        raise UnhealthyError(err.message) from None
+    except ModelNotFoundError as err:
+        if name is not None:
+            raise
+        if models.default_id is not None:
+            raise UnhealthyError(err.message) from None
+        return await _any_healthy(models.served)
+    await served.check_health()
+    return served
+
+
+async def _any_healthy(running: dict[str, ServedModel]) -> ServedModel:
+    """The first running model whose shards answer; UnhealthyError when none does."""
+    failure = UnhealthyError("no model is running: start one with PUT /v1/models/<id>/start")
+    for model in list(running.values()):
+        try:
+            await model.check_health()
+        except UnhealthyError as err:
+            failure = err
+        else:
+            return model
+    raise failure
 
 
 def _noted(served: ServedModel) -> ServedModel:

@@ -28,7 +28,7 @@ from router.errors import (IncompleteGenerationError, ModelNotFoundError, ModelS
                            RouterError, UnhealthyError)
 from router.inputs.validation import ValidatedGenerate
 from router.schemas import Timings
-from router.state import STATE, RouterState
+from router.state import STATE, RouterState, healthy_model
 from router.telemetry.tracing import record_phases, request_span
 
 log = logging.getLogger("tgi.router.grpc")
@@ -77,7 +77,7 @@ def info(state: RouterState) -> dict:
 
 async def check_health(state: RouterState) -> None:
     """Returns when GET /health answers 200; raises the UnhealthyError of its 503 otherwise."""
-    await state.served(None).check_health()
+    await healthy_model(state, None)
 
 
 # ---- the service ---------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from router.http.json_body import read_object
 from router.http.sse import StreamFormat, openai_sse, serve_stream
 from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,
                             StoppingParams, Timings, Token, TokenEvent)
-from router.state import served_model
+from router.state import MODEL_HEADER, STATE, healthy_model, served_model
 from router.telemetry.tracing import request_span
 
 # rid -> the runs that carry it (n copies of one prompt share their rid)
@@ -291,9 +291,10 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 
 async def health_generate(request: web.Request) -> web.Response:
-    """Health that runs one real token through the queue, the scheduler and the shards."""
-    served = served_model(request)
-    await served.check_health()
+    """Health that runs one real token through the queue, the scheduler and the shards.
+
+    Of the model /health asks about: a stopped one is a 503, as there."""
+    served = await healthy_model(request.app[STATE], request.headers.get(MODEL_HEADER))
     input_ids = served.tokenizer.encode("Hi") or [0]
     probe = GenerateRequest(inputs="Hi", input_ids=input_ids, sampling=SamplingParams(),
                             stopping=StoppingParams(max_new_tokens=1, ignore_eos=True))

@@ -149,7 +149,7 @@ def paths() -> dict:
                                   {}, stream=True),
         "/tokenize": post("Tokenize inputs", "GenerateRequest", ref("TokenizeResponse")),
         "/health": {"get": {"summary": "Health of the shards", "responses": {
-            "200": {"description": "Everything is working fine"}, **error_responses(503)}}},
+            "200": {"description": "Everything is working fine"}, **error_responses(404, 503)}}},
         "/info": {"get": {"summary": "Model and router limits", "responses": {
             "200": {"description": "OK", **json_content(ref("Info"))}}}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {

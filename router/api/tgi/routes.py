@@ -16,7 +16,7 @@ from router.http.sse import StreamFormat, serve_stream, sse_data
 from router.inputs.validation import ValidatedGenerate, check_types, validate_generate
 from router.lifecycle.served_model import ServedModel
 from router.schemas import Timings, Token, TokenEvent
-from router.state import MODEL_HEADER, STATE, RouterState, served_model
+from router.state import MODEL_HEADER, STATE, RouterState, healthy_model, served_model
 from router.telemetry.metrics import render_models
 from router.telemetry.tracing import phase_span, record_phases, request_span
 
@@ -234,20 +234,11 @@ async def tokens_response(text: str, ids: list[int], offsets: list[tuple[int, in
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: the named model, or every running model, answers.
+    """GET /health: 200 while the model X-Model-Id names, else the default model, can serve.
 
-    The X-Model-Id header names the model. One that stops while it is asked is no longer the
-    server's to report."""
-    if request.headers.get(MODEL_HEADER) is not None:
-        await served_model(request).check_health()
-    else:
-        running = request.app[STATE].models.served
-        for name, model in list(running.items()):
-            try:
-                await model.check_health()
-            except Exception:
-                if running.get(name) is model:
-                    raise
+    A 503 (Retry-After) otherwise, as the gRPC health check says NOT_SERVING
+    (router/state.py healthy_model)."""
+    await healthy_model(request.app[STATE], request.headers.get(MODEL_HEADER))
     return web.Response(status=200)
 
 
