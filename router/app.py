@@ -33,7 +33,7 @@ from router.lifecycle.manager import ModelManager
 from router.lifecycle.model_host import ModelHostClient
 from router.lifecycle.registry import ModelRegistry
 from router.lifecycle.served_model import build_served
-from router.state import STATE, RouterState
+from router.state import MODEL_HEADER, STATE, RouterState
 
 # Every API the router serves: each module turns its wire format into core requests and the core's
 # events into its wire format, and registers itself (routes, or a server of its own).
@@ -95,7 +95,8 @@ def create_app(state: RouterState) -> web.Application:
     app = web.Application(client_max_size=config.payload_limit)
     app.middlewares.append(error_middleware(ERROR_BODIES))
     if config.api_key:
-        app.middlewares.append(api_key_middleware(config.api_key, ERROR_BODIES))
+        app.middlewares.append(api_key_middleware(config.api_key, ERROR_BODIES,
+                                                  private_headers=(MODEL_HEADER,)))
     if config.cors_allow_origin:
         install_cors(app, config.cors_allow_origin)
     access_log.install(app)  # outermost: it logs the answers of the middlewares above

@@ -48,9 +48,10 @@ class ServerSettings:
                              shown="none: no gRPC server")
     api_key: str = setting(None, "When set, every route but /health, /metrics and the pages "
                                  "(GET / and /docs, which ask for the key) needs "
-                                 "'Authorization: Bearer <key>', and every gRPC call but health "
-                                 "checks and reflection the metadata 'authorization: Bearer "
-                                 "<key>'.", shown="none: no key asked")
+                                 "'Authorization: Bearer <key>' (without it, /health and /metrics "
+                                 "ignore X-Model-Id), and every gRPC call but health checks and "
+                                 "reflection the metadata 'authorization: Bearer <key>'.",
+                           shown="none: no key asked")
     cors_allow_origin: str = setting(None, "Comma-separated origins allowed by CORS ('*' for "
                                            "any). tgi-launcher also takes the flag once per "
                                            "origin, as TGI does.", shown="none: no CORS headers")

@@ -82,17 +82,27 @@ def error_middleware(bodies: ErrorBodies):
     return answer_errors
 
 
-def api_key_middleware(api_key: str, bodies: ErrorBodies):
-    """A middleware refusing, with a 401 in the body `bodies` picks, a request without the key."""
+def api_key_middleware(api_key: str, bodies: ErrorBodies, *,
+                       private_headers: tuple[str, ...] = ()):
+    """A middleware refusing, with a 401 in the body `bodies` picks, a request without the key.
+
+    A public route answers without the key, but as if `private_headers` were absent: they choose
+    what answers (X-Model-Id, a model), and what each choice says (404, a stopped model's 503)
+    would tell a caller without the key which models exist and in which state."""
     expected = f"Bearer {api_key}".encode()
 
     @web.middleware
     async def check_key(request: web.Request, handler):
-        if _is_public(request):
-            return await handler(request)
         given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+        if hmac.compare_digest(given, expected):
+            return await handler(request)
+        if not _is_public(request):
             return bodies.response(request, AuthenticationError())
+        if any(name in request.headers for name in private_headers):
+            headers = request.headers.copy()
+            for name in private_headers:
+                headers.popall(name, None)
+            request = request.clone(headers=headers)
         return await handler(request)
 
     return check_key

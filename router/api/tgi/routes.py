@@ -11,7 +11,7 @@ from router.core.generation import GenerateResult
 from router.api.tgi.errors import tgi_error_body
 from router.errors import BadRequestError, RouterError, ValidationError
 from router.http.json_body import read_object
-from router.http.middleware import ErrorBodies, error_middleware
+from router.http.middleware import ErrorBodies, api_key_middleware, error_middleware
 from router.http.sse import StreamFormat, serve_stream, sse_data
 from router.inputs.validation import ValidatedGenerate, check_types, validate_generate
 from router.lifecycle.served_model import ServedModel
@@ -237,7 +237,8 @@ async def health(request: web.Request) -> web.Response:
     """GET /health: 200 while the model X-Model-Id names, else the default model, can serve.
 
     A 503 (Retry-After) otherwise, as the gRPC health check says NOT_SERVING
-    (router/state.py healthy_model)."""
+    (router/state.py healthy_model). Without the API key the header never reaches here
+    (router/http/middleware.py): which models exist is not for those without it."""
     await healthy_model(request.app[STATE], request.headers.get(MODEL_HEADER))
     return web.Response(status=200)
 
@@ -257,9 +258,15 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def metrics_app(state: RouterState) -> web.Application:
-    """What --prometheus-port serves: GET /metrics, the same as on the main port."""
+    """What --prometheus-port serves: GET /metrics, the same as on the main port.
+
+    With --api-key, X-Model-Id counts only with the key here too."""
     app = web.Application()
-    app.middlewares.append(error_middleware(ErrorBodies(tgi_error_body)))
+    bodies = ErrorBodies(tgi_error_body)
+    app.middlewares.append(error_middleware(bodies))
+    if state.config.api_key:
+        app.middlewares.append(api_key_middleware(state.config.api_key, bodies,
+                                                  private_headers=(MODEL_HEADER,)))
     app[STATE] = state
     app.router.add_get("/metrics", metrics)
     return app
