@@ -1,12 +1,18 @@
 """Clients that stop reading their stream, against the batching loop on a fake shard: the slot is
-let go of when the generation ends, a reader too far behind ends its request (blocks freed), and a
-fan-out runs at most the bound ahead of its reader."""
+let go of when the generation ends, a reader too far behind ends its request (blocks freed), a
+fan-out runs at most the bound ahead of its reader, and the HTTP stream driver cuts a connection
+whose client takes nothing within --stream-write-timeout."""
 import asyncio
+import socket
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from router.core.generation import Infer
 from router.errors import OverloadedError, SlowReaderError
+from router.http.sse import WRITE_TIMEOUT, StreamFormat, serve_stream
+from router.schemas import Token, TokenEvent
 from tests.fakes import FakeShardClient
 from tests.unit.router.test_batcher import _request, _setup, _with_loop
 from tests.waiting import wait_until_async
@@ -81,3 +87,53 @@ async def test_a_fan_out_runs_at_most_the_bound_ahead_of_its_reader():
                 pass
 
     await _with_loop(batcher, scenario())
+
+
+class _Big(StreamFormat):
+    """Frames of 64 KB: a few dozen fill any socket buffer."""
+
+    def event(self, index, event):
+        return [b"x" * 65536]
+
+    def error(self, err):
+        return b"error\n"
+
+
+async def test_a_client_that_takes_nothing_is_cut_after_the_write_timeout():
+    closed = asyncio.Event()
+
+    async def events():
+        try:
+            while True:
+                await asyncio.sleep(0)
+                yield 0, TokenEvent(Token(1, "x", None))
+        finally:
+            closed.set()
+
+    async def handler(request):
+        return await serve_stream(request, events(), _Big())
+
+    app = web.Application()
+    app[WRITE_TIMEOUT] = 0.5
+    app.router.add_get("/", handler)
+    server = TestServer(app)
+    await server.start_server()
+    peer = socket.socket()
+    try:
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        peer.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(peer, (server.host, server.port))
+        await loop.sock_sendall(peer, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        # it reads nothing: within the timeout (after the buffers fill) the stream is cut and
+        # its events closed, which is what cancels a generation
+        await asyncio.wait_for(closed.wait(), timeout=10)
+        received = 0
+        while chunk := await asyncio.wait_for(loop.sock_recv(peer, 1 << 20), timeout=10):
+            received += len(chunk)
+        assert received > 65536  # what the buffers held, then the end of the connection
+    except ConnectionResetError:
+        pass  # the cut may arrive as a reset, with the unread bytes dropped
+    finally:
+        peer.close()
+        await server.close()
