@@ -52,6 +52,10 @@ class StreamFormat:
         """One event of the request at `index` (several requests share a stream with n > 1)."""
         raise NotImplementedError
 
+    async def event_frames(self, index: int, event: TokenEvent) -> list[bytes]:
+        """event()'s frames; a format whose frames can be large encodes them off the event loop."""
+        return self.event(index, event)
+
     def closing(self) -> list[bytes]:
         """After every request's final event."""
         return []
@@ -108,7 +112,7 @@ async def _serve(request: web.Request, response: web.StreamResponse, write: _Wri
         finished = 0
         while item is not None:
             index, event = item
-            await write(form.event(index, event))
+            await write(await form.event_frames(index, event))
             finished += event.final is not None
             item = await anext(events, None)
         if finished < streams:
