@@ -13,7 +13,7 @@ from aiohttp import web
 
 from router.api import invocations, openapi
 from router.api.generate_one import routes as generate_one
-from router.api.grpc import service as grpc_service
+from router.api.grpc import server as grpc_server
 from router.api.models import routes as models
 from router.api.openai import chat as openai
 from router.api.openai import completions
@@ -28,6 +28,7 @@ from router.config.server import ServerSettings
 from router.errors import RouterError
 from router.http import access_log
 from router.http.middleware import ErrorBodies, api_key_middleware, error_middleware, install_cors
+from router.http.sse import WRITE_TIMEOUT
 from router.lifecycle.local_paths import LocalRoots, split_paths
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.model_host import ModelHostClient
@@ -37,7 +38,7 @@ from router.state import MODEL_HEADER, STATE, RouterState
 
 # Every API the router serves: each module turns its wire format into core requests and the core's
 # events into its wire format, and registers itself (routes, or a server of its own).
-API_MODULES = (tgi, sglang, openai, completions, invocations, generate_one, models, grpc_service,
+API_MODULES = (tgi, sglang, openai, completions, invocations, generate_one, models, grpc_server,
                openapi, ui)
 
 # errors in TGI's body, a route's own where its API has one, and OpenAI's to an OpenAI SDK on /v1
@@ -101,6 +102,7 @@ def create_app(state: RouterState) -> web.Application:
         install_cors(app, config.cors_allow_origin)
     access_log.install(app)  # outermost: it logs the answers of the middlewares above
     app[STATE] = state
+    app[WRITE_TIMEOUT] = config.stream_write_timeout
     for api in API_MODULES:
         api.register(app)
 

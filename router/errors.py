@@ -153,6 +153,15 @@ class RequestTimeoutError(RouterError):
     error_type = "timeout"
 
 
+class SlowReaderError(RouterError):
+    """A streamed answer whose client stopped taking it: the stream ends, its generation with it.
+
+    408, as a client too slow to send its body gets; DEADLINE_EXCEEDED on the gRPC API."""
+
+    status = 408
+    error_type = "slow_reader"
+
+
 class BadRequestError(RouterError):
     """Malformed bodies: invalid JSON or wrong field types; TGI's clients read them as validation."""
 

@@ -36,15 +36,17 @@ def build_tokenizer(out_dir: Path) -> None:
 
 def build_tiny_model(out_dir: Path, *, architecture: str = "llama", num_heads: int = 4,
                      num_kv_heads: int = 2, seed: int = 0, with_tokenizer: bool = True,
-                     tie_word_embeddings: bool = False, attention_bias: bool = False) -> Path:
+                     tie_word_embeddings: bool = False, attention_bias: bool = False,
+                     hidden_size: int = 64, max_position_embeddings: int = 512) -> Path:
     """Saves a random model of the Llama family with a 320-token vocabulary to `out_dir`."""
     import transformers
 
     torch.manual_seed(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=hidden_size, intermediate_size=128,
                   num_hidden_layers=3, num_attention_heads=num_heads,
-                  num_key_value_heads=num_kv_heads, max_position_embeddings=512,
+                  num_key_value_heads=num_kv_heads,
+                  max_position_embeddings=max_position_embeddings,
                   rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings,
                   bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if architecture == "llama":

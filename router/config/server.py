@@ -64,6 +64,11 @@ class ServerSettings:
         shown="none: only tgi-launcher's model cache, registry and --model-id")
     payload_limit: int = setting(2_000_000, "Largest request body in bytes; larger ones get "
                                             "413.")
+    stream_write_timeout: float = setting(30.0, "Seconds a streamed answer (SSE, or a gRPC "
+                                                "GenerateStream) may wait for its client to "
+                                                "take more: past them the stream ends (gRPC "
+                                                "DEADLINE_EXCEEDED; HTTP closes the "
+                                                "connection) and its generation is cancelled.")
     otlp_endpoint: str = setting(None, "OTLP gRPC endpoint (http://host:4317) to export trace "
                                        "spans to.", shown="none: no spans exported")
     otlp_service_name: str = setting("tgi-py.router", "service.name of the exported spans.")
@@ -99,6 +104,9 @@ class ServerSettings:
             raise ValueError(f"--prometheus-port {self.prometheus_port} is also the HTTP --port "
                              "or the --grpc-port; pick another (GET /metrics is on --port "
                              "already)")
+        if not 0 < self.stream_write_timeout <= 86400:
+            raise ValueError(f"--stream-write-timeout {self.stream_write_timeout} must be a "
+                             "number of seconds above 0 (at most a day)")
         if self.payload_limit < 1:
             raise ValueError(f"--payload-limit {self.payload_limit} must be a positive byte count")
         if self.grpc_port == self.port:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from router.core.adapter_use import AdapterUse
-from router.errors import IncompleteGenerationError, OverloadedError, RouterError, ValidationError
+from router.errors import (IncompleteGenerationError, OverloadedError, RouterError,
+                           SlowReaderError, ValidationError)
 from router.inputs.seeds import copies
 from router.scheduler.active_request import ActiveRequest
 from router.scheduler.batcher import Batcher
@@ -76,19 +77,37 @@ class FanOutStream:
 _FAILURE_LABELS = {"validation": "validation", "overloaded": "overloaded",
                    "generation": "generation", "incomplete_generation": "incomplete"}
 
+# Events a stream's reader may leave unread from one decode call to the next (a call delivers up
+# to --max-decode-steps-per-call steps at once): one that falls further behind stopped reading,
+# and its request ends (SlowReaderError) rather than pile its events up in the router. A reader
+# that keeps up takes each call's events while the shards compute the next.
+MAX_UNREAD_EVENTS = 256
+
 
 class Infer:
     def __init__(self, batcher: Batcher, metrics: Metrics, *, max_concurrent_requests: int,
-                 grammar_support: bool = True):
+                 grammar_support: bool = True, max_unread_events: int = MAX_UNREAD_EVENTS):
         self.batcher = batcher
         self.metrics = metrics
         self.max_concurrent_requests = max_concurrent_requests
         # False (--disable-grammar-support): constrained requests are refused, as TGI refuses them
         self.grammar_support = grammar_support
-        self.in_flight = 0
+        self.max_unread_events = max_unread_events
+        # every request whose stream is open, by id; those whose generation goes on hold a slot
+        self._admitted: dict[int, ActiveRequest] = {}
         # the LoRA adapters requests may name, and each one's requests in flight
         self.adapters = AdapterUse()
         self._ids = itertools.count()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests whose generation goes on: each holds one of --max-concurrent-requests.
+
+        A request lets go of its slot when its generation ends (its last event is delivered, it
+        failed, it was cancelled), not when its reader has taken every event: a client that
+        reads slowly, or not at all, holds no slot once the shards are done with its request.
+        """
+        return sum(not item.is_done for item in self._admitted.values())
 
     def record_failure(self, error: RouterError) -> None:
         self.metrics.counters.inc("tgi_request_failure",
@@ -122,7 +141,8 @@ class Infer:
                              held_prefix=continuation and continuation.held_prefix,
                              on_final=continuation and continuation.on_final,
                              kv_rows=request.num_beams if beams else 1,
-                             kv_row_slack=allocator.block_size if beams else 0)
+                             kv_row_slack=allocator.block_size if beams else 0,
+                             max_unread_events=self.max_unread_events)
         if allocator.blocks_needed(item.kv_tokens) > allocator.num_usable_blocks:
             raise ValidationError(f"the request needs {item.kv_tokens} tokens of KV cache but the "
                                   f"server holds {allocator.num_usable_blocks * allocator.block_size}")
@@ -150,7 +170,7 @@ class Infer:
         if request.adapter_id is not None:
             metrics.counters.inc("tgi_request_adapter_count", adapter=request.adapter_id)
         self.adapters.enter(request.adapter_id)
-        self.in_flight += 1
+        self._admitted[item.id] = item
         timings.queued_at = time.monotonic()
         metrics.validation_duration.observe(timings.queued_at - timings.started_at)
         try:
@@ -158,7 +178,8 @@ class Infer:
             while True:
                 event = await item.events.get()
                 if isinstance(event, RouterError):
-                    self.record_failure(event)
+                    if not isinstance(event, SlowReaderError):  # counted as it was ended
+                        self.record_failure(event)
                     raise event
                 if timings.batched_at == 0.0:
                     timings.batched_at = item.batched_at
@@ -174,7 +195,7 @@ class Infer:
         finally:
             if not item.is_done:
                 self.batcher.cancel(item)
-            self.in_flight -= 1
+            del self._admitted[item.id]
             self.adapters.leave(request.adapter_id)
             if record is not None:  # what the shards generated (a beam's final list whole)
                 record.generated_tokens += len(item.generated_ids)
@@ -245,6 +266,7 @@ class Infer:
             return
         streams = streams or [FanOutStream() for _ in requests]
         merged: asyncio.Queue = asyncio.Queue()
+        taken = asyncio.Event()  # set as the reader takes an event: a waiting pump looks again
 
         def arrived(index: int, event: TokenEvent) -> None:
             if on_event is not None:
@@ -257,10 +279,19 @@ class Infer:
                 if handle.aborted:
                     raise asyncio.CancelledError
                 own = handle.timings or (replace(timings) if timings else None)
-                async for event in self.stream(request, own):
-                    texts.append(event.token.text)
-                    handle.finished = event.final is not None
-                    arrived(index, event)
+                # closed here, not when collected: a pump may be cancelled while it waits
+                # outside the stream, and only closing it cancels the request
+                async with aclosing(self.stream(request, own)) as events:
+                    async for event in events:
+                        texts.append(event.token.text)
+                        handle.finished = event.final is not None
+                        arrived(index, event)
+                        # a pump runs at most the bound ahead of the reader: the events of a
+                        # reader that stopped wait in their request's queue, where the
+                        # scheduler sees them (ActiveRequest.is_behind)
+                        while 0 < self.max_unread_events <= merged.qsize():
+                            taken.clear()
+                            await taken.wait()
             except asyncio.CancelledError:
                 if not handle.aborted:
                     raise
@@ -279,6 +310,7 @@ class Infer:
             open_streams = len(tasks)
             while open_streams:
                 index, item = await merged.get()
+                taken.set()
                 if item is None:
                     open_streams -= 1
                 elif isinstance(item, Exception):

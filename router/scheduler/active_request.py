@@ -32,10 +32,24 @@ class ActiveRequest(QueueEntry):
     # called with the final event's info as it is delivered, while the request still holds its
     # blocks (a session keeps them); an exception there is the hook's, never the loop's
     on_final: Callable[["ActiveRequest", FinalInfo], None] | None = None
+    # events its reader may leave unread from one step to the next before it counts as gone
+    # (0: no bound); see is_behind
+    max_unread_events: int = 0
 
     @property
     def is_live(self) -> bool:
         return not self.is_done and not self.is_cancelled
+
+    @property
+    def is_behind(self) -> bool:
+        """Its reader left `max_unread_events` events unread since the last steps.
+
+        Asked as a step's events arrive, before they are delivered: a reader that keeps up has
+        taken the earlier ones while the shards computed this step, so only one that stopped
+        reading (a client whose connection takes nothing more) falls this far behind, and
+        without the bound its events would pile up in the router until its generation ended.
+        """
+        return 0 < self.max_unread_events <= self.events.qsize()
 
 
 def deliver(item: ActiveRequest, event: TokenEvent) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from router.errors import GenerationError, RouterError
+from router.errors import GenerationError, RouterError, SlowReaderError
 from router.scheduler.active_request import ActiveRequest
 from router.scheduler.request_queue import RequestQueue
 from router.scheduler.running_requests import RunningRequests
@@ -49,6 +49,19 @@ class FailureFanOut:
         log.error("request %d failed while its generation was read back: %r", item.id, err,
                   exc_info=err)
         self._tell(item, GenerationError(f"{type(err).__name__}: {err}"))
+
+    def reader_gone(self, item: ActiveRequest) -> None:
+        """A request whose reader stopped taking its events (is_behind): it ends here.
+
+        Its stream ends with a SlowReaderError after the events already queued, and the next
+        filter drops it from the shards' batch and frees its blocks.
+        """
+        log.warning("request %d ended: its client left %d events unread", item.id,
+                    item.events.qsize())
+        self.metrics.counters.inc("tgi_request_failure", err="slow_reader")
+        self._tell(item, SlowReaderError(
+            f"the client stopped reading the stream ({item.events.qsize()} events unread): "
+            "the generation was cancelled"))
 
     def fail(self, items: list[ActiveRequest], error: RouterError) -> None:
         """Each request hears `error` (unless it already ended) and lets go of its blocks."""

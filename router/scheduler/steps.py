@@ -157,6 +157,8 @@ class ShardSteps:
             if generation.error is not None:
                 # done now: the filter after the call drops it from the shards, freeing its blocks
                 self.failures.generation_failed(item, generation.error)
+            elif item.is_behind:  # so is a request whose client stopped reading
+                self.failures.reader_gone(item)
             else:
                 for event in generation.events:
                     deliver(item, event)

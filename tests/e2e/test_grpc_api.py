@@ -14,12 +14,17 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto import api_pb2, api_pb2_grpc
 from tests.e2e.server import free_and_total_blocks, free_port, launch
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
 API_KEY = "grpc-test-key"
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
 SERVICE = "tgi.v1.TextGeneration"
+
+
+MAX_CONCURRENT = 2
+WRITE_TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +36,9 @@ def server(tiny_llama, tmp_path_factory):
                       extra=["--max-input-tokens", "64", "--max-total-tokens", "128",
                              "--max-batch-prefill-tokens", "256", "--max-batch-total-tokens", "8192",
                              "--block-size", "4", "--grpc-port", str(grpc_port),
-                             "--api-key", API_KEY, "--max-decode-steps-per-call", "1"])
+                             "--api-key", API_KEY, "--max-decode-steps-per-call", "1",
+                             "--max-concurrent-requests", str(MAX_CONCURRENT),
+                             "--stream-write-timeout", str(WRITE_TIMEOUT_S)])
     launched.grpc_target = f"127.0.0.1:{grpc_port}"
     yield launched
     assert launched.stop() == 0
@@ -187,6 +194,47 @@ def test_cancelled_streams_and_deadlines_leak_nothing(server, stub):
         assert time.monotonic() < deadline, f"{total - free} blocks still held"
         time.sleep(0.05)
     assert stub.Generate(short, metadata=AUTH, timeout=60).generated_text == reference
+
+
+def test_streams_whose_clients_stop_reading_hold_no_slot_and_end_after_the_write_timeout(
+        server, stub):
+    # as many streams as --max-concurrent-requests, whose clients read one message and no more,
+    # through a flow-control window of 1 KB that only reading opens again
+    small = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    request = request_of("Once upon a time", {"max_new_tokens": 100, "ignore_eos": True})
+    channels = [grpc.insecure_channel(server.grpc_target, options=small)
+                for _ in range(MAX_CONCURRENT)]
+    try:
+        calls = [api_pb2_grpc.TextGenerationStub(channel).GenerateStream(
+            request, metadata=AUTH, timeout=60) for channel in channels]
+        for call in calls:
+            next(call)
+        started = time.monotonic()
+        # their generations run to their end and let go of their blocks and slots, while their
+        # calls wait on the clients: HTTP and gRPC clients are served, not 429
+        wait_until(lambda: _free_and_total_blocks(server)[0] == _free_and_total_blocks(server)[1],
+                   "the generations to end", timeout=30)
+        short = {"max_new_tokens": 3}
+        http = post(server, "/generate", {"inputs": "Hello", "parameters": short})
+        assert http.status_code == 200, http.text
+        assert stub.Generate(request_of("Hello", short), metadata=AUTH, timeout=30).generated_text
+        assert time.monotonic() - started < WRITE_TIMEOUT_S, "served only once the calls ended"
+        # past --stream-write-timeout the calls end (the clients hear DEADLINE_EXCEEDED after
+        # the messages they had not read)
+        wait_until(lambda: server.log().count("GenerateStream ended: the client took no "
+                                              "message") >= MAX_CONCURRENT,
+                   "the calls to end", timeout=WRITE_TIMEOUT_S + 30)
+        assert time.monotonic() - started > WRITE_TIMEOUT_S - 1
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in call:
+                    pass
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert f"took no message for {WRITE_TIMEOUT_S} s (--stream-write-timeout)" in \
+                err.value.details()
+    finally:
+        for channel in channels:
+            channel.close()
 
 
 BAD_FIELDS = [

@@ -2,24 +2,44 @@
 prompt, and each field has its observable effect."""
 import json
 import re
+import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 import requests
 
 from tests.e2e.server import free_and_total_blocks, launch
+from tests.waiting import wait_until
+from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.e2e
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
+# a prompt of 3,500 tokens: its hidden states are 224,000 numbers (4.5 MB of JSON)
+LONG_PROMPT_TOKENS, WIDTH = 3500, 64
+WRITE_TIMEOUT_S = 2
+
+
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    launched = launch(["--model-id", str(tiny_llama)], tmp_path_factory.mktemp("sglang-api"),
-                      extra=["--max-input-tokens", "64", "--max-total-tokens", "512",
-                             "--max-batch-prefill-tokens", "256",
-                             "--max-batch-total-tokens", "8192", "--block-size", "4"])
+def long_llama(tmp_path_factory):
+    """The tiny Llama (the same weights) with room for a long prompt."""
+    return build_tiny_model(tmp_path_factory.mktemp("long-llama"), hidden_size=WIDTH,
+                            max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def server(long_llama, tmp_path_factory):
+    launched = launch(["--model-id", str(long_llama)], tmp_path_factory.mktemp("sglang-api"),
+                      extra=["--max-input-tokens", "3600", "--max-total-tokens", "4096",
+                             "--max-batch-prefill-tokens", "512",
+                             "--max-batch-total-tokens", "8192", "--block-size", "4",
+                             "--stream-write-timeout", str(WRITE_TIMEOUT_S)])
     yield launched
     assert launched.stop() == 0
 
@@ -147,16 +167,16 @@ def embeddings_of(model_dir, ids) -> list[list[float]]:
     return table[ids].float().tolist()
 
 
-def test_input_embeds_answer_as_their_ids_do(server, tiny_llama):
+def test_input_embeds_answer_as_their_ids_do(server, long_llama):
     ids = [t["id"] for t in post(server, "/tokenize", {"inputs": PROMPT}).json()]
     by_ids = sglang(server, input_ids=ids, sampling_params=greedy(ignore_eos=True))
-    by_embeds = sglang(server, input_embeds=embeddings_of(tiny_llama, ids),
+    by_embeds = sglang(server, input_embeds=embeddings_of(long_llama, ids),
                        sampling_params=greedy(ignore_eos=True))
     assert by_embeds["text"] == by_ids["text"]
     assert by_embeds["meta_info"]["prompt_tokens"] == len(ids)
     assert by_embeds["meta_info"]["cached_tokens"] == 0  # vectors never match the prefix cache
-    batch = sglang(server, input_embeds=[embeddings_of(tiny_llama, ids),
-                                         embeddings_of(tiny_llama, ids[:4])],
+    batch = sglang(server, input_embeds=[embeddings_of(long_llama, ids),
+                                         embeddings_of(long_llama, ids[:4])],
                    sampling_params=greedy(4, ignore_eos=True))
     assert batch[0]["text"] == by_ids["text"][:len(batch[0]["text"])]
     assert [o["meta_info"]["prompt_tokens"] for o in batch] == [len(ids), 4]
@@ -259,3 +279,97 @@ def test_refusals_name_what_is_not_supported(server):
     unknown = post(server, "/generate", {"text": "Hi", "lora_path": "x"})
     assert unknown.status_code == 400 and "adapter 'x' is not loaded" in \
         unknown.json()["error"]["message"]
+
+
+def _health_latencies(server, stop: threading.Event) -> list[float]:
+    """GET /health, one after another, until `stop`: each answer's seconds."""
+    took = []
+    with requests.Session() as session:
+        while not stop.is_set():
+            started = time.monotonic()
+            assert session.get(f"{server.url}/health", timeout=30).status_code == 200
+            took.append(time.monotonic() - started)
+            time.sleep(0.01)
+    return took
+
+
+def test_a_long_prompts_hidden_states_stream_once_and_health_stays_fast(server):
+    ids = [3 + (i * 7) % 300 for i in range(LONG_PROMPT_TOKENS)]
+    body = {"input_ids": ids, "return_hidden_states": True, "stream": True,
+            "sampling_params": greedy(16, ignore_eos=True)}
+    stop = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        health = pool.submit(_health_latencies, server, stop)
+        try:
+            with requests.post(f"{server.url}/generate", json=body, stream=True,
+                               timeout=120) as reply:
+                assert reply.status_code == 200
+                raw = b"".join(reply.iter_content(1 << 16))
+        finally:
+            stop.set()
+        latencies = health.result()
+    frames = [json.loads(line[6:]) for line in raw.split(b"\n")
+              if line.startswith(b"data: {")]
+    hidden = [f["meta_info"]["hidden_states"] for f in frames]
+    # each frame carries its own step's hidden state: the prompt's rows in the first only
+    assert len(frames) == 16 and [len(h) for h in hidden] == [1] * 16
+    assert len(hidden[0][0]) == LONG_PROMPT_TOKENS and len(hidden[0][0][0]) == WIDTH
+    assert all(len(h[0]) == WIDTH for h in hidden[1:])
+    # bytes linear in the numbers sent (a float is at most 24 characters), not the 16 copies of
+    # the prompt's rows that made 40 MB
+    numbers = (LONG_PROMPT_TOKENS + 15) * WIDTH
+    assert len(raw) < numbers * 25 + 16 * 4096, len(raw)
+    # the encoding ran off the event loop: /health answered as fast as ever meanwhile (while
+    # each frame was encoded on it, /health waited half a second)
+    assert len(latencies) >= 5 and max(latencies) < 0.25, sorted(latencies)[-5:]
+
+
+def _router_rss_mb(server) -> float:
+    pid = next(int(line.split()[0]) for line in server.processes_left()
+               if " -m router " in line)
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
+
+
+def _blocks_held(server) -> bool:
+    free, total = _free_and_total_blocks(server)
+    return free < total
+
+
+def test_a_client_that_stops_reading_logprobs_is_cut_and_holds_no_memory(server):
+    # 320 named log-probabilities a token make a frame of 10 KB: 400 tokens fill any socket
+    # buffer, and frames that re-sent every earlier token's took the router to gigabytes
+    body = json.dumps({"text": PROMPT, "stream": True, "return_logprob": True,
+                       "token_ids_logprob": list(range(320)),
+                       "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}).encode()
+    before = peak = _router_rss_mb(server)
+    url = urlparse(server.url)
+    peer = socket.socket()
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        peer.connect((url.hostname, url.port))
+        peer.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        # it reads nothing: its generation runs to its end and lets go of its blocks, and other
+        # clients are served meanwhile
+        wait_until(lambda: _blocks_held(server), "the generation to start")
+        wait_until(lambda: not _blocks_held(server), "the generation to end", timeout=60)
+        ended = time.monotonic()
+        assert sglang(server, text="Hi", sampling_params=greedy(4))["meta_info"]
+        while time.monotonic() - ended < WRITE_TIMEOUT_S:
+            peak = max(peak, _router_rss_mb(server))
+            time.sleep(0.1)
+        assert peak - before < 150, f"the router grew from {before:.0f} to {peak:.0f} MB"
+        # --stream-write-timeout cut the stream: what the buffers held, then the end, before
+        # the whole answer (nor its [DONE]) was sent
+        peer.settimeout(30)
+        tail = b""
+        try:
+            while chunk := peer.recv(1 << 20):
+                tail = (tail + chunk)[-64:]
+        except ConnectionResetError:
+            pass
+        assert b"[DONE]" not in tail
+    finally:
+        peer.close()
+    assert "stream cut: the client took nothing for 2 s" in server.log()

@@ -2,7 +2,7 @@
 
 Generate, GenerateStream, Tokenize, Info and Health through the same validation, queue, batching,
 cancellation, metrics and API key, with the standard grpc.health.v1.Health service and server
-reflection. On when --grpc-port is set.
+reflection. On when --grpc-port is set; router/api/grpc/server.py runs the server.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from aiohttp import web
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -25,10 +24,10 @@ from router.api.grpc import convert
 from router.api.tgi import routes as tgi
 from router.api.grpc.status import grpc_error_trailers, grpc_status_code
 from router.errors import (IncompleteGenerationError, ModelNotFoundError, ModelStateError,
-                           RouterError, UnhealthyError)
+                           RouterError, SlowReaderError, UnhealthyError)
 from router.inputs.validation import ValidatedGenerate
 from router.schemas import Timings
-from router.state import STATE, RouterState, healthy_model
+from router.state import RouterState, healthy_model
 from router.telemetry.tracing import record_phases, request_span
 
 log = logging.getLogger("tgi.router.grpc")
@@ -42,9 +41,8 @@ PUBLIC_METHODS = frozenset({f"/{SERVICE}/Health"})
 UNAUTHENTICATED = "Unauthorized: a valid 'authorization: Bearer <key>' metadata entry is required"
 # how often grpc.health.v1's status is re-checked for Watch streams (Check always asks live)
 HEALTH_REFRESH_S = 5.0
-# in-flight calls get this long to finish when the router stops, as HTTP requests do (aiohttp's
-# shutdown_timeout); the launcher's --graceful-termination-timeout may end it sooner
-STOP_GRACE_S = 60.0
+# how long the status of a call whose client stopped reading may wait for it (_abort_unread)
+UNREAD_ABORT_S = 1.0
 
 
 # ---- the router core, driven as router/api/tgi/routes.py drives it --------------------------------------
@@ -65,6 +63,11 @@ async def generate(state: RouterState, validated: ValidatedGenerate, timings: Ti
 def token_events(state: RouterState, validated: ValidatedGenerate, timings: Timings):
     """The request's TokenEvents; closing the iterator early cancels it and frees its KV blocks."""
     return state.served(None).infer.stream(validated.request, timings)
+
+
+def write_timeout(state: RouterState) -> float:
+    """--stream-write-timeout: how long a stream's message may wait for its client to take it."""
+    return state.config.stream_write_timeout
 
 
 async def tokenize(state: RouterState, inputs: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -134,6 +137,9 @@ def _rpc(method):
                                 f"{request.error}")
         try:
             return await method(self, request, context)
+        except SlowReaderError as err:
+            log.info("%s ended: %s", method.__name__, err)
+            await _abort_unread(context, err)
         except RouterError as err:
             await context.abort(grpc_status_code(err), str(err),
                                 trailing_metadata=grpc_error_trailers(err))
@@ -144,6 +150,38 @@ def _rpc(method):
             await context.abort(grpc.StatusCode.INTERNAL, "Internal server error")
 
     return handle
+
+
+async def _write(context: grpc.aio.ServicerContext, message, timeout: float) -> None:
+    """context.write, which waits while the client's flow-control window is full: `timeout` at most.
+
+    Without the bound a client that stops reading (its window stays full) held the call, and
+    with it its generation, its KV blocks and its slot, for as long as it stayed connected. Past
+    it the call ends with DEADLINE_EXCEEDED (the client reads that status after the messages it
+    has), and the caller's `finally` cancels the generation.
+    """
+    try:
+        async with asyncio.timeout(timeout):
+            await context.write(message)
+    except TimeoutError:
+        raise SlowReaderError(f"the client took no message for {timeout:g} s "
+                              "(--stream-write-timeout): the stream and its generation were "
+                              "ended") from None
+
+
+async def _abort_unread(context: grpc.aio.ServicerContext, err: SlowReaderError) -> None:
+    """Ends the call of a client that stopped reading, without waiting for it to read again.
+
+    The status goes out after the messages the client has not taken, so context.abort waits for
+    it to read them. Past UNREAD_ABORT_S the handler is cancelled instead: grpc then resets the
+    stream, and the client still hears the status queued behind its messages.
+    """
+    try:
+        async with asyncio.timeout(UNREAD_ABORT_S):
+            await context.abort(grpc_status_code(err), str(err),
+                                trailing_metadata=grpc_error_trailers(err))
+    except TimeoutError:
+        raise asyncio.CancelledError from None
 
 
 def _span(name: str, context: grpc.aio.ServicerContext):
@@ -173,13 +211,15 @@ class TextGenerationServicer(api_pb2_grpc.TextGenerationServicer):
             validated = await validate(self.state, convert.generate_body(request), stream=True)
             prefix = validated.output_prefix(full_text_default=False)
             events = token_events(self.state, validated, timings)
+            timeout = write_timeout(self.state)
             try:
                 index, final = 0, None
                 # read to the end, not just to the final event: the core records the request's
                 # success (metrics, timings) after handing that event out
                 async for event in events:
                     index += 1
-                    await context.write(convert.stream_response(event, index, validated, prefix))
+                    await _write(context, convert.stream_response(event, index, validated,
+                                                                  prefix), timeout)
                     final = event.final
                 if final is None:
                     raise IncompleteGenerationError("Incomplete generation stream")
@@ -309,75 +349,3 @@ def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             return make(deny, request_deserializer=handler.request_deserializer,
                         response_serializer=handler.response_serializer)
     raise AssertionError(f"a method handler of no known kind: {handler}")
-
-
-# ---- the server's life inside the aiohttp app's --------------------------------------------------
-
-class GrpcServer:
-    """The gRPC server, started and stopped with the app.
-
-    Starts with the app, stops taking calls when it shuts down (draining beside HTTP), and is
-    gone at cleanup, before the batching loop stops."""
-
-    def __init__(self, state: RouterState):
-        self.state = state
-        self.server: grpc.aio.Server | None = None
-        self.health = StandardHealth(state)
-        self.refresher: asyncio.Task | None = None
-        self.stopping: asyncio.Future | None = None
-
-    @property
-    def address(self) -> str:
-        config = self.state.config
-        host = f"[{config.hostname}]" if ":" in config.hostname else config.hostname
-        return f"{host}:{config.grpc_port}"
-
-    async def start(self, app: web.Application) -> None:
-        config = self.state.config
-        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
-        server = grpc.aio.server(interceptors=interceptors, options=[
-            # a message larger than --payload-limit is refused (RESOURCE_EXHAUSTED), as HTTP's 413
-            ("grpc.max_receive_message_length", config.payload_limit),
-            # grpc shares a port with any other process by default; a second router on the same
-            # port must fail to start, not take half the calls
-            ("grpc.so_reuseport", 0)])
-        add_service(TextGenerationServicer(self.state), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME,
-                                             reflection.SERVICE_NAME), server)
-        try:
-            server.add_insecure_port(self.address)
-        except RuntimeError:  # grpc's "Failed to bind": the router stops with this message
-            raise ValueError(f"--grpc-port {config.grpc_port}: cannot listen on {self.address} "
-                             "(is the port in use?)") from None
-        await self.health.refresh()  # serving from the first call on
-        await server.start()
-        self.server = server
-        self.refresher = asyncio.create_task(self.health.refresh_forever())
-        log.info("gRPC API (%s) listening on %s", SERVICE, self.address)
-
-    async def drain(self, app: web.Application) -> None:
-        if self.server is None or self.stopping is not None:
-            return
-        # Watch streams hear NOT_SERVING and end; new calls are refused from now on (balancers
-        # see UNAVAILABLE) and the calls in flight have STOP_GRACE_S to finish
-        await self.health.stop()
-        self.stopping = asyncio.ensure_future(self.server.stop(STOP_GRACE_S))
-
-    async def stop(self, app: web.Application) -> None:
-        if self.refresher is not None:
-            self.refresher.cancel()
-            await asyncio.gather(self.refresher, return_exceptions=True)
-        if self.server is not None:
-            await (self.stopping or self.server.stop(None))
-
-
-def register(app: web.Application) -> None:
-    """Serves the gRPC API with the app when --grpc-port is set (app[STATE] must be set)."""
-    state = app[STATE]
-    if state.config.grpc_port is None:
-        return
-    server = GrpcServer(state)
-    app.on_startup.append(server.start)
-    app.on_shutdown.append(server.drain)
-    app.on_cleanup.append(server.stop)

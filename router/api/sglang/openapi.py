@@ -45,7 +45,10 @@ def _sglang_schemas() -> dict:
                                  "type": "array", "items": token_id, "minItems": 1}}]},
         sampling_params={"oneOf": [ref("SglangSamplingParams"),
                                    {"type": "array", "items": ref("SglangSamplingParams")}]},
-        rid=strings, stream=boolean, return_logprob=per_prompt(boolean),
+        rid=strings, stream={**boolean, "description": (
+            "SSE events of the text so far; meta_info's per-token lists (log-probabilities, "
+            "hidden states) hold only the tokens each event adds, the prompt's in the first")},
+        return_logprob=per_prompt(boolean),
         logprob_start_len=per_prompt({**int_schema(INT32, minimum=-1), "default": -1}),
         top_logprobs_num=per_prompt(int_schema(UINT32)), return_text_in_logprobs=boolean,
         input_embeds={"oneOf": [vectors, {"type": "array", "minItems": 1, "items": vectors}],

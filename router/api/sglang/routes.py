@@ -17,180 +17,28 @@ answer says `finish_reason: {"type": "abort"}` with what it had generated.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from router import VERSION
 from router.api.sglang.lora import SglangBadRequest
-from router.api.sglang.request import SglangItem, is_sglang_body, parse_generate
+from router.api.sglang.request import is_sglang_body, parse_generate
+from router.api.sglang.run import Run
 from router.api.tgi import routes as tgi
-from router.core.generation import FanOutStream
 from router.api.sglang.errors import sglang_error_body
 from router.errors import (OverloadedError, RouterError, UnhealthyError, UnknownAdapterError,
                            ValidationError)
 from router.http.middleware import ERROR_BODY
 from router.http.json_body import read_object
+from router.http.json_out import STREAM_JSON, dumps
 from router.http.sse import StreamFormat, openai_sse, serve_stream
-from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,
-                            StoppingParams, Timings, Token, TokenEvent)
+from router.schemas import GenerateRequest, SamplingParams, StoppingParams, Timings, TokenEvent
 from router.state import MODEL_HEADER, STATE, healthy_model, served_model
 from router.telemetry.tracing import request_span
 
 # rid -> the runs that carry it (n copies of one prompt share their rid)
 RUNNING = web.AppKey("sglang_running", dict)
-
-
-@dataclass(eq=False)
-class Run:
-    """One generation of an SGLang request, as its events arrive."""
-
-    item: SglangItem
-    timings: Timings
-    tokens: list[Token] = field(default_factory=list)
-    top_tokens: list[list[Token]] = field(default_factory=list)
-    prefill: list[Token] = field(default_factory=list)
-    prefill_top_tokens: list[list[Token]] = field(default_factory=list)
-    prefill_ids_logprobs: list[list[float | None]] = field(default_factory=list)
-    ids_logprobs: list[list[float | None]] = field(default_factory=list)  # per output token
-    hidden_states: list = field(default_factory=list)  # the prompt's rows, then one per step
-    final: FinalInfo | None = None
-    stream: FanOutStream = field(init=False)  # its stream in the fan-out: aborts it alone
-    # streamed: each event's frame, made as it is recorded (the run may have recorded later
-    # events, several a decode call, before the writer gets to this one); `frame_index` is the
-    # index a frame carries in a batch
-    frames: deque | None = None
-    frame_index: int | None = None
-
-    def __post_init__(self) -> None:
-        self.stream = FanOutStream(timings=self.timings)
-
-    def stream_frames(self, index: int | None) -> None:
-        self.frames, self.frame_index = deque(), index
-
-    def keep_frame(self) -> None:
-        if self.frames is not None:
-            self.frames.append(self.output(self.frame_index))
-
-    @property
-    def request(self) -> GenerateRequest:
-        return self.item.request
-
-    def record(self, event: TokenEvent) -> None:
-        self.tokens.append(event.token)
-        self.top_tokens.append(event.top_tokens)
-        if event.prefill is not None:
-            self.prefill = event.prefill
-        if event.prefill_top_tokens is not None:
-            self.prefill_top_tokens = event.prefill_top_tokens
-        if event.prefill_token_ids_logprobs is not None:
-            self.prefill_ids_logprobs = event.prefill_token_ids_logprobs
-        if event.token_ids_logprobs:
-            self.ids_logprobs.append(event.token_ids_logprobs)
-        if event.hidden_states is not None:
-            # SGLang's layout: the prompt's rows as one entry, then one vector per decode step
-            self.hidden_states.append(event.hidden_states if not self.hidden_states
-                                      else event.hidden_states[0])
-        if event.final is not None:
-            self.final = event.final
-
-    def abort(self) -> None:
-        self.stream.abort()
-
-    @property
-    def aborted(self) -> bool:
-        return self.stream.aborted
-
-    def arrived(self, event: TokenEvent) -> None:
-        """Records an event as the core hands it over.
-
-        The writer may lag behind. The event is framed too when streamed; an aborted run's last
-        event is framed only."""
-        if not self.aborted:
-            self.record(event)
-        self.keep_frame()
-
-    @property
-    def done(self) -> bool:
-        return self.final is not None or self.aborted
-
-    def text(self) -> str:
-        """The text so far; at the end without what stopped it, unless `no_stop_trim`."""
-        final = self.final
-        if final is None:
-            return "".join(t.text for t in self.tokens)
-        text = final.text
-        if self.item.no_stop_trim:
-            return text
-        if final.finish_reason is FinishReason.STOP_SEQUENCE:
-            stop = self._matched_stop(text)
-            return text[:-len(stop)] if stop else text
-        if final.finish_reason is FinishReason.EOS_TOKEN and self.tokens:
-            last = self.tokens[-1].text
-            if last and text.endswith(last):
-                return text[:-len(last)]
-        return text
-
-    def _matched_stop(self, text: str) -> str | None:
-        ends = [s for s in self.request.stopping.stop_sequences if text.endswith(s)]
-        return max(ends, key=len) if ends else None
-
-    def finish_reason(self) -> dict | None:
-        if self.aborted:
-            return {"type": "abort", "message": "aborted by /abort_request"}
-        final = self.final
-        if final is None:
-            return None
-        if final.finish_reason is FinishReason.LENGTH:
-            return {"type": "length", "length": self.request.stopping.max_new_tokens}
-        if final.finish_reason is FinishReason.STOP_SEQUENCE:
-            return {"type": "stop", "matched": self._matched_stop(final.text)}
-        # an end-of-sequence id or one of stop_token_ids: the last token
-        return {"type": "stop", "matched": self.tokens[-1].id if self.tokens else None}
-
-    def meta_info(self) -> dict:
-        meta = {"id": self.item.rid, "finish_reason": self.finish_reason(),
-                "prompt_tokens": self.request.input_length,
-                "completion_tokens": len(self.tokens),
-                "cached_tokens": self.timings.cached_tokens,
-                "e2e_latency": time.monotonic() - self.timings.started_at}
-        options = self.item.logprobs
-        if options.enabled:
-            entry = (lambda t: [t.logprob, t.id, t.text]) if options.with_text else \
-                (lambda t: [t.logprob, t.id, None])
-            start = options.start_len
-            prompt = self.prefill[start:] if start >= 0 else []
-            if prompt:  # the first prompt token has no log-probability
-                prompt = [Token(prompt[0].id, prompt[0].text, None)] + prompt[1:] \
-                    if start == 0 else prompt
-            meta["input_token_logprobs"] = [entry(t) for t in prompt]
-            meta["output_token_logprobs"] = [entry(t) for t in self.tokens]
-            if options.top_n:
-                meta["input_top_logprobs"] = [
-                    [entry(t) for t in step] or None
-                    for step in (self.prefill_top_tokens[start:] if start >= 0 else [])]
-                meta["output_top_logprobs"] = [[entry(t) for t in step]
-                                               for step in self.top_tokens]
-            asked = options.token_ids
-            if asked:
-                texts = options.token_texts
-                named = (lambda row: [[lp, i, text] for lp, i, text in zip(row, asked, texts)])
-                meta["input_token_ids_logprobs"] = [
-                    named(row) if position + max(start, 0) else None
-                    for position, row in enumerate(
-                        self.prefill_ids_logprobs[start:] if start >= 0 else [])]
-                meta["output_token_ids_logprobs"] = [named(row) for row in self.ids_logprobs]
-        if self.item.return_hidden_states:
-            meta["hidden_states"] = self.hidden_states
-        return meta
-
-    def output(self, index: int | None = None) -> dict:
-        out = {"text": self.text(), "meta_info": self.meta_info()}
-        if index is not None:
-            out["index"] = index
-        return out
 
 
 def _events(infer, runs: list[Run]) -> AsyncIterator[tuple[int, TokenEvent]]:
@@ -205,14 +53,20 @@ def _events(infer, runs: list[Run]) -> AsyncIterator[tuple[int, TokenEvent]]:
 class SglangStream(StreamFormat):
     """SGLang's stream: a `data:` frame per token, `data: [DONE]` at the end.
 
-    Each frame is `data: {"text": <text so far>, "meta_info": {...}}`; a batch's events carry the
-    `index` of their generation (each frame made as its event was recorded: Run.keep_frame)."""
+    Each frame is `data: {"text": <text so far>, "meta_info": {...}}`, the meta_info's per-token
+    lists holding only the tokens the frame adds (router/api/sglang/run.py); a batch's events
+    carry the `index` of their generation (each frame made as its event was recorded:
+    Run.keep_frame). A frame with many numbers (a prompt's hidden states) is encoded off the
+    event loop."""
 
     def __init__(self, runs: list[Run]):
         self.runs = runs
 
-    def event(self, index: int, event: TokenEvent) -> list[bytes]:
-        return [openai_sse(self.runs[index].frames.popleft())]
+    async def event_frames(self, index: int, event: TokenEvent) -> list[bytes]:
+        run = self.runs[index]
+        frame = run.frames.popleft()
+        return [openai_sse(await dumps(run.frame_output(frame), numbers=frame.numbers,
+                                       **STREAM_JSON))]
 
     def error(self, err: RouterError) -> bytes:
         return openai_sse(sglang_error_body(err))
@@ -256,7 +110,10 @@ async def _generate(request: web.Request, body: dict) -> web.StreamResponse:
         async for _ in _events(served.infer, runs):
             pass
         outputs = [run.output() for run in runs]
-        return web.json_response(outputs if batch.as_list else outputs[0])
+        # as web.json_response writes it; a prompt's hidden states are encoded off the loop
+        text = await dumps(outputs if batch.as_list else outputs[0],
+                           numbers=sum(run.numbers() for run in runs))
+        return web.Response(text=text, content_type="application/json")
     finally:
         for rid in rids:
             running.pop(rid, None)

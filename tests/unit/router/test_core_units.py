@@ -8,7 +8,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from router.errors import GenerationError, IncompleteGenerationError, RouterError
 from router.api.tgi.errors import tgi_error_body
 from router.http.middleware import ErrorBodies, error_middleware
-from router.http.sse import StreamFormat, serve_stream
+from router.http.sse import WRITE_TIMEOUT, StreamFormat, serve_stream
 from router.kv.block_allocator import BlockAllocator, BlockPool
 from router.kv.prefix_cache import PrefixCache
 from router.scheduler.active_request import ActiveRequest, deliver
@@ -159,6 +159,7 @@ async def _serve(events_factory, streams=1):
         return await serve_stream(request, events_factory(), _Lines(), streams=streams)
 
     app = web.Application(middlewares=[error_middleware(ErrorBodies(tgi_error_body))])
+    app[WRITE_TIMEOUT] = 30.0
     app.router.add_get("/", handler)
     client = TestClient(TestServer(app))
     await client.start_server()

@@ -21,8 +21,9 @@ class _ScriptedInfer(Infer):
     """stream() yields each request's tokens ("a", "b", ...) a loop turn apart; a request whose
     seed is in `failing` fails after its first token, one in `held` waits after it."""
 
-    def __init__(self, failing=(), held=()):
+    def __init__(self, failing=(), held=(), max_unread_events=0):
         self.failing, self.held = set(failing), set(held)
+        self.max_unread_events = max_unread_events  # a pump waits this far ahead of the reader
         self.cancelled: list[int] = []
 
     async def stream(self, request, timings=None, *, continuation=None):

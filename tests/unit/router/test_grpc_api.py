@@ -14,6 +14,7 @@ from proto import api_pb2 as api
 from proto import api_pb2_grpc
 from router import errors
 from router.api.grpc import convert
+from router.api.grpc import server as grpc_server
 from router.api.grpc import service as grpc_service
 from router.api.grpc import status
 from router.errors import ValidationError
@@ -200,8 +201,8 @@ async def served(monkeypatch):
         monkeypatch.setattr(grpc_service, name, getattr(core, name))
     core.port = port = _free_port()
     config = SimpleNamespace(hostname="127.0.0.1", grpc_port=port, api_key="k",
-                             payload_limit=1000)
-    core.server = server = grpc_service.GrpcServer(SimpleNamespace(config=config))
+                             payload_limit=1000, stream_write_timeout=0.5)
+    core.server = server = grpc_server.GrpcServer(SimpleNamespace(config=config))
     await server.start(None)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         core.channel = channel
@@ -240,6 +241,72 @@ async def test_a_deadline_closes_the_events(served):
             pass
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.wait_for(core.closed.wait(), timeout=5)
+
+
+async def test_a_client_that_stops_reading_is_ended_after_the_write_timeout(served):
+    core, _ = served
+    # a window of 1 KB that only reading opens again: the server's writes wait after a few
+    # dozen messages, as they do for any client that stops reading once its window is full
+    small = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{core.port}", options=small) as channel:
+        call = api_pb2_grpc.TextGenerationStub(channel).GenerateStream(
+            api.GenerateRequest(inputs="forever"), metadata=KEY)
+        await call.read()
+        # stream_write_timeout is 0.5 s: the call ends, and its events (its generation) with it
+        await asyncio.wait_for(core.closed.wait(), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "took no message for 0.5 s (--stream-write-timeout)" in err.value.details()
+    assert ("tgi-error-type", "slow_reader") in tuple(err.value.trailing_metadata())
+
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04" + bytes(5)  # and SETTINGS
+_SETTINGS_ACK = bytes(3) + b"\x04\x01" + bytes(4)
+_GOAWAY, _PING = 7, 6
+
+
+async def _frames_until_closed(port: int, timeout: float) -> list[int]:
+    """The frame types a raw HTTP/2 peer hears until the server closes its connection.
+
+    The peer acknowledges the server's SETTINGS and nothing more: no PING is answered.
+    """
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(_PREFACE)
+    types = []
+    try:
+        async with asyncio.timeout(timeout):
+            while header := await reader.read(9):
+                length, kind, flags = int.from_bytes(header[:3], "big"), header[3], header[4]
+                await reader.readexactly(length)
+                types.append(kind)
+                if kind == 4 and not flags & 1:
+                    writer.write(_SETTINGS_ACK)
+    except (ConnectionResetError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+    return types
+
+
+@pytest.mark.parametrize("keepalive,heard", [
+    (grpc_server.Keepalive(time_s=0.2, timeout_s=0.3, idle_s=3600), [_PING, _GOAWAY]),
+    (grpc_server.Keepalive(time_s=3600, idle_s=0.3), [_GOAWAY])], ids=["unanswered ping", "idle"])
+async def test_keepalive_closes_a_silent_peer_and_an_idle_connection(monkeypatch, keepalive,
+                                                                     heard):
+    monkeypatch.setattr(grpc_server, "KEEPALIVE", keepalive)
+    port = _free_port()
+    config = SimpleNamespace(hostname="127.0.0.1", grpc_port=port, api_key=None,
+                             payload_limit=1000, stream_write_timeout=1.0)
+    server = grpc_server.GrpcServer(SimpleNamespace(config=config))
+    await server.start(None)
+    try:
+        # grpc's defaults (no keepalive ping for two hours, no idle limit) kept both open
+        types = await _frames_until_closed(port, timeout=10)
+    finally:
+        await server.stop(None)
+    assert [t for t in types if t in (_PING, _GOAWAY)] == heard
 
 
 @pytest.mark.parametrize("inputs,params,code,message", [
@@ -296,10 +363,10 @@ async def test_a_port_in_use_stops_the_start_with_a_message(served):
     core, _ = served
     port = core.port
     config = SimpleNamespace(hostname="127.0.0.1", grpc_port=port, api_key=None,
-                             payload_limit=1000)
+                             payload_limit=1000, stream_write_timeout=0.5)
     # by default grpc would share the port (SO_REUSEPORT) and take half the first one's calls
     with pytest.raises(ValueError, match=f"--grpc-port {port}: cannot listen on 127.0.0.1:{port}"):
-        await grpc_service.GrpcServer(SimpleNamespace(config=config)).start(None)
+        await grpc_server.GrpcServer(SimpleNamespace(config=config)).start(None)
 
 
 async def test_at_shutdown_watch_streams_hear_not_serving_and_end(served):

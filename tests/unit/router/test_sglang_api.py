@@ -490,3 +490,78 @@ async def test_tokens_arriving_together_still_stream_a_frame_each_as_it_was(tiny
         assert frames[-1]["meta_info"]["finish_reason"]["type"] == "length"
     finally:
         await client.close()
+
+
+def test_frames_carry_each_tokens_logprobs_and_hidden_states_once():
+    events = _tokens((3, "a"), (4, "b"), (5, "c"))
+    first = events[0]
+    first.prefill = [Token(5, "x", None), Token(6, "y", -1.0), Token(7, "z", -2.0)]
+    first.prefill_top_tokens = [[], [Token(6, "y", -1.0)], [Token(8, "w", -0.5)]]
+    first.prefill_token_ids_logprobs = [[None], [-1.5], [-3.5]]
+    first.hidden_states = [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]  # the prompt's rows and step 1
+    for i, event in enumerate(events):
+        event.top_tokens = [Token(event.token.id, event.token.text, -0.25)]
+        event.token_ids_logprobs = [-0.1 * (i + 1)]
+        if i:
+            event.hidden_states = [[6.0 + i, 7.0 + i]]
+    events[-1].final = FinalInfo("abc", 3, FinishReason.LENGTH, None)
+    whole = _run(events, logprobs=LogprobOptions(True, 0, 1, True, [6], ["y"]))
+    whole.item.return_hidden_states = True
+    streamed = _run([], logprobs=LogprobOptions(True, 0, 1, True, [6], ["y"]))
+    streamed.item.return_hidden_states = True
+    streamed.stream_frames(None)
+    for event in events:
+        streamed.arrived(event)
+    frames = [streamed.frame_output(f) for f in streamed.frames]
+    assert [f["text"] for f in frames] == ["a", "ab", "abc"]  # the text so far, as SGLang's
+    metas = [f["meta_info"] for f in frames]
+    assert [len(m["output_token_logprobs"]) for m in metas] == [1, 1, 1]
+    assert [len(m["input_token_logprobs"]) for m in metas] == [3, 0, 0]
+    assert [len(m["hidden_states"]) for m in metas] == [1, 1, 1]
+    expected = whole.meta_info()
+    for key in ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
+                "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs",
+                "hidden_states"):
+        assert [x for m in metas for x in m[key]] == expected[key], key
+    assert [m["completion_tokens"] for m in metas] == [1, 2, 3]
+    assert frames[-1]["meta_info"]["finish_reason"] == expected["finish_reason"]
+
+
+async def test_a_streams_logprobs_grow_linearly_through_the_route(tiny_llama):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        reply = await client.post("/generate", json=_sglang(
+            max_new_tokens=40, stream=True, return_logprob=True, top_logprobs_num=2))
+        frames = _sse(await reply.text())[:-1]
+        assert [len(f["meta_info"]["output_token_logprobs"]) for f in frames] == [1] * 40
+        plain = await (await client.post("/generate", json=_sglang(
+            max_new_tokens=40, return_logprob=True, top_logprobs_num=2))).json()
+        assert [e for f in frames for e in f["meta_info"]["output_token_logprobs"]] == \
+            plain["meta_info"]["output_token_logprobs"]
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("options", [{}, {"ensure_ascii": False, "separators": (",", ":")}])
+def test_json_in_pieces_is_json_dumps(options):
+    from router.http.json_out import dumps_in_pieces
+
+    value = {"text": "café 🙂", "meta_info": {"hidden_states": [[[0.1, 2.5e-8], [3.0, -1.0]],
+                                                                [4.0, 5.0]],
+                                              "output_top_logprobs": [None, [[-0.5, 3, "a\"b"]]],
+                                              "empty": [], "none": None, "n": 3}}
+    assert dumps_in_pieces(value, **options) == json.dumps(value, **options)
+    assert dumps_in_pieces([value, value], **options) == json.dumps([value, value], **options)
+
+
+async def test_a_large_encoding_leaves_the_event_loop_free():
+    from router.http.json_out import dumps
+    from tests.loop_gaps import LoopGaps
+
+    rows = [[i + j / 1000 for j in range(256)] for i in range(1500)]  # 384,000 numbers
+    value = {"text": "", "meta_info": {"hidden_states": [rows]}}
+    async with LoopGaps() as watch:
+        text = await dumps(value, numbers=len(rows) * 256)
+    assert json.loads(text) == value
+    # json.dumps of it whole holds the interpreter for the whole encoding
+    assert watch.longest < max(0.05, watch.took / 4), (watch.longest, watch.took)
