@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 
 from shard import speculative_step
-from shard.adapters.adapter_set import LoadedAdapter
+from shard.adapters.adapter_set import AdapterExists, LoadedAdapter
+from shard.adapters.peft_files import PeftAdapter
 from shard.admission import ModelLimits, admit
 from shard.batch_state import (Batch, NewRequest, block_table_tensor, concatenate_batches,
                                filter_batch, new_batch, sample_batch)
@@ -157,9 +158,22 @@ class Engine:
         self.batches[batch.id] = batch
         return self._info(batch)
 
+    def read_adapter(self, name: str, path: str) -> PeftAdapter:
+        """An adapter's files, read and checked on a thread other than the engine's.
+
+        It touches nothing the engine thread changes. AdapterError for an adapter this model
+        cannot take; AdapterExists."""
+        if name in self.runner.adapters.adapters:  # refused before reading; install checks again
+            raise AdapterExists(f"an adapter named {name!r} is already loaded")
+        return self.runner.adapters.read(path)
+
+    def install_adapter(self, name: str, adapter: PeftAdapter) -> LoadedAdapter:
+        """A read adapter placed in its slot; AdapterExists (nothing changed)."""
+        return self.runner.adapters.install(name, adapter)
+
     def load_adapter(self, name: str, path: str) -> LoadedAdapter:
-        """AdapterError (nothing changed) for an adapter this model cannot take; AdapterExists."""
-        return self.runner.adapters.load(name, path)
+        """read_adapter, then install_adapter, on this thread."""
+        return self.install_adapter(name, self.read_adapter(name, path))
 
     def unload_adapter(self, name: str) -> None:
         """KeyError for a name not loaded; AdapterInUse while a batch held here uses it."""

@@ -1,7 +1,10 @@
 """The LoRA adapters loaded on one model, a slot per adapter.
 
 Each adapter's updates are placed in the linear layers it changes (this rank's slices of them),
-and the set holds the slot of each row of the forward running now."""
+and the set holds the slot of each row of the forward running now. Reading an adapter's files
+(`read`) touches nothing of the set, so it runs off the engine thread; placing it (`install`)
+and unloading run on it.
+"""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -12,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shard.adapters.peft_files import AdapterError, read_adapter
+from shard.adapters.peft_files import AdapterError, ModuleShape, PeftAdapter, read_adapter
 from shard.layers.lora import LoraPart, LoraRows, LoraTarget
 
 # the largest rank served; the stacks of every layer an adapter changes are as wide as the largest
@@ -52,6 +55,10 @@ class AdapterSet:
             if source is not None:
                 for index, part in enumerate(source.parts):
                     self._modules[part.name] = (module, index)
+        # what an adapter's tensors are checked against: each module's full widths
+        self._shapes = {name: ModuleShape(linear.lora_source.in_features,
+                                          linear.lora_source.full_rows(linear.lora_source.parts[i]))
+                        for name, (linear, i) in self._modules.items()}
         self.adapters: dict[str, LoadedAdapter] = {}
         self.version = 0  # bumped on every load and unload: the stacks may have moved
         self.rows: LoraRows | None = None  # the forward running now
@@ -63,14 +70,21 @@ class AdapterSet:
         """KeyError for a name not loaded."""
         return self.adapters[name].slot
 
-    def load(self, name: str, path: str | Path) -> LoadedAdapter:
-        """Reads and places an adapter; AdapterError (nothing changed) when it cannot serve here."""
-        if name in self.adapters:
-            raise AdapterExists(f"an adapter named {name!r} is already loaded")
+    def read(self, path: str | Path) -> PeftAdapter:
+        """An adapter's files, read and checked against this model; any thread.
+
+        AdapterError when it cannot serve here."""
         if not self._modules:
             raise AdapterError("this model's layers take no LoRA adapters")
-        adapter = read_adapter(path)
-        placements = [self._placement(path, module, update)
+        return read_adapter(path, self._shapes, max_rank=MAX_RANK)
+
+    def install(self, name: str, adapter: PeftAdapter) -> LoadedAdapter:
+        """Places a read adapter in the next slot; on the engine thread.
+
+        AdapterExists (nothing changed) for a name in use."""
+        if name in self.adapters:
+            raise AdapterExists(f"an adapter named {name!r} is already loaded")
+        placements = [self._placement(module, update)
                       for module, update in sorted(adapter.modules.items())]
         rank = max(p.a.shape[0] for p in placements)
         slot = next(i for i in range(len(self.adapters) + 1)
@@ -92,6 +106,10 @@ class AdapterSet:
                                adapter.target_modules, adapter.base_model)
         self.adapters[name] = loaded
         return loaded
+
+    def load(self, name: str, path: str | Path) -> LoadedAdapter:
+        """read, then install (on one thread)."""
+        return self.install(name, self.read(path))
 
     def unload(self, name: str) -> None:
         """KeyError for a name not loaded."""
@@ -125,28 +143,11 @@ class AdapterSet:
     def _current_rows(self) -> LoraRows | None:
         return self.rows
 
-    def _placement(self, path, module: str, update) -> _Placement:
-        if module not in self._modules:
-            kinds = sorted({name.rsplit(".", 1)[-1] for name in self._modules})
-            raise AdapterError(f"{path}: it changes {module}, which is not a projection of this "
-                               f"model that adapters may change ({', '.join(kinds)} of its "
-                               "layers)")
-        if update.rank > MAX_RANK:
-            raise AdapterError(f"{path}: {module} has rank {update.rank}; ranks up to {MAX_RANK} "
-                               "are served")
+    def _placement(self, module: str, update) -> _Placement:
+        """This rank's slices of a module's update (read checked its widths against the model)."""
         linear, index = self._modules[module]
         source = linear.lora_source
         part = source.parts[index]
-        inputs, outputs = update.a.shape[1], update.b.shape[0]
-        if inputs != source.in_features or outputs != source.full_rows(part):
-            raise AdapterError(
-                f"{path}: {module} maps {inputs} inputs to {outputs} outputs in the adapter but "
-                f"{source.in_features} to {source.full_rows(part)} in this model: the adapter "
-                "was trained on another base model")
-        world = source.parallel.world_size
-        if source.row_parallel and inputs % world:
-            raise AdapterError(f"{path}: {module}'s {inputs} inputs do not divide by {world} "
-                               "shards")
         a = source.local_columns(update.a.float())
         bt = (source.local_rows(part, update.b.float()) * update.scaling).T
         return _Placement(linear, index, a.contiguous(), bt.contiguous())
