@@ -177,13 +177,13 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
 
     async def UnloadAdapter(self, request, context):
         try:
-            await self._in_worker(self.engine.unload_adapter, request.name)
+            held = await self._in_worker(self.engine.unload_adapter, request.name)
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no LoRA adapter named {request.name!r} is loaded")
         except AdapterInUse as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        log.info("unloaded LoRA adapter %s", request.name)
+        log.info("unloaded LoRA adapter %s (the adapters left hold %d bytes)", request.name, held)
         return pb.UnloadAdapterResponse()
 
     async def _in_worker(self, fn, *args):

@@ -4,12 +4,17 @@ Each adapter's updates are placed in the linear layers it changes (this rank's s
 and the set holds the slot of each row of the forward running now. Reading an adapter's files
 (`read`) touches nothing of the set, so it runs off the engine thread; placing it (`install`)
 and unloading run on it.
+
+The slots are dense, 0 .. n - 1: an unload moves the last adapter into the slot it frees. The
+stacks' room doubles as adapters come, so a load copies the others only when it crosses a power
+of two, and shrinks once the stacks hold four times what the adapters need, so that unloading
+gives the memory back.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +41,7 @@ class LoadedAdapter:
     scaling: float
     target_modules: list[str]
     base_model: str
+    width: int  # its largest module rank (rank_pattern may give a module more than `rank`)
 
 
 @dataclass(slots=True)
@@ -87,10 +93,10 @@ class AdapterSet:
         placements = [self._placement(module, update)
                       for module, update in sorted(adapter.modules.items())]
         rank = max(p.a.shape[0] for p in placements)
-        slot = next(i for i in range(len(self.adapters) + 1)
-                    if i not in {a.slot for a in self.adapters.values()})
+        slot = len(self.adapters)
         try:
-            self._grow(max(self._slots, slot + 1), max(self._rank, rank))
+            if slot >= self._slots or rank > self._rank:
+                self._resize(max(self._slots, _room(slot + 1)), max(self._rank, rank))
             for placement in placements:
                 part = self._target(placement.linear).parts[placement.part]
                 r = placement.a.shape[0]
@@ -103,7 +109,7 @@ class AdapterSet:
         finally:  # the stacks may have moved, even when the load failed
             self.version += 1
         loaded = LoadedAdapter(name, slot, adapter.rank, adapter.alpha, adapter.scaling,
-                               adapter.target_modules, adapter.base_model)
+                               adapter.target_modules, adapter.base_model, rank)
         self.adapters[name] = loaded
         return loaded
 
@@ -111,14 +117,35 @@ class AdapterSet:
         """read, then install (on one thread)."""
         return self.install(name, self.read(path))
 
-    def unload(self, name: str) -> None:
-        """KeyError for a name not loaded."""
-        self._clear(self.adapters.pop(name).slot)
-        if not self.adapters:  # the layers go back to costing nothing
-            for linear in self._targets:
-                linear.detach_lora()
-            self._targets, self._slots, self._rank = [], 0, 0
+    def unload(self, name: str) -> dict[int, int]:
+        """Frees `name`'s slot; the slot that moved into it ({old: new}, or none).
+
+        KeyError for a name not loaded. Rows that name the moved slot must name the new one."""
+        gone = self.adapters.pop(name)
+        last, moved = len(self.adapters), {}
+        if gone.slot != last:
+            mover = next(a for a in self.adapters.values() if a.slot == last)
+            self._copy_slot(last, gone.slot)
+            self.adapters[mover.name] = replace(mover, slot=gone.slot)
+            moved[last] = gone.slot
+        self._clear(last)
+        # a layer no adapter changes now goes back to costing nothing
+        for linear in [t for t in self._targets if not any(p.ranks.any() for p in t.lora.parts)]:
+            linear.detach_lora()
+            self._targets.remove(linear)
+        if not self.adapters:
+            self._slots, self._rank = 0, 0
+        else:
+            needed = max(a.width for a in self.adapters.values())
+            if 4 * len(self.adapters) * needed <= self._slots * self._rank:
+                self._resize(_room(len(self.adapters)), needed)
         self.version += 1
+        return moved
+
+    def tensor_bytes(self) -> int:
+        """What the adapters' stacks hold, in bytes."""
+        return sum(t.nbytes for linear in self._targets for part in linear.lora.parts
+                   for t in (part.a, part.bt, part.ranks))
 
     @contextmanager
     def applied(self, slots: torch.Tensor | None) -> Iterator[None]:
@@ -170,12 +197,25 @@ class AdapterSet:
             self._targets.append(linear)
         return linear.lora
 
-    def _grow(self, slots: int, rank: int) -> None:
+    def _resize(self, slots: int, rank: int) -> None:
+        """The stacks with room for `slots` adapters of up to `rank`, the first slots kept."""
         if (slots, rank) == (self._slots, self._rank):
             return
         for linear in self._targets:
             linear.lora.parts = [part.resized(slots, rank) for part in linear.lora.parts]
         self._slots, self._rank = slots, rank
+
+    def _copy_slot(self, source: int, target: int) -> None:
+        for linear in self._targets:
+            for part in linear.lora.parts:
+                part.a[target] = part.a[source]
+                part.bt[target] = part.bt[source]
+                part.ranks[target] = part.ranks[source]
+
+
+def _room(count: int) -> int:
+    """The stacks' room for `count` adapters: the power of two at or above it."""
+    return 1 << max(0, count - 1).bit_length()
 
 
 def part_width(source, part) -> int:

@@ -34,7 +34,7 @@ class _Engine:
 
     def install_adapter(self, name, adapter):
         self.installed.append((name, adapter, threading.current_thread().name))
-        return LoadedAdapter(name, 0, 8, 16.0, 2.0, ["q_proj"], "")
+        return LoadedAdapter(name, 0, 8, 16.0, 2.0, ["q_proj"], "", 8)
 
 
 @pytest.fixture
