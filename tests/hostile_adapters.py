@@ -1,7 +1,8 @@
 """LoRA adapters as an attacker with the API key would send them, made from a real adapter's files.
 
 A config whose rank_pattern and alpha_pattern keys backtrack for minutes in Python's re, and the
-same with a module name long enough to make that worse.
+same with a module name long enough to make that worse; and a process's resident memory, to see
+what loads cost and unloads give back.
 """
 from __future__ import annotations
 
@@ -40,3 +41,11 @@ def with_long_module_name(adapter_dir: Path, out_dir: Path, *, dots: int = 300) 
         tensors[f"{long}.{which}.weight"] = torch.zeros_like(replaced)
     save_file(tensors, str(weights))
     return out_dir
+
+
+def resident_bytes(pid: int) -> int:
+    """VmRSS of process `pid`."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")

@@ -387,3 +387,32 @@ def test_adapters_with_backtracking_patterns_never_stall_the_shard(server, lora_
     assert adapted.status_code == 200  # the first serves
     assert _unload_adapter(server, "backtracking").status_code == 200
     assert server.shard_pids() == pids  # never restarted
+
+
+def test_max_loras_refuses_a_load_past_it_and_an_unload_gives_memory_back(server, lora_dir):
+    """--max-loras (16 by default): the 17th adapter is a 400 in OpenAI's shape and the 16 serve;
+    unloading them gives their memory back to the system (the shard's resident memory falls by
+    at least half of what they took), and a load after that succeeds."""
+    from tests.hostile_adapters import resident_bytes
+
+    (pid,) = server.shard_pids().values()
+    before = resident_bytes(pid)
+    names = [f"bound-{i}" for i in range(16)]
+    for name in names:
+        assert _load_adapter(server, name, lora_dir).status_code == 200
+    refused = _load_adapter(server, "one-too-many", lora_dir)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert "--max-loras (16)" in error["message"] and error["http_status_code"] == 400
+    for name in (names[0], names[-1]):
+        reply = post(server, "/generate", {"inputs": "Hello",
+                                           "parameters": {"max_new_tokens": 4, "adapter_id": name}})
+        assert reply.status_code == 200
+    full = resident_bytes(pid)
+    assert full - before > 3 * 2**20  # 16 rank-64 adapters of the tiny model: 6 MiB of stacks
+    for name in names:
+        assert _unload_adapter(server, name).status_code == 200
+    assert full - resident_bytes(pid) >= (full - before) / 2
+    assert "unloaded LoRA adapter bound-15 (the adapters left hold 0 bytes)" in server.log()
+    assert _load_adapter(server, "after-unload", lora_dir).status_code == 200
+    assert _unload_adapter(server, "after-unload").status_code == 200
