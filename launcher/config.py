@@ -260,7 +260,7 @@ class LauncherConfig:
             raise ValueError(refusal)
         self._check_tgi_flags()
         # the router's flags are checked now, not once the shards have spent minutes loading
-        check_router_flags(self.router)
+        check_router_flags(self.router, adapters=len(self.adapter_specs()))
 
     def _take_kv_cache_dtype(self) -> None:
         """--kv-cache-dtype checked, and the model's --dtype it implies taken."""

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 
-from router.config import router_config, router_fields
+from router.config import check_adapter_count, router_config, router_fields
 from router.config.flags import env_value, flag_arguments
 
 # given once per origin (as TGI takes it) or directory; the router takes them comma-separated
@@ -48,10 +48,14 @@ def read_router_flags(args: dict) -> tuple[dict, dict]:
     return own, router
 
 
-def check_router_flags(router: dict) -> None:
-    """A ValueError for a router flag the router would refuse, said before any shard loads."""
-    router_config({"tokenizer_path": ".",
-                   **{name: value for name, value in router.items() if value is not None}})
+def check_router_flags(router: dict, *, adapters: int = 0) -> None:
+    """A ValueError for a router flag the router would refuse, said before any shard loads.
+
+    `adapters`: how many --lora-adapters names (at most --max-loras)."""
+    config = router_config({"tokenizer_path": ".",
+                            **{name: value for name, value in router.items()
+                               if value is not None}})
+    check_adapter_count(adapters, config.model.max_loras)
 
 
 def router_flags_argv(router: dict) -> list[str]:

@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 
 from shard import speculative_step
-from shard.adapters.adapter_set import LoadedAdapter
+from shard.adapters.adapter_set import AdapterExists, LoadedAdapter
+from shard.adapters.peft_files import PeftAdapter
 from shard.admission import ModelLimits, admit
 from shard.batch_state import (Batch, NewRequest, block_table_tensor, concatenate_batches,
                                filter_batch, new_batch, sample_batch)
@@ -157,17 +158,38 @@ class Engine:
         self.batches[batch.id] = batch
         return self._info(batch)
 
-    def load_adapter(self, name: str, path: str) -> LoadedAdapter:
-        """AdapterError (nothing changed) for an adapter this model cannot take; AdapterExists."""
-        return self.runner.adapters.load(name, path)
+    def read_adapter(self, name: str, path: str) -> PeftAdapter:
+        """An adapter's files, read and checked on a thread other than the engine's.
 
-    def unload_adapter(self, name: str) -> None:
-        """KeyError for a name not loaded; AdapterInUse while a batch held here uses it."""
+        It touches nothing the engine thread changes. AdapterError for an adapter this model
+        cannot take; AdapterExists."""
+        if name in self.runner.adapters.adapters:  # refused before reading; install checks again
+            raise AdapterExists(f"an adapter named {name!r} is already loaded")
+        return self.runner.adapters.read(path)
+
+    def install_adapter(self, name: str, adapter: PeftAdapter) -> LoadedAdapter:
+        """A read adapter placed in its slot; AdapterExists (nothing changed)."""
+        return self.runner.adapters.install(name, adapter)
+
+    def load_adapter(self, name: str, path: str) -> LoadedAdapter:
+        """read_adapter, then install_adapter, on this thread."""
+        return self.install_adapter(name, self.read_adapter(name, path))
+
+    def unload_adapter(self, name: str) -> int:
+        """Frees `name`; the bytes the adapters left hold.
+
+        KeyError for a name not loaded; AdapterInUse while a batch held here uses it. Its
+        tensors are freed, and their memory given back to the system."""
         slot = self.runner.adapters.slot_of(name)
         users = [r.id for b in self.batches.values() for r in b.requests if r.adapter_slot == slot]
         if users:
             raise AdapterInUse(f"adapter {name!r} is in use by requests {users[:8]}")
-        self.runner.adapters.unload(name)
+        moved = self.runner.adapters.unload(name)
+        for batch in self.batches.values():  # the last slot's adapter moved into the freed one
+            for request in batch.requests:
+                request.adapter_slot = moved.get(request.adapter_slot, request.adapter_slot)
+        self.runner.adapters_changed()
+        return self.runner.adapters.tensor_bytes()
 
     def _with_adapter_slots(self, requests: list[NewRequest]
                             ) -> tuple[list[NewRequest], list[tuple[int, str]]]:

@@ -23,6 +23,7 @@ from shard.decode_paths.cuda_graphs import Capture, CudaGraphCapture, GraphedDec
 from shard.kernels import paged_attention
 from shard.kv_budget import KVCacheSpec, allocate_kv_cache
 from shard.layers.attention import AttentionMetadata, LayerCache
+from shard.malloc_tuning import return_freed_memory
 
 log = logging.getLogger("tgi.shard.model_runner")
 
@@ -150,6 +151,18 @@ class ModelRunner:
         if self.device.type == "cuda":
             gc.collect()  # the graphs' pool is freed with its last reference
             torch.cuda.empty_cache()
+
+    def adapters_changed(self) -> None:
+        """After an unload: nothing keeps the freed stacks, and their memory goes back.
+
+        The C step points into the stacks until it next looks; glibc keeps freed memory in the
+        process (shard/malloc_tuning.py), and the CUDA allocator in its cache."""
+        if self.c_step is not None:
+            self.c_step.follow_adapters()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            return_freed_memory()
 
     def allocate(self, num_blocks: int) -> None:
         self.c_step = None  # it holds the old pool too

@@ -60,6 +60,9 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         self.instance_id = uuid.uuid4().hex  # tells the router a restarted shard from this one
         # the thread that built the engine runs every step: see engine_thread()
         self._worker = worker
+        # reads and checks adapter files, whose size and config a client chooses, while the
+        # engine thread goes on stepping; one, as the router loads one adapter at a time
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-reader")
 
     async def _run(self, context: grpc.aio.ServicerContext, fn, *args, span: str | None = None):
         if span is not None and tracing_enabled():
@@ -155,7 +158,9 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "LoadAdapter needs an adapter name and a directory")
         try:
-            loaded = await self._in_worker(self.engine.load_adapter, request.name, request.path)
+            read = await asyncio.get_running_loop().run_in_executor(
+                self._reader, self.engine.read_adapter, request.name, request.path)
+            loaded = await self._in_worker(self.engine.install_adapter, request.name, read)
         except AdapterExists as err:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err))
         except AdapterError as err:
@@ -172,13 +177,13 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
 
     async def UnloadAdapter(self, request, context):
         try:
-            await self._in_worker(self.engine.unload_adapter, request.name)
+            held = await self._in_worker(self.engine.unload_adapter, request.name)
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no LoRA adapter named {request.name!r} is loaded")
         except AdapterInUse as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        log.info("unloaded LoRA adapter %s", request.name)
+        log.info("unloaded LoRA adapter %s (the adapters left hold %d bytes)", request.name, held)
         return pb.UnloadAdapterResponse()
 
     async def _in_worker(self, fn, *args):

@@ -25,6 +25,16 @@ class RouterConfig:
     server: ServerSettings
     model: ModelSettings
 
+    def __post_init__(self):
+        check_adapter_count(len(self.server.lora_adapter_dirs()), self.model.max_loras)
+
+
+def check_adapter_count(count: int, max_loras: int) -> None:
+    """A ValueError when --lora-adapters names more adapters than --max-loras lets a model hold."""
+    if count > max_loras:
+        raise ValueError(f"--lora-adapters names {count} adapters, more than --max-loras "
+                         f"({max_loras}) lets the model hold; raise --max-loras")
+
 
 def router_fields() -> list[dataclasses.Field]:
     """tgi-router's flags, as settings fields: the server's, then the model's."""

@@ -17,6 +17,10 @@ from router.inputs.generation_config import GenerationDefaults, check_config
 from router.inputs.reasoning import PARSERS, check_parser
 from router.kv.sessions import SessionLimits
 
+# --max-loras' default: vLLM's (1) counts adapters in one GPU batch, and evicts loaded ones to
+# load others; here every loaded adapter may be in any batch and none is evicted
+MAX_LORAS = 16
+
 
 @dataclass(slots=True)
 class ModelSettings:
@@ -61,6 +65,12 @@ class ModelSettings:
                                                 "tokens as it ends; on the CPU a call's come "
                                                 "together. 1: a call per step, as TGI.")
     max_client_batch_size: int = setting(4, "Most inputs in one client request.")
+    max_loras: int = setting(MAX_LORAS, "LoRA adapters a model holds at once (vLLM's flag), "
+                                        "those given by --lora-adapters included: a load past "
+                                        "it is refused with a 400 until one is unloaded, and no "
+                                        "adapter is ever evicted. Each holds its tensors (up to "
+                                        "rank 64 on each projection it changes) while loaded; "
+                                        "unloading frees them. 0: none.")
     tokenizer_config_path: str = setting(None, "A tokenizer_config.json to take the chat template "
                                                "and the special tokens (bos, eos) from, in place "
                                                "of the model directory's (TGI's flag; the default "
@@ -108,6 +118,8 @@ class ModelSettings:
         if self.prefix_caching not in ("on", "off"):
             raise ValueError(f"--prefix-caching {self.prefix_caching!r} must be on or off")
         check_parser(self.reasoning_parser)
+        if self.max_loras < 0:
+            raise ValueError(f"--max-loras {self.max_loras} must be >= 0")
         if self.validation_workers < 1:
             raise ValueError(f"--validation-workers {self.validation_workers} must be at least 1")
         if self.tokenizer_config_path and not os.path.isfile(self.tokenizer_config_path):

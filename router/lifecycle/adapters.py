@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router.config.model import MAX_LORAS
 from router.config.server import adapter_name_problem
 from router.core.adapter_use import AdapterUse
 from router.errors import AdapterError, UnhealthyError, UnknownAdapterError
@@ -109,13 +110,15 @@ class AdapterStore:
     """One model's LoRA adapters: load, unload, reload after a restart, and what requests see."""
 
     def __init__(self, client: ShardedClient, use: AdapterUse, batcher: Batcher,
-                 metrics: Metrics, *, parent: str, links: AdapterLinks = AdapterLinks()):
+                 metrics: Metrics, *, parent: str, links: AdapterLinks = AdapterLinks(),
+                 max_loras: int = MAX_LORAS):
         self.client = client
         self.use = use
         self.batcher = batcher
         self.metrics = metrics
         self.parent = parent  # the base model's id, as /v1/models lists it
         self.links = links
+        self.max_loras = max_loras  # adapters held at once, those loading or unloading included
         self._entries: dict[str, AdapterEntry] = {}
         self._loading: set[str] = set()
         self._unloads: dict[str, asyncio.Task] = {}
@@ -177,6 +180,11 @@ class AdapterStore:
         if taken is not None:
             raise AdapterError(f"{name!r} is {taken}: adapters and models share the names a "
                                "request's `model` gives; pick another name")
+        held = len(self._entries) + len(self._loading)
+        if held >= self.max_loras:
+            raise AdapterError(f"adapter {name!r} cannot be loaded: {self.parent} holds {held} "
+                               f"LoRA adapters, the most --max-loras ({self.max_loras}) allows; "
+                               "unload one first (POST /v1/unload_lora_adapter)")
         if not self.batcher.healthy:
             raise UnhealthyError("the model shards are restarting; load the adapter once they "
                                  "are back")

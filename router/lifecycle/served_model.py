@@ -67,7 +67,7 @@ class ServedModel:
         if self.adapters is None:
             self.adapters = AdapterStore(self.client, self.infer.adapters, self.batcher,
                                          self.metrics, parent=self.model_name,
-                                         links=adapter_links)
+                                         links=adapter_links, max_loras=self.config.max_loras)
 
     @property
     def model_name(self) -> str:

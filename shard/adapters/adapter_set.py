@@ -1,18 +1,26 @@
 """The LoRA adapters loaded on one model, a slot per adapter.
 
 Each adapter's updates are placed in the linear layers it changes (this rank's slices of them),
-and the set holds the slot of each row of the forward running now."""
+and the set holds the slot of each row of the forward running now. Reading an adapter's files
+(`read`) touches nothing of the set, so it runs off the engine thread; placing it (`install`)
+and unloading run on it.
+
+The slots are dense, 0 .. n - 1: an unload moves the last adapter into the slot it frees. The
+stacks' room doubles as adapters come, so a load copies the others only when it crosses a power
+of two, and shrinks once the stacks hold four times what the adapters need, so that unloading
+gives the memory back.
+"""
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from shard.adapters.peft_files import AdapterError, read_adapter
+from shard.adapters.peft_files import AdapterError, ModuleShape, PeftAdapter, read_adapter
 from shard.layers.lora import LoraPart, LoraRows, LoraTarget
 
 # the largest rank served; the stacks of every layer an adapter changes are as wide as the largest
@@ -33,6 +41,7 @@ class LoadedAdapter:
     scaling: float
     target_modules: list[str]
     base_model: str
+    width: int  # its largest module rank (rank_pattern may give a module more than `rank`)
 
 
 @dataclass(slots=True)
@@ -52,6 +61,10 @@ class AdapterSet:
             if source is not None:
                 for index, part in enumerate(source.parts):
                     self._modules[part.name] = (module, index)
+        # what an adapter's tensors are checked against: each module's full widths
+        self._shapes = {name: ModuleShape(linear.lora_source.in_features,
+                                          linear.lora_source.full_rows(linear.lora_source.parts[i]))
+                        for name, (linear, i) in self._modules.items()}
         self.adapters: dict[str, LoadedAdapter] = {}
         self.version = 0  # bumped on every load and unload: the stacks may have moved
         self.rows: LoraRows | None = None  # the forward running now
@@ -63,20 +76,27 @@ class AdapterSet:
         """KeyError for a name not loaded."""
         return self.adapters[name].slot
 
-    def load(self, name: str, path: str | Path) -> LoadedAdapter:
-        """Reads and places an adapter; AdapterError (nothing changed) when it cannot serve here."""
-        if name in self.adapters:
-            raise AdapterExists(f"an adapter named {name!r} is already loaded")
+    def read(self, path: str | Path) -> PeftAdapter:
+        """An adapter's files, read and checked against this model; any thread.
+
+        AdapterError when it cannot serve here."""
         if not self._modules:
             raise AdapterError("this model's layers take no LoRA adapters")
-        adapter = read_adapter(path)
-        placements = [self._placement(path, module, update)
+        return read_adapter(path, self._shapes, max_rank=MAX_RANK)
+
+    def install(self, name: str, adapter: PeftAdapter) -> LoadedAdapter:
+        """Places a read adapter in the next slot; on the engine thread.
+
+        AdapterExists (nothing changed) for a name in use."""
+        if name in self.adapters:
+            raise AdapterExists(f"an adapter named {name!r} is already loaded")
+        placements = [self._placement(module, update)
                       for module, update in sorted(adapter.modules.items())]
         rank = max(p.a.shape[0] for p in placements)
-        slot = next(i for i in range(len(self.adapters) + 1)
-                    if i not in {a.slot for a in self.adapters.values()})
+        slot = len(self.adapters)
         try:
-            self._grow(max(self._slots, slot + 1), max(self._rank, rank))
+            if slot >= self._slots or rank > self._rank:
+                self._resize(max(self._slots, _room(slot + 1)), max(self._rank, rank))
             for placement in placements:
                 part = self._target(placement.linear).parts[placement.part]
                 r = placement.a.shape[0]
@@ -89,18 +109,43 @@ class AdapterSet:
         finally:  # the stacks may have moved, even when the load failed
             self.version += 1
         loaded = LoadedAdapter(name, slot, adapter.rank, adapter.alpha, adapter.scaling,
-                               adapter.target_modules, adapter.base_model)
+                               adapter.target_modules, adapter.base_model, rank)
         self.adapters[name] = loaded
         return loaded
 
-    def unload(self, name: str) -> None:
-        """KeyError for a name not loaded."""
-        self._clear(self.adapters.pop(name).slot)
-        if not self.adapters:  # the layers go back to costing nothing
-            for linear in self._targets:
-                linear.detach_lora()
-            self._targets, self._slots, self._rank = [], 0, 0
+    def load(self, name: str, path: str | Path) -> LoadedAdapter:
+        """read, then install (on one thread)."""
+        return self.install(name, self.read(path))
+
+    def unload(self, name: str) -> dict[int, int]:
+        """Frees `name`'s slot; the slot that moved into it ({old: new}, or none).
+
+        KeyError for a name not loaded. Rows that name the moved slot must name the new one."""
+        gone = self.adapters.pop(name)
+        last, moved = len(self.adapters), {}
+        if gone.slot != last:
+            mover = next(a for a in self.adapters.values() if a.slot == last)
+            self._copy_slot(last, gone.slot)
+            self.adapters[mover.name] = replace(mover, slot=gone.slot)
+            moved[last] = gone.slot
+        self._clear(last)
+        # a layer no adapter changes now goes back to costing nothing
+        for linear in [t for t in self._targets if not any(p.ranks.any() for p in t.lora.parts)]:
+            linear.detach_lora()
+            self._targets.remove(linear)
+        if not self.adapters:
+            self._slots, self._rank = 0, 0
+        else:
+            needed = max(a.width for a in self.adapters.values())
+            if 4 * len(self.adapters) * needed <= self._slots * self._rank:
+                self._resize(_room(len(self.adapters)), needed)
         self.version += 1
+        return moved
+
+    def tensor_bytes(self) -> int:
+        """What the adapters' stacks hold, in bytes."""
+        return sum(t.nbytes for linear in self._targets for part in linear.lora.parts
+                   for t in (part.a, part.bt, part.ranks))
 
     @contextmanager
     def applied(self, slots: torch.Tensor | None) -> Iterator[None]:
@@ -125,28 +170,11 @@ class AdapterSet:
     def _current_rows(self) -> LoraRows | None:
         return self.rows
 
-    def _placement(self, path, module: str, update) -> _Placement:
-        if module not in self._modules:
-            kinds = sorted({name.rsplit(".", 1)[-1] for name in self._modules})
-            raise AdapterError(f"{path}: it changes {module}, which is not a projection of this "
-                               f"model that adapters may change ({', '.join(kinds)} of its "
-                               "layers)")
-        if update.rank > MAX_RANK:
-            raise AdapterError(f"{path}: {module} has rank {update.rank}; ranks up to {MAX_RANK} "
-                               "are served")
+    def _placement(self, module: str, update) -> _Placement:
+        """This rank's slices of a module's update (read checked its widths against the model)."""
         linear, index = self._modules[module]
         source = linear.lora_source
         part = source.parts[index]
-        inputs, outputs = update.a.shape[1], update.b.shape[0]
-        if inputs != source.in_features or outputs != source.full_rows(part):
-            raise AdapterError(
-                f"{path}: {module} maps {inputs} inputs to {outputs} outputs in the adapter but "
-                f"{source.in_features} to {source.full_rows(part)} in this model: the adapter "
-                "was trained on another base model")
-        world = source.parallel.world_size
-        if source.row_parallel and inputs % world:
-            raise AdapterError(f"{path}: {module}'s {inputs} inputs do not divide by {world} "
-                               "shards")
         a = source.local_columns(update.a.float())
         bt = (source.local_rows(part, update.b.float()) * update.scaling).T
         return _Placement(linear, index, a.contiguous(), bt.contiguous())
@@ -169,12 +197,25 @@ class AdapterSet:
             self._targets.append(linear)
         return linear.lora
 
-    def _grow(self, slots: int, rank: int) -> None:
+    def _resize(self, slots: int, rank: int) -> None:
+        """The stacks with room for `slots` adapters of up to `rank`, the first slots kept."""
         if (slots, rank) == (self._slots, self._rank):
             return
         for linear in self._targets:
             linear.lora.parts = [part.resized(slots, rank) for part in linear.lora.parts]
         self._slots, self._rank = slots, rank
+
+    def _copy_slot(self, source: int, target: int) -> None:
+        for linear in self._targets:
+            for part in linear.lora.parts:
+                part.a[target] = part.a[source]
+                part.bt[target] = part.bt[source]
+                part.ranks[target] = part.ranks[source]
+
+
+def _room(count: int) -> int:
+    """The stacks' room for `count` adapters: the power of two at or above it."""
+    return 1 << max(0, count - 1).bit_length()
 
 
 def part_width(source, part) -> int:

@@ -209,7 +209,7 @@ class DecodeStep:
         slot_blocks = tables.gather(1, (seq_lens // self.block_size).unsqueeze(1)).squeeze(1)
         slot_blocks = slot_blocks.contiguous()
         slot_offsets = (seq_lens % self.block_size).contiguous()
-        self._follow_adapters()
+        self.follow_adapters()
         slots = None if row_slots is None else self._lora_slots(row_slots, batch)
         scratch = torch.empty(batch * self._scratch_width, dtype=torch.bfloat16)
         base, row = scratch.data_ptr(), batch * scratch.element_size()
@@ -243,7 +243,7 @@ class DecodeStep:
                              "rows")
         return row_slots.to(torch.int64).contiguous()
 
-    def _follow_adapters(self) -> None:
+    def follow_adapters(self) -> None:
         """The layers' LoRA parts set again after every load and unload of an adapter.
 
         Every step looks: after the last unload, the freed stacks are let go even if no adapter

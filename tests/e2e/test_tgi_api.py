@@ -2,6 +2,7 @@
 import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
+from time import monotonic, sleep
 
 import pytest
 import requests
@@ -310,3 +311,108 @@ def test_openapi_document_describes_every_route_we_serve(server):
     body = post(server, "/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 2,
                                                                      "details": True}}).json()
     jsonschema.validate(body, root)
+
+
+# ---- LoRA adapters a client loads: hostile files, and how many a model holds --------------------
+
+@pytest.fixture(scope="module")
+def lora_dir(tiny_llama, tmp_path_factory):
+    from tests.lora_adapters import build_adapter
+
+    return build_adapter(tiny_llama, tmp_path_factory.mktemp("lora") / "rank64", rank=64,
+                         alpha=16, std=0.05)
+
+
+def _load_adapter(server, name, path):
+    return post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+
+def _unload_adapter(server, name):
+    return post(server, "/v1/unload_lora_adapter", {"lora_name": name})
+
+
+class _SteadyLoad:
+    """Short /generate requests one after another on a thread; each one's status and seconds."""
+
+    def __init__(self, server):
+        self.server, self.results, self._stop = server, [], False
+        self._pool = ThreadPoolExecutor(1)
+        self._done = self._pool.submit(self._run)
+
+    def _run(self):
+        while not self._stop:
+            start = monotonic()
+            try:
+                status = post(self.server, "/generate", {"inputs": "Hello",
+                                                         "parameters": {"max_new_tokens": 4}}
+                              ).status_code
+            except requests.RequestException as err:
+                status = repr(err)
+            self.results.append((status, monotonic() - start))
+
+    def stop(self) -> list:
+        self._stop = True
+        self._done.result()
+        self._pool.shutdown()
+        return self.results
+
+
+def test_adapters_with_backtracking_patterns_never_stall_the_shard(server, lora_dir, tmp_path):
+    """rank_pattern / alpha_pattern keys that backtrack for minutes in Python's re (with, the
+    second time, a module name that makes it worse): each load answers at once (the first
+    loads, its keys matching nothing; the second is a 400 naming the module), while generate
+    requests go on within two seconds each and the shard is never restarted."""
+    from tests.hostile_adapters import with_backtracking_patterns, with_long_module_name
+
+    pids = server.shard_pids()
+    load = _SteadyLoad(server)
+    sleep(0.5)  # requests already flowing when the first load arrives
+    started = monotonic()
+    first = _load_adapter(server, "backtracking", with_backtracking_patterns(lora_dir,
+                                                                             tmp_path / "one"))
+    second = _load_adapter(server, "long-name", with_long_module_name(lora_dir, tmp_path / "two"))
+    took = monotonic() - started
+    sleep(0.5)
+    results = load.stop()
+    assert first.status_code == 200, first.text
+    assert second.status_code == 400
+    error = second.json()["error"]
+    assert "a.a.a.a" in error["message"] and "not a projection of this model" in \
+        error["message"] and len(error["message"]) < 1000
+    assert took < 10
+    assert len(results) >= 5 and all(status == 200 for status, _ in results), results
+    assert max(seconds for _, seconds in results) < 2.0, results
+    adapted = post(server, "/generate", {"inputs": "Hello", "parameters": {
+        "max_new_tokens": 4, "adapter_id": "backtracking"}})
+    assert adapted.status_code == 200  # the first serves
+    assert _unload_adapter(server, "backtracking").status_code == 200
+    assert server.shard_pids() == pids  # never restarted
+
+
+def test_max_loras_refuses_a_load_past_it_and_an_unload_gives_memory_back(server, lora_dir):
+    """--max-loras (16 by default): the 17th adapter is a 400 in OpenAI's shape and the 16 serve;
+    unloading them gives their memory back to the system (the shard's resident memory falls by
+    at least half of what they took), and a load after that succeeds."""
+    from tests.hostile_adapters import resident_bytes
+
+    (pid,) = server.shard_pids().values()
+    before = resident_bytes(pid)
+    names = [f"bound-{i}" for i in range(16)]
+    for name in names:
+        assert _load_adapter(server, name, lora_dir).status_code == 200
+    refused = _load_adapter(server, "one-too-many", lora_dir)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert "--max-loras (16)" in error["message"] and error["http_status_code"] == 400
+    for name in (names[0], names[-1]):
+        reply = post(server, "/generate", {"inputs": "Hello",
+                                           "parameters": {"max_new_tokens": 4, "adapter_id": name}})
+        assert reply.status_code == 200
+    full = resident_bytes(pid)
+    assert full - before > 3 * 2**20  # 16 rank-64 adapters of the tiny model: 6 MiB of stacks
+    for name in names:
+        assert _unload_adapter(server, name).status_code == 200
+    assert full - resident_bytes(pid) >= (full - before) / 2
+    assert "unloaded LoRA adapter bound-15 (the adapters left hold 0 bytes)" in server.log()
+    assert _load_adapter(server, "after-unload", lora_dir).status_code == 200
+    assert _unload_adapter(server, "after-unload").status_code == 200

@@ -176,6 +176,44 @@ def test_the_flag_s_syntax_is_checked_at_start(tiny_llama):
             ServerSettings(lora_adapters=bad)
 
 
+async def test_max_loras_bounds_the_adapters_a_model_holds(tiny_llama, tmp_path):
+    """Past --max-loras a load is a 400 in OpenAI's shape that asks nothing of the shards; one
+    being unloaded still holds its place until it is gone; then a load succeeds."""
+    fake = HealthyFake()
+    client = await _client(tiny_llama, fake, max_loras=2)
+    try:
+        path = make_adapter_dir(tmp_path, "a")
+        for name in ("one", "two"):
+            assert (await _load(client, name, path)).status == 200
+        refused = await _load(client, "three", path)
+        assert refused.status == 400
+        error = (await refused.json())["error"]
+        assert error["message"] == ("adapter 'three' cannot be loaded: " f"{tiny_llama.name} "
+                                    "holds 2 LoRA adapters, the most --max-loras (2) allows; "
+                                    "unload one first (POST /v1/unload_lora_adapter)")
+        assert set(fake.adapters) == {"one", "two"}
+        reply = await client.post("/v1/unload_lora_adapter", json={"lora_name": "one"})
+        assert reply.status == 200
+        assert (await _load(client, "three", path)).status == 200
+        assert set(fake.adapters) == {"two", "three"}
+    finally:
+        await client.close()
+
+
+def test_more_adapters_at_start_than_max_loras_is_refused_at_start(tiny_llama):
+    from launcher.router_flags import check_router_flags
+    from router.config import router_config
+
+    with pytest.raises(ValueError, match=r"names 3 adapters, more than --max-loras \(2\)"):
+        router_config({"tokenizer_path": str(tiny_llama), "max_loras": 2,
+                       "lora_adapters": "a=/x,b=/y,c=/z"})
+    with pytest.raises(ValueError, match=r"more than --max-loras \(16\) lets the model hold"):
+        check_router_flags({}, adapters=17)
+    check_router_flags({"max_loras": 17}, adapters=17)
+    with pytest.raises(ValueError, match="--max-loras -1 must be >= 0"):
+        check_router_flags({"max_loras": -1})
+
+
 async def test_a_session_keeps_its_adapter_and_a_call_naming_another_is_a_422(tiny_llama,
                                                                             tmp_path):
     client = await _client(tiny_llama, HealthyFake())

@@ -289,8 +289,8 @@ def test_c_step_with_lora_adapters_equals_the_eager_step(tiny_llama, ragged_dir,
                                                          architecture, kernel_build, tmp_path):
     """Two adapters (every projection at rank 8; attention alone at rank 4, so some parts have a
     rank-0 slot) mixed with base rows in one batch, Phi-3's fused q/k/v and gate/up parts and
-    int4 layers among them; then after unloading one (the stacks' pointers set again) and both
-    (no update at all)."""
+    int4 layers among them; then after unloading one (the other moved into its slot, the stacks'
+    pointers set again) and both (no update at all)."""
     model_dir = {"llama": tiny_llama, "ragged": ragged_dir, "phi3": phi3_dir,
                  "int4": tiny_llama}[architecture]
     targets = _PHI3_LINEAR if architecture == "phi3" else None
@@ -326,9 +326,12 @@ def test_c_step_with_lora_adapters_equals_the_eager_step(tiny_llama, ragged_dir,
     alone = _assert_steps_agree(runner, ids[:1], lens[:1], tables[:1], slots[:1])
     assert torch.equal(alone[0], with_lora[0])
 
-    runner.adapters.unload("one")
+    assert runner.adapters.unload("one") == {1: 0}  # "two" moves into the slot "one" frees
     slots[slots == 0] = -1
-    _assert_steps_agree(runner, ids, lens, tables, slots)
+    slots[slots == 1] = 0
+    after = _assert_steps_agree(runner, ids, lens, tables, slots)
+    is_two = slots == 0
+    assert torch.equal(after[is_two], with_lora[is_two])
     runner.adapters.unload("two")
     no_adapters = _assert_steps_agree(runner, ids, lens, tables, torch.full((batch,), -1))
     assert torch.equal(no_adapters, base_logits)

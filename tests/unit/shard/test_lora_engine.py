@@ -1,5 +1,7 @@
 """LoRA adapters through the engine: requests name adapters, a batch mixes them with the base,
 beams and draft tokens carry their request's adapter, unknown names and busy unloads refused."""
+import weakref
+
 import pytest
 import torch
 
@@ -127,3 +129,56 @@ def test_mixed_batch_on_cuda_gives_the_cpu_tokens(tiny, cuda_graphs):
         tokens[device, "base"] = run_to_completion(engine, _requests(BlockPool(512), [None] * 4))
     assert tokens["cuda"] == tokens["cpu"]
     assert tokens["cuda", "base"] == tokens["cpu", "base"]
+
+
+def test_an_unload_moves_the_last_adapter_into_the_free_slot_and_its_requests_follow(tiny):
+    """Slots stay dense: unloading slot 0 mid-generation moves the adapter of slot 1 there, and
+    the running requests on it get exactly the tokens of a run without the unload."""
+    model_dir, adapters = tiny
+
+    def generate(choice: list, unload_midway: bool) -> dict:
+        engine = make_engine(model_dir)
+        engine.load_adapter("gone", str(adapters["two"]))
+        engine.load_adapter("kept", str(adapters["one"]))
+        tokens = {i + 1: [] for i in range(4)}
+        for step, out in enumerate(steps_to_completion(engine, _requests(BlockPool(512), choice))):
+            for generation in out.generations:
+                tokens[generation.request_id] += generation.tokens.ids
+            if step == 1 and unload_midway:
+                engine.unload_adapter("gone")
+                assert engine.runner.adapters.slot_of("kept") == 0
+        return tokens
+
+    choice = ["kept", None, "kept", None]
+    undisturbed = generate(choice, unload_midway=False)
+    assert generate(choice, unload_midway=True) == undisturbed
+    assert generate([None] * 4, unload_midway=False) != undisturbed  # the adapter counts
+
+
+def test_stacks_double_as_adapters_load_and_unloads_give_their_memory_back(tiny):
+    """A load copies the loaded adapters only when the stacks' room crosses a power of two (loads
+    do not slow down as adapters add up); unloads shrink the stacks, and nothing (the C decode
+    step included) keeps the freed ones."""
+    model_dir, adapters = tiny
+    engine = make_engine(model_dir, dtype=torch.bfloat16)
+    held = engine.runner.adapters
+    stack = lambda: engine.runner.model.layers[0].self_attn.qkv_proj.lora.parts[0].a  # noqa: E731
+    rooms, moves = [], 0
+    for i in range(9):
+        before = stack().data_ptr() if i else None
+        engine.load_adapter(f"a{i}", str(adapters["one"]))
+        rooms.append(stack().shape[0])
+        moves += stack().data_ptr() != before
+        if i == 0:
+            one_adapter = held.tensor_bytes()
+    assert rooms == [1, 2, 4, 4, 8, 8, 8, 8, 16] and moves == 5
+    assert held.tensor_bytes() == 16 * one_adapter
+    run_to_completion(engine, _requests(BlockPool(512), ["a8", None, "a3", None]))
+    freed = weakref.ref(stack())  # the C decode step pointed into it
+    for i in range(8):
+        engine.unload_adapter(f"a{i}")
+    assert held.tensor_bytes() == one_adapter and stack().shape[0] == 1
+    assert freed() is None
+    engine.unload_adapter("a8")
+    assert held.tensor_bytes() == 0
+    assert all(layer.self_attn.qkv_proj.lora is None for layer in engine.runner.model.layers)
