@@ -84,7 +84,7 @@ async def load_startup_adapters(state: RouterState) -> None:
     adapters = state.models.default.adapters
     for name, path in state.config.lora_adapter_dirs():
         try:
-            await adapters.load(name, path)
+            await adapters.load(name, path, operator=True)
         except RouterError as err:
             await state.models.close()
             raise ValueError(f"--lora-adapters {name}={path}: {err.message}") from None

@@ -57,7 +57,7 @@ class ServerSettings:
                                            "origin, as TGI does.", shown="none: no CORS headers")
     allowed_local_model_path: str = setting(
         None, "Directories under which POST /v1/models/pull may read a local model directory or "
-              ".gguf file, comma-separated (tgi-launcher also takes the flag once per "
+              ".gguf file, and a LoRA adapter loaded at run time its directory, comma-separated (tgi-launcher also takes the flag once per "
               "directory). A path is compared once its symlinks and '..' are resolved; any other "
               "is refused with a 403 that says nothing of what lies there. tgi-launcher adds its "
               "model cache (TGI_PY_CACHE), the model registry and its own --model-id.",

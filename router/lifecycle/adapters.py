@@ -22,6 +22,7 @@ from router.config.model import MAX_LORAS
 from router.config.server import adapter_name_problem
 from router.core.adapter_use import AdapterUse
 from router.errors import AdapterError, UnhealthyError, UnknownAdapterError
+from router.lifecycle.local_paths import LocalRoots, is_path_like
 from router.scheduler.batcher import Batcher
 from router.shards.client import ShardedClient, ShardError
 from router.telemetry.metrics import Metrics
@@ -34,6 +35,11 @@ HUB_ID = re.compile(r"([A-Za-z0-9_][A-Za-z0-9._-]*/[A-Za-z0-9_][A-Za-z0-9._-]*)"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 POLL_S = 0.02  # how often an unload looks whether the adapter's requests are done
 BUSY_RETRY_S = 10.0  # how long an unload retries while a shard batch still holds a request on it
+
+# the one answer to a local path outside the allowed directories, whether or not it exists
+LOCAL_REFUSAL = ("`lora_path` names a local path this server may not load adapters from: a local "
+                 "adapter is loaded only from under the directories its operator allows "
+                 "(--allowed-local-model-path)")
 
 # (Hub id, revision or None) -> the local directory the launcher fetched it into
 Fetch = Callable[[str, str | None], Awaitable[str]]
@@ -50,6 +56,9 @@ class AdapterLinks:
     fetch: Fetch | None = None  # Hub ids through the launcher (None: local directories only)
     # what else a name names, if anything: a model, or another model's adapter
     name_taken: Callable[[str], str | None] = _no_other_use
+    # where a load asked for by a client may read a local directory (None: anywhere); the
+    # operator's --lora-adapters are read wherever they are
+    local_roots: LocalRoots | None = None
 
 
 @dataclass(slots=True)
@@ -164,11 +173,13 @@ class AdapterStore:
 
     # ---- load and unload --------------------------------------------------------------------
 
-    async def load(self, name: str, source: str) -> AdapterEntry:
+    async def load(self, name: str, source: str, *, operator: bool = False) -> AdapterEntry:
         """Loads `source` under `name` on every rank.
 
         `source`: a local adapter directory, or a Hub id fetched by the launcher. AdapterError
         (400) for a bad name, source or adapter, and for a name in use; nothing changes then.
+        operator: named by --lora-adapters, so read wherever it is (`links.local_roots` bounds
+        the others).
         """
         check_name(name)
         if not isinstance(source, str) or not source.strip() or len(source) > 4096:
@@ -190,12 +201,12 @@ class AdapterStore:
                                  "are back")
         self._loading.add(name)
         # in a task of its own: a caller that goes away never leaves the ranks half loaded
-        task = asyncio.create_task(self._load(name, source))
+        task = asyncio.create_task(self._load(name, source, operator))
         task.add_done_callback(lambda _: self._loading.discard(name))
         return await asyncio.shield(task)
 
-    async def _load(self, name: str, source: str) -> AdapterEntry:
-        path = await self._directory(source)
+    async def _load(self, name: str, source: str, operator: bool) -> AdapterEntry:
+        path = await self._directory(source, None if operator else self.links.local_roots)
         async with self._shard_calls:
             info = await self._load_on_shards(name, str(path))
         entry = AdapterEntry(name, source, str(path), info.rank, info.alpha, info.scaling,
@@ -207,10 +218,18 @@ class AdapterStore:
                  info.rank, ", ".join(info.target_modules))
         return entry
 
-    async def _directory(self, source: str) -> Path:
-        path = await asyncio.to_thread(local_directory, source)
-        if path is not None:
-            return path
+    async def _directory(self, source: str, roots: LocalRoots | None) -> Path:
+        """The local directory of `source`: itself, or a Hub id's files fetched.
+
+        With `roots`, nothing outside them is looked at: a path there is refused with one
+        message, and an `org/name` there is a Hub id.
+        """
+        if roots is None or await asyncio.to_thread(roots.allows, source):
+            path = await asyncio.to_thread(local_directory, source)
+            if path is not None:
+                return path
+        elif is_path_like(source) or not HUB_ID.fullmatch(source):
+            raise AdapterError(LOCAL_REFUSAL)
         match = HUB_ID.fullmatch(source)
         if self.links.fetch is None:
             raise AdapterError(f"{source!r} is no local directory, and Hub ids need tgi-launcher's "

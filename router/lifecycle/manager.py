@@ -55,7 +55,7 @@ class ModelManager:
         # model host, and a name may not be a model's or another model's adapter's
         self.adapter_links = AdapterLinks(
             fetch=self.pulls.fetch_adapter if host is not None and registry.directory is not None
-            else None, name_taken=self._name_use)
+            else None, name_taken=self._name_use, local_roots=local_roots)
         self._moves: dict[str, asyncio.Task] = {}  # a start or stop under way, by model id
         self._closing = False
 

@@ -18,7 +18,9 @@ def server(tiny_llama, tmp_path_factory):
     launched = launch(["--model-id", str(tiny_llama)], tmp_path_factory.mktemp("tgi-api"),
                       extra=["--max-input-tokens", "64", "--max-total-tokens", "128",
                              "--max-batch-prefill-tokens", "256", "--max-batch-total-tokens", "8192",
-                             "--block-size", "4"])
+                             "--block-size", "4",
+                             # the adapters the tests load at run time lie under it
+                             "--allowed-local-model-path", str(tmp_path_factory.getbasetemp())])
     yield launched
     assert launched.stop() == 0
     assert launched.processes_left() == []

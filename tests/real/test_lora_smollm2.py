@@ -48,7 +48,9 @@ def server(real_model_dir, adapters, tmp_path_factory):
                       extra=["--lora-adapters",
                              f"one={adapters['one']},two={adapters['two']}",
                              "--grpc-port", str(grpc_port), "--max-batch-prefill-tokens", "512",
-                             "--max-total-tokens", "512", "--max-input-tokens", "256"],
+                             "--max-total-tokens", "512", "--max-input-tokens", "256",
+                             # the adapters loaded at run time lie under it
+                             "--allowed-local-model-path", str(tmp_path_factory.getbasetemp())],
                       timeout=600)
     launched.grpc_target = f"127.0.0.1:{grpc_port}"
     yield launched

@@ -1,6 +1,7 @@
 """HTTP error shapes with the real app over a scripted shard: 424, SSE error events, 429, 500."""
 import asyncio
 import json
+import tempfile
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -33,6 +34,9 @@ class HealthyFake(FakeShardClient):
 
 async def _client(tiny_llama, fake, *, max_concurrent=8, max_total_tokens=128, vocab_size=0,
                   **options) -> TestClient:
+    # adapters made under the temporary directory may be loaded, as --allowed-local-model-path
+    # would allow them
+    options.setdefault("allowed_local_model_path", tempfile.gettempdir())
     settings = router_config({"tokenizer_path": str(tiny_llama),
                               "max_concurrent_requests": max_concurrent, **options})
     config = settings.model

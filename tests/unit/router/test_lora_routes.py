@@ -57,9 +57,39 @@ async def test_vllm_routes_load_list_and_unload_an_adapter(tiny_llama, tmp_path)
         await client.close()
 
 
+async def test_a_local_adapter_loads_only_from_the_allowed_directories(tiny_llama, tmp_path):
+    """Outside --allowed-local-model-path every path gets one answer, whether an adapter is
+    there or nothing is; --lora-adapters, the operator's own, load from anywhere."""
+    fake = HealthyFake()
+    allowed = tmp_path / "allowed"
+    client = await _client(tiny_llama, fake, allowed_local_model_path=str(allowed))
+    try:
+        outside = make_adapter_dir(tmp_path / "elsewhere", "real")
+        (allowed / "link").parent.mkdir(parents=True)
+        (allowed / "link").symlink_to(outside)
+        messages = set()
+        for path in (outside, tmp_path / "missing", allowed / "link", f"{allowed}/../elsewhere",
+                     f"{allowed}-evil", "/etc"):
+            reply = await _load(client, "x", path)
+            assert reply.status == 400
+            messages.add((await reply.json())["error"]["message"])
+        assert messages == {"`lora_path` names a local path this server may not load adapters "
+                            "from: a local adapter is loaded only from under the directories its "
+                            "operator allows (--allowed-local-model-path)"}
+        assert fake.adapters == {}
+        inside = make_adapter_dir(allowed, "ok")
+        assert (await _load(client, "ok", inside)).status == 200
+        state = client.server.app[STATE]
+        await state.models.default.adapters.load("operators", str(outside), operator=True)
+        assert set(fake.adapters) == {"ok", "operators"}
+    finally:
+        await client.close()
+
+
 @pytest.mark.parametrize("body, status, words", [
     ({"lora_name": "x"}, 400, "Both 'lora_name' and 'lora_path' must be provided."),
-    ({"lora_name": "x", "lora_path": "/no/such/dir"}, 400, "no adapter directory"),
+    ({"lora_name": "x", "lora_path": "/tmp/no/such/dir"}, 400, "no adapter directory"),
+    ({"lora_name": "x", "lora_path": "/no/such/dir"}, 400, "may not load adapters from"),
     ({"lora_name": "x", "lora_path": "org/x"}, 400, "need tgi-launcher's model host"),
     ({"lora_name": "a\"b", "lora_path": "/tmp"}, 400, "invalid adapter name"),
     ({"lora_name": "x", "lora_path": "/tmp", "load_inplace": True}, 400, "`load_inplace`"),
