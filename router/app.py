@@ -29,6 +29,7 @@ from router.errors import RouterError
 from router.http import access_log
 from router.http.middleware import ErrorBodies, api_key_middleware, error_middleware, install_cors
 from router.http.sse import WRITE_TIMEOUT
+from router.lifecycle.drain import drain_for_shutdown
 from router.lifecycle.local_paths import LocalRoots, split_paths
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.model_host import ModelHostClient
@@ -120,7 +121,13 @@ def create_app(state: RouterState) -> web.Application:
         await asyncio.gather(*state.tasks, return_exceptions=True)
         await state.models.close()
 
+    async def drain_models(app):
+        # after the gRPC server's drain (registered with its API above): both stop taking calls
+        # first, then the requests in flight get until the deadline
+        await drain_for_shutdown(list(state.models.served.values()), config.drain_timeout)
+
     app.on_startup.append(start_models)
+    app.on_shutdown.append(drain_models)
     app.on_cleanup.append(stop_models)
     return app
 
