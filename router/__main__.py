@@ -31,6 +31,7 @@ async def serve(argv: list[str] | None) -> int:
     server = config.server
     init_tracing(server.otlp_service_name, server.otlp_endpoint)
     state = await build_state(config)
+    state.templates.start()  # the first chat then finds its workers ready
     app = create_app(state)
     # the drain (on_shutdown) gave the requests their time already: the handlers then only write
     runner, listener = await connections.start_listening(app, server.hostname, server.port,
