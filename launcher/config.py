@@ -130,8 +130,8 @@ class LauncherConfig:
     shard_hang_timeout: int = _opt(60, "Seconds a serving shard may go without answering its "
                                        "health check (stopped, or hung) before its group is "
                                        "restarted as if it had died. 0: never.")
-    graceful_termination_timeout: int = _opt(20, "Seconds children get to finish in-flight work and "
-                                                 "exit before SIGKILL.")
+    graceful_termination_timeout: int = _opt(20, "Seconds children get to exit before SIGKILL; "
+                                                 "requests get all but 5 s, then a 503.")
     huggingface_hub_cache: str | None = _opt(None, "Hugging Face Hub cache directory for Hub "
                                                    "ids.", shown="the hub's own (HF_HUB_CACHE)")
     weights_cache_override: str | None = _opt(None, "A local directory with the model's files "

@@ -67,3 +67,16 @@ def router_flags_argv(router: dict) -> list[str]:
         flag = f"--{name.replace('_', '-')}"
         argv += [flag] if value is True else [flag, str(value)]
     return argv
+
+
+# seconds of the launcher's grace the router keeps, after its drain, to write the 503s it ended
+# the requests still running with and to exit before the launcher's SIGKILL
+_ROUTER_EXIT_S = 5.0
+
+
+def router_drain_timeout(grace: float) -> float:
+    """The router's --drain-timeout under the launcher's --graceful-termination-timeout `grace`.
+
+    Most of it: the rest (up to 5 s, half of a short grace) is the router's, to end the requests
+    still running with their 503 and exit before the launcher kills it."""
+    return grace - min(_ROUTER_EXIT_S, grace / 2)

@@ -9,8 +9,9 @@ restarted (every rank: the survivors wait in collectives for a peer that is gone
 Past that budget the default model's group stops everything with a non-zero exit naming the child;
 another model's group is stopped alone (the router answers for that model that its shards are
 lost). When the router exits, the launcher stops the others and exits non-zero. SIGINT/SIGTERM stop
-the router first (it finishes in-flight requests), then the shards, each SIGKILLed after a grace
-period.
+the router first, then the shards, each SIGKILLed after a grace period. The router's drain ends
+before its grace does (router_drain_timeout): the requests still running then get their 503, or
+their stream's error event, from the router itself before it exits.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from launcher.gpus import pick_gpus, visible_gpus
 from launcher.liveness import Liveness
 from launcher.local_roots import pull_roots
 from launcher.logs import say
+from launcher.router_flags import router_drain_timeout
 from launcher.shard_group import Child, GroupSpec, LaunchError, ShardGroup, death, spawn, terminate
 from shard.models import architecture_of
 from shard.partition import split_heads_of
@@ -191,6 +193,7 @@ class Supervisor:
         self._host = serve(self, self.host_socket)
 
     def _start_router(self) -> None:
+        drain = router_drain_timeout(self.config.graceful_termination_timeout)
         argv = [sys.executable, "-m", "router",
                 *self.config.router_argv(tokenizer_path=str(self.model_dir),
                                          model_id=self.model_name),
@@ -198,6 +201,7 @@ class Supervisor:
                 "--model-registry-dir", str(self.config.registry_dir()),
                 "--default-model-dtype", self.config.dtype or "",
                 "--default-model-device", self.config.device,
+                "--drain-timeout", str(drain),
                 *router_adapters_argv(self.adapter_dirs),
                 # what the model host allows, the flag's own directories among them: the last
                 # --allowed-local-model-path is the one the router keeps

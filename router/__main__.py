@@ -18,6 +18,7 @@ from router.api.tgi import routes as tgi
 from router.app import build_state, create_app
 from router.config import log_level, parse_args
 from router.http import access_log, connections
+from router.lifecycle.drain import FLUSH_TIMEOUT_S
 
 log = logging.getLogger("tgi.router")
 
@@ -30,8 +31,11 @@ async def serve(argv: list[str] | None) -> int:
     server = config.server
     init_tracing(server.otlp_service_name, server.otlp_endpoint)
     state = await build_state(config)
+    state.templates.start()  # the first chat then finds its workers ready
     app = create_app(state)
-    runner, listener = await connections.start_listening(app, server.hostname, server.port)
+    # the drain (on_shutdown) gave the requests their time already: the handlers then only write
+    runner, listener = await connections.start_listening(app, server.hostname, server.port,
+                                                         shutdown_timeout=FLUSH_TIMEOUT_S)
     metrics_runner = None
     if server.prometheus_port is not None:
         metrics_app = tgi.metrics_app(state)

@@ -29,6 +29,8 @@ from router.errors import RouterError
 from router.http import access_log
 from router.http.middleware import ErrorBodies, api_key_middleware, error_middleware, install_cors
 from router.http.sse import WRITE_TIMEOUT
+from router.inputs.template_pool import RenderLimits, TemplatePool
+from router.lifecycle.drain import drain_for_shutdown
 from router.lifecycle.local_paths import LocalRoots, split_paths
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.model_host import ModelHostClient
@@ -62,7 +64,10 @@ def router_state(server: ServerSettings, model_defaults: ModelSettings) -> Route
                            default_dtype=server.default_model_dtype,
                            default_device=server.default_model_device,
                            local_roots=LocalRoots.of(split_paths(server.allowed_local_model_path)))
-    return RouterState(server, manager, fatal=fatal)
+    # the processes chat templates render in: as many as the default model's validation workers
+    templates = TemplatePool(RenderLimits.for_payload(server.payload_limit),
+                             size=model_defaults.validation_workers)
+    return RouterState(server, manager, templates, fatal=fatal)
 
 
 async def build_state(config: RouterConfig) -> RouterState:
@@ -119,8 +124,15 @@ def create_app(state: RouterState) -> web.Application:
             task.cancel()
         await asyncio.gather(*state.tasks, return_exceptions=True)
         await state.models.close()
+        await state.templates.close()
+
+    async def drain_models(app):
+        # after the gRPC server's drain (registered with its API above): both stop taking calls
+        # first, then the requests in flight get until the deadline
+        await drain_for_shutdown(list(state.models.served.values()), config.drain_timeout)
 
     app.on_startup.append(start_models)
+    app.on_shutdown.append(drain_models)
     app.on_cleanup.append(stop_models)
     return app
 

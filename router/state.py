@@ -12,6 +12,7 @@ from aiohttp import web
 
 from router.config.server import ServerSettings
 from router.errors import ModelNotFoundError, ModelStateError, UnhealthyError
+from router.inputs.template_pool import TemplatePool
 from router.lifecycle.manager import UNNAMED_MODELS, ModelManager
 from router.lifecycle.served_model import ServedModel
 from router.telemetry.request_record import current_record
@@ -22,10 +23,11 @@ MODEL_HEADER = "X-Model-Id"
 
 @dataclass
 class RouterState:
-    """The router's settings, its models, and its own tasks."""
+    """The router's settings, its models, its chat-template pool, and its own tasks."""
 
     config: ServerSettings
     models: ModelManager
+    templates: TemplatePool  # where every model's chat template renders
     tasks: list[asyncio.Task] = field(default_factory=list)
     # set when a batching loop dies: the process must exit rather than leave requests hanging
     fatal: asyncio.Event = field(default_factory=asyncio.Event)

@@ -72,6 +72,11 @@ class ServerSettings:
     otlp_endpoint: str = setting(None, "OTLP gRPC endpoint (http://host:4317) to export trace "
                                        "spans to.", shown="none: no spans exported")
     otlp_service_name: str = setting("tgi-py.router", "service.name of the exported spans.")
+    drain_timeout: float = set_by_launcher(15.0, "Seconds the requests in flight get to finish "
+                                                 "when the router stops (SIGTERM); each still "
+                                                 "running then ends with a 503 (a stream with an "
+                                                 "error event). tgi-launcher gives it most of its "
+                                                 "--graceful-termination-timeout.")
     # set by tgi-launcher: the model lifecycle routes (pull, start, stop) go through its model host
     model_host_uds_path: str = set_by_launcher(None, "Unix socket of the launcher's model "
                                                      "host.", shown="none: models cannot be "
@@ -107,6 +112,8 @@ class ServerSettings:
         if not 0 < self.stream_write_timeout <= 86400:
             raise ValueError(f"--stream-write-timeout {self.stream_write_timeout} must be a "
                              "number of seconds above 0 (at most a day)")
+        if not self.drain_timeout >= 0:
+            raise ValueError(f"--drain-timeout {self.drain_timeout} must be 0 or more seconds")
         if self.payload_limit < 1:
             raise ValueError(f"--payload-limit {self.payload_limit} must be a positive byte count")
         if self.grpc_port == self.port:

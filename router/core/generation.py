@@ -95,6 +95,7 @@ class Infer:
         self.max_unread_events = max_unread_events
         # every request whose stream is open, by id; those whose generation goes on hold a slot
         self._admitted: dict[int, ActiveRequest] = {}
+        self.validating = 0  # requests being read and checked, before they are admitted
         # the LoRA adapters requests may name, and each one's requests in flight
         self.adapters = AdapterUse()
         self._ids = itertools.count()
@@ -116,11 +117,19 @@ class Infer:
     async def count_request(self, validation: Awaitable[T]) -> T:
         """Counts a request and, when its validation fails, the failure, as TGI does."""
         self.metrics.counters.inc("tgi_request_count")
+        self.validating += 1
         try:
             return await validation
         except RouterError as err:
             self.record_failure(err)
             raise
+        finally:
+            self.validating -= 1
+
+    @property
+    def is_idle(self) -> bool:
+        """Whether no request is being validated, generated or written (what a drain waits for)."""
+        return not self._admitted and self.validating == 0
 
     def _admit(self, request: GenerateRequest, continuation: Continuation | None
                ) -> ActiveRequest:

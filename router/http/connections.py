@@ -155,13 +155,15 @@ def quiet_client_mistakes() -> None:
 
 async def start_listening(app: web.Application, host: str, port: int, *,
                           keepalive_timeout: float = KEEPALIVE_TIMEOUT,
-                          ceiling: int | None = None) -> tuple[web.AppRunner, asyncio.Server]:
+                          ceiling: int | None = None,
+                          shutdown_timeout: float = 60.0) -> tuple[web.AppRunner, asyncio.Server]:
     """Serves `app` on host:port with the guards above.
 
     The ceiling defaults to what the file limit (raised to its hard limit) allows. Stop with
-    listener.close(), then runner.cleanup(), which drains and closes the connections."""
+    listener.close(), then runner.cleanup(), which runs the app's on_shutdown (the router's drain),
+    gives the handlers still running `shutdown_timeout` s, and closes the connections."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           keepalive_timeout=keepalive_timeout)
+                           keepalive_timeout=keepalive_timeout, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(QuietAcceptErrors())

@@ -3,13 +3,15 @@
 As transformers' apply_chat_template renders it: the same sandboxed Jinja2 environment (trim_blocks,
 lstrip_blocks, loopcontrols, `{% generation %}`, raise_exception, strftime_now, its tojson, dict and
 namespace) and the same variables (the messages without their null fields, tools, documents,
-add_generation_prompt, the special tokens).
+add_generation_prompt, the special tokens), within a budget (router/inputs/template_budget.py).
 
 A template that does not compile is kept with its error: the chat routes answer it as a 422 while
-every other route serves, where raising would end the router at start.
+every other route serves, where raising would end the router at start. The router renders in the
+worker processes of its template pool (router/inputs/template_pool.py), never in its own.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
@@ -18,9 +20,10 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from router.errors import TemplateError
+from router.inputs.template_budget import (BudgetedEnvironment, RenderBudget,
+                                           TemplateBudgetError)
 
 # the named special tokens transformers passes every template (its SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -94,9 +97,9 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
+def _environment(budget: RenderBudget) -> BudgetedEnvironment:
+    environment = BudgetedEnvironment(
+        budget, trim_blocks=True, lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
@@ -125,7 +128,8 @@ def _compile_error(err: jinja2.TemplateError) -> str:
 
 class ChatTemplate:
     def __init__(self, source: str, *, special_tokens: dict[str, str] | None = None,
-                 bos_token: str | None = None, eos_token: str | None = None):
+                 bos_token: str | None = None, eos_token: str | None = None,
+                 budget: RenderBudget = RenderBudget()):
         self.source = source
         tokens = dict(special_tokens or {})
         if bos_token is not None:
@@ -140,10 +144,16 @@ class ChatTemplate:
             self.error = (f"the model's chat template is a {type(source).__name__}, not the "
                           "text of a Jinja template")
             return
+        # names the template's standing in the pool: the same text is the same template
+        self.digest = hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
+        self.environment = _environment(budget)
         try:
-            self.template = _environment().from_string(source)
+            self.template = self.environment.from_string(source)
         except jinja2.TemplateError as err:
             self.error = _compile_error(err)
+        except (RecursionError, SyntaxError, MemoryError) as err:  # nested past Python's limits
+            self.error = (f"the model's chat template does not compile: {type(err).__name__} "
+                          f"({err})")
 
     @property
     def knows_tools(self) -> bool:
@@ -181,20 +191,30 @@ class ChatTemplate:
                   if config.get(name) is not None}
         return cls(source, special_tokens=tokens)
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
-               tools: list[dict] | None = None, extra: dict | None = None) -> str:
-        """The prompt of `messages`, as the template renders it.
+    def variables(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                  tools: list[dict] | None = None, extra: dict | None = None) -> dict:
+        """The variables the template renders `messages` with.
 
-        The prompt; `extra`: more template variables (a request's chat_template_kwargs), which
-        may replace the special tokens as in transformers, never the variables named here."""
+        `extra`: more template variables (a request's chat_template_kwargs), which may replace the
+        special tokens as in transformers, never the variables named here."""
+        return {**self.special_tokens, "documents": None, **(extra or {}),
+                "messages": [_template_message(m) for m in messages], "tools": tools,
+                "add_generation_prompt": add_generation_prompt}
+
+    def render(self, messages: list[dict], **options) -> str:
+        """The prompt of `messages` (options: variables()'s), rendered in this process."""
+        return self.render_variables(self.variables(messages, **options))
+
+    def render_variables(self, variables: dict) -> str:
+        """The prompt the template renders from `variables`, within its budget.
+
+        A MemoryError passes through: the process that renders decides what it means."""
         if self.template is None:
             raise TemplateError(self.error)
-        variables = {**self.special_tokens, "documents": None, **(extra or {}),
-                     "messages": [_template_message(m) for m in messages], "tools": tools,
-                     "add_generation_prompt": add_generation_prompt}
+        self.environment.start_render()
         try:
-            return self.template.render(variables)
-        except TemplateError:
+            prompt = self.template.render(variables)
+        except (TemplateError, MemoryError):
             raise
         except jinja2.TemplateError as err:
             raise TemplateError(str(err)) from None
@@ -203,6 +223,11 @@ class ChatTemplate:
         except Exception as err:  # noqa: BLE001 - the template's code and the request's values
             # fail it (a TypeError, a sandbox's OverflowError...): the request's 422, not a 500
             raise TemplateError(f"{type(err).__name__}: {err}") from None
+        budget = self.environment.budget
+        if len(prompt) > budget.max_chars:
+            raise TemplateBudgetError(f"the chat template rendered {len(prompt):,} characters, "
+                                      f"over its limit of {budget.max_chars:,}")
+        return prompt
 
 
 def _token_text(token) -> str:

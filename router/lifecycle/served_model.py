@@ -15,7 +15,7 @@ from pathlib import Path
 from router import VERSION
 from router.config.model import ModelSettings
 from router.core.generation import Infer
-from router.errors import ModelStateError, UnhealthyError
+from router.errors import ModelStateError, RouterError, UnhealthyError
 from router.inputs.chat_template import ChatTemplate
 from router.inputs.generation_config import GenerationDefaults
 from router.inputs.tokenizer import RouterTokenizer
@@ -152,14 +152,25 @@ class ServedModel:
         A request still in flight fails with a 503, and one that reaches the queue from now on (it
         was validating when the stop began) with a 409."""
         name = self.model_name
-        self.batcher.close(lambda: ModelStateError(f"model {name!r} stopped", STOPPED))
+        await self.end_requests(UnhealthyError(f"model {name!r} stopped"),
+                                refusal=lambda: ModelStateError(f"model {name!r} stopped",
+                                                                STOPPED))
+        await self.client.close()
+
+    async def end_requests(self, error: RouterError, *,
+                           refusal: Callable[[], RouterError]) -> None:
+        """Stops the batching loop: each request in flight hears `error`, each later one `refusal()`.
+
+        A non-streamed request answers with the error, a stream ends with its error event. The
+        first call decides; a second (close() after the router's drain) changes nothing.
+        """
+        self.batcher.close(refusal)
         self.batcher.stop_waiting()
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.tasks.clear()
-        self.batcher.fail_everything(UnhealthyError(f"model {self.model_name!r} stopped"))
-        await self.client.close()
+        self.batcher.fail_everything(error)
 
 
 def warmup_batch(limits: TokenLimits, max_batch_size: int | None,

@@ -94,9 +94,11 @@ class Batcher:
     def close(self, refusal: Callable[[], RouterError]) -> None:
         """Refuses new requests: from now on submit() raises `refusal()`, a fresh error each time.
 
-        The model is going away, and no loop will read the queue any more.
+        The model is going away, and no loop will read the queue any more. The first refusal
+        stays: the router's stop says why before its models close.
         """
-        self._refusal = refusal
+        if self._refusal is None:
+            self._refusal = refusal
 
     def submit(self, item: ActiveRequest) -> None:
         if self._refusal is not None:

@@ -98,6 +98,56 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_llama, tmp_path):
     assert server.processes_left() == []
 
 
+def test_sigterm_past_the_drain_ends_requests_with_a_503_and_an_error_event(tiny_llama, tmp_path):
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    # -g 3: the router drains for 1.5 s, then ends what still runs itself
+    server = launch(["--model-id", str(tiny_llama)], tmp_path,
+                    extra=["--max-batch-total-tokens", "8192", "--graceful-termination-timeout",
+                           "3"])
+    body = {"inputs": "Once upon a time 0", "parameters": {"max_new_tokens": 400}}
+    shard = _shard_pid(server.uds_path)
+    pool = ThreadPoolExecutor(1)
+    stopped = False
+    try:
+        plain = pool.submit(requests.post, f"{server.url}/generate", json=body, timeout=60)
+        _wait_until_running(server)
+        stream = requests.post(f"{server.url}/generate_stream", json=body, stream=True, timeout=60)
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line)
+        # the tiny model would finish in a fraction of a second: a stopped shard stands for a
+        # generation that outlasts the drain, both requests mid-way
+        os.kill(shard, signal.SIGSTOP)
+        stopped = True
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        events = [json.loads(line[5:]) for line in lines if line.startswith(b"data:")]
+        reply = plain.result(timeout=60)
+        answered = time.monotonic() - started
+        os.kill(shard, signal.SIGCONT)
+        stopped = False
+        code = server.process.wait(timeout=60)
+    finally:
+        if stopped:
+            os.kill(shard, signal.SIGCONT)
+        pool.shutdown()
+        if server.process.poll() is None:
+            server.stop()
+    assert json.loads(first[5:])["token"]
+    assert reply.status_code == 503, (reply.status_code, reply.text, server.log()[-3000:])
+    assert reply.json()["error_type"] == "healthcheck"
+    assert reply.json()["error"].startswith("the server is shutting down")
+    assert events and "error" in events[-1], events[-3:]
+    assert events[-1]["error_type"] == "healthcheck"
+    assert 1.0 < answered < 3.0, answered  # at the drain's end, before the launcher's SIGKILL
+    assert code == 0, server.log()[-3000:]
+    assert "did not stop" not in server.log()
+    assert server.processes_left() == []
+
+
 def test_shard_killed_under_load_answers_everyone_and_exits_non_zero(tiny_llama, tmp_path):
     server = launch(["--model-id", str(tiny_llama)], tmp_path,
                     extra=["--max-batch-total-tokens", "8192", "--max-shard-restarts", "0"])

@@ -11,12 +11,18 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
+def pullable(tmp_path_factory):
+    """A directory the server may pull models from (--allowed-local-model-path)."""
+    return tmp_path_factory.mktemp("pullable")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, pullable, tmp_path_factory):
     # answers are compared across batch sizes: float32 keeps the random model's near-tied scores
     # apart on every device (on CUDA the default dtype, float16, may flip one between batch sizes)
     launched = launch(["--model-id", str(tiny_llama)], tmp_path_factory.mktemp("launch"),
                       extra=["--max-batch-total-tokens", "8192", "--block-size", "4",
-                             "--dtype", "float32"])
+                             "--dtype", "float32", "--allowed-local-model-path", str(pullable)])
     yield launched
     code = launched.stop()
     assert code == 0, launched.log()
@@ -109,3 +115,79 @@ def test_a_compiled_speculating_tiny_server_answers_as_the_eager_engine(tiny_lla
     finally:
         assert launched.stop() == 0
     assert launched.processes_left() == []
+
+
+# a pulled model's template that attacks as chat_template_kwargs ask: 2x10^7 loop steps, a string
+# of 10^8 characters, or steps each too slow for the loop count to stop
+HOSTILE = ("{% if attack == 'loop' %}{% for i in range(5000) %}{% for j in range(4000) %}"
+           "{% endfor %}{% endfor %}{% elif attack == 'alloc' %}{% set s = 'a' * 100000000 %}"
+           "{% else %}{% for i in range(100000) %}{{ range(100000) | join | length }}{% endfor %}"
+           "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+def test_a_hostile_chat_template_answers_422_while_other_models_chat(server, tiny_llama,
+                                                                       pullable):
+    import shutil
+    import threading
+    import time
+
+    hostile = pullable / "hostile"
+    shutil.copytree(tiny_llama, hostile)
+    config = json.loads((hostile / "tokenizer_config.json").read_text())
+    (hostile / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                               "chat_template": HOSTILE}))
+    url = server.url
+    assert requests.post(f"{url}/v1/models/pull", json={"model": str(hostile), "id": "hostile"},
+                         timeout=30).status_code == 200
+    deadline = time.monotonic() + 60
+    while requests.get(f"{url}/v1/models/hostile", timeout=10).json()["state"] != "downloaded":
+        assert time.monotonic() < deadline, "the pull did not finish"
+        time.sleep(0.1)
+    started = requests.put(f"{url}/v1/models/hostile/start", timeout=120)
+    assert started.json()["state"] == "running", started.text
+
+    def chat(model, attack=None, headers=None):
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        if attack is not None:
+            body["chat_template_kwargs"] = {"attack": attack}
+        began = time.monotonic()
+        reply = requests.post(f"{url}/v1/chat/completions", json=body, headers=headers,
+                              timeout=60)
+        return reply, time.monotonic() - began
+
+    try:
+        # the slow one first, and four at once: they hold one of the pool's two workers, the
+        # first is stopped at 2 s and the others are refused with its failure
+        hostile_replies = []
+        attackers = [threading.Thread(target=lambda: hostile_replies.append(chat("hostile",
+                                                                                 "slow-steps")))
+                     for _ in range(4)]
+        for thread in attackers:
+            thread.start()
+        others = []
+        while any(t.is_alive() for t in attackers):
+            others.append(chat("tgi"))  # the default model
+        for thread in attackers:
+            thread.join()
+        assert sorted(r.status_code for r, _ in hostile_replies) == [422] * 4
+        messages = sorted(r.json()["error"] for r, _ in hostile_replies)
+        assert messages[0] == "Template error: the chat template did not render within its 2 s"
+        assert all("refused without rendering" in m for m in messages[1:])
+        assert max(took for _, took in hostile_replies) < 6
+        assert len(others) >= 5 and all(r.status_code == 200 for r, _ in others)
+        assert max(took for _, took in others) < 1.0, others
+        # each smaller than the last, so each is tried rather than refused as the last one was
+        reply, took = chat("hostile", "alloc")
+        assert reply.status_code == 422 and took < 1.0
+        assert reply.json() == {"error": "Template error: the chat template built a value of "
+                                         "100,000,000 characters or items, over its limit of "
+                                         "8,000,000", "error_type": "template_error"}
+        reply, took = chat("hostile", "loop", headers={"x-stainless-lang": "python"})
+        assert reply.status_code == 422 and took < 1.0
+        assert reply.json()["error"]["message"] == ("Template error: the chat template looped "
+                                                    "more than 2,000,000 times")
+        assert reply.json()["error"]["code"] == "template_error"  # OpenAI's shape to its SDK
+        assert chat("tgi")[0].status_code == 200
+    finally:
+        requests.put(f"{url}/v1/models/hostile/stop", timeout=120)
+        requests.delete(f"{url}/v1/models/hostile", timeout=30)

@@ -15,13 +15,10 @@ from grpc_reflection.v1alpha import reflection
 
 from router.api.grpc.service import (SERVICE, ApiKeyInterceptor, StandardHealth,
                                      TextGenerationServicer, add_service)
+from router.lifecycle.drain import FLUSH_TIMEOUT_S
 from router.state import STATE, RouterState
 
 log = logging.getLogger("tgi.router.grpc")
-
-# in-flight calls get this long to finish when the router stops, as HTTP requests do (aiohttp's
-# shutdown_timeout); the launcher's --graceful-termination-timeout may end it sooner
-STOP_GRACE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +115,11 @@ class GrpcServer:
         if self.server is None or self.stopping is not None:
             return
         # Watch streams hear NOT_SERVING and end; new calls are refused from now on (balancers
-        # see UNAVAILABLE) and the calls in flight have STOP_GRACE_S to finish
+        # see UNAVAILABLE) and the calls in flight have the router's drain to finish: at its end
+        # the generations end with UNAVAILABLE, and a call still open after the flush is cancelled
         await self.health.stop()
-        self.stopping = asyncio.ensure_future(self.server.stop(STOP_GRACE_S))
+        grace = self.state.config.drain_timeout + FLUSH_TIMEOUT_S
+        self.stopping = asyncio.ensure_future(self.server.stop(grace))
 
     async def stop(self, app: web.Application) -> None:
         if self.refresher is not None:

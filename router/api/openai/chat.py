@@ -10,10 +10,10 @@ from aiohttp import web
 
 from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
                                       adapter_as_model, openai_logprob, usage, without_stop)
-from router.api.openai.request import (ChatOptions, build_request, chat_template_kwargs,
-                                       choice_count, include_usage, model_name,
-                                       normalise_messages, render_chat, sampling_and_stops,
-                                       tool_plan, with_model_defaults)
+from router.api.openai.request import (ChatOptions, ChatPromptParts, build_request,
+                                       chat_prompt_parts, chat_template_kwargs, choice_count,
+                                       include_usage, model_name, normalise_messages,
+                                       sampling_and_stops, tool_plan, with_model_defaults)
 from router.api.tgi.routes import tokens_response
 from router.core.generation import GenerateResult
 from router.errors import ValidationError, about_field
@@ -23,9 +23,10 @@ from router.inputs import structured_output
 from router.inputs.field_ranges import read_flag, read_number
 from router.inputs.reasoning import ThinkSplitter, split_reasoning, starts_in_reasoning
 from router.inputs.seeds import copies
+from router.inputs.template_pool import TemplatePool
 from router.inputs.validation import chosen_adapter
 from router.schemas import FinishReason, GenerateRequest, Token, TokenEvent
-from router.state import model_and_adapter
+from router.state import STATE, model_and_adapter
 
 
 def _token_logprob(token: Token) -> dict:
@@ -92,19 +93,20 @@ class _Chat:
 
 
 def _chat_prompt(served, body: dict):
-    """A chat body's tool plan, response-format grammar and prompt.
+    """A chat body's tool plan, response-format grammar and prompt parts.
 
     Returned in that order. This is the slow part of reading a chat, whose messages, tools and
     schemas a body of megabytes can make take a second, so it runs in a worker thread, not on the
-    event loop that serves every other request."""
+    event loop that serves every other request; the template renders in the template pool."""
     messages = normalise_messages(body.get("messages"))
     plan = tool_plan(body)
     response_format = structured_output.from_response_format(body.get("response_format"))
     if plan.grammar and response_format:
         raise ValidationError("`response_format` and `tools` cannot be used together")
-    prompt = render_chat(served.chat_template, messages, plan.functions, allow_text=plan.allow_text,
-                         fallback=served.chat_prompt, template_kwargs=chat_template_kwargs(body))
-    return plan, response_format, prompt
+    parts = chat_prompt_parts(served.chat_template, messages, plan.functions,
+                              allow_text=plan.allow_text, fallback=served.chat_prompt,
+                              template_kwargs=chat_template_kwargs(body))
+    return plan, response_format, parts
 
 
 def _chat_request_parts(served, body: dict):
@@ -112,11 +114,19 @@ def _chat_request_parts(served, body: dict):
     return *_chat_prompt(served, body), sampling_and_stops(body, served.validation_limits)
 
 
-async def _validate_chat(served, body: dict, adapter_id: str | None) -> _Chat:
+async def _rendered(templates: TemplatePool, served, parts: ChatPromptParts) -> str:
+    if parts.job is None:
+        return parts.text
+    return await templates.render(served.chat_template, parts.job)
+
+
+async def _validate_chat(templates: TemplatePool, served, body: dict,
+                         adapter_id: str | None) -> _Chat:
     limits = served.validation_limits
     chosen_adapter(adapter_id, served.adapters)  # one being unloaded is refused from the start
-    plan, response_format, prompt, parsed = await asyncio.to_thread(_chat_request_parts, served,
-                                                                    body)
+    plan, response_format, parts, parsed = await asyncio.to_thread(_chat_request_parts, served,
+                                                                   body)
+    prompt = await _rendered(templates, served, parts)
     with about_field("messages"):  # the prompt's length, which the messages make
         input_ids = await served.tokenizer.encode_async(prompt, add_special_tokens=False,
                                                        max_tokens=limits.tokens.max_input_tokens)
@@ -143,7 +153,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     served, adapter_id = model_and_adapter(request, model_name(body))
     body = with_model_defaults(body, served.request_defaults)
     with adapter_as_model():
-        chat = await served.infer.count_request(_validate_chat(served, body, adapter_id))
+        chat = await served.infer.count_request(_validate_chat(request.app[STATE].templates,
+                                                               served, body, adapter_id))
         requests = copies(chat.request, chat.options.n)
         if chat.options.stream:
             return await serve_stream(request, served.infer.stream_many(requests),
@@ -230,7 +241,8 @@ async def chat_tokenize(request: web.Request) -> web.Response:
     """TGI's /chat_tokenize: a chat request's prompt as the template renders it, and its tokens."""
     body = await read_object(request)
     served, _ = model_and_adapter(request, model_name(body))  # an adapter's: its model's template
-    _, _, prompt = await asyncio.to_thread(_chat_prompt, served, body)
+    _, _, parts = await asyncio.to_thread(_chat_prompt, served, body)
+    prompt = await _rendered(request.app[STATE].templates, served, parts)
     ids, offsets = await served.tokenizer.encode_offsets_async(prompt, add_special_tokens=False)
     return await tokens_response(prompt, ids, offsets, templated_text=prompt)
 

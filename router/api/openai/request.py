@@ -9,6 +9,7 @@ from router.inputs import structured_output
 from router.inputs.chat_template import ChatTemplate
 from router.inputs.field_ranges import FLOAT32_MAX, check_logit_bias, read_flag, read_number
 from router.inputs.seeds import seed_or_draw
+from router.inputs.template_worker import encode_job
 from router.inputs.validation import ValidationLimits, check_lengths
 from router.lifecycle.settings import ChatPrompt
 from router.schemas import GenerateRequest, SamplingParams, StoppingParams
@@ -249,15 +250,20 @@ def chat_template_kwargs(body: dict) -> dict:
     return kwargs
 
 
-def render_chat(template: ChatTemplate | None, messages: list[dict],
-                functions: list[dict] | None, *, allow_text: bool = False,
-                fallback: ChatPrompt | None = None, template_kwargs: dict | None = None) -> str:
-    """The prompt of a chat.
+@dataclass(slots=True)
+class ChatPromptParts:
+    """What a chat's prompt is made from: its text already, or a job for the template pool."""
 
-    The model's template, else Jan's prompt pieces (`fallback`, which has no variables for
-    `template_kwargs`)."""
-    if template is None and fallback is None:
-        raise TemplateError("this model has no chat template")
+    text: str | None = None  # Jan's prompt pieces, for a model without a template
+    job: bytes | None = None  # the template's variables (router.inputs.template_worker)
+
+
+def template_messages(template: ChatTemplate | None, messages: list[dict],
+                      functions: list[dict] | None, *, allow_text: bool = False) -> list[dict]:
+    """The messages as the prompt shows them.
+
+    With our tool prompt where the template cannot show tools, and calls as text where it cannot
+    show calls."""
     if functions and (template is None or not template.knows_tools):
         instruction = tool_prompt(functions, allow_text=allow_text)
         if messages[0]["role"] == "system":
@@ -267,13 +273,30 @@ def render_chat(template: ChatTemplate | None, messages: list[dict],
             messages = [{"role": "system", "content": instruction}, *messages]
     if template is None or "tool_calls" not in template.source:
         messages = [_calls_as_text(m) for m in messages]
+    return messages
+
+
+def chat_prompt_parts(template: ChatTemplate | None, messages: list[dict],
+                      functions: list[dict] | None, *, allow_text: bool = False,
+                      fallback: ChatPrompt | None = None,
+                      template_kwargs: dict | None = None) -> ChatPromptParts:
+    """What the prompt of a chat is made from.
+
+    The model's template's job, else Jan's prompt pieces (`fallback`, which has no variables for
+    `template_kwargs`) rendered."""
+    if template is None and fallback is None:
+        raise TemplateError("this model has no chat template")
+    messages = template_messages(template, messages, functions, allow_text=allow_text)
     if template is None:
-        return fallback.render(messages)
+        return ChatPromptParts(text=fallback.render(messages))
+    if template.template is None:
+        raise TemplateError(template.error)
     # the tools as the request gives them (and transformers' get_json_schema makes them): what
     # templates that list tools print
     tools = [{"type": "function", "function": f} for f in functions] if functions else None
-    return template.render(messages, add_generation_prompt=True, tools=tools,
-                           extra=template_kwargs)
+    variables = template.variables(messages, add_generation_prompt=True, tools=tools,
+                                   extra=template_kwargs)
+    return ChatPromptParts(job=encode_job(template.source, variables))
 
 
 def build_request(prompt: str, input_ids: list[int], body: dict, limits: ValidationLimits, *,

@@ -106,3 +106,20 @@ def test_every_commands_help_renders():
         with pytest.raises(SystemExit) as done:
             parse(["--help"])
         assert done.value.code == 0
+
+
+def test_the_router_drains_for_most_of_the_grace_and_keeps_time_to_answer(monkeypatch, tmp_path):
+    from launcher import supervisor
+    from launcher.router_flags import router_drain_timeout
+    from launcher.supervisor import Supervisor
+    from router.config import parse_args as router_args
+
+    assert [router_drain_timeout(g) for g in (20, 90, 6, 3, 0)] == [15, 85, 3, 1.5, 0]
+    started = []
+    monkeypatch.setattr(supervisor, "spawn", lambda name, argv, env, json: started.append(argv))
+    monkeypatch.setattr(Supervisor, "_wait_until", lambda *args, **kwargs: None)
+    Supervisor(parse_args(["--model-id", "m", "-g", "3"]), tmp_path, "m")._start_router()
+    (argv,) = started
+    assert router_args(argv[3:]).server.drain_timeout == 1.5
+    with pytest.raises(ValueError, match="--drain-timeout -1.0 must be 0 or more"):
+        router_args(["--tokenizer-path", "m", "--drain-timeout", "-1"])

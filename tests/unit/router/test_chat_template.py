@@ -2,7 +2,7 @@
 of the chat routes only; chat_template_kwargs become template variables."""
 import pytest
 
-from router.api.openai.request import normalise_messages, render_chat
+from router.api.openai.request import normalise_messages, template_messages
 from router.errors import TemplateError
 from router.inputs.chat_template import ChatTemplate
 
@@ -36,7 +36,8 @@ def test_content_parts_are_joined_and_tools_explained_when_the_template_cannot()
     template = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }}\n{% endfor %}")
     messages = normalise_messages([{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                  {"type": "text", "text": "b"}]}])
-    text = render_chat(template, messages, [{"name": "get_time", "parameters": {}}])
+    text = template.render(template_messages(template, messages,
+                                             [{"name": "get_time", "parameters": {}}]))
     assert text.startswith("system:You can call one of these functions")
     assert "get_time" in text and text.endswith("user:ab\n")
 

@@ -6,8 +6,15 @@ import json
 
 import pytest
 
-from router.api.openai.request import normalise_messages, render_chat
+from router.api.openai.request import chat_prompt_parts, normalise_messages
 from router.inputs.chat_template import ChatTemplate
+
+
+def render_chat(template: ChatTemplate, messages: list[dict], functions, **options) -> str:
+    """The prompt a chat request's path makes: its job for the template pool, rendered as a worker
+    renders it."""
+    job = json.loads(chat_prompt_parts(template, messages, functions, **options).job)
+    return ChatTemplate(job["source"]).render_variables(job["variables"])
 
 # Qwen3's template (Qwen/Qwen3-8B's tokenizer_config.json), as users bring it
 QWEN3 = """{%- if tools %}
@@ -193,9 +200,6 @@ def test_qwen3_templates_see_the_requests_tools_and_kwargs_as_transformers_gives
 
 
 def test_a_tool_call_turn_is_shown_once_by_a_template_that_reads_tool_calls():
-    from router.api.openai.request import normalise_messages, render_chat
-    from router.inputs.chat_template import ChatTemplate
-
     call = {"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}
     messages = normalise_messages([
         {"role": "user", "content": "Weather in Oslo?"},

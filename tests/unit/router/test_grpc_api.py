@@ -201,7 +201,7 @@ async def served(monkeypatch):
         monkeypatch.setattr(grpc_service, name, getattr(core, name))
     core.port = port = _free_port()
     config = SimpleNamespace(hostname="127.0.0.1", grpc_port=port, api_key="k",
-                             payload_limit=1000, stream_write_timeout=0.5)
+                             payload_limit=1000, stream_write_timeout=0.5, drain_timeout=5.0)
     core.server = server = grpc_server.GrpcServer(SimpleNamespace(config=config))
     await server.start(None)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -363,7 +363,7 @@ async def test_a_port_in_use_stops_the_start_with_a_message(served):
     core, _ = served
     port = core.port
     config = SimpleNamespace(hostname="127.0.0.1", grpc_port=port, api_key=None,
-                             payload_limit=1000, stream_write_timeout=0.5)
+                             payload_limit=1000, stream_write_timeout=0.5, drain_timeout=5.0)
     # by default grpc would share the port (SO_REUSEPORT) and take half the first one's calls
     with pytest.raises(ValueError, match=f"--grpc-port {port}: cannot listen on 127.0.0.1:{port}"):
         await grpc_server.GrpcServer(SimpleNamespace(config=config)).start(None)
@@ -379,7 +379,7 @@ async def test_at_shutdown_watch_streams_hear_not_serving_and_end(served):
     await core.server.drain(None)
     assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert await watch.read() is grpc.aio.EOF
-    # an open Watch would otherwise hold the stop for STOP_GRACE_S
+    # an open Watch would otherwise hold the stop for the drain's grace
     await asyncio.wait_for(core.server.stop(None), timeout=5)
 
 
