@@ -5,12 +5,13 @@ With shards that chunk, new requests are prefilled in the same forward as the ru
 step (TGI's cached_batch) and join it; otherwise in their own batch, merged at the next decode.
 A prompt longer than the prefill budget (when the shards chunk) is computed one chunk between two
 decode steps, so it never freezes the streams already running; chunks are sized from the measured
-step costs (router.scheduler.chunk_sizing) so that each stalls the streams by about one decode step.
+step costs (router.scheduler.chunk_sizing) so that each stalls the streams by about one decode step,
+and shorter prompts arriving meanwhile are prefilled between two chunks.
 
-It decides what the next step is and speaks the router's types (router.shards.step_types). The policy's numbers
-are in router.scheduler.policy; router.scheduler.steps runs a step, delivers its events and filters what
-finished; router.scheduler.running_requests counts the blocks each request holds; router.scheduler.failures fans out
-failures; router.scheduler.recovery waits out a lost shard group.
+It decides what the next step is and speaks the router's types (router.shards.step_types). In
+router.scheduler: policy holds the numbers; steps runs a step, delivers its events and filters what
+finished; running_requests counts each request's blocks; failures fans out failures; recovery
+waits out a lost shard group.
 """
 from __future__ import annotations
 
@@ -94,9 +95,7 @@ class Batcher:
     def close(self, refusal: Callable[[], RouterError]) -> None:
         """Refuses new requests: from now on submit() raises `refusal()`, a fresh error each time.
 
-        The model is going away, and no loop will read the queue any more. The first refusal
-        stays: the router's stop says why before its models close.
-        """
+        The model is going away and no loop will read the queue: the first refusal stays."""
         if self._refusal is None:
             self._refusal = refusal
 
@@ -243,14 +242,18 @@ class Batcher:
                             ) -> PrefillStep | ShardsLost:
         """One prefill between two decode steps, if any is due.
 
-        The next chunk of a long prompt, else a new batch from the queue.
-        """
+        A new batch from the queue, or the next chunk of a long prompt; every other turn of the
+        chunks goes to queued prompts that fit one prefill (they need not wait for its end)."""
         running_size = len(running.request_ids) if running is not None else 0
-        if self.chunked is not None:
+        whole_only = self.chunked is not None
+        plan = None
+        if not whole_only or (self.chunked.queue_turn() and len(self.queue)):
+            plan = self._next_plan(running_size=running_size, waited_tokens=waited_tokens,
+                                   whole_only=whole_only)
+        if plan is None and whole_only:
             if running_size:
                 self.metrics.counters.inc("tgi_batch_concat", reason="chunking")
             return _prefill_step(await self._prefill_chunk(running), running)
-        plan = self._next_plan(running_size=running_size, waited_tokens=waited_tokens)
         if plan is None:
             return NO_PREFILL
         if running_size:
@@ -265,14 +268,15 @@ class Batcher:
         riding = running if self.queue.chunking else None
         return _prefill_step(await self._prefill(plan, riding), riding)
 
-    def _next_plan(self, *, running_size: int, waited_tokens: int
+    def _next_plan(self, *, running_size: int, waited_tokens: int, whole_only: bool = False
                    ) -> BatchPlan[ActiveRequest] | None:
         limits = self.limits
         min_size, max_size = limits.join_bounds(running_size, waited_tokens,
                                                 chunking=self.queue.chunking)
         plan = self.queue.next_batch(min_size=min_size, max_size=max_size,
                                      prefill_token_budget=limits.max_batch_prefill_tokens,
-                                     token_budget=limits.max_batch_total_tokens)
+                                     token_budget=limits.max_batch_total_tokens,
+                                     whole_only=whole_only)
         if plan is not None:
             self.metrics.queue_size.set(len(self.queue))
             self.metrics.batch_next_size.observe(len(plan.entries))

@@ -78,6 +78,12 @@ class ChunkedPrefill:
     item: ActiveRequest
     next_start: int  # prompt tokens already in the cache
     s_per_token: float | None = None  # what the previous chunk cost, to size the next
+    _queue_turn: bool = False
+
+    def queue_turn(self) -> bool:
+        """Whether queued prompts may go before the next chunk: every other call."""
+        self._queue_turn = not self._queue_turn
+        return self._queue_turn
 
     def next_size(self, budget: int, decode_s: float | None) -> int:
         return chunk_tokens(self.item.input_length - self.next_start, budget, decode_s=decode_s,

@@ -107,11 +107,12 @@ class RequestQueue(Generic[E]):
         return True
 
     def next_batch(self, *, min_size: int | None, max_size: int | None, prefill_token_budget: int,
-                   token_budget: int) -> BatchPlan[E] | None:
+                   token_budget: int, whole_only: bool = False) -> BatchPlan[E] | None:
         """The longest FIFO run of entries that fits both budgets and the KV pool, or None.
 
         Each chosen entry gets a block allocation for its prompt and all its new tokens. If fewer
         than `min_size` fit, nothing is taken and every allocation made here is returned.
+        whole_only: no prompt over the prefill budget (while another is computed in chunks).
         """
         if not self._entries or prefill_token_budget <= 0 or token_budget <= 0 or max_size == 0:
             return None
@@ -120,13 +121,15 @@ class RequestQueue(Generic[E]):
         chosen: list[E] = []
         try:
             return self._plan(chosen, min_size=min_size, max_size=max_size,
-                              prefill_token_budget=prefill_token_budget, token_budget=token_budget)
+                              prefill_token_budget=prefill_token_budget, token_budget=token_budget,
+                              whole_only=whole_only)
         except Exception:
             self.put_back(chosen)  # neither queued nor running, they would wait for ever
             raise
 
     def _plan(self, chosen: list[E], *, min_size: int | None, max_size: int | None,
-              prefill_token_budget: int, token_budget: int) -> BatchPlan[E] | None:
+              prefill_token_budget: int, token_budget: int, whole_only: bool
+              ) -> BatchPlan[E] | None:
         prefill_tokens = 0
         max_tokens = 0
         chunk_len = None
@@ -138,6 +141,9 @@ class RequestQueue(Generic[E]):
             uncached = entry.input_length - cached
             # a prompt over the whole budget goes alone: in chunks when it can, else at once
             alone = not chosen and uncached > prefill_token_budget
+            if alone and whole_only:
+                self.allocator.pool.decref(shared)
+                break
             allocation = None
             if prefill_tokens + uncached <= prefill_token_budget or alone:
                 allocation = self.allocator.allocate(entry.kv_tokens, shared=shared)

@@ -197,6 +197,27 @@ async def _chunks_started(client):
         await asyncio.sleep(0.001)
 
 
+async def test_short_prompts_arriving_meanwhile_go_between_a_long_prompts_chunks():
+    """One long prompt must not hold back every request that arrives while it is computed."""
+    client = FakeShardClient(step_delay=0.002)
+    batcher, infer, allocator = _chunking_setup(client)
+
+    async def scenario():
+        running = await _two_decoding(infer, client)
+        long = asyncio.ensure_future(infer.generate(_request(5, length=600)))
+        await _chunks_started(client)
+        short = await infer.generate(_request(2, length=8))
+        return short, await long, await asyncio.gather(*running)
+
+    short, long, _ = await _with_loop(batcher, scenario())
+    assert short.final.generated_tokens == 2 and long.final.generated_tokens == 5
+    chunks = [i for i, c in enumerate(client.calls) if c[0] == "chunk"]
+    short_prefill = next(i for i, c in enumerate(client.calls)
+                         if c[0] == "prefill" and i > chunks[0])
+    assert chunks[0] < short_prefill < chunks[-1], "prefilled before the long prompt's end"
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+
+
 async def test_a_failed_chunk_fails_the_running_batch_riding_in_it_and_frees_everything():
     client = FakeShardClient(step_delay=0.002)
     batcher, infer, allocator = _chunking_setup(client)
