@@ -221,6 +221,28 @@ def test_soak(tiny_llama, tmp_path):
     assert figures["is_server_alive"]
 
 
+def test_hostile_load_benchmark(tiny_llama, tmp_path):
+    """Every attacker runs beside normal requests, each answered as it should be, and both runs'
+    latencies are printed; the exit code says whether the p99 bound held (noisy at this size)."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/hostile_load.py", "--model-dir", str(tiny_llama),
+         "--seconds", "3", "--prompt-words", "100", "--json", str(tmp_path / "h.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads((tmp_path / "h.json").read_text())
+    assert figures["broken"] == [], figures["outcomes"]
+    assert done.returncode == int(figures["ratio"] > 1.5)
+    assert "p99 attacked / quiet" in done.stdout
+    seen = {label.split(":")[0] for label in figures["outcomes"]}
+    assert seen == {"adapter_pattern", "grpc_unread", "sglang_hidden", "sglang_unread",
+                    "adapter_churn", "template_loop", "template_alloc"}
+    assert figures["outcomes"].get("template_loop: 422", 0) >= 1
+    assert figures["outcomes"].get("template_alloc: 422", 0) >= 1
+    assert any(label.startswith("adapter_churn: load 400") for label in figures["outcomes"])
+    for run in ("quiet", "attacked"):
+        assert set(figures[run]["statuses"]) == {"200"} and figures[run]["p99_ms"] > 0
+
+
 @pytest.mark.e2e
 def test_session_benchmark(tiny_llama, tmp_path):
     out = _run(["benchmarks/session_bench.py", "--model-dir", str(tiny_llama), "--dtype",
