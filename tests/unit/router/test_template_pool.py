@@ -2,6 +2,7 @@
 the router's template pool, worker processes killed at a deadline or past their memory, while other
 templates keep rendering."""
 import asyncio
+import os
 import time
 
 import pytest
@@ -136,3 +137,33 @@ async def test_a_render_whose_client_left_never_answers_another():
             assert answers == [f"user:{i}\n" for i in range(4)]
     finally:
         await pool.close()
+
+
+async def test_workers_run_at_the_lowest_priority():
+    """A template spending its whole budget must not take a core from the shards."""
+    from pathlib import Path
+
+    pool = TemplatePool(RenderLimits(RenderBudget()), size=2)
+    try:
+        plain = ChatTemplate(PLAIN)
+        assert (await pool.render(plain, _job(plain))) == "user:hi\n"
+        workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                   and b"router.inputs.template_worker" in _cmdline(p)
+                   and _parent(p) == os.getpid()]
+        assert workers and all(os.getpriority(os.PRIO_PROCESS, pid) == 19 for pid in workers)
+    finally:
+        await pool.close()
+
+
+def _cmdline(proc) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _parent(proc) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
