@@ -22,6 +22,7 @@ from shard.grammar_matcher import GrammarFactory
 from shard.kv_budget import PoolLedger, budget_blocks
 from shard.loader import LoadedModel
 from shard.model_runner import DecodeRows, ModelRunner, PrefillSequence
+from shard.prompt_chunks import PromptSoFar, after_chunk, with_earlier
 from shard.outputs import (BatchInfo, RequestOutput, StepOutput, WarmupResult, after_steps,
                            merge_steps)
 
@@ -53,6 +54,8 @@ class Engine:
         self.memory_fraction = memory_fraction
         self.ledger = ledger if runner.device.type == "cpu" else None  # CUDA pools are allocated
         self.batches: dict[int, Batch] = {}
+        # the chunks so far of a prompt whose every position is asked for (prompt_chunks.py)
+        self.prompt_so_far: PromptSoFar | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -265,9 +268,9 @@ class Engine:
         one's id; None when a partial chunk ran alone."""
         is_chunk = any(r.is_partial_chunk for r in requests)
         seqs = [_sequence(r) for r in requests]
-        # a partial chunk computes keys and values only: its token comes with the last chunk
-        logits_rows = set() if is_chunk else {i for i, r in enumerate(requests)
-                                              if r.computes_every_position}
+        # a partial chunk's token comes with the last chunk; its positions' scores and hidden
+        # states, when asked, are kept until then (shard/prompt_chunks.py)
+        logits_rows = {i for i, r in enumerate(requests) if r.computes_every_position}
         decode, first = None, None
         if running is not None:
             decode, first = self._decode_rows(running)
@@ -278,16 +281,25 @@ class Engine:
         if running is not None:
             generations += self._step_rows(running, out.decode, out.decode_hidden, first)
             batches.append(running)
+        held = self.prompt_so_far
+        if is_chunk and requests[0].computes_every_position:
+            self.prompt_so_far = after_chunk(held, requests[0], out.full[0], out.hidden[0],
+                                             self.vocab)
         if not is_chunk:
             batch = new_batch(batch_id, requests, self.runner.device,
                               eos_token_ids=self.loaded.eos_token_ids,
                               block_size=self.block_size, speculate=self.speculate)
             output = sample_batch(out.last, batch)
             batch.next_input_ids = output.next_ids
-            new_generations = step_generations(batch, output, out.hidden, out.last, self.vocab)
+            hidden = [with_earlier(held, r, h) for r, h in zip(requests, out.hidden)]
+            new_generations = step_generations(batch, output, hidden, out.last, self.vocab)
             for i, request in enumerate(requests):
                 if request.prefill_logprobs and new_generations[i] is not None:
-                    new_generations[i].prompt = prompt_scores(request, out.full[i], self.vocab)
+                    earlier = held.scores if held and held.continues(request) else None
+                    new_generations[i].prompt = prompt_scores(request, out.full[i], self.vocab,
+                                                              earlier)
+            if held is not None and any(held.continues(r) for r in requests):
+                self.prompt_so_far = None
             generations += [g for g in new_generations if g is not None]
             batches.append(batch)
         if not batches:

@@ -121,38 +121,61 @@ def _beam_answer(state: RequestState, best: list[int], vocab: Vocabulary) -> Req
                       generated_text=generated)
 
 
-def prompt_scores(request: NewRequest, logits: torch.Tensor, vocab: Vocabulary) -> PromptScores:
+def prompt_scores(request: NewRequest, logits: torch.Tensor, vocab: Vocabulary,
+                  earlier: PromptScores | None = None) -> PromptScores:
     """Prompt tokens with log p(token | earlier tokens), the top tokens and asked ids' logprobs.
 
-    The top tokens and the asked ids' log-probabilities come at each position; the first position
-    has none (NaN, empty)."""
+    `logits`: the rows of the positions this forward computed, from request.cache_len to the
+    prompt's end; `earlier`: what the prompt's earlier chunks scored (skipped_positions, then
+    chunk_scores of each). The top tokens and the asked ids' log-probabilities come at each
+    position; the first position has none (NaN, empty)."""
     ids = request.input_ids
-    computed = ids[request.cache_len:]
-    skipped = len(ids) - len(computed) + 1  # positions before the first scored one
-    logprobs = [math.nan] * skipped
-    scores = torch.log_softmax(logits[:-1].float(), dim=-1)  # row j scores computed[j + 1]
-    if len(computed) > 1:
-        target = torch.tensor(computed[1:], device=scores.device).unsqueeze(1)
-        logprobs += scores.gather(1, target).squeeze(1).tolist()
+    out = earlier if earlier is not None else skipped_positions(request, request.cache_len)
+    add_scores(out, chunk_scores(request, logits, request.cache_len, vocab, is_last=True))
     texts = [vocab.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-    out = PromptScores(TokenRun(list(ids), logprobs[:len(ids)], texts,
-                                [t in vocab.special_token_ids for t in ids]))
-    n = request.prefill_top_n_tokens
-    if n:
-        out.top_tokens = [TokenRun() for _ in range(skipped)]
-        if len(computed) > 1:
-            top_lps, top_ids = scores.topk(n, dim=-1)
-            for alt, lps in zip(top_ids.tolist(), top_lps.tolist()):
-                out.top_tokens.append(vocab.runs(alt, lps))
-        out.top_tokens = out.top_tokens[:len(ids)]
-    asked = request.logprob_token_ids
-    if asked:
-        out.token_ids_logprobs = [math.nan] * (skipped * len(asked))
-        if len(computed) > 1:
-            index = torch.tensor(asked, device=scores.device)
-            out.token_ids_logprobs += scores.index_select(1, index).flatten().tolist()
-        out.token_ids_logprobs = out.token_ids_logprobs[:len(ids) * len(asked)]
+    out.tokens = TokenRun(list(ids), out.tokens.logprobs[:len(ids)], texts,
+                          [t in vocab.special_token_ids for t in ids])
+    out.top_tokens = out.top_tokens[:len(ids)]
+    out.token_ids_logprobs = out.token_ids_logprobs[:len(ids) * len(request.logprob_token_ids)]
     return out
+
+
+def skipped_positions(request: NewRequest, start: int) -> PromptScores:
+    """Positions 0 to `start`, which no computed row scores: NaN and empty."""
+    count = start + 1
+    return PromptScores(TokenRun(logprobs=[math.nan] * count),
+                        [TokenRun() for _ in range(count)] if request.prefill_top_n_tokens else [],
+                        [math.nan] * (count * len(request.logprob_token_ids)))
+
+
+def chunk_scores(request: NewRequest, logits: torch.Tensor, start: int, vocab: Vocabulary, *,
+                 is_last: bool) -> PromptScores:
+    """What the rows of positions start.. score: each the prompt token after it.
+
+    The prompt's last row scores no prompt token (it chose the first new one)."""
+    rows = logits[:-1] if is_last else logits
+    targets = request.input_ids[start + 1:start + 1 + rows.shape[0]]
+    out = PromptScores(TokenRun())
+    if not targets:
+        return out
+    scores = torch.log_softmax(rows.float(), dim=-1)
+    target = torch.tensor(targets, device=scores.device).unsqueeze(1)
+    out.tokens.logprobs = scores.gather(1, target).squeeze(1).tolist()
+    if request.prefill_top_n_tokens:
+        top_lps, top_ids = scores.topk(request.prefill_top_n_tokens, dim=-1)
+        out.top_tokens = [vocab.runs(alt, lps) for alt, lps in zip(top_ids.tolist(),
+                                                                    top_lps.tolist())]
+    if request.logprob_token_ids:
+        index = torch.tensor(request.logprob_token_ids, device=scores.device)
+        out.token_ids_logprobs = scores.index_select(1, index).flatten().tolist()
+    return out
+
+
+def add_scores(into: PromptScores, more: PromptScores) -> None:
+    """Appends the positions `more` scores to those `into` holds."""
+    into.tokens.logprobs += more.tokens.logprobs
+    into.top_tokens += more.top_tokens
+    into.token_ids_logprobs += more.token_ids_logprobs
 
 
 def grammar_error(matcher) -> str | None:

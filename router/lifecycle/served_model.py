@@ -195,9 +195,8 @@ async def warm_up(client: ShardedClient, config: ModelSettings, limits: TokenLim
                   block_size: int, *, known_pool_blocks: int | None = None) -> int:
     """Runs the largest batch of prompts the scheduler forms; returns the KV pool's size in blocks.
 
-    The batch is the prefill budget's. A prompt that cannot be chunked (prefill log-probs, hidden states,
-    input embeddings) over a smaller budget than --max-input-tokens still goes alone, in one
-    forward, as TGI sends it.
+    The batch is the prefill budget's. On shards that cannot chunk, a prompt over a smaller
+    budget than --max-input-tokens still goes alone, in one forward, as TGI sends it.
 
     With `known_pool_blocks` (a restarted group of the same model, limits and machine, whose
     first warm-up already ran the largest batch), one short request checks that the model runs

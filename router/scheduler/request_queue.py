@@ -155,7 +155,7 @@ class RequestQueue(Generic[E]):
             prefill_tokens += uncached
             max_tokens += entry.kv_tokens
             if alone:
-                if self.chunking and entry.prompt_ids is not None:
+                if self.chunking:
                     chunk_len = prefill_token_budget
                 break
             if max_size is not None and len(chosen) >= max_size:

@@ -1,4 +1,6 @@
 """Queue budgets: prefill tokens, KV tokens, batch size, minimum size and FIFO order."""
+import pytest
+
 from router.kv.block_allocator import BlockAllocator, BlockPool
 from router.scheduler.request_queue import QueueEntry, RequestQueue
 
@@ -35,9 +37,11 @@ def test_head_of_line_is_not_overtaken():
     assert len(queue) == 2, "the short request behind the one that did not fit waits its turn"
 
 
-def test_a_prompt_over_the_whole_budget_goes_alone_in_chunks():
+@pytest.mark.parametrize("prompt_ids", [[1] * 300, None], ids=["cached", "every-position"])
+def test_a_prompt_over_the_whole_budget_goes_alone_in_chunks(prompt_ids):
+    """One whose every position is asked for (never offered to the prefix cache) too."""
     queue = RequestQueue(BlockAllocator(BlockPool(1000, 1)), chunking=True)
-    queue.append(QueueEntry(id=0, input_length=300, max_new_tokens=5, prompt_ids=[1] * 300))
+    queue.append(QueueEntry(id=0, input_length=300, max_new_tokens=5, prompt_ids=prompt_ids))
     queue.append(_entry(1, input_length=5))
     plan = _next(queue, prefill_token_budget=100)
     assert [e.id for e in plan.entries] == [0] and plan.chunk_len == 100

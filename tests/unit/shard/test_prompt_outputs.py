@@ -108,3 +108,42 @@ def test_hidden_states_are_the_final_normed_vectors_transformers_computes(engine
         expected = reference.model(torch.tensor([tokens])).last_hidden_state[0, -1:]
     assert (step.hidden_states - expected).abs().max().item() < 1e-4
     engine.clear()
+
+
+def _asking_all(rid, blocks, prompt):
+    r = request(rid, prompt, blocks, max_new_tokens=3, ignore_eos=True, prefill_logprobs=True)
+    r.logprob_token_ids, r.prefill_top_n_tokens, r.return_hidden_states = [7, 42], 3, True
+    return r
+
+
+def test_a_prompt_whose_every_position_is_asked_for_is_chunked_like_any_other(engine):
+    """Its chunks' scores and hidden states are kept and joined: the answer is the whole prefill's,
+    and a chunk of another prompt replaces what a cancelled one left."""
+    pool = BlockPool(512)
+    prompt = (PROMPT * 4)[:26]
+    whole = engine.prefill(1, [_asking_all(1, pool.take(40, 4), prompt)]).generations[0]
+    engine.clear()
+    blocks = pool.take(40, 4)
+    stale = _asking_all(3, pool.take(40, 4), prompt)
+    stale.chunk_len = 5
+    assert engine.prefill(2, [stale]).generations == []  # cancelled after its first chunk
+    for start in range(0, 24, 6):
+        chunk = _asking_all(2, blocks, prompt)
+        chunk.cache_len, chunk.chunk_len = start, 6
+        assert engine.prefill(10 + start, [chunk]).generations == []
+    last = _asking_all(2, blocks, prompt)
+    last.cache_len = 24
+    got = engine.prefill(50, [last]).generations[0]
+    engine.clear()
+    assert engine.prompt_so_far is None
+    assert got.tokens.ids == whole.tokens.ids
+    assert got.prompt.tokens.ids == whole.prompt.tokens.ids == prompt
+    assert got.prompt.tokens.logprobs[1:] == pytest.approx(whole.prompt.tokens.logprobs[1:],
+                                                           abs=1e-4)
+    assert math.isnan(got.prompt.tokens.logprobs[0])
+    assert [t.ids for t in got.prompt.top_tokens] == [t.ids for t in whole.prompt.top_tokens]
+    assert len(got.prompt.token_ids_logprobs) == len(prompt) * 2
+    assert got.prompt.token_ids_logprobs[2:] == pytest.approx(whole.prompt.token_ids_logprobs[2:],
+                                                              abs=1e-4)
+    assert got.hidden_states.shape == whole.hidden_states.shape
+    assert torch.allclose(got.hidden_states, whole.hidden_states, atol=1e-4)
