@@ -81,7 +81,7 @@ class ModelSettings:
                                                    "OpenAI's response_format and tools, SGLang's "
                                                    "json_schema, regex and ebnf (TGI's flag).")
     validation_workers: int = setting(2, "Threads that tokenise and validate requests; the "
-                                         "default model's also sets the processes (at least 2) "
+                                         "default model's also sets the processes (at least 3) "
                                          "that render chat templates.")
     prefix_caching: str = setting("on", "Reuse the KV blocks of prompt prefixes already "
                                         "computed.", choices=("on", "off"))

@@ -33,6 +33,11 @@ FORGET_AFTER_S = 60.0  # how long a template's failure to keep its budget is rem
 _START_TIMEOUT_S = 30.0  # a worker not ready by then is given up (and started again)
 _RESTART_DELAY_S = 1.0  # between failed starts
 _INLINE_BYTES = 256 << 10
+_TIMED_OUT = b"T"  # the pool's own answer kind: the worker did not answer in time
+# a template past its time is remembered only if its worker had at least this share of it on a
+# CPU: otherwise the machine was busy, and the same chat may well render later
+_BLAMED_CPU_SHARE = 0.5
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the router package
 
 
@@ -78,6 +83,15 @@ class _Worker:
         await self.process.stdin.drain()
         return await self.read()
 
+    def cpu_seconds(self) -> float:
+        """The CPU time the worker has used (0 where /proc cannot tell)."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime + stime
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
     async def kill(self) -> None:
         if self.process.returncode is None:
             self.process.kill()
@@ -85,11 +99,12 @@ class _Worker:
 
 
 class TemplatePool:
-    """`size` workers (at least 2), started at the first render or by start()."""
+    """`size` workers (at least 3), started at the first render or by start()."""
 
-    def __init__(self, limits: RenderLimits, size: int = 2):
+    def __init__(self, limits: RenderLimits, size: int = 3):
         self.limits = limits
-        self.size = max(2, size)
+        # one template may hold all workers but one: at least two for each model's chats
+        self.size = max(3, size)
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
         self._running: Counter[str] = Counter()  # renders under way, by template digest
@@ -165,12 +180,17 @@ class TemplatePool:
     async def _render(self, worker: _Worker, digest: str, job: bytes) -> str:
         is_fit = False
         try:
+            cpu_before = worker.cpu_seconds()
             kind, text, is_fit = await self._exchange(worker, job)
             if kind == wire.PROMPT:
                 return text
             if kind == wire.ERROR:
                 raise TemplateError(text)
-            self._remember(digest, len(job), text)
+            # past its time for want of CPU (a busy machine: the workers run at a low priority),
+            # the template is not to blame: later chats are still tried
+            spent = worker.cpu_seconds() - cpu_before
+            if kind != _TIMED_OUT or spent >= _BLAMED_CPU_SHARE * self.limits.seconds:
+                self._remember(digest, len(job), text)
             raise TemplateBudgetError(text)
         finally:
             await self._release(worker, digest, is_fit)
@@ -180,7 +200,7 @@ class TemplatePool:
         try:
             kind, text = await asyncio.wait_for(worker.exchange(job), self.limits.seconds)
         except asyncio.TimeoutError:  # still rendering: only killing it stops it
-            return wire.OVER_BUDGET, (f"the chat template did not render within its "
+            return _TIMED_OUT, (f"the chat template did not render within its "
                                       f"{self.limits.seconds:g} s"), False
         except (OSError, asyncio.IncompleteReadError) as err:
             log.warning("a chat-template worker died while rendering: %r", err)

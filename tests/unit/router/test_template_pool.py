@@ -80,22 +80,27 @@ async def _timed(pool: TemplatePool, template: ChatTemplate, job: bytes):
         return err, time.monotonic() - started
 
 
-async def test_a_slow_template_is_stopped_at_its_deadline_while_others_render():
+async def test_a_slow_template_is_stopped_at_its_deadline_while_others_render(monkeypatch):
+    from router.inputs import template_pool
+
+    # as if its worker had a core all its render long (on a loaded test machine it may not)
+    monkeypatch.setattr(template_pool._Worker, "cpu_seconds", lambda self: time.monotonic())
     pool = TemplatePool(RenderLimits(RenderBudget(), seconds=0.5), size=2)
     plain, slow = ChatTemplate(PLAIN), ChatTemplate(SLOW)
     try:
         pool.start()
         assert (await pool.render(plain, _job(plain))) == "user:hi\n"
-        # two of its chats at once: it holds one worker, the other waits, then is refused with
-        # the first one's failure, without a render
-        hostile = asyncio.gather(_timed(pool, slow, _job(slow)), _timed(pool, slow, _job(slow)))
+        # three of its chats at once: it holds two of the three workers, the third chat waits,
+        # then is refused with the first ones' failure, without a render
+        hostile = asyncio.gather(*(_timed(pool, slow, _job(slow)) for _ in range(3)))
         others = []
         while not hostile.done():
             others.append(await _timed(pool, plain, _job(plain, f"{len(others)}")))
-        (first, first_s), (second, second_s) = await hostile
-        assert isinstance(first, TemplateBudgetError)
-        assert first.message == "the chat template did not render within its 0.5 s"
-        assert 0.5 <= first_s < 1.5
+        (first, first_s), (both, both_s), (second, second_s) = await hostile
+        for error, took in ((first, first_s), (both, both_s)):
+            assert isinstance(error, TemplateBudgetError)
+            assert error.message == "the chat template did not render within its 0.5 s"
+            assert 0.5 <= took < 1.5
         assert isinstance(second, TemplateBudgetError)
         assert "refused without rendering" in str(second)
         assert second_s < 1.5
@@ -139,7 +144,24 @@ async def test_a_render_whose_client_left_never_answers_another():
         await pool.close()
 
 
-async def test_workers_run_at_the_lowest_priority():
+async def test_a_template_out_of_time_for_want_of_cpu_is_tried_again(monkeypatch):
+    """On a busy machine a render may pass its time without its worker getting the CPU: the
+    template is then not remembered as failing."""
+    from router.inputs import template_pool
+
+    monkeypatch.setattr(template_pool._Worker, "cpu_seconds", lambda self: 0.0)
+    pool = TemplatePool(RenderLimits(RenderBudget(), seconds=0.3), size=3)
+    slow = ChatTemplate(SLOW)
+    try:
+        for _ in range(2):
+            error, took = await _timed(pool, slow, _job(slow))
+            assert error.message == "the chat template did not render within its 0.3 s"
+            assert took >= 0.3, "tried again, not refused without rendering"
+    finally:
+        await pool.close()
+
+
+async def test_workers_run_below_the_shards_priority():
     """A template spending its whole budget must not take a core from the shards."""
     from pathlib import Path
 
@@ -147,10 +169,16 @@ async def test_workers_run_at_the_lowest_priority():
     try:
         plain = ChatTemplate(PLAIN)
         assert (await pool.render(plain, _job(plain))) == "user:hi\n"
-        workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                   and b"router.inputs.template_worker" in _cmdline(p)
-                   and _parent(p) == os.getpid()]
-        assert workers and all(os.getpriority(os.PRIO_PROCESS, pid) == 19 for pid in workers)
+        expected = min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
+        for _ in range(100):  # the others may still be starting: a worker lowers itself first
+            workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                       and b"router.inputs.template_worker" in _cmdline(p)
+                       and _parent(p) == os.getpid()]
+            priorities = [os.getpriority(os.PRIO_PROCESS, pid) for pid in workers]
+            if len(workers) == pool.size and set(priorities) == {expected}:
+                break
+            await asyncio.sleep(0.05)
+        assert len(workers) == pool.size and set(priorities) == {expected}
     finally:
         await pool.close()
 
