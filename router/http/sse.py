@@ -92,6 +92,8 @@ async def serve_stream(request: web.Request, events: AsyncIterator[tuple[int, To
         write = _Writer(response, request.app[WRITE_TIMEOUT])
         try:
             await _serve(request, response, write, events, item, form, streams)
+        except ConnectionResetError:  # the client went away: nobody to tell, nothing to log
+            pass  # (events.aclose below frees what its requests held)
         except _NotTaken as stopped:
             log.info("stream cut: %s", stopped.error)
             _note_error(stopped.error)
