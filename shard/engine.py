@@ -212,6 +212,7 @@ class Engine:
     def clear(self, batch_id: int | None = None) -> None:
         if batch_id is None:
             self.batches.clear()
+            self.prompt_so_far = None
         else:
             self.batches.pop(batch_id, None)
 
@@ -282,6 +283,9 @@ class Engine:
             generations += self._step_rows(running, out.decode, out.decode_hidden, first)
             batches.append(running)
         held = self.prompt_so_far
+        if is_chunk and held is not None and not held.continues(requests[0]):
+            # another long prompt's chunk: the router gave up the held one (its client left)
+            held = self.prompt_so_far = None
         if is_chunk and requests[0].computes_every_position:
             self.prompt_so_far = after_chunk(held, requests[0], out.full[0], out.hidden[0],
                                              self.vocab)

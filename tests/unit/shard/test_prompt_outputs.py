@@ -127,6 +127,14 @@ def test_a_prompt_whose_every_position_is_asked_for_is_chunked_like_any_other(en
     stale = _asking_all(3, pool.take(40, 4), prompt)
     stale.chunk_len = 5
     assert engine.prefill(2, [stale]).generations == []  # cancelled after its first chunk
+    assert engine.prompt_so_far is not None
+    plain = request(4, prompt, pool.take(40, 4), max_new_tokens=3)
+    plain.chunk_len = 5
+    engine.prefill(3, [plain])  # another long prompt's chunk: the cancelled one is let go
+    assert engine.prompt_so_far is None
+    engine.prefill(4, [stale])
+    engine.clear()
+    assert engine.prompt_so_far is None, "nor does a cleared cache keep it"
     for start in range(0, 24, 6):
         chunk = _asking_all(2, blocks, prompt)
         chunk.cache_len, chunk.chunk_len = start, 6
