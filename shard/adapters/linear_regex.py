@@ -320,9 +320,15 @@ class LinearRegex:
         return number
 
     def _step(self, states: frozenset[int], char: str) -> frozenset[int]:
-        nfa = self.nfa
-        moved = [nfa.out1[s] for s in states
-                 if nfa.kinds[s] == _CHAR and nfa.chars[s].matches(char)]
+        nfa, moved = self.nfa, []
+        for state in states:
+            if nfa.kinds[state] == _CHAR:
+                chars = nfa.chars[state]
+                # each range and category tested is work too: a class of hundreds of ranges
+                # in every state would otherwise cost ten times what the budget counts
+                self.work += 1 + len(chars.ranges) + len(chars.categories)
+                if chars.matches(char):
+                    moved.append(nfa.out1[state])
         after = self._closure(moved, at_start=False)
         # the key may start again after any dot: PEFT's (.*\.)? prefix
         return after | self._later if char == "." else after

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from shard.adapters.module_patterns import (MAX_KEYS, ModulePatterns, PatternError,
-                                            pattern_budget)
+from shard.adapters.module_patterns import (MAX_KEY_CHARS, MAX_KEYS, ModulePatterns,
+                                            PatternError, pattern_budget)
 
 NAMES = ["model.layers.0.self_attn.q_proj", "model.layers.12.self_attn.q_proj",
          "model.layers.1.mlp.down_proj", "model.layers.10.mlp.up_proj", "q_proj", "a.b", "aXb",
@@ -100,6 +100,20 @@ def test_the_work_of_one_adapter_is_bounded():
     with pytest.raises(PatternError, match=f"at most {MAX_KEYS}"):
         ModulePatterns({f"k{i}": 1 for i in range(MAX_KEYS + 1)}, "rank_pattern",
                        pattern_budget())
+
+
+def test_a_class_of_hundreds_of_ranges_counts_each_range_tested():
+    """Wide classes in every state: the budget counts each range a character is tested against,
+    so the adapter is refused within it (about ten times over it, when only states counted)."""
+    wide = "".join(chr(0x100 + 2 * i) for i in range(420))
+    keys = {f"[{wide}a-z0-9._]{{0,1000}}z{n}"[:MAX_KEY_CHARS]: 4 for n in range(40)}
+    started = time.process_time()
+    with pytest.raises(PatternError, match="takes too long"):
+        patterns = ModulePatterns(keys, "rank_pattern", pattern_budget())
+        for layer in range(80):
+            for kind in "qkvoabc":
+                patterns.value(f"model.layers.{layer}.self_attn.{kind}_proj", 8)
+    assert time.process_time() - started < 2.5  # 5 s of CPU when only states counted
 
 
 def test_a_key_for_every_module_of_a_large_model_is_cheap():
