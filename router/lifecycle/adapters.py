@@ -115,6 +115,12 @@ def local_directory(source: str) -> Path | None:
     return path.resolve()
 
 
+def _files_allowed(path: Path, roots: LocalRoots) -> bool:
+    """Whether the files the shards will read in `path` are under `roots` (not links out)."""
+    return all(roots.allows(path / name) for name in ("adapter_config.json", *WEIGHT_FILES)
+               if (path / name).exists())
+
+
 class AdapterStore:
     """One model's LoRA adapters: load, unload, reload after a restart, and what requests see."""
 
@@ -226,6 +232,9 @@ class AdapterStore:
         """
         if roots is None or await asyncio.to_thread(roots.allows, source):
             path = await asyncio.to_thread(local_directory, source)
+            if path is not None and roots is not None and not await asyncio.to_thread(
+                    _files_allowed, path, roots):
+                raise AdapterError(LOCAL_REFUSAL)
             if path is not None:
                 return path
         elif is_path_like(source) or not HUB_ID.fullmatch(source):

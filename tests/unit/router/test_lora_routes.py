@@ -67,9 +67,13 @@ async def test_a_local_adapter_loads_only_from_the_allowed_directories(tiny_llam
         outside = make_adapter_dir(tmp_path / "elsewhere", "real")
         (allowed / "link").parent.mkdir(parents=True)
         (allowed / "link").symlink_to(outside)
+        linked_files = allowed / "files"  # a directory inside whose files lead out
+        linked_files.mkdir()
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            (linked_files / name).symlink_to(outside / name)
         messages = set()
         for path in (outside, tmp_path / "missing", allowed / "link", f"{allowed}/../elsewhere",
-                     f"{allowed}-evil", "/etc"):
+                     f"{allowed}-evil", "/etc", linked_files):
             reply = await _load(client, "x", path)
             assert reply.status == 400
             messages.add((await reply.json())["error"]["message"])
