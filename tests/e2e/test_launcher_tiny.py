@@ -156,8 +156,9 @@ def test_a_hostile_chat_template_answers_422_while_other_models_chat(server, tin
         return reply, time.monotonic() - began
 
     try:
-        # the slow one first, and four at once: they hold one of the pool's two workers, the
-        # first is stopped at 2 s and the others are refused with its failure
+        # the slow one first, and four at once: they hold two of the pool's three workers, the
+        # first two are stopped at 2 s, and the others are refused with their failure (or, on a
+        # machine too busy to give those renders the CPU, stopped at 2 s in turn)
         hostile_replies = []
         attackers = [threading.Thread(target=lambda: hostile_replies.append(chat("hostile",
                                                                                  "slow-steps")))
@@ -171,8 +172,9 @@ def test_a_hostile_chat_template_answers_422_while_other_models_chat(server, tin
             thread.join()
         assert sorted(r.status_code for r, _ in hostile_replies) == [422] * 4
         messages = sorted(r.json()["error"] for r, _ in hostile_replies)
-        assert messages[0] == "Template error: the chat template did not render within its 2 s"
-        assert all("refused without rendering" in m for m in messages[1:])
+        timed_out = "Template error: the chat template did not render within its 2 s"
+        assert messages[:2] == [timed_out] * 2
+        assert all(m == timed_out or "refused without rendering" in m for m in messages[2:])
         assert max(took for _, took in hostile_replies) < 6
         assert len(others) >= 5 and all(r.status_code == 200 for r, _ in others)
         assert max(took for _, took in others) < 1.0, others
