@@ -117,8 +117,11 @@ def local_directory(source: str) -> Path | None:
 
 def _files_allowed(path: Path, roots: LocalRoots) -> bool:
     """Whether the files the shards will read in `path` are under `roots` (not links out)."""
-    return all(roots.allows(path / name) for name in ("adapter_config.json", *WEIGHT_FILES)
-               if (path / name).exists())
+    try:
+        return all(roots.allows(path / name) for name in ("adapter_config.json", *WEIGHT_FILES)
+                   if (path / name).exists())
+    except OSError:  # unreadable: refused with the one message, as any path outside
+        return False
 
 
 class AdapterStore:

@@ -10,19 +10,7 @@ from proto import generate_pb2 as pb
 from shard.adapters.adapter_set import LoadedAdapter
 from shard.adapters.peft_files import AdapterError
 from shard.server import ShardServicer, engine_thread
-
-
-class _Aborted(Exception):
-    pass
-
-
-class _Context:
-    def __init__(self):
-        self.code = None
-
-    async def abort(self, code, details):
-        self.code = code
-        raise _Aborted(details)
+from tests.unit.shard.test_server_errors import _Aborted, _Context
 
 
 class _Engine:
