@@ -35,6 +35,7 @@ from launcher.local_roots import pull_roots
 from launcher.logs import say
 from launcher.router_flags import router_drain_timeout
 from launcher.shard_group import Child, GroupSpec, LaunchError, ShardGroup, death, spawn, terminate
+from launcher.stop_flag import StopFlag
 from shard.models import architecture_of
 from shard.partition import split_heads_of
 
@@ -83,7 +84,7 @@ class Supervisor:
         self.router: Child | None = None
         self.groups: dict[str, ShardGroup] = {}  # by model id
         self.lock = threading.Lock()  # groups is shared with the model host's threads
-        self.stop_requested = threading.Event()
+        self.stop_requested = StopFlag()  # set by signal handlers: see launcher/stop_flag.py
         self._group_numbers = iter(range(1, 1 << 30))
         self._host = None
         self.liveness: Liveness | None = None  # started once the default group serves
@@ -244,10 +245,11 @@ class Supervisor:
             time.sleep(0.1)
 
     def _watch(self) -> int:
-        while not self.stop_requested.wait(0.1):
+        while not self.stop_requested.is_set():
             if self.router is not None and self.router.exited() is not None:
                 raise LaunchError(death(self.router))
             self._restart_dead_groups()
+            time.sleep(0.1)
         self._say("stopping")
         return 0
 
