@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.errors import TemplateError
+from router.errors import TemplateError, UnhealthyError
 from router.inputs import template_worker as wire
 from router.inputs.chat_template import ChatTemplate
 from router.inputs.template_budget import RenderBudget, TemplateBudgetError
@@ -113,6 +113,7 @@ class TemplatePool:
         self._renders: set[asyncio.Task] = set()
         self._changed: asyncio.Condition | None = None
         self._closed = False
+        self._start_error: str | None = None  # why the last worker start failed, until one starts
 
     def start(self) -> None:
         """Starts the workers, unless they are running or starting."""
@@ -130,7 +131,11 @@ class TemplatePool:
         self._check_remembered(template.digest, len(job))
         self.start()
         async with self._changed:
-            await self._changed.wait_for(lambda: self._may_start(template.digest))
+            await self._changed.wait_for(
+                lambda: self._may_start(template.digest) or self._cannot_start())
+            if not self._may_start(template.digest):
+                raise UnhealthyError(f"chat templates cannot be rendered now: no template worker "
+                                     f"process starts ({self._start_error})")
             # it may have failed on another chat while this one waited
             self._check_remembered(template.digest, len(job))
             worker = self._idle.pop()
@@ -157,6 +162,10 @@ class TemplatePool:
 
     def _may_start(self, digest: str) -> bool:
         return bool(self._idle) and self._running[digest] < self.size - 1
+
+    def _cannot_start(self) -> bool:
+        """Whether no worker runs and the last start failed: a wait for one has no bound."""
+        return self._start_error is not None and not self._idle and not self._busy
 
     def _check_remembered(self, digest: str, job_bytes: int) -> None:
         failure = self._failures.get(digest)
@@ -234,8 +243,12 @@ class TemplatePool:
                 break
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as err:
                 log.error("could not start a chat-template worker: %r; trying again", err)
+                async with self._changed:  # chats waiting with no worker left are answered
+                    self._start_error = repr(err)
+                    self._changed.notify_all()
                 await asyncio.sleep(_RESTART_DELAY_S)
         async with self._changed:
+            self._start_error = None
             self._idle.append(worker)
             self._changed.notify_all()
 

@@ -195,3 +195,37 @@ def _parent(proc) -> int | None:
         return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+async def test_a_chat_is_answered_when_no_worker_can_start(monkeypatch):
+    """Workers that fail to start (a broken environment, no memory for a process) make chats fail
+    with a 503 naming why, not wait without bound; the pool serves again once one starts."""
+    from router.errors import UnhealthyError
+    from router.inputs import template_pool
+
+    spawn = TemplatePool._spawn
+
+    async def broken(self):
+        raise OSError("no such interpreter")
+
+    monkeypatch.setattr(template_pool, "_RESTART_DELAY_S", 0.05)
+    monkeypatch.setattr(TemplatePool, "_spawn", broken)
+    pool = TemplatePool(RenderLimits(RenderBudget()), size=3)
+    plain = ChatTemplate(PLAIN)
+    try:
+        started = time.monotonic()
+        with pytest.raises(UnhealthyError) as refused:
+            await pool.render(plain, _job(plain))
+        assert refused.value.status == 503 and time.monotonic() - started < 5
+        assert "no such interpreter" in refused.value.message
+        monkeypatch.setattr(TemplatePool, "_spawn", spawn)
+        for _ in range(100):
+            try:
+                assert (await pool.render(plain, _job(plain))) == "user:hi\n"
+                break
+            except UnhealthyError:
+                await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the pool never served again")
+    finally:
+        await pool.close()
