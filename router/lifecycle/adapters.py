@@ -140,6 +140,9 @@ class AdapterStore:
         self._entries: dict[str, AdapterEntry] = {}
         self._loading: set[str] = set()
         self._unloads: dict[str, asyncio.Task] = {}
+        # unloaded here, but the shards' unload call failed: their tensors may still be held,
+        # so they count against max_loras until freed (a later load frees them first)
+        self._stale: set[str] = set()
         # shard adapter calls one at a time, so that a reload after a restart and a load or
         # unload never interleave on the ranks
         self._shard_calls = asyncio.Lock()
@@ -200,7 +203,10 @@ class AdapterStore:
         if taken is not None:
             raise AdapterError(f"{name!r} is {taken}: adapters and models share the names a "
                                "request's `model` gives; pick another name")
-        held = len(self._entries) + len(self._loading)
+        held = len(self._entries) + len(self._loading) + len(self._stale)
+        if held >= self.max_loras and self._stale:
+            await self._free_stale()
+            held = len(self._entries) + len(self._loading) + len(self._stale)
         if held >= self.max_loras:
             raise AdapterError(f"adapter {name!r} cannot be loaded: {self.parent} holds {held} "
                                f"LoRA adapters, the most --max-loras ({self.max_loras}) allows; "
@@ -265,7 +271,23 @@ class AdapterStore:
             await self.client.unload_adapter(name)
         except ShardError as err:
             raise _load_error(name, err) from None
+        self._stale.discard(name)
         return await self._load_on_shards_once(name, path)
+
+    async def _free_stale(self) -> None:
+        async with self._shard_calls:
+            await self._free_stale_held()
+
+    async def _free_stale_held(self) -> None:
+        """Tries again to free the adapters whose unload failed on the shards (lock held)."""
+        for name in sorted(self._stale):
+            try:
+                await self._unload_on_shards(name)
+            except ShardError as err:
+                log.warning("%s: adapter %s is still held by the shards (%s)", self.parent,
+                            name, err)
+                continue
+            self._stale.discard(name)
 
     async def _load_on_shards_once(self, name: str, path: str, *, raw: bool = False):
         """raw: the shards' ShardError as it is, not the API's AdapterError."""
@@ -306,8 +328,9 @@ class AdapterStore:
             async with self._shard_calls:
                 await self._unload_on_shards(name)
         except ShardError as err:
-            log.warning("%s: unloading adapter %s from the shards failed (%s); a next load of "
-                        "the name frees it first", self.parent, name, err)
+            self._stale.add(name)
+            log.warning("%s: unloading adapter %s from the shards failed (%s); it counts "
+                        "against --max-loras until a next load frees it", self.parent, name, err)
             raise AdapterError(f"the shards could not unload adapter {name!r}: {err}",
                                status=424) from None
         finally:
@@ -338,6 +361,7 @@ class AdapterStore:
         raises, to be retried.
         """
         async with self._shard_calls:
+            await self._free_stale_held()  # a restarted group holds none: they go at once
             for entry in self.entries():
                 try:
                     await self._load_on_shards_once(entry.name, entry.path, raw=True)

@@ -425,3 +425,24 @@ async def test_an_unload_waiting_while_a_restart_drops_the_adapter_ends_quietly(
     registry.use.in_flight["b"] -= 1
     await asyncio.wait_for(unload, 5)
     assert registry.names() == []
+
+
+async def test_an_adapter_whose_shard_unload_failed_counts_until_it_is_freed(tmp_path, monkeypatch):
+    """Its tensors may still be on the shards: it holds a --max-loras place. A load past the
+    limit first tries to free it again, and takes the place once that succeeds."""
+    from router.lifecycle import adapters
+
+    monkeypatch.setattr(adapters, "BUSY_RETRY_S", 0)
+    shards = _Shards()
+    registry = _registry(shards)
+    registry.max_loras = 1
+    await registry.load("a", str(make_adapter_dir(tmp_path)))
+    shards.fail = {"unload": "UNAVAILABLE"}
+    with pytest.raises(AdapterError):
+        await registry.unload("a")
+    assert registry.names() == []
+    with pytest.raises(AdapterError, match="--max-loras"):  # the shards still hold it
+        await registry.load("b", str(make_adapter_dir(tmp_path)))
+    shards.fail = {}
+    await registry.load("b", str(make_adapter_dir(tmp_path)))
+    assert registry.names() == ["b"]
