@@ -272,11 +272,13 @@ class Engine:
         # a partial chunk's token comes with the last chunk; its positions' scores and hidden
         # states, when asked, are kept until then (shard/prompt_chunks.py)
         logits_rows = {i for i, r in enumerate(requests) if r.computes_every_position}
+        hidden_only = {i for i in logits_rows if not requests[i].prefill_logprobs}
         decode, first = None, None
         if running is not None:
             decode, first = self._decode_rows(running)
         before = time.perf_counter_ns()
-        out = self.runner.prefill(seqs, all_logits_rows=logits_rows, decode=decode)
+        out = self.runner.prefill(seqs, all_logits_rows=logits_rows, hidden_only_rows=hidden_only,
+                                  decode=decode)
         forward_ns = time.perf_counter_ns() - before
         batches, generations = [], []
         if running is not None:

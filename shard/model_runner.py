@@ -185,12 +185,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[PrefillSequence], *, all_logits_rows: set[int] = frozenset(),
+                hidden_only_rows: set[int] = frozenset(),
                 decode: DecodeRows | None = None) -> PrefillOutput:
         """Computes the sequences' tokens (and, with `decode`, one step of a running batch).
 
-        `all_logits_rows` are the sequences whose every position (not only the last) comes back.
-
-        With `decode`, a running batch's next tokens ride in the same forward (TGI's chunking): the
+        `all_logits_rows` are the sequences whose every position (not only the last) comes back;
+        `hidden_only_rows` of those get the last position's logits alone (vocabulary-wide rows
+        for each position cost as much as a few layers). With `decode`, a running batch's next tokens ride in the same forward (TGI's chunking): the
         weights are read once for both, and the running streams advance while the prompt computes.
         """
         query_lens = [s.length for s in seqs]
@@ -205,8 +206,11 @@ class ModelRunner:
                                                              logit_rows)
         with self.adapters.applied(_token_slots(seqs, decode, self.device)):
             hidden = self.model(embeds, positions, self.cache, meta, logit_rows)
-        logits = self.model.logits(hidden)
-        return _prefill_output(logits, hidden, query_lens, all_logits_rows, num_decode)
+        scored = _scored_rows(query_lens, all_logits_rows, hidden_only_rows, num_decode or 0,
+                              self.device)
+        logits = self.model.logits(hidden if scored is None else hidden[scored])
+        return _prefill_output(logits, hidden, query_lens, all_logits_rows, num_decode,
+                               hidden_only_rows)
 
     def _ride_along(self, decode: DecodeRows, meta: AttentionMetadata, embeds: torch.Tensor,
                     positions: torch.Tensor, logit_rows: torch.Tensor
@@ -358,19 +362,38 @@ def _prefill_inputs(seqs: list[PrefillSequence], query_lens: list[int], all_logi
     return positions, meta, torch.tensor(rows, dtype=torch.long, device=device)
 
 
+def _scored_rows(query_lens: list[int], all_logits_rows: set[int], hidden_only_rows: set[int],
+                 num_decode: int, device: torch.device) -> torch.Tensor | None:
+    """The rows of the forward's output whose logits are computed; None: all of them."""
+    if not hidden_only_rows & all_logits_rows:
+        return None
+    rows, cursor = list(range(num_decode)), num_decode
+    for i, n in enumerate(query_lens):
+        width = n if i in all_logits_rows else 1
+        rows.extend(range(cursor + width - 1 if i in hidden_only_rows else cursor, cursor + width))
+        cursor += width
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
 def _prefill_output(logits: torch.Tensor, hidden: torch.Tensor, query_lens: list[int],
-                    all_logits_rows: set[int], num_decode: int | None) -> PrefillOutput:
-    """The forward's rows (a riding batch's first, then the prefill's) split per sequence."""
+                    all_logits_rows: set[int], num_decode: int | None,
+                    hidden_only_rows: set[int] = frozenset()) -> PrefillOutput:
+    """The forward's rows (a riding batch's first, then the prefill's) split per sequence.
+
+    `logits` holds the rows _scored_rows chose: a hidden-only sequence's last row alone."""
     out = PrefillOutput(logits[0:0], [], [])
     if num_decode is not None:
         out.decode, out.decode_hidden = logits[:num_decode], hidden[:num_decode]
-    last, cursor = [], num_decode or 0
+    last, cursor, scored = [], num_decode or 0, num_decode or 0
     for i, n in enumerate(query_lens):
-        width = n if i in all_logits_rows else 1
-        chunk = logits[cursor:cursor + width]
+        every = i in all_logits_rows
+        width = n if every else 1
+        scored_width = 1 if i in hidden_only_rows else width
+        chunk = logits[scored:scored + scored_width]
         last.append(chunk[-1])
-        out.full.append(chunk if i in all_logits_rows else None)
-        out.hidden.append(hidden[cursor:cursor + width] if i in all_logits_rows else None)
+        out.full.append(chunk if every and i not in hidden_only_rows else None)
+        out.hidden.append(hidden[cursor:cursor + width] if every else None)
         cursor += width
+        scored += scored_width
     out.last = torch.stack(last)
     return out

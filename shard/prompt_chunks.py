@@ -31,7 +31,7 @@ class PromptSoFar:
         return self.request_id == request.id and self.end == request.cache_len
 
 
-def after_chunk(held: PromptSoFar | None, request: NewRequest, logits: torch.Tensor,
+def after_chunk(held: PromptSoFar | None, request: NewRequest, logits: torch.Tensor | None,
                 hidden: torch.Tensor, vocab: Vocabulary) -> PromptSoFar:
     """`held` with a partial chunk's rows added (a fresh record for another prompt's chunk)."""
     if held is None or not held.continues(request):

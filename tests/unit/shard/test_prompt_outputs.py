@@ -155,3 +155,24 @@ def test_a_prompt_whose_every_position_is_asked_for_is_chunked_like_any_other(en
                                                               abs=1e-4)
     assert got.hidden_states.shape == whole.hidden_states.shape
     assert torch.allclose(got.hidden_states, whole.hidden_states, atol=1e-4)
+
+
+def test_hidden_states_alone_compute_the_last_positions_logits_only(engine, monkeypatch):
+    """Vocabulary-wide logits for every position only where scores are asked: the same hidden
+    states and tokens come back either way."""
+    rows, logits = [], engine.runner.model.logits
+    monkeypatch.setattr(engine.runner.model, "logits", lambda h: rows.append(len(h)) or logits(h))
+    pool = BlockPool(512)
+    answers = []
+    for scored in (False, True):
+        hidden = request(1, PROMPT, pool.take(len(PROMPT) + 3, 4), max_new_tokens=3,
+                         ignore_eos=True, prefill_logprobs=scored)
+        hidden.return_hidden_states = True
+        plain = request(2, PROMPT[:5], pool.take(8, 4), max_new_tokens=3, ignore_eos=True)
+        answers.append(engine.prefill(1, [hidden, plain]).generations)
+        engine.clear()
+    assert rows == [2, len(PROMPT) + 1]
+    alone, with_scores = answers
+    assert [g.tokens.ids for g in alone] == [g.tokens.ids for g in with_scores]
+    assert torch.equal(alone[0].hidden_states, with_scores[0].hidden_states)
+    assert alone[0].prompt is None and with_scores[0].prompt is not None
