@@ -297,7 +297,7 @@ class Batcher:
             self.running.release(item.id)
             return running
         start = chunk.next_start
-        decode_s = self.steps.decode_cost.seconds if running is not None else None
+        decode_s = self.steps.decode_cost.for_chunk(running is not None)
         size = chunk.next_size(self.limits.max_batch_prefill_tokens, decode_s)
         is_last = chunk.is_last(size)
         batch = NewBatch(id=self.queue.new_batch_id(),

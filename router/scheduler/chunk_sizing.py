@@ -4,9 +4,15 @@ A fixed token budget stalls the running streams for however long that many token
 machine. Sizing each chunk from what the last steps cost instead bounds the stall: a step that carries
 a chunk takes about (1 + STALL_RATIO) times a plain decode step, on any hardware and at any batch
 size, and a prompt with nobody decoding beside it still goes in budget-sized chunks.
+
+"Nobody decoding" means for a while (RECENT_DECODE_S), not at this instant: clients that send
+requests back to back leave gaps of a few milliseconds between one answer and their next request,
+and a budget-sized chunk started in such a gap (about a second on a CPU) made the next request wait
+it out.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 STALL_RATIO = 1.0  # a chunk may take as long as one decode step of the running batch
@@ -15,6 +21,8 @@ STALL_RATIO = 1.0  # a chunk may take as long as one decode step of the running 
 FIRST_CHUNK_TOKENS = 32
 MIN_CHUNK_TOKENS = 16  # below this, per-forward overhead dominates and the prompt barely advances
 _SMOOTHING = 0.3  # weight of the newest decode step in the moving average
+# how long after its last decode step a batch still sizes chunks, as if running
+RECENT_DECODE_S = 1.0
 
 
 @dataclass(slots=True)
@@ -22,10 +30,21 @@ class DecodeCost:
     """Moving average of a decode step of the running batch, as the router sees it."""
 
     seconds: float | None = None
+    at: float | None = None  # time.monotonic() of the last step observed
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: float, now: float | None = None) -> None:
         self.seconds = (seconds if self.seconds is None
                         else (1 - _SMOOTHING) * self.seconds + _SMOOTHING * seconds)
+        self.at = time.monotonic() if now is None else now
+
+    def for_chunk(self, decoding: bool, now: float | None = None) -> float | None:
+        """The decode step a chunk is sized against; None: the whole budget, nothing decodes."""
+        if decoding:
+            return self.seconds
+        if self.at is None or (time.monotonic() if now is None else now) - self.at > \
+                RECENT_DECODE_S:
+            return None
+        return self.seconds
 
 
 def chunk_tokens(remaining: int, budget: int, *, decode_s: float | None,

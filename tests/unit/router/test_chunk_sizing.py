@@ -1,6 +1,6 @@
 """Chunks of a long prompt are sized so each stalls the running streams by about one decode step."""
-from router.scheduler.chunk_sizing import (FIRST_CHUNK_TOKENS, MIN_CHUNK_TOKENS, DecodeCost,
-                                           chunk_tokens)
+from router.scheduler.chunk_sizing import (FIRST_CHUNK_TOKENS, MIN_CHUNK_TOKENS, RECENT_DECODE_S,
+                                           DecodeCost, chunk_tokens)
 
 
 def test_nothing_decoding_takes_the_whole_budget():
@@ -32,3 +32,14 @@ def test_decode_cost_is_a_moving_average():
     assert cost.seconds == 0.1
     cost.observe(0.2)
     assert 0.1 < cost.seconds < 0.2
+
+
+def test_a_chunk_right_after_decoding_stopped_is_sized_as_if_it_had_not():
+    """Clients sending requests back to back leave gaps of milliseconds: a budget-sized chunk
+    started in one would make their next request wait a second or so."""
+    cost = DecodeCost()
+    assert cost.for_chunk(False) is None and cost.for_chunk(True) is None  # nothing measured
+    cost.observe(0.05, now=100.0)
+    assert cost.for_chunk(True, now=500.0) == 0.05
+    assert cost.for_chunk(False, now=100.0 + RECENT_DECODE_S / 2) == 0.05
+    assert cost.for_chunk(False, now=100.0 + RECENT_DECODE_S * 2) is None
