@@ -124,8 +124,7 @@ async def _validate_chat(templates: TemplatePool, served, body: dict,
                          adapter_id: str | None) -> _Chat:
     limits = served.validation_limits
     chosen_adapter(adapter_id, served.adapters)  # one being unloaded is refused from the start
-    plan, constraint, parts, parsed = await asyncio.to_thread(_chat_request_parts, served,
-                                                                   body)
+    plan, constraint, parts, parsed = await asyncio.to_thread(_chat_request_parts, served, body)
     prompt = await _rendered(templates, served, parts)
     with about_field("messages"):  # the prompt's length, which the messages make
         input_ids = await served.tokenizer.encode_async(prompt, add_special_tokens=False,

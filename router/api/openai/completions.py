@@ -152,8 +152,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         running = vllm_fields.continuous_usage(body)
         if stream:
             form = CompletionStream(requests, envelope, echo=echo, prompt_tokens=prompt_tokens,
-                                    with_usage=with_usage,
-                                    running=running)
+                                    with_usage=with_usage, running=running)
             return await serve_stream(request, served.infer.stream_many(requests), form,
                                       streams=len(requests))
         results = await served.infer.generate_many(requests)

@@ -90,11 +90,15 @@ def structural_tag_grammar(field: str, spec) -> str:
         if trigger is None:
             raise ValidationError(f"`{field}.structures[{i}].begin` starts with none of the "
                                   "`triggers`")
+        schema = _schema(f"{field}.structures[{i}].schema", structure["schema"])
+        if not isinstance(schema, dict):
+            raise ValidationError(f"`{field}.structures[{i}].schema` must be a JSON schema object")
         tags.append(llguidance.StructTag(trigger=trigger, begin=structure["begin"],
-                                         grammar=_schema(f"{field}.structures[{i}].schema",
-                                                         structure["schema"]),
-                                         end=structure["end"]))
-    return llguidance.StructTag.to_grammar(tags)
+                                         grammar=schema, end=structure["end"]))
+    try:
+        return llguidance.StructTag.to_grammar(tags)
+    except (AssertionError, ValueError) as err:  # llguidance's own checks of the tags
+        raise ValidationError(f"`{field}` is not valid: {err}") from None
 
 
 def _structured_outputs(spec) -> tuple[str, tuple[str, str], str | None]:

@@ -95,6 +95,9 @@ def test_a_whitespace_pattern_reaches_the_json_grammar():
     ({"structured_outputs": {"structural_tag": {"structures": [
         {"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<g"]}}},
      "starts with none of the `triggers`"),
+    ({"structured_outputs": {"structural_tag": {"structures": [
+        {"begin": "<f>", "schema": True, "end": "</f>"}], "triggers": ["<f"]}}},
+     "`structured_outputs.structural_tag.structures[0].schema` must be a JSON schema object"),
 ])
 def test_what_cannot_be_served_is_a_422_naming_the_field(body, said):
     with pytest.raises(ValidationError, match=re.escape(said)):
