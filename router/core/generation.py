@@ -35,6 +35,7 @@ class GenerateResult:
     tokens: list[Token] = field(default_factory=list)
     top_tokens: list[list[Token]] = field(default_factory=list)
     prefill: list[Token] = field(default_factory=list)
+    prefill_top_tokens: list[list[Token]] | None = None  # per prompt position, when asked
     final: FinalInfo | None = None
     timings: Timings = field(default_factory=Timings)
 
@@ -228,6 +229,8 @@ class Infer:
             result.top_tokens.append(event.top_tokens)
             if event.prefill is not None:
                 result.prefill = event.prefill
+            if event.prefill_top_tokens is not None:
+                result.prefill_top_tokens = event.prefill_top_tokens
             if event.final is not None:
                 result.final = event.final
         if result.final is None:

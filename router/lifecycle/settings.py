@@ -175,7 +175,7 @@ class ChatPrompt:
     def of(cls, engine_parameters: dict) -> "ChatPrompt":
         return cls(**engine_parameters)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         prefix = {"system": self.system_prompt, "user": self.user_prompt,
                   "assistant": self.ai_prompt}
         parts = [self.pre_prompt]
@@ -185,5 +185,6 @@ class ChatPrompt:
                 content = "".join(part.get("text", "") for part in content or []
                                   if isinstance(part, dict))
             parts.append(f"{prefix.get(message.get('role'), self.user_prompt)}{content}\n")
-        parts.append(self.ai_prompt)
+        if add_generation_prompt:
+            parts.append(self.ai_prompt)
         return "".join(parts)

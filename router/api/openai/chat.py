@@ -8,6 +8,7 @@ import uuid
 
 from aiohttp import web
 
+from router.api.openai import guided, vllm_fields
 from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
                                       adapter_as_model, openai_logprob, usage, without_stop)
 from router.api.openai.request import (ChatOptions, ChatPromptParts, build_request,
@@ -93,20 +94,19 @@ class _Chat:
 
 
 def _chat_prompt(served, body: dict):
-    """A chat body's tool plan, response-format grammar and prompt parts.
+    """A chat body's tool plan, its other grammar (response_format's or vLLM's) and prompt parts.
 
     Returned in that order. This is the slow part of reading a chat, whose messages, tools and
     schemas a body of megabytes can make take a second, so it runs in a worker thread, not on the
     event loop that serves every other request; the template renders in the template pool."""
     messages = normalise_messages(body.get("messages"))
     plan = tool_plan(body)
-    response_format = structured_output.from_response_format(body.get("response_format"))
-    if plan.grammar and response_format:
-        raise ValidationError("`response_format` and `tools` cannot be used together")
+    constraint = guided.constraint(body, tool_grammar=plan.grammar)
     parts = chat_prompt_parts(served.chat_template, messages, plan.functions,
                               allow_text=plan.allow_text, fallback=served.chat_prompt,
-                              template_kwargs=chat_template_kwargs(body))
-    return plan, response_format, parts
+                              template_kwargs=chat_template_kwargs(body),
+                              ending=vllm_fields.generation_prompt(body, messages))
+    return plan, constraint, parts
 
 
 def _chat_request_parts(served, body: dict):
@@ -115,17 +115,16 @@ def _chat_request_parts(served, body: dict):
 
 
 async def _rendered(templates: TemplatePool, served, parts: ChatPromptParts) -> str:
-    if parts.job is None:
-        return parts.text
-    return await templates.render(served.chat_template, parts.job)
+    prompt = parts.text if parts.job is None else await templates.render(served.chat_template,
+                                                                         parts.job)
+    return vllm_fields.continued(prompt, parts.continue_final)
 
 
 async def _validate_chat(templates: TemplatePool, served, body: dict,
                          adapter_id: str | None) -> _Chat:
     limits = served.validation_limits
     chosen_adapter(adapter_id, served.adapters)  # one being unloaded is refused from the start
-    plan, response_format, parts, parsed = await asyncio.to_thread(_chat_request_parts, served,
-                                                                   body)
+    plan, constraint, parts, parsed = await asyncio.to_thread(_chat_request_parts, served, body)
     prompt = await _rendered(templates, served, parts)
     with about_field("messages"):  # the prompt's length, which the messages make
         input_ids = await served.tokenizer.encode_async(prompt, add_special_tokens=False,
@@ -136,11 +135,15 @@ async def _validate_chat(templates: TemplatePool, served, body: dict,
         raise ValidationError("`top_logprobs` needs `logprobs: true`")
     request = build_request(prompt, input_ids, body, limits,
                             default_max_tokens=served.request_defaults.get("token_limit"),
-                            top_n_tokens=top_logprobs, grammar_spec=plan.grammar or response_format,
+                            top_n_tokens=top_logprobs, grammar_spec=plan.grammar or constraint,
                             parsed=parsed, adapter_id=adapter_id, prompt_field="messages")
+    prompt_top_n = vllm_fields.prompt_logprobs(body, limits.max_top_n_tokens)
+    request = vllm_fields.with_prompt_logprobs(request, prompt_top_n)
     options = ChatOptions(n=choice_count(body, served.config.max_client_batch_size),
                           stream=read_flag(body, "stream"), include_usage=include_usage(body),
-                          logprobs=logprobs, top_logprobs=top_logprobs)
+                          logprobs=logprobs, top_logprobs=top_logprobs,
+                          prompt_logprobs=prompt_top_n is not None,
+                          continuous_usage=vllm_fields.continuous_usage(body))
     reasoning = None
     if served.config.reasoning_parser and request.grammar is None:
         reasoning = starts_in_reasoning(prompt)
@@ -150,6 +153,7 @@ async def _validate_chat(templates: TemplatePool, served, body: dict,
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_object(request)
+    vllm_fields.UNKNOWN.check(body, vllm_fields.CHAT_FIELDS, "/v1/chat/completions")
     served, adapter_id = model_and_adapter(request, model_name(body))
     body = with_model_defaults(body, served.request_defaults)
     with adapter_as_model():
@@ -167,8 +171,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         choices.append({"index": index, "message": message, "finish_reason": finish,
                         "logprobs": _chat_logprobs(result) if chat.options.logprobs else None})
     completion = sum(r.final.generated_tokens for r in results)
-    return web.json_response({**chat.envelope("chat.completion"), "choices": choices,
-                              "usage": usage(chat.request.input_length, completion)})
+    answer = {**chat.envelope("chat.completion"), "choices": choices,
+              "usage": usage(chat.request.input_length, completion)}
+    if chat.options.prompt_logprobs:  # vLLM's: the answer's, not a choice's (one prompt)
+        answer["prompt_logprobs"] = vllm_fields.prompt_logprobs_entries(
+            results[0].prefill, results[0].prefill_top_tokens)
+    return web.json_response(answer)
 
 
 class ChatStream(OpenAIStream):
@@ -183,6 +191,8 @@ class ChatStream(OpenAIStream):
                           for _ in range(n)]
         # a tool call's tokens go out together at its end: their logprobs wait with them
         self.call_logprobs: list[list[dict]] = [[] for _ in range(n)]
+        self.running = vllm_fields.RunningUsage([chat.request.input_length] * n,
+                                                chat.options.continuous_usage)
 
     def _chunk(self, **fields) -> bytes:
         return openai_sse({**self.chat.envelope("chat.completion.chunk"), **fields})
@@ -192,7 +202,8 @@ class ChatStream(OpenAIStream):
             self.completion_tokens += event.final.generated_tokens
         choice = _chat_chunk(self.chat, index, event, self.holdbacks[index],
                              self.call_logprobs[index], self.splitters[index])
-        return [self._chunk(choices=[choice])] if choice is not None else []
+        running = self.running.after(index, event)
+        return [self._chunk(choices=[choice], **running)] if choice is not None else []
 
     def closing(self) -> list[bytes]:
         if not self.chat.options.include_usage:

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from aiohttp import web
 
+from router.api.openai import guided, vllm_fields
 from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
                                       adapter_as_model, openai_logprob, usage, without_stop)
 from router.api.openai.request import (build_request, choice_count, include_usage, model_name,
@@ -16,7 +17,6 @@ from router.core.generation import GenerateResult
 from router.errors import ValidationError, about_field
 from router.http.json_body import read_object
 from router.http.sse import openai_sse, serve_stream
-from router.inputs import structured_output
 from router.inputs.field_ranges import read_flag, read_number
 from router.inputs.seeds import copies, seed_or_draw
 from router.inputs.validation import chosen_adapter
@@ -77,9 +77,10 @@ async def _validate(served, body: dict, adapter_id: str | None):
         raise ValidationError("`best_of` cannot be used with `stream`: the best are known only "
                               "once every candidate has ended")
     candidates = best_of or n  # per prompt; the n most likely are answered
-    constraint = None  # as vLLM takes it; compiling one may take a while: off the event loop
-    if body.get("response_format") is not None:
-        constraint = await asyncio.to_thread(structured_output.from_response_format, body["response_format"])
+    # response_format as vLLM takes it here, or vLLM's own fields; compiling one may take a
+    # while: off the event loop
+    constraint = await asyncio.to_thread(guided.constraint, body)
+    prompt_top_n = vllm_fields.prompt_logprobs(body, limits.max_top_n_tokens)
     # read once for every prompt, off the event loop (a logit_bias may be 100,000 entries)
     sampling, stop = await asyncio.to_thread(sampling_and_stops, body, limits)
     requests = []
@@ -96,8 +97,8 @@ async def _validate(served, body: dict, adapter_id: str | None):
                              prefill_logprobs=echo and logprobs is not None,
                              parsed=(_own_seed(sampling, body), list(stop)),
                              adapter_id=adapter_id, prompt_field="prompt")
-        requests += copies(base, candidates)
-    return requests, echo, logprobs, n, candidates
+        requests += copies(vllm_fields.with_prompt_logprobs(base, prompt_top_n), candidates)
+    return requests, echo, logprobs, n, candidates, prompt_top_n is not None
 
 
 def _best(requests: list[GenerateRequest], results: list[GenerateResult], n: int,
@@ -135,11 +136,12 @@ def _logprobs(result: GenerateResult, echo: bool, prompt_length: int) -> dict:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_object(request)
+    vllm_fields.UNKNOWN.check(body, vllm_fields.COMPLETION_FIELDS, "/v1/completions")
     served, adapter_id = model_and_adapter(request, model_name(body))
     body = with_model_defaults(body, served.request_defaults)
     with adapter_as_model():
-        requests, echo, logprobs, n, candidates = await served.infer.count_request(
-            _validate(served, body, adapter_id))
+        requests, echo, logprobs, n, candidates, prompt_logprobs = \
+            await served.infer.count_request(_validate(served, body, adapter_id))
         # the adapter's name when `model` named one, as vLLM answers
         envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                     "created": int(time.time()), "model": adapter_id or served.model_name,
@@ -147,9 +149,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         # each prompt once, however many choices it has (as OpenAI and vLLM count)
         prompt_tokens = sum(r.input_length for r in requests[::candidates])
         stream, with_usage = read_flag(body, "stream"), include_usage(body)
+        running = vllm_fields.continuous_usage(body)
         if stream:
             form = CompletionStream(requests, envelope, echo=echo, prompt_tokens=prompt_tokens,
-                                    with_usage=with_usage)
+                                    with_usage=with_usage, running=running)
             return await serve_stream(request, served.infer.stream_many(requests), form,
                                       streams=len(requests))
         results = await served.infer.generate_many(requests)
@@ -160,6 +163,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 "finish_reason": FINISH[result.final.finish_reason],
                 "logprobs": _logprobs(result, echo, len(r.inputs)) if logprobs is not None else None}
                for i, (r, result) in enumerate(zip(requests, results))]
+    if prompt_logprobs:  # vLLM's, per choice: each choice's prompt
+        for choice, result in zip(choices, results):
+            choice["prompt_logprobs"] = vllm_fields.prompt_logprobs_entries(
+                result.prefill, result.prefill_top_tokens)
     return web.json_response({**envelope, "choices": choices,
                               "usage": usage(prompt_tokens, completion_tokens)})
 
@@ -168,7 +175,7 @@ class CompletionStream(OpenAIStream):
     """text_completion chunks: the prompts first when echoed, one per token, then the usage."""
 
     def __init__(self, requests: list[GenerateRequest], envelope: dict, *, echo: bool,
-                 prompt_tokens: int, with_usage: bool):
+                 prompt_tokens: int, with_usage: bool, running: bool = False):
         self.requests = requests
         self.envelope = envelope
         self.echo = echo
@@ -176,6 +183,7 @@ class CompletionStream(OpenAIStream):
         self.with_usage = with_usage
         self.completion_tokens = 0
         self.holdbacks = [StopHoldback(r.stopping.stop_sequences) for r in requests]
+        self.running = vllm_fields.RunningUsage([r.input_length for r in requests], running)
 
     def _chunk(self, **fields) -> bytes:
         return openai_sse({**self.envelope, **fields})
@@ -194,7 +202,8 @@ class CompletionStream(OpenAIStream):
         finish = FINISH[event.final.finish_reason] if event.final else ""
         text = self.holdbacks[index].text(event.token.text, event.final)
         return [self._chunk(choices=[{"index": index, "text": text, "logprobs": None,
-                                      "finish_reason": finish}])]
+                                      "finish_reason": finish}],
+                            **self.running.after(index, event))]
 
     def closing(self) -> list[bytes]:
         if not self.with_usage:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from router.http.openapi import (LOGIT_BIAS, error_responses, float_schema, int_schema, nullable,
                                  object_schema, or_sdk_error, post, ref, sdk_error_schema)
+from router.api.openai import vllm_openapi
 from router.inputs.field_ranges import INT32, UINT64
 
 
@@ -30,8 +31,7 @@ def _openai_sampling() -> dict:
         stop={"nullable": True, "oneOf": [{"type": "string"},
                                           {"type": "array", "items": {"type": "string"}}]},
         stream={"type": "boolean", "nullable": True},
-        stream_options={"type": "object", "nullable": True,
-                        "properties": {"include_usage": {"type": "boolean", "nullable": True}}})
+        stream_options=vllm_openapi.STREAM_OPTIONS)
 
 
 # `model` of both routes' requests (and of their answers)
@@ -60,7 +60,8 @@ def _openai_schemas() -> dict:
                             "template, e.g. {\"enable_thinking\": false} for Qwen3's; they may "
                             "replace the special tokens (bos_token, ...), not messages, tools, "
                             "add_generation_prompt, continue_final_message, chat_template or "
-                            "tokenize (a 422)")),
+                            "tokenize (a 422)"),
+            **vllm_openapi.request_fields(chat=True)),
         "ChatCompletion": object_schema(["id", "created", "model", "system_fingerprint", "choices",
                                    "usage"], **envelope, usage=usage,
                                   choices={"type": "array", "items": object_schema(
@@ -71,7 +72,8 @@ def _openai_schemas() -> dict:
                                               "string", description="with --reasoning-parser: "
                                               "the model's thinking (content: the answer after "
                                               "it); streamed as delta.reasoning_content")}},
-                                      finish_reason=string, logprobs=nullable("object"))}),
+                                      finish_reason=string, logprobs=nullable("object"))},
+                                  prompt_logprobs=vllm_openapi.PROMPT_LOGPROBS),
         "CompletionRequest": object_schema(["prompt"], model=_MODEL, prompt={}, suffix=nullable("string"),
                                      echo=nullable("boolean"), **_openai_sampling(),
                                      logprobs={**int_schema(INT32, minimum=0), "nullable": True},
@@ -79,13 +81,15 @@ def _openai_schemas() -> dict:
                                               "description": "candidates per prompt (at most "
                                                              "--max-best-of, at least n; not "
                                                              "with stream)"},
-                                     response_format=nullable("object")),
+                                     response_format=nullable("object"),
+                                     **vllm_openapi.request_fields(chat=False)),
         "CompletionFinal": object_schema(["id", "created", "model", "system_fingerprint", "choices",
                                     "usage"], **envelope, usage=usage,
                                    choices={"type": "array", "items": object_schema(
                                        ["index", "text", "finish_reason"], index=integer,
                                        text=string, finish_reason=string,
-                                       logprobs=nullable("object"))}),
+                                       logprobs=nullable("object"),
+                                       prompt_logprobs=vllm_openapi.PROMPT_LOGPROBS)}),
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from router.api.openai.vllm_fields import GenerationPrompt
 from router.errors import TemplateError, ValidationError, about_field
 from router.inputs import structured_output
 from router.inputs.chat_template import ChatTemplate
@@ -24,6 +25,8 @@ class ChatOptions:
     include_usage: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: bool = False  # vLLM's, in the answer
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
 
 
 def include_usage(body: dict) -> bool:
@@ -256,6 +259,7 @@ class ChatPromptParts:
 
     text: str | None = None  # Jan's prompt pieces, for a model without a template
     job: bytes | None = None  # the template's variables (router.inputs.template_worker)
+    continue_final: str | None = None  # the final message's text, where the prompt is cut
 
 
 def template_messages(template: ChatTemplate | None, messages: list[dict],
@@ -279,24 +283,29 @@ def template_messages(template: ChatTemplate | None, messages: list[dict],
 def chat_prompt_parts(template: ChatTemplate | None, messages: list[dict],
                       functions: list[dict] | None, *, allow_text: bool = False,
                       fallback: ChatPrompt | None = None,
-                      template_kwargs: dict | None = None) -> ChatPromptParts:
+                      template_kwargs: dict | None = None,
+                      ending: GenerationPrompt = GenerationPrompt()) -> ChatPromptParts:
     """What the prompt of a chat is made from.
 
     The model's template's job, else Jan's prompt pieces (`fallback`, which has no variables for
-    `template_kwargs`) rendered."""
+    `template_kwargs`) rendered; `ending`: vLLM's add_generation_prompt and
+    continue_final_message."""
     if template is None and fallback is None:
         raise TemplateError("this model has no chat template")
     messages = template_messages(template, messages, functions, allow_text=allow_text)
     if template is None:
-        return ChatPromptParts(text=fallback.render(messages))
+        return ChatPromptParts(text=fallback.render(
+            messages, add_generation_prompt=ending.add_generation_prompt),
+            continue_final=ending.continue_final)
     if template.template is None:
         raise TemplateError(template.error)
     # the tools as the request gives them (and transformers' get_json_schema makes them): what
     # templates that list tools print
     tools = [{"type": "function", "function": f} for f in functions] if functions else None
-    variables = template.variables(messages, add_generation_prompt=True, tools=tools,
-                                   extra=template_kwargs)
-    return ChatPromptParts(job=encode_job(template.source, variables))
+    variables = template.variables(messages, add_generation_prompt=ending.add_generation_prompt,
+                                   tools=tools, extra=template_kwargs)
+    return ChatPromptParts(job=encode_job(template.source, variables),
+                           continue_final=ending.continue_final)
 
 
 def build_request(prompt: str, input_ids: list[int], body: dict, limits: ValidationLimits, *,
