@@ -26,7 +26,7 @@ from router.inputs.reasoning import ThinkSplitter, split_reasoning, starts_in_re
 from router.inputs.seeds import copies
 from router.inputs.template_pool import TemplatePool
 from router.inputs.validation import chosen_adapter
-from router.schemas import GenerateRequest, Token, TokenEvent
+from router.schemas import FinalInfo, FinishReason, GenerateRequest, Token, TokenEvent
 from router.state import STATE, model_and_adapter
 
 
@@ -48,6 +48,9 @@ def _message(result: GenerateResult, plan: ToolPlan, stops: list[str],
     thinking block (router.inputs.reasoning); the calls are read from the answer after it."""
     finish = FINISH[result.final.finish_reason]
     text = without_stop(result.final.text, result.final, stops)
+    if result.tokens:
+        eos = _eos_text(result.tokens[-1], result.final)
+        text = text[:len(text) - len(eos)] if eos and text.endswith(eos) else text
     thought = None
     if reasoning is not None:
         thought, text = split_reasoning(text, reasoning)
@@ -61,6 +64,16 @@ def _message(result: GenerateResult, plan: ToolPlan, stops: list[str],
     if reasoning is not None:
         message["reasoning_content"] = thought
     return message, finish
+
+
+def _eos_text(token: Token, final: FinalInfo | None) -> str:
+    """The text of the special token that ended the output, else "".
+
+    Decoded only when the output keeps its special tokens for a tool parser (Mistral's
+    [TOOL_CALLS]); never the answer's, as vLLM leaves it out."""
+    if final is not None and final.finish_reason is FinishReason.EOS_TOKEN and token.special:
+        return token.text
+    return ""
 
 
 class _Chat:
@@ -129,6 +142,7 @@ async def _validate_chat(templates: TemplatePool, served, body: dict,
     if top_logprobs and not logprobs:
         raise ValidationError("`top_logprobs` needs `logprobs: true`")
     request = build_request(prompt, input_ids, body, limits,
+                            skip_special_tokens=plan.skips_special_tokens,
                             default_max_tokens=served.request_defaults.get("token_limit"),
                             top_n_tokens=top_logprobs, grammar_spec=plan.grammar or response_format,
                             parsed=parsed, adapter_id=adapter_id, prompt_field="messages")
@@ -203,7 +217,8 @@ def _chat_chunks(chat: _Chat, index: int, event, holdback: StopHoldback,
         logprobs = {"content": [{**_token_logprob(event.token),
                                  "top_logprobs": [_token_logprob(a) for a in event.top_tokens]}]}
     finish = FINISH[event.final.finish_reason] if event.final is not None else None
-    text = holdback.text(event.token.text, event.final)
+    text = holdback.text("" if _eos_text(event.token, event.final) else event.token.text,
+                         event.final)
     delta = {"role": "assistant", "content": text}
     if splitter is not None:
         # a chunk per token still (its logprobs go with it), its text split: TGI's delta schema

@@ -250,7 +250,8 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
                   grammar_spec: tuple[str, str] | None = None,
                   prefill_logprobs: bool = False,
                   parsed: tuple[SamplingParams, list[str]],
-                  adapter_id: str | None = None, prompt_field: str) -> GenerateRequest:
+                  adapter_id: str | None = None, prompt_field: str,
+                  skip_special_tokens: bool = True) -> GenerateRequest:
     """A chat body -> its validated GenerateRequest.
 
     `parsed`: sampling_and_stops(body, limits), which the caller reads off the event loop
@@ -278,4 +279,5 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
     return GenerateRequest(inputs=prompt, input_ids=input_ids, sampling=sampling,
                            stopping=stopping,
                            top_n_tokens=top_n_tokens, prefill_logprobs=prefill_logprobs,
-                           grammar=grammar_spec, adapter_id=adapter_id)
+                           grammar=grammar_spec, adapter_id=adapter_id,
+                           skip_special_tokens=skip_special_tokens)

@@ -63,6 +63,11 @@ class ToolPlan:
     prompt: str | None = None  # TGI's tool_prompt, added to the last message
 
     @property
+    def skips_special_tokens(self) -> bool:
+        """False where the parser reads a special token (Mistral's [TOOL_CALLS]), as vLLM's do."""
+        return self.parser is None or not PARSERS[self.parser].reads_special_tokens
+
+    @property
     def reads_calls(self) -> bool:
         return self.grammar is not None or self.parser is not None
 

@@ -14,6 +14,8 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 class Hermes:
     """One choice's output, fed as it streams."""
 
+    reads_special_tokens = False
+
     def __init__(self):
         self.calls = JsonCalls()
         self.inside = False

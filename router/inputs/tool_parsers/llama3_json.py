@@ -14,6 +14,8 @@ PYTHON_TAG = "<|python_tag|>"
 class Llama3Json:
     """One choice's output, fed as it streams."""
 
+    reads_special_tokens = False
+
     def __init__(self):
         self.calls = JsonCalls()
         self.mode: str | None = None  # "calls" or "text", once the output's start says

@@ -15,6 +15,8 @@ TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 class Mistral:
     """One choice's output, fed as it streams."""
 
+    reads_special_tokens = True
+
     def __init__(self):
         self.calls = JsonCalls()
         self.state = "text"  # then "start" (after a tag), "array", "name", "arguments"

@@ -35,6 +35,8 @@ def _call(source: str) -> tuple[str, str] | None:
 class Pythonic:
     """One choice's output, fed as it streams."""
 
+    reads_special_tokens = False
+
     def __init__(self):
         self.mode: str | None = None  # "calls" or "text", once the output's start says
         self.text = ""  # the output so far, in calls mode from its `[` on

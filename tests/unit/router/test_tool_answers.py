@@ -3,6 +3,7 @@ streams them and equal to the whole answer, parallel_tool_calls, the no_tool ans
 --tool-call-parser under auto, and tool_choice as TGI's bare function name."""
 import json
 
+from router.schemas import FinishReason
 from tests.unit.router.test_api_errors import _client
 from tests.unit.router.test_reasoning import ScriptedText
 
@@ -121,3 +122,33 @@ async def test_a_tool_call_parser_reads_the_models_own_format_under_auto(tiny_ll
     finally:
         await client.close()
         await refusing.close()
+
+
+class EndsWithEos(ScriptedText):
+    """The scripted text, its last token the special end-of-sequence one."""
+
+    def _step(self, request_ids, tokens=1):
+        generations = super()._step(request_ids, tokens)
+        for generation in generations:
+            for event in generation.events:
+                if event.final is not None:
+                    event.token.special = True
+                    event.final.finish_reason = FinishReason.EOS_TOKEN
+        return generations
+
+
+async def test_mistrals_special_tag_is_read_and_the_eos_text_left_out(tiny_llama):
+    pieces = ["Sure.", "[TOOL_CALLS]", '[{"name": "get_time", "arguments": {}}]', "</s>"]
+    client = await _client(tiny_llama, EndsWithEos(pieces), max_total_tokens=2048,
+                           tool_call_parser="mistral", enable_auto_tool_choice=True)
+    try:
+        whole, stream = await _both(client, {"messages": ASK, "max_tokens": len(pieces),
+                                             "tools": [TIME]})
+        assert whole["message"]["content"] == "Sure." and whole["finish_reason"] == "tool_calls"
+        assert [c["function"] for c in whole["message"]["tool_calls"]] == [
+            {"name": "get_time", "arguments": "{}"}]
+        assert "".join(c["delta"]["content"] or "" for c in stream) == "Sure."
+        assert [c["function"] for c in _joined_calls(stream)] == [
+            {"name": "get_time", "arguments": "{}"}]
+    finally:
+        await client.close()

@@ -116,3 +116,15 @@ def test_unknown_parsers_and_auto_without_a_parser_are_refused_at_start():
         check_tool_parser("granite", False)
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         check_tool_parser(None, True)
+
+
+def test_only_a_parser_that_reads_a_special_token_keeps_them_in_the_text():
+    from router.api.openai.tools import tool_plan
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for name in PARSERS:
+        plan = tool_plan({"tools": tools}, parser=name, auto_parses=True)
+        assert plan.skips_special_tokens == (name != "mistral"), name
+        # required uses the grammar, whose JSON has no special token to read
+        assert tool_plan({"tools": tools, "tool_choice": "required"}, parser=name,
+                         auto_parses=True).skips_special_tokens
