@@ -9,11 +9,15 @@ answer, decoded as it streams.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from router.inputs.tool_parsers.events import ToolDelta
 
 _ARGUMENT_KEYS = ("arguments", "parameters")
+_PLAIN = re.compile(r'[^"\\]+')  # a run of a JSON string's characters that are themselves
+_SPECIAL = re.compile(r'["\\]')
+_BARE = re.compile(r'[^"{}\[\]]+')  # inside an object or array, outside its strings
 _SPACE = " \t\r\n"
 # the five states of a call object, after its `{`
 _KEY, _IN_KEY, _COLON, _WAIT, _VALUE = range(5)
@@ -65,6 +69,11 @@ class _Text:
     started: bool = False
     ended: bool = False
     escape: str = ""
+
+    def take_text(self, text: str) -> str:
+        if self.started and not self.ended and not self.escape and not _SPECIAL.search(text):
+            return text
+        return "".join(self.take(c) for c in text)
 
     def take(self, c: str) -> str:
         if self.ended:
@@ -123,8 +132,22 @@ class JsonCalls:
 
     def feed(self, text: str) -> list[ToolDelta]:
         out: list[ToolDelta] = []
-        for c in text:
-            self._char(c, out)
+        at = 0
+        while at < len(text):
+            call = self.call
+            if call is not None and call.state == _VALUE and not call.value.escaped:
+                # a run that changes nothing of the value's state, in one step: a long answer is
+                # not scanned a character at a time (a quote, backslash or bracket ends the run)
+                value = call.value
+                nested = value.depth > 0 and not value.scalar
+                pattern = _PLAIN if value.in_string else _BARE if nested else None
+                plain = pattern.match(text, at) if pattern is not None else None
+                if plain is not None:
+                    self._value_text(call, plain.group(), out)
+                    at = plain.end()
+                    continue
+            self._char(text[at], out)
+            at += 1
         return out
 
     def finish(self) -> list[ToolDelta]:
@@ -176,18 +199,21 @@ class JsonCalls:
             self._char(c, out)
 
     def _value_char(self, call: _Call, c: str, out: list[ToolDelta]) -> None:
+        self._value_text(call, c, out)
+
+    def _value_text(self, call: _Call, text: str, out: list[ToolDelta]) -> None:
         if call.key == "name":
-            call.name_text += c
+            call.name_text += text
         elif call.key in _ARGUMENT_KEYS:
             call.has_arguments = True
             if call.name is None:
-                call.pending_arguments += c
+                call.pending_arguments += text
             else:
-                self._arguments(call, c, out)
+                self._arguments(call, text, out)
 
     def _arguments(self, call: _Call, text: str, out: list[ToolDelta]) -> None:
         if call.answer is not None:
-            content = "".join(call.answer.take(c) for c in text)
+            content = call.answer.take_text(text)
             if content:
                 out.append(ToolDelta(content=content))
         elif text:
