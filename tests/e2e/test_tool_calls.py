@@ -130,3 +130,8 @@ def test_the_loops_turns_reach_the_template_as_structured_data(server):
     assert "<|im_start|>user\n<tool_response>\n21 C\n</tool_response><|im_end|>" in prompt
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt
     assert prompt.endswith("And in Oslo?<|im_end|>\n<|im_start|>assistant\n")
+    # TGI's tool_prompt ends the last message, after TGI's separator
+    reply = requests.post(f"{server.url}/chat_tokenize", json={
+        "messages": messages, "tools": [WEATHER], "tool_prompt": "Use a tool."}, timeout=60)
+    assert reply.json()["templated_text"].endswith(
+        "And in Oslo?\n---\nUse a tool.<|im_end|>\n<|im_start|>assistant\n")
