@@ -15,6 +15,8 @@ from router.config.flags import TRUE_FALSE, set_by_launcher, setting
 from router.errors import RouterError
 from router.inputs.generation_config import GenerationDefaults, check_config
 from router.inputs.reasoning import PARSERS, check_parser
+from router.inputs.tool_parsers import PARSERS as TOOL_PARSERS
+from router.inputs.tool_parsers import check_tool_parser
 from router.kv.sessions import SessionLimits
 
 # --max-loras' default: vLLM's (1) counts adapters in one GPU batch, and evicts loaded ones to
@@ -91,6 +93,16 @@ class ModelSettings:
                                           "(for <think>...</think> models; deepseek_r1 and "
                                           "qwen3, vLLM's names, are the same rule).",
                                     choices=PARSERS, shown="none: content holds it all")
+    tool_call_parser: str = setting(None, "Read tool calls from the model's own format (vLLM's "
+                                          "flag): hermes (Qwen's <tool_call>), llama3_json, "
+                                          "mistral, pythonic. Under tool_choice=auto the model "
+                                          "then writes freely and the parser finds its calls; "
+                                          "required and a named function still use the grammar.",
+                                    choices=tuple(TOOL_PARSERS),
+                                    shown="none: a grammar forces JSON calls (TGI's way)")
+    enable_auto_tool_choice: bool = setting(False, "Let tool_choice=auto (and tools without a "
+                                                   "tool_choice) reach --tool-call-parser; without "
+                                                   "it such requests are refused, as vLLM does.")
     # /api/generate-one|batch: what a call's generation_config gets for a field it leaves out
     default_num_beams: int = setting(1, "generate-one/batch: default num_beams.")
     default_do_sample: str = setting("false", "generate-one/batch: default do_sample.",
@@ -120,6 +132,7 @@ class ModelSettings:
         if self.prefix_caching not in ("on", "off"):
             raise ValueError(f"--prefix-caching {self.prefix_caching!r} must be on or off")
         check_parser(self.reasoning_parser)
+        check_tool_parser(self.tool_call_parser, self.enable_auto_tool_choice)
         if self.max_loras < 0:
             raise ValueError(f"--max-loras {self.max_loras} must be >= 0")
         if self.validation_workers < 1:

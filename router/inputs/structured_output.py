@@ -1,7 +1,7 @@
 """Structured-output requests -> a grammar the shards enforce: (kind, value), checked before queueing.
 
 Sources: TGI's `grammar` parameter, OpenAI's `response_format`, and tool calling (a JSON schema that
-admits exactly one call of one of the offered functions).
+admits calls of the offered functions).
 """
 from __future__ import annotations
 
@@ -108,17 +108,24 @@ def from_response_format(response_format) -> tuple[str, str] | None:
                           "json_schema")
 
 
-def tool_call_schema(functions: list[dict], *, allow_text: bool) -> dict:
-    """One call of one of `functions`: {"name": <its name>, "arguments": <its parameters>}."""
+def tool_call_schema(functions: list[dict], *, allow_text: bool, parallel: bool = False) -> dict:
+    """Calls of `functions`: {"name": <its name>, "arguments": <its parameters>}.
+
+    One call, or a list of at least one when `parallel`; under `allow_text`, the no_tool call
+    answering in words instead."""
     options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                 "properties": {"name": {"const": f["name"]},
                                "arguments": f.get("parameters") or {"type": "object"}}}
                for f in functions]
-    if allow_text:
-        options.append({"type": "object", "additionalProperties": False,
-                        "required": ["name", "arguments"], "properties": {
-                            "name": {"const": NO_TOOL},
-                            "arguments": {"type": "object", "required": ["content"],
-                                          "additionalProperties": False,
-                                          "properties": {"content": {"type": "string"}}}}})
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    calls = options[0] if len(options) == 1 else {"anyOf": options}
+    if parallel:
+        calls = {"type": "array", "items": calls, "minItems": 1}
+    if not allow_text:
+        return calls
+    no_tool = {"type": "object", "additionalProperties": False,
+               "required": ["name", "arguments"], "properties": {
+                   "name": {"const": NO_TOOL},
+                   "arguments": {"type": "object", "required": ["content"],
+                                 "additionalProperties": False,
+                                 "properties": {"content": {"type": "string"}}}}}
+    return {"anyOf": [*(calls["anyOf"] if "anyOf" in calls else [calls]), no_tool]}

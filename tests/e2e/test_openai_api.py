@@ -111,11 +111,12 @@ def test_tool_calls_are_valid_against_the_function_schema(client, tool_choice):
     reply = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME],
                                            tool_choice=tool_choice, max_tokens=80, temperature=0)
     choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    (call,) = choice.message.tool_calls
-    function = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]
-    jsonschema.validate(json.loads(call.function.arguments), function["parameters"])
-    if isinstance(tool_choice, dict):
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:  # parallel_tool_calls: true by default, as OpenAI
+        function = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]
+        jsonschema.validate(json.loads(call.function.arguments), function["parameters"])
+    if isinstance(tool_choice, dict):  # the function named, called once
+        (call,) = choice.message.tool_calls
         assert call.function.name == "get_weather"
 
 
@@ -133,10 +134,12 @@ def test_streamed_tool_call(client):
     stream = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER],
                                             tool_choice="required", max_tokens=80, temperature=0,
                                             stream=True)
-    calls = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert calls and calls[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(calls[0].function.arguments),
-                        WEATHER["function"]["parameters"])
+    pieces = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert pieces and pieces[0].function.name == "get_weather" and pieces[0].id
+    # the name first, then the arguments as they are written
+    arguments = "".join(p.function.arguments for p in pieces if p.index == 0)
+    assert len([p for p in pieces if p.index == 0]) > 2
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
 
 
 def test_response_format_json_schema_and_json_object(client):

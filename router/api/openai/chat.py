@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
@@ -14,19 +13,20 @@ from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHol
 from router.api.openai.request import (ChatOptions, ChatPromptParts, build_request,
                                        chat_prompt_parts, chat_template_kwargs, choice_count,
                                        include_usage, model_name, normalise_messages,
-                                       sampling_and_stops, tool_plan, with_model_defaults)
+                                       sampling_and_stops, with_model_defaults)
+from router.api.openai.tool_answer import CallReading
+from router.api.openai.tools import ToolPlan, tool_plan
 from router.api.tgi.routes import tokens_response
 from router.core.generation import GenerateResult
 from router.errors import ValidationError, about_field
 from router.http.json_body import read_object
 from router.http.sse import openai_sse, serve_stream
-from router.inputs import structured_output
 from router.inputs.field_ranges import read_flag, read_number
 from router.inputs.reasoning import ThinkSplitter, split_reasoning, starts_in_reasoning
 from router.inputs.seeds import copies
 from router.inputs.template_pool import TemplatePool
 from router.inputs.validation import chosen_adapter
-from router.schemas import FinishReason, GenerateRequest, Token, TokenEvent
+from router.schemas import FinalInfo, FinishReason, GenerateRequest, Token, TokenEvent
 from router.state import STATE, model_and_adapter
 
 
@@ -40,34 +40,40 @@ def _chat_logprobs(result: GenerateResult) -> dict:
                         for t, top in zip(result.tokens, result.top_tokens)]}
 
 
-def _tool_message(text: str) -> tuple[dict, str]:
-    """The assistant message for a tool-call output, and its finish reason."""
-    call = json.loads(text)
-    if call["name"] == structured_output.NO_TOOL:
-        return {"role": "assistant", "content": call["arguments"].get("content", "")}, "stop"
-    return {"role": "assistant", "content": None, "tool_calls": [{
-        "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-        "function": {"name": call["name"],
-                     "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}]}, "tool_calls"
-
-
-def _message(result: GenerateResult, expects_call: bool, stops: list[str],
+def _message(result: GenerateResult, plan: ToolPlan, stops: list[str],
              reasoning: bool | None = None) -> tuple[dict, str]:
-    """A choice's message object, and its text.
+    """A choice's message object, and its finish reason.
 
     `reasoning`: None without --reasoning-parser, else whether the output begins inside the
-    thinking block (router.inputs.reasoning)."""
+    thinking block (router.inputs.reasoning); the calls are read from the answer after it."""
     finish = FINISH[result.final.finish_reason]
-    if expects_call and result.final.finish_reason is not FinishReason.LENGTH:
-        try:
-            return _tool_message(result.final.text)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            pass  # not a complete call: answer with the text as it is
     text = without_stop(result.final.text, result.final, stops)
-    if reasoning is None:
-        return {"role": "assistant", "content": text}, finish
-    thought, answer = split_reasoning(text, reasoning)
-    return {"role": "assistant", "content": answer, "reasoning_content": thought}, finish
+    if result.tokens:
+        eos = _eos_text(result.tokens[-1], result.final)
+        text = text[:len(text) - len(eos)] if eos and text.endswith(eos) else text
+    thought = None
+    if reasoning is not None:
+        thought, text = split_reasoning(text, reasoning)
+    reader = plan.reader()
+    if reader is None:
+        message = {"role": "assistant", "content": text}
+    else:
+        reading = CallReading(reader, plan.parallel)
+        reading.feed(text or "", last=True)
+        message, finish = reading.message(), reading.finish_reason(finish)
+    if reasoning is not None:
+        message["reasoning_content"] = thought
+    return message, finish
+
+
+def _eos_text(token: Token, final: FinalInfo | None) -> str:
+    """The text of the special token that ended the output, else "".
+
+    Decoded only when the output keeps its special tokens for a tool parser (Mistral's
+    [TOOL_CALLS]); never the answer's, as vLLM leaves it out."""
+    if final is not None and final.finish_reason is FinishReason.EOS_TOKEN and token.special:
+        return token.text
+    return ""
 
 
 class _Chat:
@@ -78,12 +84,12 @@ class _Chat:
     thinking block. `model`: the name the answer gives, the LoRA adapter's when `model` named one
     (vLLM's)."""
 
-    def __init__(self, request: GenerateRequest, options: ChatOptions, expects_call: bool,
+    def __init__(self, request: GenerateRequest, options: ChatOptions, plan: ToolPlan,
                  reasoning: bool | None = None, *, model: str):
         self.request = request
         self.model = model
         self.options = options
-        self.expects_call = expects_call
+        self.plan = plan
         self.reasoning = reasoning
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -100,10 +106,10 @@ def _chat_prompt(served, body: dict):
     schemas a body of megabytes can make take a second, so it runs in a worker thread, not on the
     event loop that serves every other request; the template renders in the template pool."""
     messages = normalise_messages(body.get("messages"))
-    plan = tool_plan(body)
+    plan = tool_plan(body, parser=served.config.tool_call_parser,
+                     auto_parses=served.config.enable_auto_tool_choice)
     constraint = guided.constraint(body, tool_grammar=plan.grammar)
-    parts = chat_prompt_parts(served.chat_template, messages, plan.functions,
-                              allow_text=plan.allow_text, fallback=served.chat_prompt,
+    parts = chat_prompt_parts(served.chat_template, messages, plan, fallback=served.chat_prompt,
                               template_kwargs=chat_template_kwargs(body),
                               ending=vllm_fields.generation_prompt(body, messages))
     return plan, constraint, parts
@@ -134,6 +140,7 @@ async def _validate_chat(templates: TemplatePool, served, body: dict,
     if top_logprobs and not logprobs:
         raise ValidationError("`top_logprobs` needs `logprobs: true`")
     request = build_request(prompt, input_ids, body, limits,
+                            skip_special_tokens=plan.skips_special_tokens,
                             default_max_tokens=served.request_defaults.get("token_limit"),
                             top_n_tokens=top_logprobs, grammar_spec=plan.grammar or constraint,
                             parsed=parsed, adapter_id=adapter_id, prompt_field="messages")
@@ -147,7 +154,7 @@ async def _validate_chat(templates: TemplatePool, served, body: dict,
     reasoning = None
     if served.config.reasoning_parser and request.grammar is None:
         reasoning = starts_in_reasoning(prompt)
-    return _Chat(request, options, plan.expects_call, reasoning,
+    return _Chat(request, options, plan, reasoning,
                  model=adapter_id or served.model_name)
 
 
@@ -166,7 +173,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         results = await served.infer.generate_many(requests)
     choices = []
     for index, result in enumerate(results):
-        message, finish = _message(result, chat.expects_call, chat.request.stopping.stop_sequences,
+        message, finish = _message(result, chat.plan, chat.request.stopping.stop_sequences,
                                    chat.reasoning)
         choices.append({"index": index, "message": message, "finish_reason": finish,
                         "logprobs": _chat_logprobs(result) if chat.options.logprobs else None})
@@ -180,7 +187,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 class ChatStream(OpenAIStream):
-    """chat.completion.chunk per token (a tool call in one chunk at the end), then the usage."""
+    """chat.completion.chunk per token (tool calls as they are written), then the usage."""
 
     def __init__(self, chat: _Chat, n: int):
         self.chat = chat
@@ -189,8 +196,8 @@ class ChatStream(OpenAIStream):
         self.holdbacks = [StopHoldback(chat.request.stopping.stop_sequences) for _ in range(n)]
         self.splitters = [ThinkSplitter(chat.reasoning) if chat.reasoning is not None else None
                           for _ in range(n)]
-        # a tool call's tokens go out together at its end: their logprobs wait with them
-        self.call_logprobs: list[list[dict]] = [[] for _ in range(n)]
+        self.readings = [CallReading(chat.plan.reader(), chat.plan.parallel)
+                         if chat.plan.reads_calls else None for _ in range(n)]
         self.running = vllm_fields.RunningUsage([chat.request.input_length] * n,
                                                 chat.options.continuous_usage)
 
@@ -200,10 +207,10 @@ class ChatStream(OpenAIStream):
     def event(self, index: int, event: TokenEvent) -> list[bytes]:
         if event.final is not None:
             self.completion_tokens += event.final.generated_tokens
-        choice = _chat_chunk(self.chat, index, event, self.holdbacks[index],
-                             self.call_logprobs[index], self.splitters[index])
+        choices = _chat_chunks(self.chat, index, event, self.holdbacks[index],
+                               self.splitters[index], self.readings[index])
         running = self.running.after(index, event)
-        return [self._chunk(choices=[choice], **running)] if choice is not None else []
+        return [self._chunk(choices=[choice], **running) for choice in choices]
 
     def closing(self) -> list[bytes]:
         if not self.chat.options.include_usage:
@@ -212,29 +219,16 @@ class ChatStream(OpenAIStream):
                                                     self.completion_tokens))]
 
 
-def _chat_chunk(chat: _Chat, index: int, event, holdback: StopHoldback,
-                call_logprobs: list[dict], splitter: ThinkSplitter | None = None) -> dict | None:
+def _chat_chunks(chat: _Chat, index: int, event, holdback: StopHoldback,
+                 splitter: ThinkSplitter | None, reading: CallReading | None) -> list[dict]:
+    """A token's choices for chunks: one, or one per piece of the calls it completes."""
     logprobs = None
     if chat.options.logprobs:
         logprobs = {"content": [{**_token_logprob(event.token),
                                  "top_logprobs": [_token_logprob(a) for a in event.top_tokens]}]}
-    if chat.expects_call:
-        # a call is only known once its JSON is complete: it goes out in one delta at the end,
-        # with every token's logprobs, the answer's stop sequence left out as the whole one's
-        if logprobs is not None:
-            call_logprobs += logprobs["content"]
-        if event.final is None:
-            return None
-        result = GenerateResult(final=event.final)
-        message, finish = _message(result, True, chat.request.stopping.stop_sequences)
-        if logprobs is not None:
-            logprobs = {"content": call_logprobs}
-        delta = {"role": "assistant", "content": message.get("content")}
-        if "tool_calls" in message:
-            delta["tool_calls"] = [{"index": 0, **call} for call in message["tool_calls"]]
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     finish = FINISH[event.final.finish_reason] if event.final is not None else None
-    text = holdback.text(event.token.text, event.final)
+    text = holdback.text("" if _eos_text(event.token, event.final) else event.token.text,
+                         event.final)
     delta = {"role": "assistant", "content": text}
     if splitter is not None:
         # a chunk per token still (its logprobs go with it), its text split: TGI's delta schema
@@ -245,7 +239,22 @@ def _chat_chunk(chat: _Chat, index: int, event, holdback: StopHoldback,
             thought, delta["content"] = thought + held_thought, delta["content"] + held_answer
         if thought:
             delta["reasoning_content"] = thought
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    if reading is None:
+        return [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
+    pieces = [reading.stream_delta(d)
+              for d in reading.feed(delta["content"], last=event.final is not None)]
+    if "reasoning_content" in delta:
+        pieces.insert(0, {**delta, "content": ""})
+    if not pieces:
+        if logprobs is None and finish is None:
+            return []  # a call's text not yet read (a name half written)
+        pieces = [{"role": "assistant", "content": ""}]
+    if finish is not None:
+        finish = reading.finish_reason(finish)
+    choices = [{"index": index, "delta": piece, "logprobs": None, "finish_reason": None}
+               for piece in pieces]
+    choices[0]["logprobs"], choices[-1]["finish_reason"] = logprobs, finish
+    return choices
 
 
 async def chat_tokenize(request: web.Request) -> web.Response:

@@ -4,9 +4,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from router.api.openai.tools import ToolPlan, with_tool_prompt
 from router.api.openai.vllm_fields import GenerationPrompt
 from router.errors import TemplateError, ValidationError, about_field
-from router.inputs import structured_output
+from router.inputs import json_text
 from router.inputs.chat_template import ChatTemplate
 from router.inputs.field_ranges import FLOAT32_MAX, check_logit_bias, read_flag, read_number
 from router.inputs.seeds import seed_or_draw
@@ -149,77 +150,26 @@ def normalise_messages(messages) -> list[dict]:
             raise ValidationError(f"messages[{i}].role must be one of {sorted(_ROLES)}")
         role = "system" if message["role"] == "developer" else message["role"]
         out.append({**message, "role": role, "content": _message_text(message, i)})
+        if message.get("tool_calls"):
+            out[-1]["tool_calls"] = [_with_arguments_object(c) for c in message["tool_calls"]]
     return out
 
 
-def _functions(tools) -> list[dict]:
-    if not isinstance(tools, list) or not tools:
-        raise ValidationError("`tools` must be a non-empty list")
-    functions, names = [], set()
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or tool.get("type", "function") != "function" \
-                or not isinstance(function.get("name"), str):
-            raise ValidationError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
-                                  "{\"name\": ..., \"parameters\": ...}}")
-        if not function["name"] or function["name"] == structured_output.NO_TOOL:
-            raise ValidationError(f"tools[{i}].function.name must be a non-empty name other "
-                                  f"than {structured_output.NO_TOOL!r} (the name this server gives a reply in "
-                                  "words)")
-        if function["name"] in names:  # a set: a list search made 20,000 tools take 18 s
-            raise ValidationError(f"tools[{i}]: a function named {function['name']!r} is "
-                                  "already offered; each tool needs a name of its own")
-        names.add(function["name"])
-        functions.append(function)
-    return functions
+def _with_arguments_object(call: dict) -> dict:
+    """A call whose arguments, JSON text in OpenAI's requests, are the object they write.
 
-
-@dataclass(slots=True)
-class ToolPlan:
-    functions: list[dict] | None = None  # shown to the model
-    grammar: tuple[str, str] | None = None  # forces one call of one of them
-    allow_text: bool = False  # tool_choice=auto: the no_tool pseudo-call answers in words
-
-    @property
-    def expects_call(self) -> bool:
-        return self.grammar is not None
-
-
-def tool_plan(body: dict) -> ToolPlan:
-    """What tools and tool_choice ask for."""
-    tools = body.get("tools")
-    choice = body.get("tool_choice")
-    if not tools:
-        if choice not in (None, "none", "auto"):
-            raise ValidationError("`tool_choice` needs `tools`")
-        return ToolPlan()
-    functions = _functions(tools)
-    if choice == "none":
-        return ToolPlan()
-    if choice in (None, "auto", "required"):
-        allow_text = choice != "required"
-        schema = structured_output.tool_call_schema(functions, allow_text=allow_text)
-        return ToolPlan(functions, structured_output.checked(structured_output.JSON, schema), allow_text)
-    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        chosen = [f for f in functions if f["name"] == name]
-        if not chosen:
-            raise ValidationError(f"`tool_choice` names {name!r}, which is not in `tools`")
-        schema = structured_output.tool_call_schema(chosen, allow_text=False)
-        return ToolPlan(chosen, structured_output.checked(structured_output.JSON, schema))
-    raise ValidationError("`tool_choice` must be none, auto, required or "
-                          "{\"type\": \"function\", \"function\": {\"name\": ...}}")
-
-
-def tool_prompt(functions: list[dict], *, allow_text: bool) -> str:
-    """Our words to a template that cannot show tools itself."""
-    listed = json.dumps([{k: f[k] for k in ("name", "description", "parameters") if k in f}
-                         for f in functions], ensure_ascii=False)
-    text_option = (" or, to answer in words, {\"name\": \"no_tool\", \"arguments\": "
-                   "{\"content\": <your answer>}}" if allow_text else "")
-    return ("You can call one of these functions. Reply with a single JSON object "
-            "{\"name\": <function name>, \"arguments\": <arguments object>}"
-            f"{text_option}.\nFunctions: {listed}")
+    As vLLM gives them to templates: Llama 3.1's writes `arguments | tojson`, which would quote
+    the text again; Qwen's writes either."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json_text.loads(function["arguments"])
+    except json_text.JSONError:
+        return call  # not JSON: the template gets the text as it came
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 # what the router gives the template itself (messages, tools, add_generation_prompt) and what
@@ -263,26 +213,21 @@ class ChatPromptParts:
 
 
 def template_messages(template: ChatTemplate | None, messages: list[dict],
-                      functions: list[dict] | None, *, allow_text: bool = False) -> list[dict]:
+                      plan: ToolPlan | None = None) -> list[dict]:
     """The messages as the prompt shows them.
 
-    With our tool prompt where the template cannot show tools, and calls as text where it cannot
-    show calls."""
-    if functions and (template is None or not template.knows_tools):
-        instruction = tool_prompt(functions, allow_text=allow_text)
-        if messages[0]["role"] == "system":
-            messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{instruction}"},
-                        *messages[1:]]
-        else:
-            messages = [{"role": "system", "content": instruction}, *messages]
+    With TGI's tool prompt (and the tools, where the template cannot show them) at the end of the
+    last one, and calls as text where the template cannot show calls."""
+    if plan is not None:
+        shows_tools = template is not None and template.knows_tools
+        messages = with_tool_prompt(messages, plan, template_shows_tools=shows_tools)
     if template is None or "tool_calls" not in template.source:
         messages = [_calls_as_text(m) for m in messages]
     return messages
 
 
 def chat_prompt_parts(template: ChatTemplate | None, messages: list[dict],
-                      functions: list[dict] | None, *, allow_text: bool = False,
-                      fallback: ChatPrompt | None = None,
+                      plan: ToolPlan | None = None, *, fallback: ChatPrompt | None = None,
                       template_kwargs: dict | None = None,
                       ending: GenerationPrompt = GenerationPrompt()) -> ChatPromptParts:
     """What the prompt of a chat is made from.
@@ -292,7 +237,7 @@ def chat_prompt_parts(template: ChatTemplate | None, messages: list[dict],
     continue_final_message."""
     if template is None and fallback is None:
         raise TemplateError("this model has no chat template")
-    messages = template_messages(template, messages, functions, allow_text=allow_text)
+    messages = template_messages(template, messages, plan)
     if template is None:
         return ChatPromptParts(text=fallback.render(
             messages, add_generation_prompt=ending.add_generation_prompt),
@@ -301,6 +246,7 @@ def chat_prompt_parts(template: ChatTemplate | None, messages: list[dict],
         raise TemplateError(template.error)
     # the tools as the request gives them (and transformers' get_json_schema makes them): what
     # templates that list tools print
+    functions = plan.functions if plan is not None else None
     tools = [{"type": "function", "function": f} for f in functions] if functions else None
     variables = template.variables(messages, add_generation_prompt=ending.add_generation_prompt,
                                    tools=tools, extra=template_kwargs)
@@ -313,7 +259,8 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
                   grammar_spec: tuple[str, str] | None = None,
                   prefill_logprobs: bool = False,
                   parsed: tuple[SamplingParams, list[str]],
-                  adapter_id: str | None = None, prompt_field: str) -> GenerateRequest:
+                  adapter_id: str | None = None, prompt_field: str,
+                  skip_special_tokens: bool = True) -> GenerateRequest:
     """A chat body -> its validated GenerateRequest.
 
     `parsed`: sampling_and_stops(body, limits), which the caller reads off the event loop
@@ -341,4 +288,5 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
     return GenerateRequest(inputs=prompt, input_ids=input_ids, sampling=sampling,
                            stopping=stopping,
                            top_n_tokens=top_n_tokens, prefill_logprobs=prefill_logprobs,
-                           grammar=grammar_spec, adapter_id=adapter_id)
+                           grammar=grammar_spec, adapter_id=adapter_id,
+                           skip_special_tokens=skip_special_tokens)

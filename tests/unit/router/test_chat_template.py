@@ -1,8 +1,11 @@
 """Chat templates render in a sandbox; their errors, compiling included, are 422 template errors
 of the chat routes only; chat_template_kwargs become template variables."""
+import json
+
 import pytest
 
 from router.api.openai.request import normalise_messages, template_messages
+from router.api.openai.tools import DEFAULT_TOOL_PROMPT, tool_plan
 from router.errors import TemplateError
 from router.inputs.chat_template import ChatTemplate
 
@@ -33,13 +36,20 @@ def test_sandbox_blocks_unsafe_attribute_access():
 
 
 def test_content_parts_are_joined_and_tools_explained_when_the_template_cannot():
+    """As TGI: the tools as JSON and the tool prompt (the request's, or TGI's default) end the last
+    message; a template that shows tools itself gets the prompt alone."""
     template = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }}\n{% endfor %}")
     messages = normalise_messages([{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                  {"type": "text", "text": "b"}]}])
-    text = template.render(template_messages(template, messages,
-                                             [{"name": "get_time", "parameters": {}}]))
-    assert text.startswith("system:You can call one of these functions")
-    assert "get_time" in text and text.endswith("user:ab\n")
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    plan = tool_plan({"tools": tools, "tool_choice": "required"})
+    text = template.render(template_messages(template, messages, plan))
+    assert text == (f"user:ab\n---\n{json.dumps(tools)}\n{DEFAULT_TOOL_PROMPT}\n")
+    auto = tool_plan({"tools": tools, "tool_prompt": "Pick one:"})
+    text = template.render(template_messages(template, messages, auto))
+    assert '"name": "no_tool"' in text and text.endswith("\nPick one:\n")
+    shows = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}{# tools #}")
+    assert shows.render(template_messages(shows, messages, auto)) == "ab\n---\nPick one:"
 
 
 def test_suffix_becomes_a_fill_in_the_middle_prompt_when_the_tokenizer_has_its_tokens():

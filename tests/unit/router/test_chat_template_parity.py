@@ -7,13 +7,14 @@ import json
 import pytest
 
 from router.api.openai.request import chat_prompt_parts, normalise_messages
+from router.api.openai.tools import DEFAULT_TOOL_PROMPT, tool_plan
 from router.inputs.chat_template import ChatTemplate
 
 
-def render_chat(template: ChatTemplate, messages: list[dict], functions, **options) -> str:
+def render_chat(template: ChatTemplate, messages: list[dict], plan, **options) -> str:
     """The prompt a chat request's path makes: its job for the template pool, rendered as a worker
     renders it."""
-    job = json.loads(chat_prompt_parts(template, messages, functions, **options).job)
+    job = json.loads(chat_prompt_parts(template, messages, plan, **options).job)
     return ChatTemplate(job["source"]).render_variables(job["variables"])
 
 # Qwen3's template (Qwen/Qwen3-8B's tokenizer_config.json), as users bring it
@@ -193,10 +194,41 @@ def test_qwen3_templates_see_the_requests_tools_and_kwargs_as_transformers_gives
     """A chat request's path (normalise_messages, render_chat) hands the template what
     apply_chat_template would get from the same OpenAI request."""
     _, theirs = _both(model_dir, QWEN3, CHAT[1:2], tools=[WEATHER], enable_thinking=False)
-    ours = render_chat(ChatTemplate.from_model_dir(str(model_dir)), normalise_messages(CHAT[1:2]),
-                       [WEATHER["function"]], template_kwargs={"enable_thinking": False})
+    # vLLM's way (--tool-call-parser, auto): the template's own words about tools, nothing added
+    plan = tool_plan({"tools": [WEATHER]}, parser="hermes", auto_parses=True)
+    template = ChatTemplate.from_model_dir(str(model_dir))
+    ours = render_chat(template, normalise_messages(CHAT[1:2]), plan,
+                       template_kwargs={"enable_thinking": False})
     assert ours == theirs
     assert ours.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # TGI's way (a grammar): its tool prompt ends the last message, after the template's tools
+    forced = render_chat(template, normalise_messages(CHAT[1:2]), tool_plan({"tools": [WEATHER]}),
+                         template_kwargs={"enable_thinking": False})
+    asked = CHAT[1]["content"]
+    assert forced == theirs.replace(asked, f"{asked}\n---\n{DEFAULT_TOOL_PROMPT}")
+
+
+def test_the_whole_tool_loop_reaches_qwen3s_template_as_structured_data(model_dir):
+    """The call turn (arguments as OpenAI's JSON string), the tool's result and the next question
+    render as transformers renders them with the arguments as an object (vLLM parses them)."""
+    arguments = {"city": "Paris"}
+    request = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "call_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": json.dumps(arguments)}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "{\"celsius\": 21}"},
+               {"role": "assistant", "content": "It is 21 C."},
+               {"role": "user", "content": "And tomorrow?"}]
+    given = json.loads(json.dumps(request))
+    given[1]["tool_calls"][0]["function"]["arguments"] = arguments
+    given[1]["content"] = ""
+    _, theirs = _both(model_dir, QWEN3, given, tools=[WEATHER])
+    plan = tool_plan({"tools": [WEATHER]}, parser="hermes", auto_parses=True)
+    ours = render_chat(ChatTemplate.from_model_dir(str(model_dir)), normalise_messages(request),
+                       plan)
+    assert ours == theirs
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' \
+        in ours and "<tool_response>\n{\"celsius\": 21}\n</tool_response>" in ours
 
 
 def test_a_tool_call_turn_is_shown_once_by_a_template_that_reads_tool_calls():

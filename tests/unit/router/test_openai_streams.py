@@ -56,27 +56,3 @@ def test_the_held_text_is_the_longest_end_that_begins_a_stop_sequence():
     held = StopHoldback(["END"])
     assert held.text("the EN", None) == "the "
     assert held.text("d", FinalInfo("the ENd", 2, FinishReason.LENGTH, None)) == "ENd"
-
-
-async def test_a_streamed_tool_answer_equals_the_whole_one_logprobs_included(tiny_llama):
-    """A tool call goes out in one chunk at its end: with the stop sequence left out and every
-    token's logprobs, as the whole answer has them (the scripted tokens are no JSON, so the
-    answer is their text)."""
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stop": [" t3"],
-            "tools": [tool], "tool_choice": "required", "logprobs": True}
-    client = await _client(tiny_llama, HealthyFake(), max_total_tokens=1024)  # the tools' prompt
-    try:
-        answer = await (await client.post("/v1/chat/completions", json=body)).json()
-        assert "choices" in answer, answer
-        whole = answer["choices"][0]
-        assert whole["message"]["content"] == "t1 t2"
-        reply = await client.post("/v1/chat/completions", json={**body, "stream": True})
-        chunks = [json.loads(line[6:]) for line in (await reply.text()).splitlines()
-                  if line.startswith("data: {")]
-        (last,) = [c["choices"][0] for c in chunks if c["choices"]]
-        assert last["delta"]["content"] == whole["message"]["content"]
-        assert last["logprobs"] == whole["logprobs"]
-        assert len(last["logprobs"]["content"]) == 3
-    finally:
-        await client.close()
