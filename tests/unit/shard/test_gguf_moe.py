@@ -97,6 +97,9 @@ def test_each_rank_reads_its_own_experts_blocks(converted):
     block = SparseMoeBlock.load(rank, prefix, num_experts=4, top_k=2, intermediate_size=256,
                                 norm_topk_prob=True)
     assert block.first_expert == 2 and len(block.experts) == 2
+    # /info counts the model's expert layers, every rank's: two here, four in all
+    assert served_types(block) == {"Q4_K": {"dequantized per layer": 4},
+                                   "Q6_K": {"dequantized per layer": 4}}
     for index, expert in enumerate(block.experts, start=2):
         stack = expert.gate_up_proj.prepared.blocks
         assert isinstance(stack, BlockStack) and stack.kinds == ("Q4_K",)
