@@ -58,6 +58,12 @@ class TensorJob:
     heads: int = 0  # > 0: undo llama.cpp's rope permutation over this many heads
     offset: float = 0.0  # subtracted from every value (Gemma's norms)
     blocks: str = ""  # the ggml type of a tensor written as its stored blocks
+    expert: int | None = None  # one expert's matrix of a stack of experts [experts, rows, columns]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The values this job writes: the tensor's, or one expert's of a stack."""
+        return self.tensor.shape if self.expert is None else self.tensor.shape[1:]
 
     @property
     def columns(self) -> int:
@@ -65,11 +71,16 @@ class TensorJob:
 
     @property
     def rows(self) -> int:
-        return self.spec.shape[0] if len(self.spec.shape) >= 2 else 1
+        return self.shape[0] if len(self.shape) >= 2 else 1
+
+    @property
+    def first_row(self) -> int:
+        """Where the job's rows start among the tensor's rows (of every expert, in order)."""
+        return 0 if self.expert is None else self.expert * self.rows
 
     @property
     def rows_per_chunk(self) -> int:
-        shape = self.tensor.shape
+        shape = self.shape
         if len(shape) < 2:
             return 1
         row = math.prod(shape[1:])
@@ -88,33 +99,52 @@ def plan_tensors(model: GGUFFile, arch: Architecture, config: dict, dtype: str) 
         elif arch.permute_qk and name.endswith("k_proj.weight"):
             heads = config["num_key_value_heads"]
         offset = arch.norm_offset if name.endswith("norm.weight") else 0.0
-        if dtype == NATIVE:
-            spec, blocks = _native_spec(name, tensor, offset)
-        else:
-            spec, blocks = st.TensorSpec(name, tensor.shape, DTYPES[dtype]), ""
-        jobs.append(TensorJob(tensor, spec, heads, offset, blocks))
+        native = None  # how the tensor is written natively: each expert as the first (one log)
+        for expert in _experts(name, tensor, config):
+            own = name if expert is None else name.format(expert=expert)
+            shape = tensor.shape if expert is None else tensor.shape[1:]
+            if dtype != NATIVE:
+                spec, blocks = st.TensorSpec(own, shape, DTYPES[dtype]), ""
+            else:
+                native = native or _native_spec(own, tensor, offset, shape)
+                spec, blocks = st.TensorSpec(own, native[0].shape, native[0].dtype), native[1]
+            jobs.append(TensorJob(tensor, spec, heads, offset, blocks, expert))
     return jobs
 
 
-def _native_spec(name: str, tensor: TensorInfo, offset: float) -> tuple[st.TensorSpec, str]:
+def _experts(name: str, tensor: TensorInfo, config: dict) -> list[int | None]:
+    """The experts a stack of them [experts, rows, columns] is written as, one matrix each.
+
+    [None] for any other tensor. Each expert's matrix is served as the dense layers' are."""
+    if "{expert}" not in name:
+        return [None]
+    if len(tensor.shape) != 3 or tensor.shape[0] != config["num_experts"]:
+        raise GGUFError(f"tensor {tensor.name} is {list(tensor.shape)}, not a stack of the "
+                        f"{config['num_experts']} experts the GGUF's expert_count names "
+                        "[experts, rows, columns]")
+    return list(range(tensor.shape[0]))
+
+
+def _native_spec(name: str, tensor: TensorInfo, offset: float,
+                 shape: tuple[int, ...] | None = None) -> tuple[st.TensorSpec, str]:
     """How the native conversion writes a tensor: (its spec, its ggml type where kept as blocks).
 
-    A matrix of a served type stays its blocks ([rows, row bytes] of U8); a float tensor keeps
-    its dtype (float32 where an offset is taken off it); anything else (another type, a stack of
-    MoE experts) is dequantized to bfloat16, as the bf16 conversion writes it, which the log
-    says."""
+    `shape`: the values written (one expert's of a stack; None: the tensor's). A matrix of a
+    served type stays its blocks ([rows, row bytes] of U8); a float tensor keeps its dtype
+    (float32 where an offset is taken off it); anything else (another type) is dequantized to
+    bfloat16, as the bf16 conversion writes it, which the log says."""
     import gguf
 
+    shape = tensor.shape if shape is None else shape
     kind = gguf.GGMLQuantizationType(tensor.ggml_type).name
-    if kind in SERVED_TYPES and len(tensor.shape) == 2:
-        return st.TensorSpec(name, (tensor.shape[0], row_bytes(kind, tensor.shape[1])), "U8"), kind
+    if kind in SERVED_TYPES and len(shape) == 2:
+        return st.TensorSpec(name, (shape[0], row_bytes(kind, shape[1])), "U8"), kind
     if kind in _FLOAT_TYPES:
-        return st.TensorSpec(name, tensor.shape, "F32" if offset else kind), ""
-    why = ("a stack of experts is not" if kind in SERVED_TYPES
-           else f"{kind} is not")
+        return st.TensorSpec(name, shape, "F32" if offset else kind), ""
+    why = f"a {len(shape)}-D tensor is not" if kind in SERVED_TYPES else f"{kind} is not"
     log.info("tensor %s: %s served as stored (served: matrices of %s); dequantized to bfloat16",
              tensor.name, why, ", ".join(SERVED_TYPES))
-    return st.TensorSpec(name, tensor.shape, "BF16"), ""
+    return st.TensorSpec(name, shape, "BF16"), ""
 
 
 def read_rows(file, job: TensorJob, start: int, stop: int) -> np.ndarray:
@@ -125,10 +155,11 @@ def read_rows(file, job: TensorJob, start: int, stop: int) -> np.ndarray:
     model held."""
     import gguf
 
-    tensor, shape = job.tensor, job.tensor.shape
-    stride = tensor.nbytes // job.rows
+    tensor, shape = job.tensor, job.shape
+    # bytes a row takes: the tensor's bytes over its rows (of every expert, in a stack)
+    stride = tensor.nbytes // (job.rows * (1 if job.expert is None else tensor.shape[0]))
     buffer = np.empty((stop - start) * stride, dtype=np.uint8)
-    file.seek(tensor.offset + start * stride)
+    file.seek(tensor.offset + (job.first_row + start) * stride)
     view, filled = memoryview(buffer), 0
     while filled < buffer.nbytes:  # a raw read may return less than asked
         got = file.readinto(view[filled:])

@@ -31,6 +31,11 @@ _LLAMA_LAYER = _PROJECTIONS | {"attn_norm": "input_layernorm",
 _GEMMA2_LAYER = _PROJECTIONS | {
     "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Qwen3-MoE's router and its stacks of experts ([experts, rows, columns]), written one matrix per
+# expert under the Hub's names ({expert} is filled in per expert)
+_EXPERT_LAYER = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+                 "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+                 "ffn_down_exps": "mlp.experts.{expert}.down_proj"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
 
@@ -160,6 +165,20 @@ def qwen3_config(meta: Metadata) -> dict:
     return _with_rope(config, meta, 1000000.0)
 
 
+def qwen3moe_config(meta: Metadata) -> dict:
+    """Qwen3-MoE as llama.cpp runs it: every layer sparse, the top-k weights renormalised.
+
+    llama.cpp's qwen3moe graph always renormalises (transformers' GGUF loader sets
+    norm_topk_prob for it too); the GGUF does not store the flag."""
+    config = qwen3_config(meta) | {"architectures": ["Qwen3MoeForCausalLM"],
+                                   "model_type": "qwen3_moe"}
+    config.update({"num_experts": meta.int("expert_count"),
+                   "num_experts_per_tok": meta.int("expert_used_count"),
+                   "moe_intermediate_size": meta.int("expert_feed_forward_length"),
+                   "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []})
+    return config
+
+
 def _query_pre_attn_scalar(config: dict, big_layer_count: int) -> int:
     """Gemma's query_pre_attn_scalar as llama.cpp applies it; the GGUF does not store it.
 
@@ -233,6 +252,7 @@ ARCHITECTURES = {
     "llama": Architecture(_LLAMA_LAYER, llama_config, permute_qk=True),
     "qwen2": Architecture(_LLAMA_LAYER, qwen2_config),
     "qwen3": Architecture(_LLAMA_LAYER | _QK_NORMS, qwen3_config),
+    "qwen3moe": Architecture(_LLAMA_LAYER | _QK_NORMS | _EXPERT_LAYER, qwen3moe_config),
     "gemma2": Architecture(_GEMMA2_LAYER, gemma2_config, norm_offset=1.0),
     "gemma3": Architecture(_GEMMA2_LAYER | _QK_NORMS, gemma3_config, norm_offset=1.0),
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from shard.layers.embedding import VocabParallelEmbedding
+from shard.layers.moe import SparseMoeBlock
 from shard.quant_config import checkpoint_quant
 
 # how a GGUF type's matrices are multiplied, as LinearWeight.form names it
@@ -14,15 +15,19 @@ def served_types(model: nn.Module) -> dict[str, dict[str, int]]:
     """Each GGUF type (or quantized checkpoint's kind) the model holds -> {how: how many layers}.
 
     Linear layers by their form (LinearWeight.form); an embedding held as blocks as "lookup".
-    A checkpoint's kind is its parts' (shard/layers/checkpoint_formats.py), e.g. GPTQ-4bit-g128."""
+    A checkpoint's kind is its parts' (shard/layers/checkpoint_formats.py), e.g. GPTQ-4bit-g128.
+    A rank holds 1/world_size of each MoE block's experts, stored alike (one GGUF stack, one
+    checkpoint's scheme): its experts' layers count for every rank's, the model's whole."""
     served: dict[str, dict[str, int]] = {}
+    ranks = {id(layer): block.parallel.world_size for block in model.modules()
+             if isinstance(block, SparseMoeBlock) for layer in block.experts.modules()}
     for module in model.modules():
         prepared = getattr(module, "prepared", None)
         kinds = getattr(prepared, "block_kinds", ())
         for kind in kinds:
             how = _KERNELS.get(prepared.form, prepared.form)
             served.setdefault(kind, {}).setdefault(how, 0)
-            served[kind][how] += 1
+            served[kind][how] += ranks.get(id(module), 1)
         if isinstance(module, VocabParallelEmbedding) and module.blocks is not None:
             for kind in module.blocks.kinds:
                 served.setdefault(kind, {}).setdefault("embedding lookup", 0)

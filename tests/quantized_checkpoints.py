@@ -181,7 +181,10 @@ def quantized_model(source: Path, quantized: Path, reference_dir: Path, *, metho
                     bits: int = 4, group: int = 32, act_order: bool = False,
                     seed: int = 0) -> None:
     """`source`'s linear weights quantized by `method` into `quantized`, and its weights with
-    those replaced by their reference dequantization (float32) into `reference_dir`."""
+    those replaced by their reference dequantization (float32) into `reference_dir`.
+
+    `method`: gptq, awq or compressed-tensors (pack-quantized, asymmetric). A Mixture-of-Experts
+    model's experts are quantized one by one, as the Hub stores them (experts.{e}.gate_proj)."""
     rng = np.random.default_rng(seed)
     tensors = load_file(str(source / "model.safetensors"))
     quant, dequantized = {}, {}
@@ -194,6 +197,9 @@ def quantized_model(source: Path, quantized: Path, reference_dir: Path, *, metho
         if method == "gptq":
             packed = pack_gptq(case, bits)
             values = reference_gptq(packed, bits, group=group)
+        elif method == "compressed-tensors":
+            packed = pack_compressed(case, bits, sym=False)
+            values = reference_compressed(packed, bits, group=group)
         else:
             packed = pack_awq(case)
             values = reference_awq(packed, group=group)
@@ -206,12 +212,21 @@ def quantized_model(source: Path, quantized: Path, reference_dir: Path, *, metho
             if extra.suffix != ".safetensors":
                 shutil.copy(extra, directory / extra.name)
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = (
-        {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
-         "sym": False, "checkpoint_format": "gptq"} if method == "gptq"
-        else {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-              "version": "gemm"})
+    config["quantization_config"] = _quantization_config(method, bits, group, act_order)
     (quantized / "config.json").write_text(json.dumps(config))
+
+
+def _quantization_config(method: str, bits: int, group: int, act_order: bool) -> dict:
+    if method == "gptq":
+        return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
+                "sym": False, "checkpoint_format": "gptq"}
+    if method == "compressed-tensors":
+        weights = {"num_bits": bits, "type": "int", "symmetric": False, "strategy": "group",
+                   "group_size": group}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+    return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+            "version": "gemm"}
 
 
 def _fit(weight: np.ndarray, rng, *, bits: int, group: int, act_order: bool) -> Case:

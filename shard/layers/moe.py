@@ -7,6 +7,10 @@ Expert parallel across tensor-parallel ranks: rank r holds whole experts, a cont
 of them, and the router replicated; every rank routes every token (they all hold the full hidden
 states), computes its own experts' contributions, and the ranks sum them with one all-reduce, as a
 row-parallel projection sums its partial products.
+
+Each expert's projections are held as the dense layers' are (shard/layers/linear.py): a native
+GGUF's blocks or a quantized checkpoint's groups in our int4/int8 kernels' forms where they run,
+else as stored and dequantized a layer at a time; --quantize's forms otherwise.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from torch import nn
 
 from shard.distributed import ParallelContext, all_reduce
 from shard.kernels import layer_ops
+from shard.layers.ggml_quants import BlockStack, join_rows
 from shard.layers.linear import LinearWeight, linear
 from shard.weights import Weights
 
@@ -34,7 +39,7 @@ def local_experts(num_experts: int, parallel: ParallelContext) -> range:
 class LocalLinear(nn.Module):
     """x W^T by a weight this rank holds whole: no slice of it elsewhere, nothing to sum."""
 
-    def __init__(self, weight: torch.Tensor, quantize_kind: str | None = None,
+    def __init__(self, weight: "torch.Tensor | BlockStack", quantize_kind: str | None = None,
                  model_dtype: torch.dtype | None = None):
         super().__init__()
         self.prepared = LinearWeight.prepare(weight, None, quantize_kind, model_dtype)
@@ -165,7 +170,9 @@ def _expert_weights(weights: Weights, prefix: str, num_experts: int, experts: ra
                     hidden: int):
     """The (gate_up [2 * inter, hidden], down [hidden, inter]) weights of each expert in `experts`.
 
-    In the model dtype, or as stored when the layers quantize them (see Weights.quantizing)."""
+    In the model dtype, or as stored when the layers quantize them (see Weights.quantizing): a
+    native GGUF's blocks (one matrix per expert, launcher/gguf.py) or a quantized checkpoint's
+    groups come as BlockStacks, which LinearWeight holds in the dense layers' quantized forms."""
     as_stored = weights.quantizing
     fused = f"{prefix}.gate_up_proj"
     if weights.has(fused):
@@ -185,7 +192,9 @@ def _expert_weights(weights: Weights, prefix: str, num_experts: int, experts: ra
 
     for expert in experts:
         base = f"{prefix}.{expert}"
-        yield (torch.cat([read(f"{base}.gate_proj.weight", [inter, hidden]),
+        # quantized rows (a GGUF's blocks, a checkpoint's groups) join as one stack, as a dense
+        # MLP's gate and up do
+        yield (join_rows([read(f"{base}.gate_proj.weight", [inter, hidden]),
                           read(f"{base}.up_proj.weight", [inter, hidden])]),
                read(f"{base}.down_proj.weight", [hidden, inter]))
 

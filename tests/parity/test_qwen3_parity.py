@@ -297,10 +297,15 @@ def _rank_logits(rank: int, world: int, port: int, model_dirs: dict, results):
         torch.distributed.destroy_process_group()
 
 
-def test_two_shards_give_one_shards_logits(models):
+def test_two_shards_give_one_shards_logits(models, tmp_path):
     """Heads and dense MLPs split by rows and columns, experts split whole (two each): every rank's
-    logits are the single rank's."""
+    logits are the single rank's; also with the experts a GPTQ checkpoint's, quantized one by
+    one (a native GGUF's experts: tests/unit/shard/test_gguf_moe.py)."""
+    from tests.quantized_checkpoints import quantized_model
+
     dirs = {name: str(models[name]) for name in ("qwen3", "qwen3-moe")}
+    quantized_model(models["qwen3-moe"], tmp_path / "gptq", tmp_path / "reference", method="gptq")
+    dirs["qwen3-moe-gptq"] = str(tmp_path / "gptq")
     single = {}
     _rank_logits(0, 1, 0, dirs, single)
     sharded = mp.Manager().dict()

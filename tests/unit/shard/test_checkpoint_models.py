@@ -1,4 +1,5 @@
-"""A tiny Llama quantized by GPTQ or AWQ serves the logits of its dequantized weights."""
+"""A tiny Llama (and Qwen3-MoE) quantized by GPTQ, AWQ or compressed-tensors serves the logits of
+its dequantized weights."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,7 +7,7 @@ import torch.nn.functional as F
 from shard.decode_paths.c_step import c_matmul
 from shard.layers.checkpoint_quants import FloatRows, integer_rows
 from shard.layers.ggml_quants import BlockStack
-from shard.layers.linear import LinearWeight, c_int4_runs, linear
+from shard.layers.linear import LinearWeight, c_int4_runs, c_int8_runs, linear
 from shard.quantization_report import describe, served_types
 from tests.quantized_checkpoints import quantized_model
 from tests.engine_helpers import prefill_logits
@@ -97,3 +98,25 @@ def test_fp8_rows_are_dequantized_per_call_in_the_activations_dtype():
     assert prepared.blocks is not None and prepared.block_kinds == ("FP8-channel",)
     x = torch.randn(2, 64)
     assert torch.equal(linear(x, prepared), F.linear(x, data.float() * rows.scale))
+
+
+@pytest.mark.parametrize("method,bits", [("gptq", 4), ("compressed-tensors", 8)])
+def test_quantized_experts_serve_their_dequantized_models_logits(tmp_path, method, bits):
+    """Qwen3-MoE's experts quantized one by one: held quantized, each rank's own, as dense layers."""
+    from tests.parity.test_qwen3_parity import build_tiny_qwen3
+
+    source = build_tiny_qwen3(tmp_path / "source", moe=True)
+    quantized_model(source, tmp_path / "q", tmp_path / "reference", method=method, bits=bits)
+    loaded, ours = prefill_logits(tmp_path / "q", torch.float32)
+    _, expected = prefill_logits(tmp_path / "reference", torch.float32)
+    assert (ours - expected).abs().max() <= 1e-5
+    # layers 0 and 2 sparse (4 experts' gate_up and down), layer 1 dense, attention in all 3
+    line = describe(loaded.model, loaded.quantization_config, None)
+    assert line == f"{method} {bits}-bit g32: {2 * 4 * 2 + 2 + 3 * 2} layers (dequantized per layer)"
+    loaded, ours = prefill_logits(tmp_path / "q", torch.bfloat16)
+    _, bf16 = prefill_logits(tmp_path / "reference", torch.bfloat16)
+    assert (ours - expected).abs().max() <= 2 * (bf16 - expected).abs().max() + 1e-2
+    kernel = c_int4_runs() if bits == 4 else c_int8_runs()
+    if kernel:
+        line = describe(loaded.model, loaded.quantization_config, None)
+        assert line == f"{method} {bits}-bit g32: 24 layers (int{bits} kernel)", line

@@ -69,8 +69,8 @@ def test_bf16_shards_stay_within_bf16_rounding_of_the_float32_model(converted):
 
 
 def test_a_type_not_served_as_stored_is_dequantized_with_a_log_line(caplog):
-    """Q2_K (and the other types the kernels do not take) are written as bf16, said by name; so is
-    a stack of experts."""
+    """Q2_K (and the other types the kernels do not take) are written as bf16, said by name; a
+    stack of experts is written one matrix per expert, each as stored."""
     import gguf
 
     from launcher.gguf import _native_spec
@@ -84,8 +84,10 @@ def test_a_type_not_served_as_stored_is_dequantized_with_a_log_line(caplog):
     assert "blk.0.ffn_down.weight: Q2_K is not served as stored" in caplog.text
     experts = TensorInfo("blk.0.ffn_up_exps.weight", (4, 64, 256),
                          int(gguf.GGMLQuantizationType.Q4_K), 0, 0)
+    assert _native_spec("expert", experts, 0.0, (64, 256)) == (
+        type(spec)("expert", (64, 144), "U8"), "Q4_K")
     with caplog.at_level("INFO", logger="tgi.launcher"):
         assert _native_spec("experts", experts, 0.0)[0].dtype == "BF16"
-    assert "ffn_up_exps.weight: a stack of experts is not served as stored" in caplog.text
+    assert "ffn_up_exps.weight: a 3-D tensor is not served as stored" in caplog.text
     q4 = TensorInfo("blk.0.ffn_up.weight", (64, 256), int(gguf.GGMLQuantizationType.Q4_K), 0, 0)
     assert _native_spec("up", q4, 0.0) == (type(spec)("up", (64, 144), "U8"), "Q4_K")
