@@ -274,6 +274,63 @@ def test_huggingface_hub_inference_client(server):
     assert chunks[-1].details.finish_reason == "length"
 
 
+def test_tgi_3s_json_schema_grammar_constrains_the_output(server):
+    grammar = {"type": "json_schema", "value": {"name": "answer", "schema": {"enum": ["yes", "no"]}}}
+    reply = post(server, "/generate", {"inputs": "Hi", "parameters": {
+        "max_new_tokens": 10, "grammar": grammar, "details": True}}).json()
+    assert reply["generated_text"] in ('"yes"', '"no"')
+    assert reply["details"]["finish_reason"] == "eos_token"
+    chat = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10,
+        "response_format": grammar}).json()
+    assert chat["choices"][0]["message"]["content"] in ('"yes"', '"no"')
+
+
+def test_completions_default_to_32_tokens_and_take_tgis_logit_bias_list(server):
+    reply = post(server, "/v1/completions", {"prompt": "Hi", "ignore_eos": True}).json()
+    assert reply["usage"]["completion_tokens"] == 32
+    body = {"prompt": "Hi", "max_tokens": 3, "temperature": 0}
+    as_map = post(server, "/v1/completions", {**body, "logit_bias": {"100": 100}}).json()
+    as_list = post(server, "/v1/completions", {**body, "logit_bias": [0] * 100 + [100]}).json()
+    plain = post(server, "/v1/completions", body).json()
+    assert as_map["choices"][0]["text"] == as_list["choices"][0]["text"] != \
+        plain["choices"][0]["text"]
+
+
+def test_frequency_penalty_is_tgis_on_generate_and_openais_on_v1(server):
+    """TGI's: the first token's logits already lose penalty * (count in the prompt / its
+    length); OpenAI's counts the output only, so the first token is as without a penalty.
+
+    Negative penalties lift the prompt's tokens into the top 5 of the tiny model's nearly flat
+    distribution; between two of them, the difference of two penalties shows."""
+    prompt = "a a a a a a b b c"
+    ids = [t["id"] for t in post(server, "/tokenize", {"inputs": prompt}).json()]
+
+    def first_top(penalty):
+        params = {"max_new_tokens": 1, "details": True, "top_n_tokens": 5,
+                  "frequency_penalty": penalty}
+        top = post(server, "/generate", {"inputs": prompt, "parameters": params}).json()
+        return {t["id"]: t["logprob"] for t in top["details"]["top_tokens"][0]}
+
+    more, less = first_top(-2.0), first_top(-1.5)
+    common = sorted(set(more) & set(less), key=ids.count)
+    anchor = common[0]
+    assert any(ids.count(token) != ids.count(anchor) for token in common), (ids, more, less)
+    for token in common[1:]:
+        expected = (less[token] - less[anchor]
+                    + 0.5 * (ids.count(token) - ids.count(anchor)) / len(ids))
+        assert abs(more[token] - more[anchor] - expected) < 1e-3, token
+
+    def v1_first_top(penalty):
+        reply = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "logprobs": 5,
+                                                 "frequency_penalty": penalty}).json()
+        return reply["choices"][0]["logprobs"]["top_logprobs"][0]
+
+    unpenalised, v1_penalised = v1_first_top(0), v1_first_top(2.0)
+    assert unpenalised.keys() == v1_penalised.keys()
+    assert all(abs(unpenalised[k] - v1_penalised[k]) < 1e-4 for k in unpenalised)
+
+
 def _every_answer(model_id: str) -> list[tuple[str, str, dict | None, int]]:
     """(method, path, body, status): a request of every kind each route answers, errors too."""
     details = {"max_new_tokens": 2, "details": True, "top_n_tokens": 2}
