@@ -275,7 +275,8 @@ def test_huggingface_hub_inference_client(server):
 
 
 def test_tgi_3s_json_schema_grammar_constrains_the_output(server):
-    grammar = {"type": "json_schema", "value": {"name": "answer", "schema": {"enum": ["yes", "no"]}}}
+    grammar = {"type": "json_schema", "value": {"name": "answer",
+                                                "schema": {"enum": ["yes", "no"]}}}
     reply = post(server, "/generate", {"inputs": "Hi", "parameters": {
         "max_new_tokens": 10, "grammar": grammar, "details": True}}).json()
     assert reply["generated_text"] in ('"yes"', '"no"')
@@ -412,6 +413,60 @@ def test_openapi_document_describes_every_route_we_serve(server):
         asked.add(path)
     assert not problems, "\n".join(problems)
     assert served - {"/api-doc/openapi.json"} <= asked
+
+
+_CHAT = {"messages": [{"role": "user", "content": "Hi", "name": "ann"}], "max_tokens": 3}
+_JSON = {"type": "object", "properties": {"a": {"type": "integer"}}}
+# both forms of every union type of TGI 2.2.1's request schemas, and each of its grammar forms
+EVERY_FORM = [
+    ("/v1/chat/completions", {**_CHAT, "stop": "x"}),
+    ("/v1/chat/completions", {**_CHAT, "stop": ["x", "y"]}),
+    ("/v1/chat/completions", {**_CHAT, "messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                     {"type": "text", "text": "!"}]}]}),
+    ("/v1/chat/completions", {**_CHAT, "response_format": {"type": "json", "value": _JSON}}),
+    ("/v1/chat/completions", {**_CHAT, "response_format": {"type": "regex", "value": "[a-z]+"}}),
+    ("/v1/chat/completions", {**_CHAT, "response_format": {"type": "json_schema", "value": {
+        "name": "n", "schema": _JSON}}}),
+    ("/v1/chat/completions", {**_CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": _JSON}}}),
+    ("/v1/chat/completions", {**_CHAT, "response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {**_CHAT, "logit_bias": {"5": -100}}),
+    ("/v1/chat/completions", {**_CHAT, "logit_bias": [0, 0, 0, 0, 0, -100]}),
+    ("/v1/chat/completions", {**_CHAT, "n": 2, "seed": 7, "temperature": 0.7, "top_p": 0.9,
+                              "frequency_penalty": 0.5, "presence_penalty": 0.5,
+                              "logprobs": True, "top_logprobs": 2, "model": "anything"}),
+    ("/v1/chat/completions", {**_CHAT, "tools": [{"type": "function", "function": {
+        "name": "ping", "parameters": {"type": "object", "properties": {}}}}],
+                              "tool_choice": "none"}),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "stop": "x"}),
+    ("/v1/completions", {"prompt": ["Hi", "Ho"], "max_tokens": 3, "stop": ["x"], "seed": 3,
+                         "temperature": 0.5, "top_p": 0.9, "frequency_penalty": 0.1,
+                         "repetition_penalty": 1.1, "model": "anything"}),
+    ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "grammar": {
+        "type": "json", "value": _JSON}}}),
+    ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "grammar": {
+        "type": "json", "value": json.dumps(_JSON)}}}),
+    ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "grammar": {
+        "type": "regex", "value": "[a-z]+"}}}),
+    ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "grammar": {
+        "type": "json_schema", "value": {"name": "n", "schema": _JSON}}}}),
+    ("/generate", {"inputs": "Hi", "parameters": {
+        "max_new_tokens": 3, "stop": ["x"], "watermark": True, "typical_p": 0.9,
+        "repetition_penalty": 1.2, "frequency_penalty": 0.3, "top_k": 5, "seed": 1,
+        "return_full_text": True, "truncate": 10, "adapter_id": ""}}),
+    ("/", {"inputs": "Hi", "parameters": {"max_new_tokens": 3}, "stream": False}),
+]
+
+
+@pytest.mark.parametrize("path,body", EVERY_FORM, ids=[f"{p}-{i}" for i, (p, _) in
+                                                       enumerate(EVERY_FORM)])
+def test_every_form_of_tgis_request_schemas_is_served_as_documented(server, path, body):
+    reply = post(server, path, body)
+    assert reply.status_code == 200, reply.text
+    doc = requests.get(f"{server.url}/api-doc/openapi.json", timeout=10).json()
+    assert openapi_schemas.answer_problems(doc, path, "post", reply) == []
 
 
 # ---- LoRA adapters a client loads: hostile files, and how many a model holds --------------------

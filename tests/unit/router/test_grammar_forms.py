@@ -4,7 +4,8 @@ import json
 import pytest
 
 from router.errors import ValidationError
-from router.inputs.structured_output import JSON, REGEX, close_objects, from_response_format, from_tgi
+from router.inputs.structured_output import (JSON, REGEX, close_objects, from_response_format,
+                                            from_tgi)
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 AS_SENT = (JSON, json.dumps(close_objects(SCHEMA)))
