@@ -332,6 +332,28 @@ def test_frequency_penalty_is_tgis_on_generate_and_openais_on_v1(server):
     assert all(abs(unpenalised[k] - v1_penalised[k]) < 1e-4 for k in unpenalised)
 
 
+def test_an_error_in_an_open_v1_stream_is_tgis_body_or_openais_to_the_sdk(server):
+    """A grammar llguidance gives up on at its second token fails the stream after it opened:
+    TGI's {"error", "error_type"} then [DONE], as TGI writes it; the OpenAI SDK raises its
+    message."""
+    import openai
+
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+            "response_format": {"type": "regex", "value": "(a|b)c{100000}"}}
+    with post(server, "/v1/chat/completions", {**body, "stream": True}, stream=True) as reply:
+        assert reply.status_code == 200
+        frames = [line[6:] for line in reply.iter_lines(decode_unicode=True)
+                  if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]" and len(frames) >= 3
+    error = json.loads(frames[-2])
+    assert error["error_type"] == "generation" and "the grammar could not go on" in error["error"]
+    assert_matches("ErrorResponse", error)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+    with pytest.raises(openai.APIError, match="the grammar could not go on"):
+        for _ in client.chat.completions.create(model="m", stream=True, **body):
+            pass
+
+
 def _every_answer(model_id: str) -> list[tuple[str, str, dict | None, int]]:
     """(method, path, body, status): a request of every kind each route answers, errors too."""
     details = {"max_new_tokens": 2, "details": True, "top_n_tokens": 2}
