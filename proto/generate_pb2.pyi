@@ -7,6 +7,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class FrequencyPenaltyForm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FREQUENCY_PENALTY_PER_OCCURRENCE: _ClassVar[FrequencyPenaltyForm]
+    FREQUENCY_PENALTY_PER_SHARE: _ClassVar[FrequencyPenaltyForm]
+
 class GrammarType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     GRAMMAR_TYPE_NONE: _ClassVar[GrammarType]
@@ -19,6 +24,8 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_EOS_TOKEN: _ClassVar[FinishReason]
     FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
+FREQUENCY_PENALTY_PER_OCCURRENCE: FrequencyPenaltyForm
+FREQUENCY_PENALTY_PER_SHARE: FrequencyPenaltyForm
 GRAMMAR_TYPE_NONE: GrammarType
 GRAMMAR_TYPE_JSON: GrammarType
 GRAMMAR_TYPE_REGEX: GrammarType
@@ -100,7 +107,7 @@ class ClearCacheResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class NextTokenChooserParameters(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty", "watermark", "frequency_penalty", "grammar", "grammar_type", "min_p", "presence_penalty", "logit_bias")
+    __slots__ = ("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty", "watermark", "frequency_penalty", "grammar", "grammar_type", "min_p", "presence_penalty", "logit_bias", "frequency_penalty_form")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +129,7 @@ class NextTokenChooserParameters(_message.Message):
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FORM_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -136,7 +144,8 @@ class NextTokenChooserParameters(_message.Message):
     min_p: float
     presence_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., watermark: _Optional[bool] = ..., frequency_penalty: _Optional[float] = ..., grammar: _Optional[str] = ..., grammar_type: _Optional[_Union[GrammarType, str]] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    frequency_penalty_form: FrequencyPenaltyForm
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., watermark: _Optional[bool] = ..., frequency_penalty: _Optional[float] = ..., grammar: _Optional[str] = ..., grammar_type: _Optional[_Union[GrammarType, str]] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., frequency_penalty_form: _Optional[_Union[FrequencyPenaltyForm, str]] = ...) -> None: ...
 
 class StoppingCriteriaParameters(_message.Message):
     __slots__ = ("max_new_tokens", "stop_sequences", "ignore_eos_token", "min_new_tokens", "stop_token_ids")

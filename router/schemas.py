@@ -30,6 +30,9 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
+    # TGI's frequency penalty (its GenerateParameters' routes): the penalty times the token's
+    # share of the sequence so far, not OpenAI's penalty per occurrence in the output
+    frequency_by_share: bool = False
     presence_penalty: float = 0.0
     do_sample: bool = False
     seed: int = 0

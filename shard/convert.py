@@ -31,6 +31,7 @@ def sampling_params(p: pb.NextTokenChooserParameters, top_n_tokens: int) -> Samp
         typical_p=_or(p.typical_p, 1.0), min_p=p.min_p,
         repetition_penalty=_or(p.repetition_penalty, 1.0),
         frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+        frequency_by_share=p.frequency_penalty_form == pb.FREQUENCY_PENALTY_PER_SHARE,
         do_sample=p.do_sample, seed=p.seed, top_n_tokens=top_n_tokens, watermark=p.watermark,
         logit_bias=dict(p.logit_bias))
 

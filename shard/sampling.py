@@ -10,6 +10,7 @@ import torch
 
 from shard.grammar_matcher import mask_disallowed
 from shard.kernels import layer_ops
+from shard.penalties import apply_penalties
 from shard.watermark import apply_watermark
 
 
@@ -26,6 +27,7 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
+    frequency_by_share: bool = False  # TGI's form (shard/penalties.py)
     presence_penalty: float = 0.0
     do_sample: bool = False
     seed: int = 0
@@ -236,34 +238,6 @@ def _bias_tensors(params: list[SamplingParams], device: torch.device
     return (torch.tensor(rows, dtype=torch.long, device=device),
             torch.tensor(ids, dtype=torch.long, device=device),
             torch.tensor(values, dtype=torch.float32, device=device))
-
-
-def apply_penalties(scores: torch.Tensor, batch: SamplingBatch,
-                    token_ids: list[tuple[list[int], list[int]]] | None) -> torch.Tensor:
-    if token_ids is None:
-        raise ValueError("penalties need the prompt and output token ids of every row")
-    vocab = scores.shape[1]
-    device = scores.device
-    seen = torch.zeros_like(scores, dtype=torch.bool)
-    counts = torch.zeros_like(scores)
-    for row, (prompt, output) in enumerate(token_ids):
-        if not batch.params[row].has_penalty:
-            continue
-        if prompt or output:
-            seen[row, torch.tensor(prompt + output, dtype=torch.long, device=device)] = True
-        if output:
-            out = torch.tensor(output, dtype=torch.long, device=device).clamp_(0, vocab - 1)
-            counts[row].index_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
-    penalty = batch.repetition_penalty.where(batch.repetition_penalty > 0,
-                                             torch.ones_like(batch.repetition_penalty))
-    penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
-    scores = torch.where(seen, penalised, scores)
-    scores = scores - batch.frequency_penalty * counts
-    scores = scores - batch.presence_penalty * (counts > 0).to(scores.dtype)
-    # a vanishing repetition penalty (1e-40) sends a logit past float32: the largest float keeps
-    # the row a distribution (infinite ones would make every probability NaN); -inf stays masked
-    return scores.nan_to_num(nan=float("-inf"), posinf=torch.finfo(scores.dtype).max,
-                             neginf=float("-inf"))
 
 
 def _warp(scores: torch.Tensor, batch: SamplingBatch, flags: dict) -> torch.Tensor:

@@ -53,3 +53,37 @@ def assert_matches(schema_name: str, body) -> None:
         return
     errors = sorted(validator(schema_name).iter_errors(body), key=str)
     assert not errors, f"{schema_name}: {errors[0].message} at {list(errors[0].absolute_path)}"
+
+
+def answer_problems(document: dict, path: str, method: str, reply) -> list[str]:
+    """What in `reply` (a requests.Response to `method` `path`) our served `document` does not say.
+
+    The schema is the one the document gives for the reply's status and content type; a JSON body
+    is checked whole, an event stream event by event (its `data: [DONE]` aside), text as a string.
+    A status or content type the document does not list is a problem too."""
+    import jsonschema
+
+    responses = document["paths"][path][method]["responses"]
+    where = f"{method.upper()} {path} -> {reply.status_code}"
+    if str(reply.status_code) not in responses:
+        return [f"{where}: status not in the document"]
+    content = responses[str(reply.status_code)].get("content")
+    if content is None:
+        return []  # a status with no body documented (GET /health's 200)
+    kind = reply.headers.get("content-type", "").split(";")[0].strip()
+    if kind not in content:
+        return [f"{where}: content type {kind!r} not in the document ({sorted(content)})"]
+    root = {"components": _to_json_schema(document["components"]),
+            **_to_json_schema(content[kind]["schema"])}
+    check = jsonschema.Draft202012Validator(root)
+    if kind == "text/event-stream":
+        bodies = [json.loads(line[5:]) for line in reply.text.splitlines()
+                  if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+        if not bodies:
+            return [f"{where}: an event stream of no events"]
+    elif kind == "application/json":
+        bodies = [reply.json()]
+    else:
+        bodies = [reply.text]
+    return [f"{where}: {error.message} at {list(error.absolute_path)}"
+            for body in bodies for error in check.iter_errors(body)]

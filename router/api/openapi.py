@@ -34,7 +34,8 @@ def openapi_document() -> dict:
             "responses": {"200": {"description": "OK", "content": {
                 **json_content({"anyOf": [{"type": "array", "items": ref("GenerateResponse")},
                                    ref("ChatCompletion"), ref("CompletionFinal")]})["content"],
-                "text/event-stream": {"schema": ref("StreamResponse")}}},
+                "text/event-stream": {"schema": {"anyOf": [
+                    ref("StreamResponse"), ref("ChatCompletionChunk"), ref("Chunk")]}}}},
                 **error_responses(413, 422, 424, 429, 500, 503)}}},
         "/api-doc/openapi.json": {"get": {"summary": "This document", "responses": {
             "200": {"description": "OK"}}}},

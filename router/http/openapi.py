@@ -34,7 +34,7 @@ def error_schema() -> dict:
 def json_content(schema: dict) -> dict:
     return {"content": {"application/json": {"schema": schema}}}
 
-# OpenAI's and SGLang's logit_bias
+# OpenAI's and SGLang's logit_bias (the /v1 routes also take TGI's list: router.api.openai.openapi)
 LOGIT_BIAS = {"type": "object", "nullable": True,
               "description": "token id (a decimal string) -> a bias in [-100, 100] added to its "
                              "logit before any other processing",
@@ -44,9 +44,11 @@ def error_responses(*statuses: int, shape: str = "ErrorResponse") -> dict:
     return {str(s): {"description": "Error", **json_content(ref(shape))} for s in statuses}
 
 def post(summary: str, request: str, response: dict, *, stream: bool = False,
-          stream_on_request: bool = False) -> dict:
-    """A generation route: JSON, SSE (`stream`), or either as the body's `stream` field asks."""
-    sse = {"text/event-stream": {"schema": ref("StreamResponse")}}
+          stream_on_request: bool = False, event: str = "StreamResponse") -> dict:
+    """A generation route: JSON, SSE (`stream`), or either as the body's `stream` field asks.
+
+    `event`: the schema of each SSE event's data."""
+    sse = {"text/event-stream": {"schema": ref(event)}}
     content = sse if stream else json_content(response)["content"]
     if stream_on_request:
         content = {**content, **sse}

@@ -44,6 +44,11 @@ def openai_sse(payload: dict | str) -> bytes:
 class StreamFormat:
     """How one API writes a stream; each method returns the frames to write, in order."""
 
+    def bind(self, request: web.Request) -> None:
+        """Sees the request the stream answers, before the first frame.
+
+        For a format whose frames depend on the client (router.api.openai.common.OpenAIStream)."""
+
     def opening(self) -> list[bytes]:
         """Right after the headers, before the first event."""
         return []
@@ -82,6 +87,7 @@ async def serve_stream(request: web.Request, events: AsyncIterator[tuple[int, To
     the stream: nothing more can reach a client that reads nothing, so the connection is cut,
     and closing `events` cancels what its requests still generate.
     """
+    form.bind(request)
     try:
         # validation and admission errors answer with their status before the stream opens
         item = await anext(events, None)

@@ -78,15 +78,20 @@ def check_float(path: str, value) -> float:
     return value
 
 
-def check_logit_bias(path: str, value, vocab_size: int = 0) -> dict[int, float]:
+def check_logit_bias(path: str, value, vocab_size: int = 0, *,
+                     listed: bool = False) -> dict[int, float]:
     """OpenAI's logit_bias as {token id: float32 bias}, checked.
 
     It arrives as {"<token id>": bias in [-100, 100]}; each id must be below the model's
-    `vocab_size` (when known: else the shard refuses the request)."""
+    `vocab_size` (when known: else the shard refuses the request). With `listed`, TGI's
+    document's form is taken too: a list of biases, the i-th for token id i."""
     if value is None:
         return {}
+    if listed and isinstance(value, list):
+        return _listed_logit_bias(path, value, vocab_size)
     if not isinstance(value, dict):
-        raise ValidationError(f"`{path}` must be an object mapping token ids to biases")
+        raise ValidationError(f"`{path}` must be an object mapping token ids to biases"
+                              + (" or a list of biases indexed by token id" if listed else ""))
     biases = {}
     for key, bias in value.items():
         # ASCII digits without leading zeros: "٥", "５" or "05" would name token 5 too
@@ -97,11 +102,27 @@ def check_logit_bias(path: str, value, vocab_size: int = 0) -> dict[int, float]:
         if vocab_size and token >= vocab_size:
             raise ValidationError(f"`{path}` keys must be token ids below the model's vocabulary "
                                   f"size of {vocab_size}. Given: {key!r}")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
-                or not -100 <= bias <= 100:
-            raise ValidationError(f"`{path}[{key!r}]` must be a number >= -100 and <= 100")
-        biases[token] = float32(float(bias))
+        biases[token] = _bias(f"{path}[{key!r}]", bias)
     return biases
+
+
+def _listed_logit_bias(path: str, value: list, vocab_size: int) -> dict[int, float]:
+    """TGI's list form: the i-th bias for token id i; a 0 changes nothing and is not sent."""
+    if len(value) > (vocab_size or UINT32.high + 1):
+        raise ValidationError(f"`{path}` lists a bias per token id: at most the model's "
+                              f"vocabulary size of {vocab_size}. Given: {len(value)}")
+    biases = {}
+    for token, bias in enumerate(value):
+        bias = _bias(f"{path}[{token}]", bias)
+        if bias:
+            biases[token] = bias
+    return biases
+
+
+def _bias(path: str, bias) -> float:
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+        raise ValidationError(f"`{path}` must be a number >= -100 and <= 100")
+    return float32(float(bias))
 
 
 F32 = "f32"  # read_number's `wire` for a float field

@@ -75,19 +75,32 @@ def close_objects(schema):
 
 
 def from_tgi(grammar) -> tuple[str, str]:
-    """TGI's {"type": "json" | "regex", "value": ...}."""
+    """TGI's grammar: {"type": "json" | "regex", "value": ...}, and TGI 3's other forms.
+
+    TGI 3 adds {"type": "json_schema", "value": {"name": ..., "schema": <the schema>}} and takes
+    "json_object" as another name of "json"."""
     if not isinstance(grammar, dict) or "type" not in grammar or "value" not in grammar:
         raise ValidationError("grammar must be an object with `type` (json or regex) and `value`")
     if not isinstance(grammar["type"], str):
         raise ValidationError("grammar `type` must be a string: json or regex")
-    kind = {"json_schema": JSON}.get(grammar["type"], grammar["type"])
+    kind, value = grammar["type"], grammar["value"]
+    if kind == "json_schema":
+        if not isinstance(value, dict) or "schema" not in value:
+            raise ValidationError("grammar `value` of type json_schema must be an object "
+                                  "holding a `schema` ({\"name\": ..., \"schema\": {...}})")
+        return checked(JSON, value["schema"])
+    kind = {"json_object": JSON}.get(kind, kind)
     if kind not in (JSON, REGEX):  # TGI's grammar types; EBNF comes through SGLang's `ebnf`
-        raise ValidationError(f"grammar type {kind!r} is not supported (json, regex)")
-    return checked(kind, grammar["value"])
+        raise ValidationError(f"grammar type {kind!r} is not supported (json, regex, "
+                              "json_schema)")
+    return checked(kind, value)
 
 
 def from_response_format(response_format) -> tuple[str, str] | None:
-    """OpenAI's response_format (text, json_object, json_schema) and TGI's {type: json, value}."""
+    """OpenAI's response_format (text, json_object, json_schema) and TGI's grammar forms.
+
+    A `json_schema` holding OpenAI's `json_schema` object is OpenAI's; one holding `value` is TGI
+    3's, as is a `json_object` with a `value` (TGI's name for a schema of type json)."""
     if response_format is None:
         return None
     if not isinstance(response_format, dict):
@@ -95,6 +108,9 @@ def from_response_format(response_format) -> tuple[str, str] | None:
     kind = response_format.get("type")
     if kind == "text":
         return None
+    if kind in (JSON, REGEX) or (kind in ("json_schema", "json_object")
+                                 and "value" in response_format):
+        return from_tgi(response_format)
     if kind == "json_object":
         return checked(JSON, {"type": "object"})
     if kind == "json_schema":
@@ -102,10 +118,8 @@ def from_response_format(response_format) -> tuple[str, str] | None:
         if not isinstance(spec, dict) or "schema" not in spec:
             raise ValidationError("`response_format.json_schema` must hold a `schema`")
         return checked(JSON, spec["schema"])
-    if kind in (JSON, REGEX):
-        return from_tgi(response_format)
     raise ValidationError(f"`response_format.type` {kind!r} is not one of text, json_object, "
-                          "json_schema")
+                          "json_schema, json, regex")
 
 
 def tool_call_schema(functions: list[dict], *, allow_text: bool, parallel: bool = False) -> dict:

@@ -128,7 +128,7 @@ def _sampling(params: dict, limits: ValidationLimits, best_of: int) -> SamplingP
     return SamplingParams(
         temperature=temperature or 1.0, top_k=top_k or 0, top_p=top_p or 1.0,
         typical_p=typical_p or 1.0, repetition_penalty=repetition or 1.0,
-        frequency_penalty=frequency or 0.0,
+        frequency_penalty=frequency or 0.0, frequency_by_share=True,  # TGI's formula
         # greedy unless asked, TGI's rule: do_sample, or a warper other than its default (a
         # temperature other than 1, any top_k, top_p or typical_p); best_of > 1 samples
         do_sample=bool(params.get("do_sample", False)) or best_of > 1

@@ -82,6 +82,8 @@ def request_message(shard_request: ShardRequest) -> pb.Request:
             do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,
             watermark=s.watermark, frequency_penalty=s.frequency_penalty, min_p=s.min_p,
             presence_penalty=s.presence_penalty, logit_bias=s.logit_bias,
+            frequency_penalty_form=pb.FREQUENCY_PENALTY_PER_SHARE if s.frequency_by_share
+            else pb.FREQUENCY_PENALTY_PER_OCCURRENCE,
             grammar_type=_GRAMMAR_TYPES[request.grammar[0]] if request.grammar else
             pb.GRAMMAR_TYPE_NONE,
             grammar=request.grammar[1] if request.grammar else ""),

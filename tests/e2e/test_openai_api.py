@@ -142,6 +142,21 @@ def test_streamed_tool_call(client):
     jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_call_answers_are_as_our_document_says(server, stream):
+    """The answer and each chunk of a call, against the served document's ChatCompletion and
+    ChatCompletionChunk (ToolCallMessage, ToolCallDelta, DeltaToolCall)."""
+    from tests.openapi_schemas import answer_problems
+
+    doc = requests.get(f"{server.url}/api-doc/openapi.json", timeout=10).json()
+    reply = requests.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 80,
+        "temperature": 0, "stream": stream, "logprobs": True})
+    assert reply.status_code == 200, reply.text
+    assert "tool_calls" in reply.text
+    assert answer_problems(doc, "/v1/chat/completions", "post", reply) == []
+
+
 def test_response_format_json_schema_and_json_object(client):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "population": {"type": "integer", "minimum": 0,

@@ -8,6 +8,7 @@ import pytest
 import requests
 
 from tests.e2e.server import free_and_total_blocks, launch
+from tests import openapi_schemas
 from tests.openapi_schemas import assert_matches
 
 pytestmark = pytest.mark.e2e
@@ -273,9 +274,137 @@ def test_huggingface_hub_inference_client(server):
     assert chunks[-1].details.finish_reason == "length"
 
 
-def test_openapi_document_describes_every_route_we_serve(server):
-    import jsonschema
+def test_tgi_3s_json_schema_grammar_constrains_the_output(server):
+    grammar = {"type": "json_schema", "value": {"name": "answer",
+                                                "schema": {"enum": ["yes", "no"]}}}
+    reply = post(server, "/generate", {"inputs": "Hi", "parameters": {
+        "max_new_tokens": 10, "grammar": grammar, "details": True}}).json()
+    assert reply["generated_text"] in ('"yes"', '"no"')
+    assert reply["details"]["finish_reason"] == "eos_token"
+    chat = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10,
+        "response_format": grammar}).json()
+    assert chat["choices"][0]["message"]["content"] in ('"yes"', '"no"')
 
+
+def test_completions_default_to_32_tokens_and_take_tgis_logit_bias_list(server):
+    reply = post(server, "/v1/completions", {"prompt": "Hi", "ignore_eos": True}).json()
+    assert reply["usage"]["completion_tokens"] == 32
+    body = {"prompt": "Hi", "max_tokens": 3, "temperature": 0}
+    as_map = post(server, "/v1/completions", {**body, "logit_bias": {"100": 100}}).json()
+    as_list = post(server, "/v1/completions", {**body, "logit_bias": [0] * 100 + [100]}).json()
+    plain = post(server, "/v1/completions", body).json()
+    assert as_map["choices"][0]["text"] == as_list["choices"][0]["text"] != \
+        plain["choices"][0]["text"]
+
+
+def test_frequency_penalty_is_tgis_on_generate_and_openais_on_v1(server):
+    """TGI's: the first token's logits already lose penalty * (count in the prompt / its
+    length); OpenAI's counts the output only, so the first token is as without a penalty.
+
+    Negative penalties lift the prompt's tokens into the top 5 of the tiny model's nearly flat
+    distribution; between two of them, the difference of two penalties shows."""
+    prompt = "a a a a a a b b c"
+    ids = [t["id"] for t in post(server, "/tokenize", {"inputs": prompt}).json()]
+
+    def first_top(penalty):
+        params = {"max_new_tokens": 1, "details": True, "top_n_tokens": 5,
+                  "frequency_penalty": penalty}
+        top = post(server, "/generate", {"inputs": prompt, "parameters": params}).json()
+        return {t["id"]: t["logprob"] for t in top["details"]["top_tokens"][0]}
+
+    more, less = first_top(-2.0), first_top(-1.5)
+    common = sorted(set(more) & set(less), key=ids.count)
+    anchor = common[0]
+    assert any(ids.count(token) != ids.count(anchor) for token in common), (ids, more, less)
+    for token in common[1:]:
+        expected = (less[token] - less[anchor]
+                    + 0.5 * (ids.count(token) - ids.count(anchor)) / len(ids))
+        assert abs(more[token] - more[anchor] - expected) < 1e-3, token
+
+    def v1_first_top(penalty):
+        reply = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "logprobs": 5,
+                                                 "frequency_penalty": penalty}).json()
+        return reply["choices"][0]["logprobs"]["top_logprobs"][0]
+
+    unpenalised, v1_penalised = v1_first_top(0), v1_first_top(2.0)
+    assert unpenalised.keys() == v1_penalised.keys()
+    assert all(abs(unpenalised[k] - v1_penalised[k]) < 1e-4 for k in unpenalised)
+
+
+def test_an_error_in_an_open_v1_stream_is_tgis_body_or_openais_to_the_sdk(server):
+    """A grammar llguidance gives up on at its second token fails the stream after it opened:
+    TGI's {"error", "error_type"} then [DONE], as TGI writes it; the OpenAI SDK raises its
+    message."""
+    import openai
+
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+            "response_format": {"type": "regex", "value": "(a|b)c{100000}"}}
+    with post(server, "/v1/chat/completions", {**body, "stream": True}, stream=True) as reply:
+        assert reply.status_code == 200
+        frames = [line[6:] for line in reply.iter_lines(decode_unicode=True)
+                  if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]" and len(frames) >= 3
+    error = json.loads(frames[-2])
+    assert error["error_type"] == "generation" and "the grammar could not go on" in error["error"]
+    assert_matches("ErrorResponse", error)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+    with pytest.raises(openai.APIError, match="the grammar could not go on"):
+        for _ in client.chat.completions.create(model="m", stream=True, **body):
+            pass
+
+
+def _every_answer(model_id: str) -> list[tuple[str, str, dict | None, int]]:
+    """(method, path, body, status): a request of every kind each route answers, errors too."""
+    details = {"max_new_tokens": 2, "details": True, "top_n_tokens": 2}
+    generate = {"inputs": "Hi", "parameters": {**details, "decoder_input_details": True,
+                                               "best_of": 2, "do_sample": True}}
+    streamed = {"inputs": "Hi", "parameters": details}
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+            "max_tokens": 2, "logprobs": True, "top_logprobs": 2, "stop": "zzz"}
+    completion = {"prompt": ["Hi", "Ho"], "max_tokens": 2, "logprobs": 2, "echo": True,
+                  "stop": ["zzz"]}
+    sglang = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+    one = {"request_id": "openapi", "prompt": "Hi", "generation_config": {"max_new_tokens": 2}}
+    return [
+        ("post", "/", streamed, 200), ("post", "/", {**streamed, "stream": True}, 200),
+        ("post", "/generate", generate, 200), ("post", "/generate", sglang, 200),
+        ("post", "/generate", {**sglang, "stream": True}, 200),
+        ("post", "/generate_stream", streamed, 200),
+        ("post", "/tokenize", {"inputs": "Hi"}, 200), ("post", "/chat_tokenize", chat, 200),
+        ("post", "/invocations", streamed, 200), ("post", "/invocations", chat, 200),
+        ("post", "/invocations", {"prompt": "Hi", "max_tokens": 2}, 200),
+        ("get", "/health", None, 200), ("get", "/info", None, 200),
+        ("get", "/metrics", None, 200), ("get", "/docs", None, 200), ("get", "/", None, 200),
+        ("post", "/v1/chat/completions", chat, 200),
+        ("post", "/v1/chat/completions", {**chat, "stream": True,
+                                          "stream_options": {"include_usage": True}}, 200),
+        ("post", "/v1/chat/completions", {**chat, "logit_bias": [0.0, 1.5],
+                                          "response_format": {"type": "json_schema", "value": {
+                                              "name": "n", "schema": {"enum": [1, 2]}}}}, 200),
+        ("post", "/v1/completions", completion, 200),
+        ("post", "/v1/completions", {**completion, "logprobs": None, "echo": False,
+                                     "stream": True,
+                                     "stream_options": {"include_usage": True}}, 200),
+        ("get", "/v1/models", None, 200), ("get", f"/v1/models/{model_id}", None, 200),
+        ("post", "/abort_request", {"rid": "nothing-running"}, 200),
+        ("post", "/flush_cache", {}, 200), ("get", "/health_generate", None, 200),
+        ("get", "/get_model_info", None, 200), ("get", "/get_server_info", None, 200),
+        ("post", "/api/generate-one", one, 200),
+        ("post", "/api/generate-batch", {"prompts": [{"request_id": "openapi-batch",
+                                                      "prompt": "Hi"}],
+                                         "generation_config": {"max_new_tokens": 2}}, 200),
+        ("post", "/generate", {"inputs": "Hi", "parameters": {"top_k": 0}}, 422),
+        ("post", "/generate_stream", {"inputs": ""}, 422),
+        ("post", "/v1/chat/completions", {"messages": []}, 422),
+        ("post", "/v1/completions", {"prompt": 5}, 422),
+    ]
+
+
+def test_openapi_document_describes_every_route_we_serve(server):
+    """Every route is in the document, with every schema of TGI 2.2.1's, and what each route
+    answers (each event of a stream, errors too) is what the document says."""
     doc = requests.get(f"{server.url}/api-doc/openapi.json", timeout=10).json()
     served = {"/", "/generate", "/generate_stream", "/tokenize", "/chat_tokenize", "/invocations",
               "/health", "/info", "/metrics",
@@ -290,29 +419,76 @@ def test_openapi_document_describes_every_route_we_serve(server):
                  "/v1/models/pull", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
     assert set(doc["paths"]) == served | lifecycle
     assert set(doc["paths"]["/v1/models/{model_id}"]) == {"get", "patch", "delete"}
+    if openapi_schemas.SPEC.exists():  # else reported as skipped (tests/conftest.py)
+        tgis = json.loads(openapi_schemas.SPEC.read_text())
+        assert set(tgis["components"]["schemas"]) <= set(doc["components"]["schemas"])
+        assert set(tgis["paths"]) <= set(doc["paths"])
+    else:
+        openapi_schemas.unchecked.add("every schema of TGI's document is served")
     model_id = requests.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
-    assert requests.get(f"{server.url}/v1/models/{model_id}", timeout=10).status_code == 200
-    for path in served - {"/api-doc/openapi.json"}:
-        method = "post" if "post" in doc["paths"][path] else "get"
-        body = {"rid": "nothing-running"} if path == "/abort_request" else {
-            "inputs": "Hi", "parameters": {"max_new_tokens": 2}, "prompt": "Hi", "max_tokens": 2,
-            "messages": [{"role": "user", "content": "Hi"}]}
-        if path.startswith("/api/"):
-            body = {"request_id": "openapi", "prompt": "Hi",
-                    "generation_config": {"max_new_tokens": 2}}
-            if path == "/api/generate-batch":
-                body = {"prompts": [{"request_id": "openapi-batch", "prompt": "Hi"}],
-                        "generation_config": {"max_new_tokens": 2}}
-        reply = requests.request(method, f"{server.url}{path}", timeout=30, json=body)
-        assert reply.status_code == 200, path
-    # our own schema of the response matches what we answer
-    from tests.openapi_schemas import _to_json_schema
+    problems, asked = [], set()
+    for method, path, body, status in _every_answer(model_id):
+        reply = requests.request(method, f"{server.url}{path}", timeout=60, json=body)
+        assert reply.status_code == status, (path, body, reply.text)
+        documented = path if path in doc["paths"] else "/v1/models/{model_id}"
+        problems += openapi_schemas.answer_problems(doc, documented, method, reply)
+        asked.add(path)
+    assert not problems, "\n".join(problems)
+    assert served - {"/api-doc/openapi.json"} <= asked
 
-    root = {"components": _to_json_schema(doc["components"]),
-            "$ref": "#/components/schemas/GenerateResponse"}
-    body = post(server, "/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 2,
-                                                                     "details": True}}).json()
-    jsonschema.validate(body, root)
+
+_CHAT = {"messages": [{"role": "user", "content": "Hi", "name": "ann"}], "max_tokens": 3}
+_JSON = {"type": "object", "properties": {"a": {"type": "integer"}}}
+# both forms of every union type of TGI 2.2.1's request schemas, and each of its grammar forms
+EVERY_FORM = [
+    ("/v1/chat/completions", {**_CHAT, "stop": "x"}),
+    ("/v1/chat/completions", {**_CHAT, "stop": ["x", "y"]}),
+    ("/v1/chat/completions", {**_CHAT, "messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                     {"type": "text", "text": "!"}]}]}),
+    ("/v1/chat/completions", {**_CHAT, "response_format": {"type": "json", "value": _JSON}}),
+    ("/v1/chat/completions", {**_CHAT, "response_format": {"type": "regex", "value": "[a-z]+"}}),
+    ("/v1/chat/completions", {**_CHAT, "response_format": {"type": "json_schema", "value": {
+        "name": "n", "schema": _JSON}}}),
+    ("/v1/chat/completions", {**_CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": _JSON}}}),
+    ("/v1/chat/completions", {**_CHAT, "response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {**_CHAT, "logit_bias": {"5": -100}}),
+    ("/v1/chat/completions", {**_CHAT, "logit_bias": [0, 0, 0, 0, 0, -100]}),
+    ("/v1/chat/completions", {**_CHAT, "n": 2, "seed": 7, "temperature": 0.7, "top_p": 0.9,
+                              "frequency_penalty": 0.5, "presence_penalty": 0.5,
+                              "logprobs": True, "top_logprobs": 2, "model": "anything"}),
+    ("/v1/chat/completions", {**_CHAT, "tools": [{"type": "function", "function": {
+        "name": "ping", "parameters": {"type": "object", "properties": {}}}}],
+                              "tool_choice": "none"}),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "stop": "x"}),
+    ("/v1/completions", {"prompt": ["Hi", "Ho"], "max_tokens": 3, "stop": ["x"], "seed": 3,
+                         "temperature": 0.5, "top_p": 0.9, "frequency_penalty": 0.1,
+                         "repetition_penalty": 1.1, "model": "anything"}),
+    ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "grammar": {
+        "type": "json", "value": _JSON}}}),
+    ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "grammar": {
+        "type": "json", "value": json.dumps(_JSON)}}}),
+    ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "grammar": {
+        "type": "regex", "value": "[a-z]+"}}}),
+    ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "grammar": {
+        "type": "json_schema", "value": {"name": "n", "schema": _JSON}}}}),
+    ("/generate", {"inputs": "Hi", "parameters": {
+        "max_new_tokens": 3, "stop": ["x"], "watermark": True, "typical_p": 0.9,
+        "repetition_penalty": 1.2, "frequency_penalty": 0.3, "top_k": 5, "seed": 1,
+        "return_full_text": True, "truncate": 10, "adapter_id": ""}}),
+    ("/", {"inputs": "Hi", "parameters": {"max_new_tokens": 3}, "stream": False}),
+]
+
+
+@pytest.mark.parametrize("path,body", EVERY_FORM, ids=[f"{p}-{i}" for i, (p, _) in
+                                                       enumerate(EVERY_FORM)])
+def test_every_form_of_tgis_request_schemas_is_served_as_documented(server, path, body):
+    reply = post(server, path, body)
+    assert reply.status_code == 200, reply.text
+    doc = requests.get(f"{server.url}/api-doc/openapi.json", timeout=10).json()
+    assert openapi_schemas.answer_problems(doc, path, "post", reply) == []
 
 
 # ---- LoRA adapters a client loads: hostile files, and how many a model holds --------------------

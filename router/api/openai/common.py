@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from aiohttp import web
+
 from router import VERSION
-from router.api.openai.errors import openai_stream_error_body
+from router.api.openai.errors import is_openai_sdk, stream_error_body
 from router.errors import ModelNotFoundError, RouterError, UnknownAdapterError
 from router.http.sse import StreamFormat, openai_sse
 from router.schemas import FinishReason
@@ -100,10 +102,17 @@ def _overlap(text: str, stop: str) -> int:
 
 
 class OpenAIStream(StreamFormat):
-    """`data: {...}` chunks, an error as a last `data: {"error": ...}`, always `data: [DONE]`."""
+    """`data: {...}` chunks, an error as a last `data: {"error": ...}`, always `data: [DONE]`.
+
+    The error in the shape its client reads (router.api.openai.errors.stream_error_body)."""
+
+    sdk = False  # an OpenAI SDK's request (bind)
+
+    def bind(self, request: web.Request) -> None:
+        self.sdk = is_openai_sdk(request)
 
     def error(self, err: RouterError) -> bytes:
-        return openai_sse(openai_stream_error_body(err))
+        return openai_sse(stream_error_body(err, sdk=self.sdk))
 
     def done(self) -> list[bytes]:
         return [openai_sse("[DONE]")]

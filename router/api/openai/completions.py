@@ -23,7 +23,9 @@ from router.inputs.validation import chosen_adapter
 from router.schemas import GenerateRequest, SamplingParams, TokenEvent
 from router.state import model_and_adapter
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route
+# TGI's document's default for this route (OpenAI's is 16): on a route of TGI's document, TGI's
+# default wins (docs/apis.md)
+DEFAULT_MAX_TOKENS = 32
 _FIM = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
 
 

@@ -6,10 +6,15 @@ from aiohttp import web
 from router.errors import RouterError
 
 
-def openai_stream_error_body(error: RouterError) -> dict:
-    """The last `data:` frame of an OpenAI stream that failed after it opened."""
-    return {"error": {"message": str(error), "type": error.error_type,
-                      "http_status_code": error.status}}
+def stream_error_body(error: RouterError, *, sdk: bool) -> dict:
+    """The last `data:` frame of a /v1 stream that failed after it opened.
+
+    TGI's {"error", "error_type"}, as TGI writes it on these routes (and huggingface_hub reads
+    it); to an OpenAI SDK, OpenAI's error object, whose `message` its APIError raises (the SDK
+    reads a string `error` as "An error occurred during streaming")."""
+    if sdk:
+        return openai_error_body(error)
+    return {"error": str(error), "error_type": error.error_type}
 
 
 def _openai_error_type(status: int) -> str:

@@ -1,10 +1,23 @@
 """OpenAI's part of the OpenAPI document: chat and legacy completions, and /chat_tokenize."""
 from __future__ import annotations
 
+from router.api.openai import openapi_messages
 from router.http.openapi import (LOGIT_BIAS, error_responses, float_schema, int_schema, nullable,
                                  object_schema, or_sdk_error, post, ref, sdk_error_schema)
 from router.api.openai import vllm_openapi
 from router.inputs.field_ranges import INT32, UINT64
+
+# OpenAI's map, or TGI's document's list of floats (the i-th biases token id i)
+_LOGIT_BIAS = {"nullable": True, "anyOf": [
+    {k: v for k, v in LOGIT_BIAS.items() if k != "nullable"},
+    {"type": "array", "items": float_schema(minimum=-100, maximum=100),
+     "description": "TGI's form: the i-th bias for token id i"}]}
+
+# TGI's grammar forms, or OpenAI's response_format (text, json_object, json_schema)
+_RESPONSE_FORMAT = {"nullable": True, "anyOf": [ref("GrammarType"), object_schema(
+    ["type"], type={"type": "string", "enum": ["text", "json_object", "json_schema"]},
+    json_schema=object_schema(["schema"], name={"type": "string"}, schema={"type": "object"},
+                              strict=nullable("boolean")))]}
 
 
 def _openai_sampling() -> dict:
@@ -27,7 +40,7 @@ def _openai_sampling() -> dict:
         repetition_penalty={**float_schema(minimum=0, exclusiveMinimum=True), "nullable": True,
                             "description": "vLLM's extension: TGI's multiplicative penalty, "
                                            "1 is off"},
-        logit_bias=LOGIT_BIAS,
+        logit_bias=_LOGIT_BIAS,
         stop={"nullable": True, "oneOf": [{"type": "string"},
                                           {"type": "array", "items": {"type": "string"}}]},
         stream={"type": "boolean", "nullable": True},
@@ -42,18 +55,25 @@ _MODEL = {"type": "string", "description": (
 
 
 def _openai_schemas() -> dict:
-    string, integer = {"type": "string"}, {"type": "integer"}
-    envelope = dict(id=string, object=string, created=integer, model=string,
-                    system_fingerprint=string)
-    usage = ref("Usage")
+    integer = {"type": "integer"}
+    completion_sampling = _openai_sampling()
+    completion_sampling["max_tokens"] = {**completion_sampling["max_tokens"], "default": 32,
+                                         "description": "TGI's default (OpenAI's is 16)"}
     return {
         "Usage": object_schema(["prompt_tokens", "completion_tokens", "total_tokens"],
                          prompt_tokens=integer, completion_tokens=integer, total_tokens=integer),
-        "ChatRequest": object_schema(["messages"], model=_MODEL, messages={"type": "array", "items": {
-            "type": "object", "required": ["role"]}}, **_openai_sampling(),
+        "ChatRequest": object_schema(
+            ["messages"], model=_MODEL, messages={"type": "array", "items": ref("Message"),
+                                                  "minItems": 1},
+            **_openai_sampling(),
             logprobs=nullable("boolean"), top_logprobs={**int_schema(INT32, minimum=0),
                                                          "nullable": True},
-            tools=nullable("array"), tool_choice={}, response_format=nullable("object"),
+            tools={"type": "array", "items": ref("Tool"), "nullable": True},
+            tool_choice=ref("ToolChoice"),
+            tool_prompt=nullable("string", description="TGI's: the words before the offered "
+                                                       "tools where the template cannot show "
+                                                       "them"),
+            response_format=_RESPONSE_FORMAT,
             chat_template_kwargs=nullable(
                 "object", additionalProperties=True,
                 description="vLLM's and SGLang's extension: more variables for the model's chat "
@@ -62,40 +82,22 @@ def _openai_schemas() -> dict:
                             "add_generation_prompt, continue_final_message, chat_template or "
                             "tokenize (a 422)"),
             **vllm_openapi.request_fields(chat=True)),
-        "ChatCompletion": object_schema(["id", "created", "model", "system_fingerprint", "choices",
-                                   "usage"], **envelope, usage=usage,
-                                  choices={"type": "array", "items": object_schema(
-                                      ["index", "message", "finish_reason"], index=integer,
-                                      message={"type": "object", "properties": {
-                                          "role": string, "content": nullable("string"),
-                                          "reasoning_content": nullable(
-                                              "string", description="with --reasoning-parser: "
-                                              "the model's thinking (content: the answer after "
-                                              "it); streamed as delta.reasoning_content")}},
-                                      finish_reason=string, logprobs=nullable("object"))},
-                                  prompt_logprobs=vllm_openapi.PROMPT_LOGPROBS),
-        "CompletionRequest": object_schema(["prompt"], model=_MODEL, prompt={}, suffix=nullable("string"),
-                                     echo=nullable("boolean"), **_openai_sampling(),
+        "CompletionRequest": object_schema(["prompt"], model=_MODEL, prompt=ref("Prompt"),
+                                     suffix=nullable("string"),
+                                     echo=nullable("boolean"), **completion_sampling,
                                      logprobs={**int_schema(INT32, minimum=0), "nullable": True},
                                      best_of={**int_schema(INT32, minimum=1), "nullable": True,
                                               "description": "candidates per prompt (at most "
                                                              "--max-best-of, at least n; not "
                                                              "with stream)"},
-                                     response_format=nullable("object"),
+                                     response_format=_RESPONSE_FORMAT,
                                      **vllm_openapi.request_fields(chat=False)),
-        "CompletionFinal": object_schema(["id", "created", "model", "system_fingerprint", "choices",
-                                    "usage"], **envelope, usage=usage,
-                                   choices={"type": "array", "items": object_schema(
-                                       ["index", "text", "finish_reason"], index=integer,
-                                       text=string, finish_reason=string,
-                                       logprobs=nullable("object"),
-                                       prompt_logprobs=vllm_openapi.PROMPT_LOGPROBS)}),
     }
 
 
 def schemas() -> dict:
     return {
-        **_openai_schemas(),
+        **_openai_schemas(), **openapi_messages.schemas(),
         "OpenAISDKError": sdk_error_schema(),
         "ChatTokenizeResponse": object_schema(["tokenize_response", "templated_text"],
                                               tokenize_response=ref("TokenizeResponse"),
@@ -118,8 +120,9 @@ def paths() -> dict:
             "ChatRequest", ref("ChatTokenizeResponse"))),
         "/v1/chat/completions": _by_model(post(
             "OpenAI chat completion (stream: true for chunks; `model` may name a LoRA adapter)",
-            "ChatRequest", ref("ChatCompletion"), stream_on_request=True)),
+            "ChatRequest", ref("ChatCompletion"), stream_on_request=True,
+            event="ChatCompletionChunk")),
         "/v1/completions": _by_model(post(
             "OpenAI text completion (stream: true for chunks; `model` may name a LoRA adapter)",
-            "CompletionRequest", ref("CompletionFinal"), stream_on_request=True)),
+            "CompletionRequest", ref("CompletionFinal"), stream_on_request=True, event="Chunk")),
     })

@@ -54,7 +54,8 @@ def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingPa
                                   low_open=True) or 1.0,
         do_sample=temperature != 0,  # OpenAI samples unless the temperature is 0
         seed=seed_or_draw(seed),
-        logit_bias=check_logit_bias("logit_bias", body.get("logit_bias"), limits.vocab_size))
+        logit_bias=check_logit_bias("logit_bias", body.get("logit_bias"), limits.vocab_size,
+                                    listed=True))
     stop = body.get("stop")
     if stop is None:
         stop = []

@@ -9,7 +9,6 @@ from router.inputs.validation import INTEGER_WIRE_TYPES, PARAMETER_TYPES
 # come from the wire types they travel in
 _PARAMETER_LIMITS = {
     "best_of": {"minimum": 0, "exclusiveMinimum": True},
-    "frequency_penalty": {"minimum": -2, "maximum": 2},
     "max_new_tokens": {"minimum": 0, "exclusiveMinimum": True, "default": 100},
     "repetition_penalty": {"minimum": 0, "exclusiveMinimum": True},
     "temperature": {"minimum": 0, "exclusiveMinimum": True},
@@ -19,6 +18,9 @@ _PARAMETER_LIMITS = {
     "top_p": {"minimum": 0, "maximum": 1, "exclusiveMinimum": True, "exclusiveMaximum": True},
     "typical_p": {"minimum": 0, "maximum": 1, "exclusiveMinimum": True, "exclusiveMaximum": True},
     "stop": {"items": {"type": "string"}, "maxItems": 4},
+    "frequency_penalty": {"minimum": -2, "maximum": 2, "description": (
+        "TGI's: subtracted from a token's logit times its share of the sequence so far (its "
+        "occurrences in the prompt and output / their length); not OpenAI's per occurrence")},
     "adapter_id": {"description": "a loaded LoRA adapter's name (GET /info lists them); null or "
                                   "\"\" is the base model; a name not loaded is a 422 (TGI "
                                   "would use the base model)"},
@@ -29,13 +31,29 @@ def _parameters_schema() -> dict:
     properties = {}
     for name, kind in sorted(PARAMETER_TYPES.items()):
         limits = _PARAMETER_LIMITS.get(name, {})
-        if kind == "integer":
+        if name == "grammar":
+            properties[name] = {"allOf": [ref("GrammarType")], "nullable": True}
+        elif kind == "integer":
             properties[name] = {**int_schema(INTEGER_WIRE_TYPES[name], **limits), "nullable": True}
         elif kind == "number":
             properties[name] = {**float_schema(**limits), "nullable": True}
         else:
             properties[name] = nullable(kind, **limits)
     return {"type": "object", "properties": properties}
+
+
+def _grammar_type() -> dict:
+    """TGI's grammar forms: 2.2.1's json and regex, and TGI 3's json_schema.
+
+    As router.inputs.structured_output.from_tgi reads them."""
+    def form(kind: str, value: dict) -> dict:
+        return {"type": "object", "required": ["type", "value"], "properties": {
+            "type": {"type": "string", "enum": kind}, "value": value}}
+    return {"oneOf": [
+        form(["json", "json_object"], {"description": "a JSON schema, or its text"}),
+        form(["regex"], {"type": "string"}),
+        form(["json_schema"], {"type": "object", "required": ["schema"], "properties": {
+            "name": {"type": "string"}, "schema": {"description": "the JSON schema"}}})]}
 
 
 def _token(with_special: bool) -> dict:
@@ -48,7 +66,7 @@ def _token(with_special: bool) -> dict:
 
 def _details(best_of: bool) -> dict:
     props = {
-        "finish_reason": FINISH, "generated_tokens": {"type": "integer"},
+        "finish_reason": ref("FinishReason"), "generated_tokens": {"type": "integer"},
         "seed": nullable("integer"),
         "prefill": {"type": "array", "items": ref("PrefillToken")},
         "tokens": {"type": "array", "items": ref("Token")},
@@ -81,6 +99,7 @@ def _generate_path() -> dict:
 def schemas() -> dict:
     return {
         "GenerateParameters": _parameters_schema(),
+        "GrammarType": _grammar_type(), "FinishReason": FINISH,
         "GenerateRequest": {"type": "object", "required": ["inputs"], "properties": {
             "inputs": {"type": "string"}, "parameters": ref("GenerateParameters")}},
         "CompatGenerateRequest": {"type": "object", "required": ["inputs"], "properties": {
@@ -91,14 +110,16 @@ def schemas() -> dict:
         "BestOfSequence": {**_details(best_of=False), "required": [
             "generated_text", "finish_reason", "generated_tokens", "prefill", "tokens"]},
         "GenerateResponse": {"type": "object", "required": ["generated_text"], "properties": {
-            "generated_text": {"type": "string"}, "details": ref("Details")}},
+            "generated_text": {"type": "string"},
+            "details": {"allOf": [ref("Details")], "nullable": True}}},
         "StreamDetails": {"type": "object", "properties": {
             "finish_reason": FINISH, "generated_tokens": {"type": "integer"},
             "seed": nullable("integer"), "input_length": {"type": "integer"}}},
         "StreamResponse": {"type": "object", "required": ["index", "token"], "properties": {
             "index": {"type": "integer"}, "token": ref("Token"),
             "top_tokens": {"type": "array", "items": ref("Token")},
-            "generated_text": nullable("string"), "details": ref("StreamDetails")}},
+            "generated_text": nullable("string"),
+            "details": {"allOf": [ref("StreamDetails")], "nullable": True}}},
         "SimpleToken": {"type": "object", "required": ["id", "text", "start", "stop"],
                         "properties": {k: {"type": "integer"} if k != "text" else {"type": "string"}
                                        for k in ("id", "text", "start", "stop")}},

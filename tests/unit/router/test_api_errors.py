@@ -21,6 +21,7 @@ from router.scheduler.request_queue import RequestQueue
 from router.shards.convert import ShardInfo
 from router.telemetry.metrics import Metrics
 from tests.fakes import FakeShardClient
+from tests.openapi_schemas import assert_matches
 from tests.waiting import wait_until_async
 
 
@@ -101,6 +102,29 @@ async def test_error_after_the_stream_opened_is_an_sse_error_event(tiny_llama):
         events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
         assert events[-1] == {"error": "Request failed during generation: Server error: injected "
                                        "decode failure", "error_type": "generation"}
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi"})])
+async def test_an_error_in_an_open_v1_stream_is_tgis_error_body(tiny_llama, path, body):
+    """As TGI writes it on its /v1 streams (huggingface_hub raises its message), then [DONE]."""
+    fake = HealthyFake(step_delay=0.01)
+    client = await _client(tiny_llama, fake)
+    try:
+        reply = await client.post(path, json={**body, "max_tokens": 10, "stream": True})
+        assert reply.status == 200
+        assert (await reply.content.readline()).startswith(b"data: {")
+        fake.fail_next = "decode"
+        text = (await reply.content.read()).decode()
+        frames = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        assert frames[-1] == "[DONE]"
+        assert json.loads(frames[-2]) == {
+            "error": "Request failed during generation: Server error: injected decode failure",
+            "error_type": "generation"}
+        assert_matches("ErrorResponse", json.loads(frames[-2]))
     finally:
         await client.close()
 

@@ -42,7 +42,7 @@ async def test_tgi_and_sglang_share_generate(tiny_llama):
         ebnf = await client.post("/generate", json={"inputs": "a", "parameters": {
             "grammar": {"type": "ebnf", "value": 'root ::= "a"'}}})
         assert ebnf.status == 422, "TGI's grammar types stay json and regex"
-        assert "not supported (json, regex)" in (await ebnf.json())["error"]
+        assert "not supported (json, regex, json_schema)" in (await ebnf.json())["error"]
         neither = await client.post("/generate", json={"prompt": "hello"})
         assert neither.status == 422
         error = (await neither.json())["error"]

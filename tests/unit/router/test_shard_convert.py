@@ -30,6 +30,9 @@ def test_a_request_becomes_its_message_field_by_field():
     assert dict(message_of_bias.parameters.logit_bias) == {5: -100.0, 17: 2.5}
     from shard.convert import sampling_params  # what the shard reads back
     assert sampling_params(message_of_bias.parameters, 0).logit_bias == {5: -100.0, 17: 2.5}
+    assert not sampling_params(message_of_bias.parameters, 0).frequency_by_share
+    biased.request.sampling.frequency_by_share = True  # TGI's frequency penalty
+    assert sampling_params(convert.request_message(biased).parameters, 0).frequency_by_share
     assert message.parameters.grammar_type == pb.GRAMMAR_TYPE_REGEX
     assert message.parameters.grammar == "[a-z]+"
     assert list(message.stopping_parameters.stop_sequences) == ["."]
