@@ -15,11 +15,14 @@ import requests
 from tokenizers import Tokenizer
 
 from benchmarks.shard_recovery import shard_pids
+from tests.e2e.fake_hub_server import FakeHubServer
 from tests.e2e.server import launch
+from tests.unit.launcher.tiny_gguf import write_tiny_gguf
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
+HUB_REPO = "bartowski/Tiny-GGUF"
 SPEC_STATES = ["not_downloaded", "downloading", "downloaded", "starting", "running", "stopping",
                "stopped"]
 _NUMBER = {"type": ["integer", "number"]}
@@ -94,6 +97,8 @@ def _wait_state(url: str, model_id: str, wanted: str, timeout: float = 120) -> d
         got = requests.get(f"{url}/v1/models/{model_id}", timeout=10).json()
         if got["state"] == wanted:
             return got
+        if got["state"] == "not_downloaded" and got["metadata"].get("error"):  # a failed pull
+            break
         time.sleep(0.1)
     raise AssertionError(f"{model_id} never reached {wanted}: {got}")
 
@@ -105,13 +110,35 @@ def _generate(url: str, model: str | None, inputs: str, tokens: int = 12) -> req
 
 
 @pytest.fixture(scope="module")
-def server(real_model_dir, tiny_llama, tmp_path_factory):
+def hub(tmp_path_factory):
+    """A Hub on loopback (HF_ENDPOINT) with a GGUF repository of two quantizations."""
+    root = tmp_path_factory.mktemp("hub")
+    (root / HUB_REPO).mkdir(parents=True)
+    for seed, quant in enumerate(("Q4_K_M", "Q8_0")):  # two files, two contents
+        write_tiny_gguf(root / HUB_REPO / f"Tiny-{quant}.gguf", seed=seed)
+    served = FakeHubServer(root)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def server(real_model_dir, tiny_llama, tmp_path_factory, hub):
     registry = tmp_path_factory.mktemp("registry")
     allowed = tmp_path_factory.mktemp("allowed")
-    launched = launch(["--model-id", str(real_model_dir)], tmp_path_factory.mktemp("launch"),
-                      extra=["--max-batch-total-tokens", "4096", "--model-registry-dir",
-                             str(registry), "--allowed-local-model-path", str(allowed),
-                             "--allowed-local-model-path", str(tiny_llama)])
+    endpoint = os.environ.get("HF_ENDPOINT")
+    os.environ["HF_ENDPOINT"] = hub.url  # the launcher's pulls reach the Hub there
+    try:
+        launched = launch(["--model-id", str(real_model_dir)], tmp_path_factory.mktemp("launch"),
+                          extra=["--max-batch-total-tokens", "4096", "--model-registry-dir",
+                                 str(registry), "--allowed-local-model-path", str(allowed),
+                                 "--allowed-local-model-path", str(tiny_llama),
+                                 "--huggingface-hub-cache",
+                                 str(tmp_path_factory.mktemp("hub-cache"))])
+    finally:
+        if endpoint is None:
+            os.environ.pop("HF_ENDPOINT")
+        else:
+            os.environ["HF_ENDPOINT"] = endpoint
     launched.registry = registry
     launched.allowed = allowed
     yield launched
@@ -312,6 +339,34 @@ def test_ids_cannot_escape_the_models_directory(server, tmp_path):
     assert "neither a model directory" in failed["metadata"]["error"]
     assert requests.put(f"{url}/v1/models/nothing-here/start", timeout=10).status_code == 409
     assert requests.delete(f"{url}/v1/models/nothing-here", timeout=10).status_code == 200
+
+
+def test_hub_urls_and_cortex_quant_names_pull_the_right_gguf(server, hub):
+    """Jan's and Cortex's names of a Hub GGUF: the file they pick is fetched from the (loopback)
+    Hub and converted; the model's source_url is the Hub's."""
+    url = server.url
+    names = {f"{HUB_REPO}:q8_0": (f"{HUB_REPO}-q8_0", "Tiny-Q8_0.gguf"),
+             f"https://huggingface.co/{HUB_REPO}/resolve/main/Tiny-Q4_K_M.gguf?download=true":
+             ("Tiny-Q4_K_M", "Tiny-Q4_K_M.gguf")}
+    for source, (model_id, _) in names.items():
+        reply = requests.post(f"{url}/v1/models/pull", json={"model": source}, timeout=10)
+        assert reply.status_code == 200 and reply.json()["id"] == model_id, reply.text
+    for source, (model_id, file_name) in names.items():
+        pulled = _valid(_wait_state(url, model_id, "downloaded"), GET_SCHEMA)
+        assert pulled["format"] == "gguf"
+        assert pulled["source_url"].startswith(f"https://huggingface.co/{HUB_REPO}")
+        assert f"GET /{HUB_REPO}/resolve/main/{file_name}" in hub.requests
+    assert not any("Q4_K_M" in r for r in hub.requests if "Q8_0" in r)
+    missing = requests.post(f"{url}/v1/models/pull", json={"model": f"{HUB_REPO}:Q2_K"},
+                            timeout=10)
+    assert missing.status_code == 200
+    failed = _wait_state(url, f"{HUB_REPO}-Q2_K", "not_downloaded")
+    assert "no GGUF file of quantization Q2_K" in failed["metadata"]["error"]
+    bogus = requests.post(f"{url}/v1/models/pull", json={"model": "https://example.com/x.gguf"},
+                          timeout=10)
+    assert bogus.status_code == 422 and "not a Hugging Face Hub URL" in bogus.text
+    for model_id in (*(m for m, _ in names.values()), f"{HUB_REPO}-Q2_K"):
+        assert requests.delete(f"{url}/v1/models/{model_id}", timeout=30).status_code == 200
 
 
 def test_local_pulls_only_under_the_allowed_directories_and_failures_forgotten(

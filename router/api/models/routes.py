@@ -19,6 +19,7 @@ from router.api.models.errors import models_error_body
 from router.errors import ModelStateError, ValidationError
 from router.http.middleware import ERROR_BODY
 from router.http.json_body import read_object
+from router.lifecycle.hub_names import hub_name
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.registry import (BUSY, DOWNLOADING, RUNNING, ModelRecord, check_model_id,
                                        parameter_count)
@@ -51,6 +52,12 @@ def _size_text(size: int) -> str:
 
 def _source_url(record: ModelRecord) -> str:
     source = record.source
+    try:
+        hub = hub_name(source)
+    except ValidationError:  # stored before names were read this way
+        hub = None
+    if hub is not None:
+        return hub.url
     if source.startswith(("/", "./", "../", "~")) or source.endswith(".gguf"):
         try:
             return Path(source).expanduser().resolve().as_uri()
