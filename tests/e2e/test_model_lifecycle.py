@@ -30,8 +30,9 @@ _NUMBER = {"type": ["integer", "number"]}
 # differences: `state` takes the union of the spec's two enums (the Model object's and
 # GetModelResponse's), settings and parameters hold numbers and booleans as GetModelResponse's
 # model_parameters and Jan's model.json do (the Model object types them as strings, and both are
-# accepted on the way in), and settings also takes this server's num_shard, dtype and
-# max_batch_total_tokens.
+# accepted on the way in), settings also takes this server's num_shard, dtype and
+# max_batch_total_tokens and the document's engine parameter cpu_threads, and parameters take
+# Cortex's stop and penalties (its model.yml's fields).
 MODEL_SCHEMA = {
     "type": "object",
     "required": ["id", "object", "created", "owned_by", "type", "version", "name", "description",
@@ -45,11 +46,14 @@ MODEL_SCHEMA = {
         "settings": {"type": "object", "additionalProperties": False, "properties": {
             "ctx_len": {"type": "integer"}, "ngl": {"type": "integer"},
             "embedding": {"const": False}, "n_parallel": {"type": "integer"},
+            "cpu_threads": {"type": "integer", "minimum": 1},
             "num_shard": {"type": "integer"}, "dtype": {"type": "string"},
             "max_batch_total_tokens": {"type": "integer"}}},
         "parameters": {"type": "object", "additionalProperties": False, "properties": {
             "temperature": _NUMBER, "token_limit": {"type": "integer"},
-            "top_k": {"type": "integer"}, "top_p": _NUMBER, "stream": {"type": "boolean"}}},
+            "top_k": {"type": "integer"}, "top_p": _NUMBER, "stream": {"type": "boolean"},
+            "stop": {"type": "array", "items": {"type": "string"}},
+            "frequency_penalty": _NUMBER, "presence_penalty": _NUMBER}},
         "metadata": {"type": "object", "required": ["engine", "quantization", "size"],
                      "properties": {
                          "engine": {"enum": ["nitro", "openai", "hf_inference"]},
@@ -101,6 +105,20 @@ def _wait_state(url: str, model_id: str, wanted: str, timeout: float = 120) -> d
             break
         time.sleep(0.1)
     raise AssertionError(f"{model_id} never reached {wanted}: {got}")
+
+
+def _shard_environ(model_dir: str) -> dict[str, str]:
+    """The environment of the shard process serving `model_dir`."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"--model-path" in argv and argv[argv.index(b"--model-path") + 1] == \
+                    model_dir.encode():
+                entries = (proc / "environ").read_bytes().split(b"\0")
+                return dict(e.decode().split("=", 1) for e in entries if b"=" in e)
+        except (OSError, IndexError):
+            continue
+    raise AssertionError(f"no shard serves {model_dir}")
 
 
 def _generate(url: str, model: str | None, inputs: str, tokens: int = 12) -> requests.Response:
@@ -236,16 +254,24 @@ def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama):
     assert again.status_code == 409 and again.json()["state"] == "downloaded"
 
     # settings and parameters are checked; nothing unknown is stored
-    for bad in ({"settings": {"embedding": True}}, {"settings": {"cpu_threads": 2}},
-                {"parameters": {"temperature": 3}}, {"colour": "blue"}):
+    for bad in ({"settings": {"embedding": True}}, {"settings": {"cpu_threads": 0}},
+                {"parameters": {"temperature": 3}}, {"colour": "blue"},
+                {"engine": "onnxruntime"}, {"model": "another"}, {"prompt_template": "no slot"}):
         reply = requests.patch(f"{url}/v1/models/tests/tiny", json=bad, timeout=10)
         assert reply.status_code == 422, (bad, reply.text)
     reply = requests.patch(f"{url}/v1/models/tests/tiny", timeout=10, json={
-        "settings": {"ctx_len": 96, "max_batch_total_tokens": 1024, "ngl": 0},
-        "parameters": {"temperature": 0, "token_limit": 5},
-        "engine_parameters": {"system_prompt": "S: ", "user_prompt": "U: ", "ai_prompt": "A: "}})
+        "settings": {"max_batch_total_tokens": 1024, "ngl": 0},
+        "parameters": {"temperature": 0}})
     assert reply.status_code == 200, reply.text
-    _valid(reply.json(), GET_SCHEMA)
+    # Cortex's model.yml fields, flat, as Cortex writes them
+    reply = requests.patch(f"{url}/v1/models/tests/tiny", timeout=10, json={
+        "model": "tests/tiny", "version": 1, "engine": "llama-cpp", "ctx_len": 96,
+        "cpu_threads": 1, "max_tokens": 5, "frequency_penalty": 0, "presence_penalty": 0,
+        "prompt_template": "S: {system_message}U: {prompt}\nA: "})
+    assert reply.status_code == 200, reply.text
+    patched = _valid(reply.json(), GET_SCHEMA)
+    assert patched["settings"]["ctx_len"] == 96 and patched["parameters"]["token_limit"] == 5
+    assert patched["engine_parameters"]["cpu_threads"] == 1
 
     # Cortex's body starts it; a second start is idempotent
     started = requests.post(f"{url}/v1/models/start", json={"model": "tests/tiny"}, timeout=300)
@@ -257,6 +283,8 @@ def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama):
     _valid(requests.get(f"{url}/v1/models", timeout=10).json(), LIST_SCHEMA)
     running = _valid(requests.get(f"{url}/v1/models/tests/tiny", timeout=10).json(), GET_SCHEMA)
     assert running["model_parameters"]["ctx_len"] == 96
+    # cpu_threads: torch's threads in the model's shard
+    assert _shard_environ(running["assets"][0]).get("OMP_NUM_THREADS") == "1"
 
     # parameters are the model's request defaults: greedy, at most 5 tokens
     ask = {"model": "tests/tiny", "messages": [{"role": "user", "content": "hello there"}]}

@@ -21,6 +21,7 @@ from router.http.middleware import ERROR_BODY
 from router.http.json_body import read_object
 from router.lifecycle.hub_names import hub_name
 from router.lifecycle.manager import ModelManager
+from router.lifecycle.model_yaml import model_yaml_body
 from router.lifecycle.registry import (BUSY, DOWNLOADING, RUNNING, ModelRecord, check_model_id,
                                        parameter_count)
 from router.lifecycle.settings import SETTINGS, checked
@@ -102,7 +103,7 @@ def _get_json(record: ModelRecord, served) -> dict:
         if served.config.max_batch_size is not None:
             settings.setdefault("n_parallel", served.config.max_batch_size)
     engine = {**record.engine_parameters, "cont_batching": True}
-    for key in ("ngl", "ctx_len", "n_parallel"):
+    for key in ("ngl", "ctx_len", "n_parallel", "cpu_threads"):
         if key in settings:
             engine[key] = settings[key]
     engine["embedding"] = False
@@ -168,9 +169,12 @@ async def delete_model(request: web.Request) -> web.Response:
 
 
 async def patch_model(request: web.Request) -> web.Response:
+    """Jan's grouped fields, or Cortex's model.yml fields (router/lifecycle/model_yaml.py)."""
     model_id = _model_id(request)
     body = await read_object(request)
-    record = _manager(request).patch(model_id, body)
+    manager = _manager(request)
+    current = model_json(manager.registry.get(model_id))
+    record = manager.patch(model_id, model_yaml_body(body, current))
     return web.json_response(_get_json(record, _manager(request).served.get(record.id)))
 
 
