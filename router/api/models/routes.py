@@ -195,8 +195,8 @@ async def stop_model(request: web.Request) -> web.Response:
 async def start_named(request: web.Request) -> web.Response:
     """Cortex's POST /v1/models/start {"model": id, ...}.
 
-    Its other fields are the model's settings (ctx_len, n_parallel, ngl, ...), kept as a PATCH would
-    keep them."""
+    Its other fields are a model.yml's (ctx_len, n_parallel, ngl, cpu_threads, prompt_template,
+    ...), kept as a PATCH would keep them."""
     body = await read_object(request)
     manager = _manager(request)
     if any(key in body for key in adapters.SOURCE_FIELDS):  # an adapter's files: load it
@@ -204,15 +204,16 @@ async def start_named(request: web.Request) -> web.Response:
     if manager.adapter_model(body.get("model")) is not None and len(body) == 1:  # it runs
         return web.json_response({"id": body["model"], "object": "model", "state": "running"})
     model_id = check_model_id(body.get("model"))
-    settings = {key: value for key, value in body.items() if key != "model"}
-    if settings:
+    fields = {key: value for key, value in body.items() if key != "model"}
+    if fields:
         record = manager.registry.get(model_id)
-        wanted = checked("settings", settings, SETTINGS)
+        grouped = model_yaml_body(fields, model_json(record))
+        wanted = checked("settings", grouped.get("settings"), SETTINGS)
         if any(record.settings.get(key) != value for key, value in wanted.items()):
             if record.state in BUSY:
                 raise ModelStateError(f"model {model_id!r} is {record.state}: stop it before "
                                       "changing its settings", record.state)
-            manager.patch(model_id, {"settings": wanted})
+        manager.patch(model_id, grouped)
     return _state_reply(await manager.start(model_id))
 
 

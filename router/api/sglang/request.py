@@ -54,7 +54,13 @@ _NOT_YET = {
                           "parallel rank",
 }
 _TEXT_ONLY = ("image_data", "audio_data", "video_data", "modalities")
-_TOP_LEVEL = {*INPUT_FIELDS, *_NOT_YET, *_TEXT_ONLY, "sampling_params", "rid", "stream",
+# SGLang's fields (not in its document) asking for more in the answer than this server computes:
+# refused when true, so that no client reads an answer without what it asked for
+_MORE_OUTPUT = ("return_prompt_token_ids", "return_entropy", "return_routed_experts",
+                "return_sampling_mask", "return_flat_raw_top_logprobs",
+                "return_flat_raw_top_logprobs_b64", "return_bytes", "require_reasoning")
+_TOP_LEVEL = {*INPUT_FIELDS, *_NOT_YET, *_TEXT_ONLY, *_MORE_OUTPUT, "sampling_params", "rid",
+              "stream",
               "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
               "return_text_in_logprobs", "return_hidden_states", "lora_path", "lora_id"}
 
@@ -211,6 +217,9 @@ def check_fields(body: dict) -> None:
             raise ValidationError(f"`{name}` is not supported: this model reads text only")
         if name in _NOT_YET:
             raise ValidationError(_NOT_YET[name])
+        if name in _MORE_OUTPUT and value is not False:
+            raise ValidationError(f"`{name}` is not supported: this server does not compute "
+                                  "what it asks for")
 
 
 def _warn_unknown(name: str) -> None:

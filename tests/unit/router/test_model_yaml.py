@@ -3,7 +3,7 @@ import pytest
 
 from router.errors import ValidationError
 from router.lifecycle.model_yaml import model_yaml_body
-from router.lifecycle.registry import ModelRecord
+from router.lifecycle.registry import STOPPED, ModelRecord
 from router.lifecycle.settings import ChatPrompt
 from router.state import STATE
 from tests.unit.router.test_api_errors import HealthyFake, _client
@@ -65,5 +65,22 @@ async def test_a_running_models_stop_and_penalties_are_its_request_defaults(tiny
         assert choice["finish_reason"] == "stop" and "t2" not in choice["message"]["content"]
         bad = await client.patch("/v1/models/served", json={"engine": "tensorrt-llm"})
         assert bad.status == 422 and "its own engine" in (await bad.json())["error"]
+    finally:
+        await client.close()
+
+
+async def test_cortexs_start_body_keeps_a_model_ymls_fields(tiny_llama):
+    client = await _client(tiny_llama, HealthyFake())
+    try:
+        manager = client.server.app[STATE].models
+        manager.registry.add(ModelRecord("other", STOPPED, model_dir="/nowhere"))
+        start = await client.post("/v1/models/start", json={
+            "model": "other", "ctx_len": 64, "cpu_threads": 2, "engine": "llama-cpp",
+            "prompt_template": "U: {prompt}\nA: ", "stop": ["</s>"]})
+        assert start.status == 503, "without tgi-launcher nothing starts; the fields are kept"
+        record = manager.registry.get("other")
+        assert record.settings == {"ctx_len": 64, "cpu_threads": 2}
+        assert record.engine_parameters == {"prompt_template": "U: {prompt}\nA: "}
+        assert record.parameters == {"stop": ["</s>"]}
     finally:
         await client.close()

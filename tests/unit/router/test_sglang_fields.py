@@ -24,6 +24,13 @@ async def test_unknown_top_level_fields_are_ignored_and_logged_once(tiny_llama, 
                 assert (await reply.json())["text"] == "t1 t2 "
         warned = [r for r in caplog.records if "newer_field" in r.getMessage()]
         assert len(warned) == 1, "once per field name"
+        # a field of SGLang's asking for what this server does not compute: refused when true
+        asked = await client.post("/generate", json={"text": "a", "return_entropy": True})
+        assert asked.status == 400 and "`return_entropy`" in (await asked.json())["error"][
+            "message"]
+        assert (await client.post("/generate", json={
+            "text": "a", "return_entropy": False, "sampling_params": {"max_new_tokens": 1}})
+                ).status == 200
         # SGLang's SamplingParams is a closed struct: an unknown key is refused there too
         bad = await client.post("/generate", json={"text": "a", "sampling_params": {"foo": 1}})
         assert bad.status == 400 and "`sampling_params.foo`" in (await bad.json())["error"][
