@@ -76,9 +76,13 @@ def hub_name(source: str) -> HubName | None:
 
 
 def _from_url(source: str) -> HubName:
-    url = urlsplit(source)
-    parts = [unquote(p) for p in url.path.split("/") if p]
-    if url.hostname not in _HUB_HOSTS or len(parts) < 2:
+    try:
+        url = urlsplit(source)
+        host = url.hostname
+    except ValueError:  # "https://[": no URL at all
+        host = None
+    parts = [unquote(p) for p in url.path.split("/") if p] if host else []
+    if host not in _HUB_HOSTS or len(parts) < 2:
         raise ValidationError(f"`model` {source[:200]!r} is not a Hugging Face Hub URL: pull a "
                               "URL of https://huggingface.co/<owner>/<repo>[/resolve/<revision>/"
                               "<file>.gguf], a Hub id, a short name or a local path")

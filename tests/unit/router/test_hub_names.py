@@ -33,6 +33,7 @@ def test_plain_ids_paths_and_short_names_are_no_hub_names(source):
 
 
 @pytest.mark.parametrize("source", ["https://example.com/a/b", "https://huggingface.co/a",
+                                    "https://[",
                                     f"https://huggingface.co/{REPO}/commits/main",
                                     f"https://huggingface.co/{REPO}/resolve/main/../x.gguf"])
 def test_unreadable_hub_urls_are_refused(source):
