@@ -32,7 +32,8 @@ ENGINES = ("tgi-py", "hf_inference", "llama-cpp", "llamacpp", "cortex.llamacpp",
 # what describes the model: its value now, by the name of the field in the model's JSON
 _DESCRIPTIVE = {"id": "id", "model": "id", "object": "object", "created": "created",
                 "owned_by": "owned_by", "type": "type", "format": "format",
-                "source_url": "source_url", "state": "state", "files": "assets"}  # files: its assets
+                "source_url": "source_url", "state": "state", "assets": "assets",
+                "files": "assets"}  # Cortex's files: the model's assets here
 
 
 def model_yaml_body(body: dict, current: dict) -> dict:
@@ -48,7 +49,7 @@ def model_yaml_body(body: dict, current: dict) -> dict:
                                             if key in keys), None)
         if target is not None:
             group, name = target
-            given = out.get(group, {})
+            given = out.get(group) or {}
             if not isinstance(given, dict):
                 raise ValidationError(f"`{group}` must be an object")
             out[group] = {**given, name: value}

@@ -25,6 +25,11 @@ def test_flat_fields_move_into_their_groups():
                     "engine_parameters": {"prompt_template": "{prompt}"}}
 
 
+def test_a_whole_file_sent_back_unchanged_is_accepted():
+    assert model_yaml_body({**CURRENT, "settings": None, "ctx_len": 64}, CURRENT) == \
+        {"settings": {"ctx_len": 64}}
+
+
 @pytest.mark.parametrize("body, words", [
     ({"engine": "onnxruntime"}, "its own engine"), ({"engine": 3}, "its own engine"),
     ({"model": "other"}, "`model` cannot be changed"), ({"created": 6}, "`created` cannot"),
