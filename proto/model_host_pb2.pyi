@@ -37,18 +37,20 @@ class PullProgress(_message.Message):
     def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., stage: _Optional[str] = ..., done: _Optional[bool] = ..., format: _Optional[str] = ..., quantization: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class StartGroupRequest(_message.Message):
-    __slots__ = ("name", "model_dir", "num_shard", "dtype", "device")
+    __slots__ = ("name", "model_dir", "num_shard", "dtype", "device", "cpu_threads")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARD_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CPU_THREADS_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_dir: str
     num_shard: int
     dtype: str
     device: str
-    def __init__(self, name: _Optional[str] = ..., model_dir: _Optional[str] = ..., num_shard: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    cpu_threads: int
+    def __init__(self, name: _Optional[str] = ..., model_dir: _Optional[str] = ..., num_shard: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., cpu_threads: _Optional[int] = ...) -> None: ...
 
 class StartGroupResponse(_message.Message):
     __slots__ = ("master_uds_path",)

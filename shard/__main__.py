@@ -110,8 +110,9 @@ def _device(config: ShardConfig) -> torch.device:
         raise ValueError(f"rank {config.rank} would run on cuda:{local_rank}, but "
                          f"{torch.cuda.device_count()} GPU(s) are visible to it: as many shards "
                          "on this machine as GPUs, or --device cpu")
-    if device.type == "cpu" and config.world_size > 1:
+    if device.type == "cpu" and config.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         # ranks share the cores; more threads than cores makes every all-reduce wait on a straggler
+        # (a count given, such as a model's cpu_threads, is torch's already)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     return device
 

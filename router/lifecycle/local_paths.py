@@ -19,7 +19,9 @@ REFUSAL = ("`model` names a local path this server may not pull from: a model di
 
 
 def is_path_like(source: str) -> bool:
-    """Whether `source` can only be a local path (never a short name or a Hub id)."""
+    """Whether `source` can only be a local path (never a short name, a Hub id or a Hub URL)."""
+    if source.startswith(("https://", "http://")):  # a GGUF's Hub URL ends in .gguf too
+        return False
     return source.startswith(("/", "./", "../", "~")) or source.endswith(".gguf")
 
 

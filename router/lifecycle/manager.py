@@ -229,7 +229,8 @@ class ModelManager:
             socket = await self.host.start_group(
                 record.id, record.model_dir, num_shard=settings.get("num_shard", 1),
                 dtype=settings.get("dtype", self.default_dtype),
-                device="cpu" if settings.get("ngl") == 0 else self.default_device)
+                device="cpu" if settings.get("ngl") == 0 else self.default_device,
+                cpu_threads=settings.get("cpu_threads", 0))
             try:
                 served = await build_served(model_settings(
                     self.model_defaults, model_id=record.id, model_dir=record.model_dir,

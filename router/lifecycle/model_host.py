@@ -36,10 +36,14 @@ class ModelHostClient:
             raise ModelHostError(err.details() or err.code().name) from None
 
     async def start_group(self, name: str, model_dir: str, *, num_shard: int, dtype: str,
-                          device: str) -> str:
+                          device: str, cpu_threads: int = 0) -> str:
+        """Rank 0's socket of the model's started shard group.
+
+        `cpu_threads`: each shard's CPU threads (0: the shard's own choice)."""
         try:
             reply = await self.stub.StartGroup(pb.StartGroupRequest(
-                name=name, model_dir=model_dir, num_shard=num_shard, dtype=dtype, device=device))
+                name=name, model_dir=model_dir, num_shard=num_shard, dtype=dtype, device=device,
+                cpu_threads=cpu_threads))
         except grpc.aio.AioRpcError as err:
             raise ModelHostError(err.details() or err.code().name) from None
         return reply.master_uds_path

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from router.errors import (LocalPathRefusedError, ModelHostMissingError, ModelStateError,
                            OverloadedError, ValidationError)
+from router.lifecycle.hub_names import hub_name
 from router.lifecycle.local_paths import REFUSAL, LocalRoots, is_path_like
 from router.lifecycle.model_host import ModelHostClient
 from router.lifecycle.registry import (DOWNLOADED, DOWNLOADING, NOT_DOWNLOADED, RUNNING,
@@ -53,13 +54,16 @@ class ModelPulls:
         source = body.get("model")
         if not isinstance(source, str) or not source.strip():
             raise ValidationError("`model` must name what to pull: a short name (gemma3-270m), a "
-                                  "local model directory, a .gguf file or a Hugging Face Hub id")
+                                  "local model directory, a .gguf file, a Hugging Face Hub id or "
+                                  "URL, or Cortex's owner/repo:quant")
         for key in body:
             if key not in ("model", "id", "name"):
                 raise ValidationError(f"`{key}` is not supported by /v1/models/pull; it takes "
                                       "model, id and name")
+        hub = hub_name(source)  # Jan's and Cortex's names of Hub files; a 422 if unreadable
         given = body.get("id")
-        model_id = check_model_id(_id_of(source) if given is None else given)
+        model_id = check_model_id((hub.model_id if hub else _id_of(source)) if given is None
+                                  else given)
         refuse_id(model_id)
         if len(source) > 4096 or not source.isprintable():
             raise ValidationError("`model` must be a path or a Hub id of at most 4096 printable "

@@ -66,6 +66,27 @@ def _no_embedding(name: str, value: object) -> bool:
     return False
 
 
+def _stop(name: str, value: object) -> list[str]:
+    """Stop strings, as OpenAI's `stop` takes them: one string or a list of up to 4."""
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > 4 or not all(
+            isinstance(s, str) and 0 < len(s) <= 1000 for s in stops):
+        raise ValidationError(f"`{name}` must be a string or a list of at most 4 strings (each "
+                              "1 to 1000 characters)")
+    return stops
+
+
+def _prompt_template(name: str, value: object) -> str:
+    """Cortex's prompt template: `{system_message}` (optional) then `{prompt}` (ChatPrompt.of)."""
+    text = _text(name, value)
+    system, prompt = text.find("{system_message}"), text.find("{prompt}")
+    if prompt < 0 or text.count("{prompt}") > 1 or text.count("{system_message}") > 1 \
+            or system > prompt:
+        raise ValidationError(f"`{name}` must hold `{{prompt}}` once, after at most one "
+                              "`{system_message}`, as Cortex's templates do")
+    return text
+
+
 def _dtype(name: str, value: object) -> str:
     if value not in DTYPES:
         raise ValidationError(f"`{name}` must be one of {', '.join(DTYPES)}")
@@ -80,6 +101,7 @@ SETTINGS = {
     "num_shard": _integer(1, 64),  # tensor-parallel ranks of its shard group
     "dtype": _dtype,
     "max_batch_total_tokens": _integer(16),  # its KV budget in tokens (unset: from free memory)
+    "cpu_threads": _integer(1, 1024),  # torch's threads in each of its shards (OMP_NUM_THREADS)
 }
 PARAMETERS = {
     "temperature": _number(0.0, 2.0),
@@ -87,9 +109,13 @@ PARAMETERS = {
     "top_p": _number(0.0, 1.0),
     "token_limit": _integer(1),
     "stream": _boolean,
+    "stop": _stop,
+    "frequency_penalty": _number(-2.0, 2.0),
+    "presence_penalty": _number(-2.0, 2.0),
 }
-ENGINE_PARAMETERS = {key: _text for key in ("pre_prompt", "system_prompt", "user_prompt",
-                                             "ai_prompt")}
+ENGINE_PARAMETERS = {**{key: _text for key in ("pre_prompt", "system_prompt", "user_prompt",
+                                               "ai_prompt")},
+                     "prompt_template": _prompt_template}
 
 
 def model_settings(defaults: ModelSettings, *, model_id: str, model_dir: str, master_socket: str,
@@ -119,7 +145,9 @@ def patched(record: object, body: dict) -> dict:
     for key in body:
         if key not in (*tables, "name", "description"):
             raise ValidationError(f"`{key}` cannot be changed; PATCH takes "
-                                  f"{', '.join(tables)}, name and description")
+                                  f"{', '.join(tables)}, name and description, and a Cortex "
+                                  "model.yml's fields (ctx_len, prompt_template, max_tokens, "
+                                  "...)")
     changes = {}
     for group, table in tables.items():
         if group in body:
@@ -162,18 +190,33 @@ def check_keys(group: str, given: dict, table: dict) -> None:
 class ChatPrompt:
     """Jan's prompt pieces, for a model without a chat template.
 
-    pre_prompt, then each message after its role's prefix, then the assistant's prefix to answer
-    after.
+    pre_prompt, then each message after its role's prefix (and `separator`), then the assistant's
+    prefix to answer after.
     """
 
     pre_prompt: str = ""
     system_prompt: str = "SYSTEM: "
     user_prompt: str = "USER: "
     ai_prompt: str = "ASSISTANT: "
+    separator: str = "\n"
 
     @classmethod
     def of(cls, engine_parameters: dict) -> "ChatPrompt":
-        return cls(**engine_parameters)
+        """The pieces; a Cortex `prompt_template` gives the role prefixes as Cortex splits it.
+
+        The text before `{system_message}` prefixes a system message, the text between it and
+        `{prompt}` a user message, the text after `{prompt}` an answer, with nothing between
+        messages: a system and a user message make the template filled in."""
+        pieces = dict(engine_parameters)
+        template = pieces.pop("prompt_template", None)
+        if template is None:
+            return cls(**pieces)
+        before, _, after = template.partition("{prompt}")
+        system, found, user = before.partition("{system_message}")
+        if not found:
+            system, user = "", before
+        return cls(**{**pieces, "system_prompt": system, "user_prompt": user,
+                      "ai_prompt": after, "separator": ""})
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         prefix = {"system": self.system_prompt, "user": self.user_prompt,
@@ -184,7 +227,8 @@ class ChatPrompt:
             if not isinstance(content, str):
                 content = "".join(part.get("text", "") for part in content or []
                                   if isinstance(part, dict))
-            parts.append(f"{prefix.get(message.get('role'), self.user_prompt)}{content}\n")
+            parts.append(f"{prefix.get(message.get('role'), self.user_prompt)}{content}"
+                         f"{self.separator}")
         if add_generation_prompt:
             parts.append(self.ai_prompt)
         return "".join(parts)

@@ -15,11 +15,14 @@ import requests
 from tokenizers import Tokenizer
 
 from benchmarks.shard_recovery import shard_pids
+from tests.e2e.fake_hub_server import FakeHubServer
 from tests.e2e.server import launch
+from tests.unit.launcher.tiny_gguf import write_tiny_gguf
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
+HUB_REPO = "bartowski/Tiny-GGUF"
 SPEC_STATES = ["not_downloaded", "downloading", "downloaded", "starting", "running", "stopping",
                "stopped"]
 _NUMBER = {"type": ["integer", "number"]}
@@ -27,8 +30,9 @@ _NUMBER = {"type": ["integer", "number"]}
 # differences: `state` takes the union of the spec's two enums (the Model object's and
 # GetModelResponse's), settings and parameters hold numbers and booleans as GetModelResponse's
 # model_parameters and Jan's model.json do (the Model object types them as strings, and both are
-# accepted on the way in), and settings also takes this server's num_shard, dtype and
-# max_batch_total_tokens.
+# accepted on the way in), settings also takes this server's num_shard, dtype and
+# max_batch_total_tokens and the document's engine parameter cpu_threads, and parameters take
+# Cortex's stop and penalties (its model.yml's fields).
 MODEL_SCHEMA = {
     "type": "object",
     "required": ["id", "object", "created", "owned_by", "type", "version", "name", "description",
@@ -42,11 +46,14 @@ MODEL_SCHEMA = {
         "settings": {"type": "object", "additionalProperties": False, "properties": {
             "ctx_len": {"type": "integer"}, "ngl": {"type": "integer"},
             "embedding": {"const": False}, "n_parallel": {"type": "integer"},
+            "cpu_threads": {"type": "integer", "minimum": 1},
             "num_shard": {"type": "integer"}, "dtype": {"type": "string"},
             "max_batch_total_tokens": {"type": "integer"}}},
         "parameters": {"type": "object", "additionalProperties": False, "properties": {
             "temperature": _NUMBER, "token_limit": {"type": "integer"},
-            "top_k": {"type": "integer"}, "top_p": _NUMBER, "stream": {"type": "boolean"}}},
+            "top_k": {"type": "integer"}, "top_p": _NUMBER, "stream": {"type": "boolean"},
+            "stop": {"type": "array", "items": {"type": "string"}},
+            "frequency_penalty": _NUMBER, "presence_penalty": _NUMBER}},
         "metadata": {"type": "object", "required": ["engine", "quantization", "size"],
                      "properties": {
                          "engine": {"enum": ["nitro", "openai", "hf_inference"]},
@@ -94,8 +101,24 @@ def _wait_state(url: str, model_id: str, wanted: str, timeout: float = 120) -> d
         got = requests.get(f"{url}/v1/models/{model_id}", timeout=10).json()
         if got["state"] == wanted:
             return got
+        if got["state"] == "not_downloaded" and got["metadata"].get("error"):  # a failed pull
+            break
         time.sleep(0.1)
     raise AssertionError(f"{model_id} never reached {wanted}: {got}")
+
+
+def _shard_environ(model_dir: str) -> dict[str, str]:
+    """The environment of the shard process serving `model_dir`."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"--model-path" in argv and argv[argv.index(b"--model-path") + 1] == \
+                    model_dir.encode():
+                entries = (proc / "environ").read_bytes().split(b"\0")
+                return dict(e.decode().split("=", 1) for e in entries if b"=" in e)
+        except (OSError, IndexError):
+            continue
+    raise AssertionError(f"no shard serves {model_dir}")
 
 
 def _generate(url: str, model: str | None, inputs: str, tokens: int = 12) -> requests.Response:
@@ -105,13 +128,35 @@ def _generate(url: str, model: str | None, inputs: str, tokens: int = 12) -> req
 
 
 @pytest.fixture(scope="module")
-def server(real_model_dir, tiny_llama, tmp_path_factory):
+def hub(tmp_path_factory):
+    """A Hub on loopback (HF_ENDPOINT) with a GGUF repository of two quantizations."""
+    root = tmp_path_factory.mktemp("hub")
+    (root / HUB_REPO).mkdir(parents=True)
+    for seed, quant in enumerate(("Q4_K_M", "Q8_0")):  # two files, two contents
+        write_tiny_gguf(root / HUB_REPO / f"Tiny-{quant}.gguf", seed=seed)
+    served = FakeHubServer(root)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def server(real_model_dir, tiny_llama, tmp_path_factory, hub):
     registry = tmp_path_factory.mktemp("registry")
     allowed = tmp_path_factory.mktemp("allowed")
-    launched = launch(["--model-id", str(real_model_dir)], tmp_path_factory.mktemp("launch"),
-                      extra=["--max-batch-total-tokens", "4096", "--model-registry-dir",
-                             str(registry), "--allowed-local-model-path", str(allowed),
-                             "--allowed-local-model-path", str(tiny_llama)])
+    endpoint = os.environ.get("HF_ENDPOINT")
+    os.environ["HF_ENDPOINT"] = hub.url  # the launcher's pulls reach the Hub there
+    try:
+        launched = launch(["--model-id", str(real_model_dir)], tmp_path_factory.mktemp("launch"),
+                          extra=["--max-batch-total-tokens", "4096", "--model-registry-dir",
+                                 str(registry), "--allowed-local-model-path", str(allowed),
+                                 "--allowed-local-model-path", str(tiny_llama),
+                                 "--huggingface-hub-cache",
+                                 str(tmp_path_factory.mktemp("hub-cache"))])
+    finally:
+        if endpoint is None:
+            os.environ.pop("HF_ENDPOINT")
+        else:
+            os.environ["HF_ENDPOINT"] = endpoint
     launched.registry = registry
     launched.allowed = allowed
     yield launched
@@ -209,16 +254,24 @@ def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama):
     assert again.status_code == 409 and again.json()["state"] == "downloaded"
 
     # settings and parameters are checked; nothing unknown is stored
-    for bad in ({"settings": {"embedding": True}}, {"settings": {"cpu_threads": 2}},
-                {"parameters": {"temperature": 3}}, {"colour": "blue"}):
+    for bad in ({"settings": {"embedding": True}}, {"settings": {"cpu_threads": 0}},
+                {"parameters": {"temperature": 3}}, {"colour": "blue"},
+                {"engine": "onnxruntime"}, {"model": "another"}, {"prompt_template": "no slot"}):
         reply = requests.patch(f"{url}/v1/models/tests/tiny", json=bad, timeout=10)
         assert reply.status_code == 422, (bad, reply.text)
     reply = requests.patch(f"{url}/v1/models/tests/tiny", timeout=10, json={
-        "settings": {"ctx_len": 96, "max_batch_total_tokens": 1024, "ngl": 0},
-        "parameters": {"temperature": 0, "token_limit": 5},
-        "engine_parameters": {"system_prompt": "S: ", "user_prompt": "U: ", "ai_prompt": "A: "}})
+        "settings": {"max_batch_total_tokens": 1024, "ngl": 0},
+        "parameters": {"temperature": 0}})
     assert reply.status_code == 200, reply.text
-    _valid(reply.json(), GET_SCHEMA)
+    # Cortex's model.yml fields, flat, as Cortex writes them
+    reply = requests.patch(f"{url}/v1/models/tests/tiny", timeout=10, json={
+        "model": "tests/tiny", "version": 1, "engine": "llama-cpp", "ctx_len": 96,
+        "cpu_threads": 1, "max_tokens": 5, "frequency_penalty": 0, "presence_penalty": 0,
+        "prompt_template": "S: {system_message}U: {prompt}\nA: "})
+    assert reply.status_code == 200, reply.text
+    patched = _valid(reply.json(), GET_SCHEMA)
+    assert patched["settings"]["ctx_len"] == 96 and patched["parameters"]["token_limit"] == 5
+    assert patched["engine_parameters"]["cpu_threads"] == 1
 
     # Cortex's body starts it; a second start is idempotent
     started = requests.post(f"{url}/v1/models/start", json={"model": "tests/tiny"}, timeout=300)
@@ -230,6 +283,8 @@ def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama):
     _valid(requests.get(f"{url}/v1/models", timeout=10).json(), LIST_SCHEMA)
     running = _valid(requests.get(f"{url}/v1/models/tests/tiny", timeout=10).json(), GET_SCHEMA)
     assert running["model_parameters"]["ctx_len"] == 96
+    # cpu_threads: torch's threads in the model's shard
+    assert _shard_environ(running["assets"][0]).get("OMP_NUM_THREADS") == "1"
 
     # parameters are the model's request defaults: greedy, at most 5 tokens
     ask = {"model": "tests/tiny", "messages": [{"role": "user", "content": "hello there"}]}
@@ -312,6 +367,34 @@ def test_ids_cannot_escape_the_models_directory(server, tmp_path):
     assert "neither a model directory" in failed["metadata"]["error"]
     assert requests.put(f"{url}/v1/models/nothing-here/start", timeout=10).status_code == 409
     assert requests.delete(f"{url}/v1/models/nothing-here", timeout=10).status_code == 200
+
+
+def test_hub_urls_and_cortex_quant_names_pull_the_right_gguf(server, hub):
+    """Jan's and Cortex's names of a Hub GGUF: the file they pick is fetched from the (loopback)
+    Hub and converted; the model's source_url is the Hub's."""
+    url = server.url
+    names = {f"{HUB_REPO}:q8_0": (f"{HUB_REPO}-q8_0", "Tiny-Q8_0.gguf"),
+             f"https://huggingface.co/{HUB_REPO}/resolve/main/Tiny-Q4_K_M.gguf?download=true":
+             ("Tiny-Q4_K_M", "Tiny-Q4_K_M.gguf")}
+    for source, (model_id, _) in names.items():
+        reply = requests.post(f"{url}/v1/models/pull", json={"model": source}, timeout=10)
+        assert reply.status_code == 200 and reply.json()["id"] == model_id, reply.text
+    for source, (model_id, file_name) in names.items():
+        pulled = _valid(_wait_state(url, model_id, "downloaded"), GET_SCHEMA)
+        assert pulled["format"] == "gguf"
+        assert pulled["source_url"].startswith(f"https://huggingface.co/{HUB_REPO}")
+        assert f"GET /{HUB_REPO}/resolve/main/{file_name}" in hub.requests
+    assert not any("Q4_K_M" in r for r in hub.requests if "Q8_0" in r)
+    missing = requests.post(f"{url}/v1/models/pull", json={"model": f"{HUB_REPO}:Q2_K"},
+                            timeout=10)
+    assert missing.status_code == 200
+    failed = _wait_state(url, f"{HUB_REPO}-Q2_K", "not_downloaded")
+    assert "no GGUF file of quantization Q2_K" in failed["metadata"]["error"]
+    bogus = requests.post(f"{url}/v1/models/pull", json={"model": "https://example.com/x.gguf"},
+                          timeout=10)
+    assert bogus.status_code == 422 and "not a Hugging Face Hub URL" in bogus.text
+    for model_id in (*(m for m, _ in names.values()), f"{HUB_REPO}-Q2_K"):
+        assert requests.delete(f"{url}/v1/models/{model_id}", timeout=30).status_code == 200
 
 
 def test_local_pulls_only_under_the_allowed_directories_and_failures_forgotten(

@@ -181,7 +181,7 @@ def test_input_embeds_answer_as_their_ids_do(server, long_llama):
     assert batch[0]["text"] == by_ids["text"][:len(batch[0]["text"])]
     assert [o["meta_info"]["prompt_tokens"] for o in batch] == [len(ids), 4]
     narrow = post(server, "/generate", {"input_embeds": [[0.0] * 5]})
-    assert narrow.status_code == 422 and "hidden size" in narrow.json()["error"]["message"]
+    assert narrow.status_code == 400 and "hidden size" in narrow.json()["error"]["message"]
 
 
 def test_named_token_ids_and_prompt_top_logprobs(server):
@@ -272,13 +272,39 @@ def test_refusals_name_what_is_not_supported(server):
                           ({"image_data": "a.png"}, "text only"),
                           ({"input_embeds": [[0.0]], "text": None}, "hidden size")):
         reply = post(server, "/generate", {"text": "Hi", **fields})
-        assert reply.status_code == 422 and words in reply.json()["error"]["message"]
+        assert reply.status_code == 400 and words in reply.json()["error"]["message"]
     neither = post(server, "/generate", {"prompt": "Hi"})
     assert neither.status_code == 422 and "`text`" in neither.json()["error"]
     # SGLang answers an adapter it has not loaded with a 400
     unknown = post(server, "/generate", {"text": "Hi", "lora_path": "x"})
     assert unknown.status_code == 400 and "adapter 'x' is not loaded" in \
         unknown.json()["error"]["message"]
+
+
+def test_sglang_habits_scoring_stream_interval_and_unknown_fields(server):
+    """What SGLang clients rely on: a prompt scored with max_new_tokens 0 (as lm-eval's sglang
+    backend does), a chunk every stream_interval tokens, newer fields ignored, 400s."""
+    tgi = post(server, "/generate", {"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 1, "details": True, "decoder_input_details": True}}).json()["details"]
+    scored = sglang(server, text=PROMPT, return_logprob=True, logprob_start_len=0,
+                    sampling_params={"max_new_tokens": 0}, a_newer_field=True)
+    meta = scored["meta_info"]
+    assert scored["text"] == "" and meta["completion_tokens"] == 0
+    assert meta["output_token_logprobs"] == [] and meta["finish_reason"]["length"] == 0
+    assert [t[1] for t in meta["input_token_logprobs"]] == [t["id"] for t in tgi["prefill"]]
+    for got, want in zip(meta["input_token_logprobs"][1:], tgi["prefill"][1:]):
+        assert got[0] == pytest.approx(want["logprob"], abs=1e-4)
+    reply = post(server, "/generate", {"text": PROMPT, "stream": True, "sampling_params":
+                                       greedy(7, ignore_eos=True, stream_interval=3)}, stream=True)
+    frames = events(reply)
+    assert [f["meta_info"]["completion_tokens"] for f in frames] == [3, 6, 7]
+    whole = sglang(server, text=PROMPT, sampling_params=greedy(7, ignore_eos=True))
+    assert frames[-1]["text"] == whole["text"]
+    for body, words in (({"session_params": {"id": "s"}}, "whole conversation"),
+                        ({"sampling_params": {"temperature": -1}}, "temperature"),
+                        ({"sampling_params": {"newer": 1}}, "sampling_params.newer")):
+        reply = post(server, "/generate", {"text": "Hi", **body})
+        assert reply.status_code == 400 and words in reply.json()["error"]["message"]
 
 
 def _health_latencies(server, stop: threading.Event) -> list[float]:

@@ -37,12 +37,27 @@ def _model_schemas() -> dict:
         "ModelStateError": object_schema(["error", "error_type", "state"], error=string,
                                    error_type=string, state=state),
         "NamedModel": object_schema(["model"], model=string),
-        "PullRequest": object_schema(["model"], model={**string, "description": "a short name, a "
-                                                 "local model directory, a .gguf file or a Hub id"},
-                               id=string, name=string),
-        "ModelPatch": {"type": "object", "properties": dict(
-            settings=obj, parameters=obj, engine_parameters=obj, name=string,
-            description=string)},
+        "PullRequest": object_schema(["model"], model={**string, "description": (
+            "a short name, a local model directory, a .gguf file, a Hub id, a Hub URL "
+            "(https://huggingface.co/<owner>/<repo>[/resolve/<revision>/<file>.gguf]), or "
+            "Cortex's <owner>/<repo>:<quantization> (that GGUF of the repository) and "
+            "<repo>:<tag> (cortexso/<repo> at branch <tag>)")}, id=string, name=string),
+        "ModelPatch": {"type": "object", "description": (
+            "Jan's groups, or a Cortex model.yml's flat fields: ctx_len, ngl, n_parallel and "
+            "cpu_threads join settings; temperature, top_p, top_k, stream, stop, "
+            "frequency_penalty, presence_penalty and max_tokens (token_limit) join parameters; "
+            "prompt_template ({system_message}, {prompt}) joins engine_parameters; engine must "
+            "name this server or llama.cpp; id, model, created, ... must be unchanged"),
+            "properties": dict(
+                settings=obj, parameters=obj, engine_parameters=obj, name=string,
+                description=string, ctx_len=integer, ngl=integer, n_parallel=integer,
+                cpu_threads={**integer, "minimum": 1}, temperature={"type": "number"},
+                top_p={"type": "number"}, top_k=integer, stream={"type": "boolean"},
+                stop={"oneOf": [string, {"type": "array", "items": string, "maxItems": 4}]},
+                frequency_penalty={"type": "number"}, presence_penalty={"type": "number"},
+                max_tokens=integer, prompt_template=string,
+                engine={**string, "enum": ["tgi-py", "hf_inference", "llama-cpp", "llamacpp",
+                                           "cortex.llamacpp", "nitro"]})},
         **_adapter_schemas(model),
     }
 

@@ -19,7 +19,9 @@ from router.api.models.errors import models_error_body
 from router.errors import ModelStateError, ValidationError
 from router.http.middleware import ERROR_BODY
 from router.http.json_body import read_object
+from router.lifecycle.hub_names import hub_name
 from router.lifecycle.manager import ModelManager
+from router.lifecycle.model_yaml import model_yaml_body
 from router.lifecycle.registry import (BUSY, DOWNLOADING, RUNNING, ModelRecord, check_model_id,
                                        parameter_count)
 from router.lifecycle.settings import SETTINGS, checked
@@ -51,6 +53,12 @@ def _size_text(size: int) -> str:
 
 def _source_url(record: ModelRecord) -> str:
     source = record.source
+    try:
+        hub = hub_name(source)
+    except ValidationError:  # stored before names were read this way
+        hub = None
+    if hub is not None:
+        return hub.url
     if source.startswith(("/", "./", "../", "~")) or source.endswith(".gguf"):
         try:
             return Path(source).expanduser().resolve().as_uri()
@@ -95,7 +103,7 @@ def _get_json(record: ModelRecord, served) -> dict:
         if served.config.max_batch_size is not None:
             settings.setdefault("n_parallel", served.config.max_batch_size)
     engine = {**record.engine_parameters, "cont_batching": True}
-    for key in ("ngl", "ctx_len", "n_parallel"):
+    for key in ("ngl", "ctx_len", "n_parallel", "cpu_threads"):
         if key in settings:
             engine[key] = settings[key]
     engine["embedding"] = False
@@ -161,9 +169,12 @@ async def delete_model(request: web.Request) -> web.Response:
 
 
 async def patch_model(request: web.Request) -> web.Response:
+    """Jan's grouped fields, or Cortex's model.yml fields (router/lifecycle/model_yaml.py)."""
     model_id = _model_id(request)
     body = await read_object(request)
-    record = _manager(request).patch(model_id, body)
+    manager = _manager(request)
+    current = model_json(manager.registry.get(model_id))
+    record = manager.patch(model_id, model_yaml_body(body, current))
     return web.json_response(_get_json(record, _manager(request).served.get(record.id)))
 
 
@@ -184,8 +195,8 @@ async def stop_model(request: web.Request) -> web.Response:
 async def start_named(request: web.Request) -> web.Response:
     """Cortex's POST /v1/models/start {"model": id, ...}.
 
-    Its other fields are the model's settings (ctx_len, n_parallel, ngl, ...), kept as a PATCH would
-    keep them."""
+    Its other fields are a model.yml's (ctx_len, n_parallel, ngl, cpu_threads, prompt_template,
+    ...), kept as a PATCH would keep them."""
     body = await read_object(request)
     manager = _manager(request)
     if any(key in body for key in adapters.SOURCE_FIELDS):  # an adapter's files: load it
@@ -193,15 +204,16 @@ async def start_named(request: web.Request) -> web.Response:
     if manager.adapter_model(body.get("model")) is not None and len(body) == 1:  # it runs
         return web.json_response({"id": body["model"], "object": "model", "state": "running"})
     model_id = check_model_id(body.get("model"))
-    settings = {key: value for key, value in body.items() if key != "model"}
-    if settings:
+    fields = {key: value for key, value in body.items() if key != "model"}
+    if fields:
         record = manager.registry.get(model_id)
-        wanted = checked("settings", settings, SETTINGS)
+        grouped = model_yaml_body(fields, model_json(record))
+        wanted = checked("settings", grouped.get("settings"), SETTINGS)
         if any(record.settings.get(key) != value for key, value in wanted.items()):
             if record.state in BUSY:
                 raise ModelStateError(f"model {model_id!r} is {record.state}: stop it before "
                                       "changing its settings", record.state)
-            manager.patch(model_id, {"settings": wanted})
+        manager.patch(model_id, grouped)
     return _state_reply(await manager.start(model_id))
 
 

@@ -83,7 +83,8 @@ def model_name(body: dict) -> str | None:
 # Jan's per-model parameters (PATCH /v1/models/{id}) and the OpenAI fields they give defaults to;
 # `token_limit` is a default max_tokens (default_max_tokens), trimmed to the room the prompt leaves
 _MODEL_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                   "stream": "stream"}
+                   "stream": "stream", "stop": "stop", "frequency_penalty": "frequency_penalty",
+                   "presence_penalty": "presence_penalty"}
 
 
 def with_model_defaults(body: dict, defaults: dict) -> dict:

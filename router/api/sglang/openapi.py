@@ -12,7 +12,11 @@ def _sglang_schemas() -> dict:
     token_id = int_schema(UINT32)
     strings = {"oneOf": [string, {"type": "array", "items": string}]}
     sampling = object_schema(
-        [], max_new_tokens={**int_schema(UINT32, minimum=1), "default": 128},
+        [], max_new_tokens={**int_schema(UINT32), "default": 128, "description": (
+            "0 scores the prompt: no output tokens, the prompt's log-probabilities with "
+            "return_logprob and logprob_start_len >= 0")},
+        stream_interval={**int_schema(UINT32, minimum=1), "default": 1,
+                         "description": "a streamed event every this many tokens, and the last"},
         min_new_tokens=int_schema(UINT32), n={**int_schema(UINT32, minimum=1), "default": 1},
         temperature={**float_schema(minimum=0), "default": 1.0},
         top_p=float_schema(minimum=0, maximum=1, exclusiveMinimum=True),
@@ -114,7 +118,7 @@ def _sglang_paths() -> dict:
             "summary": "SGLang: cancel the running request named `rid` (or all, `abort_all`)",
             "requestBody": {"required": True, **json_content(ref("AbortRequest"))},
             "responses": {"200": {"description": "Aborted, or no such request running"},
-                          **error_responses(413, 422, shape="SglangErrorResponse")}}},
+                          **error_responses(400, 413, shape="SglangErrorResponse")}}},
         "/flush_cache": {"post": {
             "summary": "SGLang: drop the prefix cache (400 while requests are in flight)",
             "responses": {"200": {"description": "Flushed", **text},

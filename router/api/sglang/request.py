@@ -2,13 +2,20 @@
 
 SGLang's defaults differ from TGI's: temperature 1.0 samples and 0 is greedy, top_k -1 is off,
 max_new_tokens is 128, and a stop string is trimmed from the text unless `no_stop_trim`. Every
-number goes through router.inputs.field_ranges's ranges as on the other APIs. A field this server cannot honour
-yet is a 422 that says so, never silently dropped; so is a field SGLang does not know. A LoRA
-adapter the model has not loaded (`lora_path`, `lora_id`) is a 400, as SGLang answers it.
+number goes through router.inputs.field_ranges's ranges as on the other APIs. A field of SGLang's
+this server cannot honour is refused, saying why, never silently dropped. A top-level field SGLang
+does not know is ignored as SGLang ignores it (its GenerateReqInput is a dataclass FastAPI fills,
+dropping extra keys; newer clients send newer fields), with a warning logged once per name. Every
+refusal is a 400 on this route, as SGLang answers (router/api/sglang/routes.py).
+
+`max_new_tokens: 0` scores the prompt: the request runs its prefill (whose log-probabilities
+`return_logprob` with `logprob_start_len` >= 0 returns) and the answer has no output tokens; the
+token the prefill samples anyway is left out of it (router/api/sglang/run.py).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass, field, replace
 
@@ -24,6 +31,8 @@ from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import ValidationLimits, check_lengths
 from router.schemas import GenerateRequest, StoppingParams
 
+log = logging.getLogger("tgi.router")
+
 INPUT_FIELDS = ("text", "input_ids", "input_embeds")
 
 MAX_LOGPROB_TOKEN_IDS = 1024  # ids per position in token_ids_logprob: bounds the answer's size
@@ -32,7 +41,12 @@ MAX_LOGPROB_TOKEN_IDS = 1024  # ids per position in token_ids_logprob: bounds th
 _NOT_YET = {
     "custom_logit_processor": "`custom_logit_processor` is refused: it is serialized Python from "
                               "the client, which this server never runs",
-    "session_params": "`session_params` is not supported yet",
+    "session_params": "`session_params` is refused: SGLang's sessions (/open_session) keep each "
+                      "turn's tokens and append the next prompt to them; this server keeps no "
+                      "such session on this route (its request_id sessions of "
+                      "/api/generate-one continue from the generated text and take no new "
+                      "prompt). Send the whole conversation as `text`: the prefix cache reuses "
+                      "the blocks of the turns before",
     "bootstrap_host": "disaggregated serving (`bootstrap_*`) is not supported",
     "bootstrap_port": "disaggregated serving (`bootstrap_*`) is not supported",
     "bootstrap_room": "disaggregated serving (`bootstrap_*`) is not supported",
@@ -40,7 +54,13 @@ _NOT_YET = {
                           "parallel rank",
 }
 _TEXT_ONLY = ("image_data", "audio_data", "video_data", "modalities")
-_TOP_LEVEL = {*INPUT_FIELDS, *_NOT_YET, *_TEXT_ONLY, "sampling_params", "rid", "stream",
+# SGLang's fields (not in its document) asking for more in the answer than this server computes:
+# refused when true, so that no client reads an answer without what it asked for
+_MORE_OUTPUT = ("return_prompt_token_ids", "return_entropy", "return_routed_experts",
+                "return_sampling_mask", "return_flat_raw_top_logprobs",
+                "return_flat_raw_top_logprobs_b64", "return_bytes", "require_reasoning")
+_TOP_LEVEL = {*INPUT_FIELDS, *_NOT_YET, *_TEXT_ONLY, *_MORE_OUTPUT, "sampling_params", "rid",
+              "stream",
               "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
               "return_text_in_logprobs", "return_hidden_states", "lora_path", "lora_id"}
 
@@ -63,6 +83,8 @@ class SglangItem:
     logprobs: LogprobOptions
     no_stop_trim: bool
     return_hidden_states: bool = False
+    score_only: bool = False  # max_new_tokens 0: the prompt's prefill, no output tokens
+    stream_interval: int = 1  # a streamed frame every this many tokens (and the last)
 
 
 @dataclass(slots=True)
@@ -180,16 +202,33 @@ def _embeds(prompt, path: str, hidden_size: int) -> tuple[bytes, int]:
     return numpy.asarray(prompt, dtype="<f4").tobytes(), len(prompt)
 
 
+_warned: set[str] = set()  # unknown top-level fields already logged
+MAX_WARNED = 1000  # names logged at most: clients choose them, the set must not grow unbounded
+
+
 def check_fields(body: dict) -> None:
     for name, value in body.items():
+        if name not in _TOP_LEVEL:
+            _warn_unknown(name)
+            continue
         if value is None:
             continue
         if name in _TEXT_ONLY:
             raise ValidationError(f"`{name}` is not supported: this model reads text only")
         if name in _NOT_YET:
             raise ValidationError(_NOT_YET[name])
-        if name not in _TOP_LEVEL:
-            raise ValidationError(f"`{name}` is not a field of SGLang's generate request")
+        if name in _MORE_OUTPUT and value is not False:
+            raise ValidationError(f"`{name}` is not supported: this server does not compute "
+                                  "what it asks for")
+
+
+def _warn_unknown(name: str) -> None:
+    """Logs, once per name, a top-level field this server ignores as SGLang would."""
+    if name in _warned or len(_warned) >= MAX_WARNED:
+        return
+    _warned.add(name)
+    log.warning("SGLang /generate: ignoring the unknown field %r (as SGLang ignores it)",
+                name[:100])
 
 
 def _rids(body: dict, count: int) -> list[str]:
@@ -262,6 +301,9 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
             raise ValidationError("`text` cannot be empty")
         length = rows if embeds is not None else len(input_ids)
         max_new_tokens = asked.max_new_tokens
+        score_only = max_new_tokens == 0
+        if score_only:  # the prefill samples one token all the same: room for it
+            max_new_tokens = 1
         if max_new_tokens is None:  # the default, not the client's number: fit it to the room left
             max_new_tokens = max(min(DEFAULT_MAX_NEW_TOKENS,
                                      limits.tokens.max_total_tokens - length), 1)
@@ -278,10 +320,11 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
             raise ValidationError("`return_hidden_states` must be a boolean or a list of booleans")
         base = GenerateRequest(
             inputs=text, input_ids=input_ids, sampling=asked.sampling,
-            stopping=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=asked.stop,
+            stopping=StoppingParams(max_new_tokens=max_new_tokens,
+                                    stop_sequences=[] if score_only else asked.stop,
                                     ignore_eos=asked.ignore_eos,
                                     min_new_tokens=asked.min_new_tokens,
-                                    stop_token_ids=asked.stop_token_ids),
+                                    stop_token_ids=[] if score_only else asked.stop_token_ids),
             top_n_tokens=logprobs.top_n if logprobs.enabled else 0,
             prefill_logprobs=logprobs.enabled and logprobs.start_len >= 0,
             skip_special_tokens=asked.skip_special_tokens, grammar=asked.grammar,
@@ -290,5 +333,5 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
             else 0, return_hidden_states=bool(hidden), adapter_id=adapter_ids[index])
         for request in copies(base, asked.n):
             items.append(SglangItem(request, rids[index], logprobs, asked.no_stop_trim,
-                                    bool(hidden)))
+                                    bool(hidden), score_only, asked.stream_interval))
     return SglangBatch(items, batch, stream)

@@ -27,8 +27,7 @@ from router.api.sglang.request import is_sglang_body, parse_generate
 from router.api.sglang.run import Run
 from router.api.tgi import routes as tgi
 from router.api.sglang.errors import sglang_error_body
-from router.errors import (OverloadedError, RouterError, UnhealthyError, UnknownAdapterError,
-                           ValidationError)
+from router.errors import OverloadedError, RouterError, UnhealthyError, ValidationError
 from router.http.middleware import ERROR_BODY
 from router.http.json_body import read_object
 from router.http.json_out import STREAM_JSON, dumps
@@ -65,6 +64,8 @@ class SglangStream(StreamFormat):
     async def event_frames(self, index: int, event: TokenEvent) -> list[bytes]:
         run = self.runs[index]
         frame = run.frames.popleft()
+        if frame is None:  # between two frames of its stream_interval
+            return []
         return [openai_sse(await dumps(run.frame_output(frame), numbers=frame.numbers,
                                        **STREAM_JSON))]
 
@@ -76,12 +77,15 @@ class SglangStream(StreamFormat):
 
 
 async def generate(request: web.Request, body: dict) -> web.StreamResponse:
-    """POST /generate with an SGLang body; errors in SGLang's `{"error": {"message"}}` shape."""
+    """POST /generate with an SGLang body; errors in SGLang's `{"error": {"message"}}` shape.
+
+    A request SGLang would refuse is a 400 there (its tokenizer manager's ValueError, and FastAPI's
+    422 turned into a 400): every validation error of this route is a 400 too."""
     request[ERROR_BODY] = sglang_error_body  # the error middleware answers in it
     with request_span("sglang_generate", request.headers):
         try:
             return await _generate(request, body)
-        except UnknownAdapterError as err:  # unloaded after validation: SGLang's 400 still
+        except ValidationError as err:  # an unknown adapter too, even one unloaded after checks
             raise SglangBadRequest(err.message) from None
 
 
@@ -122,6 +126,13 @@ async def _generate(request: web.Request, body: dict) -> web.StreamResponse:
 async def abort_request(request: web.Request) -> web.Response:
     """SGLang's AbortReq: `rid`, or `abort_all`. An unknown rid is no error (it may have ended)."""
     request[ERROR_BODY] = sglang_error_body
+    try:
+        return await _abort_request(request)
+    except ValidationError as err:  # SGLang's 400, as on /generate
+        raise SglangBadRequest(err.message) from None
+
+
+async def _abort_request(request: web.Request) -> web.Response:
     body = await read_object(request)
     rid, abort_all = body.get("rid"), body.get("abort_all", False)
     if not isinstance(abort_all, bool):

@@ -57,7 +57,7 @@ class Run:
     # streamed: each event's frame, made as it is recorded (the run may have recorded later
     # events, several a decode call, before the writer gets to this one); `frame_index` is the
     # index a frame carries in a batch
-    frames: deque[Frame] | None = None
+    frames: deque[Frame | None] | None = None
     frame_index: int | None = None
     sent: Sent = field(default_factory=Sent)
 
@@ -68,8 +68,13 @@ class Run:
         self.frames, self.frame_index = deque(), index
 
     def keep_frame(self) -> None:
-        """Frames what arrived since the last frame."""
+        """Frames what arrived since the last frame, every `stream_interval` tokens and at the end.
+
+        An event between two frames gets None: its tokens go out with the next frame."""
         if self.frames is None:
+            return
+        if not self.done and len(self.tokens) % self.item.stream_interval:
+            self.frames.append(None)
             return
         sent = self.sent
         self.frames.append(Frame(self.meta_info(sent), len(self.tokens),
@@ -92,22 +97,24 @@ class Run:
         return self.item.request
 
     def record(self, event: TokenEvent) -> None:
-        self.tokens.append(event.token)
-        self.top_tokens.append(event.top_tokens)
+        if event.final is not None:
+            self.final = event.final
+        if event.hidden_states is not None:
+            # SGLang's layout: the prompt's rows as one entry, then one vector per decode step
+            self.hidden_states.append(event.hidden_states if not self.hidden_states
+                                      else event.hidden_states[0])
         if event.prefill is not None:
             self.prefill = event.prefill
         if event.prefill_top_tokens is not None:
             self.prefill_top_tokens = event.prefill_top_tokens
         if event.prefill_token_ids_logprobs is not None:
             self.prefill_ids_logprobs = event.prefill_token_ids_logprobs
+        if self.item.score_only:  # the token the prefill sampled is no part of the answer
+            return
+        self.tokens.append(event.token)
+        self.top_tokens.append(event.top_tokens)
         if event.token_ids_logprobs:
             self.ids_logprobs.append(event.token_ids_logprobs)
-        if event.hidden_states is not None:
-            # SGLang's layout: the prompt's rows as one entry, then one vector per decode step
-            self.hidden_states.append(event.hidden_states if not self.hidden_states
-                                      else event.hidden_states[0])
-        if event.final is not None:
-            self.final = event.final
 
     def abort(self) -> None:
         self.stream.abort()
@@ -132,7 +139,7 @@ class Run:
     def text(self) -> str:
         """The text so far; at the end without what stopped it, unless `no_stop_trim`."""
         final = self.final
-        if final is None:
+        if final is None or self.item.score_only:
             return "".join(t.text for t in self.tokens)
         text = final.text
         if self.item.no_stop_trim:
@@ -156,8 +163,9 @@ class Run:
         final = self.final
         if final is None:
             return None
-        if final.finish_reason is FinishReason.LENGTH:
-            return {"type": "length", "length": self.request.stopping.max_new_tokens}
+        if final.finish_reason is FinishReason.LENGTH or self.item.score_only:
+            return {"type": "length",
+                    "length": 0 if self.item.score_only else self.request.stopping.max_new_tokens}
         if final.finish_reason is FinishReason.STOP_SEQUENCE:
             return {"type": "stop", "matched": self._matched_stop(final.text)}
         # an end-of-sequence id or one of stop_token_ids: the last token

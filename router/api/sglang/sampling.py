@@ -17,13 +17,13 @@ _SAMPLING_NOT_YET = {
     "structural_tag": "`structural_tag` is not supported yet (json_schema, regex and ebnf are)",
     "custom_params": "`custom_params` is refused: it feeds a custom logit processor, which this "
                      "server never runs",
-    "stream_interval": "`stream_interval` is not supported yet: every token is streamed",
 }
 _SAMPLING_FIELDS = {
     "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
     "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-    "json_schema", "regex", "ebnf", "sampling_seed", "logit_bias", *_SAMPLING_NOT_YET,
+    "json_schema", "regex", "ebnf", "sampling_seed", "logit_bias", "stream_interval",
+    *_SAMPLING_NOT_YET,
 }
 
 
@@ -59,6 +59,7 @@ class SglangSampling:
     no_stop_trim: bool
     grammar: tuple[str, str] | None
     seeded: bool  # the client gave sampling_seed
+    stream_interval: int = 1  # a streamed frame every this many tokens
 
 
 def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int) -> SglangSampling:
@@ -95,12 +96,9 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
         seed=seed_or_draw(seed),
         logit_bias=check_logit_bias("sampling_params.logit_bias", params.get("logit_bias"),
                                     limits.vocab_size))
-    max_new_tokens = _sampling_number(params, "max_new_tokens", UINT32, None)
-    if max_new_tokens == 0:
-        raise ValidationError("`sampling_params.max_new_tokens` = 0 (prompt scoring) is not "
-                              "supported yet")
+    max_new_tokens = _sampling_number(params, "max_new_tokens", UINT32, None)  # 0: scoring
     min_new_tokens = _sampling_number(params, "min_new_tokens", UINT32, 0)
-    if min_new_tokens > (max_new_tokens or DEFAULT_MAX_NEW_TOKENS):
+    if min_new_tokens > (DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens):
         raise ValidationError("`sampling_params.min_new_tokens` must be <= `max_new_tokens`")
     stop = params.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -130,10 +128,14 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
     elif params.get("ebnf") is not None:
         spec = structured_output.checked(structured_output.EBNF, params["ebnf"])
     path = "sampling_params"
+    interval = _sampling_number(params, "stream_interval", UINT32, 1)
+    if interval < 1:
+        raise ValidationError("`sampling_params.stream_interval` must be at least 1")
     return SglangSampling(
         sampling, max_new_tokens, [s for s in stop if s],
         checked_token_ids(stop_ids, f"{path}.stop_token_ids", vocab_size), min_new_tokens, n,
         read_flag(params, "ignore_eos", False, path=f"{path}.ignore_eos"),
         read_flag(params, "skip_special_tokens", True, path=f"{path}.skip_special_tokens"),
-        read_flag(params, "no_stop_trim", False, path=f"{path}.no_stop_trim"), spec, seed is not None)
+        read_flag(params, "no_stop_trim", False, path=f"{path}.no_stop_trim"), spec, seed is not None,
+        interval)
 

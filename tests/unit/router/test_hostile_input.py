@@ -217,7 +217,7 @@ async def test_a_json_schema_string_nested_too_deep_is_422(tiny_llama, route, sc
     try:
         reply = await client.post(path, json=body)
         error = await reply.json()
-        assert reply.status == 422, error
+        assert reply.status == (400 if route == "sglang" else 422), error  # SGLang's own status
         message = error["error"]["message"] if route == "sglang" else error["error"]
         assert "recursion limit exceeded" in message
         await _still_serves(client)
@@ -295,7 +295,7 @@ async def test_sglang_errors_keep_sglangs_shape_even_unforeseen_ones(tiny_llama,
         reply = await client.post("/generate", json={"input_embeds": [[10**400] * 8],
                                                      "sampling_params": {"max_new_tokens": 2}})
         error = await reply.json()
-        assert reply.status == 422 and "must hold finite numbers" in error["error"]["message"]
+        assert reply.status == 400 and "must hold finite numbers" in error["error"]["message"]
 
         def broken(*args, **kwargs):
             raise RuntimeError("a bug")
@@ -362,7 +362,8 @@ async def test_a_prompt_that_cannot_fit_is_refused_before_encoding(tiny_llama, p
     try:
         reply = await client.post(path, json=body)
         text = await reply.text()
-        assert reply.status == 422, text
+        sglang = path == "/generate" and "text" in body
+        assert reply.status == (400 if sglang else 422), text  # SGLang answers 400
         assert "tokens. Given: at least" in text, text
         await _still_serves(client)
     finally:

@@ -46,7 +46,7 @@ async def test_a_malformed_logit_bias_is_422(tiny_llama, bias, expected):
         reply = await client.post("/generate", json={"text": "hi", "sampling_params": {
             "logit_bias": bias}})
         error = await reply.json()
-        assert reply.status == 422 and expected in error["error"]["message"], error
+        assert reply.status == 400 and expected in error["error"]["message"], error  # SGLang's
     finally:
         await client.close()
 
@@ -84,7 +84,9 @@ async def test_an_id_past_the_models_vocabulary_is_422(tiny_llama, path, body):
     try:
         reply = await client.post(path, json=body({"7": 1, "320": -5}))
         text = await reply.text()
-        assert reply.status == 422 and "below the model's vocabulary size of 320" in text, text
+        # SGLang answers its validation errors with a 400
+        assert reply.status == (400 if path == "/generate" else 422), text
+        assert "below the model's vocabulary size of 320" in text, text
         reply = await client.post(path, json=body({"7": 1, "319": -5}))
         assert reply.status == 200, await reply.text()
     finally:

@@ -118,7 +118,9 @@ def test_settings_accept_jan_strings_and_numbers_and_refuse_the_rest():
     assert checked("parameters", {"temperature": "0.7", "stream": "true", "top_k": 40},
                    PARAMETERS) == {"temperature": 0.7, "stream": True, "top_k": 40}
     for group, bad, table in (("settings", {"embedding": True}, SETTINGS),
-                              ("settings", {"cpu_threads": 4}, SETTINGS),
+                              ("settings", {"cpu_threads": 0}, SETTINGS),
+                              ("parameters", {"stop": ["a"] * 5}, PARAMETERS),
+                              ("parameters", {"presence_penalty": 3}, PARAMETERS),
                               ("settings", {"ctx_len": "lots"}, SETTINGS),
                               ("settings", {"ctx_len": "--5"}, SETTINGS),
                               ("settings", {"ctx_len": "\u00b2"}, SETTINGS),

@@ -148,14 +148,15 @@ async def test_pull_and_start_bodies_are_checked(tiny_llama):
         manager.registry.add(ModelRecord("other", STOPPED, model_dir="/nowhere"))
         bad = await client.post("/v1/models/start", json={"model": "other", "ctx_len": "--5"})
         assert bad.status == 422
-        unknown = await client.post("/v1/models/start", json={"model": "other", "cpu_threads": 2})
+        unknown = await client.post("/v1/models/start", json={"model": "other", "colour": 2})
         assert unknown.status == 422
         stop = await client.post("/v1/models/stop", json={"model": "other", "force": True})
         assert stop.status == 422
         # the settings are kept; without tgi-launcher nothing starts
-        start = await client.post("/v1/models/start", json={"model": "other", "ctx_len": 64})
+        start = await client.post("/v1/models/start", json={"model": "other", "ctx_len": 64,
+                                                            "cpu_threads": 2})
         assert start.status == 503
-        assert manager.registry.get("other").settings == {"ctx_len": 64}
+        assert manager.registry.get("other").settings == {"ctx_len": 64, "cpu_threads": 2}
     finally:
         await client.close()
 
