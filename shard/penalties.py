@@ -11,15 +11,21 @@ defines it (SamplingParams.frequency_by_share):
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from shard.sampling import SamplingBatch
+
+class PenalisedRows(Protocol):
+    """What the penalties read of a batch (shard.sampling's SamplingBatch)."""
+
+    params: list  # each row's SamplingParams
+    repetition_penalty: torch.Tensor  # [B, 1]
+    frequency_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
 
 
-def apply_penalties(scores: torch.Tensor, batch: SamplingBatch,
+def apply_penalties(scores: torch.Tensor, batch: PenalisedRows,
                     token_ids: list[tuple[list[int], list[int]]] | None) -> torch.Tensor:
     """`scores` [B, vocab] penalised for each row's (prompt ids, output ids) in `token_ids`."""
     if token_ids is None:
