@@ -20,7 +20,7 @@ class PenalisedRows(Protocol):
     """What the penalties read of a batch (shard.sampling's SamplingBatch)."""
 
     params: list  # each row's SamplingParams
-    repetition_penalty: torch.Tensor  # [B, 1]
+    repetition_penalty: torch.Tensor  # a value per row
     frequency_penalty: torch.Tensor
     presence_penalty: torch.Tensor
 
