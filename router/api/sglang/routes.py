@@ -27,7 +27,8 @@ from router.api.sglang.request import is_sglang_body, parse_generate
 from router.api.sglang.run import Run
 from router.api.tgi import routes as tgi
 from router.api.sglang.errors import sglang_error_body
-from router.errors import OverloadedError, RouterError, UnhealthyError, ValidationError
+from router.errors import (BadRequestError, OverloadedError, RouterError, UnhealthyError,
+                           ValidationError)
 from router.http.middleware import ERROR_BODY
 from router.http.json_body import read_object
 from router.http.json_out import STREAM_JSON, dumps
@@ -128,7 +129,7 @@ async def abort_request(request: web.Request) -> web.Response:
     request[ERROR_BODY] = sglang_error_body
     try:
         return await _abort_request(request)
-    except ValidationError as err:  # SGLang's 400, as on /generate
+    except (ValidationError, BadRequestError) as err:  # SGLang's 400, as on /generate
         raise SglangBadRequest(err.message) from None
 
 

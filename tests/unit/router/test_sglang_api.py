@@ -370,6 +370,10 @@ async def test_abort_request_ends_it_with_abort_and_frees_its_blocks(tiny_llama,
         assert allocator.num_free_blocks == idle
         assert (await client.post("/abort_request", json={"rid": "gone"})).status == 200
         assert (await client.post("/abort_request", json={"rid": 5})).status == 400
+        for body in (b"[1]", b"{"):  # a body not an object, or not JSON: SGLang's 400 too
+            refused = await client.post("/abort_request", data=body,
+                                        headers={"content-type": "application/json"})
+            assert refused.status == 400, await refused.text()
         again = await client.post("/generate", json=_sglang(rid="long"))
         assert again.status == 200, "the rid is free again once its request ended"
     finally:
