@@ -69,6 +69,12 @@ def test_whole_outputs_and_streams_cut_anywhere_give_the_same_answer(name, text,
     assert _answer(deltas + parser.finish()) == expected
 
 
+def test_a_pythonic_call_nested_past_pythons_parser_is_no_call():
+    """A model's `f(a=----...1)` once raised RecursionError (MemoryError deeper): a 500."""
+    for deep in ("-" * 5000 + "1", "not " * 3000 + "True", "(" * 300 + "1" + ")" * 300):
+        assert _whole(PARSERS["pythonic"], f"[f(a={deep}), g(b=1)]") == ("", [("g", '{"b": 1}')])
+
+
 def test_a_calls_name_goes_out_first_and_alone_then_its_arguments_as_written():
     parser = PARSERS["hermes"]()
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
