@@ -106,6 +106,20 @@ def test_grammar_forced_calls_stream_and_no_tool_is_the_answer_in_words(text, ex
         json.loads(arguments)
 
 
+@pytest.mark.parametrize("escaped,said", [
+    ("\\ud83d\\u0041", "\ufffdA"), ("\\ud83d x", "\ufffd x"), ("\\ud83d", "\ufffd"),
+    ("\\ud83d\\n", "\ufffd\n"), ("\\ude00", "\ufffd"), ("\\uZZZZ x", " x")])
+def test_a_lone_or_broken_escape_in_words_neither_fails_nor_eats_what_follows(escaped, said):
+    """A high surrogate's escape once took the next six characters as its pair's, closing quote
+    and all; a \\u of no hex digits raised ValueError (a 500). A lone half is U+FFFD: a
+    stream's UTF-8 cannot hold it."""
+    text = (f'{{"name":"no_tool","arguments":{{"content":"a {escaped}"}}}}'
+            '{"name":"t","arguments":{}}')
+    expected = (f"a {said}", [("t", "{}")])
+    for i in range(len(text) + 1):
+        assert _split(lambda: JsonCalls(no_tool="no_tool"), text, i) == expected, i
+
+
 def test_an_answer_in_words_cut_short_gives_the_words_so_far():
     """tool_choice=auto cut by max_tokens: never the wrapper's JSON."""
     text = '{"name":"no_tool","arguments":{"content":"The weather in Par'
