@@ -191,7 +191,7 @@ class JsonCalls:
             return
         if call.state == _VALUE:
             if call.value.take(c):
-                self._value_char(call, c, out)
+                self._value_text(call, c, out)
                 if call.value.done:
                     self._value_end(call, out)
                 return
@@ -214,9 +214,6 @@ class JsonCalls:
         elif call.state == _WAIT and c not in _SPACE:
             call.state, call.value = _VALUE, _Value()
             self._char(c, out)
-
-    def _value_char(self, call: _Call, c: str, out: list[ToolDelta]) -> None:
-        self._value_text(call, c, out)
 
     def _value_text(self, call: _Call, text: str, out: list[ToolDelta]) -> None:
         if call.key == "name":
