@@ -81,7 +81,8 @@ def _from_url(source: str) -> HubName:
         host = url.hostname
     except ValueError:  # "https://[": no URL at all
         host = None
-    parts = [unquote(p) for p in url.path.split("/") if p] if host else []
+    # unquoted first: `%2F` is a separator too, so no `..` hides in one part
+    parts = [p for p in unquote(url.path).split("/") if p] if host else []
     if host not in _HUB_HOSTS or len(parts) < 2:
         raise ValidationError(f"`model` {source[:200]!r} is not a Hugging Face Hub URL: pull a "
                               "URL of https://huggingface.co/<owner>/<repo>[/resolve/<revision>/"
@@ -90,14 +91,14 @@ def _from_url(source: str) -> HubName:
     if not _REPO.fullmatch(repo_id):
         raise ValidationError(f"`model`: {repo_id!r} is not a Hub repository name")
     rest = parts[2:]
+    if ".." in rest:
+        raise ValidationError("`model`: a Hub URL's revision or file path cannot hold '..'")
     if not rest:
         return HubName(repo_id)
     if rest[0] == "tree" and len(rest) >= 2:
         return HubName(repo_id, revision="/".join(rest[1:]))
     if rest[0] in ("resolve", "blob") and len(rest) >= 3:
         revision, path = rest[1], "/".join(rest[2:])
-        if ".." in rest[2:]:
-            raise ValidationError("`model`: a Hub file's path cannot hold '..'")
         if path.lower().endswith(".gguf"):
             return HubName(repo_id, revision=revision, filename=path)
         return HubName(repo_id, revision=revision)  # a file of a checkpoint: the checkpoint

@@ -5,7 +5,8 @@ penalties: its model.yml); Jan's document groups them (`settings`, `parameters`,
 `engine_parameters`). model_yaml_body moves each flat field into its group, where
 router/lifecycle/settings.py checks it and the model applies it:
 
-- `ctx_len`, `ngl`, `n_parallel`, `cpu_threads`, `embedding` -> settings (applied at the next start);
+- `ctx_len`, `ngl`, `n_parallel`, `cpu_threads`, `embedding` (and this server's `num_shard`,
+  `dtype`, `max_batch_total_tokens`) -> settings (applied at the next start);
 - `temperature`, `top_p`, `top_k`, `stream`, `stop`, `frequency_penalty`, `presence_penalty`, and
   `max_tokens` (as `token_limit`) -> parameters: the defaults of the model's OpenAI requests;
 - `prompt_template` -> engine_parameters: Cortex's `{system_message}` / `{prompt}` template,
@@ -20,9 +21,12 @@ describe the model rather than set it (`id`, `model`, `object`, `created`, `owne
 from __future__ import annotations
 
 from router.errors import ValidationError
+from router.lifecycle.settings import SETTINGS
 
 _GROUPS = {
-    "settings": ("ctx_len", "ngl", "n_parallel", "cpu_threads", "embedding"),
+    # Cortex's ctx_len, ngl, n_parallel, cpu_threads, embedding, and this server's own settings,
+    # which a Cortex start's body has always taken flat
+    "settings": tuple(SETTINGS),
     "parameters": ("temperature", "top_p", "top_k", "stream", "stop", "frequency_penalty",
                    "presence_penalty"),
     "engine_parameters": ("prompt_template",),

@@ -180,8 +180,11 @@ def _with_whitespace(field: str, grammar: tuple[str, str] | None, pattern) -> tu
     schema = json.loads(grammar[1])
     schema = {} if schema is True else schema
     if isinstance(schema, dict):
-        schema = {**schema, "x-guidance": {**(schema.get("x-guidance") or {}),
-                                           "whitespace_pattern": pattern}}
+        options = schema.get("x-guidance") or {}
+        if not isinstance(options, dict):  # llguidance's options of the schema
+            raise ValidationError(f"`{field}` needs the schema's `x-guidance` to be an object "
+                                  "(llguidance's options, which the pattern joins)")
+        schema = {**schema, "x-guidance": {**options, "whitespace_pattern": pattern}}
     return _checked(field, JSON, schema)
 
 

@@ -47,6 +47,11 @@ def _functions(tools) -> list[dict]:
             raise ValidationError(f"tools[{i}]: a function named {function['name']!r} is "
                                   "already offered; each tool needs a name of its own")
         names.add(function["name"])
+        if "parameters" not in function and "arguments" in function:
+            # TGI's FunctionDefinition names the schema `arguments` (`parameters` its alias):
+            # the grammar and the template read it under OpenAI's name
+            function = {**{k: v for k, v in function.items() if k != "arguments"},
+                        "parameters": function["arguments"]}
         functions.append(function)
     return functions
 

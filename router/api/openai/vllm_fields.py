@@ -10,14 +10,14 @@ import logging
 from dataclasses import dataclass, replace
 
 from router.api.openai.common import openai_logprob, usage
+from router.api.openai.guided import GUIDED_FIELDS, OPTION_FIELDS
 from router.errors import TemplateError, ValidationError
 from router.inputs.field_ranges import read_flag, read_number
 from router.schemas import GenerateRequest, Token, TokenEvent
 
 log = logging.getLogger("tgi.router")
 
-_STRUCTURED = {"guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs"}
+_STRUCTURED = {*GUIDED_FIELDS, *OPTION_FIELDS, "structured_outputs"}
 # what both routes read: OpenAI's fields, TGI's, vLLM's extensions (`user` has no effect on an
 # answer anywhere: OpenAI's, vLLM's and TGI's servers take it and keep it out of generation)
 _SHARED = {"model", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "max_tokens",

@@ -224,11 +224,11 @@ def check_fields(body: dict) -> None:
 
 def _warn_unknown(name: str) -> None:
     """Logs, once per name, a top-level field this server ignores as SGLang would."""
+    name = name[:100]  # remembered cut short: a body's one key may be megabytes
     if name in _warned or len(_warned) >= MAX_WARNED:
         return
     _warned.add(name)
-    log.warning("SGLang /generate: ignoring the unknown field %r (as SGLang ignores it)",
-                name[:100])
+    log.warning("SGLang /generate: ignoring the unknown field %r (as SGLang ignores it)", name)
 
 
 def _rids(body: dict, count: int) -> list[str]:

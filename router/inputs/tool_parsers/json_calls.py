@@ -17,6 +17,7 @@ from router.inputs.tool_parsers.events import ToolDelta
 _ARGUMENT_KEYS = ("arguments", "parameters")
 _PLAIN = re.compile(r'[^"\\]+')  # a run of a JSON string's characters that are themselves
 _SPECIAL = re.compile(r'["\\]')
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _BARE = re.compile(r'[^"{}\[\]]+')  # inside an object or array, outside its strings
 _SPACE = " \t\r\n"
 # the five states of a call object, after its `{`
@@ -61,6 +62,21 @@ class _Value:
         return True
 
 
+def _high_surrogate(digits: str) -> bool:
+    try:
+        return 0xD800 <= int(digits, 16) < 0xDC00
+    except ValueError:  # not hex: the escape is no JSON, and _decoded drops it
+        return False
+
+
+def _decoded(escape: str) -> str:
+    """An escape's text; a lone surrogate half is U+FFFD, as UTF-8 (the answer's bytes) has none."""
+    try:
+        return _LONE_SURROGATE.sub("\ufffd", json.loads(f'"{escape}"'))
+    except ValueError:
+        return ""
+
+
 @dataclass(slots=True)
 class _Text:
     """The text of `{"content": "..."}` as it is written: each escape decoded once it is whole."""
@@ -84,16 +100,17 @@ class _Text:
             return ""
         if self.escape:
             self.escape += c
-            whole = 6 if self.escape[1] == "u" else 2
-            if len(self.escape) >= 6 and whole == 6 and 0xD800 <= int(self.escape[2:6], 16) < 0xDC00:
+            text = self.escape
+            whole = 6 if text[1] == "u" else 2
+            if len(text) >= 6 and whole == 6 and _high_surrogate(text[2:6]):
+                if not "\\u".startswith(text[6:8]):  # a lone half: what follows is read anew
+                    self.escape = ""
+                    return _decoded(text[:6]) + "".join(self.take(x) for x in text[6:])
                 whole = 12  # a surrogate pair: its second half follows
-            if len(self.escape) < whole:
+            if len(text) < whole:
                 return ""
-            text, self.escape = self.escape, ""
-            try:
-                return json.loads(f'"{text}"')
-            except ValueError:
-                return ""
+            self.escape = ""
+            return _decoded(text)
         if c == "\\":
             self.escape = c
         elif c == '"':
@@ -174,7 +191,7 @@ class JsonCalls:
             return
         if call.state == _VALUE:
             if call.value.take(c):
-                self._value_char(call, c, out)
+                self._value_text(call, c, out)
                 if call.value.done:
                     self._value_end(call, out)
                 return
@@ -197,9 +214,6 @@ class JsonCalls:
         elif call.state == _WAIT and c not in _SPACE:
             call.state, call.value = _VALUE, _Value()
             self._char(c, out)
-
-    def _value_char(self, call: _Call, c: str, out: list[ToolDelta]) -> None:
-        self._value_text(call, c, out)
 
     def _value_text(self, call: _Call, text: str, out: list[ToolDelta]) -> None:
         if call.key == "name":

@@ -30,6 +30,8 @@ def _call(source: str) -> tuple[str, str] | None:
         return ast.unparse(node.func), json.dumps(arguments, ensure_ascii=False)
     except (SyntaxError, ValueError, TypeError):
         return None
+    except (RecursionError, MemoryError):  # Python's parser on a deep nesting (`----1`)
+        return None
 
 
 class Pythonic:

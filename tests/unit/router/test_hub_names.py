@@ -32,10 +32,15 @@ def test_plain_ids_paths_and_short_names_are_no_hub_names(source):
     assert hub_name(source) is None
 
 
+HUB = f"https://huggingface.co/{REPO}"
+
+
 @pytest.mark.parametrize("source", ["https://example.com/a/b", "https://huggingface.co/a",
-                                    "https://[",
-                                    f"https://huggingface.co/{REPO}/commits/main",
-                                    f"https://huggingface.co/{REPO}/resolve/main/../x.gguf"])
+                                    "https://[", f"{HUB}/commits/main",
+                                    f"{HUB}/resolve/main/../x.gguf",
+                                    # `..` quoted: once a file path and a revision of `..`
+                                    f"{HUB}/resolve/main/a%2F..%2F..%2Fx.gguf",
+                                    f"{HUB}/resolve/%2E%2E/x.gguf", f"{HUB}/tree/..%2F.."])
 def test_unreadable_hub_urls_are_refused(source):
     with pytest.raises(ValidationError):
         hub_name(source)

@@ -153,10 +153,12 @@ async def test_pull_and_start_bodies_are_checked(tiny_llama):
         stop = await client.post("/v1/models/stop", json={"model": "other", "force": True})
         assert stop.status == 422
         # the settings are kept; without tgi-launcher nothing starts
+        # this server's own settings too, flat as a start's body has always taken them
         start = await client.post("/v1/models/start", json={"model": "other", "ctx_len": 64,
-                                                            "cpu_threads": 2})
+                                                            "cpu_threads": 2, "num_shard": 2})
         assert start.status == 503
-        assert manager.registry.get("other").settings == {"ctx_len": 64, "cpu_threads": 2}
+        assert manager.registry.get("other").settings == {"ctx_len": 64, "cpu_threads": 2,
+                                                          "num_shard": 2}
     finally:
         await client.close()
 

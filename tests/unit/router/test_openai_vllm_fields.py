@@ -90,6 +90,9 @@ def test_a_whitespace_pattern_reaches_the_json_grammar():
     ({"guided_regex": "x", "guided_decoding_backend": "guidance:whitespace"}, "is not served"),
     ({"guided_regex": "x", "guided_whitespace_pattern": " "}, "needs a JSON constraint"),
     ({"guided_whitespace_pattern": " "}, "needs a JSON constraint"),
+    # once a TypeError (a 500) merging the pattern into the schema's options
+    ({"guided_json": {**SCHEMA, "x-guidance": 5}, "guided_whitespace_pattern": " "},
+     "`guided_whitespace_pattern` needs the schema's `x-guidance` to be an object"),
     ({"structured_outputs": {"structural_tag": {"structures": [], "triggers": []}}},
      "`structured_outputs.structural_tag` must be"),
     ({"structured_outputs": {"structural_tag": {"structures": [

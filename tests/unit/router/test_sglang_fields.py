@@ -12,6 +12,16 @@ from tests.unit.router.test_api_errors import HealthyFake, _client
 from tests.unit.router.test_sglang_api import _sse
 
 
+def test_an_unknown_fields_name_is_remembered_cut_short():
+    """A thousand bodies, each with a megabyte-long field name, once kept a gigabyte."""
+    name = "n" * 1_000_000
+    try:
+        sglang_request.check_fields({"text": "a", name: 1})
+        assert name not in sglang_request._warned and name[:100] in sglang_request._warned
+    finally:
+        sglang_request._warned.discard(name[:100])
+
+
 async def test_unknown_top_level_fields_are_ignored_and_logged_once(tiny_llama, caplog):
     client = await _client(tiny_llama, HealthyFake())
     sglang_request._warned.discard("newer_field")

@@ -4,7 +4,7 @@ streams them and equal to the whole answer, parallel_tool_calls, the no_tool ans
 import json
 
 from router.schemas import FinishReason
-from tests.unit.router.test_api_errors import _client
+from tests.unit.router.test_api_errors import HealthyFake, _client
 from tests.unit.router.test_reasoning import ScriptedText
 
 ASK = [{"role": "user", "content": "Weather and time in Paris?"}]
@@ -150,5 +150,28 @@ async def test_mistrals_special_tag_is_read_and_the_eos_text_left_out(tiny_llama
         assert "".join(c["delta"]["content"] or "" for c in stream) == "Sure."
         assert [c["function"] for c in _joined_calls(stream)] == [
             {"name": "get_time", "arguments": "{}"}]
+    finally:
+        await client.close()
+
+
+async def test_tgis_function_definition_gives_its_schema_as_arguments(tiny_llama):
+    """TGI 2.2.1's FunctionDefinition names the parameters' schema `arguments`: it once went
+    unread, and the grammar forced calls with any object as arguments."""
+    fake = HealthyFake()
+    client = await _client(tiny_llama, fake, max_total_tokens=2048)
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"]}
+    try:
+        for function in ({"name": "get_weather", "arguments": city},
+                         {"name": "get_weather", "parameters": city}):  # OpenAI's, TGI's alias
+            fake.requests.clear()
+            reply = await client.post("/v1/chat/completions", json={
+                "messages": ASK, "max_tokens": 2, "tool_choice": "required",
+                "tools": [{"type": "function", "function": function}]})
+            assert reply.status == 200, await reply.text()
+            (sent,) = fake.requests.values()
+            kind, schema = sent.request.grammar
+            calls = json.loads(schema)["items"]
+            assert kind == "json" and calls["properties"]["arguments"]["properties"] == {
+                "city": {"enum": ["Paris"]}}, schema
     finally:
         await client.close()

@@ -69,6 +69,12 @@ def test_whole_outputs_and_streams_cut_anywhere_give_the_same_answer(name, text,
     assert _answer(deltas + parser.finish()) == expected
 
 
+def test_a_pythonic_call_nested_past_pythons_parser_is_no_call():
+    """A model's `f(a=----...1)` once raised RecursionError (MemoryError deeper): a 500."""
+    for deep in ("-" * 5000 + "1", "not " * 3000 + "True", "(" * 300 + "1" + ")" * 300):
+        assert _whole(PARSERS["pythonic"], f"[f(a={deep}), g(b=1)]") == ("", [("g", '{"b": 1}')])
+
+
 def test_a_calls_name_goes_out_first_and_alone_then_its_arguments_as_written():
     parser = PARSERS["hermes"]()
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -98,6 +104,20 @@ def test_grammar_forced_calls_stream_and_no_tool_is_the_answer_in_words(text, ex
         assert _split(make, text, i) == expected, i
     for name, arguments in expected[1]:
         json.loads(arguments)
+
+
+@pytest.mark.parametrize("escaped,said", [
+    ("\\ud83d\\u0041", "\ufffdA"), ("\\ud83d x", "\ufffd x"), ("\\ud83d", "\ufffd"),
+    ("\\ud83d\\n", "\ufffd\n"), ("\\ude00", "\ufffd"), ("\\uZZZZ x", " x")])
+def test_a_lone_or_broken_escape_in_words_neither_fails_nor_eats_what_follows(escaped, said):
+    """A high surrogate's escape once took the next six characters as its pair's, closing quote
+    and all; a \\u of no hex digits raised ValueError (a 500). A lone half is U+FFFD: a
+    stream's UTF-8 cannot hold it."""
+    text = (f'{{"name":"no_tool","arguments":{{"content":"a {escaped}"}}}}'
+            '{"name":"t","arguments":{}}')
+    expected = (f"a {said}", [("t", "{}")])
+    for i in range(len(text) + 1):
+        assert _split(lambda: JsonCalls(no_tool="no_tool"), text, i) == expected, i
 
 
 def test_an_answer_in_words_cut_short_gives_the_words_so_far():
