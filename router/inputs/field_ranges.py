@@ -56,6 +56,18 @@ def check_int(path: str, value, wire: IntType) -> int:
     return value
 
 
+def checked_token_ids(ids: list, path: str, vocab_size: int) -> list[int]:
+    """`ids` checked as token ids of a vocabulary of `vocab_size` (each a u32 below it)."""
+    out = []
+    for i, token in enumerate(ids):
+        token = check_int(f"{path}[{i}]", token, UINT32)
+        if token >= vocab_size:
+            raise ValidationError(f"`{path}[{i}]` = {token} is not a token id (the vocabulary has "
+                                  f"{vocab_size})")
+        out.append(token)
+    return out
+
+
 def float32(value: float) -> float:
     """The float32 nearest `value` (the value a shard receives; inf past float32's range)."""
     return struct.unpack("f", struct.pack("f", value))[0]

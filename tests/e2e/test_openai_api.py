@@ -287,6 +287,29 @@ def test_vllm_ignore_eos_and_min_tokens_extensions(server, client):
     assert legacy.usage.completion_tokens == 24
 
 
+def test_vllm_stop_token_ids_and_min_p(client, real_model_dir):
+    """stop_token_ids end the answer at the first of them, as vLLM's do; min_p 1 keeps only the
+    likeliest token, so a sampled answer is the greedy one."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(real_model_dir / "tokenizer.json"))
+    prompt = "The capital of France is"
+    plain = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0)
+    ids = tokenizer.encode(plain.choices[0].text, add_special_tokens=False).ids
+    stopped = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"stop_token_ids": [ids[2]]})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == 3
+    sampled = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=1.5,
+                                        seed=3, extra_body={"min_p": 1.0})
+    assert sampled.choices[0].text == plain.choices[0].text
+    import openai
+
+    with pytest.raises(openai.UnprocessableEntityError, match="is not a token id"):
+        client.completions.create(model="m", prompt=prompt, max_tokens=2,
+                                  extra_body={"stop_token_ids": [10**9]})
+
+
 def test_logit_bias_bans_and_forces_tokens(client, real_model_dir):
     import openai
     from tokenizers import Tokenizer

@@ -5,7 +5,7 @@ from router.api.openai import openapi_messages
 from router.http.openapi import (LOGIT_BIAS, error_responses, float_schema, int_schema, nullable,
                                  object_schema, or_sdk_error, post, ref, sdk_error_schema)
 from router.api.openai import vllm_openapi
-from router.inputs.field_ranges import INT32, UINT64
+from router.inputs.field_ranges import INT32, UINT32, UINT64
 
 # OpenAI's map, or TGI's document's list of floats (the i-th biases token id i)
 _LOGIT_BIAS = {"nullable": True, "anyOf": [
@@ -33,6 +33,12 @@ def _openai_sampling() -> dict:
                     "description": "vLLM's extension: run to max_tokens past the end of sequence"},
         min_tokens={**int_schema(INT32, minimum=0), "nullable": True,
                     "description": "vLLM's extension: no end of sequence before this many tokens"},
+        min_p={**float_schema(minimum=0, maximum=1), "nullable": True,
+               "description": "vLLM's extension: tokens less likely than min_p times the "
+                              "likeliest are dropped; 0 is off"},
+        stop_token_ids={"type": "array", "nullable": True, "items": int_schema(UINT32),
+                        "description": "vLLM's extension: generation ends on any of these "
+                                       "token ids"},
         n={**int_schema(INT32, minimum=1), "nullable": True},
         seed={**int_schema(UINT64), "nullable": True},
         frequency_penalty={**float_schema(minimum=-2, maximum=2), "nullable": True},

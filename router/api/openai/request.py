@@ -9,7 +9,8 @@ from router.api.openai.vllm_fields import GenerationPrompt
 from router.errors import TemplateError, ValidationError, about_field
 from router.inputs import json_text
 from router.inputs.chat_template import ChatTemplate
-from router.inputs.field_ranges import FLOAT32_MAX, check_logit_bias, read_flag, read_number
+from router.inputs.field_ranges import (FLOAT32_MAX, check_logit_bias, checked_token_ids, read_flag,
+                                        read_number)
 from router.inputs.seeds import seed_or_draw
 from router.inputs.template_worker import encode_job
 from router.inputs.validation import ValidationLimits, check_lengths
@@ -52,6 +53,7 @@ def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingPa
         # vLLM's extension (TGI's multiplicative penalty): > 0, 1 is off
         repetition_penalty=read_number(body, "repetition_penalty", 0, FLOAT32_MAX,
                                   low_open=True) or 1.0,
+        min_p=read_number(body, "min_p", 0, 1) or 0.0,  # vLLM's extension, as SGLang's
         do_sample=temperature != 0,  # OpenAI samples unless the temperature is 0
         seed=seed_or_draw(seed),
         logit_bias=check_logit_bias("logit_bias", body.get("logit_bias"), limits.vocab_size,
@@ -285,8 +287,13 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
     if min_tokens > max_tokens:
         raise ValidationError(f"`min_tokens` must be <= `max_tokens`. Given: {min_tokens} > "
                               f"{max_tokens}")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not isinstance(stop_ids, list):
+        raise ValidationError("`stop_token_ids` must be a list of token ids")
     stopping = StoppingParams(max_new_tokens=max_tokens, stop_sequences=stop,
-                              ignore_eos=read_flag(body, "ignore_eos"), min_new_tokens=min_tokens)
+                              ignore_eos=read_flag(body, "ignore_eos"), min_new_tokens=min_tokens,
+                              stop_token_ids=checked_token_ids(stop_ids or [], "stop_token_ids",
+                                                               limits.vocab_size))
     return GenerateRequest(inputs=prompt, input_ids=input_ids, sampling=sampling,
                            stopping=stopping,
                            top_n_tokens=top_n_tokens, prefill_logprobs=prefill_logprobs,

@@ -23,7 +23,7 @@ _STRUCTURED = {*GUIDED_FIELDS, *OPTION_FIELDS, "structured_outputs"}
 _SHARED = {"model", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "max_tokens",
            "max_completion_tokens", "n", "seed", "stop", "stream", "stream_options",
            "temperature", "top_p", "response_format", "user", "top_k", "repetition_penalty",
-           "ignore_eos", "min_tokens", "prompt_logprobs", *_STRUCTURED}
+           "ignore_eos", "min_tokens", "min_p", "stop_token_ids", "prompt_logprobs", *_STRUCTURED}
 CHAT_FIELDS = frozenset({*_SHARED, "messages", "top_logprobs", "tools", "tool_choice",
                          "tool_prompt", "parallel_tool_calls", "chat_template_kwargs",
                          "add_generation_prompt", "continue_final_message"})

@@ -22,10 +22,9 @@ from dataclasses import dataclass, field, replace
 import numpy
 
 from router.api.sglang.lora import LoadedAdapters, prompt_adapters
-from router.api.sglang.sampling import (DEFAULT_MAX_NEW_TOKENS, SglangSampling,
-                                        checked_token_ids, parse_sampling)
+from router.api.sglang.sampling import DEFAULT_MAX_NEW_TOKENS, SglangSampling, parse_sampling
 from router.errors import ValidationError
-from router.inputs.field_ranges import INT32, UINT32, check_int, read_flag
+from router.inputs.field_ranges import INT32, UINT32, check_int, checked_token_ids, read_flag
 from router.inputs.seeds import copies, draw_seed
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import ValidationLimits, check_lengths

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 from router.errors import ValidationError
 from router.inputs import structured_output
-from router.inputs.field_ranges import (F32, INT32, UINT32, UINT64, check_int, check_logit_bias,
-                                        read_flag, read_number)
+from router.inputs.field_ranges import (F32, INT32, UINT32, UINT64, check_logit_bias,
+                                        checked_token_ids, read_flag, read_number)
 from router.inputs.seeds import seed_or_draw
 from router.inputs.validation import ValidationLimits
 from router.schemas import SamplingParams
@@ -25,17 +25,6 @@ _SAMPLING_FIELDS = {
     "json_schema", "regex", "ebnf", "sampling_seed", "logit_bias", "stream_interval",
     *_SAMPLING_NOT_YET,
 }
-
-
-def checked_token_ids(ids: list, path: str, vocab_size: int) -> list[int]:
-    out = []
-    for i, token in enumerate(ids):
-        token = check_int(f"{path}[{i}]", token, UINT32)
-        if token >= vocab_size:
-            raise ValidationError(f"`{path}[{i}]` = {token} is not a token id (the vocabulary has "
-                                  f"{vocab_size})")
-        out.append(token)
-    return out
 
 
 def _sampling_number(params: dict, name: str, wire, default, low=None, high=None, *,
