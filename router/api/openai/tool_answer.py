@@ -40,10 +40,15 @@ class CallReading:
         for delta in kept:
             self.content += delta.content
             if delta.name is not None:
-                self.calls.append(_Call(f"call_{uuid.uuid4().hex[:24]}", delta.name))
+                self.calls.append(_Call(self._new_id(), delta.name))
             elif delta.index is not None:
                 self.calls[delta.index].arguments += delta.arguments
         return kept
+
+    def _new_id(self) -> str:
+        """OpenAI's kind of call id, or the reader's own where its model's template wants one."""
+        own = getattr(self.reader, "call_id", None)
+        return own() if own is not None else f"call_{uuid.uuid4().hex[:24]}"
 
     def finish_reason(self, finish: str) -> str:
         """OpenAI's finish reason: `tool_calls` once calls were read whole.

@@ -6,16 +6,27 @@ router must keep the tag in the text: Mistral tokenizers mark it special.
 """
 from __future__ import annotations
 
+import secrets
+import string
+
 from router.inputs.tool_parsers.events import ToolDelta, held_tag
 from router.inputs.tool_parsers.json_calls import JsonCalls, JsonValue
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+_ID_CHARACTERS = string.ascii_letters + string.digits
 
 
 class Mistral:
     """One choice's output, fed as it streams."""
 
     reads_special_tokens = True
+
+    @staticmethod
+    def call_id() -> str:
+        """A call's id as Mistral's templates take it back: nine letters and digits.
+
+        Their tool turns refuse any other (vLLM's mistral parser makes the same)."""
+        return "".join(secrets.choice(_ID_CHARACTERS) for _ in range(9))
 
     def __init__(self):
         self.calls = JsonCalls()

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from router.api.openai.request import normalise_messages, template_messages
+from router.api.openai.tool_answer import CallReading
 from router.api.openai.tools import tool_plan
 from router.errors import TemplateError
 from router.inputs.chat_template import ChatTemplate
+from router.inputs.tool_parsers import PARSERS
 from tests.unit.router.test_chat_template_parity import render_chat
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
@@ -159,3 +161,17 @@ def test_templates_without_tools_see_the_calls_as_text(transformers_render, fami
     assert ('{"celsius": 21}' in ours) is result_shown
     assert ('"description": "Current weather"' in ours) is result_shown
 
+
+def test_mistral_parsers_calls_come_back_through_mistrals_template(transformers_render):
+    """The calls --tool-call-parser mistral reads carry ids Mistral's template takes back: the
+    answer's message, sent again with the results, renders as transformers renders it."""
+    reading = CallReading(PARSERS["mistral"]())
+    reading.feed('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                 '{"name": "get_weather", "arguments": {"city": "Oslo"}}]', last=True)
+    answer = reading.message()
+    ids = [call["id"] for call in answer["tool_calls"]]
+    assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 2
+    request = [_loop(ids)[0], answer, *_loop(ids)[2:]]
+    ours = _ours("mistral-nemo", request)
+    assert ours == transformers_render("mistral-nemo", _as_transformers_gets_it(request))
+    assert f'"call_id": "{ids[1]}"}}[/TOOL_RESULTS]' in ours
