@@ -135,3 +135,28 @@ def test_the_loops_turns_reach_the_template_as_structured_data(server):
         "messages": messages, "tools": [WEATHER], "tool_prompt": "Use a tool."}, timeout=60)
     assert reply.json()["templated_text"].endswith(
         "And in Oslo?\n---\nUse a tool.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_parallel_calls_and_their_results_come_back_as_transformers_renders_them(server):
+    """Two calls in one turn (arguments as the SDK's JSON text) and their two results render as
+    transformers renders the same turns with the arguments as objects."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    calls = [{"id": f"call_{i}", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": city})}}
+        for i, city in enumerate(["Paris", "Oslo"])]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_0", "content": "21 C"},
+                {"role": "tool", "tool_call_id": "call_1", "content": "9 C"}]
+    reply = requests.post(f"{server.url}/chat_tokenize", json={
+        "messages": messages, "tools": [WEATHER]}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    given = json.loads(json.dumps(messages))
+    given[1]["content"] = ""
+    for call in given[1]["tool_calls"]:
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    rendered, _ = render_jinja_template([given], tools=[WEATHER], chat_template=QWEN3,
+                                        add_generation_prompt=True)
+    assert reply.json()["templated_text"] == rendered[0]
+    assert "<tool_response>\n21 C\n</tool_response>\n<tool_response>\n9 C\n</tool_response>" \
+        in rendered[0]
