@@ -138,6 +138,9 @@ class ChatTemplate:
             tokens["eos_token"] = eos_token
         self.special_tokens = tokens
         self.template: jinja2.Template | None = None
+        # whether the template reads the `tools` variable (TGI's test), not a message's `tools`
+        # field as Phi-4-mini's does: else the router writes the tools into the prompt
+        self.knows_tools = False
         # why the template cannot render, for every chat request to answer with a 422
         self.error: str | None = None
         if not isinstance(source, str):
@@ -149,16 +152,14 @@ class ChatTemplate:
         self.environment = _environment(budget)
         try:
             self.template = self.environment.from_string(source)
+            self.knows_tools = any(
+                name.name == "tools" and name.ctx == "load"
+                for name in self.environment.parse(source).find_all(jinja2.nodes.Name))
         except jinja2.TemplateError as err:
             self.error = _compile_error(err)
         except (RecursionError, SyntaxError, MemoryError) as err:  # nested past Python's limits
             self.error = (f"the model's chat template does not compile: {type(err).__name__} "
                           f"({err})")
-
-    @property
-    def knows_tools(self) -> bool:
-        """Whether the template itself renders `tools` (else the router writes the tool prompt)."""
-        return isinstance(self.source, str) and "tools" in self.source
 
     @property
     def bos_token(self) -> str:

@@ -48,8 +48,12 @@ def test_content_parts_are_joined_and_tools_explained_when_the_template_cannot()
     auto = tool_plan({"tools": tools, "tool_prompt": "Pick one:"})
     text = template.render(template_messages(template, messages, auto))
     assert '"name": "no_tool"' in text and text.endswith("\nPick one:\n")
-    shows = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}{# tools #}")
+    shows = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}{% endif %}")
     assert shows.render(template_messages(shows, messages, auto)) == "ab\n---\nPick one:"
+    # as TGI tells: the template reads the variable; a word in a comment or a message's `tools`
+    # field (Phi-4-mini's) does not show the request's tools
+    for source in ("{{ messages[0].content }}{# tools #}", "{{ messages[0]['tools'] }}"):
+        assert not ChatTemplate(source).knows_tools
 
 
 def test_suffix_becomes_a_fill_in_the_middle_prompt_when_the_tokenizer_has_its_tokens():

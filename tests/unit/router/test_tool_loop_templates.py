@@ -1,6 +1,7 @@
 """A tool loop (the call turn, the tools' results, the next answer's prompt) through each served
 family's own chat template, rendered by a chat request's path and by transformers'
-apply_chat_template: Llama 3.1/3.2, Mistral (tekken), Qwen2.5, Qwen3, Gemma 2/3, Phi-3.5, SmolLM2.
+apply_chat_template: Llama 3.1/3.2, Mistral (tekken), Qwen2.5, Qwen3, Gemma 2/3, Phi-3.5,
+Phi-4-mini, SmolLM2.
 
 The templates are the models' own (chat_templates/*.jinja, each naming its source on its first
 line)."""
@@ -23,11 +24,11 @@ TOKENS = {
     "llama3.1": ("<|begin_of_text|>", "<|eot_id|>"), "llama3.2": ("<|begin_of_text|>", "<|eot_id|>"),
     "mistral-nemo": ("<s>", "</s>"), "qwen2.5": (None, "<|im_end|>"), "qwen3": (None, "<|im_end|>"),
     "gemma2": ("<bos>", "<eos>"), "gemma3": ("<bos>", "<eos>"), "phi3.5": ("<s>", "<|endoftext|>"),
-    "smollm2": ("<|im_start|>", "<|im_end|>")}
+    "phi4-mini": ("<|endoftext|>", "<|endoftext|>"),    "smollm2": ("<|im_start|>", "<|im_end|>")}
 # the family's --tool-call-parser (vLLM's choice for it)
 FAMILY_PARSER = {"llama3.1": "llama3_json", "llama3.2": "llama3_json", "mistral-nemo": "mistral",
            "qwen2.5": "hermes", "qwen3": "hermes", "gemma2": "pythonic", "gemma3": "pythonic",
-           "phi3.5": "hermes", "smollm2": "hermes"}
+           "phi3.5": "hermes", "phi4-mini": "hermes", "smollm2": "hermes"}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -141,12 +142,14 @@ def test_gemmas_template_refuses_the_tool_role_with_its_own_words(transformers_r
         transformers_render(family, _as_transformers_gets_it(_loop(OPENAI_IDS)))
 
 
-@pytest.mark.parametrize("family,result_shown", [("smollm2", True), ("phi3.5", False)])
+@pytest.mark.parametrize("family,result_shown", [
+    ("smollm2", True), ("phi4-mini", True), ("phi3.5", False)])
 def test_templates_without_tools_see_the_calls_as_text(transformers_render, family, result_shown):
     """Templates that read neither `tools` nor `tool_calls` get the calls as the turn's text and
     the tools (TGI's way) after the last message; the rest renders as transformers renders the
-    same messages. SmolLM2's shows a tool turn as any other; Phi-3.5's drops it, and
-    the tools TGI's way puts there with it."""
+    same messages. SmolLM2's and Phi-4-mini's (which reads a system message's `tools` text, not
+    the variable) show a tool turn as any other; Phi-3.5's drops it, and the tools TGI's way puts
+    there with it."""
     request = _loop(OPENAI_IDS)
     ours = _ours(family, request)
     bos, eos = TOKENS[family]
