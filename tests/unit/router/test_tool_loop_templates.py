@@ -136,8 +136,9 @@ def test_mistrals_template_refuses_call_ids_not_its_own(transformers_render):
 def test_gemmas_template_refuses_the_tool_role_with_its_own_words(transformers_render, family):
     """Gemma's templates know user and model turns only: a tool result is their error (as in
     transformers, TGI and vLLM), which a request answers as a 422 naming it."""
-    with pytest.raises(TemplateError, match="Conversation roles must alternate"):
+    with pytest.raises(TemplateError, match="Conversation roles must alternate") as refused:
         _ours(family, _loop(OPENAI_IDS))
+    assert (refused.value.status, refused.value.error_type) == (422, "template_error")
     with pytest.raises(Exception, match="Conversation roles must alternate"):
         transformers_render(family, _as_transformers_gets_it(_loop(OPENAI_IDS)))
 
