@@ -58,7 +58,7 @@ def _message(result: GenerateResult, plan: ToolPlan, stops: list[str],
     if reader is None:
         message = {"role": "assistant", "content": text}
     else:
-        reading = CallReading(reader, plan.parallel)
+        reading = CallReading(reader, plan.parallel, plan.new_call_id)
         reading.feed(text or "", last=True)
         message, finish = reading.message(), reading.finish_reason(finish)
     if reasoning is not None:
@@ -196,7 +196,8 @@ class ChatStream(OpenAIStream):
         self.holdbacks = [StopHoldback(chat.request.stopping.stop_sequences) for _ in range(n)]
         self.splitters = [ThinkSplitter(chat.reasoning) if chat.reasoning is not None else None
                           for _ in range(n)]
-        self.readings = [CallReading(chat.plan.reader(), chat.plan.parallel)
+        self.readings = [CallReading(chat.plan.reader(), chat.plan.parallel,
+                                     chat.plan.new_call_id)
                          if chat.plan.reads_calls else None for _ in range(n)]
         self.running = vllm_fields.RunningUsage([chat.request.input_length] * n,
                                                 chat.options.continuous_usage)

@@ -7,6 +7,7 @@ reading of the whole text, so a stream's pieces join into the message.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.inputs.tool_parsers import ToolDelta
@@ -24,10 +25,12 @@ class _Call:
 class CallReading:
     """A reader (router.inputs.tool_parsers) over one choice's output, and what it found so far.
 
-    `parallel`: false keeps only the first call (OpenAI's parallel_tool_calls)."""
+    `parallel`: false keeps only the first call (OpenAI's parallel_tool_calls); `new_id`: a
+    call's id (ToolPlan.new_call_id)."""
 
     reader: object
     parallel: bool = True
+    new_id: Callable[[], str] = lambda: f"call_{uuid.uuid4().hex[:24]}"
     content: str = ""
     calls: list[_Call] = field(default_factory=list)
 
@@ -40,15 +43,10 @@ class CallReading:
         for delta in kept:
             self.content += delta.content
             if delta.name is not None:
-                self.calls.append(_Call(self._new_id(), delta.name))
+                self.calls.append(_Call(self.new_id(), delta.name))
             elif delta.index is not None:
                 self.calls[delta.index].arguments += delta.arguments
         return kept
-
-    def _new_id(self) -> str:
-        """OpenAI's kind of call id, or the reader's own where its model's template wants one."""
-        own = getattr(self.reader, "call_id", None)
-        return own() if own is not None else f"call_{uuid.uuid4().hex[:24]}"
 
     def finish_reason(self, finish: str) -> str:
         """OpenAI's finish reason: `tool_calls` once calls were read whole.

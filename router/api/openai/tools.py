@@ -9,6 +9,7 @@ reads its calls; `required` and a named function still use the grammar.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 
 from router.errors import ValidationError
@@ -66,6 +67,16 @@ class ToolPlan:
     parallel: bool = True  # several calls in one answer
     parser: str | None = None  # --tool-call-parser reads the calls (tool_choice=auto)
     prompt: str | None = None  # TGI's tool_prompt, added to the last message
+    # --tool-call-parser, whose model's call ids every call gets (the grammar's too)
+    ids_of: str | None = None
+
+    def new_call_id(self) -> str:
+        """A call's id: its model's own kind where the template wants one, else OpenAI's.
+
+        Mistral's templates take back nine letters and digits only (vLLM gives Mistral's models
+        such ids)."""
+        own = getattr(PARSERS.get(self.parser or self.ids_of), "call_id", None)
+        return own() if own is not None else f"call_{uuid.uuid4().hex[:24]}"
 
     @property
     def skips_special_tokens(self) -> bool:
@@ -140,7 +151,8 @@ def tool_plan(body: dict, *, parser: str | None = None, auto_parses: bool = Fals
     schema = structured_output.tool_call_schema(functions, allow_text=allow_text,
                                                 parallel=parallel)
     return ToolPlan(functions, structured_output.checked(structured_output.JSON, schema),
-                    allow_text, parallel, prompt=DEFAULT_TOOL_PROMPT if prompt is None else prompt)
+                    allow_text, parallel, prompt=DEFAULT_TOOL_PROMPT if prompt is None else prompt,
+                    ids_of=parser)
 
 
 def with_tool_prompt(messages: list[dict], plan: ToolPlan, *, template_shows_tools: bool

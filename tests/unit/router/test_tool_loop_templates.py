@@ -15,7 +15,6 @@ from router.api.openai.tool_answer import CallReading
 from router.api.openai.tools import tool_plan
 from router.errors import TemplateError
 from router.inputs.chat_template import ChatTemplate
-from router.inputs.tool_parsers import PARSERS
 from tests.unit.router.test_chat_template_parity import render_chat
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
@@ -166,12 +165,21 @@ def test_templates_without_tools_see_the_calls_as_text(transformers_render, fami
     assert ('"description": "Current weather"' in ours) is result_shown
 
 
-def test_mistral_parsers_calls_come_back_through_mistrals_template(transformers_render):
-    """The calls --tool-call-parser mistral reads carry ids Mistral's template takes back: the
-    answer's message, sent again with the results, renders as transformers renders it."""
-    reading = CallReading(PARSERS["mistral"]())
-    reading.feed('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-                 '{"name": "get_weather", "arguments": {"city": "Oslo"}}]', last=True)
+@pytest.mark.parametrize("choice,output", [
+    ("auto", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+             '{"name": "get_weather", "arguments": {"city": "Oslo"}}]'),
+    ("required", '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                 '{"name": "get_weather", "arguments": {"city": "Oslo"}}]'),  # the grammar's
+])
+def test_a_mistral_servers_calls_come_back_through_mistrals_template(transformers_render, choice,
+                                                                     output):
+    """Under --tool-call-parser mistral, calls (the parser's, and the grammar's under
+    `required`) carry ids Mistral's template takes back: the answer's message, sent again with
+    the results, renders as transformers renders it."""
+    plan = tool_plan({"tools": [WEATHER], "tool_choice": choice}, parser="mistral",
+                     auto_parses=True)
+    reading = CallReading(plan.reader(), plan.parallel, plan.new_call_id)
+    reading.feed(output, last=True)
     answer = reading.message()
     ids = [call["id"] for call in answer["tool_calls"]]
     assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 2
@@ -179,3 +187,7 @@ def test_mistral_parsers_calls_come_back_through_mistrals_template(transformers_
     ours = _ours("mistral-nemo", request)
     assert ours == transformers_render("mistral-nemo", _as_transformers_gets_it(request))
     assert f'"call_id": "{ids[1]}"}}[/TOOL_RESULTS]' in ours
+    # other parsers' and the grammar's calls without a parser keep OpenAI's kind of id
+    for plan in (tool_plan({"tools": [WEATHER], "tool_choice": choice}),
+                 tool_plan({"tools": [WEATHER]}, parser="hermes", auto_parses=True)):
+        assert plan.new_call_id().startswith("call_")
