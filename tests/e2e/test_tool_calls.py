@@ -139,7 +139,8 @@ def test_the_loops_turns_reach_the_template_as_structured_data(server):
 
 def test_parallel_calls_and_their_results_come_back_as_transformers_renders_them(server):
     """Two calls in one turn (arguments as the SDK's JSON text) and their two results render as
-    transformers renders the same turns with the arguments as objects."""
+    transformers renders the same turns with the arguments as objects, and the next answer
+    comes from that prompt."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     calls = [{"id": f"call_{i}", "type": "function", "function": {
@@ -160,3 +161,8 @@ def test_parallel_calls_and_their_results_come_back_as_transformers_renders_them
     assert reply.json()["templated_text"] == rendered[0]
     assert "<tool_response>\n21 C\n</tool_response>\n<tool_response>\n9 C\n</tool_response>" \
         in rendered[0]
+    # and the next answer is generated from that prompt
+    answer = requests.post(f"{server.url}/v1/chat/completions", json={
+        "messages": messages, "tools": [WEATHER], "max_tokens": 2}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["prompt_tokens"] == len(reply.json()["tokenize_response"])
