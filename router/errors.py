@@ -41,8 +41,8 @@ class ValidationError(RouterError):
     error_type = "validation"
     prefix = "Input validation error: "
 
-    def __init__(self, message: str, *, param: str | None = None):
-        super().__init__(message)
+    def __init__(self, message: str, *, param: str | None = None, close_connection: bool = False):
+        super().__init__(message, close_connection=close_connection)
         leading = _LEADING_FIELD.match(message)
         self.param = param or (leading and (leading[1] or leading[2]))
 

@@ -130,7 +130,7 @@ async def abort_request(request: web.Request) -> web.Response:
     try:
         return await _abort_request(request)
     except (ValidationError, BadRequestError) as err:  # SGLang's 400, as on /generate
-        raise SglangBadRequest(err.message) from None
+        raise SglangBadRequest(err.message, close_connection=err.close_connection) from None
 
 
 async def _abort_request(request: web.Request) -> web.Response:
