@@ -37,6 +37,9 @@ class PrefillLayout:
     row_tables: torch.Tensor | None = None
     row_context_lens: torch.Tensor | None = None
     kernel_sequences: list[bool] | None = None
+    # per sequence, the [start, end) positions of each image whose tokens attend to one another
+    # both ways (Gemma 3's); None: every sequence is causal
+    image_spans: list[list[tuple[int, int]]] | None = None
 
 
 @dataclass(slots=True)
@@ -241,10 +244,11 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
             outputs.append(kernel_out[kernel_cursor:kernel_cursor + end - start])
             kernel_cursor += end - start
             continue
-        if window is not None or softcap is not None:
+        spans = layout.image_spans[b] if layout.image_spans is not None else ()
+        if window is not None or softcap is not None or spans:
             outputs.append(_windowed_prefill(q[start:end], k[start:end], v[start:end], cache,
                                              meta.block_tables[b:b + 1], cached, scale, window,
-                                             softcap))
+                                             softcap, spans))
             continue
         queries = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if cached == 0:  # a fresh prompt attends over its own keys, not the cache's rounded copy
@@ -267,13 +271,16 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
 
 def _windowed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       block_table: torch.Tensor, cached: int, scale: float, window: int | None,
-                      softcap: float | None) -> torch.Tensor:
+                      softcap: float | None,
+                      spans: list[tuple[int, int]] | tuple = ()) -> torch.Tensor:
     """One sequence's prefill attention under a sliding window and a soft cap, computed by hand.
 
     The new tokens q [n, heads, d] (k, v [n, kv_heads, d]) at positions cached .. cached + n - 1,
     each seeing the keys of its window -> [n, heads * d]. A window alone is a mask SDPA takes; a
     soft cap changes the scores inside it, so that attention runs here by hand, a slice of queries
-    at a time (its float32 scores are [heads, rows, keys])."""
+    at a time (its float32 scores are [heads, rows, keys]). `spans`: [start, end) positions whose
+    tokens also see each other's later keys (an image's, as transformers' Gemma 3 masks them: the
+    window still applies); each lies within the new tokens."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     context = cached + n
@@ -292,6 +299,9 @@ def _windowed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
     key_positions = torch.arange(offset, context, device=q.device)
     query_positions = torch.arange(cached, context, device=q.device).unsqueeze(1)
     visible = key_positions <= query_positions  # [n, keys]
+    for lo, hi in spans:
+        visible |= ((query_positions >= lo) & (query_positions < hi)
+                    & (key_positions >= lo) & (key_positions < hi))
     if window is not None:
         visible &= key_positions > query_positions - window
     queries = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
@@ -307,7 +317,7 @@ def _windowed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
         hi = min(n, lo + rows)
         # the keys these queries see: from the earliest one's window to the last query
         key_lo = 0 if window is None else max(0, cached + lo - window + 1 - offset)
-        key_hi = cached + hi - offset
+        key_hi = context - offset if spans else cached + hi - offset
         part = _grouped_attention(
             queries[:, :, lo:hi].reshape(1, num_kv_heads, group * (hi - lo), head_dim),
             keys[:, :, key_lo:key_hi], values[:, :, key_lo:key_hi],
