@@ -289,3 +289,16 @@ def test_two_shards_give_the_logits_of_one(model_dir):
     for rank in range(2):
         assert (results[rank] - single[0]).abs().max().item() <= 1e-4
 
+
+def test_the_shards_info_says_how_a_prompt_holds_an_image(model_dir):
+    """What the router expands each image into (a text-only model's Info leaves takes_images
+    false)."""
+    from shard.__main__ import build_engine
+    from shard.config import ShardConfig
+
+    _, info, _ = build_engine(ShardConfig(model_path=str(model_dir), dtype="float32",
+                                          device="cpu"))
+    assert (info.takes_images, info.image_token_id, info.image_tokens_per_image,
+            info.image_start_token_id, info.image_end_token_id) == (True, IMAGE, PER_IMAGE, BOI,
+                                                                    EOI)
+    assert info.architecture == "Gemma3ForConditionalGeneration"
