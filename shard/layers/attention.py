@@ -6,7 +6,7 @@ sees its last `window` positions, itself included) and a soft cap on the scores 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,9 @@ class PrefillLayout:
     # per sequence, the [start, end) positions of each image whose tokens attend to one another
     # both ways (Gemma 3's); None: every sequence is causal
     image_spans: list[list[tuple[int, int]]] | None = None
+    # their [queries, keys] masks, built by the first layer that needs each and read by the rest
+    # (keyed by what a mask depends on: cached, new tokens, window, spans)
+    image_masks: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -248,7 +251,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
         if window is not None or softcap is not None or spans:
             outputs.append(_windowed_prefill(q[start:end], k[start:end], v[start:end], cache,
                                              meta.block_tables[b:b + 1], cached, scale, window,
-                                             softcap, spans))
+                                             softcap, spans, layout.image_masks))
             continue
         queries = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if cached == 0:  # a fresh prompt attends over its own keys, not the cache's rounded copy
@@ -272,7 +275,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
 def _windowed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       block_table: torch.Tensor, cached: int, scale: float, window: int | None,
                       softcap: float | None,
-                      spans: list[tuple[int, int]] | tuple = ()) -> torch.Tensor:
+                      spans: list[tuple[int, int]] | tuple = (),
+                      masks: dict | None = None) -> torch.Tensor:
     """One sequence's prefill attention under a sliding window and a soft cap, computed by hand.
 
     The new tokens q [n, heads, d] (k, v [n, kv_heads, d]) at positions cached .. cached + n - 1,
@@ -280,7 +284,8 @@ def _windowed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
     soft cap changes the scores inside it, so that attention runs here by hand, a slice of queries
     at a time (its float32 scores are [heads, rows, keys]). `spans`: [start, end) positions whose
     tokens also see each other's later keys (an image's, as transformers' Gemma 3 masks them: the
-    window still applies); each lies within the new tokens."""
+    window still applies); each lies within the new tokens. `masks` keeps the masks built (a
+    forward's layers share them)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     context = cached + n
@@ -296,14 +301,19 @@ def _windowed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
         keys, values = cache.gather(index)
         keys = keys[:, :, :context - offset]  # [1, kv, keys, d]
         values = values[:, :, :context - offset]
-    key_positions = torch.arange(offset, context, device=q.device)
-    query_positions = torch.arange(cached, context, device=q.device).unsqueeze(1)
-    visible = key_positions <= query_positions  # [n, keys]
-    for lo, hi in spans:
-        visible |= ((query_positions >= lo) & (query_positions < hi)
-                    & (key_positions >= lo) & (key_positions < hi))
-    if window is not None:
-        visible &= key_positions > query_positions - window
+    memo_key = (cached, n, window, tuple(spans))
+    visible = masks.get(memo_key) if spans and masks is not None else None
+    if visible is None:
+        key_positions = torch.arange(offset, context, device=q.device)
+        query_positions = torch.arange(cached, context, device=q.device).unsqueeze(1)
+        visible = key_positions <= query_positions  # [n, keys]
+        for lo, hi in spans:
+            visible |= ((query_positions >= lo) & (query_positions < hi)
+                        & (key_positions >= lo) & (key_positions < hi))
+        if window is not None:
+            visible &= key_positions > query_positions - window
+        if spans and masks is not None:
+            masks[memo_key] = visible
     queries = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
     if softcap is None:
         out = _sdpa(queries, keys, values, visible, scale, num_heads != num_kv_heads)
