@@ -23,43 +23,12 @@ from shard.images.gemma3 import Gemma3Preprocessor
 from shard.kv_budget import KVCacheSpec
 from shard.loader import load_model
 from shard.model_runner import ModelRunner, PrefillSequence
-from shard.models.gemma import FULL, SLIDING
 from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion
-from tests.tiny_models import TINY_VOCAB, build_tokenizer
+from tests.tiny_models import TINY_IMAGE_TOKENS, build_tiny_gemma3_vision
 
 BLOCK_SIZE = 4
-IMAGE, BOI, EOI = 300, 301, 302
-PER_IMAGE = 16
-SIDE = 32
-
-
-def build_tiny_gemma3_vision(out_dir: Path, seed: int = 0) -> Path:
-    """Saves a random Gemma3ForConditionalGeneration (320-token vocabulary, 32-pixel images)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                max_position_embeddings=512, query_pre_attn_scalar=24, sliding_window=6,
-                layer_types=[SLIDING, FULL, SLIDING], initializer_range=0.1)
-    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=2, num_attention_heads=4, image_size=SIDE, patch_size=4)
-    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
-                                       mm_tokens_per_image=PER_IMAGE, image_token_index=IMAGE,
-                                       boi_token_index=BOI, eoi_token_index=EOI,
-                                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    model = transformers.Gemma3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") and "vision_tower" not in name:
-                param.normal_(0, 0.5)
-        projection = model.model.multi_modal_projector.mm_input_projection_weight
-        projection.normal_(0, 0.3)
-        model.model.language_model.embed_tokens.weight.mul_(0.3)
-    model.eval().save_pretrained(out_dir, safe_serialization=True)
-    build_tokenizer(out_dir)
-    return out_dir
+IMAGE, BOI, EOI = (TINY_IMAGE_TOKENS[k] for k in ("image", "start", "end"))
+PER_IMAGE, SIDE = TINY_IMAGE_TOKENS["per_image"], TINY_IMAGE_TOKENS["side"]
 
 
 def image_bytes(width: int, height: int, fmt: str, seed: int) -> bytes:
