@@ -1,7 +1,7 @@
 """What an image costs a Gemma 3 vision-language model: preprocessing, the tower, the prefill.
 
 Random weights in Gemma 3's shapes, built with transformers and saved once: `--shape tiny` (the
-test suite's kind of model: a 2-layer 32-wide tower at 896 pixels) or `--shape 4b` (Gemma 3 4B's
+test suite's kind of model: a 2-layer 32-wide tower at 896 pixels, a 3-layer 64-wide text model) or `--shape 4b` (Gemma 3 4B's
 SigLIP so400m tower, 27 layers of width 1152 at 896 pixels, 14-pixel patches, 256 tokens per image,
 with a small text model: the tower is what this measures). For each: preprocessing of a
 1024x768 PNG, the tower and projector over 1, 2 and 4 images at once (per image), a prefill of one
@@ -38,10 +38,15 @@ TOWERS = {"tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2
                        num_attention_heads=4),
           "4b": dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
                      num_attention_heads=16)}
-# a small Gemma 3 language model (270M's widths, 6 layers): the prefill beside the tower
-TEXT = dict(vocab_size=320, hidden_size=640, intermediate_size=2048, num_hidden_layers=6,
-            num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-            max_position_embeddings=4096, query_pre_attn_scalar=256, sliding_window=512)
+# the language model beside each tower: the test suite's tiny one, or a small Gemma 3 (270M's
+# widths, 6 layers) beside 4B's tower, which is what that shape measures
+TEXTS = {"tiny": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=4096, query_pre_attn_scalar=24, sliding_window=6),
+         "4b": dict(vocab_size=320, hidden_size=640, intermediate_size=2048, num_hidden_layers=6,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                    max_position_embeddings=4096, query_pre_attn_scalar=256,
+                    sliding_window=512)}
 
 
 def build(out_dir: Path, shape: str) -> Path:
@@ -51,7 +56,7 @@ def build(out_dir: Path, shape: str) -> Path:
         return out_dir
     vision = dict(model_type="siglip_vision_model", image_size=SIDE, patch_size=PATCH,
                   **TOWERS[shape])
-    config = transformers.Gemma3Config(text_config=TEXT, vision_config=vision,
+    config = transformers.Gemma3Config(text_config=TEXTS[shape], vision_config=vision,
                                        mm_tokens_per_image=PER_IMAGE, image_token_index=IMAGE,
                                        boi_token_index=BOI, eoi_token_index=EOI)
     torch.manual_seed(0)
@@ -124,6 +129,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--batches", default="1,2,4", help="images per tower call")
     parser.add_argument("--no-decode", action="store_true", help="skip the batch-of-8 decode")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     model_dir = build(args.model_dir or Path(f"/tmp/gemma3-vision-{args.shape}"), args.shape)
     dtype = getattr(torch, args.dtype)
@@ -161,6 +167,8 @@ def main() -> None:
         if values:
             result[f"decode_tok_s_batch8_{label}"] = statistics.median(values)
     print(json.dumps(result, indent=1))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
