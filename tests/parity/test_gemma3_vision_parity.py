@@ -271,3 +271,25 @@ def test_the_shards_info_says_how_a_prompt_holds_an_image(model_dir):
             info.image_start_token_id, info.image_end_token_id) == (True, IMAGE, PER_IMAGE, BOI,
                                                                     EOI)
     assert info.architecture == "Gemma3ForConditionalGeneration"
+
+
+def test_a_prefill_messages_images_reach_the_engine(model_dir):
+    """Request.images as the router sends them (file bytes, token_offset, token_count), through
+    the servicer's conversion: the engine's tokens for the same request built in process."""
+    from proto import generate_pb2 as pb
+    from shard import convert
+
+    ids, offsets = with_images([[5, 6], [7, 8], [9]])
+    message = pb.Request(id=1, input_ids=ids, blocks=list(range(1, 12)),
+                         parameters=pb.NextTokenChooserParameters(),
+                         stopping_parameters=pb.StoppingCriteriaParameters(
+                             max_new_tokens=4, ignore_eos_token=True),
+                         images=[pb.Image(data=f, token_offset=o, token_count=PER_IMAGE)
+                                 for f, o in zip(FILES[:2], offsets)])
+    converted = convert.new_request(message, hidden_size=64)
+    assert [(i.data, i.offset, i.count) for i in converted.images] == [
+        (f, o, PER_IMAGE) for f, o in zip(FILES[:2], offsets)]
+    engine = make_engine(model_dir, block_size=BLOCK_SIZE)
+    expected = _request(2, ids, offsets, FILES[:2], list(range(20, 31)), 4)
+    assert run_to_completion(engine, [converted])[1] == run_to_completion(
+        engine, [expected], batch_id=2)[2]
