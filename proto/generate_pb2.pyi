@@ -39,7 +39,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "support_chunking", "use_prefix_caching", "attention_impl", "block_size", "model_id", "world_size", "eos_token_ids", "max_position_embeddings", "hidden_size", "vocab_size", "architecture", "quantization")
+    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "support_chunking", "use_prefix_caching", "attention_impl", "block_size", "model_id", "world_size", "eos_token_ids", "max_position_embeddings", "hidden_size", "vocab_size", "architecture", "quantization", "takes_images", "image_token_id", "image_tokens_per_image", "image_start_token_id", "image_end_token_id")
     REQUIRES_PADDING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,11 @@ class InfoResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    TAKES_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKENS_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_START_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_END_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     requires_padding: bool
     dtype: str
     device_type: str
@@ -74,7 +79,12 @@ class InfoResponse(_message.Message):
     vocab_size: int
     architecture: str
     quantization: str
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., attention_impl: _Optional[str] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    takes_images: bool
+    image_token_id: int
+    image_tokens_per_image: int
+    image_start_token_id: int
+    image_end_token_id: int
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., attention_impl: _Optional[str] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., takes_images: _Optional[bool] = ..., image_token_id: _Optional[int] = ..., image_tokens_per_image: _Optional[int] = ..., image_start_token_id: _Optional[int] = ..., image_end_token_id: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -162,7 +172,7 @@ class StoppingCriteriaParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "inputs", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "cache_len", "chunk_len", "adapter_id", "skip_special_tokens", "input_embeds", "logprob_token_ids", "prefill_top_n_tokens", "return_hidden_states", "num_beams", "length_penalty")
+    __slots__ = ("id", "inputs", "input_ids", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "cache_len", "chunk_len", "adapter_id", "skip_special_tokens", "input_embeds", "logprob_token_ids", "prefill_top_n_tokens", "return_hidden_states", "num_beams", "length_penalty", "images")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +191,7 @@ class Request(_message.Message):
     RETURN_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     NUM_BEAMS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     id: int
     inputs: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -199,7 +210,18 @@ class Request(_message.Message):
     return_hidden_states: bool
     num_beams: int
     length_penalty: float
-    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., adapter_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., input_embeds: _Optional[bytes] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., prefill_top_n_tokens: _Optional[int] = ..., return_hidden_states: _Optional[bool] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ..., adapter_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., input_embeds: _Optional[bytes] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., prefill_top_n_tokens: _Optional[int] = ..., return_hidden_states: _Optional[bool] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
+
+class Image(_message.Message):
+    __slots__ = ("data", "token_offset", "token_count")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    token_offset: int
+    token_count: int
+    def __init__(self, data: _Optional[bytes] = ..., token_offset: _Optional[int] = ..., token_count: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests", "size", "max_tokens", "max_blocks")

@@ -18,7 +18,7 @@ from proto import generate_pb2_grpc as pb_grpc
 from proto.launcher_watch import watch_launcher
 from proto.logs import configure_logging, is_json_output, log_source
 from proto.tracing import init_tracing, shutdown_tracing
-from shard import watermark
+from shard import convert, watermark
 from shard.config import (DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype, device_refusal,
                           local_topology, log_level, parse_args, parse_cuda_graphs)
 from shard.distributed import all_gather_strings, init_parallel
@@ -91,7 +91,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
         eos_token_ids=sorted(loaded.eos_token_ids),
         max_position_embeddings=cfg.max_position_embeddings, hidden_size=cfg.hidden_size,
         vocab_size=engine.vocab_size, architecture=loaded.architecture,
-        quantization=quantization)
+        quantization=quantization, **convert.image_fields(engine.images))
     # ranks on other machines are reached over TCP; each says where, the others learn it here
     urls = all_gather_strings(config.grpc_address or f"unix://{config.socket_path}", parallel)
     return engine, info, urls

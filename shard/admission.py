@@ -11,6 +11,7 @@ import torch
 
 from shard.batch_state import NewRequest
 from shard.grammar_matcher import GrammarFactory
+from shard.images.admission import ImageSupport, check_images
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,15 +26,18 @@ class ModelLimits:
 
 
 def admit(requests: list[NewRequest], limits: ModelLimits, pool_blocks: int,
-          grammars: GrammarFactory) -> tuple[list[NewRequest], list[tuple[int, str]]]:
+          grammars: GrammarFactory, images: ImageSupport | None = None
+          ) -> tuple[list[NewRequest], list[tuple[int, str]]]:
     """The requests this shard can compute, and (id, why) of each it refuses.
 
     A refused one must not fail a running batch riding in the same forward either. A kept request's
-    grammar is compiled here, once its last chunk comes."""
+    grammar is compiled here, once its last chunk comes; its images are preprocessed here (`images`:
+    what the model takes; None: no images)."""
     kept, rejected = [], []
     for request in requests:
         try:
             check(request, limits, pool_blocks)
+            check_images(request, images)
             if not request.is_partial_chunk:  # the last chunk compiles it
                 request.matcher = (None if request.grammar is None
                                    else grammars.matcher(*request.grammar))

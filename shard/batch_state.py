@@ -16,6 +16,20 @@ from shard.stopping import FinishReason, StopCriteria
 
 
 @dataclass(slots=True)
+class PromptImage:
+    """One image of a prompt, over its placeholder tokens (proto Request.images)."""
+
+    data: bytes  # the file as the client gave it
+    offset: int  # the prompt position of its first placeholder token
+    count: int  # its placeholder tokens
+    pixels: torch.Tensor | None = None  # preprocessed at admission, when its chunk computes it
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.count
+
+
+@dataclass(slots=True)
 class NewRequest:
     """A request as the router sends it in a Prefill."""
 
@@ -42,6 +56,7 @@ class NewRequest:
     length_penalty: float = 1.0
     adapter: str | None = None  # a loaded LoRA adapter's name; None: the base model
     adapter_slot: int = -1  # its slot in the model's AdapterSet, once admitted
+    images: list[PromptImage] = field(default_factory=list)  # in prompt order
 
     @property
     def prompt_length(self) -> int:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from proto import generate_pb2 as pb
-from shard.batch_state import NewRequest
+from shard.batch_state import NewRequest, PromptImage
 from shard.grammar_matcher import GRAMMAR_EBNF, GRAMMAR_JSON, GRAMMAR_REGEX
+from shard.images.admission import ImageSupport
 from shard.outputs import BatchInfo, RequestOutput, StepOutput, TokenRun
 from shard.sampling import SamplingParams
 from shard.stopping import FinishReason
@@ -64,7 +65,19 @@ def new_request(r: pb.Request, hidden_size: int) -> NewRequest:
         input_embeds=embeds, logprob_token_ids=list(r.logprob_token_ids),
         prefill_top_n_tokens=r.prefill_top_n_tokens, return_hidden_states=r.return_hidden_states,
         num_beams=max(r.num_beams, 1), length_penalty=r.length_penalty,
-        adapter=r.adapter_id or None)
+        adapter=r.adapter_id or None,
+        images=[PromptImage(image.data, image.token_offset, image.token_count)
+                for image in r.images])
+
+
+def image_fields(support: ImageSupport | None) -> dict:
+    """InfoResponse's fields saying whether the model takes images, and how a prompt holds one."""
+    if support is None:
+        return {"takes_images": False}
+    scheme = support.tokens
+    return dict(takes_images=True, image_token_id=scheme.token_id,
+                image_tokens_per_image=scheme.per_image, image_start_token_id=scheme.start_id,
+                image_end_token_id=scheme.end_id)
 
 
 def tokens(run: TokenRun) -> pb.Tokens:

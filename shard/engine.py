@@ -19,6 +19,7 @@ from shard.batch_state import (Batch, NewRequest, block_table_tensor, concatenat
                                filter_batch, new_batch, sample_batch)
 from shard.generations import Vocabulary, prompt_scores, step_generations
 from shard.grammar_matcher import GrammarFactory
+from shard.images.admission import computed_range, image_support
 from shard.kv_budget import PoolLedger, budget_blocks
 from shard.loader import LoadedModel
 from shard.model_runner import DecodeRows, ModelRunner, PrefillSequence
@@ -54,6 +55,7 @@ class Engine:
         self.memory_fraction = memory_fraction
         self.ledger = ledger if runner.device.type == "cpu" else None  # CUDA pools are allocated
         self.batches: dict[int, Batch] = {}
+        self.images = image_support(runner.model, loaded.image_preprocessor)  # None: text only
         # the chunks so far of a prompt whose every position is asked for (prompt_chunks.py)
         self.prompt_so_far: PromptSoFar | None = None
 
@@ -118,7 +120,8 @@ class Engine:
         if cached_batch_id is not None and cached_batch_id not in self.batches:
             raise BatchNotFound(cached_batch_id)
         requests, unknown = self._with_adapter_slots(requests)
-        requests, rejected = admit(requests, self.limits, self.runner.num_blocks, self.grammars)
+        requests, rejected = admit(requests, self.limits, self.runner.num_blocks, self.grammars,
+                                   self.images)
         rejected = unknown + rejected
         if not requests:  # nothing new to compute: the riding batch takes a plain step
             result = (self.decode([cached_batch_id]) if cached_batch_id is not None
@@ -385,12 +388,13 @@ class Engine:
 
 def _sequence(request: NewRequest) -> PrefillSequence:
     """What the forward computes of a request: the rest of its prompt, or its next chunk."""
-    end = (request.cache_len + request.chunk_len if request.is_partial_chunk
-           else request.prompt_length)
+    start, end = computed_range(request)
     if request.input_embeds is not None:
         return PrefillSequence([], request.cache_len, request.blocks,
                                request.input_embeds[request.cache_len:end],
                                adapter_slot=request.adapter_slot)
-    return PrefillSequence(request.input_ids[request.cache_len:end], request.cache_len,
-                           request.blocks, adapter_slot=request.adapter_slot)
+    # the images before cache_len are in the cached keys and values already
+    images = [image for image in request.images if start <= image.offset < end]
+    return PrefillSequence(request.input_ids[start:end], start, request.blocks,
+                           adapter_slot=request.adapter_slot, images=images)
 

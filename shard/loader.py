@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,8 @@ class LoadedModel:
     architecture: str  # the config.json architecture served, e.g. "LlamaForCausalLM"
     # config.json's, where the checkpoint is quantized (a native GGUF: its types)
     quantization_config: dict = field(default_factory=dict)
+    # a vision-language model's: an image file -> pixel values for its tower; None: text only
+    image_preprocessor: Callable[[bytes], torch.Tensor] | None = None
 
 
 def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
@@ -44,9 +47,11 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     model = model_class(config, heads, weights).eval()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     special = frozenset(i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special)
+    preprocessor = (model.image_preprocessor(model_dir)
+                    if getattr(model, "image_tokens", None) is not None else None)
     return LoadedModel(model, config, heads, tokenizer, eos_token_ids(model_dir, raw_config, tokenizer),
                        special, architecture_of(raw_config),
-                       raw_config.get("quantization_config") or {})
+                       raw_config.get("quantization_config") or {}, preprocessor)
 
 
 def with_rope_scaling(config: dict, scaling: dict) -> dict:

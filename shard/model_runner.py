@@ -9,13 +9,14 @@ import enum
 import gc
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shard.adapters.adapter_set import AdapterSet
 from shard.attention_inputs import (decode_metadata, pad_blocks, prefill_metadata,
                                     route_short_contexts, static_decode_metadata)
+from shard.batch_state import PromptImage
 from shard.config import decode_path_refusal, device_refusal
 from shard.decode_paths import c_step
 from shard.decode_paths.compiled import CompiledDecode, unsupported_reason
@@ -24,6 +25,7 @@ from shard.kernels import paged_attention
 from shard.kv_budget import KVCacheSpec, allocate_kv_cache
 from shard.layers.attention import AttentionMetadata, LayerCache
 from shard.malloc_tuning import return_freed_memory
+from shard.prefill_embeds import mark_image_spans, prefill_embeds
 
 log = logging.getLogger("tgi.shard.model_runner")
 
@@ -69,6 +71,7 @@ class PrefillSequence:
     blocks: list[int]
     embeds: torch.Tensor | None = None  # [n, hidden]: given vectors in place of token_ids
     adapter_slot: int = -1  # the LoRA adapter of every token (-1: none)
+    images: list[PromptImage] = field(default_factory=list)  # preprocessed, over token_ids
 
     @property
     def length(self) -> int:
@@ -195,10 +198,11 @@ class ModelRunner:
         weights are read once for both, and the running streams advance while the prompt computes.
         """
         query_lens = [s.length for s in seqs]
-        embeds = self._embeds(seqs)
+        embeds = prefill_embeds(self.model, seqs, self.device)
         positions, meta, logit_rows = _prefill_inputs(seqs, query_lens, all_logits_rows,
                                                       self.spec.block_size, self.paged_kernel,
                                                       self.device)
+        mark_image_spans(self.model, meta, seqs)
         num_decode = None
         if decode is not None:
             num_decode = len(decode.input_ids)
@@ -230,17 +234,6 @@ class ModelRunner:
         logit_rows = torch.cat([torch.arange(num_decode, device=self.device),
                                 logit_rows + num_decode])
         return embeds, positions, logit_rows
-
-    def _embeds(self, seqs: list[PrefillSequence]) -> torch.Tensor:
-        """The vectors of every sequence's tokens, given vectors copied over their rows."""
-        ids = [t for s in seqs for t in (s.token_ids if s.embeds is None else [0] * s.length)]
-        embeds = self.model.embed(torch.tensor(ids, dtype=torch.long, device=self.device))
-        start = 0
-        for s in seqs:
-            if s.embeds is not None:
-                embeds[start:start + s.length] = s.embeds.to(embeds.dtype)
-            start += s.length
-        return embeds
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -318,6 +318,18 @@ def test_machine_limits_benchmark(tiny_llama, tmp_path):
 
 
 @pytest.mark.real_model
+def test_vision_benchmark(tmp_path):
+    """Gemma 3's image costs on the tiny tower at 896 pixels: every figure present and positive."""
+    _run(["benchmarks/vision_bench.py", "--shape", "tiny", "--repeats", "1", "--batches", "1,2",
+          "--no-decode", "--model-dir", str(tmp_path / "model"), "--json",
+          str(tmp_path / "vision.json")], tmp_path)
+    figures = json.loads((tmp_path / "vision.json").read_text())
+    assert {"preprocess_ms", "tower_ms_per_image_batch1", "tower_ms_per_image_batch2",
+            "prefill_ms_one_image", "prefill_ms_same_length_text"} <= set(figures)
+    assert all(v > 0 for k, v in figures.items() if k.endswith("_ms") or "_ms_" in k)
+    assert figures["prompt_tokens_one_image"] == 268
+
+
 def test_synthetic_gguf_shapes_follow_llama_cpps_q4_k_m(tmp_path, monkeypatch):
     """gguf_shapes writes llama.cpp's Q4_K_M types for a shape; the launcher serves the file."""
     import gguf

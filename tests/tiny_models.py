@@ -34,6 +34,45 @@ def build_tokenizer(out_dir: Path) -> None:
     }))
 
 
+# the tiny Gemma 3 vision model's image scheme: placeholder, start and end ids (inside the tiny
+# vocabulary), tokens per image, and the tower's square side in pixels
+TINY_IMAGE_TOKENS = dict(image=300, start=301, end=302, per_image=16, side=32)
+
+
+def build_tiny_gemma3_vision(out_dir: Path, seed: int = 0) -> Path:
+    """Saves a random Gemma3ForConditionalGeneration (320-token vocabulary, 32-pixel images)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokens = TINY_IMAGE_TOKENS
+    text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=512, query_pre_attn_scalar=24, sliding_window=6,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                initializer_range=0.1)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, image_size=tokens["side"],
+                  patch_size=4)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=tokens["per_image"],
+                                       image_token_index=tokens["image"],
+                                       boi_token_index=tokens["start"],
+                                       eoi_token_index=tokens["end"],
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") and "vision_tower" not in name:
+                param.normal_(0, 0.5)
+        projection = model.model.multi_modal_projector.mm_input_projection_weight
+        projection.normal_(0, 0.3)
+        model.model.language_model.embed_tokens.weight.mul_(0.3)
+    model.eval().save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer(out_dir)
+    return out_dir
+
+
 def build_tiny_model(out_dir: Path, *, architecture: str = "llama", num_heads: int = 4,
                      num_kv_heads: int = 2, seed: int = 0, with_tokenizer: bool = True,
                      tie_word_embeddings: bool = False, attention_bias: bool = False,

@@ -6,7 +6,7 @@ sees its last `window` positions, itself included) and a soft cap on the scores 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,12 @@ class PrefillLayout:
     row_tables: torch.Tensor | None = None
     row_context_lens: torch.Tensor | None = None
     kernel_sequences: list[bool] | None = None
+    # per sequence, the [start, end) positions of each image whose tokens attend to one another
+    # both ways (Gemma 3's); None: every sequence is causal
+    image_spans: list[list[tuple[int, int]]] | None = None
+    # their [queries, keys] masks, built by the first layer that needs each and read by the rest
+    # (keyed by what a mask depends on: cached, new tokens, window, spans)
+    image_masks: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -241,10 +247,11 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
             outputs.append(kernel_out[kernel_cursor:kernel_cursor + end - start])
             kernel_cursor += end - start
             continue
-        if window is not None or softcap is not None:
+        spans = layout.image_spans[b] if layout.image_spans is not None else ()
+        if window is not None or softcap is not None or spans:
             outputs.append(_windowed_prefill(q[start:end], k[start:end], v[start:end], cache,
                                              meta.block_tables[b:b + 1], cached, scale, window,
-                                             softcap))
+                                             softcap, spans, layout.image_masks))
             continue
         queries = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if cached == 0:  # a fresh prompt attends over its own keys, not the cache's rounded copy
@@ -267,13 +274,18 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
 
 def _windowed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       block_table: torch.Tensor, cached: int, scale: float, window: int | None,
-                      softcap: float | None) -> torch.Tensor:
+                      softcap: float | None,
+                      spans: list[tuple[int, int]] | tuple = (),
+                      masks: dict | None = None) -> torch.Tensor:
     """One sequence's prefill attention under a sliding window and a soft cap, computed by hand.
 
     The new tokens q [n, heads, d] (k, v [n, kv_heads, d]) at positions cached .. cached + n - 1,
     each seeing the keys of its window -> [n, heads * d]. A window alone is a mask SDPA takes; a
     soft cap changes the scores inside it, so that attention runs here by hand, a slice of queries
-    at a time (its float32 scores are [heads, rows, keys])."""
+    at a time (its float32 scores are [heads, rows, keys]). `spans`: [start, end) positions whose
+    tokens also see each other's later keys (an image's, as transformers' Gemma 3 masks them: the
+    window still applies); each lies within the new tokens. `masks` keeps the masks built (a
+    forward's layers share them)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     context = cached + n
@@ -289,11 +301,19 @@ def _windowed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
         keys, values = cache.gather(index)
         keys = keys[:, :, :context - offset]  # [1, kv, keys, d]
         values = values[:, :, :context - offset]
-    key_positions = torch.arange(offset, context, device=q.device)
-    query_positions = torch.arange(cached, context, device=q.device).unsqueeze(1)
-    visible = key_positions <= query_positions  # [n, keys]
-    if window is not None:
-        visible &= key_positions > query_positions - window
+    memo_key = (cached, n, window, tuple(spans))
+    visible = masks.get(memo_key) if spans and masks is not None else None
+    if visible is None:
+        key_positions = torch.arange(offset, context, device=q.device)
+        query_positions = torch.arange(cached, context, device=q.device).unsqueeze(1)
+        visible = key_positions <= query_positions  # [n, keys]
+        for lo, hi in spans:
+            visible |= ((query_positions >= lo) & (query_positions < hi)
+                        & (key_positions >= lo) & (key_positions < hi))
+        if window is not None:
+            visible &= key_positions > query_positions - window
+        if spans and masks is not None:
+            masks[memo_key] = visible
     queries = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
     if softcap is None:
         out = _sdpa(queries, keys, values, visible, scale, num_heads != num_kv_heads)
@@ -307,7 +327,7 @@ def _windowed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
         hi = min(n, lo + rows)
         # the keys these queries see: from the earliest one's window to the last query
         key_lo = 0 if window is None else max(0, cached + lo - window + 1 - offset)
-        key_hi = cached + hi - offset
+        key_hi = context - offset if spans else cached + hi - offset
         part = _grouped_attention(
             queries[:, :, lo:hi].reshape(1, num_kv_heads, group * (hi - lo), head_dim),
             keys[:, :, key_lo:key_hi], values[:, :, key_lo:key_hi],

@@ -26,9 +26,10 @@ ARCHITECTURES: dict[str, ArchitectureEntry] = {
                                            config_defaults={"generation": 2}),
     "Gemma3ForCausalLM": ArchitectureEntry("shard.models.gemma", "GemmaForCausalLM", "GemmaConfig",
                                            config_defaults={"generation": 3}),
-    # Gemma 3's multimodal checkpoints (4B and up), served text-only: their language model
+    # Gemma 3's multimodal checkpoints (4B and up): the language model and its vision tower
     "Gemma3ForConditionalGeneration": ArchitectureEntry(
-        "shard.models.gemma", "GemmaForCausalLM", "GemmaConfig", config_defaults={"generation": 3}),
+        "shard.models.gemma3_vision", "Gemma3ForConditionalGeneration", "GemmaConfig",
+        config_defaults={"generation": 3}),
     "Phi3ForCausalLM": ArchitectureEntry("shard.models.phi3", "Phi3ForCausalLM", "Phi3Config"),
 }
 

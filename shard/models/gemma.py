@@ -72,12 +72,17 @@ class GemmaConfig:
     rope: dict[str, dict]  # per layer type: rope_theta, rope_type and the scaling's parameters
     attn_logit_softcapping: float | None
     final_logit_softcapping: float | None
+    # a Gemma3ForConditionalGeneration's config.json outside its text_config (its vision tower's
+    # and image tokens'); None for a language model's
+    multimodal: dict | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict, *, generation: int) -> "GemmaConfig":
         if generation not in _DEFAULTS:
             raise ValueError(f"Gemma generation {generation} is not supported (supported: 2, 3)")
-        if "text_config" in cfg:  # Gemma3ForConditionalGeneration: its language model alone
+        multimodal = None
+        if "text_config" in cfg:  # Gemma3ForConditionalGeneration: its language model's part
+            multimodal = {k: v for k, v in cfg.items() if k != "text_config"}
             cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings",
                                                                          True)}
         value = {**_DEFAULTS[generation], **{k: v for k, v in cfg.items() if v is not None
@@ -119,6 +124,7 @@ class GemmaConfig:
             rope=rope_by_layer_type(cfg, generation),
             attn_logit_softcapping=value["attn_logit_softcapping"],
             final_logit_softcapping=value["final_logit_softcapping"],
+            multimodal=multimodal,
         )
 
 

@@ -1,0 +1,1 @@
+"""A vision-language model's images: decoding, preprocessing and checking them beside a prompt."""
