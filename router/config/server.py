@@ -67,9 +67,10 @@ class ServerSettings:
                                              "model that takes images (docs/apis.md, Images) "
                                              "takes any.")
     allowed_local_media_path: str = setting(
-        None, "A directory under which an image may name a local file (a file:// URL or an "
-              "absolute path; vLLM's flag). A path is compared once its symlinks and '..' are "
-              "resolved; any other is refused.", shown="none: no local file is read")
+        None, "Directories (comma-separated) under which an image may name a local file (a "
+              "file:// URL or an absolute path; vLLM's flag). A path is compared once its "
+              "symlinks and '..' are resolved; any other is refused.",
+        shown="none: no local file is read")
     disable_image_fetch: bool = setting(False, "Refuse image http(s) URLs with a 4xx instead of "
                                                "fetching them; data: URLs (and files under "
                                                "--allowed-local-media-path) still serve.")
