@@ -120,4 +120,7 @@ def build_tiny_gemma3_vlm(out_dir: Path, *, with_weights: bool = False) -> Path:
     model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
         text_config=text, vision_config=vision, **image_config))
     model.eval().save_pretrained(out_dir, safe_serialization=True)
+    # the image processor's settings for the tower's 32x32 input (Gemma 3's, otherwise)
+    transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(
+        out_dir)
     return out_dir
