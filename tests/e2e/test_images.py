@@ -7,7 +7,9 @@ takes images. The last test (marked) checks the image reaches the model: it need
 """
 from __future__ import annotations
 
+import base64
 import io
+import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -152,6 +154,45 @@ def test_the_prefix_cache_reuses_an_image_only_for_the_same_image(server):
     other, _ = cached(DOG)
     assert again >= prompt_tokens - 4, "the same image: all but the last block from the cache"
     assert other < 8, "another image: nothing from its first image token on"
+
+
+@pytest.fixture
+async def browser():
+    from tests.e2e.browser import Browser, find_chromium
+
+    if find_chromium() is None:
+        pytest.skip("no chromium on PATH (tests/e2e/test_playground_browser.py installs one)")
+    started = await Browser.start(find_chromium())
+    yield started
+    await started.close()
+
+
+async def test_the_page_attaches_an_image_to_a_message(server, browser):
+    await browser.open(f"{server.url}/")
+    await browser.wait_for("!document.getElementById('image').disabled")  # it takes images
+    await browser.evaluate(f"""(() => {{
+        window.sent = [];
+        const fetched = window.fetch;
+        window.fetch = (path, options) => {{ window.sent.push(options?.body); return fetched(path, options); }};
+        const bytes = Uint8Array.from(atob("{base64.b64encode(CAT).decode()}"), c => c.charCodeAt(0));
+        const files = new DataTransfer();
+        files.items.add(new File([bytes], "cat.png", {{type: "image/png"}}));
+        document.getElementById("image").files = files.files;
+        document.getElementById("max-tokens").value = "3";
+        document.getElementById("prompt").value = "What is it?";
+        document.getElementById("send").click();
+    }})()""")
+    answers = "[...document.querySelectorAll('.message.assistant .content')].map(e => e.textContent)"
+    await browser.wait_for(f"!document.getElementById('send').disabled && {answers}.length === 1"
+                           f" && {answers}[0].length > 0")
+    body = json.loads(await browser.evaluate("window.sent.at(-1)"))
+    image, text = body["messages"][-1]["content"]
+    assert image == {"type": "image_url", "image_url": {"url": data_url(CAT)}}
+    assert text == {"type": "text", "text": "What is it?"}
+    assert await browser.evaluate("document.querySelector('.message.user img.attached').src") \
+        == data_url(CAT)
+    assert await browser.evaluate("document.getElementById('error').hidden")
+    assert await browser.evaluate("document.getElementById('image').value") == ""
 
 
 @pytest.mark.skip(reason="enable once the shard side (wt-vlmshard) merges: the shard puts the "
