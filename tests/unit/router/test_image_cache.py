@@ -1,12 +1,17 @@
 """Images and the KV cache: blocks keyed on image content, and no cache hit or chunk inside an image."""
+import asyncio
 from types import SimpleNamespace
 
+from router.core.generation import Infer
 from router.kv.block_allocator import BlockAllocator, BlockPool
 from router.kv.prefix_cache import PrefixCache, outside_images
 from router.kv.sessions import SessionStore
-from router.scheduler.policy import ChunkedPrefill
+from router.scheduler.batcher import Batcher
+from router.scheduler.policy import ChunkedPrefill, SchedulingLimits
 from router.scheduler.request_queue import QueueEntry, RequestQueue
-from router.schemas import PromptImage
+from router.schemas import GenerateRequest, PromptImage, SamplingParams, StoppingParams
+from router.telemetry.metrics import Metrics
+from tests.fakes import FakeShardClient
 
 IMAGE = 99  # the placeholder token: the same for every image
 # 4 text tokens, an image of 6 tokens (4..9), 6 text tokens: 16 tokens, 4 blocks of 4
@@ -91,3 +96,27 @@ def test_a_session_keeps_its_images_with_its_tokens():
     assert session.images == []  # pending until the call succeeds
     store.end(session, succeeded=True)
     assert session.images == images and session.token_ids[-2:] == [11, 12]
+
+
+async def test_the_batcher_chunks_a_long_prompt_around_its_images():
+    client = FakeShardClient()
+    allocator = BlockAllocator(BlockPool(400, 4))
+    limits = SchedulingLimits(max_batch_prefill_tokens=64, max_batch_total_tokens=10_000,
+                              waiting_served_ratio=0.0, max_waiting_tokens=20, max_batch_size=None)
+    metrics = Metrics(max_input_tokens=1000, max_total_tokens=2000)
+    batcher = Batcher(client, RequestQueue(allocator, chunking=True), allocator, limits, metrics)
+    infer = Infer(batcher, metrics, max_concurrent_requests=8)
+    # an image across the first budget's end, and one longer than the budget
+    images = [_image(b"a", 50, 40), _image(b"b", 120, 100)]
+    request = GenerateRequest(inputs="x", input_ids=[5] * 300, sampling=SamplingParams(),
+                              stopping=StoppingParams(max_new_tokens=2), images=images)
+    task = asyncio.create_task(batcher.run())
+    try:
+        result = await asyncio.wait_for(infer.generate(request), timeout=10)
+    finally:
+        task.cancel()
+    assert result.final.generated_tokens == 2
+    ends = [start + length for name, (_, start, length) in
+            (c for c in client.calls if c[0] == "chunk")]
+    assert ends == [50, 114, 120, 220, 284]  # before an image or past it, never inside
+    assert client.requests[0].request.images == images
