@@ -139,7 +139,7 @@ async def _prompt_images(request: web.Request, served, prompt: str, sources: lis
     if not sources:
         return prompt, []
     loaded = await load_images(sources, request.app[STATE].media)
-    return expanded(prompt, served.images, len(loaded)), loaded
+    return expanded(prompt, served.images, loaded), loaded
 
 
 async def _validate_chat(request: web.Request, served, body: dict,

@@ -69,8 +69,8 @@ async def prompt_images(body: dict, count: int, is_batch: bool, field_name: str,
     return [await load_images(s, media, bare_base64=True) if s else [] for s in sources]
 
 
-def text_with_images(text: str, family: ImageFamily, count: int) -> str:
-    """The prompt to tokenize: its markers (or, without any, `count` first) expanded."""
-    if count and family.marker not in text:
-        text = family.marker * count + text
-    return expanded(text, family, count)
+def text_with_images(text: str, family: ImageFamily, images: list[LoadedImage]) -> str:
+    """The prompt to tokenize: its markers (or, without any, one per image first) expanded."""
+    if images and family.marker not in text:
+        text = family.marker * len(images) + text
+    return expanded(text, family, images)

@@ -301,7 +301,7 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
             if not prompt:
                 raise ValidationError("`text` cannot be empty")
             text, input_ids = prompt, await tokenizer.encode_async(
-                text_with_images(prompt, images, len(loaded[index])) if loaded[index]
+                text_with_images(prompt, images, loaded[index]) if loaded[index]
                 else prompt, max_tokens=limits.tokens.max_input_tokens)
         elif field_name == "input_embeds":
             path = f"input_embeds[{index}]" if batch else "input_embeds"

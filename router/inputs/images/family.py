@@ -1,36 +1,41 @@
 """Which models take images, read from config.json, and what an image becomes in their prompts.
 
-A family module (gemma3.py) turns a config.json of its architecture into an ImageFamily; a model
-whose architecture no family knows reads text only.
+A family module (gemma3.py) turns a config.json of its architecture into its ImageFamily; a model
+whose architecture no family knows reads text only. A family whose image tokens depend on the
+image's size (Qwen2.5-VL's dynamic resolution) says so through expansion and token_count.
 """
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-from router.inputs.images import gemma3
+from router.inputs.images.check import ImageSize
+from router.inputs.images.gemma3 import Gemma3Images
 
 log = logging.getLogger("tgi.router")
 
 
-@dataclass(frozen=True, slots=True)
-class ImageFamily:
-    """How one model's prompts hold images."""
+class ImageFamily(Protocol):
+    """How one model's prompts hold images (a family module's class, e.g. gemma3.Gemma3Images)."""
 
     architecture: str
     marker: str  # what a prompt (a chat template's output) writes where an image goes
-    expansion: str  # the text each marker becomes before tokenization
     image_token_id: int  # the placeholder token the vision tower's rows replace
-    tokens_per_image: int  # placeholder tokens of one image
+
+    def expansion(self, size: ImageSize) -> str:
+        """The text an image of `size` makes of its marker, before tokenization."""
+
+    def token_count(self, size: ImageSize) -> int:
+        """The placeholder tokens of an image of `size` (those its expansion holds)."""
 
 
-# config.json's architecture -> its family's reader: (config, token id -> text) -> the family's
-# (marker, expansion, image token id, tokens per image), or a ValueError saying what is missing
-_FAMILIES: dict[str, Callable[[dict, Callable[[int], str | None]], tuple[str, str, int, int]]] = {
-    "Gemma3ForConditionalGeneration": gemma3.image_tokens,
+# config.json's architecture -> its family's constructor (architecture, config, token id -> text),
+# which raises a ValueError saying what is missing
+_FAMILIES: dict[str, Callable[[str, dict, Callable[[int], str | None]], ImageFamily]] = {
+    "Gemma3ForConditionalGeneration": Gemma3Images.from_config,
 }
 
 
@@ -64,13 +69,12 @@ def image_family(model_dir: str | None, token_text: Callable[[int], str | None]
     config = _config(model_dir)
     architectures = config.get("architectures") if isinstance(config, dict) else None
     for architecture in architectures if isinstance(architectures, list) else []:
-        reader = _FAMILIES.get(architecture)
-        if reader is None:
+        family = _FAMILIES.get(architecture)
+        if family is None:
             continue
         try:
-            marker, expansion, image_token_id, count = reader(config, token_text)
+            return family(architecture, config, token_text)
         except ValueError as err:
             log.warning("%s: %s; the model is served as text only", model_dir, err)
             return None
-        return ImageFamily(architecture, marker, expansion, image_token_id, count)
     return None

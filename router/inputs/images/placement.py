@@ -41,18 +41,22 @@ async def markdown_prompt(text: str, family: ImageFamily, media: MediaLimits, wh
     if not sources:
         return text, []
     loaded = await load_images(sources, media)
-    return expanded(marked, family, len(loaded)), loaded
+    return expanded(marked, family, loaded), loaded
 
 
-def expanded(text: str, family: ImageFamily, count: int) -> str:
-    """The prompt to tokenize: each of the `count` images' markers made its expansion."""
-    if not count:
+def expanded(text: str, family: ImageFamily, images: list[LoadedImage]) -> str:
+    """The prompt to tokenize: the i-th image marker made the i-th image's expansion."""
+    if not images:
         return text
-    found = text.count(family.marker)
-    if found != count:
-        raise ValidationError(f"the prompt holds {found} image markers ({family.marker!r}) for "
-                              f"{count} images: each image goes where one marker is")
-    return text.replace(family.marker, family.expansion)
+    pieces = text.split(family.marker)
+    if len(pieces) - 1 != len(images):
+        raise ValidationError(f"the prompt holds {len(pieces) - 1} image markers "
+                              f"({family.marker!r}) for {len(images)} images: each image goes "
+                              "where one marker is")
+    out = [pieces[0]]
+    for image, piece in zip(images, pieces[1:]):
+        out += [family.expansion(image.size), piece]
+    return "".join(out)
 
 
 def placed(input_ids: list[int], family: ImageFamily, images: list[LoadedImage]
@@ -67,7 +71,8 @@ def placed(input_ids: list[int], family: ImageFamily, images: list[LoadedImage]
         elif token != family.image_token_id and start is not None:
             spans.append((start, i - start))
             start = None
-    if len(spans) != len(images) or any(n != family.tokens_per_image for _, n in spans):
+    if len(spans) != len(images) or any(n != family.token_count(image.size)
+                                        for image, (_, n) in zip(images, spans)):
         raise ValidationError(f"the prompt's image tokens do not match its {len(images)} images "
                               f"({len(spans)} runs of the image token): a prompt may not write "
                               "image tokens itself, nor be truncated inside an image")

@@ -5,10 +5,11 @@ import json
 import pytest
 
 from router.errors import ValidationError
-from router.inputs.images.check import check_image
+from router.inputs.images.check import ImageSize, check_image
 from router.inputs.images.family import image_family, names_image_family
 from router.inputs.images.placement import expanded, markdown_images, placed
-from router.inputs.images.sources import ImageSource, MediaLimits, load_images, read_source
+from router.inputs.images.sources import (ImageSource, LoadedImage, MediaLimits, load_images,
+                                         read_source)
 from router.inputs.tokenizer import RouterTokenizer
 from router.lifecycle.local_paths import LocalRoots
 from tests.image_files import bomb_png, data_url, image_bytes, truncated_png
@@ -23,6 +24,10 @@ def gemma3_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def family(gemma3_dir):
     return image_family(str(gemma3_dir), RouterTokenizer(str(gemma3_dir)).tokenizer.id_to_token)
+
+
+def _loaded(count: int) -> list[LoadedImage]:
+    return [LoadedImage(b"%d" % i, b"d%d" % i, ImageSize("PNG", 8 + i, 8)) for i in range(count)]
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF"])
@@ -110,9 +115,10 @@ async def test_images_past_the_count_are_refused_before_any_is_read():
 
 def test_gemma3_config_gives_its_image_family(gemma3_dir, family, tmp_path):
     assert family.marker == "<start_of_image>"
-    assert family.tokens_per_image == GEMMA3_TOKENS_PER_IMAGE
-    assert family.expansion == ("\n\n<start_of_image>" + "<image_soft_token>" * 4
-                                + "<end_of_image>\n\n")
+    for size in (ImageSize("PNG", 3, 5), ImageSize("JPEG", 4000, 20)):  # any size alike
+        assert family.token_count(size) == GEMMA3_TOKENS_PER_IMAGE
+        assert family.expansion(size) == ("\n\n<start_of_image>" + "<image_soft_token>" * 4
+                                          + "<end_of_image>\n\n")
     assert names_image_family(str(gemma3_dir))
     config = json.loads((gemma3_dir / "config.json").read_text())
     lacking = tmp_path / "lacking"
@@ -138,7 +144,7 @@ def test_the_prompt_tokens_are_transformers_gemma3_processors(gemma3_dir, family
     text = "user: look <start_of_image> and<start_of_image>!\n"
     theirs = processor(text=[text], images=[[Image.new("RGB", (5, 5)), Image.new("RGB", (9, 4))]],
                        add_special_tokens=False)["input_ids"][0]
-    ours = RouterTokenizer(str(gemma3_dir)).encode(expanded(text, family, 2),
+    ours = RouterTokenizer(str(gemma3_dir)).encode(expanded(text, family, _loaded(2)),
                                                    add_special_tokens=False)
     assert ours == list(theirs)
     assert family.image_token_id == tokenizer.image_token_id
@@ -150,19 +156,19 @@ def test_each_image_goes_over_its_run_of_image_tokens(gemma3_dir, family):
                                     family, "`inputs`")
     assert [s.where for s in sources] == ["http://x/1.png", "data:image/png;base64,AA"]
     assert text == "a <start_of_image> b <start_of_image> c"
-    ids = tokenizer.encode(expanded(text, family, 2))
-    loaded = [type("L", (), {"data": b"1", "digest": b"d1"})(),
-              type("L", (), {"data": b"2", "digest": b"d2"})()]
+    loaded = _loaded(2)
+    ids = tokenizer.encode(expanded(text, family, loaded))
     images = placed(ids, family, loaded)
-    assert [(i.digest, i.token_count) for i in images] == [(b"d1", 4), (b"d2", 4)]
+    assert [(i.digest, i.token_count) for i in images] == [(b"d0", 4), (b"d1", 4)]
     for image in images:
         span = ids[image.token_offset:image.token_offset + image.token_count]
         assert span == [family.image_token_id] * 4
         assert ids[image.token_offset - 1] == tokenizer.tokenizer.token_to_id("<start_of_image>")
     with pytest.raises(ValidationError, match="holds 1 image markers .* for 2 images"):
-        expanded("one <start_of_image> only", family, 2)
+        expanded("one <start_of_image> only", family, loaded)
     with pytest.raises(ValidationError, match="image tokens do not match"):
         placed(ids[:images[1].token_offset + 2], family, loaded)  # cut inside the second
     with pytest.raises(ValidationError, match="image tokens do not match"):
-        placed(tokenizer.encode(expanded("<start_of_image><image_soft_token>", family, 1)),
+        placed(tokenizer.encode(expanded("<start_of_image><image_soft_token>", family,
+                                         loaded[:1])),
                family, loaded[:1])
