@@ -298,7 +298,7 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
             asked = replace(asked, sampling=replace(asked.sampling, seed=draw_seed()))
         embeds, rows = None, 0
         if field_name == "text":
-            if not prompt:
+            if not prompt and not loaded[index]:  # images alone are a prompt
                 raise ValidationError("`text` cannot be empty")
             text, input_ids = prompt, await tokenizer.encode_async(
                 text_with_images(prompt, images, loaded[index]) if loaded[index]

@@ -129,6 +129,7 @@ async def test_tgi_markdown_sglang_image_data_and_generate_one_sessions(gemma3_d
                 ({"text": "a <start_of_image> b", "image_data": data_url(CAT)}, [[CAT]]),
                 ({"text": "no marker: first", "image_data": [data_url(CAT), data_url(DOG)]},
                  [[CAT, DOG]]),
+                ({"text": "", "image_data": {"url": data_url(DOG)}}, [[DOG]]),
                 ({"text": ["x", "y", "z"], "image_data": [data_url(DOG), None,
                                                            [{"url": data_url(CAT)}]]},
                  [[DOG], [], [CAT]])):
