@@ -51,7 +51,7 @@ class PrefixCache:
         return len(self._blocks)
 
     def _keys(self, token_ids: list[int], adapter_id: str | None,
-              images: Sequence[PromptImage]):
+              images: Sequence[PromptImage] = NO_IMAGES):
         """(key, parent key, tokens, image digests) of each full block of `token_ids`.
 
         As computed by the base model, or by `adapter_id`, with `images` over their spans.
