@@ -246,3 +246,23 @@ def test_the_shard_message_carries_each_image_over_its_span():
     assert [(i.data, i.token_offset, i.token_count) for i in message.images] == [
         (b"png", 2, 4), (b"jpg", 7, 3)]
     assert pb.Request.FromString(message.SerializeToString()).images[1].token_offset == 7
+
+
+async def test_an_images_tokens_count_against_the_prompt_limit(gemma3_dir):
+    fake = HealthyFake()
+    client = await _client(gemma3_dir, fake)  # at most 200 prompt tokens
+    try:
+        async def count(*images, text):
+            reply = await client.post("/chat_tokenize", json=_chat(*images, text=text))
+            return len((await reply.json())["tokenize_response"])
+
+        words = 1  # the longest text that fits alone
+        while await count(text="hello " * (words + 1)) <= 200:
+            words += 1
+        text = "hello " * words
+        assert await count(CAT, text=text) > 200 >= await count(text=text)
+        assert (await client.post("/v1/chat/completions", json=_chat(text=text))).status == 200
+        reply = await client.post("/v1/chat/completions", json=_chat(CAT, text=text))
+        assert reply.status == 422 and "must have less than 200 tokens" in await reply.text()
+    finally:
+        await client.close()
