@@ -49,6 +49,16 @@ class StoppingParams:
     stop_token_ids: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class PromptImage:
+    """One image of a prompt over its placeholder tokens (the shard contract's Image)."""
+
+    data: bytes  # the file as the client gave it, decoded once by the router to check it
+    digest: bytes  # its SHA-256: blocks holding its tokens are cached under it
+    token_offset: int  # its first placeholder token in input_ids
+    token_count: int
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     """A validated request: tokenised prompt plus every parameter the shards need."""
@@ -70,6 +80,7 @@ class GenerateRequest:
     num_beams: int = 1  # > 1: beam search, whose whole answer comes with the last event
     length_penalty: float = 1.0
     adapter_id: str | None = None  # a loaded LoRA adapter's name; None: the base model
+    images: list[PromptImage] = field(default_factory=list)  # in prompt order
 
     @property
     def input_length(self) -> int:

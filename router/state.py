@@ -12,7 +12,9 @@ from aiohttp import web
 
 from router.config.server import ServerSettings
 from router.errors import ModelNotFoundError, ModelStateError, UnhealthyError
+from router.inputs.images.sources import MediaLimits
 from router.inputs.template_pool import TemplatePool
+from router.lifecycle.local_paths import LocalRoots, split_paths
 from router.lifecycle.manager import UNNAMED_MODELS, ModelManager
 from router.lifecycle.served_model import ServedModel
 from router.telemetry.request_record import current_record
@@ -31,6 +33,14 @@ class RouterState:
     tasks: list[asyncio.Task] = field(default_factory=list)
     # set when a batching loop dies: the process must exit rather than leave requests hanging
     fatal: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def media(self) -> MediaLimits:
+        """What a request's images may be (the image flags)."""
+        server = self.config
+        return MediaLimits(server.max_images_per_request, not server.disable_image_fetch,
+                           server.image_fetch_timeout, server.max_image_bytes,
+                           LocalRoots.of(split_paths(server.allowed_local_media_path)))
 
     def served(self, name: str | None) -> ServedModel:
         return self.models.served_model(name)

@@ -107,3 +107,59 @@ def build_tiny_model(out_dir: Path, *, architecture: str = "llama", num_heads: i
     if with_tokenizer:
         build_tokenizer(out_dir)
     return out_dir
+
+
+# Gemma 3's image tokens, added to the tiny tokenizer (its chat template writes the first)
+GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+GEMMA3_TOKENS_PER_IMAGE = 4
+_GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<start_of_image>{% elif p['type'] == 'text' %}{{ p['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def build_tiny_gemma3_vlm(out_dir: Path, *, with_weights: bool = False) -> Path:
+    """A Gemma3ForConditionalGeneration directory: the tiny tokenizer with Gemma 3's image tokens.
+
+    Its config.json says what the router reads (mm_tokens_per_image and the image token ids);
+    `with_weights`: a random checkpoint transformers saved, which the shards load.
+    """
+    from tokenizers import AddedToken, Tokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out_dir)
+    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in
+                                  ("<start_of_turn>", "<end_of_turn>", *GEMMA3_IMAGE_TOKENS)])
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    boi, eoi, image = (tokenizer.token_to_id(t) for t in GEMMA3_IMAGE_TOKENS)
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": _GEMMA3_TEMPLATE}))
+    image_config = {"mm_tokens_per_image": GEMMA3_TOKENS_PER_IMAGE, "boi_token_index": boi,
+                    "eoi_token_index": eoi, "image_token_index": image}
+    if not with_weights:
+        (out_dir / "config.json").write_text(json.dumps({
+            "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            **image_config}))
+        return out_dir
+    import transformers
+
+    torch.manual_seed(0)
+    text = transformers.Gemma3TextConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, sliding_window=64, bos_token_id=1, eos_token_id=2,
+        pad_token_id=2)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=32, patch_size=8)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, **image_config))
+    model.eval().save_pretrained(out_dir, safe_serialization=True)
+    # the image processor's settings for the tower's 32x32 input (Gemma 3's, otherwise)
+    transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(
+        out_dir)
+    return out_dir

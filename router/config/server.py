@@ -62,6 +62,23 @@ class ServerSettings:
               "is refused with a 403 that says nothing of what lies there. tgi-launcher adds its "
               "model cache (TGI_PY_CACHE), the model registry and its own --model-id.",
         shown="none: only tgi-launcher's model cache, registry and --model-id")
+    max_images_per_request: int = setting(8, "Most images one request (or one prompt of an "
+                                             "SGLang batch) may hold; more get a 4xx. Only a "
+                                             "model that takes images (docs/apis.md, Images) "
+                                             "takes any.")
+    allowed_local_media_path: str = setting(
+        None, "Directories (comma-separated) under which an image may name a local file (a "
+              "file:// URL or an absolute path; vLLM's flag). A path is compared once its "
+              "symlinks and '..' are resolved; any other is refused.",
+        shown="none: no local file is read")
+    disable_image_fetch: bool = setting(False, "Refuse image http(s) URLs with a 4xx instead of "
+                                               "fetching them; data: URLs (and files under "
+                                               "--allowed-local-media-path) still serve.")
+    image_fetch_timeout: float = setting(10.0, "Seconds the router waits for one image URL's "
+                                               "whole answer, redirects and body; past them the "
+                                               "request gets a 4xx.")
+    max_image_bytes: int = setting(20_971_520, "Largest image file in bytes, from a data: URL, "
+                                               "a fetched URL or a local file; larger get a 4xx.")
     payload_limit: int = setting(2_000_000, "Largest request body in bytes; larger ones get "
                                             "413.")
     stream_write_timeout: float = setting(30.0, "Seconds a streamed answer (SSE, or a gRPC "
@@ -116,6 +133,13 @@ class ServerSettings:
             raise ValueError(f"--drain-timeout {self.drain_timeout} must be 0 or more seconds")
         if self.payload_limit < 1:
             raise ValueError(f"--payload-limit {self.payload_limit} must be a positive byte count")
+        if self.max_images_per_request < 0:
+            raise ValueError(f"--max-images-per-request {self.max_images_per_request} must be "
+                             "0 or more")
+        if not 0 < self.image_fetch_timeout <= 3600 or self.max_image_bytes < 1:
+            raise ValueError(f"--image-fetch-timeout {self.image_fetch_timeout} must be above 0 "
+                             f"(at most an hour) and --max-image-bytes {self.max_image_bytes} "
+                             "positive")
         if self.grpc_port == self.port:
             raise ValueError(f"--grpc-port {self.grpc_port} is also the HTTP --port; pick another")
         self.autostart = self.autostart.lower()

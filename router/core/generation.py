@@ -147,6 +147,7 @@ class Infer:
                              prompt_ids=None if request.computes_whole_prompt
                              else request.input_ids,
                              adapter_id=request.adapter_id, request=request,
+                             prompt_images=request.images,
                              span_context=current_span_context(),
                              held_prefix=continuation and continuation.held_prefix,
                              on_final=continuation and continuation.on_final,

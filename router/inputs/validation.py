@@ -11,6 +11,9 @@ from typing import Protocol
 
 from router.errors import UnknownAdapterError, ValidationError
 from router.inputs.field_ranges import INT32, UINT32, UINT64, check_float, check_int
+from router.inputs.images.family import ImageFamily
+from router.inputs.images.placement import markdown_prompt, placed
+from router.inputs.images.sources import MediaLimits
 from router.inputs.seeds import seed_or_draw
 from router.inputs.structured_output import from_tgi
 from router.inputs.tokenizer import RouterTokenizer
@@ -166,11 +169,15 @@ def chosen_adapter(name: str | None, adapters: AdapterRegistry | None) -> str | 
 
 async def validate_generate(body: dict, tokenizer: RouterTokenizer, limits: ValidationLimits,
                             *, stream: bool = False,
-                            adapters: AdapterRegistry | None = None) -> ValidatedGenerate:
+                            adapters: AdapterRegistry | None = None,
+                            images: ImageFamily | None = None,
+                            media: MediaLimits = MediaLimits()) -> ValidatedGenerate:
     """The TGI body {inputs, parameters} -> a validated request.
 
     The request is one the batcher can schedule; `adapters`: the served model's, which
-    `parameters.adapter_id` must name one of."""
+    `parameters.adapter_id` must name one of; `images`: the model's image family, whose
+    prompts' `![](url)` are images read within `media` (None: a text model, for which they are
+    text, as in TGI)."""
     inputs = body.get("inputs")
     if not isinstance(inputs, str):
         raise _type_error("inputs", inputs, "a string") if "inputs" in body else \
@@ -211,14 +218,18 @@ async def validate_generate(body: dict, tokenizer: RouterTokenizer, limits: Vali
                               f"Given: {top_n}")
     if not inputs:
         raise ValidationError("`inputs` cannot be empty")
-    input_ids = await tokenize_prompt(inputs, params.get("truncate"), tokenizer, limits.tokens)
+    text, loaded = inputs, []
+    if images is not None:
+        text, loaded = await markdown_prompt(inputs, images, media, "`inputs`")
+    input_ids = await tokenize_prompt(text, params.get("truncate"), tokenizer, limits.tokens)
+    placed_images = placed(input_ids, images, loaded) if loaded else []
     max_new_tokens = check_lengths(len(input_ids), max_new_tokens, limits.tokens)
     request = GenerateRequest(
         inputs=inputs, input_ids=input_ids, sampling=sampling,
         stopping=StoppingParams(max_new_tokens=max_new_tokens, stop_sequences=[s for s in stop if s],
                                 ignore_eos=bool(params.get("ignore_eos", False))),
         top_n_tokens=top_n, prefill_logprobs=decoder_input_details, grammar=grammar,
-        adapter_id=adapter_id)
+        adapter_id=adapter_id, images=placed_images)
     return ValidatedGenerate(request, best_of, details=bool(params.get("details", False)),
                              return_full_text=params.get("return_full_text"),
                              decoder_input_details=decoder_input_details)

@@ -10,7 +10,9 @@ session lets go of its blocks. A session without blocks keeps its tokens: its ne
 them again (the same answer, later). Past `max_sessions`, once a call ends with its session kept,
 the least recently used idle session is forgotten. A session keeps the LoRA adapter its generation
 ran with: its keys and values are that adapter's, so a later call continues with it and may not name
-another (SessionAdapterConflict). Pure: no I/O. The call's side of a session is
+another (SessionAdapterConflict). A session keeps its prompt's images over their tokens too: a later
+call, continuing from its tokens, sends them again with their spans (the image tokens alone say
+nothing of which image they were). Pure: no I/O. The call's side of a session is
 router/lifecycle/sessions.py.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.kv.block_allocator import BlockPool
+from router.schemas import PromptImage
 
 SessionKey = tuple[str, str]  # (who: a digest of the caller's API key, or "", request_id)
 
@@ -51,6 +54,7 @@ class Session:
     last_used: float = 0.0
     busy: bool = False  # a call runs on it: no other call may take it
     adapter_id: str | None = None  # the LoRA adapter its generation ran with (None: the base)
+    images: list[PromptImage] = field(default_factory=list)  # its prompt's, over their tokens
     # what the running call's generation left, applied when the call succeeds (end): until
     # then the session is as it was, so a call that fails afterwards changes nothing
     pending: Session | None = None
@@ -120,7 +124,7 @@ class SessionStore:
                 self._release(session.blocks)
                 session.token_ids, session.blocks = pending.token_ids, pending.blocks
                 session.computed, session.text = pending.computed, pending.text
-                session.adapter_id = pending.adapter_id
+                session.adapter_id, session.images = pending.adapter_id, pending.images
             else:
                 self._release(pending.blocks)
         session.busy = False
@@ -135,12 +139,13 @@ class SessionStore:
         self._fit_budget()
 
     def keep(self, session: Session, token_ids: list[int], added_text: str,
-             block_ids: list[int], *, adapter_id: str | None = None) -> None:
+             block_ids: list[int], *, adapter_id: str | None = None,
+             images: list[PromptImage] | None = None) -> None:
         """A call's generation finished: its tokens and blocks are kept, pending the call's end.
 
         `token_ids` (the history and the new ids) and the blocks holding them (not those
-        past the computed tokens), computed with `adapter_id`, become the session's if the
-        call succeeds (end).
+        past the computed tokens), computed with `adapter_id` and `images`, become the
+        session's if the call succeeds (end).
         """
         computed = len(token_ids) - 1
         kept = block_ids[:self.pool.blocks_needed(computed)]
@@ -149,7 +154,8 @@ class SessionStore:
         if session.pending is not None:
             self._release(session.pending.blocks)
         session.pending = Session(session.key, session.prompt, session.text + added_text,
-                                  list(token_ids), kept, computed, adapter_id=adapter_id)
+                                  list(token_ids), kept, computed, adapter_id=adapter_id,
+                                  images=list(images or []))
 
     def release_blocks(self, needed: int) -> int:
         """Sessions let go of blocks until `needed` are free again; returns how many became free.

@@ -18,6 +18,7 @@ from router.core.generation import Infer
 from router.errors import ModelStateError, RouterError, UnhealthyError
 from router.inputs.chat_template import ChatTemplate
 from router.inputs.generation_config import GenerationDefaults
+from router.inputs.images.family import ImageFamily, image_family
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import TokenLimits, ValidationLimits
 from router.kv.accounting import kv_accounting
@@ -60,6 +61,7 @@ class ServedModel:
     chat_prompt: ChatPrompt = field(default_factory=ChatPrompt)
     tasks: list[asyncio.Task] = field(default_factory=list)
     adapters: AdapterStore = None  # its LoRA adapters; made in __post_init__ unless given
+    images: ImageFamily | None = None  # how its prompts hold images; None: it reads text only
     # what its adapter store, when made here, asks of the server: Hub fetches, names in use
     adapter_links: InitVar[AdapterLinks] = AdapterLinks()
 
@@ -91,6 +93,8 @@ class ServedModel:
             # are held where not in model_dtype (a GGUF's types as served; None: all in it)
             "model_architecture": self.shard_info.architecture,
             "quantization": self.shard_info.quantization or None,
+            # not in TGI's /info: whether its requests may hold images
+            "takes_images": self.images is not None,
             "max_concurrent_requests": config.max_concurrent_requests,
             "max_best_of": config.max_best_of, "max_stop_sequences": config.max_stop_sequences,
             "max_input_tokens": self.limits.max_input_tokens,
@@ -333,11 +337,12 @@ async def _build(config: ModelSettings, client: ShardedClient,
                   grammar_support=not config.disable_grammar_support)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens, shard_info.vocab_size)
+    images = image_family(config.tokenizer_path, tokenizer.tokenizer.id_to_token)
     sessions = RequestSessions(kv.sessions, infer, tokenizer, limits,
-                               refresh_gauges=batcher.running.update_gauges)
+                               refresh_gauges=batcher.running.update_gauges, images=images)
     served = ServedModel(config, tokenizer, client, shard_info, limits, validation_limits,
                          allocator, batcher, infer, metrics, chat_template(config),
-                         sessions=sessions, adapter_links=adapter_links)
+                         sessions=sessions, adapter_links=adapter_links, images=images)
     return served
 
 

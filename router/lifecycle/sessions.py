@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from router.core.generation import Continuation, GenerateResult, Infer
 from router.errors import SessionBusyError, ValidationError
 from router.inputs.generation_config import GenerationConfig
+from router.inputs.images.family import ImageFamily
+from router.inputs.images.placement import markdown_prompt, placed
+from router.inputs.images.sources import MediaLimits
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import TokenLimits, check_lengths
 from router.kv.sessions import Session, SessionAdapterConflict, SessionBusy, SessionKey, SessionStore
@@ -69,8 +72,10 @@ class RequestSessions:
     """The request_id sessions of one served model: begin, the adapter check, end, expiry."""
 
     def __init__(self, store: SessionStore, infer: Infer, tokenizer: RouterTokenizer,
-                 limits: TokenLimits, *, refresh_gauges: Callable[[], None]):
+                 limits: TokenLimits, *, refresh_gauges: Callable[[], None],
+                 images: ImageFamily | None = None):
         self.store = store
+        self.images = images  # the model's image family: a prompt's `![](url)` are images
         self.infer = infer
         self.tokenizer = tokenizer
         self.limits = limits
@@ -78,13 +83,13 @@ class RequestSessions:
         self.refresh_gauges = refresh_gauges
 
     @asynccontextmanager
-    async def call(self, who: str, prompts: list[tuple[str, str]], config: GenerationConfig
-                   ) -> AsyncIterator[SessionCall]:
+    async def call(self, who: str, prompts: list[tuple[str, str]], config: GenerationConfig,
+                   media: MediaLimits = MediaLimits()) -> AsyncIterator[SessionCall]:
         """A call on the sessions of `prompts` ((request_id, prompt) pairs) for the caller `who`.
 
         Each session is held (a 409 while another call holds it) and its core request made (a 422
-        for a continuation too long, or that names another adapter); on exit, each keeps what the
-        call generated when it succeeded.
+        for a continuation too long, or that names another adapter; a first call's images are
+        read within `media`); on exit, each keeps what the call generated when it succeeded.
         """
         call = SessionCall(self, [])
         try:
@@ -92,7 +97,7 @@ class RequestSessions:
                 call.sessions.append(self.begin((who, request_id), prompt))
             for session in call.sessions:
                 call.requests.append(
-                    await self.infer.count_request(self.core_request(session, config)))
+                    await self.infer.count_request(self.core_request(session, config, media)))
             yield call
         finally:
             for session in call.sessions:
@@ -127,7 +132,8 @@ class RequestSessions:
             self.infer.adapters.check(adapter)
         return adapter
 
-    async def core_request(self, session: Session, config: GenerationConfig) -> GenerateRequest:
+    async def core_request(self, session: Session, config: GenerationConfig,
+                           media: MediaLimits = MediaLimits()) -> GenerateRequest:
         """The core request of one call: the prompt, or on a continuation every token so far.
 
         It runs with the session's LoRA adapter (its KV blocks were computed with it: a
@@ -137,6 +143,7 @@ class RequestSessions:
         adapter_id = self.adapter_for(session, config.adapter_id,
                                       named=config.adapter_id is not None)
         max_input_tokens = self.limits.max_input_tokens
+        images = session.images
         if session.started:
             input_ids, inputs = session.token_ids, session.prompt + session.text
             if len(input_ids) > max_input_tokens:
@@ -145,8 +152,11 @@ class RequestSessions:
                     f"{max_input_tokens} a call may start from: it cannot be continued; "
                     "start again under a new request_id")
         else:
-            input_ids = await self.tokenizer.encode_async(session.prompt,
-                                                          max_tokens=max_input_tokens)
+            text, loaded = session.prompt, []
+            if self.images is not None:
+                text, loaded = await markdown_prompt(text, self.images, media, "`prompt`")
+            input_ids = await self.tokenizer.encode_async(text, max_tokens=max_input_tokens)
+            images = placed(input_ids, self.images, loaded) if loaded else []
             inputs = session.prompt
             if not input_ids:
                 raise ValidationError("`prompt` cannot be empty")
@@ -155,7 +165,7 @@ class RequestSessions:
                                sampling=config.sampling(),
                                stopping=StoppingParams(max_new_tokens=max_new_tokens),
                                num_beams=config.num_beams, length_penalty=config.length_penalty,
-                               adapter_id=adapter_id)
+                               adapter_id=adapter_id, images=images)
 
     def continuation(self, session: Session, request: GenerateRequest) -> Continuation:
         """How `request` continues `session` and leaves its result there.
@@ -169,7 +179,7 @@ class RequestSessions:
             # the best beam's keys and values need not be in the blocks any more: none are kept
             blocks = item.allocation.block_ids if item.request.num_beams == 1 else []
             store.keep(session, item.request.input_ids + item.generated_ids, final.text,
-                       blocks, adapter_id=item.adapter_id)
+                       blocks, adapter_id=item.adapter_id, images=item.request.images)
 
         held = session if session.token_ids == request.input_ids else None
         return Continuation(held_prefix=held, on_final=keep)

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from router.scheduler.active_request import ActiveRequest
+from router.kv.prefix_cache import outside_images
 from router.scheduler.chunk_sizing import chunk_tokens
 
 # A decode call of several steps holds back a request arriving meanwhile and hands the streams
@@ -86,8 +87,19 @@ class ChunkedPrefill:
         return self._queue_turn
 
     def next_size(self, budget: int, decode_s: float | None) -> int:
-        return chunk_tokens(self.item.input_length - self.next_start, budget, decode_s=decode_s,
+        """The next chunk's tokens, ending before an image's tokens or after them, never inside.
+
+        The shard puts a whole image's rows over its span in one forward: a chunk that would
+        end inside one ends before it, or, starting at it, after it (past the budget).
+        """
+        size = chunk_tokens(self.item.input_length - self.next_start, budget, decode_s=decode_s,
                             chunk_s_per_token=self.s_per_token)
+        images = self.item.prompt_images
+        end = outside_images(self.next_start + size, images)
+        if end == self.next_start:  # the chunk starts at an image: it takes the whole image
+            image = next(i for i in images if i.token_offset == end)
+            end = image.token_offset + image.token_count
+        return end - self.next_start
 
     def is_last(self, size: int) -> bool:
         return self.next_start + size == self.item.input_length

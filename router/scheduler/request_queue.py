@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from router.kv.block_allocator import BlockAllocation, BlockAllocator
-from router.kv.prefix_cache import PrefixCache
+from router.kv.prefix_cache import PrefixCache, outside_images
+from router.schemas import PromptImage
 
 
 class HeldPrefix(Protocol):
@@ -36,6 +37,8 @@ class QueueEntry:
     allocation: BlockAllocation | None = None
     prompt_ids: list[int] | None = None  # offered to the prefix cache (None: never cached)
     adapter_id: str | None = None  # its LoRA adapter: it shares cached prefixes of that one only
+    # its images over their tokens: cached prefixes with the same images only, never split
+    prompt_images: list[PromptImage] = field(default_factory=list)
     cache_len: int = 0  # prompt tokens whose keys and values come from the prefix cache
     held_prefix: HeldPrefix | None = None  # where its prompt's start is, before the prefix cache
     attempts: int = 0  # times it was sent to the shards (a shard failure may send it back here)
@@ -93,10 +96,15 @@ class RequestQueue(Generic[E]):
             return list(held.blocks), held.computed
         if self.prefix_cache is None or entry.prompt_ids is None:
             return [], 0
-        shared = self.prefix_cache.match(entry.prompt_ids, adapter_id=entry.adapter_id)
-        while shared and len(shared) * self.allocator.block_size >= entry.input_length:
-            self.allocator.pool.decref([shared.pop()])
-        return shared, len(shared) * self.allocator.block_size
+        shared = self.prefix_cache.match(entry.prompt_ids, adapter_id=entry.adapter_id,
+                                         images=entry.prompt_images)
+        size = self.allocator.block_size
+        keep = len(shared)
+        while keep and keep * size >= entry.input_length:
+            keep -= 1
+        keep = outside_images(keep * size, entry.prompt_images) // size
+        self.allocator.pool.decref(shared[keep:])
+        return shared[:keep], keep * size
 
     def remove(self, entry: E) -> bool:
         """Takes out a waiting entry (its client went away); False if it already left the queue."""

@@ -70,7 +70,7 @@ class RunningRequests:
             if item.prompt_ids is not None:
                 try:
                     cache.insert(item.prompt_ids, item.allocation.block_ids,
-                                 adapter_id=item.adapter_id)
+                                 adapter_id=item.adapter_id, images=item.prompt_images)
                 except Exception:  # the request goes on; only its prompt is not reused
                     log.exception("could not cache the prompt of request %d", item.id)
             if item.cache_len:

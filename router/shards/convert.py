@@ -97,7 +97,9 @@ def request_message(shard_request: ShardRequest) -> pb.Request:
         input_embeds=request.input_embeds or b"", logprob_token_ids=request.logprob_token_ids,
         prefill_top_n_tokens=request.prefill_top_n_tokens,
         return_hidden_states=request.return_hidden_states, num_beams=request.num_beams,
-        length_penalty=request.length_penalty, adapter_id=request.adapter_id)
+        length_penalty=request.length_penalty, adapter_id=request.adapter_id,
+        images=[pb.Image(data=image.data, token_offset=image.token_offset,
+                         token_count=image.token_count) for image in request.images])
 
 
 def batch_message(batch: NewBatch) -> tuple[pb.Batch, list[Rejection]]:

@@ -237,6 +237,10 @@ def test_text_generation_client_grammar(server):
     ({"messages": ASK, "response_format": {"type": "json_schema",
                                            "json_schema": {"schema": {"type": "nonsense"}}}},
      422, "grammar is not valid"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "text", "text": "what is it?"}]}]},
+     422, "takes no images, it reads text only"),
 ])
 def test_chat_validation_errors(server, body, status, message):
     reply = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)

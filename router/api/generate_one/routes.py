@@ -19,7 +19,7 @@ from router.errors import RouterError
 from router.http.json_body import read_object
 from router.http.sse import StreamFormat, serve_stream
 from router.schemas import TokenEvent
-from router.state import served_model
+from router.state import STATE, served_model
 from router.telemetry.tracing import request_span
 
 
@@ -62,8 +62,8 @@ async def generate_one(request: web.Request) -> web.StreamResponse:
     served = served_model(request)
     with request_span("generate_one", request.headers):
         call = parse_one(await read_object(request), served.generation_defaults)
-        async with served.sessions.call(_who(request), _pairs([call.prompt]),
-                                        call.config) as held:
+        async with served.sessions.call(_who(request), _pairs([call.prompt]), call.config,
+                                        request.app[STATE].media) as held:
             before = held.before(0, only_new_tokens=call.only_new_tokens)
             if call.stream_response:
                 return await serve_stream(request, _indexed(held.stream()),
@@ -80,8 +80,8 @@ async def generate_batch(request: web.Request) -> web.Response:
         call = parse_batch(await read_object(request), served.generation_defaults,
                            served.config.max_client_batch_size)
         # every item's text, or none's, joins its session
-        async with served.sessions.call(_who(request), _pairs(call.prompts),
-                                        call.config) as held:
+        async with served.sessions.call(_who(request), _pairs(call.prompts), call.config,
+                                        request.app[STATE].media) as held:
             # read before the call ends, which adds its text to each session
             prompts, earlier = [s.prompt for s in held.sessions], [s.text for s in held.sessions]
             results = await held.generate()

@@ -51,7 +51,7 @@ UNREAD_ABORT_S = 1.0
 
 async def validate(state: RouterState, body: dict, *, stream: bool) -> ValidatedGenerate:
     """TGI's parameters validated and counted (tgi_request_count, failures) as /generate does."""
-    return await tgi.validate(state.served(None), body, stream=stream)
+    return await tgi.validate(state.served(None), body, stream=stream, media=state.media)
 
 
 async def generate(state: RouterState, validated: ValidatedGenerate, timings: Timings):

@@ -22,7 +22,10 @@ def _model_schemas() -> dict:
                     id=string, object=string, created=integer, owned_by=string, type=string,
                     version=string, name=string, description=string, state=state, format=string,
                     source_url=string, settings=obj, parameters=obj, engine_parameters=obj,
-                    metadata=obj, assets={"type": "array", "items": string})
+                    metadata={**obj, "properties": {"takes_images": {
+                        "type": "boolean", "description": "whether a request to it may hold "
+                        "images (its config.json is of a vision-language family)"}}},
+                    assets={"type": "array", "items": string})
     return {
         "Model": model,
         "ModelList": object_schema(["object", "data"], object=string,

@@ -19,6 +19,7 @@ from router.api.models.errors import models_error_body
 from router.errors import ModelStateError, ValidationError
 from router.http.middleware import ERROR_BODY
 from router.http.json_body import read_object
+from router.inputs.images.family import names_image_family
 from router.lifecycle.hub_names import hub_name
 from router.lifecycle.manager import ModelManager
 from router.lifecycle.model_yaml import model_yaml_body
@@ -71,7 +72,8 @@ def _metadata(record: ModelRecord) -> dict:
     metadata = {"engine": "hf_inference", "quantization": record.quantization,
                 "size": (_parameters_text(record.parameter_count) if record.parameter_count
                          else _size_text(record.size_bytes)),
-                "size_bytes": record.size_bytes, "parameter_count": record.parameter_count}
+                "size_bytes": record.size_bytes, "parameter_count": record.parameter_count,
+                "takes_images": names_image_family(record.model_dir)}
     if record.state == DOWNLOADING or record.bytes_total:
         metadata["progress"] = {"bytes_done": record.bytes_done,
                                 "bytes_total": record.bytes_total}

@@ -8,6 +8,7 @@ import uuid
 from aiohttp import web
 
 from router.api.openai import guided, vllm_fields
+from router.api.openai.chat_images import image_sources, with_markers
 from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
                                       adapter_as_model, openai_logprob, usage, without_stop)
 from router.api.openai.request import (ChatOptions, ChatPromptParts, build_request,
@@ -22,6 +23,8 @@ from router.errors import ValidationError, about_field
 from router.http.json_body import read_object
 from router.http.sse import openai_sse, serve_stream
 from router.inputs.field_ranges import read_flag, read_number
+from router.inputs.images.placement import expanded, placed
+from router.inputs.images.sources import LoadedImage, load_images
 from router.inputs.reasoning import ThinkSplitter, split_reasoning, starts_in_reasoning
 from router.inputs.seeds import copies
 from router.inputs.template_pool import TemplatePool
@@ -105,14 +108,18 @@ def _chat_prompt(served, body: dict):
     Returned in that order. This is the slow part of reading a chat, whose messages, tools and
     schemas a body of megabytes can make take a second, so it runs in a worker thread, not on the
     event loop that serves every other request; the template renders in the template pool."""
-    messages = normalise_messages(body.get("messages"))
+    messages = normalise_messages(body.get("messages"), images=served.images,
+                                  model=served.model_name)
+    sources = image_sources(body["messages"])  # checked by normalise_messages
+    if sources and served.chat_template is None:  # Jan's prompt pieces: the marker as text
+        messages = with_markers(messages, served.images.marker)
     plan = tool_plan(body, parser=served.config.tool_call_parser,
                      auto_parses=served.config.enable_auto_tool_choice)
     constraint = guided.constraint(body, tool_grammar=plan.grammar)
     parts = chat_prompt_parts(served.chat_template, messages, plan, fallback=served.chat_prompt,
                               template_kwargs=chat_template_kwargs(body),
                               ending=vllm_fields.generation_prompt(body, messages))
-    return plan, constraint, parts
+    return plan, constraint, parts, sources
 
 
 def _chat_request_parts(served, body: dict):
@@ -126,15 +133,27 @@ async def _rendered(templates: TemplatePool, served, parts: ChatPromptParts) -> 
     return vllm_fields.continued(prompt, parts.continue_final)
 
 
-async def _validate_chat(templates: TemplatePool, served, body: dict,
+async def _prompt_images(request: web.Request, served, prompt: str, sources: list
+                         ) -> tuple[str, list[LoadedImage]]:
+    """The prompt to tokenize, each image's marker expanded, and the images, read and checked."""
+    if not sources:
+        return prompt, []
+    loaded = await load_images(sources, request.app[STATE].media)
+    return expanded(prompt, served.images, loaded), loaded
+
+
+async def _validate_chat(request: web.Request, served, body: dict,
                          adapter_id: str | None) -> _Chat:
     limits = served.validation_limits
     chosen_adapter(adapter_id, served.adapters)  # one being unloaded is refused from the start
-    plan, constraint, parts, parsed = await asyncio.to_thread(_chat_request_parts, served, body)
-    prompt = await _rendered(templates, served, parts)
+    plan, constraint, parts, sources, parsed = await asyncio.to_thread(_chat_request_parts,
+                                                                       served, body)
+    prompt = await _rendered(request.app[STATE].templates, served, parts)
     with about_field("messages"):  # the prompt's length, which the messages make
-        input_ids = await served.tokenizer.encode_async(prompt, add_special_tokens=False,
+        text, loaded = await _prompt_images(request, served, prompt, sources)
+        input_ids = await served.tokenizer.encode_async(text, add_special_tokens=False,
                                                        max_tokens=limits.tokens.max_input_tokens)
+        images = placed(input_ids, served.images, loaded) if loaded else []
     logprobs = read_flag(body, "logprobs")
     top_logprobs = read_number(body, "top_logprobs", 0, limits.max_top_n_tokens, integer=True) or 0
     if top_logprobs and not logprobs:
@@ -143,7 +162,8 @@ async def _validate_chat(templates: TemplatePool, served, body: dict,
                             skip_special_tokens=plan.skips_special_tokens,
                             default_max_tokens=served.request_defaults.get("token_limit"),
                             top_n_tokens=top_logprobs, grammar_spec=plan.grammar or constraint,
-                            parsed=parsed, adapter_id=adapter_id, prompt_field="messages")
+                            parsed=parsed, adapter_id=adapter_id, prompt_field="messages",
+                            images=images)
     prompt_top_n = vllm_fields.prompt_logprobs(body, limits.max_top_n_tokens)
     request = vllm_fields.with_prompt_logprobs(request, prompt_top_n)
     options = ChatOptions(n=choice_count(body, served.config.max_client_batch_size),
@@ -164,8 +184,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     served, adapter_id = model_and_adapter(request, model_name(body))
     body = with_model_defaults(body, served.request_defaults)
     with adapter_as_model():
-        chat = await served.infer.count_request(_validate_chat(request.app[STATE].templates,
-                                                               served, body, adapter_id))
+        chat = await served.infer.count_request(_validate_chat(request, served, body,
+                                                               adapter_id))
         requests = copies(chat.request, chat.options.n)
         if chat.options.stream:
             return await serve_stream(request, served.infer.stream_many(requests),
@@ -262,10 +282,14 @@ async def chat_tokenize(request: web.Request) -> web.Response:
     """TGI's /chat_tokenize: a chat request's prompt as the template renders it, and its tokens."""
     body = await read_object(request)
     served, _ = model_and_adapter(request, model_name(body))  # an adapter's: its model's template
-    _, _, parts = await asyncio.to_thread(_chat_prompt, served, body)
+    _, _, parts, sources = await asyncio.to_thread(_chat_prompt, served, body)
     prompt = await _rendered(request.app[STATE].templates, served, parts)
-    ids, offsets = await served.tokenizer.encode_offsets_async(prompt, add_special_tokens=False)
-    return await tokens_response(prompt, ids, offsets, templated_text=prompt)
+    # the tokens the model reads: each image's expanded, as the request would be
+    text, loaded = await _prompt_images(request, served, prompt, sources)
+    ids, offsets = await served.tokenizer.encode_offsets_async(text, add_special_tokens=False)
+    if loaded:
+        placed(ids, served.images, loaded)  # the same 422 as the request's
+    return await tokens_response(text, ids, offsets, templated_text=text)
 
 
 def register(app: web.Application) -> None:

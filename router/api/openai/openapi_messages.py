@@ -45,13 +45,18 @@ def _logprob_schemas() -> dict:
 def _request_message_schemas() -> dict:
     """What a chat request's messages and tools are made of."""
     return {
-        "Url": object_schema(["url"], url=_STRING),
+        "Url": object_schema(["url"], url={**_STRING, "description": (
+            "a data: URL (data:image/png;base64,...), an http(s) URL the server fetches "
+            "(unless --disable-image-fetch), or a file:// URL under "
+            "--allowed-local-media-path")}),
         "MessageChunk": {"oneOf": [
             object_schema(["text", "type"], text=_STRING,
                           type={"type": "string", "enum": ["text"]}),
-            {**object_schema(["image_url", "type"], image_url=ref("Url"),
+            {**object_schema(["image_url", "type"],
+                             image_url={"oneOf": [ref("Url"), _STRING]},
                              type={"type": "string", "enum": ["image_url"]}),
-             "description": "refused (a 422): the models served here read text only"}]},
+             "description": "an image, for a model that takes images (GET /info's "
+                            "takes_images); a model that reads text only refuses it (a 422)"}]},
         "MessageContent": {"oneOf": [_STRING, {"type": "array", "items": ref("MessageChunk")}]},
         "Message": object_schema(
             ["role"], role={"type": "string", "enum": ["system", "developer", "user", "assistant",

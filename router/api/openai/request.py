@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from router.api.openai.chat_images import content_parts
 from router.api.openai.tools import ToolPlan, with_tool_prompt
 from router.api.openai.vllm_fields import GenerationPrompt
 from router.errors import TemplateError, ValidationError, about_field
@@ -11,11 +12,12 @@ from router.inputs import json_text
 from router.inputs.chat_template import ChatTemplate
 from router.inputs.field_ranges import (FLOAT32_MAX, check_logit_bias, checked_token_ids, read_flag,
                                         read_number)
+from router.inputs.images.family import ImageFamily
 from router.inputs.seeds import seed_or_draw
 from router.inputs.template_worker import encode_job
 from router.inputs.validation import ValidationLimits, check_lengths
 from router.lifecycle.settings import ChatPrompt
-from router.schemas import GenerateRequest, SamplingParams, StoppingParams
+from router.schemas import GenerateRequest, PromptImage, SamplingParams, StoppingParams
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -105,7 +107,8 @@ def choice_count(body: dict, max_choices: int) -> int:
     return n or 1
 
 
-def _message_text(message: dict, index: int) -> str:
+def _message_text(message: dict, index: int, images: ImageFamily | None,
+                  model: str) -> str | list[dict]:
     content = message.get("content")
     calls = message.get("tool_calls")
     if calls is not None and (not isinstance(calls, list) or not all(
@@ -118,15 +121,7 @@ def _message_text(message: dict, index: int) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
-                raise ValidationError(f"messages[{index}].content: each part must be "
-                                      "{\"type\": \"text\", \"text\": ...}")
-            if part["type"] == "image_url":
-                raise ValidationError("image inputs are not supported: this model reads text only")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return content_parts(content, index, images, model)
     raise ValidationError(f"messages[{index}].content must be a string or a list of parts")
 
 
@@ -144,7 +139,13 @@ def _calls_as_text(message: dict) -> dict:
                                              ensure_ascii=False)}
 
 
-def normalise_messages(messages) -> list[dict]:
+def normalise_messages(messages, *, images: ImageFamily | None = None,
+                       model: str = "this model") -> list[dict]:
+    """The messages as the template gets them: `images`, the model's image family, or None.
+
+    A message's content is its text, or for a model that takes images and a message that holds
+    some, its text and image parts (router.api.openai.chat_images).
+    """
     if not isinstance(messages, list) or not messages:
         raise ValidationError("`messages` must be a non-empty list")
     out = []
@@ -153,7 +154,7 @@ def normalise_messages(messages) -> list[dict]:
         if not isinstance(role, str) or role not in _ROLES:
             raise ValidationError(f"messages[{i}].role must be one of {sorted(_ROLES)}")
         role = "system" if message["role"] == "developer" else message["role"]
-        out.append({**message, "role": role, "content": _message_text(message, i)})
+        out.append({**message, "role": role, "content": _message_text(message, i, images, model)})
         if message.get("tool_calls"):
             out[-1]["tool_calls"] = [_with_arguments_object(c) for c in message["tool_calls"]]
     return out
@@ -264,7 +265,8 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
                   prefill_logprobs: bool = False,
                   parsed: tuple[SamplingParams, list[str]],
                   adapter_id: str | None = None, prompt_field: str,
-                  skip_special_tokens: bool = True) -> GenerateRequest:
+                  skip_special_tokens: bool = True,
+                  images: list[PromptImage] | None = None) -> GenerateRequest:
     """A chat body -> its validated GenerateRequest.
 
     `parsed`: sampling_and_stops(body, limits), which the caller reads off the event loop
@@ -298,4 +300,4 @@ def build_request(prompt: str, input_ids: list[int], body: dict, limits: Validat
                            stopping=stopping,
                            top_n_tokens=top_n_tokens, prefill_logprobs=prefill_logprobs,
                            grammar=grammar_spec, adapter_id=adapter_id,
-                           skip_special_tokens=skip_special_tokens)
+                           skip_special_tokens=skip_special_tokens, images=images or [])

@@ -174,4 +174,7 @@ def with_tool_prompt(messages: list[dict], plan: ToolPlan, *, template_shows_too
                            ensure_ascii=False)
         text = f"\n---\n{tools}\n{DEFAULT_TOOL_PROMPT if prompt is None else prompt}"
     last = messages[-1]
-    return [*messages[:-1], {**last, "content": f"{last['content']}{text}"}]
+    content = last["content"]
+    content = ([*content, {"type": "text", "text": text}] if isinstance(content, list)
+               else f"{content}{text}")  # a message with images keeps its parts
+    return [*messages[:-1], {**last, "content": content}]

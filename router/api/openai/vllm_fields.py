@@ -118,7 +118,10 @@ def generation_prompt(body: dict, messages: list[dict]) -> GenerationPrompt:
     if continuing and add:
         raise ValidationError("Cannot set both `continue_final_message` and "
                               "`add_generation_prompt` to True.", param="continue_final_message")
-    return GenerationPrompt(add, messages[-1]["content"] if continuing else None)
+    final = messages[-1]["content"]
+    if isinstance(final, list):  # its text and images: the text the prompt ends in
+        final = "".join(p.get("text", "") for p in final if p.get("type") == "text")
+    return GenerationPrompt(add, final if continuing else None)
 
 
 def continued(prompt: str, final: str | None) -> str:

@@ -42,6 +42,7 @@ def _sglang_schemas() -> dict:
               "description": "one row per prompt position, as wide as the model's hidden size "
                              "(`hidden_size` in /get_model_info)"}
     vectors = {"type": "array", "minItems": 1, "items": vector}
+    image = {"oneOf": [string, object_schema(["url"], url=string)]}
     request = object_schema(
         [], text=strings,
         input_ids={"oneOf": [{"type": "array", "items": token_id, "minItems": 1},
@@ -73,7 +74,17 @@ def _sglang_schemas() -> dict:
             "(null: the base model). One not loaded is a 400")},
         lora_id={**per_prompt({**string, "nullable": True}), "description": (
             "a loaded LoRA adapter's name (as lora_path takes it); with lora_path, both must "
-            "name the same adapter")})
+            "name the same adapter")},
+        image_data={"description": (
+            "for a model that takes images (GET /info's takes_images), with `text`: an image "
+            "(a data: or http(s) URL, a file path under --allowed-local-media-path, plain "
+            "base64, or {\"url\": ...}) or a list of them for one prompt; for a batch, one "
+            "entry (an image, a list or null) per prompt. Each goes where the text writes the "
+            "model's image marker (Gemma 3: <start_of_image>), or first when it writes none"),
+            "oneOf": [image, {"type": "array", "items": {"nullable": True, "oneOf": [
+                image, {"type": "array", "items": image}]}}]},
+        modalities={"type": "array", "items": {"type": "string",
+                                               "enum": ["image", "multi-images"]}})
     request["anyOf"] = [{"required": ["text"]}, {"required": ["input_ids"]},
                         {"required": ["input_embeds"]}]
     logprob = {"type": "array", "items": {}, "minItems": 3, "maxItems": 3,

@@ -21,10 +21,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy
 
+from router.api.sglang.images import check_modalities, prompt_images, text_with_images
 from router.api.sglang.lora import LoadedAdapters, prompt_adapters
 from router.api.sglang.sampling import DEFAULT_MAX_NEW_TOKENS, SglangSampling, parse_sampling
 from router.errors import ValidationError
 from router.inputs.field_ranges import INT32, UINT32, check_int, checked_token_ids, read_flag
+from router.inputs.images.family import ImageFamily
+from router.inputs.images.placement import placed, text_only_refusal
+from router.inputs.images.sources import MediaLimits
 from router.inputs.seeds import copies, draw_seed
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import ValidationLimits, check_lengths
@@ -53,6 +57,7 @@ _NOT_YET = {
                           "parallel rank",
 }
 _TEXT_ONLY = ("image_data", "audio_data", "video_data", "modalities")
+_IMAGE_FIELDS = ("image_data", "modalities")  # taken by a model that takes images
 # SGLang's fields (not in its document) asking for more in the answer than this server computes:
 # refused when true, so that no client reads an answer without what it asked for
 _MORE_OUTPUT = ("return_prompt_token_ids", "return_entropy", "return_routed_experts",
@@ -205,13 +210,15 @@ _warned: set[str] = set()  # unknown top-level fields already logged
 MAX_WARNED = 1000  # names logged at most: clients choose them, the set must not grow unbounded
 
 
-def check_fields(body: dict) -> None:
+def check_fields(body: dict, *, takes_images: bool = False) -> None:
     for name, value in body.items():
         if name not in _TOP_LEVEL:
             _warn_unknown(name)
             continue
         if value is None:
             continue
+        if takes_images and name in _IMAGE_FIELDS:
+            continue  # router.api.sglang.images reads them
         if name in _TEXT_ONLY:
             raise ValidationError(f"`{name}` is not supported: this model reads text only")
         if name in _NOT_YET:
@@ -247,12 +254,19 @@ def _rids(body: dict, count: int) -> list[str]:
 
 async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: ValidationLimits,
                          max_batch: int, hidden_size: int, *,
-                         adapters: LoadedAdapters | None = None) -> SglangBatch:
+                         adapters: LoadedAdapters | None = None,
+                         images: ImageFamily | None = None, media: MediaLimits = MediaLimits(),
+                         model: str = "this model") -> SglangBatch:
     """The whole body -> one GenerateRequest per prompt and copy, in batch-major order.
 
     `hidden_size` is the width of a row of `input_embeds`; `adapters`: the model's LoRA adapters,
-    which `lora_path` / `lora_id` choose from."""
-    check_fields(body)
+    which `lora_path` / `lora_id` choose from; `images`: the model's image family (None: it reads
+    text only), `image_data` read within `media`."""
+    if images is None and body.get("image_data") is not None:
+        raise text_only_refusal(model)
+    check_fields(body, takes_images=images is not None)
+    if images is not None:
+        check_modalities(body)
     prompts, batch, field_name = _prompts(body)
     if len(prompts) > max_batch:
         raise ValidationError(f"Number of prompts exceeds the maximum allowed batch size of "
@@ -275,6 +289,7 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
     # compiling the grammars may take a while: off the event loop
     parsed = await asyncio.to_thread(parse_all)
     rids = _rids(body, len(prompts))
+    loaded = await prompt_images(body, len(prompts), batch, field_name, images, media, model)
     items = []
     for index, prompt in enumerate(prompts):
         asked = parsed[index]
@@ -282,10 +297,11 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
             asked = replace(asked, sampling=replace(asked.sampling, seed=draw_seed()))
         embeds, rows = None, 0
         if field_name == "text":
-            if not prompt:
+            if not prompt and not loaded[index]:  # images alone are a prompt
                 raise ValidationError("`text` cannot be empty")
             text, input_ids = prompt, await tokenizer.encode_async(
-                prompt, max_tokens=limits.tokens.max_input_tokens)
+                text_with_images(prompt, images, loaded[index]) if loaded[index]
+                else prompt, max_tokens=limits.tokens.max_input_tokens)
         elif field_name == "input_embeds":
             path = f"input_embeds[{index}]" if batch else "input_embeds"
             embeds, rows = _embeds(prompt, path, hidden_size)
@@ -329,7 +345,8 @@ async def parse_generate(body: dict, tokenizer: RouterTokenizer, limits: Validat
             skip_special_tokens=asked.skip_special_tokens, grammar=asked.grammar,
             input_embeds=embeds, embeds_rows=rows, logprob_token_ids=logprobs.token_ids,
             prefill_top_n_tokens=logprobs.top_n if logprobs.enabled and logprobs.start_len >= 0
-            else 0, return_hidden_states=bool(hidden), adapter_id=adapter_ids[index])
+            else 0, return_hidden_states=bool(hidden), adapter_id=adapter_ids[index],
+            images=placed(input_ids, images, loaded[index]) if loaded[index] else [])
         for request in copies(base, asked.n):
             items.append(SglangItem(request, rids[index], logprobs, asked.no_stop_trim,
                                     bool(hidden), score_only, asked.stream_interval))

@@ -95,7 +95,8 @@ async def _generate(request: web.Request, body: dict) -> web.StreamResponse:
     started = time.monotonic()
     batch = await served.infer.count_request(parse_generate(
         body, served.tokenizer, served.validation_limits, served.config.max_client_batch_size,
-        served.shard_info.hidden_size, adapters=served.adapters))
+        served.shard_info.hidden_size, adapters=served.adapters, images=served.images,
+        media=request.app[STATE].media, model=served.model_name))
     running = request.app[RUNNING]
     rids = list(dict.fromkeys(item.rid for item in batch.items))
     taken = [rid for rid in rids if rid in running]

@@ -137,6 +137,10 @@ def schemas() -> dict:
                          "description": "How the weights are held where not in model_dtype: a "
                                         "GGUF's types as served, or --quantize's form; null: all "
                                         "in model_dtype (not in TGI's /info)"},
+                     "takes_images": {
+                         "type": "boolean",
+                         "description": "Whether a request may hold images (a vision-language "
+                                        "model; not in TGI's /info)"},
                      "lora_adapters": {
                          "type": "array", "items": ref("LoraAdapterInfo"),
                          "description": "The LoRA adapters loaded (not in TGI's /info); a "

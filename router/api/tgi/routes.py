@@ -13,6 +13,8 @@ from router.errors import BadRequestError, RouterError, ValidationError
 from router.http.json_body import read_object
 from router.http.middleware import ErrorBodies, api_key_middleware, error_middleware
 from router.http.sse import StreamFormat, serve_stream, sse_data
+from router.inputs.images.placement import markdown_prompt, placed
+from router.inputs.images.sources import MediaLimits
 from router.inputs.validation import ValidatedGenerate, check_types, validate_generate
 from router.lifecycle.served_model import ServedModel
 from router.schemas import Timings, Token, TokenEvent
@@ -29,12 +31,15 @@ def prefill_json(token: Token) -> dict:
     return {"id": token.id, "text": token.text, "logprob": token.logprob}
 
 
-async def validate(served: ServedModel, body: dict, *, stream: bool) -> ValidatedGenerate:
-    """TGI's parameters object, validated and counted (shared with the gRPC API)."""
+async def validate(served: ServedModel, body: dict, *, stream: bool,
+                   media: MediaLimits) -> ValidatedGenerate:
+    """TGI's parameters object, validated and counted (shared with the gRPC API).
+
+    `media`: what its images (`![](url)` in the inputs of a model that takes images) may be."""
     with phase_span("validation"):
         return await served.infer.count_request(validate_generate(
             body, served.tokenizer, served.validation_limits, stream=stream,
-            adapters=served.adapters))
+            adapters=served.adapters, images=served.images, media=media))
 
 
 def _sequence_details(result: GenerateResult, *, with_prefill: bool) -> dict:
@@ -68,7 +73,7 @@ def _timing_headers(served, validated: ValidatedGenerate, timings: Timings, gene
 async def _generate_payload(request: web.Request, body: dict, *, full_text_default: bool):
     served = served_model(request)
     timings = Timings(started_at=time.monotonic())
-    validated = await validate(served, body, stream=False)
+    validated = await validate(served, body, stream=False, media=request.app[STATE].media)
     best, others = await served.infer.generate_best_of(validated.request, validated.best_of,
                                                       timings)
     prefix = validated.output_prefix(full_text_default)
@@ -135,7 +140,7 @@ async def _stream(request: web.Request, body: dict, *, full_text_default: bool
                   ) -> web.StreamResponse:
     served = served_model(request)
     timings = Timings(started_at=time.monotonic())
-    validated = await validate(served, body, stream=True)
+    validated = await validate(served, body, stream=True, media=request.app[STATE].media)
     form = TgiStream(validated, validated.output_prefix(full_text_default), timings)
     return await serve_stream(request, served.infer.stream_many([validated.request], timings), form,
                               headers={"x-compute-type": served.compute_type,
@@ -190,10 +195,16 @@ async def tokenize(request: web.Request) -> web.Response:
             raise BadRequestError("Failed to deserialize the JSON body into the target type: "
                                   "parameters: expected an object")
         truncate = check_types({"truncate": parameters.get("truncate")}).get("truncate")
-    ids, offsets = await served.tokenizer.encode_offsets_async(inputs)
+    text, loaded = inputs, []
+    if served.images is not None:  # the tokens the model reads: each image's expanded
+        text, loaded = await markdown_prompt(inputs, served.images, request.app[STATE].media,
+                                             "`inputs`")
+    ids, offsets = await served.tokenizer.encode_offsets_async(text)
     if truncate is not None and truncate < len(ids):  # TGI keeps the last tokens, as /generate
         ids, offsets = ids[len(ids) - truncate:], offsets[len(offsets) - truncate:]
-    return await tokens_response(inputs, ids, offsets)
+    if loaded:
+        placed(ids, served.images, loaded)  # the same 422 as /generate's
+    return await tokens_response(text, ids, offsets)
 
 
 def simple_tokens(text: str, ids: list[int], offsets: list[tuple[int, int]]) -> list[dict]:

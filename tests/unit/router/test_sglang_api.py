@@ -83,7 +83,7 @@ async def test_batches_keep_their_order_and_n_is_batch_major(tiny_llama):
     ({"input_embeds": [[[0.1] * 8], []]}, "`input_embeds[1]` must be a non-empty list"),
     ({"input_embeds": [[0.5] * 8], "return_logprob": True, "logprob_start_len": 0},
      "no token ids to score"),
-    ({"text": "a", "image_data": "x.png"}, "`image_data` is not supported: this model reads text"),
+    ({"text": "a", "image_data": "x.png"}, "takes no images, it reads text only"),
     ({"text": "a", "audio_data": "x.wav"}, "`audio_data` is not supported: this model reads text"),
     ({"text": "a", "custom_logit_processor": "x"}, "serialized Python"),
     ({"text": "a", "token_ids_logprob": [1]}, "needs `return_logprob`"),

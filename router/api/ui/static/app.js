@@ -8,6 +8,7 @@ const TRANSIENT_STATES = new Set(["downloading", "starting", "stopping"]);
 // this chat's messages, the system prompt left out; a new chat is a new array, so an answer
 // still ending adds to the chat it belongs to
 let history = [];
+let models = []; // GET /v1/models's, as last read
 let answering = null; // the AbortController of the answer being streamed
 let refreshTimer = null;
 
@@ -48,6 +49,25 @@ function fillModelSelect(models) {
   const running = models.find((model) => model.state === "running");
   if (models.some((model) => model.id === chosen)) select.value = chosen;
   else if (running) select.value = running.id;
+  updateAttach();
+}
+
+// an image can be attached only for a model that takes images (its metadata says so)
+function updateAttach() {
+  const chosen = models.find((model) => model.id === $("model").value);
+  const takesImages = chosen?.metadata?.takes_images === true;
+  $("image").disabled = !takesImages;
+  $("attach").classList.toggle("disabled", !takesImages);
+  if (!takesImages) $("image").value = "";
+}
+
+function readDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
 }
 
 function lifecycleButton(label, model, action) {
@@ -92,7 +112,7 @@ function modelRow(model) {
 async function refreshModels() {
   clearTimeout(refreshTimer);
   const reply = await (await call("v1/models")).json();
-  const models = reply.data ?? [];
+  models = reply.data ?? [];
   fillModelSelect(models);
   document.querySelector("#models tbody").replaceChildren(...models.map(modelRow));
   if (models.some((model) => TRANSIENT_STATES.has(model.state))) {
@@ -114,9 +134,16 @@ async function pull(event) {
 
 // --- chat
 
-function addMessage(role, text = "") {
+function addMessage(role, text = "", image = null) {
   const message = document.createElement("div");
   message.className = `message ${role}`;
+  if (image) {
+    const picture = document.createElement("img");
+    picture.className = "attached";
+    picture.src = image;
+    picture.alt = "attached image";
+    message.append(picture);
+  }
   const reasoning = document.createElement("div");
   reasoning.className = "reasoning";
   reasoning.hidden = true;
@@ -202,11 +229,16 @@ async function send(event) {
   const prompt = $("prompt").value.trim();
   if (!prompt || answering) return;
   clearError();
+  const file = $("image").files[0];
+  // the image as a data: URL in an image_url part, before the text, as OpenAI's clients send it
+  const image = file ? await readDataUrl(file) : null;
   $("prompt").value = "";
+  $("image").value = "";
   $("stats").textContent = "";
   const chat = history;
-  chat.push({ role: "user", content: prompt });
-  addMessage("user", prompt);
+  chat.push({ role: "user", content: image ? [{ type: "image_url", image_url: { url: image } },
+                                              { type: "text", text: prompt }] : prompt });
+  addMessage("user", prompt, image);
   const view = addMessage("assistant");
   const controller = new AbortController();
   setAnswering(controller);
@@ -258,5 +290,6 @@ $("prompt").addEventListener("keydown", (event) => {
 });
 $("stop").addEventListener("click", () => answering?.abort());
 $("clear").addEventListener("click", newChat);
+$("model").addEventListener("change", updateAttach);
 $("pull-form").addEventListener("submit", guarded(pull));
 guarded(refreshModels)();
