@@ -195,8 +195,6 @@ async def test_the_page_attaches_an_image_to_a_message(server, browser):
     assert await browser.evaluate("document.getElementById('image').value") == ""
 
 
-@pytest.mark.skip(reason="enable once the shard side (wt-vlmshard) merges: the shard puts the "
-                         "vision tower's rows over the image tokens; until then it ignores them")
 def test_the_greedy_answer_with_an_image_is_transformers(server, model_dir):
     """The server's greedy tokens for a prompt with an image are transformers' own."""
     import torch
