@@ -6,16 +6,14 @@ it, with a warning logged once per field name.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 
 from router.api.openai.common import openai_logprob, usage
 from router.api.openai.guided import GUIDED_FIELDS, OPTION_FIELDS
 from router.errors import TemplateError, ValidationError
 from router.inputs.field_ranges import read_flag, read_number
+from router.inputs.unknown_fields import UnknownFields
 from router.schemas import GenerateRequest, Token, TokenEvent
-
-log = logging.getLogger("tgi.router")
 
 _STRUCTURED = {*GUIDED_FIELDS, *OPTION_FIELDS, "structured_outputs"}
 # what both routes read: OpenAI's fields, TGI's, vLLM's extensions (`user` has no effect on an
@@ -30,31 +28,7 @@ CHAT_FIELDS = frozenset({*_SHARED, "messages", "top_logprobs", "tools", "tool_ch
 COMPLETION_FIELDS = frozenset({*_SHARED, "prompt", "echo", "suffix", "best_of"})
 
 
-class UnknownFields:
-    """Logs each field name the OpenAI routes do not read, once.
-
-    At most `limit` names are remembered, so that clients inventing names cannot grow the set
-    or the log without bound."""
-
-    def __init__(self, limit: int = 1024):
-        self.limit = limit
-        self.warned: set[str] = set()
-
-    def check(self, body: dict, known: frozenset, route: str) -> list[str]:
-        """The names in `body` that `known` lacks; each is logged the first time it is seen."""
-        unknown = [name for name in body if name not in known]
-        for name in unknown:
-            name = name[:100]
-            if name in self.warned or len(self.warned) >= self.limit:
-                continue
-            self.warned.add(name)
-            log.warning("%s: ignored the request field %r, which this server does not read (as "
-                        "vLLM ignores fields it does not know; logged once per field name)",
-                        route, name)
-        return unknown
-
-
-UNKNOWN = UnknownFields()
+UNKNOWN = UnknownFields("as vLLM ignores fields it does not know")
 
 
 def prompt_logprobs(body: dict, max_top_n_tokens: int) -> int | None:

@@ -15,7 +15,6 @@ token the prefill samples anyway is left out of it (router/api/sglang/run.py).
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from dataclasses import dataclass, field, replace
 
@@ -30,11 +29,11 @@ from router.inputs.images.family import ImageFamily
 from router.inputs.images.placement import placed, text_only_refusal
 from router.inputs.images.sources import MediaLimits
 from router.inputs.seeds import copies, draw_seed
+from router.inputs.unknown_fields import UnknownFields
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import ValidationLimits, check_lengths
 from router.schemas import GenerateRequest, StoppingParams
 
-log = logging.getLogger("tgi.router")
 
 INPUT_FIELDS = ("text", "input_ids", "input_embeds")
 
@@ -206,14 +205,13 @@ def _embeds(prompt, path: str, hidden_size: int) -> tuple[bytes, int]:
     return numpy.asarray(prompt, dtype="<f4").tobytes(), len(prompt)
 
 
-_warned: set[str] = set()  # unknown top-level fields already logged
-MAX_WARNED = 1000  # names logged at most: clients choose them, the set must not grow unbounded
+UNKNOWN = UnknownFields("as SGLang ignores it")  # top-level fields SGLang's request lacks
 
 
 def check_fields(body: dict, *, takes_images: bool = False) -> None:
     for name, value in body.items():
         if name not in _TOP_LEVEL:
-            _warn_unknown(name)
+            UNKNOWN.note(name, "SGLang /generate")
             continue
         if value is None:
             continue
@@ -226,15 +224,6 @@ def check_fields(body: dict, *, takes_images: bool = False) -> None:
         if name in _MORE_OUTPUT and value is not False:
             raise ValidationError(f"`{name}` is not supported: this server does not compute "
                                   "what it asks for")
-
-
-def _warn_unknown(name: str) -> None:
-    """Logs, once per name, a top-level field this server ignores as SGLang would."""
-    name = name[:100]  # remembered cut short: a body's one key may be megabytes
-    if name in _warned or len(_warned) >= MAX_WARNED:
-        return
-    _warned.add(name)
-    log.warning("SGLang /generate: ignoring the unknown field %r (as SGLang ignores it)", name)
 
 
 def _rids(body: dict, count: int) -> list[str]:

@@ -172,7 +172,7 @@ def test_running_usage_counts_each_stream():
 
 
 def test_unknown_fields_are_logged_once_a_name_and_the_names_remembered_are_bounded(caplog):
-    unknown = vllm_fields.UnknownFields(limit=2)
+    unknown = vllm_fields.UnknownFields("as vLLM does", limit=2)
     with caplog.at_level(logging.WARNING, logger="tgi.router"):
         assert unknown.check({"messages": [], "store": True}, vllm_fields.CHAT_FIELDS, "chat") == \
             ["store"]

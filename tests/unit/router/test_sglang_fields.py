@@ -17,14 +17,14 @@ def test_an_unknown_fields_name_is_remembered_cut_short():
     name = "n" * 1_000_000
     try:
         sglang_request.check_fields({"text": "a", name: 1})
-        assert name not in sglang_request._warned and name[:100] in sglang_request._warned
+        assert name not in sglang_request.UNKNOWN.warned and name[:100] in sglang_request.UNKNOWN.warned
     finally:
-        sglang_request._warned.discard(name[:100])
+        sglang_request.UNKNOWN.warned.discard(name[:100])
 
 
 async def test_unknown_top_level_fields_are_ignored_and_logged_once(tiny_llama, caplog):
     client = await _client(tiny_llama, HealthyFake())
-    sglang_request._warned.discard("newer_field")
+    sglang_request.UNKNOWN.warned.discard("newer_field")
     try:
         with caplog.at_level(logging.WARNING, logger="tgi.router"):
             for _ in range(2):
