@@ -588,6 +588,85 @@ factors_256(int mode, const uint8_t *first, int j, const __m256 *d, const __m256
     }
 }
 
+#ifdef __AVXVNNI__
+/* MR rows x one block with AVX-VNNI (Alder Lake and later without AVX-512): pairs i and i + 1 of
+ * 16 features interleaved a word at a time (VPUNPCKLWD / VPUNPCKHWD: features [0-3, 8-11] and
+ * [4-7, 12-15], widen_dots's order) hold 4 inputs of a feature a 32-bit lane, whose low nibbles
+ * (inputs 4p..4p + 3) and high ones (16 + 4p..) VPDPBUSD multiplies by the row's 4 int8 inputs
+ * into int32: no 16-bit sums to widen, 4 instructions a row for 4 x 32 products where
+ * VPMADDUBSW took 8 (a multiply and an add for 2 x 32 products, twice). */
+#define DEFINE_TILE(MR, MODE)                                                                      \
+    static void tile_##MR##_##MODE(const int8_t *xq, int64_t x_stride, const float *x_scales,   \
+                                   const float *x_sums, int64_t groups, const uint8_t *block,   \
+                                   int64_t col, int64_t n, const uint16_t *bias, uint16_t *out,  \
+                                   int64_t out_stride) {                                         \
+        const __m256i nibble = _mm256_set1_epi8(15);                                             \
+        __m256 first[MR], second[MR];                                                            \
+        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
+            first[r] = second[r] = _mm256_setzero_ps();                                          \
+        for (int64_t s = 0; s < groups; s += SPAN(MODE)) {                                       \
+            const uint8_t *start = block + s * STRIDE(MODE);                                     \
+            __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {d[0], d[1]};    \
+            if ((MODE) == MODE_K)                                                                \
+                for (int h = 0; h < 2; h++) {                                                    \
+                    d[h] = _mm256_loadu_ps((const float *)start + 8 * h);                        \
+                    dmin[h] = _mm256_loadu_ps((const float *)start + BLOCK + 8 * h);             \
+                }                                                                                \
+            for (int j = 0; j < SPAN(MODE); j++) {                                               \
+                const int64_t g = s + j;                                                         \
+                const uint8_t *at = NIBBLES(MODE, start, j);                                     \
+                _Pragma("GCC unroll 6") for (int line = 0; line < (STRIDE(MODE) + 63) / 64;      \
+                                             line++)                                             \
+                    _mm_prefetch((const char *)((uintptr_t)block                                 \
+                                 + (uintptr_t)((g + PREFETCH_GROUPS) * STRIDE(MODE) + line * 64)), \
+                                 _MM_HINT_T0);                                                   \
+                __m256i dots_a[MR], dots_b[MR];                                                  \
+                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                             \
+                    dots_a[r] = dots_b[r] = _mm256_setzero_si256();                              \
+                _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {                            \
+                    const __m256i even = _mm256_loadu_si256((const __m256i *)(at + p * 64));     \
+                    const __m256i odd = _mm256_loadu_si256((const __m256i *)(at + p * 64 + 32)); \
+                    const __m256i a = _mm256_unpacklo_epi16(even, odd);                          \
+                    const __m256i b = _mm256_unpackhi_epi16(even, odd);                          \
+                    const __m256i a_low = _mm256_and_si256(a, nibble);                           \
+                    const __m256i b_low = _mm256_and_si256(b, nibble);                           \
+                    const __m256i a_high = _mm256_and_si256(_mm256_srli_epi16(a, 4), nibble);    \
+                    const __m256i b_high = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);    \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                       \
+                        int32_t low_inputs, high_inputs;                                         \
+                        memcpy(&low_inputs, xq + r * x_stride + g * GROUP + 4 * p, 4);           \
+                        memcpy(&high_inputs, xq + r * x_stride + g * GROUP + 16 + 4 * p, 4);     \
+                        const __m256i lows = _mm256_set1_epi32(low_inputs);                      \
+                        const __m256i highs = _mm256_set1_epi32(high_inputs);                    \
+                        dots_a[r] = _mm256_dpbusd_avx_epi32(dots_a[r], a_low, lows);             \
+                        dots_b[r] = _mm256_dpbusd_avx_epi32(dots_b[r], b_low, lows);             \
+                        dots_a[r] = _mm256_dpbusd_avx_epi32(dots_a[r], a_high, highs);           \
+                        dots_b[r] = _mm256_dpbusd_avx_epi32(dots_b[r], b_high, highs);           \
+                    }                                                                            \
+                }                                                                                \
+                __m256 scale[2], low[2];                                                         \
+                factors_256(MODE, start, j, d, dmin, scale, low);                                \
+                /* in widen_dots's order */                                                      \
+                const __m256 scale_a = _mm256_permute2f128_ps(scale[0], scale[1], 0x20);         \
+                const __m256 scale_b = _mm256_permute2f128_ps(scale[0], scale[1], 0x31);         \
+                const __m256 low_a = _mm256_permute2f128_ps(low[0], low[1], 0x20);               \
+                const __m256 low_b = _mm256_permute2f128_ps(low[0], low[1], 0x31);               \
+                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                           \
+                    const __m256 dot_a = _mm256_cvtepi32_ps(dots_a[r]);                          \
+                    const __m256 dot_b = _mm256_cvtepi32_ps(dots_b[r]);                          \
+                    const __m256 dx = _mm256_set1_ps(x_scales[r * groups + g]);                  \
+                    const __m256 sum = _mm256_set1_ps(x_sums[r * groups + g]);                   \
+                    first[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_a, dot_a), dx,                \
+                                               _mm256_fmadd_ps(low_a, sum, first[r]));           \
+                    second[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_b, dot_b), dx,               \
+                                                _mm256_fmadd_ps(low_b, sum, second[r]));         \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
+            store_features(first[r], second[r], bias, col, (int)(n - col), out + r * out_stride); \
+    }
+#else
 /* MR rows x one block: xq [MR][k] int8 rows x_stride apart, their groups' d and input sums
  * [MR][groups] */
 #define DEFINE_TILE(MR, MODE)                                                                      \
@@ -656,6 +735,8 @@ factors_256(int mode, const uint8_t *first, int j, const __m256 *d, const __m256
         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
             store_features(first[r], second[r], bias, col, (int)(n - col), out + r * out_stride); \
     }
+
+#endif
 
 #define DEFINE_TILES(MODE) DEFINE_TILE(1, MODE) DEFINE_TILE(2, MODE) DEFINE_TILE(4, MODE)
 DEFINE_TILES(MODE_F) DEFINE_TILES(MODE_K) DEFINE_TILES(MODE_H)
