@@ -954,11 +954,11 @@ int int4_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
         return -1;
     if (m <= 0)
         return 0;
-    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
-    const int64_t block_bytes = groups * STRIDE(mode);
     const uint8_t *weights = packed + HEADER_BYTES;
 #endif
 #if defined(HAVE_DPBF16) && !defined(HAVE_VNNI512)
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
+    const int64_t block_bytes = groups * STRIDE(mode);
     if (m > TILE_MAX_ROWS)
         return unpacked_matmul(x, m, k, x_stride, mode, weights, n, bias, out, out_stride);
     float *x_sums = grown(&call_scratch, &call_capacity, (size_t)(m * groups) * sizeof(float));

@@ -899,7 +899,7 @@ int int8_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
     const int64_t stride = block_bytes(k, group, mode);
 #endif
 #ifdef HAVE_VNNI512
-    (void)blocks, (void)which, (void)stride;
+    (void)blocks, (void)groups, (void)which, (void)stride;
     return int_matmul(x, m, k, x_stride, weights, group, mode, n, bias, out, out_stride);
 #elif defined(HAVE_DPBF16)
     if (m > TILE_MAX_ROWS)
