@@ -14,6 +14,11 @@ serving) through our bf16 kernel and, where it runs, our int4 kernel (shard/kern
 in turns:
 
     python benchmarks/matmul_bench.py --step --rows 1,2,4,8,16
+
+`--gguf` times instead our int4 and int8 kernels on GGUF's Q4_K, Q6_K and Q8_0 at Llama 3 8B's
+layer shapes, against the same kernels at another revision (benchmarks/quant_matmul_bench.py):
+
+    python benchmarks/matmul_bench.py --gguf --baseline main --rows 1,8,32,128,512
 """
 from __future__ import annotations
 
@@ -55,6 +60,10 @@ def main() -> None:
     parser.add_argument("--step", action="store_true",
                         help="a decode step's matmuls of 30 layers, bf16 against int4")
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--gguf", action="store_true",
+                        help="int4 / int8 kernels on GGUF types at 8B shapes, against --baseline")
+    parser.add_argument("--baseline", default="main", help="git revision (--gguf)")
+    parser.add_argument("--kinds", default="Q4_K,Q6_K,Q8_0", help="GGUF types (--gguf)")
     args = parser.parse_args()
     if args.march:
         os.environ["TGI_PY_KERNEL_MARCH"] = args.march
@@ -62,6 +71,11 @@ def main() -> None:
     from shard.layers import precision
     if args.step:
         return step(args)
+    if args.gguf:
+        from benchmarks import quant_matmul_bench
+        if args.shapes == ",".join(SHAPES):
+            args.shapes = ",".join(quant_matmul_bench.SHAPES)
+        return quant_matmul_bench.run(args, _median_ms)
 
     library = bf16_matmul.load_library()
     if library is None:

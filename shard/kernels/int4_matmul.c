@@ -35,8 +35,13 @@
  * tiles (bf16_tiles.h) over the rows: a large batch gets what a bf16 layer of those weights
  * gives, bit for bit.
  *
- * AVX2 (no bf16 arithmetic): integer dot products against the rows rounded to int8, for every
- * batch size (see the AVX2 section below).
+ * AVX-512 VNNI (every AVX-512 BF16 CPU so far: Cooper Lake, Sapphire Rapids and later, Zen 4),
+ * and AVX2 (no bf16 arithmetic): integer dot products against the rows rounded to int8 a group
+ * of 32 inputs, as llama.cpp rounds its activations, for every batch size, so a row's result does
+ * not depend on how many rows share the call (see the VNNI and AVX2 sections below). The
+ * VDPBF16PS tiles and unpacked blocks above then serve only an AVX-512 BF16 CPU without VNNI.
+ * On a Xeon (Emerald Rapids, 2 threads, benchmarks/matmul_bench.py --gguf) VNNI took Q4_K at
+ * 4096x4096 from 91 GFLOP/s to 183 at 1 row and from 144-177 to 653-678 at 8-512 rows.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -82,6 +87,12 @@ enum { MODE_F = 0, MODE_K = 1, MODE_H = 2 };
  * integer tiles take every batch: 0.45-0.52x the bf16 matmul's time at 1-8 rows, 0.65-0.80x at
  * 64-4,096.) */
 #define TILE_MAX_ROWS 32
+#ifdef HAVE_VNNI512
+/* (with VNNI, none of that: the integer tiles take every batch) */
+#undef TILE_MAX_ROWS
+#define TILE_MAX_ROWS 0
+#define ROWS_PER_PASS 256
+#endif
 /* rows a pass over the unpacked blocks takes (their inputs stay in L2 or L3 while each thread
  * unpacks its blocks once a pass) */
 #define UNPACKED_ROWS_PER_PASS 256
@@ -95,8 +106,15 @@ enum { MODE_F = 0, MODE_K = 1, MODE_H = 2 };
 #define ROWS_PER_PASS 256
 #endif
 
-/* 1: AVX-512 BF16 dot products; 2: integer dot products on AVX2; 0: no kernel in this build */
-int int4_matmul_supported(void) { return matmul_form(); }
+/* 1: AVX-512 BF16 dot products; 2: integer dot products on AVX2; 3: on AVX-512 VNNI; 0: no
+ * kernel in this build */
+int int4_matmul_supported(void) {
+#ifdef HAVE_VNNI512
+    return 3;
+#else
+    return matmul_form();
+#endif
+}
 
 /* up to how many rows a call runs the 4-bit tiles (more: the unpacked blocks); 0: every batch */
 int int4_matmul_tile_rows(void) { return TILE_MAX_ROWS; }
@@ -373,6 +391,106 @@ __attribute__((noinline)) static void unpack_block(int mode, const uint8_t *bloc
 }
 
 
+
+#ifdef HAVE_VNNI512
+
+/* AVX-512 VNNI: integer dot products for every batch, as on AVX2 (the rows rounded to int8 a
+ * group of 32 inputs by quantize_row), with VPDPBUSD: unsigned bytes times signed bytes, four
+ * products a 32-bit lane added in int32. A group's 4-bit values are unsigned, so q (0..15) times
+ * the row's int8 inputs needs no offset. Each 64 bytes of a group's nibbles hold pairs i and
+ * i + 1 ([2][16 features][2 inputs]); one VPERMW gathers each feature's 4 bytes into its 32-bit
+ * lane, whose low nibbles are then inputs 4p..4p + 3 and high ones 16 + 4p..: a group of 16
+ * features takes 4 permutes, 12 masks or shifts and, per row, 8 VPDPBUSD (64 products each,
+ * against VDPBF16PS's 32), then scale * d * D + low * X in float32 as on AVX2. */
+
+/* the VPERMW that puts words f and 16 + f (pairs i and i + 1 of feature f) in lane f */
+static inline __attribute__((always_inline)) __m512i pair_gather(void) {
+    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+
+/* the 4 int8 inputs at `at`, in every lane */
+static inline __attribute__((always_inline)) __m512i four_inputs(const int8_t *at) {
+    int32_t word;
+    memcpy(&word, at, sizeof word);
+    return _mm512_set1_epi32(word);
+}
+
+/* MR rows x one block, against xq [MR][k] int8 rows x_stride apart and their groups' d and input
+ * sums [MR][groups]. Up to 4 rows a group's low and high halves accumulate apart (two chains of
+ * 4 VPDPBUSD, not one of 8); 8 rows already overlap 8 chains. */
+#define DEFINE_INT_TILE(MR, MODE)                                                                  \
+    static void int_tile_##MR##_##MODE(const int8_t *xq, int64_t x_stride,                      \
+                                       const float *x_scales, const float *x_sums,             \
+                                       int64_t groups, const uint8_t *block, int64_t col,       \
+                                       int64_t n, const uint16_t *bias, uint16_t *out,          \
+                                       int64_t out_stride) {                                     \
+        enum { CHAINS = (MR) <= 4 ? 2 : 1 };                                                     \
+        const __m512i nibble = _mm512_set1_epi8(15), gather = pair_gather();                    \
+        __m512 sums[MR];                                                                         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) sums[r] = _mm512_setzero_ps();     \
+        for (int64_t s = 0; s < groups; s += SPAN(MODE)) {                                       \
+            const uint8_t *first = block + s * STRIDE(MODE);                                     \
+            SPAN_FACTORS_512(MODE, first, d, dmin);                                              \
+            for (int j = 0; j < SPAN(MODE); j++) {                                               \
+                const int64_t g = s + j;                                                         \
+                const uint8_t *at = NIBBLES(MODE, first, j);                                     \
+                _Pragma("GCC unroll 6") for (int line = 0; line < (STRIDE(MODE) + 63) / 64;      \
+                                             line++)                                             \
+                    _mm_prefetch((const char *)((uintptr_t)block                                 \
+                                 + (uintptr_t)((g + PREFETCH_GROUPS) * STRIDE(MODE) + line * 64)), \
+                                 _MM_HINT_T0);                                                   \
+                __m512i dot[CHAINS][MR];                                                         \
+                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                             \
+                    _Pragma("GCC unroll 2") for (int c = 0; c < CHAINS; c++)                     \
+                        dot[c][r] = _mm512_setzero_si512();                                      \
+                _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {                            \
+                    const __m512i bytes = _mm512_permutexvar_epi16(                              \
+                        gather, _mm512_loadu_si512((const void *)(at + p * 64)));                \
+                    const __m512i low = _mm512_and_si512(bytes, nibble);                         \
+                    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);  \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                       \
+                        const int8_t *row = xq + r * x_stride + g * GROUP + 4 * p;               \
+                        dot[0][r] = _mm512_dpbusd_epi32(dot[0][r], low, four_inputs(row));       \
+                        dot[CHAINS - 1][r] =                                                     \
+                            _mm512_dpbusd_epi32(dot[CHAINS - 1][r], high, four_inputs(row + 16)); \
+                    }                                                                            \
+                }                                                                                \
+                __m512 scale, low;                                                               \
+                factors_512(MODE, first, j, d, dmin, &scale, &low);                              \
+                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                           \
+                    const __m512i total = CHAINS == 2 ? _mm512_add_epi32(dot[0][r],              \
+                                                                         dot[CHAINS - 1][r])     \
+                                                      : dot[0][r];                               \
+                    const __m512 dx = _mm512_set1_ps(x_scales[r * groups + g]);                  \
+                    sums[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx),                          \
+                                              _mm512_cvtepi32_ps(total), sums[r]);               \
+                    sums[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(x_sums[r * groups + g]),       \
+                                              sums[r]);                                          \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
+            store_block(sums[r], bias, col, (int)(n - col), out + r * out_stride);               \
+    }
+
+#define DEFINE_INT_TILES(MODE) DEFINE_INT_TILE(1, MODE) DEFINE_INT_TILE(2, MODE)                   \
+    DEFINE_INT_TILE(4, MODE) DEFINE_INT_TILE(8, MODE)
+DEFINE_INT_TILES(MODE_F) DEFINE_INT_TILES(MODE_K) DEFINE_INT_TILES(MODE_H)
+
+typedef void (*int_tile_fn)(const int8_t *, int64_t, const float *, const float *, int64_t,
+                            const uint8_t *, int64_t, int64_t, const uint16_t *, uint16_t *,
+                            int64_t);
+
+/* by mode, then rows in the tile: 1, 2, 4, 8 */
+static const int_tile_fn INT_TILES[3][4] = {
+    {int_tile_1_MODE_F, int_tile_2_MODE_F, int_tile_4_MODE_F, int_tile_8_MODE_F},
+    {int_tile_1_MODE_K, int_tile_2_MODE_K, int_tile_4_MODE_K, int_tile_8_MODE_K},
+    {int_tile_1_MODE_H, int_tile_2_MODE_H, int_tile_4_MODE_H, int_tile_8_MODE_H}};
+#define INT_LEVELS 4
+
+#endif
+
 #elif defined(HAVE_AVX2_FMA)
 
 /* AVX2: integer dot products, as llama.cpp multiplies Q4_1 by its Q8_1 activations. Each row's
@@ -469,6 +587,85 @@ factors_256(int mode, const uint8_t *first, int j, const __m256 *d, const __m256
     }
 }
 
+#ifdef __AVXVNNI__
+/* MR rows x one block with AVX-VNNI (Alder Lake and later without AVX-512): pairs i and i + 1 of
+ * 16 features interleaved a word at a time (VPUNPCKLWD / VPUNPCKHWD: features [0-3, 8-11] and
+ * [4-7, 12-15], widen_dots's order) hold 4 inputs of a feature a 32-bit lane, whose low nibbles
+ * (inputs 4p..4p + 3) and high ones (16 + 4p..) VPDPBUSD multiplies by the row's 4 int8 inputs
+ * into int32: no 16-bit sums to widen, 4 instructions a row for 4 x 32 products where
+ * VPMADDUBSW took 8 (a multiply and an add for 2 x 32 products, twice). */
+#define DEFINE_TILE(MR, MODE)                                                                      \
+    static void tile_##MR##_##MODE(const int8_t *xq, int64_t x_stride, const float *x_scales,   \
+                                   const float *x_sums, int64_t groups, const uint8_t *block,   \
+                                   int64_t col, int64_t n, const uint16_t *bias, uint16_t *out,  \
+                                   int64_t out_stride) {                                         \
+        const __m256i nibble = _mm256_set1_epi8(15);                                             \
+        __m256 first[MR], second[MR];                                                            \
+        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
+            first[r] = second[r] = _mm256_setzero_ps();                                          \
+        for (int64_t s = 0; s < groups; s += SPAN(MODE)) {                                       \
+            const uint8_t *start = block + s * STRIDE(MODE);                                     \
+            __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {d[0], d[1]};    \
+            if ((MODE) == MODE_K)                                                                \
+                for (int h = 0; h < 2; h++) {                                                    \
+                    d[h] = _mm256_loadu_ps((const float *)start + 8 * h);                        \
+                    dmin[h] = _mm256_loadu_ps((const float *)start + BLOCK + 8 * h);             \
+                }                                                                                \
+            for (int j = 0; j < SPAN(MODE); j++) {                                               \
+                const int64_t g = s + j;                                                         \
+                const uint8_t *at = NIBBLES(MODE, start, j);                                     \
+                _Pragma("GCC unroll 6") for (int line = 0; line < (STRIDE(MODE) + 63) / 64;      \
+                                             line++)                                             \
+                    _mm_prefetch((const char *)((uintptr_t)block                                 \
+                                 + (uintptr_t)((g + PREFETCH_GROUPS) * STRIDE(MODE) + line * 64)), \
+                                 _MM_HINT_T0);                                                   \
+                __m256i dots_a[MR], dots_b[MR];                                                  \
+                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                             \
+                    dots_a[r] = dots_b[r] = _mm256_setzero_si256();                              \
+                _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) {                            \
+                    const __m256i even = _mm256_loadu_si256((const __m256i *)(at + p * 64));     \
+                    const __m256i odd = _mm256_loadu_si256((const __m256i *)(at + p * 64 + 32)); \
+                    const __m256i a = _mm256_unpacklo_epi16(even, odd);                          \
+                    const __m256i b = _mm256_unpackhi_epi16(even, odd);                          \
+                    const __m256i a_low = _mm256_and_si256(a, nibble);                           \
+                    const __m256i b_low = _mm256_and_si256(b, nibble);                           \
+                    const __m256i a_high = _mm256_and_si256(_mm256_srli_epi16(a, 4), nibble);    \
+                    const __m256i b_high = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);    \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                       \
+                        int32_t low_inputs, high_inputs;                                         \
+                        memcpy(&low_inputs, xq + r * x_stride + g * GROUP + 4 * p, 4);           \
+                        memcpy(&high_inputs, xq + r * x_stride + g * GROUP + 16 + 4 * p, 4);     \
+                        const __m256i lows = _mm256_set1_epi32(low_inputs);                      \
+                        const __m256i highs = _mm256_set1_epi32(high_inputs);                    \
+                        dots_a[r] = _mm256_dpbusd_avx_epi32(dots_a[r], a_low, lows);             \
+                        dots_b[r] = _mm256_dpbusd_avx_epi32(dots_b[r], b_low, lows);             \
+                        dots_a[r] = _mm256_dpbusd_avx_epi32(dots_a[r], a_high, highs);           \
+                        dots_b[r] = _mm256_dpbusd_avx_epi32(dots_b[r], b_high, highs);           \
+                    }                                                                            \
+                }                                                                                \
+                __m256 scale[2], low[2];                                                         \
+                factors_256(MODE, start, j, d, dmin, scale, low);                                \
+                /* in widen_dots's order */                                                      \
+                const __m256 scale_a = _mm256_permute2f128_ps(scale[0], scale[1], 0x20);         \
+                const __m256 scale_b = _mm256_permute2f128_ps(scale[0], scale[1], 0x31);         \
+                const __m256 low_a = _mm256_permute2f128_ps(low[0], low[1], 0x20);               \
+                const __m256 low_b = _mm256_permute2f128_ps(low[0], low[1], 0x31);               \
+                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                           \
+                    const __m256 dot_a = _mm256_cvtepi32_ps(dots_a[r]);                          \
+                    const __m256 dot_b = _mm256_cvtepi32_ps(dots_b[r]);                          \
+                    const __m256 dx = _mm256_set1_ps(x_scales[r * groups + g]);                  \
+                    const __m256 sum = _mm256_set1_ps(x_sums[r * groups + g]);                   \
+                    first[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_a, dot_a), dx,                \
+                                               _mm256_fmadd_ps(low_a, sum, first[r]));           \
+                    second[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_b, dot_b), dx,               \
+                                                _mm256_fmadd_ps(low_b, sum, second[r]));         \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
+            store_features(first[r], second[r], bias, col, (int)(n - col), out + r * out_stride); \
+    }
+#else
 /* MR rows x one block: xq [MR][k] int8 rows x_stride apart, their groups' d and input sums
  * [MR][groups] */
 #define DEFINE_TILE(MR, MODE)                                                                      \
@@ -538,16 +735,24 @@ factors_256(int mode, const uint8_t *first, int j, const __m256 *d, const __m256
             store_features(first[r], second[r], bias, col, (int)(n - col), out + r * out_stride); \
     }
 
+#endif
+
 #define DEFINE_TILES(MODE) DEFINE_TILE(1, MODE) DEFINE_TILE(2, MODE) DEFINE_TILE(4, MODE)
 DEFINE_TILES(MODE_F) DEFINE_TILES(MODE_K) DEFINE_TILES(MODE_H)
 
-typedef void (*tile_fn)(const int8_t *, int64_t, const float *, const float *, int64_t,
-                        const uint8_t *, int64_t, int64_t, const uint16_t *, uint16_t *, int64_t);
+typedef void (*int_tile_fn)(const int8_t *, int64_t, const float *, const float *, int64_t,
+                            const uint8_t *, int64_t, int64_t, const uint16_t *, uint16_t *,
+                            int64_t);
 
 /* by mode, then rows in the tile: 1, 2, 4 */
-static const tile_fn TILES[3][3] = {{tile_1_MODE_F, tile_2_MODE_F, tile_4_MODE_F},
+#define INT_LEVELS 3
+static const int_tile_fn INT_TILES[3][INT_LEVELS] = {{tile_1_MODE_F, tile_2_MODE_F, tile_4_MODE_F},
                                     {tile_1_MODE_K, tile_2_MODE_K, tile_4_MODE_K},
                                     {tile_1_MODE_H, tile_2_MODE_H, tile_4_MODE_H}};
+
+#endif
+
+#if defined(HAVE_VNNI512) || defined(HAVE_AVX2_FMA)
 
 /* a row [k] of bf16 -> its int8 form (xq [k]), each group's d and the sum of its inputs as
  * rounded, d x (sum of xq) ([k / 32]): with that sum the minimum's term, too, multiplies the
@@ -579,6 +784,43 @@ static void quantize_row(const uint16_t *x, int64_t k, int8_t *xq, float *x_scal
         x_sums[g] = finite ? d * (float)total : __builtin_nanf("");
     }
 }
+
+#ifdef HAVE_VNNI512
+/* quantize_row with AVX-512: each group in two zmm of float32, scaled by 127 / largest in float32
+ * (the scalar form's double product can differ only at a tie), rounded to nearest even; groups
+ * too small for 127 / largest to be a float (below 127 / FLT_MAX), or not finite, by the scalar
+ * form */
+static void quantize_row_512(const uint16_t *x, int64_t k, int8_t *xq, float *x_scales,
+                             float *x_sums) {
+    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const uint16_t *at = x + g * GROUP;
+        const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
+        const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(at + 16))), 16));
+        /* NaNs (0x01, 0x80) and infinities (0x08, 0x10) */
+        const int special = _mm512_fpclass_ps_mask(a, 0x99) | _mm512_fpclass_ps_mask(b, 0x99);
+        const float largest = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_and_ps(a, magnitude), _mm512_and_ps(b, magnitude)));
+        if (special || largest < 127.0f / 3.4e38f) {
+            quantize_row(at, GROUP, xq + g * GROUP, x_scales + g, x_sums + g);
+            continue;
+        }
+        const __m512 inverse = _mm512_set1_ps((float)(127.0 / largest));
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+        _mm_storeu_si128((__m128i *)(xq + g * GROUP), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(xq + g * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
+        const float d = largest / 127.0f;
+        x_scales[g] = d;
+        x_sums[g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+}
+#define QUANTIZE_ROW quantize_row_512
+#else
+#define QUANTIZE_ROW quantize_row
+#endif
 
 #endif
 
@@ -655,6 +897,50 @@ static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_st
 
 #endif
 
+#if defined(HAVE_VNNI512) || defined(HAVE_AVX2_FMA)
+
+/* every batch by the integer tiles: the rows rounded to int8, then passes of ROWS_PER_PASS rows
+ * against each thread's blocks */
+static int int_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, int mode,
+                      const uint8_t *weights, int64_t n, const uint16_t *bias, uint16_t *out,
+                      int64_t out_stride) {
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
+    const int64_t block_bytes = groups * STRIDE(mode);
+    /* the rows' int8 form, then each group's d and input sum */
+    int8_t *xq = grown(&call_scratch, &call_capacity,
+                       (size_t)(m * k) + (size_t)(2 * m * groups) * sizeof(float) + 64);
+    if (!xq)
+        return -2;
+    float *x_scales = (float *)(xq + (m * k + 63) / 64 * 64), *x_sums = x_scales + m * groups;
+#pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            QUANTIZE_ROW(x + r * x_stride, k, xq + r * k, x_scales + r * groups,
+                         x_sums + r * groups);
+        /* (the loop's barrier: every row is ready before any thread reads them) */
+        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads;
+        for (int64_t pass = 0; pass < m; pass += ROWS_PER_PASS) {
+            const int64_t end = m - pass < ROWS_PER_PASS ? m : pass + ROWS_PER_PASS;
+            int level = 0;
+            while (level + 1 < INT_LEVELS && end - pass >= 1 << (level + 1))
+                level++;
+            for (int64_t b = first; b < last; b++) {
+                int64_t r = pass;
+                for (int lv = level; lv >= 0; lv--)
+                    for (; r + (1 << lv) <= end; r += 1 << lv)
+                        INT_TILES[mode][lv](xq + r * k, k, x_scales + r * groups,
+                                        x_sums + r * groups, groups, weights + b * block_bytes,
+                                        b * BLOCK, n, bias, out + r * out_stride, out_stride);
+            }
+        }
+    }
+    return 0;
+}
+
+#endif
+
 /* x [m, k] with rows x_stride apart, packed by an int4_matmul_pack*, bias [n] or NULL -> out
  * [m, n] with rows out_stride apart. Returns 0, -1 where this build has no kernel (or the header is
  * not one of ours for this k and n), -2 where its scratch could not be allocated. */
@@ -668,11 +954,11 @@ int int4_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
         return -1;
     if (m <= 0)
         return 0;
-    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
-    const int64_t block_bytes = groups * STRIDE(mode);
     const uint8_t *weights = packed + HEADER_BYTES;
 #endif
-#ifdef HAVE_DPBF16
+#if defined(HAVE_DPBF16) && !defined(HAVE_VNNI512)
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / GROUP;
+    const int64_t block_bytes = groups * STRIDE(mode);
     if (m > TILE_MAX_ROWS)
         return unpacked_matmul(x, m, k, x_stride, mode, weights, n, bias, out, out_stride);
     float *x_sums = grown(&call_scratch, &call_capacity, (size_t)(m * groups) * sizeof(float));
@@ -700,36 +986,9 @@ int int4_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
         }
     }
     return 0;
-#elif defined(HAVE_AVX2_FMA)
-    /* the rows' int8 form, then each group's d and input sum */
-    int8_t *xq = grown(&call_scratch, &call_capacity,
-                       (size_t)(m * k) + (size_t)(2 * m * groups) * sizeof(float) + 64);
-    if (!xq)
-        return -2;
-    float *x_scales = (float *)(xq + (m * k + 63) / 64 * 64), *x_sums = x_scales + m * groups;
-#pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
-    {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++)
-            quantize_row(x + r * x_stride, k, xq + r * k, x_scales + r * groups,
-                         x_sums + r * groups);
-        /* (the loop's barrier: every row is ready before any thread reads them) */
-        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-        const int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads;
-        for (int64_t pass = 0; pass < m; pass += ROWS_PER_PASS) {
-            const int64_t end = m - pass < ROWS_PER_PASS ? m : pass + ROWS_PER_PASS;
-            const int level = end - pass >= 4 ? 2 : end - pass >= 2 ? 1 : 0;
-            for (int64_t b = first; b < last; b++) {
-                int64_t r = pass;
-                for (int lv = level; lv >= 0; lv--)
-                    for (; r + (1 << lv) <= end; r += 1 << lv)
-                        TILES[mode][lv](xq + r * k, k, x_scales + r * groups,
-                                        x_sums + r * groups, groups, weights + b * block_bytes,
-                                        b * BLOCK, n, bias, out + r * out_stride, out_stride);
-            }
-        }
-    }
-    return 0;
+#endif
+#if defined(HAVE_VNNI512) || defined(HAVE_AVX2_FMA)
+    return int_matmul(x, m, k, x_stride, mode, weights, n, bias, out, out_stride);
 #else
     (void)x, (void)m, (void)k, (void)x_stride, (void)packed, (void)n, (void)bias, (void)out,
         (void)out_stride;

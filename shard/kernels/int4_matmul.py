@@ -1,9 +1,10 @@
 """The C int4 matmul (shard/kernels/int4_matmul.c) on AVX-512 BF16 or AVX2 CPUs.
 
-`--quantize int4` layers of a bf16 model hold its form alone (GGUF's Q4_1 groups). On AVX-512 BF16
-decode-size batches multiply by it directly and larger ones by the bf16 matmul's tiles over blocks
-unpacked on the fly (`restore`'s weights); on AVX2 every batch multiplies by it in integers, its
-rows rounded to int8.
+`--quantize int4` layers of a bf16 model hold its form alone (GGUF's Q4_1 groups). On AVX-512 VNNI
+(every CPU with AVX-512 BF16 so far) and on AVX2 every batch multiplies by it in integers, its rows
+rounded to int8 a group of 32 inputs, as llama.cpp rounds its activations; on an AVX-512 BF16 CPU
+without VNNI decode-size batches multiply by it directly and larger ones by the bf16 matmul's tiles
+over blocks unpacked on the fly (`restore`'s weights).
 
 The factors of the 4-bit values come in three modes, each with its pack and restore (the weights a
 packed buffer stands for, in float32): F (`pack`), float32 scale and low a group of 32, any values,
@@ -30,8 +31,9 @@ GROUP = 32
 SUPERBLOCK = 256
 # the header's modes
 MODE_F, MODE_K, MODE_H = 0, 1, 2
-# what int4_matmul_supported says: VDPBF16PS dot products, or integer dot products on AVX2
-DPBF16_FORM, AVX2_FORM = 1, 2
+# what int4_matmul_supported says: VDPBF16PS dot products, or integer dot products on AVX2 or on
+# AVX-512 VNNI
+DPBF16_FORM, AVX2_FORM, VNNI_FORM = 1, 2, 3
 
 
 @functools.cache
@@ -168,7 +170,7 @@ def packed_mode(packed: torch.Tensor) -> int:
 def tile_rows() -> int | None:
     """Up to how many rows a call multiplies by the 4-bit form (more: by unpacked bf16 blocks).
 
-    None where every batch does (AVX2's integer tiles)."""
+    None where every batch does (the integer tiles of AVX2 and AVX-512 VNNI)."""
     return load_library().int4_matmul_tile_rows() or None
 
 
@@ -177,7 +179,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
 
     bias is contiguous bf16 or None; x is rounded to bf16 first, the result comes back in x's dtype.
     Past `tile_rows()` rows the result is the bf16 matmul's on the bf16 of the weights the mode's
-    restore gives, bit for bit. On AVX2 every row is first rounded to int8 a group of 32 inputs
-    (to 1/127 of the group's largest magnitude), as llama.cpp's 4-bit matmuls round theirs. A k or
-    n other than the packed weight's is a ValueError."""
+    restore gives, bit for bit. With integer tiles (AVX2, AVX-512 VNNI) every row is first rounded
+    to int8 a group of 32 inputs (to 1/127 of the group's largest magnitude), as llama.cpp's 4-bit
+    matmuls round theirs, and a row's result does not depend on the batch. A k or n other than the
+    packed weight's is a ValueError."""
     return bf16_matmul.run_on_rows(load_library().int4_matmul, x, packed, n, bias)

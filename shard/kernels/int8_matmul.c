@@ -39,6 +39,11 @@
  * compiler fuses them; no sum where the mode has no low), and runs that kernel's tiles (bf16_tiles.h) over the rows: a prefill gets
  * what a bf16 layer of those weights gives, bit for bit, as int4_matmul.c does.
  *
+ * AVX-512 VNNI (every AVX-512 BF16 CPU so far), in place of both: every batch against the rows
+ * rounded to int8 a group, as llama.cpp rounds its activations for Q8_0 and the K-quants, by
+ * VPDPBUSD (see the VNNI section below), so a row's result does not depend on the batch; the
+ * int16 tiles and unpacked blocks above then serve only an AVX-512 BF16 CPU without VNNI.
+ *
  * AVX2 (no bf16 arithmetic): every batch by the 8-bit form, q widened to float32 and multiplied by
  * the rows widened to float32 (exact products, float32 sums), then scale * D + low * X as above.
  * No rounding of the inputs: q has twice int4's bits, and int8 inputs would be the larger error.
@@ -100,6 +105,11 @@ static int64_t block_bytes(int64_t k, int group, int mode) {
  * 0.43x the unpacked blocks' time at 32-256 rows (and 0.57x the bf16 matmul's at 1 row, 0.42x at
  * 8); past it a prefill is what a bf16 layer of the restored weights gives, bit for bit. */
 #define TILE_MAX_ROWS 128
+#ifdef HAVE_VNNI512
+/* (with VNNI, none of that: the int8 tiles take every batch) */
+#undef TILE_MAX_ROWS
+#define TILE_MAX_ROWS 0
+#endif
 /* rows a pass over the unpacked blocks takes (their inputs stay in L2 or L3 while each thread
  * unpacks its blocks once a pass) */
 #define UNPACKED_ROWS_PER_PASS 256
@@ -113,8 +123,15 @@ static int64_t block_bytes(int64_t k, int group, int mode) {
 #define ROWS_PER_PASS 128
 #endif
 
-/* 1: AVX-512 BF16 dot products; 2: float32 FMAs on AVX2; 0: no kernel in this build */
-int int8_matmul_supported(void) { return matmul_form(); }
+/* 1: AVX-512 BF16 dot products; 2: float32 FMAs on AVX2; 3: int8 dot products on AVX-512 VNNI;
+ * 0: no kernel in this build */
+int int8_matmul_supported(void) {
+#ifdef HAVE_VNNI512
+    return 3;
+#else
+    return matmul_form();
+#endif
+}
 
 /* up to how many rows a call runs the 8-bit tiles (more: the unpacked blocks); 0: every batch */
 int int8_matmul_tile_rows(void) { return TILE_MAX_ROWS; }
@@ -329,6 +346,151 @@ typedef void (*tile_fn)(const int16_t *, int64_t, const float *, const float *, 
 static const tile_fn TILES[8][4] = {TILE_ROW(16, F),  TILE_ROW(32, F),  TILE_ROW(16, H),
                                     TILE_ROW(32, H),  TILE_ROW(16, HL), TILE_ROW(32, HL),
                                     TILE_ROW(16, K6), TILE_ROW(32, K5)};
+
+#ifdef HAVE_VNNI512
+
+/* AVX-512 VNNI: every batch against the rows rounded to int8 a group (G inputs: the largest
+ * magnitude as 127), as llama.cpp multiplies Q8_0 and the K-quants by int8 activations, with
+ * VPDPBUSD (unsigned bytes times signed bytes, four products a 32-bit lane): q + 128 (q's sign
+ * bit flipped) is the unsigned operand, and each row's group starts its sum at -128 x (the sum of
+ * its int8 inputs), so that D = sum q xq exactly in int32. Each 64 bytes of q hold pairs i and
+ * i + 1 ([2][16 features][2 inputs]); one VPERMW gathers each feature's 4 bytes into its lane.
+ * Against the int16 rows and VPDPWSSD (32 products an instruction): 64 products an instruction,
+ * at the cost of each input's rounding to 1/254 of its group's largest magnitude. */
+
+/* the VPERMW that puts words f and 16 + f (pairs i and i + 1 of feature f) in lane f */
+static inline __attribute__((always_inline)) __m512i pair_gather(void) {
+    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+
+/* the 4 int8 inputs at `at`, in every lane */
+static inline __attribute__((always_inline)) __m512i four_inputs(const int8_t *at) {
+    int32_t word;
+    memcpy(&word, at, sizeof word);
+    return _mm512_set1_epi32(word);
+}
+
+/* MR rows (int8) x one block, groups of G, factors held as MODE; x_offsets[r][g] is -128 x the
+ * group's sum of int8 inputs. Up to 2 rows the chunks alternate between two chains. */
+#define DEFINE_INT_TILE(MR, G, MODE)                                                               \
+    static void int_tile_##MR##_##G##_##MODE(const int8_t *xq, int64_t x_stride,                \
+                                             const float *x_scales, const float *x_sums,        \
+                                             const int32_t *x_offsets, int64_t groups,          \
+                                             const uint8_t *block, int64_t col, int64_t n,      \
+                                             const uint16_t *bias, uint16_t *out,               \
+                                             int64_t out_stride) {                              \
+        enum { CHAINS = MR <= 2 ? 2 : 1, M = MODE_##MODE, PER_UNIT = UNIT_GROUPS(M, G),          \
+               STRIDE = GROUP_BYTES(M, G), LINES = (STRIDE + 63) / 64 + (HEAD_BYTES(M) > 0) };   \
+        const __m512i gather = pair_gather(), sign = _mm512_set1_epi8((char)0x80);              \
+        __m512 sums[MR];                                                                         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) sums[r] = _mm512_setzero_ps();     \
+        for (int64_t u = 0; u < groups / PER_UNIT; u++) {                                        \
+            const uint8_t *unit = block + u * UNIT_BYTES(M, G);                                  \
+            __m512 d, dmin;                                                                      \
+            head_512(M, unit, &d, &dmin);                                                        \
+            for (int64_t g = u * PER_UNIT; g < (u + 1) * PER_UNIT; g++) {                        \
+                const uint8_t *at = unit + HEAD_BYTES(M) + (g - u * PER_UNIT) * STRIDE;          \
+                __m512i dot[CHAINS][MR];                                                         \
+                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                           \
+                    dot[0][r] = _mm512_set1_epi32(x_offsets[r * groups + g]);                    \
+                    _Pragma("GCC unroll 2") for (int c = 1; c < CHAINS; c++)                     \
+                        dot[c][r] = _mm512_setzero_si512();                                      \
+                }                                                                                \
+                _Pragma("GCC unroll 10") for (int line = 0; line < LINES; line++)                \
+                    _mm_prefetch((const char *)((uintptr_t)at                                    \
+                                 + (uintptr_t)(PREFETCH_GROUPS * STRIDE + line * 64)),           \
+                                 _MM_HINT_T0);                                                   \
+                _Pragma("GCC unroll 8") for (int p = 0; p < (G) / 4; p++) {                      \
+                    const __m512i w = _mm512_xor_si512(                                          \
+                        _mm512_permutexvar_epi16(gather,                                         \
+                                                 _mm512_loadu_si512((const void *)(at + p * 64))), \
+                        sign);                                                                   \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                         \
+                        dot[p % CHAINS][r] = _mm512_dpbusd_epi32(                                \
+                            dot[p % CHAINS][r], w,                                               \
+                            four_inputs(xq + r * x_stride + g * (G) + 4 * p));                   \
+                }                                                                                \
+                __m512 scale, low;                                                               \
+                factors_512(M, at + BLOCK * (G), d, dmin, &scale, &low);                         \
+                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                           \
+                    __m512i dr = dot[0][r];                                                      \
+                    _Pragma("GCC unroll 2") for (int c = 1; c < CHAINS; c++)                     \
+                        dr = _mm512_add_epi32(dr, dot[c][r]);                                    \
+                    const __m512 product = _mm512_mul_ps(                                        \
+                        _mm512_cvtepi32_ps(dr), _mm512_set1_ps(x_scales[r * groups + g]));       \
+                    sums[r] = _mm512_fmadd_ps(scale, product, sums[r]);                          \
+                    if (HAS_LOW(M))                                                              \
+                        sums[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(x_sums[r * groups + g]),   \
+                                                  sums[r]);                                      \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                     \
+            store_block(sums[r], bias, col, (int)(n - col), out + r * out_stride);               \
+    }
+
+#define DEFINE_INT_TILES(G, MODE)                                                                  \
+    DEFINE_INT_TILE(1, G, MODE) DEFINE_INT_TILE(2, G, MODE) DEFINE_INT_TILE(4, G, MODE)         \
+    DEFINE_INT_TILE(8, G, MODE)
+#define INT_TILE_ROW(G, MODE)                                                                      \
+    {int_tile_1_##G##_##MODE, int_tile_2_##G##_##MODE, int_tile_4_##G##_##MODE,                  \
+     int_tile_8_##G##_##MODE}
+DEFINE_INT_TILES(16, F) DEFINE_INT_TILES(32, F) DEFINE_INT_TILES(16, H) DEFINE_INT_TILES(32, H)
+DEFINE_INT_TILES(16, HL) DEFINE_INT_TILES(32, HL) DEFINE_INT_TILES(16, K6) DEFINE_INT_TILES(32, K5)
+
+typedef void (*int_tile_fn)(const int8_t *, int64_t, const float *, const float *,
+                            const int32_t *, int64_t, const uint8_t *, int64_t, int64_t,
+                            const uint16_t *, uint16_t *, int64_t);
+
+/* [variant (tile_variant)][rows in the tile: 1, 2, 4, 8] */
+static const int_tile_fn INT_TILES[8][4] = {
+    INT_TILE_ROW(16, F),  INT_TILE_ROW(32, F),  INT_TILE_ROW(16, H),  INT_TILE_ROW(32, H),
+    INT_TILE_ROW(16, HL), INT_TILE_ROW(32, HL), INT_TILE_ROW(16, K6), INT_TILE_ROW(32, K5)};
+
+/* a row [k] of bf16 -> its int8 form (xq [k]: each group's inputs as multiples of d, its largest
+ * magnitude / 127, rounded to nearest), each group's d, its inputs' sum as rounded (d x the sum
+ * of xq) and -128 x the sum of xq. A group with an infinity or a NaN gets NaNs. */
+static void quantize_row_int8(const uint16_t *row, int64_t k, int group, int8_t *xq,
+                              float *x_scales, float *x_sums, int32_t *x_offsets) {
+    const __m512 largest_finite = _mm512_set1_ps(3.4028235e38f);
+    for (int64_t g = 0; g < k / group; g++) {
+        __m512 values[2], largest = _mm512_setzero_ps();
+        __mmask16 infinite = 0;
+        for (int h = 0; h < group / 16; h++) {
+            values[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256((const __m256i *)(row + g * group + 16 * h))), 16));
+            const __m512 magnitude = _mm512_abs_ps(values[h]);
+            infinite |= _mm512_cmp_ps_mask(magnitude, largest_finite, _CMP_NLE_UQ);
+            largest = _mm512_max_ps(largest, magnitude);
+        }
+        const float top = _mm512_reduce_max_ps(largest);
+        /* in double: 127 / top overflows a float for the smallest subnormals */
+        const double inverse = !infinite && top > 0.0f ? 127.0 / top : 0.0;
+        __m256i total = _mm256_setzero_si256();
+        for (int h = 0; h < group / 16; h++)
+            for (int half = 0; half < 2; half++) {
+                const __m512d wide = _mm512_cvtps_pd(half ? _mm512_extractf32x8_ps(values[h], 1)
+                                                          : _mm512_castps512_ps256(values[h]));
+                /* to nearest, ties to even; at most 127 in magnitude */
+                const __m256i rounded = _mm512_cvtpd_epi32(_mm512_mul_pd(wide,
+                                                                         _mm512_set1_pd(inverse)));
+                _mm_storel_epi64((__m128i *)(xq + g * group + 16 * h + 8 * half),
+                                 _mm256_cvtepi32_epi8(rounded));
+                total = _mm256_add_epi32(total, rounded);
+            }
+        int32_t lanes[8], sum = 0;
+        _mm256_storeu_si256((__m256i *)lanes, total);
+        for (int i = 0; i < 8; i++)
+            sum += lanes[i];
+        const float d = top / 127.0f;
+        x_scales[g] = infinite ? __builtin_nanf("") : d;
+        x_sums[g] = infinite ? __builtin_nanf("") : d * (float)sum;
+        x_offsets[g] = -128 * sum;
+    }
+}
+
+#endif
 
 /* a row [k] of bf16 -> its int16 form (xq [k]: each group's inputs as multiples of d, its largest
  * magnitude / 32767, rounded to nearest), each group's d and its inputs' sum as rounded,
@@ -666,6 +828,57 @@ static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_st
 
 #endif
 
+#ifdef HAVE_VNNI512
+
+/* rows a pass takes against each thread's blocks: about 1 MB of their int8 form, which stays in
+ * L2 meanwhile (a multiple of 8 rows, the widest tile) */
+static int64_t pass_rows(int64_t k) {
+    const int64_t rows = (1 << 20) / k / 8 * 8;
+    return rows < 8 ? 8 : rows;
+}
+
+/* every batch by the int8 tiles */
+static int int_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                      const uint8_t *weights, int group, int mode, int64_t n, const uint16_t *bias,
+                      uint16_t *out, int64_t out_stride) {
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, groups = k / group;
+    const int which = tile_variant(mode, group);
+    const int64_t stride = block_bytes(k, group, mode), per_pass = pass_rows(k);
+    /* the rows' int8 form, then each group's d, input sum and offset */
+    int8_t *xq = grown(&call_scratch, &call_capacity,
+                       (size_t)(m * k) + 64 + (size_t)(3 * m * groups) * sizeof(float));
+    if (!xq)
+        return -2;
+    float *x_scales = (float *)(xq + (m * k + 63) / 64 * 64), *x_sums = x_scales + m * groups;
+    int32_t *x_offsets = (int32_t *)(x_sums + m * groups);
+#pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            quantize_row_int8(x + r * x_stride, k, group, xq + r * k, x_scales + r * groups,
+                              x_sums + r * groups, x_offsets + r * groups);
+        /* (the loop's barrier: every row is ready before any thread reads them) */
+        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads;
+        for (int64_t pass = 0; pass < m; pass += per_pass) {
+            const int64_t end = m - pass < per_pass ? m : pass + per_pass;
+            const int level = end - pass >= 8 ? 3 : end - pass >= 4 ? 2 : end - pass >= 2 ? 1 : 0;
+            for (int64_t b = first; b < last; b++) {
+                int64_t r = pass;
+                for (int lv = level; lv >= 0; lv--)
+                    for (; r + (1 << lv) <= end; r += 1 << lv)
+                        INT_TILES[which][lv](xq + r * k, k, x_scales + r * groups,
+                                             x_sums + r * groups, x_offsets + r * groups, groups,
+                                             weights + b * stride, b * BLOCK, n, bias,
+                                             out + r * out_stride, out_stride);
+            }
+        }
+    }
+    return 0;
+}
+
+#endif
+
 /* x [m, k] with rows x_stride apart, packed by int8_matmul_pack, bias [n] or NULL -> out [m, n]
  * with rows out_stride apart. Returns 0, -1 where this build has no kernel (or the header is not
  * one of int8_matmul_pack's for this k and n), -2 where its scratch could not be allocated. */
@@ -685,7 +898,10 @@ int int8_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
     const int which = tile_variant(mode, group);
     const int64_t stride = block_bytes(k, group, mode);
 #endif
-#ifdef HAVE_DPBF16
+#ifdef HAVE_VNNI512
+    (void)blocks, (void)groups, (void)which, (void)stride;
+    return int_matmul(x, m, k, x_stride, weights, group, mode, n, bias, out, out_stride);
+#elif defined(HAVE_DPBF16)
     if (m > TILE_MAX_ROWS)
         return unpacked_matmul(x, m, k, x_stride, weights, group, mode, n, bias, out,
                                out_stride);

@@ -4,10 +4,12 @@ Its weights are grouped 8-bit grids, w = q * scale + low per group of 16 or 32 i
 GGUF's 5-, 6- and 8-bit types stand for (shard.layers.ggml_quants.Groups). The factors are held
 as float32 (`pack`) or in GGUF's own compact forms, the same float32 weights in fewer bytes:
 float16 scales (Q8_0, Q5_0: `pack_half`), float16 scales and lows (Q5_1), Q6_K's superblock d
-and int8 sc (`pack_k6`), Q5_K's d, dmin and 6-bit sc and m (`pack_k5`). On AVX-512 BF16
-decode-size batches multiply by it in integers, their rows rounded to int16 a group, and larger
-ones by the bf16 matmul's tiles over blocks unpacked on the fly (the bf16 of `restore`'s weights);
-on AVX2 every batch multiplies by it in float32, the rows as they are.
+and int8 sc (`pack_k6`), Q5_K's d, dmin and 6-bit sc and m (`pack_k5`). On AVX-512 VNNI (every
+AVX-512 BF16 CPU so far) every batch multiplies by it in integers, the rows rounded to int8 a
+group, as llama.cpp rounds its activations; on an AVX-512 BF16 CPU without VNNI decode-size
+batches do, their rows rounded to int16 a group, and larger ones run the bf16 matmul's tiles over
+blocks unpacked on the fly (the bf16 of `restore`'s weights); on AVX2 every batch multiplies by it
+in float32, the rows as they are.
 """
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ GROUPS = (16, 32)
 MODE_F, MODE_H, MODE_HL, MODE_K6, MODE_K5 = range(5)
 # inputs of a Q6_K or Q5_K superblock (one d, and dmin, per feature)
 SUPER = 256
-# what int8_matmul_supported says: VDPBF16PS dot products, or float32 FMAs on AVX2
-DPBF16_FORM, AVX2_FORM = 1, 2
+# what int8_matmul_supported says: VDPBF16PS dot products, float32 FMAs on AVX2, or int8 dot
+# products on AVX-512 VNNI
+DPBF16_FORM, AVX2_FORM, VNNI_FORM = 1, 2, 3
 
 
 @functools.cache
@@ -193,7 +196,7 @@ def pack_k5(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tens
 def tile_rows() -> int | None:
     """Up to how many rows a call multiplies by the 8-bit form (more: by unpacked bf16 blocks).
 
-    None where every batch does (AVX2)."""
+    None where every batch does (AVX2, AVX-512 VNNI)."""
     return load_library().int8_matmul_tile_rows() or None
 
 
@@ -202,6 +205,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
 
     bias is contiguous bf16 or None; x is rounded to bf16 first, the result comes back in x's dtype.
     Past `tile_rows()` rows the result is the bf16 matmul's on the bf16 of `restore`'s weights, bit
-    for bit; up to it, on AVX-512, each row is first rounded to int16 a group (to 1/32767 of the
-    group's largest magnitude). A k or n other than the packed weight's is a ValueError."""
+    for bit; up to it, on AVX-512 without VNNI, each row is first rounded to int16 a group (to
+    1/32767 of the group's largest magnitude). With VNNI every row is rounded to int8 a group (to
+    1/127), and a row's result does not depend on the batch. A k or n other than the packed
+    weight's is a ValueError."""
     return bf16_matmul.run_on_rows(load_library().int8_matmul, x, packed, n, bias)

@@ -10,6 +10,11 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2_FMA 1
 #endif
+/* AVX-512 VNNI beside BF16 (every CPU with the one has the other so far): the 4- and 8-bit
+ * matmuls' integer dot products */
+#if defined(HAVE_DPBF16) && defined(__AVX512VNNI__)
+#define HAVE_VNNI512 1
+#endif
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
 #include <immintrin.h>
 #include <omp.h>

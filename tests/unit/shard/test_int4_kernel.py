@@ -91,13 +91,16 @@ def activation_rounding(x: torch.Tensor, restored: torch.Tensor) -> torch.Tensor
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("features", FEATURES)
 def test_the_kernel_multiplies_by_the_restored_weights(features, mode, int4_build):
-    """Every 4-bit tile (1, 2, 4, 8 rows; 1, 2 and 4 on AVX2, and passes of 256 rows there) and tail
-    of a 16-feature block, with and without bias, in every mode: within float32 rounding of the
-    exact product by the restored weights, rounded once (on AVX2, by the rows rounded to int8)."""
+    """Every 4-bit tile (1, 2, 4, 8 rows; 1, 2 and 4 on AVX2; passes of 256 rows with integer
+    tiles) and tail of a 16-feature block, with and without bias, in every mode: within float32
+    rounding of the exact product by the restored weights, rounded once (with integer tiles, AVX2
+    or AVX-512 VNNI, by the rows rounded to int8); and there each row's result is what it is alone,
+    whatever the batch."""
     if int4_build == "avx2":
         assert int4_matmul.load_library().int4_matmul_supported() == int4_matmul.AVX2_FORM
     torch.manual_seed(1)
-    avx2_form = int4_matmul.load_library().int4_matmul_supported() == int4_matmul.AVX2_FORM
+    avx2_form = int4_matmul.load_library().int4_matmul_supported() in (
+        int4_matmul.AVX2_FORM, int4_matmul.VNNI_FORM)
     packed, restored, k = packed_weight(mode, *features)
     n, restored = features[0], restored.double()
     for bias in (None, torch.randn(n, dtype=torch.bfloat16)):
@@ -111,13 +114,17 @@ def test_the_kernel_multiplies_by_the_restored_weights(features, mode, int4_buil
             if bias is not None:
                 exact += bias.double()
             # one bf16 rounding, plus the float32 sums (the 128 offset costs D ~7 bits), plus on
-            # AVX2 each input's rounding to 1/127 of its group's largest magnitude (half of it)
+            # integer tiles each input's rounding to 1/127 of its group's largest magnitude (half of it)
             slack = (x.double().abs() @ restored.abs().T) * 2.0 ** -15
             bound = exact.abs() / 256 + slack
             if avx2_form:  # the bf16 rounding is of the result the rounded inputs give
                 moved = activation_rounding(x, restored)
                 bound += moved / 256 + moved
             assert bool(((out.double() - exact).abs() <= bound).all())
+            if avx2_form and rows > 1:
+                for row in (0, rows - 1):
+                    alone = int4_matmul.matmul(x[row:row + 1], packed, n, bias)
+                    assert torch.equal(out[row:row + 1], alone)
     # rows 2k apart, read in place (the C step's buffers could be), and float32 activations
     library = int4_matmul.load_library()
     rows = torch.randn(3, 2 * k, dtype=torch.bfloat16)
@@ -133,10 +140,10 @@ def test_the_kernel_multiplies_by_the_restored_weights(features, mode, int4_buil
 def test_larger_batches_are_the_bf16_matmul_on_the_restored_weights(features, mode, int4_build):
     """Past the 4-bit tiles' rows, blocks unpacked on the fly: the bf16 of the restored weights bit
     for bit (an identity's rows read them back), and so every result the bf16 matmul gives on
-    them (each of its tiles, passes of 256 rows), in every mode. Not on AVX2: its integer tiles
-    take every batch."""
+    them (each of its tiles, passes of 256 rows), in every mode. Not on AVX2 or AVX-512 VNNI: their
+    integer tiles take every batch."""
     if int4_matmul.tile_rows() is None:
-        pytest.skip("AVX2: every batch multiplies by the 4-bit tiles")
+        pytest.skip("integer tiles (AVX2, AVX-512 VNNI): every batch multiplies by the 4-bit form")
     torch.manual_seed(3)
     n, k = features
     weight = torch.randn(n, k) * 0.05

@@ -71,14 +71,15 @@ def test_pack_keeps_every_value_and_restore_is_q_times_scale_plus_low(group, int
 
 
 def bound(x: torch.Tensor, q, scale, low, group: int, exact: torch.Tensor,
-          int16_rows: bool, bf16_weights: bool) -> torch.Tensor:
+          rounded_to: int | None, bf16_weights: bool) -> torch.Tensor:
     """[rows, n]: how far the kernel's result may lie from the exact product, and why.
 
     S = |x| (|q scale| + |low|): the magnitude of what is summed (q scale and low may cancel, as
     Q5_0's q * d - 16 d does). Float32 sums: AVX2 a group's dot product of `group` terms, then
     one multiply-add per group for each factor, k / group groups: (group + k / group + 8) 2^-24 S
     (on AVX-512 the dot product is exact in int32, so this is looser). AVX-512's rows rounded to
-    int16: half of 1/32767 of each group's largest input, times the group's |w|. Past the tiles,
+    int16 (`rounded_to` 32767), or with VNNI to int8 (127, as llama.cpp rounds its activations):
+    half of 1/rounded_to of each group's largest input, times the group's |w|. Past the tiles,
     the weights rounded to bf16 (2^-9 each) and the bf16 matmul's float32 sums (k 2^-24). Then
     the result's one rounding to bf16: half a unit, 2^-8 of its magnitude at most."""
     rows, k = x.shape
@@ -86,8 +87,8 @@ def bound(x: torch.Tensor, q, scale, low, group: int, exact: torch.Tensor,
     terms = ((q.double() * scale.double().repeat_interleave(group, 1)).abs()
              + low.double().abs().repeat_interleave(group, 1))
     slack = (group + k // group + 8) * 2.0 ** -24 * (wide.abs() @ terms.T)
-    if int16_rows:
-        steps = wide.reshape(rows, k // group, group).abs().amax(dim=-1) / 32767
+    if rounded_to:
+        steps = wide.reshape(rows, k // group, group).abs().amax(dim=-1) / rounded_to
         weights = int8_matmul.restore(q, scale, low, group).double().abs()
         slack += (steps / 2) @ weights.reshape(-1, k // group, group).sum(dim=-1).T
     if bf16_weights:
@@ -96,11 +97,20 @@ def bound(x: torch.Tensor, q, scale, low, group: int, exact: torch.Tensor,
     return (exact.abs() + slack) * 2.0 ** -8 + slack
 
 
+def rounded_to(rows: int, tiles: int) -> int | None:
+    """The integer the kernel rounds each group's largest input to at this many rows, or None."""
+    form = int8_matmul.load_library().int8_matmul_supported()
+    if form == int8_matmul.VNNI_FORM:
+        return 127
+    return 32767 if form == int8_matmul.DPBF16_FORM and rows <= tiles else None
+
+
 @pytest.mark.parametrize("group", [16, 32])
 def test_the_kernel_multiplies_by_the_restored_weights(group, int8_build):
     """Every tile (1, 2, 4, 8 rows on AVX-512; 1-3 rows and passes of 128 on AVX2), every tail
     of a 16-feature block, with and without bias, rows a column slice of a wider tensor: within
-    `bound` of the exact product by the restored weights."""
+    `bound` of the exact product by the restored weights; where the tiles take every batch, a
+    row's result is what it is alone."""
     avx2_form = int8_matmul.load_library().int8_matmul_supported() == int8_matmul.AVX2_FORM
     assert avx2_form == (int8_build == "avx2") or int8_build == "native"
     tiles = int8_matmul.tile_rows() or max(ROWS)
@@ -120,9 +130,11 @@ def test_the_kernel_multiplies_by_the_restored_weights(group, int8_build):
                     if bias is not None:
                         exact += bias.double()
                     allowed = bound(x, q, scale, low, group, exact,
-                                    int16_rows=not avx2_form and rows <= tiles,
+                                    rounded_to=rounded_to(rows, tiles),
                                     bf16_weights=rows > tiles)
                     assert bool(((out.double() - exact).abs() <= allowed).all()), (n, k, rows)
+                    if int8_matmul.tile_rows() is None and rows > 1:  # any batch: as alone
+                        assert torch.equal(out[-1:], int8_matmul.matmul(x[-1:], packed, n, bias))
 
 
 @pytest.mark.parametrize("rows", [3, 200])
@@ -147,7 +159,7 @@ def test_larger_batches_are_the_bf16_matmul_on_the_restored_weights(group, int8_
     AVX2: its tiles take every batch."""
     tiles = int8_matmul.tile_rows()
     if tiles is None:
-        pytest.skip("AVX2: every batch multiplies by the 8-bit tiles")
+        pytest.skip("AVX2, AVX-512 VNNI: every batch multiplies by the 8-bit tiles")
     generator = torch.Generator().manual_seed(3)
     for n, k in ((40, 96), (200, 512)):
         q, scale, low = groups(n, k, group, seed=n * k)
@@ -267,7 +279,6 @@ def test_compact_modes_restore_what_their_float32_factors_do_in_fewer_bytes(mode
 def test_compact_modes_multiply_by_their_restored_weights(mode, int8_build):
     """Every tile and path, tails of a block, bias or none: within `bound` of the exact product
     by the restored weights, as mode F is."""
-    avx2_form = int8_matmul.load_library().int8_matmul_supported() == int8_matmul.AVX2_FORM
     tiles = int8_matmul.tile_rows() or max(ROWS)
     generator = torch.Generator().manual_seed(11)
     for n in (16, 40):
@@ -281,7 +292,7 @@ def test_compact_modes_multiply_by_their_restored_weights(mode, int8_build):
                     if bias is not None:
                         exact += bias.double()
                     allowed = bound(x, q, scale, low, group, exact,
-                                    int16_rows=not avx2_form and rows <= tiles,
+                                    rounded_to=rounded_to(rows, tiles),
                                     bf16_weights=rows > tiles)
                     assert bool(((out.double() - exact).abs() <= allowed).all()), (n, k, rows)
 
@@ -293,7 +304,7 @@ def test_compact_modes_past_the_tiles_are_the_bf16_matmul_on_the_restored_weight
     weights (not on AVX2: its tiles take every batch)."""
     tiles = int8_matmul.tile_rows()
     if tiles is None:
-        pytest.skip("AVX2: every batch multiplies by the 8-bit tiles")
+        pytest.skip("AVX2, AVX-512 VNNI: every batch multiplies by the 8-bit tiles")
     generator = torch.Generator().manual_seed(12)
     for n, k in ((40, 256), (200, 512)):
         packed, *_, restored = compact(mode, n, k, seed=n * k)
