@@ -15,8 +15,8 @@ from router.api.openai.request import (ChatOptions, ChatPromptParts, build_reque
                                        chat_prompt_parts, chat_template_kwargs, choice_count,
                                        include_usage, model_name, normalise_messages,
                                        sampling_and_stops, with_model_defaults)
-from router.api.openai.tool_answer import CallReading
-from router.api.openai.tools import ToolPlan, tool_plan
+from router.inputs.tool_answer import CallReading
+from router.inputs.tool_plan import ToolPlan, tool_plan
 from router.api.tgi.routes import tokens_response
 from router.core.generation import GenerateResult
 from router.errors import ValidationError, about_field
