@@ -59,7 +59,7 @@ def test_generate_streamed_and_whole_and_its_context(client, tiny_llama):
     assert "\n" not in raw.response
 
 
-def test_chat_streamed_formats_and_tools(client, tiny_llama):
+def test_chat_streamed_formats_and_tools(client, tiny_llama, server):
     model = str(tiny_llama)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     whole = client.chat(model=model, messages=messages, options=OPTIONS)
@@ -80,11 +80,24 @@ def test_chat_streamed_formats_and_tools(client, tiny_llama):
     tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather",
                                              "parameters": {"type": "object", "properties": {
                                                  "city": {"type": "string"}}}}}
-    called = client.chat(model=model, messages=messages, tools=[tool],
-                         options={"temperature": 0, "num_predict": 60})
-    calls = called.message.tool_calls or []
-    assert all(c.function.name == "get_weather" for c in calls)
-    assert calls or called.message.content is not None
+    greedy = {"temperature": 0, "num_predict": 60, "repeat_penalty": 1.0}
+    called = client.chat(model=model, messages=messages, tools=[tool], options=greedy)
+    assert called.prompt_eval_count > whole.prompt_eval_count  # the tools are in the prompt
+    # the same plan as OpenAI's route under tool_choice auto: the same greedy answer (this
+    # random model answers in words, through the no_tool pseudo-call; the calls' shape is
+    # tests/unit/router/test_ollama_mappings.py's)
+    openai = requests.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": messages, "tools": [tool], "temperature": 0,
+        "max_tokens": 60}).json()["choices"][0]["message"]
+    expected = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in openai.get("tool_calls") or []]
+    assert [(c.function.name, c.function.arguments)
+            for c in called.message.tool_calls or []] == expected
+    assert called.message.content == (openai["content"] or "")
+    streamed = list(client.chat(model=model, messages=messages, tools=[tool], options=greedy,
+                                stream=True))
+    assert [(c.function.name, c.function.arguments) for chunk in streamed
+            for c in chunk.message.tool_calls or []] == expected
 
 
 def test_refusals_are_ollama_errors(client, tiny_llama, server):
