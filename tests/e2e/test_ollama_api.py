@@ -112,6 +112,8 @@ def test_refusals_are_ollama_errors(client, tiny_llama, server):
         lambda: client.embeddings(model=model, prompt="x"),
         lambda: client.copy(model, "other"),
         lambda: client.generate(model=model, prompt="x", keep_alive="5 minutes"),
+        # served from a path, without a registry id: it cannot be stopped
+        lambda: client.generate(model=model, prompt="x", keep_alive=0),
     ]
     for case in cases:
         with pytest.raises(ollama.ResponseError) as raised:
