@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import aclosing
 from datetime import datetime, timezone
 
 from aiohttp import web
@@ -16,7 +17,7 @@ from router.api.ollama.errors import ollama_error_body
 from router.api.ollama.keep_alive import KEEP_ALIVE, model_for, seconds
 from router.api.ollama.request import (CHAT_FIELDS, GENERATE_FIELDS, OllamaCall, check_fields,
                                        read_call)
-from router.errors import RouterError
+from router.errors import IncompleteGenerationError, RouterError
 from router.http.json_body import read_object
 from router.http.sse import StreamFormat, serve_stream
 from router.inputs.stop_text import StopHoldback
@@ -155,10 +156,13 @@ async def _answer(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if call.stream:
             return await serve_stream(request, events, NdjsonStream(answer),
                                       content_type=NDJSON)
-        async for _, event in events:
-            answer.feed(event)
+        async with aclosing(events):
+            async for _, event in events:
+                answer.feed(event)
     finally:
         alive.touch(state, served.model_name, keep)  # its time counts from the request's end
+    if answer.final is None:
+        raise IncompleteGenerationError()
     return web.json_response(answer.last(answer.text))
 
 
