@@ -156,3 +156,36 @@ def test_model_routes_pull_autostart_keep_alive_and_delete(client, server, tiny_
     with pytest.raises(ollama.ResponseError) as raised:
         client.delete(name)
     assert raised.value.status_code == 404
+
+
+def test_bad_bodies_are_4xx_in_ollamas_shape(server, tiny_llama):
+    model = str(tiny_llama)
+    bad = [("/api/generate", b"{"), ("/api/generate", b"[]"),
+           ("/api/generate", {"model": model, "prompt": 5}),
+           ("/api/generate", {"model": model, "prompt": "x", "context": [-1]}),
+           ("/api/generate", {"model": model, "prompt": "x", "stream": "yes"}),
+           ("/api/generate", {"model": model, "prompt": "x", "format": 3}),
+           ("/api/generate", {"model": model, "prompt": "x", "format": {"type": "nope"}}),
+           ("/api/generate", {"model": model, "prompt": "x", "images": "abc"}),
+           ("/api/generate", {"model": model, "prompt": "x", "suffix": "y"}),
+           ("/api/generate", {"model": model, "prompt": "x", "unknown": 1}),
+           ("/api/generate", {"model": 7, "prompt": "x"}),
+           ("/api/chat", {"model": model, "messages": "hi"}),
+           ("/api/chat", {"model": model, "messages": [{"role": "robot", "content": "x"}]}),
+           ("/api/chat", {"model": model, "messages": [{"role": "user", "content": 1}]}),
+           ("/api/chat", {"model": model, "messages": [{"role": "user", "content": "x"}],
+                          "tools": [{"type": "function"}]}),
+           ("/api/chat", {"model": model, "messages": [{"role": "user", "content": "x"}],
+                          "think": True}),
+           ("/api/chat", {"model": model, "messages": [{"role": "user", "content": "x"}],
+                          "options": {"top_p": 0}}),
+           ("/api/show", {}), ("/api/show", {"model": 3}), ("/api/pull", {"model": ""}),
+           ("/api/pull", {"model": "x", "stream": 1}), ("/api/copy", {"source": model}),
+           ("/api/embed", {"model": "nope"})]
+    for path, body in bad:
+        kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+        answer = requests.post(f"{server.url}{path}", timeout=30, **kwargs)
+        assert 400 <= answer.status_code < 500, (path, body, answer.text)
+        assert set(answer.json()) == {"error"} and answer.json()["error"], (path, body)
+    deleted = requests.delete(f"{server.url}/api/delete", json={"model": model}, timeout=30)
+    assert deleted.status_code == 400 and "served from a path" in deleted.json()["error"]
