@@ -1,10 +1,12 @@
 """Ollama's options, keep_alive durations and answers mapped onto the router's requests and events."""
+import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from router.api.ollama.generate import Answer
-from router.api.ollama.keep_alive import seconds
+from router.api.ollama.keep_alive import KeepAlive, seconds, stop_idle
 from router.api.ollama.options import read_options, token_budget
 from router.api.ollama.request import OllamaCall
 from router.errors import ValidationError
@@ -12,6 +14,7 @@ from router.inputs.tool_plan import tool_plan
 from router.inputs.validation import TokenLimits, ValidationLimits
 from router.schemas import (FinalInfo, FinishReason, GenerateRequest, SamplingParams,
                             StoppingParams, Timings, Token, TokenEvent)
+from tests.waiting import wait_until_async
 
 LIMITS = ValidationLimits(TokenLimits(100, 128, 128), max_best_of=2, max_stop_sequences=4,
                           max_top_n_tokens=5, vocab_size=50)
@@ -103,3 +106,35 @@ def test_a_chat_answer_gives_tool_calls_with_object_arguments():
     last = lines[-1]
     assert last["message"]["tool_calls"] == [{"function": {"name": "f", "arguments": {"a": 1}}}]
     assert last["done_reason"] == "length" and "context" not in last
+
+
+def test_a_model_past_its_keep_alive_stops_only_once_idle():
+    stopped = []
+
+    class Models:
+        registry = SimpleNamespace(records={"m": object()})
+        served = {"m": SimpleNamespace(infer=SimpleNamespace(is_idle=False))}
+
+        async def stop(self, model_id):
+            stopped.append(model_id)
+            del self.served[model_id]
+
+    state = SimpleNamespace(models=Models())
+    keep = KeepAlive()
+    keep.touch(state, "m", 0)
+    assert keep.expires_at("m") is not None
+
+    async def scenario():
+        task = asyncio.create_task(stop_idle(state, keep, interval=0.001))
+        await asyncio.sleep(0.02)
+        assert stopped == []  # a request of it is in flight
+        state.models.served["m"].infer.is_idle = True
+        await wait_until_async(lambda: stopped == ["m"], "the idle model stopped")
+        task.cancel()
+
+    asyncio.run(scenario())
+    keep.touch(state, "m", -1)  # for ever: no deadline
+    assert keep.expires_at("m") is None
+    with pytest.raises(ValidationError, match="without a registry id"):
+        keep.touch(state, "unrecorded", 60)
+    keep.touch(state, "unrecorded", None)  # not given: nothing to keep
