@@ -10,12 +10,13 @@ from aiohttp import web
 from router import VERSION
 from router.api.generate_one import openapi as generate_one
 from router.api.models import openapi as models
+from router.api.ollama import openapi as ollama
 from router.api.openai import openapi as openai
 from router.api.sglang import openapi as sglang
 from router.api.tgi import openapi as tgi
 from router.http.openapi import error_responses, error_schema, json_content, ref
 
-FAMILIES = (tgi, openai, models, sglang, generate_one)
+FAMILIES = (tgi, openai, models, sglang, generate_one, ollama)
 
 
 def openapi_document() -> dict:

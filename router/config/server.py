@@ -108,6 +108,11 @@ class ServerSettings:
                                                         "0.", choices=("cpu", "cuda", "auto"))
     autostart: str = set_by_launcher("false", "true: models running when the registry was last "
                                               "saved start again.", choices=TRUE_FALSE)
+    ollama_autostart: int = setting(0, "Ollama's routes (/api/generate, /api/chat) start a "
+                                       "stopped model a request names while fewer than this "
+                                       "many models run; the models they start stop after "
+                                       "their keep_alive (Ollama's 5 minutes) idle. 0: never "
+                                       "(such a request gets a 409 saying how to start it).")
     lora_adapters: str = set_by_launcher(None, "LoRA adapters to load into the default model "
                                                "before serving: name=directory pairs, comma "
                                                "separated (a bare directory is named after "
@@ -145,6 +150,8 @@ class ServerSettings:
         self.autostart = self.autostart.lower()
         if self.autostart not in ("true", "false"):
             raise ValueError(f"--autostart {self.autostart!r} must be true or false")
+        if self.ollama_autostart < 0:
+            raise ValueError(f"--ollama-autostart {self.ollama_autostart} must be 0 or more")
         self.lora_adapter_dirs()  # its syntax, said at start
 
     def lora_adapter_dirs(self) -> list[tuple[str, str]]:

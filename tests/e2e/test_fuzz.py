@@ -49,8 +49,9 @@ MAX_NO_RESPONSE = 4  # then the server is stuck or gone and the rest would only 
 # requests get 422) and negative_data_rejection (a lenient field is not a bug of ours to fail on).
 CONFORMANCE_CHECKS = (status_code_conformance, content_type_conformance)
 # Pulling fetches whatever directory, file or Hub id a body names: fuzzed, it would copy directories
-# and reach for the network. tests/e2e/test_model_lifecycle.py drives it, bad ids included.
-NOT_FUZZED = {"POST /v1/models/pull"}
+# and reach for the network. tests/e2e/test_model_lifecycle.py drives it, bad ids included
+# (tests/e2e/test_ollama_api.py Ollama's).
+NOT_FUZZED = {"POST /v1/models/pull", "POST /api/pull"}
 
 
 @pytest.fixture(scope="module")

@@ -216,3 +216,22 @@ def test_the_greedy_answer_with_an_image_is_transformers(server, model_dir):
                              attention_mask=torch.ones_like(input_ids), max_new_tokens=6,
                              do_sample=False)
     assert ours == out[0, len(ids):].tolist()
+
+
+def test_ollamas_images_are_the_same_prompt_as_openais(server):
+    """Ollama's base64 `images` (the ollama client's) reach the template as OpenAI's parts do."""
+    import ollama
+
+    client = ollama.Client(host=server.url)
+    options = {"temperature": 0, "num_predict": 3, "repeat_penalty": 1.0}
+    chat = client.chat(model="gemma", options=options, messages=[
+        {"role": "user", "content": "What is it?", "images": [CAT]}])
+    openai = _post(server, "/v1/chat/completions", _chat(data_url(CAT))).json()
+    assert chat.prompt_eval_count == openai["usage"]["prompt_tokens"]
+    assert chat.message.content == openai["choices"][0]["message"]["content"]
+    generated = client.generate(model="gemma", prompt="What is it?", images=[CAT, DOG],
+                                options=options)
+    assert generated.prompt_eval_count > chat.prompt_eval_count
+    with pytest.raises(ollama.ResponseError) as raised:
+        client.generate(model="gemma", prompt="What is it?", images=[b"no picture here"])
+    assert raised.value.status_code == 400 and "is not an image" in raised.value.error

@@ -9,14 +9,14 @@ from aiohttp import web
 
 from router.api.openai import guided, vllm_fields
 from router.api.openai.chat_images import image_sources, with_markers
-from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
-                                      adapter_as_model, openai_logprob, usage, without_stop)
+from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, adapter_as_model,
+                                      openai_logprob, usage)
 from router.api.openai.request import (ChatOptions, ChatPromptParts, build_request,
                                        chat_prompt_parts, chat_template_kwargs, choice_count,
                                        include_usage, model_name, normalise_messages,
                                        sampling_and_stops, with_model_defaults)
-from router.api.openai.tool_answer import CallReading
-from router.api.openai.tools import ToolPlan, tool_plan
+from router.inputs.tool_answer import CallReading
+from router.inputs.tool_plan import ToolPlan, tool_plan
 from router.api.tgi.routes import tokens_response
 from router.core.generation import GenerateResult
 from router.errors import ValidationError, about_field
@@ -27,6 +27,7 @@ from router.inputs.images.placement import expanded, placed
 from router.inputs.images.sources import LoadedImage, load_images
 from router.inputs.reasoning import ThinkSplitter, split_reasoning, starts_in_reasoning
 from router.inputs.seeds import copies
+from router.inputs.stop_text import StopHoldback, without_stop
 from router.inputs.template_pool import TemplatePool
 from router.inputs.validation import chosen_adapter
 from router.schemas import FinalInfo, FinishReason, GenerateRequest, Token, TokenEvent

@@ -9,8 +9,8 @@ from dataclasses import replace
 from aiohttp import web
 
 from router.api.openai import guided, vllm_fields
-from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, StopHoldback,
-                                      adapter_as_model, openai_logprob, usage, without_stop)
+from router.api.openai.common import (FINGERPRINT, FINISH, OpenAIStream, adapter_as_model,
+                                      openai_logprob, usage)
 from router.api.openai.request import (build_request, choice_count, include_usage, model_name,
                                        sampling_and_stops, with_model_defaults)
 from router.core.generation import GenerateResult
@@ -19,6 +19,7 @@ from router.http.json_body import read_object
 from router.http.sse import openai_sse, serve_stream
 from router.inputs.field_ranges import read_flag, read_number
 from router.inputs.seeds import copies, seed_or_draw
+from router.inputs.stop_text import StopHoldback, without_stop
 from router.inputs.validation import chosen_adapter
 from router.schemas import GenerateRequest, SamplingParams, TokenEvent
 from router.state import model_and_adapter

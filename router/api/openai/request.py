@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 
 from router.api.openai.chat_images import content_parts
-from router.api.openai.tools import ToolPlan, with_tool_prompt
+from router.inputs.tool_plan import ToolPlan, with_tool_prompt
 from router.api.openai.vllm_fields import GenerationPrompt
 from router.errors import TemplateError, ValidationError, about_field
 from router.inputs import json_text

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from router.api.openai.request import normalise_messages, template_messages
-from router.api.openai.tools import DEFAULT_TOOL_PROMPT, tool_plan
+from router.inputs.tool_plan import DEFAULT_TOOL_PROMPT, tool_plan
 from router.errors import TemplateError
 from router.inputs.chat_template import ChatTemplate
 

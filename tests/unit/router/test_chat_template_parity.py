@@ -7,7 +7,7 @@ import json
 import pytest
 
 from router.api.openai.request import chat_prompt_parts, normalise_messages
-from router.api.openai.tools import DEFAULT_TOOL_PROMPT, tool_plan
+from router.inputs.tool_plan import DEFAULT_TOOL_PROMPT, tool_plan
 from router.inputs.chat_template import ChatTemplate
 
 

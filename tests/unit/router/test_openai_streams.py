@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from router.api.openai.common import StopHoldback, _overlap
+from router.inputs.stop_text import StopHoldback, _overlap
 from router.schemas import FinalInfo, FinishReason
 from tests.unit.router.test_api_errors import HealthyFake, _client
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from router.api.openai.request import normalise_messages, template_messages
-from router.api.openai.tool_answer import CallReading
-from router.api.openai.tools import tool_plan
+from router.inputs.tool_answer import CallReading
+from router.inputs.tool_plan import tool_plan
 from router.errors import TemplateError
 from router.inputs.chat_template import ChatTemplate
 from tests.unit.router.test_chat_template_parity import render_chat

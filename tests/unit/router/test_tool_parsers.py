@@ -139,7 +139,7 @@ def test_unknown_parsers_and_auto_without_a_parser_are_refused_at_start():
 
 
 def test_only_a_parser_that_reads_a_special_token_keeps_them_in_the_text():
-    from router.api.openai.tools import tool_plan
+    from router.inputs.tool_plan import tool_plan
 
     tools = [{"type": "function", "function": {"name": "f"}}]
     for name in PARSERS:

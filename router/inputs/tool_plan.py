@@ -1,4 +1,4 @@
-"""A chat request's tools: what the model is shown, what grammar forces, and how its output is read.
+"""A chat request's tools: what the model is shown, what grammar forces, and how output is read.
 
 Two ways to read calls, as TGI and vLLM have them. TGI's, the default: a grammar forces JSON calls
 (`[{"name": ..., "arguments": ...}, ...]`, one object when `parallel_tool_calls` is false), and under

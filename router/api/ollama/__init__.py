@@ -1,0 +1,1 @@
+"""Ollama's API (/api/generate, /api/chat, /api/tags, ...) over the generation core and lifecycle."""
