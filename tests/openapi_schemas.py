@@ -59,7 +59,8 @@ def answer_problems(document: dict, path: str, method: str, reply) -> list[str]:
     """What in `reply` (a requests.Response to `method` `path`) our served `document` does not say.
 
     The schema is the one the document gives for the reply's status and content type; a JSON body
-    is checked whole, an event stream event by event (its `data: [DONE]` aside), text as a string.
+    is checked whole, an event stream event by event (its `data: [DONE]` aside), newline-delimited
+    JSON line by line, text as a string.
     A status or content type the document does not list is a problem too."""
     import jsonschema
 
@@ -81,6 +82,8 @@ def answer_problems(document: dict, path: str, method: str, reply) -> list[str]:
                   if line.startswith("data:") and line[5:].strip() != "[DONE]"]
         if not bodies:
             return [f"{where}: an event stream of no events"]
+    elif kind == "application/x-ndjson":  # Ollama's streams: a JSON object a line
+        bodies = [json.loads(line) for line in reply.text.splitlines() if line.strip()]
     elif kind == "application/json":
         bodies = [reply.json()]
     else:

@@ -367,6 +367,9 @@ def _every_answer(model_id: str) -> list[tuple[str, str, dict | None, int]]:
                   "stop": ["zzz"]}
     sglang = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
     one = {"request_id": "openapi", "prompt": "Hi", "generation_config": {"max_new_tokens": 2}}
+    ollama = {"model": model_id, "prompt": "Hi", "options": {"num_predict": 2}}
+    ollama_chat = {"model": model_id, "messages": [{"role": "user", "content": "Hi"}],
+                   "options": {"num_predict": 2}}
     return [
         ("post", "/", streamed, 200), ("post", "/", {**streamed, "stream": True}, 200),
         ("post", "/generate", generate, 200), ("post", "/generate", sglang, 200),
@@ -395,6 +398,16 @@ def _every_answer(model_id: str) -> list[tuple[str, str, dict | None, int]]:
         ("post", "/api/generate-batch", {"prompts": [{"request_id": "openapi-batch",
                                                       "prompt": "Hi"}],
                                          "generation_config": {"max_new_tokens": 2}}, 200),
+        ("get", "/api/version", None, 200), ("get", "/api/tags", None, 200),
+        ("get", "/api/ps", None, 200), ("post", "/api/show", {"model": model_id}, 200),
+        ("post", "/api/generate", ollama, 200),
+        ("post", "/api/generate", {**ollama, "stream": False}, 200),
+        ("post", "/api/chat", {**ollama_chat, "stream": False}, 200),
+        ("post", "/api/chat", ollama_chat, 200),
+        ("post", "/api/chat", {**ollama_chat, "options": {"num_gpu": 1}}, 400),
+        ("post", "/api/embed", {"model": model_id, "input": "Hi"}, 400),
+        ("post", "/api/embeddings", {"model": model_id, "prompt": "Hi"}, 400),
+        ("post", "/api/copy", {"source": model_id, "destination": "copy"}, 400),
         ("post", "/generate", {"inputs": "Hi", "parameters": {"top_k": 0}}, 422),
         ("post", "/generate_stream", {"inputs": ""}, 422),
         ("post", "/v1/chat/completions", {"messages": []}, 422),
@@ -412,11 +425,16 @@ def test_openapi_document_describes_every_route_we_serve(server):
               "/v1/models",
               # SGLang's companion routes (its /generate shares TGI's path)
               "/abort_request", "/flush_cache", "/health_generate", "/get_model_info",
-              "/get_server_info", "/api/generate-one", "/api/generate-batch"}
-    # the Jan/Cortex lifecycle routes change what is served: test_model_lifecycle drives them
+              "/get_server_info", "/api/generate-one", "/api/generate-batch",
+              # Ollama's
+              "/api/generate", "/api/chat", "/api/tags", "/api/show", "/api/ps", "/api/copy",
+              "/api/version", "/api/embed", "/api/embeddings"}
+    # the lifecycle routes change what is served: test_model_lifecycle and test_ollama_api drive
+    # them
     lifecycle = {"/v1/models/{model_id}", "/v1/models/{model_id}/start",
                  "/v1/models/{model_id}/stop", "/v1/models/start", "/v1/models/stop",
-                 "/v1/models/pull", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+                 "/v1/models/pull", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+                 "/api/pull", "/api/delete"}
     assert set(doc["paths"]) == served | lifecycle
     assert set(doc["paths"]["/v1/models/{model_id}"]) == {"get", "patch", "delete"}
     if openapi_schemas.SPEC.exists():  # else reported as skipped (tests/conftest.py)
