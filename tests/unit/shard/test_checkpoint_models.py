@@ -77,7 +77,10 @@ def test_an_act_order_layer_permutes_its_inputs_into_the_int4_form():
     assert c_matmul(prepared) is None  # the C decode step multiplies inputs as they come
     x = torch.randn(3, 128).to(torch.bfloat16)
     expected = F.linear(x.float(), rows.dequantize())
-    assert torch.allclose(linear(x, prepared).float(), expected, atol=0.05, rtol=0.02)
+    # the kernel rounds activations to int8 per 32 inputs (docs/models.md): an error that scales
+    # with the largest output, not with each element
+    error = (linear(x, prepared).float() - expected).abs().max()
+    assert error <= 0.01 * expected.abs().max(), error
 
 
 def test_fused_parts_in_different_orders_are_dequantized_per_call():
