@@ -33,15 +33,7 @@ def checked(kind: str, value) -> tuple[str, str]:
 def _source(kind: str, value) -> tuple[str, str]:
     """llguidance's grammar for the constraint, and the constraint as text for the shards."""
     if kind == JSON:
-        if isinstance(value, str):
-            try:  # nested at most as deep as a request body may be
-                value = json_text.loads(value)
-            except json_text.JSONError as err:
-                raise ValidationError(f"grammar is not valid: the JSON schema is not JSON: {err}") \
-                    from None
-        if not isinstance(value, (dict, bool)):
-            raise ValidationError("grammar is not valid: a JSON schema must be an object")
-        value = close_objects(value)
+        value = close_objects(schema_value(value, "grammar"))
         source = llguidance.LLMatcher.grammar_from_json_schema(
             value, defaults={"whitespace_flexible": False})
         return source, json.dumps(value)
@@ -54,6 +46,20 @@ def _source(kind: str, value) -> tuple[str, str]:
             raise ValidationError("grammar is not valid: an EBNF grammar must be a string")
         return llguidance.grammar_from("ebnf", value), value
     raise ValidationError(f"grammar type {kind!r} is not supported (json, regex, ebnf)")
+
+
+def schema_value(value, where: str):
+    """A JSON schema given as an object or as its text; `where` names it in a refusal."""
+    if isinstance(value, str):
+        try:  # nested at most as deep as a request body may be
+            value = json_text.loads(value)
+        except json_text.JSONError as err:
+            raise ValidationError(f"{where} is not valid: the JSON schema is not JSON: {err}") \
+                from None
+    if not isinstance(value, (dict, bool)):
+        raise ValidationError(f"{where} is not valid: a JSON schema must be an object (or its "
+                              "text)")
+    return value
 
 
 def close_objects(schema):

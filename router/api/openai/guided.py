@@ -44,15 +44,7 @@ def choice_pattern(field: str, choices) -> str:
 
 def _schema(field: str, value):
     """A JSON schema given as an object or as its text."""
-    if isinstance(value, str):
-        try:  # nested at most as deep as a request body may be
-            value = json_text.loads(value)
-        except json_text.JSONError as err:
-            raise ValidationError(f"`{field}` is not valid: the JSON schema is not JSON: {err}") \
-                from None
-    if not isinstance(value, (dict, bool)):
-        raise ValidationError(f"`{field}` must be a JSON schema (an object, or its text)")
-    return value
+    return structured_output.schema_value(value, f"`{field}`")
 
 
 def _checked(field: str, kind: str, value) -> tuple[str, str]:
