@@ -1,10 +1,26 @@
-"""A stop sequence left out of an answer's text, whole or streamed (OpenAI's and Ollama's rule).
+"""Stop sequences: read from a request, and left out of an answer's text, whole or streamed.
 
 TGI's own routes keep the stop sequence in the text; OpenAI's and Ollama's leave it out.
 """
 from __future__ import annotations
 
+from router.errors import ValidationError
 from router.schemas import FinishReason
+
+
+def stop_strings(stop, name: str, limit: int) -> list[str]:
+    """A request's `stop` (a string or a list of them), at most `limit`, empty ones dropped.
+
+    `name` names the field in a refusal (`stop`, `sampling_params.stop`, ...)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ValidationError(f"{name} must be a string or a list of strings")
+    if len(stop) > limit:
+        raise ValidationError(f"{name} supports up to {limit} stop sequences. Given: {len(stop)}")
+    return [s for s in stop if s]
 
 
 def without_stop(text: str, final, stop_sequences: list[str]) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from router.errors import ValidationError
 from router.inputs.field_ranges import FLOAT32_MAX, read_number
 from router.inputs.seeds import seed_or_draw
+from router.inputs.stop_text import stop_strings
 from router.inputs.validation import ValidationLimits
 from router.schemas import SamplingParams
 
@@ -80,7 +81,7 @@ def read_options(options, limits: ValidationLimits) -> Options:
         raise ValidationError(f"option `num_ctx` {num_ctx} is more than this model's context "
                               f"here ({limits.tokens.max_total_tokens} tokens, "
                               "--max-total-tokens)")
-    return Options(sampling, _stops(values.get("stop"), limits),
+    return Options(sampling, stop_strings(values.get("stop"), "option `stop`", limits.max_stop_sequences),
                    num_predict if num_predict is not None and num_predict > 0 else None, num_ctx)
 
 
@@ -88,19 +89,6 @@ def _number(values: dict, name: str, low, high, *, integer: bool = False,
             low_open: bool = False):
     return read_number(values, name, low, high, integer=integer, low_open=low_open,
                        path=f"options.{name}")
-
-
-def _stops(stop, limits: ValidationLimits) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise ValidationError("option `stop` must be a list of strings")
-    if len(stop) > limits.max_stop_sequences:
-        raise ValidationError(f"option `stop` supports up to {limits.max_stop_sequences} "
-                              f"strings. Given: {len(stop)}")
-    return [s for s in stop if s]
 
 
 def token_budget(options: Options, input_length: int, limits: ValidationLimits) -> int:

@@ -14,6 +14,7 @@ from router.inputs.field_ranges import (FLOAT32_MAX, check_logit_bias, checked_t
                                         read_number)
 from router.inputs.images.family import ImageFamily
 from router.inputs.seeds import seed_or_draw
+from router.inputs.stop_text import stop_strings
 from router.inputs.template_worker import encode_job
 from router.inputs.validation import ValidationLimits, check_lengths
 from router.lifecycle.settings import ChatPrompt
@@ -60,17 +61,7 @@ def sampling_and_stops(body: dict, limits: ValidationLimits) -> tuple[SamplingPa
         seed=seed_or_draw(seed),
         logit_bias=check_logit_bias("logit_bias", body.get("logit_bias"), limits.vocab_size,
                                     listed=True))
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise ValidationError("`stop` must be a string or a list of strings")
-    if len(stop) > limits.max_stop_sequences:
-        raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
-                              f"Given: {len(stop)}")
-    return sampling, [s for s in stop if s]
+    return sampling, stop_strings(body.get("stop"), "`stop`", limits.max_stop_sequences)
 
 
 def model_name(body: dict) -> str | None:

@@ -8,6 +8,7 @@ from router.inputs import structured_output
 from router.inputs.field_ranges import (F32, INT32, UINT32, UINT64, check_logit_bias,
                                         checked_token_ids, read_flag, read_number)
 from router.inputs.seeds import seed_or_draw
+from router.inputs.stop_text import stop_strings
 from router.inputs.validation import ValidationLimits
 from router.schemas import SamplingParams
 
@@ -89,13 +90,7 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
     min_new_tokens = _sampling_number(params, "min_new_tokens", UINT32, 0)
     if min_new_tokens > (DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens):
         raise ValidationError("`sampling_params.min_new_tokens` must be <= `max_new_tokens`")
-    stop = params.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise ValidationError("`sampling_params.stop` must be a string or a list of strings")
-    if len(stop) > limits.max_stop_sequences:
-        raise ValidationError(f"`sampling_params.stop` supports up to {limits.max_stop_sequences} "
-                              f"stop sequences. Given: {len(stop)}")
+    stop = stop_strings(params.get("stop"), "`sampling_params.stop`", limits.max_stop_sequences)
     stop_ids = params.get("stop_token_ids")
     stop_ids = [] if stop_ids is None else stop_ids
     if not isinstance(stop_ids, list):
@@ -121,7 +116,7 @@ def parse_sampling(params, limits: ValidationLimits, max_n: int, vocab_size: int
     if interval < 1:
         raise ValidationError("`sampling_params.stream_interval` must be at least 1")
     return SglangSampling(
-        sampling, max_new_tokens, [s for s in stop if s],
+        sampling, max_new_tokens, stop,
         checked_token_ids(stop_ids, f"{path}.stop_token_ids", vocab_size), min_new_tokens, n,
         read_flag(params, "ignore_eos", False, path=f"{path}.ignore_eos"),
         read_flag(params, "skip_special_tokens", True, path=f"{path}.skip_special_tokens"),
