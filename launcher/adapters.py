@@ -104,10 +104,14 @@ def is_hub_source(spec: AdapterSpec) -> bool:
                 or Path(spec.source).expanduser().is_dir())
 
 
-def resolve_adapter(spec: AdapterSpec, *, hub_cache: str | None = None) -> Path:
-    """The absolute local directory of one adapter, downloading a Hub id's two files first."""
+def resolve_adapter(spec: AdapterSpec, *, hub_cache: str | None = None,
+                    max_bytes: int = 0) -> Path:
+    """The absolute local directory of one adapter, downloading a Hub id's two files first.
+
+    `max_bytes` (0: no bound): a Hub adapter whose files hold more is refused before either is
+    downloaded."""
     if is_hub_source(spec):
-        directory = download_adapter(spec.source, spec.revision, hub_cache)
+        directory = download_adapter(spec.source, spec.revision, hub_cache, max_bytes)
     else:
         path = Path(spec.source).expanduser()
         if not path.is_dir():
@@ -144,19 +148,22 @@ def router_adapters_argv(directories: dict[str, Path]) -> list[str]:
     return [FLAG, ",".join(f"{name}={directory}" for name, directory in directories.items())]
 
 
-def download_adapter(repo_id: str, revision: str | None, hub_cache: str | None) -> Path:
+def download_adapter(repo_id: str, revision: str | None, hub_cache: str | None,
+                     max_bytes: int = 0) -> Path:
     """The snapshot directory of a Hub adapter's files, downloaded into the Hugging Face cache.
 
     The Hub repository's adapter_config.json and adapter_model.safetensors (else .bin), nothing
-    else. HF_TOKEN and HF_HUB_OFFLINE act as for a model (huggingface_hub reads them): offline, only
-    the cache answers."""
-    from huggingface_hub import hf_hub_download
+    else, and with `max_bytes` only when the Hub lists them at no more. HF_TOKEN and HF_HUB_OFFLINE
+    act as for a model (huggingface_hub reads them): offline, only the cache answers."""
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, RemoteEntryNotFoundError
 
     def fetch(name: str) -> Path:
         return Path(hf_hub_download(repo_id, name, revision=revision, cache_dir=hub_cache))
 
     try:
+        if max_bytes and not constants.HF_HUB_OFFLINE:
+            _check_hub_sizes(repo_id, revision, max_bytes)
         try:
             config = fetch(ADAPTER_CONFIG)
         except RemoteEntryNotFoundError:
@@ -182,3 +189,21 @@ def download_adapter(repo_id: str, revision: str | None, hub_cache: str | None) 
             f"LoRA adapter {repo_id!r} is neither a local directory nor an adapter the Hugging "
             f"Face Hub could provide ({type(err).__name__}: {reason}). With HF_HUB_OFFLINE=1 only "
             "adapters already in the Hugging Face cache can be used.") from None
+
+
+def _check_hub_sizes(repo_id: str, revision: str | None, max_bytes: int) -> None:
+    """ModelResolutionError when the files download_adapter would fetch hold over `max_bytes`.
+
+    The sizes are the Hub's listing, read before anything is fetched: a repository with a huge
+    weights file costs one listing to refuse, not the disk it would fill."""
+    from huggingface_hub import HfApi
+
+    sizes = {entry.path: getattr(entry, "size", 0) or 0
+             for entry in HfApi().list_repo_tree(repo_id, revision=revision)}
+    weights = next((sizes[name] for name in ADAPTER_WEIGHTS if name in sizes), 0)
+    total = sizes.get(ADAPTER_CONFIG, 0) + weights
+    if total > max_bytes:
+        raise ModelResolutionError(
+            f"Hub LoRA adapter {repo_id!r}: its files hold {total} bytes, more than any LoRA "
+            f"adapter this model takes ({max_bytes} bytes at the highest rank); nothing was "
+            "downloaded")

@@ -60,7 +60,7 @@ class ModelHostService(pb_grpc.ModelHostServicer):
                     outcome["pulled"] = pull_adapter(
                         request.source, Path(request.target_dir), progress,
                         revision=request.revision or None,
-                        hub_cache=config.huggingface_hub_cache)
+                        hub_cache=config.huggingface_hub_cache, max_bytes=request.max_bytes)
                 else:
                     outcome["pulled"] = pull(
                         request.source, Path(request.target_dir), progress,

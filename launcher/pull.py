@@ -106,18 +106,26 @@ def _hub_name(source: str) -> HubName | None:
 
 
 def pull_adapter(source: str, target_dir: Path, progress: Progress, *,
-                 revision: str | None = None, hub_cache: str | None = None) -> Pulled:
+                 revision: str | None = None, hub_cache: str | None = None,
+                 max_bytes: int = 0) -> Pulled:
     """A LoRA adapter's adapter_config.json and weights file, as they are, into `target_dir`.
 
     From a local adapter directory, or a Hub id downloaded first into the Hugging Face cache
-    (launcher/adapters.py)."""
+    (launcher/adapters.py). Files holding more than `max_bytes` (0: no bound) are refused before
+    they are downloaded or copied."""
     target_dir = Path(target_dir)
     progress = _logged(progress, f"pull of adapter {source}")
     spec = AdapterSpec(source, source, revision)
     with _staged(target_dir) as staging:
         if is_hub_source(spec):
             progress("downloading", 0, 0)  # the sizes are known once the files are there
-        _copy_files(adapter_files(resolve_adapter(spec, hub_cache=hub_cache)), staging, progress)
+        files = adapter_files(resolve_adapter(spec, hub_cache=hub_cache, max_bytes=max_bytes))
+        total = sum(file.stat().st_size for file in files)
+        if max_bytes and total > max_bytes:
+            raise ModelResolutionError(f"LoRA adapter {source}: its files hold {total} bytes, "
+                                       "more than any LoRA adapter this model takes "
+                                       f"({max_bytes} bytes at the highest rank)")
+        _copy_files(files, staging, progress)
     return Pulled("peft", "", directory_size(target_dir))
 
 

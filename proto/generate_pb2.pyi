@@ -39,7 +39,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "support_chunking", "use_prefix_caching", "attention_impl", "block_size", "model_id", "world_size", "eos_token_ids", "max_position_embeddings", "hidden_size", "vocab_size", "architecture", "quantization", "takes_images", "image_token_id", "image_tokens_per_image", "image_start_token_id", "image_end_token_id")
+    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "support_chunking", "use_prefix_caching", "attention_impl", "block_size", "model_id", "world_size", "eos_token_ids", "max_position_embeddings", "hidden_size", "vocab_size", "architecture", "quantization", "takes_images", "image_token_id", "image_tokens_per_image", "image_start_token_id", "image_end_token_id", "max_adapter_bytes")
     REQUIRES_PADDING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class InfoResponse(_message.Message):
     IMAGE_TOKENS_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_START_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_END_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTER_BYTES_FIELD_NUMBER: _ClassVar[int]
     requires_padding: bool
     dtype: str
     device_type: str
@@ -84,7 +85,8 @@ class InfoResponse(_message.Message):
     image_tokens_per_image: int
     image_start_token_id: int
     image_end_token_id: int
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., attention_impl: _Optional[str] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., takes_images: _Optional[bool] = ..., image_token_id: _Optional[int] = ..., image_tokens_per_image: _Optional[int] = ..., image_start_token_id: _Optional[int] = ..., image_end_token_id: _Optional[int] = ...) -> None: ...
+    max_adapter_bytes: int
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., attention_impl: _Optional[str] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., takes_images: _Optional[bool] = ..., image_token_id: _Optional[int] = ..., image_tokens_per_image: _Optional[int] = ..., image_start_token_id: _Optional[int] = ..., image_end_token_id: _Optional[int] = ..., max_adapter_bytes: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

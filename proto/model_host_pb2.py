@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/model_host.proto\x12\x11tgi.model_host.v1\"f\n\x0bPullRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x12\n\ntarget_dir\x18\x02 \x01(\t\x12\x15\n\x08revision\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\x08\x42\x0b\n\t_revision\"\x8e\x01\n\x0cPullProgress\x12\x12\n\nbytes_done\x18\x01 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x02 \x01(\x04\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x0e\n\x06\x66ormat\x18\x05 \x01(\t\x12\x14\n\x0cquantization\x18\x06 \x01(\t\x12\x12\n\nsize_bytes\x18\x07 \x01(\x04\"{\n\x11StartGroupRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x11\n\tnum_shard\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x13\n\x0b\x63pu_threads\x18\x06 \x01(\r\"-\n\x12StartGroupResponse\x12\x17\n\x0fmaster_uds_path\x18\x01 \x01(\t\" \n\x10StopGroupRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x13\n\x11StopGroupResponse\"\x0f\n\rGroupsRequest\"\x1f\n\x0eGroupsResponse\x12\r\n\x05names\x18\x01 \x03(\t2\xd8\x02\n\tModelHost\x12I\n\x04Pull\x12\x1e.tgi.model_host.v1.PullRequest\x1a\x1f.tgi.model_host.v1.PullProgress0\x01\x12Y\n\nStartGroup\x12$.tgi.model_host.v1.StartGroupRequest\x1a%.tgi.model_host.v1.StartGroupResponse\x12V\n\tStopGroup\x12#.tgi.model_host.v1.StopGroupRequest\x1a$.tgi.model_host.v1.StopGroupResponse\x12M\n\x06Groups\x12 .tgi.model_host.v1.GroupsRequest\x1a!.tgi.model_host.v1.GroupsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/model_host.proto\x12\x11tgi.model_host.v1\"y\n\x0bPullRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x12\n\ntarget_dir\x18\x02 \x01(\t\x12\x15\n\x08revision\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\x08\x12\x11\n\tmax_bytes\x18\x05 \x01(\x04\x42\x0b\n\t_revision\"\x8e\x01\n\x0cPullProgress\x12\x12\n\nbytes_done\x18\x01 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x02 \x01(\x04\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x0e\n\x06\x66ormat\x18\x05 \x01(\t\x12\x14\n\x0cquantization\x18\x06 \x01(\t\x12\x12\n\nsize_bytes\x18\x07 \x01(\x04\"{\n\x11StartGroupRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x11\n\tnum_shard\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x13\n\x0b\x63pu_threads\x18\x06 \x01(\r\"-\n\x12StartGroupResponse\x12\x17\n\x0fmaster_uds_path\x18\x01 \x01(\t\" \n\x10StopGroupRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x13\n\x11StopGroupResponse\"\x0f\n\rGroupsRequest\"\x1f\n\x0eGroupsResponse\x12\r\n\x05names\x18\x01 \x03(\t2\xd8\x02\n\tModelHost\x12I\n\x04Pull\x12\x1e.tgi.model_host.v1.PullRequest\x1a\x1f.tgi.model_host.v1.PullProgress0\x01\x12Y\n\nStartGroup\x12$.tgi.model_host.v1.StartGroupRequest\x1a%.tgi.model_host.v1.StartGroupResponse\x12V\n\tStopGroup\x12#.tgi.model_host.v1.StopGroupRequest\x1a$.tgi.model_host.v1.StopGroupResponse\x12M\n\x06Groups\x12 .tgi.model_host.v1.GroupsRequest\x1a!.tgi.model_host.v1.GroupsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.model_host_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PULLREQUEST']._serialized_start=45
-  _globals['_PULLREQUEST']._serialized_end=147
-  _globals['_PULLPROGRESS']._serialized_start=150
-  _globals['_PULLPROGRESS']._serialized_end=292
-  _globals['_STARTGROUPREQUEST']._serialized_start=294
-  _globals['_STARTGROUPREQUEST']._serialized_end=417
-  _globals['_STARTGROUPRESPONSE']._serialized_start=419
-  _globals['_STARTGROUPRESPONSE']._serialized_end=464
-  _globals['_STOPGROUPREQUEST']._serialized_start=466
-  _globals['_STOPGROUPREQUEST']._serialized_end=498
-  _globals['_STOPGROUPRESPONSE']._serialized_start=500
-  _globals['_STOPGROUPRESPONSE']._serialized_end=519
-  _globals['_GROUPSREQUEST']._serialized_start=521
-  _globals['_GROUPSREQUEST']._serialized_end=536
-  _globals['_GROUPSRESPONSE']._serialized_start=538
-  _globals['_GROUPSRESPONSE']._serialized_end=569
-  _globals['_MODELHOST']._serialized_start=572
-  _globals['_MODELHOST']._serialized_end=916
+  _globals['_PULLREQUEST']._serialized_end=166
+  _globals['_PULLPROGRESS']._serialized_start=169
+  _globals['_PULLPROGRESS']._serialized_end=311
+  _globals['_STARTGROUPREQUEST']._serialized_start=313
+  _globals['_STARTGROUPREQUEST']._serialized_end=436
+  _globals['_STARTGROUPRESPONSE']._serialized_start=438
+  _globals['_STARTGROUPRESPONSE']._serialized_end=483
+  _globals['_STOPGROUPREQUEST']._serialized_start=485
+  _globals['_STOPGROUPREQUEST']._serialized_end=517
+  _globals['_STOPGROUPRESPONSE']._serialized_start=519
+  _globals['_STOPGROUPRESPONSE']._serialized_end=538
+  _globals['_GROUPSREQUEST']._serialized_start=540
+  _globals['_GROUPSREQUEST']._serialized_end=555
+  _globals['_GROUPSRESPONSE']._serialized_start=557
+  _globals['_GROUPSRESPONSE']._serialized_end=588
+  _globals['_MODELHOST']._serialized_start=591
+  _globals['_MODELHOST']._serialized_end=935
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PullRequest(_message.Message):
-    __slots__ = ("source", "target_dir", "revision", "adapter")
+    __slots__ = ("source", "target_dir", "revision", "adapter", "max_bytes")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     TARGET_DIR_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     source: str
     target_dir: str
     revision: str
     adapter: bool
-    def __init__(self, source: _Optional[str] = ..., target_dir: _Optional[str] = ..., revision: _Optional[str] = ..., adapter: _Optional[bool] = ...) -> None: ...
+    max_bytes: int
+    def __init__(self, source: _Optional[str] = ..., target_dir: _Optional[str] = ..., revision: _Optional[str] = ..., adapter: _Optional[bool] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class PullProgress(_message.Message):
     __slots__ = ("bytes_done", "bytes_total", "stage", "done", "format", "quantization", "size_bytes")

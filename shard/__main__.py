@@ -91,7 +91,8 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
         eos_token_ids=sorted(loaded.eos_token_ids),
         max_position_embeddings=cfg.max_position_embeddings, hidden_size=cfg.hidden_size,
         vocab_size=engine.vocab_size, architecture=loaded.architecture,
-        quantization=quantization, **convert.image_fields(engine.images))
+        quantization=quantization, max_adapter_bytes=runner.adapters.largest_files_bytes(),
+        **convert.image_fields(engine.images))
     # ranks on other machines are reached over TCP; each says where, the others learn it here
     urls = all_gather_strings(config.grpc_address or f"unix://{config.socket_path}", parallel)
     return engine, info, urls

@@ -41,8 +41,9 @@ LOCAL_REFUSAL = ("`lora_path` names a local path this server may not load adapte
                  "adapter is loaded only from under the directories its operator allows "
                  "(--allowed-local-model-path)")
 
-# (Hub id, revision or None) -> the local directory the launcher fetched it into
-Fetch = Callable[[str, str | None], Awaitable[str]]
+# (Hub id, revision or None, the most bytes its files may hold) -> the local directory the
+# launcher fetched it into
+Fetch = Callable[[str, str | None, int], Awaitable[str]]
 
 
 def _no_other_use(name: str) -> str | None:
@@ -129,7 +130,7 @@ class AdapterStore:
 
     def __init__(self, client: ShardedClient, use: AdapterUse, batcher: Batcher,
                  metrics: Metrics, *, parent: str, links: AdapterLinks = AdapterLinks(),
-                 max_loras: int = MAX_LORAS):
+                 max_loras: int = MAX_LORAS, max_files_bytes: int | None = None):
         self.client = client
         self.use = use
         self.batcher = batcher
@@ -137,6 +138,9 @@ class AdapterStore:
         self.parent = parent  # the base model's id, as /v1/models lists it
         self.links = links
         self.max_loras = max_loras  # adapters held at once, those loading or unloading included
+        # the most a Hub adapter's files may hold, checked before they are downloaded (the
+        # shards' largest adapter; None: no bound)
+        self.max_files_bytes = max_files_bytes
         self._entries: dict[str, AdapterEntry] = {}
         self._loading: set[str] = set()
         self._unloads: dict[str, asyncio.Task] = {}
@@ -252,8 +256,11 @@ class AdapterStore:
         if self.links.fetch is None:
             raise AdapterError(f"{source!r} is no local directory, and Hub ids need tgi-launcher's "
                                "model host (this router runs without it): give a directory")
+        if self.max_files_bytes == 0:
+            raise AdapterError(f"{self.parent}'s layers take no LoRA adapters")
         try:
-            fetched = await self.links.fetch(match.group(1), match.group(2))
+            fetched = await self.links.fetch(match.group(1), match.group(2),
+                                             self.max_files_bytes or 0)
         except AdapterError:
             raise
         except Exception as err:  # noqa: BLE001 (the launcher's reason is the answer)

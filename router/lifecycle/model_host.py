@@ -22,15 +22,17 @@ class ModelHostClient:
         self.stub = pb_grpc.ModelHostStub(self.channel)
 
     async def pull(self, source: str, target_dir: str, *, revision: str | None = None,
-                   adapter: bool = False) -> AsyncIterator[pb.PullProgress]:
+                   adapter: bool = False, max_bytes: int = 0) -> AsyncIterator[pb.PullProgress]:
         """Fetches a model's or an adapter's files into `target_dir`; progress as it goes.
 
         A model's are converted to what the shards serve; with `adapter`, a LoRA adapter's are
-        kept as they are.
+        kept as they are, and refused before any is fetched when they hold more than
+        `max_bytes` (0: no bound).
         """
         try:
             async for progress in self.stub.Pull(pb.PullRequest(
-                    source=source, target_dir=target_dir, revision=revision, adapter=adapter)):
+                    source=source, target_dir=target_dir, revision=revision, adapter=adapter,
+                    max_bytes=max_bytes)):
                 yield progress
         except grpc.aio.AioRpcError as err:
             raise ModelHostError(err.details() or err.code().name) from None

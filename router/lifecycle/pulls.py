@@ -116,10 +116,11 @@ class ModelPulls:
             if forgotten or self.registry.records.get(record.id) is record:
                 self.registry.save()
 
-    async def fetch_adapter(self, hub_id: str, revision: str | None) -> str:
+    async def fetch_adapter(self, hub_id: str, revision: str | None, max_bytes: int) -> str:
         """A Hub adapter's directory in the cache, fetched by the launcher the first time.
 
-        The cache is <registry>/adapters/<org%2Fname[@rev]>.
+        The cache is <registry>/adapters/<org%2Fname[@rev]>. A source whose files hold more than
+        `max_bytes` (0: no bound) is refused before anything is downloaded.
         """
         name = hub_id.replace("/", "%2F") + (f"@{revision.replace('/', '%2F')}" if revision
                                              else "")
@@ -128,7 +129,7 @@ class ModelPulls:
         async with self._adapter_fetches.setdefault(name, asyncio.Lock()):
             if not (target / "adapter_config.json").is_file():
                 async for _ in self.host.pull(hub_id, str(target), revision=revision,
-                                              adapter=True):
+                                              adapter=True, max_bytes=max_bytes):
                     pass
         return str(target)
 

@@ -69,7 +69,8 @@ class ServedModel:
         if self.adapters is None:
             self.adapters = AdapterStore(self.client, self.infer.adapters, self.batcher,
                                          self.metrics, parent=self.model_name,
-                                         links=adapter_links, max_loras=self.config.max_loras)
+                                         links=adapter_links, max_loras=self.config.max_loras,
+                                         max_files_bytes=self.shard_info.max_adapter_bytes)
 
     @property
     def model_name(self) -> str:
@@ -116,7 +117,7 @@ class ServedModel:
             "session_ttl": config.session_ttl, "max_sessions": config.max_sessions,
             "session_kv_share": config.session_kv_share,
             # not in TGI's /info: the LoRA adapters loaded (a request names one by `name`)
-            "lora_adapters": self.adapters.info_json(),
+            "lora_adapters": self.adapters.info_json(), "max_loras": config.max_loras,
             "router": "tgi-py-router", "version": VERSION, "sha": None, "docker_label": None,
         }
 

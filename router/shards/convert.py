@@ -41,6 +41,7 @@ class ShardInfo:
     vocab_size: int = 0  # the model's token ids are below it (0: not said)
     architecture: str = ""  # config.json's, e.g. "LlamaForCausalLM" ("": not said)
     quantization: str = ""  # how weights are held where not in dtype ("": all in it)
+    max_adapter_bytes: int = 0  # the most a LoRA adapter's files can hold here (0: none fits)
 
 
 def shard_info(reply: pb.InfoResponse) -> ShardInfo:
@@ -51,7 +52,8 @@ def shard_info(reply: pb.InfoResponse) -> ShardInfo:
                      use_prefix_caching=reply.use_prefix_caching,
                      hidden_size=reply.hidden_size, speculate=reply.speculate,
                      vocab_size=reply.vocab_size, architecture=reply.architecture,
-                     quantization=reply.quantization)
+                     quantization=reply.quantization,
+                     max_adapter_bytes=reply.max_adapter_bytes)
 
 
 @dataclass(slots=True, frozen=True)

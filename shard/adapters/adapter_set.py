@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shard.adapters.peft_files import AdapterError, ModuleShape, PeftAdapter, read_adapter
+from shard.adapters.peft_files import (MAX_CONFIG_BYTES, AdapterError, ModuleShape, PeftAdapter,
+                                       largest_weights_bytes, read_adapter)
 from shard.layers.lora import LoraPart, LoraRows, LoraTarget
 
 # the largest rank served; the stacks of every layer an adapter changes are as wide as the largest
@@ -75,6 +76,12 @@ class AdapterSet:
     def slot_of(self, name: str) -> int:
         """KeyError for a name not loaded."""
         return self.adapters[name].slot
+
+    def largest_files_bytes(self) -> int:
+        """The most bytes an adapter's config and weights can hold and still load here (0: none)."""
+        if not self._modules:
+            return 0
+        return MAX_CONFIG_BYTES + largest_weights_bytes(self._shapes, MAX_RANK)
 
     def read(self, path: str | Path) -> PeftAdapter:
         """An adapter's files, read and checked against this model; any thread.

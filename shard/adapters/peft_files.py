@@ -172,6 +172,14 @@ def _weight_file(directory: Path) -> Path:
     raise AdapterError(f"{directory}: no {' or '.join(WEIGHT_FILES)}")
 
 
+def largest_weights_bytes(modules: Mapping[str, ModuleShape], max_rank: int) -> int:
+    """The most bytes a LoRA adapter's weights file can hold for these modules, up to `max_rank`.
+
+    Every module's A and B at that rank in float64 (the widest float a file may hold), and 1 MiB
+    for a file format's own bytes."""
+    return sum(8 * max_rank * (m.inputs + m.outputs) for m in modules.values()) + (1 << 20)
+
+
 def _tensor_shapes(weights: Path, modules: Mapping[str, ModuleShape], max_rank: int
                    ) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]],
                               dict[str, torch.Tensor] | None]:
@@ -200,7 +208,7 @@ def _tensor_shapes(weights: Path, modules: Mapping[str, ModuleShape], max_rank: 
                                            f"{piece.get_dtype()}, not floats")
                     shapes[key] = (tuple(piece.get_shape()), dtype)
             return shapes, None
-        largest = sum(8 * max_rank * (m.inputs + m.outputs) for m in modules.values()) + (1 << 20)
+        largest = largest_weights_bytes(modules, max_rank)
         size = weights.stat().st_size
         if zipfile.is_zipfile(weights):  # torch.save's format: what its entries unpack to
             with zipfile.ZipFile(weights) as archive:

@@ -64,9 +64,13 @@ class FakeHubServer:
     def tree(self, owner: str, repo: str) -> list[dict]:
         base = self.root / owner / repo
         return [{"type": "file", "path": p.relative_to(base).as_posix(), "size": p.stat().st_size,
-                 "oid": hashlib.sha1(p.read_bytes()).hexdigest()}
-                for p in sorted(base.rglob("*")) if p.is_file()]
+                 "oid": _sha1(p)} for p in sorted(base.rglob("*")) if p.is_file()]
 
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _sha1(path: Path) -> str:
+    with open(path, "rb") as file:  # in pieces: a repository may hold a huge (sparse) file
+        return hashlib.file_digest(file, "sha1").hexdigest()

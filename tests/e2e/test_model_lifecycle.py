@@ -23,6 +23,8 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.e2e
 
 HUB_REPO = "bartowski/Tiny-GGUF"
+# an adapter repository whose weights file (sparse) is larger than any adapter SmolLM2 takes
+HUGE_ADAPTER = "attacker/huge-adapter"
 SPEC_STATES = ["not_downloaded", "downloading", "downloaded", "starting", "running", "stopping",
                "stopped"]
 _NUMBER = {"type": ["integer", "number"]}
@@ -134,6 +136,11 @@ def hub(tmp_path_factory):
     (root / HUB_REPO).mkdir(parents=True)
     for seed, quant in enumerate(("Q4_K_M", "Q8_0")):  # two files, two contents
         write_tiny_gguf(root / HUB_REPO / f"Tiny-{quant}.gguf", seed=seed)
+    (root / HUGE_ADAPTER).mkdir(parents=True)
+    (root / HUGE_ADAPTER / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}))
+    with open(root / HUGE_ADAPTER / "adapter_model.safetensors", "wb") as weights:
+        weights.truncate(400 << 20)  # rank 64 on every SmolLM2 layer, in float64: about 160 MB
     served = FakeHubServer(root)
     yield served
     served.close()
@@ -395,6 +402,18 @@ def test_hub_urls_and_cortex_quant_names_pull_the_right_gguf(server, hub):
     assert bogus.status_code == 422 and "not a Hugging Face Hub URL" in bogus.text
     for model_id in (*(m for m, _ in names.values()), f"{HUB_REPO}-Q2_K"):
         assert requests.delete(f"{url}/v1/models/{model_id}", timeout=30).status_code == 200
+
+
+def test_a_hub_adapter_larger_than_the_model_takes_is_refused_before_its_download(server, hub):
+    """The launcher reads the Hub's listing first: a repository with a huge weights file costs one
+    listing, not the disk, and the model serves meanwhile."""
+    reply = requests.post(f"{server.url}/v1/load_lora_adapter", timeout=30, json={
+        "lora_name": "huge", "lora_path": HUGE_ADAPTER})
+    assert reply.status_code == 400, reply.text
+    assert f"its files hold {(400 << 20) + 77} bytes, more than any LoRA adapter" in reply.text
+    assert not any(r.startswith(f"GET /{HUGE_ADAPTER}/resolve") for r in hub.requests)
+    assert any(r.startswith(f"GET /api/models/{HUGE_ADAPTER}/tree/main") for r in hub.requests)
+    assert _generate(server.url, None, "Hello").status_code == 200
 
 
 def test_local_pulls_only_under_the_allowed_directories_and_failures_forgotten(

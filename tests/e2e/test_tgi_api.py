@@ -592,6 +592,7 @@ def test_max_loras_refuses_a_load_past_it_and_an_unload_gives_memory_back(server
     at least half of what they took), and a load after that succeeds."""
     from tests.hostile_adapters import resident_bytes
 
+    assert requests.get(f"{server.url}/info", timeout=10).json()["max_loras"] == 16
     (pid,) = server.shard_pids().values()
     names = [f"bound-{i}" for i in range(16)]
     for name in names:

@@ -144,7 +144,11 @@ def schemas() -> dict:
                      "lora_adapters": {
                          "type": "array", "items": ref("LoraAdapterInfo"),
                          "description": "The LoRA adapters loaded (not in TGI's /info); a "
-                                        "request names one by its name"}}},
+                                        "request names one by its name"},
+                     "max_loras": {
+                         "type": "integer", "minimum": 0,
+                         "description": "LoRA adapters the model holds at once (--max-loras; "
+                                        "not in TGI's /info)"}}},
         "LoraAdapterInfo": {
             "type": "object",
             "required": ["name", "parent", "source", "rank", "alpha", "target_modules"],

@@ -64,6 +64,11 @@ class FakeHub:
                 hub.calls.append(("list_repo_files", repo_id, kwargs))
                 return hub.files()
 
+            def list_repo_tree(self, repo_id, **kwargs):
+                hub.calls.append(("list_repo_tree", repo_id, kwargs))
+                return [SimpleNamespace(path=name, size=(hub.repo / name).stat().st_size)
+                        for name in hub.files() if "/" not in name]
+
             def model_info(self, repo_id, **kwargs):
                 hub.calls.append(("model_info", repo_id, kwargs))
                 return SimpleNamespace(siblings=[

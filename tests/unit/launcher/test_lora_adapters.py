@@ -323,3 +323,26 @@ def test_pull_of_a_hub_adapter_downloads_then_copies(model_host, monkeypatch, pe
     assert {kw["revision"] for _, _, kw in hub.called("hf_hub_download")} == {"v2"}
     stages = list(dict.fromkeys(m.stage for m in messages if not m.done))
     assert stages == ["downloading", "copying"] and messages[-1].format == "peft"
+
+
+def test_a_hub_adapter_over_the_models_bound_is_refused_before_any_download(
+        model_host, monkeypatch, peft_adapter, tmp_path):
+    repo = _adapter_repo(peft_adapter, tmp_path / "repo", extra=("README.md",))
+    hub = FakeHub(monkeypatch, repo, tmp_path)
+    size = sum((repo / name).stat().st_size for name in ADAPTER_FILES)
+    with pytest.raises(grpc.RpcError) as err:
+        _pull(model_host, source="org/a", target_dir=str(tmp_path / "big"), revision="v2",
+              max_bytes=size - 1)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"its files hold {size} bytes, more than any LoRA adapter" in err.value.details()
+    assert hub.called("hf_hub_download") == [], "nothing downloaded"
+    assert [kw["revision"] for _, kw in hub.called("list_repo_tree")] == ["v2"]
+    _pull(model_host, source="org/a", target_dir=str(tmp_path / "fits"), max_bytes=size)
+    assert _names(tmp_path / "fits") == ADAPTER_FILES
+
+
+def test_a_local_adapter_over_the_bound_is_refused_before_it_is_copied(model_host, peft_adapter,
+                                                                       tmp_path):
+    with pytest.raises(grpc.RpcError, match="more than any LoRA adapter this model takes"):
+        _pull(model_host, source=str(peft_adapter), target_dir=str(tmp_path / "t"), max_bytes=10)
+    assert not (tmp_path / "t").exists()

@@ -30,7 +30,7 @@ from tests.unit.router.adapter_helpers import make_adapter_dir
 from tests.waiting import wait_until_async
 
 
-def _stack(fake: FakeShardClient, links: AdapterLinks = AdapterLinks()):
+def _stack(fake: FakeShardClient, links: AdapterLinks = AdapterLinks(), **store):
     kv = kv_accounting(64, 4, prefix_caching=True)
     batcher = None
     metrics = Metrics(max_input_tokens=32, max_total_tokens=64,
@@ -38,7 +38,8 @@ def _stack(fake: FakeShardClient, links: AdapterLinks = AdapterLinks()):
     batcher = Batcher(fake, RequestQueue(kv.allocator, kv.prefix_cache), kv.allocator,
                       SchedulingLimits(256, 200, 0.3, 20, None), metrics, sessions=kv.sessions)
     infer = Infer(batcher, metrics, max_concurrent_requests=8)
-    registry = AdapterStore(fake, infer.adapters, batcher, metrics, parent="base", links=links)
+    registry = AdapterStore(fake, infer.adapters, batcher, metrics, parent="base", links=links,
+                            **store)
     return registry, infer, batcher, metrics
 
 
@@ -127,16 +128,20 @@ async def test_a_hub_id_needs_the_model_host_and_is_loaded_from_what_it_fetched(
         await registry.load("hub", "org/adapter@v1")
     fetched = []
 
-    async def fetch(hub_id, revision):
-        fetched.append((hub_id, revision))
+    async def fetch(hub_id, revision, max_bytes):
+        fetched.append((hub_id, revision, max_bytes))
         return str(make_adapter_dir(tmp_path, "fetched"))
 
-    registry, *_ = _stack(fake, AdapterLinks(fetch=fetch))
+    registry, *_ = _stack(fake, AdapterLinks(fetch=fetch), max_files_bytes=5 << 20)
     entry = await registry.load("hub", "org/adapter@v1")
-    assert fetched == [("org/adapter", "v1")]
+    assert fetched == [("org/adapter", "v1", 5 << 20)], "the shards' bound goes to the fetch"
     assert entry.source == "org/adapter@v1" and entry.path.endswith("fetched")
+    untakeable, *_ = _stack(fake, AdapterLinks(fetch=fetch), max_files_bytes=0)
+    with pytest.raises(AdapterError, match="base's layers take no LoRA adapters"):
+        await untakeable.load("none", "org/adapter")
+    assert len(fetched) == 1, "nothing fetched for a model no adapter fits"
 
-    async def failing(hub_id, revision):
+    async def failing(hub_id, revision, max_bytes):
         raise RuntimeError("404 Client Error: repository not found")
 
     registry, *_ = _stack(fake, AdapterLinks(fetch=failing))
