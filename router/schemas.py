@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy
+
 
 class FinishReason(str, enum.Enum):
     """Why a generation ended, in TGI's JSON names.
@@ -124,7 +126,7 @@ class TokenEvent:
     token_ids_logprobs: list[float | None] = field(default_factory=list)  # per logprob_token_ids
     prefill_top_tokens: list[list[Token]] | None = None  # per prompt position (the first empty)
     prefill_token_ids_logprobs: list[list[float | None]] | None = None  # per prompt position
-    hidden_states: list[list[float]] | None = None  # rows this step computed (see the proto)
+    hidden_states: numpy.ndarray | None = None  # float32 rows this step computed (the proto's)
 
 
 @dataclass(slots=True)

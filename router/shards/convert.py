@@ -197,8 +197,11 @@ def generation_events(generation: pb.Generation, hidden_size: int) -> list[Token
         first.prefill_token_ids_logprobs = _rows(
             [_logprob(v) for v in generation.prefill_token_ids_logprobs], width) or None
     if generation.hidden_states:
-        values = _rows(numpy.frombuffer(generation.hidden_states, dtype="<f4").tolist(),
-                       hidden_size)
+        # kept float32 rows: router.http.json_out writes them without a Python float each
+        values = numpy.frombuffer(generation.hidden_states, dtype="<f4")
+        if not hidden_size or values.size % hidden_size:
+            raise ValueError(f"{values.size} values are not rows of {hidden_size}")
+        values = values.reshape(-1, hidden_size)
         # a prefill's rows are the whole prompt's, with its one token; a step's, one per token
         first.hidden_states = values[:len(values) - count + 1]
         for i, event in enumerate(events[1:], start=len(values) - count + 1):

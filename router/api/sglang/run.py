@@ -223,12 +223,8 @@ class Run:
             per_position = 1 + options.top_n + len(options.token_ids)
             count += per_position * (len(self.tokens) - since.tokens
                                      + len(self._prompt_rows(self.prefill, since)))
-        if self.item.return_hidden_states:
-            for entry in self.hidden_states[since.hidden_states:]:
-                if entry and isinstance(entry[0], list):  # the prompt's rows
-                    count += len(entry) * len(entry[0])
-                else:
-                    count += len(entry)
+        if self.item.return_hidden_states:  # the prompt's rows, then one row a token
+            count += sum(entry.size for entry in self.hidden_states[since.hidden_states:])
         return count
 
     def output(self) -> dict:

@@ -12,6 +12,7 @@ import pytest
 from router.api.openapi import openapi_document
 from router.api.sglang.request import LogprobOptions, SglangItem, is_sglang_body, parse_generate
 from router.api.sglang.routes import Run
+from router.http.json_out import dumps_in_pieces
 from router.errors import ValidationError
 from router.inputs.tokenizer import RouterTokenizer
 from router.inputs.validation import TokenLimits, ValidationLimits
@@ -236,8 +237,8 @@ def test_prompt_top_tokens_named_ids_and_hidden_states_in_sglangs_layout():
     first.prefill_top_tokens = [[], [Token(6, "y", -1.0)], [Token(8, "w", -0.5)]]
     first.prefill_token_ids_logprobs = [[None, None], [-1.5, -2.5], [-3.5, -4.5]]
     first.token_ids_logprobs, events[1].token_ids_logprobs = [-0.1, -0.2], [-0.3, -0.4]
-    first.hidden_states = [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]  # the prompt's rows
-    events[1].hidden_states = [[6.0, 7.0]]  # one decode step
+    first.hidden_states = numpy.array([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]], numpy.float32)
+    events[1].hidden_states = numpy.array([[6.0, 7.0]], numpy.float32)  # one decode step
     events[-1].final = FinalInfo("ab", 2, FinishReason.LENGTH, None)
     options = LogprobOptions(True, 0, 1, True, [6, 9], ["y", "q"])
     run = _run(events, logprobs=options)
@@ -248,7 +249,8 @@ def test_prompt_top_tokens_named_ids_and_hidden_states_in_sglangs_layout():
                                                 [[-3.5, 6, "y"], [-4.5, 9, "q"]]]
     assert meta["output_token_ids_logprobs"] == [[[-0.1, 6, "y"], [-0.2, 9, "q"]],
                                                  [[-0.3, 6, "y"], [-0.4, 9, "q"]]]
-    assert meta["hidden_states"] == [[[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]], [6.0, 7.0]]
+    assert json.loads(dumps_in_pieces(meta["hidden_states"])) == [  # the prompt's rows, a step's
+        [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]], [6.0, 7.0]]
     later = _run(events, logprobs=LogprobOptions(True, 2, 1, False, [6], [None])).meta_info()
     assert later["input_top_logprobs"] == [[[-0.5, 8, None]]]
     assert later["input_token_ids_logprobs"] == [[[-3.5, 6, None]]]
@@ -504,12 +506,12 @@ def test_frames_carry_each_tokens_logprobs_and_hidden_states_once():
     first.prefill = [Token(5, "x", None), Token(6, "y", -1.0), Token(7, "z", -2.0)]
     first.prefill_top_tokens = [[], [Token(6, "y", -1.0)], [Token(8, "w", -0.5)]]
     first.prefill_token_ids_logprobs = [[None], [-1.5], [-3.5]]
-    first.hidden_states = [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]  # the prompt's rows and step 1
+    first.hidden_states = numpy.array([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]], numpy.float32)
     for i, event in enumerate(events):
         event.top_tokens = [Token(event.token.id, event.token.text, -0.25)]
         event.token_ids_logprobs = [-0.1 * (i + 1)]
         if i:
-            event.hidden_states = [[6.0 + i, 7.0 + i]]
+            event.hidden_states = numpy.array([[6.0 + i, 7.0 + i]], numpy.float32)
     events[-1].final = FinalInfo("abc", 3, FinishReason.LENGTH, None)
     whole = _run(events, logprobs=LogprobOptions(True, 0, 1, True, [6], ["y"]))
     whole.item.return_hidden_states = True
@@ -528,7 +530,8 @@ def test_frames_carry_each_tokens_logprobs_and_hidden_states_once():
     for key in ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
                 "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs",
                 "hidden_states"):
-        assert [x for m in metas for x in m[key]] == expected[key], key
+        listed = json.loads(dumps_in_pieces([x for m in metas for x in m[key]]))
+        assert listed == json.loads(dumps_in_pieces(expected[key])), key
     assert [m["completion_tokens"] for m in metas] == [1, 2, 3]
     assert frames[-1]["meta_info"]["finish_reason"] == expected["finish_reason"]
 
@@ -558,6 +561,30 @@ def test_json_in_pieces_is_json_dumps(options):
                                               "empty": [], "none": None, "n": 3}}
     assert dumps_in_pieces(value, **options) == json.dumps(value, **options)
     assert dumps_in_pieces([value, value], **options) == json.dumps([value, value], **options)
+
+
+async def test_float32_rows_are_written_exactly_in_few_digits_and_off_the_loop():
+    """Hidden states as the shards send them: each value reads back as the same float32, in
+    pieces that leave the event loop free, at far fewer bytes than Python floats' digits."""
+    from router.http.json_out import dumps
+    from tests.loop_gaps import LoopGaps
+
+    rows = numpy.random.default_rng(0).standard_normal((1500, 576), dtype=numpy.float32)
+    rows[0, :3] = [float("nan"), 1e-45, -3.4028235e38]
+    value = {"text": "é", "meta_info": {"hidden_states": [rows, rows[5]]}}
+    async with LoopGaps() as watch:
+        text = await dumps(value, numbers=rows.size + 576, ensure_ascii=False,
+                           separators=(",", ":"))
+    back = json.loads(text)
+    assert back["text"] == "é"
+    prompt, step = (numpy.array(v, dtype=numpy.float64) for v in back["meta_info"]["hidden_states"])
+    assert numpy.isnan(prompt[0, 0]) and numpy.array_equal(prompt[:, 1:].astype(numpy.float32),
+                                                           rows[:, 1:])
+    assert numpy.array_equal(step.astype(numpy.float32), rows[5])
+    assert len(text) < 12 * rows.size, "a float32's digits, not a float64's"
+    assert watch.longest < max(0.05, watch.took / 4), (watch.longest, watch.took)
+    small = await dumps({"h": [rows[:2, :3]]}, numbers=6)
+    assert json.loads(small)["h"][0][1] == [float(x) for x in rows[1, :3].astype(str)]
 
 
 async def test_a_large_encoding_leaves_the_event_loop_free():

@@ -139,7 +139,8 @@ def test_embeddings_named_ids_and_hidden_states_cross_the_wire():
     assert event.token_ids_logprobs == [-1.0, None]
     assert event.prefill_token_ids_logprobs == [[None, None], [-2.0, -3.0]]
     assert event.prefill_top_tokens[0] == [] and event.prefill_top_tokens[1][0].id == 4
-    assert event.hidden_states == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+    assert event.hidden_states.dtype == numpy.float32
+    assert event.hidden_states.tolist() == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
     torn = pb.PrefillResponse(generations=[_generation(3, hidden_states=hidden[:6].tobytes())])
     assert isinstance(convert.step_result(torn, hidden_size=4).generations[0].error, ValueError)
 
@@ -167,7 +168,8 @@ def test_a_step_that_accepted_drafts_gives_one_event_per_token():
         (7, "a", -0.5, False), (8, "b", -0.25, False), (9, "c", -0.125, True)]
     assert [e.top_tokens[0].id for e in events] == [7, 8, 9]
     assert [e.token_ids_logprobs for e in events] == [[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]
-    assert [e.hidden_states for e in events] == [[[0.0, 1.0, 2.0, 3.0]], [[4.0, 5.0, 6.0, 7.0]],
+    assert [e.hidden_states.tolist() for e in events] == [[[0.0, 1.0, 2.0, 3.0]],
+                                                          [[4.0, 5.0, 6.0, 7.0]],
                                                  [[8.0, 9.0, 10.0, 11.0]]]
     assert [e.final is None for e in events] == [True, True, False]
     assert events[-1].final.finish_reason is FinishReason.EOS_TOKEN
