@@ -40,7 +40,8 @@ class RouterState:
         server = self.config
         return MediaLimits(server.max_images_per_request, not server.disable_image_fetch,
                            server.image_fetch_timeout, server.max_image_bytes,
-                           LocalRoots.of(split_paths(server.allowed_local_media_path)))
+                           LocalRoots.of(split_paths(server.allowed_local_media_path)),
+                           server.media_hosts())
 
     def served(self, name: str | None) -> ServedModel:
         return self.models.served_model(name)

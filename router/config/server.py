@@ -6,6 +6,7 @@ models started later, the default model's LoRA adapters).
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -74,6 +75,12 @@ class ServerSettings:
     disable_image_fetch: bool = setting(False, "Refuse image http(s) URLs with a 4xx instead of "
                                                "fetching them; data: URLs (and files under "
                                                "--allowed-local-media-path) still serve.")
+    allowed_media_domains: str = setting(
+        None, "Hosts (comma-separated) the router fetches image URLs from, whatever their "
+              "addresses (vLLM's flag); a URL or redirect naming any other gets a 4xx. Without "
+              "it, any host whose addresses are all public (no loopback, private, link-local or "
+              "reserved address, checked at every redirect).",
+        shown="none: any host with public addresses only")
     image_fetch_timeout: float = setting(10.0, "Seconds the router waits for one image URL's "
                                                "whole answer, redirects and body; past them the "
                                                "request gets a 4xx.")
@@ -153,6 +160,19 @@ class ServerSettings:
         if self.ollama_autostart < 0:
             raise ValueError(f"--ollama-autostart {self.ollama_autostart} must be 0 or more")
         self.lora_adapter_dirs()  # its syntax, said at start
+        self.media_hosts()
+
+    def media_hosts(self) -> frozenset[str] | None:
+        """--allowed-media-domains as lower-case host names; None when not given."""
+        if self.allowed_media_domains is None:
+            return None
+        hosts = frozenset(h.strip().lower().strip("[]")  # an IPv6 address as URLs' hosts hold it
+                          for h in self.allowed_media_domains.split(",") if h.strip())
+        for host in hosts:
+            if ("/" in host or ":" in host) and not _is_address(host):
+                raise ValueError(f"--allowed-media-domains {host!r}: give host names (or IP "
+                                 "addresses) alone, without a scheme, port or path")
+        return hosts
 
     def lora_adapter_dirs(self) -> list[tuple[str, str]]:
         """--lora-adapters as (name, directory) pairs, in order."""
@@ -172,3 +192,11 @@ class ServerSettings:
                                  "own name")
             pairs.append((name, path))
         return pairs
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True

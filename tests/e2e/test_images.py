@@ -82,7 +82,7 @@ def server(model_dir, media, tmp_path_factory):
                       extra=["--dtype", "float32", "--block-size", "4", "--max-input-tokens",
                              "400", "--max-total-tokens", "512", "--max-images-per-request", "2",
                              "--image-fetch-timeout", "1", "--allowed-local-media-path",
-                             str(media)])
+                             str(media), "--allowed-media-domains", "127.0.0.1"])
     yield launched
     assert launched.stop() == 0
 
@@ -126,6 +126,7 @@ def test_images_from_each_source_become_their_tokens(server, images_url, media):
     ("/page", "content type 'text/html', not an image"),
     ("/loop", "redirects more than 5 times"),
     ("http://127.0.0.1:9/a.png", "could not be fetched"),
+    ("http://169.254.169.254/latest/meta-data", "not one this server fetches images from"),
     ("/etc/hostname", "not under --allowed-local-media-path"),
 ])
 def test_bad_images_are_422s_naming_the_problem(server, images_url, url, words):

@@ -37,6 +37,8 @@ class MediaLimits:
     fetch_timeout: float = 10.0  # seconds, for the whole fetch of one image
     max_image_bytes: int = 20 * 2**20  # one image's file
     local_roots: LocalDirectories | None = None  # None: no local file is read
+    # the only hosts images are fetched from (lower case); None: any with public addresses only
+    allowed_hosts: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +94,8 @@ async def read_source(source: ImageSource, limits: MediaLimits, *,
             raise ValidationError(f"{what}: this server fetches no image URLs "
                                   "(--disable-image-fetch); send the image as a data: URL")
         return await fetch_image(where, what, timeout=limits.fetch_timeout,
-                                 max_bytes=limits.max_image_bytes)
+                                 max_bytes=limits.max_image_bytes,
+                                 allowed_hosts=limits.allowed_hosts)
     if scheme == "file" or where.startswith("/"):
         return await asyncio.to_thread(_local_file, where, what, limits)
     if bare_base64:
