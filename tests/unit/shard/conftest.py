@@ -1,4 +1,5 @@
 """Fixtures for shard layers whose arithmetic depends on the CPU."""
+import os
 import platform
 
 import pytest
@@ -30,3 +31,16 @@ def avx2_build(tmp_path_factory, monkeypatch):
         pytest.skip("this CPU cannot run an AVX2 build")
     monkeypatch.setenv(KERNEL_MARCH_ENV, "x86-64-v3")
     monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx2-kernels"))
+
+
+@pytest.fixture
+def interpreted_triton():
+    """shard.kernels.triton_attention run by Triton's interpreter, on CPU tensors.
+
+    Skips where Triton is not installed, or runs compiled (tests/conftest.py sets the interpreter
+    up on machines without CUDA, before anything imports Triton)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton compiles for the GPU here: benchmarks/gpu_check.sh runs its kernel")
+    from shard.kernels import triton_attention
+    return triton_attention
