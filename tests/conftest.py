@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 # Triton chooses its interpreter when it is first imported (its own library's functions are
 # decorated then): without CUDA, Triton's kernels run interpreted on CPU tensors in the tests
-# (tests/unit/shard/conftest.py: interpreted_triton)
+# (tests/unit/shard/conftest.py: triton_kernel)
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

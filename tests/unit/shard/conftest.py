@@ -3,6 +3,7 @@ import os
 import platform
 
 import pytest
+import torch
 
 from shard.config import KERNEL_MARCH_ENV
 from shard.kernels import native
@@ -33,14 +34,31 @@ def avx2_build(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx2-kernels"))
 
 
-@pytest.fixture
-def interpreted_triton():
-    """shard.kernels.triton_attention run by Triton's interpreter, on CPU tensors.
+class _KernelOn:
+    """A kernel module's paged_decode_attention run on `device`, taking and giving CPU tensors."""
 
-    Skips where Triton is not installed, or runs compiled (tests/conftest.py sets the interpreter
-    up on machines without CUDA, before anything imports Triton)."""
+    def __init__(self, module, device: str):
+        self.module, self.device = module, device
+
+    def paged_decode_attention(self, *args, **options):
+        def move(x):
+            return x.to(self.device) if isinstance(x, torch.Tensor) else x
+
+        out = self.module.paged_decode_attention(*map(move, args),
+                                                 **{k: move(v) for k, v in options.items()})
+        return out.cpu()
+
+
+@pytest.fixture
+def triton_kernel():
+    """shard.kernels.triton_attention on CPU tensors: run by Triton's interpreter, or compiled on a
+    GPU (the tensors moved there and back).
+
+    Skips where Triton is not installed. tests/conftest.py sets the interpreter up on machines
+    without CUDA, before anything imports Triton."""
     pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton compiles for the GPU here: benchmarks/gpu_check.sh runs its kernel")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not interpreted and not torch.cuda.is_available():
+        pytest.skip("Triton was imported before its interpreter was asked for")
     from shard.kernels import triton_attention
-    return triton_attention
+    return _KernelOn(triton_attention, "cpu" if interpreted else "cuda")

@@ -161,7 +161,7 @@ DECODE_PATHS = [pytest.param("kernel", marks=needs_kernel), "grouped", "groups",
 def test_decode_rows_of_different_lengths(path, window, softcap, monkeypatch, request):
     if path == "triton":  # its kernel, under Triton's interpreter, where CPU tensors go
         monkeypatch.setattr(decode_backend, "paged_attention",
-                            request.getfixturevalue("interpreted_triton"))
+                            request.getfixturevalue("triton_kernel"))
     tables, qkv = _sequences(DECODE_LENGTHS, seed=1)
     cache = _cache()
     for row, (_, k, v) in enumerate(qkv):

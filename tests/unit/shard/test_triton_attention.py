@@ -1,4 +1,4 @@
-"""The Triton decode-attention kernel under Triton's interpreter, against float64 attention.
+"""The Triton decode-attention kernel against float64 (interpreted on CPUs, compiled on GPUs).
 
 TRITON_INTERPRET=1 runs the kernel's code on CPU tensors, with the same masks, loop bounds and
 online softmax the GPU compiles; only the speed and the products' rounding on the card differ.
@@ -56,9 +56,9 @@ def _reference(q, keys, values, tables, lens, window, softcap):
 @pytest.mark.parametrize("window,softcap", [(None, None), (3, None), (None, 1.5), (6, 1.5)],
                          ids=["plain", "window", "softcap", "window-softcap"])
 def test_float32_cache_matches_float64(heads, kv_heads, head_dim, window, softcap,
-                                       interpreted_triton):
+                                       triton_kernel):
     q, keys, values, tables, lens = _case(heads, kv_heads, head_dim, torch.float32)
-    out = interpreted_triton.paged_decode_attention(q, keys, values, tables, lens, SCALE,
+    out = triton_kernel.paged_decode_attention(q, keys, values, tables, lens, SCALE,
                                                   window=window, softcap=softcap)
     assert out.shape == (len(LENGTHS), heads * head_dim) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(),
@@ -66,34 +66,34 @@ def test_float32_cache_matches_float64(heads, kv_heads, head_dim, window, softca
                                rtol=1e-5, atol=1e-5)
 
 
-def test_half_precision_queries_and_cache_match_float64_within_their_rounding(interpreted_triton):
+def test_half_precision_queries_and_cache_match_float64_within_their_rounding(triton_kernel):
     """Half-precision products and float32 sums: within a few ulps of the exact result.
 
     float16 stands for bf16 here: the kernel's code is the same for both, but the interpreter
     keeps bf16 as raw 16-bit integers, which its tl.dot would multiply as integers."""
     q, keys, values, tables, lens = _case(6, 2, 16, torch.float16)
     keys, values = keys.half(), values.half()
-    out = interpreted_triton.paged_decode_attention(q, keys, values, tables, lens, SCALE,
+    out = triton_kernel.paged_decode_attention(q, keys, values, tables, lens, SCALE,
                                                   window=5, softcap=2.0)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.double(), _reference(q, keys, values, tables, lens, 5, 2.0),
                                rtol=5e-3, atol=5e-3)
 
 
-def test_float32_queries_over_a_bf16_cache_widen_it_exactly(interpreted_triton):
+def test_float32_queries_over_a_bf16_cache_widen_it_exactly(triton_kernel):
     q, keys, values, tables, lens = _case(6, 2, 16, torch.float32)
     keys, values = keys.bfloat16(), values.bfloat16()
-    out = interpreted_triton.paged_decode_attention(q, keys, values, tables, lens, SCALE, window=5)
+    out = triton_kernel.paged_decode_attention(q, keys, values, tables, lens, SCALE, window=5)
     torch.testing.assert_close(out.double(), _reference(q, keys, values, tables, lens, 5, None),
                                rtol=1e-5, atol=1e-5)
 
 
-def test_int8_cache_matches_float64_over_its_dequantized_rows(interpreted_triton):
+def test_int8_cache_matches_float64_over_its_dequantized_rows(triton_kernel):
     """The kernel applies each row's key and value scale as kv_int8 defines them."""
     q, keys, values, tables, lens = _case(6, 2, 16, torch.int8)
     key_q, key_scale = kv_int8.quantize_rows(keys)
     value_q, value_scale = kv_int8.quantize_rows(values)
-    out = interpreted_triton.paged_decode_attention(q, key_q, value_q, tables, lens, SCALE,
+    out = triton_kernel.paged_decode_attention(q, key_q, value_q, tables, lens, SCALE,
                                                   window=6, softcap=1.5, key_scales=key_scale,
                                                   value_scales=value_scale)
     expected = _reference(q, kv_int8.dequantize_rows(key_q, key_scale),
@@ -101,12 +101,12 @@ def test_int8_cache_matches_float64_over_its_dequantized_rows(interpreted_triton
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_bad_inputs_are_refused_before_the_kernel_runs(interpreted_triton):
+def test_bad_inputs_are_refused_before_the_kernel_runs(triton_kernel):
     q, keys, values, tables, lens = _case(6, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="share one dtype"):
-        interpreted_triton.paged_decode_attention(q, keys, values.bfloat16(), tables, lens, SCALE)
+        triton_kernel.paged_decode_attention(q, keys, values.bfloat16(), tables, lens, SCALE)
     with pytest.raises(ValueError, match="scales"):
-        interpreted_triton.paged_decode_attention(q, keys.to(torch.int8), values.to(torch.int8),
+        triton_kernel.paged_decode_attention(q, keys.to(torch.int8), values.to(torch.int8),
                                                 tables, lens, SCALE)
     with pytest.raises(ValueError, match="cannot share"):
-        interpreted_triton.paged_decode_attention(q[:, :5], keys, values, tables, lens, SCALE)
+        triton_kernel.paged_decode_attention(q[:, :5], keys, values, tables, lens, SCALE)
