@@ -3,7 +3,7 @@
 # session's device time is short; the default stages' timeouts add up to 440 s):
 #   tests      CUDA graphs against eager steps, prefill attention over a cached prefix, LoRA
 #              adapters in a mixed batch, the Triton decode-attention kernel compiled against
-#              float64, the launcher serving a tiny model on CUDA over HTTP (its router streaming
+#              float64, fp8's scaled matmul against its arithmetic, the launcher serving a tiny model on CUDA over HTTP (its router streaming
 #              each decode step: DecodeStream)                                       (180 s)
 #   real-size  benchmarks/gpu_real_size.py: a Llama 3 8B-shaped bf16 model served over HTTP,
 #              TTFT, TPOT and tokens/s at 16, 64 and 256 streams beside the memory floor (260 s)
@@ -36,7 +36,8 @@ if [[ " $stages " == *" tests "* ]]; then
     timeout 180 python3 -m pytest -q -p no:cacheprovider tests/unit/shard/test_cuda_graphs.py \
         tests/unit/shard/test_attention_dtypes.py tests/unit/shard/test_lora_engine.py \
         tests/unit/shard/test_server_errors.py tests/unit/shard/test_triton_attention.py \
-        tests/unit/shard/test_attention_window.py tests/e2e/test_shard_decode_stream.py \
+        tests/unit/shard/test_attention_window.py tests/unit/shard/test_fp8.py \
+        tests/e2e/test_shard_decode_stream.py \
         tests/e2e/test_launcher_tiny.py -k "not compiled" 2>&1 | tee "$out/tests.log" | tail -25 \
         || status=1
     echo "== tests: status $status"
