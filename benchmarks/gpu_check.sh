@@ -3,8 +3,8 @@
 # session's device time is short; the default stages' timeouts add up to 440 s):
 #   tests      CUDA graphs against eager steps, prefill attention over a cached prefix, LoRA
 #              adapters in a mixed batch, the Triton decode-attention kernel compiled against
-#              float64, fp8's scaled matmul against its arithmetic, the launcher serving a tiny model on CUDA over HTTP (its router streaming
-#              each decode step: DecodeStream)                                       (180 s)
+#              float64, fp8's scaled matmul against its arithmetic, the launcher serving a tiny
+#              model on CUDA over HTTP (its router streaming each decode step)       (180 s)
 #   real-size  benchmarks/gpu_real_size.py: a Llama 3 8B-shaped bf16 model served over HTTP,
 #              TTFT, TPOT and tokens/s at 16, 64 and 256 streams beside the memory floor (260 s)
 #   smollm2    decode steps of a SmolLM2-shaped model timed without and with CUDA graphs
