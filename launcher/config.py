@@ -68,16 +68,16 @@ class LauncherConfig:
                                       choices=Choices((*DTYPES, KV_INT8), FP8_KV))
     device: str = _opt("auto", "Where the shards run; auto: a GPU where one is visible (and "
                                "--quantize is not given), else the CPU.", choices=DEVICES)
-    quantize: str | None = _opt(None, "Weight-only quantization of the linear layers (and the LM "
-                                      "head) on the CPU: int8 (a scale per row) or int4 (a scale "
-                                      "and a minimum per 32 weights, with an int8 head). In bf16 "
-                                      "int4 runs our own kernel, holding the 4-bit weights alone, "
-                                      "where our bf16 matmul runs; elsewhere PyTorch's kernels "
-                                      "where they pay. TGI's gptq, awq, marlin, compressed-"
-                                      "tensors and fp8 name a checkpoint's own method (refused "
-                                      "where its quantization_config says otherwise; it is "
-                                      "served as that says without them too); exl2, eetq and "
-                                      "bitsandbytes* are refused.",
+    quantize: str | None = _opt(None, "Quantization of the linear layers as they load. On the "
+                                      "CPU, weight-only int8 (a scale per row) or int4 (a scale "
+                                      "and a minimum per 32 weights, an int8 head), by our "
+                                      "kernels or PyTorch's; anywhere, fp8 (float8 e4m3 weights, "
+                                      "a scale per output channel, activations per token: "
+                                      "scaled matmuls on Hopper GPUs, dequantized elsewhere; an "
+                                      "FP8 checkpoint is served as it comes). TGI's gptq, awq, "
+                                      "marlin and compressed-tensors name a checkpoint's own "
+                                      "method (refused where its quantization_config says "
+                                      "otherwise); exl2, eetq and bitsandbytes* are refused.",
                                 shown="none: a quantized checkpoint as its config says",
                                 choices=Choices(QUANTIZE_VALUES, TGI_QUANTIZE))
     speculate: int = _opt(0, "Speculative decoding: up to this many draft tokens per request and "
@@ -242,7 +242,7 @@ class LauncherConfig:
                              f"{', '.join(QUANTIZE_KINDS)} (tgi-py's own): TGI's {self.quantize} "
                              f"is not implemented, {TGI_QUANTIZE[self.quantize]}. int8 and "
                              "int4 quantize an unquantized model's weights as it loads, on the "
-                             "CPU.")
+                             "CPU, and fp8 anywhere.")
         if self.quantize is not None and self.quantize not in QUANTIZE_VALUES:
             raise ValueError(f"--quantize {self.quantize!r} is not one of "
                              f"{', '.join(QUANTIZE_VALUES)}")

@@ -23,7 +23,8 @@ class Choices(tuple):
 
 # TGI's --quantize kinds that name the checkpoint's own quantization (shard/quant_config.py):
 # accepted where config.json's quantization_config is of that kind
-QUANTIZE_VALUES = (*QUANTIZE_KINDS, *CHECKPOINT_QUANTIZE)
+# (fp8 is both: it quantizes an unquantized checkpoint, and names an FP8 checkpoint's own)
+QUANTIZE_VALUES = tuple(dict.fromkeys((*QUANTIZE_KINDS, *CHECKPOINT_QUANTIZE)))
 # TGI's --quantize kinds tgi-py does not implement: why each is refused
 TGI_QUANTIZE = {
     "exl2": "it needs exllamav2's checkpoint format, which tgi-py does not read",

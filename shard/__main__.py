@@ -19,11 +19,13 @@ from proto.launcher_watch import watch_launcher
 from proto.logs import configure_logging, is_json_output, log_source
 from proto.tracing import init_tracing, shutdown_tracing
 from shard import convert, watermark
-from shard.config import (DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype, device_refusal,
-                          local_topology, log_level, parse_args, parse_cuda_graphs)
+from shard.config import (CPU_QUANTIZE_KINDS, DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype,
+                          device_refusal, local_topology, log_level, parse_args,
+                          parse_cuda_graphs)
 from shard.distributed import all_gather_strings, init_parallel
 from shard.engine import Engine
 from shard.kv_budget import KVCacheSpec, PoolLedger
+from shard.layers.embedding import ParallelLMHead
 from shard.layers.precision import c_matmul_runs
 from shard.loader import load_model
 from shard.malloc_tuning import MMAP_THRESHOLD, keep_freed_memory, return_freed_memory
@@ -61,10 +63,13 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
                  config.rope_scaling, config.rope_factor, loaded.config.max_position_embeddings)
     watermark.configure(watermark.WatermarkSettings(config.watermark_gamma,
                                                     config.watermark_delta))
-    if config.quantize:
-        _log_quantized(loaded.model, config.quantize, dtype_name)
-    quantization = describe(loaded.model, loaded.quantization_config, config.quantize or None)
-    if quantization and not config.quantize:
+    quantize = config.quantize or None
+    if quantize == "fp8" and loaded.quantization_config:  # an FP8 checkpoint, served as it comes
+        quantize = None
+    if quantize:
+        _log_quantized(loaded.model, quantize, dtype_name)
+    quantization = describe(loaded.model, loaded.quantization_config, quantize)
+    if quantization and not quantize:
         log.info("weights served as stored: %s", quantization)
     return_freed_memory()
     cfg = loaded.config
@@ -102,8 +107,8 @@ def _device(config: ShardConfig) -> torch.device:
     """This rank's device (on CPUs shared by several ranks, its share of the threads too)."""
     local_rank, local_ranks = local_topology(config)
     if config.device == "auto":
-        # the quantized kernels are CPU ones: --quantize keeps an automatic choice on the CPU
-        use_cuda = torch.cuda.is_available() and not config.quantize
+        # the int8/int4 kernels are CPU ones: they keep an automatic choice on the CPU
+        use_cuda = torch.cuda.is_available() and config.quantize not in CPU_QUANTIZE_KINDS
         device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     else:
         device = torch.device(f"cuda:{local_rank}" if config.device == "cuda" else config.device)
@@ -120,7 +125,8 @@ def _device(config: ShardConfig) -> torch.device:
 
 def _log_quantized(model: torch.nn.Module, quantize: str, dtype_name: str) -> None:
     """How many layers took the quantized form, and whether any multiplies by it here."""
-    layers = [m.prepared for m in model.modules() if hasattr(m, "prepared")]
+    layers = [m.prepared for m in model.modules() if hasattr(m, "prepared")
+              if not (quantize == "fp8" and isinstance(m, ParallelLMHead))]  # kept on purpose
     done = sum(p.quantized is not None for p in layers)
     log.info("%s weights: %d of %d linear layers quantized", quantize, done, len(layers))
     if done and not any(p.multiplies_quantized for p in layers):

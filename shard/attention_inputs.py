@@ -85,12 +85,15 @@ def decode_metadata(seq_lens: torch.Tensor, block_tables: torch.Tensor, spec: KV
 
 
 def static_decode_metadata(seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                           spec: KVCacheSpec) -> AttentionMetadata:
+                           spec: KVCacheSpec, in_place: bool = False) -> AttentionMetadata:
     """Decode metadata with every shape fixed by its inputs' and nothing read back to the host.
 
     What a CUDA graph records: each row attends over its table's full width, masked past its
-    context."""
+    context; or, `in_place` (a kernel reading the cache where it lies, Triton's), over its
+    context alone, its length read on the device."""
     context_lens = seq_lens + 1
+    if in_place:
+        return decode_metadata(seq_lens, block_tables, spec, paged_kernel=True)
     width = block_tables.shape[1]
     index = gather_index(block_tables, width * spec.block_size,
                          (None, spec.num_kv_heads, spec.block_size, spec.head_dim))

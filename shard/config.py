@@ -85,7 +85,10 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return ""
-QUANTIZE_KINDS = ("int8", "int4")  # shard.layers.quantize (this module must not import torch)
+# shard.layers.quantize's, on the CPU, and shard.layers.fp8's, anywhere (this module must not
+# import torch)
+QUANTIZE_KINDS = ("int8", "int4", "fp8")
+CPU_QUANTIZE_KINDS = ("int8", "int4")
 KV_CACHE_DTYPES = ("int8",)  # besides the model's own: shard.layers.kv_int8
 DEFAULT_CUDA_GRAPHS = "1,2,4,8,16,32"  # TGI's --cuda-graphs default
 
@@ -99,11 +102,11 @@ def device_refusal(device: str, *, quantize: str | None = None,
                    kv_cache_dtype: str | None = None) -> str | None:
     """Why --quantize or --kv-cache-dtype cannot run on `device` (a device type), or None.
 
-    Both run CPU kernels only. "auto" passes: the shard chooses the CPU for --quantize, and
-    asks again once it knows its device."""
+    Both run CPU kernels only (but fp8 weights, which run anywhere). "auto" passes: the shard
+    chooses the CPU for --quantize int8/int4, and asks again once it knows its device."""
     if device in ("cpu", "auto"):
         return None
-    if quantize:
+    if quantize in CPU_QUANTIZE_KINDS:
         return (f"--quantize {quantize} runs CPU kernels only, not on {device}: serve on the "
                 "CPU (--device cpu, or auto on a machine without a GPU) or without --quantize")
     if kv_cache_dtype in KV_CACHE_DTYPES:  # the model's own dtype runs anywhere

@@ -21,7 +21,7 @@ from shard.config import decode_path_refusal, device_refusal
 from shard.decode_paths import c_step
 from shard.decode_paths.compiled import CompiledDecode, unsupported_reason
 from shard.decode_paths.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
-from shard.kernels import paged_attention
+from shard.kernels import decode_backend
 from shard.kv_budget import KVCacheSpec, allocate_kv_cache
 from shard.layers.attention import AttentionMetadata, LayerCache
 from shard.malloc_tuning import return_freed_memory
@@ -101,17 +101,22 @@ class ModelRunner:
                                       cuda_graphs=bool(cuda_graphs and new_capture is not None))
         if refusal is not None:
             raise ValueError(refusal)
-        self.paged_kernel = paged_attention.supports(spec.device, spec.cache_dtype)
+        # the kernel reading the cache in place at decode (C, Triton or none: decode_backend)
+        self.attention_kernel = decode_backend.select(spec.device, spec.cache_dtype)
+        self.paged_kernel = self.attention_kernel is not None
         self.decode_step = self._decode_forward
         self.c_step: c_step.DecodeStep | None = None  # built with each pool (see allocate)
         self.graphs: GraphedDecode | None = None  # captured with each pool (see warm_decode)
         if cuda_graphs and (spec.device.type == "cuda" or new_capture is not None):
+            # Triton's kernel gathers nothing: block_bytes 0
+            gathered = self.attention_kernel != decode_backend.TRITON
             self.graphs = GraphedDecode(self._static_decode_forward, cuda_graphs, spec.device,
-                                        block_bytes=spec.bytes_per_block // spec.num_layers,
+                                        block_bytes=gathered * spec.bytes_per_block
+                                        // spec.num_layers,
                                         new_capture=new_capture or CudaGraphCapture)
         if compile_decode:
             reason = unsupported_reason(model, spec.device, world_size)
-            if reason is None and not self.paged_kernel:
+            if reason is None and self.attention_kernel != decode_backend.C:
                 reason = "decode attention runs in PyTorch here (no C kernel)"
             if reason is None:
                 self.decode_step = CompiledDecode(self._decode_forward)
@@ -199,9 +204,10 @@ class ModelRunner:
         """
         query_lens = [s.length for s in seqs]
         embeds = prefill_embeds(self.model, seqs, self.device)
+        # prefill rows read the cache in place through the C kernel only (on CUDA: SDPA)
+        c_kernel = self.paged_kernel and self.device.type == "cpu"
         positions, meta, logit_rows = _prefill_inputs(seqs, query_lens, all_logits_rows,
-                                                      self.spec.block_size, self.paged_kernel,
-                                                      self.device)
+                                                      self.spec.block_size, c_kernel, self.device)
         mark_image_spans(self.model, meta, seqs)
         num_decode = None
         if decode is not None:
@@ -314,7 +320,9 @@ class ModelRunner:
                                block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode forward a CUDA graph records (see static_decode_metadata)."""
         return self._forward_rows(input_ids, seq_lens,
-                                  static_decode_metadata(seq_lens, block_tables, self.spec))
+                                  static_decode_metadata(
+                                      seq_lens, block_tables, self.spec,
+                                      in_place=self.attention_kernel == decode_backend.TRITON))
 
 
 def _token_slots(seqs: list[PrefillSequence], decode: DecodeRows | None,

@@ -144,6 +144,8 @@ def quantize_refusal(quantize: str | None, config: dict) -> str | None:
     method = str((config.get("quantization_config") or {}).get("quant_method", "")).lower()
     if quantize is None:
         return None
+    if quantize == "fp8" and quant is None and not method:
+        return None  # an unquantized checkpoint, quantized to fp8 as it loads (TGI's, too)
     if quantize in CHECKPOINT_QUANTIZE:
         if quant is None:
             has = ("is a GGUF's (its types are served as stored)" if method

@@ -7,6 +7,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
+# Triton chooses its interpreter when it is first imported (its own library's functions are
+# decorated then): without CUDA, Triton's kernels run interpreted on CPU tensors in the tests
+# (tests/unit/shard/conftest.py: triton_kernel)
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tests import openapi_schemas  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
 from tests.unit.logging_helpers import process_logging_undone  # noqa: E402

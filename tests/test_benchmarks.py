@@ -31,6 +31,22 @@ def test_engine_benchmark(tiny_llama, tmp_path, kv_cache_dtype):
     assert all(row["tokens_per_s"] > 0 for row in figures["decode"])
 
 
+def test_real_size_benchmark_plumbing(tmp_path):
+    """benchmarks/gpu_real_size.py at a tiny shape on the CPU: the model made, served by the real
+    launcher, measured and printed beside its floors (the 8B shape runs on a GPU only)."""
+    out = _run(["benchmarks/gpu_real_size.py", "--shape", "tiny", "--device", "cpu",
+                "--model-dir", str(tmp_path / "model"), "--streams", "2", "--prompt-lengths", "16",
+                "--new-tokens", "4", "--single-repeats", "1", "--json",
+                str(tmp_path / "real.json")], tmp_path)
+    assert "floor allows" in out and "target: one-stream TPOT at 16 tokens" in out
+    figures = json.loads((tmp_path / "real.json").read_text())
+    single, wave = figures["rows"]
+    assert (single["streams"], wave["streams"], wave["prompt"]) == (1, 2, 16)
+    assert single["ttft_s"] > 0 and single["tpot_floor_s"] > 0 and wave["tokens_per_s"] > 0
+    # keys and values, 2 bytes each, of 2 layers' 2 heads of 16
+    assert figures["floors"]["kv_bytes_per_token"] == 2 * 2 * 2 * 2 * 16
+
+
 def test_lora_benchmark(tiny_llama, tmp_path):
     """Every scenario timed at every batch size, each against the base, and issue 33's bounds
     stated at 32 streams."""

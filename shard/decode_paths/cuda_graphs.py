@@ -88,9 +88,9 @@ class GraphedDecode:
         """Steps of `step` for `batch_sizes` rows, captured on `device` by `new_capture`.
 
         block_bytes: the keys and values of one KV block of one layer, which a step gathers per
-        row and table column. new_capture: how a graph is captured; tests on the CPU pass one that
-        replays the function on the same buffers, which holds this class to the contract a CUDA
-        graph imposes."""
+        row and table column; 0 when the step's attention gathers nothing (Triton's kernel).
+        new_capture: how a graph is captured; tests on the CPU pass one that replays the function
+        on the same buffers, which holds this class to the contract a CUDA graph imposes."""
         self.step = step
         self.batch_sizes = sorted(batch_sizes)
         self.device = device
@@ -107,7 +107,9 @@ class GraphedDecode:
         write into block 0 only. On failure no graph is kept and the error is raised."""
         self.release()
         capture = self.new_capture(self.device)
-        widths = width_buckets(max_width)
+        # a kernel reading each row's context in place (block_bytes 0) costs the same at any
+        # table width: one width, the longest request's, serves every step
+        widths = width_buckets(max_width) if self.block_bytes else [max(max_width, 1)]
         try:
             for rows in reversed(self.batch_sizes):
                 for width in reversed(widths):

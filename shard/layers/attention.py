@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from shard.kernels import layer_ops
+from shard.kernels import decode_backend, layer_ops
 from shard.kernels import paged_attention as paged_kernel
 from shard.layers import kv_int8
 from shard.layers.precision import attention_dtype
@@ -65,8 +65,8 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] its position inside that block
     block_tables: torch.Tensor  # [B, max_blocks] block ids per sequence (padding repeats a valid id)
     decode_groups: list[DecodeGroup] | None = None  # rows with one new token each
-    # or, where the C kernel runs (CPU), those rows read straight from the cache: [B, blocks] block
-    # ids and [B] context lengths, nothing gathered
+    # or, where a kernel reads the cache in place (C on the CPU, Triton on CUDA), those rows read
+    # straight from it: [B, blocks] block ids and [B] context lengths, nothing gathered
     decode_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
     prefill: PrefillLayout | None = None  # rows of sequences with several new tokens
@@ -164,9 +164,10 @@ def _decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadat
         args = (q, cache.key, cache.value, meta.decode_tables, meta.decode_context_lens, scale)
         if torch.compiler.is_compiling():  # the operator takes 0 for none (and no int8 cache)
             return paged_kernel.paged_decode_attention_op(*args, window or 0, softcap or 0.0)
-        return paged_kernel.paged_decode_attention(*args, window=window, softcap=softcap,
-                                                   key_scales=cache.key_scale,
-                                                   value_scales=cache.value_scale)
+        # C on the CPU, Triton on CUDA (shard.kernels.decode_backend)
+        return decode_backend.paged_decode_attention(*args, window=window, softcap=softcap,
+                                                     key_scales=cache.key_scale,
+                                                     value_scales=cache.value_scale)
     groups = meta.decode_groups
     if len(groups) == 1 and groups[0].rows is None:
         return _attend_group(q, cache, groups[0], scale, window, softcap)

@@ -83,8 +83,9 @@ class ParallelLMHead(nn.Module):
     def load(cls, weights: Weights, name: str, vocab_size: int) -> "ParallelLMHead":
         weight, _ = _vocab_slice(weights, name, as_stored=weights.quantizing)
         # the head's error lands on every logit at once: int4 models keep an int8 head, as GGUF's
-        # 4-bit files keep theirs at 8 bits (perplexity in benchmarks/RESULTS.md)
-        kind = "int8" if weights.quantize == "int4" else weights.quantize
+        # 4-bit files keep theirs at 8 bits (perplexity in benchmarks/RESULTS.md); fp8 ones keep
+        # it in the model's dtype, as TGI's and vLLM's fp8 do
+        kind = {"int4": "int8", "fp8": None}.get(weights.quantize, weights.quantize)
         return cls(weight, vocab_size, weights.parallel, kind, weights.dtype)
 
     @classmethod

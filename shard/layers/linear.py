@@ -14,6 +14,7 @@ from torch import nn
 
 from shard.distributed import ParallelContext, all_reduce
 from shard.kernels import bf16_matmul, int4_matmul, int8_matmul
+from shard.layers import fp8
 from shard.layers.checkpoint_quants import same_order
 from shard.layers.ggml_quants import BlockRows, BlockStack, join_rows
 from shard.layers.kernel_forms import kernel_form
@@ -124,7 +125,8 @@ class LinearWeight:
     def multiplies_quantized(self) -> bool:
         """Whether some batch size multiplies by the quantized form (not the weights it stands for)."""
         return (self.int4_form is not None or self.int8_form is not None
-                or (self.quantized is not None and self.quantized_rows > 0))
+                or (self.quantized is not None
+                    and (self.quantized_rows > 0 or self.quantized.kernel == "fp8")))
 
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -137,6 +139,12 @@ class LinearWeight:
         if not isinstance(weight, torch.Tensor):  # a GGUF's or a quantized checkpoint's rows
             return cls.from_blocks(weight, bias, model_dtype)
         shape = {"out_features": weight.shape[0], "in_features": weight.shape[1]}
+        if quantize_kind == "fp8":  # on any device; a shape the scaled matmul refuses stays
+            if not fp8.can_quantize(weight):
+                return cls.prepare(weight, bias, model_dtype=model_dtype)
+            data, scales = fp8.quantize_rows(weight)
+            return cls(**shape, bias=bias, quantized=QuantizedWeight(
+                "fp8", data, scales, weight.shape[0], torch.float32, kernel="fp8"))
         if quantize_kind and weight.device.type == "cpu" and can_quantize(weight, quantize_kind):
             if (quantize_kind == "int4" and (model_dtype or weight.dtype) == torch.bfloat16
                     and c_int4_runs()):  # our int4 kernel takes every batch size: its form alone
@@ -223,6 +231,8 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         return F.linear(x, w.blocks.dequantize(x.dtype), w.bias)
     if w.input_order is not None:
         x = x.index_select(-1, w.input_order)
+    if w.quantized is not None and w.quantized.kernel == "fp8":
+        return fp8.linear(x, w.quantized.data, w.quantized.scales, w.bias)
     int4_form = w.int4_form
     if int4_form is not None:  # the bias inside, in float32
         return int4_matmul.matmul(x, int4_form, w.out_features, w.tiled_bias)

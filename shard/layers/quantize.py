@@ -9,8 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shard.config import QUANTIZE_KINDS
+from shard.config import CPU_QUANTIZE_KINDS
 from shard.kernels import int4_matmul
+
+QUANTIZE_KINDS = CPU_QUANTIZE_KINDS  # this module's forms (fp8's: shard.layers.fp8)
 
 # int8: one scale per output row, symmetric (w = q * scale, q in [-127, 127]). int4: one scale
 # and one offset per group of INT4_GROUP input features of a row, asymmetric (w = (q - 8) * scale
@@ -31,7 +33,8 @@ class QuantizedWeight:
     dtype: torch.dtype  # what the kernel takes and gives: the scales' dtype
     # "pytorch": the packed kernels above; "c": int4 in shard.kernels.int4_matmul's form (its
     # scales and minimums inside `data`); "c8": a GGUF's 5-, 6- and 8-bit groups in
-    # shard.kernels.int8_matmul's form
+    # shard.kernels.int8_matmul's form; "fp8": float8 [out, in] and float32 scales [out]
+    # (shard.layers.fp8), on any device
     kernel: str = "pytorch"
 
 

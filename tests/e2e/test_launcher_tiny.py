@@ -193,3 +193,40 @@ def test_a_hostile_chat_template_answers_422_while_other_models_chat(server, tin
     finally:
         requests.put(f"{url}/v1/models/hostile/stop", timeout=120)
         requests.delete(f"{url}/v1/models/hostile", timeout=30)
+
+
+def test_an_fp8_server_answers_as_the_bf16_model_within_quantization_tolerance(tiny_llama,
+                                                                              tmp_path):
+    """--quantize fp8 over HTTP (on the CPU its dequantizing path, the card's arithmetic): each
+    greedy token is the unquantized model's choice, or within a near-tie of it, given the same
+    text so far (after a near-tie the texts may part, and each is then judged on its own)."""
+    import torch
+    import transformers
+
+    launched = launch(["--model-id", str(tiny_llama)], tmp_path,
+                      extra=["--quantize", "fp8", "--dtype", "bfloat16", "--block-size", "4",
+                             "--max-batch-total-tokens", "4096"])
+    try:
+        reply = requests.post(f"{launched.url}/generate", timeout=120, json={
+            "inputs": "The quick brown fox jumps over", "parameters": {
+                "max_new_tokens": 24, "ignore_eos": True, "details": True,
+                "decoder_input_details": True}})
+        assert reply.status_code == 200, reply.text
+        details = reply.json()["details"]
+        info = requests.get(f"{launched.url}/info", timeout=10).json()
+        log = launched.log()
+    finally:
+        assert launched.stop() == 0
+    assert info["quantization"] == "fp8 (--quantize)"
+    # every projection of the 3 layers (q, k and v fused); the head stays in bf16, as TGI's
+    assert "fp8 weights: 12 of 12 linear layers quantized" in log, log[-2000:]
+    prompt = [t["id"] for t in details["prefill"]]
+    tokens = [t["id"] for t in details["tokens"]]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama,
+                                                             dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    logprobs = logits.log_softmax(-1)
+    gaps = logprobs.max(-1).values - logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+    assert (gaps < 0.05).all(), gaps.tolist()
+    assert (gaps == 0).float().mean() >= 0.75, gaps.tolist()

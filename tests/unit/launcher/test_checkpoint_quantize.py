@@ -30,17 +30,26 @@ def _model(tmp_path, quantization_config=None):
     ("gptq", GPTQ), ("marlin", GPTQ), ("awq", AWQ), ("marlin", AWQ),
     ("compressed-tensors", CT_W4A16), ("compressed-tensors", CT_FP8), ("fp8", CT_FP8),
     ("fp8", FP8), (None, GPTQ), (None, AWQ), (None, FP8), (None, None), ("int4", None),
+    ("fp8", None),
     (None, {"quant_method": "gguf", "file_type": "Q4_K_M"}),
 ])
 def test_a_checkpoint_of_the_kind_named_is_accepted(tmp_path, quantize, config):
     check_quantization(_model(tmp_path, config), quantize)
     launcher = parse_args(["--quantize", quantize] if quantize else [])
-    # the shards read the checkpoint's own method; only tgi-py's kinds are theirs to apply
-    assert launcher.shard_quantize == (quantize if quantize == "int4" else None)
+    # the shards read the checkpoint's own method; only tgi-py's kinds are theirs to apply (fp8
+    # is both: over an FP8 checkpoint the shard serves it as stored)
+    assert launcher.shard_quantize == (quantize if quantize in ("int4", "fp8") else None)
 
 
 def test_a_checkpoint_kind_runs_wherever_the_shards_do():
     assert LauncherConfig(quantize="gptq", device="cuda").shard_quantize is None
+
+
+def test_fp8_quantizes_on_any_device_where_int8_and_int4_stay_on_the_cpu():
+    assert LauncherConfig(quantize="fp8", device="cuda").shard_quantize == "fp8"
+    for kind in ("int8", "int4"):
+        with pytest.raises(ValueError, match=f"--quantize {kind} runs CPU kernels only"):
+            LauncherConfig(quantize=kind, device="cuda")
 
 
 @pytest.mark.parametrize("quantize,config,sentence", [

@@ -83,8 +83,8 @@ def test_computed_defaults_say_what_they_are_computed_from():
 @pytest.mark.parametrize("argv, offered", [
     (["--dtype", "float64"], ["float32", "bfloat16", "float16"]),
     (["--device", "mps"], ["cpu", "cuda", "auto"]),
-    (["--quantize", "int2"], ["int8", "int4", "gptq", "awq", "marlin", "compressed-tensors",
-                              "fp8"]),
+    (["--quantize", "int2"], ["int8", "int4", "fp8", "gptq", "awq", "marlin",
+                              "compressed-tensors"]),
     (["--kv-cache-dtype", "int4"], ["float32", "bfloat16", "float16", "int8"]),
     (["--sharded", "maybe"], ["true", "false"]),
     (["--prefix-caching", "sometimes"], ["on", "off"]),
@@ -104,7 +104,7 @@ def test_a_value_outside_the_choices_is_refused_naming_them(argv, offered, capsy
 
 
 def test_tgis_values_that_are_refused_still_get_their_reason():
-    with pytest.raises(ValueError, match="--quantize eetq is not one of int8, int4 .* not "
+    with pytest.raises(ValueError, match="--quantize eetq is not one of int8, int4, fp8 .* not "
                                          "implemented"):
         parse_args(["--quantize", "eetq"])
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e5m2: no FP8 KV cache"):

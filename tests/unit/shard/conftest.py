@@ -1,7 +1,9 @@
 """Fixtures for shard layers whose arithmetic depends on the CPU."""
+import os
 import platform
 
 import pytest
+import torch
 
 from shard.config import KERNEL_MARCH_ENV
 from shard.kernels import native
@@ -30,3 +32,33 @@ def avx2_build(tmp_path_factory, monkeypatch):
         pytest.skip("this CPU cannot run an AVX2 build")
     monkeypatch.setenv(KERNEL_MARCH_ENV, "x86-64-v3")
     monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx2-kernels"))
+
+
+class _KernelOn:
+    """A kernel module's paged_decode_attention run on `device`, taking and giving CPU tensors."""
+
+    def __init__(self, module, device: str):
+        self.module, self.device = module, device
+
+    def paged_decode_attention(self, *args, **options):
+        def move(x):
+            return x.to(self.device) if isinstance(x, torch.Tensor) else x
+
+        out = self.module.paged_decode_attention(*map(move, args),
+                                                 **{k: move(v) for k, v in options.items()})
+        return out.cpu()
+
+
+@pytest.fixture
+def triton_kernel():
+    """shard.kernels.triton_attention on CPU tensors: run by Triton's interpreter, or compiled on a
+    GPU (the tensors moved there and back).
+
+    Skips where Triton is not installed. tests/conftest.py sets the interpreter up on machines
+    without CUDA, before anything imports Triton."""
+    pytest.importorskip("triton")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not interpreted and not torch.cuda.is_available():
+        pytest.skip("Triton was imported before its interpreter was asked for")
+    from shard.kernels import triton_attention
+    return _KernelOn(triton_attention, "cpu" if interpreted else "cuda")

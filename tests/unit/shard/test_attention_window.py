@@ -1,8 +1,8 @@
 """Sliding windows and soft-capped scores in every attention path (prefill fresh or continuing a
 cached prefix, through PyTorch or the C kernel; decode through the C kernel, PyTorch's groups or a
-CUDA graph's fixed-shape metadata; decode rows riding in a prefill), against dense float64 attention
-over the same queries, keys and values. Without either, the paths are the ones they were, bit for
-bit.
+CUDA graph's fixed-shape metadata, gathered or read in place by Triton's kernel; decode rows riding
+in a prefill), against dense float64 attention over the same queries, keys and values. Without
+either, the paths are the ones they were, bit for bit.
 """
 import pytest
 import torch
@@ -12,6 +12,7 @@ from torch.nn.attention.bias import causal_lower_right
 from shard import attention_inputs
 from shard.attention_inputs import (decode_metadata, prefill_metadata, route_short_contexts,
                                     static_decode_metadata)
+from shard.kernels import decode_backend
 from shard.kernels import paged_attention as paged_kernel
 from shard.kv_budget import KVCacheSpec
 from shard.layers import attention
@@ -141,6 +142,8 @@ def _decode_meta(path: str, lens: torch.Tensor, tables: torch.Tensor, monkeypatc
     spec = KVCacheSpec(1, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32, torch.device("cpu"))
     if path == "static":  # a CUDA graph's: every row over the table's full width
         return static_decode_metadata(lens - 1, tables, spec)
+    if path == "triton":  # a CUDA graph's where Triton's kernel reads the cache in place
+        return static_decode_metadata(lens - 1, tables, spec, in_place=True)
     if path == "groups":  # each length its own group
         monkeypatch.setattr(attention_inputs, "GROUP_SLACK_TOKENS", 0)
     meta = decode_metadata(lens - 1, tables, spec, paged_kernel=path == "kernel")
@@ -149,12 +152,16 @@ def _decode_meta(path: str, lens: torch.Tensor, tables: torch.Tensor, monkeypatc
     return meta
 
 
-DECODE_PATHS = [pytest.param("kernel", marks=needs_kernel), "grouped", "groups", "static"]
+DECODE_PATHS = [pytest.param("kernel", marks=needs_kernel), "grouped", "groups", "static",
+                "triton"]
 
 
 @pytest.mark.parametrize("path", DECODE_PATHS)
 @pytest.mark.parametrize("window,softcap", CASES, ids=CASE_IDS)
-def test_decode_rows_of_different_lengths(path, window, softcap, monkeypatch):
+def test_decode_rows_of_different_lengths(path, window, softcap, monkeypatch, request):
+    if path == "triton":  # its kernel, under Triton's interpreter, where CPU tensors go
+        monkeypatch.setattr(decode_backend, "paged_attention",
+                            request.getfixturevalue("triton_kernel"))
     tables, qkv = _sequences(DECODE_LENGTHS, seed=1)
     cache = _cache()
     for row, (_, k, v) in enumerate(qkv):

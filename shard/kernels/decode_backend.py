@@ -1,0 +1,55 @@
+"""Which kernel decode attention reads the paged cache with: C on CPUs, Triton on CUDA, or none.
+
+Both read each sequence's keys and values where they lie. Where neither runs (another device,
+Triton missing, a cache dtype neither reads, or either turned off by its variable), PyTorch
+gathers each context into a copy and attends over it (shard.layers.attention's decode groups).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+from shard.kernels import paged_attention
+
+log = logging.getLogger("tgi.shard.decode_backend")
+
+C = "c"
+TRITON = "triton"
+# TGI_PY_TRITON_ATTENTION=0 keeps CUDA decode attention in PyTorch (for comparisons and bisecting)
+TRITON_ENV = "TGI_PY_TRITON_ATTENTION"
+TRITON_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)
+
+
+@functools.cache
+def triton_kernel() -> ModuleType | None:
+    """shard.kernels.triton_attention, or None (turned off, or Triton does not import)."""
+    if os.environ.get(TRITON_ENV, "1") == "0":
+        return None
+    try:
+        from shard.kernels import triton_attention
+    except ImportError as err:  # CPU builds of PyTorch come without Triton
+        log.info("no Triton (%s): CUDA decode attention gathers each context in PyTorch", err)
+        return None
+    return triton_attention
+
+
+def select(device: torch.device, cache_dtype: torch.dtype) -> str | None:
+    """The kernel of decode attention over a cache of this device and dtype: C, TRITON or None."""
+    if device.type == "cpu":
+        return C if paged_attention.supports(device, cache_dtype) else None
+    if device.type == "cuda" and cache_dtype in TRITON_CACHE_DTYPES and triton_kernel() is not None:
+        return TRITON
+    return None
+
+
+def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           **options) -> torch.Tensor:
+    """The decode attention of the kernel for q's device (the C one's contract and options)."""
+    kernel = triton_kernel() if q.device.type == "cuda" else paged_attention
+    return kernel.paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens,
+                                         scale, **options)

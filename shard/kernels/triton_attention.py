@@ -1,0 +1,135 @@
+"""Paged decode attention in Triton: each sequence's keys and values read where they lie.
+
+The CUDA counterpart of the C kernel (shard/kernels/paged_attention.c): no context is gathered
+into a copy first, so a step reads each cached key and value once. One program per sequence and
+key/value head scores all the query heads sharing that head at once (grouped queries), walking
+the sequence's blocks through its table with an online softmax. The grid and every tensor shape
+are fixed by the inputs' shapes and the context lengths are read on the device, so a CUDA graph
+records a call as it is.
+
+Importing this module imports Triton: shard.kernels.decode_backend imports it only once Triton is
+known to import. Under TRITON_INTERPRET=1 it runs on CPU tensors (how the tests check it).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shard.kernels.decode_backend import TRITON_CACHE_DTYPES
+
+# tl.dot's smallest operand sides; a group of query heads, a block and a head are padded up to it
+MIN_DOT = 16
+
+
+@triton.jit
+def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, lens_ptr, out_ptr,
+                  stride_q_row, stride_q_head, stride_table_row, stride_out_row,
+                  stride_cache_block, stride_cache_head, stride_cache_token,
+                  stride_scale_block, stride_scale_head,
+                  scale, softcap, window,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  PAD_GROUP: tl.constexpr, PAD_DIM: tl.constexpr, PAD_BLOCK: tl.constexpr,
+                  INT8: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    g = tl.arange(0, PAD_GROUP)
+    d = tl.arange(0, PAD_DIM)
+    n = tl.arange(0, PAD_BLOCK)
+    heads = kv_head * GROUP + g
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
+                mask=q_mask, other=0.0)
+    # the matmuls' operands in the query's dtype: an int8 cache's values (integers up to 127)
+    # are exact in any of them, a bf16 cache's exact in float32
+    compute = q.dtype
+    length = tl.load(lens_ptr + row)
+    start = 0
+    if HAS_WINDOW:  # the query sees its last `window` positions, itself included
+        start = tl.maximum(length - window, 0)
+    token_mask = n < BLOCK_SIZE
+    kv_mask = token_mask[:, None] & (d[None, :] < HEAD_DIM)
+    best = tl.full([PAD_GROUP], float("-inf"), tl.float32)
+    total = tl.zeros([PAD_GROUP], tl.float32)
+    acc = tl.zeros([PAD_GROUP, PAD_DIM], tl.float32)
+    for j in range(start // BLOCK_SIZE, tl.cdiv(length, BLOCK_SIZE)):
+        block = tl.load(tables_ptr + row * stride_table_row + j).to(tl.int64)
+        offsets = (block * stride_cache_block + kv_head * stride_cache_head
+                   + n[:, None] * stride_cache_token + d[None, :])
+        keys = tl.load(k_ptr + offsets, mask=kv_mask, other=0).to(compute)
+        scores = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [group, block] float32
+        if INT8:
+            scale_at = block * stride_scale_block + kv_head * stride_scale_head + n
+            scores *= tl.load(k_scale_ptr + scale_at, mask=token_mask, other=0.0)[None, :]
+        scores *= scale
+        if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh through the sigmoid Triton has
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        position = j * BLOCK_SIZE + n
+        visible = token_mask & (position < length) & (position >= start)
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))
+        # the first block always holds a visible position, so new_best is finite from it on
+        rescale = tl.exp(best - new_best)
+        probs = tl.exp(scores - new_best[:, None])
+        total = total * rescale + tl.sum(probs, 1)
+        values = tl.load(v_ptr + offsets, mask=kv_mask, other=0).to(compute)
+        if INT8:
+            probs *= tl.load(v_scale_ptr + scale_at, mask=token_mask, other=0.0)[None, :]
+        acc = acc * rescale[:, None] + tl.dot(probs.to(compute), values, input_precision="ieee")
+        best = new_best
+    out = acc / total[:, None]
+    tl.store(out_ptr + row * stride_out_row + heads[:, None] * HEAD_DIM + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float, *, window: int | None = None,
+                           softcap: float | None = None, key_scales: torch.Tensor | None = None,
+                           value_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention over the paged cache: q [B, heads, d] -> [B, heads * d] in q's dtype.
+
+    The same contract as shard.kernels.paged_attention.paged_decode_attention: sequence b attends
+    over context_lens[b] tokens through block_tables [B, blocks], its last `window` only when
+    given, each scaled score soft-capped when given; an int8 cache comes with its float32 scales
+    [num_blocks, kv_heads, block_size]. Scores and the softmax are float32; the matmuls take the
+    query's dtype (bf16 queries: bf16 products, float32 sums; float32 queries over a bf16 cache
+    widen it exactly, as the C kernel does)."""
+    batch, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    if key_cache.dtype not in TRITON_CACHE_DTYPES:
+        raise ValueError(f"the Triton kernel reads float16, bfloat16, float32 or int8 caches, not "
+                         f"{key_cache.dtype}")
+    if (value_cache.dtype != key_cache.dtype or value_cache.shape != key_cache.shape
+            or value_cache.stride() != key_cache.stride() or key_cache.stride(3) != 1):
+        raise ValueError("the key and value caches must share one dtype, shape and layout, "
+                         "their rows contiguous")
+    is_int8 = key_cache.dtype == torch.int8
+    if is_int8 and (key_scales is None or value_scales is None
+                    or key_scales.shape != key_cache.shape[:3]
+                    or value_scales.stride() != key_scales.stride()):
+        raise ValueError(f"an int8 cache needs float32 scales shaped {tuple(key_cache.shape[:3])}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} key/value heads")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    queries = q if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else q.float()
+    out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    group = num_heads // num_kv_heads
+    scales = key_scales if is_int8 else key_cache  # unread without an int8 cache
+    _paged_decode[(batch, num_kv_heads)](
+        queries, key_cache, value_cache, scales, value_scales if is_int8 else value_cache,
+        block_tables, context_lens, out,
+        queries.stride(0), queries.stride(1), block_tables.stride(0), out.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        scales.stride(0), scales.stride(1),
+        float(scale), float(softcap or 0.0), int(window or 0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        PAD_GROUP=_padded(group), PAD_DIM=_padded(head_dim), PAD_BLOCK=_padded(block_size),
+        INT8=is_int8, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None)
+    return out
+
+
+def _padded(size: int) -> int:
+    """The power of two at least `size` and MIN_DOT: a tile side Triton accepts."""
+    return max(MIN_DOT, triton.next_power_of_2(size))

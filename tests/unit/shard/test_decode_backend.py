@@ -1,0 +1,54 @@
+"""Which kernel reads the paged cache at decode, for each device, cache dtype and installation."""
+import sys
+
+import pytest
+import torch
+
+import shard.kernels
+from shard.kernels import decode_backend, paged_attention
+
+CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """decode_backend's cached import undone before and after the test."""
+    decode_backend.triton_kernel.cache_clear()
+    yield monkeypatch
+    decode_backend.triton_kernel.cache_clear()
+
+
+def test_cuda_takes_triton_where_it_imports_for_every_cache_it_reads(fresh):
+    pytest.importorskip("triton")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int8):
+        assert decode_backend.select(CUDA, dtype) == decode_backend.TRITON
+    assert decode_backend.select(CUDA, torch.float8_e4m3fn) is None  # a cache it does not read
+
+
+def test_without_triton_cuda_keeps_pytorchs_gather(fresh):
+    fresh.setitem(sys.modules, "triton", None)  # what a CPU build of PyTorch leaves: no Triton
+    fresh.delitem(sys.modules, "shard.kernels.triton_attention", raising=False)
+    fresh.delattr(shard.kernels, "triton_attention", raising=False)
+    assert decode_backend.triton_kernel() is None
+    assert decode_backend.select(CUDA, torch.bfloat16) is None
+
+
+def test_the_variable_turns_triton_off(fresh):
+    fresh.setenv(decode_backend.TRITON_ENV, "0")
+    assert decode_backend.select(CUDA, torch.bfloat16) is None
+
+
+def test_cpus_take_the_c_kernel_and_other_devices_neither(fresh):
+    expected = decode_backend.C if paged_attention.load_kernel() is not None else None
+    assert decode_backend.select(CPU, torch.bfloat16) == expected
+    assert decode_backend.select(CPU, torch.float16) is None  # the C kernel reads no float16
+    assert decode_backend.select(torch.device("mps"), torch.float16) is None
+
+
+def test_cpu_tensors_go_to_the_c_kernel_whatever_else_is_installed(fresh):
+    calls = []
+    fresh.setattr(paged_attention, "paged_decode_attention",
+                  lambda *args, **options: calls.append(options) or "c")
+    assert decode_backend.paged_decode_attention(torch.zeros(1, 2, 4), None, None, None, None,
+                                                 0.5, window=3) == "c"
+    assert calls == [{"window": 3}]
