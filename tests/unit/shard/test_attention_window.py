@@ -142,7 +142,7 @@ def _decode_meta(path: str, lens: torch.Tensor, tables: torch.Tensor, monkeypatc
     spec = KVCacheSpec(1, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32, torch.device("cpu"))
     if path == "static":  # a CUDA graph's: every row over the table's full width
         return static_decode_metadata(lens - 1, tables, spec)
-    if path == "triton":  # a CUDA graph's where Triton's kernel reads the cache in place
+    if path.startswith("triton"):  # a CUDA graph's where Triton's kernel reads in place
         return static_decode_metadata(lens - 1, tables, spec, in_place=True)
     if path == "groups":  # each length its own group
         monkeypatch.setattr(attention_inputs, "GROUP_SLACK_TOKENS", 0)
@@ -153,15 +153,17 @@ def _decode_meta(path: str, lens: torch.Tensor, tables: torch.Tensor, monkeypatc
 
 
 DECODE_PATHS = [pytest.param("kernel", marks=needs_kernel), "grouped", "groups", "static",
-                "triton"]
+                "triton", "triton-split"]
 
 
 @pytest.mark.parametrize("path", DECODE_PATHS)
 @pytest.mark.parametrize("window,softcap", CASES, ids=CASE_IDS)
 def test_decode_rows_of_different_lengths(path, window, softcap, monkeypatch, request):
-    if path == "triton":  # its kernel, under Triton's interpreter, where CPU tensors go
+    if path.startswith("triton"):  # its kernel, under Triton's interpreter, on CPU tensors
         monkeypatch.setattr(decode_backend, "paged_attention",
                             request.getfixturevalue("triton_kernel"))
+    if path == "triton-split":  # rows' blocks shared among programs as the shapes choose
+        monkeypatch.setattr(decode_backend, "MIN_SPLIT_TOKENS", BLOCK_SIZE)
     tables, qkv = _sequences(DECODE_LENGTHS, seed=1)
     cache = _cache()
     for row, (_, k, v) in enumerate(qkv):
