@@ -1,4 +1,4 @@
-"""Which kernel decode attention reads the paged cache with: C on CPUs, Triton on CUDA, or none.
+"""Which kernel attention reads the paged cache with: C on CPUs, Triton on CUDA, or none.
 
 Both read each sequence's keys and values where they lie. Where neither runs (another device,
 Triton missing, a cache dtype neither reads, or either turned off by its variable), PyTorch
@@ -19,7 +19,7 @@ log = logging.getLogger("tgi.shard.decode_backend")
 
 C = "c"
 TRITON = "triton"
-# TGI_PY_TRITON_ATTENTION=0 keeps CUDA decode attention in PyTorch (for comparisons and bisecting)
+# TGI_PY_TRITON_ATTENTION=0 keeps CUDA attention in PyTorch (for comparisons and bisecting)
 TRITON_ENV = "TGI_PY_TRITON_ATTENTION"
 TRITON_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)
 # Split-K decode (flash-decoding): a row's blocks are shared among programs only while each share
@@ -74,6 +74,16 @@ def select(device: torch.device, cache_dtype: torch.dtype) -> str | None:
     if device.type == "cuda" and cache_dtype in TRITON_CACHE_DTYPES and triton_kernel() is not None:
         return TRITON
     return None
+
+
+def prefill_kernel(device: torch.device, cache_dtype: torch.dtype) -> ModuleType | None:
+    """shard.kernels.triton_prefill where prefill reads cached prefixes in place, or None.
+
+    Where Triton's decode kernel runs (CUDA, a cache it reads): the two are selected together."""
+    if select(device, cache_dtype) != TRITON:
+        return None
+    from shard.kernels import triton_prefill
+    return triton_prefill
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

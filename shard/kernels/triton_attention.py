@@ -138,20 +138,7 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     chosen from the shapes when None (decode_backend.decode_splits)."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
-    if key_cache.dtype not in TRITON_CACHE_DTYPES:
-        raise ValueError(f"the Triton kernel reads float16, bfloat16, float32 or int8 caches, not "
-                         f"{key_cache.dtype}")
-    if (value_cache.dtype != key_cache.dtype or value_cache.shape != key_cache.shape
-            or value_cache.stride() != key_cache.stride() or key_cache.stride(3) != 1):
-        raise ValueError("the key and value caches must share one dtype, shape and layout, "
-                         "their rows contiguous")
-    is_int8 = key_cache.dtype == torch.int8
-    if is_int8 and (key_scales is None or value_scales is None
-                    or key_scales.shape != key_cache.shape[:3]
-                    or value_scales.stride() != key_scales.stride()):
-        raise ValueError(f"an int8 cache needs float32 scales shaped {tuple(key_cache.shape[:3])}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} key/value heads")
+    is_int8 = check_cache(num_heads, key_cache, value_cache, key_scales, value_scales)
     if q.stride(2) != 1:
         q = q.contiguous()
     queries = q if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else q.float()
@@ -176,16 +163,37 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         scales.stride(0), scales.stride(1),
         float(scale), float(softcap or 0.0), int(window or 0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        PAD_GROUP=_padded(group), PAD_DIM=_padded(head_dim), PAD_BLOCK=_padded(block_size),
+        PAD_GROUP=padded(group), PAD_DIM=padded(head_dim), PAD_BLOCK=padded(block_size),
         INT8=is_int8, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         SPLITS=splits)
     if splits > 1:
         _combine_splits[(batch, num_heads)](part, best, total, out, out.stride(0), SPLITS=splits,
-                                            HEAD_DIM=head_dim, PAD_SPLITS=_padded(splits, 2),
-                                            PAD_DIM=_padded(head_dim))
+                                            HEAD_DIM=head_dim, PAD_SPLITS=padded(splits, 2),
+                                            PAD_DIM=padded(head_dim))
     return out
 
 
-def _padded(size: int, least: int = MIN_DOT) -> int:
+def check_cache(num_heads: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                key_scales: torch.Tensor | None, value_scales: torch.Tensor | None) -> bool:
+    """Whether the cache is int8, once it is one the kernels read; a ValueError otherwise."""
+    if key_cache.dtype not in TRITON_CACHE_DTYPES:
+        raise ValueError(f"the Triton kernel reads float16, bfloat16, float32 or int8 caches, not "
+                         f"{key_cache.dtype}")
+    if (value_cache.dtype != key_cache.dtype or value_cache.shape != key_cache.shape
+            or value_cache.stride() != key_cache.stride() or key_cache.stride(3) != 1):
+        raise ValueError("the key and value caches must share one dtype, shape and layout, "
+                         "their rows contiguous")
+    is_int8 = key_cache.dtype == torch.int8
+    if is_int8 and (key_scales is None or value_scales is None
+                    or key_scales.shape != key_cache.shape[:3]
+                    or value_scales.stride() != key_scales.stride()):
+        raise ValueError(f"an int8 cache needs float32 scales shaped {tuple(key_cache.shape[:3])}")
+    if num_heads % key_cache.shape[1]:
+        raise ValueError(f"{num_heads} query heads cannot share {key_cache.shape[1]} key/value "
+                         "heads")
+    return is_int8
+
+
+def padded(size: int, least: int = MIN_DOT) -> int:
     """The power of two at least `size` and `least`: a tile side Triton accepts."""
     return max(least, triton.next_power_of_2(size))

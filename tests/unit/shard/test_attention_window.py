@@ -107,11 +107,17 @@ def _route(meta, inputs, path: str) -> None:
 
 
 @pytest.mark.parametrize("path", ["pytorch", pytest.param("kernel", marks=needs_kernel),
-                                  pytest.param("mixed", marks=needs_kernel)])
+                                  pytest.param("mixed", marks=needs_kernel), "triton"])
 @pytest.mark.parametrize("window,softcap", CASES, ids=CASE_IDS)
-def test_prefill_fresh_and_continued(path, window, softcap):
+def test_prefill_fresh_and_continued(path, window, softcap, monkeypatch, request):
+    """"triton": CUDA's selection, its kernel interpreted on CPU tensors (the continued prompt
+    read in place; the fresh one too where capped, else through SDPA)."""
     meta, inputs, (q, k, v), cache, contexts = _prefill_case()
-    _route(meta, inputs, path)
+    if path == "triton":
+        kernel = request.getfixturevalue("triton_prefill")
+        monkeypatch.setattr(decode_backend, "prefill_kernel", lambda device, dtype: kernel)
+    else:
+        _route(meta, inputs, path)
     store_kv(k, v, cache, meta)
     out = paged_attention(q, k, v, cache, meta, SCALE, window=window, softcap=softcap)
     positions = inputs[1]

@@ -71,3 +71,15 @@ def test_splits_fill_the_gpu_only_where_few_programs_read_long_contexts():
 def test_the_programs_wanted_off_cuda_are_a_default_gpus():
     assert decode_backend.programs_wanted(CPU) == (decode_backend.PROGRAMS_PER_SM
                                                    * decode_backend.DEFAULT_SMS)
+
+
+def test_prefill_reads_in_place_where_decode_runs_triton(fresh):
+    pytest.importorskip("triton")
+    kernel = decode_backend.prefill_kernel(CUDA, torch.bfloat16)
+    assert kernel.__name__ == "shard.kernels.triton_prefill"
+    assert decode_backend.prefill_kernel(CUDA, torch.int8) is kernel
+    assert decode_backend.prefill_kernel(CUDA, torch.float8_e4m3fn) is None
+    assert decode_backend.prefill_kernel(CPU, torch.bfloat16) is None  # the CPU's paths stay
+    fresh.setenv(decode_backend.TRITON_ENV, "0")
+    decode_backend.triton_kernel.cache_clear()
+    assert decode_backend.prefill_kernel(CUDA, torch.bfloat16) is None
