@@ -13,6 +13,7 @@ from types import ModuleType
 
 import torch
 
+from shard.config import decode_path_refusal, device_refusal
 from shard.kernels import paged_attention
 
 log = logging.getLogger("tgi.shard.decode_backend")
@@ -74,6 +75,24 @@ def select(device: torch.device, cache_dtype: torch.dtype) -> str | None:
     if device.type == "cuda" and cache_dtype in TRITON_CACHE_DTYPES and triton_kernel() is not None:
         return TRITON
     return None
+
+
+def cache_refusal(device: torch.device, cache_dtype: torch.dtype, kernel: str | None, *,
+                  compile_decode: bool, cuda_graphs: bool) -> str | None:
+    """Why a KV cache of `cache_dtype` cannot be read on `device` by `kernel` (select's), or None.
+
+    An int8 cache is read by the C kernels on the CPU and by Triton's on CUDA (decode, prefill
+    over a cached prefix, and the CUDA graphs over them); on CUDA without Triton's kernels it is
+    refused, not gathered and dequantized a step at a time. `cuda_graphs`: graphs are captured."""
+    if cache_dtype != torch.int8:
+        return None
+    refusal = device_refusal(device.type, kv_cache_dtype="int8")
+    if refusal is None and device.type == "cuda" and kernel != TRITON:
+        refusal = ("--kv-cache-dtype int8 on CUDA is read by Triton's attention kernels, which do "
+                   f"not run here (Triton does not import, or {TRITON_ENV}=0): install Triton "
+                   "(PyTorch's CUDA builds bring it) or serve without --kv-cache-dtype")
+    return refusal or decode_path_refusal("int8", compile_decode=compile_decode,
+                                          cuda_graphs=cuda_graphs and kernel != TRITON)
 
 
 def prefill_kernel(device: torch.device, cache_dtype: torch.dtype) -> ModuleType | None:

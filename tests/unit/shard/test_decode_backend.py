@@ -83,3 +83,21 @@ def test_prefill_reads_in_place_where_decode_runs_triton(fresh):
     fresh.setenv(decode_backend.TRITON_ENV, "0")
     decode_backend.triton_kernel.cache_clear()
     assert decode_backend.prefill_kernel(CUDA, torch.bfloat16) is None
+
+
+def test_an_int8_cache_is_read_where_c_or_triton_reads_it_and_refused_elsewhere():
+    refusal = decode_backend.cache_refusal
+    off = {"compile_decode": False, "cuda_graphs": False}
+    # Triton on CUDA reads it in decode, prefill and the graphs over them
+    assert refusal(CUDA, torch.int8, decode_backend.TRITON, compile_decode=False,
+                   cuda_graphs=True) is None
+    assert "Triton does not import" in refusal(CUDA, torch.int8, None, **off)
+    assert refusal(CPU, torch.int8, decode_backend.C, **off) is None
+    # graphs that gather each context, or the compiled step, do not read its scales
+    assert "CUDA graphs" in refusal(CPU, torch.int8, decode_backend.C, compile_decode=False,
+                                    cuda_graphs=True)
+    assert "--compile-decode" in refusal(CUDA, torch.int8, decode_backend.TRITON,
+                                         compile_decode=True, cuda_graphs=False)
+    assert "not on mps" in refusal(torch.device("mps"), torch.int8, None, **off)
+    for dtype in (torch.bfloat16, torch.float16):  # the model's own dtype: read everywhere
+        assert refusal(CUDA, dtype, None, compile_decode=True, cuda_graphs=True) is None
