@@ -49,7 +49,9 @@ class _KernelOn:
 
         def on_device(*args, **options):
             out = function(*map(move, args), **{k: move(v) for k, v in options.items()})
-            return out.cpu()
+            if isinstance(out, tuple):
+                return tuple(o.cpu() for o in out)
+            return None if out is None else out.cpu()
 
         return on_device
 
@@ -72,6 +74,12 @@ def _triton_module(name: str) -> _KernelOn:
 def triton_kernel():
     """shard.kernels.triton_attention, decode attention (see _triton_module)."""
     return _triton_module("triton_attention")
+
+
+@pytest.fixture
+def triton_layer_ops():
+    """shard.kernels.triton_layer_ops, the norm and the rotary cache write (see _triton_module)."""
+    return _triton_module("triton_layer_ops")
 
 
 @pytest.fixture
