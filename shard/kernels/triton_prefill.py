@@ -99,14 +99,16 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
                             cached_lens: list[int], sequences: list[int], scale: float, *,
                             window: int | None = None, softcap: float | None = None,
                             key_scales: torch.Tensor | None = None,
-                            value_scales: torch.Tensor | None = None) -> torch.Tensor:
+                            value_scales: torch.Tensor | None = None,
+                            memo: dict | None = None) -> torch.Tensor:
     """Prefill attention read from the paged cache: q [T, heads, d] -> [T, heads * d].
 
     Sequence b's new tokens are q's rows query_starts[b] .. query_starts[b + 1], at positions
     cached_lens[b] on, their keys and values already in the cache through block_tables[b]; each
     sees the keys up to its own position (its last `window` only when given), each scaled score
     soft-capped when given. Only the rows of `sequences` (indices of b) are written; the others
-    are left as torch.empty left them. Caches, scales and arithmetic as the decode kernel's."""
+    are left as torch.empty left them. Caches, scales and arithmetic as the decode kernel's.
+    `memo` keeps the tile lists uploaded to the device (a forward's layers share them)."""
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     is_int8 = check_cache(num_heads, key_cache, value_cache, key_scales, value_scales)
@@ -116,19 +118,15 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     group = num_heads // num_kv_heads
     tokens = max(1, TILE_ROWS // group)  # new tokens a program takes
-    tile_seq, tile_first = [], []
-    for b in sequences:
-        for first in range(0, query_starts[b + 1] - query_starts[b], tokens):
-            tile_seq.append(b)
-            tile_first.append(first)
-    if not tile_seq:
+    key = (tokens, tuple(sequences))
+    index, lists = (memo or {}).get(key) or _tiles(query_starts, cached_lens, sequences, tokens,
+                                                   q.device)
+    if memo is not None:
+        memo[key] = (index, lists)
+    if not index.shape[1]:
         return out
-    # host lists in one upload; nothing is read back
-    index = torch.tensor([tile_seq, tile_first], dtype=torch.int32).to(q.device, non_blocking=True)
-    lists = torch.tensor([query_starts, cached_lens + [0]], dtype=torch.int32).to(
-        q.device, non_blocking=True)
     scales = key_scales if is_int8 else key_cache  # unread without an int8 cache
-    _paged_prefill[(len(tile_seq), num_kv_heads)](
+    _paged_prefill[(index.shape[1], num_kv_heads)](
         queries, key_cache, value_cache, scales, value_scales if is_int8 else value_cache,
         block_tables, index[0], index[1], lists[0], lists[1], out,
         queries.stride(0), queries.stride(1), block_tables.stride(0), out.stride(0),
@@ -139,3 +137,19 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
         PAD_ROWS=padded(tokens * group), PAD_DIM=padded(head_dim), PAD_BLOCK=padded(block_size),
         INT8=is_int8, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None)
     return out
+
+
+def _tiles(query_starts: list[int], cached_lens: list[int], sequences: list[int], tokens: int,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[2, tiles]: each tile's sequence and first new token; [2, B + 1]: starts and cached lengths.
+
+    Host lists in one upload each; nothing is read back."""
+    tile_seq, tile_first = [], []
+    for b in sequences:
+        for first in range(0, query_starts[b + 1] - query_starts[b], tokens):
+            tile_seq.append(b)
+            tile_first.append(first)
+    index = torch.tensor([tile_seq, tile_first], dtype=torch.int32).to(device, non_blocking=True)
+    lists = torch.tensor([query_starts, cached_lens + [0]], dtype=torch.int32).to(
+        device, non_blocking=True)
+    return index, lists

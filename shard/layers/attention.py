@@ -43,6 +43,8 @@ class PrefillLayout:
     # their [queries, keys] masks, built by the first layer that needs each and read by the rest
     # (keyed by what a mask depends on: cached, new tokens, window, spans)
     image_masks: dict = field(default_factory=dict)
+    # Triton's prefill kernel's tile lists on the device, uploaded by the first layer (CUDA)
+    tile_index: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -40,4 +40,4 @@ def attend(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, sequence
                                           layout.query_starts, layout.cached_lens, sequences,
                                           scale, window=window, softcap=softcap,
                                           key_scales=cache.key_scale,
-                                          value_scales=cache.value_scale)
+                                          value_scales=cache.value_scale, memo=layout.tile_index)

@@ -108,3 +108,14 @@ def test_bad_caches_are_refused_before_the_kernel_runs(triton_prefill):
         _run(triton_prefill, q, keys, values.bfloat16(), tables, starts)
     with pytest.raises(ValueError, match="cannot share"):
         _run(triton_prefill, q[:, :5], keys, values, tables, starts)
+
+
+def test_a_forwards_layers_share_one_upload_of_the_tiles(triton_prefill):
+    q, keys, values, tables, starts = _case(6, 2, 16, torch.float32, seed=3)
+    memo = {}
+    first = _run(triton_prefill, q, keys, values, tables, starts, memo=memo)
+    uploaded = dict(memo)
+    again = _run(triton_prefill, q, keys, values, tables, starts, memo=memo)
+    assert len(memo) == 1 and all(memo[k][0] is uploaded[k][0] for k in memo)
+    rows = _routed_rows(starts)
+    assert torch.equal(first[rows], again[rows])
