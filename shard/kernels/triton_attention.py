@@ -35,10 +35,12 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   PAD_GROUP: tl.constexpr, PAD_DIM: tl.constexpr, PAD_BLOCK: tl.constexpr,
                   INT8: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                  SPLITS: tl.constexpr):
+                  IS_SPLIT: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # a runtime count, not a constant: a context growing past each share adds no compilation
+    num_splits = tl.num_programs(2)
     g = tl.arange(0, PAD_GROUP)
     d = tl.arange(0, PAD_DIM)
     n = tl.arange(0, PAD_BLOCK)
@@ -60,8 +62,8 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
     acc = tl.zeros([PAD_GROUP, PAD_DIM], tl.float32)
     first = start // BLOCK_SIZE
     last = tl.cdiv(length, BLOCK_SIZE)
-    if SPLITS > 1:  # this program's share of the row's visible blocks (the last ones may be empty)
-        share = tl.cdiv(last - first, SPLITS)
+    if IS_SPLIT:  # this program's share of the row's visible blocks (the last ones may be empty)
+        share = tl.cdiv(last - first, num_splits)
         first = tl.minimum(first + split * share, last)
         last = tl.minimum(first + share, last)
     for j in range(first, last):
@@ -89,8 +91,8 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
             probs *= tl.load(v_scale_ptr + scale_at, mask=token_mask, other=0.0)[None, :]
         acc = acc * rescale[:, None] + tl.dot(probs.to(compute), values, input_precision="ieee")
         best = new_best
-    if SPLITS > 1:  # the partial softmax, [B, heads, SPLITS] and [B, heads, SPLITS, d]
-        at = (row * tl.num_programs(1) * GROUP + heads) * SPLITS + split
+    if IS_SPLIT:  # the partial softmax, [B, heads, splits] and [B, heads, splits, d]
+        at = (row * tl.num_programs(1) * GROUP + heads) * num_splits + split
         tl.store(best_ptr + at, best, mask=g < GROUP)
         tl.store(total_ptr + at, total, mask=g < GROUP)
         tl.store(part_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
@@ -100,19 +102,19 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
 
 
 @triton.jit
-def _combine_splits(part_ptr, best_ptr, total_ptr, out_ptr, stride_out_row,
-                    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_SPLITS: tl.constexpr,
+def _combine_splits(part_ptr, best_ptr, total_ptr, out_ptr, stride_out_row, num_splits,
+                    HEAD_DIM: tl.constexpr, PAD_SPLITS: tl.constexpr,
                     PAD_DIM: tl.constexpr):
-    """One row and query head: its SPLITS partial softmaxes rescaled to their common maximum."""
+    """One row and query head: its num_splits partial softmaxes rescaled to their common maximum."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, PAD_SPLITS)
     d = tl.arange(0, PAD_DIM)
-    at = (row * tl.num_programs(1) + head) * SPLITS + s
-    best = tl.load(best_ptr + at, mask=s < SPLITS, other=float("-inf"))
-    total = tl.load(total_ptr + at, mask=s < SPLITS, other=0.0)
+    at = (row * tl.num_programs(1) + head) * num_splits + s
+    best = tl.load(best_ptr + at, mask=s < num_splits, other=float("-inf"))
+    total = tl.load(total_ptr + at, mask=s < num_splits, other=0.0)
     part = tl.load(part_ptr + at[:, None] * HEAD_DIM + d[None, :],
-                   mask=(s[:, None] < SPLITS) & (d[None, :] < HEAD_DIM), other=0.0)
+                   mask=(s[:, None] < num_splits) & (d[None, :] < HEAD_DIM), other=0.0)
     # the first split always holds the row's first visible block: the maximum is finite, and an
     # empty split (best -inf) weighs 0
     weight = tl.exp(best - tl.max(best, 0))
@@ -165,9 +167,9 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         PAD_GROUP=padded(group), PAD_DIM=padded(head_dim), PAD_BLOCK=padded(block_size),
         INT8=is_int8, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        SPLITS=splits)
+        IS_SPLIT=splits > 1)
     if splits > 1:
-        _combine_splits[(batch, num_heads)](part, best, total, out, out.stride(0), SPLITS=splits,
+        _combine_splits[(batch, num_heads)](part, best, total, out, out.stride(0), splits,
                                             HEAD_DIM=head_dim, PAD_SPLITS=padded(splits, 2),
                                             PAD_DIM=padded(head_dim))
     return out
