@@ -102,16 +102,19 @@ def device_refusal(device: str, *, quantize: str | None = None,
                    kv_cache_dtype: str | None = None) -> str | None:
     """Why --quantize or --kv-cache-dtype cannot run on `device` (a device type), or None.
 
-    Both run CPU kernels only (but fp8 weights, which run anywhere). "auto" passes: the shard
-    chooses the CPU for --quantize int8/int4, and asks again once it knows its device."""
+    int8 and int4 weights run CPU kernels only (fp8 weights run anywhere); an int8 KV cache is
+    read by the C kernels on the CPU and Triton's on CUDA (the shard checks that Triton's run:
+    shard.kernels.decode_backend.cache_refusal). "auto" passes: the shard chooses the CPU for
+    --quantize int8/int4, and asks again once it knows its device."""
     if device in ("cpu", "auto"):
         return None
     if quantize in CPU_QUANTIZE_KINDS:
         return (f"--quantize {quantize} runs CPU kernels only, not on {device}: serve on the "
                 "CPU (--device cpu, or auto on a machine without a GPU) or without --quantize")
-    if kv_cache_dtype in KV_CACHE_DTYPES:  # the model's own dtype runs anywhere
-        return (f"--kv-cache-dtype {kv_cache_dtype} is read by CPU kernels only, not on "
-                f"{device}: serve on the CPU (--device cpu) or without --kv-cache-dtype")
+    if kv_cache_dtype in KV_CACHE_DTYPES and device != "cuda":  # the model's dtype runs anywhere
+        return (f"--kv-cache-dtype {kv_cache_dtype} is read by the CPU's and CUDA's kernels "
+                f"only, not on {device}: serve on the CPU (--device cpu), on CUDA, or without "
+                "--kv-cache-dtype")
     return None
 
 
@@ -119,7 +122,9 @@ def decode_path_refusal(kv_cache_dtype: str | None, *, compile_decode: bool,
                         cuda_graphs: bool = False) -> str | None:
     """Why the chosen decode paths cannot read a KV cache of `kv_cache_dtype`, or None.
 
-    Neither the compiled decode step nor a captured CUDA graph reads an int8 cache's scales."""
+    Neither the compiled decode step nor a CUDA graph that gathers each context reads an int8
+    cache's scales (`cuda_graphs`: such graphs are captured; graphs over Triton's kernel, which
+    reads them, are not refused)."""
     if kv_cache_dtype in KV_CACHE_DTYPES and (compile_decode or cuda_graphs):
         return (f"--kv-cache-dtype {kv_cache_dtype} with --compile-decode or CUDA graphs: "
                 "neither the compiled decode step nor a captured graph reads the cache's scales; "

@@ -17,7 +17,6 @@ from shard.adapters.adapter_set import AdapterSet
 from shard.attention_inputs import (decode_metadata, pad_blocks, prefill_metadata,
                                     route_short_contexts, static_decode_metadata)
 from shard.batch_state import PromptImage
-from shard.config import decode_path_refusal, device_refusal
 from shard.decode_paths import c_step
 from shard.decode_paths.compiled import CompiledDecode, unsupported_reason
 from shard.decode_paths.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
@@ -94,15 +93,13 @@ class ModelRunner:
         self.world_size = world_size
         self.cache: list[LayerCache] = []
         self.num_blocks = 0
-        refusal = device_refusal(spec.device.type, kv_cache_dtype="int8" if spec.int8 else None)
-        if refusal is not None:
-            raise ValueError(refusal)
-        refusal = decode_path_refusal("int8" if spec.int8 else None, compile_decode=compile_decode,
-                                      cuda_graphs=bool(cuda_graphs and new_capture is not None))
-        if refusal is not None:
-            raise ValueError(refusal)
         # the kernel reading the cache in place at decode (C, Triton or none: decode_backend)
         self.attention_kernel = decode_backend.select(spec.device, spec.cache_dtype)
+        refusal = decode_backend.cache_refusal(
+            spec.device, spec.cache_dtype, self.attention_kernel, compile_decode=compile_decode,
+            cuda_graphs=bool(cuda_graphs and (spec.device.type == "cuda" or new_capture)))
+        if refusal is not None:
+            raise ValueError(refusal)
         self.paged_kernel = self.attention_kernel is not None
         self.decode_step = self._decode_forward
         self.c_step: c_step.DecodeStep | None = None  # built with each pool (see allocate)

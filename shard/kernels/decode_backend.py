@@ -1,4 +1,4 @@
-"""Which kernel decode attention reads the paged cache with: C on CPUs, Triton on CUDA, or none.
+"""Which kernel attention reads the paged cache with: C on CPUs, Triton on CUDA, or none.
 
 Both read each sequence's keys and values where they lie. Where neither runs (another device,
 Triton missing, a cache dtype neither reads, or either turned off by its variable), PyTorch
@@ -13,15 +13,46 @@ from types import ModuleType
 
 import torch
 
+from shard.config import decode_path_refusal, device_refusal
 from shard.kernels import paged_attention
 
 log = logging.getLogger("tgi.shard.decode_backend")
 
 C = "c"
 TRITON = "triton"
-# TGI_PY_TRITON_ATTENTION=0 keeps CUDA decode attention in PyTorch (for comparisons and bisecting)
+# TGI_PY_TRITON_ATTENTION=0 keeps CUDA attention in PyTorch (for comparisons and bisecting)
 TRITON_ENV = "TGI_PY_TRITON_ATTENTION"
 TRITON_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)
+# Split-K decode (flash-decoding): a row's blocks are shared among programs only while each share
+# keeps at least this many tokens (a shorter one costs its partial results' round trip more than
+# it saves), and among at most MAX_SPLITS (the combining kernel holds them all at once).
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 32
+# programs per streaming multiprocessor that keep a GPU's memory busy; off CUDA (Triton's
+# interpreter), the multiprocessors assumed
+PROGRAMS_PER_SM = 2
+DEFAULT_SMS = 132
+
+
+def decode_splits(batch: int, num_kv_heads: int, max_context: int, programs: int) -> int:
+    """How many programs share each row's blocks in Triton's decode attention: 1 for none.
+
+    batch x kv_heads programs, one a row and key/value head, read the cache; where they are
+    fewer than `programs` (what keeps the GPU busy), each row's blocks are split so that about
+    that many run, no share under MIN_SPLIT_TOKENS of `max_context` (the table's width in tokens),
+    at most MAX_SPLITS. Shapes only: a CUDA graph replays its split at every step."""
+    busy = batch * num_kv_heads
+    if busy >= programs:
+        return 1
+    return max(1, min(-(-programs // busy), max_context // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+@functools.cache
+def programs_wanted(device: torch.device) -> int:
+    """The programs that keep `device` busy: PROGRAMS_PER_SM per multiprocessor (host-side)."""
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" else DEFAULT_SMS)
+    return PROGRAMS_PER_SM * sms
 
 
 @functools.cache
@@ -44,6 +75,34 @@ def select(device: torch.device, cache_dtype: torch.dtype) -> str | None:
     if device.type == "cuda" and cache_dtype in TRITON_CACHE_DTYPES and triton_kernel() is not None:
         return TRITON
     return None
+
+
+def cache_refusal(device: torch.device, cache_dtype: torch.dtype, kernel: str | None, *,
+                  compile_decode: bool, cuda_graphs: bool) -> str | None:
+    """Why a KV cache of `cache_dtype` cannot be read on `device` by `kernel` (select's), or None.
+
+    An int8 cache is read by the C kernels on the CPU and by Triton's on CUDA (decode, prefill
+    over a cached prefix, and the CUDA graphs over them); on CUDA without Triton's kernels it is
+    refused, not gathered and dequantized a step at a time. `cuda_graphs`: graphs are captured."""
+    if cache_dtype != torch.int8:
+        return None
+    refusal = device_refusal(device.type, kv_cache_dtype="int8")
+    if refusal is None and device.type == "cuda" and kernel != TRITON:
+        refusal = ("--kv-cache-dtype int8 on CUDA is read by Triton's attention kernels, which do "
+                   f"not run here (Triton does not import, or {TRITON_ENV}=0): install Triton "
+                   "(PyTorch's CUDA builds bring it) or serve without --kv-cache-dtype")
+    return refusal or decode_path_refusal("int8", compile_decode=compile_decode,
+                                          cuda_graphs=cuda_graphs and kernel != TRITON)
+
+
+def prefill_kernel(device: torch.device, cache_dtype: torch.dtype) -> ModuleType | None:
+    """shard.kernels.triton_prefill where prefill reads cached prefixes in place, or None.
+
+    Where Triton's decode kernel runs (CUDA, a cache it reads): the two are selected together."""
+    if select(device, cache_dtype) != TRITON:
+        return None
+    from shard.kernels import triton_prefill
+    return triton_prefill
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -1,15 +1,18 @@
 """A decoder layer's element-wise steps in C: RMS norm, rotary, KV cache writes, SiLU-and-multiply.
 
 Each is one C call (shard/kernels/layer_ops.c) on the CPU where PyTorch eager dispatches several
-ops, rounding where those ops round.
+ops, rounding where those ops round; on CUDA the residual add with its norm, and the rotary with
+the KV cache write, are one Triton launch each (shard/kernels/triton_layer_ops.py).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+from types import ModuleType
 
 import torch
 
+from shard.config import kernel_enabled
 from shard.kernels import native
 
 SOURCE = native.KERNELS / "layer_ops.c"
@@ -42,6 +45,25 @@ def load_library() -> ctypes.CDLL | None:
     return library
 
 
+@functools.cache
+def triton_ops() -> ModuleType | None:
+    """shard.kernels.triton_layer_ops, or None (TGI_PY_FUSED_OPS=0, or no Triton)."""
+    if not kernel_enabled(ENABLED_ENV):
+        return None
+    try:
+        from shard.kernels import triton_layer_ops
+    except ImportError:  # CPU builds of PyTorch come without Triton
+        return None
+    return triton_layer_ops
+
+
+def _on_cuda(tensor: torch.Tensor) -> ModuleType | None:
+    """triton_ops where `tensor` is on CUDA (and no torch.compile trace is running), else None."""
+    if not tensor.is_cuda or torch.compiler.is_compiling():
+        return None
+    return triton_ops()
+
+
 def _fused(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The library, when these tensors can go through it; else None.
 
@@ -63,6 +85,10 @@ def _fused(*tensors: torch.Tensor) -> ctypes.CDLL | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * h / rms(h), h) for h = x (+ residual): the normed rows and the residual stream."""
+    triton_form = _on_cuda(x)
+    fused = triton_form.rms_norm(x, weight, eps, residual) if triton_form else None
+    if fused is not None:
+        return fused
     lib = _fused(x, weight) if residual is None else _fused(x, weight, residual)
     if lib is None:
         summed = x if residual is None else x + residual
@@ -104,6 +130,11 @@ def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_he
     PyTorch). cos/sin [T, head_dim] are each token's angles (shard.layers.rotary). An int8 cache
     comes with its scales [blocks, kv_heads, block_size] (shard.layers.kv_int8), which the rows'
     get."""
+    triton_form = _on_cuda(qkv)
+    if triton_form is not None:
+        return triton_form.rotary_store(qkv, cos, sin, num_heads, num_kv_heads, head_dim,
+                                        key_cache, value_cache, slot_blocks, slot_offsets,
+                                        key_scale=key_scale, value_scale=value_scale)
     lib = _fused(qkv, cos, sin)
     is_int8 = key_cache.dtype == torch.int8
     if (lib is None or key_cache.device.type != "cpu"

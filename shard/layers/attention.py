@@ -14,7 +14,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from shard.kernels import decode_backend, layer_ops
 from shard.kernels import paged_attention as paged_kernel
-from shard.layers import kv_int8
+from shard.layers import kv_int8, prefill_in_place
 from shard.layers.precision import attention_dtype
 from shard.layers.rotary import RotaryAngles, apply_rotary
 
@@ -43,6 +43,8 @@ class PrefillLayout:
     # their [queries, keys] masks, built by the first layer that needs each and read by the rest
     # (keyed by what a mask depends on: cached, new tokens, window, spans)
     image_masks: dict = field(default_factory=dict)
+    # Triton's prefill kernel's tile lists on the device, uploaded by the first layer (CUDA)
+    tile_index: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -223,6 +225,11 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
                        softcap: float | None) -> torch.Tensor:
     layout = meta.prefill
     starts = layout.query_starts
+    in_place = prefill_in_place.routed(q, cache, layout, softcap)  # Triton's, on CUDA
+    if in_place:
+        in_place_out = prefill_in_place.attend(q, cache, meta, in_place, scale, window, softcap)
+        if len(in_place) == len(layout.cached_lens):
+            return in_place_out
     through_kernel = [False] * len(layout.cached_lens)
     # the kernel reads the keys from the cache: for a fresh prompt, the ones PyTorch uses only when
     # the cache holds them unrounded (activations in the cache's dtype; never an int8 cache's)
@@ -244,6 +251,9 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
     outputs, kernel_cursor = [], 0
     for b, cached in enumerate(layout.cached_lens):
         start, end = starts[b], starts[b + 1]
+        if b in in_place:
+            outputs.append(in_place_out[start:end])
+            continue
         if through_kernel[b]:  # its rows, in order, from the kernel's output
             outputs.append(kernel_out[kernel_cursor:kernel_cursor + end - start])
             kernel_cursor += end - start

@@ -200,9 +200,6 @@ def test_an_fp8_server_answers_as_the_bf16_model_within_quantization_tolerance(t
     """--quantize fp8 over HTTP (on the CPU its dequantizing path, the card's arithmetic): each
     greedy token is the unquantized model's choice, or within a near-tie of it, given the same
     text so far (after a near-tie the texts may part, and each is then judged on its own)."""
-    import torch
-    import transformers
-
     launched = launch(["--model-id", str(tiny_llama)], tmp_path,
                       extra=["--quantize", "fp8", "--dtype", "bfloat16", "--block-size", "4",
                              "--max-batch-total-tokens", "4096"])
@@ -220,9 +217,39 @@ def test_an_fp8_server_answers_as_the_bf16_model_within_quantization_tolerance(t
     assert info["quantization"] == "fp8 (--quantize)"
     # every projection of the 3 layers (q, k and v fused); the head stays in bf16, as TGI's
     assert "fp8 weights: 12 of 12 linear layers quantized" in log, log[-2000:]
+    _assert_near_the_models_choices(tiny_llama, details)
+
+
+def test_an_int8_kv_cache_server_answers_as_the_model_within_its_rounding(tiny_llama, tmp_path):
+    """--kv-cache-dtype int8 over HTTP: a prompt, then a longer one sharing its first blocks, whose
+    prefill continues the cached int8 prefix (on CUDA: Triton's decode and prefill kernels reading
+    it in place; on the CPU: the C kernel). Each greedy token is the model's choice or within a
+    near-tie of it, given the same text so far."""
+    launched = launch(["--model-id", str(tiny_llama)], tmp_path,
+                      extra=["--kv-cache-dtype", "int8", "--dtype", "float32", "--block-size",
+                             "4", "--max-batch-total-tokens", "4096"])
+    try:
+        prompt = "The quick brown fox jumps over the lazy dog while"
+        replies = [requests.post(f"{launched.url}/generate", timeout=120, json={
+            "inputs": text, "parameters": {"max_new_tokens": 16, "ignore_eos": True,
+                                           "details": True, "decoder_input_details": True}})
+            for text in (prompt, prompt + " the cat sleeps on the warm mat")]
+    finally:
+        assert launched.stop() == 0
+    for reply in replies:
+        assert reply.status_code == 200, reply.text
+        _assert_near_the_models_choices(tiny_llama, reply.json()["details"])
+
+
+def _assert_near_the_models_choices(model_dir, details) -> None:
+    """Each generated token within 0.05 nats of the float32 model's best given the text before
+    it, three in four exactly its choice."""
+    import torch
+    import transformers
+
     prompt = [t["id"] for t in details["prefill"]]
     tokens = [t["id"] for t in details["tokens"]]
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama,
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
                                                              dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]

@@ -1,4 +1,5 @@
 """Fixtures for shard layers whose arithmetic depends on the CPU."""
+import importlib
 import os
 import platform
 
@@ -35,24 +36,29 @@ def avx2_build(tmp_path_factory, monkeypatch):
 
 
 class _KernelOn:
-    """A kernel module's paged_decode_attention run on `device`, taking and giving CPU tensors."""
+    """A kernel module's functions run on `device`, taking and giving CPU tensors."""
 
     def __init__(self, module, device: str):
         self.module, self.device = module, device
 
-    def paged_decode_attention(self, *args, **options):
+    def __getattr__(self, name):
+        function = getattr(self.module, name)
+
         def move(x):
             return x.to(self.device) if isinstance(x, torch.Tensor) else x
 
-        out = self.module.paged_decode_attention(*map(move, args),
-                                                 **{k: move(v) for k, v in options.items()})
-        return out.cpu()
+        def on_device(*args, **options):
+            out = function(*map(move, args), **{k: move(v) for k, v in options.items()})
+            if isinstance(out, tuple):
+                return tuple(o.cpu() for o in out)
+            return None if out is None else out.cpu()
+
+        return on_device
 
 
-@pytest.fixture
-def triton_kernel():
-    """shard.kernels.triton_attention on CPU tensors: run by Triton's interpreter, or compiled on a
-    GPU (the tensors moved there and back).
+def _triton_module(name: str) -> _KernelOn:
+    """shard.kernels.`name` on CPU tensors: run by Triton's interpreter, or compiled on a GPU (the
+    tensors moved there and back).
 
     Skips where Triton is not installed. tests/conftest.py sets the interpreter up on machines
     without CUDA, before anything imports Triton."""
@@ -60,5 +66,23 @@ def triton_kernel():
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if not interpreted and not torch.cuda.is_available():
         pytest.skip("Triton was imported before its interpreter was asked for")
-    from shard.kernels import triton_attention
-    return _KernelOn(triton_attention, "cpu" if interpreted else "cuda")
+    module = importlib.import_module(f"shard.kernels.{name}")
+    return _KernelOn(module, "cpu" if interpreted else "cuda")
+
+
+@pytest.fixture
+def triton_kernel():
+    """shard.kernels.triton_attention, decode attention (see _triton_module)."""
+    return _triton_module("triton_attention")
+
+
+@pytest.fixture
+def triton_layer_ops():
+    """shard.kernels.triton_layer_ops, the norm and the rotary cache write (see _triton_module)."""
+    return _triton_module("triton_layer_ops")
+
+
+@pytest.fixture
+def triton_prefill():
+    """shard.kernels.triton_prefill, prefill attention (see _triton_module)."""
+    return _triton_module("triton_prefill")

@@ -107,11 +107,17 @@ def _route(meta, inputs, path: str) -> None:
 
 
 @pytest.mark.parametrize("path", ["pytorch", pytest.param("kernel", marks=needs_kernel),
-                                  pytest.param("mixed", marks=needs_kernel)])
+                                  pytest.param("mixed", marks=needs_kernel), "triton"])
 @pytest.mark.parametrize("window,softcap", CASES, ids=CASE_IDS)
-def test_prefill_fresh_and_continued(path, window, softcap):
+def test_prefill_fresh_and_continued(path, window, softcap, monkeypatch, request):
+    """"triton": CUDA's selection, its kernel interpreted on CPU tensors (the continued prompt
+    read in place; the fresh one too where capped, else through SDPA)."""
     meta, inputs, (q, k, v), cache, contexts = _prefill_case()
-    _route(meta, inputs, path)
+    if path == "triton":
+        kernel = request.getfixturevalue("triton_prefill")
+        monkeypatch.setattr(decode_backend, "prefill_kernel", lambda device, dtype: kernel)
+    else:
+        _route(meta, inputs, path)
     store_kv(k, v, cache, meta)
     out = paged_attention(q, k, v, cache, meta, SCALE, window=window, softcap=softcap)
     positions = inputs[1]
@@ -142,7 +148,7 @@ def _decode_meta(path: str, lens: torch.Tensor, tables: torch.Tensor, monkeypatc
     spec = KVCacheSpec(1, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32, torch.device("cpu"))
     if path == "static":  # a CUDA graph's: every row over the table's full width
         return static_decode_metadata(lens - 1, tables, spec)
-    if path == "triton":  # a CUDA graph's where Triton's kernel reads the cache in place
+    if path.startswith("triton"):  # a CUDA graph's where Triton's kernel reads in place
         return static_decode_metadata(lens - 1, tables, spec, in_place=True)
     if path == "groups":  # each length its own group
         monkeypatch.setattr(attention_inputs, "GROUP_SLACK_TOKENS", 0)
@@ -153,15 +159,17 @@ def _decode_meta(path: str, lens: torch.Tensor, tables: torch.Tensor, monkeypatc
 
 
 DECODE_PATHS = [pytest.param("kernel", marks=needs_kernel), "grouped", "groups", "static",
-                "triton"]
+                "triton", "triton-split"]
 
 
 @pytest.mark.parametrize("path", DECODE_PATHS)
 @pytest.mark.parametrize("window,softcap", CASES, ids=CASE_IDS)
 def test_decode_rows_of_different_lengths(path, window, softcap, monkeypatch, request):
-    if path == "triton":  # its kernel, under Triton's interpreter, where CPU tensors go
+    if path.startswith("triton"):  # its kernel, under Triton's interpreter, on CPU tensors
         monkeypatch.setattr(decode_backend, "paged_attention",
                             request.getfixturevalue("triton_kernel"))
+    if path == "triton-split":  # rows' blocks shared among programs as the shapes choose
+        monkeypatch.setattr(decode_backend, "MIN_SPLIT_TOKENS", BLOCK_SIZE)
     tables, qkv = _sequences(DECODE_LENGTHS, seed=1)
     cache = _cache()
     for row, (_, k, v) in enumerate(qkv):

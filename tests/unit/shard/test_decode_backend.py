@@ -52,3 +52,52 @@ def test_cpu_tensors_go_to_the_c_kernel_whatever_else_is_installed(fresh):
     assert decode_backend.paged_decode_attention(torch.zeros(1, 2, 4), None, None, None, None,
                                                  0.5, window=3) == "c"
     assert calls == [{"window": 3}]
+
+
+def test_splits_fill_the_gpu_only_where_few_programs_read_long_contexts():
+    wanted = 264  # two programs on each of an H100's 132 multiprocessors
+    # one stream of Llama 3 8B's 8 key/value heads over 8,192 tokens: 33 wanted, 32 at most
+    assert decode_backend.decode_splits(1, 8, 8192, wanted) == decode_backend.MAX_SPLITS
+    # over 2,048 tokens: no share under 256 tokens
+    assert decode_backend.decode_splits(1, 8, 2048, wanted) == 8
+    # four streams: 32 programs, 9 splits keep 288 busy
+    assert decode_backend.decode_splits(4, 8, 4096, wanted) == 9
+    # enough programs already, or contexts too short to share
+    assert decode_backend.decode_splits(64, 8, 8192, wanted) == 1
+    assert decode_backend.decode_splits(1, 8, 300, wanted) == 1
+    assert decode_backend.decode_splits(1, 8, 0, wanted) == 1
+
+
+def test_the_programs_wanted_off_cuda_are_a_default_gpus():
+    assert decode_backend.programs_wanted(CPU) == (decode_backend.PROGRAMS_PER_SM
+                                                   * decode_backend.DEFAULT_SMS)
+
+
+def test_prefill_reads_in_place_where_decode_runs_triton(fresh):
+    pytest.importorskip("triton")
+    kernel = decode_backend.prefill_kernel(CUDA, torch.bfloat16)
+    assert kernel.__name__ == "shard.kernels.triton_prefill"
+    assert decode_backend.prefill_kernel(CUDA, torch.int8) is kernel
+    assert decode_backend.prefill_kernel(CUDA, torch.float8_e4m3fn) is None
+    assert decode_backend.prefill_kernel(CPU, torch.bfloat16) is None  # the CPU's paths stay
+    fresh.setenv(decode_backend.TRITON_ENV, "0")
+    decode_backend.triton_kernel.cache_clear()
+    assert decode_backend.prefill_kernel(CUDA, torch.bfloat16) is None
+
+
+def test_an_int8_cache_is_read_where_c_or_triton_reads_it_and_refused_elsewhere():
+    refusal = decode_backend.cache_refusal
+    off = {"compile_decode": False, "cuda_graphs": False}
+    # Triton on CUDA reads it in decode, prefill and the graphs over them
+    assert refusal(CUDA, torch.int8, decode_backend.TRITON, compile_decode=False,
+                   cuda_graphs=True) is None
+    assert "Triton does not import" in refusal(CUDA, torch.int8, None, **off)
+    assert refusal(CPU, torch.int8, decode_backend.C, **off) is None
+    # graphs that gather each context, or the compiled step, do not read its scales
+    assert "CUDA graphs" in refusal(CPU, torch.int8, decode_backend.C, compile_decode=False,
+                                    cuda_graphs=True)
+    assert "--compile-decode" in refusal(CUDA, torch.int8, decode_backend.TRITON,
+                                         compile_decode=True, cuda_graphs=False)
+    assert "not on mps" in refusal(torch.device("mps"), torch.int8, None, **off)
+    for dtype in (torch.bfloat16, torch.float16):  # the model's own dtype: read everywhere
+        assert refusal(CUDA, dtype, None, compile_decode=True, cuda_graphs=True) is None

@@ -286,11 +286,19 @@ def test_beams_copy_the_scales_with_the_rows(tiny_llama):
     assert float(layer.key_scale[9].min()) == 0.5 and float(layer.value_scale[9].max()) == 0.25
 
 
-def test_an_int8_cache_refuses_the_paths_that_do_not_read_it(tiny_llama):
+def test_an_int8_cache_refuses_the_paths_that_do_not_read_it(tiny_llama, monkeypatch):
     with pytest.raises(ValueError, match="compiled decode step"):
         make_engine(tiny_llama, kv_int8=True, compile_decode=True)
+    from shard.kernels import decode_backend
     from shard.model_runner import ModelRunner
     model = make_engine(tiny_llama).runner.model
     spec = KVCacheSpec(3, 2, 16, 4, torch.float16, torch.device("cuda"), int8=True)
-    with pytest.raises(ValueError, match="not on cuda"):
-        ModelRunner(model, spec)
+    # CUDA without Triton's kernels (here: turned off) would gather and dequantize every step
+    monkeypatch.setenv(decode_backend.TRITON_ENV, "0")
+    decode_backend.triton_kernel.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="read by Triton's attention kernels"):
+            ModelRunner(model, spec)
+    finally:
+        monkeypatch.undo()
+        decode_backend.triton_kernel.cache_clear()

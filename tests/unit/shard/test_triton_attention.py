@@ -110,3 +110,34 @@ def test_bad_inputs_are_refused_before_the_kernel_runs(triton_kernel):
                                                 tables, lens, SCALE)
     with pytest.raises(ValueError, match="cannot share"):
         triton_kernel.paged_decode_attention(q[:, :5], keys, values, tables, lens, SCALE)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7], ids=lambda s: f"{s}-splits")
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, 1.5)], ids=["plain", "window-softcap"])
+def test_split_rows_combine_to_float64(splits, window, softcap, triton_kernel):
+    """Each row's blocks shared among programs (7: more than any row's 6 blocks, so some are
+    empty), their partial softmaxes combined by the second kernel."""
+    q, keys, values, tables, lens = _case(6, 2, 16, torch.float32, seed=1)
+    out = triton_kernel.paged_decode_attention(q, keys, values, tables, lens, SCALE,
+                                                  window=window, softcap=softcap, splits=splits)
+    torch.testing.assert_close(out.double(),
+                               _reference(q, keys, values, tables, lens, window, softcap),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_split_int8_and_half_rows_match_float64(triton_kernel):
+    q, keys, values, tables, lens = _case(7, 1, 12, torch.int8, seed=2)
+    key_q, key_scale = kv_int8.quantize_rows(keys)
+    value_q, value_scale = kv_int8.quantize_rows(values)
+    out = triton_kernel.paged_decode_attention(q, key_q, value_q, tables, lens, SCALE, window=9,
+                                                  key_scales=key_scale, value_scales=value_scale,
+                                                  splits=4)
+    expected = _reference(q, kv_int8.dequantize_rows(key_q, key_scale),
+                          kv_int8.dequantize_rows(value_q, value_scale), tables, lens, 9, None)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    q, keys, values, tables, lens = _case(6, 2, 16, torch.float16, seed=3)
+    out = triton_kernel.paged_decode_attention(q, keys.half(), values.half(), tables, lens, SCALE,
+                                                  softcap=2.0, splits=3)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), _reference(q, keys.half(), values.half(), tables,
+                                                        lens, None, 2.0), rtol=5e-3, atol=5e-3)
