@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from shard.kv_budget import KVCacheSpec
-from shard.layers.attention import AttentionMetadata, DecodeGroup, PrefillLayout, gather_index
+from shard.layers.attention_state import AttentionMetadata, DecodeGroup, PrefillLayout, gather_index
 
 # Decode attention in PyTorch (where the C kernel does not run) pads every context of a group to the
 # group's longest. A sequence joins a group while its context is at most twice the group's shortest,

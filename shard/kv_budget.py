@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from shard.config import kv_ledger_dir
-from shard.layers.attention import LayerCache
+from shard.layers.attention_state import LayerCache
 
 
 @dataclass(slots=True)

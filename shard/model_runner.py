@@ -22,7 +22,7 @@ from shard.decode_paths.compiled import CompiledDecode, unsupported_reason
 from shard.decode_paths.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
 from shard.kernels import decode_backend
 from shard.kv_budget import KVCacheSpec, allocate_kv_cache
-from shard.layers.attention import AttentionMetadata, LayerCache
+from shard.layers.attention_state import AttentionMetadata, LayerCache
 from shard.malloc_tuning import return_freed_memory
 from shard.prefill_embeds import mark_image_spans, prefill_embeds
 

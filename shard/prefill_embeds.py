@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from shard.layers.attention import AttentionMetadata
+from shard.layers.attention_state import AttentionMetadata
 
 
 def prefill_embeds(model: torch.nn.Module, seqs: list, device: torch.device) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 from shard.adapters.adapter_set import AdapterSet
 from shard.kernels import (bf16_matmul, int4_matmul, int8_matmul, layer_ops, lora, native,
                            paged_attention)
-from shard.layers.attention import LayerCache
+from shard.layers.attention_state import LayerCache
 from shard.models.decode_layout import DecodeLayout
 
 SOURCE = native.KERNELS / "decode_step.c"

@@ -6,7 +6,7 @@ key/value head scores all the query heads sharing that head at once (grouped que
 the sequence's blocks through its table with an online softmax. With few such programs (one stream
 or a few over long contexts would leave most of a GPU idle) each sequence's blocks are split among
 several programs whose partial softmaxes a second kernel combines (flash-decoding); the number of
-splits depends on shapes only (decode_backend.decode_splits). The grid and every tensor shape are
+splits depends on shapes only (triton_shapes.decode_splits). The grid and every tensor shape are
 fixed by the inputs' shapes and the context lengths are read on the device, so a CUDA graph
 records a call as it is.
 
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.kernels.decode_backend import TRITON_CACHE_DTYPES, decode_splits, programs_wanted
+from shard.kernels.triton_shapes import TRITON_CACHE_DTYPES, decode_splits, programs_wanted
 
 # tl.dot's smallest operand sides; a group of query heads, a block and a head are padded up to it
 MIN_DOT = 16
@@ -137,7 +137,7 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     [num_blocks, kv_heads, block_size]. Scores and the softmax are float32; the matmuls take the
     query's dtype (bf16 queries: bf16 products, float32 sums; float32 queries over a bf16 cache
     widen it exactly, as the C kernel does). `splits`: the programs sharing each row's blocks;
-    chosen from the shapes when None (decode_backend.decode_splits)."""
+    chosen from the shapes when None (triton_shapes.decode_splits)."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     is_int8 = check_cache(num_heads, key_cache, value_cache, key_scales, value_scales)

@@ -48,7 +48,7 @@ def gather_dequantized(cache: torch.Tensor, scales: torch.Tensor,
     """Each sequence's context read back from the int8 cache as float32 [B, kv_heads, L, d].
 
     L is blocks * block_size: the rows `index` [B, kv_heads, blocks] of the flattened cache, as
-    shard.layers.attention.gather_blocks reads them, dequantized."""
+    shard.layers.attention_state.gather_blocks reads them, dequantized."""
     _, _, block_size, head_dim = cache.shape
     batch, num_kv_heads, needed = index.shape
     flat = index.reshape(-1)

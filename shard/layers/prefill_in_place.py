@@ -8,14 +8,10 @@ images attending both ways (Gemma 3's) keeps PyTorch's masks.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from shard.kernels import decode_backend
-
-if TYPE_CHECKING:  # shard.layers.attention imports this module
-    from shard.layers.attention import AttentionMetadata, LayerCache, PrefillLayout
+from shard.layers.attention_state import AttentionMetadata, LayerCache, PrefillLayout
 
 
 def routed(q: torch.Tensor, cache: LayerCache, layout: PrefillLayout,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shard.layers.attention import AttentionMetadata, LayerCache
+from shard.layers.attention_state import AttentionMetadata, LayerCache
 from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shard.weights import Weights
 

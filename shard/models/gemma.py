@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.kernels import layer_ops
-from shard.layers.attention import AttentionMetadata, LayerCache, paged_attention, rotate_and_store
+from shard.layers.attention import paged_attention, rotate_and_store
+from shard.layers.attention_state import AttentionMetadata, LayerCache
 from shard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding

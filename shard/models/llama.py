@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from shard.kernels import layer_ops
-from shard.layers.attention import AttentionMetadata, LayerCache, paged_attention, rotate_and_store
+from shard.layers.attention import paged_attention, rotate_and_store
+from shard.layers.attention_state import AttentionMetadata, LayerCache
 from shard.layers.embedding import VocabParallelEmbedding
 from shard.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm

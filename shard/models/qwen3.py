@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shard.layers.attention import AttentionMetadata, LayerCache, paged_attention, rotate_and_store
+from shard.layers.attention import paged_attention, rotate_and_store
+from shard.layers.attention_state import AttentionMetadata, LayerCache
 from shard.layers.embedding import VocabParallelEmbedding
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryAngles, RotaryEmbedding

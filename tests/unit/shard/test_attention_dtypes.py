@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from shard.kernels import paged_attention as paged_kernel
-from shard.layers.attention import (AttentionMetadata, DecodeGroup, LayerCache, PrefillLayout,
-                                    gather_index, paged_attention, store_kv)
+from shard.layers.attention import paged_attention, store_kv
+from shard.layers.attention_state import (AttentionMetadata, DecodeGroup, LayerCache, PrefillLayout,
+                                          gather_index)
 from shard.layers.precision import attention_dtype
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 16, 4, 16

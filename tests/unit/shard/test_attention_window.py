@@ -12,11 +12,12 @@ from torch.nn.attention.bias import causal_lower_right
 from shard import attention_inputs
 from shard.attention_inputs import (decode_metadata, prefill_metadata, route_short_contexts,
                                     static_decode_metadata)
-from shard.kernels import decode_backend
+from shard.kernels import decode_backend, triton_shapes
 from shard.kernels import paged_attention as paged_kernel
 from shard.kv_budget import KVCacheSpec
-from shard.layers import attention
-from shard.layers.attention import LayerCache, paged_attention, store_kv
+from shard.layers import attention, attention_state
+from shard.layers.attention import paged_attention, store_kv
+from shard.layers.attention_state import LayerCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
 # scores of a few units: a cap of 1.5 changes most of them
@@ -169,7 +170,7 @@ def test_decode_rows_of_different_lengths(path, window, softcap, monkeypatch, re
         monkeypatch.setattr(decode_backend, "paged_attention",
                             request.getfixturevalue("triton_kernel"))
     if path == "triton-split":  # rows' blocks shared among programs as the shapes choose
-        monkeypatch.setattr(decode_backend, "MIN_SPLIT_TOKENS", BLOCK_SIZE)
+        monkeypatch.setattr(triton_shapes, "MIN_SPLIT_TOKENS", BLOCK_SIZE)
     tables, qkv = _sequences(DECODE_LENGTHS, seed=1)
     cache = _cache()
     for row, (_, k, v) in enumerate(qkv):
@@ -259,11 +260,11 @@ def test_without_window_or_cap_the_paths_are_the_plain_ones_bit_for_bit(monkeypa
     fresh = F.scaled_dot_product_attention(
         q[:10].transpose(0, 1).unsqueeze(0), k[:10].transpose(0, 1).unsqueeze(0),
         v[:10].transpose(0, 1).unsqueeze(0), is_causal=True, scale=SCALE, enable_gqa=True)
-    index = attention.gather_index(meta.block_tables[1:2], 16, cache.key.shape)
+    index = attention_state.gather_index(meta.block_tables[1:2], 16, cache.key.shape)
     continued = F.scaled_dot_product_attention(
         q[10:].transpose(0, 1).unsqueeze(0),
-        attention.gather_blocks(cache.key, index)[:, :, :16],
-        attention.gather_blocks(cache.value, index)[:, :, :16],
+        attention_state.gather_blocks(cache.key, index)[:, :, :16],
+        attention_state.gather_blocks(cache.value, index)[:, :, :16],
         attn_mask=causal_lower_right(7, 16), scale=SCALE, enable_gqa=True)
     plain = torch.cat([x.squeeze(0).transpose(0, 1).reshape(x.shape[2], -1)
                        for x in (fresh, continued)])
@@ -276,8 +277,8 @@ def test_without_window_or_cap_the_paths_are_the_plain_ones_bit_for_bit(monkeypa
     meta = _decode_meta("grouped", lens, tables, monkeypatch)
     dq, dk, dv = (torch.stack([part[-1] for part in parts]) for parts in zip(*qkv))
     group = meta.decode_groups[0]
-    keys = attention.gather_blocks(cache.key, group.gather_index)
-    values = attention.gather_blocks(cache.value, group.gather_index)
+    keys = attention_state.gather_blocks(cache.key, group.gather_index)
+    values = attention_state.gather_blocks(cache.value, group.gather_index)
     scores = torch.matmul(dq.view(4, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM),
                           keys.transpose(-1, -2)).float() * SCALE
     scores = scores.masked_fill(~group.mask.view(4, 1, 1, -1), float("-inf"))

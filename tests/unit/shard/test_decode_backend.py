@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import shard.kernels
-from shard.kernels import decode_backend, paged_attention
+from shard.kernels import decode_backend, paged_attention, triton_shapes
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
@@ -57,20 +57,20 @@ def test_cpu_tensors_go_to_the_c_kernel_whatever_else_is_installed(fresh):
 def test_splits_fill_the_gpu_only_where_few_programs_read_long_contexts():
     wanted = 264  # two programs on each of an H100's 132 multiprocessors
     # one stream of Llama 3 8B's 8 key/value heads over 8,192 tokens: 33 wanted, 32 at most
-    assert decode_backend.decode_splits(1, 8, 8192, wanted) == decode_backend.MAX_SPLITS
+    assert triton_shapes.decode_splits(1, 8, 8192, wanted) == triton_shapes.MAX_SPLITS
     # over 2,048 tokens: no share under 256 tokens
-    assert decode_backend.decode_splits(1, 8, 2048, wanted) == 8
+    assert triton_shapes.decode_splits(1, 8, 2048, wanted) == 8
     # four streams: 32 programs, 9 splits keep 288 busy
-    assert decode_backend.decode_splits(4, 8, 4096, wanted) == 9
+    assert triton_shapes.decode_splits(4, 8, 4096, wanted) == 9
     # enough programs already, or contexts too short to share
-    assert decode_backend.decode_splits(64, 8, 8192, wanted) == 1
-    assert decode_backend.decode_splits(1, 8, 300, wanted) == 1
-    assert decode_backend.decode_splits(1, 8, 0, wanted) == 1
+    assert triton_shapes.decode_splits(64, 8, 8192, wanted) == 1
+    assert triton_shapes.decode_splits(1, 8, 300, wanted) == 1
+    assert triton_shapes.decode_splits(1, 8, 0, wanted) == 1
 
 
 def test_the_programs_wanted_off_cuda_are_a_default_gpus():
-    assert decode_backend.programs_wanted(CPU) == (decode_backend.PROGRAMS_PER_SM
-                                                   * decode_backend.DEFAULT_SMS)
+    assert triton_shapes.programs_wanted(CPU) == (triton_shapes.PROGRAMS_PER_SM
+                                                   * triton_shapes.DEFAULT_SMS)
 
 
 def test_prefill_reads_in_place_where_decode_runs_triton(fresh):

@@ -9,7 +9,8 @@ import torch
 from shard.kernels import layer_ops, paged_attention
 from shard.kv_budget import KVCacheSpec, allocate_kv_cache, budget_blocks
 from shard.layers import kv_int8
-from shard.layers.attention import DecodeGroup, LayerCache, _attend_group, gather_index
+from shard.layers.attention import _attend_group
+from shard.layers.attention_state import DecodeGroup, LayerCache, gather_index
 from shard.layers.precision import compute_dtype
 from shard.layers.rotary import apply_rotary
 from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from shard.kernels import paged_attention
-from shard.layers.attention import DecodeGroup, LayerCache, _attend_group, gather_index
+from shard.layers.attention import _attend_group
+from shard.layers.attention_state import DecodeGroup, LayerCache, gather_index
 
 pytestmark = pytest.mark.skipif(paged_attention.load_kernel() is None,
                                 reason="no C compiler here: the shard keeps the PyTorch path")

@@ -2,7 +2,7 @@
 import torch
 
 from shard.kernels import decode_backend
-from shard.layers.attention import LayerCache, PrefillLayout
+from shard.layers.attention_state import LayerCache, PrefillLayout
 from shard.layers.prefill_in_place import routed
 
 # fresh, continued, continued with an image, fresh
