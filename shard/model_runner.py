@@ -94,7 +94,7 @@ class ModelRunner:
         self.cache: list[LayerCache] = []
         self.num_blocks = 0
         # the kernel reading the cache in place at decode (C, Triton or none: decode_backend)
-        self.attention_kernel = decode_backend.select(spec.device, spec.cache_dtype)
+        self.attention_kernel = decode_backend.select_checked(spec, model)
         refusal = decode_backend.cache_refusal(
             spec.device, spec.cache_dtype, self.attention_kernel, compile_decode=compile_decode,
             cuda_graphs=bool(cuda_graphs and (spec.device.type == "cuda" or new_capture)))

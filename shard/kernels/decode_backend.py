@@ -23,10 +23,25 @@ C = "c"
 TRITON = "triton"
 # TGI_PY_TRITON_ATTENTION=0 keeps CUDA attention in PyTorch (for comparisons and bisecting)
 TRITON_ENV = "TGI_PY_TRITON_ATTENTION"
+# why Triton's kernels are not used in this process, once triton_probe found them failing here
+_refusals: list[str] = []
+
+
+def refuse_triton(reason: str) -> None:
+    """Turns Triton's kernels off in this process (attention and layer ops alike)."""
+    _refusals.append(reason)
+    triton_kernel.cache_clear()
+
+
+def triton_refused() -> str | None:
+    """Why Triton's kernels were turned off (refuse_triton), or None."""
+    return _refusals[0] if _refusals else None
+
+
 @functools.cache
 def triton_kernel() -> ModuleType | None:
-    """shard.kernels.triton_attention, or None (turned off, or Triton does not import)."""
-    if os.environ.get(TRITON_ENV, "1") == "0":
+    """shard.kernels.triton_attention, or None (turned off, refused, or Triton does not import)."""
+    if os.environ.get(TRITON_ENV, "1") == "0" or _refusals:
         return None
     try:
         from shard.kernels import triton_attention
@@ -43,6 +58,24 @@ def select(device: torch.device, cache_dtype: torch.dtype) -> str | None:
     if device.type == "cuda" and cache_dtype in TRITON_CACHE_DTYPES and triton_kernel() is not None:
         return TRITON
     return None
+
+
+def select_checked(spec, model: torch.nn.Module) -> str | None:
+    """`select`'s kernel for the cache of `spec` (a KVCacheSpec), Triton's once it runs right here.
+
+    On CUDA, Triton's kernels are first called on the model's attention shapes and compared with
+    PyTorch (shard.kernels.triton_probe); where one fails, none is used."""
+    kernel = select(spec.device, spec.cache_dtype)
+    if kernel == TRITON:
+        from shard.kernels import triton_probe
+        reason = triton_probe.problem(triton_probe.attention_shapes(model), spec.block_size,
+                                      spec.dtype, spec.int8, spec.device)
+        if reason is not None:
+            log.warning("Triton's kernels are not used (%s): attention gathers each context "
+                        "and the layer ops run in PyTorch", reason)
+            refuse_triton(reason)
+            kernel = select(spec.device, spec.cache_dtype)
+    return kernel
 
 
 def cache_refusal(device: torch.device, cache_dtype: torch.dtype, kernel: str | None, *,

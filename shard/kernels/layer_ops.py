@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 
 from shard.config import kernel_enabled
-from shard.kernels import native
+from shard.kernels import decode_backend, native
 
 SOURCE = native.KERNELS / "layer_ops.c"
 # no fused multiply-adds the PyTorch ops they stand for do not make: the same roundings; no
@@ -59,7 +59,7 @@ def triton_ops() -> ModuleType | None:
 
 def _on_cuda(tensor: torch.Tensor) -> ModuleType | None:
     """triton_ops where `tensor` is on CUDA (and no torch.compile trace is running), else None."""
-    if not tensor.is_cuda or torch.compiler.is_compiling():
+    if not tensor.is_cuda or torch.compiler.is_compiling() or decode_backend.triton_refused():
         return None
     return triton_ops()
 
