@@ -89,9 +89,11 @@ def cache_refusal(device: torch.device, cache_dtype: torch.dtype, kernel: str | 
         return None
     refusal = device_refusal(device.type, kv_cache_dtype="int8")
     if refusal is None and device.type == "cuda" and kernel != TRITON:
+        why = (f"they failed their check here: {triton_refused()}" if triton_refused() else
+               f"Triton does not import, or {TRITON_ENV}=0")
         refusal = ("--kv-cache-dtype int8 on CUDA is read by Triton's attention kernels, which do "
-                   f"not run here (Triton does not import, or {TRITON_ENV}=0): install Triton "
-                   "(PyTorch's CUDA builds bring it) or serve without --kv-cache-dtype")
+                   f"not run here ({why}): install Triton (PyTorch's CUDA builds bring it) or "
+                   "serve without --kv-cache-dtype")
     return refusal or decode_path_refusal("int8", compile_decode=compile_decode,
                                           cuda_graphs=cuda_graphs and kernel != TRITON)
 
