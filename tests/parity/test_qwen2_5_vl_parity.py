@@ -213,3 +213,39 @@ def test_bad_images_are_refused_alone(model_dir):
     assert "not an image" in reasons[2], reasons[2]
     assert "spans 15 tokens, but the model gives it 16" in reasons[3], reasons[3]
     assert [g.request_id for g in out.generations] == [6]
+
+
+def _rank_logits(rank: int, world: int, port: int, model_dir: str, results) -> None:
+    """One rank's logits of every position of a prompt with two images, and a text-only row."""
+    from shard.distributed import init_parallel
+
+    torch.set_num_threads(1)
+    parallel = init_parallel(rank=rank, world_size=world, master_addr="127.0.0.1",
+                             master_port=port, device=torch.device("cpu"))
+    loaded = load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"),
+                        parallel=parallel)
+    spec = KVCacheSpec(2, 2 // world, 16, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(loaded.model, spec)
+    runner.allocate(32)
+    ids, offsets = with_images([[5], [6, 7], [8]], FILES[:2])
+    images = _images(loaded, FILES[:2], offsets)
+    out = runner.prefill([PrefillSequence(ids, 0, list(range(1, 20)), images=images,
+                                          rope_positions=mrope_positions(images, 0, len(ids))),
+                          PrefillSequence([9, 10, 11], 0, [20])], all_logits_rows={0, 1})
+    results[rank] = torch.cat(out.full)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_shards_give_the_logits_of_one(model_dir):
+    """--num-shard 2: the tower replicated on both ranks, the text split."""
+    import torch.multiprocessing as mp
+
+    from tests.parity.test_tensor_parallel import _free_port
+
+    single: dict = {}
+    _rank_logits(0, 1, 0, str(model_dir), single)
+    results = mp.Manager().dict()
+    mp.spawn(_rank_logits, args=(2, _free_port(), str(model_dir), results), nprocs=2)
+    for rank in range(2):
+        assert (results[rank] - single[0]).abs().max().item() <= 1e-4
