@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from shard.batch_state import NewRequest, PromptImage
+from shard.images.tokens import ImageTokens
 from shard.models.mrope import rope_delta
 
 
@@ -16,7 +17,7 @@ from shard.models.mrope import rope_delta
 class ImageSupport:
     """What a vision-language model takes: its placeholder scheme and its preprocessing."""
 
-    tokens: object  # the model's ImageTokens (e.g. shard.models.gemma3_vision.ImageTokens)
+    tokens: ImageTokens  # the model's placeholder scheme
     preprocess: Callable[[bytes], torch.Tensor]  # a file -> pixel values for the tower
     # where an image's tokens depend on its size (tokens.per_image 0): a file -> (rows, columns)
     grid: Callable[[bytes], tuple[int, int]] | None = None

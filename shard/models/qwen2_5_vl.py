@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from shard.images.qwen2_vl import Qwen2VLPreprocessor
-from shard.models.gemma3_vision import ImageTokens
+from shard.images.tokens import ImageTokens
 from shard.models.llama import LlamaConfig, LlamaForCausalLM
 from shard.models.mrope import MRotaryEmbedding
 from shard.models.qwen2_5_vision import Qwen25VisionTower, VisionConfig
