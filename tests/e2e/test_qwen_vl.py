@@ -111,3 +111,26 @@ def test_the_greedy_answer_to_a_chat_with_an_image_is_transformers(server, model
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
     expected = [tokenizer.decode([t]) for t in out[0, len(ids):].tolist()]
     assert ours == expected
+
+
+def test_the_prefix_cache_reuses_an_image_only_for_the_same_image(server):
+    """SGLang's image_data: the same image again is served from the cache, with the answer it
+    had uncached (the text after the image keeps its positions); another one of the same size
+    (the same tokens) is not."""
+    other = image_bytes(40, 24, "PNG", 7)
+
+    def cached(image: bytes) -> tuple[int, int, str]:
+        reply = _post(server, "/generate", {
+            "text": "<|vision_start|><|image_pad|><|vision_end|> Describe the picture, please.",
+            "image_data": data_url(image),
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+        assert reply.status_code == 200, reply.text
+        meta = reply.json()["meta_info"]
+        return meta["cached_tokens"], meta["prompt_tokens"], reply.json()["text"]
+
+    _, _, first = cached(WIDE)
+    again, prompt_tokens, text = cached(WIDE)
+    assert text == first
+    different, _, _ = cached(other)
+    assert again >= prompt_tokens - 4, "the same image: all but the last block from the cache"
+    assert different < 4, "another image: nothing from its first image token on"
