@@ -72,7 +72,8 @@ class Qwen2VLPreprocessor:
             raise ValueError("a Qwen2-VL preprocessor that skips resizing, rescaling or "
                              "normalising is not supported")
         return cls(patch_size, merge_size, temporal_patch_size, int(min_pixels), int(max_pixels),
-                   tuple(cfg.get("image_mean") or CLIP_MEAN), tuple(cfg.get("image_std") or CLIP_STD),
+                   tuple(cfg.get("image_mean") or CLIP_MEAN),
+                   tuple(cfg.get("image_std") or CLIP_STD),
                    float(cfg.get("rescale_factor") or 1 / 255),
                    int(cfg.get("resample", Image.Resampling.BICUBIC)))
 
@@ -109,6 +110,7 @@ class Qwen2VLPreprocessor:
         pixels = (pixels * self.rescale - mean) / std
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         rows, columns = height // p, width // p
-        patches = pixels.reshape(3, rows // m, m, p, columns // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+        patches = pixels.reshape(3, rows // m, m, p, columns // m, m, p)
+        patches = patches.permute(1, 4, 2, 5, 0, 3, 6)  # merge squares, then channel and frame
         patches = patches.unsqueeze(5).expand(*patches.shape[:5], t, p, p)
         return patches.reshape(rows * columns, 3 * t * p * p).contiguous()

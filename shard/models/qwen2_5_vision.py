@@ -115,7 +115,7 @@ class _Block(nn.Module):
 
 
 class Qwen25VisionTower(nn.Module):
-    """Patches of images [sum of patches, patch values] -> their tokens [sum of tokens, text hidden]."""
+    """Images' patches [patches, patch values] -> their tokens [tokens, text hidden]."""
 
     def __init__(self, cfg: VisionConfig, weights: Weights, prefix: str, dtype: torch.dtype):
         super().__init__()

@@ -108,7 +108,8 @@ def test_the_greedy_answer_to_a_chat_with_an_image_is_transformers(server, model
                              mm_token_type_ids=(input_ids == model.config.image_token_id).int(),
                              attention_mask=torch.ones_like(input_ids), max_new_tokens=6,
                              do_sample=False, pad_token_id=2)
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(model_dir / "tokenizer.json"))
     expected = [tokenizer.decode([t]) for t in out[0, len(ids):].tolist()]
     assert ours == expected
 

@@ -1,8 +1,9 @@
 """Which models take images, read from config.json, and what an image becomes in their prompts.
 
-A family module (gemma3.py, qwen2_vl.py) turns a config.json of its architecture into its ImageFamily; a model
-whose architecture no family knows reads text only. A family whose image tokens depend on the
-image's size (Qwen2.5-VL's dynamic resolution) says so through expansion and token_count.
+A family module (gemma3.py, qwen2_vl.py) turns a config.json of its architecture into its
+ImageFamily; a model whose architecture no family knows reads text only. A family whose image
+tokens depend on the image's size (Qwen2.5-VL's dynamic resolution) says so through expansion and
+token_count; preprocessor_config.json says how it resizes.
 """
 from __future__ import annotations
 
