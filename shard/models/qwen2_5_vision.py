@@ -131,7 +131,8 @@ class Qwen25VisionTower(nn.Module):
         self.merger_out = _Linear(weights, f"{prefix}merger.mlp.2", dtype)
         spatial = cfg.hidden_size // cfg.num_heads // 2
         self.register_buffer("inv_freq", 1.0 / (cfg.rope_theta ** (
-            torch.arange(0, spatial, 2, dtype=torch.float) / spatial)), persistent=False)
+            torch.arange(0, spatial, 2, dtype=torch.float) / spatial)).to(weights.device),
+            persistent=False)
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int]]) -> torch.Tensor:
         """`grids`: each image's (rows, columns) of merged tokens, in order."""
