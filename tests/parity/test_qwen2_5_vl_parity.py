@@ -196,6 +196,65 @@ def test_greedy_decoding_through_the_engine_matches_transformers_generate(model_
         reference, ids, files[1], max_new)
 
 
+def _finish(engine, out, got: dict) -> None:
+    """Decodes `out`'s batch to its end, adding each request's (token, logprob) to `got`."""
+    while True:
+        for g in out.generations:
+            got.setdefault(g.request_id, []).extend(zip(g.tokens.ids, g.tokens.logprobs))
+        finished = {g.request_id for g in out.generations if g.generated_text is not None}
+        alive = [r for r in out.batch.request_ids if r not in finished] if out.batch else []
+        if not alive:
+            if out.batch is not None:
+                engine.clear(out.batch.id)
+            return
+        if len(alive) < len(out.batch.request_ids):
+            engine.filter(out.batch.id, alive)
+        out = engine.decode([out.batch.id])
+
+
+def test_a_running_batch_with_images_rides_in_a_prefill_with_another(model_dir, reference):
+    """TGI's cached batch: rows whose prompts held an image (their own rope deltas) and a
+    text-only row decode inside each forward that prefills a chunk of another image's prompt,
+    then all decode together: each token and its logprob as each prompt gets alone, and the
+    tokens transformers' greedy ones."""
+    engine, pool, max_new = make_engine(model_dir, block_size=BLOCK_SIZE), BlockPool(512), 8
+    files = [[FILES[0]], [], [FILES[3]]]
+    prompts = [with_images([[5, 17], [42, 99]], files[0]), ([40, 41, 42], []),
+               with_images([[7, 8], [9]], files[2])]
+
+    def made(i: int):
+        (ids, offsets), fs = prompts[i], files[i]
+        return _request(i, ids, offsets, fs, pool.take(len(ids) + max_new, BLOCK_SIZE), max_new)
+
+    alone: dict = {}
+    for i in range(3):
+        _finish(engine, engine.prefill(10 + i, [made(i)]), alone)
+    got: dict = {}
+
+    def keep(out) -> None:
+        for g in out.generations:
+            got.setdefault(g.request_id, []).extend(zip(g.tokens.ids, g.tokens.logprobs))
+
+    out = engine.prefill(1, [made(0), made(1)])
+    keep(out)
+    ids, offsets = prompts[2]
+    last = made(2)
+    for start, end in [(0, offsets[0]), (offsets[0], len(ids) - 2)]:  # a chunk ends at the image
+        chunk = made(2)
+        chunk.blocks, chunk.cache_len, chunk.chunk_len = last.blocks, start, end - start
+        out = engine.prefill(2 + start, [chunk], cached_batch_id=out.batch.id)
+        assert [g.request_id for g in out.generations] == [0, 1]
+        keep(out)
+    last.cache_len = len(ids) - 2
+    out = engine.prefill(5, [last], cached_batch_id=out.batch.id)
+    assert out.batch.request_ids == [0, 1, 2]
+    _finish(engine, out, got)
+    for i, ((ids, _), fs) in enumerate(zip(prompts, files)):
+        assert [t for t, _ in got[i]] == [t for t, _ in alone[i]] == _greedy(
+            reference, ids, fs, max_new), i
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got[i], alone[i])) <= 1e-4, i
+
+
 def test_bad_images_are_refused_alone(model_dir):
     """A span whose length is not the image's grid, and files that are no image, are refused
     with the reason; the good request beside them goes on."""
