@@ -255,6 +255,28 @@ def test_a_running_batch_with_images_rides_in_a_prefill_with_another(model_dir, 
         assert max(abs(a - b) for (_, a), (_, b) in zip(got[i], alone[i])) <= 1e-4, i
 
 
+def test_speculative_steps_verify_drafts_at_each_rows_positions(model_dir, reference):
+    """N-gram drafts verified past an image (each draft row at its request's rope delta):
+    transformers' greedy tokens, with drafts checked along the way."""
+    from tests.engine_helpers import steps_to_completion
+
+    engine, pool, max_new = make_engine(model_dir, block_size=BLOCK_SIZE, speculate=3), \
+        BlockPool(512), 24
+    files = [[FILES[0]], FILES[1:3]]
+    prompts = [with_images([[5, 17, 42], [99, 3, 7, 8]], files[0]),
+               with_images([[30, 31], [32, 33], [34]], files[1])]
+    made = [_request(i, ids, offsets, fs, pool.take(len(ids) + max_new, BLOCK_SIZE), max_new)
+            for i, ((ids, offsets), fs) in enumerate(zip(prompts, files))]
+    got, drafts = {0: [], 1: []}, 0
+    for out in steps_to_completion(engine, made):
+        drafts += out.draft_tokens or 0
+        for g in out.generations:
+            got[g.request_id] += g.tokens.ids
+    assert drafts > 0
+    for i, ((ids, _), fs) in enumerate(zip(prompts, files)):
+        assert got[i] == _greedy(reference, ids, fs, max_new), i
+
+
 def test_bad_images_are_refused_alone(model_dir):
     """A span whose length is not the image's grid, and files that are no image, are refused
     with the reason; the good request beside them goes on."""
