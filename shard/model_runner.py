@@ -248,15 +248,17 @@ class ModelRunner:
         """One token per sequence at position seq_lens -> logits [B, vocab] and hidden states.
 
         Row i with the update of LoRA slot adapter_slots[i] (-1: none), rotated as position
-        seq_lens[i] + rope_deltas[i] (multimodal rotary positions: the eager forward alone)."""
-        if rope_deltas is not None:
-            with self.adapters.applied(adapter_slots):
-                return DecodeOutput(*self._decode_forward(input_ids, seq_lens, block_tables,
-                                                          seq_lens + rope_deltas))
+        seq_lens[i] + rope_deltas[i] (multimodal rotary positions, which CUDA graphs and the
+        compiled step do not take: the C step or the eager forward)."""
         width = self._graph_width(seq_lens)
         path = self.decode_path(input_ids.shape[0], width, adapters=adapter_slots is not None)
+        positions = None if rope_deltas is None else seq_lens + rope_deltas
         if path is DecodePath.C_STEP:
-            out = self.c_step(input_ids, seq_lens, block_tables, row_slots=adapter_slots)
+            out = self.c_step(input_ids, seq_lens, block_tables, row_slots=adapter_slots,
+                              positions=positions)
+        elif positions is not None:
+            with self.adapters.applied(adapter_slots):
+                out = self._decode_forward(input_ids, seq_lens, block_tables, positions)
         elif path is DecodePath.CUDA_GRAPHS:
             out = self.graphs(input_ids, seq_lens, block_tables, width)
         elif path is DecodePath.COMPILED:  # it runs the eager forward itself if it fails
