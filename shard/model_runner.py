@@ -248,19 +248,19 @@ class ModelRunner:
         """One token per sequence at position seq_lens -> logits [B, vocab] and hidden states.
 
         Row i with the update of LoRA slot adapter_slots[i] (-1: none), rotated as position
-        seq_lens[i] + rope_deltas[i] (multimodal rotary positions, which CUDA graphs and the
-        compiled step do not take: the C step or the eager forward)."""
+        seq_lens[i] + rope_deltas[i] (multimodal rotary positions, which the compiled step does
+        not take: the eager forward runs them instead)."""
         width = self._graph_width(seq_lens)
         path = self.decode_path(input_ids.shape[0], width, adapters=adapter_slots is not None)
         positions = None if rope_deltas is None else seq_lens + rope_deltas
         if path is DecodePath.C_STEP:
             out = self.c_step(input_ids, seq_lens, block_tables, row_slots=adapter_slots,
                               positions=positions)
-        elif positions is not None:
+        elif path is DecodePath.CUDA_GRAPHS:
+            out = self.graphs(input_ids, seq_lens, block_tables, width, positions)
+        elif positions is not None:  # the compiled step rotates by seq_lens
             with self.adapters.applied(adapter_slots):
                 out = self._decode_forward(input_ids, seq_lens, block_tables, positions)
-        elif path is DecodePath.CUDA_GRAPHS:
-            out = self.graphs(input_ids, seq_lens, block_tables, width)
         elif path is DecodePath.COMPILED:  # it runs the eager forward itself if it fails
             out = self.decode_step(input_ids, seq_lens, block_tables)
         else:
@@ -311,9 +311,10 @@ class ModelRunner:
         return self.model.logits(hidden), hidden
 
     def _static_decode_forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
-                               block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                               block_tables: torch.Tensor, positions: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode forward a CUDA graph records (see static_decode_metadata)."""
-        return self._forward_rows(input_ids, seq_lens,
+        return self._forward_rows(input_ids, positions,
                                   static_decode_metadata(seq_lens, block_tables, self.spec))
 
 
