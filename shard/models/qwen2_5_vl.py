@@ -65,6 +65,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     ragged_images = True  # embed_images takes each image's patches and grid (their own sizes)
 
     def __init__(self, cfg: Qwen2_5_VLConfig, heads: RankHeads, weights: Weights):
+        if not weights.has("model.embed_tokens.weight"):
+            weights.read_prefix_as("model.language_model.", "model.")
         super().__init__(cfg, heads, weights)
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                        list(cfg.mrope_section), weights.activation_dtype,

@@ -296,6 +296,35 @@ def test_bad_images_are_refused_alone(model_dir):
     assert [g.request_id for g in out.generations] == [6]
 
 
+def test_checkpoints_naming_the_language_model_otherwise_load_the_same(model_dir, tmp_path):
+    """transformers 4.52 to 4.57 saved Qwen2.5-VL as model.language_model.* and model.visual.*:
+    the same tensors so named give the same logits."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(model_dir, renamed)
+    tensors = {("model.language_model." + name[6:] if name.startswith("model.")
+                else "model." + name if name.startswith("visual.") else name): value
+               for name, value in load_file(str(model_dir / "model.safetensors")).items()}
+    assert "model.language_model.embed_tokens.weight" in tensors
+    save_file(tensors, str(renamed / "model.safetensors"), metadata={"format": "pt"})
+    logits = []
+    for directory in (model_dir, renamed):
+        loaded = load_model(directory, dtype=torch.float32, device=torch.device("cpu"),
+                            parallel=ParallelContext())
+        runner = ModelRunner(loaded.model, KVCacheSpec(2, 2, 16, BLOCK_SIZE, torch.float32,
+                                                       torch.device("cpu")))
+        runner.allocate(16)
+        ids, offsets = with_images([[5], [6, 7]], FILES[:1])
+        images = _images(loaded, FILES[:1], offsets)
+        logits.append(runner.prefill([PrefillSequence(
+            ids, 0, list(range(1, 16)), images=images,
+            rope_positions=mrope_positions(images, 0, len(ids)))], all_logits_rows={0}).full[0])
+    assert torch.equal(*logits)
+
+
 def _rank_logits(rank: int, world: int, port: int, model_dir: str, results) -> None:
     """One rank's logits of every position of a prompt with two images, and a text-only row."""
     from shard.distributed import init_parallel
