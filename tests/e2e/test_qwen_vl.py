@@ -50,8 +50,13 @@ def _post(server, path, body):
 
 def test_each_images_tokens_follow_its_size(server):
     """Two images of other shapes: 15 and 16 tokens, each between its start and end tokens;
-    usage counts them."""
+    usage counts them, and TGI's markdown image is the same tokens. /info and /v1/models say
+    the model takes images."""
     assert requests.get(f"{server.url}/info", timeout=10).json()["takes_images"] is True
+    (model,) = requests.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+    assert model["metadata"]["takes_images"] is True
+    markdown = _post(server, "/tokenize", {"inputs": f"![]({data_url(TALL)}) Hi"}).json()
+    assert [t["text"] for t in markdown].count(PAD) == 16
     tokens = _post(server, "/chat_tokenize", _chat(WIDE, TALL)).json()
     text = tokens["templated_text"]
     spans = [part.split("<|vision_end|>")[0] for part in text.split("<|vision_start|>")[1:]]
@@ -82,6 +87,8 @@ def test_bad_images_are_422s_and_the_server_keeps_serving(server, data, words):
     reply = _post(server, "/v1/chat/completions", _chat(data))
     assert reply.status_code == 422, reply.text
     assert words in str(reply.json()["error"])
+    too_many = _post(server, "/v1/chat/completions", _chat(*[TALL] * 4))
+    assert too_many.status_code == 422 and "--max-images-per-request" in too_many.json()["error"]
     assert _post(server, "/v1/chat/completions", _chat(TALL)).status_code == 200
 
 
