@@ -23,6 +23,8 @@ class PromptImage:
     offset: int  # the prompt position of its first placeholder token
     count: int  # its placeholder tokens
     pixels: torch.Tensor | None = None  # preprocessed at admission, when its chunk computes it
+    # (rows, columns) of its tokens, where they depend on its size (Qwen2.5-VL's), at admission
+    grid: tuple[int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -57,6 +59,7 @@ class NewRequest:
     adapter: str | None = None  # a loaded LoRA adapter's name; None: the base model
     adapter_slot: int = -1  # its slot in the model's AdapterSet, once admitted
     images: list[PromptImage] = field(default_factory=list)  # in prompt order
+    rope_delta: int = 0  # what decode positions fall behind lengths by (shard.models.mrope)
 
     @property
     def prompt_length(self) -> int:
@@ -88,6 +91,7 @@ class RequestState:
     beams: Beams | None = None  # a beam-search request: its beams and their blocks
     drafter: Drafter | None = None  # with speculation: its n-gram drafts and how they fare
     adapter_slot: int = -1  # the LoRA adapter every forward of it applies (-1: none)
+    rope_delta: int = 0  # its positions are its lengths plus this (shard.models.mrope)
 
     @property
     def output_ids(self) -> list[int]:
@@ -124,6 +128,17 @@ class Batch:
             slots = [slot for slot, n in zip(slots, rows_per_request) for _ in range(n)]
         return torch.tensor(slots, dtype=torch.long, device=self.seq_lens.device)
 
+    def rope_deltas(self, rows_per_request: list[int] | None = None) -> torch.Tensor | None:
+        """Each forward row's position minus its length, or None when every one is 0.
+
+        Repeated over each request's `rows_per_request` rows, as adapter_slots."""
+        deltas = [r.rope_delta for r in self.requests]
+        if not any(deltas):
+            return None
+        if rows_per_request is not None:
+            deltas = [delta for delta, n in zip(deltas, rows_per_request) for _ in range(n)]
+        return torch.tensor(deltas, dtype=torch.long, device=self.seq_lens.device)
+
 
 def new_batch(batch_id: int, requests: list[NewRequest], device: torch.device, *,
               eos_token_ids: frozenset[int], block_size: int, speculate: int) -> Batch:
@@ -156,7 +171,7 @@ def _request_state(request: NewRequest, device: torch.device, eos_token_ids: fro
                         return_hidden_states=request.return_hidden_states,
                         beams=_beams(request, device, eos_token_ids, block_size),
                         drafter=Drafter() if speculate else None,
-                        adapter_slot=request.adapter_slot)
+                        adapter_slot=request.adapter_slot, rope_delta=request.rope_delta)
 
 
 def _beams(request: NewRequest, device: torch.device, eos_token_ids: frozenset[int],

@@ -19,10 +19,11 @@ from shard.batch_state import (Batch, NewRequest, block_table_tensor, concatenat
                                filter_batch, new_batch, sample_batch)
 from shard.generations import Vocabulary, prompt_scores, step_generations
 from shard.grammar_matcher import GrammarFactory
-from shard.images.admission import computed_range, image_support
+from shard.images.admission import image_support
 from shard.kv_budget import PoolLedger, budget_blocks
 from shard.loader import LoadedModel
-from shard.model_runner import DecodeRows, ModelRunner, PrefillSequence
+from shard.model_runner import DecodeRows, ModelRunner
+from shard.prefill_sequence import sequence_of
 from shard.prompt_chunks import PromptSoFar, after_chunk, with_earlier
 from shard.outputs import (BatchInfo, RequestOutput, StepOutput, WarmupResult, after_steps,
                            merge_steps)
@@ -244,14 +245,14 @@ class Engine:
         if verifies:
             rows = speculative_step.verify_rows(batch, drafts, self.runner.device)
             out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables,
-                                     rows.adapter_slots)
+                                     rows.adapter_slots, rows.rope_deltas)
             forward_ns = time.perf_counter_ns() - before
             generations = speculative_step.accept(batch, drafts, out.logits, out.hidden,
                                                   self.vocab)
         else:  # nothing to verify: a plain step, at a plain step's cost
             rows, first = self._decode_rows(batch)
             out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables,
-                                     rows.adapter_slots)
+                                     rows.adapter_slots, rows.rope_deltas)
             forward_ns = time.perf_counter_ns() - before
             generations = self._step_rows(batch, out.logits, out.hidden, first)
         accepted = 0
@@ -271,7 +272,7 @@ class Engine:
         The batch to keep is the new requests, the running one, or both merged under the running
         one's id; None when a partial chunk ran alone."""
         is_chunk = any(r.is_partial_chunk for r in requests)
-        seqs = [_sequence(r) for r in requests]
+        seqs = [sequence_of(r) for r in requests]
         # a partial chunk's token comes with the last chunk; its positions' scores and hidden
         # states, when asked, are kept until then (shard/prompt_chunks.py)
         logits_rows = {i for i, r in enumerate(requests) if r.computes_every_position}
@@ -333,7 +334,7 @@ class Engine:
         row. A beam about to write into a block it shares gets its own copy first."""
         if not any(state.beams is not None for state in batch.requests):
             return DecodeRows(batch.next_input_ids, batch.seq_lens, batch.block_tables,
-                              batch.adapter_slots()), None
+                              batch.adapter_slots(), batch.rope_deltas()), None
         ids, lengths = batch.next_input_ids.tolist(), batch.seq_lens.tolist()
         tables = batch.block_tables.tolist()
         rows_ids, rows_lengths, rows_tables, first, copies = [], [], [], [], []
@@ -355,7 +356,8 @@ class Engine:
         return DecodeRows(torch.tensor(rows_ids, dtype=torch.long, device=device),
                           torch.tensor(rows_lengths, dtype=torch.long, device=device),
                           block_table_tensor(rows_tables, device),
-                          batch.adapter_slots(rows_per_request)), first
+                          batch.adapter_slots(rows_per_request),
+                          batch.rope_deltas(rows_per_request)), first
 
     def _step_rows(self, batch: Batch, logits: torch.Tensor, hidden: torch.Tensor,
                    first: list[int] | None) -> list[RequestOutput]:
@@ -384,17 +386,4 @@ class Engine:
         return BatchInfo(id=batch.id, request_ids=batch.request_ids,
                            max_tokens=batch.num_blocks * self.block_size,
                            current_tokens=len(batch.requests))
-
-
-def _sequence(request: NewRequest) -> PrefillSequence:
-    """What the forward computes of a request: the rest of its prompt, or its next chunk."""
-    start, end = computed_range(request)
-    if request.input_embeds is not None:
-        return PrefillSequence([], request.cache_len, request.blocks,
-                               request.input_embeds[request.cache_len:end],
-                               adapter_slot=request.adapter_slot)
-    # the images before cache_len are in the cached keys and values already
-    images = [image for image in request.images if start <= image.offset < end]
-    return PrefillSequence(request.input_ids[start:end], start, request.blocks,
-                           adapter_slot=request.adapter_slot, images=images)
 

@@ -9,14 +9,13 @@ import enum
 import gc
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from shard.adapters.adapter_set import AdapterSet
 from shard.attention_inputs import (decode_metadata, pad_blocks, prefill_metadata,
                                     route_short_contexts, static_decode_metadata)
-from shard.batch_state import PromptImage
 from shard.decode_paths import c_step
 from shard.decode_paths.compiled import CompiledDecode, unsupported_reason
 from shard.decode_paths.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
@@ -25,6 +24,7 @@ from shard.kv_budget import KVCacheSpec, allocate_kv_cache
 from shard.layers.attention_state import AttentionMetadata, LayerCache
 from shard.malloc_tuning import return_freed_memory
 from shard.prefill_embeds import mark_image_spans, prefill_embeds
+from shard.prefill_sequence import PrefillSequence, forward_positions, with_riding_rows
 
 log = logging.getLogger("tgi.shard.model_runner")
 
@@ -52,6 +52,7 @@ class DecodeRows:
     seq_lens: torch.Tensor  # [B]
     block_tables: torch.Tensor  # [B, max_blocks]
     adapter_slots: torch.Tensor | None = None  # [B] each row's LoRA slot (-1: none); None: none
+    rope_deltas: torch.Tensor | None = None  # [B] each row's position minus seq_lens; None: 0
 
 
 class DecodePath(enum.Enum):
@@ -61,20 +62,6 @@ class DecodePath(enum.Enum):
     CUDA_GRAPHS = "cuda_graphs"  # shard.decode_paths.cuda_graphs: a captured graph replayed
     COMPILED = "compiled"  # shard.decode_paths.compiled: the torch.compile'd forward
     EAGER = "eager"  # the forward layer by layer in PyTorch
-
-
-@dataclass(slots=True)
-class PrefillSequence:
-    token_ids: list[int]  # the tokens to compute now
-    start: int  # tokens of this sequence already in the cache (position of token_ids[0])
-    blocks: list[int]
-    embeds: torch.Tensor | None = None  # [n, hidden]: given vectors in place of token_ids
-    adapter_slot: int = -1  # the LoRA adapter of every token (-1: none)
-    images: list[PromptImage] = field(default_factory=list)  # preprocessed, over token_ids
-
-    @property
-    def length(self) -> int:
-        return len(self.token_ids) if self.embeds is None else self.embeds.shape[0]
 
 
 class ModelRunner:
@@ -206,6 +193,7 @@ class ModelRunner:
         positions, meta, logit_rows = _prefill_inputs(seqs, query_lens, all_logits_rows,
                                                       self.spec.block_size, c_kernel, self.device)
         mark_image_spans(self.model, meta, seqs)
+        positions = forward_positions(seqs, positions)
         num_decode = None
         if decode is not None:
             num_decode = len(decode.input_ids)
@@ -228,7 +216,9 @@ class ModelRunner:
         num_decode = len(decode.input_ids)
         part = decode_metadata(decode.seq_lens, decode.block_tables, self.spec, self.paged_kernel)
         embeds = torch.cat([self.model.embed(decode.input_ids), embeds])
-        positions = torch.cat([decode.seq_lens, positions])
+        riding = decode.seq_lens if decode.rope_deltas is None else (decode.seq_lens
+                                                                      + decode.rope_deltas)
+        positions = with_riding_rows(positions, riding)
         meta.slot_blocks = torch.cat([part.slot_blocks, meta.slot_blocks])
         meta.slot_offsets = torch.cat([part.slot_offsets, meta.slot_offsets])
         meta.decode_groups, meta.num_decode_rows = part.decode_groups, num_decode
@@ -256,17 +246,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
-               block_tables: torch.Tensor,
-               adapter_slots: torch.Tensor | None = None) -> DecodeOutput:
+               block_tables: torch.Tensor, adapter_slots: torch.Tensor | None = None,
+               rope_deltas: torch.Tensor | None = None) -> DecodeOutput:
         """One token per sequence at position seq_lens -> logits [B, vocab] and hidden states.
 
-        Row i with the update of LoRA slot adapter_slots[i] (-1: none)."""
+        Row i with the update of LoRA slot adapter_slots[i] (-1: none), rotated as position
+        seq_lens[i] + rope_deltas[i] (multimodal rotary positions, which the compiled step does
+        not take: the eager forward runs them instead)."""
         width = self._graph_width(seq_lens)
         path = self.decode_path(input_ids.shape[0], width, adapters=adapter_slots is not None)
+        positions = None if rope_deltas is None else seq_lens + rope_deltas
         if path is DecodePath.C_STEP:
-            out = self.c_step(input_ids, seq_lens, block_tables, row_slots=adapter_slots)
+            out = self.c_step(input_ids, seq_lens, block_tables, row_slots=adapter_slots,
+                              positions=positions)
         elif path is DecodePath.CUDA_GRAPHS:
-            out = self.graphs(input_ids, seq_lens, block_tables, width)
+            out = self.graphs(input_ids, seq_lens, block_tables, width, positions)
+        elif positions is not None:  # the compiled step rotates by seq_lens
+            with self.adapters.applied(adapter_slots):
+                out = self._decode_forward(input_ids, seq_lens, block_tables, positions)
         elif path is DecodePath.COMPILED:  # it runs the eager forward itself if it fails
             out = self.decode_step(input_ids, seq_lens, block_tables)
         else:
@@ -303,20 +300,24 @@ class ModelRunner:
         return (int(seq_lens.max()) + 1 + self.spec.block_size - 1) // self.spec.block_size
 
     def _decode_forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
-                        block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                        block_tables: torch.Tensor, positions: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         meta = decode_metadata(seq_lens, block_tables, self.spec, self.paged_kernel)
-        return self._forward_rows(input_ids, seq_lens, meta)
+        return self._forward_rows(input_ids, seq_lens if positions is None else positions, meta)
 
-    def _forward_rows(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
+    def _forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row at position seq_lens -> (logits, final hidden states)."""
-        hidden = self.model(self.model.embed(input_ids), seq_lens, self.cache, meta)
+        """One token per row at `positions` -> (logits, final hidden states).
+
+        The positions are the rows' seq_lens, unless the model rotates them otherwise."""
+        hidden = self.model(self.model.embed(input_ids), positions, self.cache, meta)
         return self.model.logits(hidden), hidden
 
     def _static_decode_forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
-                               block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                               block_tables: torch.Tensor, positions: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode forward a CUDA graph records (see static_decode_metadata)."""
-        return self._forward_rows(input_ids, seq_lens,
+        return self._forward_rows(input_ids, positions,
                                   static_decode_metadata(
                                       seq_lens, block_tables, self.spec,
                                       in_place=self.attention_kernel == decode_backend.TRITON))

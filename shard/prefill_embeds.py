@@ -26,8 +26,11 @@ def prefill_embeds(model: torch.nn.Module, seqs: list, device: torch.device) -> 
     images = list(_flat_images(seqs))
     if not images:
         return embeds
-    pixels = torch.stack([image.pixels for _, image in images]).to(device)
-    rows = model.embed_images(pixels)
+    pixels = [image.pixels for _, image in images]
+    if getattr(model, "ragged_images", False):  # each image at its own size (Qwen2.5-VL)
+        rows = model.embed_images(pixels, [image.grid for _, image in images])
+    else:
+        rows = model.embed_images(torch.stack(pixels).to(device))
     for (flat, image), image_rows in zip(images, rows):
         if image_rows.shape[0] != image.count:
             raise ValueError(f"an image gives {image_rows.shape[0]} rows, but spans "

@@ -48,7 +48,8 @@ def verify_rows(batch: Batch, drafted: list[list[int]], device: torch.device) ->
     return DecodeRows(torch.tensor(rows_ids, dtype=torch.long, device=device),
                       torch.tensor(rows_lengths, dtype=torch.long, device=device),
                       batch.block_tables.index_select(0, owners),
-                      batch.adapter_slots([1 + len(draft) for draft in drafted]))
+                      batch.adapter_slots([1 + len(draft) for draft in drafted]),
+                      batch.rope_deltas([1 + len(draft) for draft in drafted]))
 
 
 def accept(batch: Batch, drafted: list[list[int]], logits: torch.Tensor, hidden: torch.Tensor,

@@ -39,6 +39,7 @@ class Weights:
         self.parallel = parallel
         self._files = {}
         self._name_to_file: dict[str, Path] = {}
+        self._stored_as: dict[str, str] = {}  # a name read under another prefix -> its own
         # a native GGUF conversion's tensors kept as blocks: name -> (ggml type, columns)
         self.blocks: dict[str, tuple[str, int]] = {}
         for path in checkpoint_files(Path(model_dir)):
@@ -50,6 +51,17 @@ class Weights:
             if listed:
                 self.blocks.update({name: (kind, int(columns))
                                     for name, (kind, columns) in json.loads(listed).items()})
+
+    def read_prefix_as(self, stored: str, wanted: str) -> None:
+        """Tensors stored as `stored` + rest are also read as `wanted` + rest.
+
+        Where a family's checkpoints name its language model otherwise (Qwen2.5-VL's saved by
+        transformers 4.52 to 4.57: model.language_model.layers.0... for model.layers.0...)."""
+        for name, path in list(self._name_to_file.items()):
+            if name.startswith(stored):
+                alias = wanted + name[len(stored):]
+                self._name_to_file.setdefault(alias, path)
+                self._stored_as.setdefault(alias, name)
 
     def has(self, name: str) -> bool:
         return name in self._name_to_file or self._stored_prefix(name) is not None
@@ -64,7 +76,7 @@ class Weights:
     def _slice(self, name: str):
         if name not in self._name_to_file:
             raise KeyError(f"tensor {name!r} is not in the checkpoint")
-        return self._files[self._name_to_file[name]].get_slice(name)
+        return self._files[self._name_to_file[name]].get_slice(self._stored_as.get(name, name))
 
     def _place(self, tensor: torch.Tensor, as_stored: bool = False) -> torch.Tensor:
         dtype = tensor.dtype if as_stored else self.dtype

@@ -346,6 +346,19 @@ def test_vision_benchmark(tmp_path):
     assert figures["prompt_tokens_one_image"] == 268
 
 
+@pytest.mark.real_model
+def test_vision_benchmark_of_qwen2_5_vl(tmp_path):
+    """Qwen2.5-VL's image costs on the tiny tower: a 1024x768 image is 999 tokens at the Hub's
+    preprocessing, and every figure is present and positive."""
+    _run(["benchmarks/vision_bench.py", "--family", "qwen2_5_vl", "--shape", "tiny",
+          "--repeats", "1", "--batches", "1", "--no-decode", "--model-dir",
+          str(tmp_path / "model"), "--json", str(tmp_path / "vision.json")], tmp_path)
+    figures = json.loads((tmp_path / "vision.json").read_text())
+    assert figures["tokens_per_image"] == 27 * 37
+    assert figures["prompt_tokens_one_image"] == 27 * 37 + 12
+    assert all(v > 0 for k, v in figures.items() if k.endswith("_ms") or "_ms_" in k)
+
+
 def test_synthetic_gguf_shapes_follow_llama_cpps_q4_k_m(tmp_path, monkeypatch):
     """gguf_shapes writes llama.cpp's Q4_K_M types for a shape; the launcher serves the file."""
     import gguf

@@ -163,3 +163,60 @@ def build_tiny_gemma3_vlm(out_dir: Path, *, with_weights: bool = False) -> Path:
     transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(
         out_dir)
     return out_dir
+
+
+# Qwen2.5-VL's image tokens, added to the tiny tokenizer; its chat template writes them around
+# one <|image_pad|>, which the router expands to the image's grid of tokens
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+                  "<|im_start|>", "<|im_end|>")
+# patches of 4 pixels merged 2x2: a token per 8x8 pixels, 1 to 48 tokens per image
+QWEN_VL_PIXELS = dict(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64,
+                      max_pixels=48 * 64)
+_QWEN_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_qwen2_5_vl(out_dir: Path, *, seed: int = 0) -> Path:
+    """A random Qwen2_5_VLForConditionalGeneration with the tiny tokenizer and Qwen's tokens.
+
+    Windows of 2x2 tokens in the tower's first block, the whole image in its second; M-RoPE
+    sections (2, 3, 3) over heads of 16; preprocessor_config.json for 4-pixel patches."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out_dir)
+    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in QWEN_VL_TOKENS])
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    start, end, image, video = (tokenizer.token_to_id(t) for t in QWEN_VL_TOKENS[:4])
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": _QWEN_VL_TEMPLATE}))
+    torch.manual_seed(seed)
+    text = dict(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                # a small theta: the column section's slow pairs still turn by a few positions
+                rope_parameters={"rope_type": "default", "rope_theta": 10.0,
+                                 "mrope_section": [2, 3, 3]})
+    pixels = QWEN_VL_PIXELS
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=pixels["patch_size"], spatial_merge_size=pixels["merge_size"],
+                  temporal_patch_size=pixels["temporal_patch_size"], window_size=16,
+                  fullatt_block_indexes=[1])
+    model = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=image, video_token_id=video,
+        vision_start_token_id=start, vision_end_token_id=end, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():  # random biases and norms, which initialisation leaves at 0 and 1
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or name.endswith("norm.weight") or "ln_q" in name:
+                param.normal_(0.0 if name.endswith(".bias") else 1.0, 0.3)
+    model.eval().save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", **pixels}))
+    return out_dir

@@ -187,13 +187,13 @@ class DecodeStep:
         self._run = load_library().decode_step
 
     def __call__(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
-                 block_tables: torch.Tensor, row_slots: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_tables: torch.Tensor, row_slots: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per sequence at position seq_lens -> (logits, final hidden states).
 
         Logits [B, vocab] float32 and the final normed hidden states [B, hidden], as the eager
         step returns them; row i with the update of LoRA slot row_slots[i] of the model's
-        adapters (-1: none)."""
+        adapters (-1: none), rotated as `positions` where given (multimodal rotary ones)."""
         batch = input_ids.shape[0]
         # the C loop reads `batch` entries of each through raw pointers
         if (input_ids.dim() != 1 or seq_lens.shape != (batch,) or block_tables.dim() != 2
@@ -201,7 +201,7 @@ class DecodeStep:
             raise ValueError(f"decode step: {tuple(input_ids.shape)} tokens, {tuple(seq_lens.shape)} "
                              f"positions and {tuple(block_tables.shape)} block tables disagree")
         embeds = self.layout.embed(input_ids).contiguous()
-        angles = self.layout.rotary(seq_lens)
+        angles = self.layout.rotary(seq_lens if positions is None else positions)
         cos, sin = angles.cos.contiguous(), angles.sin.contiguous()
         tables = block_tables.to(torch.int64).contiguous()
         seq_lens = seq_lens.to(torch.int64)

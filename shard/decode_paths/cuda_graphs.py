@@ -14,7 +14,8 @@ import torch
 log = logging.getLogger("tgi.shard.cuda_graphs")
 
 Outputs = tuple[torch.Tensor, torch.Tensor]  # logits [B, vocab], hidden states [B, hidden]
-Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Outputs]
+# (input_ids, seq_lens, block_tables, the positions the rows are rotated at) -> outputs
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Outputs]
 # (step, its input buffers) -> (its output buffers, a function that recomputes them in place
 # from whatever the input buffers hold then)
 Capture = Callable[[Step, tuple[torch.Tensor, ...]], tuple[Outputs, Callable[[], None]]]
@@ -67,6 +68,7 @@ class CapturedStep:
     input_ids: torch.Tensor  # [rows]
     seq_lens: torch.Tensor  # [rows]
     block_tables: torch.Tensor  # [rows, width]
+    positions: torch.Tensor  # [rows]: seq_lens, or multimodal rotary positions
     logits: torch.Tensor  # [rows, vocab]: written by each replay
     hidden: torch.Tensor  # [rows, hidden]
     replay: Callable[[], None]
@@ -117,7 +119,8 @@ class GraphedDecode:
                         continue
                     inputs = (torch.zeros(rows, dtype=torch.long, device=self.device),
                               torch.zeros(rows, dtype=torch.long, device=self.device),
-                              torch.zeros(rows, width, dtype=torch.long, device=self.device))
+                              torch.zeros(rows, width, dtype=torch.long, device=self.device),
+                              torch.zeros(rows, dtype=torch.long, device=self.device))
                     (logits, hidden), replay = capture(self.step, inputs)
                     self.graphs[rows, width] = CapturedStep(*inputs, logits, hidden, replay)
         except BaseException:
@@ -148,10 +151,12 @@ class GraphedDecode:
         return self.graphs.get((fits_rows[0], fits_width[0]))
 
     def __call__(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
-                 block_tables: torch.Tensor, width: int) -> Outputs | None:
+                 block_tables: torch.Tensor, width: int,
+                 positions: torch.Tensor | None = None) -> Outputs | None:
         """One step of these rows from a graph, or None when none holds it (then run eagerly).
 
-        It reads `width` columns of their tables, enough to cover every context."""
+        It reads `width` columns of their tables, enough to cover every context; the rows are
+        rotated at `positions` where given (multimodal rotary ones), else at seq_lens."""
         rows = input_ids.shape[0]
         graph = self.bucket(rows, width)
         if graph is None:
@@ -161,8 +166,10 @@ class GraphedDecode:
         graph.input_ids.zero_()
         graph.seq_lens.zero_()
         graph.block_tables.zero_()
+        graph.positions.zero_()
         graph.input_ids[:rows].copy_(input_ids)
         graph.seq_lens[:rows].copy_(seq_lens)
+        graph.positions[:rows].copy_(seq_lens if positions is None else positions)
         width = min(width, block_tables.shape[1])
         graph.block_tables[:rows, :width].copy_(block_tables[:, :width])
         graph.replay()

@@ -8,21 +8,27 @@ from dataclasses import dataclass
 
 import torch
 
-from shard.batch_state import NewRequest
+from shard.batch_state import NewRequest, PromptImage
+from shard.images.tokens import ImageTokens
+from shard.models.mrope import rope_delta
 
 
 @dataclass(frozen=True, slots=True)
 class ImageSupport:
     """What a vision-language model takes: its placeholder scheme and its preprocessing."""
 
-    tokens: object  # the model's ImageTokens (e.g. shard.models.gemma3_vision.ImageTokens)
+    tokens: ImageTokens  # the model's placeholder scheme
     preprocess: Callable[[bytes], torch.Tensor]  # a file -> pixel values for the tower
+    # where an image's tokens depend on its size (tokens.per_image 0): a file -> (rows, columns)
+    grid: Callable[[bytes], tuple[int, int]] | None = None
 
 
 def image_support(model: torch.nn.Module, preprocess) -> ImageSupport | None:
     """The model's ImageSupport, or None for a model that takes no images."""
     tokens = getattr(model, "image_tokens", None)
-    return None if tokens is None or preprocess is None else ImageSupport(tokens, preprocess)
+    if tokens is None or preprocess is None:
+        return None
+    return ImageSupport(tokens, preprocess, None if tokens.per_image else preprocess.grid)
 
 
 def check_images(request: NewRequest, support: ImageSupport | None) -> None:
@@ -39,9 +45,10 @@ def check_images(request: NewRequest, support: ImageSupport | None) -> None:
         raise ValueError(f"request {rid} gives both input embeddings and images")
     tokens, previous_end = support.tokens, 0
     for i, image in enumerate(request.images):
-        if image.count != tokens.per_image:
+        expected = _token_count(support, image, f"request {rid}: image {i}")
+        if image.count != expected:
             raise ValueError(f"request {rid}: image {i} spans {image.count} tokens, but the "
-                             f"model gives {tokens.per_image} per image")
+                             f"model gives it {expected}")
         if image.offset < previous_end or image.end > len(request.input_ids):
             raise ValueError(f"request {rid}: image {i}'s tokens {image.offset}..{image.end - 1} "
                              "overlap another image's or run past the prompt")
@@ -49,6 +56,8 @@ def check_images(request: NewRequest, support: ImageSupport | None) -> None:
             raise ValueError(f"request {rid}: image {i}'s span holds tokens other than the image "
                              f"placeholder {tokens.token_id}")
         previous_end = image.end
+    if support.grid is not None:
+        request.rope_delta = rope_delta(request.images)
     start, end = computed_range(request)
     for i, image in enumerate(request.images):
         # an image's rows come whole from the tower: its span is computed in one forward
@@ -61,6 +70,19 @@ def check_images(request: NewRequest, support: ImageSupport | None) -> None:
                 image.pixels = support.preprocess(image.data)
             except ValueError as err:
                 raise ValueError(f"request {rid}: image {i}: {err}") from None
+
+
+def _token_count(support: ImageSupport, image: PromptImage, what: str) -> int:
+    """The tokens the model gives `image`; its grid set where they depend on its size.
+
+    Every image's, cached or not: the positions after it depend on its grid."""
+    if support.grid is None:
+        return support.tokens.per_image
+    try:
+        image.grid = support.grid(image.data)
+    except ValueError as err:
+        raise ValueError(f"{what}: {err}") from None
+    return image.grid[0] * image.grid[1]
 
 
 def computed_range(request: NewRequest) -> tuple[int, int]:

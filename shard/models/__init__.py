@@ -30,6 +30,9 @@ ARCHITECTURES: dict[str, ArchitectureEntry] = {
     "Gemma3ForConditionalGeneration": ArchitectureEntry(
         "shard.models.gemma3_vision", "Gemma3ForConditionalGeneration", "GemmaConfig",
         config_defaults={"generation": 3}),
+    # Qwen2.5-VL: Qwen2's language model with multimodal rotary positions, and its vision tower
+    "Qwen2_5_VLForConditionalGeneration": ArchitectureEntry(
+        "shard.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig"),
     "Phi3ForCausalLM": ArchitectureEntry("shard.models.phi3", "Phi3ForCausalLM", "Phi3Config"),
 }
 

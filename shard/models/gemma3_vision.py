@@ -9,7 +9,6 @@ and within each image the tokens attend to one another both ways (ImageTokens.bi
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.images.gemma3 import Gemma3Preprocessor
+from shard.images.tokens import ImageTokens
 from shard.models.gemma import GemmaConfig, GemmaForCausalLM, GemmaRMSNorm
 from shard.models.siglip import SiglipConfig, SiglipVisionTower, tower_prefix
 from shard.partition import RankHeads
@@ -34,17 +34,6 @@ _PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
 # transformers' Gemma3Config defaults
 _MM_DEFAULTS = dict(mm_tokens_per_image=256, image_token_index=262144, boi_token_index=255999,
                     eoi_token_index=256000)
-
-
-@dataclass(frozen=True, slots=True)
-class ImageTokens:
-    """How a prompt holds an image: the router's expansion, the shard's mask."""
-
-    token_id: int  # the placeholder repeated per_image times, which the image's rows replace
-    per_image: int
-    start_id: int  # the token before the run (Gemma 3's <start_of_image>)
-    end_id: int  # and after it (<end_of_image>)
-    bidirectional: bool  # an image's tokens see each other both ways, not causally
 
 
 class Gemma3Projector(nn.Module):

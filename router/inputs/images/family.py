@@ -1,8 +1,9 @@
 """Which models take images, read from config.json, and what an image becomes in their prompts.
 
-A family module (gemma3.py) turns a config.json of its architecture into its ImageFamily; a model
-whose architecture no family knows reads text only. A family whose image tokens depend on the
-image's size (Qwen2.5-VL's dynamic resolution) says so through expansion and token_count.
+A family module (gemma3.py, qwen2_vl.py) turns a config.json of its architecture into its
+ImageFamily; a model whose architecture no family knows reads text only. A family whose image
+tokens depend on the image's size (Qwen2.5-VL's dynamic resolution) says so through expansion and
+token_count; preprocessor_config.json says how it resizes.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Protocol
 
 from router.inputs.images.check import ImageSize
 from router.inputs.images.gemma3 import Gemma3Images
+from router.inputs.images.qwen2_vl import Qwen2VLImages
 
 log = logging.getLogger("tgi.router")
 
@@ -32,10 +34,11 @@ class ImageFamily(Protocol):
         """The placeholder tokens of an image of `size` (those its expansion holds)."""
 
 
-# config.json's architecture -> its family's constructor (architecture, config, token id -> text),
-# which raises a ValueError saying what is missing
-_FAMILIES: dict[str, Callable[[str, dict, Callable[[int], str | None]], ImageFamily]] = {
+# config.json's architecture -> its family's constructor (architecture, config, token id -> text,
+# preprocessor_config.json), which raises a ValueError saying what is missing
+_FAMILIES: dict[str, Callable[[str, dict, Callable[[int], str | None], dict], ImageFamily]] = {
     "Gemma3ForConditionalGeneration": Gemma3Images.from_config,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLImages.from_config,
 }
 
 
@@ -50,11 +53,11 @@ def names_image_family(model_dir: str | None) -> bool:
         isinstance(a, str) and a in _FAMILIES for a in architectures)
 
 
-def _config(model_dir: str | None) -> dict | None:
+def _config(model_dir: str | None, name: str = "config.json") -> dict | None:
     if model_dir is None:
         return None
     try:
-        return json.loads((Path(model_dir) / "config.json").read_text())
+        return json.loads((Path(model_dir) / name).read_text())
     except (OSError, ValueError):
         return None  # a GGUF or a directory without one: text only, as its shards load it
 
@@ -73,7 +76,9 @@ def image_family(model_dir: str | None, token_text: Callable[[int], str | None]
         if family is None:
             continue
         try:
-            return family(architecture, config, token_text)
+            preprocessor = _config(model_dir, "preprocessor_config.json")
+            return family(architecture, config, token_text,
+                          preprocessor if isinstance(preprocessor, dict) else {})
         except ValueError as err:
             log.warning("%s: %s; the model is served as text only", model_dir, err)
             return None

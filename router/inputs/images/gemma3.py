@@ -25,7 +25,8 @@ class Gemma3Images:
 
     @classmethod
     def from_config(cls, architecture: str, config: dict,
-                    token_text: Callable[[int], str | None]) -> Gemma3Images:
+                    token_text: Callable[[int], str | None],
+                    preprocessor: dict | None = None) -> Gemma3Images:
         """From a config.json; a ValueError says what it or the tokenizer lacks."""
         names = ("mm_tokens_per_image", "boi_token_index", "eoi_token_index",
                  "image_token_index")

@@ -172,3 +172,30 @@ def test_each_image_goes_over_its_run_of_image_tokens(gemma3_dir, family):
         placed(tokenizer.encode(expanded("<start_of_image><image_soft_token>", family,
                                          loaded[:1])),
                family, loaded[:1])
+
+
+def test_qwen_vl_tokens_follow_each_images_size_as_transformers_counts_them(tmp_path):
+    """Qwen2.5-VL's family: smart_resize's grid, from config.json and preprocessor_config.json,
+    equal to transformers' processor's count for sizes it keeps, shrinks and grows."""
+    import json
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+
+    from router.inputs.images.check import ImageSize
+
+    settings = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 320, "patch_size": 14,
+                "merge_size": 2}
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "image_token_id": 7,
+        "vision_start_token_id": 5, "vision_end_token_id": 6}))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(settings))
+    texts = {5: "<s>", 6: "</s>", 7: "<p>"}
+    family = image_family(str(tmp_path), texts.get)
+    assert family.marker == "<s><p></s>" and family.image_token_id == 7
+    reference = Qwen2VLImageProcessorPil(**settings)
+    for width, height in [(448, 448), (1000, 800), (20, 30), (90, 700), (1000, 64)]:
+        size = ImageSize("PNG", width, height)
+        count = reference.get_number_of_image_patches(height, width) // 4
+        assert family.token_count(size) == count, (width, height)
+        assert family.expansion(size) == "<s>" + "<p>" * count + "</s>"

@@ -11,7 +11,8 @@ import torch
 
 from shard.config import parse_cuda_graphs
 from shard.decode_paths.cuda_graphs import GraphedDecode, width_buckets
-from tests.engine_helpers import BlockPool, make_engine, request, run_to_completion
+from tests.engine_helpers import (BlockPool, make_engine, request, run_to_completion,
+                                  steps_to_completion)
 
 
 class EmulatedCapture:
@@ -171,7 +172,8 @@ def test_steps_no_graph_holds_run_eagerly(tiny_llama):
 def test_padding_rows_are_reset_and_results_are_copies():
     calls = []
 
-    def step(ids, lens, tables):
+    def step(ids, lens, tables, positions):
+        assert torch.equal(positions, lens)  # rotated at seq_lens, padding rows included
         calls.append((ids.clone(), lens.clone(), tables.clone()))
         logits = (ids * 100 + lens).float().unsqueeze(1) + tables.sum(1, keepdim=True)
         return logits, logits * 2
@@ -234,7 +236,7 @@ def test_buckets_gathering_too_much_are_left_to_eager_steps(monkeypatch):
 
     monkeypatch.setattr(cuda_graphs, "MAX_GATHER_BYTES", 64)
     capture = EmulatedCapture()
-    graphs = GraphedDecode(lambda ids, lens, tables: (ids.float(), ids.float()), [1, 2, 4],
+    graphs = GraphedDecode(lambda ids, lens, tables, at: (ids.float(), ids.float()), [1, 2, 4],
                            torch.device("cpu"), block_bytes=8, new_capture=capture)
     graphs.capture(max_width=8)
     # rows x width x 8 bytes <= 64
@@ -280,3 +282,33 @@ def test_cuda_graphs_on_a_gpu_give_the_eager_steps_tokens(tiny_llama):
     assert graphed.runner.graphs.captured
     for count, batched in ((1, False), (3, True), (4, True), (6, True)):
         assert _greedy(graphed, count, batched=batched) == _greedy(eager, count, batched=batched)
+
+
+def test_rows_past_an_image_replay_at_their_multimodal_positions(tmp_path):
+    """Qwen2.5-VL rows decode at length plus rope delta: the graphs take those positions, and
+    give the eager steps' tokens for rows with an image beside a text-only one."""
+    from tests.parity.test_qwen2_5_vl_parity import FILES, _request, with_images
+    from tests.tiny_models import build_tiny_qwen2_5_vl
+
+    model_dir = build_tiny_qwen2_5_vl(tmp_path)
+    capture = EmulatedCapture()
+    graphed = make_engine(model_dir, cuda_graphs=[4], new_capture=capture, max_total_tokens=64)
+    eager = make_engine(model_dir)
+    files = [[FILES[0]], FILES[1:3], []]
+    prompts = [with_images([[5, 17], [42, 99]], files[0]),
+               with_images([[30], [32, 33], [34]], files[1]), ([40, 41, 42], [])]
+
+    def greedy(engine) -> dict[int, list[tuple[int, float]]]:
+        pool, got = BlockPool(512), {0: [], 1: [], 2: []}
+        for out in steps_to_completion(engine, [
+                _request(i, ids, offsets, fs, pool.take(len(ids) + 8, 4), 8)
+                for i, ((ids, offsets), fs) in enumerate(zip(prompts, files))]):
+            for g in out.generations:
+                got[g.request_id] += zip(g.tokens.ids, g.tokens.logprobs)
+        return got
+
+    replayed, stepped = greedy(graphed), greedy(eager)
+    assert capture.replays == 7
+    for row in range(3):
+        assert [t for t, _ in replayed[row]] == [t for t, _ in stepped[row]]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(replayed[row], stepped[row])) <= 1e-4

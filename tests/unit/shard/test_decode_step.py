@@ -69,19 +69,21 @@ def phi3_dir(tmp_path_factory):
 
 
 def _assert_steps_agree(runner: ModelRunner, ids, lens, tables,
-                        row_slots: torch.Tensor | None = None) -> torch.Tensor:
+                        row_slots: torch.Tensor | None = None,
+                        positions: torch.Tensor | None = None) -> torch.Tensor:
     """One C step and one eager step from the same cache (each row with the update of its LoRA
     slot where row_slots are given): the same logits, hidden states and cache writes, bit for bit
     (the cache is left as the eager step wrote it). The C step's logits."""
     before = [_cache_tensors(c, clone=True) for c in runner.cache]
     with torch.inference_mode():
-        logits, hidden = runner.c_step(ids, lens, tables, row_slots=row_slots)
+        logits, hidden = runner.c_step(ids, lens, tables, row_slots=row_slots,
+                                       positions=positions)
         written = [_cache_tensors(c, clone=True) for c in runner.cache]
         for c, saved in zip(runner.cache, before):
             for tensor, old in zip(_cache_tensors(c), saved):
                 tensor.copy_(old)
         with runner.adapters.applied(row_slots):
-            eager_logits, eager_hidden = runner._decode_forward(ids, lens, tables)
+            eager_logits, eager_hidden = runner._decode_forward(ids, lens, tables, positions)
     assert logits.dtype == eager_logits.dtype == torch.float32
     assert torch.equal(logits, eager_logits)
     assert torch.equal(hidden, eager_hidden)
@@ -371,3 +373,34 @@ def test_families_that_declare_another_layer_keep_the_eager_step(tiny_llama, tmp
     assert layout.departures() and runner.c_step is None
     reason = c_step.unsupported_reason(layout, runner.cache)
     assert reason.startswith(type(runner.model).__name__)
+
+
+def test_c_step_at_multimodal_positions_equals_the_eager_step(tmp_path):
+    """Qwen2.5-VL rows past an image decode at their length plus their rope delta: the C step
+    rotates by those positions as the eager step does, bit for bit (and not by the lengths)."""
+    from shard.batch_state import PromptImage
+    from shard.models.mrope import mrope_positions, rope_delta
+    from tests.parity.test_gemma3_vision_parity import image_bytes
+    from tests.tiny_models import build_tiny_qwen2_5_vl
+
+    runner = _runner(build_tiny_qwen2_5_vl(tmp_path))
+    _needs_c_step(runner)
+    preprocess = runner.model.image_preprocessor(tmp_path)
+    data = image_bytes(40, 24, "PNG", 1)
+    rows, columns = preprocess.grid(data)
+    ids = [5, 320] + [322] * (rows * columns) + [321, 6, 7]
+    images = [PromptImage(data, 2, rows * columns, preprocess(data), (rows, columns))]
+    runner.prefill([PrefillSequence(ids, 0, list(range(1, 8)), images=images,
+                                    rope_positions=mrope_positions(images, 0, len(ids))),
+                    PrefillSequence([8, 9, 10], 0, [8])])
+    lens, tables = torch.tensor([len(ids), 3]), torch.tensor([list(range(1, 8)), [8] * 7])
+    positions = lens + torch.tensor([rope_delta(images), 0])
+    assert positions[0] < lens[0]
+    logits = _assert_steps_agree(runner, torch.tensor([11, 12]), lens, tables,
+                                 positions=positions)
+    # the runner's step for rows with rope deltas is this C step
+    assert torch.equal(runner.decode(torch.tensor([11, 12]), lens, tables,
+                                     rope_deltas=positions - lens).logits, logits)
+    with torch.inference_mode():
+        plain = runner.c_step(torch.tensor([11, 12]), lens, tables)[0]
+    assert not torch.equal(logits[0], plain[0]) and torch.equal(logits[1], plain[1])

@@ -184,9 +184,9 @@ def test_drafts_never_write_past_the_slots_reserved_for_a_request(engines, monke
     seen = []
     original = runner.decode
 
-    def recording(input_ids, seq_lens, block_tables, adapter_slots=None):
+    def recording(input_ids, seq_lens, block_tables, adapter_slots=None, rope_deltas=None):
         seen.append((seq_lens.tolist(), block_tables.shape[1]))
-        return original(input_ids, seq_lens, block_tables, adapter_slots)
+        return original(input_ids, seq_lens, block_tables, adapter_slots, rope_deltas)
 
     monkeypatch.setattr(runner, "decode", recording)
     prompt = speculative.tokenizer.encode("x y x y x y x y x y x y x").ids
