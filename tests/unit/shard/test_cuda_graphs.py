@@ -250,7 +250,7 @@ def test_buckets_gathering_too_much_are_left_to_eager_steps(monkeypatch):
 def test_a_step_gathering_nothing_is_captured_at_one_width_for_every_batch_size():
     """Triton's kernel reads each row's context in place (block_bytes 0): no width costs more."""
     capture = EmulatedCapture()
-    graphs = GraphedDecode(lambda ids, lens, tables: (ids.float(), ids.float()), [1, 2, 4],
+    graphs = GraphedDecode(lambda ids, lens, tables, positions: (ids.float(), ids.float()), [1, 2, 4],
                            torch.device("cpu"), block_bytes=0, new_capture=capture)
     graphs.capture(max_width=1 << 12)  # a 64k-token request of 16-token blocks
     assert sorted(capture.captured) == [(1, 4096), (2, 4096), (4, 4096)]
