@@ -31,6 +31,9 @@ ARCHITECTURES: dict[str, ArchitectureEntry] = {
         "shard.models.gemma3_vision", "Gemma3ForConditionalGeneration", "GemmaConfig",
         config_defaults={"generation": 3}),
     "Phi3ForCausalLM": ArchitectureEntry("shard.models.phi3", "Phi3ForCausalLM", "Phi3Config"),
+    # encoders: they embed, and generate nothing
+    "BertModel": ArchitectureEntry("shard.models.bert", "BertModel", "BertConfig"),
+    "BertForMaskedLM": ArchitectureEntry("shard.models.bert", "BertModel", "BertConfig"),
 }
 
 

@@ -47,7 +47,7 @@ def test_the_engine_loads_and_reports_the_resolved_dtype(monkeypatch, tiny_llama
     from shard.__main__ import build_engine
 
     monkeypatch.setattr(shard_config, "cpu_flags", lambda: flags)
-    engine, info, _ = build_engine(ShardConfig(model_path=str(tiny_llama), dtype=given,
+    engine, _, info, _ = build_engine(ShardConfig(model_path=str(tiny_llama), dtype=given,
                                                device="cpu"))
     assert info.dtype == expected and info.device_type == "cpu"
     assert engine.runner.spec.dtype == getattr(torch, expected)  # the KV cache
