@@ -131,6 +131,15 @@ class ShardedClient:
         request = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
         await self._all("ClearCache", request)
 
+    async def embed(self, inputs: list[tuple[int, list[int]]]
+                    ) -> tuple[dict[int, list[float]], dict[int, str], int]:
+        """Pooled vectors of (id, token ids) inputs: (id -> vector, id -> why refused, forward ns)."""
+        message = pb.EmbedRequest(inputs=[pb.EmbedInput(id=i, input_ids=ids)
+                                          for i, ids in inputs])
+        reply = await self._all("Embed", message)
+        return ({e.id: list(e.values) for e in reply.embeddings},
+                {r.request_id: r.reason for r in reply.rejected}, reply.forward_ns)
+
     async def warmup(self, batch: NewBatch, **limits: int) -> int:
         """Runs the warm-up batch on every rank; returns the KV pool's size in blocks.
 
