@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from router.core.embedding import EmbeddingQueue
-from router.errors import GenerationError, ValidationError
+from router.errors import GenerationError, NotServedError, ValidationError
 from router.inputs.embeddings import as_base64, finished, read_dimensions, read_inputs
 from router.shards.client import ShardError
 
@@ -33,8 +33,10 @@ def test_dimensions_only_where_the_model_declares_matryoshka():
     assert read_dimensions(None, "dimensions", hidden_size=64, matryoshka=False, allowed=()) is None
     assert read_dimensions(64, "dimensions", hidden_size=64, matryoshka=False, allowed=()) is None
     assert read_dimensions(16, "dimensions", hidden_size=64, matryoshka=True, allowed=()) == 16
-    for value, matryoshka, allowed in ((16, False, ()), (65, True, ()), (0, True, ()),
-                                       (True, True, ()), (24, True, (16, 32))):
+    with pytest.raises(NotServedError, match="Matryoshka"):  # a 400: the model's refusal
+        read_dimensions(16, "dimensions", hidden_size=64, matryoshka=False, allowed=())
+    for value, matryoshka, allowed in ((65, True, ()), (0, True, ()), (True, True, ()),
+                                       (24, True, (16, 32))):
         with pytest.raises(ValidationError, match="dimensions"):
             read_dimensions(value, "dimensions", hidden_size=64, matryoshka=matryoshka,
                             allowed=allowed)
