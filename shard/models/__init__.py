@@ -37,6 +37,10 @@ ARCHITECTURES: dict[str, ArchitectureEntry] = {
 }
 
 
+# the architectures that embed and generate nothing (no KV cache: shard/models/bert.py)
+ENCODERS = frozenset({"BertModel", "BertForMaskedLM"})
+
+
 def architecture_of(config: dict) -> str:
     """The first of a config.json's `architectures` served here.
 
