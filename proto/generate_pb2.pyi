@@ -454,12 +454,16 @@ class UnloadAdapterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class EmbedInput(_message.Message):
-    __slots__ = ("id", "input_ids")
+    __slots__ = ("id", "input_ids", "cache_len", "chunk_len")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_LEN_FIELD_NUMBER: _ClassVar[int]
     id: int
     input_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_len: int
+    chunk_len: int
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("inputs",)

@@ -16,7 +16,7 @@ from proto.tracing import extract_metadata, tracer, tracing_enabled
 from shard import convert
 from shard.config import ShardConfig
 from shard.distributed import CollectiveFailed
-from shard.embedder import Embedder
+from shard.embedder import Embedder, EmbedInput
 from shard.adapters.adapter_set import AdapterExists
 from shard.adapters.peft_files import AdapterError
 from shard.engine import AdapterInUse, BatchNotFound, Engine
@@ -126,6 +126,8 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def ClearCache(self, request, context):
         batch_id = request.id if request.HasField("id") else None
         await self._run(context, self.engine.clear, batch_id)
+        if batch_id is None and self.embedder is not None:
+            await self._run(context, self.embedder.clear)
         return pb.ClearCacheResponse()
 
     async def FilterBatch(self, request, context):
@@ -217,10 +219,13 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         return [b.id for b in request.batches], min(max(1, request.max_steps), MAX_STEPS_PER_CALL)
 
     async def Embed(self, request, context):
-        inputs = [(i.id, list(i.input_ids)) for i in request.inputs]
+        inputs = [EmbedInput(i.id, list(i.input_ids), i.cache_len,
+                             i.cache_len + i.chunk_len if i.HasField("chunk_len") else None)
+                  for i in request.inputs]
         if self.embedder is None:
-            return pb.EmbedResponse(rejected=[pb.RejectedRequest(request_id=i, reason="this shard "
-                                                                 "cannot embed") for i, _ in inputs])
+            return pb.EmbedResponse(rejected=[pb.RejectedRequest(request_id=i.id, reason="this "
+                                                                 "shard cannot embed")
+                                              for i in inputs])
         result = await self._run(context, self.embedder.embed, inputs, span="embed")
         return pb.EmbedResponse(
             embeddings=[pb.Embedding(id=i, values=v.tolist()) for i, v in result.vectors.items()],

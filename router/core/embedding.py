@@ -3,8 +3,9 @@
 Each call goes to the shards between the batching loop's steps (the shard's engine thread takes
 calls in turn), so a call's size bounds how long it holds the running streams back. While a batch
 decodes, a call is sized as a prefill chunk is (router/scheduler/chunk_sizing.py): about one decode
-step's worth of tokens, from what the last calls cost per token; with nothing decoding, a call
-takes the whole budget. An input is never split: one longer than that goes alone.
+step's worth of tokens, from what the last calls' forwards cost per token, a decoder's longer input
+going in chunks over several calls; with nothing decoding, a call takes the whole budget. (An
+encoder's input is computed whole; an encoder has no stream to hold back.)
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy
+
 from router.errors import GenerationError, NotServedError, RouterError, ValidationError
 from router.scheduler.chunk_sizing import MIN_CHUNK_TOKENS, STALL_RATIO
 from router.shards.client import ShardError
@@ -23,6 +26,10 @@ from router.shards.client import ShardError
 # faster per token, and the inputs behind it wait for all of it
 MAX_CALL_TOKENS = 8192
 MAX_CALL_INPUTS = 256
+# the fewest tokens of a chunk beside a decoding batch: fewer than a prompt chunk's least
+# (MIN_CHUNK_TOKENS), as a call's cost must stay within one decode step even where a forward's
+# fixed cost is most of one, and the stall bound is what an embedding beside streams promises
+MIN_EMBED_CHUNK_TOKENS = 2
 _SMOOTHING = 0.3  # weight of the newest call in the cost per token's moving average
 
 
@@ -31,24 +38,35 @@ class _Input:
     id: int
     ids: list[int]
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    computed: int = 0  # tokens of it earlier calls computed (a decoder's input, in chunks)
 
 
 class EmbeddingQueue:
-    """Embeds token ids for a model's requests, in as few shard calls as its stall bound allows."""
+    """Embeds token ids for a model's requests, in as few shard calls as its stall bound allows.
 
-    def __init__(self, client, *, decode_s: Callable[[], float | None],
+    `chunkable`: the model is a decoder, whose input may be computed in chunks across calls (an
+    encoder's is computed whole)."""
+
+    def __init__(self, client, *, decode_s: Callable[[], float | None], chunkable: bool = True,
+                 decode_calls: Callable[[], int] | None = None,
                  max_call_tokens: int = MAX_CALL_TOKENS):
         self.client = client
         self.decode_s = decode_s  # a decode step of the running batch; None: nothing decodes
+        # decode calls answered so far: while a batch decodes, each Embed call waits for one
+        # more, so that calls alternate with steps (the loop turns an Embed answer around
+        # faster than the batcher a step's, and would otherwise send several per step)
+        self.decode_calls = decode_calls
+        self._seen_decode_calls = -1
+        self.chunkable = chunkable
         self.max_call_tokens = max_call_tokens
-        self.s_per_token: float | None = None  # what the last calls cost per token
+        self.s_per_token: float | None = None  # what the last calls' forwards cost per token
         self._pending: deque[_Input] = deque()
         self._ids = itertools.count()
         self._drain: asyncio.Task | None = None
         self._refusal: Callable[[], RouterError] | None = None  # set once the model stops
 
-    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
-        """Each input's pooled vector, in order (unnormalized)."""
+    async def embed(self, inputs: list[list[int]]) -> list[numpy.ndarray]:
+        """Each input's pooled vector (float32), in order, unnormalized."""
         if self._refusal is not None:
             raise self._refusal()
         items = [_Input(next(self._ids), ids) for ids in inputs]
@@ -58,7 +76,7 @@ class EmbeddingQueue:
         try:
             return list(await asyncio.gather(*(item.done for item in items)))
         finally:
-            for item in items:  # a client that left: what was not sent yet is not computed
+            for item in items:  # a client that left: what was not begun is not computed
                 item.done.cancel()
 
     def close(self, refusal: Callable[[], RouterError], error: RouterError) -> None:
@@ -73,48 +91,78 @@ class EmbeddingQueue:
         """Tokens the next call may carry: a decode step's worth while a batch decodes."""
         decode_s = self.decode_s()
         if decode_s is None or not self.s_per_token:
-            return self.max_call_tokens if decode_s is None else MIN_CHUNK_TOKENS * 4
+            return self.max_call_tokens if decode_s is None else MIN_CHUNK_TOKENS
         fit = int(decode_s * STALL_RATIO / self.s_per_token)
-        return max(MIN_CHUNK_TOKENS, min(self.max_call_tokens, fit))
+        return max(MIN_EMBED_CHUNK_TOKENS, min(self.max_call_tokens, fit))
 
-    def _next_call(self) -> list[_Input]:
+    def _next_call(self) -> list[tuple[_Input, int, int | None]]:
+        """(input, tokens computed before, tokens now or None: to its end) of the next call.
+
+        Whole inputs while they fit; then, on a decoder beside a decoding batch, a chunk of the
+        next one, which ends the call (and stays first in line)."""
         budget, call, tokens = self.call_tokens(), [], 0
+        split = self.chunkable and self.decode_s() is not None  # only a stream gains by it
         while self._pending and len(call) < MAX_CALL_INPUTS:
             item = self._pending[0]
-            if item.done.done():  # its request went away
+            if item.done.done() and not item.computed:  # its request went away before it began
                 self._pending.popleft()
                 continue
-            if call and tokens + len(item.ids) > budget:
+            left, room = len(item.ids) - item.computed, budget - tokens
+            if left <= room or (not call and not split):
+                call.append((self._pending.popleft(), item.computed, None))
+                tokens += left
+            elif split and room >= MIN_EMBED_CHUNK_TOKENS:
+                call.append((self._pending.popleft(), item.computed, room))
                 break
-            call.append(self._pending.popleft())
-            tokens += len(item.ids)
+            else:
+                break
         return call
+
+    async def _take_turn(self) -> None:
+        """While a batch decodes, waits until it has taken a step since the last call.
+
+        Or until two steps' time passed: a step that never comes holds nothing back."""
+        decode_s = self.decode_s()
+        if self.decode_calls is None or decode_s is None:
+            return
+        deadline = time.monotonic() + max(2 * decode_s, 0.01)
+        while self.decode_calls() == self._seen_decode_calls and time.monotonic() < deadline:
+            await asyncio.sleep(min(decode_s / 4, 0.005))
+        self._seen_decode_calls = self.decode_calls()
 
     async def _run(self) -> None:
         while self._pending:
+            await self._take_turn()
             call = self._next_call()
             if not call:
                 continue
-            started = time.perf_counter()
             try:
-                vectors, rejected, _ = await self.client.embed([(i.id, i.ids) for i in call])
+                vectors, rejected, forward_ns = await self.client.embed(
+                    [(item.id, item.ids, start, chunk) for item, start, chunk in call])
             except BaseException as err:  # the call's inputs fail with it; the others go on
                 failure = GenerationError(f"embedding failed: {err}")
-                for item in call:
+                for item, _, _ in call:
                     if not item.done.done():
                         item.done.set_exception(failure)
                 if not isinstance(err, ShardError):
                     raise
                 continue
-            self._observe(time.perf_counter() - started, sum(len(i.ids) for i in call))
-            for item in call:
-                if item.done.done():
+            self._observe(forward_ns / 1e9, sum(chunk or len(item.ids) - start
+                                                for item, start, chunk in call))
+            for item, start, chunk in reversed(call):
+                if item.id in rejected:
+                    if not item.done.done():
+                        item.done.set_exception(ValidationError(rejected[item.id]))
+                elif chunk is not None:  # computed up to here: the rest comes first next
+                    item.computed = start + chunk
+                    self._pending.appendleft(item)
+                elif item.done.done():
                     continue
-                if item.id in vectors:
+                elif item.id in vectors:
                     item.done.set_result(vectors[item.id])
                 else:
-                    item.done.set_exception(ValidationError(rejected.get(
-                        item.id, "the shards returned no embedding for this input")))
+                    item.done.set_exception(ValidationError(
+                        "the shards returned no embedding for this input"))
 
     def _observe(self, seconds: float, tokens: int) -> None:
         cost = seconds / max(tokens, 1)
@@ -124,7 +172,7 @@ class EmbeddingQueue:
 
 @dataclass(slots=True)
 class Embedded:
-    vectors: list[list[float]]  # each input's pooled vector, unnormalized, in order
+    vectors: list[numpy.ndarray]  # each input's pooled float32 vector, unnormalized, in order
     prompt_tokens: int  # the tokens computed, special tokens included
 
 

@@ -73,7 +73,9 @@ class ServedModel:
         if self.embeddings is None:
             batcher = self.batcher
             self.embeddings = EmbeddingQueue(self.client, decode_s=lambda: (
-                batcher.steps.decode_cost.for_chunk(len(batcher.running) > 0)))
+                batcher.steps.shard_step_cost.for_chunk(len(batcher.running) > 0)),
+                decode_calls=lambda: batcher.steps.decode_calls,
+                chunkable=self.shard_info.generates)
         if self.adapters is None:
             self.adapters = AdapterStore(self.client, self.infer.adapters, self.batcher,
                                          self.metrics, parent=self.model_name,

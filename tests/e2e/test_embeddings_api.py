@@ -124,7 +124,10 @@ def test_generation_streams_on_beside_many_embeddings(server):
     reader.join(120)
     assert done.is_set() and len(tokens) == 40
     assert all(a.status_code == 200 and len(a.json()["data"]) == 80 for a in answers)
-    assert answers[0].json() == answers[2].json()  # the same inputs, whatever ran beside them
+    # the same inputs, whatever ran beside them (beside a stream, a decoder's input may go in
+    # chunks: the same vector, to float32 rounding)
+    first, last = (a.json()["data"] for a in (answers[0], answers[2]))
+    assert all(_close(a["embedding"], b["embedding"]) for a, b in zip(first, last))
     models = requests.get(f"{server.url}/v1/models", timeout=10).json()["data"]
     assert [m["embedding"] for m in models] == [True]
 
