@@ -47,11 +47,11 @@ async def embed(request: web.Request) -> web.Response:
     result = await served.infer.count_request(embed_inputs(
         served, inputs, field="input", truncate=read_flag(body, "truncate", True)))
     request.app[KEEP_ALIVE].touch(request.app[STATE], served.model_name, keep)
-    vectors = [finished(v, normalize=True, dimensions=dimensions) for v in result.vectors]
-    out = {"model": body.get("model") or served.model_name, "embeddings": vectors,
+    vectors = finished(result.vectors, normalize=True, dimensions=dimensions)
+    out = {"model": body.get("model") or served.model_name, "embeddings": vectors.tolist(),
            "total_duration": int((time.monotonic() - started) * 1e9),
            "load_duration": int(load_s * 1e9), "prompt_eval_count": result.prompt_tokens}
-    text = await dumps(out, numbers=sum(len(v) for v in vectors))
+    text = await dumps(out, numbers=vectors.size)
     return web.Response(text=text, content_type="application/json")
 
 
@@ -68,4 +68,4 @@ async def embeddings(request: web.Request) -> web.Response:
     result = await served.infer.count_request(embed_inputs(served, [prompt], field="prompt",
                                                            truncate=True))
     request.app[KEEP_ALIVE].touch(request.app[STATE], served.model_name, keep)
-    return web.json_response({"embedding": result.vectors[0]})
+    return web.json_response({"embedding": result.vectors[0].tolist()})

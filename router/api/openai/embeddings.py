@@ -11,6 +11,7 @@ from router.api.openai.request import model_name
 from router.core.embedding import embed_inputs
 from router.errors import ValidationError
 from router.http.json_body import read_object
+from router.http.json_out import dumps
 from router.inputs.embeddings import as_base64, finished, read_dimensions, read_inputs
 from router.inputs.field_ranges import read_flag
 from router.state import model_and_adapter
@@ -62,14 +63,15 @@ async def embeddings(request: web.Request) -> web.Response:
     limit = info.max_embed_tokens or info.max_position_embeddings
     result = await served.infer.count_request(embed_inputs(
         served, inputs, field="input", keep_last=_keep_last(body, limit)))
-    data = []
-    for index, vector in enumerate(result.vectors):
-        vector = finished(vector, normalize=normalize, dimensions=dimensions)
-        data.append({"object": "embedding", "index": index,
-                     "embedding": as_base64(vector) if encoding == "base64" else vector})
-    return web.json_response({
+    vectors = finished(result.vectors, normalize=normalize, dimensions=dimensions)
+    data = [{"object": "embedding", "index": index,
+             "embedding": as_base64(vector) if encoding == "base64" else vector.tolist()}
+            for index, vector in enumerate(vectors)]
+    text = await dumps({
         "object": "list", "data": data, "model": served.model_name,
-        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}})
+        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}},
+        numbers=0 if encoding == "base64" else vectors.size)
+    return web.Response(text=text, content_type="application/json")
 
 
 def register(app: web.Application) -> None:

@@ -43,8 +43,8 @@ async def embed(request: web.Request) -> web.Response:
     result = await served.infer.count_request(embed_inputs(
         served, inputs, field="inputs", truncate=truncate and not left,
         keep_last=limit if left else None))
-    vectors = [finished(v, normalize=normalize, dimensions=dimensions) for v in result.vectors]
-    text = await dumps(vectors, numbers=sum(len(v) for v in vectors))
+    vectors = finished(result.vectors, normalize=normalize, dimensions=dimensions)
+    text = await dumps(vectors.tolist(), numbers=vectors.size)
     return web.Response(text=text, content_type="application/json")
 
 
