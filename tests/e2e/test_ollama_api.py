@@ -183,7 +183,9 @@ def test_bad_bodies_are_4xx_in_ollamas_shape(server, tiny_llama):
                           "options": {"top_p": 0}}),
            ("/api/show", {}), ("/api/show", {"model": 3}), ("/api/pull", {"model": ""}),
            ("/api/pull", {"model": "x", "stream": 1}), ("/api/copy", {"source": model}),
-           ("/api/embed", {"model": "nope"})]
+           ("/api/embed", {"model": "nope"}),
+           ("/api/embed", {"model": model, "input": "x", "options": {"num_ctx": 8}}),
+           ("/api/embeddings", {"model": model, "prompt": 5})]
     for path, body in bad:
         kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
         answer = requests.post(f"{server.url}{path}", timeout=30, **kwargs)

@@ -26,6 +26,9 @@ MAX_INPUTS = 2048
 
 
 async def _model(request: web.Request, body: dict):
+    if body.get("options"):  # they say how a runner samples or loads: nothing an embedding takes
+        raise ValidationError("`options` are not taken by the embedding routes; the model's "
+                              "start settings are PATCH /v1/models/<id>'s")
     served, adapter = await model_for(request, body.get("model"))
     if adapter is not None:
         raise ValidationError("`model` names a LoRA adapter: embeddings come from a base model")

@@ -57,13 +57,15 @@ def schemas() -> dict:
                                       completed=_INT),
         "OllamaEmbedRequest": object_schema(
             ["model", "input"], model=_STRING, input={"oneOf": [_STRING, strings]},
-            truncate=_BOOL, dimensions=_INT, keep_alive=keep_alive, options=_OBJ),
+            truncate=_BOOL, dimensions=_INT, keep_alive=keep_alive,
+            options={**_OBJ, "description": "refused unless empty"}),
         "OllamaEmbedResponse": object_schema(
             ["model", "embeddings"], model=_STRING, embeddings={"type": "array", "items": vector},
             total_duration=_INT, load_duration=_INT, prompt_eval_count=_INT),
         "OllamaEmbeddingsRequest": object_schema(["model", "prompt"], model=_STRING,
                                                  prompt=_STRING, keep_alive=keep_alive,
-                                                 options=_OBJ),
+                                                 options={**_OBJ, "description":
+                                                          "refused unless empty"}),
         "OllamaEmbeddingsResponse": object_schema(["embedding"], embedding=vector),
     }
 
