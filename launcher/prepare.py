@@ -61,8 +61,18 @@ def prepare_gguf(gguf_path: Path, out_dir: Path, *, dtype: str) -> Path:
 
 def prepare_known_model(model: KnownModel, cache_dir: Path | None = None, *,
                         dtype: str = "bfloat16") -> Path:
-    """<cache>/models/<name>-<bf16|f32>, downloading and converting only the first time."""
+    """<cache>/models/<name>-<bf16|f32>, downloading and converting only the first time.
+
+    A zipped model directory is <cache>/models/<name>, extracted once (any dtype serves it)."""
     cache_dir = cache_dir or cache_root()
+    if model.archive:
+        out_dir = cache_dir / "models" / model.model_dir_name
+        if (out_dir / "config.json").is_file():
+            return out_dir
+        progress = ProgressLog(model.name)
+        archive = fetch_gguf(model, cache_dir, lambda done, total: progress("downloading", done,
+                                                                            total))
+        return extract_model(archive, out_dir)
     out_dir = conversion_dir(cache_dir / "models", model.model_dir_name, dtype)
     if is_converted(out_dir, dtype=dtype):
         return out_dir
@@ -70,6 +80,26 @@ def prepare_known_model(model: KnownModel, cache_dir: Path | None = None, *,
     gguf_path = fetch_gguf(model, cache_dir, lambda done, total: progress("downloading", done,
                                                                           total))
     return prepare_gguf(gguf_path, out_dir, dtype=dtype)
+
+
+def extract_model(archive: Path, out_dir: Path) -> Path:
+    """The zipped model directory `archive` extracted into `out_dir`, which appears only whole.
+
+    A member that would land outside it (an absolute path, `..`) is refused."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            for name in zipped.namelist():
+                target = (staging / name).resolve()
+                if not target.is_relative_to(staging.resolve()):
+                    raise ModelResolutionError(f"{archive.name} holds {name!r}, outside its "
+                                               "directory")
+            zipped.extractall(staging)
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
 
 
 def prepare_default_model(cache_dir: Path | None = None, *, dtype: str = "bfloat16") -> Path:

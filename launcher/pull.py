@@ -25,7 +25,7 @@ from launcher.hub import allow_patterns, weight_files
 from launcher.hub_gguf import fetch_hub_gguf
 from launcher.known_models import KNOWN_MODELS, known_model
 from launcher.model_cache import ModelResolutionError, cache_root
-from launcher.prepare import fetch_gguf
+from launcher.prepare import extract_model, fetch_gguf
 from launcher.progress_log import ProgressLog, directory_size, watching_size
 from launcher.resolve import check_model_dir
 from router.errors import ValidationError
@@ -88,8 +88,15 @@ def pull(source: str, target_dir: Path, progress: Progress, *, revision: str | N
                                            "revision applies to Hub ids only")
             gguf_path = fetch_gguf(known, cache_dir or cache_root(),
                                    lambda done, total: progress("downloading", done, total))
-            quantization = _convert(gguf_path, staging, progress, convert_dtype)
-            model_format = "gguf"
+            if known.archive:  # a zipped model directory, served as it is
+                extract_model(gguf_path, staging / "model")
+                for path in (staging / "model").iterdir():
+                    path.rename(staging / path.name)
+                (staging / "model").rmdir()
+                quantization, model_format = "", "safetensors"
+            else:
+                quantization = _convert(gguf_path, staging, progress, convert_dtype)
+                model_format = "gguf"
         else:
             quantization = _download(source, staging, progress, revision, hub_cache)
             model_format = "safetensors"

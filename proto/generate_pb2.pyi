@@ -39,7 +39,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "support_chunking", "use_prefix_caching", "attention_impl", "block_size", "model_id", "world_size", "eos_token_ids", "max_position_embeddings", "hidden_size", "vocab_size", "architecture", "quantization", "takes_images", "image_token_id", "image_tokens_per_image", "image_start_token_id", "image_end_token_id", "max_adapter_bytes")
+    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "support_chunking", "use_prefix_caching", "attention_impl", "block_size", "model_id", "world_size", "eos_token_ids", "max_position_embeddings", "hidden_size", "vocab_size", "architecture", "quantization", "takes_images", "image_token_id", "image_tokens_per_image", "image_start_token_id", "image_end_token_id", "generates", "pooling", "normalize", "declares_embedding", "matryoshka", "matryoshka_dimensions", "max_embed_tokens", "max_adapter_bytes")
     REQUIRES_PADDING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,13 @@ class InfoResponse(_message.Message):
     IMAGE_TOKENS_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_START_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_END_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATES_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DECLARES_EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_EMBED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_ADAPTER_BYTES_FIELD_NUMBER: _ClassVar[int]
     requires_padding: bool
     dtype: str
@@ -85,8 +92,15 @@ class InfoResponse(_message.Message):
     image_tokens_per_image: int
     image_start_token_id: int
     image_end_token_id: int
+    generates: bool
+    pooling: str
+    normalize: bool
+    declares_embedding: bool
+    matryoshka: bool
+    matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
+    max_embed_tokens: int
     max_adapter_bytes: int
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., attention_impl: _Optional[str] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., takes_images: _Optional[bool] = ..., image_token_id: _Optional[int] = ..., image_tokens_per_image: _Optional[int] = ..., image_start_token_id: _Optional[int] = ..., image_end_token_id: _Optional[int] = ..., max_adapter_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., attention_impl: _Optional[str] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., takes_images: _Optional[bool] = ..., image_token_id: _Optional[int] = ..., image_tokens_per_image: _Optional[int] = ..., image_start_token_id: _Optional[int] = ..., image_end_token_id: _Optional[int] = ..., generates: _Optional[bool] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ..., declares_embedding: _Optional[bool] = ..., matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., max_embed_tokens: _Optional[int] = ..., max_adapter_bytes: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -440,3 +454,39 @@ class UnloadAdapterRequest(_message.Message):
 class UnloadAdapterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class EmbedInput(_message.Message):
+    __slots__ = ("id", "input_ids", "cache_len", "chunk_len")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_LEN_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_len: int
+    chunk_len: int
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., chunk_len: _Optional[int] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("inputs",)
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    def __init__(self, inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("id", "values")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, id: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "rejected", "forward_ns")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    rejected: _containers.RepeatedCompositeFieldContainer[RejectedRequest]
+    forward_ns: int
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., rejected: _Optional[_Iterable[_Union[RejectedRequest, _Mapping]]] = ..., forward_ns: _Optional[int] = ...) -> None: ...

@@ -89,6 +89,11 @@ class TextGenerationServiceStub:
                 request_serializer=proto_dot_generate__pb2.UnloadAdapterRequest.SerializeToString,
                 response_deserializer=proto_dot_generate__pb2.UnloadAdapterResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tgi.shard.v1.TextGenerationService/Embed',
+                request_serializer=proto_dot_generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=proto_dot_generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -177,6 +182,17 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Pools each input's final hidden states into one vector (InfoResponse.pooling says how),
+        computing the inputs together without keeping any keys or values: nothing of it stays in
+        the shard's cache or KV pool. Runs between steps on the engine thread, so a call's tokens
+        bound how long it holds running generations back. An input the shard cannot take is
+        rejected alone (EmbedResponse.rejected).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +250,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.UnloadAdapter,
                     request_deserializer=proto_dot_generate__pb2.UnloadAdapterRequest.FromString,
                     response_serializer=proto_dot_generate__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=proto_dot_generate__pb2.EmbedRequest.FromString,
+                    response_serializer=proto_dot_generate__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -533,6 +554,33 @@ class TextGenerationService:
             '/tgi.shard.v1.TextGenerationService/UnloadAdapter',
             proto_dot_generate__pb2.UnloadAdapterRequest.SerializeToString,
             proto_dot_generate__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tgi.shard.v1.TextGenerationService/Embed',
+            proto_dot_generate__pb2.EmbedRequest.SerializeToString,
+            proto_dot_generate__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,8 +18,10 @@ from router.api.models import routes as models
 from router.api.ollama import routes as ollama
 from router.api.openai import chat as openai
 from router.api.openai import completions
+from router.api.openai import embeddings as openai_embeddings
 from router.api.openai.errors import is_openai_sdk, openai_error_body
 from router.api.sglang import routes as sglang
+from router.api.tgi import embed as tei_embed
 from router.api.tgi import routes as tgi
 from router.api.tgi.errors import tgi_error_body
 from router.api.ui import routes as ui
@@ -41,8 +43,8 @@ from router.state import MODEL_HEADER, STATE, RouterState
 
 # Every API the router serves: each module turns its wire format into core requests and the core's
 # events into its wire format, and registers itself (routes, or a server of its own).
-API_MODULES = (tgi, sglang, openai, completions, invocations, generate_one, models, ollama,
-               grpc_server, openapi, ui)
+API_MODULES = (tgi, tei_embed, sglang, openai, completions, openai_embeddings, invocations,
+               generate_one, models, ollama, grpc_server, openapi, ui)
 
 # errors in TGI's body, a route's own where its API has one, and OpenAI's to an OpenAI SDK on /v1
 ERROR_BODIES = ErrorBodies(tgi_error_body, overrides=((is_openai_sdk, openai_error_body),))

@@ -63,6 +63,17 @@ def about_field(param: str) -> Iterator[None]:
         raise
 
 
+class NotServedError(RouterError):
+    """A model asked for what it does not do: embeddings of one that only generates, or the reverse."""
+
+    status = 400
+    error_type = "validation"
+
+    def __init__(self, message: str, *, param: str | None = "model"):
+        super().__init__(message)
+        self.param = param
+
+
 class UnknownAdapterError(ValidationError, LookupError):
     """A request names a LoRA adapter the model has not loaded (or is unloading).
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import faulthandler
+import json
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from shard.config import (CPU_QUANTIZE_KINDS, DEFAULT_CUDA_GRAPHS, ShardConfig, 
                           device_refusal, local_topology, log_level, parse_args,
                           parse_cuda_graphs)
 from shard.distributed import all_gather_strings, init_parallel
+from shard.embedder import Embedder
 from shard.engine import Engine
 from shard.kv_budget import KVCacheSpec, PoolLedger
 from shard.layers.embedding import ParallelLMHead
@@ -30,6 +32,7 @@ from shard.layers.precision import c_matmul_runs
 from shard.loader import load_model
 from shard.malloc_tuning import MMAP_THRESHOLD, keep_freed_memory, return_freed_memory
 from shard.model_runner import ModelRunner
+from shard.pooling import read_pooling
 from shard.quantization_report import describe
 from shard.server import ShardServicer, engine_thread
 
@@ -40,8 +43,8 @@ async def loop_run(worker, fn, *args):
     return await asyncio.get_running_loop().run_in_executor(worker, fn, *args)
 
 
-def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str]]:
-    """The engine, its Info, and where the router reaches each rank (rank order)."""
+def build_engine(config: ShardConfig) -> tuple[Engine, Embedder, pb.InfoResponse, list[str]]:
+    """The engine, its embedder, its Info, and where the router reaches each rank (rank order)."""
     # across machines the global rank is not this machine's GPU index (the launcher says which)
     device = _device(config)
     parallel = init_parallel(rank=config.rank, world_size=config.world_size,
@@ -88,6 +91,13 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
     engine = Engine(loaded, runner, memory_fraction=config.memory_fraction,
                     world_size=config.world_size, speculate=config.speculate,
                     ledger=PoolLedger.from_environment(config.uds_path))
+    model_dir = Path(config.model_path)
+    pooling = read_pooling(model_dir, json.loads((model_dir / "config.json").read_text()))
+    max_embed = min(cfg.max_position_embeddings, pooling.max_seq_length or 1 << 31)
+    embedder = Embedder(loaded.model, spec, pooling, engine.vocab_size, max_embed)
+    if pooling.declared:
+        log.info("embeddings: %s pooling%s, inputs of up to %d tokens", pooling.mode or "no",
+                 ", normalized" if pooling.normalize else "", max_embed)
     info = pb.InfoResponse(
         requires_padding=False, dtype=dtype_name, device_type=device.type,
         speculate=config.speculate,
@@ -96,11 +106,14 @@ def build_engine(config: ShardConfig) -> tuple[Engine, pb.InfoResponse, list[str
         eos_token_ids=sorted(loaded.eos_token_ids),
         max_position_embeddings=cfg.max_position_embeddings, hidden_size=cfg.hidden_size,
         vocab_size=engine.vocab_size, architecture=loaded.architecture,
-        quantization=quantization, max_adapter_bytes=runner.adapters.largest_files_bytes(),
-        **convert.image_fields(engine.images))
+        quantization=quantization, **convert.image_fields(engine.images),
+        generates=not embedder.is_encoder, pooling=pooling.mode, normalize=pooling.normalize,
+        declares_embedding=pooling.declared or embedder.is_encoder,
+        matryoshka=pooling.matryoshka, matryoshka_dimensions=pooling.matryoshka_dimensions,
+        max_embed_tokens=max_embed, max_adapter_bytes=runner.adapters.largest_files_bytes())
     # ranks on other machines are reached over TCP; each says where, the others learn it here
     urls = all_gather_strings(config.grpc_address or f"unix://{config.socket_path}", parallel)
-    return engine, info, urls
+    return engine, embedder, info, urls
 
 
 def _device(config: ShardConfig) -> torch.device:
@@ -165,7 +178,7 @@ async def serve(config: ShardConfig) -> None:
     init_tracing(config.otlp_service_name, config.otlp_endpoint)
     loop = asyncio.get_running_loop()
     worker = engine_thread()
-    engine, info, urls = await loop_run(worker, build_engine, config)
+    engine, embedder, info, urls = await loop_run(worker, build_engine, config)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -178,7 +191,7 @@ async def serve(config: ShardConfig) -> None:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2**31 - 1),
                                       ("grpc.max_send_message_length", 2**31 - 1)])
     pb_grpc.add_TextGenerationServiceServicer_to_server(
-        ShardServicer(engine, config, info, on_fatal_error, worker, urls), server)
+        ShardServicer(engine, config, info, on_fatal_error, worker, urls, embedder), server)
     socket = config.socket_path
     if os.path.exists(socket):
         os.unlink(socket)

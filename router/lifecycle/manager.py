@@ -173,6 +173,7 @@ class ModelManager:
 
     def _apply(self, record: ModelRecord, served: ServedModel) -> None:
         served.request_defaults = dict(record.parameters)
+        served.embedding_asked = bool(record.settings.get("embedding"))
         served.chat_prompt = ChatPrompt.of(record.engine_parameters)
 
     # ---- pull --------------------------------------------------------------------------------

@@ -62,9 +62,10 @@ def model_yaml_body(body: dict, current: dict) -> dict:
     _check_engine(body.get("engine"))
     if body.get("version") not in (None, 1, "1"):
         raise ValidationError("`version` must be 1: the model.yml format this server reads")
-    if body.get("model_type") not in (None, "llm"):
-        raise ValidationError("`model_type` must be llm: this server serves text generation "
-                              "only, so no model here embeds")
+    if body.get("model_type") not in (None, "llm", "embedding"):
+        raise ValidationError("`model_type` must be llm or embedding")
+    if body.get("model_type") == "embedding":  # Cortex's way to say Jan's `embedding: true`
+        out["settings"] = {**(out.get("settings") or {}), "embedding": True}
     return out
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from router import VERSION
 from router.config.model import ModelSettings
+from router.core.embedding import EmbeddingQueue
 from router.core.generation import Infer
 from router.errors import ModelStateError, RouterError, UnhealthyError
 from router.inputs.chat_template import ChatTemplate
@@ -62,10 +63,19 @@ class ServedModel:
     tasks: list[asyncio.Task] = field(default_factory=list)
     adapters: AdapterStore = None  # its LoRA adapters; made in __post_init__ unless given
     images: ImageFamily | None = None  # how its prompts hold images; None: it reads text only
+    embeddings: EmbeddingQueue | None = None  # its Embed calls; made in __post_init__ unless given
+    # Jan's `embedding: true`: serve embeddings of a model that does not declare itself made to
+    embedding_asked: bool = False
     # what its adapter store, when made here, asks of the server: Hub fetches, names in use
     adapter_links: InitVar[AdapterLinks] = AdapterLinks()
 
     def __post_init__(self, adapter_links: AdapterLinks):
+        if self.embeddings is None:
+            batcher = self.batcher
+            self.embeddings = EmbeddingQueue(self.client, decode_s=lambda: (
+                batcher.steps.shard_step_cost.for_chunk(len(batcher.running) > 0)),
+                decode_calls=lambda: batcher.steps.decode_calls,
+                chunkable=self.shard_info.generates)
         if self.adapters is None:
             self.adapters = AdapterStore(self.client, self.infer.adapters, self.batcher,
                                          self.metrics, parent=self.model_name,
@@ -75,6 +85,12 @@ class ServedModel:
     @property
     def model_name(self) -> str:
         return self.config.model_id or Path(self.config.tokenizer_path).name
+
+    @property
+    def embeds(self) -> bool:
+        """Whether it serves embeddings: it can pool, and was made to embed or asked to."""
+        info = self.shard_info
+        return bool(info.pooling) and (info.declares_embedding or self.embedding_asked)
 
     @property
     def compute_type(self) -> str:
@@ -88,7 +104,10 @@ class ServedModel:
         config = self.config
         return {
             "model_id": self.model_name,
-            "model_sha": None, "model_pipeline_tag": "text-generation",
+            "model_sha": None, "model_pipeline_tag": ("text-generation" if self.shard_info.generates
+                                                      else "feature-extraction"),
+            # not in TGI's /info: whether /v1/embeddings (and /embed, /api/embed) serve it
+            "embeds": self.embeds,
             "model_dtype": self.shard_info.dtype, "model_device_type": self.shard_info.device_type,
             # not in TGI's /info: which of the shards' model families serves, and how its weights
             # are held where not in model_dtype (a GGUF's types as served; None: all in it)
@@ -170,6 +189,7 @@ class ServedModel:
         first call decides; a second (close() after the router's drain) changes nothing.
         """
         self.batcher.close(refusal)
+        self.embeddings.close(refusal, error)
         self.batcher.stop_waiting()
         for task in self.tasks:
             task.cancel()
@@ -335,7 +355,8 @@ async def _build(config: ModelSettings, client: ShardedClient,
                       recovery_policy(client, config, limits, allocator, reload_adapters),
                       sessions=kv.sessions)
     infer = Infer(batcher, metrics, max_concurrent_requests=config.max_concurrent_requests,
-                  grammar_support=not config.disable_grammar_support)
+                  grammar_support=not config.disable_grammar_support,
+                  generates=shard_info.generates)
     validation_limits = ValidationLimits(limits, config.max_best_of, config.max_stop_sequences,
                                          config.max_top_n_tokens, shard_info.vocab_size)
     images = image_family(config.tokenizer_path, tokenizer.tokenizer.id_to_token)

@@ -59,13 +59,6 @@ def _text(name: str, value: object) -> str:
     return value
 
 
-def _no_embedding(name: str, value: object) -> bool:
-    if _boolean(name, value):
-        raise ValidationError("`embedding` true is refused: this server serves text generation "
-                              "only, so no model here can embed")
-    return False
-
-
 def _stop(name: str, value: object) -> list[str]:
     """Stop strings, as OpenAI's `stop` takes them: one string or a list of up to 4."""
     stops = [value] if isinstance(value, str) else value
@@ -97,7 +90,9 @@ SETTINGS = {
     "ctx_len": _integer(16),  # the model's context: prompt + output (its max_total_tokens)
     "n_parallel": _integer(1, 4096),  # requests decoded at once (its max_batch_size)
     "ngl": _integer(0),  # 0: on the CPU even when a GPU exists
-    "embedding": _no_embedding,
+    # serve embeddings (/v1/embeddings, /embed, /api/embed) of a model not made to embed; a
+    # model with sentence-transformers files, or an encoder, serves them without it
+    "embedding": _boolean,
     "num_shard": _integer(1, 64),  # tensor-parallel ranks of its shard group
     "dtype": _dtype,
     "max_batch_total_tokens": _integer(16),  # its KV budget in tokens (unset: from free memory)

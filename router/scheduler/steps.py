@@ -80,6 +80,11 @@ class ShardSteps:
         self.running = running
         self.failures = failures
         self.decode_cost = DecodeCost()
+        # a decode step as the shards computed it (forward and sampling), without the time its
+        # call waited behind other calls on the shard's engine thread (Embed calls among them),
+        # which would otherwise count as the step's own and size those calls ever larger
+        self.shard_step_cost = DecodeCost()
+        self.decode_calls = 0  # decode calls answered: an Embed call waits for the next one
         self.last_step_s: float | None = None  # a step of the last decode call, unsmoothed
         self.last_step_tokens = 1  # most tokens one request got from the last decode step
         # whether the shard group is gone (recovery's question, asked after a failed step); None
@@ -240,6 +245,9 @@ class ShardSteps:
         if method == "decode":
             self.last_step_s = elapsed / steps
             self.decode_cost.observe(self.last_step_s)
+            self.shard_step_cost.observe((result.timings.forward_ns + result.timings.decode_ns)
+                                         / 1e9 / steps)
+            self.decode_calls += 1
             log.debug("decode call: %d steps, %.3f s", steps, elapsed)
         timings = result.timings
         for _ in range(steps):

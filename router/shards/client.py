@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+import numpy
 
 from proto import generate_pb2 as pb
 from proto import generate_pb2_grpc as pb_grpc
@@ -130,6 +131,19 @@ class ShardedClient:
     async def clear_cache(self, batch_id: int | None = None) -> None:
         request = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
         await self._all("ClearCache", request)
+
+    async def embed(self, inputs: list[tuple[int, list[int], int, int | None]]
+                    ) -> tuple[dict[int, numpy.ndarray], dict[int, str], int]:
+        """Pooled vectors: (id -> vector of each input ended, id -> why refused, forward ns).
+
+        Each input is (id, token ids, tokens computed before, tokens now or None: to its end)."""
+        message = pb.EmbedRequest(inputs=[
+            pb.EmbedInput(id=i, input_ids=ids, cache_len=start, chunk_len=chunk)
+            if chunk is not None else pb.EmbedInput(id=i, input_ids=ids, cache_len=start)
+            for i, ids, start, chunk in inputs])
+        reply = await self._all("Embed", message)
+        return ({e.id: numpy.array(e.values, dtype=numpy.float32) for e in reply.embeddings},
+                {r.request_id: r.reason for r in reply.rejected}, reply.forward_ns)
 
     async def warmup(self, batch: NewBatch, **limits: int) -> int:
         """Runs the warm-up batch on every rank; returns the KV pool's size in blocks.

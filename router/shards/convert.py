@@ -41,6 +41,13 @@ class ShardInfo:
     vocab_size: int = 0  # the model's token ids are below it (0: not said)
     architecture: str = ""  # config.json's, e.g. "LlamaForCausalLM" ("": not said)
     quantization: str = ""  # how weights are held where not in dtype ("": all in it)
+    generates: bool = True  # False: an encoder, which only embeds
+    pooling: str = ""  # how Embed pools ("mean", "cls", "last"...); "": it cannot
+    normalize: bool = False  # the checkpoint declares its embeddings normalized
+    declares_embedding: bool = False  # a model made to embed (sentence-transformers files)
+    matryoshka: bool = False  # a prefix of its embedding is an embedding
+    matryoshka_dimensions: tuple[int, ...] = ()  # the prefixes allowed; empty: any
+    max_embed_tokens: int = 0  # the longest input Embed takes
     max_adapter_bytes: int = 0  # the most a LoRA adapter's files can hold here (0: none fits)
 
 
@@ -52,7 +59,11 @@ def shard_info(reply: pb.InfoResponse) -> ShardInfo:
                      use_prefix_caching=reply.use_prefix_caching,
                      hidden_size=reply.hidden_size, speculate=reply.speculate,
                      vocab_size=reply.vocab_size, architecture=reply.architecture,
-                     quantization=reply.quantization,
+                     quantization=reply.quantization, generates=reply.generates,
+                     pooling=reply.pooling, normalize=reply.normalize,
+                     declares_embedding=reply.declares_embedding, matryoshka=reply.matryoshka,
+                     matryoshka_dimensions=tuple(reply.matryoshka_dimensions),
+                     max_embed_tokens=reply.max_embed_tokens,
                      max_adapter_bytes=reply.max_adapter_bytes)
 
 

@@ -34,7 +34,14 @@ ARCHITECTURES: dict[str, ArchitectureEntry] = {
     "Qwen2_5_VLForConditionalGeneration": ArchitectureEntry(
         "shard.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig"),
     "Phi3ForCausalLM": ArchitectureEntry("shard.models.phi3", "Phi3ForCausalLM", "Phi3Config"),
+    # encoders: they embed, and generate nothing
+    "BertModel": ArchitectureEntry("shard.models.bert", "BertModel", "BertConfig"),
+    "BertForMaskedLM": ArchitectureEntry("shard.models.bert", "BertModel", "BertConfig"),
 }
+
+
+# the architectures that embed and generate nothing (no KV cache: shard/models/bert.py)
+ENCODERS = frozenset({"BertModel", "BertForMaskedLM"})
 
 
 def architecture_of(config: dict) -> str:

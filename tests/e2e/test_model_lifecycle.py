@@ -47,7 +47,7 @@ MODEL_SCHEMA = {
         "format": {"type": "string"}, "source_url": {"type": "string", "format": "uri"},
         "settings": {"type": "object", "additionalProperties": False, "properties": {
             "ctx_len": {"type": "integer"}, "ngl": {"type": "integer"},
-            "embedding": {"const": False}, "n_parallel": {"type": "integer"},
+            "embedding": {"type": "boolean"}, "n_parallel": {"type": "integer"},
             "cpu_threads": {"type": "integer", "minimum": 1},
             "num_shard": {"type": "integer"}, "dtype": {"type": "string"},
             "max_batch_total_tokens": {"type": "integer"}}},
@@ -61,6 +61,7 @@ MODEL_SCHEMA = {
                          "engine": {"enum": ["nitro", "openai", "hf_inference"]},
                          "quantization": {"type": "string"}, "size": {"type": "string"}}},
         "assets": {"type": "array", "items": {"type": "string"}},
+        "embedding": {"type": "boolean"},  # not Jan's: whether it serves /v1/embeddings
     },
 }
 GET_SCHEMA = {"allOf": [MODEL_SCHEMA, {
@@ -261,13 +262,13 @@ def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama):
     assert again.status_code == 409 and again.json()["state"] == "downloaded"
 
     # settings and parameters are checked; nothing unknown is stored
-    for bad in ({"settings": {"embedding": True}}, {"settings": {"cpu_threads": 0}},
+    for bad in ({"settings": {"embedding": "yes"}}, {"settings": {"cpu_threads": 0}},
                 {"parameters": {"temperature": 3}}, {"colour": "blue"},
                 {"engine": "onnxruntime"}, {"model": "another"}, {"prompt_template": "no slot"}):
         reply = requests.patch(f"{url}/v1/models/tests/tiny", json=bad, timeout=10)
         assert reply.status_code == 422, (bad, reply.text)
     reply = requests.patch(f"{url}/v1/models/tests/tiny", timeout=10, json={
-        "settings": {"max_batch_total_tokens": 1024, "ngl": 0},
+        "settings": {"max_batch_total_tokens": 1024, "ngl": 0, "embedding": True},
         "parameters": {"temperature": 0}})
     assert reply.status_code == 200, reply.text
     # Cortex's model.yml fields, flat, as Cortex writes them
@@ -292,6 +293,15 @@ def test_tiny_model_lifecycle_beside_the_default(server, tiny_llama):
     assert running["model_parameters"]["ctx_len"] == 96
     # cpu_threads: torch's threads in the model's shard
     assert _shard_environ(running["assets"][0]).get("OMP_NUM_THREADS") == "1"
+    # Jan's `embedding: true`: this generating model serves embeddings too (the default, which
+    # was not asked to, refuses them in OpenAI's shape)
+    assert running["embedding"] and running["engine_parameters"]["embedding"]
+    embedded = requests.post(f"{url}/v1/embeddings", timeout=60,
+                             json={"model": "tests/tiny", "input": ["hello", "there"]})
+    assert embedded.status_code == 200, embedded.text
+    assert [len(d["embedding"]) for d in embedded.json()["data"]] == [64, 64]
+    refused = requests.post(f"{url}/v1/embeddings", timeout=10, json={"input": "hello"})
+    assert refused.status_code == 400 and "does not serve embeddings" in refused.text
 
     # parameters are the model's request defaults: greedy, at most 5 tokens
     ask = {"model": "tests/tiny", "messages": [{"role": "user", "content": "hello there"}]}

@@ -1,7 +1,8 @@
 """Ollama's API end to end with the `ollama` Python client: generation (streamed and not), the
-model routes, a pull followed as Ollama's progress lines, and keep_alive starting and stopping a
-model."""
+model routes, a pull followed as Ollama's progress lines, keep_alive starting and stopping a
+model, and embeddings from all-MiniLM-L6-v2 pulled by its short name."""
 import json
+import math
 import shutil
 
 import ollama
@@ -9,6 +10,7 @@ import pytest
 import requests
 
 from tests.e2e.server import launch
+from tests.embedding_models import TEXTS
 from tests.tiny_models import build_tiny_model
 from tests.waiting import wait_until
 
@@ -181,7 +183,9 @@ def test_bad_bodies_are_4xx_in_ollamas_shape(server, tiny_llama):
                           "options": {"top_p": 0}}),
            ("/api/show", {}), ("/api/show", {"model": 3}), ("/api/pull", {"model": ""}),
            ("/api/pull", {"model": "x", "stream": 1}), ("/api/copy", {"source": model}),
-           ("/api/embed", {"model": "nope"})]
+           ("/api/embed", {"model": "nope"}),
+           ("/api/embed", {"model": model, "input": "x", "options": {"num_ctx": 8}}),
+           ("/api/embeddings", {"model": model, "prompt": 5})]
     for path, body in bad:
         kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
         answer = requests.post(f"{server.url}{path}", timeout=30, **kwargs)
@@ -189,3 +193,33 @@ def test_bad_bodies_are_4xx_in_ollamas_shape(server, tiny_llama):
         assert set(answer.json()) == {"error"} and answer.json()["error"], (path, body)
     deleted = requests.delete(f"{server.url}/api/delete", json={"model": model}, timeout=30)
     assert deleted.status_code == 400 and "served from a path" in deleted.json()["error"]
+
+
+def test_embed_and_embeddings_from_all_minilm_pulled_by_short_name(client, server, minilm_dir):
+    """all-MiniLM-L6-v2 pulled by its short name (from the cache minilm_dir filled), started by
+    the first /api/embed that names it, and stopped by keep_alive 0."""
+    from sentence_transformers import SentenceTransformer
+
+    name = "all-minilm-l6-v2"
+    assert client.pull(name).status == "success"
+    texts = TEXTS[:4]
+    embedded = client.embed(model=name, input=texts)
+    assert embedded.load_duration > 0 and embedded.prompt_eval_count > len(texts)
+    reference = SentenceTransformer(str(minilm_dir), device="cpu").encode(texts)
+    for ours, theirs in zip(embedded.embeddings, reference):
+        assert len(ours) == 384 and abs(math.sqrt(sum(v * v for v in ours)) - 1) < 1e-4
+        # bf16 on the CPU (the server's default); float32 parity is tests/parity's
+        assert sum(a * float(b) for a, b in zip(ours, theirs)) > 0.99
+    legacy = client.embeddings(model=name, prompt=texts[0]).embedding
+    norm = math.sqrt(sum(v * v for v in legacy))
+    assert all(abs(v / norm - w) < 1e-4 for v, w in zip(legacy, embedded.embeddings[0]))
+    shown = client.show(name)
+    assert "embedding" in shown.capabilities and "completion" not in shown.capabilities
+    for refused in (lambda: client.embed(model=name, input="word " * 300, truncate=False),
+                    lambda: client.generate(model=name, prompt="Hi", options=OPTIONS)):
+        with pytest.raises(ollama.ResponseError) as raised:
+            refused()
+        assert raised.value.status_code == 400, raised.value.error
+    assert len(client.embed(model=name, input="word " * 300, keep_alive=0).embeddings[0]) == 384
+    wait_until(lambda: name not in {m.model for m in client.ps().models},
+               "keep_alive 0 stopping the model", timeout=60)

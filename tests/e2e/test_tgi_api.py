@@ -407,6 +407,8 @@ def _every_answer(model_id: str) -> list[tuple[str, str, dict | None, int]]:
         ("post", "/api/chat", ollama_chat, 200),
         ("post", "/api/chat", {**ollama_chat, "options": {"num_gpu": 1}}, 400),
         ("post", "/api/embed", {"model": model_id, "input": "Hi"}, 400),
+        # this model generates only: test_embeddings_api serves embeddings
+        ("post", "/v1/embeddings", {"input": "Hi"}, 400), ("post", "/embed", {"inputs": "Hi"}, 400),
         ("post", "/api/embeddings", {"model": model_id, "prompt": "Hi"}, 400),
         ("post", "/api/copy", {"source": model_id, "destination": "copy"}, 400),
         ("post", "/generate", {"inputs": "Hi", "parameters": {"top_k": 0}}, 422),
@@ -423,7 +425,7 @@ def test_openapi_document_describes_every_route_we_serve(server):
     served = {"/", "/generate", "/generate_stream", "/tokenize", "/chat_tokenize", "/invocations",
               "/health", "/info", "/metrics",
               "/api-doc/openapi.json", "/docs", "/v1/chat/completions", "/v1/completions",
-              "/v1/models",
+              "/v1/models", "/v1/embeddings", "/embed",
               # SGLang's companion routes (its /generate shares TGI's path)
               "/abort_request", "/flush_cache", "/health_generate", "/get_model_info",
               "/get_server_info", "/api/generate-one", "/api/generate-batch",

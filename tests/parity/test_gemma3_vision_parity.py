@@ -265,7 +265,7 @@ def test_the_shards_info_says_how_a_prompt_holds_an_image(model_dir):
     from shard.__main__ import build_engine
     from shard.config import ShardConfig
 
-    _, info, _ = build_engine(ShardConfig(model_path=str(model_dir), dtype="float32",
+    _, _, info, _ = build_engine(ShardConfig(model_path=str(model_dir), dtype="float32",
                                           device="cpu"))
     assert (info.takes_images, info.image_token_id, info.image_tokens_per_image,
             info.image_start_token_id, info.image_end_token_id) == (True, IMAGE, PER_IMAGE, BOI,

@@ -290,6 +290,6 @@ def test_the_shard_names_the_architecture_it_serves_in_its_info(tiny):
     from shard.__main__ import build_engine
     from shard.config import ShardConfig
 
-    _, info, _ = build_engine(ShardConfig(model_path=str(tiny("plain")), dtype="float32",
+    _, _, info, _ = build_engine(ShardConfig(model_path=str(tiny("plain")), dtype="float32",
                                           device="cpu"))
     assert info.architecture == "Phi3ForCausalLM"

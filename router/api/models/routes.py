@@ -82,8 +82,12 @@ def _metadata(record: ModelRecord) -> dict:
     return metadata
 
 
-def model_json(record: ModelRecord) -> dict:
-    """Jan's Model object, with OpenAI's fields."""
+def model_json(record: ModelRecord, served=None) -> dict:
+    """Jan's Model object, with OpenAI's fields, and whether it serves embeddings.
+
+    `embedding`: a running model's (`served`) as it serves; a stopped one's as its settings ask
+    (a model made to embed serves them whatever they say)."""
+    embeds = served.embeds if served is not None else bool(record.settings.get("embedding"))
     return {
         "id": record.id, "object": "model", "created": record.created, "owned_by": _OWNER,
         "type": "model", "version": "1", "name": record.name or record.id.rsplit("/", 1)[-1],
@@ -91,6 +95,7 @@ def model_json(record: ModelRecord) -> dict:
         "source_url": _source_url(record), "settings": record.settings,
         "parameters": record.parameters, "engine_parameters": record.engine_parameters,
         "metadata": _metadata(record), "assets": [record.model_dir] if record.model_dir else [],
+        "embedding": embeds,
     }
 
 
@@ -108,13 +113,14 @@ def _get_json(record: ModelRecord, served) -> dict:
     for key in ("ngl", "ctx_len", "n_parallel", "cpu_threads"):
         if key in settings:
             engine[key] = settings[key]
-    engine["embedding"] = False
+    described = model_json(record, served)
+    engine["embedding"] = described["embedding"]
     model_parameters = {k: settings[k] for k in ("ctx_len", "ngl", "n_parallel") if k in settings}
-    described = model_json(record)
     if served is not None and served.shard_info.quantization:  # as the shards serve it
         described["metadata"]["quantization"] = served.shard_info.quantization
     return {**described, "engine_parameters": engine,
-            "model_parameters": {**model_parameters, **record.parameters, "embedding": False}}
+            "model_parameters": {**model_parameters, **record.parameters,
+                                 "embedding": described["embedding"]}}
 
 
 def _model_id(request: web.Request) -> str:
@@ -140,9 +146,9 @@ def _unrecorded(name: str, served) -> ModelRecord:
 async def list_models(request: web.Request) -> web.Response:
     manager = _manager(request)
     records = dict(manager.registry.records)
-    data = [model_json(r) for r in records.values()]
-    data += [model_json(_unrecorded(name, served)) for name, served in manager.served.items()
-             if name not in records]
+    data = [model_json(r, manager.served.get(r.id)) for r in records.values()]
+    data += [model_json(_unrecorded(name, served), served)
+             for name, served in manager.served.items() if name not in records]
     data += adapters.adapter_items(manager)
     return web.json_response({"object": "list", "data": data})
 

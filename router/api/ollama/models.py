@@ -1,6 +1,4 @@
-"""Ollama's model routes: tags, show, ps, pull, delete, copy, version, and the embedding refusals.
-
-/api/embed and /api/embeddings answer a 400, as no model served here embeds.
+"""Ollama's model routes: tags, show, ps, pull, delete, copy, version.
 
 They read and move the same registry as the /v1/models routes (router/lifecycle/). A model's
 `digest` is not an Ollama manifest's (this server keeps none): it is a hash of the model's id,
@@ -106,9 +104,12 @@ async def ps(request: web.Request) -> web.Response:
 async def show(request: web.Request) -> web.Response:
     record = _named(request, await read_object(request))
     served = request.app[STATE].models.served.get(record.id)
-    capabilities = ["completion", "tools"]
+    generates = served is None or served.shard_info.generates
+    capabilities = ["completion", "tools"] if generates else []
     if names_image_family(record.model_dir):
         capabilities.append("vision")
+    if served.embeds if served is not None else record.settings.get("embedding"):
+        capabilities.append("embedding")
     template = served.chat_template.source if served is not None and \
         served.chat_template is not None else ""
     parameters = "\n".join(f"{k} {v}" for k, v in record.parameters.items())
@@ -148,12 +149,6 @@ async def copy(request: web.Request) -> web.Response:
 
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": VERSION})
-
-
-async def embed(request: web.Request) -> web.Response:
-    body = await read_object(request)
-    _named(request, body)
-    raise OllamaBadRequest("this model cannot embed: no model served here computes embeddings")
 
 
 async def pull(request: web.Request) -> web.StreamResponse:

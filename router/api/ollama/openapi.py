@@ -1,4 +1,4 @@
-"""Ollama's part of the OpenAPI document: /api/generate, /api/chat and the model routes."""
+"""Ollama's part of the OpenAPI document: /api/generate, /api/chat, embeddings and the model routes."""
 from __future__ import annotations
 
 from router.http.openapi import json_content, object_schema, ref
@@ -10,6 +10,7 @@ _NDJSON = "application/x-ndjson"
 
 def schemas() -> dict:
     strings = {"type": "array", "items": _STRING}
+    vector = {"type": "array", "items": {"type": "number"}}
     keep_alive = {"oneOf": [_STRING, {"type": "number"}], "description": (
         "seconds, or a duration (\"5m\"); negative: keep running; 0: stop after this request")}
     format_ = {"oneOf": [{"type": "string", "enum": ["", "json"]}, _OBJ],
@@ -54,6 +55,18 @@ def schemas() -> dict:
                                                           "items": model_entry}),
         "OllamaStatus": object_schema([], status=_STRING, digest=_STRING, total=_INT,
                                       completed=_INT),
+        "OllamaEmbedRequest": object_schema(
+            ["model", "input"], model=_STRING, input={"oneOf": [_STRING, strings]},
+            truncate=_BOOL, dimensions=_INT, keep_alive=keep_alive,
+            options={**_OBJ, "description": "refused unless empty"}),
+        "OllamaEmbedResponse": object_schema(
+            ["model", "embeddings"], model=_STRING, embeddings={"type": "array", "items": vector},
+            total_duration=_INT, load_duration=_INT, prompt_eval_count=_INT),
+        "OllamaEmbeddingsRequest": object_schema(["model", "prompt"], model=_STRING,
+                                                 prompt=_STRING, keep_alive=keep_alive,
+                                                 options={**_OBJ, "description":
+                                                          "refused unless empty"}),
+        "OllamaEmbeddingsResponse": object_schema(["embedding"], embedding=vector),
     }
 
 
@@ -100,8 +113,11 @@ def paths() -> dict:
                                          "OllamaCopyRequest", None, 400, 404, 413)},
         "/api/version": {"get": _operation("The server's version", None,
                                            object_schema(["version"], version=_STRING))},
-        "/api/embed": {"post": _operation("Refused: no model served here embeds",
-                                          "OllamaModelName", None, 400, 404, 413)},
-        "/api/embeddings": {"post": _operation("Refused: no model served here embeds",
-                                               "OllamaModelName", None, 400, 404, 413)},
+        "/api/embed": {"post": _operation(
+            "Normalized embeddings of one input or several (400: a model that does not embed)",
+            "OllamaEmbedRequest", ref("OllamaEmbedResponse"), 400, 404, 409, 413, 424, 503)},
+        "/api/embeddings": {"post": _operation(
+            "The legacy embedding of one prompt, as the model pools it",
+            "OllamaEmbeddingsRequest", ref("OllamaEmbeddingsResponse"), 400, 404, 409, 413,
+            424, 503)},
     }

@@ -5,7 +5,7 @@ import asyncio
 
 from aiohttp import web
 
-from router.api.ollama import generate, models
+from router.api.ollama import embed, generate, models
 from router.api.ollama.errors import ollama_route
 from router.api.ollama.keep_alive import KEEP_ALIVE, KeepAlive, stop_idle
 from router.state import STATE
@@ -19,8 +19,8 @@ def register(app: web.Application) -> None:
               ("GET", "/api/tags", models.tags), ("POST", "/api/show", models.show),
               ("GET", "/api/ps", models.ps), ("POST", "/api/pull", models.pull),
               ("DELETE", "/api/delete", models.delete), ("POST", "/api/copy", models.copy),
-              ("GET", "/api/version", models.version), ("POST", "/api/embed", models.embed),
-              ("POST", "/api/embeddings", models.embed)]
+              ("GET", "/api/version", models.version), ("POST", "/api/embed", embed.embed),
+              ("POST", "/api/embeddings", embed.embeddings)]
     for method, path, handler in routes:
         app.router.add_route(method, path, ollama_route(handler))
 

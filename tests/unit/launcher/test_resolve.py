@@ -43,7 +43,8 @@ def test_offline_unknown_hub_id_is_a_clear_error(monkeypatch, tmp_path):
     with pytest.raises(ModelResolutionError,
                        match=r"'someone/not-a-cached-model' is neither a local model directory, "
                              r"a \.gguf file, a known model \(smollm2-135m-instruct, "
-                             r"gemma3-270m\), nor a model the Hugging Face Hub could provide"):
+                             r"gemma3-270m, all-minilm-l6-v2\), nor a model the Hugging Face "
+                             r"Hub could provide"):
         resolve_model("someone/not-a-cached-model", cache_dir=tmp_path, hub_cache=str(tmp_path))
 
 

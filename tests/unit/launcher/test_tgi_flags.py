@@ -330,10 +330,10 @@ def test_the_rope_override_and_the_watermark_reach_the_model_and_the_sampler(tin
     from shard.__main__ import build_engine
     from shard.config import ShardConfig
 
-    plain, plain_info, _ = build_engine(ShardConfig(model_path=str(tiny_llama), dtype="float32",
+    plain, _, plain_info, _ = build_engine(ShardConfig(model_path=str(tiny_llama), dtype="float32",
                                                     device="cpu"))
     try:
-        scaled, info, _ = build_engine(ShardConfig(
+        scaled, _, info, _ = build_engine(ShardConfig(
             model_path=str(tiny_llama), dtype="float32", device="cpu", rope_scaling="linear",
             rope_factor=2.0, watermark_gamma=0.25, watermark_delta=3.0))
         assert watermark.current() == watermark.WatermarkSettings(0.25, 3.0)

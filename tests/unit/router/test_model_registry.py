@@ -117,7 +117,7 @@ def test_settings_accept_jan_strings_and_numbers_and_refuse_the_rest():
         {"ctx_len": 2048, "n_parallel": 4, "ngl": 0}
     assert checked("parameters", {"temperature": "0.7", "stream": "true", "top_k": 40},
                    PARAMETERS) == {"temperature": 0.7, "stream": True, "top_k": 40}
-    for group, bad, table in (("settings", {"embedding": True}, SETTINGS),
+    for group, bad, table in (("settings", {"embedding": "yes"}, SETTINGS),
                               ("settings", {"cpu_threads": 0}, SETTINGS),
                               ("parameters", {"stop": ["a"] * 5}, PARAMETERS),
                               ("parameters", {"presence_penalty": 3}, PARAMETERS),
@@ -134,6 +134,8 @@ def test_settings_accept_jan_strings_and_numbers_and_refuse_the_rest():
         with pytest.raises(ValidationError):
             checked(group, bad, table)
     assert checked("settings", {"embedding": False}, SETTINGS) == {"embedding": False}
+    # Jan's `embedding: true` serves embeddings of the model (router/lifecycle/settings.py)
+    assert checked("settings", {"embedding": "true"}, SETTINGS) == {"embedding": True}
 
 
 def test_jan_prompt_pieces_build_a_chat_prompt():

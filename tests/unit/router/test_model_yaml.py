@@ -34,11 +34,16 @@ def test_a_whole_file_sent_back_unchanged_is_accepted():
     ({"engine": "onnxruntime"}, "its own engine"), ({"engine": 3}, "its own engine"),
     ({"model": "other"}, "`model` cannot be changed"), ({"created": 6}, "`created` cannot"),
     ({"files": ["/x.gguf"]}, "`files` cannot"), ({"version": 2}, "`version` must be 1"),
-    ({"model_type": "embedding"}, "text generation only"), ({"settings": 5, "ngl": 1}, "object"),
+    ({"model_type": "rerank"}, "llm or embedding"), ({"settings": 5, "ngl": 1}, "object"),
 ])
 def test_what_cannot_apply_is_refused_with_its_reason(body, words):
     with pytest.raises(ValidationError, match=words):
         model_yaml_body(body, CURRENT)
+
+
+def test_cortex_model_type_embedding_is_jans_embedding_setting():
+    assert model_yaml_body({"model_type": "embedding", "ctx_len": 64}, CURRENT) == \
+        {"settings": {"ctx_len": 64, "embedding": True}}
 
 
 def test_a_prompt_template_splits_as_cortex_splits_it():

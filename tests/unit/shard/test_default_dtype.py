@@ -19,6 +19,15 @@ def test_the_cpu_default_is_bf16_where_the_cpu_has_avx2(monkeypatch, tmp_path, f
     assert default_dtype("cpu", tmp_path) == expected  # no config.json read on the CPU
 
 
+def test_an_encoder_on_the_cpu_defaults_to_float32(monkeypatch, tmp_path):
+    """BERT only runs prompt-sized matmuls, where bf16 is no faster (and float32 is exact)."""
+    monkeypatch.setattr(shard_config, "cpu_flags", lambda: AVX512)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    assert default_dtype("cpu", tmp_path) == "float32"
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert default_dtype("cpu", tmp_path) == "bfloat16"
+
+
 @pytest.mark.parametrize("stored, expected", [({"torch_dtype": "bfloat16"}, "bfloat16"),
                                               ({"dtype": "bfloat16"}, "bfloat16"),
                                               ({"torch_dtype": "float32"}, "float16"),
@@ -47,7 +56,7 @@ def test_the_engine_loads_and_reports_the_resolved_dtype(monkeypatch, tiny_llama
     from shard.__main__ import build_engine
 
     monkeypatch.setattr(shard_config, "cpu_flags", lambda: flags)
-    engine, info, _ = build_engine(ShardConfig(model_path=str(tiny_llama), dtype=given,
+    engine, _, info, _ = build_engine(ShardConfig(model_path=str(tiny_llama), dtype=given,
                                                device="cpu"))
     assert info.dtype == expected and info.device_type == "cpu"
     assert engine.runner.spec.dtype == getattr(torch, expected)  # the KV cache

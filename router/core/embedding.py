@@ -1,0 +1,225 @@
+"""A model's embeddings: inputs from every request batched into Embed calls, one call at a time.
+
+Each call goes to the shards between the batching loop's steps (the shard's engine thread takes
+calls in turn), so a call's size bounds how long it holds the running streams back. While a batch
+decodes, a call is sized as a prefill chunk is (router/scheduler/chunk_sizing.py): about one decode
+step's worth of tokens, from what the last calls' forwards cost per token, a decoder's longer input
+going in chunks over several calls; with nothing decoding, a call takes the whole budget. (An
+encoder's input is computed whole; an encoder has no stream to hold back.)
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy
+
+from router.errors import GenerationError, NotServedError, RouterError, ValidationError
+from router.scheduler.chunk_sizing import MIN_CHUNK_TOKENS, STALL_RATIO
+from router.shards.client import ShardError
+
+# tokens one call may carry with nothing decoding: past a few thousand a bigger forward is no
+# faster per token, and the inputs behind it wait for all of it
+MAX_CALL_TOKENS = 8192
+MAX_CALL_INPUTS = 256
+# the fewest tokens of a chunk beside a decoding batch: fewer than a prompt chunk's least
+# (MIN_CHUNK_TOKENS), as a call's cost must stay within one decode step even where a forward's
+# fixed cost is most of one, and the stall bound is what an embedding beside streams promises
+MIN_EMBED_CHUNK_TOKENS = 2
+_SMOOTHING = 0.3  # weight of the newest call in the cost per token's moving average
+
+
+@dataclass(slots=True)
+class _Input:
+    id: int
+    ids: list[int]
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    computed: int = 0  # tokens of it earlier calls computed (a decoder's input, in chunks)
+
+
+class EmbeddingQueue:
+    """Embeds token ids for a model's requests, in as few shard calls as its stall bound allows.
+
+    `chunkable`: the model is a decoder, whose input may be computed in chunks across calls (an
+    encoder's is computed whole)."""
+
+    def __init__(self, client, *, decode_s: Callable[[], float | None], chunkable: bool = True,
+                 decode_calls: Callable[[], int] | None = None,
+                 max_call_tokens: int = MAX_CALL_TOKENS):
+        self.client = client
+        self.decode_s = decode_s  # a decode step of the running batch; None: nothing decodes
+        # decode calls answered so far: while a batch decodes, each Embed call waits for one
+        # more, so that calls alternate with steps (the loop turns an Embed answer around
+        # faster than the batcher a step's, and would otherwise send several per step)
+        self.decode_calls = decode_calls
+        self._seen_decode_calls = -1
+        self.chunkable = chunkable
+        self.max_call_tokens = max_call_tokens
+        self.s_per_token: float | None = None  # what the last calls' forwards cost per token
+        self._pending: deque[_Input] = deque()
+        self._ids = itertools.count()
+        self._drain: asyncio.Task | None = None
+        self._refusal: Callable[[], RouterError] | None = None  # set once the model stops
+
+    async def embed(self, inputs: list[list[int]]) -> list[numpy.ndarray]:
+        """Each input's pooled vector (float32), in order, unnormalized."""
+        if self._refusal is not None:
+            raise self._refusal()
+        items = [_Input(next(self._ids), ids) for ids in inputs]
+        self._pending.extend(items)
+        if self._drain is None or self._drain.done():
+            self._drain = asyncio.create_task(self._run())
+        try:
+            return list(await asyncio.gather(*(item.done for item in items)))
+        finally:
+            for item in items:  # a client that left: what was not begun is not computed
+                item.done.cancel()
+
+    def close(self, refusal: Callable[[], RouterError], error: RouterError) -> None:
+        """Refuses later inputs with refusal(); those waiting get `error`."""
+        self._refusal = refusal
+        while self._pending:
+            item = self._pending.popleft()
+            if not item.done.done():
+                item.done.set_exception(error)
+
+    def call_tokens(self) -> int:
+        """Tokens the next call may carry: a decode step's worth while a batch decodes."""
+        decode_s = self.decode_s()
+        if decode_s is None or not self.s_per_token:
+            return self.max_call_tokens if decode_s is None else MIN_CHUNK_TOKENS
+        fit = int(decode_s * STALL_RATIO / self.s_per_token)
+        return max(MIN_EMBED_CHUNK_TOKENS, min(self.max_call_tokens, fit))
+
+    def _next_call(self) -> list[tuple[_Input, int, int | None]]:
+        """(input, tokens computed before, tokens now or None: to its end) of the next call.
+
+        Whole inputs while they fit; then, on a decoder beside a decoding batch, a chunk of the
+        next one, which ends the call (and stays first in line)."""
+        budget, call, tokens = self.call_tokens(), [], 0
+        split = self.chunkable and self.decode_s() is not None  # only a stream gains by it
+        while self._pending and len(call) < MAX_CALL_INPUTS:
+            item = self._pending[0]
+            if item.done.done() and not item.computed:  # its request went away before it began
+                self._pending.popleft()
+                continue
+            left, room = len(item.ids) - item.computed, budget - tokens
+            if left <= room or (not call and not split):
+                call.append((self._pending.popleft(), item.computed, None))
+                tokens += left
+            elif split and room >= MIN_EMBED_CHUNK_TOKENS:
+                call.append((self._pending.popleft(), item.computed, room))
+                break
+            else:
+                break
+        return call
+
+    async def _take_turn(self) -> None:
+        """While a batch decodes, waits until it has taken a step since the last call.
+
+        Or until two steps' time passed: a step that never comes holds nothing back."""
+        decode_s = self.decode_s()
+        if self.decode_calls is None or decode_s is None:
+            return
+        deadline = time.monotonic() + max(2 * decode_s, 0.01)
+        while self.decode_calls() == self._seen_decode_calls and time.monotonic() < deadline:
+            await asyncio.sleep(min(decode_s / 4, 0.005))
+        self._seen_decode_calls = self.decode_calls()
+
+    async def _run(self) -> None:
+        while self._pending:
+            await self._take_turn()
+            call = self._next_call()
+            if not call:
+                continue
+            try:
+                vectors, rejected, forward_ns = await self.client.embed(
+                    [(item.id, item.ids, start, chunk) for item, start, chunk in call])
+            except BaseException as err:  # the call's inputs fail with it; the others go on
+                failure = GenerationError(f"embedding failed: {err}")
+                for item, _, _ in call:
+                    if not item.done.done():
+                        item.done.set_exception(failure)
+                if not isinstance(err, ShardError):
+                    raise
+                continue
+            self._observe(forward_ns / 1e9, sum(chunk or len(item.ids) - start
+                                                for item, start, chunk in call))
+            for item, start, chunk in reversed(call):
+                if item.id in rejected:
+                    if not item.done.done():
+                        item.done.set_exception(ValidationError(rejected[item.id]))
+                elif chunk is not None:  # computed up to here: the rest comes first next
+                    item.computed = start + chunk
+                    self._pending.appendleft(item)
+                elif item.done.done():
+                    continue
+                elif item.id in vectors:
+                    item.done.set_result(vectors[item.id])
+                else:
+                    item.done.set_exception(ValidationError(
+                        "the shards returned no embedding for this input"))
+
+    def _observe(self, seconds: float, tokens: int) -> None:
+        cost = seconds / max(tokens, 1)
+        self.s_per_token = cost if self.s_per_token is None else (
+            (1 - _SMOOTHING) * self.s_per_token + _SMOOTHING * cost)
+
+
+@dataclass(slots=True)
+class Embedded:
+    vectors: list[numpy.ndarray]  # each input's pooled float32 vector, unnormalized, in order
+    prompt_tokens: int  # the tokens computed, special tokens included
+
+
+async def embed_inputs(served, inputs: list[str | list[int]], *, field: str,
+                       truncate: bool = False, keep_last: int | None = None) -> Embedded:
+    """The vectors of a request's inputs (texts or token ids) from the model `served`.
+
+    An input longer than the model embeds is a 422, or with `truncate` cut to its first tokens
+    (a text keeps its special tokens, as its tokenizer truncates); `keep_last` keeps an input's
+    last tokens (vLLM's truncate_prompt_tokens)."""
+    check_embeds(served)
+    info, tokenizer = served.shard_info, served.tokenizer
+    limit = info.max_embed_tokens or info.max_position_embeddings
+    texts = [item for item in inputs if isinstance(item, str)]
+    encoded = iter(await tokenizer.encode_many_async(texts) if texts else [])
+    token_ids = []
+    for index, item in enumerate(inputs):
+        ids = next(encoded) if isinstance(item, str) else item
+        if keep_last is not None:
+            ids = ids[-keep_last:]
+        if len(ids) > limit:
+            if not truncate:
+                raise ValidationError(f"`{field}`[{index}] has {len(ids)} tokens; this model "
+                                      f"embeds at most {limit} (ask for truncation to cut it)",
+                                      param=field)
+            ids = (truncated(tokenizer.tokenizer, item, limit) if isinstance(item, str)
+                   else ids[:limit])
+        if info.vocab_size and max(ids) >= info.vocab_size:
+            raise ValidationError(f"`{field}`[{index}] holds token id {max(ids)}, not below the "
+                                  f"vocabulary's {info.vocab_size}", param=field)
+        token_ids.append(ids)
+    vectors = await served.embeddings.embed(token_ids)
+    return Embedded(vectors, sum(len(ids) for ids in token_ids))
+
+
+def check_embeds(served) -> None:
+    """A 400 saying why, unless `served` serves embeddings."""
+    if not served.embeds:
+        why = ("start it with `embedding: true` (Jan's model setting) to serve them"
+               if served.shard_info.pooling else "it cannot pool its hidden states")
+        raise NotServedError(f"model {served.model_name!r} does not serve embeddings: {why}")
+
+
+def truncated(tokenizer, text: str, limit: int) -> list[int]:
+    """The text's first tokens, special tokens added around them, `limit` ids in all."""
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    processor = tokenizer.post_processor
+    added = processor.num_special_tokens_to_add(False) if processor is not None else 0
+    encoding.truncate(max(limit - added, 1))
+    return tokenizer.post_process(encoding, None, True).ids

@@ -1,0 +1,142 @@
+"""Embeddings end to end on a tiny Qwen3-Embedding-style model that also generates: OpenAI's
+/v1/embeddings through its SDK (every input form, base64, dimensions, usage), SGLang's inputs,
+TEI's /embed, generation beside embeddings, and every answer against the OpenAPI document."""
+import base64
+import math
+import struct
+import threading
+
+import openai
+import pytest
+import requests
+
+from tests.e2e.server import launch
+from tests.embedding_models import TEXTS, build_tiny_qwen3_embedding
+from tests.openapi_schemas import answer_problems
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_qwen3_embedding(tmp_path_factory.mktemp("qwen3-embedding"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    launched = launch(["--model-id", str(model_dir), "--dtype", "float32"],
+                      tmp_path_factory.mktemp("embeddings-api"))
+    yield launched
+    assert launched.stop() == 0, launched.log()[-5000:]
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+
+
+def _norm(vector) -> float:
+    return math.sqrt(sum(v * v for v in vector))
+
+
+def _close(a, b, tolerance=1e-5) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tolerance for x, y in zip(a, b))
+
+
+def test_every_openai_input_form_gives_the_same_normalized_vectors(sdk, model_dir):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = [tokenizer.encode(text).ids for text in TEXTS[:3]]
+    texts = sdk.embeddings.create(model="any", input=TEXTS[:3])
+    assert [d.index for d in texts.data] == [0, 1, 2] and texts.object == "list"
+    assert texts.usage.prompt_tokens == texts.usage.total_tokens == sum(map(len, ids))
+    vectors = [d.embedding for d in texts.data]
+    assert all(len(v) == 64 and abs(_norm(v) - 1) < 1e-5 for v in vectors)  # 2_Normalize
+    assert not _close(vectors[0], vectors[1])
+    by_ids = sdk.embeddings.create(model="any", input=ids)
+    one = sdk.embeddings.create(model="any", input=TEXTS[1])
+    one_ids = sdk.embeddings.create(model="any", input=ids[2])
+    assert all(_close(a.embedding, b) for a, b in zip(by_ids.data, vectors))
+    assert _close(one.data[0].embedding, vectors[1]) and _close(one_ids.data[0].embedding,
+                                                                  vectors[2])
+    # the SDK asks for base64 by default and decodes it; decoded by hand, the same float32s
+    raw = requests.post(f"{sdk.base_url}embeddings", timeout=30, json={
+        "input": TEXTS[0], "encoding_format": "base64"}).json()["data"][0]["embedding"]
+    decoded = struct.unpack("<64f", base64.b64decode(raw))
+    assert _close(decoded, vectors[0])
+
+
+def test_dimensions_and_refusals_in_openai_shape(sdk):
+    whole = sdk.embeddings.create(model="any", input="hello", dimensions=64)
+    assert len(whole.data[0].embedding) == 64
+    for ask in (dict(input=""), dict(input=[[1, 99999]]), dict(input="x " * 300)):
+        with pytest.raises(openai.UnprocessableEntityError) as caught:
+            sdk.embeddings.create(**{"model": "any", "input": "hello", **ask})
+        assert caught.value.param == "input", ask
+    with pytest.raises(openai.BadRequestError, match="Matryoshka"):
+        sdk.embeddings.create(model="any", input="hello", dimensions=16)
+
+
+def test_vllm_truncation_and_sglang_text_objects(server):
+    url = f"{server.url}/v1/embeddings"
+    long = "the quick brown fox " * 100
+    kept = requests.post(url, timeout=30, json={"input": long, "truncate_prompt_tokens": 8})
+    assert kept.status_code == 200 and kept.json()["usage"]["prompt_tokens"] == 8
+    sglang = requests.post(url, timeout=30, json={"input": [{"text": TEXTS[0]}]}).json()
+    plain = requests.post(url, timeout=30, json={"input": TEXTS[0]}).json()
+    assert _close(sglang["data"][0]["embedding"], plain["data"][0]["embedding"])
+    image = requests.post(url, timeout=30, json={"input": [{"text": "a", "image": "x.png"}]})
+    assert image.status_code == 422 and "images" in image.json()["error"]
+
+
+def test_tei_embed_normalizes_unless_told_and_truncates_when_asked(server):
+    url = f"{server.url}/embed"
+    normalized = requests.post(url, timeout=30, json={"inputs": TEXTS[:2]}).json()
+    raw = requests.post(url, timeout=30, json={"inputs": TEXTS[:2], "normalize": False}).json()
+    assert all(abs(_norm(v) - 1) < 1e-5 for v in normalized)
+    assert _close([x / _norm(raw[0]) for x in raw[0]], normalized[0])
+    long = "the quick brown fox " * 100
+    refused = requests.post(url, timeout=30, json={"inputs": long})
+    assert refused.status_code == 422 and refused.json()["error_type"] == "validation"
+    assert "256" in refused.json()["error"]  # sentence_bert_config.json's max_seq_length
+    cut = requests.post(url, timeout=30, json={"inputs": long, "truncate": True})
+    assert cut.status_code == 200 and len(cut.json()[0]) == 64
+
+
+def test_generation_streams_on_beside_many_embeddings(server):
+    """The model generates as well; a stream keeps going while embedding calls interleave."""
+    tokens, done = [], threading.Event()
+
+    def stream():
+        body = {"inputs": "Once upon", "parameters": {"max_new_tokens": 40,
+                                                     "ignore_eos_token": True}}
+        with requests.post(f"{server.url}/generate_stream", json=body, stream=True,
+                           timeout=120) as reply:
+            tokens.extend(line for line in reply.iter_lines() if line.startswith(b"data:"))
+        done.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    batch = [f"{text} {i}" for i in range(8) for text in TEXTS]
+    answers = [requests.post(f"{server.url}/v1/embeddings", timeout=60, json={"input": batch})
+               for _ in range(3)]
+    reader.join(120)
+    assert done.is_set() and len(tokens) == 40
+    assert all(a.status_code == 200 and len(a.json()["data"]) == 80 for a in answers)
+    # the same inputs, whatever ran beside them (beside a stream, a decoder's input may go in
+    # chunks: the same vector, to float32 rounding)
+    first, last = (a.json()["data"] for a in (answers[0], answers[2]))
+    assert all(_close(a["embedding"], b["embedding"]) for a, b in zip(first, last))
+    models = requests.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+    assert [m["embedding"] for m in models] == [True]
+
+
+def test_answers_are_what_the_openapi_document_says(server):
+    doc = requests.get(f"{server.url}/api-doc/openapi.json", timeout=10).json()
+    for path, body in (("/v1/embeddings", {"input": ["a", "b"]}),
+                       ("/v1/embeddings", {"input": [1, 2], "encoding_format": "base64"}),
+                       ("/v1/embeddings", {"input": "a", "dimensions": 8}),
+                       ("/embed", {"inputs": "a"}), ("/embed", {"inputs": 5})):
+        reply = requests.post(f"{server.url}{path}", json=body, timeout=30)
+        assert answer_problems(doc, path, "post", reply) == [], (path, body, reply.text)
