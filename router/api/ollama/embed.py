@@ -51,7 +51,7 @@ async def embed(request: web.Request) -> web.Response:
         served, inputs, field="input", truncate=read_flag(body, "truncate", True)))
     request.app[KEEP_ALIVE].touch(request.app[STATE], served.model_name, keep)
     vectors = finished(result.vectors, normalize=True, dimensions=dimensions)
-    out = {"model": body.get("model") or served.model_name, "embeddings": vectors.tolist(),
+    out = {"model": body.get("model") or served.model_name, "embeddings": vectors,
            "total_duration": int((time.monotonic() - started) * 1e9),
            "load_duration": int(load_s * 1e9), "prompt_eval_count": result.prompt_tokens}
     text = await dumps(out, numbers=vectors.size)

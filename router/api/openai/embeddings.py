@@ -65,7 +65,7 @@ async def embeddings(request: web.Request) -> web.Response:
         served, inputs, field="input", keep_last=_keep_last(body, limit)))
     vectors = finished(result.vectors, normalize=normalize, dimensions=dimensions)
     data = [{"object": "embedding", "index": index,
-             "embedding": as_base64(vector) if encoding == "base64" else vector.tolist()}
+             "embedding": as_base64(vector) if encoding == "base64" else vector}
             for index, vector in enumerate(vectors)]
     text = await dumps({
         "object": "list", "data": data, "model": served.model_name,

@@ -44,7 +44,7 @@ async def embed(request: web.Request) -> web.Response:
         served, inputs, field="inputs", truncate=truncate and not left,
         keep_last=limit if left else None))
     vectors = finished(result.vectors, normalize=normalize, dimensions=dimensions)
-    text = await dumps(vectors.tolist(), numbers=vectors.size)
+    text = await dumps(vectors, numbers=vectors.size)
     return web.Response(text=text, content_type="application/json")
 
 
