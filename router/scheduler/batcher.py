@@ -3,10 +3,10 @@
 It is the only module that drives the shards. Between two decode steps it asks the queue for more work.
 With shards that chunk, new requests are prefilled in the same forward as the running batch's next
 step (TGI's cached_batch) and join it; otherwise in their own batch, merged at the next decode.
-A prompt longer than the prefill budget (when the shards chunk) is computed one chunk between two
-decode steps, so it never freezes the streams already running; chunks are sized from the measured
-step costs (router.scheduler.chunk_sizing) so that each stalls the streams by about one decode step,
-and shorter prompts arriving meanwhile are prefilled between two chunks.
+A prompt longer than the prefill budget (when the shards chunk) is computed a chunk at a time,
+sized from the measured step costs (router.scheduler.chunk_sizing) and spaced by decode steps where
+even the smallest costs more, so the running streams' steps take about twice as long at most on
+average; shorter prompts arriving meanwhile are prefilled between two chunks.
 
 It decides what the next step is and speaks the router's types (router.shards.step_types). In
 router.scheduler: policy holds the numbers; steps runs a step, delivers its events and filters what
@@ -199,8 +199,7 @@ class Batcher:
             if prefill.ran:
                 waited_tokens = 0
                 unmeasured = True
-            if prefill.is_running:
-                # it took its decode step inside the prefill's forward
+            if prefill.is_running:  # it took its decode step inside the prefill's forward
                 running = prefill.batch
                 self._batch_gauges([running] if running is not None else [])
                 continue
@@ -217,6 +216,7 @@ class Batcher:
                 running, waited_tokens = None, 0
                 continue
             running = _left_running(decoded, None)
+            self._batch_gauges([running] if running is not None else [])
             unmeasured = False
             # the wait is counted in tokens passed, as --max-waiting-tokens is named (TGI adds one
             # per step even when speculating): a speculative step passes as many as the request
@@ -250,12 +250,13 @@ class Batcher:
         if not whole_only or (self.chunked.queue_turn() and len(self.queue)):
             plan = self._next_plan(running_size=running_size, waited_tokens=waited_tokens,
                                    whole_only=whole_only)
-        if plan is None and whole_only:
+        if plan is None and (not whole_only or running_size and not self.chunked.due(
+                time.monotonic())):  # nothing queued fits, or the next chunk is not due yet
+            return NO_PREFILL
+        if plan is None:
             if running_size:
                 self.metrics.counters.inc("tgi_batch_concat", reason="chunking")
             return _prefill_step(await self._prefill_chunk(running), running)
-        if plan is None:
-            return NO_PREFILL
         if running_size:
             self.metrics.counters.inc("tgi_batch_concat", reason=self.limits.join_reason(
                 waited_tokens, chunking=self.queue.chunking))

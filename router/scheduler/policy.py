@@ -6,11 +6,12 @@ are a long prompt's.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 from router.scheduler.active_request import ActiveRequest
 from router.kv.prefix_cache import outside_images
-from router.scheduler.chunk_sizing import chunk_tokens
+from router.scheduler.chunk_sizing import STALL_RATIO, chunk_tokens
 
 # A decode call of several steps holds back a request arriving meanwhile and hands the streams
 # their tokens in bursts: several are asked only while nothing waits, and no more than fit in
@@ -79,6 +80,10 @@ class ChunkedPrefill:
     item: ActiveRequest
     next_start: int  # prompt tokens already in the cache
     s_per_token: float | None = None  # what the previous chunk cost, to size the next
+    # time.monotonic() before which the next chunk waits while others decode: a chunk of even
+    # MIN_CHUNK_TOKENS can add several decode steps to its step (a prefill forward's own cost),
+    # and the decode steps in between bring the average back to STALL_RATIO
+    not_before: float = 0.0
     _queue_turn: bool = False
 
     def queue_turn(self) -> bool:
@@ -104,8 +109,16 @@ class ChunkedPrefill:
     def is_last(self, size: int) -> bool:
         return self.next_start + size == self.item.input_length
 
-    def advance(self, size: int, elapsed: float, decode_s: float | None) -> None:
+    def due(self, now: float) -> bool:
+        """Whether the next chunk may go now beside a decoding batch (see not_before)."""
+        return now >= self.not_before
+
+    def advance(self, size: int, elapsed: float, decode_s: float | None,
+                now: float | None = None) -> None:
         self.next_start += size
         # what the chunk's tokens added to the step: the riding batch's own step costs decode_s
         added = elapsed - (decode_s or 0.0)
         self.s_per_token = max(added, elapsed / 4) / size
+        if decode_s:  # decode alone until the chunk's step and those since average 1 + STALL_RATIO
+            wait = added / STALL_RATIO - decode_s
+            self.not_before = (time.monotonic() if now is None else now) + max(0.0, wait)

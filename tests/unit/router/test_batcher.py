@@ -218,6 +218,32 @@ async def test_short_prompts_arriving_meanwhile_go_between_a_long_prompts_chunks
     assert allocator.num_free_blocks == allocator.num_usable_blocks
 
 
+async def test_chunks_costing_more_than_a_step_are_spaced_by_decode_steps():
+    """Even the smallest chunk can cost several decode steps (a prefill forward's own cost): the
+    streams then decode alone between two chunks, so that their steps average at most two."""
+    class SlowChunks(FakeShardClient):
+        async def prefill(self, batch, cached_batch=None):
+            if batch.message.requests[0].chunk_len is not None:
+                await asyncio.sleep(0.02)  # ten decode steps
+            return await super().prefill(batch, cached_batch)
+
+    client = SlowChunks(step_delay=0.002)
+    batcher, infer, allocator = _chunking_setup(client)
+
+    async def scenario():
+        running = await _two_decoding(infer, client)
+        long = asyncio.ensure_future(infer.generate(_request(5, length=300)))
+        return await asyncio.gather(long, *running)
+
+    await _with_loop(batcher, scenario())
+    names = [name for name, _ in client.calls]
+    chunks = [i for i, name in enumerate(names) if name == "chunk"]
+    between = [names[a + 1:b].count("decode") for a, b in zip(chunks, chunks[1:])]
+    # while the streams run (their 40 tokens), then back to back once nothing decodes
+    assert len(between) >= 4 and all(n >= 3 for n in between[:3]) and between[-1] == 0, between
+    _assert_all_freed(allocator, client)
+
+
 async def test_a_failed_chunk_fails_the_running_batch_riding_in_it_and_frees_everything():
     client = FakeShardClient(step_delay=0.002)
     batcher, infer, allocator = _chunking_setup(client)

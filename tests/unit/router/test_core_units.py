@@ -2,6 +2,7 @@
 scheduling policy's numbers, and the one SSE driver every streaming route runs."""
 import asyncio
 
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -141,6 +142,17 @@ def test_a_chunked_prefill_advances_to_its_last_chunk():
     assert chunk.next_start == size and chunk.s_per_token == (0.5 - 0.1) / size
     chunk.next_start = 290
     assert chunk.is_last(chunk.next_size(budget=128, decode_s=0.1))
+
+
+def test_a_chunk_that_added_more_than_a_step_waits_for_the_steps_to_average_out():
+    chunk = ChunkedPrefill(_item(0, length=300), next_start=0)
+    chunk.advance(16, elapsed=0.045, decode_s=0.012, now=100.0)  # added 0.033: 2.75 steps
+    assert chunk.not_before == pytest.approx(100.021)  # 0.033 / STALL_RATIO - 0.012
+    assert not chunk.due(100.02) and chunk.due(100.0211)
+    chunk.advance(16, elapsed=0.02, decode_s=0.012, now=200.0)  # under a step: no wait
+    assert chunk.due(200.0)
+    chunk.advance(16, elapsed=0.9, decode_s=None, now=300.0)  # nothing decoding: never waits
+    assert chunk.due(200.0)
 
 
 class _Lines(StreamFormat):
