@@ -205,7 +205,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_sha", "model_pipeline_tag", "model_dtype", "model_device_type", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "shard_recovery_timeout", "waiting_served_ratio", "max_waiting_tokens", "max_batch_size", "prefix_caching", "validation_workers", "max_client_batch_size", "router", "version", "sha", "docker_label", "generation_defaults", "session_ttl", "max_sessions", "session_kv_share", "speculate", "max_decode_steps_per_call", "model_architecture", "lora_adapters", "quantization", "takes_images", "max_loras")
+    __slots__ = ("model_id", "model_sha", "model_pipeline_tag", "model_dtype", "model_device_type", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "shard_recovery_timeout", "waiting_served_ratio", "max_waiting_tokens", "max_batch_size", "prefix_caching", "validation_workers", "max_client_batch_size", "router", "version", "sha", "docker_label", "generation_defaults", "session_ttl", "max_sessions", "session_kv_share", "speculate", "max_decode_steps_per_call", "model_architecture", "lora_adapters", "quantization", "takes_images", "max_loras", "embeds")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     MODEL_PIPELINE_TAG_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,7 @@ class InfoResponse(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     TAKES_IMAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_sha: str
     model_pipeline_tag: str
@@ -274,7 +275,8 @@ class InfoResponse(_message.Message):
     quantization: str
     takes_images: bool
     max_loras: int
-    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_pipeline_tag: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., shard_recovery_timeout: _Optional[float] = ..., waiting_served_ratio: _Optional[float] = ..., max_waiting_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., validation_workers: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., router: _Optional[str] = ..., version: _Optional[str] = ..., sha: _Optional[str] = ..., docker_label: _Optional[str] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ..., session_ttl: _Optional[float] = ..., max_sessions: _Optional[int] = ..., session_kv_share: _Optional[float] = ..., speculate: _Optional[int] = ..., max_decode_steps_per_call: _Optional[int] = ..., model_architecture: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., quantization: _Optional[str] = ..., takes_images: _Optional[bool] = ..., max_loras: _Optional[int] = ...) -> None: ...
+    embeds: bool
+    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_pipeline_tag: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., shard_recovery_timeout: _Optional[float] = ..., waiting_served_ratio: _Optional[float] = ..., max_waiting_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., validation_workers: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., router: _Optional[str] = ..., version: _Optional[str] = ..., sha: _Optional[str] = ..., docker_label: _Optional[str] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ..., session_ttl: _Optional[float] = ..., max_sessions: _Optional[int] = ..., session_kv_share: _Optional[float] = ..., speculate: _Optional[int] = ..., max_decode_steps_per_call: _Optional[int] = ..., model_architecture: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., quantization: _Optional[str] = ..., takes_images: _Optional[bool] = ..., max_loras: _Optional[int] = ..., embeds: _Optional[bool] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "parent", "source", "path", "rank", "alpha", "scaling", "target_modules", "base_model", "created")
