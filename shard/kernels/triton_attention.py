@@ -26,6 +26,33 @@ MIN_DOT = 16
 
 
 @triton.jit
+def block_scores(q, k_ptr, k_scale_ptr, offsets, scale_at, kv_mask, token_mask, scale, softcap,
+                 INT8: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """q's rows against one cache block's keys, read in place: scaled (and capped) float32 scores.
+
+    The products take q's dtype: an int8 cache's values (integers up to 127) are exact in any of
+    them, a bf16 cache's exact in float32; an int8 block's scales apply to the sums."""
+    keys = tl.load(k_ptr + offsets, mask=kv_mask, other=0).to(q.dtype)
+    scores = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [rows, block] float32
+    if INT8:
+        scores *= tl.load(k_scale_ptr + scale_at, mask=token_mask, other=0.0)[None, :]
+    scores *= scale
+    if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh through the sigmoid Triton has
+        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+    return scores
+
+
+@triton.jit
+def block_values(acc, probs, rescale, q, v_ptr, v_scale_ptr, offsets, scale_at, kv_mask,
+                 token_mask, INT8: tl.constexpr):
+    """The running sum rescaled, plus one cache block's values weighted by `probs` (q's dtype)."""
+    values = tl.load(v_ptr + offsets, mask=kv_mask, other=0).to(q.dtype)
+    if INT8:
+        probs *= tl.load(v_scale_ptr + scale_at, mask=token_mask, other=0.0)[None, :]
+    return acc * rescale[:, None] + tl.dot(probs.to(q.dtype), values, input_precision="ieee")
+
+
+@triton.jit
 def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, lens_ptr, out_ptr,
                   part_ptr, best_ptr, total_ptr,
                   stride_q_row, stride_q_head, stride_table_row, stride_out_row,
@@ -48,9 +75,6 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
     q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
                 mask=q_mask, other=0.0)
-    # the matmuls' operands in the query's dtype: an int8 cache's values (integers up to 127)
-    # are exact in any of them, a bf16 cache's exact in float32
-    compute = q.dtype
     length = tl.load(lens_ptr + row)
     start = 0
     if HAS_WINDOW:  # the query sees its last `window` positions, itself included
@@ -70,14 +94,9 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
         block = tl.load(tables_ptr + row * stride_table_row + j).to(tl.int64)
         offsets = (block * stride_cache_block + kv_head * stride_cache_head
                    + n[:, None] * stride_cache_token + d[None, :])
-        keys = tl.load(k_ptr + offsets, mask=kv_mask, other=0).to(compute)
-        scores = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [group, block] float32
-        if INT8:
-            scale_at = block * stride_scale_block + kv_head * stride_scale_head + n
-            scores *= tl.load(k_scale_ptr + scale_at, mask=token_mask, other=0.0)[None, :]
-        scores *= scale
-        if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh through the sigmoid Triton has
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        scale_at = block * stride_scale_block + kv_head * stride_scale_head + n
+        scores = block_scores(q, k_ptr, k_scale_ptr, offsets, scale_at, kv_mask, token_mask,
+                              scale, softcap, INT8, HAS_SOFTCAP)  # [group, block]
         position = j * BLOCK_SIZE + n
         visible = token_mask & (position < length) & (position >= start)
         scores = tl.where(visible[None, :], scores, float("-inf"))
@@ -86,10 +105,8 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
         rescale = tl.exp(best - new_best)
         probs = tl.exp(scores - new_best[:, None])
         total = total * rescale + tl.sum(probs, 1)
-        values = tl.load(v_ptr + offsets, mask=kv_mask, other=0).to(compute)
-        if INT8:
-            probs *= tl.load(v_scale_ptr + scale_at, mask=token_mask, other=0.0)[None, :]
-        acc = acc * rescale[:, None] + tl.dot(probs.to(compute), values, input_precision="ieee")
+        acc = block_values(acc, probs, rescale, q, v_ptr, v_scale_ptr, offsets, scale_at,
+                           kv_mask, token_mask, INT8)
         best = new_best
     if IS_SPLIT:  # the partial softmax, [B, heads, splits] and [B, heads, splits, d]
         at = (row * tl.num_programs(1) * GROUP + heads) * num_splits + split

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.kernels.triton_attention import check_cache, padded
+from shard.kernels.triton_attention import block_scores, block_values, check_cache, padded
 
 # rows (query tokens x the heads sharing a key/value head) a program scores at once
 TILE_ROWS = 64
@@ -50,7 +50,6 @@ def _paged_prefill(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, ti
     flat = (q_start + token).to(tl.int64)
     q = tl.load(q_ptr + flat[:, None] * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
                 mask=q_mask, other=0.0)
-    compute = q.dtype  # as in the decode kernel: int8 values are exact in it
     position = cached + token  # each query's position; it sees keys up to it
     last = tl.minimum(cached + first_token + TOKENS, cached + num_new) - 1
     lo = 0
@@ -65,14 +64,9 @@ def _paged_prefill(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, ti
         block = tl.load(tables_ptr + seq * stride_table_row + j).to(tl.int64)
         offsets = (block * stride_cache_block + kv_head * stride_cache_head
                    + n[:, None] * stride_cache_token + d[None, :])
-        keys = tl.load(k_ptr + offsets, mask=kv_mask, other=0).to(compute)
-        scores = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [rows, block] float32
-        if INT8:
-            scale_at = block * stride_scale_block + kv_head * stride_scale_head + n
-            scores *= tl.load(k_scale_ptr + scale_at, mask=token_mask, other=0.0)[None, :]
-        scores *= scale
-        if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh through the sigmoid Triton has
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        scale_at = block * stride_scale_block + kv_head * stride_scale_head + n
+        scores = block_scores(q, k_ptr, k_scale_ptr, offsets, scale_at, kv_mask, token_mask,
+                              scale, softcap, INT8, HAS_SOFTCAP)  # [rows, block]
         key_position = j * BLOCK_SIZE + n
         visible = token_mask[None, :] & (key_position[None, :] <= position[:, None])
         if HAS_WINDOW:
@@ -84,10 +78,8 @@ def _paged_prefill(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, ti
         rescale = tl.exp(best - safe)
         probs = tl.exp(scores - safe[:, None])
         total = total * rescale + tl.sum(probs, 1)
-        values = tl.load(v_ptr + offsets, mask=kv_mask, other=0).to(compute)
-        if INT8:
-            probs *= tl.load(v_scale_ptr + scale_at, mask=token_mask, other=0.0)[None, :]
-        acc = acc * rescale[:, None] + tl.dot(probs.to(compute), values, input_precision="ieee")
+        acc = block_values(acc, probs, rescale, q, v_ptr, v_scale_ptr, offsets, scale_at,
+                           kv_mask, token_mask, INT8)
         best = new_best
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptr + flat[:, None] * stride_out_row + heads[:, None] * HEAD_DIM + d[None, :],

@@ -247,16 +247,9 @@ def _rank_logits(rank: int, world: int, port: int, model_dir: str, results) -> N
 
 def test_two_shards_give_the_logits_of_one(model_dir):
     """--num-shard 2: the tower and projector replicated on both ranks, the text split."""
-    import torch.multiprocessing as mp
+    from tests.parity.test_tensor_parallel import assert_two_ranks_give_one_ranks
 
-    from tests.parity.test_tensor_parallel import _free_port
-
-    single: dict = {}
-    _rank_logits(0, 1, 0, str(model_dir), single)
-    results = mp.Manager().dict()
-    mp.spawn(_rank_logits, args=(2, _free_port(), str(model_dir), results), nprocs=2)
-    for rank in range(2):
-        assert (results[rank] - single[0]).abs().max().item() <= 1e-4
+    assert_two_ranks_give_one_ranks(_rank_logits, model_dir)
 
 
 def test_the_shards_info_says_how_a_prompt_holds_an_image(model_dir):

@@ -56,6 +56,17 @@ def _run_rank(rank: int, world: int, port: int, model_dir: str, results,
         torch.distributed.destroy_process_group()
 
 
+def assert_two_ranks_give_one_ranks(run_rank, model_dir) -> None:
+    """run_rank(rank, world, port, model_dir, results) on one rank, then on two (spawned): each of
+    the two ranks' results within 1e-4 of the one rank's."""
+    single: dict = {}
+    run_rank(0, 1, 0, str(model_dir), single)
+    results = mp.Manager().dict()
+    mp.spawn(run_rank, args=(2, _free_port(), str(model_dir), results), nprocs=2)
+    for rank in range(2):
+        assert (results[rank] - single[0]).abs().max().item() <= 1e-4
+
+
 def _logits(model_dir, world: int, adapter_dir=None) -> list[torch.Tensor]:
     results = mp.Manager().dict() if world > 1 else {}
     adapter = None if adapter_dir is None else str(adapter_dir)
