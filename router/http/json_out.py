@@ -61,5 +61,8 @@ async def dumps(value: Any, *, numbers: int, **options) -> str:
     numpy arrays in it are written as nested lists.
     """
     if numbers <= LARGE_VALUE_NUMBERS:
-        return dumps_in_pieces(value, **options)
+        try:  # every streamed frame: json.dumps in one call, unless an array is in it
+            return json.dumps(value, **options)
+        except TypeError:
+            return dumps_in_pieces(value, **options)
     return await asyncio.to_thread(dumps_in_pieces, value, **options)
