@@ -291,7 +291,7 @@ class Batcher:
         after that step (joined by the prompt's request after its last chunk), or, with nothing
         running, the batch the last chunk makes.
         """
-        chunk = self.chunked
+        chunk, rows = self.chunked, len(running.request_ids) if running is not None else 0
         item = chunk.item
         if item.is_cancelled:
             self.chunked = None
@@ -299,7 +299,7 @@ class Batcher:
             return running
         start = chunk.next_start
         decode_s = self.steps.decode_cost.for_chunk(running is not None)
-        size = chunk.next_size(self.limits.max_batch_prefill_tokens, decode_s)
+        size = chunk.next_size(self.limits.max_batch_prefill_tokens, decode_s, decoding_rows=rows)
         is_last = chunk.is_last(size)
         batch = NewBatch(id=self.queue.new_batch_id(),
                          requests=[_shard_request(item, cache_len=start,

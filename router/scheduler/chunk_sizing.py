@@ -2,8 +2,13 @@
 
 A fixed token budget stalls the running streams for however long that many tokens take on this
 machine. Sizing each chunk from what the last steps cost instead bounds the stall: a step that carries
-a chunk takes about (1 + STALL_RATIO) times a plain decode step, on any hardware and at any batch
-size, and a prompt with nobody decoding beside it still goes in budget-sized chunks.
+a chunk takes about (1 + ratio) times a plain decode step, on any hardware and at any batch size,
+and a prompt with nobody decoding beside it still goes in budget-sized chunks.
+
+The ratio is a fair share (`stall_ratio`): a prompt being prefilled beside n decoding streams takes
+about 1/(n + 1) of the machine, as one more stream would, down to a floor, so that with many streams
+a long prompt still advances. Two streams beside a client that sends long prompts back to back then
+run at about two thirds of their speed alone, not half.
 
 "Nobody decoding" means for a while (RECENT_DECODE_S), not at this instant: clients that send
 requests back to back leave gaps of a few milliseconds between one answer and their next request,
@@ -15,7 +20,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-STALL_RATIO = 1.0  # a chunk may take as long as one decode step of the running batch
+STALL_RATIO = 1.0  # a chunk may take as long as one decode step of the running batch...
+MIN_STALL_RATIO = 0.25  # ...or a share of it with several streams decoding, never under this
 # The first chunk of a prompt measures what its tokens cost: a batch of short prompts is no guide,
 # since a chunk's attention reads its whole cached context.
 FIRST_CHUNK_TOKENS = 32
@@ -47,17 +53,23 @@ class DecodeCost:
         return self.seconds
 
 
+def stall_ratio(decoding_rows: int) -> float:
+    """What a chunk may add to a decode step of `decoding_rows` streams, as a share of that step."""
+    return max(MIN_STALL_RATIO, STALL_RATIO / max(1, decoding_rows))
+
+
 def chunk_tokens(remaining: int, budget: int, *, decode_s: float | None,
-                 chunk_s_per_token: float | None) -> int:
+                 chunk_s_per_token: float | None, ratio: float = STALL_RATIO) -> int:
     """Tokens for the next chunk of a prompt with `remaining` tokens left to prefill.
 
     decode_s: a decode step of the running batch (None when nothing decodes);
-    chunk_s_per_token: what the previous chunk of this prompt cost per token (None before the first).
+    chunk_s_per_token: what the previous chunk of this prompt cost per token (None before the first);
+    ratio: what the chunk may add to that step, as a share of it (`stall_ratio`).
     """
     size = min(remaining, budget)
     if decode_s is None:
         return size
     if not chunk_s_per_token:
         return min(size, FIRST_CHUNK_TOKENS)
-    affordable = int(STALL_RATIO * decode_s / chunk_s_per_token)
+    affordable = int(ratio * decode_s / chunk_s_per_token)
     return min(size, max(MIN_CHUNK_TOKENS, affordable))

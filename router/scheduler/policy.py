@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from router.scheduler.active_request import ActiveRequest
 from router.kv.prefix_cache import outside_images
-from router.scheduler.chunk_sizing import STALL_RATIO, chunk_tokens
+from router.scheduler.chunk_sizing import STALL_RATIO, chunk_tokens, stall_ratio
 
 # A decode call of several steps holds back a request arriving meanwhile and hands the streams
 # their tokens in bursts: several are asked only while nothing waits, and no more than fit in
@@ -82,8 +82,9 @@ class ChunkedPrefill:
     s_per_token: float | None = None  # what the previous chunk cost, to size the next
     # time.monotonic() before which the next chunk waits while others decode: a chunk of even
     # MIN_CHUNK_TOKENS can add several decode steps to its step (a prefill forward's own cost),
-    # and the decode steps in between bring the average back to STALL_RATIO
+    # and the decode steps in between bring the average back to the stall ratio
     not_before: float = 0.0
+    ratio: float = STALL_RATIO  # the stall ratio the last chunk was sized for
     _queue_turn: bool = False
 
     def queue_turn(self) -> bool:
@@ -91,14 +92,15 @@ class ChunkedPrefill:
         self._queue_turn = not self._queue_turn
         return self._queue_turn
 
-    def next_size(self, budget: int, decode_s: float | None) -> int:
+    def next_size(self, budget: int, decode_s: float | None, decoding_rows: int = 1) -> int:
         """The next chunk's tokens, ending before an image's tokens or after them, never inside.
 
         The shard puts a whole image's rows over its span in one forward: a chunk that would
         end inside one ends before it, or, starting at it, after it (past the budget).
         """
+        self.ratio = stall_ratio(decoding_rows)
         size = chunk_tokens(self.item.input_length - self.next_start, budget, decode_s=decode_s,
-                            chunk_s_per_token=self.s_per_token)
+                            chunk_s_per_token=self.s_per_token, ratio=self.ratio)
         images = self.item.prompt_images
         end = outside_images(self.next_start + size, images)
         if end == self.next_start:  # the chunk starts at an image: it takes the whole image
@@ -119,6 +121,6 @@ class ChunkedPrefill:
         # what the chunk's tokens added to the step: the riding batch's own step costs decode_s
         added = elapsed - (decode_s or 0.0)
         self.s_per_token = max(added, elapsed / 4) / size
-        if decode_s:  # decode alone until the chunk's step and those since average 1 + STALL_RATIO
-            wait = added / STALL_RATIO - decode_s
+        if decode_s:  # decode alone until the chunk's step and those since average 1 + ratio
+            wait = added / self.ratio - decode_s
             self.not_before = (time.monotonic() if now is None else now) + max(0.0, wait)

@@ -220,7 +220,8 @@ async def test_short_prompts_arriving_meanwhile_go_between_a_long_prompts_chunks
 
 async def test_chunks_costing_more_than_a_step_are_spaced_by_decode_steps():
     """Even the smallest chunk can cost several decode steps (a prefill forward's own cost): the
-    streams then decode alone between two chunks, so that their steps average at most two."""
+    streams then decode alone between two chunks, so that their steps average at most 1 + r (r:
+    the fair share, a half beside two streams)."""
     class SlowChunks(FakeShardClient):
         async def prefill(self, batch, cached_batch=None):
             if batch.message.requests[0].chunk_len is not None:
@@ -240,7 +241,7 @@ async def test_chunks_costing_more_than_a_step_are_spaced_by_decode_steps():
     chunks = [i for i, name in enumerate(names) if name == "chunk"]
     between = [names[a + 1:b].count("decode") for a, b in zip(chunks, chunks[1:])]
     # while the streams run (their 40 tokens), then back to back once nothing decodes
-    assert len(between) >= 4 and all(n >= 3 for n in between[:3]) and between[-1] == 0, between
+    assert len(between) >= 4 and all(n >= 6 for n in between[:2]) and between[-1] == 0, between
     _assert_all_freed(allocator, client)
 
 
@@ -335,7 +336,7 @@ async def test_the_batch_size_gauge_follows_a_batch_that_shrinks_inside_chunk_st
 
     async def scenario():
         # streams that finish one by one while the long prompt's chunks carry their steps
-        running = [asyncio.ensure_future(infer.generate(_request(3 + 2 * i))) for i in range(3)]
+        running = [asyncio.ensure_future(infer.generate(_request(3 + 20 * i))) for i in range(3)]
         while not any(name == "decode" for name, _ in client.calls):
             await asyncio.sleep(0.001)
         long = asyncio.ensure_future(infer.generate(_request(5, length=300)))

@@ -1,6 +1,7 @@
 """Chunks of a long prompt are sized so each stalls the running streams by about one decode step."""
-from router.scheduler.chunk_sizing import (FIRST_CHUNK_TOKENS, MIN_CHUNK_TOKENS, RECENT_DECODE_S,
-                                           DecodeCost, chunk_tokens)
+from router.scheduler.chunk_sizing import (FIRST_CHUNK_TOKENS, MIN_CHUNK_TOKENS, MIN_STALL_RATIO,
+                                           RECENT_DECODE_S, STALL_RATIO, DecodeCost,
+                                           chunk_tokens, stall_ratio)
 
 
 def test_nothing_decoding_takes_the_whole_budget():
@@ -20,6 +21,15 @@ def test_later_chunks_cost_about_one_decode_step():
     # a faster machine or a bigger running batch affords bigger chunks, up to the budget
     assert chunk_tokens(5000, 512, decode_s=1.0, chunk_s_per_token=0.001) == 512
     assert chunk_tokens(20, 512, decode_s=0.12, chunk_s_per_token=0.004) == 20
+
+
+def test_the_stall_ratio_is_a_fair_share_with_a_floor():
+    assert stall_ratio(0) == stall_ratio(1) == STALL_RATIO
+    assert stall_ratio(2) == STALL_RATIO / 2
+    assert stall_ratio(64) == MIN_STALL_RATIO
+    # a smaller share makes smaller chunks
+    assert chunk_tokens(5000, 512, decode_s=0.24, chunk_s_per_token=0.004,
+                        ratio=stall_ratio(2)) == 30
 
 
 def test_chunks_never_shrink_below_the_minimum():

@@ -155,6 +155,14 @@ def test_a_chunk_that_added_more_than_a_step_waits_for_the_steps_to_average_out(
     assert chunk.due(200.0)
 
 
+def test_beside_more_streams_a_chunk_waits_for_a_fair_share():
+    """Beside two streams the prompt takes a third of the machine: the wait doubles."""
+    chunk = ChunkedPrefill(_item(0, length=300), next_start=0)
+    chunk.next_size(budget=128, decode_s=0.012, decoding_rows=2)
+    chunk.advance(16, elapsed=0.045, decode_s=0.012, now=100.0)  # added 0.033
+    assert chunk.not_before == pytest.approx(100.0 + 0.033 / 0.5 - 0.012)
+
+
 class _Lines(StreamFormat):
     def event(self, index, event):
         return [f"{index}:{event.token.text}\n".encode()]
