@@ -1,10 +1,14 @@
 """Embeddings end to end on a tiny Qwen3-Embedding-style model that also generates: OpenAI's
 /v1/embeddings through its SDK (every input form, base64, dimensions, usage), SGLang's inputs,
-TEI's /embed, generation beside embeddings, and every answer against the OpenAPI document."""
+TEI's /embed, generation beside embeddings, every answer against the OpenAPI document, and
+embeddings asked while the shard restarts."""
 import base64
 import math
+import os
+import signal
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -140,3 +144,25 @@ def test_answers_are_what_the_openapi_document_says(server):
                        ("/embed", {"inputs": "a"}), ("/embed", {"inputs": 5})):
         reply = requests.post(f"{server.url}{path}", json=body, timeout=30)
         assert answer_problems(doc, path, "post", reply) == [], (path, body, reply.text)
+
+
+def test_embeddings_sent_right_after_the_shard_is_killed_are_served_by_the_new_one(server):
+    """They wait for the restarted shard, as generation requests do, and get the same vectors.
+
+    The server is whole again afterwards: later tests may share it."""
+    before = requests.post(f"{server.url}/embed", json={"inputs": TEXTS[:2]}, timeout=30).json()
+    (old_pid,) = server.shard_pids().values()
+    os.kill(old_pid, signal.SIGKILL)
+    with ThreadPoolExecutor(3) as pool:
+        tei = pool.submit(requests.post, f"{server.url}/embed", json={"inputs": TEXTS[:2]},
+                          timeout=150)
+        sdk = pool.submit(requests.post, f"{server.url}/v1/embeddings",
+                          json={"input": TEXTS[1]}, timeout=150)
+        with pytest.raises(requests.Timeout):  # a client that leaves while it waits
+            requests.post(f"{server.url}/embed", json={"inputs": "gone"}, timeout=0.5)
+        assert tei.result().status_code == 200, tei.result().text
+        assert sdk.result().status_code == 200, sdk.result().text
+    assert all(_close(a, b) for a, b in zip(tei.result().json(), before))
+    assert _close(sdk.result().json()["data"][0]["embedding"], before[1])
+    assert server.shard_pids() and old_pid not in server.shard_pids().values()
+    assert "restarting the shard group" in server.log()
