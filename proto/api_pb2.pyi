@@ -13,10 +13,17 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_EOS_TOKEN: _ClassVar[FinishReason]
     FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
+
+class TruncationDirection(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRUNCATION_DIRECTION_RIGHT: _ClassVar[TruncationDirection]
+    TRUNCATION_DIRECTION_LEFT: _ClassVar[TruncationDirection]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS_TOKEN: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
+TRUNCATION_DIRECTION_RIGHT: TruncationDirection
+TRUNCATION_DIRECTION_LEFT: TruncationDirection
 
 class GenerateRequest(_message.Message):
     __slots__ = ("inputs", "parameters")
@@ -329,3 +336,35 @@ class HealthRequest(_message.Message):
 class HealthResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("inputs", "truncate", "normalize", "truncation_direction", "dimensions")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    inputs: str
+    truncate: bool
+    normalize: bool
+    truncation_direction: TruncationDirection
+    dimensions: int
+    def __init__(self, inputs: _Optional[str] = ..., truncate: _Optional[bool] = ..., normalize: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., dimensions: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "metadata")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedScalarFieldContainer[float]
+    metadata: EmbedMetadata
+    def __init__(self, embeddings: _Optional[_Iterable[float]] = ..., metadata: _Optional[_Union[EmbedMetadata, _Mapping]] = ...) -> None: ...
+
+class EmbedMetadata(_message.Message):
+    __slots__ = ("compute_chars", "compute_tokens", "total_time_ns")
+    COMPUTE_CHARS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    compute_chars: int
+    compute_tokens: int
+    total_time_ns: int
+    def __init__(self, compute_chars: _Optional[int] = ..., compute_tokens: _Optional[int] = ..., total_time_ns: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class TextGenerationStub:
                 request_serializer=proto_dot_api__pb2.HealthRequest.SerializeToString,
                 response_deserializer=proto_dot_api__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tgi.v1.TextGeneration/Embed',
+                request_serializer=proto_dot_api__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=proto_dot_api__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -102,6 +107,14 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One text's embedding: text-embeddings-inference's Embed (tei.v1.Embed/Embed), as POST /embed
+        computes it. FAILED_PRECONDITION when the model does not serve embeddings.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +142,11 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=proto_dot_api__pb2.HealthRequest.FromString,
                     response_serializer=proto_dot_api__pb2.HealthResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=proto_dot_api__pb2.EmbedRequest.FromString,
+                    response_serializer=proto_dot_api__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +284,33 @@ class TextGeneration:
             '/tgi.v1.TextGeneration/Health',
             proto_dot_api__pb2.HealthRequest.SerializeToString,
             proto_dot_api__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tgi.v1.TextGeneration/Embed',
+            proto_dot_api__pb2.EmbedRequest.SerializeToString,
+            proto_dot_api__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

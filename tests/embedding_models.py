@@ -1,7 +1,8 @@
-"""Embedding checkpoints for tests: a tiny random Qwen3-Embedding-style model, and ten texts.
+"""Embedding checkpoints for tests: tiny random Qwen3-Embedding-style and BERT models, ten texts.
 
 Qwen3-Embedding is a Qwen3 decoder saved with sentence-transformers' files: last-token pooling,
-normalized, over a tokenizer that appends the end-of-text token to every input.
+normalized, over a tokenizer that appends the end-of-text token to every input. The BERT is saved
+as all-MiniLM is: mean pooling, normalized.
 """
 from __future__ import annotations
 
@@ -73,4 +74,31 @@ def build_tiny_qwen3_embedding(out_dir: Path, *, seed: int = 0) -> Path:
                                        "pad_token": "</s>", "padding_side": "left"}))
     write_sentence_transformers_files(out_dir, pooling="lasttoken", normalize=True,
                                       max_seq_length=256)
+    return out_dir
+
+
+def build_tiny_bert(out_dir: Path, *, seed: int = 0) -> Path:
+    """A random 3-layer BERT (hidden 64, 4 heads) saved as all-MiniLM is: mean, normalized."""
+    import transformers
+
+    torch.manual_seed(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = transformers.BertConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, max_position_embeddings=128, pad_token_id=0)
+    model = transformers.BertModel(config, add_pooling_layer=False)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "LayerNorm" in name or name.endswith(".bias"):
+                # ones and zeros would hide a norm or a bias left out, or added on every rank
+                param.normal_(1.0 if name.endswith("LayerNorm.weight") else 0.0, 0.3)
+    model.eval().save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    # the tiny BPE tokenizer as it is (not BERT's WordPiece, which transformers would pick for a
+    # BERT), padding with id 0, BERT's pad_token_id
+    config_file = out_dir / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "pad_token": "<unk>",
+                                       "tokenizer_class": "PreTrainedTokenizerFast"}))
+    write_sentence_transformers_files(out_dir, pooling="mean", normalize=True,
+                                      max_seq_length=128)
     return out_dir

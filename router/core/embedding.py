@@ -6,6 +6,10 @@ decodes, a call is sized as a prefill chunk is (router/scheduler/chunk_sizing.py
 step's worth of tokens, from what the last calls' forwards cost per token, a decoder's longer input
 going in chunks over several calls; with nothing decoding, a call takes the whole budget. (An
 encoder's input is computed whole; an encoder has no stream to hold back.)
+
+While the shard group restarts, inputs wait for it as queued generation requests do, on the
+batching loop's recovery (router/scheduler/recovery.py) and its bound: an input whose call was lost
+with the shards goes again, once, as a request that had received nothing does.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import numpy
 
 from router.errors import GenerationError, NotServedError, RouterError, ValidationError
 from router.scheduler.chunk_sizing import MIN_CHUNK_TOKENS, STALL_RATIO
+from router.scheduler.recovery import RETRY_INTERVAL_S, ShardRecovery
 from router.shards.client import ShardError
 
 # tokens one call may carry with nothing decoding: past a few thousand a bigger forward is no
@@ -39,18 +44,22 @@ class _Input:
     ids: list[int]
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     computed: int = 0  # tokens of it earlier calls computed (a decoder's input, in chunks)
+    queued_at: float = field(default_factory=time.monotonic)
+    lost: int = 0  # calls of it lost with the shard group
 
 
 class EmbeddingQueue:
     """Embeds token ids for a model's requests, in as few shard calls as its stall bound allows.
 
     `chunkable`: the model is a decoder, whose input may be computed in chunks across calls (an
-    encoder's is computed whole)."""
+    encoder's is computed whole). `recovery`: the batching loop's, which brings a lost group back
+    (None: a failed call fails its inputs, and nothing waits)."""
 
     def __init__(self, client, *, decode_s: Callable[[], float | None], chunkable: bool = True,
                  decode_calls: Callable[[], int] | None = None,
-                 max_call_tokens: int = MAX_CALL_TOKENS):
+                 max_call_tokens: int = MAX_CALL_TOKENS, recovery: ShardRecovery | None = None):
         self.client = client
+        self.recovery = recovery
         self.decode_s = decode_s  # a decode step of the running batch; None: nothing decodes
         # decode calls answered so far: while a batch decodes, each Embed call waits for one
         # more, so that calls alternate with steps (the loop turns an Embed answer around
@@ -64,6 +73,7 @@ class EmbeddingQueue:
         self._ids = itertools.count()
         self._drain: asyncio.Task | None = None
         self._refusal: Callable[[], RouterError] | None = None  # set once the model stops
+        self._group = 0  # the recovery's restarts when the chunks computed so far were
 
     async def embed(self, inputs: list[list[int]]) -> list[numpy.ndarray]:
         """Each input's pooled vector (float32), in order, unnormalized."""
@@ -132,6 +142,15 @@ class EmbeddingQueue:
 
     async def _run(self) -> None:
         while self._pending:
+            recovery = self.recovery
+            if recovery is not None and not recovery.healthy:
+                await self._wait_for_shards(recovery.restarts, time.monotonic())
+                continue
+            restarts = recovery.restarts if recovery is not None else 0
+            if restarts != self._group:  # a new group holds none of the chunks computed before
+                self._group = restarts
+                for item in self._pending:
+                    item.computed = 0
             await self._take_turn()
             call = self._next_call()
             if not call:
@@ -141,6 +160,10 @@ class EmbeddingQueue:
                     [(item.id, item.ids, start, chunk) for item, start, chunk in call])
             except BaseException as err:  # the call's inputs fail with it; the others go on
                 failure = GenerationError(f"embedding failed: {err}")
+                if isinstance(err, ShardError) and await self._lost(restarts):
+                    self._put_back(call, failure)
+                    await self._wait_for_shards(restarts, time.monotonic())
+                    continue
                 for item, _, _ in call:
                     if not item.done.done():
                         item.done.set_exception(failure)
@@ -163,6 +186,47 @@ class EmbeddingQueue:
                 else:
                     item.done.set_exception(ValidationError(
                         "the shards returned no embedding for this input"))
+
+    async def _lost(self, restarts: int) -> bool:
+        """Whether a call that failed was lost with the shard group (`restarts`: as it began)."""
+        recovery = self.recovery
+        return recovery is not None and (recovery.restarts != restarts or not recovery.healthy
+                                          or await recovery.is_lost())
+
+    def _put_back(self, call: list[tuple[_Input, int, int | None]], error: RouterError) -> None:
+        """A lost call's inputs go first in line again, as often as a request is replayed.
+
+        One lost that often fails with `error`: an input that kills the shards each time must
+        not use up their restarts."""
+        for item, _, _ in reversed(call):
+            if item.done.done():
+                continue
+            item.lost += 1
+            if item.lost >= self.recovery.policy.max_attempts:
+                item.done.set_exception(error)
+            else:
+                self._pending.appendleft(item)
+
+    async def _wait_for_shards(self, restarts: int, found_at: float) -> None:
+        """Waits until the group lost after `restarts` restarts is back.
+
+        Inputs that wait past the recovery's bound get its 503; those whose clients left are
+        dropped. The batching loop notices the loss (within a second while idle) and brings the
+        group back; `found_at`: when this queue found it lost, the wait's start until the loop
+        has."""
+        recovery = self.recovery
+        while self._pending and recovery.restarts == restarts:
+            now = time.monotonic()
+            started = found_at if recovery.lost_since is None else recovery.lost_since
+            for item in list(self._pending):
+                error = (None if item.done.done()
+                         else recovery.waiting_error(item.queued_at, started, now))
+                if item.done.done() or error is not None:
+                    self._pending.remove(item)
+                    if error is not None:
+                        item.done.set_exception(error)
+            if self._pending:
+                await recovery.back(restarts, within=RETRY_INTERVAL_S)
 
     def _observe(self, seconds: float, tokens: int) -> None:
         cost = seconds / max(tokens, 1)

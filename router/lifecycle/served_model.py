@@ -75,7 +75,7 @@ class ServedModel:
             self.embeddings = EmbeddingQueue(self.client, decode_s=lambda: (
                 batcher.steps.shard_step_cost.for_chunk(len(batcher.running) > 0)),
                 decode_calls=lambda: batcher.steps.decode_calls,
-                chunkable=self.shard_info.generates)
+                chunkable=self.shard_info.generates, recovery=batcher.recovery)
         if self.adapters is None:
             self.adapters = AdapterStore(self.client, self.infer.adapters, self.batcher,
                                          self.metrics, parent=self.model_name,

@@ -3,7 +3,8 @@
 The launcher restarts every rank when one dies (collectives need all of them); the router only sees
 its calls fail. While the shards are away the router stays up: /health answers 503, waiting and new
 requests stay queued until the shards are back or their wait passes `timeout` (then 503), and the
-KV pool is sized again from the new shards' warm-up, since their caches started empty.
+KV pool is sized again from the new shards' warm-up, since their caches started empty. Embedding
+inputs wait on the same recovery and bound (router/core/embedding.py).
 """
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ class ShardRecovery:
         self.lost_since: float | None = None  # monotonic time the shards were found lost
         # the router is shutting down: nothing waits for the shards any more
         self.stopping = False
+        self.restarts = 0  # losses of the group that ended with it back
+        self._back = asyncio.Event()  # set, and replaced, each time the group is back
 
     async def is_lost(self) -> bool:
         """Whether the group no longer answers, or answers with other processes.
@@ -92,13 +95,34 @@ class ShardRecovery:
                 await asyncio.sleep(RETRY_INTERVAL_S)
         self.running.reset_pool(num_blocks)
         self.healthy, self.lost_since = True, None
+        self.restarts += 1
+        self._back.set()
+        self._back = asyncio.Event()
         log.warning("shards are back after %.1f s (KV pool: %d blocks)",
                     time.monotonic() - started, num_blocks)
+
+    async def back(self, since: int, within: float) -> None:
+        """Returns once the group is back from a loss after `since` restarts, or in `within` s."""
+        if self.restarts != since:
+            return
+        try:
+            await asyncio.wait_for(self._back.wait(), within)
+        except asyncio.TimeoutError:
+            pass
+
+    def waiting_error(self, queued_at: float, recovery_started: float,
+                      now: float) -> RouterError | None:
+        """The 503 a request queued at `queued_at` gets now for want of shards; None: it waits on.
+
+        Its wait counts from when it was queued or the shards were lost, whichever is later."""
+        if self.stopping:
+            return shutting_down()
+        waited = now - max(queued_at, recovery_started)
+        return shards_unavailable(waited) if waited > self.policy.timeout else None
 
     def _expire_waiting(self, recovery_started: float) -> None:
         now = time.monotonic()
         for entry in self.queue.entries():
-            waited = now - max(entry.queued_at, recovery_started)
-            if (self.stopping or waited > self.policy.timeout) and self.queue.remove(entry):
-                self.fail_waiting(entry, shutting_down() if self.stopping
-                                  else shards_unavailable(waited))
+            error = self.waiting_error(entry.queued_at, recovery_started, now)
+            if error is not None and self.queue.remove(entry):
+                self.fail_waiting(entry, error)

@@ -1,16 +1,22 @@
 """Embeddings end to end on a tiny Qwen3-Embedding-style model that also generates: OpenAI's
 /v1/embeddings through its SDK (every input form, base64, dimensions, usage), SGLang's inputs,
-TEI's /embed, generation beside embeddings, and every answer against the OpenAPI document."""
+TEI's /embed and its gRPC twin, generation beside embeddings, every answer against the OpenAPI
+document, and embeddings asked while the shard restarts."""
 import base64
 import math
+import os
+import signal
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import openai
 import pytest
 import requests
 
-from tests.e2e.server import launch
+from proto import api_pb2, api_pb2_grpc
+from tests.e2e.server import free_port, launch
 from tests.embedding_models import TEXTS, build_tiny_qwen3_embedding
 from tests.openapi_schemas import answer_problems
 
@@ -24,8 +30,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
+    grpc_port = free_port()
     launched = launch(["--model-id", str(model_dir), "--dtype", "float32"],
-                      tmp_path_factory.mktemp("embeddings-api"))
+                      tmp_path_factory.mktemp("embeddings-api"),
+                      extra=["--grpc-port", str(grpc_port)])
+    launched.grpc_target = f"127.0.0.1:{grpc_port}"
     yield launched
     assert launched.stop() == 0, launched.log()[-5000:]
 
@@ -140,3 +149,56 @@ def test_answers_are_what_the_openapi_document_says(server):
                        ("/embed", {"inputs": "a"}), ("/embed", {"inputs": 5})):
         reply = requests.post(f"{server.url}{path}", json=body, timeout=30)
         assert answer_problems(doc, path, "post", reply) == [], (path, body, reply.text)
+
+
+def test_grpc_embed_answers_as_embed_does(server):
+    """The public gRPC API's Embed: one text, TEI's fields and defaults, /embed's vector and
+    refusals (INVALID_ARGUMENT for the input, FAILED_PRECONDITION for what the model lacks)."""
+    url = f"{server.url}/embed"
+    long = "the quick brown fox " * 100
+    asks = [({}, {}), ({"normalize": False}, {"normalize": False}),
+            ({"truncate": True, "truncation_direction": api_pb2.TRUNCATION_DIRECTION_LEFT},
+             {"truncate": True, "truncation_direction": "Left"})]
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = api_pb2_grpc.TextGenerationStub(channel)
+        for ask, body in asks:
+            text = long if body.get("truncate") else TEXTS[3]
+            reply = stub.Embed(api_pb2.EmbedRequest(inputs=text, **ask), timeout=60)
+            (http,) = requests.post(url, json={"inputs": text, **body}, timeout=30).json()
+            assert _close(reply.embeddings, http), ask
+        tokens = requests.post(f"{server.url}/v1/embeddings", json={"input": TEXTS[3]},
+                               timeout=30).json()["usage"]["prompt_tokens"]
+        metadata = stub.Embed(api_pb2.EmbedRequest(inputs=TEXTS[3]), timeout=60).metadata
+        assert (metadata.compute_chars, metadata.compute_tokens) == (len(TEXTS[3]), tokens)
+        assert metadata.total_time_ns > 0
+        for ask, code in (({"inputs": ""}, grpc.StatusCode.INVALID_ARGUMENT),
+                          ({"inputs": long}, grpc.StatusCode.INVALID_ARGUMENT),
+                          ({"inputs": "a", "dimensions": 16},
+                           grpc.StatusCode.FAILED_PRECONDITION)):
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Embed(api_pb2.EmbedRequest(**ask), timeout=60)
+            assert caught.value.code() == code, ask
+            http = requests.post(url, json=ask, timeout=30).json()["error"]
+            assert caught.value.details() == http, ask
+
+
+def test_embeddings_sent_right_after_the_shard_is_killed_are_served_by_the_new_one(server):
+    """They wait for the restarted shard, as generation requests do, and get the same vectors.
+
+    The server is whole again afterwards: later tests may share it."""
+    before = requests.post(f"{server.url}/embed", json={"inputs": TEXTS[:2]}, timeout=30).json()
+    (old_pid,) = server.shard_pids().values()
+    os.kill(old_pid, signal.SIGKILL)
+    with ThreadPoolExecutor(3) as pool:
+        tei = pool.submit(requests.post, f"{server.url}/embed", json={"inputs": TEXTS[:2]},
+                          timeout=150)
+        sdk = pool.submit(requests.post, f"{server.url}/v1/embeddings",
+                          json={"input": TEXTS[1]}, timeout=150)
+        with pytest.raises(requests.Timeout):  # a client that leaves while it waits
+            requests.post(f"{server.url}/embed", json={"inputs": "gone"}, timeout=0.5)
+        assert tei.result().status_code == 200, tei.result().text
+        assert sdk.result().status_code == 200, sdk.result().text
+    assert all(_close(a, b) for a, b in zip(tei.result().json(), before))
+    assert _close(sdk.result().json()["data"][0]["embedding"], before[1])
+    assert server.shard_pids() and old_pid not in server.shard_pids().values()
+    assert "restarting the shard group" in server.log()

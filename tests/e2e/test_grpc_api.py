@@ -278,6 +278,15 @@ def test_an_empty_prompt_is_invalid_argument(server, stub):
     assert err.value.details() == post(server, "/generate", {"inputs": ""}).json()["error"]
 
 
+def test_embed_of_a_model_that_does_not_embed_is_failed_precondition(server, stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(api_pb2.EmbedRequest(inputs="Hello"), metadata=AUTH, timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    http = post(server, "/embed", {"inputs": "Hello"})
+    assert http.status_code == 400 and err.value.details() == http.json()["error"]
+    assert "does not serve embeddings" in err.value.details()
+
+
 def test_tokenize_and_info_equal_http(server, stub):
     text = "café naïve 🙂 Hello world"
     reply = stub.Tokenize(api_pb2.TokenizeRequest(inputs=text), metadata=AUTH, timeout=60)

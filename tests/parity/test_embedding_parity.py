@@ -1,11 +1,11 @@
-"""Embeddings against sentence-transformers: a tiny random Qwen3-Embedding and all-MiniLM-L6-v2.
+"""Embeddings against sentence-transformers: tiny random Qwen3-Embedding and BERT, all-MiniLM-L6-v2.
 
 The shard's Embed path (build_engine's embedder) on the checkpoint's own pooling and tokenizer;
 cosine >= 0.9999 on ten texts, as the router normalizes them.
 """
 import torch
 
-from tests.embedding_models import TEXTS, build_tiny_qwen3_embedding
+from tests.embedding_models import TEXTS, build_tiny_bert, build_tiny_qwen3_embedding
 
 
 
@@ -40,6 +40,12 @@ def test_a_tiny_qwen3_embedding_pools_its_last_token_as_sentence_transformers(tm
     theirs = _theirs(model_dir)
     assert torch.allclose(theirs.norm(dim=-1), torch.ones(len(TEXTS)), atol=1e-4)  # normalized
     _check(_ours(model_dir), theirs, 0.9999)
+
+
+def test_a_tiny_bert_mean_pools_as_sentence_transformers(tmp_path):
+    """The random BERT that test_tensor_parallel splits over two ranks, with no download."""
+    model_dir = build_tiny_bert(tmp_path / "bert")
+    _check(_ours(model_dir), _theirs(model_dir), 0.9999)
 
 
 def test_all_minilm_l6_v2_from_pypi_matches_sentence_transformers(minilm_dir):

@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU (gloo): each rank's slices, and logits equal to one shard's."""
+"""Tensor parallelism on CPU (gloo): each rank's slices; logits and BERT embeddings as on one."""
 import socket
 
 import pytest
@@ -119,6 +119,42 @@ def test_each_rank_reads_only_its_slices(tmp_path):
         Weights(model_dir, dtype=torch.float32, device=cpu,
                 parallel=ParallelContext(rank=0, world_size=3)).get_sharded(
             "model.layers.0.self_attn.k_proj.weight", dim=0)
+
+
+def _rank_bert_vectors(rank: int, world: int, port: int, model_dir: str, results):
+    """The tiny BERT's pooled vectors of inputs of several lengths, padded together, on a rank."""
+    from pathlib import Path
+
+    from shard.distributed import init_parallel
+    from shard.embedder import Embedder
+    from shard.kv_budget import KVCacheSpec
+    from shard.loader import load_model
+    from shard.pooling import read_pooling
+
+    torch.set_num_threads(1)
+    cpu = torch.device("cpu")
+    parallel = init_parallel(rank=rank, world_size=world, master_addr="127.0.0.1",
+                             master_port=port, device=cpu)
+    loaded = load_model(Path(model_dir), dtype=torch.float32, device=cpu, parallel=parallel)
+    cfg = loaded.config
+    spec = KVCacheSpec(cfg.num_hidden_layers, loaded.heads.num_kv_heads, cfg.head_dim, 4,
+                       torch.float32, cpu)
+    embedder = Embedder(loaded.model, spec, read_pooling(Path(model_dir), {}), cfg.vocab_size,
+                        cfg.max_position_embeddings)
+    out = embedder.embed([(i, prompt) for i, prompt in enumerate(PROMPTS + [[1] * 40])])
+    assert not out.rejected, out.rejected
+    results[rank] = torch.stack([out.vectors[i] for i in range(len(PROMPTS) + 1)])
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_bert_on_two_ranks_embeds_as_on_one(tmp_path):
+    """Each rank holds half the heads and half the feed-forward block; the row-parallel layers'
+    biases are added once, after the sum of the ranks."""
+    from tests.embedding_models import build_tiny_bert
+
+    model_dir = build_tiny_bert(tmp_path / "bert")
+    assert_two_ranks_give_one_ranks(_rank_bert_vectors, model_dir)
 
 
 @pytest.mark.real_model

@@ -36,6 +36,17 @@ def generate_body(request: api.GenerateRequest) -> dict:
     return {"inputs": request.inputs, "parameters": parameters}
 
 
+def embed_body(request: api.EmbedRequest) -> dict:
+    """TEI's /embed body of one text, with only the fields that are set (as generate_body)."""
+    body: dict = {"inputs": request.inputs}
+    for name in ("truncate", "normalize", "dimensions"):
+        if request.HasField(name):
+            body[name] = getattr(request, name)
+    if request.truncation_direction == api.TRUNCATION_DIRECTION_LEFT:
+        body["truncation_direction"] = "Left"
+    return body
+
+
 # ---- responses -----------------------------------------------------------------------------------
 
 def token(t: Token) -> api.Token:
@@ -106,3 +117,9 @@ def info_response(info: dict) -> api.InfoResponse:
         reply.generation_defaults.CopyFrom(api.GenerationDefaults(
             **{k: v for k, v in defaults.items() if v is not None}))
     return reply
+
+
+def embed_response(vectors, *, chars: int, tokens: int, total_ns: int) -> api.EmbedResponse:
+    """The one text's vector (a [1, width] array), with what it cost."""
+    return api.EmbedResponse(embeddings=vectors[0].tolist(), metadata=api.EmbedMetadata(
+        compute_chars=chars, compute_tokens=tokens, total_time_ns=total_ns))

@@ -1,8 +1,8 @@
 """The public gRPC API (proto/api.proto), served beside the HTTP one.
 
-Generate, GenerateStream, Tokenize, Info and Health through the same validation, queue, batching,
-cancellation, metrics and API key, with the standard grpc.health.v1.Health service and server
-reflection. On when --grpc-port is set; router/api/grpc/server.py runs the server.
+Generate, GenerateStream, Tokenize, Info, Health and Embed through the same validation, queue,
+batching, cancellation, metrics and API key, with the standard grpc.health.v1.Health service and
+server reflection. On when --grpc-port is set; router/api/grpc/server.py runs the server.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from proto import api_pb2 as api
 from proto import api_pb2_grpc
 from router.api.grpc import convert
+from router.api.tgi import embed as tei
 from router.api.tgi import routes as tgi
 from router.api.grpc.status import grpc_error_trailers, grpc_status_code
 from router.errors import (IncompleteGenerationError, ModelNotFoundError, ModelStateError,
@@ -76,6 +77,11 @@ async def tokenize(state: RouterState, inputs: str) -> tuple[list[int], list[tup
 
 def info(state: RouterState) -> dict:
     return state.served(None).info_json()
+
+
+async def embed(state: RouterState, body: dict) -> tei.EmbedAnswer:
+    """TEI's /embed body answered as the route answers it, by the default model."""
+    return await tei.embed_body(lambda: state.served(None), body)
 
 
 async def check_health(state: RouterState) -> None:
@@ -243,6 +249,15 @@ class TextGenerationServicer(api_pb2_grpc.TextGenerationServicer):
     async def Health(self, request: api.HealthRequest, context) -> api.HealthResponse:
         await check_health(self.state)
         return api.HealthResponse()
+
+    @_rpc
+    async def Embed(self, request: api.EmbedRequest, context) -> api.EmbedResponse:
+        started = time.monotonic_ns()
+        with _span("Embed", context):
+            answer = await embed(self.state, convert.embed_body(request))
+        return convert.embed_response(answer.vectors, chars=len(request.inputs),
+                                      tokens=answer.prompt_tokens,
+                                      total_ns=time.monotonic_ns() - started)
 
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import grpc
 
-from router.errors import RouterError
+from router.errors import NotServedError, RouterError
 
 # TGI's HTTP status -> gRPC code. 424 (a shard failed during the generation) is INTERNAL, not
 # UNAVAILABLE: clients and proxies retry UNAVAILABLE on their own, and a request that crashed the
@@ -26,7 +26,13 @@ GRPC_STATUS_CODES = {
 
 
 def grpc_status_code(error: RouterError) -> grpc.StatusCode:
-    """The gRPC code of the error's HTTP status (INTERNAL for one not in the table)."""
+    """The gRPC code of the error's HTTP status (INTERNAL for one not in the table).
+
+    A model asked for what it does not do (embeddings of one that only generates, the reverse,
+    a Matryoshka prefix of one that has none) is FAILED_PRECONDITION: the request is well formed,
+    the model is not one that serves it."""
+    if isinstance(error, NotServedError):
+        return grpc.StatusCode.FAILED_PRECONDITION
     return GRPC_STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL)
 
 

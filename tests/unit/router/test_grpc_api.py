@@ -59,6 +59,18 @@ def test_only_the_fields_set_reach_the_body():
         "grammar": {"type": "regex", "value": "[0-9]+"}}}
 
 
+def test_an_embed_request_is_teis_body_with_only_the_fields_set():
+    assert convert.embed_body(api.EmbedRequest(inputs="Hi")) == {"inputs": "Hi"}
+    request = api.EmbedRequest(inputs="Hi", truncate=False, normalize=False, dimensions=0,
+                               truncation_direction=api.TRUNCATION_DIRECTION_LEFT)
+    assert convert.embed_body(request) == {"inputs": "Hi", "truncate": False, "normalize": False,
+                                           "dimensions": 0, "truncation_direction": "Left"}
+    # text-embeddings-inference's field numbers: its clients' bytes read as theirs
+    fields = api.EmbedRequest.DESCRIPTOR.fields_by_name
+    assert {name: f.number for name, f in fields.items()} == {
+        "inputs": 1, "truncate": 2, "normalize": 3, "truncation_direction": 4, "dimensions": 6}
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tokenizer")
@@ -127,6 +139,7 @@ async def test_a_valid_request_reaches_the_shards_as_json_does(tokenizer):
     (errors.GenerationError("x"), grpc.StatusCode.INTERNAL),
     (errors.IncompleteGenerationError(), grpc.StatusCode.INTERNAL),
     (errors.RouterError("x"), grpc.StatusCode.INTERNAL),
+    (errors.NotServedError("x"), grpc.StatusCode.FAILED_PRECONDITION),
 ])
 def test_error_status_codes(error, code):
     assert status.grpc_status_code(error) == code
