@@ -18,6 +18,7 @@ from router.errors import (InvalidModelIdError, ModelHostMissingError, ModelNotF
                            ModelStartError, ModelStateError, RouterError, UnknownAdapterError,
                            ValidationError)
 from router.lifecycle.adapters import AdapterEntry, AdapterLinks
+from router.lifecycle.copies import copy_model
 from router.lifecycle.limits import check_context
 from router.lifecycle.local_paths import LocalRoots
 from router.lifecycle.model_host import ModelHostClient, ModelHostError
@@ -331,6 +332,11 @@ class ModelManager:
             if path.resolve().parent == self.registry.models_dir.resolve():
                 await asyncio.to_thread(shutil.rmtree, path, True)
 
+    async def copy(self, source_id: str, destination_id: str) -> ModelRecord:
+        """A stopped copy of a downloaded model under another id (router/lifecycle/copies.py)."""
+        return await copy_model(self.registry, source_id, destination_id,
+                                running=destination_id in self.served)
+
     def patch(self, model_id: str, body: dict) -> ModelRecord:
         """Changes a model's settings, request defaults, name or description (PATCH)."""
         record = self.registry.get(model_id)
@@ -370,3 +376,4 @@ def _size(path: Path) -> int:
         return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     except OSError:
         return 0
+

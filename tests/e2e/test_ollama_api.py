@@ -112,7 +112,7 @@ def test_refusals_are_ollama_errors(client, tiny_llama, server):
                                                      "images": ["aGVsbG8="]}]),
         lambda: client.embed(model=model, input="x"),
         lambda: client.embeddings(model=model, prompt="x"),
-        lambda: client.copy(model, "other"),
+        lambda: client.copy(model, "other"),  # served from a path: nothing to copy
         lambda: client.generate(model=model, prompt="x", keep_alive="5 minutes"),
         # served from a path, without a registry id: it cannot be stopped
         lambda: client.generate(model=model, prompt="x", keep_alive=0),
@@ -126,6 +126,9 @@ def test_refusals_are_ollama_errors(client, tiny_llama, server):
     assert answer.status_code == 200 and answer.json()["done_reason"] == "load"
     missing = requests.post(f"{server.url}/api/show", json={"model": "nope"}, timeout=10)
     assert missing.status_code == 404 and missing.json() == {"error": "model 'nope' not found"}
+    with pytest.raises(ollama.ResponseError) as raised:
+        client.copy("nope", "other")
+    assert raised.value.status_code == 404
 
 
 def test_model_routes_pull_autostart_keep_alive_and_delete(client, server, tiny_llama):
@@ -149,6 +152,11 @@ def test_model_routes_pull_autostart_keep_alive_and_delete(client, server, tiny_
     assert answer.load_duration > 0 and answer.eval_count == 6
     (started,) = [m for m in client.ps().models if m.model == name]
     assert started.expires_at is not None  # Ollama's 5 minutes for a model it started
+    # a copy made while its source runs: stopped, its own id, the source's files
+    assert client.copy(f"{name}:latest", "tiny-copied").status == "success"
+    with pytest.raises(ollama.ResponseError) as raised:
+        client.copy(name, "tiny-copied")  # the destination exists
+    assert raised.value.status_code == 409
     client.chat(model=name, messages=[{"role": "user", "content": "Hi"}], options=OPTIONS,
                 keep_alive=0)
     wait_until(lambda: name not in {m.model for m in client.ps().models},
@@ -158,6 +166,12 @@ def test_model_routes_pull_autostart_keep_alive_and_delete(client, server, tiny_
     with pytest.raises(ollama.ResponseError) as raised:
         client.delete(name)
     assert raised.value.status_code == 404
+    # the copy keeps its files when its source goes, and serves the same text
+    copied = client.generate(model="tiny-copied", prompt="Hi", options=OPTIONS, keep_alive=0)
+    assert copied.response == answer.response
+    wait_until(lambda: "tiny-copied" not in {m.model for m in client.ps().models},
+               "keep_alive 0 stopping the copy", timeout=60)
+    client.delete("tiny-copied")
 
 
 def test_bad_bodies_are_4xx_in_ollamas_shape(server, tiny_llama):

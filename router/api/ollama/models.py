@@ -138,13 +138,19 @@ async def delete(request: web.Request) -> web.Response:
 
 
 async def copy(request: web.Request) -> web.Response:
+    """Copies a model under another id (stopped; its files hard links to the source's)."""
     body = await read_object(request)
-    _named(request, body, "source")
+    record = _named(request, body, "source")
     destination = body.get("destination")
+    if isinstance(destination, str):  # Ollama's tag: this server's ids carry none
+        destination = destination.removesuffix(":latest")
     check_model_id(destination)
-    raise OllamaBadRequest("copying a model is not supported: this server names each model's "
-                           "files once (pull it again under the other id, or name it with "
-                           "PATCH /v1/models/<id>)")
+    models = request.app[STATE].models
+    if record.id not in models.registry.records:
+        raise OllamaBadRequest(f"model {record.id!r} is served from a path, without a registry "
+                               "id: pull it to copy it")
+    await models.copy(record.id, destination)
+    return web.Response(status=200)
 
 
 async def version(request: web.Request) -> web.Response:

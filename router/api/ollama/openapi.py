@@ -109,8 +109,8 @@ def paths() -> dict:
             stream="OllamaStatus")},
         "/api/delete": {"delete": _operation("Deletes a model, stopping it first",
                                              "OllamaModelName", None, 400, 404, 409, 413)},
-        "/api/copy": {"post": _operation("Refused: a model's files are named once",
-                                         "OllamaCopyRequest", None, 400, 404, 413)},
+        "/api/copy": {"post": _operation("Copies a model under another id, stopped",
+                                         "OllamaCopyRequest", None, 400, 404, 409, 413)},
         "/api/version": {"get": _operation("The server's version", None,
                                            object_schema(["version"], version=_STRING))},
         "/api/embed": {"post": _operation(

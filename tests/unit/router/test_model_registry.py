@@ -1,5 +1,6 @@
 """The model registry: ids that cannot escape, the state machine, persistence; settings checks."""
 import json
+import shutil
 
 import pytest
 
@@ -143,3 +144,28 @@ def test_jan_prompt_pieces_build_a_chat_prompt():
     messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
     assert prompt.render(messages) == "Be brief.\nSYSTEM: sys\nU: hi\nA: hello\nU: bye\nA: "
+
+
+async def test_a_copy_links_the_sources_files_and_outlives_it(tmp_path):
+    from router.lifecycle.copies import copy_model
+    registry = ModelRegistry(tmp_path)
+    source = directory_for(registry.models_dir, "src")
+    source.mkdir(parents=True)
+    (source / "model.safetensors").write_bytes(b"weights")
+    registry.add(ModelRecord("src", RUNNING, model_dir=str(source), owned=True,
+                             parameters={"temperature": 0.5}))
+    copied = await copy_model(registry, "src", "dst")
+    assert copied.state == "downloaded" and copied.parameters == {"temperature": 0.5}
+    linked = directory_for(registry.models_dir, "dst") / "model.safetensors"
+    assert copied.model_dir == str(linked.parent) and linked.read_bytes() == b"weights"
+    assert linked.stat().st_ino == (source / "model.safetensors").stat().st_ino
+    with pytest.raises(ModelStateError) as err:
+        await copy_model(registry, "src", "dst")
+    assert err.value.status == 409
+    registry.add(ModelRecord("pulling", DOWNLOADING))
+    with pytest.raises(ModelStateError):
+        await copy_model(registry, "pulling", "other")
+    shutil.rmtree(source)  # as deleting the source does
+    assert linked.read_bytes() == b"weights"
+    registry.close()
+    assert _read(tmp_path).get("dst").state == "downloaded"
