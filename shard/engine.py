@@ -370,9 +370,10 @@ class Engine:
             row_logits, row_hidden = logits[index], hidden[index]
         output = sample_batch(row_logits, batch)
         batch.next_input_ids = output.next_ids
-        generations = step_generations(batch, output, [row_hidden[row:row + 1] for row in
-                                                       range(len(batch.requests))],
-                                       logits, self.vocab, first)
+        # a row's hidden states are sliced out only for a request that asks for them
+        hidden_rows = [row_hidden[row:row + 1] if state.return_hidden_states else None
+                       for row, state in enumerate(batch.requests)]
+        generations = step_generations(batch, output, hidden_rows, logits, self.vocab, first)
         return [g for g in generations if g is not None]
 
     # ---- helpers ----------------------------------------------------------------------------
