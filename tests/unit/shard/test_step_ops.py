@@ -29,8 +29,8 @@ READS_BACK = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.non
 NORMS = {"llama": 3 * 2 + 1, "gemma2": 3 * 4 + 1}  # per layer, and the final one
 VOCAB = 320
 
-pytestmark = pytest.mark.skipif(paged_attention.load_kernel() is None,
-                                reason="the C paged kernel stands for Triton's attention")
+needs_c_kernel = pytest.mark.skipif(paged_attention.load_kernel() is None,
+                                    reason="the C paged kernel stands for Triton's attention")
 
 
 class StepOps(TorchDispatchMode):
@@ -113,6 +113,7 @@ def model(request, tiny_llama, tiny_gemma2):
     return request.param, {"llama": tiny_llama, "gemma2": tiny_gemma2}[request.param]
 
 
+@needs_c_kernel
 def test_a_plain_step_reads_its_tokens_once_and_converts_only_its_logits(
         monkeypatch, model, triton_layer_ops):
     if triton_layer_ops.device != "cpu":
@@ -132,9 +133,36 @@ def test_a_plain_step_reads_its_tokens_once_and_converts_only_its_logits(
     assert ops.kernels["norm"] == NORMS[name] and ops.kernels["rotary"] == 3
 
 
+@needs_c_kernel
 def test_without_triton_each_norm_converts_its_rows_once_each_way(monkeypatch, model):
     name, model_dir = model
     ops = StepOps()
     readers = _plain_step(monkeypatch, model_dir, ops, triton=None)
     assert ops.host_reads == [] and set(readers) == {"shard.host_reads"}
     assert len(ops.casts) == 2 * NORMS[name] + 1, ops.casts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("graphs", [None, "auto"], ids=["eager", "graphs"])
+def test_on_a_gpu_a_plain_step_waits_for_the_device_once(tiny_llama, graphs):
+    """CUDA's own count: every synchronizing call of one plain step, eager and replayed."""
+    import warnings
+
+    engine = make_engine(tiny_llama, device="cuda", dtype=torch.bfloat16, num_blocks=64,
+                         cuda_graphs=graphs, max_total_tokens=48 if graphs else 0)
+    pool = BlockPool(64)
+    params = [{}, {"do_sample": True, "seed": 3, "temperature": 0.7, "top_k": 20, "top_p": 0.9},
+              {"do_sample": True, "seed": 4}]
+    out = engine.prefill(1, [request(i, [5, 6, 7 + i, 8], pool.take(12, 4), max_new_tokens=8,
+                                     ignore_eos=True, **p) for i, p in enumerate(params)])
+    out = engine.decode([out.batch.id])
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.decode([out.batch.id])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs  # shard.host_reads' one wait for the step's results
