@@ -3,10 +3,11 @@
 # session's device time is short; the default stages' timeouts add up to 480 s):
 #   tests      CUDA graphs against eager steps, prefill attention over a cached prefix, LoRA
 #              adapters in a mixed batch, the Triton kernels (decode, split-K decode, prefill
-#              over a cached prefix, add+norm, rotary+KV write) and their selection compiled
-#              against float64 or PyTorch's ops, fp8's scaled matmul against its arithmetic,
-#              the launcher serving a tiny model on CUDA over HTTP (its router streaming each
-#              decode step; an int8 KV cache)                                        (220 s)
+#              over a cached prefix, add+norm (Llama's and Gemma's), rotary+KV write, the
+#              sampling draw) and their selection compiled against float64 or PyTorch's ops,
+#              a plain decode step's one wait for the device, fp8's scaled matmul against its
+#              arithmetic, the launcher serving a tiny model on CUDA over HTTP (its router
+#              streaming each decode step; an int8 KV cache)                         (220 s)
 #   real-size  benchmarks/gpu_real_size.py: a Llama 3 8B-shaped bf16 model served over HTTP,
 #              TTFT, TPOT and tokens/s at 16, 64 and 256 streams beside the memory floor (260 s)
 #   smollm2    decode steps of a SmolLM2-shaped model timed without and with CUDA graphs
@@ -39,7 +40,8 @@ if [[ " $stages " == *" tests "* ]]; then
         tests/unit/shard/test_attention_dtypes.py tests/unit/shard/test_lora_engine.py \
         tests/unit/shard/test_server_errors.py tests/unit/shard/test_triton_attention.py \
         tests/unit/shard/test_triton_prefill.py tests/unit/shard/test_decode_backend.py \
-        tests/unit/shard/test_triton_layer_ops.py \
+        tests/unit/shard/test_triton_layer_ops.py tests/unit/shard/test_step_ops.py \
+        tests/unit/shard/test_sampling.py \
         tests/unit/shard/test_attention_window.py tests/unit/shard/test_fp8.py \
         tests/e2e/test_shard_decode_stream.py \
         tests/e2e/test_launcher_tiny.py -k "not compiled" 2>&1 | tee "$out/tests.log" | tail -25 \

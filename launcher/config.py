@@ -19,7 +19,7 @@ from router import VERSION
 from launcher.router_flags import (add_router_flags, check_router_flags, read_router_flags,
                                    router_flags_argv)
 from router.config.flags import ENV_HELP, TRUE_FALSE, flag_arguments, setting
-from shard.config import (DEFAULT_CUDA_GRAPHS, DISABLE_KERNELS_ENV, DTYPES, QUANTIZE_KINDS,
+from shard.config import (AUTO_CUDA_GRAPHS, DISABLE_KERNELS_ENV, DTYPES, QUANTIZE_KINDS,
                           decode_path_refusal, device_refusal, parse_cuda_graphs)
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -90,11 +90,11 @@ class LauncherConfig:
                                        "start. CPU, one shard, unquantized weights; elsewhere "
                                        "(or without a C++ compiler) the step stays eager and "
                                        "the shard log says why.")
-    cuda_graphs: str = _opt(DEFAULT_CUDA_GRAPHS, "Batch sizes whose decode step each shard "
-                                                 "captures in CUDA graphs at warm-up (TGI's "
-                                                 "flag), comma-separated; 0: none. A step of "
-                                                 "another size replays the next larger graph, "
-                                                 "a larger one runs eagerly. CUDA only.")
+    cuda_graphs: str = _opt(AUTO_CUDA_GRAPHS, "Batch sizes whose decode step each shard captures "
+                            "in CUDA graphs at warm-up (TGI's flag), comma-separated; 0: none; "
+                            "auto: 1, 2, 4, then every 8 up to the largest decode batch "
+                            "(--max-batch-size, or what the KV pool holds; at most 256). A step "
+                            "replays the next larger graph, a larger one runs eagerly. CUDA only.")
     cuda_memory_fraction: float = _opt(1.0, "Share of each GPU's memory the server may use "
                                             "(TGI's flag): a shard on CUDA sizes its KV pool, "
                                             "once its model is loaded, from the smaller of the "

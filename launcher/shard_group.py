@@ -17,7 +17,7 @@ from pathlib import Path
 from launcher.logs import relay
 from proto.launcher_watch import LAUNCHER_PID_ENV
 from proto.logs import child_log_environment
-from shard.config import DEFAULT_CUDA_GRAPHS, KV_LEDGER_ENV
+from shard.config import AUTO_CUDA_GRAPHS, KV_LEDGER_ENV
 
 # How long (busy-wait iterations) a shard's idle OpenMP threads spin before they sleep, where the
 # environment says nothing of it (GOMP_SPINCOUNT, OMP_WAIT_POLICY). libgomp's default, 300,000,
@@ -132,7 +132,7 @@ class ShardGroup:
     def __init__(self, spec: GroupSpec, *, block_size: int, master_addr: str,
                  tracing_argv: list[str], json_output: bool, quantize: str = "",
                  speculate: int = 0, compile_decode: bool = False,
-                 cuda_graphs: str = DEFAULT_CUDA_GRAPHS, memory_fraction: float = 1.0,
+                 cuda_graphs: str = AUTO_CUDA_GRAPHS, memory_fraction: float = 1.0,
                  kv_ledger: str = "", extra_argv: list[str] | None = None,
                  extra_env: dict[str, str] | None = None):
         self.spec = spec

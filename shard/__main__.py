@@ -20,7 +20,7 @@ from proto.launcher_watch import watch_launcher
 from proto.logs import configure_logging, is_json_output, log_source
 from proto.tracing import init_tracing, shutdown_tracing
 from shard import convert, watermark
-from shard.config import (CPU_QUANTIZE_KINDS, DEFAULT_CUDA_GRAPHS, ShardConfig, default_dtype,
+from shard.config import (AUTO_CUDA_GRAPHS, CPU_QUANTIZE_KINDS, ShardConfig, default_dtype,
                           device_refusal, local_topology, log_level, parse_args,
                           parse_cuda_graphs)
 from shard.distributed import all_gather_strings, init_parallel
@@ -83,7 +83,7 @@ def build_engine(config: ShardConfig) -> tuple[Engine, Embedder, pb.InfoResponse
                  "(%d in %s)", spec.bytes_per_block,
                  dataclasses.replace(spec, int8=False).bytes_per_block, dtype_name)
     cuda_graphs = parse_cuda_graphs(config.cuda_graphs)
-    if cuda_graphs and device.type != "cuda" and config.cuda_graphs != DEFAULT_CUDA_GRAPHS:
+    if cuda_graphs and device.type != "cuda" and cuda_graphs != AUTO_CUDA_GRAPHS:
         log.warning("--cuda-graphs %s: CUDA graphs are captured on CUDA devices only; this shard "
                     "runs on the %s", config.cuda_graphs, device.type)
     runner = ModelRunner(loaded.model, spec, compile_decode=bool(config.compile_decode),

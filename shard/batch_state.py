@@ -191,16 +191,20 @@ def _beams(request: NewRequest, device: torch.device, eos_token_ids: frozenset[i
                                     block_size))
 
 
-def sample_batch(logits: torch.Tensor, batch: Batch) -> SampleOutput:
+def sample_batch(logits: torch.Tensor, batch: Batch,
+                 positions: torch.Tensor | None = None) -> SampleOutput:
     """Each row's next token from logits [B, vocab].
 
-    With what its request's sampling reads of its state: the ids a penalty or watermark counts and
-    the ids its stop criteria ban."""
+    With what its request's sampling reads of its state: the ids a penalty or watermark counts, the
+    ids its stop criteria ban, and the position its token takes, which keys a sampling row's draw
+    (`positions`, else seq_lens: where the token of a prefill, or of a step that has counted its
+    input, goes)."""
     history = None
     if needs_history(batch.sampling):
         history = [(r.prompt_ids, r.output_ids) for r in batch.requests]
     banned = [state.stop.banned_ids() for state in batch.requests]
-    return sample(logits, batch.sampling, history, banned if any(banned) else None)
+    return sample(logits, batch.sampling, history, banned if any(banned) else None,
+                  batch.seq_lens if positions is None else positions)
 
 
 def block_table_tensor(blocks: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -90,7 +90,9 @@ def cpu_flags() -> str:
 QUANTIZE_KINDS = ("int8", "int4", "fp8")
 CPU_QUANTIZE_KINDS = ("int8", "int4")
 KV_CACHE_DTYPES = ("int8",)  # besides the model's own: shard.layers.kv_int8
-DEFAULT_CUDA_GRAPHS = "1,2,4,8,16,32"  # TGI's --cuda-graphs default
+# --cuda-graphs not given: batch sizes up to the largest decode batch the router may form, chosen
+# at warm-up (shard.decode_paths.cuda_graphs.auto_batch_sizes)
+AUTO_CUDA_GRAPHS = "auto"
 
 
 def cpu_has_avx2() -> bool:
@@ -132,8 +134,10 @@ def decode_path_refusal(kv_cache_dtype: str | None, *, compile_decode: bool,
     return None
 
 
-def parse_cuda_graphs(text: str) -> list[int]:
-    """`--cuda-graphs`: comma-separated batch sizes, or 0 (or nothing) for none."""
+def parse_cuda_graphs(text: str) -> list[int] | str:
+    """`--cuda-graphs`: comma-separated batch sizes, 0 (or nothing) for none, or AUTO_CUDA_GRAPHS."""
+    if text.strip() == AUTO_CUDA_GRAPHS:
+        return AUTO_CUDA_GRAPHS
     try:
         sizes = sorted({int(part) for part in text.replace(" ", "").split(",") if part})
     except ValueError:
@@ -203,9 +207,10 @@ class ShardConfig:
     compile_decode: int = field(default=0, metadata={
         "help": "1: compile the decode step (torch.compile, inductor's C++ backend on the CPU) "
                 "at warm-up; 0: eager."})
-    cuda_graphs: str = field(default=DEFAULT_CUDA_GRAPHS, metadata={
+    cuda_graphs: str = field(default=AUTO_CUDA_GRAPHS, metadata={
         "help": "Batch sizes to capture the decode step in CUDA graphs for at warm-up "
-                "(comma-separated; 0: none). CUDA only."})
+                "(comma-separated; 0: none; auto: up to the largest decode batch the warm-up "
+                "allows). CUDA only."})
     speculate: int = field(default=0, metadata={
         "help": "Draft tokens (n-gram, from the request's own text) verified per request and "
                 "decode step; 0: no speculation."})

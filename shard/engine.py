@@ -75,11 +75,12 @@ class Engine:
     # ---- public API -------------------------------------------------------------------------
 
     def warmup(self, requests: list[NewRequest], max_batch_total_tokens: int,
-               max_total_tokens: int = 0) -> WarmupResult:
+               max_total_tokens: int = 0, max_batch_size: int | None = None) -> WarmupResult:
         """Warm-up: the largest prefill once, then the KV pool sized and the decode step prepared.
 
         The KV pool is sized from the tokens asked, or a memory budget; the decode step is prepared
-        for requests of up to max_total_tokens (compiled or captured, where it is to be)."""
+        for requests of up to max_total_tokens in batches of up to max_batch_size (None: what the
+        pool holds), compiled or captured where it is to be."""
         block_size = self.block_size
         next_block = 1
         for request in requests:
@@ -105,7 +106,7 @@ class Engine:
         self.runner.allocate(num_blocks)
         if self.ledger is not None:
             self.ledger.record(num_blocks * bytes_per_block)
-        self.runner.warm_decode(max_total_tokens)
+        self.runner.warm_decode(max_total_tokens, max_batch_size)
         return WarmupResult(num_blocks=num_blocks, block_size=block_size)
 
     def prefill(self, batch_id: int, requests: list[NewRequest],
@@ -369,9 +370,10 @@ class Engine:
             row_logits, row_hidden = logits[index], hidden[index]
         output = sample_batch(row_logits, batch)
         batch.next_input_ids = output.next_ids
-        generations = step_generations(batch, output, [row_hidden[row:row + 1] for row in
-                                                       range(len(batch.requests))],
-                                       logits, self.vocab, first)
+        # a row's hidden states are sliced out only for a request that asks for them
+        hidden_rows = [row_hidden[row:row + 1] if state.return_hidden_states else None
+                       for row, state in enumerate(batch.requests)]
+        generations = step_generations(batch, output, hidden_rows, logits, self.vocab, first)
         return [g for g in generations if g is not None]
 
     # ---- helpers ----------------------------------------------------------------------------

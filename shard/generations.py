@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
+from shard import host_reads
 from shard.batch_state import Batch, NewRequest, RequestState
 from shard.beams import advance as advance_beams
 from shard.detokenizer import decode_next, flush
@@ -42,12 +43,11 @@ def step_generations(batch: Batch, output: SampleOutput, hidden: list[torch.Tens
     `hidden` holds, per row, the final hidden states this step computed for it; `logits` and
     `first` are the step's rows (see Engine._decode_rows), which a beam-search request reads all
     of (its generation is None until its search ends)."""
-    ids = output.next_ids.tolist()
+    # the step's one wait for the device
+    ids, logprobs, top_ids, top_lps = host_reads.read(output.next_ids, output.logprobs,
+                                                      output.top_ids, output.top_logprobs)
     if batch.sampling.flags["grammar"]:
         advance(batch.sampling.grammars, ids)
-    logprobs = output.logprobs.tolist()
-    top_ids = output.top_ids.tolist() if output.top_ids is not None else None
-    top_lps = output.top_logprobs.tolist() if output.top_logprobs is not None else None
     generations = []
     for row, state in enumerate(batch.requests):
         if state.beams is not None:

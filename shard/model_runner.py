@@ -18,7 +18,8 @@ from shard.attention_inputs import (decode_metadata, pad_blocks, prefill_metadat
                                     route_short_contexts, static_decode_metadata)
 from shard.decode_paths import c_step
 from shard.decode_paths.compiled import CompiledDecode, unsupported_reason
-from shard.decode_paths.cuda_graphs import Capture, CudaGraphCapture, GraphedDecode
+from shard.decode_paths.cuda_graphs import (Capture, CudaGraphCapture, GraphedDecode,
+                                            largest_decode_batch)
 from shard.kernels import decode_backend
 from shard.kv_budget import KVCacheSpec, allocate_kv_cache
 from shard.layers.attention_state import AttentionMetadata, LayerCache
@@ -66,13 +67,13 @@ class DecodePath(enum.Enum):
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: KVCacheSpec, *, compile_decode: bool = False,
-                 world_size: int = 1, cuda_graphs: list[int] | None = None,
+                 world_size: int = 1, cuda_graphs: list[int] | str | None = None,
                  new_capture: Callable[[torch.device], Capture] | None = None):
         """A runner of `model` over a KV cache laid out as `spec` (allocated by `allocate`).
 
-        cuda_graphs: batch sizes to capture the decode step for on CUDA (see
-        shard.decode_paths.cuda_graphs); `new_capture` replaces the CUDA capture (tests emulate it
-        on the CPU)."""
+        cuda_graphs: batch sizes to capture the decode step for on CUDA, or AUTO_CUDA_GRAPHS
+        (see shard.decode_paths.cuda_graphs); `new_capture` replaces the CUDA capture (tests
+        emulate it on the CPU)."""
         self.model = model
         self.adapters = AdapterSet(model)  # the LoRA adapters loaded on it
         self.spec = spec
@@ -96,7 +97,7 @@ class ModelRunner:
             gathered = self.attention_kernel != decode_backend.TRITON
             self.graphs = GraphedDecode(self._static_decode_forward, cuda_graphs, spec.device,
                                         block_bytes=gathered * spec.bytes_per_block
-                                        // spec.num_layers,
+                                        // spec.num_layers, block_size=spec.block_size,
                                         new_capture=new_capture or CudaGraphCapture)
         if compile_decode:
             reason = unsupported_reason(model, spec.device, world_size)
@@ -107,11 +108,12 @@ class ModelRunner:
             else:
                 log.warning("the decode step is not compiled: %s", reason)
 
-    def warm_decode(self, max_total_tokens: int = 0) -> None:
+    def warm_decode(self, max_total_tokens: int = 0, max_batch_size: int | None = None) -> None:
         """Compiles the decode step, or captures its CUDA graphs, now, when either was asked for.
 
         Compiled: see shard.decode_paths.compiled. The graphs are captured for requests of up to
-        max_total_tokens (prompt and output; 0: unknown, no graphs)."""
+        max_total_tokens (prompt and output; 0: unknown, no graphs), in batches of up to
+        max_batch_size requests (the router's --max-batch-size; None: what the pool holds)."""
         if isinstance(self.decode_step, CompiledDecode):
             with torch.inference_mode():
                 self.decode_step.warm(tables_width=1)
@@ -125,7 +127,8 @@ class ModelRunner:
                 # widths from the longest request alone, the same on every rank (each sizes its
                 # own pool): a column holds a block id, so a graph wider than a pool has blocks
                 # only pads more columns with block 0
-                self.graphs.capture(-(-max_total_tokens // self.spec.block_size))
+                self.graphs.capture(-(-max_total_tokens // self.spec.block_size),
+                                    largest_decode_batch(self.num_blocks, max_batch_size))
             return
         except Exception as err:
             if self.world_size > 1:  # ranks whose graphs differ would pair collectives wrongly
@@ -253,7 +256,7 @@ class ModelRunner:
         Row i with the update of LoRA slot adapter_slots[i] (-1: none), rotated as position
         seq_lens[i] + rope_deltas[i] (multimodal rotary positions, which the compiled step does
         not take: the eager forward runs them instead)."""
-        width = self._graph_width(seq_lens)
+        width = self._graph_width(seq_lens, block_tables)
         path = self.decode_path(input_ids.shape[0], width, adapters=adapter_slots is not None)
         positions = None if rope_deltas is None else seq_lens + rope_deltas
         if path is DecodePath.C_STEP:
@@ -290,14 +293,13 @@ class ModelRunner:
             return DecodePath.COMPILED
         return DecodePath.EAGER
 
-    def _graph_width(self, seq_lens: torch.Tensor) -> int:
-        """The block-table columns the longest context needs, where a CUDA graph may take the step.
+    def _graph_width(self, seq_lens: torch.Tensor, block_tables: torch.Tensor) -> int:
+        """The block-table columns a CUDA graph reads for this step (GraphedDecode.width).
 
-        One host sync: the previous step's sampling has already waited for the device. 0
-        elsewhere, which no graph holds."""
+        0 where no graph may take the step."""
         if self.c_step is not None or self.graphs is None or not self.graphs.captured:
             return 0
-        return (int(seq_lens.max()) + 1 + self.spec.block_size - 1) // self.spec.block_size
+        return self.graphs.width(seq_lens, block_tables.shape[1])
 
     def _decode_forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor,
                         block_tables: torch.Tensor, positions: torch.Tensor | None = None

@@ -11,6 +11,7 @@ import torch
 from shard.grammar_matcher import mask_disallowed
 from shard.kernels import layer_ops
 from shard.penalties import apply_penalties
+from shard.sampling_noise import draw, seed_key
 from shard.watermark import apply_watermark
 
 
@@ -46,8 +47,8 @@ class SamplingBatch:
     """Row-aligned sampling state of a batch; filter and concatenate keep rows in batch order."""
 
     params: list[SamplingParams]
-    generators: list[torch.Generator | None]
     grammars: list  # an llguidance matcher per constrained row, else None
+    seed_keys: torch.Tensor  # [B] int64: each row's seed as its draws read it (sampling_noise)
     temperature: torch.Tensor  # [B, 1]
     top_k: torch.Tensor  # [B] long, 0 = off
     top_p: torch.Tensor  # [B, 1]
@@ -61,13 +62,12 @@ class SamplingBatch:
     # every row's logit_bias as (rows, ids, values) tensors, built once per batch rather than
     # once per step (a request may bias thousands of ids)
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # the sampling rows of a batch that also has greedy ones: only theirs draw noise
+    sampling_rows: torch.Tensor | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device,
-                    generators: list[torch.Generator | None] | None = None,
                     grammars: list | None = None) -> "SamplingBatch":
-        if generators is None:
-            generators = [_generator(p, device) for p in params]
         if grammars is None:
             grammars = [None] * len(params)
 
@@ -76,7 +76,9 @@ class SamplingBatch:
                                 device=device)
 
         batch = cls(
-            params=list(params), generators=list(generators), grammars=list(grammars),
+            params=list(params), grammars=list(grammars),
+            seed_keys=torch.tensor([seed_key(p.seed) for p in params], dtype=torch.long,
+                                   device=device),
             temperature=column("temperature"),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=column("top_p"), typical_p=column("typical_p"), min_p=column("min_p"),
@@ -89,27 +91,20 @@ class SamplingBatch:
         batch.flags["grammar"] = any(g is not None for g in grammars)
         if batch.flags["logit_bias"]:
             batch.bias = _bias_tensors(params, device)
+        if batch.flags["any_sample"] and not batch.flags["all_sample"]:
+            batch.sampling_rows = torch.tensor([i for i, p in enumerate(params) if p.do_sample],
+                                               dtype=torch.long, device=device)
         return batch
 
     def select(self, rows: list[int]) -> "SamplingBatch":
         return SamplingBatch.from_params([self.params[i] for i in rows], self.do_sample.device,
-                                         [self.generators[i] for i in rows],
                                          [self.grammars[i] for i in rows])
 
     @staticmethod
     def concatenate(batches: list["SamplingBatch"]) -> "SamplingBatch":
         return SamplingBatch.from_params([p for b in batches for p in b.params],
                                          batches[0].do_sample.device,
-                                         [g for b in batches for g in b.generators],
                                          [g for b in batches for g in b.grammars])
-
-
-def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    if not params.do_sample:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(params.seed)
-    return generator
 
 
 def _flags(params: list[SamplingParams]) -> dict:
@@ -122,6 +117,8 @@ def _flags(params: list[SamplingParams]) -> dict:
         "logit_bias": any(p.logit_bias for p in params),
         "temperature": any(p.temperature not in (0.0, 1.0) for p in sampling),
         "top_k": any(p.top_k > 0 for p in sampling),
+        # known on the host: the top-k pass sizes itself without reading the device
+        "max_top_k": max((p.top_k for p in sampling if p.top_k > 0), default=0),
         "top_p": any(0.0 < p.top_p < 1.0 for p in sampling),
         "typical_p": any(0.0 < p.typical_p < 1.0 for p in sampling),
         "min_p": any(p.min_p > 0.0 for p in sampling),
@@ -151,7 +148,8 @@ class SampleOutput:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch,
            token_ids: list[tuple[list[int], list[int]]] | None = None,
-           banned: list[frozenset[int]] | None = None) -> SampleOutput:
+           banned: list[frozenset[int]] | None = None,
+           positions: torch.Tensor | None = None) -> SampleOutput:
     """The choice of one token per row of logits [B, vocab].
 
     Steps, in order:
@@ -159,7 +157,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
       1. repetition penalty (prompt and output tokens), frequency and presence penalties (output
          tokens), then each constrained row's grammar mask, then the banned ids (min_new_tokens);
       2. for sampling rows only: temperature, top-k, top-p, typical-p, min-p;
-      3. greedy rows take the argmax; sampling rows draw from their own seeded generator;
+      3. greedy rows take the argmax; sampling rows draw with noise keyed by their seed and the
+         position of the token (sampling_noise), all in one pass;
       4. the chosen token's log-probability (log-softmax of the scores it was chosen from) and
          the top-n.
     A step is skipped when no row needs it, so a greedy batch costs one argmax and one
@@ -168,6 +167,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     `token_ids` gives (prompt ids, output ids) per row; it is needed only when a row has a penalty
     or a watermark (see `needs_history`). `banned`, per row, ids its token may not be (the
     end-of-sequence ones before min_new_tokens), unless they are all its grammar allows.
+    `positions` [B]: the index each row's token takes in its sequence, which its draw is keyed by
+    (None: 0). Nothing is read back to the host.
     """
     flags = batch.flags
     scores = logits.float()
@@ -194,7 +195,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     logprobs_all = torch.log_softmax(scores, dim=-1)
     next_ids = scores.argmax(dim=-1)
     if flags["any_sample"]:
-        next_ids = _draw(logprobs_all, next_ids, batch)
+        next_ids = _draw(logprobs_all, next_ids, batch, positions)
     logprobs = logprobs_all.gather(1, next_ids.unsqueeze(1)).squeeze(1)
     top_ids = top_logprobs = None
     if flags["max_top_n"] > 0:
@@ -252,7 +253,7 @@ def _warp(scores: torch.Tensor, batch: SamplingBatch, flags: dict) -> torch.Tens
         # overflow them to inf and the probabilities to NaN; softmax is the same either way
         warped = (warped - warped.max(dim=-1, keepdim=True).values) / temperature
     if flags["top_k"]:
-        warped = _top_k(warped, batch.top_k)
+        warped = _top_k(warped, batch.top_k, flags["max_top_k"])
     if flags["top_p"]:
         warped = _top_p(warped, batch.top_p)
     if flags["typical_p"]:
@@ -266,11 +267,14 @@ def _warp(scores: torch.Tensor, batch: SamplingBatch, flags: dict) -> torch.Tens
     return torch.where(sampling_rows, warped, scores)
 
 
-def _top_k(scores: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    vocab = scores.shape[1]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    kth = scores.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-    return scores.masked_fill(scores < kth, float("-inf"))
+def _top_k(scores: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Each row with a top_k (> 0) keeps its top_k best scores; the others keep all.
+
+    max_top_k: the largest top_k of a sampling row (a greedy row's scores are not used)."""
+    largest = min(max_top_k, scores.shape[1])
+    k = top_k.clamp(1, largest)
+    kth = scores.topk(largest, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    return scores.masked_fill((scores < kth) & (top_k > 0).unsqueeze(1), float("-inf"))
 
 
 def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -296,13 +300,11 @@ def _typical_p(scores: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
 
 
-def _draw(logprobs: torch.Tensor, greedy_ids: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Exponential-race sampling: argmax(p / E) with E ~ Exp(1) drawn from the row's generator."""
-    next_ids = greedy_ids.clone()
-    probs = logprobs.exp()
-    for row, generator in enumerate(batch.generators):
-        if generator is None:
-            continue
-        noise = torch.empty_like(probs[row]).exponential_(generator=generator)
-        next_ids[row] = (probs[row] / noise).argmax()
-    return next_ids
+def _draw(logprobs: torch.Tensor, greedy_ids: torch.Tensor, batch: SamplingBatch,
+          positions: torch.Tensor | None) -> torch.Tensor:
+    """Exponential-race sampling: argmax(p / E) with E ~ Exp(1) keyed by seed and position.
+
+    Every sampling row at once (sampling_noise.draw); greedy rows keep greedy_ids."""
+    if positions is None:
+        positions = torch.zeros_like(batch.seed_keys)
+    return draw(logprobs, batch.seed_keys, positions, batch.sampling_rows, greedy_ids)

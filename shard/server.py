@@ -155,8 +155,11 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
                                      num_blocks=blocks)
         requests = [convert.new_request(r, self.engine.hidden_size)
                     for r in request.batch.requests]
+        max_batch_size = (request.max_batch_size if request.HasField("max_batch_size")
+                          else None)
         result = await self._run(context, self.engine.warmup, requests,
-                                 request.max_batch_total_tokens, request.max_total_tokens)
+                                 request.max_batch_total_tokens, request.max_total_tokens,
+                                 max_batch_size)
         return pb.WarmupResponse(max_supported_total_tokens=result.max_supported_total_tokens,
                                  max_input_tokens=request.max_input_tokens,
                                  max_total_tokens=request.max_total_tokens,

@@ -70,7 +70,10 @@ def accept(batch: Batch, drafted: list[list[int]], logits: torch.Tensor, hidden:
     while pending:
         index = [first[row] + position for row in pending]
         part = batch if len(pending) == len(drafted) else _rows_of(batch, pending)
-        output = sample_batch(logits[torch.tensor(index, device=logits.device)], part)
+        # where this position's token goes: a plain step would have drawn it there too
+        at = batch.seq_lens.index_select(0, torch.tensor(pending, device=logits.device))
+        output = sample_batch(logits[torch.tensor(index, device=logits.device)], part,
+                              positions=at + (1 + position))
         generations = step_generations(part, output, [hidden[i:i + 1] for i in index], logits,
                                        vocab)
         chosen = output.next_ids.tolist()

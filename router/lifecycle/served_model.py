@@ -234,7 +234,7 @@ async def warm_up(client: ShardedClient, config: ModelSettings, limits: TokenLim
     num_blocks = await client.warmup(
         batch, max_input_tokens=limits.max_input_tokens,
         max_prefill_tokens=limits.max_batch_prefill_tokens, max_total_tokens=limits.max_total_tokens,
-        max_batch_total_tokens=total_tokens)
+        max_batch_total_tokens=total_tokens, max_batch_size=config.max_batch_size)
     capacity = (num_blocks - 1) * block_size  # block 0 is never handed out
     if limits.max_total_tokens > capacity:
         raise ValueError(f"Not enough memory to handle max_total_tokens={limits.max_total_tokens}: the "

@@ -141,14 +141,16 @@ def cached_batch_message(batch: CachedBatch) -> pb.CachedBatch:
 
 
 def warmup_message(batch: NewBatch, *, max_input_tokens: int, max_prefill_tokens: int,
-                   max_total_tokens: int, max_batch_total_tokens: int) -> pb.WarmupRequest:
+                   max_total_tokens: int, max_batch_total_tokens: int,
+                   max_batch_size: int | None = None) -> pb.WarmupRequest:
     message, rejected = batch_message(batch)
     if rejected:
         raise ValueError(f"the warm-up batch cannot be sent: {rejected[0].reason}")
     return pb.WarmupRequest(batch=message, max_input_tokens=max_input_tokens,
                             max_prefill_tokens=max_prefill_tokens,
                             max_total_tokens=max_total_tokens,
-                            max_batch_total_tokens=max_batch_total_tokens)
+                            max_batch_total_tokens=max_batch_total_tokens,
+                            max_batch_size=max_batch_size)
 
 
 # ---- from the shards ---------------------------------------------------------------------------

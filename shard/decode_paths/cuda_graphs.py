@@ -6,10 +6,13 @@ replay is one launch. A step no graph holds runs eagerly.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from shard.config import AUTO_CUDA_GRAPHS
 
 log = logging.getLogger("tgi.shard.cuda_graphs")
 
@@ -24,6 +27,32 @@ Capture = Callable[[Step, tuple[torch.Tensor, ...]], tuple[Outputs, Callable[[],
 # left beside the KV pool (a tenth of the free memory on CUDA); buckets that would gather more
 # than this a layer are not captured, and their steps run eagerly, grouping rows by length.
 MAX_GATHER_BYTES = 512 << 20
+# Without --cuda-graphs, graphs go up to the largest decode batch the router may form, and no
+# further than vLLM's default max_num_seqs
+MAX_AUTO_BATCH = 256
+
+
+def largest_decode_batch(num_blocks: int, max_batch_size: int | None) -> int:
+    """The most rows a decode step may have: --max-batch-size, else what the KV pool holds.
+
+    Every request holds a block at least, and block 0 is never handed out; at most
+    MAX_AUTO_BATCH either way."""
+    pool_rows = max(num_blocks - 1, 1)
+    return min(max_batch_size or pool_rows, pool_rows, MAX_AUTO_BATCH)
+
+
+def auto_batch_sizes(largest: int, *, gathers: bool) -> list[int]:
+    """The batch sizes captured without --cuda-graphs: those below `largest`, then `largest`.
+
+    Attention reading the cache in place (one graph width): 1, 2, 4, then every 8 (vLLM's
+    spacing), so that a step computes at most 7 padding rows, where TGI's powers of two would
+    have a step of 130 rows compute 256. Attention that gathers each context, which is captured
+    at several widths too: powers of two (TGI's spacing), which keep the graphs few."""
+    if gathers:
+        below = [1 << i for i in range(largest.bit_length()) if 1 << i < largest]
+    else:
+        below = [size for size in (1, 2, 4, *range(8, largest, 8)) if size < largest]
+    return below + [largest]
 
 
 def width_buckets(max_width: int) -> list[int]:
@@ -38,9 +67,10 @@ def width_buckets(max_width: int) -> list[int]:
 class CudaGraphCapture:
     """Records steps as CUDA graphs on `device`, all in one memory pool of their own.
 
-    The graphs never replay at once, so their activations can share memory. Each graph's outputs
-    stay allocated (live tensors, which no later capture reuses), but its next replay writes them
-    again: that is why a replay's results are copied before the next replay."""
+    The graphs never replay at once, so their activations can share memory. The outputs a graph
+    writes stay allocated (live tensors, which no later capture reuses; GraphedDecode has every
+    graph write into the same ones), but the next replay writes them again: that is why a
+    replay's results are copied before the next replay."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -80,38 +110,52 @@ class GraphedDecode:
     A graph replays fixed shapes and fixed addresses, so each one owns its input buffers: a step
     copies its rows into the smallest graph that holds them, pads the rest (rows that write into
     block 0, which no request holds, and read one token; table columns that name block 0 and are
-    masked), replays, and reads its rows back. Buckets are TGI's batch sizes (`--cuda-graphs`)
-    times table widths in powers of two up to the longest request (`--max-total-tokens`): the
-    attention reads every column of its graph's width, so one graph as wide as the longest
-    request would make every step pay for it."""
+    masked), replays, and reads its rows back. Buckets are the batch sizes (`--cuda-graphs`, or
+    auto_batch_sizes) times table widths in powers of two up to the longest request
+    (`--max-total-tokens`): attention that gathers reads every column of its graph's width, so
+    one graph as wide as the longest request would make every step pay for it. All graphs
+    write their results into the largest one's output buffers: one batch's logits in memory,
+    not one per graph."""
 
-    def __init__(self, step: Step, batch_sizes: list[int], device: torch.device, *,
-                 block_bytes: int, new_capture: Callable[[torch.device], Capture] = CudaGraphCapture):
+    def __init__(self, step: Step, batch_sizes: list[int] | str, device: torch.device, *,
+                 block_bytes: int, block_size: int = 1,
+                 new_capture: Callable[[torch.device], Capture] = CudaGraphCapture):
         """Steps of `step` for `batch_sizes` rows, captured on `device` by `new_capture`.
 
+        batch_sizes: AUTO_CUDA_GRAPHS for auto_batch_sizes of the largest batch `capture` is
+        given.
         block_bytes: the keys and values of one KV block of one layer, which a step gathers per
         row and table column; 0 when the step's attention gathers nothing (Triton's kernel).
-        new_capture: how a graph is captured; tests on the CPU pass one that replays the function
-        on the same buffers, which holds this class to the contract a CUDA graph imposes."""
+        block_size: tokens per block. new_capture: how a graph is captured; tests on the CPU pass
+        one that replays the function on the same buffers, which holds this class to the
+        contract a CUDA graph imposes."""
         self.step = step
-        self.batch_sizes = sorted(batch_sizes)
+        self.requested = None if batch_sizes == AUTO_CUDA_GRAPHS else sorted(batch_sizes)
+        self.batch_sizes: list[int] = self.requested or []
         self.device = device
         self.block_bytes = block_bytes
+        self.block_size = block_size
         self.new_capture = new_capture
         self.widths: list[int] = []
         self.graphs: dict[tuple[int, int], CapturedStep] = {}
 
-    def capture(self, max_width: int) -> None:
+    def capture(self, max_width: int, largest_batch: int = MAX_AUTO_BATCH) -> None:
         """Captures the buckets for tables up to max_width blocks (the longest request's).
 
+        `largest_batch` (largest_decode_batch) bounds the batch sizes when none were requested.
         Largest first, so the pool is sized once by the largest; a bucket whose attention would
         gather more than MAX_GATHER_BYTES a layer is left to eager steps. The steps captured
         write into block 0 only. On failure no graph is kept and the error is raised."""
         self.release()
+        started = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        if self.requested is None:
+            self.batch_sizes = auto_batch_sizes(largest_batch, gathers=bool(self.block_bytes))
         capture = self.new_capture(self.device)
         # a kernel reading each row's context in place (block_bytes 0) costs the same at any
         # table width: one width, the longest request's, serves every step
         widths = width_buckets(max_width) if self.block_bytes else [max(max_width, 1)]
+        outputs = None  # the first (largest) graph's: every later graph writes its rows there
         try:
             for rows in reversed(self.batch_sizes):
                 for width in reversed(widths):
@@ -121,17 +165,32 @@ class GraphedDecode:
                               torch.zeros(rows, dtype=torch.long, device=self.device),
                               torch.zeros(rows, width, dtype=torch.long, device=self.device),
                               torch.zeros(rows, dtype=torch.long, device=self.device))
-                    (logits, hidden), replay = capture(self.step, inputs)
+                    step = self.step if outputs is None else _writing_into(self.step, outputs)
+                    (logits, hidden), replay = capture(step, inputs)
+                    if outputs is None:
+                        outputs = logits, hidden
                     self.graphs[rows, width] = CapturedStep(*inputs, logits, hidden, replay)
         except BaseException:
             self.release()
             raise
         self.widths = widths
-        log.info("decode step captured in %d CUDA graphs (batch sizes %s, table widths %s "
-                 "blocks; %d buckets over %d MiB of keys and values a layer left to eager "
-                 "steps)", len(self.graphs), ",".join(map(str, self.batch_sizes)),
+        grown = (torch.cuda.memory_reserved(self.device) - reserved) >> 20 if reserved else 0
+        log.info("decode step captured in %d CUDA graphs in %.1f s (%d MiB more reserved): "
+                 "batch sizes %s, table widths %s blocks; %d buckets over %d MiB of keys and "
+                 "values a layer left to eager steps", len(self.graphs),
+                 time.perf_counter() - started, grown, ",".join(map(str, self.batch_sizes)),
                  ",".join(map(str, widths)),
                  len(self.batch_sizes) * len(widths) - len(self.graphs), MAX_GATHER_BYTES >> 20)
+
+    def width(self, seq_lens: torch.Tensor, table_width: int) -> int:
+        """The block-table columns a step of rows at `seq_lens` reads, to pick its graph.
+
+        Where one width holds every table (attention reading in place), the table's own width,
+        with nothing read back from the device; where graphs come in widths (attention that
+        gathers), the longest context's, one read of the lengths."""
+        if len(self.widths) == 1 and table_width <= self.widths[0]:
+            return table_width
+        return (int(seq_lens.max()) + self.block_size) // self.block_size
 
     @property
     def captured(self) -> bool:
@@ -175,3 +234,18 @@ class GraphedDecode:
         graph.replay()
         # the next replay overwrites the buffers: the step's results are copies
         return graph.logits[:rows].clone(), graph.hidden[:rows].clone()
+
+
+def _writing_into(step: Step, outputs: Outputs) -> Step:
+    """`step`, its results copied into the first rows of `outputs` and those rows returned.
+
+    Inside a graph the step's own results are temporaries the pool gives to the next capture:
+    only the largest graph's outputs stay allocated."""
+
+    def step_into(*inputs: torch.Tensor) -> Outputs:
+        logits, hidden = step(*inputs)
+        rows = logits.shape[0]
+        outputs[0][:rows].copy_(logits)
+        outputs[1][:rows].copy_(hidden)
+        return outputs[0][:rows], outputs[1][:rows]
+    return step_into

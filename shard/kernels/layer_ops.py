@@ -83,18 +83,27 @@ def _fused(*tensors: torch.Tensor) -> ctypes.CDLL | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * h / rms(h), h) for h = x (+ residual): the normed rows and the residual stream."""
+             residual: torch.Tensor | None = None, *,
+             scale_wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * h / rms(h), h) for h = x (+ residual): the normed rows and the residual stream.
+
+    Llama's norm rounds h / rms(h) to x's dtype before scaling it; with `scale_wide` (Gemma's,
+    whose weight is float32) the scaling is in float32 too, rounded once. Both are one launch
+    on CUDA (Triton) and one C call on the CPU where the dtypes are one."""
     triton_form = _on_cuda(x)
-    fused = triton_form.rms_norm(x, weight, eps, residual) if triton_form else None
+    fused = (triton_form.rms_norm(x, weight, eps, residual, scale_wide=scale_wide)
+             if triton_form else None)
     if fused is not None:
         return fused
+    # float32 rows with a float32 weight round nothing: the C call computes either norm
     lib = _fused(x, weight) if residual is None else _fused(x, weight, residual)
     if lib is None:
         summed = x if residual is None else x + residual
         dtype = summed.dtype
         wide = summed.float()
         normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+        if scale_wide:
+            return (normed * weight).to(dtype), summed
         return weight * normed.to(dtype), summed
     dim = x.shape[-1]
     out = torch.empty_like(x)

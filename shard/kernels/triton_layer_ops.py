@@ -19,7 +19,8 @@ QMAX = 127.0  # shard.layers.kv_int8's
 
 @triton.jit
 def _add_rms_norm(x_ptr, residual_ptr, summed_ptr, weight_ptr, out_ptr, eps,
-                  DIM: tl.constexpr, PAD_DIM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                  DIM: tl.constexpr, PAD_DIM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                  SCALE_WIDE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, PAD_DIM)
     mask = i < DIM
@@ -32,19 +33,27 @@ def _add_rms_norm(x_ptr, residual_ptr, summed_ptr, weight_ptr, out_ptr, eps,
         summed = x
     wide = summed.to(tl.float32)
     inverse = tl.math.rsqrt(tl.sum(wide * wide, 0) / DIM + eps)
-    normed = (wide * inverse).to(x.dtype).to(tl.float32)
+    if SCALE_WIDE:  # Gemma's: scaled in float32, rounded once
+        normed = wide * inverse
+    else:  # Llama's: rounded to the activations' dtype, then scaled
+        normed = (wide * inverse).to(x.dtype).to(tl.float32)
     weight = tl.load(weight_ptr + i, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * DIM + i, (weight * normed).to(x.dtype), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+             residual: torch.Tensor | None = None, *,
+             scale_wide: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """layer_ops.rms_norm's (normed, summed) in one launch; None where its PyTorch form runs.
 
-    Contiguous rows of one dtype, the weight's too, no wider than MAX_NORM_DIM."""
+    Contiguous rows of one dtype, no wider than MAX_NORM_DIM; the weight in that dtype too, or
+    in float32 with `scale_wide` (Gemma's norm)."""
     dim = x.shape[-1]
     tensors = (x, weight) if residual is None else (x, weight, residual)
-    if dim > MAX_NORM_DIM or any(t.dtype != x.dtype or not t.is_contiguous() for t in tensors):
+    weight_dtype = torch.float32 if scale_wide else x.dtype
+    if (dim > MAX_NORM_DIM or weight.dtype != weight_dtype
+            or any(t.dtype != x.dtype for t in tensors if t is not weight)
+            or any(not t.is_contiguous() for t in tensors)):
         return None
     out = torch.empty_like(x)
     summed = x if residual is None else torch.empty_like(x)
@@ -52,7 +61,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows:
         _add_rms_norm[(rows,)](x, x if residual is None else residual, summed, weight, out,
                                float(eps), DIM=dim, PAD_DIM=triton.next_power_of_2(dim),
-                               HAS_RESIDUAL=residual is not None,
+                               HAS_RESIDUAL=residual is not None, SCALE_WIDE=scale_wide,
                                num_warps=8 if dim >= 2048 else 4)
     return out, summed
 

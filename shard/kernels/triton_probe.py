@@ -130,13 +130,16 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first:
 def _norm_error(width: int, dtype: torch.dtype, device: torch.device, generator: torch.Generator,
                 layer_ops) -> str | None:
     x, residual = (_random((3, width), generator, dtype, device) for _ in range(2))
-    weight = _random((width,), generator, dtype, device)
-    fused = layer_ops.rms_norm(x, weight, 1e-6, residual)
-    if fused is None:  # a shape the fused op leaves to PyTorch
-        return None
     summed = x.float() + residual.float()
-    expected = weight.float() * summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6)
-    error = (fused[0].float() - expected).abs().max().item()
-    if not error <= TOLERANCE * expected.abs().max().item():
-        return f"the fused residual add and RMS norm is off by {error:.3g}"
+    for scale_wide in (False, True):  # Llama's norm, then Gemma's (a float32 weight)
+        weight = _random((width,), generator, torch.float32 if scale_wide else dtype, device)
+        fused = layer_ops.rms_norm(x, weight, 1e-6, residual, scale_wide=scale_wide)
+        if fused is None:  # a shape the fused op leaves to PyTorch
+            continue
+        expected = weight.float() * summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True)
+                                                         + 1e-6)
+        error = (fused[0].float() - expected).abs().max().item()
+        if not error <= TOLERANCE * expected.abs().max().item():
+            form = "Gemma's" if scale_wide else "Llama's"
+            return f"the fused residual add and RMS norm ({form}) is off by {error:.3g}"
     return None

@@ -152,9 +152,9 @@ class GemmaRMSNorm(nn.Module):
     """Gemma's RMS norm.
 
     The normed rows times (1 + weight), both in float32, rounded to the activations' dtype once at
-    the end (Llama's rounds the normed rows before scaling). The 1 + is folded into the weight at
-    load time, in float32; float32 activations then take the same fused op as Llama's norm
-    (shard.kernels.layer_ops), which computes exactly this."""
+    the end (Llama's rounds the normed rows before scaling): layer_ops.rms_norm's `scale_wide`,
+    one Triton launch on CUDA. The 1 + is folded into the weight at load time, in float32, so no
+    step converts it."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -171,12 +171,7 @@ class GemmaRMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor, residual: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.dtype == torch.float32:
-            return layer_ops.rms_norm(x, self.weight, self.eps, residual)
-        summed = x if residual is None else x + residual
-        wide = summed.float()
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight).to(x.dtype), summed
+        return layer_ops.rms_norm(x, self.weight, self.eps, residual, scale_wide=True)
 
 
 def _norm(weights: Weights, name: str, eps: float) -> GemmaRMSNorm:

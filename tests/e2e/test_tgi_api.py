@@ -167,6 +167,22 @@ def test_seed_reproduces_and_stop_sequence_is_kept(server):
     assert stopped["generated_text"] == "".join(pieces[:stop_at + 1])
 
 
+def test_a_seeded_answer_is_the_same_alone_and_batched_with_others(server):
+    """A sampling row's draws are keyed by its seed and positions, whatever shares its batch."""
+    body = {"inputs": "Once upon a time", "parameters": {
+        "max_new_tokens": 16, "do_sample": True, "seed": 5, "temperature": 0.8, "top_k": 40,
+        "top_p": 0.95, "details": True}}
+    alone = post(server, "/generate", body).json()
+    others = [{"inputs": text, "parameters": {"max_new_tokens": 16, **params}}
+              for text, params in (("The quick brown fox", {}),
+                                   ("café au lait", {"do_sample": True, "seed": 6}),
+                                   ("Once upon a time", {"do_sample": True, "seed": 9}))]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda b: post(server, "/generate", b).json(),
+                                [*others, body, *others, body]))
+    assert answers[3] == alone and answers[7] == alone
+
+
 def test_truncate_keeps_the_last_tokens(server):
     body = {"inputs": LONG, "parameters": {"max_new_tokens": 2, "truncate": 10, "details": True,
                                             "decoder_input_details": True}}

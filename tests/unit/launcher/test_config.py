@@ -30,7 +30,8 @@ def test_an_empty_quantize_means_none(monkeypatch):
 
 
 def test_cuda_graphs_take_tgis_flag_and_environment_variable(monkeypatch):
-    assert parse_args(["--model-id", "m"]).cuda_graphs == "1,2,4,8,16,32"  # TGI's default
+    # unset: up to the largest decode batch, chosen by each shard at warm-up
+    assert parse_args(["--model-id", "m"]).cuda_graphs == "auto"
     monkeypatch.setenv("CUDA_GRAPHS", "0")
     assert parse_args(["--model-id", "m"]).cuda_graphs == "0"
     with pytest.raises(ValueError, match="--cuda-graphs"):

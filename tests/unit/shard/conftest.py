@@ -83,6 +83,12 @@ def triton_layer_ops():
 
 
 @pytest.fixture
+def triton_sampling():
+    """shard.kernels.triton_sampling, the sampling rows' draw (see _triton_module)."""
+    return _triton_module("triton_sampling")
+
+
+@pytest.fixture
 def triton_prefill():
     """shard.kernels.triton_prefill, prefill attention (see _triton_module)."""
     return _triton_module("triton_prefill")

@@ -9,8 +9,9 @@ would on a GPU. The last test runs the real capture where CUDA is present.
 import pytest
 import torch
 
-from shard.config import parse_cuda_graphs
-from shard.decode_paths.cuda_graphs import GraphedDecode, width_buckets
+from shard.config import AUTO_CUDA_GRAPHS, parse_cuda_graphs
+from shard.decode_paths.cuda_graphs import (GraphedDecode, auto_batch_sizes, largest_decode_batch,
+                                            width_buckets)
 from tests.engine_helpers import (BlockPool, make_engine, request, run_to_completion,
                                   steps_to_completion)
 
@@ -267,12 +268,46 @@ def test_width_buckets():
 
 def test_parse_cuda_graphs():
     assert parse_cuda_graphs("1,2,4,8,16,32") == [1, 2, 4, 8, 16, 32]
+    assert parse_cuda_graphs("auto") == AUTO_CUDA_GRAPHS
     assert parse_cuda_graphs("8, 2,2") == [2, 8]
     assert parse_cuda_graphs("0") == [] and parse_cuda_graphs("") == []
     with pytest.raises(ValueError, match="at least 1"):
         parse_cuda_graphs("0,4")
     with pytest.raises(ValueError, match="comma-separated"):
         parse_cuda_graphs("four")
+
+
+def test_without_cuda_graphs_sizes_reach_the_largest_decode_batch():
+    # --max-batch-size, else what the pool holds (a block a request, block 0 never handed out)
+    assert largest_decode_batch(num_blocks=4000, max_batch_size=None) == 256
+    assert largest_decode_batch(num_blocks=4000, max_batch_size=48) == 48
+    assert largest_decode_batch(num_blocks=20, max_batch_size=64) == 19
+    assert largest_decode_batch(num_blocks=4000, max_batch_size=1000) == 256
+    # attention in place: vLLM's spacing, past TGI's 32
+    assert auto_batch_sizes(256, gathers=False) == [1, 2, 4, *range(8, 257, 8)]
+    assert auto_batch_sizes(33, gathers=False) == [1, 2, 4, 8, 16, 24, 32, 33]
+    assert auto_batch_sizes(3, gathers=False) == [1, 2, 3]
+    # attention that gathers, captured at several widths too: powers of two
+    assert auto_batch_sizes(256, gathers=True) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert auto_batch_sizes(40, gathers=True) == [1, 2, 4, 8, 16, 32, 40]
+
+
+def test_auto_graphs_follow_the_warm_up_and_share_one_output_buffer(tiny_llama):
+    capture = EmulatedCapture()
+    graphed = make_engine(tiny_llama, cuda_graphs=AUTO_CUDA_GRAPHS, new_capture=capture,
+                          num_blocks=40)
+    runner = graphed.runner
+    runner.warm_decode(64, max_batch_size=6)  # widths of 1 to 16 4-token blocks
+    assert runner.graphs.batch_sizes == [1, 2, 4, 6]
+    assert sorted(capture.captured) == [(b, w) for b in (1, 2, 4, 6) for w in (1, 2, 4, 8, 16)]
+    # every graph writes its results into the largest one's buffers
+    storages = {(g.logits.untyped_storage().data_ptr(), g.hidden.untyped_storage().data_ptr())
+                for g in runner.graphs.graphs.values()}
+    assert len(storages) == 1
+    assert _greedy(graphed, 6, new_tokens=3) == _greedy(make_engine(tiny_llama), 6, new_tokens=3)
+    assert capture.replays == 2
+    runner.warm_decode(4)  # no --max-batch-size: the 39 blocks a 40-block pool hands out
+    assert runner.graphs.batch_sizes == [1, 2, 4, 8, 16, 32, 39]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -312,3 +347,31 @@ def test_rows_past_an_image_replay_at_their_multimodal_positions(tmp_path):
     for row in range(3):
         assert [t for t, _ in replayed[row]] == [t for t, _ in stepped[row]]
         assert max(abs(a - b) for (_, a), (_, b) in zip(replayed[row], stepped[row])) <= 1e-4
+
+
+@pytest.mark.parametrize("max_batch_size", [12, None])
+def test_the_routers_max_batch_size_reaches_the_warm_up(max_batch_size):
+    """--max-batch-size travels in the Warmup message (unset: none) to the engine's warm-up."""
+    import asyncio
+
+    from router.shards.convert import warmup_message
+    from router.shards.step_types import NewBatch
+    from shard.outputs import WarmupResult
+    from shard.server import ShardServicer
+
+    message = warmup_message(NewBatch(0, [], 0, 0), max_input_tokens=8, max_prefill_tokens=8,
+                             max_total_tokens=16, max_batch_total_tokens=64,
+                             max_batch_size=max_batch_size)
+    got = []
+
+    class Engine:
+        hidden_size = 64
+
+        def warmup(self, requests, total_tokens, max_total_tokens, batch_size):
+            got.append((total_tokens, max_total_tokens, batch_size))
+            return WarmupResult(num_blocks=17, block_size=4)
+
+    servicer = ShardServicer.__new__(ShardServicer)  # no engine thread or model needed
+    servicer.engine, servicer.info, servicer._worker = Engine(), None, None
+    reply = asyncio.run(servicer.Warmup(message, None))
+    assert got == [(64, 16, max_batch_size)] and reply.num_blocks == 17

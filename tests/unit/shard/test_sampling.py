@@ -79,11 +79,46 @@ def test_same_seed_same_draws_and_rows_are_independent():
     logits = torch.zeros(2, 1000)
     a = _batch(SamplingParams(do_sample=True, seed=7), SamplingParams())
     b = _batch(SamplingParams(do_sample=True, seed=7), SamplingParams())
-    draws_a = [sample(logits, a).next_ids.tolist() for _ in range(5)]
-    draws_b = [sample(logits, b).next_ids.tolist() for _ in range(5)]
+    draws_a = [sample(logits, a, positions=torch.tensor([n, n])).next_ids.tolist()
+               for n in range(5)]
+    draws_b = [sample(logits, b, positions=torch.tensor([n, n])).next_ids.tolist()
+               for n in range(5)]
     assert draws_a == draws_b
     assert all(row[1] == 0 for row in draws_a), "the greedy row stays greedy"
-    assert len({row[0] for row in draws_a}) > 1, "the generator advances between steps"
+    assert len({row[0] for row in draws_a}) > 1, "the draw changes with the position"
+
+
+def test_a_seed_draws_the_same_token_at_a_position_in_any_batch():
+    """The draw is keyed by seed and position alone: not by the row, the batch's other rows or
+    how many draws came before."""
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0))
+    alone = [sample(logits, _batch(SamplingParams(do_sample=True, seed=11)),
+                    positions=torch.tensor([n])).next_ids.item() for n in range(20, 30)]
+    others = [SamplingParams(do_sample=True, seed=s, temperature=0.7) for s in range(3)]
+    mixed = _batch(SamplingParams(), others[0], SamplingParams(do_sample=True, seed=11), *others[1:])
+    batched = [sample(logits.expand(5, -1), mixed, positions=torch.tensor([0, 3, n, 5, n])
+                      ).next_ids[2].item() for n in range(20, 30)]
+    assert batched == alone
+    assert len(set(alone)) > 5
+
+
+def test_draws_follow_the_distribution():
+    """Frequencies over many seeds match the probabilities, and the noise is Exp(1) with
+    neighbouring token ids uncorrelated."""
+    from shard.sampling_noise import exponentials, seed_key
+
+    rows = 20_000
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    batch = _batch(*[SamplingParams(do_sample=True, seed=s) for s in range(rows)])
+    drawn = sample(torch.log(probs).expand(rows, -1), batch,
+                   positions=torch.full((rows,), 9)).next_ids
+    frequencies = torch.bincount(drawn, minlength=5) / rows
+    assert torch.allclose(frequencies, probs, atol=4 * (0.25 / rows) ** 0.5)
+    noise = exponentials(torch.tensor([seed_key(s) for s in range(64)]),
+                         torch.arange(64), 4096).double()
+    assert abs(noise.mean().item() - 1) < 0.01 and abs(noise.var().item() - 1) < 0.03
+    neighbours = torch.corrcoef(torch.stack([noise[:, :-1].flatten(), noise[:, 1:].flatten()]))
+    assert abs(neighbours[0, 1].item()) < 0.01
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
@@ -115,7 +150,7 @@ def test_select_and_concatenate_keep_rows_aligned():
     assert picked.temperature.flatten().tolist() == [0.5, 1.0]
     merged = SamplingBatch.concatenate([picked, _batch(SamplingParams())])
     assert merged.do_sample.tolist() == [True, True, False]
-    assert merged.generators[1] is batch.generators[0]
+    assert merged.seed_keys[1] == batch.seed_keys[0]
 
 
 def test_watermark_is_detected_in_watermarked_text_only():
@@ -128,8 +163,9 @@ def test_watermark_is_detected_in_watermarked_text_only():
     def generate(watermark):
         history = [17]
         batch = _batch(SamplingParams(do_sample=True, seed=5, watermark=watermark))
-        for _ in range(200):
-            history.append(sample(logits, batch, [(history[:1], history[1:])]).next_ids.item())
+        for n in range(200):
+            history.append(sample(logits, batch, [(history[:1], history[1:])],
+                                  positions=torch.tensor([n])).next_ids.item())
         return history[1:]
 
     assert z_score(generate(True), vocab, 17) > 4
@@ -188,3 +224,21 @@ def test_banned_ids_are_never_chosen():
         drawn = sample(logits[:1], _batch(SamplingParams(do_sample=True, seed=seed)),
                        banned=[frozenset({0, 2})])
         assert drawn.next_ids.item() == 1
+
+
+def test_the_triton_draw_is_the_pytorch_forms(triton_sampling):
+    """One launch a row on CUDA (interpreted here): the same noise, the same tokens, greedy rows
+    kept, a vocabulary past one block of token ids."""
+    from shard.sampling_noise import draw, seed_key
+
+    torch.manual_seed(0)
+    logprobs = torch.log_softmax(torch.randn(6, 2500) * 2, dim=-1)
+    logprobs[3, 100:] = float("-inf")  # a row top-k left 100 tokens
+    keys = torch.tensor([seed_key(s) for s in (0, 1, 2**63 + 5, 7, 7, 2**64 - 1)])
+    positions = torch.tensor([0, 1, 2, 3, 4, 10**6])
+    greedy = logprobs.argmax(dim=-1)
+    for rows in (None, torch.tensor([1, 3, 4])):
+        want = draw(logprobs, keys, positions, rows, greedy)
+        got = triton_sampling.draw(logprobs, keys, positions, rows, greedy)
+        assert torch.equal(got.cpu(), want)
+    assert want[3] < 100 and want[0] == greedy[0] and not torch.equal(want, greedy)

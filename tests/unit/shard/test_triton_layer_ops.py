@@ -39,6 +39,30 @@ def test_add_and_norm_in_one_launch_equal_pytorchs_ops(dtype, with_residual,
     torch.testing.assert_close(out, want_out, **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add-norm", "norm"])
+def test_gemmas_norm_scales_in_float32_in_one_launch(dtype, with_residual, triton_layer_ops):
+    """Gemma's norm (a float32 weight, scaled before rounding): the PyTorch form GemmaRMSNorm
+    ran, where its bf16 rows converted to float32 and back in every norm of every step."""
+    torch.manual_seed(2)
+    x = torch.randn(5, 48).to(dtype)
+    residual = torch.randn(5, 48).to(dtype) if with_residual else None
+    weight = 1 + 0.5 * torch.randn(48)  # float32, 1 + the checkpoint's weight
+    out, summed = triton_layer_ops.rms_norm(x, weight, 1e-6, residual, scale_wide=True)
+    summed_want = x if residual is None else x + residual
+    wide = summed_want.float()
+    want = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6) * weight).to(dtype)
+    assert out.dtype == dtype and torch.equal(summed, summed_want)
+    tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}
+    torch.testing.assert_close(out, want, **tolerance)
+    # where no Triton runs: the PyTorch form (float16), or the C call (float32 rounds nothing)
+    torch.testing.assert_close(layer_ops.rms_norm(x, weight, 1e-6, residual,
+                                                  scale_wide=True)[0], want, **tolerance)
+    # a weight in the rows' dtype is Llama's norm: not taken as Gemma's
+    assert triton_layer_ops.rms_norm(x, weight.to(dtype), 1e-6, residual,
+                                     scale_wide=True) is None or dtype == torch.float32
+
+
 def _rotary_case(head_dim: int, dtype: torch.dtype):
     torch.manual_seed(1)
     tokens = 5
