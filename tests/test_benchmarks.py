@@ -390,8 +390,8 @@ def test_synthetic_gguf_shapes_follow_llama_cpps_q4_k_m(tmp_path, monkeypatch):
 
 def test_embedding_quantize_benchmark(tmp_path):
     """benchmarks/embedding_quantize.py on a tiny BERT: int8's cosine to float32 and the
-    neighbours kept, with outlier rows apart and without, then the forward and each matmul of
-    the first layer timed both ways."""
+    neighbours kept (with outlier rows apart, without, and in 7 bits), then the forward and each
+    matmul of the first layer timed both ways."""
     from tests.embedding_models import build_tiny_bert
 
     model_dir = build_tiny_bert(tmp_path / "bert")
@@ -402,5 +402,6 @@ def test_embedding_quantize_benchmark(tmp_path):
     figures = json.loads((tmp_path / "quantize.json").read_text())
     assert figures["sentences"] == 40 and 0.99 < figures["int8"]["cosine_min"] <= 1.0
     assert figures["int8_one_step"]["cosine_mean"] < 1.0
+    assert figures["int8_7_bits"]["cosine_mean"] < figures["int8"]["cosine_mean"]
     assert [m["layer"] for m in figures["matmuls"]] == ["qkv", "out", "up", "down"]
     assert all(m["float32"] > 0 and m["int8"] > 0 for m in figures["matmuls"])

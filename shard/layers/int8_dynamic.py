@@ -5,8 +5,8 @@ reading weights: int8 weights alone (the decoders' form) make them no faster. fb
 quantized linear multiplies int8 by int8 instead (VNNI's dot products where the CPU has them):
 the weight held as int8 with a scale per output feature, packed once at load, and the
 activations rounded to uint8 at every call, one scale and zero point for the whole call, found
-as they come. all-MiniLM-L6-v2's matmuls over 4,096 rows ran at 700-890 GFLOP/s so, against
-oneDNN's float32 300-330, and its forward 1.6x faster (benchmarks/RESULTS.md).
+as they come. all-MiniLM-L6-v2's layers over 4,096 rows ran 1.4-2.4x faster so than in oneDNN's
+float32, its forward 1.65x (benchmarks/RESULTS.md).
 
 One scale for a whole call is the error: BERT's [CLS] row (and a few others) carries values 3-7x
 the median row's largest (28 against 4 at the feed-forward's input, in one feature), which would
