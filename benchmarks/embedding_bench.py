@@ -12,6 +12,9 @@ median and max, and the max against the median alone.
 
     python benchmarks/embedding_bench.py                       # all-MiniLM-L6-v2, batches 1,32,256
     python benchmarks/embedding_bench.py --batches 32 --rounds 2 --no-stall
+    python benchmarks/embedding_bench.py --no-stall -- --quantize int8   # launcher flags after --
+
+Launcher flags after `--` apply to the whole server, the stall model's shards included.
 """
 from __future__ import annotations
 
@@ -143,6 +146,7 @@ def main() -> None:
     p.add_argument("--stall-tokens", type=int, default=100, help="tokens the stream generates")
     p.add_argument("--no-stall", action="store_true")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("launcher_args", nargs="*", help="the launcher's own flags, after --")
     args = p.parse_args()
     from launcher.known_models import known_model
     from launcher.prepare import prepare_known_model
@@ -156,12 +160,16 @@ def main() -> None:
     texts = texts_of(tokenizer, args.texts, args.tokens)
     extra = ["--model-id", args.model, "--max-decode-steps-per-call", "1",
              "--model-registry-dir", f"/tmp/tgi-py-embedding-bench-{os.getpid()}"]
-    process, url = start_server(extra + (["--dtype", args.dtype] if args.dtype else []))
+    process, url = start_server(extra + (["--dtype", args.dtype] if args.dtype else [])
+                                + args.launcher_args)
     figures = {"model": args.model, "tokens": args.tokens, "concurrency": args.concurrency,
-               "rounds": args.rounds, "rows": []}
+               "rounds": args.rounds, "launcher_args": args.launcher_args, "rows": []}
     try:
         served = requests.get(f"{url}/info", timeout=10).json()
         figures["dtype"] = served["model_dtype"]
+        figures["quantization"] = served.get("quantization") or ""
+        print(f"served: {served['model_dtype']}, quantization: "
+              f"{figures['quantization'] or 'none'}", flush=True)
         from sentence_transformers import SentenceTransformer
 
         reference = SentenceTransformer(str(model_dir), device="cpu")

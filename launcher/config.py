@@ -68,16 +68,16 @@ class LauncherConfig:
                                       choices=Choices((*DTYPES, KV_INT8), FP8_KV))
     device: str = _opt("auto", "Where the shards run; auto: a GPU where one is visible (and "
                                "--quantize is not given), else the CPU.", choices=DEVICES)
-    quantize: str | None = _opt(None, "Quantization of the linear layers as they load. On the "
-                                      "CPU, weight-only int8 (a scale per row) or int4 (a scale "
-                                      "and a minimum per 32 weights, an int8 head), by our "
-                                      "kernels or PyTorch's; anywhere, fp8 (float8 e4m3 weights, "
-                                      "a scale per output channel, activations per token: "
-                                      "scaled matmuls on Hopper GPUs, dequantized elsewhere; an "
-                                      "FP8 checkpoint is served as it comes). TGI's gptq, awq, "
-                                      "marlin and compressed-tensors name a checkpoint's own "
-                                      "method (refused where its quantization_config says "
-                                      "otherwise); exl2, eetq and bitsandbytes* are refused.",
+    quantize: str | None = _opt(None, "Quantization of the linear layers as they load. On the CPU, "
+                                      "int8 weights (a scale per row; an encoder's activations "
+                                      "too) or int4 (a scale and a minimum per 32 weights, an int8 "
+                                      "head); anywhere, fp8 (float8 e4m3 weights, a scale per "
+                                      "output channel, activations per token: scaled matmuls on "
+                                      "Hopper GPUs, dequantized elsewhere; an FP8 checkpoint is "
+                                      "served as it comes). TGI's gptq, awq, marlin and "
+                                      "compressed-tensors name a checkpoint's own method (refused "
+                                      "where its quantization_config says otherwise); exl2, eetq, "
+                                      "bitsandbytes* are refused.",
                                 shown="none: a quantized checkpoint as its config says",
                                 choices=Choices(QUANTIZE_VALUES, TGI_QUANTIZE))
     speculate: int = _opt(0, "Speculative decoding: up to this many draft tokens per request and "

@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer
 
 from shard.distributed import ParallelContext
+from shard.layers.int8_dynamic import encoder_quantize
 from shard.models import architecture_of, load_model_class
 from shard.partition import RankHeads, split_heads
 from shard.quant_config import checkpoint_quant
@@ -40,6 +41,8 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
     if rope_scaling is not None:
         raw_config = with_rope_scaling(raw_config, rope_scaling)
     model_class, config = load_model_class(raw_config)
+    if getattr(model_class, "is_encoder", False):  # its int8 rounds activations too
+        quantize = encoder_quantize(quantize)
     heads = split_heads(config.num_attention_heads, config.num_key_value_heads,
                         parallel.world_size)
     weights = Weights(model_dir, dtype=dtype, device=device, parallel=parallel, quantize=quantize,

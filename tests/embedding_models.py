@@ -78,27 +78,39 @@ def build_tiny_qwen3_embedding(out_dir: Path, *, seed: int = 0) -> Path:
 
 
 def build_tiny_bert(out_dir: Path, *, seed: int = 0) -> Path:
-    """A random 3-layer BERT (hidden 64, 4 heads) saved as all-MiniLM is: mean, normalized."""
+    """A random 2-layer BERT (hidden 64) saved as all-MiniLM is: mean pooling, normalized.
+
+    Its tokenizer wraps every input in <s> ... </s>, as BERT's in [CLS] ... [SEP]; and the first
+    position's embedding carries one large feature, so that the first row of every layer's
+    inputs stands out, as trained BERTs' [CLS] rows do (what --quantize int8 must handle). Its
+    norms and biases are far from ones and zeros, which would hide one left out, or added on
+    every rank."""
     import transformers
+    from tokenizers import Tokenizer, processors
 
     torch.manual_seed(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = transformers.BertConfig(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, max_position_embeddings=128, pad_token_id=0)
+        vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=128, pad_token_id=0,
+        initializer_range=0.2)
     model = transformers.BertModel(config, add_pooling_layer=False)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "LayerNorm" in name or name.endswith(".bias"):
-                # ones and zeros would hide a norm or a bias left out, or added on every rank
                 param.normal_(1.0 if name.endswith("LayerNorm.weight") else 0.0, 0.3)
+        model.embeddings.position_embeddings.weight[0, 5] = 40.0
     model.eval().save_pretrained(out_dir)
     build_tokenizer(out_dir)
-    # the tiny BPE tokenizer as it is (not BERT's WordPiece, which transformers would pick for a
-    # BERT), padding with id 0, BERT's pad_token_id
+    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    # its own tokenizer.json, not BERT's WordPiece that config.json would name (id 0 pads)
     config_file = out_dir / "tokenizer_config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "pad_token": "<unk>",
-                                       "tokenizer_class": "PreTrainedTokenizerFast"}))
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
+                                       "tokenizer_class": "PreTrainedTokenizerFast",
+                                       "pad_token": "<unk>"}))
     write_sentence_transformers_files(out_dir, pooling="mean", normalize=True,
                                       max_seq_length=128)
     return out_dir

@@ -386,3 +386,22 @@ def test_synthetic_gguf_shapes_follow_llama_cpps_q4_k_m(tmp_path, monkeypatch):
     converted = convert_gguf(path, tmp_path / "native", dtype="gguf")
     config = json.loads((converted / "config.json").read_text())
     assert config["quantization_config"]["file_type"] == "Q4_K_M"
+
+
+def test_embedding_quantize_benchmark(tmp_path):
+    """benchmarks/embedding_quantize.py on a tiny BERT: int8's cosine to float32 and the
+    neighbours kept (with outlier rows apart, without, and in 7 bits), then the forward and each
+    matmul of the first layer timed both ways."""
+    from tests.embedding_models import build_tiny_bert
+
+    model_dir = build_tiny_bert(tmp_path / "bert")
+    out = _run(["benchmarks/embedding_quantize.py", "--model", str(model_dir), "--batch", "2",
+                "--tokens", "16", "--rounds", "1", "--json", str(tmp_path / "quantize.json")],
+               tmp_path)
+    assert "int8: cosine to float32" in out and "forward of 2 x 16 tokens" in out
+    figures = json.loads((tmp_path / "quantize.json").read_text())
+    assert figures["sentences"] == 40 and 0.99 < figures["int8"]["cosine_min"] <= 1.0
+    assert figures["int8_one_step"]["cosine_mean"] < 1.0
+    assert figures["int8_7_bits"]["cosine_mean"] < figures["int8"]["cosine_mean"]
+    assert [m["layer"] for m in figures["matmuls"]] == ["qkv", "out", "up", "down"]
+    assert all(m["float32"] > 0 and m["int8"] > 0 for m in figures["matmuls"])

@@ -14,7 +14,7 @@ from torch import nn
 
 from shard.distributed import ParallelContext, all_reduce
 from shard.kernels import bf16_matmul, int4_matmul, int8_matmul
-from shard.layers import fp8
+from shard.layers import fp8, int8_dynamic
 from shard.layers.checkpoint_quants import same_order
 from shard.layers.ggml_quants import BlockRows, BlockStack, join_rows
 from shard.layers.kernel_forms import kernel_form
@@ -126,7 +126,7 @@ class LinearWeight:
         """Whether some batch size multiplies by the quantized form (not the weights it stands for)."""
         return (self.int4_form is not None or self.int8_form is not None
                 or (self.quantized is not None
-                    and (self.quantized_rows > 0 or self.quantized.kernel == "fp8")))
+                    and (self.quantized_rows > 0 or self.quantized.kernel in ("fp8", "fbgemm"))))
 
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -139,6 +139,10 @@ class LinearWeight:
         if not isinstance(weight, torch.Tensor):  # a GGUF's or a quantized checkpoint's rows
             return cls.from_blocks(weight, bias, model_dtype)
         shape = {"out_features": weight.shape[0], "in_features": weight.shape[1]}
+        if quantize_kind == int8_dynamic.KIND:  # an encoder's int8: the bias packed inside
+            packed = int8_dynamic.pack(weight, bias)
+            return cls(**shape, quantized=QuantizedWeight(
+                "int8", packed, None, weight.shape[0], torch.float32, kernel="fbgemm"))
         if quantize_kind == "fp8":  # on any device; a shape the scaled matmul refuses stays
             if not fp8.can_quantize(weight):
                 return cls.prepare(weight, bias, model_dtype=model_dtype)
@@ -233,6 +237,8 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         x = x.index_select(-1, w.input_order)
     if w.quantized is not None and w.quantized.kernel == "fp8":
         return fp8.linear(x, w.quantized.data, w.quantized.scales, w.bias)
+    if w.quantized is not None and w.quantized.kernel == "fbgemm":
+        return int8_dynamic.linear(x, w.quantized.data)
     int4_form = w.int4_form
     if int4_form is not None:  # the bias inside, in float32
         return int4_matmul.matmul(x, int4_form, w.out_features, w.tiled_bias)

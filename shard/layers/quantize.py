@@ -6,11 +6,15 @@ step. Activations stay in floating point.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from shard.config import CPU_QUANTIZE_KINDS
 from shard.kernels import int4_matmul
+
+if TYPE_CHECKING:
+    from shard.layers.int8_dynamic import DynamicInt8
 
 QUANTIZE_KINDS = CPU_QUANTIZE_KINDS  # this module's forms (fp8's: shard.layers.fp8)
 
@@ -26,15 +30,17 @@ _INT4_ROW_TILE = 16
 class QuantizedWeight:
     kind: str
     # int8 [out, in], or the kernel's packed int4 form; None (and no scales) where the kernels
-    # never run here, the layer multiplying by the weights the form stands for
-    data: torch.Tensor | None
+    # never run here, the layer multiplying by the weights the form stands for; "fbgemm":
+    # fbgemm's packed weight (int8_dynamic.DynamicInt8)
+    data: torch.Tensor | DynamicInt8 | None
     scales: torch.Tensor | None  # int8: [out]; int4: [in / group, out, 2] (scale, zero); C: None
     out_features: int
     dtype: torch.dtype  # what the kernel takes and gives: the scales' dtype
     # "pytorch": the packed kernels above; "c": int4 in shard.kernels.int4_matmul's form (its
     # scales and minimums inside `data`); "c8": a GGUF's 5-, 6- and 8-bit groups in
     # shard.kernels.int8_matmul's form; "fp8": float8 [out, in] and float32 scales [out]
-    # (shard.layers.fp8), on any device
+    # (shard.layers.fp8), on any device; "fbgemm": an encoder's int8, weights and activations
+    # (shard.layers.int8_dynamic)
     kernel: str = "pytorch"
 
 

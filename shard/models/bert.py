@@ -3,7 +3,8 @@
 Word, position and token-type embeddings summed and normed; post-norm layers of bidirectional
 attention and a GELU feed-forward block. There is no KV cache: every token of an input attends to
 every other, and nothing is kept after the forward. Linear layers go through the shard's own (its
-bf16 matmul), the heads split across ranks as a decoder's are.
+bf16 matmul), the heads split across ranks as a decoder's are; with --quantize int8, through
+fbgemm's int8 matmuls (shard.layers.int8_dynamic), on any number of ranks.
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ class _Dense(nn.Module):
 
     On the CPU in float32, on one rank, oneDNN's packed form with the activation fused into the
     matmul: MiniLM's forward of 32 x 128 tokens took 345 ms so against 430 ms through F.linear
-    (benchmarks/RESULTS.md). Elsewhere the shard's own layer (bf16 kernels, ranks)."""
+    (benchmarks/RESULTS.md). Elsewhere the shard's own layer (bf16 kernels, ranks, --quantize
+    int8's form), the activation after it."""
 
     def __init__(self, layer: nn.Module, activation: str | None = None, *, ranks: int = 1):
         super().__init__()
