@@ -11,7 +11,8 @@ import torch
 from shard.grammar_matcher import mask_disallowed
 from shard.kernels import layer_ops
 from shard.penalties import apply_penalties
-from shard.sampling_noise import draw, seed_key
+from shard.noise_hash import seed_key
+from shard.sampling_noise import draw
 from shard.watermark import apply_watermark
 
 

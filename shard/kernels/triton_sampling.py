@@ -3,7 +3,7 @@
 shard.sampling_noise's PyTorch form takes some twenty launches over [rows, vocab], each writing a
 tensor of that size (the hash's rounds, the uniform, its logarithm, the ratio, the argmax); here
 one program a row reads its log-probabilities once and keeps the running best. The same hash
-(sampling_noise.mix32) of the same (seed key, position, token id): the same noise to the last
+(noise_hash.mix32) of the same (seed key, position, token id): the same noise to the last
 bit, the float32 arithmetic after it to an ulp. Importing this module imports Triton.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard.sampling_noise import MASK, MIX, UNIFORM_BITS, WEYL
+from shard.noise_hash import MASK, MIX, UNIFORM_BITS, WEYL
 
 BLOCK = 1024  # token ids a program scores at once
 _MIX = tl.constexpr(MIX)

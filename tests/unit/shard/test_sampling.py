@@ -105,7 +105,8 @@ def test_a_seed_draws_the_same_token_at_a_position_in_any_batch():
 def test_draws_follow_the_distribution():
     """Frequencies over many seeds match the probabilities, and the noise is Exp(1) with
     neighbouring token ids uncorrelated."""
-    from shard.sampling_noise import exponentials, seed_key
+    from shard.noise_hash import seed_key
+    from shard.sampling_noise import exponentials
 
     rows = 20_000
     probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
@@ -229,7 +230,8 @@ def test_banned_ids_are_never_chosen():
 def test_the_triton_draw_is_the_pytorch_forms(triton_sampling):
     """One launch a row on CUDA (interpreted here): the same noise, the same tokens, greedy rows
     kept, a vocabulary past one block of token ids."""
-    from shard.sampling_noise import draw, seed_key
+    from shard.noise_hash import seed_key
+    from shard.sampling_noise import draw
 
     torch.manual_seed(0)
     logprobs = torch.log_softmax(torch.randn(6, 2500) * 2, dim=-1)
