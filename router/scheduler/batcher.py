@@ -4,9 +4,8 @@ It is the only module that drives the shards. Between two decode steps it asks t
 With shards that chunk, new requests are prefilled in the same forward as the running batch's next
 step (TGI's cached_batch) and join it; otherwise in their own batch, merged at the next decode.
 A prompt longer than the prefill budget (when the shards chunk) is computed a chunk at a time,
-sized from the measured step costs (router.scheduler.chunk_sizing) and spaced by decode steps where
-even the smallest costs more, so the running streams' steps take about twice as long at most on
-average; shorter prompts arriving meanwhile are prefilled between two chunks.
+sized and spaced by decode steps so that it takes a fair share beside the running streams
+(router.scheduler.chunk_sizing); shorter prompts arriving meanwhile go between two chunks.
 
 It decides what the next step is and speaks the router's types (router.shards.step_types). In
 router.scheduler: policy holds the numbers; steps runs a step, delivers its events and filters what
@@ -20,7 +19,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from router.errors import GenerationError, RouterError
 from router.kv.block_allocator import BlockAllocator
@@ -31,8 +29,8 @@ from router.scheduler.policy import ChunkedPrefill, SchedulingLimits
 from router.scheduler.recovery import RecoveryPolicy, ShardRecovery, shutting_down
 from router.scheduler.request_queue import BatchPlan, RequestQueue
 from router.scheduler.running_requests import RunningRequests
-from router.scheduler.steps import (Failed, NothingSent, Prefilled, Ran, ShardSteps, ShardsLost,
-                                    StepOutcome)
+from router.scheduler.steps import (NO_PREFILL, Prefilled, PrefillStep, ShardSteps, ShardsLost,
+                                    StepOutcome, left_running, prefill_step)
 from router.shards.step_types import CachedBatch, NewBatch, ShardRequest
 from router.telemetry.metrics import Metrics
 
@@ -40,19 +38,6 @@ log = logging.getLogger("tgi.router.batcher")
 
 # while idle, how often the loop asks whether the shards are still the ones it warmed up
 IDLE_PROBE_S = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillStep:
-    """What the prefill between two decode steps did, when it did not lose the shards."""
-
-    ran: bool  # a prefill ran (a new batch, or a long prompt's chunk)
-    batch: CachedBatch | None = None  # the batch it left
-    # `batch` is the running batch after its decode step, taken in the prefill's forward
-    is_running: bool = False
-
-
-NO_PREFILL = PrefillStep(ran=False)
 
 
 class Batcher:
@@ -125,8 +110,7 @@ class Batcher:
     def requests_by_adapter(self) -> tuple[Counter[str], Counter[str]]:
         """(waiting, running) requests on each LoRA adapter; the base model's are not counted.
 
-        Running ones count until the shards let go of them.
-        """
+        Running ones count until the shards let go of them."""
         waiting = Counter(i.adapter_id for i in self.queue.entries() if i.adapter_id is not None)
         running = Counter(i.adapter_id for i in self.running.all() if i.adapter_id is not None)
         return waiting, running
@@ -142,8 +126,7 @@ class Batcher:
     def fail_everything(self, error: RouterError) -> None:
         """The model is going away: every request, running or queued, hears `error`.
 
-        Its loop already stopped; each request lets go of its blocks.
-        """
+        Its loop already stopped; each request lets go of its blocks."""
         self.failures.fail_running(error)
         for item in self.queue.entries():
             self.queue.remove(item)
@@ -172,8 +155,7 @@ class Batcher:
     async def _wait_for_work(self) -> None:
         """Sleeps until a request arrives; meanwhile checks that the shards did not restart.
 
-        A restarted group has an empty cache and must be warmed up before it serves.
-        """
+        A restarted group has an empty cache and must be warmed up before it serves."""
         while True:
             if self.recovery is None:
                 await self._wake.wait()
@@ -207,7 +189,10 @@ class Batcher:
             if not batches:
                 if prefill.ran:
                     continue  # a long prompt's chunks, with nothing decoding meanwhile
-                break
+                if self.chunked is None:
+                    break
+                await self._until_chunk_due()  # or a request arrives
+                continue
             self._batch_gauges(batches)
             steps = 1 if unmeasured else self.limits.decode_steps(
                 self.steps.last_step_s, waiting=len(self.queue) > 0 or self.chunked is not None)
@@ -215,13 +200,24 @@ class Batcher:
             if await self._lost(decoded):
                 running, waited_tokens = None, 0
                 continue
-            running = _left_running(decoded, None)
+            running = left_running(decoded, None)
             self._batch_gauges([running] if running is not None else [])
             unmeasured = False
             # the wait is counted in tokens passed, as --max-waiting-tokens is named (TGI adds one
             # per step even when speculating): a speculative step passes as many as the request
             # that got the most
             waited_tokens += self.steps.last_step_tokens
+
+    async def _until_chunk_due(self) -> None:
+        """Waits until the next chunk is due, or a request arrives.
+
+        Clients sending requests back to back leave gaps of milliseconds between the streams'
+        last step and their next request: a chunk started in one made that request wait."""
+        self._wake.clear()  # the queue was just tried: only a later arrival may cut the wait
+        try:
+            await asyncio.wait_for(self._wake.wait(), self.chunked.not_before - time.monotonic())
+        except asyncio.TimeoutError:
+            pass
 
     def _batch_gauges(self, batches: list[CachedBatch]) -> None:
         self.metrics.batch_current_size.set(sum(len(b.request_ids) for b in batches))
@@ -243,20 +239,23 @@ class Batcher:
         """One prefill between two decode steps, if any is due.
 
         A new batch from the queue, or the next chunk of a long prompt; every other turn of the
-        chunks goes to queued prompts that fit one prefill (they need not wait for its end)."""
+        chunks, and every turn while the next chunk is not due, goes to queued prompts that fit
+        one prefill (they need not wait for its end, nor for a chunk started between two of
+        their requests)."""
         running_size = len(running.request_ids) if running is not None else 0
         whole_only = self.chunked is not None
-        plan = None
-        if not whole_only or (self.chunked.queue_turn() and len(self.queue)):
+        now, plan = time.monotonic(), None
+        chunk_waits = whole_only and not self.chunked.due(now) and \
+            self.steps.decode_cost.for_chunk(running_size > 0, now) is not None
+        if not whole_only or ((self.chunked.queue_turn() or chunk_waits) and len(self.queue)):
             plan = self._next_plan(running_size=running_size, waited_tokens=waited_tokens,
                                    whole_only=whole_only)
-        if plan is None and (not whole_only or running_size and not self.chunked.due(
-                time.monotonic())):  # nothing queued fits, or the next chunk is not due yet
+        if plan is None and (not whole_only or chunk_waits):  # nothing fits, or not due yet
             return NO_PREFILL
         if plan is None:
             if running_size:
                 self.metrics.counters.inc("tgi_batch_concat", reason="chunking")
-            return _prefill_step(await self._prefill_chunk(running), running)
+            return prefill_step(await self._prefill_chunk(running), running)
         if running_size:
             self.metrics.counters.inc("tgi_batch_concat", reason=self.limits.join_reason(
                 waited_tokens, chunking=self.queue.chunking))
@@ -264,10 +263,10 @@ class Batcher:
             (item,) = plan.entries
             self.running.start([item])
             self.chunked = ChunkedPrefill(item, next_start=item.cache_len)
-            return _prefill_step(await self._prefill_chunk(running), running)
+            return prefill_step(await self._prefill_chunk(running), running)
         # shards that chunk take the running batch's step in the same forward (TGI's cached_batch)
         riding = running if self.queue.chunking else None
-        return _prefill_step(await self._prefill(plan, riding), riding)
+        return prefill_step(await self._prefill(plan, riding), riding)
 
     def _next_plan(self, *, running_size: int, waited_tokens: int, whole_only: bool = False
                    ) -> BatchPlan[ActiveRequest] | None:
@@ -309,13 +308,13 @@ class Batcher:
         outcome = await self.steps.prefill(batch, [item], running)
         if not isinstance(outcome, Prefilled):
             self.chunked = None
-            return _left_running(outcome, running)
+            return left_running(outcome, running)
         elapsed = time.monotonic() - started
         if item.is_done:  # refused: no more chunks
             self.chunked = None
             if running is None:
                 return None
-            return _left_running(await self.steps.after_step(outcome.result, "prefill"), None)
+            return left_running(await self.steps.after_step(outcome.result, "prefill"), None)
         if is_last:
             self.chunked = None
             self.running.remember_prompts([item])
@@ -324,14 +323,13 @@ class Batcher:
             log.debug("prefill chunk of %d tokens at %d: %.3f s", size, start, elapsed)
             if running is None:
                 return None
-        return _left_running(await self.steps.after_step(outcome.result, "prefill"), None)
+        return left_running(await self.steps.after_step(outcome.result, "prefill"), None)
 
     async def _prefill(self, plan: BatchPlan[ActiveRequest],
                        running: CachedBatch | None = None) -> CachedBatch | None | ShardsLost:
         """New requests, and with `running`, that batch's decode step in the same forward.
 
-        The result is then `running`, joined by the new requests.
-        """
+        The result is then `running`, joined by the new requests."""
         items = plan.entries
         self.running.start(items)
         batch = NewBatch(id=plan.batch_id, requests=[_shard_request(i) for i in items],
@@ -339,16 +337,13 @@ class Batcher:
                          max_blocks=max(len(i.allocation.block_ids) for i in items))
         outcome = await self.steps.prefill(batch, items, running)
         if not isinstance(outcome, Prefilled):
-            return _left_running(outcome, running)
+            return left_running(outcome, running)
         # a refused request computed nothing worth caching (and its blocks are free)
         self.running.remember_prompts([i for i in items if not i.is_done])
-        return _left_running(await self.steps.after_step(outcome.result, "prefill"), None)
+        return left_running(await self.steps.after_step(outcome.result, "prefill"), None)
 
     async def _lose_shards(self, error: RouterError) -> None:
-        """The shard group is gone: its requests are failed or re-queued, then the loop waits.
-
-        It waits for the restarted group.
-        """
+        """The shard group is gone: its requests are failed or re-queued, then the loop waits."""
         stopping = self.recovery.stopping
         self.failures.shards_lost(shutting_down() if stopping else error,
                                   max_attempts=self.recovery.policy.max_attempts,
@@ -364,33 +359,6 @@ class Batcher:
         except Exception as err:  # called from the loop's last guard: nothing may escape it
             log.error("could not clear the shards' batches: %s", err)
         self.running.update_gauges()
-
-
-def _left_running(outcome: StepOutcome, running: CachedBatch | None
-                  ) -> CachedBatch | None | ShardsLost:
-    """What is left running after a step's outcome.
-
-    The batch a step that ran left; `running` when nothing was sent; nothing when the step failed
-    (the shards dropped it); a loss is passed on.
-    """
-    match outcome:
-        case Ran(batch):
-            return batch
-        case NothingSent():
-            return running
-        case Failed():
-            return None
-        case ShardsLost():
-            return outcome
-    raise AssertionError(f"a prefill's result must go through after_step: {outcome!r}")
-
-
-def _prefill_step(left: CachedBatch | None | ShardsLost, running: CachedBatch | None
-                  ) -> PrefillStep | ShardsLost:
-    """A prefill that ran, leaving `left`; it is the running batch when one rode along."""
-    if isinstance(left, ShardsLost):
-        return left
-    return PrefillStep(ran=True, batch=left, is_running=running is not None)
 
 
 def _shard_request(item: ActiveRequest, *, cache_len: int | None = None,

@@ -257,3 +257,42 @@ class ShardSteps:
         if timings.concat_ns is not None:
             metrics.batch_concat_duration.labels(method).observe(timings.concat_ns / 1e9)
         return result
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillStep:
+    """What the prefill between two decode steps did, when it did not lose the shards."""
+
+    ran: bool  # a prefill ran (a new batch, or a long prompt's chunk)
+    batch: CachedBatch | None = None  # the batch it left
+    # `batch` is the running batch after its decode step, taken in the prefill's forward
+    is_running: bool = False
+
+
+NO_PREFILL = PrefillStep(ran=False)
+
+
+def left_running(outcome: StepOutcome, running: CachedBatch | None
+                  ) -> CachedBatch | None | ShardsLost:
+    """What is left running after a step's outcome.
+
+    The batch a step that ran left; `running` when nothing was sent; nothing when the step failed
+    (the shards dropped it); a loss is passed on."""
+    match outcome:
+        case Ran(batch):
+            return batch
+        case NothingSent():
+            return running
+        case Failed():
+            return None
+        case ShardsLost():
+            return outcome
+    raise AssertionError(f"a prefill's result must go through after_step: {outcome!r}")
+
+
+def prefill_step(left: CachedBatch | None | ShardsLost, running: CachedBatch | None
+                  ) -> PrefillStep | ShardsLost:
+    """A prefill that ran, leaving `left`; it is the running batch when one rode along."""
+    if isinstance(left, ShardsLost):
+        return left
+    return PrefillStep(ran=True, batch=left, is_running=running is not None)

@@ -320,6 +320,33 @@ async def test_a_failed_fused_prefill_fails_the_riding_batch_too_and_frees_every
     _assert_all_freed(allocator, client)
 
 
+async def test_a_request_sent_right_after_the_streams_ended_goes_before_the_next_chunk():
+    """Clients sending requests back to back leave the batch empty for a moment: a chunk that
+    is not due yet waits out that gap instead of making their next request wait for it."""
+    class SlowChunks(FakeShardClient):
+        async def prefill(self, batch, cached_batch=None):
+            if batch.message.requests[0].chunk_len is not None:
+                await asyncio.sleep(0.05)  # 25 decode steps: the next chunk waits about 0.1 s
+            return await super().prefill(batch, cached_batch)
+
+    client = SlowChunks(step_delay=0.002)
+    batcher, infer, allocator = _chunking_setup(client)
+
+    async def scenario():
+        running = await _two_decoding(infer, client)
+        long = asyncio.ensure_future(infer.generate(_request(5, length=600)))
+        await _chunks_started(client)
+        await asyncio.gather(*running)
+        ended = len(client.calls)
+        await infer.generate(_request(2, length=8))
+        return ended, await long
+
+    ended, _ = await _with_loop(batcher, scenario())
+    after = [name for name, _ in client.calls[ended:]]
+    assert after.index("prefill") < after.index("chunk"), after
+    _assert_all_freed(allocator, client)
+
+
 async def test_the_batch_size_gauge_follows_a_batch_that_shrinks_inside_chunk_steps():
     class GaugeWatchingShard(FakeShardClient):
         def __init__(self):
