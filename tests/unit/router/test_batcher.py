@@ -218,17 +218,24 @@ async def test_short_prompts_arriving_meanwhile_go_between_a_long_prompts_chunks
     assert allocator.num_free_blocks == allocator.num_usable_blocks
 
 
+class _SlowChunks(FakeShardClient):
+    """A shard whose chunk steps take `chunk_s` more than a plain step."""
+
+    def __init__(self, *, chunk_s: float, step_delay: float):
+        super().__init__(step_delay=step_delay)
+        self.chunk_s = chunk_s
+
+    async def prefill(self, batch, cached_batch=None):
+        if batch.message.requests[0].chunk_len is not None:
+            await asyncio.sleep(self.chunk_s)
+        return await super().prefill(batch, cached_batch)
+
+
 async def test_chunks_costing_more_than_a_step_are_spaced_by_decode_steps():
     """Even the smallest chunk can cost several decode steps (a prefill forward's own cost): the
     streams then decode alone between two chunks, so that their steps average at most 1 + r (r:
     the fair share, a half beside two streams)."""
-    class SlowChunks(FakeShardClient):
-        async def prefill(self, batch, cached_batch=None):
-            if batch.message.requests[0].chunk_len is not None:
-                await asyncio.sleep(0.02)  # ten decode steps
-            return await super().prefill(batch, cached_batch)
-
-    client = SlowChunks(step_delay=0.002)
+    client = _SlowChunks(chunk_s=0.02, step_delay=0.002)  # a chunk: ten decode steps
     batcher, infer, allocator = _chunking_setup(client)
 
     async def scenario():
@@ -323,13 +330,7 @@ async def test_a_failed_fused_prefill_fails_the_riding_batch_too_and_frees_every
 async def test_a_request_sent_right_after_the_streams_ended_goes_before_the_next_chunk():
     """Clients sending requests back to back leave the batch empty for a moment: a chunk that
     is not due yet waits out that gap instead of making their next request wait for it."""
-    class SlowChunks(FakeShardClient):
-        async def prefill(self, batch, cached_batch=None):
-            if batch.message.requests[0].chunk_len is not None:
-                await asyncio.sleep(0.05)  # 25 decode steps: the next chunk waits about 0.1 s
-            return await super().prefill(batch, cached_batch)
-
-    client = SlowChunks(step_delay=0.002)
+    client = _SlowChunks(chunk_s=0.05, step_delay=0.002)  # the next chunk waits about 0.1 s
     batcher, infer, allocator = _chunking_setup(client)
 
     async def scenario():
