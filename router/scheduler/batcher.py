@@ -38,6 +38,9 @@ log = logging.getLogger("tgi.router.batcher")
 
 # while idle, how often the loop asks whether the shards are still the ones it warmed up
 IDLE_PROBE_S = 1.0
+# how long a long prompt's next chunk, not yet due, waits with nothing running for the streams'
+# next requests (clients sending them back to back leave gaps of a few milliseconds)
+REQUEST_GAP_S = 0.05
 
 
 class Batcher:
@@ -209,15 +212,17 @@ class Batcher:
             waited_tokens += self.steps.last_step_tokens
 
     async def _until_chunk_due(self) -> None:
-        """Waits until the next chunk is due, or a request arrives.
+        """Waits, REQUEST_GAP_S at most, until the next chunk is due or a request arrives.
 
         Clients sending requests back to back leave gaps of milliseconds between the streams'
-        last step and their next request: a chunk started in one made that request wait."""
+        last step and their next request: a chunk started in one made that request wait. When
+        none comes, the streams are done and the prompt goes on at once."""
         self._wake.clear()  # the queue was just tried: only a later arrival may cut the wait
+        wait = min(self.chunked.not_before - time.monotonic(), REQUEST_GAP_S)
         try:
-            await asyncio.wait_for(self._wake.wait(), self.chunked.not_before - time.monotonic())
+            await asyncio.wait_for(self._wake.wait(), wait)
         except asyncio.TimeoutError:
-            pass
+            self.chunked.go_now()
 
     def _batch_gauges(self, batches: list[CachedBatch]) -> None:
         self.metrics.batch_current_size.set(sum(len(b.request_ids) for b in batches))

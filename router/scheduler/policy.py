@@ -115,6 +115,10 @@ class ChunkedPrefill:
         """Whether the next chunk may go now beside a decoding batch (see not_before)."""
         return now >= self.not_before
 
+    def go_now(self) -> None:
+        """The next chunk is due at once: nothing decodes beside it any more."""
+        self.not_before = 0.0
+
     def advance(self, size: int, elapsed: float, decode_s: float | None,
                 now: float | None = None) -> None:
         self.next_start += size

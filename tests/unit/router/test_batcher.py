@@ -1,5 +1,6 @@
 """The batching loop on a fake shard: joins, filters, cancellation, failures, no leaked blocks."""
 import asyncio
+import time
 
 import pytest
 
@@ -345,6 +346,27 @@ async def test_a_request_sent_right_after_the_streams_ended_goes_before_the_next
     ended, _ = await _with_loop(batcher, scenario())
     after = [name for name, _ in client.calls[ended:]]
     assert after.index("prefill") < after.index("chunk"), after
+    _assert_all_freed(allocator, client)
+
+
+async def test_a_long_prompt_left_alone_by_the_streams_goes_on_at_once():
+    """Its chunks' spacing was for the streams beside it: once they end and nothing arrives, it
+    does not sit out the second of a chunk that cost many decode steps."""
+    client = _SlowChunks(chunk_s=0.3, step_delay=0.002)  # the next chunk waits about 0.6 s
+    batcher, infer, allocator = _chunking_setup(client)
+
+    async def scenario():
+        running = await _two_decoding(infer, client)
+        long = asyncio.ensure_future(infer.generate(_request(5, length=300)))
+        await _chunks_started(client)
+        await asyncio.gather(*running)
+        ended, calls = time.monotonic(), len(client.calls)
+        await long
+        return time.monotonic() - ended, [name for name, _ in client.calls[calls:]]
+
+    left, calls = await _with_loop(batcher, scenario())
+    computing = calls.count("chunk") * 0.3
+    assert left - computing < 0.25, (left, calls)  # waited 0.6 s a chunk before
     _assert_all_freed(allocator, client)
 
 
