@@ -33,21 +33,27 @@ async def copy_model(registry: ModelRegistry, source_id: str, destination_id: st
     if existing is not None or running:
         raise ModelStateError(f"model {destination_id!r} already exists; delete it first",
                               existing.state if existing is not None else RUNNING)
-    # the id is taken while the files are linked (DOWNLOADING: not started, not deleted)
+    # the id is taken while the files are linked (DOWNLOADING: not started, not deleted), by a
+    # record that owns no files until they are its own: one left by a crash meanwhile, deleted
+    # later, must not take the source's with it
+    linked = record.owned and registry.models_dir is not None
     copied = registry.add(dataclasses.replace(
         record, id=destination_id, state=DOWNLOADING, name=destination_id.rsplit("/", 1)[-1],
-        created=int(time.time()), error=None, was_running=False, settings=dict(record.settings),
+        model_dir=None if linked else record.model_dir, owned=False, created=int(time.time()),
+        error=None, was_running=False, settings=dict(record.settings),
         parameters=dict(record.parameters), engine_parameters=dict(record.engine_parameters)))
-    if record.owned and registry.models_dir is not None:
+    if linked:
         target = directory_for(registry.models_dir, destination_id)
         try:
             await asyncio.to_thread(_linked_tree, Path(record.model_dir), target)
-        except OSError as err:  # the source deleted meanwhile, a full disk
+        except BaseException as err:  # the source deleted meanwhile, a full disk, a cancel
             registry.remove(destination_id)
             shutil.rmtree(target, ignore_errors=True)
-            raise ModelStateError(f"model {source_id!r} could not be copied: {err}",
-                                  record.state) from None
-        copied.model_dir = str(target)
+            if isinstance(err, OSError):
+                raise ModelStateError(f"model {source_id!r} could not be copied: {err}",
+                                      record.state) from None
+            raise
+        copied.model_dir, copied.owned = str(target), True
     copied.state = DOWNLOADED
     registry.save()
     return copied

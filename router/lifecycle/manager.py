@@ -334,6 +334,8 @@ class ModelManager:
 
     async def copy(self, source_id: str, destination_id: str) -> ModelRecord:
         """A stopped copy of a downloaded model under another id (router/lifecycle/copies.py)."""
+        check_model_id(destination_id)
+        self._check_not_adapter(destination_id)
         return await copy_model(self.registry, source_id, destination_id,
                                 running=destination_id in self.served)
 

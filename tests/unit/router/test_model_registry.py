@@ -169,3 +169,30 @@ async def test_a_copy_links_the_sources_files_and_outlives_it(tmp_path):
     assert linked.read_bytes() == b"weights"
     registry.close()
     assert _read(tmp_path).get("dst").state == "downloaded"
+
+
+async def test_a_copy_cut_short_leaves_nothing_that_could_delete_the_source(tmp_path, monkeypatch):
+    import asyncio
+
+    from router.lifecycle import copies
+    registry = ModelRegistry(tmp_path)
+    source = directory_for(registry.models_dir, "src")
+    source.mkdir(parents=True)
+    registry.add(ModelRecord("src", STOPPED, model_dir=str(source), owned=True))
+    seen = []
+
+    def cut(src, target):  # a client gone mid-copy, as seen from the linking thread
+        seen.append(registry.get("dst"))
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(copies, "_linked_tree", cut)
+    with pytest.raises(asyncio.CancelledError):
+        await copies.copy_model(registry, "src", "dst")
+    # while it linked, the record owned no files (a crash then left nothing to delete them)
+    assert seen[0].owned is False and seen[0].model_dir is None
+    assert "dst" not in registry.records and source.is_dir()
+    monkeypatch.undo()
+    shutil.rmtree(source)
+    with pytest.raises(ModelStateError, match="could not be copied"):  # its files are gone
+        await copies.copy_model(registry, "src", "dst")
+    assert "dst" not in registry.records
