@@ -142,6 +142,7 @@ class EmbeddingQueue:
 
     async def _run(self) -> None:
         while self._pending:
+            await self._take_turn()  # the group may be lost or back meanwhile: checked after it
             recovery = self.recovery
             if recovery is not None and not recovery.healthy:
                 await self._wait_for_shards(recovery.restarts, time.monotonic())
@@ -151,7 +152,6 @@ class EmbeddingQueue:
                 self._group = restarts
                 for item in self._pending:
                     item.computed = 0
-            await self._take_turn()
             call = self._next_call()
             if not call:
                 continue
