@@ -125,10 +125,10 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 # widths from the longest request alone, the same on every rank (each sizes its
-                # own pool): a column holds a block id, so a graph wider than a pool has blocks
-                # only pads more columns with block 0
+                # own pool): a graph wider than a pool has blocks only pads columns with block 0
                 self.graphs.capture(-(-max_total_tokens // self.spec.block_size),
-                                    largest_decode_batch(self.num_blocks, max_batch_size))
+                                    largest_decode_batch(self.num_blocks, max_batch_size,
+                                                         ranks=self.world_size))
             return
         except Exception as err:
             if self.world_size > 1:  # ranks whose graphs differ would pair collectives wrongly

@@ -32,12 +32,13 @@ MAX_GATHER_BYTES = 512 << 20
 MAX_AUTO_BATCH = 256
 
 
-def largest_decode_batch(num_blocks: int, max_batch_size: int | None) -> int:
+def largest_decode_batch(num_blocks: int, max_batch_size: int | None, ranks: int = 1) -> int:
     """The most rows a decode step may have: --max-batch-size, else what the KV pool holds.
 
     Every request holds a block at least, and block 0 is never handed out; at most
-    MAX_AUTO_BATCH either way."""
-    pool_rows = max(num_blocks - 1, 1)
+    MAX_AUTO_BATCH either way. With several ranks the pool is not asked: each rank sizes its
+    own, and ranks whose graphs differ would pair their collectives wrongly."""
+    pool_rows = max(num_blocks - 1, 1) if ranks == 1 else MAX_AUTO_BATCH
     return min(max_batch_size or pool_rows, pool_rows, MAX_AUTO_BATCH)
 
 

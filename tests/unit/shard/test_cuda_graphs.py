@@ -283,6 +283,9 @@ def test_without_cuda_graphs_sizes_reach_the_largest_decode_batch():
     assert largest_decode_batch(num_blocks=4000, max_batch_size=48) == 48
     assert largest_decode_batch(num_blocks=20, max_batch_size=64) == 19
     assert largest_decode_batch(num_blocks=4000, max_batch_size=1000) == 256
+    # ranks size their own pools: the graphs of each must be the same, whatever its pool
+    assert largest_decode_batch(num_blocks=20, max_batch_size=None, ranks=2) == 256
+    assert largest_decode_batch(num_blocks=21, max_batch_size=64, ranks=2) == 64
     # attention in place: vLLM's spacing, past TGI's 32
     assert auto_batch_sizes(256, gathers=False) == [1, 2, 4, *range(8, 257, 8)]
     assert auto_batch_sizes(33, gathers=False) == [1, 2, 4, 8, 16, 24, 32, 33]
