@@ -21,7 +21,7 @@ from router.errors import ModelNotFoundError, ModelStateError, ValidationError
 from router.http.json_body import read_object
 from router.inputs.images.family import names_image_family
 from router.lifecycle.registry import (DOWNLOADING, NOT_DOWNLOADED, RUNNING, STARTING, STOPPING,
-                                       ModelRecord, check_model_id, parameter_count)
+                                       ModelRecord, parameter_count)
 from router.state import STATE
 
 PULL_POLL_S = 0.2  # how often a streamed pull looks at its model's progress
@@ -144,7 +144,6 @@ async def copy(request: web.Request) -> web.Response:
     destination = body.get("destination")
     if isinstance(destination, str):  # Ollama's tag: this server's ids carry none
         destination = destination.removesuffix(":latest")
-    check_model_id(destination)
     models = request.app[STATE].models
     if record.id not in models.registry.records:
         raise OllamaBadRequest(f"model {record.id!r} is served from a path, without a registry "

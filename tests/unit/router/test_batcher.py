@@ -328,6 +328,15 @@ async def test_a_failed_fused_prefill_fails_the_riding_batch_too_and_frees_every
     _assert_all_freed(allocator, client)
 
 
+async def _outliving_two_streams(infer, client, *, length: int) -> asyncio.Future:
+    """A long prompt's request, started beside two streams, once its chunks began and they ended."""
+    running = await _two_decoding(infer, client)
+    long = asyncio.ensure_future(infer.generate(_request(5, length=length)))
+    await _chunks_started(client)
+    await asyncio.gather(*running)
+    return long
+
+
 async def test_a_request_sent_right_after_the_streams_ended_goes_before_the_next_chunk():
     """Clients sending requests back to back leave the batch empty for a moment: a chunk that
     is not due yet waits out that gap instead of making their next request wait for it."""
@@ -335,10 +344,7 @@ async def test_a_request_sent_right_after_the_streams_ended_goes_before_the_next
     batcher, infer, allocator = _chunking_setup(client)
 
     async def scenario():
-        running = await _two_decoding(infer, client)
-        long = asyncio.ensure_future(infer.generate(_request(5, length=600)))
-        await _chunks_started(client)
-        await asyncio.gather(*running)
+        long = await _outliving_two_streams(infer, client, length=600)
         ended = len(client.calls)
         await infer.generate(_request(2, length=8))
         return ended, await long
@@ -356,10 +362,7 @@ async def test_a_long_prompt_left_alone_by_the_streams_goes_on_at_once():
     batcher, infer, allocator = _chunking_setup(client)
 
     async def scenario():
-        running = await _two_decoding(infer, client)
-        long = asyncio.ensure_future(infer.generate(_request(5, length=300)))
-        await _chunks_started(client)
-        await asyncio.gather(*running)
+        long = await _outliving_two_streams(infer, client, length=300)
         ended, calls = time.monotonic(), len(client.calls)
         await long
         return time.monotonic() - ended, [name for name, _ in client.calls[calls:]]
