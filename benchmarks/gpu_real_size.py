@@ -173,7 +173,9 @@ def start_server(model_dir: Path, device: str, args,
     return process, url
 
 
-def measure(url: str, tokenizer, args, f: dict) -> list[dict]:
+def measure(url: str, tokenizer, args, f: dict, report_row) -> list[dict]:
+    """Every figure of the run, each handed to `report_row` as soon as it is measured (a run cut
+    short by its device time keeps what it had)."""
     rows, variant = [], 0
 
     def prompts(length: int, count: int) -> list[str]:
@@ -190,6 +192,7 @@ def measure(url: str, tokenizer, args, f: dict) -> list[dict]:
         rows.append({"streams": 1, "prompt": length, "ttft_s": report["ttft_s"][50],
                      "ttft_floor_s": prefill_floor, "tpot_s": report["tpot_s"],
                      "tpot_floor_s": step_floor(f, 1, context)})
+        report_row(rows)
         for streams in args.streams:
             report = asyncio.run(load(url, prompts(length, streams), streams, args.new_tokens,
                                       length, warm=False))
@@ -198,32 +201,32 @@ def measure(url: str, tokenizer, args, f: dict) -> list[dict]:
                          "tokens_per_s": report["output_tok_s"],
                          "tokens_per_s_floor": streams / floor, "tpot_s": report["tpot_s"],
                          "tpot_floor_s": floor, "ttft_p50_s": report["ttft_s"][50]})
+            report_row(rows)
     return rows
 
 
-def print_rows(rows: list[dict]) -> list[str]:
-    """Each figure beside its floor; then the issue's targets, met or not."""
+def print_row(r: dict) -> list[str]:
+    """One figure beside its floor; returns the issue's targets it bears on, met or not."""
     verdicts = []
-    for r in rows:
-        tpot = f"TPOT {r['tpot_s'] * 1e3:8.2f} ms (floor {r['tpot_floor_s'] * 1e3:.3g} ms, " \
-               f"{r['tpot_s'] / r['tpot_floor_s']:5.2f}x)"
-        if r["streams"] == 1:
-            print(f"  1 stream,  {r['prompt']:>5}-token prompt: TTFT {r['ttft_s'] * 1e3:8.1f} ms "
-                  f"(memory floor {r['ttft_floor_s'] * 1e3:.3g} ms)   {tpot}")
-            verdicts.append(f"one-stream TPOT at {r['prompt']} tokens: "
-                            f"{r['tpot_s'] / r['tpot_floor_s']:.2f}x the floor (target "
-                            f"<= {TPOT_TARGET_RATIO}x)")
-            if r["prompt"] == 2048:
-                verdicts.append(f"TTFT of a 2,048-token prompt: {r['ttft_s'] * 1e3:.1f} ms "
-                                f"(target < {TTFT_TARGET_S * 1e3:.0f} ms)")
-            continue
-        share = r["tokens_per_s"] / r["tokens_per_s_floor"]
-        print(f"  {r['streams']:>3} streams, {r['prompt']:>5}-token prompts: "
-              f"{r['tokens_per_s']:9.1f} tok/s (floor allows {r['tokens_per_s_floor']:.4g}, "
-              f"{share:6.1%})   {tpot}")
-        if r["streams"] == THROUGHPUT_STREAMS:
-            verdicts.append(f"{THROUGHPUT_STREAMS} streams at {r['prompt']} tokens: {share:.0%} "
-                            f"of the floor's tokens/s (target >= {THROUGHPUT_TARGET:.0%})")
+    tpot = f"TPOT {r['tpot_s'] * 1e3:8.2f} ms (floor {r['tpot_floor_s'] * 1e3:.3g} ms, " \
+           f"{r['tpot_s'] / r['tpot_floor_s']:5.2f}x)"
+    if r["streams"] == 1:
+        print(f"  1 stream,  {r['prompt']:>5}-token prompt: TTFT {r['ttft_s'] * 1e3:8.1f} ms "
+              f"(memory floor {r['ttft_floor_s'] * 1e3:.3g} ms)   {tpot}")
+        verdicts.append(f"one-stream TPOT at {r['prompt']} tokens: "
+                        f"{r['tpot_s'] / r['tpot_floor_s']:.2f}x the floor (target "
+                        f"<= {TPOT_TARGET_RATIO}x)")
+        if r["prompt"] == 2048:
+            verdicts.append(f"TTFT of a 2,048-token prompt: {r['ttft_s'] * 1e3:.1f} ms "
+                            f"(target < {TTFT_TARGET_S * 1e3:.0f} ms)")
+        return verdicts
+    share = r["tokens_per_s"] / r["tokens_per_s_floor"]
+    print(f"  {r['streams']:>3} streams, {r['prompt']:>5}-token prompts: "
+          f"{r['tokens_per_s']:9.1f} tok/s (floor allows {r['tokens_per_s_floor']:.4g}, "
+          f"{share:6.1%})   {tpot}")
+    if r["streams"] == THROUGHPUT_STREAMS:
+        verdicts.append(f"{THROUGHPUT_STREAMS} streams at {r['prompt']} tokens: {share:.0%} "
+                        f"of the floor's tokens/s (target >= {THROUGHPUT_TARGET:.0%})")
     return verdicts
 
 
@@ -264,19 +267,24 @@ def main() -> None:
     log_path = (args.json.parent if args.json else Path("/tmp")) / "real-size-server.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     server, url = start_server(model_dir, args.device, args, log_path)
+    verdicts = []
+
+    def report_row(rows: list[dict]) -> None:
+        verdicts.extend(print_row(rows[-1]))
+        if args.json:
+            args.json.write_text(json.dumps({
+                "shape": args.shape, "device": card, "torch": torch.__version__,
+                "cuda": torch.version.cuda, "command": sys.argv, "floors": f, "rows": rows,
+                "targets": verdicts}, indent=1))
+
+    print(f"  server ready {time.perf_counter() - started:.0f} s after the start")
     try:
-        rows = measure(url, Tokenizer.from_file(str(model_dir / "tokenizer.json")), args, f)
+        measure(url, Tokenizer.from_file(str(model_dir / "tokenizer.json")), args, f, report_row)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
-    verdicts = print_rows(rows)
     for line in verdicts:
         print(f"  target: {line}")
-    if args.json:
-        args.json.write_text(json.dumps({
-            "shape": args.shape, "device": card, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "command": sys.argv, "floors": f, "rows": rows,
-            "targets": verdicts}, indent=1))
 
 
 if __name__ == "__main__":

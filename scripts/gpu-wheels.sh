@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 exclude="$(git rev-parse --git-common-dir)/info/exclude"
 grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
 python=${PYTHON:-.venv/bin/python}
-packages=(protobuf grpcio grpcio-health-checking grpcio-reflection llguidance gguf
+packages=(protobuf grpcio grpcio-health-checking grpcio-reflection llguidance gguf orjson
           opentelemetry-api opentelemetry-sdk opentelemetry-proto
           opentelemetry-semantic-conventions opentelemetry-exporter-otlp-common
           opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-grpc

@@ -14,7 +14,7 @@ import triton.language as tl
 
 # the widest row one program normalizes (Llama 3 405B's hidden size); wider ones keep PyTorch's ops
 MAX_NORM_DIM = 16384
-QMAX = 127.0  # shard.layers.kv_int8's
+QMAX = tl.constexpr(127.0)  # shard.layers.kv_int8's; a plain global does not compile for a GPU
 
 
 @triton.jit

@@ -164,5 +164,6 @@ def test_on_a_gpu_a_plain_step_waits_for_the_device_once(tiny_llama, graphs):
             engine.decode([out.batch.id])
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    # the first use of the mode also warns that it is a prototype: not a synchronization
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     assert len(syncs) == 1, syncs  # shard.host_reads' one wait for the step's results
