@@ -8,7 +8,8 @@
 #              adapters in a mixed batch, the Triton kernels (decode, split-K decode, prefill
 #              over a cached prefix, add+norm (Llama's and Gemma's), rotary+KV write, the
 #              sampling draw) and their selection compiled against float64 or PyTorch's ops,
-#              a plain decode step's one wait for the device, fp8's scaled matmul against its
+#              a plain decode step's one wait for the device, steps run ahead of their reads
+#              against steps one by one, fp8's scaled matmul against its
 #              arithmetic, the launcher serving a tiny model on CUDA over HTTP (its router
 #              streaming each decode step; an int8 KV cache)                         (220 s)
 #   smollm2    decode steps of a SmolLM2-shaped model timed without and with CUDA graphs
@@ -48,7 +49,7 @@ if [[ " $stages " == *" tests "* ]]; then
         tests/unit/shard/test_server_errors.py tests/unit/shard/test_triton_attention.py \
         tests/unit/shard/test_triton_prefill.py tests/unit/shard/test_decode_backend.py \
         tests/unit/shard/test_triton_layer_ops.py tests/unit/shard/test_step_ops.py \
-        tests/unit/shard/test_sampling.py \
+        tests/unit/shard/test_sampling.py tests/unit/shard/test_run_ahead.py \
         tests/unit/shard/test_attention_window.py tests/unit/shard/test_fp8.py \
         tests/e2e/test_shard_decode_stream.py \
         tests/e2e/test_launcher_tiny.py -k "not compiled" 2>&1 | tee "$out/tests.log" | tail -25 \

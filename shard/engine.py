@@ -11,19 +11,20 @@ from collections.abc import Callable
 
 import torch
 
-from shard import speculative_step
+from shard import host_reads, speculative_step
 from shard.adapters.adapter_set import AdapterExists, LoadedAdapter
 from shard.adapters.peft_files import PeftAdapter
 from shard.admission import ModelLimits, admit
-from shard.batch_state import (Batch, NewRequest, block_table_tensor, concatenate_batches,
-                               filter_batch, new_batch, sample_batch)
+from shard.batch_state import (Batch, NewRequest, concatenate_batches, filter_batch, new_batch,
+                               sample_batch)
 from shard.generations import Vocabulary, prompt_scores, step_generations
 from shard.grammar_matcher import GrammarFactory
 from shard.images.admission import image_support
 from shard.kv_budget import PoolLedger, budget_blocks
 from shard.loader import LoadedModel
-from shard.model_runner import DecodeRows, ModelRunner
+from shard.model_runner import DecodeOutput, ModelRunner
 from shard.prefill_sequence import sequence_of
+from shard.step_rows import decode_rows, may_run_ahead, plain_rows
 from shard.prompt_chunks import PromptSoFar, after_chunk, with_earlier
 from shard.outputs import (BatchInfo, RequestOutput, StepOutput, WarmupResult, after_steps,
                            merge_steps)
@@ -59,6 +60,11 @@ class Engine:
         self.images = image_support(runner.model, loaded.image_preprocessor)  # None: text only
         # the chunks so far of a prompt whose every position is asked for (prompt_chunks.py)
         self.prompt_so_far: PromptSoFar | None = None
+        # a call's next plain step is queued before this one's tokens are read (step_rows.py):
+        # on CUDA, where the device computes while the host reads; on the CPU it would only
+        # compute a step for nothing each time a request stops
+        self.run_ahead = runner.device.type == "cuda"
+        self._ahead: tuple[Batch, DecodeOutput] | None = None  # that step's forward, queued
 
     @property
     def vocab_size(self) -> int:
@@ -150,14 +156,18 @@ class Engine:
         accepted tokens are; with `on_step`, every step but the last is handed to it instead as
         it ends (to be streamed), and the result holds the last step's Generations with the
         whole call's steps and times."""
-        result = self._decode_step(batch_ids)
-        while result.steps < max_steps and self._may_step_again(result):
-            if on_step is None:
-                result = merge_steps(result, self._decode_step([result.batch.id]))
-            else:
-                on_step(result)  # before the next step: its tokens go out while it computes
-                result = after_steps(result, self._decode_step([result.batch.id]))
-        return result
+        try:
+            result = self._decode_step(batch_ids, ahead=max_steps > 1)
+            while result.steps < max_steps and self._may_step_again(result):
+                ahead = result.steps + 1 < max_steps
+                if on_step is None:
+                    result = merge_steps(result, self._decode_step([result.batch.id], ahead))
+                else:
+                    on_step(result)  # before the next step: its tokens go out while it computes
+                    result = after_steps(result, self._decode_step([result.batch.id], ahead))
+            return result
+        finally:
+            self._ahead = None  # queued for a step the call does not take: computed for nothing
 
     def filter(self, batch_id: int, request_ids: list[int]) -> BatchInfo:
         if not request_ids:
@@ -230,7 +240,8 @@ class Engine:
             return False
         return not any(s.beams is not None for s in self.batches[result.batch.id].requests)
 
-    def _decode_step(self, batch_ids: list[int]) -> StepOutput:
+    def _decode_step(self, batch_ids: list[int], ahead: bool = False) -> StepOutput:
+        """One decode step of the batches (merged); `ahead`: the call takes another after it."""
         start = time.perf_counter_ns()
         batches = [self._pop(i) for i in batch_ids]
         concat_ns = None
@@ -251,11 +262,16 @@ class Engine:
             generations = speculative_step.accept(batch, drafts, out.logits, out.hidden,
                                                   self.vocab)
         else:  # nothing to verify: a plain step, at a plain step's cost
-            rows, first = self._decode_rows(batch)
-            out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables,
-                                     rows.adapter_slots, rows.rope_deltas)
+            queued, self._ahead = self._ahead, None
+            if queued is not None and queued[0] is batch:
+                out, first = queued[1], None
+            else:
+                rows, first = decode_rows(batch, self.runner)
+                out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables,
+                                         rows.adapter_slots, rows.rope_deltas)
             forward_ns = time.perf_counter_ns() - before
-            generations = self._step_rows(batch, out.logits, out.hidden, first)
+            generations = self._step_rows(batch, out.logits, out.hidden, first,
+                                          ahead=ahead and self.run_ahead and drafts is None)
         accepted = 0
         if drafts is not None:  # each request's record of guesses (sent or only checked)
             accepted = speculative_step.observe(batch, drafts, generations)
@@ -280,7 +296,7 @@ class Engine:
         hidden_only = {i for i in logits_rows if not requests[i].prefill_logprobs}
         decode, first = None, None
         if running is not None:
-            decode, first = self._decode_rows(running)
+            decode, first = decode_rows(running, self.runner)
         before = time.perf_counter_ns()
         out = self.runner.prefill(seqs, all_logits_rows=logits_rows, hidden_only_rows=hidden_only,
                                   decode=decode)
@@ -328,41 +344,11 @@ class Engine:
         return StepOutput(generations, info, forward_ns=forward_ns, decode_ns=decode_ns,
                           total_ns=time.perf_counter_ns() - start)
 
-    def _decode_rows(self, batch: Batch) -> tuple[DecodeRows, list[int] | None]:
-        """The rows a decode step of `batch` computes, and None when they are its requests.
-
-        With beam-search requests, one row per beam, and for each request the index of its first
-        row. A beam about to write into a block it shares gets its own copy first."""
-        if not any(state.beams is not None for state in batch.requests):
-            return DecodeRows(batch.next_input_ids, batch.seq_lens, batch.block_tables,
-                              batch.adapter_slots(), batch.rope_deltas()), None
-        ids, lengths = batch.next_input_ids.tolist(), batch.seq_lens.tolist()
-        tables = batch.block_tables.tolist()
-        rows_ids, rows_lengths, rows_tables, first, copies = [], [], [], [], []
-        for row, state in enumerate(batch.requests):
-            first.append(len(rows_ids))
-            if state.beams is None:
-                rows_ids.append(ids[row])
-                rows_lengths.append(lengths[row])
-                rows_tables.append(tables[row])
-                continue
-            copies += state.beams.blocks.prepare_writes(lengths[row])
-            for token, table in zip(state.beams.search.next_tokens(), state.beams.blocks.tables):
-                rows_ids.append(token)
-                rows_lengths.append(lengths[row])
-                rows_tables.append(table)
-        self.runner.copy_blocks(copies)
-        device = self.runner.device
-        rows_per_request = [end - start for start, end in zip(first, first[1:] + [len(rows_ids)])]
-        return DecodeRows(torch.tensor(rows_ids, dtype=torch.long, device=device),
-                          torch.tensor(rows_lengths, dtype=torch.long, device=device),
-                          block_table_tensor(rows_tables, device),
-                          batch.adapter_slots(rows_per_request),
-                          batch.rope_deltas(rows_per_request)), first
-
     def _step_rows(self, batch: Batch, logits: torch.Tensor, hidden: torch.Tensor,
-                   first: list[int] | None) -> list[RequestOutput]:
-        """The decode step's outputs (rows from _decode_rows) -> each request's generation."""
+                   first: list[int] | None, *, ahead: bool = False) -> list[RequestOutput]:
+        """The decode step's outputs (rows from decode_rows) -> each request's generation.
+
+        `ahead`: the next step's forward is queued once the tokens are drawn, where it may be."""
         batch.seq_lens = batch.seq_lens + 1
         row_logits, row_hidden = logits, hidden
         if first is not None:  # one row per request for sampling; beams read all of theirs
@@ -370,10 +356,20 @@ class Engine:
             row_logits, row_hidden = logits[index], hidden[index]
         output = sample_batch(row_logits, batch)
         batch.next_input_ids = output.next_ids
+        pending = None
+        if ahead and may_run_ahead(batch):
+            # the reads first: the wait for them must not wait for the step queued after them
+            pending = host_reads.start(output.next_ids, output.logprobs, output.top_ids,
+                                       output.top_logprobs)
+            rows = plain_rows(batch)
+            self._ahead = (batch, self.runner.decode(rows.input_ids, rows.seq_lens,
+                                                     rows.block_tables, rows.adapter_slots,
+                                                     rows.rope_deltas))
         # a row's hidden states are sliced out only for a request that asks for them
         hidden_rows = [row_hidden[row:row + 1] if state.return_hidden_states else None
                        for row, state in enumerate(batch.requests)]
-        generations = step_generations(batch, output, hidden_rows, logits, self.vocab, first)
+        generations = step_generations(batch, output, hidden_rows, logits, self.vocab, first,
+                                       pending)
         return [g for g in generations if g is not None]
 
     # ---- helpers ----------------------------------------------------------------------------

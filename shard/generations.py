@@ -36,16 +36,21 @@ class Vocabulary:
 
 
 def step_generations(batch: Batch, output: SampleOutput, hidden: list[torch.Tensor | None],
-                     logits: torch.Tensor, vocab: Vocabulary, first: list[int] | None = None
+                     logits: torch.Tensor, vocab: Vocabulary, first: list[int] | None = None,
+                     pending: host_reads.PendingRead | None = None
                      ) -> list[RequestOutput | None]:
     """Each row's token appended, detokenised and checked for stopping (a Python loop by nature).
 
     `hidden` holds, per row, the final hidden states this step computed for it; `logits` and
-    `first` are the step's rows (see Engine._decode_rows), which a beam-search request reads all
-    of (its generation is None until its search ends)."""
+    `first` are the step's rows (see step_rows.decode_rows), which a beam-search request reads
+    all of (its generation is None until its search ends). `pending`: the reads of `output`'s
+    tokens, log-probabilities and top tokens, already begun."""
     # the step's one wait for the device
-    ids, logprobs, top_ids, top_lps = host_reads.read(output.next_ids, output.logprobs,
-                                                      output.top_ids, output.top_logprobs)
+    if pending is not None:
+        ids, logprobs, top_ids, top_lps = pending.wait()
+    else:
+        ids, logprobs, top_ids, top_lps = host_reads.read(output.next_ids, output.logprobs,
+                                                          output.top_ids, output.top_logprobs)
     if batch.sampling.flags["grammar"]:
         advance(batch.sampling.grammars, ids)
     generations = []

@@ -1,0 +1,107 @@
+"""A call's next plain step queued before the last one is read: the same tokens, never a slot past
+what the router gave. On the CPU the queued forward computes at once; on CUDA (CUDA graphs) it
+runs while the host reads the step before."""
+import pytest
+import torch
+
+from shard.stopping import FinishReason
+from tests.engine_helpers import BlockPool, make_engine
+from tests.engine_helpers import request as new_request
+
+TEXTS = ["The quick brown fox", "Paris is the capital of", "Once upon a time there was a small",
+         "def add(a, b):"]
+# greedy; seeded sampling with top tokens; a repetition penalty; greedy, the longest
+PARAMS = [{}, {"do_sample": True, "seed": 7, "temperature": 0.8, "top_n_tokens": 2},
+          {"repetition_penalty": 1.3}, {}]
+MAX_NEW = [6, 11, 9, 14]
+
+
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
+def engine(tiny_llama, request):
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
+        return make_engine(tiny_llama, num_blocks=128, device="cuda", cuda_graphs="auto",
+                           max_total_tokens=64)
+    return make_engine(tiny_llama, num_blocks=128)
+
+
+def _run(engine, *, run_ahead: bool, max_steps: int, stop: dict[int, str] | None = None):
+    """Every request's (token, log-prob, text) and finish, the steps taken and the forwards run.
+
+    Each request is given exactly the slots the router gives (input + max_new_tokens - 1), and
+    the batch is driven as the router drives it: calls of up to max_steps steps, finished
+    requests filtered between them."""
+    engine.run_ahead = run_ahead
+    forwards = [0]
+    decode = engine.runner.decode
+
+    def counted(*args, **kwargs):
+        forwards[0] += 1
+        return decode(*args, **kwargs)
+
+    engine.runner.decode = counted
+    pool = BlockPool(128)
+    requests = []
+    for i, (text, params, max_new) in enumerate(zip(TEXTS, PARAMS, MAX_NEW)):
+        prompt = engine.tokenizer.encode(text).ids
+        extra = {"stop_sequences": [stop[i]]} if stop and i in stop else {}
+        requests.append(new_request(i + 1, prompt, pool.take(len(prompt) + max_new - 1, 4),
+                                max_new_tokens=max_new, ignore_eos=True, **extra, **params))
+    got = {r.id: [] for r in requests}
+    finish, steps = {}, 0
+    out = engine.prefill(1, requests)
+    try:
+        while True:
+            for g in out.generations:
+                got[g.request_id] += list(zip(g.tokens.ids, g.tokens.logprobs, g.tokens.texts))
+                if g.generated_text is not None:
+                    finish[g.request_id] = g.generated_text.finish_reason
+            if out.batch is None:
+                break
+            alive = [r for r in out.batch.request_ids if r not in finish]
+            if len(alive) < len(out.batch.request_ids):
+                engine.filter(out.batch.id, alive)
+            out = engine.decode([out.batch.id], max_steps)
+            steps += out.steps
+    finally:
+        engine.runner.decode = decode
+        engine.run_ahead = engine.runner.device.type == "cuda"
+    return got, finish, steps, forwards[0]
+
+
+def _a_stop_mid_call(tokens: dict[int, list]) -> tuple[int, int, str]:
+    """(request index, token index, text) of a token whose text first appears there, after the
+    first few tokens: a stop sequence that ends that request inside a call."""
+    for rid, run in tokens.items():
+        for k in range(3, len(run) - 2):
+            piece = run[k][2].strip()
+            earlier = "".join(t[2] for t in run[:k])
+            if len(piece) > 1 and piece not in earlier:
+                return rid - 1, k, piece
+    raise AssertionError("no token of the reference run can serve as a stop sequence")
+
+
+def test_steps_run_ahead_give_the_tokens_of_steps_run_one_by_one(engine):
+    one_by_one, finish, steps, forwards = _run(engine, run_ahead=False, max_steps=1)
+    assert forwards == steps
+    assert [len(t) for t in one_by_one.values()] == MAX_NEW
+    assert set(finish.values()) == {FinishReason.LENGTH}
+    ahead, ahead_finish, ahead_steps, ahead_forwards = _run(engine, run_ahead=True, max_steps=5)
+    assert ahead == one_by_one and ahead_finish == finish and ahead_steps == steps
+    # each request's last token is never run ahead of: no forward was computed for nothing
+    assert ahead_forwards == steps
+
+
+def test_a_request_that_stops_inside_a_call_drops_the_step_queued_after(engine):
+    reference, _, _, _ = _run(engine, run_ahead=False, max_steps=1)
+    index, k, piece = _a_stop_mid_call(reference)
+    stop = {index: piece}
+    one_by_one, finish, steps, forwards = _run(engine, run_ahead=False, max_steps=1, stop=stop)
+    assert finish[index + 1] == FinishReason.STOP_SEQUENCE and len(one_by_one[index + 1]) == k + 1
+    ahead, ahead_finish, ahead_steps, ahead_forwards = _run(engine, run_ahead=True, max_steps=8,
+                                                            stop=stop)
+    assert ahead == one_by_one and ahead_finish == finish and ahead_steps == steps
+    assert ahead_forwards == steps + 1, "the step queued behind the stop is computed for nothing"
+    # the batch goes on after the stop: the others' next call does not reuse the dropped step
+    assert engine._ahead is None
