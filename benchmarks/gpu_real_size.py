@@ -8,7 +8,10 @@ exactly --new-tokens long (EOS ignored):
 - one stream: time to first token (TTFT) and time per output token after it (TPOT), for each
   prompt length;
 - tokens/s at each --streams count (one wave of that many requests at once), for each prompt
-  length: output tokens over the wave's wall time, and its median TPOT.
+  length: output tokens over the wave's wall time, and its median TPOT; then the tokens/s while
+  every request of the wave decodes (after the last first token, before the first end: the
+  decode steps alone, which the floor is for), and the share of a core that the router, the
+  shard and this client used over the wave (a Python process near 100% bounds the figures).
 
 The floor beside each figure is memory's: a decode step reads every weight once and the batch's
 keys and values once (at their mean context), at the device's copy bandwidth measured here first
@@ -173,7 +176,42 @@ def start_server(model_dir: Path, device: str, args,
     return process, url
 
 
-def measure(url: str, tokenizer, args, f: dict, report_row) -> list[dict]:
+def cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds the server's processes have used, by role (router, shard), from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    parents, used, roles = {}, {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parents[pid], used[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks
+        roles[pid] = next((c.decode() for c in command if c in (b"router", b"shard")), "other")
+    totals: dict[str, float] = {}
+    for pid in used:
+        walk = pid
+        while walk in parents and walk != root:
+            walk = parents[walk]
+        if walk == root:
+            totals[roles[pid]] = totals.get(roles[pid], 0.0) + used[pid]
+    return totals
+
+
+def wave(url: str, prompts: list[str], streams: int, length: int, args, server_pid: int) -> dict:
+    """One wave of `streams` requests; its report, with the share of a core each process used."""
+    before, client = cpu_seconds(server_pid), time.process_time()
+    report = asyncio.run(load(url, prompts, streams, args.new_tokens, length, warm=False))
+    after, client = cpu_seconds(server_pid), time.process_time() - client
+    busy = {role: (after[role] - before.get(role, 0.0)) / report["wall_s"] for role in after}
+    report["cores_busy"] = {**busy, "client": client / report["wall_s"]}
+    return report
+
+
+def measure(url: str, tokenizer, args, f: dict, report_row, server_pid: int) -> list[dict]:
     """Every figure of the run, each handed to `report_row` as soon as it is measured (a run cut
     short by its device time keeps what it had)."""
     rows, variant = [], 0
@@ -194,13 +232,14 @@ def measure(url: str, tokenizer, args, f: dict, report_row) -> list[dict]:
                      "tpot_floor_s": step_floor(f, 1, context)})
         report_row(rows)
         for streams in args.streams:
-            report = asyncio.run(load(url, prompts(length, streams), streams, args.new_tokens,
-                                      length, warm=False))
+            report = wave(url, prompts(length, streams), streams, length, args, server_pid)
             floor = step_floor(f, streams, context)
             rows.append({"streams": streams, "prompt": length,
                          "tokens_per_s": report["output_tok_s"],
+                         "all_decoding_tok_s": report["all_decoding_tok_s"],
                          "tokens_per_s_floor": streams / floor, "tpot_s": report["tpot_s"],
-                         "tpot_floor_s": floor, "ttft_p50_s": report["ttft_s"][50]})
+                         "tpot_floor_s": floor, "ttft_p50_s": report["ttft_s"][50],
+                         "cores_busy": report["cores_busy"]})
             report_row(rows)
     return rows
 
@@ -221,12 +260,21 @@ def print_row(r: dict) -> list[str]:
                             f"(target < {TTFT_TARGET_S * 1e3:.0f} ms)")
         return verdicts
     share = r["tokens_per_s"] / r["tokens_per_s_floor"]
+    decoding = r["all_decoding_tok_s"]
+    decoding_share = None if decoding is None else decoding / r["tokens_per_s_floor"]
+    busy = ", ".join(f"{role} {share_of_core:.0%}" for role, share_of_core
+                     in sorted(r["cores_busy"].items()) if share_of_core >= 0.01)
     print(f"  {r['streams']:>3} streams, {r['prompt']:>5}-token prompts: "
           f"{r['tokens_per_s']:9.1f} tok/s (floor allows {r['tokens_per_s_floor']:.4g}, "
           f"{share:6.1%})   {tpot}")
+    print("      while all decode: " + ("too short to measure" if decoding is None else
+                                         f"{decoding:9.1f} tok/s ({decoding_share:6.1%} of the "
+                                         f"floor's)") + f"; a core's share busy: {busy}")
     if r["streams"] == THROUGHPUT_STREAMS:
         verdicts.append(f"{THROUGHPUT_STREAMS} streams at {r['prompt']} tokens: {share:.0%} "
-                        f"of the floor's tokens/s (target >= {THROUGHPUT_TARGET:.0%})")
+                        f"of the floor's tokens/s over the wave, "
+                        + ("-" if decoding is None else f"{decoding_share:.0%}")
+                        + f" while all decode (target >= {THROUGHPUT_TARGET:.0%})")
     return verdicts
 
 
@@ -279,7 +327,8 @@ def main() -> None:
 
     print(f"  server ready {time.perf_counter() - started:.0f} s after the start")
     try:
-        measure(url, Tokenizer.from_file(str(model_dir / "tokenizer.json")), args, f, report_row)
+        measure(url, Tokenizer.from_file(str(model_dir / "tokenizer.json")), args, f, report_row,
+                server.pid)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)

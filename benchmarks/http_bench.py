@@ -140,17 +140,37 @@ def request_body(route: str, prompt: str, new_tokens: int, prompt_tokens: int | 
     return "/generate_stream", {"inputs": prompt, "parameters": parameters}
 
 
-async def one_request(session, url: str, prompt: str, new_tokens: int,
-                      prompt_tokens: int | None = None, *, route: str = "generate_stream",
-                      model: str = "tgi-py"):
+async def timed_request(session, url: str, prompt: str, new_tokens: int,
+                        prompt_tokens: int | None = None, *, route: str = "generate_stream",
+                        model: str = "tgi-py") -> tuple[float, list[float], int]:
+    """One streamed request: when it was sent, when each event with text came, its tokens."""
     path, body = request_body(route, prompt, new_tokens, prompt_tokens, model)
     started = time.perf_counter()
     stamps, tokens = await token_stamps(session, url, body, path=path)
     if not stamps:  # the workload asks for exactly new_tokens: a server that sent none failed it
         raise RuntimeError(f"{url}{path} streamed no text for a request of {new_tokens} tokens")
-    ttft = stamps[0] - started
-    itl = [b - a for a, b in zip(stamps, stamps[1:])]
-    return ttft, itl, tokens
+    return started, stamps, tokens
+
+
+async def one_request(session, url: str, prompt: str, new_tokens: int,
+                      prompt_tokens: int | None = None, *, route: str = "generate_stream",
+                      model: str = "tgi-py"):
+    """(time to first token, the gaps between tokens, tokens) of one streamed request."""
+    started, stamps, tokens = await timed_request(session, url, prompt, new_tokens, prompt_tokens,
+                                                  route=route, model=model)
+    return stamps[0] - started, [b - a for a, b in zip(stamps, stamps[1:])], tokens
+
+
+def all_decoding_rate(stamps: list[list[float]]) -> float | None:
+    """Tokens/s while every request of a wave was past its first token and none had ended.
+
+    What the decode steps of the whole batch deliver, without the prompts' prefills (which a
+    wave's own tokens/s counts); None when no such time was long enough to measure."""
+    begin, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    if end - begin < 0.05:
+        return None
+    tokens = sum(1 for s in stamps for t in s if begin < t <= end)
+    return tokens / (end - begin)
 
 
 async def load(url: str, prompts: list[str], concurrency: int, new_tokens: int,
@@ -166,8 +186,8 @@ async def load(url: str, prompts: list[str], concurrency: int, new_tokens: int,
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         async def bounded(prompt):
             async with semaphore:
-                return await one_request(session, url, prompt, new_tokens, prompt_tokens,
-                                         route=route, model=model)
+                return await timed_request(session, url, prompt, new_tokens, prompt_tokens,
+                                           route=route, model=model)
 
         if warm:
             await bounded(warm_up or prompts[0])
@@ -177,15 +197,18 @@ async def load(url: str, prompts: list[str], concurrency: int, new_tokens: int,
         wall = time.perf_counter() - started
         after = await speculation_counts(session, url)
     tokens = sum(r[2] for r in results)
-    ttfts = [r[0] for r in results]
-    itls = [x for r in results for x in r[1]]
+    ttfts = [r[1][0] - r[0] for r in results]
+    gaps = [[b - a for a, b in zip(r[1], r[1][1:])] for r in results]
+    itls = [x for g in gaps for x in g]
     # time per output token after the first, per request, as vLLM's benchmark reports it
-    tpots = [sum(r[1]) / (r[2] - 1) for r in results if r[2] > 1]
+    tpots = [sum(g) / (r[2] - 1) for g, r in zip(gaps, results) if r[2] > 1]
     return {"route": route, "requests": len(prompts), "concurrency": concurrency, "wall_s": wall,
             "output_tokens": tokens, "output_tok_s": tokens / wall,
             "ttft_s": {q: percentile(ttfts, q) for q in (50, 90, 99)},
             "itl_s": {q: percentile(itls, q) for q in (50, 90, 99)},
             "tpot_s": percentile(tpots, 50) if tpots else 0.0,
+            "all_decoding_tok_s": (all_decoding_rate([r[1] for r in results])
+                                   if concurrency >= len(prompts) else None),
             # in the prompts' order: the first `concurrency` arrived together (a wave)
             "request_ttft_s": ttfts,
             "speculation": None if before is None or after is None else {
