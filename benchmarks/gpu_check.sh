@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The checks that need an NVIDIA GPU, as one device run of at most about seven minutes (a
-# session's device time is short; the default stages' timeouts add up to 520 s), the real-size
-# figures first (the benchmark prints each as it is measured, so a run cut short keeps them):
+# session's device time is short; the default stages' timeouts add up to 580 s, and real-size
+# and tests took 100 and 140 s on an H200), the real-size figures first (the benchmark prints
+# each as it is measured, so a run cut short keeps them):
 #   real-size  benchmarks/gpu_real_size.py: a Llama 3 8B-shaped bf16 model served over HTTP,
-#              TTFT, TPOT and tokens/s at 16, 64 and 256 streams beside the memory floor (300 s)
+#              TTFT, TPOT and tokens/s at 16, 64 and 256 streams beside the memory floor (240 s)
+#   profile    benchmarks/step_profile.py on that model in process (no gRPC): a decode step at
+#              1 and 64 rows, one step a call and 8 (queued ahead), the device's busy time
+#              beside the step's and the top kernels                                 (2 x 75 s)
 #   tests      CUDA graphs against eager steps, prefill attention over a cached prefix, LoRA
 #              adapters in a mixed batch, the Triton kernels (decode, split-K decode, prefill
 #              over a cached prefix, add+norm (Llama's and Gemma's), rotary+KV write, the
@@ -11,17 +15,17 @@
 #              a plain decode step's one wait for the device, steps run ahead of their reads
 #              against steps one by one, fp8's scaled matmul against its
 #              arithmetic, the launcher serving a tiny model on CUDA over HTTP (its router
-#              streaming each decode step; an int8 KV cache)                         (220 s)
+#              streaming each decode step; an int8 KV cache)                         (190 s)
 #   smollm2    decode steps of a SmolLM2-shaped model timed without and with CUDA graphs
 #              (2 x 100 s; not in the default run)
 #   here, once:  bash scripts/gpu-wheels.sh      (the packages the GPU image lacks, into .whl/)
-#   then:        run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=580)
+#   then:        run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600)
 #   or stages:   bash benchmarks/gpu_check.sh tests smollm2
 # Logs and figures land in $OUT; the exit status is 1 when a check failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-check}
-stages=${*:-real-size tests}
+stages=${*:-real-size profile tests}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -38,13 +42,28 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_dev
 status=0
 if [[ " $stages " == *" real-size "* ]]; then
     echo "== Llama 3 8B-shaped, bf16, random weights, served over HTTP"
-    timeout 300 python3 benchmarks/gpu_real_size.py --json "$out/real-size.json" 2>&1 \
+    timeout 240 python3 benchmarks/gpu_real_size.py --json "$out/real-size.json" 2>&1 \
         | tee "$out/real-size.log" || status=1
     echo "== real-size: status $status"
 fi
+if [[ " $stages " == *" profile "* ]]; then
+    echo "== where an 8B-shaped decode step's time goes, in process"
+    model=$(python3 benchmarks/gpu_real_size.py --make-only | tail -1)
+    for batch in 1 64; do
+        timeout 45 python3 benchmarks/step_profile.py --model-dir "$model" --device cuda \
+            --dtype bfloat16 --cuda-graphs "$batch" --batch "$batch" --prompt-length 512 \
+            --steps 32 --steps-per-call 8 --top 12 --json "$out/profile-$batch.json" 2>&1 \
+            | grep -v USDT | tee -a "$out/profile.log" || status=1
+        timeout 30 python3 benchmarks/step_profile.py --model-dir "$model" --device cuda \
+            --dtype bfloat16 --cuda-graphs "$batch" --batch "$batch" --prompt-length 512 \
+            --steps 16 --top 0 2>&1 | grep "decode step p50" | tee -a "$out/profile.log" \
+            || status=1
+    done
+    echo "== profile: status $status"
+fi
 if [[ " $stages " == *" tests "* ]]; then
     echo "== CUDA graphs against eager steps (tiny model), the launcher and DecodeStream on CUDA"
-    timeout 220 python3 -m pytest -q -p no:cacheprovider tests/unit/shard/test_cuda_graphs.py \
+    timeout 190 python3 -m pytest -q -p no:cacheprovider tests/unit/shard/test_cuda_graphs.py \
         tests/unit/shard/test_attention_dtypes.py tests/unit/shard/test_lora_engine.py \
         tests/unit/shard/test_server_errors.py tests/unit/shard/test_triton_attention.py \
         tests/unit/shard/test_triton_prefill.py tests/unit/shard/test_decode_backend.py \

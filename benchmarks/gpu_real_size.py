@@ -297,6 +297,8 @@ def main() -> None:
     parser.add_argument("--server-arg", action="append", default=[],
                         help="an extra launcher argument (repeatable)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--make-only", action="store_true",
+                        help="make the model directory (if absent), print it and stop")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (--shape tiny --device cpu runs anywhere)")
@@ -306,6 +308,9 @@ def main() -> None:
     started = time.perf_counter()
     model_dir = make_model(args.model_dir or Path(f"/tmp/{args.shape}-random"), args.shape, device)
     made = time.perf_counter() - started
+    if args.make_only:
+        print(model_dir)
+        return
     f = floors(SHAPES[args.shape], copy_bandwidth(device, (1 << 30) if args.device == "cuda"
                                                    else (64 << 20)))
     card = torch.cuda.get_device_name(device) if args.device == "cuda" else "cpu"
