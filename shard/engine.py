@@ -22,9 +22,9 @@ from shard.grammar_matcher import GrammarFactory
 from shard.images.admission import image_support
 from shard.kv_budget import PoolLedger, budget_blocks
 from shard.loader import LoadedModel
-from shard.model_runner import DecodeOutput, ModelRunner
+from shard.model_runner import ModelRunner
 from shard.prefill_sequence import sequence_of
-from shard.step_rows import decode_rows, may_run_ahead, plain_rows
+from shard.step_rows import QueuedStep, decode_rows, may_run_ahead, plain_rows
 from shard.prompt_chunks import PromptSoFar, after_chunk, with_earlier
 from shard.outputs import (BatchInfo, RequestOutput, StepOutput, WarmupResult, after_steps,
                            merge_steps)
@@ -61,10 +61,10 @@ class Engine:
         # the chunks so far of a prompt whose every position is asked for (prompt_chunks.py)
         self.prompt_so_far: PromptSoFar | None = None
         # a call's next plain step is queued before this one's tokens are read (step_rows.py):
-        # on CUDA, where the device computes while the host reads; on the CPU it would only
-        # compute a step for nothing each time a request stops
+        # on CUDA, where the device computes while the host reads; the CPU would gain nothing
+        # and compute a step for nothing each time a prefill carries the batch
         self.run_ahead = runner.device.type == "cuda"
-        self._ahead: tuple[Batch, DecodeOutput] | None = None  # that step's forward, queued
+        self._ahead: QueuedStep | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -122,6 +122,7 @@ class Engine:
         With `cached_batch_id`, that running batch also takes its next step in the same forward and
         the new requests join it."""
         start = time.perf_counter_ns()
+        self._ahead = None  # a running batch riding in this forward takes its step here
         is_chunk = any(r.is_partial_chunk for r in requests)
         if is_chunk and len(requests) != 1:
             raise ValueError("a chunk that stops short of its prompt's end must be prefilled alone")
@@ -156,24 +157,31 @@ class Engine:
         accepted tokens are; with `on_step`, every step but the last is handed to it instead as
         it ends (to be streamed), and the result holds the last step's Generations with the
         whole call's steps and times."""
+        # a step of a call of several is queued before the one before it is read; the last
+        # one's next step too, which the next call takes unless a prefill comes first
+        ahead = max_steps > 1
         try:
-            result = self._decode_step(batch_ids, ahead=max_steps > 1)
+            result = self._decode_step(batch_ids, ahead)
             while result.steps < max_steps and self._may_step_again(result):
-                ahead = result.steps + 1 < max_steps
                 if on_step is None:
                     result = merge_steps(result, self._decode_step([result.batch.id], ahead))
                 else:
                     on_step(result)  # before the next step: its tokens go out while it computes
                     result = after_steps(result, self._decode_step([result.batch.id], ahead))
-            return result
-        finally:
-            self._ahead = None  # queued for a step the call does not take: computed for nothing
+        except BaseException:
+            self._ahead = None
+            raise
+        if result.batch is None:
+            self._ahead = None
+        return result
 
     def filter(self, batch_id: int, request_ids: list[int]) -> BatchInfo:
         if not request_ids:
             raise ValueError("FilterBatch needs at least one request id; use ClearCache to drop a batch")
         batch = filter_batch(self._pop(batch_id), request_ids)
         self.batches[batch.id] = batch
+        if self._ahead is not None:
+            self._ahead = self._ahead.kept(batch_id, request_ids)
         return self._info(batch)
 
     def read_adapter(self, name: str, path: str) -> PeftAdapter:
@@ -225,6 +233,7 @@ class Engine:
         return kept, rejected
 
     def clear(self, batch_id: int | None = None) -> None:
+        self._ahead = None
         if batch_id is None:
             self.batches.clear()
             self.prompt_so_far = None
@@ -263,8 +272,8 @@ class Engine:
                                                   self.vocab)
         else:  # nothing to verify: a plain step, at a plain step's cost
             queued, self._ahead = self._ahead, None
-            if queued is not None and queued[0] is batch:
-                out, first = queued[1], None
+            if queued is not None and queued.serves(batch):
+                out, first = queued.out, None
             else:
                 rows, first = decode_rows(batch, self.runner)
                 out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables,
@@ -362,9 +371,9 @@ class Engine:
             pending = host_reads.start(output.next_ids, output.logprobs, output.top_ids,
                                        output.top_logprobs)
             rows = plain_rows(batch)
-            self._ahead = (batch, self.runner.decode(rows.input_ids, rows.seq_lens,
-                                                     rows.block_tables, rows.adapter_slots,
-                                                     rows.rope_deltas))
+            self._ahead = QueuedStep(batch.id, batch.request_ids, self.runner.decode(
+                rows.input_ids, rows.seq_lens, rows.block_tables, rows.adapter_slots,
+                rows.rope_deltas))
         # a row's hidden states are sliced out only for a request that asks for them
         hidden_rows = [row_hidden[row:row + 1] if state.return_hidden_states else None
                        for row, state in enumerate(batch.requests)]

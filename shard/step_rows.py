@@ -8,10 +8,42 @@ scheduling do.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from shard.batch_state import Batch, block_table_tensor
-from shard.model_runner import DecodeRows, ModelRunner
+from shard.model_runner import DecodeOutput, DecodeRows, ModelRunner
+
+
+@dataclass(slots=True)
+class QueuedStep:
+    """A plain decode step's forward, queued before the step before it was read.
+
+    It outlives the call that queued it when that call ends on a finished request: the router
+    then filters the batch and asks for its next step, which this forward already computes for
+    the requests kept (the finished ones' rows are dropped)."""
+
+    batch_id: int
+    request_ids: list[int]  # the batch's requests, in the order of the forward's rows
+    out: DecodeOutput
+
+    def serves(self, batch: Batch) -> bool:
+        """Whether this is `batch`'s next step: the same batch, holding the same requests."""
+        return batch.id == self.batch_id and batch.request_ids == self.request_ids
+
+    def kept(self, batch_id: int, request_ids: list[int]) -> QueuedStep | None:
+        """This step for the batch filtered to `request_ids`, or None if it is another batch's."""
+        if batch_id != self.batch_id:
+            return None
+        position = {rid: i for i, rid in enumerate(self.request_ids)}
+        if any(rid not in position for rid in request_ids):
+            return None
+        index = torch.tensor([position[rid] for rid in request_ids], dtype=torch.long,
+                             device=self.out.logits.device)
+        return QueuedStep(batch_id, list(request_ids),
+                          DecodeOutput(self.out.logits.index_select(0, index),
+                                       self.out.hidden.index_select(0, index)))
 
 
 def decode_rows(batch: Batch, runner: ModelRunner) -> tuple[DecodeRows, list[int] | None]:
@@ -58,7 +90,8 @@ def may_run_ahead(batch: Batch) -> bool:
     Not with beams (their next rows depend on the search) and not when a request takes its last
     token now: the step after would write that token's keys and values one slot past what the
     router gave it (it gives input + max_new_tokens - 1). A request that stops on its own (an
-    end token, a stop sequence) leaves a step computed for nothing, in slots that are its own."""
+    end token, a stop sequence) has its row of that step computed for nothing, in a slot of its
+    own."""
     for state in batch.requests:
         if state.beams is not None or state.stop.num_generated + 1 >= state.stop.max_new_tokens:
             return False

@@ -26,12 +26,15 @@ def engine(tiny_llama, request):
     return make_engine(tiny_llama, num_blocks=128)
 
 
-def _run(engine, *, run_ahead: bool, max_steps: int, stop: dict[int, str] | None = None):
+def _run(engine, *, run_ahead: bool, max_steps: int, stop: dict[int, str] | None = None,
+         join: bool = False):
     """Every request's (token, log-prob, text) and finish, the steps taken and the forwards run.
 
     Each request is given exactly the slots the router gives (input + max_new_tokens - 1), and
     the batch is driven as the router drives it: calls of up to max_steps steps, finished
-    requests filtered between them."""
+    requests filtered between them; `join`: after the first call, the last request's prompt is
+    prefilled in two chunks, each carrying the running batch's next step (a long prompt that
+    arrived meanwhile)."""
     engine.run_ahead = run_ahead
     forwards = [0]
     decode = engine.runner.decode
@@ -49,7 +52,19 @@ def _run(engine, *, run_ahead: bool, max_steps: int, stop: dict[int, str] | None
         requests.append(new_request(i + 1, prompt, pool.take(len(prompt) + max_new - 1, 4),
                                 max_new_tokens=max_new, ignore_eos=True, **extra, **params))
     got = {r.id: [] for r in requests}
-    finish, steps = {}, 0
+    finish, steps, calls = {}, 0, 0
+    # the joiner's prompt in two chunks, after the first call and after the second, each
+    # carrying the running batch's next step: after the first, the batch holds the same
+    # requests as before, and a decode call comes between the two
+    parts = []
+    if join:
+        joiner = requests.pop()
+        half = len(joiner.input_ids) // 2
+        first = new_request(joiner.id, joiner.input_ids, joiner.blocks,
+                            max_new_tokens=joiner.max_new_tokens, ignore_eos=True)
+        first.cache_len, first.chunk_len = 0, half
+        joiner.cache_len = half
+        parts = [first, joiner]
     out = engine.prefill(1, requests)
     try:
         while True:
@@ -62,8 +77,11 @@ def _run(engine, *, run_ahead: bool, max_steps: int, stop: dict[int, str] | None
             alive = [r for r in out.batch.request_ids if r not in finish]
             if len(alive) < len(out.batch.request_ids):
                 engine.filter(out.batch.id, alive)
+            if parts and calls == 3 - len(parts):
+                out = engine.prefill(2, [parts.pop(0)], cached_batch_id=out.batch.id)
+                continue
             out = engine.decode([out.batch.id], max_steps)
-            steps += out.steps
+            steps, calls = steps + out.steps, calls + 1
     finally:
         engine.runner.decode = decode
         engine.run_ahead = engine.runner.device.type == "cuda"
@@ -89,7 +107,8 @@ def test_steps_run_ahead_give_the_tokens_of_steps_run_one_by_one(engine):
     assert set(finish.values()) == {FinishReason.LENGTH}
     ahead, ahead_finish, ahead_steps, ahead_forwards = _run(engine, run_ahead=True, max_steps=5)
     assert ahead == one_by_one and ahead_finish == finish and ahead_steps == steps
-    # each request's last token is never run ahead of: no forward was computed for nothing
+    # no step is queued past a request's last token, and a call's last step queues the next
+    # call's first: no forward was computed for nothing
     assert ahead_forwards == steps
 
 
@@ -102,6 +121,15 @@ def test_a_request_that_stops_inside_a_call_drops_the_step_queued_after(engine):
     ahead, ahead_finish, ahead_steps, ahead_forwards = _run(engine, run_ahead=True, max_steps=8,
                                                             stop=stop)
     assert ahead == one_by_one and ahead_finish == finish and ahead_steps == steps
-    assert ahead_forwards == steps + 1, "the step queued behind the stop is computed for nothing"
-    # the batch goes on after the stop: the others' next call does not reuse the dropped step
-    assert engine._ahead is None
+    # the step queued behind the stop is the kept requests' next one, once the batch is filtered
+    assert ahead_forwards == steps
+
+
+def test_a_prefill_carrying_the_batch_drops_the_step_queued_for_it(engine):
+    plain, finish, steps, forwards = _run(engine, run_ahead=False, max_steps=4, join=True)
+    assert len(plain[len(TEXTS)]) == MAX_NEW[-1] and forwards == steps
+    ahead, ahead_finish, ahead_steps, ahead_forwards = _run(engine, run_ahead=True, max_steps=4,
+                                                            join=True)
+    assert ahead == plain and ahead_finish == finish and ahead_steps == steps
+    # a chunk after a call that queued a step drops it: computed for nothing
+    assert steps < ahead_forwards <= steps + 2
