@@ -24,7 +24,7 @@ from shard.kv_budget import PoolLedger, budget_blocks
 from shard.loader import LoadedModel
 from shard.model_runner import ModelRunner
 from shard.prefill_sequence import sequence_of
-from shard.step_rows import QueuedStep, decode_rows, may_run_ahead, plain_rows
+from shard.step_rows import QueuedStep, decode_rows, may_run_ahead, queue_next
 from shard.prompt_chunks import PromptSoFar, after_chunk, with_earlier
 from shard.outputs import (BatchInfo, RequestOutput, StepOutput, WarmupResult, after_steps,
                            merge_steps)
@@ -267,24 +267,26 @@ class Engine:
             rows = speculative_step.verify_rows(batch, drafts, self.runner.device)
             out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables,
                                      rows.adapter_slots, rows.rope_deltas)
-            forward_ns = time.perf_counter_ns() - before
+            forward_ns = spent_ns = time.perf_counter_ns() - before
             generations = speculative_step.accept(batch, drafts, out.logits, out.hidden,
                                                   self.vocab)
         else:  # nothing to verify: a plain step, at a plain step's cost
             queued, self._ahead = self._ahead, None
-            if queued is not None and queued.serves(batch):
-                out, first = queued.out, None
+            if queued is not None and queued.serves(batch):  # queued by the step before
+                out, first, forward_ns, spent_ns = queued.out, None, queued.forward_ns, 0
             else:
                 rows, first = decode_rows(batch, self.runner)
                 out = self.runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables,
                                          rows.adapter_slots, rows.rope_deltas)
-            forward_ns = time.perf_counter_ns() - before
+                forward_ns = spent_ns = time.perf_counter_ns() - before
             generations = self._step_rows(batch, out.logits, out.hidden, first,
                                           ahead=ahead and self.run_ahead and drafts is None)
+            if self._ahead is not None:  # the next step's forward, queued in this one
+                spent_ns += self._ahead.forward_ns
         accepted = 0
         if drafts is not None:  # each request's record of guesses (sent or only checked)
             accepted = speculative_step.observe(batch, drafts, generations)
-        result = self._finish_step(batch, generations, start, forward_ns)
+        result = self._finish_step(batch, generations, start, forward_ns, spent_ns)
         result.concat_ns = concat_ns
         if verifies:
             result.draft_tokens = sum(len(d) for d in drafts)
@@ -344,8 +346,12 @@ class Engine:
                 generations, forward_ns)
 
     def _finish_step(self, batch: Batch, generations: list[RequestOutput], start: int,
-                     forward_ns: int) -> StepOutput:
-        decode_ns = time.perf_counter_ns() - start - forward_ns
+                     forward_ns: int, spent_ns: int | None = None) -> StepOutput:
+        """The step's output; `spent_ns`: the forwards' time within it (default forward_ns).
+
+        A step whose forward was queued by the step before spent none of it here, and a step
+        that queues the next one spent that one's."""
+        decode_ns = time.perf_counter_ns() - start - (forward_ns if spent_ns is None else spent_ns)
         info = None
         if any(r.finish_reason is None for r in batch.requests):
             self.batches[batch.id] = batch
@@ -370,10 +376,7 @@ class Engine:
             # the reads first: the wait for them must not wait for the step queued after them
             pending = host_reads.start(output.next_ids, output.logprobs, output.top_ids,
                                        output.top_logprobs)
-            rows = plain_rows(batch)
-            self._ahead = QueuedStep(batch.id, batch.request_ids, self.runner.decode(
-                rows.input_ids, rows.seq_lens, rows.block_tables, rows.adapter_slots,
-                rows.rope_deltas))
+            self._ahead = queue_next(batch, self.runner)
         # a row's hidden states are sliced out only for a request that asks for them
         hidden_rows = [row_hidden[row:row + 1] if state.return_hidden_states else None
                        for row, state in enumerate(batch.requests)]

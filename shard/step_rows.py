@@ -8,6 +8,7 @@ scheduling do.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ class QueuedStep:
     batch_id: int
     request_ids: list[int]  # the batch's requests, in the order of the forward's rows
     out: DecodeOutput
+    forward_ns: int = 0  # the time its forward took to queue (the step that takes it reports it)
 
     def serves(self, batch: Batch) -> bool:
         """Whether this is `batch`'s next step: the same batch, holding the same requests."""
@@ -43,7 +45,22 @@ class QueuedStep:
                              device=self.out.logits.device)
         return QueuedStep(batch_id, list(request_ids),
                           DecodeOutput(self.out.logits.index_select(0, index),
-                                       self.out.hidden.index_select(0, index)))
+                                       self.out.hidden.index_select(0, index)), self.forward_ns)
+
+
+def queue_next(batch: Batch, runner: ModelRunner) -> QueuedStep | None:
+    """The forward of `batch`'s next plain step, queued now (its tokens are drawn, not read).
+
+    None where queuing it failed (memory, say): the step computes it again when it comes, and
+    fails there if it must, for the step it is, not for the one before."""
+    rows = plain_rows(batch)
+    started = time.perf_counter_ns()
+    try:
+        out = runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables, rows.adapter_slots,
+                            rows.rope_deltas)
+    except Exception:  # noqa: BLE001 - the step it was for raises its own error
+        return None
+    return QueuedStep(batch.id, batch.request_ids, out, time.perf_counter_ns() - started)
 
 
 def decode_rows(batch: Batch, runner: ModelRunner) -> tuple[DecodeRows, list[int] | None]:

@@ -69,7 +69,7 @@ def _run(engine, *, run_ahead: bool, max_steps: int, stop: dict[int, str] | None
     try:
         while True:
             for g in out.generations:
-                got[g.request_id] += list(zip(g.tokens.ids, g.tokens.logprobs, g.tokens.texts))
+                got[g.request_id] += _tokens(g)
                 if g.generated_text is not None:
                     finish[g.request_id] = g.generated_text.finish_reason
             if out.batch is None:
@@ -86,6 +86,13 @@ def _run(engine, *, run_ahead: bool, max_steps: int, stop: dict[int, str] | None
         engine.runner.decode = decode
         engine.run_ahead = engine.runner.device.type == "cuda"
     return got, finish, steps, forwards[0]
+
+
+def _tokens(generation) -> list[tuple]:
+    """A generation's tokens: id, log-probability, text and top tokens each."""
+    tops = [tuple(t.ids) for t in generation.top_tokens] or [()] * len(generation.tokens.ids)
+    return list(zip(generation.tokens.ids, generation.tokens.logprobs, generation.tokens.texts,
+                    tops))
 
 
 def _a_stop_mid_call(tokens: dict[int, list]) -> tuple[int, int, str]:
