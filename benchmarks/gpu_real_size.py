@@ -11,7 +11,8 @@ exactly --new-tokens long (EOS ignored):
   length: output tokens over the wave's wall time, and its median TPOT; then the tokens/s while
   every request of the wave decodes (after the last first token, before the first end: the
   decode steps alone, which the floor is for), and the share of a core that the router, the
-  shard and this client used over the wave (a Python process near 100% bounds the figures).
+  shard and this client used over the wave (a Python process near 100% bounds the figures; but
+  a host waiting on CUDA spins by default, so the shard's share counts its waits for the card).
 
 The floor beside each figure is memory's: a decode step reads every weight once and the batch's
 keys and values once (at their mean context), at the device's copy bandwidth measured here first
