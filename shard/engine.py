@@ -24,7 +24,7 @@ from shard.kv_budget import PoolLedger, budget_blocks
 from shard.loader import LoadedModel
 from shard.model_runner import ModelRunner
 from shard.prefill_sequence import sequence_of
-from shard.step_rows import QueuedStep, decode_rows, may_run_ahead, queue_next
+from shard.step_rows import QueuedStep, decode_rows, may_run_ahead, queue_next, taken
 from shard.prompt_chunks import PromptSoFar, after_chunk, with_earlier
 from shard.outputs import (BatchInfo, RequestOutput, StepOutput, WarmupResult, after_steps,
                            merge_steps)
@@ -122,7 +122,6 @@ class Engine:
         With `cached_batch_id`, that running batch also takes its next step in the same forward and
         the new requests join it."""
         start = time.perf_counter_ns()
-        self._ahead = None  # a running batch riding in this forward takes its step here
         is_chunk = any(r.is_partial_chunk for r in requests)
         if is_chunk and len(requests) != 1:
             raise ValueError("a chunk that stops short of its prompt's end must be prefilled alone")
@@ -271,8 +270,8 @@ class Engine:
             generations = speculative_step.accept(batch, drafts, out.logits, out.hidden,
                                                   self.vocab)
         else:  # nothing to verify: a plain step, at a plain step's cost
-            queued, self._ahead = self._ahead, None
-            if queued is not None and queued.serves(batch):  # queued by the step before
+            queued, self._ahead = taken(self._ahead, batch), None
+            if queued is not None:  # queued by the step before
                 out, first, forward_ns, spent_ns = queued.out, None, queued.forward_ns, 0
             else:
                 rows, first = decode_rows(batch, self.runner)
@@ -305,16 +304,20 @@ class Engine:
         # states, when asked, are kept until then (shard/prompt_chunks.py)
         logits_rows = {i for i, r in enumerate(requests) if r.computes_every_position}
         hidden_only = {i for i in logits_rows if not requests[i].prefill_logprobs}
-        decode, first = None, None
-        if running is not None:
-            decode, first = decode_rows(running, self.runner)
+        decode, first, queued = None, None, None
+        if running is not None:  # its next step queued by the last decode call, or riding here
+            queued, self._ahead = taken(self._ahead, running), None
+            if queued is None:
+                decode, first = decode_rows(running, self.runner)
         before = time.perf_counter_ns()
         out = self.runner.prefill(seqs, all_logits_rows=logits_rows, hidden_only_rows=hidden_only,
                                   decode=decode)
         forward_ns = time.perf_counter_ns() - before
         batches, generations = [], []
         if running is not None:
-            generations += self._step_rows(running, out.decode, out.decode_hidden, first)
+            logits, hidden = ((out.decode, out.decode_hidden) if queued is None
+                              else (queued.out.logits, queued.out.hidden))
+            generations += self._step_rows(running, logits, hidden, first)
             batches.append(running)
         held = self.prompt_so_far
         if is_chunk and held is not None and not held.continues(requests[0]):
@@ -393,7 +396,5 @@ class Engine:
             raise BatchNotFound(f"batch {batch_id} is not in the shard's cache") from None
 
     def _info(self, batch: Batch) -> BatchInfo:
-        return BatchInfo(id=batch.id, request_ids=batch.request_ids,
-                           max_tokens=batch.num_blocks * self.block_size,
-                           current_tokens=len(batch.requests))
-
+        return BatchInfo(id=batch.id, request_ids=batch.request_ids, current_tokens=len(
+            batch.requests), max_tokens=batch.num_blocks * self.block_size)

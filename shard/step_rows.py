@@ -21,9 +21,9 @@ from shard.model_runner import DecodeOutput, DecodeRows, ModelRunner
 class QueuedStep:
     """A plain decode step's forward, queued before the step before it was read.
 
-    It outlives the call that queued it when that call ends on a finished request: the router
-    then filters the batch and asks for its next step, which this forward already computes for
-    the requests kept (the finished ones' rows are dropped)."""
+    It outlives the call that queued it: the router then asks for the batch's next step (after
+    filtering out finished requests, whose rows are dropped), or has a prefill carry the batch,
+    which takes this step as the batch's instead of computing its rows again."""
 
     batch_id: int
     request_ids: list[int]  # the batch's requests, in the order of the forward's rows
@@ -46,6 +46,11 @@ class QueuedStep:
         return QueuedStep(batch_id, list(request_ids),
                           DecodeOutput(self.out.logits.index_select(0, index),
                                        self.out.hidden.index_select(0, index)), self.forward_ns)
+
+
+def taken(queued: QueuedStep | None, batch: Batch) -> QueuedStep | None:
+    """`queued` where it is `batch`'s next step, else None (it is dropped, computed for nothing)."""
+    return queued if queued is not None and queued.serves(batch) else None
 
 
 def queue_next(batch: Batch, runner: ModelRunner) -> QueuedStep | None:

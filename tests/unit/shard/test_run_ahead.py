@@ -36,14 +36,18 @@ def _run(engine, *, run_ahead: bool, max_steps: int, stop: dict[int, str] | None
     prefilled in two chunks, each carrying the running batch's next step (a long prompt that
     arrived meanwhile)."""
     engine.run_ahead = run_ahead
-    forwards = [0]
-    decode = engine.runner.decode
+    forwards = [0]  # forwards computing the running batch's step: decode ones, riding prefills
+    decode, prefill = engine.runner.decode, engine.runner.prefill
 
     def counted(*args, **kwargs):
         forwards[0] += 1
         return decode(*args, **kwargs)
 
-    engine.runner.decode = counted
+    def riding(*args, **kwargs):
+        forwards[0] += kwargs.get("decode") is not None
+        return prefill(*args, **kwargs)
+
+    engine.runner.decode, engine.runner.prefill = counted, riding
     pool = BlockPool(128)
     requests = []
     for i, (text, params, max_new) in enumerate(zip(TEXTS, PARAMS, MAX_NEW)):
@@ -83,7 +87,7 @@ def _run(engine, *, run_ahead: bool, max_steps: int, stop: dict[int, str] | None
             out = engine.decode([out.batch.id], max_steps)
             steps, calls = steps + out.steps, calls + 1
     finally:
-        engine.runner.decode = decode
+        engine.runner.decode, engine.runner.prefill = decode, prefill
         engine.run_ahead = engine.runner.device.type == "cuda"
     return got, finish, steps, forwards[0]
 
@@ -132,11 +136,19 @@ def test_a_request_that_stops_inside_a_call_drops_the_step_queued_after(engine):
     assert ahead_forwards == steps
 
 
-def test_a_prefill_carrying_the_batch_drops_the_step_queued_for_it(engine):
+def test_a_prefill_carrying_the_batch_takes_the_step_queued_for_it(engine):
+    """The running batch's step comes from the step queued before the chunk's forward, not from
+    rows riding in it: the same tokens, log-probabilities within the rounding of a forward of
+    other rows."""
     plain, finish, steps, forwards = _run(engine, run_ahead=False, max_steps=4, join=True)
-    assert len(plain[len(TEXTS)]) == MAX_NEW[-1] and forwards == steps
+    assert len(plain[len(TEXTS)]) == MAX_NEW[-1] and forwards == steps + 2  # 2 chunks ride
     ahead, ahead_finish, ahead_steps, ahead_forwards = _run(engine, run_ahead=True, max_steps=4,
                                                             join=True)
-    assert ahead == plain and ahead_finish == finish and ahead_steps == steps
-    # a chunk after a call that queued a step drops it: computed for nothing
-    assert steps < ahead_forwards <= steps + 2
+    assert ahead_finish == finish and ahead_steps == steps
+    for rid, tokens in plain.items():
+        assert [(i, text, top) for i, _, text, top in ahead[rid]] == [
+            (i, text, top) for i, _, text, top in tokens]
+        assert [lp for _, lp, _, _ in ahead[rid]] == pytest.approx(
+            [lp for _, lp, _, _ in tokens], rel=1e-5)
+    # each chunk after a call took the step that call queued, or rode: none computed twice
+    assert ahead_forwards == forwards
