@@ -48,6 +48,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "int8_rows.h"
 #include "matmul_isa.h"
 #if defined(HAVE_DPBF16)
 #include "bf16_tiles.h"
@@ -395,7 +396,7 @@ __attribute__((noinline)) static void unpack_block(int mode, const uint8_t *bloc
 #ifdef HAVE_VNNI512
 
 /* AVX-512 VNNI: integer dot products for every batch, as on AVX2 (the rows rounded to int8 a
- * group of 32 inputs by quantize_row), with VPDPBUSD: unsigned bytes times signed bytes, four
+ * group of 32 inputs as int8_rows.h does), with VPDPBUSD: unsigned bytes times signed bytes, four
  * products a 32-bit lane added in int32. A group's 4-bit values are unsigned, so q (0..15) times
  * the row's int8 inputs needs no offset. Each 64 bytes of a group's nibbles hold pairs i and
  * i + 1 ([2][16 features][2 inputs]); one VPERMW gathers each feature's 4 bytes into its 32-bit
@@ -754,42 +755,11 @@ static const int_tile_fn INT_TILES[3][INT_LEVELS] = {{tile_1_MODE_F, tile_2_MODE
 
 #if defined(HAVE_VNNI512) || defined(HAVE_AVX2_FMA)
 
-/* a row [k] of bf16 -> its int8 form (xq [k]), each group's d and the sum of its inputs as
- * rounded, d x (sum of xq) ([k / 32]): with that sum the minimum's term, too, multiplies the
- * rounded inputs, so the result is the weights times the rounded inputs (half the error, at most,
- * of the exact sum beside q's term: q * scale spans twice what a centred weight does) */
-static void quantize_row(const uint16_t *x, int64_t k, int8_t *xq, float *x_scales,
-                         float *x_sums) {
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        float values[GROUP], largest = 0.0f;
-        int finite = 1;
-        for (int i = 0; i < GROUP; i++) {
-            values[i] = bf16_to_float(x[g * GROUP + i]);
-            const float magnitude = values[i] < 0 ? -values[i] : values[i];
-            finite &= magnitude <= 3.4e38f; /* false for infinities and NaNs */
-            largest = magnitude > largest ? magnitude : largest;
-        }
-        /* in double: 127 / largest overflows a float for the smallest subnormals */
-        const int usable = finite && largest > 0.0f;
-        const double inverse = usable ? 127.0 / largest : 0.0;
-        int32_t total = 0;
-        for (int i = 0; i < GROUP; i++) {
-            const int8_t value = usable ? (int8_t)__builtin_nearbyint(values[i] * inverse) : 0;
-            xq[g * GROUP + i] = value;
-            total += value;
-        }
-        const float d = largest / 127.0f;
-        /* a group with an infinity or a NaN gives NaNs, as a float32 product would */
-        x_scales[g] = finite ? d : __builtin_nanf("");
-        x_sums[g] = finite ? d * (float)total : __builtin_nanf("");
-    }
-}
-
 #ifdef HAVE_VNNI512
-/* quantize_row with AVX-512: each group in two zmm of float32, scaled by 127 / largest in float32
- * (the scalar form's double product can differ only at a tie), rounded to nearest even; groups
- * too small for 127 / largest to be a float (below 127 / FLT_MAX), or not finite, by the scalar
- * form */
+/* quantize_row_int8_scalar with AVX-512: each group in two zmm of float32, scaled by
+ * 127 / largest in float32 (the scalar form's double product can differ only at a tie), rounded
+ * to nearest even; groups too small for 127 / largest to be a float (below 127 / FLT_MAX), or not
+ * finite, by the scalar form */
 static void quantize_row_512(const uint16_t *x, int64_t k, int8_t *xq, float *x_scales,
                              float *x_sums) {
     const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
@@ -804,7 +774,8 @@ static void quantize_row_512(const uint16_t *x, int64_t k, int8_t *xq, float *x_
         const float largest = _mm512_reduce_max_ps(
             _mm512_max_ps(_mm512_and_ps(a, magnitude), _mm512_and_ps(b, magnitude)));
         if (special || largest < 127.0f / 3.4e38f) {
-            quantize_row(at, GROUP, xq + g * GROUP, x_scales + g, x_sums + g);
+            quantize_row_int8_scalar(at, GROUP, GROUP, xq + g * GROUP, x_scales + g,
+                                     x_sums + g);
             continue;
         }
         const __m512 inverse = _mm512_set1_ps((float)(127.0 / largest));
@@ -819,7 +790,8 @@ static void quantize_row_512(const uint16_t *x, int64_t k, int8_t *xq, float *x_
 }
 #define QUANTIZE_ROW quantize_row_512
 #else
-#define QUANTIZE_ROW quantize_row
+#define QUANTIZE_ROW(x, k, xq, x_scales, x_sums)                                                   \
+    quantize_row_int8_scalar(x, k, GROUP, xq, x_scales, x_sums)
 #endif
 
 #endif
