@@ -496,16 +496,19 @@ static const int_tile_fn INT_TILES[3][4] = {
 
 /* AVX2: integer dot products, as llama.cpp multiplies Q4_1 by its Q8_1 activations. Each row's
  * group of 32 inputs is held as int8 (the group's largest magnitude as 127, xq = round(x * 127 /
- * max), d = max / 127), so a weight's q times an input is one VPMADDUBSW lane: the 32 bytes i of a
- * group, masked (low halves: inputs 2i, 2i + 1 of the 16 features) or shifted and masked (high
- * halves: inputs 16 + 2i, 17 + 2i), against the row's pair of int8 inputs broadcast, give each
- * feature's sum of two products in 16 bits (at most 2 x 15 x 127), eight of them added in 16 bits
- * (at most 30,480) for the low halves and eight for the high ones. A group then adds
- * scale * d * D + low * X to each feature, D the integer dot product and X the sum of the
- * group's inputs as rounded, d * (sum of xq). Three times fewer instructions a weight than float32 FMAs on the widened
- * nibbles, which held the 4-bit form to 2-3x bf16's arithmetic time on AVX2. The cost: each
- * input's rounding to 1/254 of its group's largest magnitude (the bound in
- * tests/unit/shard/test_int4_kernel.py), an error llama.cpp's 4-bit models carry too. */
+ * max), d = max / 127, rounded as the VNNI path rounds them: int8_rows.h with float32 products),
+ * so a weight's q times an input is one VPMADDUBSW lane: the 32 bytes i of a group, masked (low
+ * halves: inputs 2i, 2i + 1 of the 16 features) or shifted and masked (high halves: inputs
+ * 16 + 2i, 17 + 2i), against the row's pair of int8 inputs broadcast, give each feature's sum of
+ * two products in 16 bits (at most 2 x 15 x 127), eight of them added in 16 bits (at most
+ * 30,480) for the low halves and eight for the high ones. A group then adds (scale * d) * D, then
+ * low * X, to each feature (two fused multiply-adds, in the VNNI tiles' order, so the two paths
+ * give the same results bit for bit: tests/unit/shard/test_int4_kernel_arithmetic.py), D the
+ * integer dot product and X the sum of the group's inputs as rounded, d * (sum of xq). Three
+ * times fewer instructions a weight than float32 FMAs on the widened nibbles, which held the
+ * 4-bit form to 2-3x bf16's arithmetic time on AVX2. The cost: each input's rounding to 1/254 of
+ * its group's largest magnitude (the bound in tests/unit/shard/test_int4_kernel.py), an error
+ * llama.cpp's 4-bit models carry too. */
 
 /* int16 lanes f of the low and high sums -> float32 features [0-3, 8-11] and [4-7, 12-15] */
 static inline __attribute__((always_inline)) void
@@ -519,22 +522,9 @@ widen_dots(__m256i low_sums, __m256i high_sums, __m256 *first, __m256 *second) {
 static inline __attribute__((always_inline)) void
 store_features(__m256 first, __m256 second, const uint16_t *bias, int64_t col, int valid,
                uint16_t *out) {
-    __m256 halves[2] = {_mm256_permute2f128_ps(first, second, 0x20),
-                        _mm256_permute2f128_ps(first, second, 0x31)};
-    for (int h = 0; h < 2 && valid > 8 * h; h++) {
-        const int64_t at = col + 8 * h;
-        if (valid - 8 * h >= 8) {
-            __m256 sums = halves[h];
-            if (bias)
-                sums = _mm256_add_ps(sums, widen_8(bias + at));
-            _mm_storeu_si128((__m128i *)(out + at), round_to_bf16(sums));
-            continue;
-        }
-        float feature[8];
-        _mm256_storeu_ps(feature, halves[h]);
-        for (int i = 0; i < valid - 8 * h; i++)
-            out[at + i] = float_to_bf16(feature[i] + (bias ? bf16_to_float(bias[at + i]) : 0.0f));
-    }
+    store_8(_mm256_permute2f128_ps(first, second, 0x20), bias, col, valid, out);
+    if (valid > 8)
+        store_8(_mm256_permute2f128_ps(first, second, 0x31), bias, col + 8, valid - 8, out);
 }
 
 /* 8 float16s -> float32 */
@@ -656,10 +646,10 @@ factors_256(int mode, const uint8_t *first, int j, const __m256 *d, const __m256
                     const __m256 dot_b = _mm256_cvtepi32_ps(dots_b[r]);                          \
                     const __m256 dx = _mm256_set1_ps(x_scales[r * groups + g]);                  \
                     const __m256 sum = _mm256_set1_ps(x_sums[r * groups + g]);                   \
-                    first[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_a, dot_a), dx,                \
-                                               _mm256_fmadd_ps(low_a, sum, first[r]));           \
-                    second[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_b, dot_b), dx,               \
-                                                _mm256_fmadd_ps(low_b, sum, second[r]));         \
+                    first[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_a, dx), dot_a, first[r]);     \
+                    second[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_b, dx), dot_b, second[r]);   \
+                    first[r] = _mm256_fmadd_ps(low_a, sum, first[r]);                            \
+                    second[r] = _mm256_fmadd_ps(low_b, sum, second[r]);                          \
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
@@ -725,10 +715,10 @@ factors_256(int mode, const uint8_t *first, int j, const __m256 *d, const __m256
                     widen_dots(low_sums[r], high_sums[r], &dot_a, &dot_b);                       \
                     const __m256 dx = _mm256_set1_ps(x_scales[r * groups + g]);                  \
                     const __m256 sum = _mm256_set1_ps(x_sums[r * groups + g]);                   \
-                    first[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_a, dot_a), dx,                \
-                                               _mm256_fmadd_ps(low_a, sum, first[r]));           \
-                    second[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_b, dot_b), dx,               \
-                                                _mm256_fmadd_ps(low_b, sum, second[r]));         \
+                    first[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_a, dx), dot_a, first[r]);     \
+                    second[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_b, dx), dot_b, second[r]);   \
+                    first[r] = _mm256_fmadd_ps(low_a, sum, first[r]);                            \
+                    second[r] = _mm256_fmadd_ps(low_b, sum, second[r]);                          \
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
@@ -775,7 +765,7 @@ static void quantize_row_512(const uint16_t *x, int64_t k, int8_t *xq, float *x_
             _mm512_max_ps(_mm512_and_ps(a, magnitude), _mm512_and_ps(b, magnitude)));
         if (special || largest < 127.0f / 3.4e38f) {
             quantize_row_int8_scalar(at, GROUP, GROUP, xq + g * GROUP, x_scales + g,
-                                     x_sums + g);
+                                     x_sums + g, 0);
             continue;
         }
         const __m512 inverse = _mm512_set1_ps((float)(127.0 / largest));
@@ -791,7 +781,7 @@ static void quantize_row_512(const uint16_t *x, int64_t k, int8_t *xq, float *x_
 #define QUANTIZE_ROW quantize_row_512
 #else
 #define QUANTIZE_ROW(x, k, xq, x_scales, x_sums)                                                   \
-    quantize_row_int8_scalar(x, k, GROUP, xq, x_scales, x_sums)
+    quantize_row_int8_scalar(x, k, GROUP, xq, x_scales, x_sums, 1)
 #endif
 
 #endif

@@ -757,7 +757,8 @@ static void quantize_row_int16(const uint16_t *row, int64_t k, int group, int16_
     (void)x_offsets;
     for (int64_t g = 0; g < k / group; g++) {
         int8_t rounded[32];
-        quantize_row_int8_scalar(row + g * group, group, group, rounded, x_scales + g, x_sums + g);
+        quantize_row_int8_scalar(row + g * group, group, group, rounded, x_scales + g, x_sums + g,
+                                 0);
         for (int i = 0; i < group; i++)
             xq[g * group + i] = rounded[i];
     }

@@ -13,9 +13,11 @@
  * rounded, d x (sum of xq) ([k / group]): with that sum a low's term, too, multiplies the rounded
  * inputs, so the result is the weights times the rounded inputs (half the error, at most, of the
  * exact sum beside q's term: q * scale spans twice what a centred weight does). A group of up to
- * 32 inputs. */
+ * 32 inputs. Each input's multiple of d is its product by 127 / largest in float64 (int8_matmul.c's
+ * AVX-512 rounding), or with `float_products`, where that quotient is a float, the product in
+ * float32 by the quotient rounded to a float (int4_matmul.c's): the two differ at near-ties. */
 static inline void quantize_row_int8_scalar(const uint16_t *x, int64_t k, int group, int8_t *xq,
-                                            float *x_scales, float *x_sums) {
+                                            float *x_scales, float *x_sums, int float_products) {
     for (int64_t g = 0; g < k / group; g++) {
         float values[32], largest = 0.0f;
         int finite = 1;
@@ -28,9 +30,12 @@ static inline void quantize_row_int8_scalar(const uint16_t *x, int64_t k, int gr
         /* in double: 127 / largest overflows a float for the smallest subnormals */
         const int usable = finite && largest > 0.0f;
         const double inverse = usable ? 127.0 / largest : 0.0;
+        const int single = float_products && largest >= 127.0f / 3.4e38f;
         int32_t total = 0;
         for (int i = 0; i < group; i++) {
-            const int8_t value = usable ? (int8_t)__builtin_nearbyint(values[i] * inverse) : 0;
+            const double product = single ? (double)(values[i] * (float)inverse)
+                                          : values[i] * inverse;
+            const int8_t value = usable ? (int8_t)__builtin_nearbyint(product) : 0;
             xq[g * group + i] = value;
             total += value;
         }
