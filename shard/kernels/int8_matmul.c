@@ -48,8 +48,8 @@
  * the same integer sums and float32 epilogue, so the same results bit for bit (see the AVX2
  * section below: VPMADDWD, or AVX-VNNI's VPDPWSSD). Measured against the float32 FMAs it replaced
  * (q and the rows widened to float32), on a Xeon held to -march=x86-64-v3, 1 thread,
- * benchmarks/matmul_bench.py --gguf: Q6_K and Q8_0 at Llama 3 8B's shapes 1.4x as fast at 1 row
- * and 1.6-1.7x at 8-512; with AVX-VNNI (-march=alderlake) 2.1x at 8-512.
+ * benchmarks/matmul_bench.py --gguf: Q6_K and Q8_0 at Llama 3 8B's shapes 1.3-1.5x as fast at 1
+ * row and 1.5-1.8x at 8-512; with AVX-VNNI (-march=alderlake) 2.0-2.3x at 8-512.
  */
 #include <stdint.h>
 #include <stdlib.h>
