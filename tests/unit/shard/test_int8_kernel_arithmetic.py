@@ -70,7 +70,7 @@ def expected(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.T
 
 
 def test_every_integer_form_computes_the_vnni_arithmetic_bit_for_bit(integer_build):
-    """AVX2's VPMADDWD, AVX-VNNI's VPDPWSSD and AVX-512's VPDPBUSD give the same bf16 results.
+    """AVX2's VPMADDWD, AVX-VNNI's and AVX-512's VPDPBUSD give the same bf16 results.
 
     Every mode and group, every tile (1, 2, 4, 8 rows on AVX-512; 1, 2, 4 on AVX2) and more rows,
     tails of a 16-feature block, bias or none, an all-zero group: `expected`'s results bit for bit,
