@@ -1,6 +1,6 @@
-/* Storing float32 sums as bf16 rows, shared by the matmul kernels (bf16_matmul.c, int4_matmul.c):
- * the bias added in float32, one rounding to bf16 (to nearest, ties to even, as float_to_bf16),
- * `valid` of the features stored, in the form the build has (matmul_isa.h). */
+/* Storing float32 sums as bf16 rows, shared by the matmul kernels (bf16_matmul.c, int4_matmul.c,
+ * int8_matmul.c): the bias added in float32, one rounding to bf16 (to nearest, ties to even, as
+ * float_to_bf16), `valid` of the features stored, in the form the build has (matmul_isa.h). */
 #ifndef TGI_PY_BF16_STORE_H
 #define TGI_PY_BF16_STORE_H
 
@@ -45,13 +45,9 @@ static inline __attribute__((always_inline)) __m256 widen_8(const uint16_t *valu
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)values)), 16));
 }
 
-/* 8 features' sums as two vectors of 4 features x (even input, odd input) lanes: hadd adds each
- * feature's two lanes (giving features 0, 1, 4, 5, 2, 3, 6, 7), the permute orders them */
+/* 8 features' sums, in order */
 static inline __attribute__((always_inline)) void
-store_half(__m256 first, __m256 second, const uint16_t *bias, int64_t col, int valid,
-           uint16_t *out) {
-    __m256 sums = _mm256_castpd_ps(_mm256_permute4x64_pd(
-        _mm256_castps_pd(_mm256_hadd_ps(first, second)), 0xd8));
+store_8(__m256 sums, const uint16_t *bias, int64_t col, int valid, uint16_t *out) {
     if (valid >= 8) {
         if (bias)
             sums = _mm256_add_ps(sums, widen_8(bias + col));
@@ -65,6 +61,16 @@ store_half(__m256 first, __m256 second, const uint16_t *bias, int64_t col, int v
             feature[i] += bf16_to_float(bias[col + i]);
         out[col + i] = float_to_bf16(feature[i]);
     }
+}
+
+/* 8 features' sums as two vectors of 4 features x (even input, odd input) lanes: hadd adds each
+ * feature's two lanes (giving features 0, 1, 4, 5, 2, 3, 6, 7), the permute orders them */
+static inline __attribute__((always_inline)) void
+store_half(__m256 first, __m256 second, const uint16_t *bias, int64_t col, int valid,
+           uint16_t *out) {
+    store_8(_mm256_castpd_ps(_mm256_permute4x64_pd(
+                _mm256_castps_pd(_mm256_hadd_ps(first, second)), 0xd8)),
+            bias, col, valid, out);
 }
 
 /* 16 features' sums, sums[q] holding features 4q..4q+3 as above */

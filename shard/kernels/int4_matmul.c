@@ -48,6 +48,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "int8_rows.h"
 #include "matmul_isa.h"
 #if defined(HAVE_DPBF16)
 #include "bf16_tiles.h"
@@ -395,7 +396,7 @@ __attribute__((noinline)) static void unpack_block(int mode, const uint8_t *bloc
 #ifdef HAVE_VNNI512
 
 /* AVX-512 VNNI: integer dot products for every batch, as on AVX2 (the rows rounded to int8 a
- * group of 32 inputs by quantize_row), with VPDPBUSD: unsigned bytes times signed bytes, four
+ * group of 32 inputs as int8_rows.h does), with VPDPBUSD: unsigned bytes times signed bytes, four
  * products a 32-bit lane added in int32. A group's 4-bit values are unsigned, so q (0..15) times
  * the row's int8 inputs needs no offset. Each 64 bytes of a group's nibbles hold pairs i and
  * i + 1 ([2][16 features][2 inputs]); one VPERMW gathers each feature's 4 bytes into its 32-bit
@@ -495,16 +496,19 @@ static const int_tile_fn INT_TILES[3][4] = {
 
 /* AVX2: integer dot products, as llama.cpp multiplies Q4_1 by its Q8_1 activations. Each row's
  * group of 32 inputs is held as int8 (the group's largest magnitude as 127, xq = round(x * 127 /
- * max), d = max / 127), so a weight's q times an input is one VPMADDUBSW lane: the 32 bytes i of a
- * group, masked (low halves: inputs 2i, 2i + 1 of the 16 features) or shifted and masked (high
- * halves: inputs 16 + 2i, 17 + 2i), against the row's pair of int8 inputs broadcast, give each
- * feature's sum of two products in 16 bits (at most 2 x 15 x 127), eight of them added in 16 bits
- * (at most 30,480) for the low halves and eight for the high ones. A group then adds
- * scale * d * D + low * X to each feature, D the integer dot product and X the sum of the
- * group's inputs as rounded, d * (sum of xq). Three times fewer instructions a weight than float32 FMAs on the widened
- * nibbles, which held the 4-bit form to 2-3x bf16's arithmetic time on AVX2. The cost: each
- * input's rounding to 1/254 of its group's largest magnitude (the bound in
- * tests/unit/shard/test_int4_kernel.py), an error llama.cpp's 4-bit models carry too. */
+ * max), d = max / 127, rounded as the VNNI path rounds them: int8_rows.h with float32 products),
+ * so a weight's q times an input is one VPMADDUBSW lane: the 32 bytes i of a group, masked (low
+ * halves: inputs 2i, 2i + 1 of the 16 features) or shifted and masked (high halves: inputs
+ * 16 + 2i, 17 + 2i), against the row's pair of int8 inputs broadcast, give each feature's sum of
+ * two products in 16 bits (at most 2 x 15 x 127), eight of them added in 16 bits (at most
+ * 30,480) for the low halves and eight for the high ones. A group then adds (scale * d) * D, then
+ * low * X, to each feature (two fused multiply-adds, in the VNNI tiles' order, so the two paths
+ * give the same results bit for bit: tests/unit/shard/test_int4_kernel_arithmetic.py), D the
+ * integer dot product and X the sum of the group's inputs as rounded, d * (sum of xq). Three
+ * times fewer instructions a weight than float32 FMAs on the widened nibbles, which held the
+ * 4-bit form to 2-3x bf16's arithmetic time on AVX2. The cost: each input's rounding to 1/254 of
+ * its group's largest magnitude (the bound in tests/unit/shard/test_int4_kernel.py), an error
+ * llama.cpp's 4-bit models carry too. */
 
 /* int16 lanes f of the low and high sums -> float32 features [0-3, 8-11] and [4-7, 12-15] */
 static inline __attribute__((always_inline)) void
@@ -518,22 +522,9 @@ widen_dots(__m256i low_sums, __m256i high_sums, __m256 *first, __m256 *second) {
 static inline __attribute__((always_inline)) void
 store_features(__m256 first, __m256 second, const uint16_t *bias, int64_t col, int valid,
                uint16_t *out) {
-    __m256 halves[2] = {_mm256_permute2f128_ps(first, second, 0x20),
-                        _mm256_permute2f128_ps(first, second, 0x31)};
-    for (int h = 0; h < 2 && valid > 8 * h; h++) {
-        const int64_t at = col + 8 * h;
-        if (valid - 8 * h >= 8) {
-            __m256 sums = halves[h];
-            if (bias)
-                sums = _mm256_add_ps(sums, widen_8(bias + at));
-            _mm_storeu_si128((__m128i *)(out + at), round_to_bf16(sums));
-            continue;
-        }
-        float feature[8];
-        _mm256_storeu_ps(feature, halves[h]);
-        for (int i = 0; i < valid - 8 * h; i++)
-            out[at + i] = float_to_bf16(feature[i] + (bias ? bf16_to_float(bias[at + i]) : 0.0f));
-    }
+    store_8(_mm256_permute2f128_ps(first, second, 0x20), bias, col, valid, out);
+    if (valid > 8)
+        store_8(_mm256_permute2f128_ps(first, second, 0x31), bias, col + 8, valid - 8, out);
 }
 
 /* 8 float16s -> float32 */
@@ -655,10 +646,10 @@ factors_256(int mode, const uint8_t *first, int j, const __m256 *d, const __m256
                     const __m256 dot_b = _mm256_cvtepi32_ps(dots_b[r]);                          \
                     const __m256 dx = _mm256_set1_ps(x_scales[r * groups + g]);                  \
                     const __m256 sum = _mm256_set1_ps(x_sums[r * groups + g]);                   \
-                    first[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_a, dot_a), dx,                \
-                                               _mm256_fmadd_ps(low_a, sum, first[r]));           \
-                    second[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_b, dot_b), dx,               \
-                                                _mm256_fmadd_ps(low_b, sum, second[r]));         \
+                    first[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_a, dx), dot_a, first[r]);     \
+                    second[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_b, dx), dot_b, second[r]);   \
+                    first[r] = _mm256_fmadd_ps(low_a, sum, first[r]);                            \
+                    second[r] = _mm256_fmadd_ps(low_b, sum, second[r]);                          \
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
@@ -724,10 +715,10 @@ factors_256(int mode, const uint8_t *first, int j, const __m256 *d, const __m256
                     widen_dots(low_sums[r], high_sums[r], &dot_a, &dot_b);                       \
                     const __m256 dx = _mm256_set1_ps(x_scales[r * groups + g]);                  \
                     const __m256 sum = _mm256_set1_ps(x_sums[r * groups + g]);                   \
-                    first[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_a, dot_a), dx,                \
-                                               _mm256_fmadd_ps(low_a, sum, first[r]));           \
-                    second[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_b, dot_b), dx,               \
-                                                _mm256_fmadd_ps(low_b, sum, second[r]));         \
+                    first[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_a, dx), dot_a, first[r]);     \
+                    second[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale_b, dx), dot_b, second[r]);   \
+                    first[r] = _mm256_fmadd_ps(low_a, sum, first[r]);                            \
+                    second[r] = _mm256_fmadd_ps(low_b, sum, second[r]);                          \
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
@@ -754,42 +745,11 @@ static const int_tile_fn INT_TILES[3][INT_LEVELS] = {{tile_1_MODE_F, tile_2_MODE
 
 #if defined(HAVE_VNNI512) || defined(HAVE_AVX2_FMA)
 
-/* a row [k] of bf16 -> its int8 form (xq [k]), each group's d and the sum of its inputs as
- * rounded, d x (sum of xq) ([k / 32]): with that sum the minimum's term, too, multiplies the
- * rounded inputs, so the result is the weights times the rounded inputs (half the error, at most,
- * of the exact sum beside q's term: q * scale spans twice what a centred weight does) */
-static void quantize_row(const uint16_t *x, int64_t k, int8_t *xq, float *x_scales,
-                         float *x_sums) {
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        float values[GROUP], largest = 0.0f;
-        int finite = 1;
-        for (int i = 0; i < GROUP; i++) {
-            values[i] = bf16_to_float(x[g * GROUP + i]);
-            const float magnitude = values[i] < 0 ? -values[i] : values[i];
-            finite &= magnitude <= 3.4e38f; /* false for infinities and NaNs */
-            largest = magnitude > largest ? magnitude : largest;
-        }
-        /* in double: 127 / largest overflows a float for the smallest subnormals */
-        const int usable = finite && largest > 0.0f;
-        const double inverse = usable ? 127.0 / largest : 0.0;
-        int32_t total = 0;
-        for (int i = 0; i < GROUP; i++) {
-            const int8_t value = usable ? (int8_t)__builtin_nearbyint(values[i] * inverse) : 0;
-            xq[g * GROUP + i] = value;
-            total += value;
-        }
-        const float d = largest / 127.0f;
-        /* a group with an infinity or a NaN gives NaNs, as a float32 product would */
-        x_scales[g] = finite ? d : __builtin_nanf("");
-        x_sums[g] = finite ? d * (float)total : __builtin_nanf("");
-    }
-}
-
 #ifdef HAVE_VNNI512
-/* quantize_row with AVX-512: each group in two zmm of float32, scaled by 127 / largest in float32
- * (the scalar form's double product can differ only at a tie), rounded to nearest even; groups
- * too small for 127 / largest to be a float (below 127 / FLT_MAX), or not finite, by the scalar
- * form */
+/* quantize_row_int8_scalar with AVX-512: each group in two zmm of float32, scaled by
+ * 127 / largest in float32 (the scalar form's double product can differ only at a tie), rounded
+ * to nearest even; groups too small for 127 / largest to be a float (below 127 / FLT_MAX), or not
+ * finite, by the scalar form */
 static void quantize_row_512(const uint16_t *x, int64_t k, int8_t *xq, float *x_scales,
                              float *x_sums) {
     const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
@@ -804,7 +764,8 @@ static void quantize_row_512(const uint16_t *x, int64_t k, int8_t *xq, float *x_
         const float largest = _mm512_reduce_max_ps(
             _mm512_max_ps(_mm512_and_ps(a, magnitude), _mm512_and_ps(b, magnitude)));
         if (special || largest < 127.0f / 3.4e38f) {
-            quantize_row(at, GROUP, xq + g * GROUP, x_scales + g, x_sums + g);
+            quantize_row_int8_scalar(at, GROUP, GROUP, xq + g * GROUP, x_scales + g,
+                                     x_sums + g, 0);
             continue;
         }
         const __m512 inverse = _mm512_set1_ps((float)(127.0 / largest));
@@ -819,7 +780,8 @@ static void quantize_row_512(const uint16_t *x, int64_t k, int8_t *xq, float *x_
 }
 #define QUANTIZE_ROW quantize_row_512
 #else
-#define QUANTIZE_ROW quantize_row
+#define QUANTIZE_ROW(x, k, xq, x_scales, x_sums)                                                   \
+    quantize_row_int8_scalar(x, k, GROUP, xq, x_scales, x_sums, 1)
 #endif
 
 #endif

@@ -44,15 +44,20 @@
  * VPDPBUSD (see the VNNI section below), so a row's result does not depend on the batch; the
  * int16 tiles and unpacked blocks above then serve only an AVX-512 BF16 CPU without VNNI.
  *
- * AVX2 (no bf16 arithmetic): every batch by the 8-bit form, q widened to float32 and multiplied by
- * the rows widened to float32 (exact products, float32 sums), then scale * D + low * X as above.
- * No rounding of the inputs: q has twice int4's bits, and int8 inputs would be the larger error.
+ * AVX2 (no bf16 arithmetic): every batch as on AVX-512 VNNI, the rows rounded to int8 alike and
+ * the same integer sums and float32 epilogue, so the same results bit for bit (see the AVX2
+ * section below: VPMADDWD, or AVX-VNNI's VPDPBUSD). Measured against the float32 FMAs it replaced
+ * (q and the rows widened to float32), on a Xeon held to -march=x86-64-v3, 1 thread,
+ * benchmarks/matmul_bench.py --gguf: Q6_K and Q8_0 at Llama 3 8B's shapes 1.3-1.5x as fast at 1
+ * row and 1.5-1.8x at 8-512; with AVX-VNNI (-march=alderlake) 1.3-1.5x at 1 row, Q6_K 2.5-3.0x
+ * and Q8_0 3.4-4.1x at 8-512 (VPDPWSSD on the int16 rows took 2.0-2.3x).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "int8_rows.h"
 #include "matmul_isa.h"
 #if defined(HAVE_DPBF16)
 #include "bf16_tiles.h"
@@ -116,15 +121,12 @@ static int64_t block_bytes(int64_t k, int group, int mode) {
 /* blocks a thread unpacks at a time: the widest bf16 tile at many rows */
 #define STRIP_BLOCKS 3
 #else
-/* no limit: every batch runs the 8-bit tiles */
+/* no limit: every batch runs the int8 tiles */
 #define TILE_MAX_ROWS 0
-/* rows the tiles take against each thread's blocks before the next rows (their float32 form
- * stays in L2 meanwhile) */
-#define ROWS_PER_PASS 128
 #endif
 
-/* 1: AVX-512 BF16 dot products; 2: float32 FMAs on AVX2; 3: int8 dot products on AVX-512 VNNI;
- * 0: no kernel in this build */
+/* 1: AVX-512 BF16 dot products; 2: integer dot products on AVX2; 3: on AVX-512 VNNI; 0: no
+ * kernel in this build */
 int int8_matmul_supported(void) {
 #ifdef HAVE_VNNI512
     return 3;
@@ -447,6 +449,10 @@ typedef void (*int_tile_fn)(const int8_t *, int64_t, const float *, const float 
 static const int_tile_fn INT_TILES[8][4] = {
     INT_TILE_ROW(16, F),  INT_TILE_ROW(32, F),  INT_TILE_ROW(16, H),  INT_TILE_ROW(32, H),
     INT_TILE_ROW(16, HL), INT_TILE_ROW(32, HL), INT_TILE_ROW(16, K6), INT_TILE_ROW(32, K5)};
+/* int_matmul's: tiles of 1, 2, 4 and 8 rows, the rows' int8 form as bytes */
+#define INT_LEVELS 4
+typedef int8_t row_int;
+#define QUANTIZE_INT8 quantize_row_int8
 
 /* a row [k] of bf16 -> its int8 form (xq [k]: each group's inputs as multiples of d, its largest
  * magnitude / 127, rounded to nearest), each group's d, its inputs' sum as rounded (d x the sum
@@ -582,20 +588,6 @@ __attribute__((noinline)) static void unpack_block(const uint8_t *block, int64_t
 
 #elif defined(HAVE_AVX2_FMA)
 
-/* 8 bytes of q ([4 features][2 inputs]) -> float32 */
-static inline __attribute__((always_inline)) __m256 q_quarter(const uint8_t *at) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)at)));
-}
-
-/* 4 features of 8 (quarter q: 0-3 or 4-7) -> lanes (f, even input), (f, odd input);
- * `even_only`: the odd lanes 0 (a low, added once a feature) */
-static inline __attribute__((always_inline)) __m256 spread(__m256 eight, int q, int even_only) {
-    const __m256 spread = _mm256_permutevar8x32_ps(
-        eight, q ? _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)
-                 : _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-    return even_only ? _mm256_blend_ps(spread, _mm256_setzero_ps(), 0xaa) : spread;
-}
-
 /* 8 float16 -> float32 (exact) */
 static inline __attribute__((always_inline)) __m256 widen_halves(const uint8_t *at) {
 #ifdef __F16C__
@@ -652,113 +644,213 @@ factors_256(int mode, const uint8_t *at, int half, __m256 d, __m256 dmin, __m256
     }
 }
 
-/* MR rows (widened to float32) x HALVES halves of a block (8 features each, from half `first`),
- * factors held as MODE. A half's pair of inputs is two vectors of 4 features x (even input, odd
- * input), as bf16_tiles.h's AVX2 tiles read the bf16 blocks; a row's pair of inputs is broadcast
- * as one 64-bit value and each feature's sum lies in two lanes until store_half adds them. 16 ymm
- * registers: 4 x MR x HALVES sums and dot products, two widened quarters, a broadcast. */
-#define DEFINE_TILE(MR, HALVES, G, MODE)                                                           \
-    static void tile_##MR##_##HALVES##_##G##_##MODE(                                             \
-        const float *x, int64_t x_stride, const float *x_sums, int64_t groups,                   \
-        const uint8_t *block, int first, int64_t col, int64_t n, const uint16_t *bias,           \
-        uint16_t *out, int64_t out_stride) {                                                     \
+/* AVX2's integer tiles: every batch against the rows rounded to int8 a group by int8_rows.h (the
+ * scalar form of quantize_row_int8: the same float64 products, so the same int8 values), so that
+ * each group's D = sum q xq is the same int32 and the float32 epilogue (scale * (D * d), then
+ * low * X, per group) the same operations on the same values: the AVX-512 VNNI build's results,
+ * bit for bit (tests/unit/shard/test_int8_kernel_arithmetic.py). The int8 inputs are held as
+ * int16, and each pair of them is one broadcast 32-bit load against 16 bytes of q sign-extended
+ * to 16 bits: VPMADDWD multiplies (signed by signed, so q's -128 needs no care) and adds each
+ * feature's two products into its int32 lane, features in order; 32 products a row take two
+ * VPMADDWD and two adds. llama.cpp's VPMADDUBSW (unsigned by signed bytes) takes three
+ * multiply-port instructions for them (VPSIGNB to make one side non-negative, the multiply,
+ * VPMADDWD by ones to widen its 16-bit pair sums) and an add, and its usual sign trick (the
+ * weights' sign moved onto the inputs) cannot negate a q of -128. */
+
+#ifdef __AVXVNNI__
+/* With AVX-VNNI (Alder Lake and later without AVX-512), VPDPBUSD as on AVX-512: q + 128 (its sign
+ * bit flipped) the unsigned operand against 4 int8 inputs, each row's group starting its sums at
+ * -128 x (the sum of its int8 inputs), 32 products an instruction where VPDPWSSD on the int16
+ * rows takes 16 (measured: 1.4-1.8x VPDPWSSD's speed at 8-512 rows, Q6_K and Q8_0). Each
+ * 64 bytes of q hold pairs i and i + 1 ([2][16 features][2 inputs]); VPUNPCKLWD / VPUNPCKHWD of
+ * their two halves put a feature's 4 bytes in a 32-bit lane, features [0-3, 8-11] and
+ * [4-7, 12-15] (the factors permuted to match, the sums back to order as they are stored). */
+typedef int8_t row_int;
+
+/* MR rows (int8) x one block: each row's int32 dot products and float32 sums, in the unpacks'
+ * feature order */
+#define DEFINE_INT_TILE(MR, G, MODE)                                                               \
+    static void int_tile_##MR##_##G##_##MODE(const int8_t *xq, int64_t x_stride,                \
+                                             const float *x_scales, const float *x_sums,        \
+                                             const int32_t *x_offsets, int64_t groups,          \
+                                             const uint8_t *block, int64_t col, int64_t n,      \
+                                             const uint16_t *bias, uint16_t *out,               \
+                                             int64_t out_stride) {                              \
         enum { M = MODE_##MODE, PER_UNIT = UNIT_GROUPS(M, G), STRIDE = GROUP_BYTES(M, G),         \
                LINES = (STRIDE + 63) / 64 + (HEAD_BYTES(M) > 0) };                               \
-        __m256 sums[MR][HALVES][2];                                                              \
+        const __m256i sign = _mm256_set1_epi8((char)0x80);                                       \
+        __m256 sums[MR][2];                                                                      \
         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
-            _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++)                             \
-                sums[r][h][0] = sums[r][h][1] = _mm256_setzero_ps();                             \
+            sums[r][0] = sums[r][1] = _mm256_setzero_ps();                                       \
         for (int64_t u = 0; u < groups / PER_UNIT; u++) {                                        \
             const uint8_t *unit = block + u * UNIT_BYTES(M, G);                                  \
-            __m256 d[HALVES], dmin[HALVES];                                                      \
-            _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++)                             \
-                head_256(M, unit, first + h, &d[h], &dmin[h]);                                   \
+            __m256 d[2], dmin[2];                                                                \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                  \
+                head_256(M, unit, h, &d[h], &dmin[h]);                                           \
             for (int64_t g = u * PER_UNIT; g < (u + 1) * PER_UNIT; g++) {                        \
                 const uint8_t *at = unit + HEAD_BYTES(M) + (g - u * PER_UNIT) * STRIDE;          \
-                __m256 dot[MR][HALVES][2];                                                       \
-                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                             \
-                    _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++)                     \
-                        dot[r][h][0] = dot[r][h][1] = _mm256_setzero_ps();                       \
                 _Pragma("GCC unroll 10") for (int line = 0; line < LINES; line++)                \
                     _mm_prefetch((const char *)((uintptr_t)at                                    \
                                  + (uintptr_t)(PREFETCH_GROUPS * STRIDE + line * 64)),           \
                                  _MM_HINT_T0);                                                   \
-                _Pragma("GCC unroll 4") for (int i = 0; i < (G) / 2; i++)                        \
-                    _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++)                     \
-                        _Pragma("GCC unroll 2") for (int q = 0; q < 2; q++) {                    \
-                            const __m256 w = q_quarter(at + i * 32 + (first + h) * 16 + q * 8);  \
-                            _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {               \
-                                const __m256 in = _mm256_castpd_ps(_mm256_broadcast_sd(          \
-                                    (const double *)(x + r * x_stride + g * (G) + 2 * i)));      \
-                                dot[r][h][q] = _mm256_fmadd_ps(in, w, dot[r][h][q]);             \
-                            }                                                                    \
-                        }                                                                        \
-                _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++) {                       \
+                __m256i dot[MR][2];                                                              \
+                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                             \
+                    dot[r][0] = dot[r][1] = _mm256_set1_epi32(x_offsets[r * groups + g]);        \
+                _Pragma("GCC unroll 8") for (int p = 0; p < (G) / 4; p++) {                      \
+                    const __m256i even = _mm256_loadu_si256((const __m256i *)(at + p * 64));     \
+                    const __m256i odd = _mm256_loadu_si256((const __m256i *)(at + p * 64 + 32)); \
+                    const __m256i w[2] = {                                                       \
+                        _mm256_xor_si256(_mm256_unpacklo_epi16(even, odd), sign),                \
+                        _mm256_xor_si256(_mm256_unpackhi_epi16(even, odd), sign)};               \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                       \
+                        int32_t four;                                                            \
+                        memcpy(&four, xq + r * x_stride + g * (G) + 4 * p, sizeof four);         \
+                        const __m256i inputs = _mm256_set1_epi32(four);                          \
+                        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                      \
+                            dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], w[h], inputs);        \
+                    }                                                                            \
+                }                                                                                \
+                __m256 scale[2], low[2];                                                         \
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                              \
+                    factors_256(M, at + BLOCK * (G), h, d[h], dmin[h], &scale[h], &low[h]);      \
+                const __m256 scales[2] = {_mm256_permute2f128_ps(scale[0], scale[1], 0x20),      \
+                                          _mm256_permute2f128_ps(scale[0], scale[1], 0x31)};     \
+                const __m256 lows[2] = {_mm256_permute2f128_ps(low[0], low[1], 0x20),            \
+                                        _mm256_permute2f128_ps(low[0], low[1], 0x31)};           \
+                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                             \
+                    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                        \
+                        const __m256 product =                                                   \
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r][h]),                         \
+                                          _mm256_set1_ps(x_scales[r * groups + g]));             \
+                        sums[r][h] = _mm256_fmadd_ps(scales[h], product, sums[r][h]);            \
+                        if (HAS_LOW(M))                                                          \
+                            sums[r][h] = _mm256_fmadd_ps(                                        \
+                                lows[h], _mm256_set1_ps(x_sums[r * groups + g]), sums[r][h]);    \
+                    }                                                                            \
+            }                                                                                    \
+        }                                                                                        \
+        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                                   \
+            store_8(_mm256_permute2f128_ps(sums[r][0], sums[r][1], 0x20), bias, col,             \
+                    (int)(n - col), out + r * out_stride);                                       \
+            if (n - col > 8)                                                                     \
+                store_8(_mm256_permute2f128_ps(sums[r][0], sums[r][1], 0x31), bias, col + 8,     \
+                        (int)(n - col - 8), out + r * out_stride);                               \
+        }                                                                                        \
+    }
+#else
+typedef int16_t row_int;
+
+/* MR rows (int16) x one block: each row's int32 dot products of the group's two halves (features
+ * 0-7, 8-15) and its float32 sums over the groups so far. x_offsets are VPDPBUSD's (unused here:
+ * VPMADDWD's products are signed already). */
+#define DEFINE_INT_TILE(MR, G, MODE)                                                               \
+    static void int_tile_##MR##_##G##_##MODE(const int16_t *xq, int64_t x_stride,               \
+                                             const float *x_scales, const float *x_sums,        \
+                                             const int32_t *x_offsets, int64_t groups,          \
+                                             const uint8_t *block, int64_t col, int64_t n,      \
+                                             const uint16_t *bias, uint16_t *out,               \
+                                             int64_t out_stride) {                              \
+        enum { M = MODE_##MODE, PER_UNIT = UNIT_GROUPS(M, G), STRIDE = GROUP_BYTES(M, G),         \
+               LINES = (STRIDE + 63) / 64 + (HEAD_BYTES(M) > 0) };                               \
+        (void)x_offsets;                                                                         \
+        __m256 sums[MR][2];                                                                      \
+        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
+            sums[r][0] = sums[r][1] = _mm256_setzero_ps();                                       \
+        for (int64_t u = 0; u < groups / PER_UNIT; u++) {                                        \
+            const uint8_t *unit = block + u * UNIT_BYTES(M, G);                                  \
+            __m256 d[2], dmin[2];                                                                \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                  \
+                head_256(M, unit, h, &d[h], &dmin[h]);                                           \
+            for (int64_t g = u * PER_UNIT; g < (u + 1) * PER_UNIT; g++) {                        \
+                const uint8_t *at = unit + HEAD_BYTES(M) + (g - u * PER_UNIT) * STRIDE;          \
+                _Pragma("GCC unroll 10") for (int line = 0; line < LINES; line++)                \
+                    _mm_prefetch((const char *)((uintptr_t)at                                    \
+                                 + (uintptr_t)(PREFETCH_GROUPS * STRIDE + line * 64)),           \
+                                 _MM_HINT_T0);                                                   \
+                __m256i dot[MR][2];                                                              \
+                _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                             \
+                    dot[r][0] = dot[r][1] = _mm256_setzero_si256();                              \
+                _Pragma("GCC unroll 4") for (int i = 0; i < (G) / 2; i++) {                      \
+                    const __m256i w[2] = {                                                       \
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + i * 32))),   \
+                        _mm256_cvtepi8_epi16(                                                    \
+                            _mm_loadu_si128((const __m128i *)(at + i * 32 + 16)))};              \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                       \
+                        int32_t pair;                                                            \
+                        memcpy(&pair, xq + r * x_stride + g * (G) + 2 * i, sizeof pair);         \
+                        const __m256i both = _mm256_set1_epi32(pair);                            \
+                        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                      \
+                            dot[r][h] =                                                          \
+                                _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(w[h], both));     \
+                    }                                                                            \
+                }                                                                                \
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                            \
                     __m256 scale, low;                                                           \
-                    factors_256(M, at + BLOCK * (G), first + h, d[h], dmin[h], &scale, &low);    \
-                    _Pragma("GCC unroll 2") for (int q = 0; q < 2; q++) {                        \
-                        const __m256 scale_q = spread(scale, q, 0), low_q = spread(low, q, 1);   \
-                        _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                   \
-                            sums[r][h][q] = _mm256_fmadd_ps(scale_q, dot[r][h][q],               \
-                                                            sums[r][h][q]);                      \
-                            if (HAS_LOW(M))                                                      \
-                                sums[r][h][q] = _mm256_fmadd_ps(                                 \
-                                    low_q, _mm256_set1_ps(x_sums[r * groups + g]),               \
-                                    sums[r][h][q]);                                              \
-                        }                                                                        \
+                    factors_256(M, at + BLOCK * (G), h, d[h], dmin[h], &scale, &low);            \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                       \
+                        const __m256 product =                                                   \
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r][h]),                         \
+                                          _mm256_set1_ps(x_scales[r * groups + g]));             \
+                        sums[r][h] = _mm256_fmadd_ps(scale, product, sums[r][h]);                \
+                        if (HAS_LOW(M))                                                          \
+                            sums[r][h] = _mm256_fmadd_ps(                                        \
+                                low, _mm256_set1_ps(x_sums[r * groups + g]), sums[r][h]);        \
                     }                                                                            \
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                                     \
-            _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++) {                           \
-                const int64_t at = col + (first + h) * 8;                                        \
-                if (at < n)                                                                      \
-                    store_half(sums[r][h][0], sums[r][h][1], bias, at, (int)(n - at),            \
-                               out + r * out_stride);                                            \
-            }                                                                                    \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                  \
+                if (col + 8 * h < n)                                                             \
+                    store_8(sums[r][h], bias, col + 8 * h, (int)(n - col - 8 * h),               \
+                            out + r * out_stride);                                               \
     }
 
-/* one row takes the whole block, two or three a half */
-#define DEFINE_TILES(G, MODE)                                                                      \
-    DEFINE_TILE(1, 2, G, MODE) DEFINE_TILE(2, 1, G, MODE) DEFINE_TILE(3, 1, G, MODE)
-#define TILE_ROW(G, MODE)                                                                          \
-    {tile_1_2_##G##_##MODE, tile_2_1_##G##_##MODE, tile_3_1_##G##_##MODE}
-DEFINE_TILES(16, F) DEFINE_TILES(32, F) DEFINE_TILES(16, H) DEFINE_TILES(32, H)
-DEFINE_TILES(16, HL) DEFINE_TILES(32, HL) DEFINE_TILES(16, K6) DEFINE_TILES(32, K5)
-#undef DEFINE_TILE
+#endif
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const uint8_t *, int,
-                        int64_t, int64_t, const uint16_t *, uint16_t *, int64_t);
+#define DEFINE_INT_TILES(G, MODE)                                                                  \
+    DEFINE_INT_TILE(1, G, MODE) DEFINE_INT_TILE(2, G, MODE) DEFINE_INT_TILE(4, G, MODE)
+#define INT_TILE_ROW(G, MODE)                                                                      \
+    {int_tile_1_##G##_##MODE, int_tile_2_##G##_##MODE, int_tile_4_##G##_##MODE}
+DEFINE_INT_TILES(16, F) DEFINE_INT_TILES(32, F) DEFINE_INT_TILES(16, H) DEFINE_INT_TILES(32, H)
+DEFINE_INT_TILES(16, HL) DEFINE_INT_TILES(32, HL) DEFINE_INT_TILES(16, K6) DEFINE_INT_TILES(32, K5)
 
-/* [variant (tile_variant)][rows in the tile - 1] */
-static const tile_fn TILES[8][3] = {TILE_ROW(16, F),  TILE_ROW(32, F),  TILE_ROW(16, H),
-                                    TILE_ROW(32, H),  TILE_ROW(16, HL), TILE_ROW(32, HL),
-                                    TILE_ROW(16, K6), TILE_ROW(32, K5)};
+typedef void (*int_tile_fn)(const row_int *, int64_t, const float *, const float *,
+                            const int32_t *, int64_t, const uint8_t *, int64_t, int64_t,
+                            const uint16_t *, uint16_t *, int64_t);
 
-/* a row [k] of bf16 -> float32, and its groups' input sums */
-static void widen_row(const uint16_t *row, int64_t k, int group, float *wide, float *sums) {
+/* [variant (tile_variant)][rows in the tile: 1, 2, 4] */
+static const int_tile_fn INT_TILES[8][3] = {
+    INT_TILE_ROW(16, F),  INT_TILE_ROW(32, F),  INT_TILE_ROW(16, H),  INT_TILE_ROW(32, H),
+    INT_TILE_ROW(16, HL), INT_TILE_ROW(32, HL), INT_TILE_ROW(16, K6), INT_TILE_ROW(32, K5)};
+#define INT_LEVELS 3
+
+/* a row [k] of bf16 -> its int8 form (int8_rows.h's, float64 products as quantize_row_int8's)
+ * held as the tiles' row_int, each group's d, input sum and -128 x the sum of its xq (VPDPBUSD's
+ * start; VPMADDWD's tiles have no use for it) */
+static void quantize_row_avx2(const uint16_t *row, int64_t k, int group, row_int *xq,
+                              float *x_scales, float *x_sums, int32_t *x_offsets) {
     for (int64_t g = 0; g < k / group; g++) {
-        __m256 total = _mm256_setzero_ps();
-        for (int i = 0; i < group; i += 8) {
-            const __m256 values = widen_8(row + g * group + i);
-            _mm256_storeu_ps(wide + g * group + i, values);
-            total = _mm256_add_ps(total, values);
+        int8_t rounded[32];
+        quantize_row_int8_scalar(row + g * group, group, group, rounded, x_scales + g, x_sums + g,
+                                 0);
+        int32_t total = 0;
+        for (int i = 0; i < group; i++) {
+            xq[g * group + i] = rounded[i];
+            total += rounded[i];
         }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, total);
-        sums[g] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-                  + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+        x_offsets[g] = -128 * total;
     }
 }
+#define QUANTIZE_INT8 quantize_row_avx2
 
 #endif
 
 #if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
 
-/* the calling thread's scratch for a call (its rows' group sums, on AVX2 their float32 form too)
- * and on AVX-512 each thread's unpacked blocks: grown as needed and kept, as calls repeat the same
- * few sizes */
+/* the calling thread's scratch for a call (its rows' integer form and group sums) and on an
+ * AVX-512 BF16 CPU without VNNI each thread's unpacked blocks: grown as needed and kept, as calls
+ * repeat the same few sizes */
 static __thread void *call_scratch;
 static __thread size_t call_capacity;
 #ifdef HAVE_DPBF16
@@ -828,12 +920,12 @@ static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_st
 
 #endif
 
-#ifdef HAVE_VNNI512
+#if defined(HAVE_VNNI512) || defined(HAVE_AVX2_FMA)
 
-/* rows a pass takes against each thread's blocks: about 1 MB of their int8 form, which stays in
- * L2 meanwhile (a multiple of 8 rows, the widest tile) */
+/* rows a pass takes against each thread's blocks: about 1 MB of their int8 form (on AVX2 held as
+ * int16), which stays in L2 meanwhile (a multiple of 8 rows, the widest tile) */
 static int64_t pass_rows(int64_t k) {
-    const int64_t rows = (1 << 20) / k / 8 * 8;
+    const int64_t rows = (1 << 20) / (k * (int64_t)sizeof(row_int)) / 8 * 8;
     return rows < 8 ? 8 : rows;
 }
 
@@ -845,24 +937,28 @@ static int int_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
     const int which = tile_variant(mode, group);
     const int64_t stride = block_bytes(k, group, mode), per_pass = pass_rows(k);
     /* the rows' int8 form, then each group's d, input sum and offset */
-    int8_t *xq = grown(&call_scratch, &call_capacity,
-                       (size_t)(m * k) + 64 + (size_t)(3 * m * groups) * sizeof(float));
+    const size_t row_bytes = (size_t)(m * k) * sizeof(row_int);
+    row_int *xq = grown(&call_scratch, &call_capacity,
+                        row_bytes + 64 + (size_t)(3 * m * groups) * sizeof(float));
     if (!xq)
         return -2;
-    float *x_scales = (float *)(xq + (m * k + 63) / 64 * 64), *x_sums = x_scales + m * groups;
+    float *x_scales = (float *)((uint8_t *)xq + (row_bytes + 63) / 64 * 64);
+    float *x_sums = x_scales + m * groups;
     int32_t *x_offsets = (int32_t *)(x_sums + m * groups);
 #pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
-            quantize_row_int8(x + r * x_stride, k, group, xq + r * k, x_scales + r * groups,
-                              x_sums + r * groups, x_offsets + r * groups);
+            QUANTIZE_INT8(x + r * x_stride, k, group, xq + r * k, x_scales + r * groups,
+                          x_sums + r * groups, x_offsets + r * groups);
         /* (the loop's barrier: every row is ready before any thread reads them) */
         const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
         const int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads;
         for (int64_t pass = 0; pass < m; pass += per_pass) {
             const int64_t end = m - pass < per_pass ? m : pass + per_pass;
-            const int level = end - pass >= 8 ? 3 : end - pass >= 4 ? 2 : end - pass >= 2 ? 1 : 0;
+            int level = 0;
+            while (level + 1 < INT_LEVELS && end - pass >= 1 << (level + 1))
+                level++;
             for (int64_t b = first; b < last; b++) {
                 int64_t r = pass;
                 for (int lv = level; lv >= 0; lv--)
@@ -898,7 +994,7 @@ int int8_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
     const int which = tile_variant(mode, group);
     const int64_t stride = block_bytes(k, group, mode);
 #endif
-#ifdef HAVE_VNNI512
+#if defined(HAVE_VNNI512) || defined(HAVE_AVX2_FMA)
     (void)blocks, (void)groups, (void)which, (void)stride;
     return int_matmul(x, m, k, x_stride, weights, group, mode, n, bias, out, out_stride);
 #elif defined(HAVE_DPBF16)
@@ -926,46 +1022,6 @@ int int8_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, const
                     TILES[which][lv](xq + r * k, k, x_scales + r * groups, x_sums + r * groups,
                                      groups, weights + b * stride,
                                      b * BLOCK, n, bias, out + r * out_stride, out_stride);
-        }
-    }
-    return 0;
-#elif defined(HAVE_AVX2_FMA)
-    /* a pass's rows as float32, then their group sums */
-    const int64_t pass_rows = m < ROWS_PER_PASS ? m : ROWS_PER_PASS;
-    float *wide = grown(&call_scratch, &call_capacity,
-                        (size_t)(pass_rows * (k + groups)) * sizeof(float));
-    if (!wide)
-        return -2;
-    float *x_sums = wide + pass_rows * k;
-#pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
-    {
-        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-        const int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads;
-        for (int64_t pass = 0; pass < m; pass += ROWS_PER_PASS) {
-            const int64_t rows = m - pass < ROWS_PER_PASS ? m - pass : ROWS_PER_PASS;
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < rows; i++)
-                widen_row(x + (pass + i) * x_stride, k, group, wide + i * k, x_sums + i * groups);
-            /* (the loop's barrier: every row is widened before any thread reads them) */
-            for (int64_t b = first; b < last; b++) {
-                const uint8_t *block = weights + b * stride;
-                int64_t r = 0;
-                for (; r + 3 <= rows; r += 3)
-                    for (int h = 0; h < 2; h++)
-                        TILES[which][2](wide + r * k, k, x_sums + r * groups, groups, block, h,
-                                        b * BLOCK, n, bias, out + (pass + r) * out_stride,
-                                        out_stride);
-                if (rows - r == 2)
-                    for (int h = 0; h < 2; h++)
-                        TILES[which][1](wide + r * k, k, x_sums + r * groups, groups, block, h,
-                                        b * BLOCK, n, bias, out + (pass + r) * out_stride,
-                                        out_stride);
-                else if (rows - r == 1)
-                    TILES[which][0](wide + r * k, k, x_sums + r * groups, groups, block, 0,
-                                    b * BLOCK, n, bias, out + (pass + r) * out_stride, out_stride);
-            }
-            /* every thread is done with the pass's rows before they are overwritten */
-#pragma omp barrier
         }
     }
     return 0;

@@ -5,11 +5,11 @@ GGUF's 5-, 6- and 8-bit types stand for (shard.layers.ggml_quants.Groups). The f
 as float32 (`pack`) or in GGUF's own compact forms, the same float32 weights in fewer bytes:
 float16 scales (Q8_0, Q5_0: `pack_half`), float16 scales and lows (Q5_1), Q6_K's superblock d
 and int8 sc (`pack_k6`), Q5_K's d, dmin and 6-bit sc and m (`pack_k5`). On AVX-512 VNNI (every
-AVX-512 BF16 CPU so far) every batch multiplies by it in integers, the rows rounded to int8 a
-group, as llama.cpp rounds its activations; on an AVX-512 BF16 CPU without VNNI decode-size
-batches do, their rows rounded to int16 a group, and larger ones run the bf16 matmul's tiles over
-blocks unpacked on the fly (the bf16 of `restore`'s weights); on AVX2 every batch multiplies by it
-in float32, the rows as they are.
+AVX-512 BF16 CPU so far) and on AVX2 every batch multiplies by it in integers, the rows rounded to
+int8 a group, as llama.cpp rounds its activations (the two forms give the same results, bit for
+bit); on an AVX-512 BF16 CPU without VNNI decode-size batches do, their rows rounded to int16 a
+group, and larger ones run the bf16 matmul's tiles over blocks unpacked on the fly (the bf16 of
+`restore`'s weights).
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ GROUPS = (16, 32)
 MODE_F, MODE_H, MODE_HL, MODE_K6, MODE_K5 = range(5)
 # inputs of a Q6_K or Q5_K superblock (one d, and dmin, per feature)
 SUPER = 256
-# what int8_matmul_supported says: VDPBF16PS dot products, float32 FMAs on AVX2, or int8 dot
-# products on AVX-512 VNNI
+# what int8_matmul_supported says: VDPBF16PS dot products, integer dot products on AVX2 (the
+# VNNI form's arithmetic), or int8 dot products on AVX-512 VNNI
 DPBF16_FORM, AVX2_FORM, VNNI_FORM = 1, 2, 3
 
 
@@ -206,7 +206,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     bias is contiguous bf16 or None; x is rounded to bf16 first, the result comes back in x's dtype.
     Past `tile_rows()` rows the result is the bf16 matmul's on the bf16 of `restore`'s weights, bit
     for bit; up to it, on AVX-512 without VNNI, each row is first rounded to int16 a group (to
-    1/32767 of the group's largest magnitude). With VNNI every row is rounded to int8 a group (to
-    1/127), and a row's result does not depend on the batch. A k or n other than the packed
+    1/32767 of the group's largest magnitude). With VNNI, and on AVX2, every row is rounded to int8 a
+    group (to 1/127), and a row's result does not depend on the batch. A k or n other than the packed
     weight's is a ValueError."""
     return bf16_matmul.run_on_rows(load_library().int8_matmul, x, packed, n, bias)

@@ -75,10 +75,10 @@ def bound(x: torch.Tensor, q, scale, low, group: int, exact: torch.Tensor,
     """[rows, n]: how far the kernel's result may lie from the exact product, and why.
 
     S = |x| (|q scale| + |low|): the magnitude of what is summed (q scale and low may cancel, as
-    Q5_0's q * d - 16 d does). Float32 sums: AVX2 a group's dot product of `group` terms, then
-    one multiply-add per group for each factor, k / group groups: (group + k / group + 8) 2^-24 S
-    (on AVX-512 the dot product is exact in int32, so this is looser). AVX-512's rows rounded to
-    int16 (`rounded_to` 32767), or with VNNI to int8 (127, as llama.cpp rounds its activations):
+    Q5_0's q * d - 16 d does). Float32 sums: one multiply-add per group for each factor, k / group
+    groups, bounded by (group + k / group + 8) 2^-24 S (each group's dot product is exact in
+    int32, so this is loose). The rows rounded to int16 (`rounded_to` 32767: AVX-512 without
+    VNNI), or to int8 (127: VNNI and AVX2, as llama.cpp rounds its activations):
     half of 1/rounded_to of each group's largest input, times the group's |w|. Past the tiles,
     the weights rounded to bf16 (2^-9 each) and the bf16 matmul's float32 sums (k 2^-24). Then
     the result's one rounding to bf16: half a unit, 2^-8 of its magnitude at most."""
@@ -100,14 +100,14 @@ def bound(x: torch.Tensor, q, scale, low, group: int, exact: torch.Tensor,
 def rounded_to(rows: int, tiles: int) -> int | None:
     """The integer the kernel rounds each group's largest input to at this many rows, or None."""
     form = int8_matmul.load_library().int8_matmul_supported()
-    if form == int8_matmul.VNNI_FORM:
+    if form in (int8_matmul.VNNI_FORM, int8_matmul.AVX2_FORM):
         return 127
     return 32767 if form == int8_matmul.DPBF16_FORM and rows <= tiles else None
 
 
 @pytest.mark.parametrize("group", [16, 32])
 def test_the_kernel_multiplies_by_the_restored_weights(group, int8_build):
-    """Every tile (1, 2, 4, 8 rows on AVX-512; 1-3 rows and passes of 128 on AVX2), every tail
+    """Every tile (1, 2, 4, 8 rows on AVX-512; 1, 2, 4 on AVX2; passes of rows), every tail
     of a 16-feature block, with and without bias, rows a column slice of a wider tensor: within
     `bound` of the exact product by the restored weights; where the tiles take every batch, a
     row's result is what it is alone."""
