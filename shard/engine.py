@@ -93,8 +93,8 @@ class Engine:
             count = math.ceil((request.prompt_length + 1) / block_size)
             request.blocks = list(range(next_block, next_block + count))
             next_block += count
-        self.runner.allocate(next_block)
         self.clear()
+        self.runner.allocate(next_block)
         if requests:
             self._prefill_step(requests)
         self.clear()
@@ -179,8 +179,8 @@ class Engine:
             raise ValueError("FilterBatch needs at least one request id; use ClearCache to drop a batch")
         batch = filter_batch(self._pop(batch_id), request_ids)
         self.batches[batch.id] = batch
-        if self._ahead is not None:
-            self._ahead = self._ahead.kept(batch_id, request_ids)
+        if self._ahead is not None and self._ahead.batch_id == batch_id:
+            self._ahead = self._ahead.kept(request_ids)
         return self._info(batch)
 
     def read_adapter(self, name: str, path: str) -> PeftAdapter:
@@ -232,7 +232,8 @@ class Engine:
         return kept, rejected
 
     def clear(self, batch_id: int | None = None) -> None:
-        self._ahead = None
+        if batch_id is None or (self._ahead is not None and self._ahead.batch_id == batch_id):
+            self._ahead = None
         if batch_id is None:
             self.batches.clear()
             self.prompt_so_far = None
@@ -242,9 +243,8 @@ class Engine:
     # ---- steps ------------------------------------------------------------------------------
 
     def _may_step_again(self, result: StepOutput) -> bool:
-        if result.batch is None or self.speculate:
-            return False
-        if any(g.generated_text is not None for g in result.generations):
+        if result.batch is None or self.speculate or any(
+                g.generated_text is not None for g in result.generations):
             return False
         return not any(s.beams is not None for s in self.batches[result.batch.id].requests)
 
@@ -261,6 +261,7 @@ class Engine:
             batch = batches[0]
         drafts = speculative_step.drafts(batch, self.speculate)
         verifies = drafts is not None and any(drafts)
+        queued, self._ahead = taken(self._ahead, batch), None
         before = time.perf_counter_ns()
         if verifies:
             rows = speculative_step.verify_rows(batch, drafts, self.runner.device)
@@ -270,7 +271,6 @@ class Engine:
             generations = speculative_step.accept(batch, drafts, out.logits, out.hidden,
                                                   self.vocab)
         else:  # nothing to verify: a plain step, at a plain step's cost
-            queued, self._ahead = taken(self._ahead, batch), None
             if queued is not None:  # queued by the step before
                 out, first, forward_ns, spent_ns = queued.out, None, queued.forward_ns, 0
             else:
@@ -379,7 +379,7 @@ class Engine:
             # the reads first: the wait for them must not wait for the step queued after them
             pending = host_reads.start(output.next_ids, output.logprobs, output.top_ids,
                                        output.top_logprobs)
-            self._ahead = queue_next(batch, self.runner)
+            self._ahead = queue_next(batch, self.runner, self.world_size == 1)
         # a row's hidden states are sliced out only for a request that asks for them
         hidden_rows = [row_hidden[row:row + 1] if state.return_hidden_states else None
                        for row, state in enumerate(batch.requests)]

@@ -34,16 +34,14 @@ class QueuedStep:
         """Whether this is `batch`'s next step: the same batch, holding the same requests."""
         return batch.id == self.batch_id and batch.request_ids == self.request_ids
 
-    def kept(self, batch_id: int, request_ids: list[int]) -> QueuedStep | None:
-        """This step for the batch filtered to `request_ids`, or None if it is another batch's."""
-        if batch_id != self.batch_id:
-            return None
+    def kept(self, request_ids: list[int]) -> QueuedStep | None:
+        """This step for its batch filtered to `request_ids` (None for an id it did not compute)."""
         position = {rid: i for i, rid in enumerate(self.request_ids)}
         if any(rid not in position for rid in request_ids):
             return None
         index = torch.tensor([position[rid] for rid in request_ids], dtype=torch.long,
                              device=self.out.logits.device)
-        return QueuedStep(batch_id, list(request_ids),
+        return QueuedStep(self.batch_id, list(request_ids),
                           DecodeOutput(self.out.logits.index_select(0, index),
                                        self.out.hidden.index_select(0, index)), self.forward_ns)
 
@@ -53,17 +51,21 @@ def taken(queued: QueuedStep | None, batch: Batch) -> QueuedStep | None:
     return queued if queued is not None and queued.serves(batch) else None
 
 
-def queue_next(batch: Batch, runner: ModelRunner) -> QueuedStep | None:
+def queue_next(batch: Batch, runner: ModelRunner, one_rank: bool) -> QueuedStep | None:
     """The forward of `batch`'s next plain step, queued now (its tokens are drawn, not read).
 
-    None where queuing it failed (memory, say): the step computes it again when it comes, and
-    fails there if it must, for the step it is, not for the one before."""
+    On a shard of one rank, None where the device ran out of memory for it: the step computes it
+    again when it comes, and fails there if it must, as itself and not as the step before. With
+    several ranks any failure is raised: a rank that dropped its step while the others kept
+    theirs would pair its all-reduces with the wrong ones."""
     rows = plain_rows(batch)
     started = time.perf_counter_ns()
     try:
         out = runner.decode(rows.input_ids, rows.seq_lens, rows.block_tables, rows.adapter_slots,
                             rows.rope_deltas)
-    except Exception:  # noqa: BLE001 - the step it was for raises its own error
+    except torch.OutOfMemoryError:
+        if not one_rank:
+            raise
         return None
     return QueuedStep(batch.id, batch.request_ids, out, time.perf_counter_ns() - started)
 

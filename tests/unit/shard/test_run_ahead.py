@@ -4,6 +4,7 @@ runs while the host reads the step before."""
 import pytest
 import torch
 
+from shard.outputs import StepOutput
 from shard.stopping import FinishReason
 from tests.engine_helpers import BlockPool, make_engine
 from tests.engine_helpers import request as new_request
@@ -152,3 +153,55 @@ def test_a_prefill_carrying_the_batch_takes_the_step_queued_for_it(engine):
             [lp for _, lp, _, _ in tokens], rel=1e-5)
     # each chunk after a call took the step that call queued, or rode: none computed twice
     assert ahead_forwards == forwards
+
+
+def _two_batches(engine, run_ahead: bool) -> tuple[dict[int, list], int]:
+    """A router that prefills a new batch alone and then decodes both batches merged: each
+    request's tokens and the forwards that computed a decode step (run_ahead as given)."""
+    engine.run_ahead = run_ahead
+    forwards, decode = [0], engine.runner.decode
+
+    def counted(*args, **kwargs):
+        forwards[0] += 1
+        return decode(*args, **kwargs)
+
+    engine.runner.decode = counted
+    pool = BlockPool(128)
+    prompts = [engine.tokenizer.encode(t).ids for t in TEXTS]
+    made = [new_request(10 + i, p, pool.take(len(p) + 11, 4), max_new_tokens=12,
+                        ignore_eos=True) for i, p in enumerate(prompts)]
+    got = {r.id: [] for r in made}
+
+    def record(out):
+        """Each generation's tokens; the finished requests filtered out, as the router does."""
+        for g in out.generations:
+            got[g.request_id] += _tokens(g)
+        done = {g.request_id for g in out.generations if g.generated_text is not None}
+        if out.batch is not None and done:
+            alive = [r for r in out.batch.request_ids if r not in done]
+            if not alive:
+                engine.clear(out.batch.id)
+                return StepOutput([], None)
+            engine.filter(out.batch.id, alive)
+        return out
+
+    try:
+        running = record(engine.prefill(1, made[:2]))
+        record(engine.decode([running.batch.id], 3))  # queues the running batch's next step
+        new = record(engine.prefill(2, made[2:]))  # alone: the queued step stays
+        record(engine.decode([1], 3))  # takes it, queues the next
+        out = record(engine.decode([1, new.batch.id], 3))  # merged: the queued step is not its
+        while out.batch is not None:
+            out = record(engine.decode([out.batch.id], 3))
+    finally:
+        engine.runner.decode = decode
+        engine.run_ahead = engine.runner.device.type == "cuda"
+    return got, forwards[0]
+
+
+def test_a_step_queued_for_a_batch_is_kept_beside_another_and_not_taken_by_their_merge(engine):
+    plain, forwards = _two_batches(engine, run_ahead=False)
+    assert all(len(tokens) == 12 for tokens in plain.values())
+    ahead, ahead_forwards = _two_batches(engine, run_ahead=True)
+    assert ahead == plain
+    assert ahead_forwards == forwards + 1, "only the step queued before the merge is dropped"
