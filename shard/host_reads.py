@@ -31,13 +31,7 @@ def start(*tensors: torch.Tensor | None) -> PendingRead:
     present = [t for t in tensors if t is not None]
     if not present or present[0].device.type != "cuda":
         return PendingRead(list(tensors))
-    copies = []
-    for tensor in tensors:
-        host = None
-        if tensor is not None:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
-        copies.append(host)
+    copies = _pinned_copies(tensors)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(present[0].device))
     return PendingRead(copies, done)
@@ -51,7 +45,17 @@ def read(*tensors: torch.Tensor | None) -> list[list | None]:
     present = [t for t in tensors if t is not None]
     if not present or present[0].device.type != "cuda":
         return [None if t is None else t.tolist() for t in tensors]
-    pending = start(*tensors)
+    copies = _pinned_copies(tensors)
     torch.cuda.current_stream(present[0].device).synchronize()
-    pending.done = None
-    return pending.wait()
+    return PendingRead(copies).wait()
+
+
+def _pinned_copies(tensors: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+    copies = []
+    for tensor in tensors:
+        host = None
+        if tensor is not None:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+        copies.append(host)
+    return copies
