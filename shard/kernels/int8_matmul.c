@@ -217,6 +217,10 @@ static inline int tile_variant(int mode, int group) {
     return mode <= MODE_HL ? 2 * mode + (group == 32) : mode == MODE_K6 ? 6 : 7;
 }
 
+/* the (group, mode) of each row of the integer tiles' table, in tile_variant's order: each form
+ * makes its tiles for all of them */
+#define INT_VARIANTS(X) X(16, F) X(32, F) X(16, H) X(32, H) X(16, HL) X(32, HL) X(16, K6) X(32, K5)
+
 #ifdef HAVE_DPBF16
 
 /* acc + each lane's two products of 16-bit a and b (VPDPWSSD, or its two AVX-512 BW steps) */
@@ -437,18 +441,8 @@ static inline __attribute__((always_inline)) __m512i four_inputs(const int8_t *a
     DEFINE_INT_TILE(8, G, MODE)
 #define INT_TILE_ROW(G, MODE)                                                                      \
     {int_tile_1_##G##_##MODE, int_tile_2_##G##_##MODE, int_tile_4_##G##_##MODE,                  \
-     int_tile_8_##G##_##MODE}
-DEFINE_INT_TILES(16, F) DEFINE_INT_TILES(32, F) DEFINE_INT_TILES(16, H) DEFINE_INT_TILES(32, H)
-DEFINE_INT_TILES(16, HL) DEFINE_INT_TILES(32, HL) DEFINE_INT_TILES(16, K6) DEFINE_INT_TILES(32, K5)
-
-typedef void (*int_tile_fn)(const int8_t *, int64_t, const float *, const float *,
-                            const int32_t *, int64_t, const uint8_t *, int64_t, int64_t,
-                            const uint16_t *, uint16_t *, int64_t);
-
-/* [variant (tile_variant)][rows in the tile: 1, 2, 4, 8] */
-static const int_tile_fn INT_TILES[8][4] = {
-    INT_TILE_ROW(16, F),  INT_TILE_ROW(32, F),  INT_TILE_ROW(16, H),  INT_TILE_ROW(32, H),
-    INT_TILE_ROW(16, HL), INT_TILE_ROW(32, HL), INT_TILE_ROW(16, K6), INT_TILE_ROW(32, K5)};
+     int_tile_8_##G##_##MODE},
+INT_VARIANTS(DEFINE_INT_TILES)
 /* int_matmul's: tiles of 1, 2, 4 and 8 rows, the rows' int8 form as bytes */
 #define INT_LEVELS 4
 typedef int8_t row_int;
@@ -811,18 +805,8 @@ typedef int16_t row_int;
 #define DEFINE_INT_TILES(G, MODE)                                                                  \
     DEFINE_INT_TILE(1, G, MODE) DEFINE_INT_TILE(2, G, MODE) DEFINE_INT_TILE(4, G, MODE)
 #define INT_TILE_ROW(G, MODE)                                                                      \
-    {int_tile_1_##G##_##MODE, int_tile_2_##G##_##MODE, int_tile_4_##G##_##MODE}
-DEFINE_INT_TILES(16, F) DEFINE_INT_TILES(32, F) DEFINE_INT_TILES(16, H) DEFINE_INT_TILES(32, H)
-DEFINE_INT_TILES(16, HL) DEFINE_INT_TILES(32, HL) DEFINE_INT_TILES(16, K6) DEFINE_INT_TILES(32, K5)
-
-typedef void (*int_tile_fn)(const row_int *, int64_t, const float *, const float *,
-                            const int32_t *, int64_t, const uint8_t *, int64_t, int64_t,
-                            const uint16_t *, uint16_t *, int64_t);
-
-/* [variant (tile_variant)][rows in the tile: 1, 2, 4] */
-static const int_tile_fn INT_TILES[8][3] = {
-    INT_TILE_ROW(16, F),  INT_TILE_ROW(32, F),  INT_TILE_ROW(16, H),  INT_TILE_ROW(32, H),
-    INT_TILE_ROW(16, HL), INT_TILE_ROW(32, HL), INT_TILE_ROW(16, K6), INT_TILE_ROW(32, K5)};
+    {int_tile_1_##G##_##MODE, int_tile_2_##G##_##MODE, int_tile_4_##G##_##MODE},
+INT_VARIANTS(DEFINE_INT_TILES)
 #define INT_LEVELS 3
 
 /* a row [k] of bf16 -> its int8 form (int8_rows.h's, float64 products as quantize_row_int8's)
@@ -921,6 +905,13 @@ static int unpacked_matmul(const uint16_t *x, int64_t m, int64_t k, int64_t x_st
 #endif
 
 #if defined(HAVE_VNNI512) || defined(HAVE_AVX2_FMA)
+
+typedef void (*int_tile_fn)(const row_int *, int64_t, const float *, const float *,
+                            const int32_t *, int64_t, const uint8_t *, int64_t, int64_t,
+                            const uint16_t *, uint16_t *, int64_t);
+
+/* [variant (tile_variant)][rows in the tile: 1, 2, 4, and 8 on AVX-512] */
+static const int_tile_fn INT_TILES[8][INT_LEVELS] = {INT_VARIANTS(INT_TILE_ROW)};
 
 /* rows a pass takes against each thread's blocks: about 1 MB of their int8 form (on AVX2 held as
  * int16), which stays in L2 meanwhile (a multiple of 8 rows, the widest tile) */

@@ -35,6 +35,23 @@ def avx2_build(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx2-kernels"))
 
 
+@pytest.fixture(params=["native", "avx2", "avx-vnni"])
+def integer_build(request, tmp_path_factory, monkeypatch):
+    """Each build whose int4 and int8 kernels multiply in integers, by name.
+
+    As this CPU builds them, as an AVX2-only CPU does (-march=x86-64-v3), and as one with AVX-VNNI
+    but no AVX-512 does (-march=alderlake). Load a kernel in it with
+    tests.kernel_builds.integer_library."""
+    if request.param == "avx2":
+        request.getfixturevalue("avx2_build")
+    elif request.param == "avx-vnni":
+        if not {"avx2", "fma", "f16c", "avx_vnni"} <= set(native.cpu_flags().split()):
+            pytest.skip("this CPU cannot run an AVX-VNNI build")
+        monkeypatch.setenv(KERNEL_MARCH_ENV, "alderlake")
+        monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx-vnni"))
+    return request.param
+
+
 class _KernelOn:
     """A kernel module's functions run on `device`, taking and giving CPU tensors."""
 

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from shard.config import KERNEL_MARCH_ENV
-from shard.kernels import bf16_matmul, int4_matmul, native
+from shard.kernels import bf16_matmul, int4_matmul
+from tests.kernel_builds import integer_library
 from tests.unit.shard.test_int4_kernel import compact_factors
 from tests.unit.shard.test_int8_kernel_arithmetic import ROWS, fma
 
@@ -12,28 +12,11 @@ from tests.unit.shard.test_int8_kernel_arithmetic import ROWS, fma
 SMALLEST_FLOAT_GROUP = float(np.float32(127.0) / np.float32(3.4e38))
 
 
-@pytest.fixture(params=["native", "avx2", "avx-vnni"])
-def integer_build(request, tmp_path_factory, monkeypatch):
-    """The library in each build whose form multiplies in integers.
-
-    As this CPU builds it, as an AVX2-only CPU does (-march=x86-64-v3), and as one with AVX-VNNI
-    but no AVX-512 does (-march=alderlake)."""
-    if request.param == "avx2":
-        request.getfixturevalue("avx2_build")
-    elif request.param == "avx-vnni":
-        if not {"avx2", "fma", "f16c", "avx_vnni"} <= set(native.cpu_flags().split()):
-            pytest.skip("this CPU cannot run an AVX-VNNI build")
-        monkeypatch.setenv(KERNEL_MARCH_ENV, "alderlake")
-        monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx-vnni"))
-    int4_matmul.load_library.cache_clear()
-    library = int4_matmul.load_library()
-    int4_matmul.load_library.cache_clear()
-    forms = (int4_matmul.AVX2_FORM, int4_matmul.VNNI_FORM)
-    if library is None or library.int4_matmul_supported() not in forms:
-        pytest.skip("this build of the C int4 matmul does not multiply in integers")
-    if request.param != "native":
-        assert library.int4_matmul_supported() == int4_matmul.AVX2_FORM
-    return library
+@pytest.fixture
+def int4_library(integer_build):
+    """The C int4 matmul in each build that multiplies in integers."""
+    return integer_library(int4_matmul, integer_build,
+                           lambda library: library.int4_matmul_supported())
 
 
 def expected(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
@@ -77,7 +60,7 @@ def weights(mode: str, n: int, k: int) -> tuple:
 
 
 @pytest.mark.parametrize("mode", ["F", "K", "Q4_0", "Q4_1"])
-def test_every_integer_form_computes_the_vnni_arithmetic_bit_for_bit(mode, integer_build):
+def test_every_integer_form_computes_the_vnni_arithmetic_bit_for_bit(mode, int4_library):
     """AVX2's VPMADDUBSW, AVX-VNNI's VPDPBUSD and AVX-512's VPDPBUSD give the same bf16 results.
 
     Every factor mode, every tile (1, 2, 4, 8 rows on AVX-512; 1, 2, 4 on AVX2) and more rows,
@@ -87,5 +70,5 @@ def test_every_integer_form_computes_the_vnni_arithmetic_bit_for_bit(mode, integ
     for bias in (None, torch.randn(40).bfloat16()):
         for rows in ROWS:
             x = torch.randn(rows, 512).bfloat16()
-            out = bf16_matmul.run_on_rows(integer_build.int4_matmul, x, packed, 40, bias)
+            out = bf16_matmul.run_on_rows(int4_library.int4_matmul, x, packed, 40, bias)
             assert torch.equal(out, expected(x, q, scale, low, bias)), (mode, rows)

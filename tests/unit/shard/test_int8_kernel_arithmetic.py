@@ -2,35 +2,18 @@
 import pytest
 import torch
 
-from shard.config import KERNEL_MARCH_ENV
-from shard.kernels import bf16_matmul, int8_matmul, native
+from shard.kernels import bf16_matmul, int8_matmul
+from tests.kernel_builds import integer_library
 from tests.unit.shard.test_int8_kernel import COMPACT, compact, groups
 
 ROWS = (1, 2, 3, 4, 5, 8, 9, 33, 130)
 
 
-@pytest.fixture(params=["native", "avx2", "avx-vnni"])
-def integer_build(request, tmp_path_factory, monkeypatch):
-    """The library in each build whose form multiplies in integers.
-
-    As this CPU builds it, as an AVX2-only CPU does (-march=x86-64-v3), and as one with AVX-VNNI
-    but no AVX-512 does (-march=alderlake)."""
-    if request.param == "avx2":
-        request.getfixturevalue("avx2_build")
-    elif request.param == "avx-vnni":
-        if not {"avx2", "fma", "f16c", "avx_vnni"} <= set(native.cpu_flags().split()):
-            pytest.skip("this CPU cannot run an AVX-VNNI build")
-        monkeypatch.setenv(KERNEL_MARCH_ENV, "alderlake")
-        monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx-vnni"))
-    int8_matmul.load_library.cache_clear()
-    library = int8_matmul.load_library()
-    int8_matmul.load_library.cache_clear()
-    forms = (int8_matmul.AVX2_FORM, int8_matmul.VNNI_FORM)
-    if library is None or library.int8_matmul_supported() not in forms:
-        pytest.skip("this build of the C int8 matmul does not multiply in integers")
-    if request.param != "native":
-        assert library.int8_matmul_supported() == int8_matmul.AVX2_FORM
-    return library
+@pytest.fixture
+def int8_library(integer_build):
+    """The C int8 matmul in each build that multiplies in integers."""
+    return integer_library(int8_matmul, integer_build,
+                           lambda library: library.int8_matmul_supported())
 
 
 def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -69,7 +52,7 @@ def expected(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.T
     return sums.bfloat16()
 
 
-def test_every_integer_form_computes_the_vnni_arithmetic_bit_for_bit(integer_build):
+def test_every_integer_form_computes_the_vnni_arithmetic_bit_for_bit(int8_library):
     """AVX2's VPMADDWD, AVX-VNNI's and AVX-512's VPDPBUSD give the same bf16 results.
 
     Every mode and group, every tile (1, 2, 4, 8 rows on AVX-512; 1, 2, 4 on AVX2) and more rows,
@@ -89,5 +72,5 @@ def test_every_integer_form_computes_the_vnni_arithmetic_bit_for_bit(integer_bui
             for rows in ROWS:
                 x = torch.randn(rows, k, generator=generator).bfloat16()
                 x[0, :group] = 0  # an all-zero group: d 0
-                out = bf16_matmul.run_on_rows(integer_build.int8_matmul, x, packed, n, bias)
+                out = bf16_matmul.run_on_rows(int8_library.int8_matmul, x, packed, n, bias)
                 assert torch.equal(out, expected(x, q, scale, low, group, bias)), (n, k, rows)
