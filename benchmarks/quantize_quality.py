@@ -4,10 +4,14 @@ model in the same process: perplexity on a fixed text, and greedy agreement over
 
 The kind "gguf" is the model's GGUF served as stored (the launcher's default for a GGUF: its blocks
 through our kernels), beside the float32 dequantization of the same file, which the other kinds
-start from.
+start from. `--reference float32` compares every kind with that model in float32 (what
+transformers computes) rather than in `--dtype`; `--llama-cpp` adds llama.cpp's greedy text on the
+same GGUF (`../shared/peers/llama-cpp.sh`, given the same token ids) to the comparison.
 
     python benchmarks/quantize_quality.py                     # SmolLM2-135M-Instruct, bf16
     python benchmarks/quantize_quality.py --model gemma3-270m --kinds gguf
+    python benchmarks/quantize_quality.py --model gemma3-270m --kinds gguf --reference float32 \
+        --llama-cpp --prompts 16
     python benchmarks/quantize_quality.py --model-dir DIR --dtype float32 --new-tokens 16
 """
 from __future__ import annotations
@@ -15,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import socket
 import sys
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -89,6 +95,40 @@ def greedy(runner, ids: list[int], new_tokens: int) -> list[int]:
     return out
 
 
+def agreement(answers: list[list[int]], reference: list[list[int]], new_tokens: int) -> dict:
+    """Identical continuations, and the share of tokens before the first difference."""
+    same = [a == b for a, b in zip(answers, reference)]
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+              for a, b in zip(answers, reference)]
+    return {"identical": sum(same) / len(same),
+            "agreeing_tokens": sum(prefix) / (len(prefix) * new_tokens)}
+
+
+def llama_cpp_greedy(gguf: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """llama-server's greedy tokens for each prompt, given as token ids (no BOS added)."""
+    from benchmarks.gguf_peer_bench import PEERS, stop
+    from benchmarks.http_bench import start_peer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    process = start_peer(f"bash {PEERS / 'llama-cpp.sh'} {gguf} {port} 1", url, timeout=3600)
+    try:
+        answers = []
+        for ids in prompts:
+            body = json.dumps({"prompt": ids, "n_predict": new_tokens, "temperature": 0,
+                               "top_k": 1, "ignore_eos": True, "cache_prompt": False,
+                               "return_tokens": True}).encode()
+            request = urllib.request.Request(f"{url}/completion", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=600) as response:
+                answers.append(json.loads(response.read())["tokens"])
+        return answers
+    finally:
+        stop(process)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=None,
@@ -97,12 +137,16 @@ def main() -> None:
                         help="a short name of the launcher's (default: the default model)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--kinds", default="int8,int4,gguf")
+    parser.add_argument("--reference", default="same", choices=["same", "float32"],
+                        help="the unquantized model compared with: in --dtype, or in float32")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="add llama.cpp's greedy text on the model's GGUF (a known model)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     kinds = args.kinds.split(",")
-    native_dir = None
+    native_dir = gguf = None
     if args.model_dir is None:
         from launcher.known_models import DEFAULT_MODEL, known_model
         from launcher.prepare import prepare_known_model
@@ -111,9 +155,17 @@ def main() -> None:
         args.model_dir = prepare_known_model(model, dtype="float32")
         if "gguf" in kinds:
             native_dir = prepare_known_model(model, dtype="gguf")
+        if args.llama_cpp:
+            from launcher.model_cache import cache_root
+            from launcher.prepare import fetch_gguf
+
+            gguf = fetch_gguf(model, cache_root())
+    elif args.llama_cpp:
+        parser.error("--llama-cpp needs a known model (--model), not --model-dir")
     elif "gguf" in kinds:
         kinds.remove("gguf")
     dtype = getattr(torch, args.dtype)
+    reference_name = args.dtype if args.reference == "same" else "float32"
     rows = {}
     reference = None
     with torch.inference_mode():
@@ -121,7 +173,9 @@ def main() -> None:
             if kind == "gguf":
                 runner, tokenizer, positions = runner_for(native_dir, dtype, None)
             else:
-                runner, tokenizer, positions = runner_for(args.model_dir, dtype, kind)
+                runner, tokenizer, positions = runner_for(
+                    args.model_dir, getattr(torch, reference_name) if kind is None else dtype,
+                    kind)
             text_ids = tokenizer.encode(TEXT).ids[:positions]
             prompts = [tokenizer.encode(p).ids for p in PROMPTS[:args.prompts]]
             answers = [greedy(runner, p, args.new_tokens) for p in prompts]
@@ -129,21 +183,22 @@ def main() -> None:
             if reference is None:
                 reference = answers
             else:
-                same = [a == b for a, b in zip(answers, reference)]
-                prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                          for a, b in zip(answers, reference)]
-                row["identical"] = sum(same) / len(same)
-                row["agreeing_tokens"] = sum(prefix) / (len(prefix) * args.new_tokens)
-            rows[kind or args.dtype] = row
+                row.update(agreement(answers, reference, args.new_tokens))
+            rows[kind or reference_name] = row
             del runner
+    if gguf is not None:
+        rows["llama.cpp"] = agreement(llama_cpp_greedy(gguf, prompts, args.new_tokens), reference,
+                                      args.new_tokens)
     print(f"{args.model_dir.name}, {args.dtype} activations, perplexity on a fixed text of "
-          f"{rows[args.dtype]['text_tokens']} tokens, greedy {args.new_tokens} tokens over "
-          f"{args.prompts} prompts against the unquantized model")
+          f"{rows[reference_name]['text_tokens']} tokens, greedy {args.new_tokens} tokens over "
+          f"{args.prompts} prompts against the unquantized model in {reference_name}")
     for name, row in rows.items():
-        agreement = ("" if "identical" not in row else
-                     f"   identical continuations {row['identical']:.0%}, tokens before the first "
-                     f"difference {row['agreeing_tokens']:.0%}")
-        print(f"  {name:<9} perplexity {row['perplexity']:7.3f}{agreement}")
+        agreement_text = ("" if "identical" not in row else
+                          f"   identical continuations {row['identical']:.0%}, tokens before the "
+                          f"first difference {row['agreeing_tokens']:.0%}")
+        perplexity_text = (f"perplexity {row['perplexity']:7.3f}" if "perplexity" in row
+                           else " " * 18)
+        print(f"  {name:<9} {perplexity_text}{agreement_text}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

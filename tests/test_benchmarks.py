@@ -271,9 +271,11 @@ def test_session_benchmark(tiny_llama, tmp_path):
 
 
 def test_quantize_quality_benchmark(tiny_llama, tmp_path):
+    # the kinds in bf16, compared with the model in float32 (what transformers computes)
     out = _run(["benchmarks/quantize_quality.py", "--model-dir", str(tiny_llama), "--dtype",
-                "float32", "--new-tokens", "3", "--prompts", "2", "--json",
-                str(tmp_path / "q.json")], tmp_path)
+                "bfloat16", "--reference", "float32", "--new-tokens", "3", "--prompts", "2",
+                "--json", str(tmp_path / "q.json")], tmp_path)
+    assert "bfloat16 activations" in out and "unquantized model in float32" in out
     assert "identical continuations" in out
     rows = json.loads((tmp_path / "q.json").read_text())
     assert set(rows) == {"float32", "int8", "int4"}
