@@ -2,8 +2,8 @@
 
 Each call goes to the shards between the batching loop's steps (the shard's engine thread takes
 calls in turn), so a call's size bounds how long it holds the running streams back. While a batch
-decodes, a call is sized as a prefill chunk is (router/scheduler/chunk_sizing.py): about one decode
-step's worth of tokens, from what the last calls' forwards cost per token, a decoder's longer input
+decodes, a call is sized as a prefill chunk beside one stream is (router/scheduler/chunk_sizing.py):
+about half a decode step's worth of tokens, from what the last calls' forwards cost per token, a decoder's longer input
 going in chunks over several calls; with nothing decoding, a call takes the whole budget. (An
 encoder's input is computed whole; an encoder has no stream to hold back.)
 
@@ -98,7 +98,7 @@ class EmbeddingQueue:
                 item.done.set_exception(error)
 
     def call_tokens(self) -> int:
-        """Tokens the next call may carry: a decode step's worth while a batch decodes."""
+        """Tokens the next call may carry: a prompt chunk's share of a step while a batch decodes."""
         decode_s = self.decode_s()
         if decode_s is None or not self.s_per_token:
             return self.max_call_tokens if decode_s is None else MIN_CHUNK_TOKENS

@@ -4,7 +4,7 @@ It is the only module that drives the shards. Between two decode steps it asks t
 With shards that chunk, new requests are prefilled in the same forward as the running batch's next
 step (TGI's cached_batch) and join it; otherwise in their own batch, merged at the next decode.
 A prompt longer than the prefill budget (when the shards chunk) is computed a chunk at a time,
-sized and spaced by decode steps so that it takes a fair share beside the running streams
+sized and spaced by decode steps so that it takes a bounded share beside the running streams
 (router.scheduler.chunk_sizing); shorter prompts arriving meanwhile go between two chunks.
 
 It decides what the next step is and speaks the router's types (router.shards.step_types). In

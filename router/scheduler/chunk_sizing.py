@@ -5,10 +5,11 @@ machine. Sizing each chunk from what the last steps cost instead bounds the stal
 a chunk takes about (1 + ratio) times a plain decode step, on any hardware and at any batch size,
 and a prompt with nobody decoding beside it still goes in budget-sized chunks.
 
-The ratio is a fair share (`stall_ratio`): a prompt being prefilled beside n decoding streams takes
-about 1/(n + 1) of the machine, as one more stream would, down to a floor, so that with many streams
-a long prompt still advances. Two streams beside a client that sends long prompts back to back then
-run at about two thirds of their speed alone, not half.
+The ratio is a share (`stall_ratio`): a prompt's chunks add half a decode step beside one decoding
+stream and a quarter beside more (half of what one more stream would add, down to a floor, so that
+with many streams a long prompt still advances). Streams already answering go first: one stream
+beside a client that sends long prompts back to back runs at two thirds of its speed alone, two
+at four fifths; a long prompt beside a few streams waits longer for its first token.
 
 "Nobody decoding" means for a while (RECENT_DECODE_S), not at this instant: clients that send
 requests back to back leave gaps of a few milliseconds between one answer and their next request,
@@ -20,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-STALL_RATIO = 1.0  # a chunk may take as long as one decode step of the running batch...
+STALL_RATIO = 0.5  # a chunk may take half a decode step of the running batch...
 MIN_STALL_RATIO = 0.25  # ...or a share of it with several streams decoding, never under this
 # The first chunk of a prompt measures what its tokens cost: a batch of short prompts is no guide,
 # since a chunk's attention reads its whole cached context.

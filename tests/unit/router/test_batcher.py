@@ -235,8 +235,8 @@ class _SlowChunks(FakeShardClient):
 async def test_chunks_costing_more_than_a_step_are_spaced_by_decode_steps():
     """Even the smallest chunk can cost several decode steps (a prefill forward's own cost): the
     streams then decode alone between two chunks, so that their steps average at most 1 + r (r:
-    the fair share, a half beside two streams)."""
-    client = _SlowChunks(chunk_s=0.02, step_delay=0.002)  # a chunk: ten decode steps
+    the prompt's share, a quarter beside two streams)."""
+    client = _SlowChunks(chunk_s=0.01, step_delay=0.002)  # a chunk: five decode steps
     batcher, infer, allocator = _chunking_setup(client)
 
     async def scenario():

@@ -1,4 +1,4 @@
-"""Chunks of a long prompt are sized so each stalls the running streams by about one decode step."""
+"""Chunks of a long prompt are sized so each stalls the running streams by a share of a decode step."""
 from router.scheduler.chunk_sizing import (FIRST_CHUNK_TOKENS, MIN_CHUNK_TOKENS, MIN_STALL_RATIO,
                                            RECENT_DECODE_S, STALL_RATIO, DecodeCost,
                                            chunk_tokens, stall_ratio)
@@ -16,19 +16,20 @@ def test_the_first_chunk_beside_decoding_streams_is_a_small_probe():
     assert chunk_tokens(10, 512, decode_s=0.1, chunk_s_per_token=None) == 10
 
 
-def test_later_chunks_cost_about_one_decode_step():
-    assert chunk_tokens(5000, 512, decode_s=0.12, chunk_s_per_token=0.004) == 30
+def test_later_chunks_cost_their_share_of_a_decode_step():
+    assert chunk_tokens(5000, 512, decode_s=0.12, chunk_s_per_token=0.004, ratio=1.0) == 30
+    assert chunk_tokens(5000, 512, decode_s=0.24, chunk_s_per_token=0.004) == 30  # half a step
     # a faster machine or a bigger running batch affords bigger chunks, up to the budget
-    assert chunk_tokens(5000, 512, decode_s=1.0, chunk_s_per_token=0.001) == 512
-    assert chunk_tokens(20, 512, decode_s=0.12, chunk_s_per_token=0.004) == 20
+    assert chunk_tokens(5000, 512, decode_s=2.0, chunk_s_per_token=0.001) == 512
+    assert chunk_tokens(20, 512, decode_s=0.24, chunk_s_per_token=0.004) == 20
 
 
-def test_the_stall_ratio_is_a_fair_share_with_a_floor():
-    assert stall_ratio(0) == stall_ratio(1) == STALL_RATIO
-    assert stall_ratio(2) == STALL_RATIO / 2
+def test_the_stall_ratio_is_half_a_stream_s_share_with_a_floor():
+    assert stall_ratio(0) == stall_ratio(1) == STALL_RATIO == 0.5
+    assert stall_ratio(2) == STALL_RATIO / 2 == MIN_STALL_RATIO
     assert stall_ratio(64) == MIN_STALL_RATIO
     # a smaller share makes smaller chunks
-    assert chunk_tokens(5000, 512, decode_s=0.24, chunk_s_per_token=0.004,
+    assert chunk_tokens(5000, 512, decode_s=0.48, chunk_s_per_token=0.004,
                         ratio=stall_ratio(2)) == 30
 
 

@@ -147,20 +147,20 @@ def test_a_chunked_prefill_advances_to_its_last_chunk():
 def test_a_chunk_that_added_more_than_a_step_waits_for_the_steps_to_average_out():
     chunk = ChunkedPrefill(_item(0, length=300), next_start=0)
     chunk.advance(16, elapsed=0.045, decode_s=0.012, now=100.0)  # added 0.033: 2.75 steps
-    assert chunk.not_before == pytest.approx(100.021)  # 0.033 / STALL_RATIO - 0.012
-    assert not chunk.due(100.02) and chunk.due(100.0211)
-    chunk.advance(16, elapsed=0.02, decode_s=0.012, now=200.0)  # under a step: no wait
+    assert chunk.not_before == pytest.approx(100.054)  # 0.033 / STALL_RATIO - 0.012
+    assert not chunk.due(100.053) and chunk.due(100.0541)
+    chunk.advance(16, elapsed=0.016, decode_s=0.012, now=200.0)  # under its share: no wait
     assert chunk.due(200.0)
     chunk.advance(16, elapsed=0.9, decode_s=None, now=300.0)  # nothing decoding: never waits
     assert chunk.due(200.0)
 
 
-def test_beside_more_streams_a_chunk_waits_for_a_fair_share():
-    """Beside two streams the prompt takes a third of the machine: the wait doubles."""
+def test_beside_more_streams_a_chunk_waits_for_a_smaller_share():
+    """Beside two streams the prompt takes a fifth of the machine: the wait doubles."""
     chunk = ChunkedPrefill(_item(0, length=300), next_start=0)
     chunk.next_size(budget=128, decode_s=0.012, decoding_rows=2)
     chunk.advance(16, elapsed=0.045, decode_s=0.012, now=100.0)  # added 0.033
-    assert chunk.not_before == pytest.approx(100.0 + 0.033 / 0.5 - 0.012)
+    assert chunk.not_before == pytest.approx(100.0 + 0.033 / 0.25 - 0.012)
 
 
 class _Lines(StreamFormat):

@@ -82,14 +82,14 @@ async def test_inputs_of_concurrent_requests_share_calls_within_the_budget():
     assert shards.calls == [[4, 4], [3]]  # the third input would pass the 10 tokens
 
 
-async def test_calls_beside_a_decoding_batch_take_about_one_step_of_tokens():
-    """A decoder's inputs go in chunks of about a decode step's tokens; an encoder's whole."""
+async def test_calls_beside_a_decoding_batch_take_about_half_a_step_of_tokens():
+    """A decoder's inputs go in chunks of about half a decode step's tokens; an encoder's whole."""
     shards = _Shards()
     decode = {"s": None}
     queue = EmbeddingQueue(shards, decode_s=lambda: decode["s"], max_call_tokens=1000)
     await queue.embed([[1] * 50] * 4)  # nothing decodes: one call, and a cost per token learned
     assert shards.calls == [[50] * 4] and queue.s_per_token
-    decode["s"] = queue.s_per_token * 30  # a decode step costs what 30 tokens do
+    decode["s"] = queue.s_per_token * 60  # a decode step costs what 60 tokens do
     assert queue.call_tokens() == 30
     shards.calls.clear()
     assert await queue.embed([[1] * 50, [1] * 20]) == [[50.0], [20.0]]

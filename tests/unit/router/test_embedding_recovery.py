@@ -153,7 +153,7 @@ async def test_a_decoders_input_in_chunks_starts_over_on_the_new_group(fast_prob
     decode = {"s": 0.001}  # a batch decodes beside it: chunks of about a step's tokens
 
     async def scenario(batcher, queue):
-        queue.s_per_token = 0.001 / 4
+        queue.s_per_token = 0.001 / 8
         embedding = asyncio.create_task(queue.embed([[1] * 10]))
         await wait_until_async(lambda: not batcher.healthy, "the loss to be found")
         decode["s"] = None  # nothing decodes on the new group: the input goes in one call
