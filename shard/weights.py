@@ -11,7 +11,8 @@ from safetensors import safe_open
 from shard.checkpoint_files import checkpoint_files
 from shard.distributed import ParallelContext
 from shard.layers.checkpoint_formats import read_stored, stored_prefix, stored_shape
-from shard.layers.ggml_quants import BLOCKS_KEY, BlockRows, column_bytes
+from shard.layers.ggml_quants import BlockRows
+from shard.layers.ggml_types import BLOCKS_KEY, column_bytes
 from shard.layers.precision import activation_dtype
 from shard.quant_config import CheckpointQuant
 
@@ -80,7 +81,7 @@ class Weights:
 
     def _place(self, tensor: torch.Tensor, as_stored: bool = False) -> torch.Tensor:
         dtype = tensor.dtype if as_stored else self.dtype
-        return tensor.to(device=self.device, dtype=dtype).contiguous()
+        return _owned(tensor.to(device=self.device, dtype=dtype).contiguous(), tensor)
 
     @property
     def quantizing(self) -> bool:
@@ -122,8 +123,8 @@ class Weights:
                 values = BlockRows(kind, view[rows].to(self.device).contiguous(), width)
                 values = values.dequantize()[:, columns[0]:columns[1]].contiguous()
                 return values if as_stored else values.to(self.dtype)
-        blocks = BlockRows(kind, (view[rows] if data is None else data).to(self.device)
-                           .contiguous(), width)
+        data = view[rows] if data is None else data
+        blocks = BlockRows(kind, _owned(data.to(self.device).contiguous(), data), width)
         return blocks if as_stored else blocks.dequantize(self.dtype)
 
     def get(self, name: str) -> torch.Tensor:
@@ -155,3 +156,14 @@ class Weights:
         if dim == 0:
             return self._read(name, slice(start, stop), as_stored)
         return self._read(name, slice(None), as_stored, columns=(start, stop))
+
+
+def _owned(placed: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """`placed` in memory of its own where it still lies in the file's mapping (as `read` does).
+
+    A tensor kept as read (a GGUF's embedding blocks, a bf16 weight served as bf16) would hold the
+    whole file's mapping, whose every page the load touched: the resident memory would count the
+    file beside the weights packed from it."""
+    if placed.untyped_storage().data_ptr() == read.untyped_storage().data_ptr():
+        return placed.clone()
+    return placed

@@ -1,5 +1,8 @@
 """A GGUF converted as stored (launcher's "gguf" conversion) serves the weights its blocks hold."""
+import gc
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,7 +10,9 @@ from safetensors import safe_open
 
 from launcher.gguf import convert_gguf
 from shard.distributed import ParallelContext
-from shard.layers.ggml_quants import BLOCKS_KEY, BlockRows
+from shard.layers.ggml_quants import BlockRows
+from shard.layers.ggml_types import BLOCKS_KEY
+from shard.loader import load_model
 from shard.quantization_report import describe, served_types
 from shard.weights import Weights
 from tests.engine_helpers import prefill_logits
@@ -91,3 +96,17 @@ def test_a_type_not_served_as_stored_is_dequantized_with_a_log_line(caplog):
     assert "ffn_up_exps.weight: a 3-D tensor is not served as stored" in caplog.text
     q4 = TensorInfo("blk.0.ffn_up.weight", (64, 256), int(gguf.GGMLQuantizationType.Q4_K), 0, 0)
     assert _native_spec("up", q4, 0.0) == (type(spec)("up", (64, 144), "U8"), "Q4_K")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_a_loaded_model_holds_no_page_of_its_file(converted):
+    """Tensors kept as read (GGUF blocks for lookups, float32 served as float32) are copies: the
+    file's mapping, whose every page the load touched, is let go rather than counted again."""
+    _, native, widened = converted
+    for model_dir, dtype in ((native, torch.bfloat16), (widened, torch.float32)):
+        loaded = load_model(model_dir, dtype=dtype, device=torch.device("cpu"),
+                            parallel=ParallelContext())
+        gc.collect()
+        file = str((model_dir / "model.safetensors").resolve())
+        assert file not in Path("/proc/self/maps").read_text(), model_dir.name
+        del loaded
