@@ -25,7 +25,7 @@ from launcher import safetensors_stream as st
 from launcher.gguf_architectures import (Architecture, GGUFError, Metadata, architecture,
                                          hf_tensor_name, special_token_ids)
 from launcher.gguf_file import GGUFFile, TensorInfo, read_gguf
-from shard.layers.ggml_quants import BLOCKS_KEY, SERVED_TYPES, row_bytes
+from shard.layers.ggml_types import BLOCKS_KEY, SERVED_TYPES, row_bytes
 
 log = logging.getLogger("tgi.launcher")
 

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from shard.layers.ggml_quants import BLOCK_TYPES, BlockRows, column_bytes, groups_of, row_bytes
+from shard.layers.ggml_quants import BlockRows, groups_of
+from shard.layers.ggml_types import BLOCK_TYPES, column_bytes, row_bytes
 
 gguf = pytest.importorskip("gguf")
 
