@@ -1,6 +1,7 @@
 """Reads checkpoint tensors from safetensors files, whole or as this rank's slice, in the model dtype."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -101,8 +102,8 @@ class Weights:
         linear weight comes in its groups (shard/layers/checkpoint_quants.py) where `as_stored`."""
         prefix = self._stored_prefix(name)
         if prefix is not None:
-            stored = read_stored(self.checkpoint_quant, self._slice, self.has, prefix, rows,
-                                 columns).to(self.device)
+            read = read_stored(self.checkpoint_quant, self._slice, self.has, prefix, rows, columns)
+            stored = _owned_fields(read.to(self.device), read)
             if as_stored and stored.bits and stored.group % 32:
                 log.info("%s: this rank's inputs split its groups into runs of %d, not 32s; "
                          "dequantized per call", name, stored.group)
@@ -167,3 +168,13 @@ def _owned(placed: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
     if placed.untyped_storage().data_ptr() == read.untyped_storage().data_ptr():
         return placed.clone()
     return placed
+
+
+def _owned_fields(placed, read):
+    """A quantized checkpoint's rows (a dataclass of tensors) with each tensor `_owned`.
+
+    An FP8 checkpoint's values are kept as read (FloatRows)."""
+    changes = {f.name: _owned(getattr(placed, f.name), getattr(read, f.name))
+               for f in dataclasses.fields(placed)
+               if isinstance(getattr(placed, f.name), torch.Tensor)}
+    return dataclasses.replace(placed, **changes)

@@ -1,4 +1,8 @@
 """GPTQ, AWQ, compressed-tensors and FP8 weights read into groups equal their formats' own values."""
+import gc
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -116,12 +120,21 @@ def test_fp8_weights_are_values_times_scales(tmp_path, layout):
     expected = weight.float() * per_element[layout]()
     assert isinstance(rows, FloatRows) and rows.bits == 0
     assert torch.equal(rows.dequantize(), expected)
+
     # a rank's columns (row-parallel) and rows (column-parallel) keep their scales
     assert torch.equal(_weights(tmp_path, {"weight": weight, name: scale}, config, rank=1,
                                 world_size=2).get_sharded(NAME, 1, as_stored=True).dequantize(),
                        expected[:, 150:])
     assert torch.equal(weights.get_rows(NAME, 130, 200, as_stored=True).dequantize(),
                        expected[130:])
+    # the values are kept as read, but in memory of their own: no mapping of the file outlives
+    # the Weights that read it (it would hold every page the load touched)
+    del weights
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        maps = Path("/proc/self/maps").read_text()
+        assert str((tmp_path / "model.safetensors").resolve()) not in maps
+    assert torch.equal(rows.dequantize(), expected)
 
 
 @pytest.mark.parametrize("act_order", [False, True])
