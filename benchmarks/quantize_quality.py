@@ -186,9 +186,10 @@ def main() -> None:
                 row.update(agreement(answers, reference, args.new_tokens))
             rows[kind or reference_name] = row
             del runner
-    if gguf is not None:
-        rows["llama.cpp"] = agreement(llama_cpp_greedy(gguf, prompts, args.new_tokens), reference,
-                                      args.new_tokens)
+    if gguf is not None:  # the reference's prompts, as its tokenizer (every kind's) reads them
+        reference_prompts = [tokenizer.encode(p).ids for p in PROMPTS[:args.prompts]]
+        rows["llama.cpp"] = agreement(llama_cpp_greedy(gguf, reference_prompts, args.new_tokens),
+                                      reference, args.new_tokens)
     print(f"{args.model_dir.name}, {args.dtype} activations, perplexity on a fixed text of "
           f"{rows[reference_name]['text_tokens']} tokens, greedy {args.new_tokens} tokens over "
           f"{args.prompts} prompts against the unquantized model in {reference_name}")

@@ -2,9 +2,9 @@
 
 Each call goes to the shards between the batching loop's steps (the shard's engine thread takes
 calls in turn), so a call's size bounds how long it holds the running streams back. While a batch
-decodes, a call is sized as a prefill chunk beside one stream is (router/scheduler/chunk_sizing.py):
-about half a decode step's worth of tokens, from what the last calls' forwards cost per token, a decoder's longer input
-going in chunks over several calls; with nothing decoding, a call takes the whole budget. (An
+decodes, a call is sized as a prefill chunk beside one stream is
+(router/scheduler/chunk_sizing.py): about half a decode step's worth of tokens, from what the last
+calls' forwards cost per token, a decoder's longer input going in chunks over several calls; with nothing decoding, a call takes the whole budget. (An
 encoder's input is computed whole; an encoder has no stream to hold back.)
 
 While the shard group restarts, inputs wait for it as queued generation requests do, on the
@@ -32,7 +32,7 @@ from router.shards.client import ShardError
 MAX_CALL_TOKENS = 8192
 MAX_CALL_INPUTS = 256
 # the fewest tokens of a chunk beside a decoding batch: fewer than a prompt chunk's least
-# (MIN_CHUNK_TOKENS), as a call's cost must stay within one decode step even where a forward's
+# (MIN_CHUNK_TOKENS), as a call's cost must stay within its share of a step even where a forward's
 # fixed cost is most of one, and the stall bound is what an embedding beside streams promises
 MIN_EMBED_CHUNK_TOKENS = 2
 _SMOOTHING = 0.3  # weight of the newest call in the cost per token's moving average
@@ -98,7 +98,7 @@ class EmbeddingQueue:
                 item.done.set_exception(error)
 
     def call_tokens(self) -> int:
-        """Tokens the next call may carry: a prompt chunk's share of a step while a batch decodes."""
+        """Tokens the next call may carry: a chunk's share of a step while a batch decodes."""
         decode_s = self.decode_s()
         if decode_s is None or not self.s_per_token:
             return self.max_call_tokens if decode_s is None else MIN_CHUNK_TOKENS

@@ -1,4 +1,4 @@
-"""GGUF's quantized block types as stored, and the (q, scale, low) groups each stands for.
+"""The (q, scale, low) groups a GGUF's quantized blocks stand for, read from the blocks as stored.
 
 Every type served natively is a grid per group of inputs: w = q * scale + low (a float32 product
 rounded, then the sum), q small integers, scale and low float32. Each type's groups are computed
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shard.layers.ggml_types import _QK_K, BLOCK_TYPES, row_bytes
+from shard.layers.ggml_types import BLOCK_TYPES, QK_K, row_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +231,7 @@ def _q4_k(b):
 
 def _q5_k(b):
     scale, low = _k_factors(b)
-    high = _high_bits(b[:, 16:48], 8).reshape(-1, 32, 8).transpose(1, 2).reshape(-1, _QK_K)
+    high = _high_bits(b[:, 16:48], 8).reshape(-1, 32, 8).transpose(1, 2).reshape(-1, QK_K)
     return _nibbles(b[:, 48:176], 32) | (high << 4), scale, low
 
 

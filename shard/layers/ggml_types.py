@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # the K-quants' superblock of 256 values
-_QK_K = 256
+QK_K = 256
 # the safetensors metadata key of a native GGUF conversion (launcher/gguf.py) that names each block
 # tensor's type and row length: {name: [type, columns]}
 BLOCKS_KEY = "gguf_blocks"
@@ -27,8 +27,8 @@ class BlockType:
 BLOCK_TYPES = {t.name: t for t in (
     BlockType("Q4_0", 32, 18, 32, 4), BlockType("Q4_1", 32, 20, 32, 4),
     BlockType("Q5_0", 32, 22, 32, 5), BlockType("Q5_1", 32, 24, 32, 5),
-    BlockType("Q8_0", 32, 34, 32, 8), BlockType("Q4_K", _QK_K, 144, 32, 4),
-    BlockType("Q5_K", _QK_K, 176, 32, 5), BlockType("Q6_K", _QK_K, 210, 16, 6))}
+    BlockType("Q8_0", 32, 34, 32, 8), BlockType("Q4_K", QK_K, 144, 32, 4),
+    BlockType("Q5_K", QK_K, 176, 32, 5), BlockType("Q6_K", QK_K, 210, 16, 6))}
 SERVED_TYPES = tuple(BLOCK_TYPES)
 
 

@@ -1,4 +1,4 @@
-"""Chunks of a long prompt are sized so each stalls the running streams by a share of a decode step."""
+"""Chunks of a long prompt are sized so each stalls the running streams by a share of a step."""
 from router.scheduler.chunk_sizing import (FIRST_CHUNK_TOKENS, MIN_CHUNK_TOKENS, MIN_STALL_RATIO,
                                            RECENT_DECODE_S, STALL_RATIO, DecodeCost,
                                            chunk_tokens, stall_ratio)

@@ -150,7 +150,7 @@ async def test_a_client_that_leaves_while_waiting_is_never_computed(fast_probe):
 async def test_a_decoders_input_in_chunks_starts_over_on_the_new_group(fast_probe):
     """The new group holds none of the chunks the old one computed: the input goes whole again."""
     group = _Group(dies_on_second_chunk=True)
-    decode = {"s": 0.001}  # a batch decodes beside it: chunks of about a step's tokens
+    decode = {"s": 0.001}  # a batch decodes beside it: chunks of about half a step's tokens
 
     async def scenario(batcher, queue):
         queue.s_per_token = 0.001 / 8
