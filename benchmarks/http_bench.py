@@ -270,6 +270,20 @@ def wait_until_ready(process: subprocess.Popen, probe_url: str, timeout: float, 
 ROUTES = ("generate_stream", "completions")
 
 
+def wait_until_closed(url: str, timeout: float) -> None:
+    """Until nothing listens at `url` any more, or `timeout` seconds.
+
+    A peer command run by a shell leaves its server shutting down after the shell has gone."""
+    host, port = url.split("//", 1)[-1].split("/", 1)[0].rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+        except OSError:
+            return
+        time.sleep(0.1)
+
+
 def start_peer(command: str, url: str, *, timeout: float = 900, log: Path | None = None,
                env: dict | None = None) -> subprocess.Popen:
     """`log`: a file for the peer's output (default: dropped); `env`: its environment."""
@@ -380,6 +394,7 @@ def main() -> None:
             if peer is not None:
                 os.killpg(peer.pid, signal.SIGTERM)
                 peer.wait(timeout=120)
+                wait_until_closed(args.peer_url, 120)
     results["server"] = results[routes[0]]
     prompt_shape = (f"{args.prompt_tokens} prompt" if args.prompts == "words"
                      else "question prompts")
