@@ -221,6 +221,16 @@ static inline int tile_variant(int mode, int group) {
  * makes its tiles for all of them */
 #define INT_VARIANTS(X) X(16, F) X(32, F) X(16, H) X(32, H) X(16, HL) X(32, HL) X(16, K6) X(32, K5)
 
+#if defined(HAVE_VNNI512) || defined(HAVE_AVX2_FMA)
+/* a tile's prefetch of the `lines` cache lines `ahead` bytes past a group (past the block's end:
+ * requested for nothing; prefetches do not fault, and the address is an integer) */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *at, int64_t ahead,
+                                                                 int lines) {
+    _Pragma("GCC unroll 10") for (int line = 0; line < lines; line++)
+        _mm_prefetch((const char *)((uintptr_t)at + (uintptr_t)(ahead + line * 64)), _MM_HINT_T0);
+}
+#endif
+
 #ifdef HAVE_DPBF16
 
 /* acc + each lane's two products of 16-bit a and b (VPDPWSSD, or its two AVX-512 BW steps) */
@@ -300,12 +310,7 @@ factors_512(int mode, const uint8_t *at, __m512 d, __m512 dmin, __m512 *scale, _
                 _Pragma("GCC unroll 4") for (int c = 0; c < CHAINS; c++)                         \
                     _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                         \
                         dot[c][r] = _mm512_setzero_si512();                                      \
-                /* the lines PREFETCH_GROUPS groups ahead (past the block's end: requested for   \
-                 * nothing; prefetches do not fault, and the address is an integer) */           \
-                _Pragma("GCC unroll 10") for (int line = 0; line < LINES; line++)                \
-                    _mm_prefetch((const char *)((uintptr_t)at                                    \
-                                 + (uintptr_t)(PREFETCH_GROUPS * STRIDE + line * 64)),           \
-                                 _MM_HINT_T0);                                                   \
+                prefetch_ahead(at, PREFETCH_GROUPS * STRIDE, LINES);                             \
                 _Pragma("GCC unroll 16") for (int i = 0; i < (G) / 2; i++) {                     \
                     const __m512i w = _mm512_cvtepi8_epi16(                                      \
                         _mm256_loadu_si256((const __m256i *)(at + i * 32)));                     \
@@ -403,10 +408,7 @@ static inline __attribute__((always_inline)) __m512i four_inputs(const int8_t *a
                     _Pragma("GCC unroll 2") for (int c = 1; c < CHAINS; c++)                     \
                         dot[c][r] = _mm512_setzero_si512();                                      \
                 }                                                                                \
-                _Pragma("GCC unroll 10") for (int line = 0; line < LINES; line++)                \
-                    _mm_prefetch((const char *)((uintptr_t)at                                    \
-                                 + (uintptr_t)(PREFETCH_GROUPS * STRIDE + line * 64)),           \
-                                 _MM_HINT_T0);                                                   \
+                prefetch_ahead(at, PREFETCH_GROUPS * STRIDE, LINES);                             \
                 _Pragma("GCC unroll 8") for (int p = 0; p < (G) / 4; p++) {                      \
                     const __m512i w = _mm512_xor_si512(                                          \
                         _mm512_permutexvar_epi16(gather,                                         \
@@ -651,6 +653,17 @@ factors_256(int mode, const uint8_t *at, int half, __m256 d, __m256 dmin, __m256
  * VPMADDWD by ones to widen its 16-bit pair sums) and an add, and its usual sign trick (the
  * weights' sign moved onto the inputs) cannot negate a q of -128. */
 
+/* sum + a group's int32 dot products in float32: times the row's group scale, then the block's
+ * scale, plus the block's low times the row's input sum where the mode has lows */
+static inline __attribute__((always_inline)) __m256 add_group_256(__m256 sum, __m256i dot,
+                                                                  __m256 scale, __m256 low,
+                                                                  float x_scale, float x_sum,
+                                                                  int has_low) {
+    const __m256 product = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(x_scale));
+    sum = _mm256_fmadd_ps(scale, product, sum);
+    return has_low ? _mm256_fmadd_ps(low, _mm256_set1_ps(x_sum), sum) : sum;
+}
+
 #ifdef __AVXVNNI__
 /* With AVX-VNNI (Alder Lake and later without AVX-512), VPDPBUSD as on AVX-512: q + 128 (its sign
  * bit flipped) the unsigned operand against 4 int8 inputs, each row's group starting its sums at
@@ -683,10 +696,7 @@ typedef int8_t row_int;
                 head_256(M, unit, h, &d[h], &dmin[h]);                                           \
             for (int64_t g = u * PER_UNIT; g < (u + 1) * PER_UNIT; g++) {                        \
                 const uint8_t *at = unit + HEAD_BYTES(M) + (g - u * PER_UNIT) * STRIDE;          \
-                _Pragma("GCC unroll 10") for (int line = 0; line < LINES; line++)                \
-                    _mm_prefetch((const char *)((uintptr_t)at                                    \
-                                 + (uintptr_t)(PREFETCH_GROUPS * STRIDE + line * 64)),           \
-                                 _MM_HINT_T0);                                                   \
+                prefetch_ahead(at, PREFETCH_GROUPS * STRIDE, LINES);                             \
                 __m256i dot[MR][2];                                                              \
                 _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                             \
                     dot[r][0] = dot[r][1] = _mm256_set1_epi32(x_offsets[r * groups + g]);        \
@@ -712,15 +722,10 @@ typedef int8_t row_int;
                 const __m256 lows[2] = {_mm256_permute2f128_ps(low[0], low[1], 0x20),            \
                                         _mm256_permute2f128_ps(low[0], low[1], 0x31)};           \
                 _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                             \
-                    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                        \
-                        const __m256 product =                                                   \
-                            _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r][h]),                         \
-                                          _mm256_set1_ps(x_scales[r * groups + g]));             \
-                        sums[r][h] = _mm256_fmadd_ps(scales[h], product, sums[r][h]);            \
-                        if (HAS_LOW(M))                                                          \
-                            sums[r][h] = _mm256_fmadd_ps(                                        \
-                                lows[h], _mm256_set1_ps(x_sums[r * groups + g]), sums[r][h]);    \
-                    }                                                                            \
+                    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                          \
+                        sums[r][h] = add_group_256(sums[r][h], dot[r][h], scales[h], lows[h],    \
+                                                   x_scales[r * groups + g],                     \
+                                                   x_sums[r * groups + g], HAS_LOW(M));          \
             }                                                                                    \
         }                                                                                        \
         _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                                   \
@@ -757,10 +762,7 @@ typedef int16_t row_int;
                 head_256(M, unit, h, &d[h], &dmin[h]);                                           \
             for (int64_t g = u * PER_UNIT; g < (u + 1) * PER_UNIT; g++) {                        \
                 const uint8_t *at = unit + HEAD_BYTES(M) + (g - u * PER_UNIT) * STRIDE;          \
-                _Pragma("GCC unroll 10") for (int line = 0; line < LINES; line++)                \
-                    _mm_prefetch((const char *)((uintptr_t)at                                    \
-                                 + (uintptr_t)(PREFETCH_GROUPS * STRIDE + line * 64)),           \
-                                 _MM_HINT_T0);                                                   \
+                prefetch_ahead(at, PREFETCH_GROUPS * STRIDE, LINES);                             \
                 __m256i dot[MR][2];                                                              \
                 _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                             \
                     dot[r][0] = dot[r][1] = _mm256_setzero_si256();                              \
@@ -781,15 +783,10 @@ typedef int16_t row_int;
                 _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                            \
                     __m256 scale, low;                                                           \
                     factors_256(M, at + BLOCK * (G), h, d[h], dmin[h], &scale, &low);            \
-                    _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++) {                       \
-                        const __m256 product =                                                   \
-                            _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r][h]),                         \
-                                          _mm256_set1_ps(x_scales[r * groups + g]));             \
-                        sums[r][h] = _mm256_fmadd_ps(scale, product, sums[r][h]);                \
-                        if (HAS_LOW(M))                                                          \
-                            sums[r][h] = _mm256_fmadd_ps(                                        \
-                                low, _mm256_set1_ps(x_sums[r * groups + g]), sums[r][h]);        \
-                    }                                                                            \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < MR; r++)                         \
+                        sums[r][h] = add_group_256(sums[r][h], dot[r][h], scale, low,            \
+                                                   x_scales[r * groups + g],                     \
+                                                   x_sums[r * groups + g], HAS_LOW(M));          \
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
