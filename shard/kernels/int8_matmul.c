@@ -221,7 +221,7 @@ static inline int tile_variant(int mode, int group) {
  * makes its tiles for all of them */
 #define INT_VARIANTS(X) X(16, F) X(32, F) X(16, H) X(32, H) X(16, HL) X(32, HL) X(16, K6) X(32, K5)
 
-#if defined(HAVE_VNNI512) || defined(HAVE_AVX2_FMA)
+#if defined(HAVE_DPBF16) || defined(HAVE_AVX2_FMA)
 /* a tile's prefetch of the `lines` cache lines `ahead` bytes past a group (past the block's end:
  * requested for nothing; prefetches do not fault, and the address is an integer) */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *at, int64_t ahead,

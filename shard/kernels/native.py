@@ -52,12 +52,15 @@ def load_library(source: Path, flags: list[str], enabled_env: str,
     """The compiled library, or None: switched off, no C compiler, or a failed build.
 
     Switched off is `enabled_env`=0; the last two are logged with `fallback` (what runs instead).
-    `-march=native` in `flags` becomes TGI_PY_KERNEL_MARCH's value where that is set."""
+    `-march=native` in `flags` becomes TGI_PY_KERNEL_MARCH's first word where that is set, and
+    its further words follow the flags (`native -mno-avx512vnni`: a CPU without one extension)."""
     if not kernel_enabled(enabled_env):
         return None
     march = kernel_march()
     if march:
-        flags = [f"-march={march}" if flag == "-march=native" else flag for flag in flags]
+        target, *extra = march.split()
+        flags = [f"-march={target}" if flag == "-march=native" else flag
+                 for flag in flags] + extra
     name = c_compiler()
     compiler = shutil.which(name)
     if compiler is None:

@@ -35,6 +35,16 @@ def avx2_build(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "avx2-kernels"))
 
 
+@pytest.fixture
+def no_vnni_build(tmp_path_factory, monkeypatch):
+    """Every C kernel built from here on as an AVX-512 BF16 CPU without VNNI would build it (the
+    int4 and int8 kernels' int16 tiles and unpacked blocks), on a CPU that has both."""
+    if not {"avx512_bf16", "avx512_vnni"} <= set(native.cpu_flags().split()):
+        pytest.skip("this CPU builds no AVX-512 BF16 form without VNNI but its own")
+    monkeypatch.setenv(KERNEL_MARCH_ENV, "native -mno-avx512vnni")
+    monkeypatch.setenv("TGI_PY_CACHE", str(tmp_path_factory.getbasetemp() / "no-vnni"))
+
+
 @pytest.fixture(params=["native", "avx2", "avx-vnni"])
 def integer_build(request, tmp_path_factory, monkeypatch):
     """Each build whose int4 and int8 kernels multiply in integers, by name.

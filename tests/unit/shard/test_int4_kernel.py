@@ -1,8 +1,11 @@
 """The C int4 matmul (shard/kernels/int4_matmul.c) against the weights its 4-bit form stands for."""
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
+from shard.config import c_compiler
 from shard.kernels import bf16_matmul, int4_matmul
 from shard.layers import ggml_quants
 from shard.layers.linear import LinearWeight, c_int4_runs, linear
@@ -12,16 +15,19 @@ MODES = ["F", "K", "Q4_0", "Q4_1"]
 FEATURES = [(16, 32), (17, 64), (100, 96), (333, 576), (576, 1536)]
 
 
-@pytest.fixture(params=["native", "avx2"])
+@pytest.fixture(params=["native", "avx2", "no-vnni"])
 def int4_build(request):
-    """The kernel as this CPU builds it, and as an AVX2-only CPU does (-march=x86-64-v3)."""
-    if request.param == "avx2":
-        request.getfixturevalue("avx2_build")
+    """The kernel as this CPU builds it, as an AVX2-only CPU does (-march=x86-64-v3), and as an
+    AVX-512 BF16 CPU without VNNI would."""
+    if request.param in ("avx2", "no-vnni"):
+        request.getfixturevalue(f"{request.param.replace('-', '_')}_build")
     int4_matmul.load_library.cache_clear()
     bf16_matmul.load_library.cache_clear()
     if int4_matmul.load_library() is None:
         int4_matmul.load_library.cache_clear()
         bf16_matmul.load_library.cache_clear()
+        # a CPU that runs this form has it built unless no compiler exists
+        assert request.param != "no-vnni" or shutil.which(c_compiler()) is None
         pytest.skip("the C int4 matmul needs AVX-512 BF16 or AVX2, and a C compiler")
     yield request.param
     int4_matmul.load_library.cache_clear()

@@ -1,24 +1,30 @@
 """The C int8 matmul (shard/kernels/int8_matmul.c) against the weights its groups stand for."""
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
+from shard.config import c_compiler
 from shard.kernels import bf16_matmul, int8_matmul
 from shard.layers import ggml_quants
 
 ROWS = (1, 2, 3, 5, 8, 17, 33, 100, 300)
 
 
-@pytest.fixture(params=["native", "avx2"])
+@pytest.fixture(params=["native", "avx2", "no-vnni"])
 def int8_build(request):
-    """The kernel as this CPU builds it, and as an AVX2-only CPU does (-march=x86-64-v3)."""
-    if request.param == "avx2":
-        request.getfixturevalue("avx2_build")
+    """The kernel as this CPU builds it, as an AVX2-only CPU does (-march=x86-64-v3), and as an
+    AVX-512 BF16 CPU without VNNI would."""
+    if request.param in ("avx2", "no-vnni"):
+        request.getfixturevalue(f"{request.param.replace('-', '_')}_build")
     int8_matmul.load_library.cache_clear()
     bf16_matmul.load_library.cache_clear()
     if int8_matmul.load_library() is None:
         int8_matmul.load_library.cache_clear()
         bf16_matmul.load_library.cache_clear()
+        # a CPU that runs this form has it built unless no compiler exists
+        assert request.param != "no-vnni" or shutil.which(c_compiler()) is None
         pytest.skip("the C int8 matmul needs AVX-512 BF16 or AVX2, and a C compiler")
     yield request.param
     int8_matmul.load_library.cache_clear()
