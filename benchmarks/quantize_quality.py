@@ -5,13 +5,14 @@ model in the same process: perplexity on a fixed text, and greedy agreement over
 The kind "gguf" is the model's GGUF served as stored (the launcher's default for a GGUF: its blocks
 through our kernels), beside the float32 dequantization of the same file, which the other kinds
 start from. `--reference float32` compares every kind with that model in float32 (what
-transformers computes) rather than in `--dtype`; `--llama-cpp` adds llama.cpp's greedy text on the
+transformers computes) rather than in `--dtype`, and the kind "dense" is that model unquantized in
+`--dtype` (what rounding the activations to bf16 alone costs); `--llama-cpp` adds llama.cpp's greedy text on the
 same GGUF (`../shared/peers/llama-cpp.sh`, given the same token ids) to the comparison.
 
     python benchmarks/quantize_quality.py                     # SmolLM2-135M-Instruct, bf16
     python benchmarks/quantize_quality.py --model gemma3-270m --kinds gguf
-    python benchmarks/quantize_quality.py --model gemma3-270m --kinds gguf --reference float32 \
-        --llama-cpp --prompts 16
+    python benchmarks/quantize_quality.py --model gemma3-270m --kinds dense,gguf \
+        --reference float32 --llama-cpp --prompts 16
     python benchmarks/quantize_quality.py --model-dir DIR --dtype float32 --new-tokens 16
 """
 from __future__ import annotations
@@ -96,12 +97,14 @@ def greedy(runner, ids: list[int], new_tokens: int) -> list[int]:
 
 
 def agreement(answers: list[list[int]], reference: list[list[int]], new_tokens: int) -> dict:
-    """Identical continuations, and the share of tokens before the first difference."""
+    """Identical continuations (their share, and which prompts), and the share of tokens before
+    the first difference."""
     same = [a == b for a, b in zip(answers, reference)]
     prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
               for a, b in zip(answers, reference)]
     return {"identical": sum(same) / len(same),
-            "agreeing_tokens": sum(prefix) / (len(prefix) * new_tokens)}
+            "agreeing_tokens": sum(prefix) / (len(prefix) * new_tokens),
+            "identical_prompts": [i for i, s in enumerate(same) if s]}
 
 
 def llama_cpp_greedy(gguf: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -172,6 +175,8 @@ def main() -> None:
         for kind in [None, *kinds]:
             if kind == "gguf":
                 runner, tokenizer, positions = runner_for(native_dir, dtype, None)
+            elif kind == "dense":
+                runner, tokenizer, positions = runner_for(args.model_dir, dtype, None)
             else:
                 runner, tokenizer, positions = runner_for(
                     args.model_dir, getattr(torch, reference_name) if kind is None else dtype,
@@ -196,7 +201,8 @@ def main() -> None:
     for name, row in rows.items():
         agreement_text = ("" if "identical" not in row else
                           f"   identical continuations {row['identical']:.0%}, tokens before the "
-                          f"first difference {row['agreeing_tokens']:.0%}")
+                          f"first difference {row['agreeing_tokens']:.0%}, identical "
+                          f"{','.join(map(str, row['identical_prompts'])) or 'none'}")
         perplexity_text = (f"perplexity {row['perplexity']:7.3f}" if "perplexity" in row
                            else " " * 18)
         print(f"  {name:<9} {perplexity_text}{agreement_text}")
