@@ -49,8 +49,9 @@ class LoadedAdapter:
 class _Placement:
     linear: nn.Module
     part: int  # index into linear.lora_source.parts
-    a: torch.Tensor  # [rank, this rank's inputs]
-    bt: torch.Tensor  # [rank, this rank's output rows of the part], scaling folded in
+    a: torch.Tensor  # [rank, this rank's inputs], as read
+    b: torch.Tensor  # [this rank's output rows of the part, rank], as read
+    scaling: float
 
 
 class AdapterSet:
@@ -107,8 +108,11 @@ class AdapterSet:
             for placement in placements:
                 part = self._target(placement.linear).parts[placement.part]
                 r = placement.a.shape[0]
-                part.a[slot, :r] = placement.a.to(part.a.dtype)
-                part.bt[slot, :r] = placement.bt.to(part.bt.dtype)
+                # straight into the stacks, B's float32 product rounded once to their dtype:
+                # this runs between steps, and contiguous float copies first took a third longer
+                part.a[slot, :r].copy_(placement.a)
+                torch.mul(placement.b.T.to(part.bt.device, torch.float32), placement.scaling,
+                          out=part.bt[slot, :r])
                 part.ranks[slot] = r
         except BaseException:  # out of memory half-way: the slot must not keep what it got
             self._clear(slot)
@@ -181,10 +185,8 @@ class AdapterSet:
         """This rank's slices of a module's update (read checked its widths against the model)."""
         linear, index = self._modules[module]
         source = linear.lora_source
-        part = source.parts[index]
-        a = source.local_columns(update.a.float())
-        bt = (source.local_rows(part, update.b.float()) * update.scaling).T
-        return _Placement(linear, index, a.contiguous(), bt.contiguous())
+        return _Placement(linear, index, source.local_columns(update.a),
+                          source.local_rows(source.parts[index], update.b), update.scaling)
 
     def _target(self, linear: nn.Module) -> LoraTarget:
         """The layer's LoraTarget, made (empty, as wide as the stacks) the first time."""
