@@ -8,7 +8,7 @@ same run (--rounds alternated rounds, the best of each); texts/s for each, and t
 Stall: a second model that generates (--stall-model, started on the same server with Jan's
 `embedding: true`) streams tokens alone, then while batches of embeddings of that same model run
 beside it; each stream's inter-token gaps (one decode step a call: --max-decode-steps-per-call 1),
-median and max, and the max against the median alone.
+mean and max, and the max against the mean alone.
 
     python benchmarks/embedding_bench.py                       # all-MiniLM-L6-v2, batches 1,32,256
     python benchmarks/embedding_bench.py --batches 32 --rounds 2 --no-stall
@@ -110,10 +110,12 @@ async def stall(url: str, model: str, texts: list[str], batch: int, new_tokens: 
     finally:
         stop.set()
         await asyncio.gather(*embedders)
-    median = statistics.median(alone)
-    return {"median_gap_alone_ms": median * 1e3, "max_gap_alone_ms": max(alone) * 1e3,
-            "median_gap_beside_ms": statistics.median(beside) * 1e3,
-            "max_gap_beside_ms": max(beside) * 1e3, "max_beside_over_median": max(beside) / median}
+    # the mean, not the median: events that reach the client in one read are microseconds apart,
+    # so that the median of a stream's gaps can fall far under a decode step
+    mean = statistics.fmean(alone)
+    return {"mean_gap_alone_ms": mean * 1e3, "max_gap_alone_ms": max(alone) * 1e3,
+            "mean_gap_beside_ms": statistics.fmean(beside) * 1e3,
+            "max_gap_beside_ms": max(beside) * 1e3, "max_beside_over_mean": max(beside) / mean}
 
 
 def start_stall_model(url: str, name: str) -> str:
@@ -195,10 +197,10 @@ def main() -> None:
                 stall(url, name, stall_texts, args.stall_batch, args.stall_tokens))}
             s = figures["stall"]
             print(f"stall ({name}, embeddings of {args.stall_batch} x {args.tokens} tokens "
-                  f"beside): inter-token gap median {s['median_gap_alone_ms']:.1f} ms alone, "
-                  f"{s['median_gap_beside_ms']:.1f} ms beside; max {s['max_gap_alone_ms']:.1f} "
+                  f"beside): inter-token gap mean {s['mean_gap_alone_ms']:.1f} ms alone, "
+                  f"{s['mean_gap_beside_ms']:.1f} ms beside; max {s['max_gap_alone_ms']:.1f} "
                   f"ms alone, {s['max_gap_beside_ms']:.1f} ms beside "
-                  f"({s['max_beside_over_median']:.2f}x the median alone)", flush=True)
+                  f"({s['max_beside_over_mean']:.2f}x the mean alone)", flush=True)
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(60)
