@@ -37,9 +37,7 @@ def _baseline(revision: str, source: Path, flags: list[str], symbol: str):
                                   capture_output=True, check=True).stdout
             (folder / name).write_bytes(text)
     built = folder / f"{source.stem}.so"
-    march = native.kernel_march()
-    if march:
-        flags = [f"-march={march}" if flag == "-march=native" else flag for flag in flags]
+    flags = native.build_flags(flags)
     subprocess.run(["gcc", *flags, str(folder / source.name), "-o", str(built)], check=True)
     kernel = getattr(ctypes.CDLL(str(built)), symbol)
     kernel.argtypes = bf16_matmul.MATMUL_ARGTYPES

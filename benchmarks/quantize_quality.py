@@ -5,9 +5,10 @@ model in the same process: perplexity on a fixed text, and greedy agreement over
 The kind "gguf" is the model's GGUF served as stored (the launcher's default for a GGUF: its blocks
 through our kernels), beside the float32 dequantization of the same file, which the other kinds
 start from. `--reference float32` compares every kind with that model in float32 (what
-transformers computes) rather than in `--dtype`, and the kind "dense" is that model unquantized in
-`--dtype` (what rounding the activations to bf16 alone costs); `--llama-cpp` adds llama.cpp's greedy text on the
-same GGUF (`../shared/peers/llama-cpp.sh`, given the same token ids) to the comparison.
+transformers computes) rather than in `--dtype`; the kind "dense" is that model unquantized in
+`--dtype`, which against a float32 reference shows what rounding the activations to bf16 alone
+costs. `--llama-cpp` adds llama.cpp's greedy text on the same GGUF
+(`../shared/peers/llama-cpp.sh`, given the same token ids) to the comparison.
 
     python benchmarks/quantize_quality.py                     # SmolLM2-135M-Instruct, bf16
     python benchmarks/quantize_quality.py --model gemma3-270m --kinds gguf
@@ -97,8 +98,9 @@ def greedy(runner, ids: list[int], new_tokens: int) -> list[int]:
 
 
 def agreement(answers: list[list[int]], reference: list[list[int]], new_tokens: int) -> dict:
-    """Identical continuations (their share, and which prompts), and the share of tokens before
-    the first difference."""
+    """Identical continuations and the tokens before the first difference, as shares.
+
+    Also which prompts' continuations are identical."""
     same = [a == b for a, b in zip(answers, reference)]
     prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
               for a, b in zip(answers, reference)]

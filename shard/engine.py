@@ -203,17 +203,17 @@ class Engine:
     def unload_adapter(self, name: str) -> int:
         """Frees `name`; the bytes the adapters left hold.
 
-        KeyError for a name not loaded; AdapterInUse while a batch held here uses it."""
+        KeyError for a name not loaded; AdapterInUse while a batch held here uses it. Its
+        tensors are freed, and their memory given back to the system."""
         slot = self.runner.adapters.slot_of(name)
         users = [r.id for b in self.batches.values() for r in b.requests if r.adapter_slot == slot]
         if users:
             raise AdapterInUse(f"adapter {name!r} is in use by requests {users[:8]}")
-        held = self.runner.adapters.tensor_bytes()
         moved = self.runner.adapters.unload(name)
         for batch in self.batches.values():  # the last slot's adapter moved into the freed one
             for request in batch.requests:
                 request.adapter_slot = moved.get(request.adapter_slot, request.adapter_slot)
-        self.runner.adapters_changed(freed=self.runner.adapters.tensor_bytes() < held)
+        self.runner.adapters_changed()
         return self.runner.adapters.tensor_bytes()
 
     def _with_adapter_slots(self, requests: list[NewRequest]

@@ -147,16 +147,16 @@ class ModelRunner:
             gc.collect()  # the graphs' pool is freed with its last reference
             torch.cuda.empty_cache()
 
-    def adapters_changed(self, freed: bool) -> None:
-        """After an unload: nothing keeps the old stacks; where some were `freed`, memory goes back.
+    def adapters_changed(self) -> None:
+        """After an unload: nothing keeps the freed stacks, and their memory goes back.
 
-        The C step points into the stacks until it next looks. glibc (shard/malloc_tuning.py) and
-        CUDA's allocator keep freed memory: handed back (milliseconds) only when some was freed."""
+        The C step points into the stacks until it next looks; glibc keeps freed memory in the
+        process (shard/malloc_tuning.py), and the CUDA allocator in its cache."""
         if self.c_step is not None:
             self.c_step.follow_adapters()
-        if freed and self.device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        elif freed:
+        else:
             return_freed_memory()
 
     def allocate(self, num_blocks: int) -> None:

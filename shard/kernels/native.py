@@ -47,20 +47,26 @@ def _build(source: Path, compiler: str, flags: list[str]) -> Path:
     return target
 
 
+def build_flags(flags: list[str]) -> list[str]:
+    """`flags` as TGI_PY_KERNEL_MARCH asks.
+
+    `-march=native` becomes its first word, and its further words follow the flags
+    (`native -mno-avx512vnni`: this CPU less one extension)."""
+    words = (kernel_march() or "").split()
+    if not words:
+        return flags
+    return [f"-march={words[0]}" if flag == "-march=native" else flag for flag in flags] + words[1:]
+
+
 def load_library(source: Path, flags: list[str], enabled_env: str,
                  fallback: str) -> ctypes.CDLL | None:
     """The compiled library, or None: switched off, no C compiler, or a failed build.
 
     Switched off is `enabled_env`=0; the last two are logged with `fallback` (what runs instead).
-    `-march=native` in `flags` becomes TGI_PY_KERNEL_MARCH's first word where that is set, and
-    its further words follow the flags (`native -mno-avx512vnni`: a CPU without one extension)."""
+    The flags go through build_flags."""
     if not kernel_enabled(enabled_env):
         return None
-    march = kernel_march()
-    if march:
-        target, *extra = march.split()
-        flags = [f"-march={target}" if flag == "-march=native" else flag
-                 for flag in flags] + extra
+    flags = build_flags(flags)
     name = c_compiler()
     compiler = shutil.which(name)
     if compiler is None:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from shard.config import c_compiler
+from shard.config import c_compiler, kernel_enabled
 from shard.kernels import bf16_matmul, int4_matmul
 from shard.layers import ggml_quants
 from shard.layers.linear import LinearWeight, c_int4_runs, linear
@@ -26,9 +26,12 @@ def int4_build(request):
     if int4_matmul.load_library() is None:
         int4_matmul.load_library.cache_clear()
         bf16_matmul.load_library.cache_clear()
-        # a CPU that runs this form has it built unless no compiler exists
-        assert request.param != "no-vnni" or shutil.which(c_compiler()) is None
+        # a CPU that runs this form has it built, unless no compiler exists or it is off
+        assert request.param != "no-vnni" or shutil.which(c_compiler()) is None \
+            or not kernel_enabled(int4_matmul.ENABLED_ENV)
         pytest.skip("the C int4 matmul needs AVX-512 BF16 or AVX2, and a C compiler")
+    # the form without VNNI is the one with tiles up to a bound (larger batches unpacked)
+    assert request.param != "no-vnni" or int4_matmul.tile_rows() is not None
     yield request.param
     int4_matmul.load_library.cache_clear()
     bf16_matmul.load_library.cache_clear()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from shard.config import c_compiler
+from shard.config import c_compiler, kernel_enabled
 from shard.kernels import bf16_matmul, int8_matmul
 from shard.layers import ggml_quants
 
@@ -23,9 +23,12 @@ def int8_build(request):
     if int8_matmul.load_library() is None:
         int8_matmul.load_library.cache_clear()
         bf16_matmul.load_library.cache_clear()
-        # a CPU that runs this form has it built unless no compiler exists
-        assert request.param != "no-vnni" or shutil.which(c_compiler()) is None
+        # a CPU that runs this form has it built, unless no compiler exists or it is off
+        assert request.param != "no-vnni" or shutil.which(c_compiler()) is None \
+            or not kernel_enabled(int8_matmul.ENABLED_ENV)
         pytest.skip("the C int8 matmul needs AVX-512 BF16 or AVX2, and a C compiler")
+    # the form without VNNI is the one with tiles up to a bound (larger batches unpacked)
+    assert request.param != "no-vnni" or int8_matmul.tile_rows() is not None
     yield request.param
     int8_matmul.load_library.cache_clear()
     bf16_matmul.load_library.cache_clear()
