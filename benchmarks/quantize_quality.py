@@ -7,12 +7,13 @@ through our kernels), beside the float32 dequantization of the same file, which 
 start from. `--reference float32` compares every kind with that model in float32 (what
 transformers computes) rather than in `--dtype`; the kind "dense" is that model unquantized in
 `--dtype`, which against a float32 reference shows what rounding the activations to bf16 alone
-costs. `--llama-cpp` adds llama.cpp's greedy text on the same GGUF
+costs, and the kind "transformers" is transformers' own model of it in `--dtype` (greedy by its
+`generate`). `--llama-cpp` adds llama.cpp's greedy text on the same GGUF
 (`../shared/peers/llama-cpp.sh`, given the same token ids) to the comparison.
 
     python benchmarks/quantize_quality.py                     # SmolLM2-135M-Instruct, bf16
     python benchmarks/quantize_quality.py --model gemma3-270m --kinds gguf
-    python benchmarks/quantize_quality.py --model gemma3-270m --kinds dense,gguf \
+    python benchmarks/quantize_quality.py --model gemma3-270m --kinds dense,transformers,gguf \
         --reference float32 --llama-cpp --prompts 16
     python benchmarks/quantize_quality.py --model-dir DIR --dtype float32 --new-tokens 16
 """
@@ -109,6 +110,20 @@ def agreement(answers: list[list[int]], reference: list[list[int]], new_tokens: 
             "identical_prompts": [i for i, s in enumerate(same) if s]}
 
 
+def transformers_row(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]],
+                     text_ids: list[int], new_tokens: int) -> tuple[dict, list[list[int]]]:
+    """transformers' model of `model_dir` in `dtype`: its perplexity row, and its greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    logits = model(torch.tensor([text_ids])).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(text_ids[1:]))
+    answers = [model.generate(torch.tensor([ids]), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False)[0, len(ids):].tolist()
+               for ids in prompts]
+    return {"perplexity": math.exp(nll.item()), "text_tokens": len(text_ids)}, answers
+
+
 def llama_cpp_greedy(gguf: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """llama-server's greedy tokens for each prompt, given as token ids (no BOS added)."""
     from benchmarks.gguf_peer_bench import PEERS, stop
@@ -174,7 +189,7 @@ def main() -> None:
     rows = {}
     reference = None
     with torch.inference_mode():
-        for kind in [None, *kinds]:
+        for kind in [None, *[k for k in kinds if k != "transformers"]]:
             if kind == "gguf":
                 runner, tokenizer, positions = runner_for(native_dir, dtype, None)
             elif kind == "dense":
@@ -193,6 +208,10 @@ def main() -> None:
                 row.update(agreement(answers, reference, args.new_tokens))
             rows[kind or reference_name] = row
             del runner
+        if "transformers" in kinds:
+            row, answers = transformers_row(args.model_dir, dtype, prompts, text_ids,
+                                            args.new_tokens)
+            rows["transformers"] = {**row, **agreement(answers, reference, args.new_tokens)}
     if gguf is not None:  # the reference's prompts, as its tokenizer (every kind's) reads them
         reference_prompts = [tokenizer.encode(p).ids for p in PROMPTS[:args.prompts]]
         rows["llama.cpp"] = agreement(llama_cpp_greedy(gguf, reference_prompts, args.new_tokens),
@@ -207,7 +226,7 @@ def main() -> None:
                           f"{','.join(map(str, row['identical_prompts'])) or 'none'}")
         perplexity_text = (f"perplexity {row['perplexity']:7.3f}" if "perplexity" in row
                            else " " * 18)
-        print(f"  {name:<9} {perplexity_text}{agreement_text}")
+        print(f"  {name:<12} {perplexity_text}{agreement_text}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 
