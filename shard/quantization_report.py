@@ -28,8 +28,8 @@ def served_types(model: nn.Module) -> dict[str, dict[str, int]]:
             how = _KERNELS.get(prepared.form, prepared.form)
             served.setdefault(kind, {}).setdefault(how, 0)
             served[kind][how] += ranks.get(id(module), 1)
-        if isinstance(module, VocabParallelEmbedding) and module.blocks is not None:
-            for kind in module.blocks.kinds:
+        if isinstance(module, VocabParallelEmbedding):
+            for kind in module.kinds:
                 served.setdefault(kind, {}).setdefault("embedding lookup", 0)
                 served[kind]["embedding lookup"] += 1
     return served

@@ -210,3 +210,51 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     group (to 1/127), and a row's result does not depend on the batch. A k or n other than the packed
     weight's is a ValueError."""
     return bf16_matmul.run_on_rows(load_library().int8_matmul, x, packed, n, bias)
+
+
+# bytes of a group's factors for a block's 16 features, and of a superblock's head, by mode
+_FACTOR_BYTES = {MODE_F: 128, MODE_H: 32, MODE_HL: 64, MODE_K6: 16, MODE_K5: 32}
+_HEAD_BYTES = {MODE_K6: 64, MODE_K5: 128}
+_HEADER_BYTES = 64
+_BLOCK = 16
+
+
+def rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the float32 weight a packed form stands for, [len(ids), k]: `restore`'s.
+
+    So that a tied GGUF's embedding looks its rows up in the head's packed form, not a second
+    copy of the matrix. Each id gathers its block of 16 features (16 times the row's bytes)."""
+    group, k, n, mode = (int(v) for v in packed[:40].view(torch.int64)[1:5])
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise IndexError(f"rows of a {n}-row weight asked for {ids.min()}..{ids.max()}")
+    per_unit = SUPER // group if mode in _HEAD_BYTES else 1
+    group_bytes = _BLOCK * group + _FACTOR_BYTES[mode]
+    head = _HEAD_BYTES.get(mode, 0)
+    units = k // group // per_unit
+    blocks = packed[_HEADER_BYTES:].view(-1, units, head + per_unit * group_bytes)
+    lane, m = ids.long() % _BLOCK, ids.numel()
+    picked = blocks[ids.long() // _BLOCK]  # [m, units, unit bytes]
+    body = picked[..., head:].reshape(m, units * per_unit, group_bytes)
+    # q: [i][f][e] per group; the row's own feature f, inputs 2i + e in order
+    q = body[..., :_BLOCK * group].reshape(m, k // group, group // 2, _BLOCK, 2)
+    q = q[torch.arange(m), :, :, lane].reshape(m, k).view(torch.int8)
+    factors = body[..., _BLOCK * group:].contiguous()
+
+    def factor(dtype: torch.dtype, kinds: int, kind: int) -> torch.Tensor:
+        values = factors.view(dtype).reshape(m, units * per_unit, kinds, _BLOCK)
+        return values[torch.arange(m), :, kind, lane]
+
+    def superblock(kind: int) -> torch.Tensor:
+        values = picked[..., :head].contiguous().view(torch.float32).reshape(m, units, head // 64, _BLOCK)
+        return values[torch.arange(m), :, kind, lane]
+
+    if mode == MODE_F:
+        return restore(q, factor(torch.float32, 2, 0), factor(torch.float32, 2, 1), group)
+    if mode == MODE_H:
+        return restore_half(q, factor(torch.float16, 1, 0), group)
+    if mode == MODE_HL:
+        return restore_half(q, factor(torch.float16, 2, 0), group, factor(torch.float16, 2, 1))
+    if mode == MODE_K6:
+        return restore_k6(q, superblock(0), factor(torch.int8, 1, 0))
+    return restore_k5(q, superblock(0), factor(torch.uint8, 2, 0), superblock(1),
+                      factor(torch.uint8, 2, 1))

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard.distributed import ParallelContext, all_gather_last_dim, all_reduce
+from shard.kernels import int8_matmul
 from shard.layers.ggml_quants import BlockRows, BlockStack
+from shard.layers.ggml_types import BLOCK_TYPES
 from shard.layers.linear import LinearWeight, linear
 from shard.weights import Weights
 
@@ -39,6 +41,10 @@ class VocabParallelEmbedding(nn.Module):
         self.blocks = weight if isinstance(weight, BlockStack) else None
         self.weight = (None if self.blocks is not None
                        else nn.Parameter(weight, requires_grad=False))
+        self.kinds = self.blocks.kinds if self.blocks is not None else ()  # the GGUF types
+        self.num_rows = weight.rows if self.blocks is not None else weight.shape[0]
+        # a tied head's int8 kernel form of the same blocks, which lookups then read instead
+        self.head_form: torch.Tensor | None = None
         self.dtype = dtype
         self.start = start
         self.parallel = parallel
@@ -50,12 +56,29 @@ class VocabParallelEmbedding(nn.Module):
 
     @property
     def rows(self) -> int:
-        return self.blocks.rows if self.blocks is not None else self.weight.shape[0]
+        return self.num_rows
+
+    def read_from_head(self, head: LinearWeight) -> bool:
+        """Lookups from a tied head's int8 kernel form, the blocks let go; whether it was one.
+
+        The same weights (the form restores the blocks exactly, as GGUF dequantizes them), held
+        once: Gemma 3 270M's Q8_0 matrix is 178 MB, most of the file."""
+        form = head.quantized
+        # a GGUF's types only: a quantized checkpoint's groups may hold their inputs permuted
+        if self.blocks is None or form is None or form.kernel != "c8" \
+                or form.out_features != self.num_rows \
+                or not all(kind in BLOCK_TYPES for kind in self.kinds):
+            return False
+        self.head_form, self.blocks = form.data, None
+        return True
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.blocks is None:
+        if self.head_form is not None:
+            rows = int8_matmul.rows(self.head_form, ids.reshape(-1)).to(self.dtype)
+        elif self.blocks is None:
             return F.embedding(ids, self.weight)
-        rows = self.blocks.take(ids.reshape(-1)).dequantize(self.dtype)
+        else:
+            rows = self.blocks.take(ids.reshape(-1)).dequantize(self.dtype)
         return rows.reshape(*ids.shape, rows.shape[-1])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -94,9 +117,12 @@ class ParallelLMHead(nn.Module):
         """A head that shares the embedding's matrix.
 
         Quantized, the head holds its own quantized copy and the embedding lookup keeps the
-        full-precision rows."""
+        full-precision rows, unless they are a GGUF's blocks that the head's int8 kernel form
+        holds exactly: lookups then read that form."""
         if weights.quantizing:
-            return cls.load(weights, name, vocab_size)
+            head = cls.load(weights, name, vocab_size)
+            embedding.read_from_head(head.prepared)
+            return head
         return cls(embedding.weight, vocab_size, embedding.parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

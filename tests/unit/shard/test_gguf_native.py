@@ -110,3 +110,22 @@ def test_a_loaded_model_holds_no_page_of_its_file(converted):
         file = str((model_dir / "model.safetensors").resolve())
         assert file not in Path("/proc/self/maps").read_text(), model_dir.name
         del loaded
+
+
+def test_a_tied_heads_int8_form_serves_the_lookups_and_the_blocks_go(tmp_path):
+    """A tied Q8_0 matrix is held once: the head's int8 kernel form, whose rows the embedding
+    reads (the values GGUF dequantizes, exactly); where no kernel runs, the blocks serve both."""
+    from shard.layers.linear import c_int8_runs
+
+    tiny = write_tiny_gguf(tmp_path / "tied.gguf", with_output=False)
+    native = convert_gguf(tiny.path, tmp_path / "native", dtype="gguf")
+    expected = torch.from_numpy(tiny.expected["model.embed_tokens.weight"])
+    for dtype in (torch.bfloat16, torch.float32):
+        loaded = load_model(native, dtype=dtype, device=torch.device("cpu"),
+                            parallel=ParallelContext())
+        embedding = loaded.model.embed_tokens
+        shared = dtype == torch.bfloat16 and c_int8_runs()
+        assert (embedding.blocks is None) == shared and (embedding.head_form is not None) == shared
+        ids = torch.tensor([[3, 0, expected.shape[0] - 1], [7, 7, 1]])
+        assert torch.equal(embedding(ids), expected[ids].to(dtype))
+        assert "embedding lookup" in served_types(loaded.model)["Q8_0"]

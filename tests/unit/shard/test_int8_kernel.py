@@ -400,3 +400,22 @@ def test_compact_factors_of_gguf_blocks_restore_gguf_dequantization(kind, int8_b
         x = torch.eye(k, dtype=torch.bfloat16)[:tiles + 1]
         assert torch.equal(int8_matmul.matmul(x, packed, n, None),
                            expected.bfloat16().T[:tiles + 1])
+
+
+@pytest.mark.parametrize("mode", ["F16", "F32", *COMPACT])
+def test_rows_of_the_packed_form_are_the_restored_weights_rows(mode, int8_build):
+    """A tied GGUF's embedding rows, read from the head's packed form: `restore`'s, exactly, for
+    any ids (repeated, unordered, in the last partial block)."""
+    n, k = 40, 512
+    if mode.startswith("F"):
+        group = int(mode[1:])
+        q, scale, low = groups(n, k, group, seed=5)
+        packed, restored = int8_matmul.pack(q, scale, low, group), \
+            int8_matmul.restore(q, scale, low, group)
+    else:
+        packed, *_, restored = compact(mode, n, k, seed=6)
+    ids = torch.tensor([39, 0, 17, 17, 32, 5, 38])
+    assert torch.equal(int8_matmul.rows(packed, ids), restored[ids])
+    assert int8_matmul.rows(packed, torch.tensor([], dtype=torch.long)).shape == (0, k)
+    with pytest.raises(IndexError):
+        int8_matmul.rows(packed, torch.tensor([40]))
