@@ -113,13 +113,15 @@ def agreement(answers: list[list[int]], reference: list[list[int]], new_tokens: 
 def transformers_row(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]],
                      text_ids: list[int], new_tokens: int) -> tuple[dict, list[list[int]]]:
     """transformers' model of `model_dir` in `dtype`: its perplexity row, and its greedy tokens."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    # greedy and nothing else (a checkpoint's generation_config may ask for penalties), EOS
+    # ignored as `greedy` ignores it
+    plain = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     logits = model(torch.tensor([text_ids])).logits[0, :-1].float()
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(text_ids[1:]))
-    answers = [model.generate(torch.tensor([ids]), max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False)[0, len(ids):].tolist()
+    answers = [model.generate(torch.tensor([ids]), generation_config=plain)[0, len(ids):].tolist()
                for ids in prompts]
     return {"perplexity": math.exp(nll.item()), "text_tokens": len(text_ids)}, answers
 

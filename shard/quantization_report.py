@@ -14,7 +14,7 @@ _KERNELS = {"int4": "int4 kernel", "int8": "int8 kernel", "blocks": "dequantized
 def served_types(model: nn.Module) -> dict[str, dict[str, int]]:
     """Each GGUF type (or quantized checkpoint's kind) the model holds -> {how: how many layers}.
 
-    Linear layers by their form (LinearWeight.form); an embedding held as blocks as "lookup".
+    Linear layers by their form (LinearWeight.form); a GGUF embedding as "embedding lookup".
     A checkpoint's kind is its parts' (shard/layers/checkpoint_formats.py), e.g. GPTQ-4bit-g128.
     A rank holds 1/world_size of each MoE block's experts, stored alike (one GGUF stack, one
     checkpoint's scheme): its experts' layers count for every rank's, the model's whole."""

@@ -217,6 +217,9 @@ _FACTOR_BYTES = {MODE_F: 128, MODE_H: 32, MODE_HL: 64, MODE_K6: 16, MODE_K5: 32}
 _HEAD_BYTES = {MODE_K6: 64, MODE_K5: 128}
 _HEADER_BYTES = 64
 _BLOCK = 16
+# ids `rows` takes at a time: each gathers its block of 16 features, so temporaries stay near
+# 256 x 16 rows' bytes (about 10 MB for a 2,048-wide Q6_K matrix) however long the prompt
+_ROWS_AT_ONCE = 256
 
 
 def rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -227,6 +230,8 @@ def rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     group, k, n, mode = (int(v) for v in packed[:40].view(torch.int64)[1:5])
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
         raise IndexError(f"rows of a {n}-row weight asked for {ids.min()}..{ids.max()}")
+    if ids.numel() > _ROWS_AT_ONCE:
+        return torch.cat([rows(packed, part) for part in ids.split(_ROWS_AT_ONCE)])
     per_unit = SUPER // group if mode in _HEAD_BYTES else 1
     group_bytes = _BLOCK * group + _FACTOR_BYTES[mode]
     head = _HEAD_BYTES.get(mode, 0)
@@ -245,7 +250,8 @@ def rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return values[torch.arange(m), :, kind, lane]
 
     def superblock(kind: int) -> torch.Tensor:
-        values = picked[..., :head].contiguous().view(torch.float32).reshape(m, units, head // 64, _BLOCK)
+        values = picked[..., :head].contiguous().view(torch.float32)
+        values = values.reshape(m, units, head // 64, _BLOCK)
         return values[torch.arange(m), :, kind, lane]
 
     if mode == MODE_F:

@@ -416,6 +416,8 @@ def test_rows_of_the_packed_form_are_the_restored_weights_rows(mode, int8_build)
         packed, *_, restored = compact(mode, n, k, seed=6)
     ids = torch.tensor([39, 0, 17, 17, 32, 5, 38])
     assert torch.equal(int8_matmul.rows(packed, ids), restored[ids])
+    many = torch.randint(0, n, (600,), generator=torch.Generator().manual_seed(7))  # in parts
+    assert torch.equal(int8_matmul.rows(packed, many), restored[many])
     assert int8_matmul.rows(packed, torch.tensor([], dtype=torch.long)).shape == (0, k)
     with pytest.raises(IndexError):
         int8_matmul.rows(packed, torch.tensor([40]))
