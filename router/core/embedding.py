@@ -4,8 +4,10 @@ Each call goes to the shards between the batching loop's steps (the shard's engi
 calls in turn), so a call's size bounds how long it holds the running streams back. While a batch
 decodes, a call is sized as a prefill chunk beside one stream is
 (router/scheduler/chunk_sizing.py): about half a decode step's worth of tokens, from what the last
-calls' forwards cost per token, a decoder's longer input going in chunks over several calls; with nothing decoding, a call takes the whole budget. (An
-encoder's input is computed whole; an encoder has no stream to hold back.)
+calls' forwards cost per token, a decoder's longer input going in chunks over several calls; with
+nothing decoding, a call takes the whole budget. (An encoder's input is computed whole; an encoder
+has no stream to hold back.) A call's fixed cost comes on top of its share: where it is more than
+a step (a small decoder on a quiet CPU), the streams beside it slow by that much per call.
 
 While the shard group restarts, inputs wait for it as queued generation requests do, on the
 batching loop's recovery (router/scheduler/recovery.py) and its bound: an input whose call was lost

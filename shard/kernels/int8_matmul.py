@@ -237,22 +237,23 @@ def rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     head = _HEAD_BYTES.get(mode, 0)
     units = k // group // per_unit
     blocks = packed[_HEADER_BYTES:].view(-1, units, head + per_unit * group_bytes)
-    lane, m = ids.long() % _BLOCK, ids.numel()
-    picked = blocks[ids.long() // _BLOCK]  # [m, units, unit bytes]
+    ids, m = ids.long(), ids.numel()
+    at, lane = torch.arange(m), ids % _BLOCK  # each id's own feature of its block
+    picked = blocks[ids // _BLOCK]  # [m, units, unit bytes]
     body = picked[..., head:].reshape(m, units * per_unit, group_bytes)
     # q: [i][f][e] per group; the row's own feature f, inputs 2i + e in order
     q = body[..., :_BLOCK * group].reshape(m, k // group, group // 2, _BLOCK, 2)
-    q = q[torch.arange(m), :, :, lane].reshape(m, k).view(torch.int8)
+    q = q[at, :, :, lane].reshape(m, k).view(torch.int8)
     factors = body[..., _BLOCK * group:].contiguous()
 
     def factor(dtype: torch.dtype, kinds: int, kind: int) -> torch.Tensor:
         values = factors.view(dtype).reshape(m, units * per_unit, kinds, _BLOCK)
-        return values[torch.arange(m), :, kind, lane]
+        return values[at, :, kind, lane]
 
     def superblock(kind: int) -> torch.Tensor:
         values = picked[..., :head].contiguous().view(torch.float32)
         values = values.reshape(m, units, head // 64, _BLOCK)
-        return values[torch.arange(m), :, kind, lane]
+        return values[at, :, kind, lane]
 
     if mode == MODE_F:
         return restore(q, factor(torch.float32, 2, 0), factor(torch.float32, 2, 1), group)

@@ -42,7 +42,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = (None if self.blocks is not None
                        else nn.Parameter(weight, requires_grad=False))
         self.kinds = self.blocks.kinds if self.blocks is not None else ()  # the GGUF types
-        self.num_rows = weight.rows if self.blocks is not None else weight.shape[0]
+        self.rows = weight.rows if self.blocks is not None else weight.shape[0]
         # a tied head's int8 kernel form of the same blocks, which lookups then read instead
         self.head_form: torch.Tensor | None = None
         self.dtype = dtype
@@ -54,10 +54,6 @@ class VocabParallelEmbedding(nn.Module):
         weight, start = _vocab_slice(weights, name, as_stored=name in weights.blocks)
         return cls(weight, start, weights.parallel, weights.dtype)
 
-    @property
-    def rows(self) -> int:
-        return self.num_rows
-
     def read_from_head(self, head: LinearWeight) -> bool:
         """Lookups from a tied head's int8 kernel form, the blocks let go; whether it was one.
 
@@ -66,7 +62,7 @@ class VocabParallelEmbedding(nn.Module):
         form = head.quantized
         # a GGUF's types only: a quantized checkpoint's groups may hold their inputs permuted
         if self.blocks is None or form is None or form.kernel != "c8" \
-                or form.out_features != self.num_rows \
+                or form.out_features != self.rows \
                 or not all(kind in BLOCK_TYPES for kind in self.kinds):
             return False
         self.head_form, self.blocks = form.data, None
